@@ -1,0 +1,287 @@
+//! The run folder: a checkpoint is a folder of ordinary files.
+//!
+//! ```text
+//! checkpoints/<name>/
+//!   config.toml            the resolved experiment
+//!   tokenizer.json         Hugging Face format
+//!   model.safetensors      weights (names in the README)
+//!   optimizer.safetensors  AdamW moments, for resume
+//!   state.json             step, losses, RNG positions, and each file's size + sha256
+//!   metrics.jsonl          one JSON object per logged step / eval
+//!   tokens.bin, tokens.json  the token cache
+//! ```
+//!
+//! Every file is written to a temp file in the same folder, fsynced and renamed over the
+//! old one; `state.json` goes last and records the size and SHA-256 of the others, which
+//! loading verifies.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::config::Config;
+use crate::data::sha256_hex;
+use crate::error::user_error;
+use crate::tokenizer::Tokenizer;
+use crate::user_bail;
+
+pub const CONFIG_FILE: &str = "config.toml";
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+pub const MODEL_FILE: &str = "model.safetensors";
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+pub const STATE_FILE: &str = "state.json";
+pub const METRICS_FILE: &str = "metrics.jsonl";
+
+/// Format version of state.json.
+pub const STATE_VERSION: u32 = 1;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct FileDigest {
+    pub size: u64,
+    pub sha256: String,
+}
+
+/// Where training stands; everything beyond the weights that resume needs.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct TrainState {
+    pub version: u32,
+    /// Optimiser steps completed.
+    pub step: usize,
+    pub tokens_seen: u64,
+    pub elapsed_s: f64,
+    pub last_train_loss: Option<f64>,
+    pub last_val_loss: Option<f64>,
+    pub best_val_loss: Option<f64>,
+    /// Positions of the batch sampler's and dropout's RNG streams (u128 as decimal
+    /// strings: JSON numbers cannot hold them).
+    pub sampler_position: String,
+    pub dropout_position: String,
+    /// Size and SHA-256 of every other file of the checkpoint.
+    pub files: BTreeMap<String, FileDigest>,
+}
+
+/// Writes `bytes` to `path` atomically: temp file in the same folder, fsync, rename,
+/// fsync of the folder. A crash leaves either the old file or the new one.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path.file_name().context("a file path")?.to_string_lossy();
+    let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
+    let write = || -> std::io::Result<()> {
+        let mut f = fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        fs::rename(&tmp, path)?;
+        // The rename itself must reach the disk.
+        fs::File::open(dir)?.sync_all()
+    };
+    write().with_context(|| format!("writing {}", path.display()))
+}
+
+/// One run's folder.
+pub struct RunDir {
+    path: PathBuf,
+}
+
+impl RunDir {
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self { path: path.into() }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn file(&self, name: &str) -> PathBuf {
+        self.path.join(name)
+    }
+
+    /// True if the folder holds a completed checkpoint (its state.json).
+    pub fn has_checkpoint(&self) -> bool {
+        self.file(STATE_FILE).is_file()
+    }
+
+    /// Writes a whole checkpoint; `state.files` is filled in here.
+    pub fn save(
+        &self,
+        config: &Config,
+        tokenizer: &Tokenizer,
+        weights: &HashMap<String, Tensor>,
+        optimizer: &HashMap<String, Tensor>,
+        state: &TrainState,
+    ) -> Result<()> {
+        fs::create_dir_all(&self.path)
+            .with_context(|| format!("creating run folder {}", self.path.display()))?;
+        let files: [(&str, Vec<u8>); 4] = [
+            (CONFIG_FILE, config.to_toml_string().into_bytes()),
+            (TOKENIZER_FILE, tokenizer.to_json()?.into_bytes()),
+            (MODEL_FILE, serialize_tensors(weights)?),
+            (OPTIMIZER_FILE, serialize_tensors(optimizer)?),
+        ];
+        let mut state = state.clone();
+        state.version = STATE_VERSION;
+        state.files.clear();
+        for (name, bytes) in &files {
+            write_atomic(&self.file(name), bytes)?;
+            state.files.insert(
+                name.to_string(),
+                FileDigest {
+                    size: bytes.len() as u64,
+                    sha256: sha256_hex(bytes),
+                },
+            );
+        }
+        write_atomic(
+            &self.file(STATE_FILE),
+            serde_json::to_string_pretty(&state)?.as_bytes(),
+        )
+    }
+
+    /// Reads state.json.
+    pub fn state(&self) -> Result<TrainState> {
+        let path = self.file(STATE_FILE);
+        if !self.path.is_dir() {
+            user_bail!(
+                "checkpoint folder {} does not exist; train one first or check the path",
+                self.path.display()
+            );
+        }
+        let bytes = fs::read(&path).map_err(|e| {
+            user_error(format!(
+                "{}: {e}; this folder has no complete checkpoint",
+                path.display()
+            ))
+        })?;
+        let state: TrainState = serde_json::from_slice(&bytes).map_err(|e| {
+            user_error(format!(
+                "{} is corrupt ({e}); restore it or retrain",
+                path.display()
+            ))
+        })?;
+        if state.version != STATE_VERSION {
+            user_bail!(
+                "{} has format version {}, this tinygpt reads version {STATE_VERSION}",
+                path.display(),
+                state.version
+            );
+        }
+        Ok(state)
+    }
+
+    /// Reads one checkpoint file and checks it against the size and hash in `state`.
+    pub fn read_verified(&self, state: &TrainState, name: &str) -> Result<Vec<u8>> {
+        let path = self.file(name);
+        let bytes = fs::read(&path).map_err(|e| {
+            user_error(format!(
+                "{}: {e}; the checkpoint is incomplete",
+                path.display()
+            ))
+        })?;
+        if let Some(digest) = state.files.get(name) {
+            if digest.size != bytes.len() as u64 || digest.sha256 != sha256_hex(&bytes) {
+                user_bail!(
+                    "{} does not match the size/sha256 recorded in state.json: the file is truncated or was changed; restore it or retrain",
+                    path.display()
+                );
+            }
+        }
+        Ok(bytes)
+    }
+
+    pub fn load_config(&self, state: &TrainState) -> Result<Config> {
+        let bytes = self.read_verified(state, CONFIG_FILE)?;
+        let text = String::from_utf8(bytes).map_err(|_| {
+            user_error(format!("{} is not UTF-8", self.file(CONFIG_FILE).display()))
+        })?;
+        let config = Config::from_toml_str(&text, &[])
+            .map_err(|e| user_error(format!("{}: {e:#}", self.file(CONFIG_FILE).display())))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn load_tokenizer(&self, state: &TrainState) -> Result<Tokenizer> {
+        let bytes = self.read_verified(state, TOKENIZER_FILE)?;
+        Tokenizer::from_json(&bytes).map_err(|e| {
+            user_error(format!(
+                "{} is not a valid tokenizer.json ({e:#})",
+                self.file(TOKENIZER_FILE).display()
+            ))
+        })
+    }
+
+    /// Loads a safetensors file of the checkpoint onto `device`.
+    pub fn load_tensors(
+        &self,
+        state: &TrainState,
+        name: &str,
+        device: &Device,
+    ) -> Result<HashMap<String, Tensor>> {
+        let bytes = self.read_verified(state, name)?;
+        candle_core::safetensors::load_buffer(&bytes, device).map_err(|e| {
+            user_error(format!(
+                "{} is not a valid safetensors file ({e}); restore it or retrain",
+                self.file(name).display()
+            ))
+        })
+    }
+
+    /// Appends one JSON object to metrics.jsonl.
+    pub fn append_metrics(&self, record: &serde_json::Value) -> Result<()> {
+        let path = self.file(METRICS_FILE);
+        let mut f = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        writeln!(f, "{record}").with_context(|| format!("writing {}", path.display()))
+    }
+
+    /// Drops metrics logged after `step` (they belong to work lost since the checkpoint).
+    pub fn truncate_metrics(&self, step: usize) -> Result<()> {
+        let path = self.file(METRICS_FILE);
+        let Ok(text) = fs::read_to_string(&path) else {
+            return Ok(());
+        };
+        let kept: String = text
+            .lines()
+            .filter(|line| {
+                serde_json::from_str::<serde_json::Value>(line)
+                    .ok()
+                    .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                    .is_some_and(|s| s as usize <= step)
+            })
+            .map(|l| format!("{l}\n"))
+            .collect();
+        write_atomic(&path, kept.as_bytes())
+    }
+}
+
+fn serialize_tensors(tensors: &HashMap<String, Tensor>) -> Result<Vec<u8>> {
+    // Sorted names: the same weights always give the same bytes (and hash).
+    let sorted: BTreeMap<&String, &Tensor> = tensors.iter().collect();
+    safetensors::serialize(sorted.into_iter().map(|(k, v)| (k.as_str(), v)), None)
+        .map_err(|e| anyhow::anyhow!("serialising safetensors: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn atomic_write_replaces_whole_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x.bin");
+        write_atomic(&p, b"first").unwrap();
+        write_atomic(&p, b"second").unwrap();
+        assert_eq!(fs::read(&p).unwrap(), b"second");
+        let leftovers: Vec<_> = fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(leftovers.len(), 1, "no temp files left behind");
+    }
+}

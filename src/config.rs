@@ -1,0 +1,566 @@
+//! The experiment: one TOML file, `--set section.key=value` overrides, one validated
+//! [`Config`].
+//!
+//! Every field has a default, so a config file names only what differs. Unknown keys
+//! are rejected by name (serde's `deny_unknown_fields`), overrides must fit the field's
+//! type, and [`Config::validate`] checks the rules that tie fields together. The resolved
+//! config (with the tokenizer's real vocabulary size filled in) is saved as
+//! `config.toml` in every checkpoint folder.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::error::user_error;
+use crate::user_bail;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub run: RunConfig,
+    pub data: DataConfig,
+    pub tokenizer: TokenizerConfig,
+    pub model: ModelConfig,
+    pub train: TrainConfig,
+}
+
+/// Where the run lives and what drives it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunConfig {
+    /// Run folder name under `out_dir`; empty means the config file's stem.
+    pub name: String,
+    pub out_dir: PathBuf,
+    /// Seeds initialisation, batch sampling and dropout.
+    pub seed: u64,
+    /// `cpu`, `cuda`, `cuda:N`, `metal` or `auto`.
+    pub device: String,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            name: String::new(),
+            out_dir: PathBuf::from("checkpoints"),
+            seed: 1337,
+            device: "cpu".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// A text file, or a folder whose `.txt` files are read in name order.
+    pub corpus: PathBuf,
+    /// The last `val_fraction` of the tokens are held out for validation.
+    pub val_fraction: f64,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self {
+            corpus: PathBuf::from("data/shakespeare.txt"),
+            val_fraction: 0.1,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenizerKind {
+    /// Byte-level BPE, as GPT-2: every byte is a token, merges learned on the corpus.
+    Bpe,
+    /// One token per character seen in the corpus.
+    Char,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TokenizerConfig {
+    pub kind: TokenizerKind,
+    /// Target vocabulary for BPE (256 byte tokens + merges + special tokens).
+    pub vocab_size: usize,
+    /// Use this tokenizer.json instead of training one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+}
+
+impl Default for TokenizerConfig {
+    fn default() -> Self {
+        Self {
+            kind: TokenizerKind::Bpe,
+            vocab_size: 2048,
+            path: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PositionKind {
+    /// A trained embedding per position, added to the token embedding (GPT-2).
+    Learned,
+    /// Rotary embeddings applied to queries and keys in every layer (Llama).
+    Rope,
+    /// The original transformer's fixed sines and cosines, added to the embedding.
+    Sinusoidal,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    pub n_layer: usize,
+    pub n_head: usize,
+    /// Key/value heads; fewer than `n_head` gives grouped-query attention, 1 multi-query.
+    /// Absent means `n_head` (plain multi-head attention).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub n_kv_head: Option<usize>,
+    pub n_embd: usize,
+    /// Context length: the most tokens the model sees at once.
+    pub block_size: usize,
+    pub positions: PositionKind,
+    pub rope_theta: f64,
+    pub dropout: f64,
+    /// Biases on linear layers and LayerNorms.
+    pub bias: bool,
+    /// Filled in from the tokenizer; 0 in a config file means "whatever it has".
+    pub vocab_size: usize,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            n_layer: 4,
+            n_head: 4,
+            n_kv_head: None,
+            n_embd: 128,
+            block_size: 64,
+            positions: PositionKind::Learned,
+            rope_theta: 10000.0,
+            dropout: 0.0,
+            bias: false,
+            vocab_size: 0,
+        }
+    }
+}
+
+impl ModelConfig {
+    pub fn kv_heads(&self) -> usize {
+        self.n_kv_head.unwrap_or(self.n_head)
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.n_embd / self.n_head
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Sequences per micro-batch.
+    pub batch_size: usize,
+    /// Micro-batches whose gradients are summed before each optimiser step.
+    pub grad_accum: usize,
+    /// Optimiser steps.
+    pub max_iters: usize,
+    /// Peak learning rate, reached after `warmup_iters`.
+    pub lr: f64,
+    /// Floor of the cosine decay.
+    pub min_lr: f64,
+    pub warmup_iters: usize,
+    /// Steps over which the rate decays to `min_lr`; absent means `max_iters`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lr_decay_iters: Option<usize>,
+    /// Decoupled (AdamW) weight decay, on matrices only.
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Global gradient-norm clip; 0 disables it.
+    pub grad_clip: f64,
+    /// Evaluate train and val loss every this many steps (and at the end).
+    pub eval_interval: usize,
+    /// Batches per evaluation.
+    pub eval_iters: usize,
+    /// Write metrics.jsonl every this many steps.
+    pub log_interval: usize,
+    /// Write a checkpoint every this many steps (and at the end).
+    pub checkpoint_interval: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            batch_size: 12,
+            grad_accum: 1,
+            max_iters: 2000,
+            lr: 1e-3,
+            min_lr: 1e-4,
+            warmup_iters: 100,
+            lr_decay_iters: None,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            grad_clip: 1.0,
+            eval_interval: 250,
+            eval_iters: 20,
+            log_interval: 10,
+            checkpoint_interval: 500,
+        }
+    }
+}
+
+impl TrainConfig {
+    pub fn lr_decay_iters(&self) -> usize {
+        self.lr_decay_iters.unwrap_or(self.max_iters)
+    }
+
+    pub fn tokens_per_step(&self, block_size: usize) -> usize {
+        self.batch_size * self.grad_accum * block_size
+    }
+}
+
+/// The largest vocabulary: token ids are stored as u32 and the embedding must stay sane.
+pub const MAX_VOCAB: usize = 1 << 20;
+
+impl Config {
+    /// Reads a TOML experiment file and applies `section.key=value` overrides.
+    pub fn load(path: &Path, overrides: &[String]) -> Result<Config> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            user_error(format!(
+                "cannot read config {}: {e}; pass an existing TOML file to --config",
+                path.display()
+            ))
+        })?;
+        let mut config = Self::from_toml_str(&text, overrides)
+            .map_err(|e| user_error(format!("config {}: {e:#}", path.display())))?;
+        if config.run.name.is_empty() {
+            config.run.name = path
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "run".into());
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Parses TOML text and applies overrides; does not validate.
+    pub fn from_toml_str(text: &str, overrides: &[String]) -> Result<Config> {
+        // Parse once as the schema so syntax errors, unknown keys and wrong types are
+        // reported with the line they are on in the user's file.
+        let config: Config = toml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))?;
+        if overrides.is_empty() {
+            return Ok(config);
+        }
+        let mut table: toml::Table = toml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))?;
+        for item in overrides {
+            apply_override(&mut table, item)?;
+            Config::deserialize(table.clone())
+                .map_err(|e| anyhow::anyhow!("--set {item}: {}", e.message()))?;
+        }
+        let config = Config::deserialize(table).map_err(|e| anyhow::anyhow!("{e}"))?;
+        Ok(config)
+    }
+
+    pub fn to_toml_string(&self) -> String {
+        toml::to_string_pretty(self).expect("a Config always serialises")
+    }
+
+    /// The folder this run writes its checkpoints to.
+    pub fn run_dir(&self) -> PathBuf {
+        self.run.out_dir.join(&self.run.name)
+    }
+
+    /// Checks the rules that tie fields together. Each error names the field and the fix.
+    pub fn validate(&self) -> Result<()> {
+        let m = &self.model;
+        let t = &self.train;
+        let positive = [
+            ("model.n_layer", m.n_layer),
+            ("model.n_head", m.n_head),
+            ("model.n_embd", m.n_embd),
+            ("train.batch_size", t.batch_size),
+            ("train.grad_accum", t.grad_accum),
+            ("train.eval_interval", t.eval_interval),
+            ("train.eval_iters", t.eval_iters),
+            ("train.log_interval", t.log_interval),
+            ("train.checkpoint_interval", t.checkpoint_interval),
+        ];
+        for (name, value) in positive {
+            if value == 0 {
+                user_bail!("config: {name} = 0; it must be at least 1");
+            }
+        }
+        if self.run.name.contains(['/', '\\']) || self.run.name == ".." {
+            user_bail!(
+                "config: run.name = {:?} must be a plain folder name (no slashes); set run.out_dir for the parent folder",
+                self.run.name
+            );
+        }
+        if m.block_size < 2 {
+            user_bail!(
+                "config: model.block_size = {} is too small; it must be at least 2",
+                m.block_size
+            );
+        }
+        if m.n_embd % m.n_head != 0 {
+            user_bail!(
+                "config: model.n_embd = {} is not divisible by model.n_head = {}; pick n_embd a multiple of n_head",
+                m.n_embd,
+                m.n_head
+            );
+        }
+        let kv = m.kv_heads();
+        if kv == 0 || m.n_head % kv != 0 {
+            user_bail!(
+                "config: model.n_head = {} is not divisible by model.n_kv_head = {kv}; n_kv_head must divide n_head",
+                m.n_head
+            );
+        }
+        if m.positions == PositionKind::Rope && m.head_dim() % 2 != 0 {
+            user_bail!(
+                "config: RoPE needs an even head size, but n_embd / n_head = {}; change model.n_embd or model.n_head",
+                m.head_dim()
+            );
+        }
+        if m.positions == PositionKind::Sinusoidal && m.n_embd % 2 != 0 {
+            user_bail!(
+                "config: sinusoidal positions need an even model.n_embd (got {})",
+                m.n_embd
+            );
+        }
+        if !(m.rope_theta.is_finite() && m.rope_theta > 1.0) {
+            user_bail!(
+                "config: model.rope_theta = {} must be a number above 1 (10000 is usual)",
+                m.rope_theta
+            );
+        }
+        if !(0.0..1.0).contains(&m.dropout) {
+            user_bail!("config: model.dropout = {} must be in [0, 1)", m.dropout);
+        }
+        if m.vocab_size > MAX_VOCAB {
+            user_bail!(
+                "config: model.vocab_size = {} exceeds the limit of {MAX_VOCAB}",
+                m.vocab_size
+            );
+        }
+        let tk = &self.tokenizer;
+        if tk.kind == TokenizerKind::Bpe
+            && tk.path.is_none()
+            && !(257..=MAX_VOCAB).contains(&tk.vocab_size)
+        {
+            user_bail!(
+                "config: tokenizer.vocab_size = {} is out of range; byte-level BPE needs 257..={MAX_VOCAB} (256 bytes + end-of-text)",
+                tk.vocab_size
+            );
+        }
+        if !(self.data.val_fraction > 0.0 && self.data.val_fraction < 1.0) {
+            user_bail!(
+                "config: data.val_fraction = {} must be strictly between 0 and 1",
+                self.data.val_fraction
+            );
+        }
+        for (name, value) in [("train.lr", t.lr), ("train.min_lr", t.min_lr)] {
+            if !(value.is_finite() && value >= 0.0) {
+                user_bail!("config: {name} = {value} must be a non-negative number");
+            }
+        }
+        if t.min_lr > t.lr {
+            user_bail!(
+                "config: train.min_lr = {} is above train.lr = {}; the schedule decays from lr down to min_lr",
+                t.min_lr,
+                t.lr
+            );
+        }
+        for (name, value) in [("train.beta1", t.beta1), ("train.beta2", t.beta2)] {
+            if !(0.0..1.0).contains(&value) {
+                user_bail!("config: {name} = {value} must be in [0, 1)");
+            }
+        }
+        if !(t.eps.is_finite() && t.eps > 0.0) {
+            user_bail!("config: train.eps = {} must be positive", t.eps);
+        }
+        if !(t.weight_decay.is_finite() && t.weight_decay >= 0.0) {
+            user_bail!(
+                "config: train.weight_decay = {} must be a non-negative number",
+                t.weight_decay
+            );
+        }
+        if !(t.grad_clip.is_finite() && t.grad_clip >= 0.0) {
+            user_bail!(
+                "config: train.grad_clip = {} must be >= 0 (0 disables clipping)",
+                t.grad_clip
+            );
+        }
+        if t.lr_decay_iters() < t.warmup_iters {
+            user_bail!(
+                "config: train.lr_decay_iters = {} is shorter than train.warmup_iters = {}",
+                t.lr_decay_iters(),
+                t.warmup_iters
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Applies one `section.key=value` override to a TOML table. The value is parsed as a
+/// TOML value (`6`, `1e-3`, `true`, `"text"`, `[1, 2]`); anything that is not valid
+/// TOML is taken as a bare string, so `--set tokenizer.kind=char` works unquoted.
+fn apply_override(table: &mut toml::Table, item: &str) -> Result<()> {
+    let (key, raw) = item
+        .split_once('=')
+        .with_context(|| format!("--set {item}: expected section.key=value"))?;
+    let key = key.trim();
+    let raw = raw.trim();
+    let path: Vec<&str> = key.split('.').collect();
+    if path.len() != 2 || path.iter().any(|p| p.is_empty()) {
+        anyhow::bail!("--set {item}: the key must be section.key, e.g. model.n_layer=6");
+    }
+    let value = parse_value(raw);
+    let section = table
+        .entry(path[0].to_string())
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    let toml::Value::Table(section) = section else {
+        anyhow::bail!("--set {item}: {} is not a section", path[0]);
+    };
+    section.insert(path[1].to_string(), value);
+    Ok(())
+}
+
+fn parse_value(raw: &str) -> toml::Value {
+    let doc = format!("v = {raw}");
+    match toml::from_str::<toml::Table>(&doc) {
+        Ok(mut t) => t.remove("v").expect("the key we just wrote"),
+        Err(_) => toml::Value::String(raw.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(text: &str, overrides: &[&str]) -> String {
+        let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        match Config::from_toml_str(text, &o).and_then(|c| c.validate().map(|_| c)) {
+            Ok(_) => panic!("expected an error for {text:?} {overrides:?}"),
+            Err(e) => format!("{e:#}"),
+        }
+    }
+
+    #[test]
+    fn empty_file_gives_defaults() {
+        let c = Config::from_toml_str("", &[]).unwrap();
+        assert_eq!(c, Config::default());
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn overrides_are_typed() {
+        let o = [
+            "model.n_layer=6".to_string(),
+            "train.lr=3e-4".to_string(),
+            "tokenizer.kind=char".to_string(),
+            "model.positions=\"rope\"".to_string(),
+            "model.bias=true".to_string(),
+        ];
+        let c = Config::from_toml_str("[model]\nn_layer = 2\n", &o).unwrap();
+        assert_eq!(c.model.n_layer, 6);
+        assert_eq!(c.train.lr, 3e-4);
+        assert_eq!(c.tokenizer.kind, TokenizerKind::Char);
+        assert_eq!(c.model.positions, PositionKind::Rope);
+        assert!(c.model.bias);
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        assert!(err("[model]\nn_layers = 2\n", &[]).contains("n_layers"));
+        assert!(err("[modle]\n", &[]).contains("modle"));
+        assert!(err("", &["train.lrr=1"]).contains("lrr"));
+        assert!(err("", &["nosection=1"]).contains("section.key"));
+    }
+
+    #[test]
+    fn wrong_types_are_errors() {
+        let e = err("[model]\nn_layer = \"four\"\n", &[]);
+        assert!(e.contains("n_layer") || e.contains("line 2"), "{e}");
+        assert!(err("", &["model.n_layer=four"]).contains("model.n_layer=four"));
+        assert!(err("", &["model.n_layer=-1"]).contains("model.n_layer"));
+    }
+
+    #[test]
+    fn syntax_errors_give_the_line() {
+        let e = err("[model]\nn_layer = = 3\n", &[]);
+        assert!(e.contains("line 2"), "{e}");
+    }
+
+    #[test]
+    fn each_validation_rule_fires() {
+        let cases: &[(&[&str], &str)] = &[
+            (
+                &["model.n_embd=100", "model.n_head=3"],
+                "not divisible by model.n_head",
+            ),
+            (&["model.n_kv_head=3"], "n_kv_head"),
+            (&["model.n_kv_head=0"], "n_kv_head"),
+            (
+                &["model.positions=rope", "model.n_embd=12", "model.n_head=4"],
+                "even head size",
+            ),
+            (
+                &[
+                    "model.positions=sinusoidal",
+                    "model.n_embd=7",
+                    "model.n_head=1",
+                ],
+                "even model.n_embd",
+            ),
+            (&["model.block_size=1"], "block_size"),
+            (&["model.n_layer=0"], "model.n_layer"),
+            (&["model.dropout=1.0"], "model.dropout"),
+            (&["model.vocab_size=99999999"], "vocab_size"),
+            (&["model.rope_theta=0.5"], "rope_theta"),
+            (&["tokenizer.vocab_size=100"], "tokenizer.vocab_size"),
+            (&["data.val_fraction=0"], "val_fraction"),
+            (&["train.min_lr=1", "train.lr=0.1"], "min_lr"),
+            (&["train.beta2=1.0"], "beta2"),
+            (&["train.eps=0"], "train.eps"),
+            (&["train.grad_clip=-1"], "grad_clip"),
+            (&["train.batch_size=0"], "batch_size"),
+            (
+                &["train.lr_decay_iters=5", "train.warmup_iters=10"],
+                "lr_decay_iters",
+            ),
+            (&["run.name=a/b"], "run.name"),
+        ];
+        for (overrides, needle) in cases {
+            let e = err("", overrides);
+            assert!(e.contains(needle), "{overrides:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn resolved_config_round_trips() {
+        let mut c = Config::default();
+        c.model.n_kv_head = Some(2);
+        c.model.vocab_size = 65;
+        let back = Config::from_toml_str(&c.to_toml_string(), &[]).unwrap();
+        assert_eq!(back, c);
+    }
+
+    #[test]
+    fn shipped_configs_are_valid() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+        let mut n = 0;
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                Config::load(&path, &[]).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+                n += 1;
+            }
+        }
+        assert!(n >= 3, "expected at least three shipped configs");
+    }
+}

@@ -1,0 +1,76 @@
+//! `cpu | cuda[:N] | metal | auto` -> a candle device.
+
+use anyhow::Result;
+use candle_core::Device;
+
+use crate::user_bail;
+
+/// Parses a device name. CUDA and Metal need the binary built with the cargo feature of
+/// the same name; `auto` picks CUDA, then Metal, then the CPU.
+pub fn parse_device(name: &str) -> Result<Device> {
+    let name = name.trim().to_ascii_lowercase();
+    match name.as_str() {
+        "cpu" => Ok(Device::Cpu),
+        "auto" => auto(),
+        "metal" => metal(0),
+        "cuda" => cuda(0),
+        other => {
+            if let Some(n) = other.strip_prefix("cuda:") {
+                match n.parse::<usize>() {
+                    Ok(ordinal) => cuda(ordinal),
+                    Err(_) => user_bail!(
+                        "device {other:?}: the CUDA ordinal must be a number, e.g. cuda:0"
+                    ),
+                }
+            } else {
+                user_bail!("unknown device {other:?}; use cpu, cuda, cuda:N, metal or auto")
+            }
+        }
+    }
+}
+
+fn auto() -> Result<Device> {
+    if cfg!(feature = "cuda") && candle_core::utils::cuda_is_available() {
+        return cuda(0);
+    }
+    if cfg!(feature = "metal") && candle_core::utils::metal_is_available() {
+        return metal(0);
+    }
+    Ok(Device::Cpu)
+}
+
+fn cuda(ordinal: usize) -> Result<Device> {
+    if !cfg!(feature = "cuda") {
+        user_bail!("this tinygpt was built without CUDA; rebuild with `cargo build --release --features cuda`, or use --device cpu");
+    }
+    Device::new_cuda(ordinal)
+        .map_err(|e| crate::error::user_error(format!("cannot open CUDA device {ordinal}: {e}")))
+}
+
+fn metal(ordinal: usize) -> Result<Device> {
+    if !cfg!(feature = "metal") {
+        user_bail!("this tinygpt was built without Metal; rebuild with `cargo build --release --features metal`, or use --device cpu");
+    }
+    Device::new_metal(ordinal)
+        .map_err(|e| crate::error::user_error(format!("cannot open Metal device {ordinal}: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert!(parse_device("cpu").unwrap().is_cpu());
+        assert!(parse_device("CPU").unwrap().is_cpu());
+        assert!(parse_device("gpu").is_err());
+        assert!(parse_device("cuda:x").is_err());
+        if !cfg!(feature = "cuda") {
+            let e = parse_device("cuda").unwrap_err();
+            assert!(format!("{e}").contains("--features cuda"));
+        }
+        if !cfg!(any(feature = "cuda", feature = "metal")) {
+            assert!(parse_device("auto").unwrap().is_cpu());
+        }
+    }
+}

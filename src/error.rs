@@ -1,0 +1,65 @@
+//! Errors a user can cause, told apart from bugs.
+//!
+//! Library code returns `anyhow::Result`. A mistake the user can fix (bad config, missing
+//! file, corrupt checkpoint...) is raised as a [`UserError`]: `main` finds it in the error
+//! chain, prints its one line and exits with code 2. Anything else is an internal failure
+//! (exit code 1).
+
+use std::fmt;
+
+/// A mistake the user can fix: the message names the thing and the fix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UserError(pub String);
+
+impl fmt::Display for UserError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UserError {}
+
+/// Builds an `anyhow::Error` carrying a [`UserError`].
+pub fn user_error(msg: impl Into<String>) -> anyhow::Error {
+    anyhow::Error::new(UserError(msg.into()))
+}
+
+/// `bail!` for user mistakes: `user_bail!("config {path}: ...")`.
+#[macro_export]
+macro_rules! user_bail {
+    ($($arg:tt)*) => {
+        return Err($crate::error::user_error(format!($($arg)*)))
+    };
+}
+
+/// Process exit codes, documented in the README.
+pub mod exit_code {
+    pub const INTERNAL: i32 = 1;
+    pub const USER: i32 = 2;
+    pub const DIVERGED: i32 = 3;
+}
+
+/// Finds the [`UserError`] in an error chain, if there is one.
+pub fn find_user_error(err: &anyhow::Error) -> Option<&UserError> {
+    err.chain().find_map(|e| e.downcast_ref::<UserError>())
+}
+
+/// Training produced a NaN or infinite loss or gradient (exit code 3).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DivergedError {
+    pub step: usize,
+    pub lr: f64,
+    pub what: &'static str,
+}
+
+impl fmt::Display for DivergedError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "training diverged: the {} is not finite at step {} (learning rate {:.3e}); the last checkpoint is kept; lower train.lr or raise train.warmup_iters and resume",
+            self.what, self.step, self.lr
+        )
+    }
+}
+
+impl std::error::Error for DivergedError {}

@@ -1,0 +1,16 @@
+//! tinygpt: train and sample small GPT language models, on candle.
+//!
+//! The data path, one direction: [`config`] -> [`tokenizer`] -> [`data`] -> [`model`]
+//! -> [`train`] -> [`checkpoint`]. The binary (`src/main.rs`) only parses arguments and
+//! calls into here; the library prints nothing itself and reports through the
+//! [`train::Reporter`] it is given.
+
+pub mod checkpoint;
+pub mod config;
+pub mod data;
+pub mod device;
+pub mod error;
+pub mod model;
+pub mod progress;
+pub mod tokenizer;
+pub mod train;

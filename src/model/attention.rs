@@ -1,0 +1,185 @@
+//! Multi-head causal self-attention, with optional grouped K/V heads and a KV cache.
+//!
+//! Each head asks "which earlier tokens matter to me?": its queries are compared with
+//! the keys of every visible token (scores scaled by 1/sqrt(d_k) so their variance does
+//! not grow with the head size), future tokens are masked out, a softmax turns scores
+//! into weights, and the output is the weighted sum of the values.
+
+use anyhow::Result;
+use candle_core::{Device, Tensor, D};
+
+use super::dropout::Dropout;
+use super::linear::Linear;
+use super::params::ParamBuilder;
+use super::position::Rope;
+use crate::config::ModelConfig;
+
+/// softmax(q k^T * scale + mask) v, returning (output, weights).
+///
+/// q: (B, H, T, d); k, v: (B, H, S, d) with S >= T. The T queries are the last T of
+/// the S positions, so with `causal` query t sees keys 0 ..= S - T + t.
+/// Output: (B, H, T, d); weights: (B, H, T, S).
+pub fn scaled_dot_product_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    causal: bool,
+    dropout: &mut Dropout,
+) -> Result<(Tensor, Tensor)> {
+    let t = q.dim(2)?;
+    let s = k.dim(2)?;
+    let mut scores = (q.matmul(&k.t()?)? * scale)?; // (B, H, T, S)
+    if causal {
+        let mask = causal_mask(t, s, q.device())?.to_dtype(scores.dtype())?;
+        scores = scores.broadcast_add(&mask)?;
+    }
+    let weights = candle_nn::ops::softmax(&scores, D::Minus1)?;
+    let out = dropout.apply(&weights)?.matmul(v)?;
+    Ok((out, weights))
+}
+
+/// (T, S) additive mask: 0 where query t may see key s (s <= S - T + t), -inf elsewhere.
+pub fn causal_mask(t: usize, s: usize, device: &Device) -> Result<Tensor> {
+    let offset = s - t;
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| {
+            (0..s).map(move |j| {
+                if j <= offset + i {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
+        .collect();
+    Ok(Tensor::from_vec(mask, (t, s), device)?)
+}
+
+/// Keys and values of the tokens seen so far, per layer. Grouped K/V heads are stored
+/// once, before being shared across query heads.
+#[derive(Default)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>, // (B, H_kv, S, d) each
+}
+
+impl KvCache {
+    pub fn new(n_layer: usize) -> Self {
+        Self {
+            layers: vec![None; n_layer],
+        }
+    }
+
+    /// Number of cached positions.
+    pub fn len(&self) -> usize {
+        match self.layers.first() {
+            Some(Some((k, _))) => k.dim(2).unwrap_or(0),
+            _ => 0,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn clear(&mut self) {
+        self.layers.iter_mut().for_each(|l| *l = None);
+    }
+
+    /// Appends this step's k, v for `layer` and returns all of them.
+    fn extend(&mut self, layer: usize, k: Tensor, v: Tensor) -> Result<(Tensor, Tensor)> {
+        let (k, v) = match self.layers[layer].take() {
+            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+            None => (k, v),
+        };
+        self.layers[layer] = Some((k.clone(), v.clone()));
+        Ok((k, v))
+    }
+}
+
+pub struct CausalSelfAttention {
+    c_attn: Linear, // C -> (H + 2 H_kv) d: q | k | v
+    c_proj: Linear, // C -> C
+    n_head: usize,
+    n_kv_head: usize,
+    head_dim: usize,
+}
+
+impl CausalSelfAttention {
+    pub fn new(pb: &mut ParamBuilder, prefix: &str, cfg: &ModelConfig) -> Result<Self> {
+        let head_dim = cfg.head_dim();
+        let qkv = (cfg.n_head + 2 * cfg.kv_heads()) * head_dim;
+        let proj_std = 0.02 / (2.0 * cfg.n_layer as f64).sqrt();
+        Ok(Self {
+            c_attn: Linear::new(
+                pb,
+                &format!("{prefix}.c_attn"),
+                cfg.n_embd,
+                qkv,
+                cfg.bias,
+                0.02,
+            )?,
+            c_proj: Linear::new(
+                pb,
+                &format!("{prefix}.c_proj"),
+                cfg.n_embd,
+                cfg.n_embd,
+                cfg.bias,
+                proj_std,
+            )?,
+            n_head: cfg.n_head,
+            n_kv_head: cfg.kv_heads(),
+            head_dim,
+        })
+    }
+
+    /// x: (B, T, C) at positions pos0 .. pos0 + T -> (B, T, C), and the attention
+    /// weights (B, H, T, S).
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        pos0: usize,
+        rope: Option<&Rope>,
+        cache: Option<(&mut KvCache, usize)>,
+        dropout: &mut Dropout,
+    ) -> Result<(Tensor, Tensor)> {
+        let (b, t, c) = x.dims3()?;
+        let (h, h_kv, d) = (self.n_head, self.n_kv_head, self.head_dim);
+        let qkv = self.c_attn.forward(x)?; // (B, T, (H + 2 H_kv) d)
+        let heads = |start: usize, n: usize| -> Result<Tensor> {
+            Ok(qkv
+                .narrow(2, start * d, n * d)?
+                .reshape((b, t, n, d))?
+                .transpose(1, 2)? // (B, n, T, d)
+                .contiguous()?)
+        };
+        let mut q = heads(0, h)?;
+        let mut k = heads(h, h_kv)?;
+        let mut v = heads(h + h_kv, h_kv)?;
+        if let Some(rope) = rope {
+            q = rope.apply(&q, pos0)?;
+            k = rope.apply(&k, pos0)?;
+        }
+        if let Some((cache, layer)) = cache {
+            (k, v) = cache.extend(layer, k, v)?; // (B, H_kv, S, d)
+        }
+        // Each group of H / H_kv query heads shares one K/V head.
+        let k = repeat_kv(&k, h / h_kv)?;
+        let v = repeat_kv(&v, h / h_kv)?;
+        let scale = 1.0 / (d as f64).sqrt();
+        let (y, weights) = scaled_dot_product_attention(&q, &k, &v, scale, true, dropout)?;
+        let y = y.transpose(1, 2)?.reshape((b, t, c))?; // heads side by side again
+        Ok((self.c_proj.forward(&y)?, weights))
+    }
+}
+
+/// (B, H_kv, S, d) -> (B, H_kv * n_rep, S, d), each K/V head repeated for its group.
+fn repeat_kv(x: &Tensor, n_rep: usize) -> Result<Tensor> {
+    if n_rep == 1 {
+        return Ok(x.clone());
+    }
+    let (b, h_kv, s, d) = x.dims4()?;
+    Ok(x.unsqueeze(2)?
+        .broadcast_as((b, h_kv, n_rep, s, d))?
+        .reshape((b, h_kv * n_rep, s, d))?)
+}

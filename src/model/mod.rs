@@ -1,0 +1,156 @@
+//! The GPT: token embedding -> positions -> N blocks -> final norm -> logits through the
+//! token embedding matrix (weight tying).
+//!
+//! Read in this order: `params` (named tensors, init), `linear`, `norm`, `position`,
+//! `attention`, `mlp`, `block`, then `Gpt` below. Shapes: B batch, T tokens, C width,
+//! V vocabulary, H heads, d = C / H head size.
+
+pub mod attention;
+pub mod block;
+pub mod dropout;
+pub mod linear;
+pub mod mlp;
+pub mod norm;
+pub mod params;
+pub mod position;
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+
+pub use attention::KvCache;
+use block::Block;
+pub use dropout::Dropout;
+use norm::LayerNorm;
+pub use params::Params;
+use params::{Init, ParamBuilder};
+use position::{InputPositions, Rope};
+
+use crate::config::{ModelConfig, PositionKind};
+use crate::user_bail;
+
+pub struct Gpt {
+    cfg: ModelConfig,
+    wte: Tensor, // (V, C): token embedding, and (transposed) the output layer
+    positions: InputPositions,
+    rope: Option<Rope>,
+    blocks: Vec<Block>,
+    ln_f: LayerNorm,
+    params: Params,
+}
+
+/// What one forward pass returns.
+pub struct Output {
+    /// (B, T, V) next-token scores.
+    pub logits: Tensor,
+    /// Per layer, the attention weights (B, H, T, S).
+    pub attention: Vec<Tensor>,
+}
+
+impl Gpt {
+    /// A freshly initialised model: weights N(0, 0.02), residual projections
+    /// N(0, 0.02 / sqrt(2 n_layer)) so the residual stream's variance does not grow
+    /// with depth, norms at 1, biases at 0. Same seed, same weights, on any device.
+    pub fn new(cfg: &ModelConfig, seed: u64, device: &Device) -> Result<Self> {
+        if cfg.vocab_size == 0 {
+            anyhow::bail!(
+                "model.vocab_size must be set (from the tokenizer) before building the model"
+            );
+        }
+        let mut pb = ParamBuilder::new(seed, device, DType::F32);
+        let wte = pb.var(
+            "wte.weight",
+            &[cfg.vocab_size, cfg.n_embd],
+            Init::Normal { std: 0.02 },
+        )?;
+        let positions = InputPositions::new(&mut pb, cfg)?;
+        let rope = match cfg.positions {
+            PositionKind::Rope => Some(Rope::new(cfg, device, DType::F32)?),
+            _ => None,
+        };
+        let blocks = (0..cfg.n_layer)
+            .map(|i| Block::new(&mut pb, &format!("h.{i}"), cfg))
+            .collect::<Result<Vec<_>>>()?;
+        let ln_f = LayerNorm::new(&mut pb, "ln_f", cfg.n_embd, cfg.bias)?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            wte,
+            positions,
+            rope,
+            blocks,
+            ln_f,
+            params: pb.finish(),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn params(&self) -> &Params {
+        &self.params
+    }
+
+    pub fn device(&self) -> &Device {
+        self.wte.device()
+    }
+
+    /// Logits for tokens `idx` (B, T) at positions pos0 .. pos0 + T.
+    ///
+    /// With a cache, pos0 must equal the number of cached positions: the new keys and
+    /// values are appended and attention sees all of them.
+    pub fn forward(
+        &self,
+        idx: &Tensor,
+        pos0: usize,
+        mut cache: Option<&mut KvCache>,
+        dropout: &mut Dropout,
+    ) -> Result<Output> {
+        let (b, t) = idx.dims2()?;
+        if pos0 + t > self.cfg.block_size {
+            user_bail!(
+                "{} positions requested but the model was trained on at most block_size = {}",
+                pos0 + t,
+                self.cfg.block_size
+            );
+        }
+        if let Some(cache) = cache.as_deref() {
+            if cache.len() != pos0 {
+                anyhow::bail!("KV cache holds {} positions but pos0 = {pos0}", cache.len());
+            }
+        }
+        let c = self.cfg.n_embd;
+        let tok = self
+            .wte
+            .embedding(&idx.flatten_all()?)?
+            .reshape((b, t, c))?;
+        let mut x = dropout.apply(&self.positions.add_to(&tok, pos0)?)?;
+        let mut attention = Vec::with_capacity(self.blocks.len());
+        for (i, block) in self.blocks.iter().enumerate() {
+            let layer_cache = cache.as_deref_mut().map(|c| (c, i));
+            let (y, weights) = block.forward(&x, pos0, self.rope.as_ref(), layer_cache, dropout)?;
+            x = y;
+            attention.push(weights);
+        }
+        let x = self.ln_f.forward(&x)?.reshape((b * t, c))?;
+        let logits = x
+            .matmul(&self.wte.t()?)?
+            .reshape((b, t, self.cfg.vocab_size))?;
+        Ok(Output { logits, attention })
+    }
+
+    /// Mean cross-entropy of predicting `targets` (B, T) from `idx` (B, T).
+    pub fn loss(&self, idx: &Tensor, targets: &Tensor, dropout: &mut Dropout) -> Result<Tensor> {
+        let logits = self.forward(idx, 0, None, dropout)?.logits;
+        cross_entropy(&logits, targets)
+    }
+}
+
+/// Mean over all positions of -log softmax(logits)[target]. logits: (B, T, V).
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let (b, t, v) = logits.dims3()?;
+    let logits = logits.reshape((b * t, v))?.to_dtype(DType::F32)?;
+    Ok(candle_nn::loss::cross_entropy(
+        &logits,
+        &targets.flatten_all()?,
+    )?)
+}

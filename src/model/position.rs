@@ -1,0 +1,105 @@
+//! How the model knows where a token is: learned, sinusoidal or rotary positions.
+//!
+//! Learned and sinusoidal positions are vectors added to the token embedding once, at
+//! the input. RoPE instead rotates every query and key in every layer by an angle that
+//! grows with the position, so that `q_m . k_n` depends only on the offset `n - m`.
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor, D};
+
+use super::params::{Init, ParamBuilder};
+use crate::config::{ModelConfig, PositionKind};
+
+/// Position information added to the embedding at the input, if any.
+pub enum InputPositions {
+    /// `wpe`: (block_size, C), trained.
+    Learned(Tensor),
+    /// The fixed table of "Attention Is All You Need": (block_size, C).
+    Sinusoidal(Tensor),
+    /// Positions enter through RoPE inside attention instead.
+    None,
+}
+
+impl InputPositions {
+    pub fn new(pb: &mut ParamBuilder, cfg: &ModelConfig) -> Result<Self> {
+        Ok(match cfg.positions {
+            PositionKind::Learned => InputPositions::Learned(pb.var(
+                "wpe.weight",
+                &[cfg.block_size, cfg.n_embd],
+                Init::Normal { std: 0.02 },
+            )?),
+            PositionKind::Sinusoidal => InputPositions::Sinusoidal(
+                sinusoidal_table(cfg.block_size, cfg.n_embd, pb.device())?.to_dtype(pb.dtype())?,
+            ),
+            PositionKind::Rope => InputPositions::None,
+        })
+    }
+
+    /// Adds the vectors of positions `pos0 .. pos0 + T` to x: (B, T, C).
+    pub fn add_to(&self, x: &Tensor, pos0: usize) -> Result<Tensor> {
+        let t = x.dim(1)?;
+        Ok(match self {
+            InputPositions::Learned(table) | InputPositions::Sinusoidal(table) => {
+                x.broadcast_add(&table.narrow(0, pos0, t)?)?
+            }
+            InputPositions::None => x.clone(),
+        })
+    }
+}
+
+/// PE[pos, 2i] = sin(pos / 10000^(2i/C)), PE[pos, 2i+1] = cos(pos / 10000^(2i/C)).
+pub fn sinusoidal_table(positions: usize, dim: usize, device: &Device) -> Result<Tensor> {
+    let mut table = vec![0f32; positions * dim];
+    for pos in 0..positions {
+        for i in 0..dim / 2 {
+            let angle = pos as f64 * 10000f64.powf(-2.0 * i as f64 / dim as f64);
+            table[pos * dim + 2 * i] = angle.sin() as f32;
+            table[pos * dim + 2 * i + 1] = angle.cos() as f32;
+        }
+    }
+    Ok(Tensor::from_vec(table, (positions, dim), device)?)
+}
+
+/// Rotary position embedding in the split-halves pairing of Hugging Face's Llama:
+/// dimension i is rotated together with i + d/2 by the angle pos * theta_i, where
+/// theta_i = base^(-2i/d). (The paper pairs (2i, 2i+1); the two differ only by a fixed
+/// permutation of the head dimensions.)
+pub struct Rope {
+    cos: Tensor, // (block_size, d/2)
+    sin: Tensor, // (block_size, d/2)
+}
+
+impl Rope {
+    pub fn new(cfg: &ModelConfig, device: &Device, dtype: DType) -> Result<Self> {
+        let d = cfg.head_dim();
+        let half = d / 2;
+        let mut cos = vec![0f32; cfg.block_size * half];
+        let mut sin = vec![0f32; cfg.block_size * half];
+        for pos in 0..cfg.block_size {
+            for i in 0..half {
+                let theta = cfg.rope_theta.powf(-2.0 * i as f64 / d as f64);
+                let angle = pos as f64 * theta;
+                cos[pos * half + i] = angle.cos() as f32;
+                sin[pos * half + i] = angle.sin() as f32;
+            }
+        }
+        let shape = (cfg.block_size, half);
+        Ok(Self {
+            cos: Tensor::from_vec(cos, shape, device)?.to_dtype(dtype)?,
+            sin: Tensor::from_vec(sin, shape, device)?.to_dtype(dtype)?,
+        })
+    }
+
+    /// Rotates x: (B, H, T, d) at positions pos0 .. pos0 + T.
+    pub fn apply(&self, x: &Tensor, pos0: usize) -> Result<Tensor> {
+        let (_, _, t, d) = x.dims4()?;
+        let half = d / 2;
+        let cos = self.cos.narrow(0, pos0, t)?; // (T, d/2), broadcast over B and H
+        let sin = self.sin.narrow(0, pos0, t)?;
+        let x1 = x.narrow(D::Minus1, 0, half)?;
+        let x2 = x.narrow(D::Minus1, half, half)?;
+        let first = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
+        let second = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
+        Ok(Tensor::cat(&[first, second], D::Minus1)?)
+    }
+}

@@ -1,0 +1,256 @@
+//! Text <-> token ids, whatever the kind of tokenizer.
+//!
+//! Two kinds are trained here, both stored as a Hugging Face `tokenizer.json` so they
+//! load in `tokenizers` (Rust or Python) anywhere:
+//! - byte-level BPE (GPT-2's scheme): the 256 bytes are the base vocabulary, merges are
+//!   learned on the corpus, `<|endoftext|>` is a special token. Any text encodes.
+//! - char-level: one token per character seen in the corpus, ids in sorted order (as
+//!   nanoGPT's shakespeare_char). Stored as a BPE model with no merges and a `Fuse`
+//!   decoder; a character outside the vocabulary is an error, never silently dropped.
+//!
+//! Any other `tokenizer.json` (e.g. GPT-2's own) can be loaded too.
+
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::models::bpe::{BpeTrainerBuilder, Vocab, BPE};
+use tokenizers::models::TrainerWrapper;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::{AddedToken, DecoderWrapper, ModelWrapper, PreTokenizerWrapper, TokenizerImpl};
+
+use crate::config::TokenizerKind;
+use crate::error::user_error;
+use crate::user_bail;
+
+/// The special token that separates documents in BPE vocabularies.
+pub const END_OF_TEXT: &str = "<|endoftext|>";
+
+pub struct Tokenizer {
+    hf: tokenizers::Tokenizer,
+    /// Present for char-level vocabularies: encoding is a lookup, and an unknown
+    /// character is reported instead of dropped.
+    char_ids: Option<HashMap<char, u32>>,
+}
+
+impl Tokenizer {
+    /// Trains byte-level BPE on `text` up to `vocab_size` tokens (fewer if the corpus
+    /// has fewer distinct pairs worth merging).
+    pub fn train_bpe(text: &str, vocab_size: usize) -> Result<Self> {
+        let mut trainer = TrainerWrapper::BpeTrainer(
+            BpeTrainerBuilder::new()
+                .vocab_size(vocab_size)
+                .min_frequency(2)
+                .show_progress(false)
+                .special_tokens(vec![AddedToken::from(END_OF_TEXT, true)])
+                .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+                .build(),
+        );
+        let mut tk: TokenizerImpl<
+            ModelWrapper,
+            tokenizers::NormalizerWrapper,
+            PreTokenizerWrapper,
+            tokenizers::PostProcessorWrapper,
+            DecoderWrapper,
+        > = TokenizerImpl::new(ModelWrapper::BPE(BPE::default()));
+        tk.with_pre_tokenizer(Some(PreTokenizerWrapper::ByteLevel(ByteLevel::new(
+            false, true, true,
+        ))));
+        tk.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevelDecoder::default())));
+        tk.train(&mut trainer, text.split_inclusive('\n'))
+            .map_err(|e| anyhow::anyhow!("training the BPE tokenizer: {e}"))?;
+        Ok(Self {
+            hf: tokenizers::Tokenizer::from(tk),
+            char_ids: None,
+        })
+    }
+
+    /// One token per distinct character of `text`, in sorted order.
+    pub fn train_char(text: &str) -> Result<Self> {
+        let chars: HashSet<char> = text.chars().collect();
+        let mut chars: Vec<char> = chars.into_iter().collect();
+        chars.sort_unstable();
+        let vocab: Vocab = chars
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (c.to_string(), i as u32))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, vec![])
+            .build()
+            .map_err(|e| anyhow::anyhow!("building the char vocabulary: {e}"))?;
+        let mut hf = tokenizers::Tokenizer::new(ModelWrapper::BPE(bpe));
+        hf.with_decoder(Some(DecoderWrapper::Fuse(Fuse::new())));
+        Ok(Self::from_hf(hf))
+    }
+
+    /// Trains the configured kind on `text`.
+    pub fn train(kind: TokenizerKind, text: &str, vocab_size: usize) -> Result<Self> {
+        match kind {
+            TokenizerKind::Bpe => Self::train_bpe(text, vocab_size),
+            TokenizerKind::Char => Self::train_char(text),
+        }
+    }
+
+    /// Loads a `tokenizer.json`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let bytes = std::fs::read(path)
+            .map_err(|e| user_error(format!("cannot read tokenizer {}: {e}", path.display())))?;
+        Self::from_json(&bytes).map_err(|e| {
+            user_error(format!(
+                "tokenizer {} is not a valid tokenizer.json ({e:#}); retrain it or point to a good copy",
+                path.display()
+            ))
+        })
+    }
+
+    pub fn from_json(bytes: &[u8]) -> Result<Self> {
+        let hf = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| anyhow::anyhow!("{e}"))?;
+        if hf.get_vocab_size(true) == 0 {
+            anyhow::bail!("empty vocabulary");
+        }
+        Ok(Self::from_hf(hf))
+    }
+
+    fn from_hf(hf: tokenizers::Tokenizer) -> Self {
+        let is_char = matches!(hf.get_decoder(), Some(DecoderWrapper::Fuse(_)))
+            && hf.get_pre_tokenizer().is_none()
+            && hf
+                .get_vocab(true)
+                .keys()
+                .all(|token| token.chars().count() == 1);
+        let char_ids = is_char.then(|| {
+            hf.get_vocab(true)
+                .into_iter()
+                .map(|(token, id)| (token.chars().next().expect("one char"), id))
+                .collect()
+        });
+        Self { hf, char_ids }
+    }
+
+    pub fn to_json(&self) -> Result<String> {
+        self.hf
+            .to_string(true)
+            .map_err(|e| anyhow::anyhow!("serialising the tokenizer: {e}"))
+    }
+
+    pub fn kind_name(&self) -> &'static str {
+        if self.char_ids.is_some() {
+            "char"
+        } else {
+            "bpe"
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.hf.get_vocab_size(true)
+    }
+
+    /// The id of `<|endoftext|>`, if the vocabulary has it.
+    pub fn end_of_text(&self) -> Option<u32> {
+        self.hf.token_to_id(END_OF_TEXT)
+    }
+
+    /// Encodes text; special tokens written in the text (like `<|endoftext|>`) are
+    /// recognised. A character a char-level vocabulary lacks is a user error.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        if let Some(ids) = &self.char_ids {
+            let mut out = Vec::with_capacity(text.len());
+            for (pos, c) in text.char_indices() {
+                match ids.get(&c) {
+                    Some(&id) => out.push(id),
+                    None => user_bail!(
+                        "the character {c:?} (byte offset {pos}) is not in this char-level vocabulary; remove it from the text or train a BPE tokenizer"
+                    ),
+                }
+            }
+            return Ok(out);
+        }
+        let encoding = self
+            .hf
+            .encode_fast(text, false)
+            .map_err(|e| anyhow::anyhow!("encoding text: {e}"))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.hf
+            .decode(ids, false)
+            .map_err(|e| anyhow::anyhow!("decoding token ids: {e}"))
+    }
+
+    /// The raw text of one token, for display.
+    pub fn token_text(&self, id: u32) -> Option<String> {
+        self.hf.id_to_token(id)
+    }
+
+    pub fn save(&self, path: &Path) -> Result<()> {
+        std::fs::write(path, self.to_json()?).with_context(|| format!("writing {}", path.display()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TEXT: &str = "The quick brown fox — jumps over the lazy dog.\n\
+        Über naïve café, 東京 and ünïcödé: ∑ x² ≤ 1. 🙂\n\
+        The quick brown fox jumps again, and again, and again.\n";
+
+    #[test]
+    fn bpe_round_trips_non_ascii_and_survives_json() {
+        let corpus = TEXT.repeat(20);
+        let tk = Tokenizer::train_bpe(&corpus, 300).unwrap();
+        assert!(tk.vocab_size() > 257 && tk.vocab_size() <= 300);
+        assert_eq!(tk.kind_name(), "bpe");
+        let ids = tk.encode(TEXT).unwrap();
+        assert!(ids.len() < TEXT.len(), "merges should shorten the text");
+        assert_eq!(tk.decode(&ids).unwrap(), TEXT);
+        // Unseen characters still encode: every byte is in the base vocabulary.
+        let unseen = "Ωμέγα ☃ ñ";
+        assert_eq!(tk.decode(&tk.encode(unseen).unwrap()).unwrap(), unseen);
+
+        let back = Tokenizer::from_json(tk.to_json().unwrap().as_bytes()).unwrap();
+        assert_eq!(back.encode(TEXT).unwrap(), ids);
+        assert_eq!(back.vocab_size(), tk.vocab_size());
+        assert!(back.end_of_text().is_some());
+    }
+
+    #[test]
+    fn char_vocab_is_sorted_and_exact() {
+        let tk = Tokenizer::train_char(TEXT).unwrap();
+        assert_eq!(tk.kind_name(), "char");
+        let distinct: HashSet<char> = TEXT.chars().collect();
+        assert_eq!(tk.vocab_size(), distinct.len());
+        let ids = tk.encode("The").unwrap();
+        assert_eq!(ids.len(), 3);
+        // Sorted order: '\n' < ' ' < 'T' < 'h' < 'e'? ids follow code points.
+        assert!(tk.encode("\n").unwrap()[0] < tk.encode(" ").unwrap()[0]);
+        assert_eq!(tk.decode(&tk.encode(TEXT).unwrap()).unwrap(), TEXT);
+
+        // The saved tokenizer.json encodes exactly like our lookup, in HF's own code.
+        let json = tk.to_json().unwrap();
+        let back = Tokenizer::from_json(json.as_bytes()).unwrap();
+        assert_eq!(back.kind_name(), "char");
+        let hf = tokenizers::Tokenizer::from_bytes(json.as_bytes()).unwrap();
+        let hf_ids = hf.encode(TEXT, false).unwrap().get_ids().to_vec();
+        assert_eq!(hf_ids, tk.encode(TEXT).unwrap());
+    }
+
+    #[test]
+    fn char_vocab_rejects_unknown_characters() {
+        let tk = Tokenizer::train_char("abc").unwrap();
+        let err = tk.encode("abz").unwrap_err();
+        let msg = format!("{err:#}");
+        assert!(msg.contains("'z'") && msg.contains("offset 2"), "{msg}");
+        assert!(crate::error::find_user_error(&err).is_some());
+    }
+
+    #[test]
+    fn corrupt_json_is_an_error() {
+        assert!(Tokenizer::from_json(b"{not json").is_err());
+        assert!(Tokenizer::from_json(b"{}").is_err());
+    }
+}

@@ -1,0 +1,435 @@
+//! The training loop: batches -> loss -> backward -> clip -> AdamW, with periodic
+//! evaluation, metrics and checkpoints, resumable from the run folder.
+
+pub mod optim;
+pub mod schedule;
+
+use std::time::Instant;
+
+use anyhow::Result;
+use candle_core::{Device, Tensor};
+use serde_json::json;
+
+use crate::checkpoint::{RunDir, TrainState, MODEL_FILE, OPTIMIZER_FILE};
+use crate::config::Config;
+use crate::data::{self, Batch, BatchSampler, Split, Tokens};
+use crate::device::parse_device;
+use crate::error::DivergedError;
+use crate::model::{Dropout, Gpt};
+use crate::tokenizer::Tokenizer;
+use crate::user_bail;
+use optim::{clip_grad_norm, AdamW};
+use schedule::learning_rate;
+
+/// RNG streams drawn from the run's seed; separate so that evaluation never shifts
+/// the training batches and resume can restore each one.
+const STREAM_TRAIN_BATCHES: u64 = 1;
+const STREAM_DROPOUT: u64 = 2;
+const STREAM_EVAL_TRAIN: u64 = 3;
+const STREAM_EVAL_VAL: u64 = 4;
+
+/// Where the library reports progress; the CLI draws a progress bar, tests stay quiet.
+pub trait Reporter {
+    fn started(&mut self, _info: &RunInfo) {}
+    fn step(&mut self, _log: &StepLog) {}
+    fn eval(&mut self, _log: &EvalLog) {}
+    fn note(&mut self, _message: &str) {}
+    fn finished(&mut self, _summary: &TrainSummary) {}
+}
+
+/// Reports nothing.
+pub struct Silent;
+impl Reporter for Silent {}
+
+#[derive(Debug, Clone)]
+pub struct RunInfo {
+    pub run_dir: std::path::PathBuf,
+    pub start_step: usize,
+    pub max_iters: usize,
+    pub parameters: usize,
+    pub train_tokens: usize,
+    pub val_tokens: usize,
+    pub vocab_size: usize,
+    pub tokenizer: &'static str,
+    pub device: String,
+    pub tokens_per_step: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct StepLog {
+    /// Optimiser steps completed, this one included.
+    pub step: usize,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    pub tokens_per_s: f64,
+    pub elapsed_s: f64,
+}
+
+#[derive(Debug, Clone)]
+pub struct EvalLog {
+    pub step: usize,
+    pub train_loss: f64,
+    pub val_loss: f64,
+}
+
+#[derive(Debug, Clone)]
+pub struct TrainSummary {
+    pub step: usize,
+    pub train_loss: Option<f64>,
+    pub val_loss: Option<f64>,
+    pub elapsed_s: f64,
+    pub run_dir: std::path::PathBuf,
+}
+
+/// Everything a run holds between steps.
+pub struct Trainer {
+    pub config: Config,
+    pub run: RunDir,
+    pub tokenizer: Tokenizer,
+    pub model: Gpt,
+    optimizer: AdamW,
+    split: Split,
+    sampler: BatchSampler,
+    dropout: Dropout,
+    pub state: TrainState,
+    device: Device,
+    session_start: Instant,
+    resumed: bool,
+}
+
+impl Trainer {
+    /// Builds a new run, or with `resume` reloads the one in the run folder. A new run
+    /// refuses a folder that already holds a checkpoint, so nothing is overwritten.
+    pub fn new(mut config: Config, resume: bool, reporter: &mut dyn Reporter) -> Result<Self> {
+        let device = parse_device(&config.run.device)?;
+        let run = RunDir::new(config.run_dir());
+        let mut state = TrainState::default();
+
+        let tokenizer = if resume {
+            if !run.has_checkpoint() {
+                user_bail!(
+                    "--resume: {} holds no checkpoint to resume; drop --resume to start a new run",
+                    run.path().display()
+                );
+            }
+            state = run.state()?;
+            let saved = run.load_config(&state)?;
+            let mut wanted = config.model.clone();
+            wanted.vocab_size = saved.model.vocab_size;
+            if wanted != saved.model {
+                user_bail!(
+                    "--resume: the [model] section differs from the checkpoint's in {}; resume with the same model settings",
+                    run.path().join(crate::checkpoint::CONFIG_FILE).display()
+                );
+            }
+            config.model = saved.model;
+            config.tokenizer = saved.tokenizer;
+            run.load_tokenizer(&state)?
+        } else {
+            if run.has_checkpoint() {
+                user_bail!(
+                    "{} already holds a checkpoint; pass --resume to continue it, or choose another run.name (--set run.name=...)",
+                    run.path().display()
+                );
+            }
+            let tokenizer = match &config.tokenizer.path {
+                Some(path) => Tokenizer::from_file(path)?,
+                None => {
+                    reporter.note(&format!(
+                        "training a {} tokenizer on {}",
+                        match config.tokenizer.kind {
+                            crate::config::TokenizerKind::Bpe => "byte-level BPE",
+                            crate::config::TokenizerKind::Char => "char-level",
+                        },
+                        config.data.corpus.display()
+                    ));
+                    let docs = data::read_corpus(&config.data.corpus)?;
+                    Tokenizer::train(
+                        config.tokenizer.kind,
+                        &data::joined(&docs),
+                        config.tokenizer.vocab_size,
+                    )?
+                }
+            };
+            let have = tokenizer.vocab_size();
+            if config.model.vocab_size == 0 {
+                config.model.vocab_size = have;
+            } else if config.model.vocab_size < have {
+                user_bail!(
+                    "config: model.vocab_size = {} is smaller than the tokenizer's {have} tokens; remove it or set it to at least {have}",
+                    config.model.vocab_size
+                );
+            }
+            tokenizer
+        };
+        config.validate()?;
+
+        let docs = data::read_corpus(&config.data.corpus)?;
+        std::fs::create_dir_all(run.path()).map_err(|e| {
+            crate::error::user_error(format!(
+                "cannot create run folder {}: {e}",
+                run.path().display()
+            ))
+        })?;
+        let tokens = data::cached_tokens(&docs, &tokenizer, &run.file("tokens"))?;
+        check_token_ids(&tokens, config.model.vocab_size)?;
+        let split = Split::new(
+            tokens,
+            config.data.val_fraction,
+            config.model.block_size,
+            &config.data.corpus,
+        )?;
+
+        let model = Gpt::new(&config.model, config.run.seed, &device)?;
+        let mut optimizer = AdamW::new(model.params(), &config.train)?;
+        let seed = config.run.seed;
+        let mut sampler = BatchSampler::new(seed, STREAM_TRAIN_BATCHES);
+        let mut dropout = Dropout::new(config.model.dropout, seed, STREAM_DROPOUT);
+        if resume {
+            let weights = run.load_tensors(&state, MODEL_FILE, &device)?;
+            model
+                .params()
+                .load(&weights, &run.file(MODEL_FILE).display().to_string())?;
+            let moments = run.load_tensors(&state, OPTIMIZER_FILE, &device)?;
+            optimizer.load_state(
+                &moments,
+                state.step,
+                &run.file(OPTIMIZER_FILE).display().to_string(),
+            )?;
+            sampler.set_position(parse_position(&state.sampler_position)?);
+            dropout.set_position(parse_position(&state.dropout_position)?);
+            run.truncate_metrics(state.step)?;
+        }
+        Ok(Self {
+            config,
+            run,
+            tokenizer,
+            model,
+            optimizer,
+            split,
+            sampler,
+            dropout,
+            state,
+            device,
+            session_start: Instant::now(),
+            resumed: resume,
+        })
+    }
+
+    pub fn info(&self) -> RunInfo {
+        RunInfo {
+            run_dir: self.run.path().to_path_buf(),
+            start_step: self.state.step,
+            max_iters: self.config.train.max_iters,
+            parameters: self.model.params().count(),
+            train_tokens: self.split.train.len(),
+            val_tokens: self.split.val.len(),
+            vocab_size: self.config.model.vocab_size,
+            tokenizer: self.tokenizer.kind_name(),
+            device: format!("{:?}", self.device),
+            tokens_per_step: self
+                .config
+                .train
+                .tokens_per_step(self.config.model.block_size),
+        }
+    }
+
+    fn batch_tensors(&self, batch: &Batch) -> Result<(Tensor, Tensor)> {
+        let shape = (batch.batch, batch.block);
+        Ok((
+            Tensor::from_slice(&batch.x, shape, &self.device)?,
+            Tensor::from_slice(&batch.y, shape, &self.device)?,
+        ))
+    }
+
+    /// One optimiser step over `grad_accum` micro-batches.
+    pub fn train_step(&mut self) -> Result<StepLog> {
+        let started = Instant::now();
+        let cfg = &self.config.train;
+        let lr = learning_rate(self.state.step, cfg);
+        let params: Vec<Tensor> = self
+            .model
+            .params()
+            .iter()
+            .map(|(_, v)| v.as_tensor().clone())
+            .collect();
+        let mut grads: Vec<Option<Tensor>> = vec![None; params.len()];
+        let mut loss_sum = 0.0;
+        for _ in 0..cfg.grad_accum {
+            let batch = self.sampler.sample(
+                &self.split.train,
+                cfg.batch_size,
+                self.config.model.block_size,
+            );
+            let (x, y) = self.batch_tensors(&batch)?;
+            let loss = self.model.loss(&x, &y, &mut self.dropout)?;
+            loss_sum += loss.to_scalar::<f32>()? as f64;
+            // Each micro-batch contributes 1/accum of the mean gradient.
+            let store = (loss / cfg.grad_accum as f64)?.backward()?;
+            for (acc, p) in grads.iter_mut().zip(&params) {
+                if let Some(g) = store.get(p) {
+                    *acc = Some(match acc.take() {
+                        Some(prev) => (prev + g)?,
+                        None => g.clone(),
+                    });
+                }
+            }
+        }
+        let mut grads: Vec<Tensor> = grads
+            .into_iter()
+            .zip(&params)
+            .map(|(g, p)| g.map_or_else(|| p.zeros_like(), Ok))
+            .collect::<candle_core::Result<_>>()?;
+        let loss = loss_sum / cfg.grad_accum as f64;
+        let grad_norm = clip_grad_norm(&mut grads, cfg.grad_clip)?;
+        if !loss.is_finite() || !grad_norm.is_finite() {
+            return Err(DivergedError {
+                step: self.state.step + 1,
+                lr,
+                what: if loss.is_finite() {
+                    "gradient norm"
+                } else {
+                    "loss"
+                },
+            }
+            .into());
+        }
+        self.optimizer.step(&grads, lr)?;
+
+        let tokens = cfg.tokens_per_step(self.config.model.block_size);
+        self.state.step += 1;
+        self.state.tokens_seen += tokens as u64;
+        self.state.last_train_loss = Some(loss);
+        Ok(StepLog {
+            step: self.state.step,
+            loss,
+            lr,
+            grad_norm,
+            tokens_per_s: tokens as f64 / started.elapsed().as_secs_f64(),
+            elapsed_s: self.elapsed_s(),
+        })
+    }
+
+    /// Mean loss over `eval_iters` batches of train and of val. The batches are the same
+    /// at every evaluation (a fixed seed), so the curve shows the model change, not noise.
+    pub fn evaluate(&self) -> Result<EvalLog> {
+        let cfg = &self.config.train;
+        let block = self.config.model.block_size;
+        let mean_loss = |tokens: &Tokens, stream: u64| -> Result<f64> {
+            let mut sampler = BatchSampler::new(self.config.run.seed, stream);
+            let mut sum = 0.0;
+            for _ in 0..cfg.eval_iters {
+                let batch = sampler.sample(tokens, cfg.batch_size, block);
+                let (x, y) = self.batch_tensors(&batch)?;
+                let loss = self.model.loss(&x, &y, &mut Dropout::off())?;
+                sum += loss.to_scalar::<f32>()? as f64;
+            }
+            Ok(sum / cfg.eval_iters as f64)
+        };
+        Ok(EvalLog {
+            step: self.state.step,
+            train_loss: mean_loss(&self.split.train, STREAM_EVAL_TRAIN)?,
+            val_loss: mean_loss(&self.split.val, STREAM_EVAL_VAL)?,
+        })
+    }
+
+    pub fn elapsed_s(&self) -> f64 {
+        self.state.elapsed_s + self.session_start.elapsed().as_secs_f64()
+    }
+
+    /// Writes a checkpoint of the current step.
+    pub fn save(&self) -> Result<()> {
+        let mut state = self.state.clone();
+        state.elapsed_s = self.elapsed_s();
+        state.sampler_position = self.sampler.position().to_string();
+        state.dropout_position = self.dropout.position().to_string();
+        self.run.save(
+            &self.config,
+            &self.tokenizer,
+            &self.model.params().to_map(),
+            &self.optimizer.state_tensors(),
+            &state,
+        )
+    }
+
+    /// Trains to `max_iters`: eval at every `eval_interval` (and at the end), metrics
+    /// every `log_interval`, checkpoint every `checkpoint_interval` and at the end.
+    pub fn run(&mut self, reporter: &mut dyn Reporter) -> Result<TrainSummary> {
+        let cfg = self.config.train.clone();
+        reporter.started(&self.info());
+        let start = self.state.step;
+        let mut step = start;
+        loop {
+            let is_last = step >= cfg.max_iters;
+            // A resumed run already evaluated (and saved) its first step.
+            let resumed_here = self.resumed && step == start;
+            if (step % cfg.eval_interval == 0 || is_last) && !resumed_here {
+                let e = self.evaluate()?;
+                self.state.last_val_loss = Some(e.val_loss);
+                self.state.best_val_loss = Some(
+                    self.state
+                        .best_val_loss
+                        .map_or(e.val_loss, |b| b.min(e.val_loss)),
+                );
+                self.run.append_metrics(&json!({
+                    "step": e.step, "train_loss": e.train_loss, "val_loss": e.val_loss,
+                    "lr": learning_rate(step, &cfg), "elapsed_s": self.elapsed_s(),
+                }))?;
+                reporter.eval(&e);
+            }
+            if (step > start && step % cfg.checkpoint_interval == 0) || (is_last && step > start) {
+                self.save()?;
+                reporter.note(&format!(
+                    "checkpoint: {} at step {step}",
+                    self.run.path().display()
+                ));
+            }
+            if is_last {
+                break;
+            }
+            let log = self.train_step()?;
+            step = log.step;
+            if step % cfg.log_interval == 0 || step == cfg.max_iters {
+                self.run.append_metrics(&json!({
+                    "step": log.step, "loss": log.loss, "lr": log.lr, "grad_norm": log.grad_norm,
+                    "tokens_per_s": log.tokens_per_s, "elapsed_s": log.elapsed_s,
+                }))?;
+            }
+            reporter.step(&log);
+        }
+        let summary = TrainSummary {
+            step: self.state.step,
+            train_loss: self.state.last_train_loss,
+            val_loss: self.state.last_val_loss,
+            elapsed_s: self.elapsed_s(),
+            run_dir: self.run.path().to_path_buf(),
+        };
+        reporter.finished(&summary);
+        Ok(summary)
+    }
+}
+
+/// Trains as the config says (`resume` continues the run folder's checkpoint).
+pub fn train(config: Config, resume: bool, reporter: &mut dyn Reporter) -> Result<TrainSummary> {
+    let mut trainer = Trainer::new(config, resume, reporter)?;
+    trainer.run(reporter)
+}
+
+fn parse_position(s: &str) -> Result<u128> {
+    if s.is_empty() {
+        return Ok(0);
+    }
+    s.parse()
+        .map_err(|_| crate::error::user_error(format!("state.json: bad RNG position {s:?}")))
+}
+
+fn check_token_ids(tokens: &Tokens, vocab_size: usize) -> Result<()> {
+    if let Some(bad) = (0..tokens.len())
+        .map(|i| tokens.get(i))
+        .find(|&id| id as usize >= vocab_size)
+    {
+        user_bail!("the token cache holds id {bad}, outside the model's vocabulary of {vocab_size}; delete the run's tokens.bin and retry");
+    }
+    Ok(())
+}
