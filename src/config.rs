@@ -251,17 +251,19 @@ impl Config {
     pub fn from_toml_str(text: &str, overrides: &[String]) -> Result<Config> {
         // Parse once as the schema so syntax errors, unknown keys and wrong types are
         // reported with the line they are on in the user's file.
-        let config: Config = toml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let config: Config =
+            toml::from_str(text).map_err(|e| anyhow::anyhow!("{}", one_line(&e, text)))?;
         if overrides.is_empty() {
             return Ok(config);
         }
-        let mut table: toml::Table = toml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let mut table: toml::Table =
+            toml::from_str(text).map_err(|e| anyhow::anyhow!("{}", one_line(&e, text)))?;
         for item in overrides {
             apply_override(&mut table, item)?;
             Config::deserialize(table.clone())
                 .map_err(|e| anyhow::anyhow!("--set {item}: {}", e.message()))?;
         }
-        let config = Config::deserialize(table).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let config = Config::deserialize(table).map_err(|e| anyhow::anyhow!("{}", e.message()))?;
         Ok(config)
     }
 
@@ -306,7 +308,7 @@ impl Config {
                 m.block_size
             );
         }
-        if m.n_embd % m.n_head != 0 {
+        if !m.n_embd.is_multiple_of(m.n_head) {
             user_bail!(
                 "config: model.n_embd = {} is not divisible by model.n_head = {}; pick n_embd a multiple of n_head",
                 m.n_embd,
@@ -314,19 +316,19 @@ impl Config {
             );
         }
         let kv = m.kv_heads();
-        if kv == 0 || m.n_head % kv != 0 {
+        if kv == 0 || !m.n_head.is_multiple_of(kv) {
             user_bail!(
                 "config: model.n_head = {} is not divisible by model.n_kv_head = {kv}; n_kv_head must divide n_head",
                 m.n_head
             );
         }
-        if m.positions == PositionKind::Rope && m.head_dim() % 2 != 0 {
+        if m.positions == PositionKind::Rope && !m.head_dim().is_multiple_of(2) {
             user_bail!(
                 "config: RoPE needs an even head size, but n_embd / n_head = {}; change model.n_embd or model.n_head",
                 m.head_dim()
             );
         }
-        if m.positions == PositionKind::Sinusoidal && m.n_embd % 2 != 0 {
+        if m.positions == PositionKind::Sinusoidal && !m.n_embd.is_multiple_of(2) {
             user_bail!(
                 "config: sinusoidal positions need an even model.n_embd (got {})",
                 m.n_embd
@@ -428,6 +430,21 @@ fn apply_override(table: &mut toml::Table, item: &str) -> Result<()> {
     };
     section.insert(path[1].to_string(), value);
     Ok(())
+}
+
+/// toml's errors are several lines with a source excerpt; users get one:
+/// "line L, column C: message".
+fn one_line(e: &toml::de::Error, text: &str) -> String {
+    let message = e.message().trim().replace('\n', "; ");
+    match e.span() {
+        Some(span) => {
+            let before = &text[..span.start.min(text.len())];
+            let line = before.matches('\n').count() + 1;
+            let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+            format!("line {line}, column {column}: {message}")
+        }
+        None => message,
+    }
 }
 
 fn parse_value(raw: &str) -> toml::Value {

@@ -51,12 +51,17 @@ impl Gpt {
     /// N(0, 0.02 / sqrt(2 n_layer)) so the residual stream's variance does not grow
     /// with depth, norms at 1, biases at 0. Same seed, same weights, on any device.
     pub fn new(cfg: &ModelConfig, seed: u64, device: &Device) -> Result<Self> {
+        Self::with_dtype(cfg, seed, device, DType::F32)
+    }
+
+    /// As [`Gpt::new`] with parameters of type `dtype` (f64 for gradient checks).
+    pub fn with_dtype(cfg: &ModelConfig, seed: u64, device: &Device, dtype: DType) -> Result<Self> {
         if cfg.vocab_size == 0 {
             anyhow::bail!(
                 "model.vocab_size must be set (from the tokenizer) before building the model"
             );
         }
-        let mut pb = ParamBuilder::new(seed, device, DType::F32);
+        let mut pb = ParamBuilder::new(seed, device, dtype);
         let wte = pb.var(
             "wte.weight",
             &[cfg.vocab_size, cfg.n_embd],
@@ -64,7 +69,7 @@ impl Gpt {
         )?;
         let positions = InputPositions::new(&mut pb, cfg)?;
         let rope = match cfg.positions {
-            PositionKind::Rope => Some(Rope::new(cfg, device, DType::F32)?),
+            PositionKind::Rope => Some(Rope::new(cfg, device, dtype)?),
             _ => None,
         };
         let blocks = (0..cfg.n_layer)
@@ -148,7 +153,12 @@ impl Gpt {
 /// Mean over all positions of -log softmax(logits)[target]. logits: (B, T, V).
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let (b, t, v) = logits.dims3()?;
-    let logits = logits.reshape((b * t, v))?.to_dtype(DType::F32)?;
+    let logits = logits.reshape((b * t, v))?;
+    // Half-precision logits are widened: the log-sum-exp needs the range.
+    let logits = match logits.dtype() {
+        DType::F16 | DType::BF16 => logits.to_dtype(DType::F32)?,
+        _ => logits,
+    };
     Ok(candle_nn::loss::cross_entropy(
         &logits,
         &targets.flatten_all()?,

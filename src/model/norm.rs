@@ -30,7 +30,10 @@ impl LayerNorm {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
         // Statistics in f32 even when activations are half precision.
-        let x = x.to_dtype(DType::F32)?;
+        let x = match dtype {
+            DType::F16 | DType::BF16 => x.to_dtype(DType::F32)?,
+            _ => x.clone(),
+        };
         let mean = x.mean_keepdim(D::Minus1)?;
         let centered = x.broadcast_sub(&mean)?;
         let var = centered.sqr()?.mean_keepdim(D::Minus1)?;

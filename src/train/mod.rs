@@ -101,10 +101,11 @@ pub struct Trainer {
 impl Trainer {
     /// Builds a new run, or with `resume` reloads the one in the run folder. A new run
     /// refuses a folder that already holds a checkpoint, so nothing is overwritten.
-    pub fn new(mut config: Config, resume: bool, reporter: &mut dyn Reporter) -> Result<Self> {
+    pub fn new(mut config: Config, resume: bool) -> Result<Self> {
         let device = parse_device(&config.run.device)?;
         let run = RunDir::new(config.run_dir());
         let mut state = TrainState::default();
+        let docs = data::read_corpus(&config.data.corpus)?;
 
         let tokenizer = if resume {
             if !run.has_checkpoint() {
@@ -135,22 +136,11 @@ impl Trainer {
             }
             let tokenizer = match &config.tokenizer.path {
                 Some(path) => Tokenizer::from_file(path)?,
-                None => {
-                    reporter.note(&format!(
-                        "training a {} tokenizer on {}",
-                        match config.tokenizer.kind {
-                            crate::config::TokenizerKind::Bpe => "byte-level BPE",
-                            crate::config::TokenizerKind::Char => "char-level",
-                        },
-                        config.data.corpus.display()
-                    ));
-                    let docs = data::read_corpus(&config.data.corpus)?;
-                    Tokenizer::train(
-                        config.tokenizer.kind,
-                        &data::joined(&docs),
-                        config.tokenizer.vocab_size,
-                    )?
-                }
+                None => Tokenizer::train(
+                    config.tokenizer.kind,
+                    &data::joined(&docs),
+                    config.tokenizer.vocab_size,
+                )?,
             };
             let have = tokenizer.vocab_size();
             if config.model.vocab_size == 0 {
@@ -165,7 +155,6 @@ impl Trainer {
         };
         config.validate()?;
 
-        let docs = data::read_corpus(&config.data.corpus)?;
         std::fs::create_dir_all(run.path()).map_err(|e| {
             crate::error::user_error(format!(
                 "cannot create run folder {}: {e}",
@@ -364,7 +353,7 @@ impl Trainer {
             let is_last = step >= cfg.max_iters;
             // A resumed run already evaluated (and saved) its first step.
             let resumed_here = self.resumed && step == start;
-            if (step % cfg.eval_interval == 0 || is_last) && !resumed_here {
+            if (step.is_multiple_of(cfg.eval_interval) || is_last) && !resumed_here {
                 let e = self.evaluate()?;
                 self.state.last_val_loss = Some(e.val_loss);
                 self.state.best_val_loss = Some(
@@ -378,7 +367,7 @@ impl Trainer {
                 }))?;
                 reporter.eval(&e);
             }
-            if (step > start && step % cfg.checkpoint_interval == 0) || (is_last && step > start) {
+            if step > start && (step.is_multiple_of(cfg.checkpoint_interval) || is_last) {
                 self.save()?;
                 reporter.note(&format!(
                     "checkpoint: {} at step {step}",
@@ -390,7 +379,7 @@ impl Trainer {
             }
             let log = self.train_step()?;
             step = log.step;
-            if step % cfg.log_interval == 0 || step == cfg.max_iters {
+            if step.is_multiple_of(cfg.log_interval) || step == cfg.max_iters {
                 self.run.append_metrics(&json!({
                     "step": log.step, "loss": log.loss, "lr": log.lr, "grad_norm": log.grad_norm,
                     "tokens_per_s": log.tokens_per_s, "elapsed_s": log.elapsed_s,
@@ -412,7 +401,7 @@ impl Trainer {
 
 /// Trains as the config says (`resume` continues the run folder's checkpoint).
 pub fn train(config: Config, resume: bool, reporter: &mut dyn Reporter) -> Result<TrainSummary> {
-    let mut trainer = Trainer::new(config, resume, reporter)?;
+    let mut trainer = Trainer::new(config, resume)?;
     trainer.run(reporter)
 }
 

@@ -1,0 +1,273 @@
+//! Training end to end on small generated corpora: every parameter learns, a tiny model
+//! overfits a tiny corpus, the same seed gives the same curve, and resume continues it
+//! exactly.
+
+use std::path::Path;
+
+use candle_core::Tensor;
+use tinygpt::config::{Config, PositionKind, TokenizerKind};
+use tinygpt::model::Dropout;
+use tinygpt::train::optim::AdamW;
+use tinygpt::train::{Reporter, Silent, StepLog, Trainer};
+
+/// A corpus with structure: a fixed pseudo-random "sentence" of 48 characters repeated.
+fn write_corpus(dir: &Path, repeats: usize) -> std::path::PathBuf {
+    let alphabet: Vec<char> = "abcdefghij klmnop,.\n".chars().collect();
+    let mut state = 12345u64;
+    let sentence: String = (0..48)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            alphabet[(state >> 33) as usize % alphabet.len()]
+        })
+        .collect();
+    let path = dir.join("corpus.txt");
+    std::fs::write(&path, sentence.repeat(repeats)).unwrap();
+    path
+}
+
+fn config(dir: &Path, corpus: &Path) -> Config {
+    let mut c = Config::default();
+    c.run.name = "run".into();
+    c.run.out_dir = dir.join("checkpoints");
+    c.data.corpus = corpus.to_path_buf();
+    c.tokenizer.kind = TokenizerKind::Char;
+    c.model.n_layer = 2;
+    c.model.n_head = 2;
+    c.model.n_embd = 32;
+    c.model.block_size = 16;
+    c.train.batch_size = 8;
+    c.train.max_iters = 20;
+    c.train.warmup_iters = 2;
+    c.train.eval_interval = 10;
+    c.train.eval_iters = 2;
+    c.train.log_interval = 1;
+    c.train.checkpoint_interval = 10;
+    c
+}
+
+/// Collects the loss of every step.
+#[derive(Default)]
+struct Losses(Vec<(usize, f64)>);
+impl Reporter for Losses {
+    fn step(&mut self, log: &StepLog) {
+        self.0.push((log.step, log.loss));
+    }
+}
+
+#[test]
+fn every_parameter_gets_a_gradient_and_moves() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(dir.path(), 20);
+    for positions in [
+        PositionKind::Learned,
+        PositionKind::Rope,
+        PositionKind::Sinusoidal,
+    ] {
+        let mut cfg = config(dir.path(), &corpus);
+        cfg.run.name = format!("{positions:?}");
+        cfg.model.positions = positions;
+        cfg.model.bias = true;
+        cfg.model.n_kv_head = Some(1);
+        let trainer = Trainer::new(cfg.clone(), false).unwrap();
+        let model = &trainer.model;
+        let x = Tensor::new(
+            &[[1u32, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6]],
+            model.device(),
+        )
+        .unwrap();
+        let y = Tensor::new(
+            &[[2u32, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7]],
+            model.device(),
+        )
+        .unwrap();
+        let grads = model
+            .loss(&x, &y, &mut Dropout::off())
+            .unwrap()
+            .backward()
+            .unwrap();
+        let mut all = Vec::new();
+        let before: Vec<Vec<f32>> = model
+            .params()
+            .iter()
+            .map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1().unwrap())
+            .collect();
+        for (name, var) in model.params().iter() {
+            let g = grads
+                .get(var.as_tensor())
+                .unwrap_or_else(|| panic!("{positions:?}: {name} has no gradient"));
+            let values = g.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert!(
+                values.iter().all(|v| v.is_finite()),
+                "{name}: gradient not finite"
+            );
+            assert!(
+                values.iter().any(|v| *v != 0.0),
+                "{positions:?}: {name}: gradient is all zero"
+            );
+            all.push(g.clone());
+        }
+        let mut opt = AdamW::new(model.params(), &cfg.train).unwrap();
+        opt.step(&all, 1e-3).unwrap();
+        for ((name, var), old) in model.params().iter().zip(before) {
+            let new: Vec<f32> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+            assert_ne!(new, old, "{name} did not change after an optimiser step");
+        }
+    }
+}
+
+#[test]
+fn tiny_model_overfits_a_tiny_corpus() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(dir.path(), 30);
+    let mut cfg = config(dir.path(), &corpus);
+    cfg.train.max_iters = 300;
+    cfg.train.lr = 3e-3;
+    cfg.train.min_lr = 3e-4;
+    cfg.train.warmup_iters = 20;
+    cfg.train.weight_decay = 0.0;
+    cfg.train.eval_interval = 100;
+    cfg.train.checkpoint_interval = 1000;
+    let mut losses = Losses::default();
+    let summary = tinygpt::train::train(cfg, false, &mut losses).unwrap();
+    let first = losses.0[0].1;
+    let last = summary.train_loss.unwrap();
+    assert!(first > 2.5, "starts near ln(vocab): {first}");
+    assert!(last < 0.1, "loss after 300 steps: {last}");
+    let val = summary.val_loss.unwrap();
+    // The first characters of a window have too little context to be certain.
+    assert!(val < 0.25, "the val text repeats the same sentence: {val}");
+}
+
+#[test]
+fn same_seed_same_curve_other_seed_other_curve() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(dir.path(), 20);
+    let run = |name: &str, seed: u64| -> Vec<(usize, f64)> {
+        let mut cfg = config(dir.path(), &corpus);
+        cfg.run.name = name.into();
+        cfg.run.seed = seed;
+        cfg.model.dropout = 0.1;
+        let mut losses = Losses::default();
+        tinygpt::train::train(cfg, false, &mut losses).unwrap();
+        losses.0
+    };
+    let a = run("a", 1);
+    let b = run("b", 1);
+    let c = run("c", 2);
+    assert_eq!(a.len(), 20);
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+}
+
+#[test]
+fn resume_continues_the_same_curve() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(dir.path(), 20);
+    let mut straight_cfg = config(dir.path(), &corpus);
+    straight_cfg.run.name = "straight".into();
+    straight_cfg.model.dropout = 0.1;
+    straight_cfg.train.grad_accum = 2;
+    // The schedule must not depend on where the first part stops.
+    straight_cfg.train.lr_decay_iters = Some(20);
+    let mut straight = Losses::default();
+    tinygpt::train::train(straight_cfg.clone(), false, &mut straight).unwrap();
+
+    let mut first_cfg = straight_cfg.clone();
+    first_cfg.run.name = "interrupted".into();
+    first_cfg.train.max_iters = 8; // stops (and checkpoints) at step 8
+    let mut first = Losses::default();
+    tinygpt::train::train(first_cfg.clone(), false, &mut first).unwrap();
+
+    // The same run folder, continued to 20 steps.
+    let mut second_cfg = first_cfg.clone();
+    second_cfg.train.max_iters = 20;
+    let mut second = Losses::default();
+    tinygpt::train::train(second_cfg, true, &mut second).unwrap();
+
+    let mut resumed = first.0.clone();
+    resumed.extend(second.0);
+    assert_eq!(
+        resumed.iter().map(|s| s.0).collect::<Vec<_>>(),
+        (1..=20).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        &resumed[..8],
+        &straight.0[..8],
+        "the first 8 steps match already"
+    );
+    assert_eq!(
+        resumed, straight.0,
+        "resumed run must follow the uninterrupted curve exactly"
+    );
+}
+
+#[test]
+fn new_run_refuses_to_overwrite_and_resume_needs_a_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(dir.path(), 20);
+    let mut cfg = config(dir.path(), &corpus);
+    cfg.train.max_iters = 2;
+    let err = Trainer::new(cfg.clone(), true).err().unwrap();
+    assert!(format!("{err}").contains("no checkpoint"), "{err}");
+    tinygpt::train::train(cfg.clone(), false, &mut Silent).unwrap();
+    let err = Trainer::new(cfg.clone(), false).err().unwrap();
+    assert!(format!("{err}").contains("--resume"), "{err}");
+    let mut other = cfg.clone();
+    other.model.n_layer = 3;
+    let err = Trainer::new(other, true).err().unwrap();
+    assert!(format!("{err}").contains("[model]"), "{err}");
+}
+
+#[test]
+fn checkpoint_folder_has_every_file_and_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(dir.path(), 20);
+    let cfg = config(dir.path(), &corpus);
+    let summary = tinygpt::train::train(cfg, false, &mut Silent).unwrap();
+    let run = tinygpt::checkpoint::RunDir::new(&summary.run_dir);
+    for f in [
+        "config.toml",
+        "tokenizer.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+        "state.json",
+        "metrics.jsonl",
+    ] {
+        assert!(run.file(f).is_file(), "{f} missing");
+    }
+    let state = run.state().unwrap();
+    assert_eq!(state.step, 20);
+    let config = run.load_config(&state).unwrap();
+    assert_eq!(
+        config.model.vocab_size,
+        run.load_tokenizer(&state).unwrap().vocab_size()
+    );
+    let weights = run
+        .load_tensors(&state, "model.safetensors", &candle_core::Device::Cpu)
+        .unwrap();
+    assert!(weights.contains_key("wte.weight") && weights.contains_key("h.1.mlp.c_proj.weight"));
+    // metrics: one line per step, plus evals at 0, 10, 20.
+    let metrics = std::fs::read_to_string(run.file("metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.iter().filter(|l| l.get("loss").is_some()).count(), 20);
+    assert_eq!(
+        lines.iter().filter(|l| l.get("val_loss").is_some()).count(),
+        3
+    );
+
+    // A corrupted weight file is caught by its hash.
+    let path = run.file("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let n = bytes.len();
+    bytes[n - 1] ^= 0xff;
+    std::fs::write(&path, bytes).unwrap();
+    let err = run
+        .load_tensors(&state, "model.safetensors", &candle_core::Device::Cpu)
+        .unwrap_err();
+    assert!(format!("{err}").contains("sha256"), "{err}");
+}
