@@ -270,6 +270,44 @@ fn serialize_tensors(tensors: &HashMap<String, Tensor>) -> Result<Vec<u8>> {
         .map_err(|e| anyhow::anyhow!("serialising safetensors: {e}"))
 }
 
+/// A trained model ready to use: what `generate`, `eval` and `info` load.
+pub struct Loaded {
+    pub config: Config,
+    pub tokenizer: Tokenizer,
+    pub model: crate::model::Gpt,
+    pub state: TrainState,
+}
+
+impl Loaded {
+    /// Loads the run folder's config, tokenizer and weights onto `device`, checking that
+    /// they fit together.
+    pub fn load(dir: &Path, device: &Device) -> Result<Self> {
+        let run = RunDir::new(dir);
+        let state = run.state()?;
+        let config = run.load_config(&state)?;
+        let tokenizer = run.load_tokenizer(&state)?;
+        if tokenizer.vocab_size() > config.model.vocab_size {
+            user_bail!(
+                "{}: the tokenizer has {} tokens but the model only {}; the tokenizer.json belongs to another model",
+                dir.display(),
+                tokenizer.vocab_size(),
+                config.model.vocab_size
+            );
+        }
+        let model = crate::model::Gpt::new(&config.model, 0, device)?;
+        let weights = run.load_tensors(&state, MODEL_FILE, device)?;
+        model
+            .params()
+            .load(&weights, &run.file(MODEL_FILE).display().to_string())?;
+        Ok(Self {
+            config,
+            tokenizer,
+            model,
+            state,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

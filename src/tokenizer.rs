@@ -33,6 +33,9 @@ pub struct Tokenizer {
     /// Present for char-level vocabularies: encoding is a lookup, and an unknown
     /// character is reported instead of dropped.
     char_ids: Option<HashMap<char, u32>>,
+    /// Present for byte-level vocabularies: the character each byte is written as in
+    /// token strings (GPT-2's table), reversed.
+    byte_of_char: Option<HashMap<char, u8>>,
 }
 
 impl Tokenizer {
@@ -61,10 +64,7 @@ impl Tokenizer {
         tk.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevelDecoder::default())));
         tk.train(&mut trainer, text.split_inclusive('\n'))
             .map_err(|e| anyhow::anyhow!("training the BPE tokenizer: {e}"))?;
-        Ok(Self {
-            hf: tokenizers::Tokenizer::from(tk),
-            char_ids: None,
-        })
+        Ok(Self::from_hf(tokenizers::Tokenizer::from(tk)))
     }
 
     /// One token per distinct character of `text`, in sorted order.
@@ -127,7 +127,13 @@ impl Tokenizer {
                 .map(|(token, id)| (token.chars().next().expect("one char"), id))
                 .collect()
         });
-        Self { hf, char_ids }
+        let byte_of_char =
+            matches!(hf.get_decoder(), Some(DecoderWrapper::ByteLevel(_))).then(byte_level_table);
+        Self {
+            hf,
+            char_ids,
+            byte_of_char,
+        }
     }
 
     pub fn to_json(&self) -> Result<String> {
@@ -186,8 +192,111 @@ impl Tokenizer {
         self.hf.id_to_token(id)
     }
 
+    /// The bytes token `id` stands for, as `decode` sees them: for byte-level BPE,
+    /// possibly part of a character.
+    pub fn token_bytes(&self, id: u32) -> Result<Vec<u8>> {
+        let Some(token) = self.hf.id_to_token(id) else {
+            anyhow::bail!(
+                "token id {id} is outside the vocabulary of {}",
+                self.vocab_size()
+            );
+        };
+        match &self.byte_of_char {
+            // As the ByteLevel decoder: map every char, or take the text as is.
+            Some(table) => Ok(token
+                .chars()
+                .map(|c| table.get(&c).copied())
+                .collect::<Option<Vec<u8>>>()
+                .unwrap_or_else(|| token.into_bytes())),
+            None if self.char_ids.is_some() => Ok(token.into_bytes()),
+            None => Ok(self.decode(&[id])?.into_bytes()),
+        }
+    }
+
+    /// A decoder for tokens arriving one at a time: yields text as soon as it is valid
+    /// UTF-8 (a byte-level token can hold half a character; its bytes wait for the rest).
+    pub fn text_stream(&self) -> TextStream<'_> {
+        TextStream {
+            tokenizer: self,
+            pending: Vec::new(),
+        }
+    }
+
     pub fn save(&self, path: &Path) -> Result<()> {
         std::fs::write(path, self.to_json()?).with_context(|| format!("writing {}", path.display()))
+    }
+}
+
+/// GPT-2's byte-to-character table (bytes_to_unicode), reversed: printable bytes stand
+/// for themselves, the others are shifted to code points from 256 up.
+fn byte_level_table() -> HashMap<char, u8> {
+    let printable = |b: u32| {
+        (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b)
+    };
+    let mut shifted = 0;
+    (0u32..=255)
+        .map(|b| {
+            let c = if printable(b) {
+                b
+            } else {
+                shifted += 1;
+                255 + shifted
+            };
+            (char::from_u32(c).expect("a valid code point"), b as u8)
+        })
+        .collect()
+}
+
+/// Incremental detokenisation; see [`Tokenizer::text_stream`].
+///
+/// Bytes are held until they form whole characters. A sequence that can never be
+/// valid becomes U+FFFD exactly as `String::from_utf8_lossy` (and so `decode`) does it,
+/// so the pieces always add up to the decoded text.
+pub struct TextStream<'a> {
+    tokenizer: &'a Tokenizer,
+    pending: Vec<u8>,
+}
+
+impl TextStream<'_> {
+    /// The new text that token `id` completes, if any.
+    pub fn push(&mut self, id: u32) -> Result<Option<String>> {
+        self.pending.extend(self.tokenizer.token_bytes(id)?);
+        let mut out = String::new();
+        loop {
+            match std::str::from_utf8(&self.pending) {
+                Ok(s) => {
+                    out.push_str(s);
+                    self.pending.clear();
+                    break;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    out.push_str(
+                        std::str::from_utf8(&self.pending[..valid]).expect("valid prefix"),
+                    );
+                    match e.error_len() {
+                        // Invalid bytes: one replacement character, then go on.
+                        Some(bad) => {
+                            out.push('\u{FFFD}');
+                            self.pending.drain(..valid + bad);
+                        }
+                        // The start of a character whose other bytes are still to come.
+                        None => {
+                            self.pending.drain(..valid);
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        Ok((!out.is_empty()).then_some(out))
+    }
+
+    /// Bytes still held at the end (an unfinished character), as `decode` shows them.
+    pub fn finish(&mut self) -> Option<String> {
+        let rest = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        (!rest.is_empty()).then_some(rest)
     }
 }
 
@@ -219,6 +328,39 @@ mod tests {
     }
 
     #[test]
+    fn byte_table_is_gpt2s() {
+        let table = byte_level_table();
+        let ours: HashSet<char> = table.keys().copied().collect();
+        let theirs: HashSet<char> = ByteLevel::alphabet().into_iter().collect();
+        assert_eq!(ours, theirs);
+        assert_eq!(table[&'Ġ'], b' ');
+        assert_eq!(table[&'Ċ'], b'\n');
+        assert_eq!(table[&'A'], b'A');
+    }
+
+    /// Any byte sequence, valid or not, streams to exactly what decode gives.
+    #[test]
+    fn streaming_agrees_with_decode_on_invalid_bytes() {
+        let tk = Tokenizer::train_bpe(&TEXT.repeat(5), 270).unwrap();
+        let mut state = 99u64;
+        for _ in 0..50 {
+            let ids: Vec<u32> = (0..40)
+                .map(|_| {
+                    state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
+                    ((state >> 33) % tk.vocab_size() as u64) as u32
+                })
+                .collect();
+            let mut stream = tk.text_stream();
+            let mut text = String::new();
+            for &id in &ids {
+                text.extend(stream.push(id).unwrap());
+            }
+            text.extend(stream.finish());
+            assert_eq!(text, tk.decode(&ids).unwrap(), "{ids:?}");
+        }
+    }
+
+    #[test]
     fn char_vocab_is_sorted_and_exact() {
         let tk = Tokenizer::train_char(TEXT).unwrap();
         assert_eq!(tk.kind_name(), "char");
@@ -246,6 +388,34 @@ mod tests {
         let msg = format!("{err:#}");
         assert!(msg.contains("'z'") && msg.contains("offset 2"), "{msg}");
         assert!(crate::error::find_user_error(&err).is_some());
+    }
+
+    /// Byte-level tokens that split a character never print half of it, and the
+    /// streamed pieces add up to the whole decoded text.
+    #[test]
+    fn streaming_yields_valid_utf8_that_adds_up() {
+        let corpus = TEXT.repeat(5);
+        let tk = Tokenizer::train_bpe(&corpus, 270).unwrap();
+        // Single bytes of multi-byte characters: the hardest case.
+        let text = "東京 🙂 naïve";
+        let ids = tk.encode(text).unwrap();
+        let mut stream = tk.text_stream();
+        let mut pieces = Vec::new();
+        for &id in &ids {
+            if let Some(piece) = stream.push(id).unwrap() {
+                assert!(
+                    !piece.contains('\u{FFFD}'),
+                    "half a character escaped: {piece:?}"
+                );
+                pieces.push(piece);
+            }
+        }
+        assert!(
+            ids.len() > text.chars().count(),
+            "the test needs split characters"
+        );
+        assert_eq!(pieces.concat(), text);
+        assert_eq!(pieces.concat(), tk.decode(&ids).unwrap());
     }
 
     #[test]

@@ -179,3 +179,189 @@ fn user_mistakes_exit_2_with_one_clear_line() {
         assert!(err.starts_with("error: "), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn generate_eval_and_info_from_a_checkpoint() {
+    let dir = setup();
+    let out = tinygpt(dir.path(), &["train", "--config", "exp.toml"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let ck = "checkpoints/exp";
+
+    // Streamed text starts with the prompt; stats on stderr.
+    let out = tinygpt(
+        dir.path(),
+        &[
+            "generate",
+            "--checkpoint",
+            ck,
+            "--prompt",
+            "To be",
+            "--max-new-tokens",
+            "20",
+            "--seed",
+            "3",
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8(out.stdout.clone()).unwrap();
+    assert!(text.starts_with("To be"), "{text}");
+    assert!(stderr(&out).contains("decode") && stderr(&out).contains("tokens/s"));
+    let again = tinygpt(
+        dir.path(),
+        &[
+            "generate",
+            "--checkpoint",
+            ck,
+            "--prompt",
+            "To be",
+            "--max-new-tokens",
+            "20",
+            "--seed",
+            "3",
+        ],
+    );
+    assert_eq!(again.stdout, out.stdout, "same seed, same text");
+
+    // JSON: one object per sample; prompt from stdin.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+        .args([
+            "generate",
+            "--checkpoint",
+            ck,
+            "--json",
+            "--num-samples",
+            "2",
+            "--max-new-tokens",
+            "10",
+            "--temperature",
+            "0",
+        ])
+        .current_dir(dir.path())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child.stdin.take().unwrap().write_all(b"Whether").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[0]["prompt"], "Whether");
+    assert_eq!(lines[0]["token_ids"].as_array().unwrap().len(), 10);
+    assert_eq!(
+        lines[0]["text"], lines[1]["text"],
+        "greedy samples are equal"
+    );
+    assert!(lines[0]["stats"]["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
+
+    let out = tinygpt(
+        dir.path(),
+        &["eval", "--checkpoint", ck, "--text", "corpus.txt", "--json"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let loss = r["loss"].as_f64().unwrap();
+    assert!((r["perplexity"].as_f64().unwrap() - loss.exp()).abs() < 1e-6);
+
+    let out = tinygpt(dir.path(), &["info", "--checkpoint", ck, "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(info["step"], 6);
+    assert_eq!(info["tokenizer"], "char");
+    assert!(
+        info["parameters"].as_u64().unwrap()
+            > info["parameters_without_embeddings"].as_u64().unwrap()
+    );
+
+    // Mistakes with a checkpoint: exit 2, one line.
+    std::fs::write(dir.path().join("long.txt"), "To be ".repeat(10)).unwrap();
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &[
+                "generate",
+                "--checkpoint",
+                "checkpoints/nope",
+                "--prompt",
+                "x",
+            ],
+            "does not exist",
+        ),
+        (
+            &[
+                "generate",
+                "--checkpoint",
+                ck,
+                "--prompt",
+                "To be",
+                "--top-p",
+                "1.5",
+            ],
+            "--top-p",
+        ),
+        (
+            &[
+                "generate",
+                "--checkpoint",
+                ck,
+                "--prompt",
+                "To be",
+                "--temperature",
+                "-1",
+            ],
+            "--temperature",
+        ),
+        (
+            &["generate", "--checkpoint", ck, "--prompt", "Zebra"],
+            "'Z'",
+        ),
+        (
+            &["generate", "--checkpoint", ck, "--prompt-file", "long.txt"],
+            "block_size",
+        ),
+        (
+            &[
+                "generate",
+                "--checkpoint",
+                ck,
+                "--prompt-file",
+                "missing.txt",
+            ],
+            "missing.txt",
+        ),
+        (
+            &["eval", "--checkpoint", ck, "--text", "missing.txt"],
+            "missing.txt",
+        ),
+        (&["info", "--checkpoint", ck, "--device", "metal"], "Metal"),
+    ];
+    for (args, needle) in cases {
+        if *needle == "Metal" && cfg!(feature = "metal") {
+            continue;
+        }
+        let out = tinygpt(dir.path(), args);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains(needle),
+            "{args:?}: expected {needle:?} in {err}"
+        );
+        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
+    }
+
+    // A damaged weight file is caught before use.
+    let model = dir.path().join(ck).join("model.safetensors");
+    let bytes = std::fs::read(&model).unwrap();
+    std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
+    let out = tinygpt(dir.path(), &["info", "--checkpoint", ck]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("model.safetensors"),
+        "{}",
+        stderr(&out)
+    );
+}

@@ -356,6 +356,7 @@ impl Trainer {
             if (step.is_multiple_of(cfg.eval_interval) || is_last) && !resumed_here {
                 let e = self.evaluate()?;
                 self.state.last_val_loss = Some(e.val_loss);
+                self.state.last_train_loss = Some(e.train_loss);
                 self.state.best_val_loss = Some(
                     self.state
                         .best_val_loss

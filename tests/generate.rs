@@ -1,0 +1,246 @@
+//! Decoding: the KV cache changes nothing but speed, sampling is seeded, streaming
+//! prints valid UTF-8 that adds up to the text, and eval agrees with the training loss.
+
+use std::path::Path;
+
+use candle_core::{Device, Tensor};
+use tinygpt::checkpoint::Loaded;
+use tinygpt::config::{Config, ModelConfig, PositionKind, TokenizerKind};
+use tinygpt::generate::{generate, Decoder, GenerateOptions};
+use tinygpt::model::{Dropout, Gpt};
+use tinygpt::sample::{Sampler, SamplingParams};
+use tinygpt::train::Silent;
+
+fn model(positions: PositionKind, n_kv_head: Option<usize>) -> Gpt {
+    let cfg = ModelConfig {
+        n_layer: 2,
+        n_head: 4,
+        n_kv_head,
+        n_embd: 16,
+        block_size: 8,
+        positions,
+        rope_theta: 10000.0,
+        dropout: 0.0,
+        bias: false,
+        vocab_size: 13,
+    };
+    Gpt::new(&cfg, 21, &Device::Cpu).unwrap()
+}
+
+fn full_forward_last(model: &Gpt, window: &[u32]) -> Vec<f32> {
+    let ids = Tensor::new(window, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let logits = model
+        .forward(&ids, 0, None, &mut Dropout::off())
+        .unwrap()
+        .logits;
+    let t = window.len();
+    logits
+        .squeeze(0)
+        .unwrap()
+        .get(t - 1)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+fn assert_close(a: &[f32], b: &[f32], what: &str) {
+    for (x, y) in a.iter().zip(b) {
+        assert!(
+            (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
+            "{what}: {x} vs {y}"
+        );
+    }
+}
+
+/// At every step, across two window slides, cached logits equal a full forward pass
+/// over the same window, for every position kind, with and without grouped K/V heads.
+#[test]
+fn kv_cache_matches_full_forward_at_every_step() {
+    for positions in [
+        PositionKind::Learned,
+        PositionKind::Rope,
+        PositionKind::Sinusoidal,
+    ] {
+        for kv in [None, Some(2), Some(1)] {
+            let m = model(positions, kv);
+            let mut cached = Decoder::new(&m, true);
+            let mut uncached = Decoder::new(&m, false);
+            let prompt = [3u32, 7, 1];
+            let a = cached.prefill(&prompt).unwrap();
+            let b = uncached.prefill(&prompt).unwrap();
+            assert_close(&a, &full_forward_last(&m, &prompt), "prefill");
+            assert_close(&a, &b, "prefill");
+            let mut slid = 0;
+            for step in 0..20u32 {
+                let id = (step * 5 + 2) % 13;
+                let before = cached.window().len();
+                let a = cached.push(id).unwrap();
+                let b = uncached.push(id).unwrap();
+                if cached.window().len() < before {
+                    slid += 1;
+                }
+                assert_eq!(cached.window(), uncached.window());
+                let what = format!("{positions:?} kv={kv:?} step {step}");
+                assert_close(&a, &full_forward_last(&m, cached.window()), &what);
+                assert_close(&a, &b, &what);
+                assert!(
+                    cached.window().len() <= 8,
+                    "the window never exceeds block_size"
+                );
+            }
+            assert!(slid >= 2, "the test must cross window slides");
+        }
+    }
+}
+
+fn trained_run(dir: &Path, kind: TokenizerKind) -> Loaded {
+    let text = "First Citizen: Before we proceed any further, hear me speak. \
+        All: Speak, speak. Ünïcödé — café 東京 🙂\n"
+        .repeat(30);
+    let corpus = dir.join("corpus.txt");
+    std::fs::write(&corpus, text).unwrap();
+    let mut c = Config::default();
+    c.run.name = "run".into();
+    c.run.out_dir = dir.join("checkpoints");
+    c.data.corpus = corpus;
+    c.tokenizer.kind = kind;
+    c.tokenizer.vocab_size = 300;
+    c.model.n_layer = 1;
+    c.model.n_head = 2;
+    c.model.n_embd = 16;
+    c.model.block_size = 16;
+    c.model.positions = PositionKind::Rope;
+    c.train.batch_size = 4;
+    c.train.max_iters = 30;
+    c.train.warmup_iters = 2;
+    c.train.eval_interval = 30;
+    c.train.eval_iters = 1;
+    let summary = tinygpt::train::train(c, false, &mut Silent).unwrap();
+    Loaded::load(&summary.run_dir, &Device::Cpu).unwrap()
+}
+
+fn sample(
+    loaded: &Loaded,
+    params: SamplingParams,
+    seed: u64,
+    n: usize,
+    use_cache: bool,
+) -> (Vec<u32>, String, Vec<String>) {
+    let prompt = loaded.tokenizer.encode("First").unwrap();
+    let mut sampler = Sampler::new(params, seed).unwrap();
+    let options = GenerateOptions {
+        max_new_tokens: n,
+        stop: vec![],
+        use_cache,
+    };
+    let mut pieces = Vec::new();
+    let s = generate(
+        &loaded.model,
+        &loaded.tokenizer,
+        &prompt,
+        &mut sampler,
+        &options,
+        &mut |p| {
+            pieces.push(p.to_string());
+            Ok(())
+        },
+    )
+    .unwrap();
+    (s.token_ids, s.text, pieces)
+}
+
+fn params(temperature: f64, top_k: usize) -> SamplingParams {
+    SamplingParams {
+        temperature,
+        top_k,
+        top_p: 1.0,
+        repetition_penalty: 1.0,
+    }
+}
+
+#[test]
+fn sampling_is_seeded_greedy_is_deterministic_and_streaming_adds_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let loaded = trained_run(dir.path(), TokenizerKind::Bpe);
+    let n = 60; // beyond block_size 16: crosses window slides
+
+    let (greedy, _, _) = sample(&loaded, params(0.0, 0), 1, n, true);
+    assert_eq!(greedy.len(), n);
+    assert_eq!(
+        sample(&loaded, params(0.0, 0), 2, n, true).0,
+        greedy,
+        "greedy ignores the seed"
+    );
+    assert_eq!(
+        sample(&loaded, params(0.0, 0), 1, n, false).0,
+        greedy,
+        "--no-kv-cache, same tokens"
+    );
+    assert_eq!(
+        sample(&loaded, params(1.3, 1), 5, n, true).0,
+        greedy,
+        "top-k 1 is greedy"
+    );
+
+    let a = sample(&loaded, params(1.0, 0), 42, n, true);
+    let b = sample(&loaded, params(1.0, 0), 42, n, true);
+    let c = sample(&loaded, params(1.0, 0), 43, n, true);
+    assert_eq!(a, b, "same seed, same text");
+    assert_ne!(a.0, c.0, "another seed, another text");
+
+    // Streaming: the pieces are the text. (A piece is a Rust String, so valid UTF-8; a
+    // random byte sequence from the model can still decode to U+FFFD, but then the
+    // whole-text decode has it in the same place. Half characters held back while their
+    // bytes arrive are tested in the tokenizer's unit tests.)
+    for (ids, text, pieces) in [a, c] {
+        assert!(pieces.len() > 1, "text arrives in pieces");
+        assert_eq!(pieces.concat(), text);
+        assert_eq!(loaded.tokenizer.decode(&ids).unwrap(), text);
+    }
+}
+
+#[test]
+fn eval_of_one_window_equals_the_training_loss() {
+    let dir = tempfile::tempdir().unwrap();
+    let loaded = trained_run(dir.path(), TokenizerKind::Char);
+    let text = "Speak, speak.";
+    let ids = loaded.tokenizer.encode(text).unwrap();
+    assert!(ids.len() <= loaded.config.model.block_size);
+    let r = tinygpt::eval::evaluate(&loaded.model, &ids, text.len()).unwrap();
+    let n = ids.len();
+    let x = Tensor::new(&ids[..n - 1], &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let y = Tensor::new(&ids[1..], &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let train_loss = loaded
+        .model
+        .loss(&x, &y, &mut Dropout::off())
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap() as f64;
+    assert_eq!(r.predictions, n - 1);
+    assert!(
+        (r.loss - train_loss).abs() < 1e-5,
+        "{} vs {train_loss}",
+        r.loss
+    );
+    assert!((r.perplexity - train_loss.exp()).abs() < 1e-4);
+    // Char tokens here are all one byte but 'First' etc: bits/byte = nats * (n-1) / ln 2 / bytes.
+    let expected_bpb = r.loss * (n - 1) as f64 / std::f64::consts::LN_2 / text.len() as f64;
+    assert!((r.bits_per_byte - expected_bpb).abs() < 1e-9);
+
+    // A long text: every token but the first is scored once, with windows of context.
+    let long = "All: Speak, speak. First Citizen: Before we proceed any further, hear me speak. "
+        .repeat(3);
+    let ids = loaded.tokenizer.encode(&long).unwrap();
+    let r = tinygpt::eval::evaluate(&loaded.model, &ids, long.len()).unwrap();
+    assert_eq!(r.predictions, ids.len() - 1);
+    assert!(r.loss.is_finite() && r.loss > 0.0);
+}
