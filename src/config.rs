@@ -397,10 +397,11 @@ impl Config {
                 t.grad_clip
             );
         }
-        if t.lr_decay_iters() < t.warmup_iters {
+        // An explicit decay shorter than the warmup is a contradiction; a short run
+        // (max_iters below warmup_iters) just warms up the whole time.
+        if let Some(decay) = t.lr_decay_iters.filter(|&d| d < t.warmup_iters) {
             user_bail!(
-                "config: train.lr_decay_iters = {} is shorter than train.warmup_iters = {}",
-                t.lr_decay_iters(),
+                "config: train.lr_decay_iters = {decay} is shorter than train.warmup_iters = {}",
                 t.warmup_iters
             );
         }
