@@ -6,41 +6,76 @@
 //! of the tokens become the new window and are prefilled again (positions restart at
 //! 0). This holds for every position kind (learned tables end at block_size; RoPE and
 //! sinusoidal positions past it were never trained). `--no-kv-cache` recomputes the
-//! same window from scratch each step, so both modes see identical contexts.
+//! same window from scratch each step, so all modes see identical contexts.
+//!
+//! Several samples decode together as one batch; each has its own seeded sampler, so
+//! sample i is the same text whatever the number of samples.
 
 use std::time::Instant;
 
 use anyhow::Result;
-use candle_core::{IndexOp, Tensor};
+use candle_core::Tensor;
 
+use crate::fast::FastDecoder;
 use crate::model::{Dropout, Gpt, KvCache};
 use crate::sample::Sampler;
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{TextStream, Tokenizer};
 use crate::user_bail;
 
-/// Steps a model through a growing context and returns next-token logits.
+/// How the next logits are computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeMode {
+    /// The fused CPU decoder (`fast::FastDecoder`); the reference path elsewhere.
+    Fast,
+    /// The reference model, one position at a time from its KV cache.
+    Cached,
+    /// The reference model over the whole window at every step.
+    Uncached,
+}
+
+enum Backend {
+    Fast(Box<FastDecoder>),
+    Cached(KvCache),
+    Uncached,
+}
+
+/// Steps a model through growing contexts, `batch` sequences at once, and returns
+/// next-token logits, (batch, V) row-major.
 pub struct Decoder<'m> {
     model: &'m Gpt,
-    cache: Option<KvCache>,
-    /// The tokens in the current window: what the next logits are conditioned on.
-    window: Vec<u32>,
+    backend: Backend,
+    batch: usize,
+    /// Per sequence, the tokens the next logits are conditioned on.
+    windows: Vec<Vec<u32>>,
+    logits: Vec<f32>,
 }
 
 impl<'m> Decoder<'m> {
-    pub fn new(model: &'m Gpt, use_cache: bool) -> Self {
-        Self {
+    pub fn new(model: &'m Gpt, batch: usize, mode: DecodeMode) -> Result<Self> {
+        let backend = match mode {
+            DecodeMode::Fast if FastDecoder::supports(model) => {
+                Backend::Fast(Box::new(FastDecoder::new(model, batch)?))
+            }
+            DecodeMode::Fast | DecodeMode::Cached => {
+                Backend::Cached(KvCache::new(model.config().n_layer))
+            }
+            DecodeMode::Uncached => Backend::Uncached,
+        };
+        Ok(Self {
             model,
-            cache: use_cache.then(|| KvCache::new(model.config().n_layer)),
-            window: Vec::new(),
-        }
+            backend,
+            batch,
+            windows: vec![Vec::new(); batch],
+            logits: Vec::new(),
+        })
     }
 
-    pub fn window(&self) -> &[u32] {
-        &self.window
+    pub fn window(&self, row: usize) -> &[u32] {
+        &self.windows[row]
     }
 
-    /// Starts over with `prompt` (1 ..= block_size tokens); returns the next-token logits.
-    pub fn prefill(&mut self, prompt: &[u32]) -> Result<Vec<f32>> {
+    /// Starts every sequence from `prompt` (1 ..= block_size tokens); returns the logits.
+    pub fn prefill(&mut self, prompt: &[u32]) -> Result<&[f32]> {
         let block = self.model.config().block_size;
         if prompt.is_empty() || prompt.len() > block {
             user_bail!(
@@ -48,42 +83,88 @@ impl<'m> Decoder<'m> {
                 prompt.len()
             );
         }
-        self.window = prompt.to_vec();
-        if let Some(cache) = &mut self.cache {
-            cache.clear();
-        }
-        self.run(0, prompt.len())
+        self.windows = vec![prompt.to_vec(); self.batch];
+        self.refill()
     }
 
-    /// Appends `id` to the context (sliding the window when full); returns the logits.
-    pub fn push(&mut self, id: u32) -> Result<Vec<f32>> {
+    /// Appends one token to each sequence (sliding the windows when full); returns the
+    /// logits.
+    pub fn push(&mut self, ids: &[u32]) -> Result<&[f32]> {
+        assert_eq!(ids.len(), self.batch);
         let block = self.model.config().block_size;
-        if self.window.len() == block {
+        if self.windows[0].len() == block {
             let keep = block / 2;
-            let mut window = self.window[block - keep..].to_vec();
-            window.push(id);
-            return self.prefill(&window);
+            for (w, &id) in self.windows.iter_mut().zip(ids) {
+                w.drain(..block - keep);
+                w.push(id);
+            }
+            return self.refill();
         }
-        self.window.push(id);
-        match self.cache {
-            Some(_) => self.run(self.window.len() - 1, 1),
-            None => self.run(0, self.window.len()),
+        for (w, &id) in self.windows.iter_mut().zip(ids) {
+            w.push(id);
         }
+        let pos = self.windows[0].len() - 1;
+        match &mut self.backend {
+            Backend::Fast(fast) => {
+                let logits = fast.step(ids)?;
+                self.logits.clear();
+                self.logits.extend_from_slice(logits);
+            }
+            Backend::Cached(cache) => {
+                let ids = Tensor::from_slice(ids, (self.batch, 1), self.model.device())?;
+                let out = self
+                    .model
+                    .forward(&ids, pos, Some(cache), &mut Dropout::off())?;
+                self.logits = last_logits(&out.logits)?;
+            }
+            Backend::Uncached => return self.refill(),
+        }
+        Ok(&self.logits)
     }
 
-    /// Runs the window's tokens from `start` (`len` of them) and returns the last logits.
-    fn run(&mut self, start: usize, len: usize) -> Result<Vec<f32>> {
-        let ids =
-            Tensor::new(&self.window[start..start + len], self.model.device())?.unsqueeze(0)?;
-        let out = self
-            .model
-            .forward(&ids, start, self.cache.as_mut(), &mut Dropout::off())?;
-        Ok(out
-            .logits
-            .i((0, len - 1))?
-            .to_dtype(candle_core::DType::F32)?
-            .to_vec1()?)
+    /// Runs the whole windows from position 0.
+    fn refill(&mut self) -> Result<&[f32]> {
+        match &mut self.backend {
+            Backend::Fast(fast) => {
+                let logits = fast.prefill(self.model, &self.windows)?;
+                self.logits.clear();
+                self.logits.extend_from_slice(logits);
+            }
+            Backend::Cached(cache) => {
+                cache.clear();
+                let ids = windows_tensor(&self.windows, self.model)?;
+                let out = self
+                    .model
+                    .forward(&ids, 0, Some(cache), &mut Dropout::off())?;
+                self.logits = last_logits(&out.logits)?;
+            }
+            Backend::Uncached => {
+                let ids = windows_tensor(&self.windows, self.model)?;
+                let out = self.model.forward(&ids, 0, None, &mut Dropout::off())?;
+                self.logits = last_logits(&out.logits)?;
+            }
+        }
+        Ok(&self.logits)
     }
+}
+
+fn windows_tensor(windows: &[Vec<u32>], model: &Gpt) -> Result<Tensor> {
+    let t = windows[0].len();
+    Ok(Tensor::from_vec(
+        windows.concat(),
+        (windows.len(), t),
+        model.device(),
+    )?)
+}
+
+/// (B, T, V) -> the last position's logits, (B, V) flat on the host.
+fn last_logits(logits: &Tensor) -> Result<Vec<f32>> {
+    let t = logits.dim(1)?;
+    Ok(logits
+        .narrow(1, t - 1, 1)?
+        .to_dtype(candle_core::DType::F32)?
+        .flatten_all()?
+        .to_vec1()?)
 }
 
 /// Holds back text that might be the start of a stop string, and cuts the output at the
@@ -164,11 +245,11 @@ impl StopFilter {
     }
 }
 
-/// Everything one sample needs.
+/// Everything a generation needs besides the model and the prompt.
 pub struct GenerateOptions {
     pub max_new_tokens: usize,
     pub stop: Vec<String>,
-    pub use_cache: bool,
+    pub mode: DecodeMode,
 }
 
 /// One finished sample.
@@ -185,77 +266,103 @@ pub struct Stats {
     pub generated_tokens: usize,
     pub prefill_ms: f64,
     pub decode_ms: f64,
+    /// This sample's tokens over the decode time (samples decode together).
     pub decode_tokens_per_s: f64,
     pub stopped_by: &'static str,
 }
 
-/// Generates one sample after `prompt`, calling `on_text` with each piece of text as
-/// soon as it is decoded.
+/// One sequence being generated.
+struct Row<'t> {
+    stream: TextStream<'t>,
+    stops: StopFilter,
+    generated: Vec<u32>,
+    stopped_by: Option<&'static str>,
+}
+
+/// Generates one sample per sampler after `prompt`, all decoded together. `on_text`
+/// gets (sample index, text) for each piece of text as soon as it is decoded.
 pub fn generate(
     model: &Gpt,
     tokenizer: &Tokenizer,
     prompt: &[u32],
-    sampler: &mut Sampler,
+    samplers: &mut [Sampler],
     options: &GenerateOptions,
-    on_text: &mut dyn FnMut(&str) -> Result<()>,
-) -> Result<Sample> {
-    let mut decoder = Decoder::new(model, options.use_cache);
-    let mut stream = tokenizer.text_stream();
-    let mut stops = StopFilter::new(options.stop.clone());
-    let mut generated = Vec::with_capacity(options.max_new_tokens);
+    on_text: &mut dyn FnMut(usize, &str) -> Result<()>,
+) -> Result<Vec<Sample>> {
+    let batch = samplers.len();
+    let vocab = model.config().vocab_size;
+    let mut decoder = Decoder::new(model, batch, options.mode)?;
     // A model trained on several documents ends one with <|endoftext|>: stop there.
     let end_of_text = tokenizer.end_of_text();
+    let mut rows: Vec<Row> = (0..batch)
+        .map(|_| Row {
+            stream: tokenizer.text_stream(),
+            stops: StopFilter::new(options.stop.clone()),
+            generated: Vec::with_capacity(options.max_new_tokens),
+            stopped_by: None,
+        })
+        .collect();
 
     let started = Instant::now();
-    let mut logits = decoder.prefill(prompt)?;
+    let mut logits = decoder.prefill(prompt)?.to_vec();
     let prefill_ms = started.elapsed().as_secs_f64() * 1e3;
     let decode_start = Instant::now();
-    let mut stopped_by = "max_new_tokens";
-    while generated.len() < options.max_new_tokens {
-        let id = sampler.sample(&mut logits, decoder.window());
-        if Some(id) == end_of_text {
-            stopped_by = "end_of_text";
+    let mut next = vec![0u32; batch];
+    for step in 0..options.max_new_tokens {
+        for (i, row) in rows.iter_mut().enumerate() {
+            if row.stopped_by.is_some() {
+                continue; // feeds its last token as filler; its output is final
+            }
+            let row_logits = &mut logits[i * vocab..(i + 1) * vocab];
+            let id = samplers[i].sample(row_logits, decoder.window(i));
+            if Some(id) == end_of_text {
+                row.stopped_by = Some("end_of_text");
+                continue;
+            }
+            next[i] = id;
+            row.generated.push(id);
+            if let Some(piece) = row.stream.push(id)? {
+                let shown = row.stops.push(&piece);
+                if !shown.is_empty() {
+                    on_text(i, &shown)?;
+                }
+                if row.stops.stopped() {
+                    row.stopped_by = Some("stop");
+                }
+            }
+        }
+        if rows.iter().all(|r| r.stopped_by.is_some()) || step + 1 == options.max_new_tokens {
             break;
         }
-        generated.push(id);
-        if let Some(piece) = stream.push(id)? {
-            let shown = stops.push(&piece);
-            if !shown.is_empty() {
-                on_text(&shown)?;
-            }
-            if stops.stopped() {
-                stopped_by = "stop";
-                break;
-            }
-        }
-        if generated.len() == options.max_new_tokens {
-            break;
-        }
-        logits = decoder.push(id)?;
-    }
-    if let Some(tail) = stream.finish() {
-        let shown = stops.push(&tail);
-        if !shown.is_empty() {
-            on_text(&shown)?;
-        }
-    }
-    let rest = stops.finish();
-    if !rest.is_empty() {
-        on_text(&rest)?;
+        logits.copy_from_slice(decoder.push(&next)?);
     }
     let decode_ms = decode_start.elapsed().as_secs_f64() * 1e3;
-    Ok(Sample {
-        text: stops.text().to_string(),
-        stats: Stats {
-            prompt_tokens: prompt.len(),
-            generated_tokens: generated.len(),
-            prefill_ms,
-            decode_ms,
-            decode_tokens_per_s: generated.len() as f64 / (decode_ms / 1e3).max(1e-9),
-            stopped_by,
-        },
-        token_ids: generated,
-    })
+    let mut samples = Vec::with_capacity(batch);
+    for (i, mut row) in rows.into_iter().enumerate() {
+        if let Some(tail) = row.stream.finish() {
+            let shown = row.stops.push(&tail);
+            if !shown.is_empty() {
+                on_text(i, &shown)?;
+            }
+        }
+        let rest = row.stops.finish();
+        if !rest.is_empty() {
+            on_text(i, &rest)?;
+        }
+        samples.push(Sample {
+            text: row.stops.text().to_string(),
+            stats: Stats {
+                prompt_tokens: prompt.len(),
+                generated_tokens: row.generated.len(),
+                prefill_ms,
+                decode_ms,
+                decode_tokens_per_s: row.generated.len() as f64 / (decode_ms / 1e3).max(1e-9),
+                stopped_by: row.stopped_by.unwrap_or("max_new_tokens"),
+            },
+            token_ids: row.generated,
+        });
+    }
+    Ok(samples)
 }
 
 /// Turns `\n`, `\t`, `\\` written on a command line into the characters.

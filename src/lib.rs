@@ -5,12 +5,14 @@
 //! calls into here; the library prints nothing itself and reports through the
 //! [`train::Reporter`] it is given.
 
+pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod device;
 pub mod error;
 pub mod eval;
+pub mod fast;
 pub mod generate;
 pub mod model;
 pub mod progress;

@@ -30,6 +30,8 @@ enum Command {
     Eval(EvalArgs),
     /// Show a checkpoint's config, size, step and losses.
     Info(InfoArgs),
+    /// Measure training and decoding speed of a config on this machine.
+    Bench(BenchArgs),
 }
 
 #[derive(Args)]
@@ -99,6 +101,9 @@ struct GenerateArgs {
     /// Recompute the whole window for every token (for checking and benchmarking).
     #[arg(long)]
     no_kv_cache: bool,
+    /// Decode with the reference model's KV cache instead of the fused CPU decoder.
+    #[arg(long, conflicts_with = "no_kv_cache")]
+    reference: bool,
     /// Print one JSON object per sample instead of streaming text.
     #[arg(long)]
     json: bool,
@@ -123,6 +128,34 @@ struct InfoArgs {
     json: bool,
 }
 
+#[derive(Args)]
+struct BenchArgs {
+    /// Experiment file (TOML); only [model], [train] and run.seed matter.
+    #[arg(long, short)]
+    config: PathBuf,
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    overrides: Vec<String>,
+    /// Timed training steps (the median is reported).
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    /// Untimed steps first.
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// Prompt length for time-to-first-token (capped at block_size).
+    #[arg(long, default_value_t = 256)]
+    prompt_tokens: usize,
+    /// New tokens to decode.
+    #[arg(long, default_value_t = 500)]
+    decode_tokens: usize,
+    /// Decode with the reference model's KV cache instead of the fused CPU decoder.
+    #[arg(long)]
+    reference: bool,
+    #[arg(long)]
+    device: Option<String>,
+    #[arg(long)]
+    json: bool,
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Train(args) => {
@@ -137,217 +170,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(args) => commands::generate(args),
         Command::Eval(args) => commands::eval(args),
         Command::Info(args) => commands::info(args),
+        Command::Bench(args) => commands::bench(args),
     }
 }
 
-mod commands {
-    use std::io::{IsTerminal, Read, Write};
-
-    use anyhow::Result;
-    use serde_json::json;
-    use tinygpt::checkpoint::Loaded;
-    use tinygpt::device::parse_device;
-    use tinygpt::error::user_error;
-    use tinygpt::generate::{generate as sample_text, unescape, GenerateOptions};
-    use tinygpt::sample::{Sampler, SamplingParams};
-    use tinygpt::user_bail;
-
-    use super::{CheckpointArgs, EvalArgs, GenerateArgs, InfoArgs};
-
-    fn load(args: &CheckpointArgs) -> Result<Loaded> {
-        Loaded::load(&args.checkpoint, &parse_device(&args.device)?)
-    }
-
-    fn read_prompt(args: &GenerateArgs) -> Result<String> {
-        if let Some(p) = &args.prompt {
-            return Ok(unescape(p));
-        }
-        if let Some(path) = &args.prompt_file {
-            return std::fs::read_to_string(path).map_err(|e| {
-                user_error(format!("cannot read --prompt-file {}: {e}", path.display()))
-            });
-        }
-        let stdin = std::io::stdin();
-        if stdin.is_terminal() {
-            return Ok(String::new());
-        }
-        let mut text = String::new();
-        stdin
-            .lock()
-            .read_to_string(&mut text)
-            .map_err(|e| user_error(format!("cannot read the prompt from stdin: {e}")))?;
-        Ok(text)
-    }
-
-    pub fn generate(args: GenerateArgs) -> Result<()> {
-        let params = SamplingParams {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            top_p: args.top_p,
-            repetition_penalty: args.repetition_penalty,
-        };
-        params.validate()?;
-        if args.num_samples == 0 {
-            user_bail!("--num-samples must be at least 1");
-        }
-        let prompt_text = read_prompt(&args)?;
-        let loaded = load(&args.ckpt)?;
-        let tk = &loaded.tokenizer;
-        let (prompt, show_prompt) = if prompt_text.is_empty() {
-            let start = match tk.end_of_text() {
-                Some(eot) => vec![eot],
-                None => tk.encode("\n").map_err(|_| {
-                    user_error("the prompt is empty and this char vocabulary has no newline to start from; give --prompt")
-                })?,
-            };
-            (start, false)
-        } else {
-            (tk.encode(&prompt_text)?, true)
-        };
-        let seed = args.seed.unwrap_or_else(rand::random);
-        let mut sampler = Sampler::new(params, seed)?;
-        let options = GenerateOptions {
-            max_new_tokens: args.max_new_tokens,
-            stop: args.stop.iter().map(|s| unescape(s)).collect(),
-            use_cache: !args.no_kv_cache,
-        };
-        let stdout = std::io::stdout();
-        for i in 0..args.num_samples {
-            let mut out = stdout.lock();
-            let sample = if args.json {
-                sample_text(
-                    &loaded.model,
-                    tk,
-                    &prompt,
-                    &mut sampler,
-                    &options,
-                    &mut |_| Ok(()),
-                )?
-            } else {
-                if i > 0 {
-                    writeln!(out, "\n---------------")?;
-                }
-                if show_prompt {
-                    write!(out, "{prompt_text}")?;
-                }
-                let mut print = |piece: &str| -> Result<()> {
-                    out.write_all(piece.as_bytes())?;
-                    out.flush()?;
-                    Ok(())
-                };
-                let s = sample_text(
-                    &loaded.model,
-                    tk,
-                    &prompt,
-                    &mut sampler,
-                    &options,
-                    &mut print,
-                )?;
-                writeln!(out)?;
-                out.flush()?;
-                s
-            };
-            let st = &sample.stats;
-            if args.json {
-                let record = json!({
-                    "sample": i, "seed": seed, "prompt": prompt_text, "text": sample.text,
-                    "token_ids": sample.token_ids, "stats": st,
-                });
-                writeln!(out, "{record}")?;
-            } else {
-                eprintln!(
-                    "[sample {}/{}] prompt {} tokens, generated {} tokens ({}), prefill {:.1} ms, decode {:.1} tokens/s, seed {seed}",
-                    i + 1,
-                    args.num_samples,
-                    st.prompt_tokens,
-                    st.generated_tokens,
-                    st.stopped_by,
-                    st.prefill_ms,
-                    st.decode_tokens_per_s
-                );
-            }
-        }
-        Ok(())
-    }
-
-    pub fn eval(args: EvalArgs) -> Result<()> {
-        let text = std::fs::read(&args.text)
-            .map_err(|e| user_error(format!("cannot read --text {}: {e}", args.text.display())))?;
-        let text = String::from_utf8(text)
-            .map_err(|_| user_error(format!("--text {} is not UTF-8", args.text.display())))?;
-        let loaded = load(&args.ckpt)?;
-        let ids = loaded.tokenizer.encode(&text)?;
-        let r = tinygpt::eval::evaluate(&loaded.model, &ids, text.len())?;
-        if args.json {
-            println!("{}", serde_json::to_string(&r)?);
-        } else {
-            println!(
-                "{}: {} tokens, loss {:.4} nats/token, perplexity {:.3}, {:.4} bits/byte",
-                args.text.display(),
-                r.tokens,
-                r.loss,
-                r.perplexity,
-                r.bits_per_byte
-            );
-        }
-        Ok(())
-    }
-
-    pub fn info(args: InfoArgs) -> Result<()> {
-        let loaded = load(&args.ckpt)?;
-        let params = loaded.model.params();
-        let total = params.count();
-        let embeddings: usize = params
-            .iter()
-            .filter(|(name, _)| name.starts_with("wte.") || name.starts_with("wpe."))
-            .map(|(_, v)| v.elem_count())
-            .sum();
-        let st = &loaded.state;
-        let cfg = &loaded.config;
-        if args.json {
-            let record = json!({
-                "checkpoint": args.ckpt.checkpoint, "config": cfg,
-                "parameters": total, "parameters_without_embeddings": total - embeddings,
-                "step": st.step, "tokens_seen": st.tokens_seen,
-                "train_loss": st.last_train_loss, "val_loss": st.last_val_loss, "best_val_loss": st.best_val_loss,
-                "tokenizer": loaded.tokenizer.kind_name(), "vocab_size": loaded.tokenizer.vocab_size(),
-            });
-            println!("{record}");
-        } else {
-            let m = &cfg.model;
-            let fmt = |l: Option<f64>| l.map_or("-".to_string(), |l| format!("{l:.4}"));
-            println!("checkpoint  {}", args.ckpt.checkpoint.display());
-            println!(
-                "model       {} layers, {} heads ({} K/V), width {}, context {}, {:?} positions, bias {}",
-                m.n_layer, m.n_head, m.kv_heads(), m.n_embd, m.block_size, m.positions, m.bias
-            );
-            println!(
-                "parameters  {total} ({:.2}M); {} ({:.2}M) without embeddings",
-                total as f64 / 1e6,
-                total - embeddings,
-                (total - embeddings) as f64 / 1e6
-            );
-            println!(
-                "tokenizer   {} with {} tokens (model vocabulary {})",
-                loaded.tokenizer.kind_name(),
-                loaded.tokenizer.vocab_size(),
-                m.vocab_size
-            );
-            println!(
-                "trained     {} steps, {} tokens, {:.0} s",
-                st.step, st.tokens_seen, st.elapsed_s
-            );
-            println!(
-                "loss        train {}, val {} (best val {})",
-                fmt(st.last_train_loss),
-                fmt(st.last_val_loss),
-                fmt(st.best_val_loss)
-            );
-            println!("corpus      {}", cfg.data.corpus.display());
-        }
-        Ok(())
-    }
-}
+mod commands;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();

@@ -82,6 +82,11 @@ impl KvCache {
         self.len() == 0
     }
 
+    /// Layer `i`'s keys and values, (B, H_kv, S, d) each.
+    pub fn layer(&self, i: usize) -> Option<&(Tensor, Tensor)> {
+        self.layers.get(i).and_then(|l| l.as_ref())
+    }
+
     pub fn clear(&mut self) {
         self.layers.iter_mut().for_each(|l| *l = None);
     }

@@ -60,6 +60,23 @@ pub fn sinusoidal_table(positions: usize, dim: usize, device: &Device) -> Result
     Ok(Tensor::from_vec(table, (positions, dim), device)?)
 }
 
+/// cos and sin of pos * theta_i, theta_i = base^(-2i/d): two (block_size, d/2) tables.
+pub fn rope_tables(cfg: &ModelConfig) -> (Vec<f32>, Vec<f32>) {
+    let d = cfg.head_dim();
+    let half = d / 2;
+    let mut cos = vec![0f32; cfg.block_size * half];
+    let mut sin = vec![0f32; cfg.block_size * half];
+    for pos in 0..cfg.block_size {
+        for i in 0..half {
+            let theta = cfg.rope_theta.powf(-2.0 * i as f64 / d as f64);
+            let angle = pos as f64 * theta;
+            cos[pos * half + i] = angle.cos() as f32;
+            sin[pos * half + i] = angle.sin() as f32;
+        }
+    }
+    (cos, sin)
+}
+
 /// Rotary position embedding in the split-halves pairing of Hugging Face's Llama:
 /// dimension i is rotated together with i + d/2 by the angle pos * theta_i, where
 /// theta_i = base^(-2i/d). (The paper pairs (2i, 2i+1); the two differ only by a fixed
@@ -71,19 +88,8 @@ pub struct Rope {
 
 impl Rope {
     pub fn new(cfg: &ModelConfig, device: &Device, dtype: DType) -> Result<Self> {
-        let d = cfg.head_dim();
-        let half = d / 2;
-        let mut cos = vec![0f32; cfg.block_size * half];
-        let mut sin = vec![0f32; cfg.block_size * half];
-        for pos in 0..cfg.block_size {
-            for i in 0..half {
-                let theta = cfg.rope_theta.powf(-2.0 * i as f64 / d as f64);
-                let angle = pos as f64 * theta;
-                cos[pos * half + i] = angle.cos() as f32;
-                sin[pos * half + i] = angle.sin() as f32;
-            }
-        }
-        let shape = (cfg.block_size, half);
+        let (cos, sin) = rope_tables(cfg);
+        let shape = (cfg.block_size, cfg.head_dim() / 2);
         Ok(Self {
             cos: Tensor::from_vec(cos, shape, device)?.to_dtype(dtype)?,
             sin: Tensor::from_vec(sin, shape, device)?.to_dtype(dtype)?,

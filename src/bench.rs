@@ -1,0 +1,212 @@
+//! `tinygpt bench`: how fast a config trains and decodes on this machine.
+//!
+//! Training: `warmup` steps, then the median of `steps` timed steps on random tokens
+//! (speed does not depend on the data), split into forward (loss), backward, and
+//! optimiser (clip + AdamW). Decoding: prefill a prompt of random tokens (time to
+//! first token), then greedy-decode new tokens through the same path `generate` uses.
+//! FLOPs count matmuls only, training = 3x forward, as is usual.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use candle_core::{Device, Tensor};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+
+use crate::config::{Config, ModelConfig, TokenizerKind};
+use crate::generate::{DecodeMode, Decoder};
+use crate::model::{Dropout, Gpt};
+use crate::sample::argmax;
+use crate::train::optim::{clip_grad_norm, AdamW};
+
+pub struct BenchOptions {
+    pub steps: usize,
+    pub warmup: usize,
+    pub prompt_tokens: usize,
+    pub decode_tokens: usize,
+    pub decode_mode: DecodeMode,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    pub model: ModelConfig,
+    pub batch_size: usize,
+    pub tokens_per_step: usize,
+    pub parameters: usize,
+    pub device: String,
+    pub threads: usize,
+    pub steps: usize,
+    pub train_ms_per_step: f64,
+    pub train_tokens_per_s: f64,
+    pub forward_ms: f64,
+    pub backward_ms: f64,
+    pub optimizer_ms: f64,
+    pub gflop_per_step: f64,
+    pub gflops: f64,
+    pub peak_rss_mb: Option<f64>,
+    pub prompt_tokens: usize,
+    pub ttft_ms: f64,
+    pub prefill_tokens_per_s: f64,
+    pub decode_tokens: usize,
+    pub decode_tokens_per_s: f64,
+    pub decode_mode: String,
+    pub peak_rss_after_decode_mb: Option<f64>,
+}
+
+/// Forward FLOPs of one sequence of `t` tokens: 2 per multiply-add in every matmul,
+/// attention's two (T x T) products included, the tied output layer included.
+pub fn forward_flops(cfg: &ModelConfig, t: usize) -> f64 {
+    let c = cfg.n_embd as f64;
+    let kv = (cfg.kv_heads() * cfg.head_dim()) as f64;
+    let per_layer_weights = c * (c + 2.0 * kv) + c * c + 8.0 * c * c;
+    let weights = cfg.n_layer as f64 * per_layer_weights + cfg.vocab_size as f64 * c;
+    let t = t as f64;
+    let attention = cfg.n_layer as f64 * 2.0 * 2.0 * t * t * c;
+    2.0 * t * weights + attention
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
+}
+
+/// Peak resident memory of this process so far (Linux), in MiB.
+pub fn peak_rss_mb() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+/// The vocabulary size a bench uses when the config leaves it to the tokenizer.
+pub fn bench_vocab(config: &Config) -> usize {
+    match (config.model.vocab_size, config.tokenizer.kind) {
+        (0, TokenizerKind::Bpe) => config.tokenizer.vocab_size,
+        (0, TokenizerKind::Char) => 65, // tinyshakespeare's characters
+        (v, _) => v,
+    }
+}
+
+pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<BenchReport> {
+    let mut cfg = config.model.clone();
+    cfg.vocab_size = bench_vocab(config);
+    let train = &config.train;
+    let (b, t) = (train.batch_size, cfg.block_size);
+    let model = Gpt::new(&cfg, config.run.seed, device)?;
+    let mut optimizer = AdamW::new(model.params(), train)?;
+    let params: Vec<Tensor> = model
+        .params()
+        .iter()
+        .map(|(_, v)| v.as_tensor().clone())
+        .collect();
+    let mut rng = ChaCha8Rng::seed_from_u64(config.run.seed);
+    let mut dropout = Dropout::new(cfg.dropout, config.run.seed, 0);
+
+    let (mut fwd, mut bwd, mut opt, mut total) = (vec![], vec![], vec![], vec![]);
+    for step in 0..opts.warmup + opts.steps {
+        let x: Vec<u32> = (0..b * t)
+            .map(|_| rng.random_range(0..cfg.vocab_size as u32))
+            .collect();
+        let y: Vec<u32> = (0..b * t)
+            .map(|_| rng.random_range(0..cfg.vocab_size as u32))
+            .collect();
+        let x = Tensor::from_vec(x, (b, t), device)?;
+        let y = Tensor::from_vec(y, (b, t), device)?;
+        let t0 = Instant::now();
+        let loss = model.loss(&x, &y, &mut dropout)?;
+        loss.to_scalar::<f32>()?; // wait for the device
+        let t1 = Instant::now();
+        let store = loss.backward()?;
+        let mut grads: Vec<Tensor> = params
+            .iter()
+            .map(|p| store.get(p).cloned().map_or_else(|| p.zeros_like(), Ok))
+            .collect::<candle_core::Result<_>>()?;
+        device.synchronize()?;
+        let t2 = Instant::now();
+        clip_grad_norm(&mut grads, train.grad_clip)?;
+        optimizer.step(&grads, train.lr)?;
+        device.synchronize()?;
+        let t3 = Instant::now();
+        if step >= opts.warmup {
+            let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+            fwd.push(ms(t0, t1));
+            bwd.push(ms(t1, t2));
+            opt.push(ms(t2, t3));
+            total.push(ms(t0, t3));
+        }
+    }
+    let peak_train = peak_rss_mb();
+    let step_ms = median(total);
+    let gflop = 3.0 * b as f64 * forward_flops(&cfg, t) / 1e9;
+
+    // Decoding.
+    let prompt_len = opts.prompt_tokens.clamp(1, t);
+    let prompt: Vec<u32> = (0..prompt_len)
+        .map(|_| rng.random_range(0..cfg.vocab_size as u32))
+        .collect();
+    let mut decoder = Decoder::new(&model, 1, opts.decode_mode)?;
+    let t0 = Instant::now();
+    let mut next = argmax(decoder.prefill(&prompt)?);
+    let ttft = t0.elapsed().as_secs_f64();
+    let t0 = Instant::now();
+    for _ in 0..opts.decode_tokens {
+        next = argmax(decoder.push(&[next])?);
+    }
+    let decode_s = t0.elapsed().as_secs_f64();
+
+    Ok(BenchReport {
+        model: cfg.clone(),
+        batch_size: b,
+        tokens_per_step: b * t,
+        parameters: model.params().count(),
+        device: format!("{device:?}"),
+        threads: candle_core::utils::get_num_threads(),
+        steps: opts.steps,
+        train_ms_per_step: step_ms,
+        train_tokens_per_s: (b * t) as f64 / (step_ms / 1e3),
+        forward_ms: median(fwd),
+        backward_ms: median(bwd),
+        optimizer_ms: median(opt),
+        gflop_per_step: gflop,
+        gflops: gflop / (step_ms / 1e3),
+        peak_rss_mb: peak_train,
+        prompt_tokens: prompt_len,
+        ttft_ms: ttft * 1e3,
+        prefill_tokens_per_s: prompt_len as f64 / ttft,
+        decode_tokens: opts.decode_tokens,
+        decode_tokens_per_s: opts.decode_tokens as f64 / decode_s,
+        decode_mode: format!("{:?}", opts.decode_mode).to_lowercase(),
+        peak_rss_after_decode_mb: peak_rss_mb(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flops_of_the_baby_config() {
+        let cfg = ModelConfig {
+            vocab_size: 65,
+            ..ModelConfig::default()
+        };
+        // 3.96 GFLOP per training step of 12 x 64 tokens (shared/research figure).
+        let gflop = 3.0 * 12.0 * forward_flops(&cfg, 64) / 1e9;
+        assert!((gflop - 3.964).abs() < 0.001, "{gflop}");
+    }
+
+    #[test]
+    fn medians() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
+    }
+}

@@ -1,0 +1,282 @@
+//! The subcommands behind the CLI: load, call the library, print (human or JSON).
+
+use std::io::{IsTerminal, Read, Write};
+
+use anyhow::Result;
+use serde_json::json;
+use tinygpt::checkpoint::Loaded;
+use tinygpt::device::parse_device;
+use tinygpt::error::user_error;
+use tinygpt::generate::{generate as sample_text, unescape, DecodeMode, GenerateOptions};
+use tinygpt::sample::{Sampler, SamplingParams};
+use tinygpt::user_bail;
+
+use crate::{BenchArgs, CheckpointArgs, EvalArgs, GenerateArgs, InfoArgs};
+
+fn load(args: &CheckpointArgs) -> Result<Loaded> {
+    Loaded::load(&args.checkpoint, &parse_device(&args.device)?)
+}
+
+fn read_prompt(args: &GenerateArgs) -> Result<String> {
+    if let Some(p) = &args.prompt {
+        return Ok(unescape(p));
+    }
+    if let Some(path) = &args.prompt_file {
+        return std::fs::read_to_string(path)
+            .map_err(|e| user_error(format!("cannot read --prompt-file {}: {e}", path.display())));
+    }
+    let stdin = std::io::stdin();
+    if stdin.is_terminal() {
+        return Ok(String::new());
+    }
+    let mut text = String::new();
+    stdin
+        .lock()
+        .read_to_string(&mut text)
+        .map_err(|e| user_error(format!("cannot read the prompt from stdin: {e}")))?;
+    Ok(text)
+}
+
+pub fn generate(args: GenerateArgs) -> Result<()> {
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        repetition_penalty: args.repetition_penalty,
+    };
+    params.validate()?;
+    if args.num_samples == 0 {
+        user_bail!("--num-samples must be at least 1");
+    }
+    let prompt_text = read_prompt(&args)?;
+    let loaded = load(&args.ckpt)?;
+    let tk = &loaded.tokenizer;
+    let (prompt, show_prompt) = if prompt_text.is_empty() {
+        let start = match tk.end_of_text() {
+            Some(eot) => vec![eot],
+            None => tk.encode("\n").map_err(|_| {
+                user_error("the prompt is empty and this char vocabulary has no newline to start from; give --prompt")
+            })?,
+        };
+        (start, false)
+    } else {
+        (tk.encode(&prompt_text)?, true)
+    };
+    let seed = args.seed.unwrap_or_else(rand::random);
+    // Sample i has its own stream: the same text whatever --num-samples is.
+    let mut samplers = (0..args.num_samples as u64)
+        .map(|i| Sampler::new(params.clone(), seed.wrapping_add(i)))
+        .collect::<Result<Vec<_>>>()?;
+    let mode = if args.no_kv_cache {
+        DecodeMode::Uncached
+    } else if args.reference {
+        DecodeMode::Cached
+    } else {
+        DecodeMode::Fast
+    };
+    let options = GenerateOptions {
+        max_new_tokens: args.max_new_tokens,
+        stop: args.stop.iter().map(|s| unescape(s)).collect(),
+        mode,
+    };
+    let stream = args.num_samples == 1 && !args.json;
+    let stdout = std::io::stdout();
+    if stream && show_prompt {
+        let mut out = stdout.lock();
+        write!(out, "{prompt_text}")?;
+        out.flush()?;
+    }
+    let mut print = |_: usize, piece: &str| -> Result<()> {
+        if stream {
+            let mut out = stdout.lock();
+            out.write_all(piece.as_bytes())?;
+            out.flush()?;
+        }
+        Ok(())
+    };
+    let samples = sample_text(
+        &loaded.model,
+        tk,
+        &prompt,
+        &mut samplers,
+        &options,
+        &mut print,
+    )?;
+    let mut out = stdout.lock();
+    for (i, sample) in samples.iter().enumerate() {
+        let st = &sample.stats;
+        if args.json {
+            let record = json!({
+                "sample": i, "seed": seed.wrapping_add(i as u64), "prompt": prompt_text,
+                "text": sample.text, "token_ids": sample.token_ids, "stats": st,
+            });
+            writeln!(out, "{record}")?;
+            continue;
+        }
+        if !stream {
+            if i > 0 {
+                writeln!(out, "---------------")?;
+            }
+            write!(
+                out,
+                "{}{}",
+                if show_prompt { &prompt_text } else { "" },
+                sample.text
+            )?;
+        }
+        writeln!(out)?;
+        out.flush()?;
+        eprintln!(
+            "[sample {}/{}] prompt {} tokens, generated {} tokens ({}), prefill {:.1} ms, decode {:.1} tokens/s, seed {}",
+            i + 1,
+            args.num_samples,
+            st.prompt_tokens,
+            st.generated_tokens,
+            st.stopped_by,
+            st.prefill_ms,
+            st.decode_tokens_per_s,
+            seed.wrapping_add(i as u64)
+        );
+    }
+    Ok(())
+}
+
+pub fn eval(args: EvalArgs) -> Result<()> {
+    let text = std::fs::read(&args.text)
+        .map_err(|e| user_error(format!("cannot read --text {}: {e}", args.text.display())))?;
+    let text = String::from_utf8(text)
+        .map_err(|_| user_error(format!("--text {} is not UTF-8", args.text.display())))?;
+    let loaded = load(&args.ckpt)?;
+    let ids = loaded.tokenizer.encode(&text)?;
+    let r = tinygpt::eval::evaluate(&loaded.model, &ids, text.len())?;
+    if args.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "{}: {} tokens, loss {:.4} nats/token, perplexity {:.3}, {:.4} bits/byte",
+            args.text.display(),
+            r.tokens,
+            r.loss,
+            r.perplexity,
+            r.bits_per_byte
+        );
+    }
+    Ok(())
+}
+
+pub fn info(args: InfoArgs) -> Result<()> {
+    let loaded = load(&args.ckpt)?;
+    let params = loaded.model.params();
+    let total = params.count();
+    let embeddings: usize = params
+        .iter()
+        .filter(|(name, _)| name.starts_with("wte.") || name.starts_with("wpe."))
+        .map(|(_, v)| v.elem_count())
+        .sum();
+    let st = &loaded.state;
+    let cfg = &loaded.config;
+    if args.json {
+        let record = json!({
+            "checkpoint": args.ckpt.checkpoint, "config": cfg,
+            "parameters": total, "parameters_without_embeddings": total - embeddings,
+            "step": st.step, "tokens_seen": st.tokens_seen,
+            "train_loss": st.last_train_loss, "val_loss": st.last_val_loss, "best_val_loss": st.best_val_loss,
+            "tokenizer": loaded.tokenizer.kind_name(), "vocab_size": loaded.tokenizer.vocab_size(),
+        });
+        println!("{record}");
+    } else {
+        let m = &cfg.model;
+        let fmt = |l: Option<f64>| l.map_or("-".to_string(), |l| format!("{l:.4}"));
+        println!("checkpoint  {}", args.ckpt.checkpoint.display());
+        println!(
+            "model       {} layers, {} heads ({} K/V), width {}, context {}, {:?} positions, bias {}",
+            m.n_layer, m.n_head, m.kv_heads(), m.n_embd, m.block_size, m.positions, m.bias
+        );
+        println!(
+            "parameters  {total} ({:.2}M); {} ({:.2}M) without embeddings",
+            total as f64 / 1e6,
+            total - embeddings,
+            (total - embeddings) as f64 / 1e6
+        );
+        println!(
+            "tokenizer   {} with {} tokens (model vocabulary {})",
+            loaded.tokenizer.kind_name(),
+            loaded.tokenizer.vocab_size(),
+            m.vocab_size
+        );
+        println!(
+            "trained     {} steps, {} tokens, {:.0} s",
+            st.step, st.tokens_seen, st.elapsed_s
+        );
+        println!(
+            "loss        train {}, val {} (best val {})",
+            fmt(st.last_train_loss),
+            fmt(st.last_val_loss),
+            fmt(st.best_val_loss)
+        );
+        println!("corpus      {}", cfg.data.corpus.display());
+    }
+    Ok(())
+}
+
+pub fn bench(args: BenchArgs) -> Result<()> {
+    let mut overrides = args.overrides;
+    if let Some(device) = args.device {
+        overrides.push(format!("run.device={device:?}"));
+    }
+    let config = tinygpt::config::Config::load(&args.config, &overrides)?;
+    let device = parse_device(&config.run.device)?;
+    let opts = tinygpt::bench::BenchOptions {
+        steps: args.steps.max(1),
+        warmup: args.warmup,
+        prompt_tokens: args.prompt_tokens,
+        decode_tokens: args.decode_tokens,
+        decode_mode: if args.reference {
+            DecodeMode::Cached
+        } else {
+            DecodeMode::Fast
+        },
+    };
+    let m = &config.model;
+    if !args.json {
+        eprintln!(
+            "bench {}: {} layers, {} heads, width {}, context {}, batch {}, vocab {}; {} steps after {} warm-up",
+            args.config.display(),
+            m.n_layer,
+            m.n_head,
+            m.n_embd,
+            m.block_size,
+            config.train.batch_size,
+            tinygpt::bench::bench_vocab(&config),
+            opts.steps,
+            opts.warmup
+        );
+    }
+    let r = tinygpt::bench::run(&config, &device, &opts)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    let mb = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0} MiB"));
+    println!(
+        "train   {:.1} ms/step (forward {:.1}, backward {:.1}, optimizer {:.1}), {:.0} tokens/s, {:.2} GFLOP/step, {:.1} GFLOP/s, peak RSS {}",
+        r.train_ms_per_step,
+        r.forward_ms,
+        r.backward_ms,
+        r.optimizer_ms,
+        r.train_tokens_per_s,
+        r.gflop_per_step,
+        r.gflops,
+        mb(r.peak_rss_mb)
+    );
+    println!(
+        "decode  {:.0} tokens/s ({}), prefill {} tokens in {:.1} ms ({:.0} tokens/s), peak RSS {}",
+        r.decode_tokens_per_s,
+        r.decode_mode,
+        r.prompt_tokens,
+        r.ttft_ms,
+        r.prefill_tokens_per_s,
+        mb(r.peak_rss_after_decode_mb)
+    );
+    Ok(())
+}

@@ -1,0 +1,8 @@
+//! The CPU fast paths: our own kernels over preallocated buffers, checked against the
+//! reference model (plain candle ops) in tests. The reference stays the definition of
+//! the model and the path on every other device.
+
+pub mod decode;
+pub mod kernels;
+
+pub use decode::FastDecoder;
