@@ -126,7 +126,7 @@ impl<'m> Decoder<'m> {
     fn refill(&mut self) -> Result<&[f32]> {
         match &mut self.backend {
             Backend::Fast(fast) => {
-                let logits = fast.prefill(self.model, &self.windows)?;
+                let logits = fast.prefill(&self.windows)?;
                 self.logits.clear();
                 self.logits.extend_from_slice(logits);
             }

@@ -7,17 +7,20 @@
 //! row-major buffers; nothing is allocated per token. Several sequences (samples) step
 //! together so each weight row is read once for all of them.
 //!
-//! The prompt (and every window slide) is prefilled by the reference model's batched
-//! forward, whose K/V cache is copied in.
+//! The prompt (and every window slide) runs through the same code with many rows at
+//! once: the projections become GEMMs (`fast::gemm`) and attention rows are spread
+//! over threads.
 
 use anyhow::Result;
 use candle_core::{DType, Tensor};
+use rayon::prelude::*;
 
-use super::kernels::{dot, gelu_erf, layer_norm, matvec};
+use super::gemm::matmul_wt;
+use super::kernels::{axpy, dot_lanes, gelu_erf, layer_norm, matvec, multiversion, softmax_inline};
 use crate::config::PositionKind;
 use crate::model::norm::LAYER_NORM_EPS;
 use crate::model::position::{rope_tables, sinusoidal_table};
-use crate::model::{Dropout, Gpt, KvCache};
+use crate::model::Gpt;
 
 struct Linear {
     w: Vec<f32>, // (out, in), row-major
@@ -58,7 +61,7 @@ pub struct FastDecoder {
     keys: Vec<Vec<f32>>,   // per layer: (batch, block, H_kv * d)
     values: Vec<Vec<f32>>, // per layer: (batch, block, H_kv * d)
 
-    // Scratch, one row per sequence.
+    // Scratch, sized for every position of every sequence (a full prefill).
     x: Vec<f32>,
     xn: Vec<f32>,
     qkv: Vec<f32>,
@@ -66,6 +69,7 @@ pub struct FastDecoder {
     proj: Vec<f32>,
     hidden: Vec<f32>,
     scores: Vec<f32>,
+    last: Vec<f32>, // final-norm output of each sequence's last position
     logits: Vec<f32>,
 }
 
@@ -135,6 +139,7 @@ impl FastDecoder {
         let kv_dim = cfg.kv_heads() * cfg.head_dim();
         let qkv_dim = c + 2 * kv_dim;
         let cache = || vec![0f32; batch * cfg.block_size * kv_dim];
+        let rows = batch * cfg.block_size;
         Ok(Self {
             n_head: cfg.n_head,
             n_kv_head: cfg.kv_heads(),
@@ -151,13 +156,14 @@ impl FastDecoder {
             len: 0,
             keys: (0..cfg.n_layer).map(|_| cache()).collect(),
             values: (0..cfg.n_layer).map(|_| cache()).collect(),
-            x: vec![0.0; batch * c],
-            xn: vec![0.0; batch * c],
-            qkv: vec![0.0; batch * qkv_dim],
-            att: vec![0.0; batch * c],
-            proj: vec![0.0; batch * c],
-            hidden: vec![0.0; batch * 4 * c],
+            x: vec![0.0; rows * c],
+            xn: vec![0.0; rows * c],
+            qkv: vec![0.0; rows * qkv_dim],
+            att: vec![0.0; rows * c],
+            proj: vec![0.0; rows * c],
+            hidden: vec![0.0; rows * 4 * c],
             scores: vec![0.0; cfg.block_size],
+            last: vec![0.0; batch * c],
             logits: vec![0.0; batch * cfg.vocab_size],
         })
     }
@@ -175,42 +181,30 @@ impl FastDecoder {
         self.len == 0
     }
 
-    /// Runs the reference model over `windows` (one per sequence, equal lengths) and
-    /// keeps its keys and values. Returns the last position's logits, (batch, V).
-    pub fn prefill(&mut self, model: &Gpt, windows: &[Vec<u32>]) -> Result<&[f32]> {
+    /// Starts over: runs `windows` (one per sequence, equal lengths) from position 0.
+    /// Returns the last position's logits, (batch, V).
+    pub fn prefill(&mut self, windows: &[Vec<u32>]) -> Result<&[f32]> {
         assert_eq!(windows.len(), self.batch);
         let t = windows[0].len();
-        assert!(windows.iter().all(|w| w.len() == t) && t <= self.block);
-        let flat: Vec<u32> = windows.concat();
-        let ids = Tensor::from_vec(flat, (self.batch, t), model.device())?;
-        let mut cache = KvCache::new(self.layers.len());
-        let out = model.forward(&ids, 0, Some(&mut cache), &mut Dropout::off())?;
-        let kv_dim = self.n_kv_head * self.head_dim;
-        for l in 0..self.layers.len() {
-            let (k, v) = cache.layer(l).expect("every layer cached");
-            // (B, H_kv, T, d) -> (B, T, H_kv * d), the row layout of our buffers.
-            for (src, dst) in [(k, &mut self.keys[l]), (v, &mut self.values[l])] {
-                let rows = host(&src.transpose(1, 2)?.contiguous()?)?;
-                for b in 0..self.batch {
-                    let n = t * kv_dim;
-                    let start = b * self.block * kv_dim;
-                    dst[start..start + n].copy_from_slice(&rows[b * n..(b + 1) * n]);
-                }
-            }
-        }
-        self.len = t;
-        let last = host(&out.logits.narrow(1, t - 1, 1)?)?;
-        self.logits.copy_from_slice(&last);
-        Ok(&self.logits)
+        assert!(windows.iter().all(|w| w.len() == t));
+        self.len = 0;
+        self.forward(&windows.concat(), t)
     }
 
     /// Feeds one token per sequence at the next position; returns logits, (batch, V).
     pub fn step(&mut self, ids: &[u32]) -> Result<&[f32]> {
-        assert_eq!(ids.len(), self.batch);
-        let pos = self.len;
-        if pos >= self.block {
+        self.forward(ids, 1)
+    }
+
+    /// Runs `t` new tokens per sequence (`ids` is (batch, t) row-major) at positions
+    /// len .. len + t, appending their keys and values.
+    fn forward(&mut self, ids: &[u32], t: usize) -> Result<&[f32]> {
+        assert_eq!(ids.len(), self.batch * t);
+        let pos0 = self.len;
+        if t == 0 || pos0 + t > self.block {
             anyhow::bail!(
-                "the K/V buffers are full ({} positions): slide the window",
+                "{} positions do not fit the K/V buffers of {}: slide the window",
+                pos0 + t,
                 self.block
             );
         }
@@ -218,16 +212,19 @@ impl FastDecoder {
         let (h, h_kv, d) = (self.n_head, self.n_kv_head, self.head_dim);
         let kv_dim = h_kv * d;
         let qkv_dim = c + 2 * kv_dim;
-        let scale = 1.0 / (d as f32).sqrt();
+        let rows = self.batch * t;
+        let block = self.block;
 
-        for (b, &id) in ids.iter().enumerate() {
-            let x = &mut self.x[b * c..(b + 1) * c];
+        // Token (+ position) embeddings; row r is sequence r / t at position pos0 + r % t.
+        for (r, &id) in ids.iter().enumerate() {
             let id = id as usize;
             if id >= self.vocab {
                 anyhow::bail!("token id {id} is outside the vocabulary of {}", self.vocab);
             }
+            let x = &mut self.x[r * c..(r + 1) * c];
             x.copy_from_slice(&self.wte[id * c..(id + 1) * c]);
             if let Some(table) = &self.pos_table {
+                let pos = pos0 + r % t;
                 for (xi, pi) in x.iter_mut().zip(&table[pos * c..(pos + 1) * c]) {
                     *xi += pi;
                 }
@@ -235,11 +232,12 @@ impl FastDecoder {
         }
 
         for (l, layer) in self.layers.iter().enumerate() {
-            // Attention.
-            norm_rows(&self.x, &layer.ln_1, c, &mut self.xn);
-            linear_rows(&layer.c_attn, &self.xn, c, &mut self.qkv);
-            for b in 0..self.batch {
-                let qkv = &mut self.qkv[b * qkv_dim..(b + 1) * qkv_dim];
+            // Attention: q, k, v for every row; rotate; store k, v; attend.
+            norm_rows(&self.x[..rows * c], &layer.ln_1, c, &mut self.xn);
+            linear(&layer.c_attn, &self.xn[..rows * c], rows, c, &mut self.qkv);
+            for r in 0..rows {
+                let (b, pos) = (r / t, pos0 + r % t);
+                let qkv = &mut self.qkv[r * qkv_dim..(r + 1) * qkv_dim];
                 if let Some((cos, sin)) = &self.rope {
                     let half = d / 2;
                     let (cos, sin) = (
@@ -250,52 +248,118 @@ impl FastDecoder {
                         rotate_half_pairs(head, cos, sin);
                     }
                 }
-                let row = (b * self.block + pos) * kv_dim;
-                self.keys[l][row..row + kv_dim].copy_from_slice(&qkv[c..c + kv_dim]);
-                self.values[l][row..row + kv_dim].copy_from_slice(&qkv[c + kv_dim..]);
-
-                let keys = &self.keys[l][b * self.block * kv_dim..];
-                let values = &self.values[l][b * self.block * kv_dim..];
-                let att = &mut self.att[b * c..(b + 1) * c];
-                att.fill(0.0);
-                for head in 0..h {
-                    let g = head / (h / h_kv); // the K/V head this query head shares
-                    let q = &qkv[head * d..(head + 1) * d];
-                    let scores = &mut self.scores[..=pos];
-                    for (s, score) in scores.iter_mut().enumerate() {
-                        let k = &keys[s * kv_dim + g * d..s * kv_dim + (g + 1) * d];
-                        *score = dot(q, k) * scale;
-                    }
-                    super::kernels::softmax(scores);
-                    let out = &mut att[head * d..(head + 1) * d];
-                    for (s, &p) in scores.iter().enumerate() {
-                        let v = &values[s * kv_dim + g * d..s * kv_dim + (g + 1) * d];
-                        super::kernels::axpy(out, p, v);
-                    }
-                }
+                let at = (b * block + pos) * kv_dim;
+                self.keys[l][at..at + kv_dim].copy_from_slice(&qkv[c..c + kv_dim]);
+                self.values[l][at..at + kv_dim].copy_from_slice(&qkv[c + kv_dim..]);
             }
-            linear_rows(&layer.attn_proj, &self.att, c, &mut self.proj);
-            add(&mut self.x, &self.proj);
+            let heads = Heads {
+                n_head: h,
+                n_kv_head: h_kv,
+                head_dim: d,
+                block,
+            };
+            let (keys, values, qkv) = (&self.keys[l], &self.values[l], &self.qkv);
+            let attend_row = |r: usize, out: &mut [f32], scores: &mut [f32]| {
+                attend(
+                    &heads,
+                    &qkv[r * qkv_dim..r * qkv_dim + c],
+                    keys,
+                    values,
+                    (r / t, pos0 + r % t),
+                    out,
+                    scores,
+                );
+            };
+            if rows == 1 {
+                attend_row(0, &mut self.att[..c], &mut self.scores);
+            } else {
+                self.att[..rows * c]
+                    .par_chunks_mut(c)
+                    .enumerate()
+                    .for_each_init(
+                        || vec![0f32; block],
+                        |scores, (r, out)| attend_row(r, out, scores),
+                    );
+            }
+            linear(
+                &layer.attn_proj,
+                &self.att[..rows * c],
+                rows,
+                c,
+                &mut self.proj,
+            );
+            add(&mut self.x[..rows * c], &self.proj[..rows * c]);
 
             // MLP.
-            norm_rows(&self.x, &layer.ln_2, c, &mut self.xn);
-            linear_rows(&layer.c_fc, &self.xn, c, &mut self.hidden);
-            gelu_erf(&mut self.hidden);
-            linear_rows(&layer.mlp_proj, &self.hidden, 4 * c, &mut self.proj);
-            add(&mut self.x, &self.proj);
+            norm_rows(&self.x[..rows * c], &layer.ln_2, c, &mut self.xn);
+            linear(&layer.c_fc, &self.xn[..rows * c], rows, c, &mut self.hidden);
+            gelu_erf(&mut self.hidden[..rows * 4 * c]);
+            linear(
+                &layer.mlp_proj,
+                &self.hidden[..rows * 4 * c],
+                rows,
+                4 * c,
+                &mut self.proj,
+            );
+            add(&mut self.x[..rows * c], &self.proj[..rows * c]);
         }
 
-        norm_rows(&self.x, &self.ln_f, c, &mut self.xn);
+        // Only each sequence's last position needs logits.
         for b in 0..self.batch {
-            matvec(
-                &self.wte,
-                None,
-                &self.xn[b * c..(b + 1) * c],
-                &mut self.logits[b * self.vocab..(b + 1) * self.vocab],
+            let r = b * t + t - 1;
+            layer_norm(
+                &self.x[r * c..(r + 1) * c],
+                &self.ln_f.w,
+                self.ln_f.b.as_deref(),
+                LAYER_NORM_EPS as f32,
+                &mut self.last[b * c..(b + 1) * c],
             );
         }
-        self.len += 1;
+        let head = Linear {
+            w: std::mem::take(&mut self.wte),
+            b: None,
+            d_out: self.vocab,
+        };
+        linear(&head, &self.last, self.batch, c, &mut self.logits);
+        self.wte = head.w;
+        self.len += t;
         Ok(&self.logits)
+    }
+}
+
+/// The shapes attention needs to find a head's query, keys and values.
+pub struct Heads {
+    n_head: usize,
+    n_kv_head: usize,
+    head_dim: usize,
+    block: usize,
+}
+
+multiversion! {
+    /// One position's attention output, all heads: `q` holds its query heads, the
+    /// buffers hold the keys and values of sequence `at.0` up to position `at.1`.
+    pub fn attend(heads: &Heads, q: &[f32], keys: &[f32], values: &[f32], at: (usize, usize), out: &mut [f32], scores: &mut [f32]) {
+        let (b, pos) = at;
+        let d = heads.head_dim;
+        let kv_dim = heads.n_kv_head * d;
+        let group = heads.n_head / heads.n_kv_head;
+        let scale = 1.0 / (d as f32).sqrt();
+        let keys = &keys[b * heads.block * kv_dim..];
+        let values = &values[b * heads.block * kv_dim..];
+        out.fill(0.0);
+        for head in 0..heads.n_head {
+            let g = head / group; // the K/V head this query head shares
+            let q = &q[head * d..(head + 1) * d];
+            let scores = &mut scores[..=pos];
+            for (s, score) in scores.iter_mut().enumerate() {
+                *score = dot_lanes(q, &keys[s * kv_dim + g * d..s * kv_dim + (g + 1) * d]) * scale;
+            }
+            softmax_inline(scores);
+            let out = &mut out[head * d..(head + 1) * d];
+            for (s, &p) in scores.iter().enumerate() {
+                axpy(out, p, &values[s * kv_dim + g * d..s * kv_dim + (g + 1) * d]);
+            }
+        }
     }
 }
 
@@ -306,17 +370,27 @@ fn norm_rows(x: &[f32], norm: &Norm, c: usize, out: &mut [f32]) {
     }
 }
 
-/// out[b] = W x[b] + bias for every row b; each weight row is read once for all rows.
-fn linear_rows(lin: &Linear, x: &[f32], d_in: usize, out: &mut [f32]) {
-    let rows = x.len() / d_in;
+/// out = x Wᵀ + bias for `rows` rows of width `d_in`: a GEMM for many rows, one dot
+/// product per weight row (read once for all rows) for a few.
+fn linear(lin: &Linear, x: &[f32], rows: usize, d_in: usize, out: &mut [f32]) {
+    let d_out = lin.d_out;
     if rows == 1 {
-        return matvec(&lin.w, lin.b.as_deref(), x, out);
+        return matvec(&lin.w, lin.b.as_deref(), x, &mut out[..d_out]);
     }
-    for o in 0..lin.d_out {
-        let w = &lin.w[o * d_in..(o + 1) * d_in];
-        let bias = lin.b.as_ref().map_or(0.0, |b| b[o]);
-        for r in 0..rows {
-            out[r * lin.d_out + o] = dot(w, &x[r * d_in..(r + 1) * d_in]) + bias;
+    if rows <= 4 {
+        for o in 0..d_out {
+            let w = &lin.w[o * d_in..(o + 1) * d_in];
+            let bias = lin.b.as_ref().map_or(0.0, |b| b[o]);
+            for r in 0..rows {
+                out[r * d_out + o] = super::kernels::dot(w, &x[r * d_in..(r + 1) * d_in]) + bias;
+            }
+        }
+        return;
+    }
+    matmul_wt(out, x, &lin.w, rows, d_out, d_in, false);
+    if let Some(bias) = &lin.b {
+        for row in out[..rows * d_out].chunks_exact_mut(d_out) {
+            add(row, bias);
         }
     }
 }

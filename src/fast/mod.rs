@@ -3,6 +3,7 @@
 //! the model and the path on every other device.
 
 pub mod decode;
+pub mod gemm;
 pub mod kernels;
 
 pub use decode::FastDecoder;
