@@ -11,9 +11,15 @@
 //!   tokens.bin, tokens.json  the token cache
 //! ```
 //!
-//! Every file is written to a temp file in the same folder, fsynced and renamed over the
-//! old one; `state.json` goes last and records the size and SHA-256 of the others, which
-//! loading verifies.
+//! Crash safety. A checkpoint is written in three phases:
+//! 1. each file goes to `<name>.next` (temp file, fsync, rename, fsync of the folder);
+//! 2. `state.json`, recording the size and SHA-256 of every file, replaces the old one
+//!    the same way: this rename is the commit point;
+//! 3. each `<name>.next` is renamed to `<name>`.
+//! Killed before 2, the old state.json still describes the old files, untouched. Killed
+//! during 3, state.json describes the new files, each either renamed or still `.next`:
+//! loading takes whichever copy matches the recorded hash (and training rolls the
+//! renames forward). So at every moment the folder holds one complete checkpoint.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
@@ -44,6 +50,12 @@ pub const STATE_VERSION: u32 = 1;
 pub struct FileDigest {
     pub size: u64,
     pub sha256: String,
+}
+
+impl FileDigest {
+    pub fn matches(&self, bytes: &[u8]) -> bool {
+        self.size == bytes.len() as u64 && self.sha256 == sha256_hex(bytes)
+    }
 }
 
 /// Where training stands; everything beyond the weights that resume needs.
@@ -108,7 +120,8 @@ impl RunDir {
         self.file(STATE_FILE).is_file()
     }
 
-    /// Writes a whole checkpoint; `state.files` is filled in here.
+    /// Writes a whole checkpoint (see the module docs for the protocol); `state.files` is
+    /// filled in here.
     pub fn save(
         &self,
         config: &Config,
@@ -129,7 +142,7 @@ impl RunDir {
         state.version = STATE_VERSION;
         state.files.clear();
         for (name, bytes) in &files {
-            write_atomic(&self.file(name), bytes)?;
+            write_atomic(&self.next_file(name), bytes)?;
             state.files.insert(
                 name.to_string(),
                 FileDigest {
@@ -138,10 +151,50 @@ impl RunDir {
                 },
             );
         }
+        // The commit point.
         write_atomic(
             &self.file(STATE_FILE),
             serde_json::to_string_pretty(&state)?.as_bytes(),
-        )
+        )?;
+        self.roll_forward(&state)
+    }
+
+    /// Removes temp files of writes a killed process never finished.
+    pub fn remove_temp_files(&self) {
+        let Ok(entries) = fs::read_dir(&self.path) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') && name.contains(".tmp") {
+                let _ = fs::remove_file(entry.path());
+            }
+        }
+    }
+
+    fn next_file(&self, name: &str) -> PathBuf {
+        self.file(&format!("{name}.next"))
+    }
+
+    /// Finishes phase 3 of a save: renames each `<name>.next` that the committed
+    /// state.json describes over `<name>`; removes ones it does not (left by a save
+    /// that never committed).
+    pub fn roll_forward(&self, state: &TrainState) -> Result<()> {
+        for (name, digest) in &state.files {
+            let next = self.next_file(name);
+            if !next.exists() {
+                continue;
+            }
+            if fs::read(&next).is_ok_and(|b| digest.matches(&b)) {
+                fs::rename(&next, self.file(name))
+                    .with_context(|| format!("renaming {}", next.display()))?;
+            } else {
+                let _ = fs::remove_file(&next);
+            }
+        }
+        fs::File::open(&self.path)
+            .and_then(|d| d.sync_all())
+            .with_context(|| format!("syncing {}", self.path.display()))
     }
 
     /// Reads state.json.
@@ -178,21 +231,31 @@ impl RunDir {
     /// Reads one checkpoint file and checks it against the size and hash in `state`.
     pub fn read_verified(&self, state: &TrainState, name: &str) -> Result<Vec<u8>> {
         let path = self.file(name);
-        let bytes = fs::read(&path).map_err(|e| {
-            user_error(format!(
-                "{}: {e}; the checkpoint is incomplete",
-                path.display()
-            ))
-        })?;
-        if let Some(digest) = state.files.get(name) {
-            if digest.size != bytes.len() as u64 || digest.sha256 != sha256_hex(&bytes) {
-                user_bail!(
-                    "{} does not match the size/sha256 recorded in state.json: the file is truncated or was changed; restore it or retrain",
-                    path.display()
-                );
+        let Some(digest) = state.files.get(name) else {
+            user_bail!(
+                "{} does not list {name}; the checkpoint is incomplete",
+                self.file(STATE_FILE).display()
+            );
+        };
+        let read = fs::read(&path);
+        if let Ok(bytes) = &read {
+            if digest.matches(bytes) {
+                return Ok(read?);
             }
         }
-        Ok(bytes)
+        // Saved and committed, but not yet renamed into place.
+        if let Ok(bytes) = fs::read(self.next_file(name)) {
+            if digest.matches(&bytes) {
+                return Ok(bytes);
+            }
+        }
+        match read {
+            Err(e) => user_bail!("{}: {e}; the checkpoint is incomplete", path.display()),
+            Ok(_) => user_bail!(
+                "{} does not match the size/sha256 recorded in state.json: the file is truncated or was changed; restore it or retrain",
+                path.display()
+            ),
+        }
     }
 
     pub fn load_config(&self, state: &TrainState) -> Result<Config> {

@@ -63,3 +63,24 @@ impl fmt::Display for DivergedError {
 }
 
 impl std::error::Error for DivergedError {}
+
+/// Training stopped by SIGINT or SIGTERM after writing a checkpoint (exit 128 + signal).
+#[derive(Debug, Clone, PartialEq)]
+pub struct InterruptedError {
+    pub signal: i32,
+    pub step: usize,
+    pub run_dir: std::path::PathBuf,
+}
+
+impl fmt::Display for InterruptedError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "interrupted at step {}; checkpoint saved in {}; continue with the same command and --resume",
+            self.step,
+            self.run_dir.display()
+        )
+    }
+}
+
+impl std::error::Error for InterruptedError {}

@@ -2,11 +2,13 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::Arc;
 
 use clap::{Args, Parser, Subcommand};
 
 use tinygpt::config::Config;
-use tinygpt::error::{exit_code, find_user_error, DivergedError};
+use tinygpt::error::{exit_code, find_user_error, DivergedError, InterruptedError};
 use tinygpt::progress::TerminalReporter;
 
 #[derive(Parser)]
@@ -164,7 +166,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 overrides.push(format!("run.device={device:?}"));
             }
             let config = Config::load(&args.config, &overrides)?;
-            tinygpt::train::train(config, args.resume, &mut TerminalReporter::new())?;
+            let mut trainer = tinygpt::train::Trainer::new(config, args.resume)?;
+            trainer.stop_when(stop_on_signals()?);
+            trainer.run(&mut TerminalReporter::new())?;
             Ok(())
         }
         Command::Generate(args) => commands::generate(args),
@@ -176,6 +180,31 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 
 mod commands;
 
+/// Ctrl-C or SIGTERM sets the flag to the signal number: training finishes its step,
+/// writes a checkpoint and stops. A second Ctrl-C exits at once, writing nothing.
+#[cfg(unix)]
+fn stop_on_signals() -> anyhow::Result<Arc<AtomicI32>> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let flag = Arc::new(AtomicI32::new(0));
+    let asked = Arc::new(AtomicBool::new(false));
+    for signal in [SIGINT, SIGTERM] {
+        // Registered first, so it sees `asked` as it was before this signal.
+        signal_hook::flag::register_conditional_shutdown(signal, 128 + signal, Arc::clone(&asked))?;
+        signal_hook::flag::register(signal, Arc::clone(&asked))?;
+        let flag = Arc::clone(&flag);
+        // Safety: the handler only stores to an atomic, which is async-signal-safe.
+        unsafe {
+            signal_hook::low_level::register(signal, move || flag.store(signal, Ordering::SeqCst))?;
+        }
+    }
+    Ok(flag)
+}
+
+#[cfg(not(unix))]
+fn stop_on_signals() -> anyhow::Result<Arc<AtomicI32>> {
+    Ok(Arc::new(AtomicI32::new(0)))
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
@@ -184,6 +213,9 @@ fn main() -> ExitCode {
             if let Some(user) = find_user_error(&err) {
                 eprintln!("error: {user}");
                 ExitCode::from(exit_code::USER as u8)
+            } else if let Some(stopped) = err.downcast_ref::<InterruptedError>() {
+                eprintln!("{stopped}");
+                ExitCode::from((128 + stopped.signal) as u8)
             } else if let Some(diverged) = err.downcast_ref::<DivergedError>() {
                 eprintln!("error: {diverged}");
                 ExitCode::from(exit_code::DIVERGED as u8)

@@ -1,9 +1,12 @@
 //! The training loop: batches -> loss -> backward -> clip -> AdamW, with periodic
 //! evaluation, metrics and checkpoints, resumable from the run folder.
 
+pub mod memory;
 pub mod optim;
 pub mod schedule;
 
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Result;
@@ -14,7 +17,8 @@ use crate::checkpoint::{RunDir, TrainState, MODEL_FILE, OPTIMIZER_FILE};
 use crate::config::Config;
 use crate::data::{self, Batch, BatchSampler, Split, Tokens};
 use crate::device::parse_device;
-use crate::error::DivergedError;
+use crate::error::{DivergedError, InterruptedError};
+use crate::lock::RunLock;
 use crate::model::{Dropout, Gpt};
 use crate::tokenizer::Tokenizer;
 use crate::user_bail;
@@ -96,6 +100,9 @@ pub struct Trainer {
     device: Device,
     session_start: Instant,
     resumed: bool,
+    /// Set (to the signal number) when the user asks training to stop.
+    stop: Option<Arc<AtomicI32>>,
+    _lock: RunLock,
 }
 
 impl Trainer {
@@ -154,6 +161,7 @@ impl Trainer {
             tokenizer
         };
         config.validate()?;
+        check_memory(&config)?;
 
         std::fs::create_dir_all(run.path()).map_err(|e| {
             crate::error::user_error(format!(
@@ -161,6 +169,11 @@ impl Trainer {
                 run.path().display()
             ))
         })?;
+        let lock = RunLock::acquire(run.path())?;
+        run.remove_temp_files();
+        if resume {
+            run.roll_forward(&state)?;
+        }
         let tokens = data::cached_tokens(&docs, &tokenizer, &run.file("tokens"))?;
         check_token_ids(&tokens, config.model.vocab_size)?;
         let split = Split::new(
@@ -203,7 +216,15 @@ impl Trainer {
             device,
             session_start: Instant::now(),
             resumed: resume,
+            stop: None,
+            _lock: lock,
         })
+    }
+
+    /// Training stops cleanly (checkpoint, then `InterruptedError`) once `flag` holds a
+    /// signal number other than 0.
+    pub fn stop_when(&mut self, flag: Arc<AtomicI32>) {
+        self.stop = Some(flag);
     }
 
     pub fn info(&self) -> RunInfo {
@@ -387,6 +408,16 @@ impl Trainer {
                 }))?;
             }
             reporter.step(&log);
+            let signal = self.stop.as_ref().map_or(0, |f| f.load(Ordering::SeqCst));
+            if signal != 0 && step < cfg.max_iters {
+                self.save()?;
+                return Err(InterruptedError {
+                    signal,
+                    step,
+                    run_dir: self.run.path().to_path_buf(),
+                }
+                .into());
+            }
         }
         let summary = TrainSummary {
             step: self.state.step,
@@ -404,6 +435,24 @@ impl Trainer {
 pub fn train(config: Config, resume: bool, reporter: &mut dyn Reporter) -> Result<TrainSummary> {
     let mut trainer = Trainer::new(config, resume)?;
     trainer.run(reporter)
+}
+
+/// Refuses a config whose training would not fit in the memory available.
+fn check_memory(config: &Config) -> Result<()> {
+    let need = memory::training_bytes(&config.model, &config.train);
+    if let Some(available) = memory::available_bytes() {
+        if need > available {
+            user_bail!(
+                "config: training this model needs about {:.1} GiB ({:.0}M parameters, batch {} x {} tokens) but {:.1} GiB is available; reduce model.n_embd, model.n_layer, model.block_size or train.batch_size",
+                need / f64::from(1 << 30),
+                memory::parameter_count(&config.model) / 1e6,
+                config.train.batch_size,
+                config.model.block_size,
+                available / f64::from(1 << 30)
+            );
+        }
+    }
+    Ok(())
 }
 
 fn parse_position(s: &str) -> Result<u128> {

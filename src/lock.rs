@@ -1,0 +1,109 @@
+//! One training process per run folder: `train.lock` holds the owner's pid.
+//!
+//! A second `train` into the same folder is refused with the holder's pid. A lock whose
+//! process is gone (killed, crashed) is stale and taken over.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+
+use crate::user_bail;
+
+pub const LOCK_FILE: &str = "train.lock";
+
+/// Held while training; the file is removed on drop.
+#[derive(Debug)]
+pub struct RunLock {
+    path: PathBuf,
+}
+
+impl RunLock {
+    pub fn acquire(dir: &Path) -> Result<Self> {
+        let path = dir.join(LOCK_FILE);
+        for _ in 0..3 {
+            match fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&path)
+            {
+                Ok(mut f) => {
+                    writeln!(f, "{}", std::process::id())
+                        .and_then(|_| f.sync_all())
+                        .with_context(|| format!("writing {}", path.display()))?;
+                    return Ok(Self { path });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    let holder = fs::read_to_string(&path)
+                        .ok()
+                        .and_then(|s| s.trim().parse::<u32>().ok());
+                    match holder {
+                        Some(pid) if pid != std::process::id() && process_alive(pid) => user_bail!(
+                            "{} is in use by another tinygpt train (pid {pid}); wait for it, stop it, or pick another run.name",
+                            dir.display()
+                        ),
+                        // Stale (dead pid, or unreadable): take it over.
+                        _ => {
+                            let _ = fs::remove_file(&path);
+                        }
+                    }
+                }
+                Err(e) => {
+                    return Err(e).with_context(|| format!("creating {}", path.display()));
+                }
+            }
+        }
+        user_bail!(
+            "could not take {}; remove it if no training is running",
+            path.display()
+        )
+    }
+}
+
+impl Drop for RunLock {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.path);
+    }
+}
+
+#[cfg(unix)]
+fn process_alive(pid: u32) -> bool {
+    // Signal 0 checks existence and permission without sending anything.
+    // Safety: kill with signal 0 has no effect on the target.
+    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+#[cfg(not(unix))]
+fn process_alive(_pid: u32) -> bool {
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn second_holder_is_refused_and_stale_locks_are_taken_over() {
+        let dir = tempfile::tempdir().unwrap();
+        // Held by a live process (pid 1 is always alive).
+        fs::write(dir.path().join(LOCK_FILE), "1\n").unwrap();
+        let err = RunLock::acquire(dir.path()).unwrap_err();
+        assert!(format!("{err}").contains("pid 1"), "{err}");
+        // A dead pid: a child that has exited.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        fs::write(dir.path().join(LOCK_FILE), format!("{pid}\n")).unwrap();
+        let lock = RunLock::acquire(dir.path()).unwrap();
+        assert_eq!(
+            fs::read_to_string(dir.path().join(LOCK_FILE))
+                .unwrap()
+                .trim(),
+            std::process::id().to_string()
+        );
+        drop(lock);
+        assert!(!dir.path().join(LOCK_FILE).exists());
+    }
+}

@@ -1,0 +1,67 @@
+//! A rough bound on what a training run needs, checked before anything is allocated,
+//! so an absurd config is refused with a message instead of exhausting the machine.
+
+use crate::config::{ModelConfig, TrainConfig};
+
+/// Parameters of the model (weights only).
+pub fn parameter_count(m: &ModelConfig) -> f64 {
+    let c = m.n_embd as f64;
+    let kv = (m.kv_heads() * m.head_dim()) as f64;
+    let per_layer = 2.0 * c + c * (c + 2.0 * kv) + c * c + 8.0 * c * c;
+    let positions = if m.positions == crate::config::PositionKind::Learned {
+        (m.block_size as f64) * c
+    } else {
+        0.0
+    };
+    m.vocab_size as f64 * c + positions + m.n_layer as f64 * per_layer + c
+}
+
+/// Bytes for one training step of the reference path: weights, gradients and the two
+/// AdamW moments (4 copies), plus the activations autograd keeps for one micro-batch
+/// (about 40 values per channel per token per layer, the attention matrices, and the
+/// logits a few times over), all f32.
+pub fn training_bytes(m: &ModelConfig, t: &TrainConfig) -> f64 {
+    let tokens = (t.batch_size * m.block_size) as f64;
+    let per_layer = tokens * (40.0 * m.n_embd as f64 + 4.0 * (m.n_head * m.block_size) as f64);
+    let activations = m.n_layer as f64 * per_layer + 4.0 * tokens * m.vocab_size as f64;
+    4.0 * (4.0 * parameter_count(m) + activations)
+}
+
+/// Memory the OS says is available (Linux), in bytes.
+pub fn available_bytes() -> Option<f64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parameter_count_matches_the_baby_model() {
+        let m = ModelConfig {
+            vocab_size: 65,
+            ..ModelConfig::default()
+        };
+        assert_eq!(parameter_count(&m), 804_096.0);
+    }
+
+    #[test]
+    fn the_baby_run_fits_and_a_huge_one_does_not() {
+        let m = ModelConfig {
+            vocab_size: 65,
+            ..ModelConfig::default()
+        };
+        let t = TrainConfig::default();
+        assert!(training_bytes(&m, &t) < 500e6);
+        let huge = ModelConfig {
+            n_embd: 65536,
+            n_head: 64,
+            n_layer: 96,
+            ..m
+        };
+        assert!(training_bytes(&huge, &t) > 1e13);
+    }
+}
