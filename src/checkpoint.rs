@@ -16,6 +16,7 @@
 //! 2. `state.json`, recording the size and SHA-256 of every file, replaces the old one
 //!    the same way: this rename is the commit point;
 //! 3. each `<name>.next` is renamed to `<name>`.
+//!
 //! Killed before 2, the old state.json still describes the old files, untouched. Killed
 //! during 3, state.json describes the new files, each either renamed or still `.next`:
 //! loading takes whichever copy matches the recorded hash (and training rolls the
