@@ -441,8 +441,10 @@ fn one_line(e: &toml::de::Error, text: &str) -> String {
         Some(span) => {
             let before = &text[..span.start.min(text.len())];
             let line = before.matches('\n').count() + 1;
-            let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
-            format!("line {line}, column {column}: {message}")
+            let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+            let column = before.len() - line_start + 1;
+            let source = text[line_start..].lines().next().unwrap_or("").trim();
+            format!("line {line}, column {column} (`{source}`): {message}")
         }
         None => message,
     }

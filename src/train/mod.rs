@@ -14,7 +14,7 @@ use candle_core::{Device, Tensor};
 use serde_json::json;
 
 use crate::checkpoint::{RunDir, TrainState, MODEL_FILE, OPTIMIZER_FILE};
-use crate::config::Config;
+use crate::config::{Config, TokenizerKind};
 use crate::data::{self, Batch, BatchSampler, Split, Tokens};
 use crate::device::parse_device;
 use crate::error::{DivergedError, InterruptedError};
@@ -150,6 +150,14 @@ impl Trainer {
                 )?,
             };
             let have = tokenizer.vocab_size();
+            let trained_bpe = config.tokenizer.path.is_none() && config.tokenizer.kind == TokenizerKind::Bpe;
+            if trained_bpe && have < config.tokenizer.vocab_size {
+                user_bail!(
+                    "tokenizer.vocab_size = {} is more than corpus {} supports: BPE ran out of pairs seen twice at {have} tokens; set tokenizer.vocab_size to at most {have} or use a larger corpus",
+                    config.tokenizer.vocab_size,
+                    config.data.corpus.display()
+                );
+            }
             if config.model.vocab_size == 0 {
                 config.model.vocab_size = have;
             } else if config.model.vocab_size < have {
