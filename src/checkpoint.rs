@@ -348,27 +348,62 @@ impl Loaded {
     pub fn load(dir: &Path, device: &Device) -> Result<Self> {
         let run = RunDir::new(dir);
         let state = run.state()?;
-        let config = run.load_config(&state)?;
-        let tokenizer = run.load_tokenizer(&state)?;
-        if tokenizer.vocab_size() > config.model.vocab_size {
-            user_bail!(
-                "{}: the tokenizer has {} tokens but the model only {}; the tokenizer.json belongs to another model",
-                dir.display(),
-                tokenizer.vocab_size(),
-                config.model.vocab_size
-            );
-        }
-        let model = crate::model::Gpt::new(&config.model, 0, device)?;
-        let weights = run.load_tensors(&state, MODEL_FILE, device)?;
-        model
-            .params()
-            .load(&weights, &run.file(MODEL_FILE).display().to_string())?;
+        let config = run.read_verified(&state, CONFIG_FILE)?;
+        let tokenizer = run.read_verified(&state, TOKENIZER_FILE)?;
+        let weights = run.read_verified(&state, MODEL_FILE)?;
+        let (config, tokenizer, model) =
+            Self::from_parts(&config, &tokenizer, &weights, device, &dir.display().to_string())?;
         Ok(Self {
             config,
             tokenizer,
             model,
             state,
         })
+    }
+
+    /// Builds a model from the bytes of config.toml, tokenizer.json and
+    /// model.safetensors; every way they can be wrong is a user error naming `source`.
+    pub fn from_parts(
+        config: &[u8],
+        tokenizer: &[u8],
+        weights: &[u8],
+        device: &Device,
+        source: &str,
+    ) -> Result<(Config, Tokenizer, crate::model::Gpt)> {
+        let text = std::str::from_utf8(config)
+            .map_err(|_| user_error(format!("{source}/{CONFIG_FILE} is not UTF-8")))?;
+        let config = Config::from_toml_str(text, &[])
+            .map_err(|e| user_error(format!("{source}/{CONFIG_FILE}: {e:#}")))?;
+        config.validate()?;
+        let tokenizer = Tokenizer::from_json(tokenizer).map_err(|e| {
+            user_error(format!("{source}/{TOKENIZER_FILE} is not a valid tokenizer.json ({e:#})"))
+        })?;
+        let m = &config.model;
+        if tokenizer.vocab_size() > m.vocab_size {
+            user_bail!(
+                "{source}: the tokenizer has {} tokens but the model only {}; the tokenizer.json belongs to another model",
+                tokenizer.vocab_size(),
+                m.vocab_size
+            );
+        }
+        let need = 4.0 * crate::train::memory::parameter_count(m);
+        if let Some(available) = crate::train::memory::available_bytes() {
+            if need > available {
+                user_bail!(
+                    "{source}/{CONFIG_FILE}: the model needs {:.1} GiB, more than the {:.1} GiB available",
+                    need / f64::from(1 << 30),
+                    available / f64::from(1 << 30)
+                );
+            }
+        }
+        let tensors = candle_core::safetensors::load_buffer(weights, device).map_err(|e| {
+            user_error(format!(
+                "{source}/{MODEL_FILE} is not a valid safetensors file ({e}); restore it or retrain"
+            ))
+        })?;
+        let model = crate::model::Gpt::new(m, 0, device)?;
+        model.params().load(&tensors, &format!("{source}/{MODEL_FILE}"))?;
+        Ok((config, tokenizer, model))
     }
 }
 
