@@ -351,8 +351,13 @@ impl Loaded {
         let config = run.read_verified(&state, CONFIG_FILE)?;
         let tokenizer = run.read_verified(&state, TOKENIZER_FILE)?;
         let weights = run.read_verified(&state, MODEL_FILE)?;
-        let (config, tokenizer, model) =
-            Self::from_parts(&config, &tokenizer, &weights, device, &dir.display().to_string())?;
+        let (config, tokenizer, model) = Self::from_parts(
+            &config,
+            &tokenizer,
+            &weights,
+            device,
+            &dir.display().to_string(),
+        )?;
         Ok(Self {
             config,
             tokenizer,
@@ -376,7 +381,9 @@ impl Loaded {
             .map_err(|e| user_error(format!("{source}/{CONFIG_FILE}: {e:#}")))?;
         config.validate()?;
         let tokenizer = Tokenizer::from_json(tokenizer).map_err(|e| {
-            user_error(format!("{source}/{TOKENIZER_FILE} is not a valid tokenizer.json ({e:#})"))
+            user_error(format!(
+                "{source}/{TOKENIZER_FILE} is not a valid tokenizer.json ({e:#})"
+            ))
         })?;
         let m = &config.model;
         if tokenizer.vocab_size() > m.vocab_size {
@@ -402,7 +409,9 @@ impl Loaded {
             ))
         })?;
         let model = crate::model::Gpt::new(m, 0, device)?;
-        model.params().load(&tensors, &format!("{source}/{MODEL_FILE}"))?;
+        model
+            .params()
+            .load(&tensors, &format!("{source}/{MODEL_FILE}"))?;
         Ok((config, tokenizer, model))
     }
 }

@@ -108,9 +108,68 @@ pub enum PositionKind {
     Sinusoidal,
 }
 
+/// A named architecture: the preset fills in the options that make the model exactly
+/// a standard one (and `export` can write it in that family's Hugging Face layout).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// Any combination of the options below.
+    Custom,
+    /// Hugging Face GPT2LMHeadModel: learned positions, LayerNorm with bias, tanh-GELU
+    /// MLP, biases on linears, tied head.
+    Gpt2,
+    /// Hugging Face LlamaForCausalLM (tied embeddings): RoPE, RMSNorm, SwiGLU MLP, no
+    /// biases, grouped K/V heads allowed.
+    Llama,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NormKind {
+    /// (x - mean) / std * weight (+ bias).
+    LayerNorm,
+    /// x / rms(x) * weight: no centring, no bias.
+    RmsNorm,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MlpKind {
+    /// Linear, exact (erf) GELU, linear.
+    Gelu,
+    /// Linear, tanh-approximated GELU (GPT-2's "gelu_new"), linear.
+    GeluTanh,
+    /// SiLU(gate) * up, then down (Llama).
+    Swiglu,
+}
+
+impl Arch {
+    /// The options an architecture fixes, as (key, TOML value).
+    pub fn preset(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Arch::Custom => &[],
+            Arch::Gpt2 => &[
+                ("positions", "\"learned\""),
+                ("norm", "\"layernorm\""),
+                ("mlp", "\"gelu_tanh\""),
+                ("bias", "true"),
+            ],
+            Arch::Llama => &[
+                ("positions", "\"rope\""),
+                ("norm", "\"rmsnorm\""),
+                ("mlp", "\"swiglu\""),
+                ("bias", "false"),
+                ("norm_eps", "1e-6"),
+            ],
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
+    /// `custom`, `gpt2` or `llama`; the last two fill in positions, norm, mlp and bias.
+    pub arch: Arch,
     pub n_layer: usize,
     pub n_head: usize,
     /// Key/value heads; fewer than `n_head` gives grouped-query attention, 1 multi-query.
@@ -125,6 +184,14 @@ pub struct ModelConfig {
     pub dropout: f64,
     /// Biases on linear layers and LayerNorms.
     pub bias: bool,
+    pub norm: NormKind,
+    /// The epsilon inside the norms' square root.
+    pub norm_eps: f64,
+    pub mlp: MlpKind,
+    /// Hidden width of the MLP; absent means 4 n_embd (GELU) or 8/3 n_embd rounded up to a
+    /// multiple of 8 (SwiGLU, the same parameter count).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mlp_hidden: Option<usize>,
     /// Filled in from the tokenizer; 0 in a config file means "whatever it has".
     pub vocab_size: usize,
 }
@@ -141,12 +208,24 @@ impl Default for ModelConfig {
             rope_theta: 10000.0,
             dropout: 0.0,
             bias: false,
+            norm: NormKind::LayerNorm,
+            norm_eps: 1e-5,
+            mlp: MlpKind::Gelu,
+            mlp_hidden: None,
             vocab_size: 0,
+            arch: Arch::Custom,
         }
     }
 }
 
 impl ModelConfig {
+    pub fn mlp_hidden(&self) -> usize {
+        self.mlp_hidden.unwrap_or(match self.mlp {
+            MlpKind::Swiglu => (8 * self.n_embd / 3).div_ceil(8) * 8,
+            _ => 4 * self.n_embd,
+        })
+    }
+
     pub fn kv_heads(&self) -> usize {
         self.n_kv_head.unwrap_or(self.n_head)
     }
@@ -251,11 +330,8 @@ impl Config {
     pub fn from_toml_str(text: &str, overrides: &[String]) -> Result<Config> {
         // Parse once as the schema so syntax errors, unknown keys and wrong types are
         // reported with the line they are on in the user's file.
-        let config: Config =
+        let _: Config =
             toml::from_str(text).map_err(|e| anyhow::anyhow!("{}", one_line(&e, text)))?;
-        if overrides.is_empty() {
-            return Ok(config);
-        }
         let mut table: toml::Table =
             toml::from_str(text).map_err(|e| anyhow::anyhow!("{}", one_line(&e, text)))?;
         for item in overrides {
@@ -263,6 +339,7 @@ impl Config {
             Config::deserialize(table.clone())
                 .map_err(|e| anyhow::anyhow!("--set {item}: {}", e.message()))?;
         }
+        apply_arch_preset(&mut table)?;
         let config = Config::deserialize(table).map_err(|e| anyhow::anyhow!("{}", e.message()))?;
         Ok(config)
     }
@@ -342,6 +419,27 @@ impl Config {
         }
         if !(0.0..1.0).contains(&m.dropout) {
             user_bail!("config: model.dropout = {} must be in [0, 1)", m.dropout);
+        }
+        if m.arch != Arch::Custom {
+            let preset = toml::Table::try_from(m).expect("a ModelConfig serialises");
+            for (key, value) in m.arch.preset() {
+                let want = parse_value(value);
+                if key != &"norm_eps" && preset.get(*key) != Some(&want) {
+                    user_bail!(
+                        "config: model.arch = {:?} needs model.{key} = {value}; remove model.{key} or set model.arch = \"custom\"",
+                        format!("{:?}", m.arch).to_lowercase()
+                    );
+                }
+            }
+            if m.arch == Arch::Gpt2 && m.kv_heads() != m.n_head {
+                user_bail!("config: model.arch = \"gpt2\" has no grouped K/V heads; remove model.n_kv_head");
+            }
+        }
+        if !(m.norm_eps.is_finite() && m.norm_eps > 0.0 && m.norm_eps < 1.0) {
+            user_bail!("config: model.norm_eps = {} must be in (0, 1)", m.norm_eps);
+        }
+        if m.mlp_hidden == Some(0) {
+            user_bail!("config: model.mlp_hidden = 0; it must be at least 1");
         }
         if m.vocab_size > MAX_VOCAB {
             user_bail!(
@@ -430,6 +528,25 @@ fn apply_override(table: &mut toml::Table, item: &str) -> Result<()> {
         anyhow::bail!("--set {item}: {} is not a section", path[0]);
     };
     section.insert(path[1].to_string(), value);
+    Ok(())
+}
+
+/// Fills in the options `model.arch` fixes, where the file does not set them.
+/// (Set ones are checked against the preset by `validate`.)
+fn apply_arch_preset(table: &mut toml::Table) -> Result<()> {
+    let Some(toml::Value::Table(model)) = table.get_mut("model") else {
+        return Ok(());
+    };
+    let Some(arch) = model.get("arch").cloned() else {
+        return Ok(());
+    };
+    let arch =
+        Arch::deserialize(arch).map_err(|e| anyhow::anyhow!("model.arch: {}", e.message()))?;
+    for (key, value) in arch.preset() {
+        if !model.contains_key(*key) {
+            model.insert(key.to_string(), parse_value(value));
+        }
+    }
     Ok(())
 }
 

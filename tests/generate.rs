@@ -5,13 +5,29 @@ use std::path::Path;
 
 use candle_core::{Device, Tensor};
 use tinygpt::checkpoint::Loaded;
-use tinygpt::config::{Config, ModelConfig, PositionKind, TokenizerKind};
+use tinygpt::config::{Config, MlpKind, ModelConfig, NormKind, PositionKind, TokenizerKind};
 use tinygpt::generate::{generate, DecodeMode, Decoder, GenerateOptions};
 use tinygpt::model::{Dropout, Gpt};
 use tinygpt::sample::{Sampler, SamplingParams};
 use tinygpt::train::Silent;
 
 fn model(positions: PositionKind, n_kv_head: Option<usize>) -> Gpt {
+    variant(
+        positions,
+        n_kv_head,
+        NormKind::LayerNorm,
+        MlpKind::Gelu,
+        false,
+    )
+}
+
+fn variant(
+    positions: PositionKind,
+    n_kv_head: Option<usize>,
+    norm: NormKind,
+    mlp: MlpKind,
+    bias: bool,
+) -> Gpt {
     let cfg = ModelConfig {
         n_layer: 2,
         n_head: 4,
@@ -19,10 +35,11 @@ fn model(positions: PositionKind, n_kv_head: Option<usize>) -> Gpt {
         n_embd: 16,
         block_size: 8,
         positions,
-        rope_theta: 10000.0,
-        dropout: 0.0,
-        bias: false,
+        bias,
+        norm,
+        mlp,
         vocab_size: 13,
+        ..ModelConfig::default()
     };
     Gpt::new(&cfg, 21, &Device::Cpu).unwrap()
 }
@@ -56,20 +73,43 @@ fn assert_close(a: &[f32], b: &[f32], what: &str) {
 }
 
 /// At every step, across two window slides, cached logits equal a full forward pass
-/// over the same window, for every position kind, with and without grouped K/V heads.
+/// over the same window, for every position kind, with and without grouped K/V heads,
+/// for the GPT-2 and Llama variants too, in every decoding mode.
 #[test]
 fn kv_cache_matches_full_forward_at_every_step() {
+    let mut models = Vec::new();
     for positions in [
         PositionKind::Learned,
         PositionKind::Rope,
         PositionKind::Sinusoidal,
     ] {
         for kv in [None, Some(2), Some(1)] {
-            let m = model(positions, kv);
+            models.push((format!("{positions:?} kv={kv:?}"), model(positions, kv)));
+        }
+    }
+    let gpt2 = variant(
+        PositionKind::Learned,
+        None,
+        NormKind::LayerNorm,
+        MlpKind::GeluTanh,
+        true,
+    );
+    let llama = variant(
+        PositionKind::Rope,
+        Some(2),
+        NormKind::RmsNorm,
+        MlpKind::Swiglu,
+        false,
+    );
+    models.push(("gpt2-like".into(), gpt2));
+    models.push(("llama-like".into(), llama));
+    for (name, m) in &models {
+        {
+            let (positions, kv) = (name, "");
             let mut decoders = [DecodeMode::Fast, DecodeMode::Cached, DecodeMode::Uncached]
-                .map(|mode| Decoder::new(&m, 2, mode).unwrap());
+                .map(|mode| Decoder::new(m, 2, mode).unwrap());
             let prompt = [3u32, 7, 1];
-            let expected = full_forward_last(&m, &prompt);
+            let expected = full_forward_last(m, &prompt);
             for d in &mut decoders {
                 let logits = d.prefill(&prompt).unwrap();
                 assert_close(&logits[..13], &expected, "prefill");
@@ -90,10 +130,10 @@ fn kv_cache_matches_full_forward_at_every_step() {
                 for row in 0..2 {
                     let window = decoders[0].window(row).to_vec();
                     assert!(window.len() <= 8, "the window never exceeds block_size");
-                    let expected = full_forward_last(&m, &window);
+                    let expected = full_forward_last(m, &window);
                     for (d, out) in decoders.iter().zip(&outs) {
                         assert_eq!(d.window(row), window.as_slice());
-                        let what = format!("{positions:?} kv={kv:?} step {step} row {row}");
+                        let what = format!("{positions}{kv} step {step} row {row}");
                         assert_close(&out[row * 13..(row + 1) * 13], &expected, &what);
                     }
                 }

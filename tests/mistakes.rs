@@ -56,7 +56,8 @@ fn bad_copy(dir: &Path) -> PathBuf {
 fn replace_consistently(run: &Path, name: &str, bytes: &[u8]) {
     std::fs::write(run.join(name), bytes).unwrap();
     let path = run.join("state.json");
-    let mut state: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let mut state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     state["files"][name] = serde_json::json!({"size": bytes.len(), "sha256": sha256_hex(bytes)});
     std::fs::write(path, serde_json::to_string(&state).unwrap()).unwrap();
 }
@@ -81,7 +82,8 @@ fn snapshot(dir: &Path) -> BTreeMap<PathBuf, String> {
 fn each_user_mistake_gives_one_clear_line_and_exit_2() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let text = "Now is the winter of our discontent\nMade glorious summer by this sun of York;\n".repeat(40);
+    let text = "Now is the winter of our discontent\nMade glorious summer by this sun of York;\n"
+        .repeat(40);
     std::fs::write(d.join("corpus.txt"), &text).unwrap();
     std::fs::write(d.join("empty.txt"), "").unwrap();
     std::fs::write(d.join("latin1.txt"), b"caf\xe9 au lait\n".repeat(50)).unwrap();
@@ -107,120 +109,390 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
         .current_dir(d)
         .output()
         .unwrap();
-    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
 
     let t = "train --config exp.toml --set run.name=other";
     let g = "generate --checkpoint checkpoints/good --max-new-tokens 5";
     let gb = "generate --checkpoint checkpoints/bad --max-new-tokens 5 --prompt Now";
     let cases = vec![
         // Config files and overrides.
-        case("config file missing", "train --config nope.toml", "nope.toml"),
+        case(
+            "config file missing",
+            "train --config nope.toml",
+            "nope.toml",
+        ),
         case("TOML syntax error", "train --config syntax.toml", "line 2"),
         case("unknown key", "train --config unknown.toml", "layers"),
         case("unknown section", "train --config section.toml", "modle"),
         case("wrong type in file", "train --config type.toml", "lr"),
-        case("unknown key in --set", &format!("{t} --set model.n_layers=2"), "n_layers"),
-        case("--set without =", &format!("{t} --set model.n_layer"), "section.key=value"),
-        case("--set without section", &format!("{t} --set n_layer=2"), "section.key"),
-        case("--set wrong type", &format!("{t} --set model.n_layer=two"), "model.n_layer"),
-        case("--set negative count", &format!("{t} --set train.batch_size=-4"), "train.batch_size"),
-        case("unknown enum value", &format!("{t} --set tokenizer.kind=wordpiece"), "tokenizer.kind"),
-        case("unknown position kind", &format!("{t} --set model.positions=alibi"), "model.positions"),
-        case("n_embd not divisible by n_head", &format!("{t} --set model.n_head=3"), "n_head"),
-        case("n_head not divisible by n_kv_head", &format!("{t} --set model.n_kv_head=3 --set model.n_head=2"), "n_kv_head"),
-        case("zero K/V heads", &format!("{t} --set model.n_kv_head=0"), "n_kv_head"),
-        case("odd head size with RoPE", &format!("{t} --set model.positions=rope --set model.n_embd=18"), "even head size"),
-        case("odd width with sinusoids", &format!("{t} --set model.positions=sinusoidal --set model.n_embd=15 --set model.n_head=1"), "n_embd"),
-        case("block_size below 2", &format!("{t} --set model.block_size=1"), "block_size"),
-        case("zero layers", &format!("{t} --set model.n_layer=0"), "n_layer"),
-        case("dropout of 1", &format!("{t} --set model.dropout=1.0"), "dropout"),
-        case("rope_theta below 1", &format!("{t} --set model.rope_theta=0.5"), "rope_theta"),
-        case("BPE vocabulary below 257", &format!("{t} --set tokenizer.kind=bpe --set tokenizer.vocab_size=100"), "vocab_size"),
-        case("val_fraction 0", &format!("{t} --set data.val_fraction=0"), "val_fraction"),
-        case("min_lr above lr", &format!("{t} --set train.min_lr=0.1"), "min_lr"),
+        case(
+            "unknown key in --set",
+            &format!("{t} --set model.n_layers=2"),
+            "n_layers",
+        ),
+        case(
+            "--set without =",
+            &format!("{t} --set model.n_layer"),
+            "section.key=value",
+        ),
+        case(
+            "--set without section",
+            &format!("{t} --set n_layer=2"),
+            "section.key",
+        ),
+        case(
+            "--set wrong type",
+            &format!("{t} --set model.n_layer=two"),
+            "model.n_layer",
+        ),
+        case(
+            "--set negative count",
+            &format!("{t} --set train.batch_size=-4"),
+            "train.batch_size",
+        ),
+        case(
+            "unknown enum value",
+            &format!("{t} --set tokenizer.kind=wordpiece"),
+            "tokenizer.kind",
+        ),
+        case(
+            "unknown position kind",
+            &format!("{t} --set model.positions=alibi"),
+            "model.positions",
+        ),
+        case(
+            "n_embd not divisible by n_head",
+            &format!("{t} --set model.n_head=3"),
+            "n_head",
+        ),
+        case(
+            "n_head not divisible by n_kv_head",
+            &format!("{t} --set model.n_kv_head=3 --set model.n_head=2"),
+            "n_kv_head",
+        ),
+        case(
+            "zero K/V heads",
+            &format!("{t} --set model.n_kv_head=0"),
+            "n_kv_head",
+        ),
+        case(
+            "odd head size with RoPE",
+            &format!("{t} --set model.positions=rope --set model.n_embd=18"),
+            "even head size",
+        ),
+        case(
+            "odd width with sinusoids",
+            &format!(
+                "{t} --set model.positions=sinusoidal --set model.n_embd=15 --set model.n_head=1"
+            ),
+            "n_embd",
+        ),
+        case(
+            "block_size below 2",
+            &format!("{t} --set model.block_size=1"),
+            "block_size",
+        ),
+        case(
+            "zero layers",
+            &format!("{t} --set model.n_layer=0"),
+            "n_layer",
+        ),
+        case(
+            "dropout of 1",
+            &format!("{t} --set model.dropout=1.0"),
+            "dropout",
+        ),
+        case(
+            "rope_theta below 1",
+            &format!("{t} --set model.rope_theta=0.5"),
+            "rope_theta",
+        ),
+        case(
+            "BPE vocabulary below 257",
+            &format!("{t} --set tokenizer.kind=bpe --set tokenizer.vocab_size=100"),
+            "vocab_size",
+        ),
+        case(
+            "val_fraction 0",
+            &format!("{t} --set data.val_fraction=0"),
+            "val_fraction",
+        ),
+        case(
+            "min_lr above lr",
+            &format!("{t} --set train.min_lr=0.1"),
+            "min_lr",
+        ),
         case("beta2 of 1", &format!("{t} --set train.beta2=1"), "beta2"),
         case("eps of 0", &format!("{t} --set train.eps=0"), "eps"),
-        case("negative clip", &format!("{t} --set train.grad_clip=-1"), "grad_clip"),
-        case("zero batch", &format!("{t} --set train.batch_size=0"), "batch_size"),
-        case("decay shorter than warmup", &format!("{t} --set train.lr_decay_iters=2 --set train.warmup_iters=5"), "lr_decay_iters"),
-        case("run name with a slash", "train --config exp.toml --set run.name=a/b", "run.name"),
-        case("model that cannot fit in memory", &format!("{t} --set model.n_embd=65536 --set model.n_head=64 --set model.n_layer=64"), "GiB"),
-        case("model vocab smaller than tokenizer", &format!("{t} --set model.vocab_size=3"), "model.vocab_size"),
+        case(
+            "negative clip",
+            &format!("{t} --set train.grad_clip=-1"),
+            "grad_clip",
+        ),
+        case(
+            "zero batch",
+            &format!("{t} --set train.batch_size=0"),
+            "batch_size",
+        ),
+        case(
+            "decay shorter than warmup",
+            &format!("{t} --set train.lr_decay_iters=2 --set train.warmup_iters=5"),
+            "lr_decay_iters",
+        ),
+        case(
+            "run name with a slash",
+            "train --config exp.toml --set run.name=a/b",
+            "run.name",
+        ),
+        case(
+            "model that cannot fit in memory",
+            &format!("{t} --set model.n_embd=65536 --set model.n_head=64 --set model.n_layer=64"),
+            "GiB",
+        ),
+        case(
+            "model vocab smaller than tokenizer",
+            &format!("{t} --set model.vocab_size=3"),
+            "model.vocab_size",
+        ),
         // Corpus.
-        case("corpus missing", &format!("{t} --set data.corpus=nope.txt"), "nope.txt"),
-        case("corpus empty", &format!("{t} --set data.corpus=empty.txt"), "empty"),
-        case("corpus not UTF-8", &format!("{t} --set data.corpus=latin1.txt"), "UTF-8"),
-        case("corpus shorter than a block", &format!("{t} --set data.corpus=short.txt"), "block_size"),
-        case("corpus folder without .txt", &format!("{t} --set data.corpus=notxt"), ".txt"),
+        case(
+            "corpus missing",
+            &format!("{t} --set data.corpus=nope.txt"),
+            "nope.txt",
+        ),
+        case(
+            "corpus empty",
+            &format!("{t} --set data.corpus=empty.txt"),
+            "empty",
+        ),
+        case(
+            "corpus not UTF-8",
+            &format!("{t} --set data.corpus=latin1.txt"),
+            "UTF-8",
+        ),
+        case(
+            "corpus shorter than a block",
+            &format!("{t} --set data.corpus=short.txt"),
+            "block_size",
+        ),
+        case(
+            "corpus folder without .txt",
+            &format!("{t} --set data.corpus=notxt"),
+            ".txt",
+        ),
         // Tokenizer.
-        case("BPE vocabulary larger than the corpus allows", &format!("{t} --set tokenizer.kind=bpe --set tokenizer.vocab_size=5000"), "tokenizer.vocab_size"),
-        case("corrupt tokenizer.json", &format!("{t} --set tokenizer.path=bad-tokenizer.json"), "bad-tokenizer.json"),
-        case("tokenizer.json missing", &format!("{t} --set tokenizer.path=nope.json"), "nope.json"),
+        case(
+            "BPE vocabulary larger than the corpus allows",
+            &format!("{t} --set tokenizer.kind=bpe --set tokenizer.vocab_size=5000"),
+            "tokenizer.vocab_size",
+        ),
+        case(
+            "corrupt tokenizer.json",
+            &format!("{t} --set tokenizer.path=bad-tokenizer.json"),
+            "bad-tokenizer.json",
+        ),
+        case(
+            "tokenizer.json missing",
+            &format!("{t} --set tokenizer.path=nope.json"),
+            "nope.json",
+        ),
         // Runs and checkpoints.
-        case("new run into a folder with a checkpoint", "train --config exp.toml", "--resume"),
-        case("--resume without a checkpoint", &format!("{t} --resume"), "no checkpoint"),
-        case("--resume with another model", "train --config exp.toml --resume --set model.n_layer=2", "[model]"),
-        with("train while another trainer holds the lock", "train --config exp.toml --resume", "pid 1", |d| {
-            std::fs::write(d.join(CK).join("train.lock"), "1\n").unwrap();
-        }),
-        case("checkpoint folder missing", "info --checkpoint checkpoints/nope", "does not exist"),
-        with("checkpoint file missing", "info --checkpoint checkpoints/bad", "model.safetensors", |d| {
-            std::fs::remove_file(bad_copy(d).join("model.safetensors")).unwrap();
-        }),
-        with("truncated safetensors", "info --checkpoint checkpoints/bad", "sha256", |d| {
-            let p = bad_copy(d).join("model.safetensors");
-            let b = std::fs::read(&p).unwrap();
-            std::fs::write(&p, &b[..b.len() / 2]).unwrap();
-        }),
-        with("corrupt safetensors (hash updated)", "info --checkpoint checkpoints/bad", "not a valid safetensors", |d| {
-            replace_consistently(&bad_copy(d), "model.safetensors", b"garbage, not tensors");
-        }),
-        with("weights of the wrong shape", "info --checkpoint checkpoints/bad", "shape", |d| {
-            let bad = bad_copy(d);
-            let config = std::fs::read_to_string(bad.join("config.toml")).unwrap();
-            replace_consistently(&bad, "config.toml", config.replace("n_embd = 16", "n_embd = 32").as_bytes());
-        }),
-        with("tokenizer of another model", "info --checkpoint checkpoints/bad", "tokenizer", |d| {
-            let bad = bad_copy(d);
-            let big = tinygpt::tokenizer::Tokenizer::train_char(&"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789".repeat(2)).unwrap();
-            replace_consistently(&bad, "tokenizer.json", big.to_json().unwrap().as_bytes());
-        }),
-        with("config.toml edited after saving", "info --checkpoint checkpoints/bad", "config.toml", |d| {
-            let p = bad_copy(d).join("config.toml");
-            let mut s = std::fs::read_to_string(&p).unwrap();
-            s.push('\n');
-            std::fs::write(p, s).unwrap();
-        }),
-        with("state.json corrupt", "info --checkpoint checkpoints/bad", "state.json", |d| {
-            std::fs::write(bad_copy(d).join("state.json"), "{\"step\": ").unwrap();
-        }),
-        with("resume from a damaged checkpoint", "train --config exp.toml --set run.name=bad --resume", "sha256", |d| {
-            let p = bad_copy(d).join("optimizer.safetensors");
-            let b = std::fs::read(&p).unwrap();
-            std::fs::write(&p, &b[..10]).unwrap();
-        }),
+        case(
+            "new run into a folder with a checkpoint",
+            "train --config exp.toml",
+            "--resume",
+        ),
+        case(
+            "--resume without a checkpoint",
+            &format!("{t} --resume"),
+            "no checkpoint",
+        ),
+        case(
+            "--resume with another model",
+            "train --config exp.toml --resume --set model.n_layer=2",
+            "[model]",
+        ),
+        with(
+            "train while another trainer holds the lock",
+            "train --config exp.toml --resume",
+            "pid 1",
+            |d| {
+                std::fs::write(d.join(CK).join("train.lock"), "1\n").unwrap();
+            },
+        ),
+        case(
+            "checkpoint folder missing",
+            "info --checkpoint checkpoints/nope",
+            "does not exist",
+        ),
+        with(
+            "checkpoint file missing",
+            "info --checkpoint checkpoints/bad",
+            "model.safetensors",
+            |d| {
+                std::fs::remove_file(bad_copy(d).join("model.safetensors")).unwrap();
+            },
+        ),
+        with(
+            "truncated safetensors",
+            "info --checkpoint checkpoints/bad",
+            "sha256",
+            |d| {
+                let p = bad_copy(d).join("model.safetensors");
+                let b = std::fs::read(&p).unwrap();
+                std::fs::write(&p, &b[..b.len() / 2]).unwrap();
+            },
+        ),
+        with(
+            "corrupt safetensors (hash updated)",
+            "info --checkpoint checkpoints/bad",
+            "not a valid safetensors",
+            |d| {
+                replace_consistently(&bad_copy(d), "model.safetensors", b"garbage, not tensors");
+            },
+        ),
+        with(
+            "weights of the wrong shape",
+            "info --checkpoint checkpoints/bad",
+            "shape",
+            |d| {
+                let bad = bad_copy(d);
+                let config = std::fs::read_to_string(bad.join("config.toml")).unwrap();
+                replace_consistently(
+                    &bad,
+                    "config.toml",
+                    config.replace("n_embd = 16", "n_embd = 32").as_bytes(),
+                );
+            },
+        ),
+        with(
+            "tokenizer of another model",
+            "info --checkpoint checkpoints/bad",
+            "tokenizer",
+            |d| {
+                let bad = bad_copy(d);
+                let big = tinygpt::tokenizer::Tokenizer::train_char(
+                    &"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789".repeat(2),
+                )
+                .unwrap();
+                replace_consistently(&bad, "tokenizer.json", big.to_json().unwrap().as_bytes());
+            },
+        ),
+        with(
+            "config.toml edited after saving",
+            "info --checkpoint checkpoints/bad",
+            "config.toml",
+            |d| {
+                let p = bad_copy(d).join("config.toml");
+                let mut s = std::fs::read_to_string(&p).unwrap();
+                s.push('\n');
+                std::fs::write(p, s).unwrap();
+            },
+        ),
+        with(
+            "state.json corrupt",
+            "info --checkpoint checkpoints/bad",
+            "state.json",
+            |d| {
+                std::fs::write(bad_copy(d).join("state.json"), "{\"step\": ").unwrap();
+            },
+        ),
+        with(
+            "resume from a damaged checkpoint",
+            "train --config exp.toml --set run.name=bad --resume",
+            "sha256",
+            |d| {
+                let p = bad_copy(d).join("optimizer.safetensors");
+                let b = std::fs::read(&p).unwrap();
+                std::fs::write(&p, &b[..10]).unwrap();
+            },
+        ),
         with("generate from a damaged checkpoint", gb, "sha256", |d| {
             let p = bad_copy(d).join("model.safetensors");
             std::fs::write(&p, b"x").unwrap();
         }),
         // Generation.
-        case("prompt with a character the vocabulary lacks", &format!("{g} --prompt Zebra"), "'Z'"),
-        case("prompt longer than the context", &format!("{g} --prompt-file long-prompt.txt"), "block_size"),
-        case("prompt file missing", &format!("{g} --prompt-file nope.txt"), "nope.txt"),
-        case("top-p above 1", &format!("{g} --prompt Now --top-p 1.5"), "--top-p"),
-        case("top-p of 0", &format!("{g} --prompt Now --top-p 0"), "--top-p"),
-        case("negative temperature", &format!("{g} --prompt Now --temperature -1"), "--temperature"),
-        case("repetition penalty of 0", &format!("{g} --prompt Now --repetition-penalty 0"), "--repetition-penalty"),
-        case("zero samples", &format!("{g} --prompt Now --num-samples 0"), "--num-samples"),
+        case(
+            "prompt with a character the vocabulary lacks",
+            &format!("{g} --prompt Zebra"),
+            "'Z'",
+        ),
+        case(
+            "prompt longer than the context",
+            &format!("{g} --prompt-file long-prompt.txt"),
+            "block_size",
+        ),
+        case(
+            "prompt file missing",
+            &format!("{g} --prompt-file nope.txt"),
+            "nope.txt",
+        ),
+        case(
+            "top-p above 1",
+            &format!("{g} --prompt Now --top-p 1.5"),
+            "--top-p",
+        ),
+        case(
+            "top-p of 0",
+            &format!("{g} --prompt Now --top-p 0"),
+            "--top-p",
+        ),
+        case(
+            "negative temperature",
+            &format!("{g} --prompt Now --temperature -1"),
+            "--temperature",
+        ),
+        case(
+            "repetition penalty of 0",
+            &format!("{g} --prompt Now --repetition-penalty 0"),
+            "--repetition-penalty",
+        ),
+        case(
+            "zero samples",
+            &format!("{g} --prompt Now --num-samples 0"),
+            "--num-samples",
+        ),
         // Evaluation.
-        case("eval text missing", "eval --checkpoint checkpoints/good --text nope.txt", "nope.txt"),
-        case("eval text of one token", "eval --checkpoint checkpoints/good --text one.txt", "at least 2"),
-        case("eval text not UTF-8", "eval --checkpoint checkpoints/good --text latin1.txt", "UTF-8"),
+        case(
+            "eval text missing",
+            "eval --checkpoint checkpoints/good --text nope.txt",
+            "nope.txt",
+        ),
+        case(
+            "eval text of one token",
+            "eval --checkpoint checkpoints/good --text one.txt",
+            "at least 2",
+        ),
+        case(
+            "eval text not UTF-8",
+            "eval --checkpoint checkpoints/good --text latin1.txt",
+            "UTF-8",
+        ),
         // Devices.
-        case("unknown device", &format!("{t} --device tpu"), "unknown device"),
-        case("bad CUDA ordinal", &format!("{t} --device cuda:x"), "ordinal"),
-        case("CUDA in a CPU-only build", &format!("{t} --device cuda"), "--features cuda"),
-        case("Metal in a CPU-only build", "info --checkpoint checkpoints/good --device metal", "--features metal"),
+        case(
+            "unknown device",
+            &format!("{t} --device tpu"),
+            "unknown device",
+        ),
+        case(
+            "bad CUDA ordinal",
+            &format!("{t} --device cuda:x"),
+            "ordinal",
+        ),
+        case(
+            "CUDA in a CPU-only build",
+            &format!("{t} --device cuda"),
+            "--features cuda",
+        ),
+        case(
+            "Metal in a CPU-only build",
+            "info --checkpoint checkpoints/good --device metal",
+            "--features metal",
+        ),
     ];
     assert!(cases.len() >= 40, "{} cases", cases.len());
 
@@ -241,14 +513,34 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         let what = c.what;
-        assert_eq!(out.status.code(), Some(2), "{what}: exit code; stderr: {err}");
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{what}: exit code; stderr: {err}"
+        );
         assert!(err.starts_with("error: "), "{what}: {err}");
-        assert_eq!(err.trim_end().lines().count(), 1, "{what}: one line, got: {err}");
-        assert!(err.contains(c.needle), "{what}: expected {:?} in: {err}", c.needle);
-        assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "{what}: {err}");
+        assert_eq!(
+            err.trim_end().lines().count(),
+            1,
+            "{what}: one line, got: {err}"
+        );
+        assert!(
+            err.contains(c.needle),
+            "{what}: expected {:?} in: {err}",
+            c.needle
+        );
+        assert!(
+            !err.contains("panicked") && !err.contains("RUST_BACKTRACE"),
+            "{what}: {err}"
+        );
         let after = snapshot(d);
         for (path, hash) in &before {
-            assert_eq!(after.get(path), Some(hash), "{what}: {} was changed or removed", path.display());
+            assert_eq!(
+                after.get(path),
+                Some(hash),
+                "{what}: {} was changed or removed",
+                path.display()
+            );
         }
         let _ = std::fs::remove_file(d.join(CK).join("train.lock"));
     }

@@ -3,7 +3,7 @@
 //! finite differences.
 
 use candle_core::{DType, Device, IndexOp, Tensor};
-use tinygpt::config::{ModelConfig, PositionKind};
+use tinygpt::config::{MlpKind, ModelConfig, NormKind, PositionKind};
 use tinygpt::model::attention::{causal_mask, scaled_dot_product_attention};
 use tinygpt::model::position::{sinusoidal_table, Rope};
 use tinygpt::model::{Dropout, Gpt};
@@ -20,6 +20,7 @@ fn tiny_cfg(positions: PositionKind) -> ModelConfig {
         dropout: 0.0,
         bias: true,
         vocab_size: 11,
+        ..ModelConfig::default()
     }
 }
 
@@ -245,12 +246,21 @@ fn grouped_kv_heads_equal_repeated_heads() {
 #[test]
 fn gradients_match_finite_differences() {
     let dev = Device::Cpu;
-    for positions in [
-        PositionKind::Learned,
-        PositionKind::Rope,
-        PositionKind::Sinusoidal,
-    ] {
+    let variants = [
+        (PositionKind::Learned, NormKind::LayerNorm, MlpKind::Gelu),
+        (PositionKind::Rope, NormKind::LayerNorm, MlpKind::Gelu),
+        (PositionKind::Sinusoidal, NormKind::LayerNorm, MlpKind::Gelu),
+        (
+            PositionKind::Learned,
+            NormKind::LayerNorm,
+            MlpKind::GeluTanh,
+        ),
+        (PositionKind::Rope, NormKind::RmsNorm, MlpKind::Swiglu),
+    ];
+    for (positions, norm, mlp) in variants {
         let mut cfg = tiny_cfg(positions);
+        cfg.norm = norm;
+        cfg.mlp = mlp;
         cfg.n_layer = 1;
         cfg.n_embd = 8;
         cfg.n_head = 2;

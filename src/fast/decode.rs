@@ -16,9 +16,12 @@ use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 
 use super::gemm::matmul_wt;
-use super::kernels::{axpy, dot_lanes, gelu_erf, layer_norm, matvec, multiversion, softmax_inline};
+use super::kernels::{
+    axpy, dot_lanes, exp_approx, gelu_erf, gelu_tanh, layer_norm, matvec, multiversion, rms_norm,
+    softmax_inline,
+};
 use crate::config::PositionKind;
-use crate::model::norm::LAYER_NORM_EPS;
+use crate::config::{MlpKind, NormKind};
 use crate::model::position::{rope_tables, sinusoidal_table};
 use crate::model::Gpt;
 
@@ -29,8 +32,19 @@ struct Linear {
 }
 
 struct Norm {
+    kind: NormKind,
+    eps: f32,
     w: Vec<f32>,
     b: Option<Vec<f32>>,
+}
+
+impl Norm {
+    fn row(&self, x: &[f32], out: &mut [f32]) {
+        match self.kind {
+            NormKind::LayerNorm => layer_norm(x, &self.w, self.b.as_deref(), self.eps, out),
+            NormKind::RmsNorm => rms_norm(x, &self.w, self.eps, out),
+        }
+    }
 }
 
 struct Layer {
@@ -67,7 +81,9 @@ pub struct FastDecoder {
     qkv: Vec<f32>,
     att: Vec<f32>,
     proj: Vec<f32>,
-    hidden: Vec<f32>,
+    hidden: Vec<f32>, // MLP: rows of c_fc outputs
+    mlp: MlpKind,
+    mlp_hidden: usize,
     scores: Vec<f32>,
     last: Vec<f32>, // final-norm output of each sequence's last position
     logits: Vec<f32>,
@@ -110,6 +126,8 @@ impl FastDecoder {
         };
         let norm = |prefix: &str| -> Result<Norm> {
             Ok(Norm {
+                kind: cfg.norm,
+                eps: cfg.norm_eps as f32,
                 w: get(&format!("{prefix}.weight"))?,
                 b: opt(&format!("{prefix}.bias"))?,
             })
@@ -140,6 +158,10 @@ impl FastDecoder {
         let qkv_dim = c + 2 * kv_dim;
         let cache = || vec![0f32; batch * cfg.block_size * kv_dim];
         let rows = batch * cfg.block_size;
+        let fc_out = match cfg.mlp {
+            MlpKind::Swiglu => 2 * cfg.mlp_hidden(),
+            _ => cfg.mlp_hidden(),
+        };
         Ok(Self {
             n_head: cfg.n_head,
             n_kv_head: cfg.kv_heads(),
@@ -161,7 +183,9 @@ impl FastDecoder {
             qkv: vec![0.0; rows * qkv_dim],
             att: vec![0.0; rows * c],
             proj: vec![0.0; rows * c],
-            hidden: vec![0.0; rows * 4 * c],
+            hidden: vec![0.0; rows * fc_out],
+            mlp: cfg.mlp,
+            mlp_hidden: cfg.mlp_hidden(),
             scores: vec![0.0; cfg.block_size],
             last: vec![0.0; batch * c],
             logits: vec![0.0; batch * cfg.vocab_size],
@@ -292,13 +316,25 @@ impl FastDecoder {
 
             // MLP.
             norm_rows(&self.x[..rows * c], &layer.ln_2, c, &mut self.xn);
+            let hidden = self.mlp_hidden;
+            let fc_out = layer.c_fc.d_out;
             linear(&layer.c_fc, &self.xn[..rows * c], rows, c, &mut self.hidden);
-            gelu_erf(&mut self.hidden[..rows * 4 * c]);
+            match self.mlp {
+                MlpKind::Gelu => gelu_erf(&mut self.hidden[..rows * fc_out]),
+                MlpKind::GeluTanh => gelu_tanh(&mut self.hidden[..rows * fc_out]),
+                // Rows of (gate | up) -> rows of silu(gate) * up, packed in place.
+                MlpKind::Swiglu => {
+                    for r in 0..rows {
+                        let (gate, up) = (r * fc_out, r * fc_out + hidden);
+                        swiglu_into(&mut self.hidden, gate, up, r * hidden, hidden);
+                    }
+                }
+            }
             linear(
                 &layer.mlp_proj,
-                &self.hidden[..rows * 4 * c],
+                &self.hidden[..rows * hidden],
                 rows,
-                4 * c,
+                hidden,
                 &mut self.proj,
             );
             add(&mut self.x[..rows * c], &self.proj[..rows * c]);
@@ -307,11 +343,8 @@ impl FastDecoder {
         // Only each sequence's last position needs logits.
         for b in 0..self.batch {
             let r = b * t + t - 1;
-            layer_norm(
+            self.ln_f.row(
                 &self.x[r * c..(r + 1) * c],
-                &self.ln_f.w,
-                self.ln_f.b.as_deref(),
-                LAYER_NORM_EPS as f32,
                 &mut self.last[b * c..(b + 1) * c],
             );
         }
@@ -363,10 +396,19 @@ multiversion! {
     }
 }
 
-/// LayerNorm of each row of `x` (rows of width c).
+/// The norm of each row of `x` (rows of width c).
 fn norm_rows(x: &[f32], norm: &Norm, c: usize, out: &mut [f32]) {
     for (xr, or) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)) {
-        layer_norm(xr, &norm.w, norm.b.as_deref(), LAYER_NORM_EPS as f32, or);
+        norm.row(xr, or);
+    }
+}
+
+/// buf[out..out + n] = silu(buf[gate..gate + n]) * buf[up..up + n]; `out` <= `gate`, so
+/// rows can be packed in place front to back.
+fn swiglu_into(buf: &mut [f32], gate: usize, up: usize, out: usize, n: usize) {
+    for i in 0..n {
+        let g = buf[gate + i];
+        buf[out + i] = g / (1.0 + exp_approx(-g)) * buf[up + i];
     }
 }
 

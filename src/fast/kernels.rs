@@ -138,6 +138,28 @@ pub fn erf_approx(x: f32) -> f32 {
     p / q
 }
 
+/// RMSNorm of one row: x / sqrt(mean(x^2) + eps) * w.
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let mean_square = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let inv = 1.0 / (mean_square + eps).sqrt();
+    for i in 0..x.len() {
+        out[i] = x[i] * inv * w[i];
+    }
+}
+
+multiversion! {
+    /// GPT-2's tanh GELU, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), in place;
+    /// tanh(u) = 1 - 2 / (e^(2u) + 1).
+    pub fn gelu_tanh(x: &mut [f32]) {
+        const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+        for v in x.iter_mut() {
+            let u = SQRT_2_OVER_PI * (*v + 0.044_715 * *v * *v * *v);
+            let tanh = 1.0 - 2.0 / (exp_approx(2.0 * u) + 1.0);
+            *v = 0.5 * *v * (1.0 + tanh);
+        }
+    }
+}
+
 multiversion! {
     /// Exact (erf) GELU, x * Phi(x), in place.
     pub fn gelu_erf(x: &mut [f32]) {

@@ -9,24 +9,24 @@ use candle_core::Tensor;
 use super::attention::{CausalSelfAttention, KvCache};
 use super::dropout::Dropout;
 use super::mlp::Mlp;
-use super::norm::LayerNorm;
+use super::norm::Norm;
 use super::params::ParamBuilder;
 use super::position::Rope;
 use crate::config::ModelConfig;
 
 pub struct Block {
-    ln_1: LayerNorm,
+    ln_1: Norm,
     attn: CausalSelfAttention,
-    ln_2: LayerNorm,
+    ln_2: Norm,
     mlp: Mlp,
 }
 
 impl Block {
     pub fn new(pb: &mut ParamBuilder, prefix: &str, cfg: &ModelConfig) -> Result<Self> {
         Ok(Self {
-            ln_1: LayerNorm::new(pb, &format!("{prefix}.ln_1"), cfg.n_embd, cfg.bias)?,
+            ln_1: Norm::new(pb, &format!("{prefix}.ln_1"), cfg)?,
             attn: CausalSelfAttention::new(pb, &format!("{prefix}.attn"), cfg)?,
-            ln_2: LayerNorm::new(pb, &format!("{prefix}.ln_2"), cfg.n_embd, cfg.bias)?,
+            ln_2: Norm::new(pb, &format!("{prefix}.ln_2"), cfg)?,
             mlp: Mlp::new(pb, &format!("{prefix}.mlp"), cfg)?,
         })
     }

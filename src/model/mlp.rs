@@ -1,27 +1,37 @@
-//! The position-wise feed-forward network: expand 4x, GELU, project back.
+//! The position-wise feed-forward network: expand, non-linearity, project back.
+//!
+//! GELU MLPs (GPT-2) are `c_proj(gelu(c_fc(x)))`. SwiGLU (Llama) gates instead:
+//! `c_proj(silu(gate(x)) * up(x))`, with gate and up stored as one `c_fc` matrix
+//! (rows: gate, then up) so both variants have the same tensor names.
 
 use anyhow::Result;
-use candle_core::Tensor;
+use candle_core::{Tensor, D};
 
 use super::linear::Linear;
 use super::params::ParamBuilder;
-use crate::config::ModelConfig;
+use crate::config::{MlpKind, ModelConfig};
 
 pub struct Mlp {
-    c_fc: Linear,   // C -> 4C
-    c_proj: Linear, // 4C -> C
+    kind: MlpKind,
+    c_fc: Linear,   // C -> hidden (or 2 hidden: gate | up)
+    c_proj: Linear, // hidden -> C
 }
 
 impl Mlp {
     pub fn new(pb: &mut ParamBuilder, prefix: &str, cfg: &ModelConfig) -> Result<Self> {
-        let hidden = 4 * cfg.n_embd;
+        let hidden = cfg.mlp_hidden();
+        let fc_out = match cfg.mlp {
+            MlpKind::Swiglu => 2 * hidden,
+            _ => hidden,
+        };
         let proj_std = 0.02 / (2.0 * cfg.n_layer as f64).sqrt();
         Ok(Self {
+            kind: cfg.mlp,
             c_fc: Linear::new(
                 pb,
                 &format!("{prefix}.c_fc"),
                 cfg.n_embd,
-                hidden,
+                fc_out,
                 cfg.bias,
                 0.02,
             )?,
@@ -37,7 +47,19 @@ impl Mlp {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        // Exact (erf) GELU, as torch.nn.GELU() by default.
-        self.c_proj.forward(&self.c_fc.forward(x)?.gelu_erf()?)
+        let h = self.c_fc.forward(x)?;
+        let h = match self.kind {
+            // Exact (erf) GELU, as torch.nn.GELU() by default.
+            MlpKind::Gelu => h.gelu_erf()?,
+            // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), GPT-2's "gelu_new".
+            MlpKind::GeluTanh => h.gelu()?,
+            MlpKind::Swiglu => {
+                let hidden = h.dim(D::Minus1)? / 2;
+                let gate = h.narrow(D::Minus1, 0, hidden)?;
+                let up = h.narrow(D::Minus1, hidden, hidden)?;
+                (gate.silu()? * up)?
+            }
+        };
+        self.c_proj.forward(&h)
     }
 }

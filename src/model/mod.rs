@@ -20,7 +20,7 @@ use candle_core::{DType, Device, Tensor};
 pub use attention::KvCache;
 use block::Block;
 pub use dropout::Dropout;
-use norm::LayerNorm;
+use norm::Norm;
 pub use params::Params;
 use params::{Init, ParamBuilder};
 use position::{InputPositions, Rope};
@@ -34,7 +34,7 @@ pub struct Gpt {
     positions: InputPositions,
     rope: Option<Rope>,
     blocks: Vec<Block>,
-    ln_f: LayerNorm,
+    ln_f: Norm,
     params: Params,
 }
 
@@ -75,7 +75,7 @@ impl Gpt {
         let blocks = (0..cfg.n_layer)
             .map(|i| Block::new(&mut pb, &format!("h.{i}"), cfg))
             .collect::<Result<Vec<_>>>()?;
-        let ln_f = LayerNorm::new(&mut pb, "ln_f", cfg.n_embd, cfg.bias)?;
+        let ln_f = Norm::new(&mut pb, "ln_f", cfg)?;
         Ok(Self {
             cfg: cfg.clone(),
             wte,

@@ -1,30 +1,44 @@
-//! LayerNorm over the last dimension: `(x - mean) / sqrt(var + eps) * weight (+ bias)`.
+//! Normalisation over the last dimension, LayerNorm or RMSNorm.
 //!
-//! Written with plain tensor ops so candle's autograd differentiates it. (candle_nn's
-//! fused `layer_norm` has no backward, and `candle_nn::LayerNorm` with a bias silently
-//! routes to it: gradients would never reach the norm or anything below it.)
+//! LayerNorm: (x - mean) / sqrt(var + eps) * weight (+ bias). RMSNorm (Llama): x /
+//! sqrt(mean(x^2) + eps) * weight, no centring and no bias: cheaper, and it works as
+//! well in practice.
+//!
+//! Both are written with plain tensor ops so candle's autograd differentiates them.
+//! (candle_nn's fused `layer_norm`/`rms_norm` have no backward, and
+//! `candle_nn::LayerNorm` with a bias silently routes to it: gradients would never reach
+//! the norm or anything below it.)
 
 use anyhow::Result;
 use candle_core::{DType, Tensor, D};
 
 use super::params::{Init, ParamBuilder};
+use crate::config::{ModelConfig, NormKind};
 
 pub const LAYER_NORM_EPS: f64 = 1e-5;
 
-pub struct LayerNorm {
+pub struct Norm {
+    kind: NormKind,
+    eps: f64,
     weight: Tensor, // (C,)
     bias: Option<Tensor>,
 }
 
-impl LayerNorm {
-    pub fn new(pb: &mut ParamBuilder, prefix: &str, dim: usize, bias: bool) -> Result<Self> {
+impl Norm {
+    pub fn new(pb: &mut ParamBuilder, prefix: &str, cfg: &ModelConfig) -> Result<Self> {
+        let dim = cfg.n_embd;
         let weight = pb.var(&format!("{prefix}.weight"), &[dim], Init::Ones)?;
-        let bias = if bias {
+        let bias = if cfg.bias && cfg.norm == NormKind::LayerNorm {
             Some(pb.var(&format!("{prefix}.bias"), &[dim], Init::Zeros)?)
         } else {
             None
         };
-        Ok(Self { weight, bias })
+        Ok(Self {
+            kind: cfg.norm,
+            eps: cfg.norm_eps,
+            weight,
+            bias,
+        })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -34,10 +48,18 @@ impl LayerNorm {
             DType::F16 | DType::BF16 => x.to_dtype(DType::F32)?,
             _ => x.clone(),
         };
-        let mean = x.mean_keepdim(D::Minus1)?;
-        let centered = x.broadcast_sub(&mean)?;
-        let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
-        let normed = centered.broadcast_div(&(var + LAYER_NORM_EPS)?.sqrt()?)?;
+        let normed = match self.kind {
+            NormKind::LayerNorm => {
+                let mean = x.mean_keepdim(D::Minus1)?;
+                let centered = x.broadcast_sub(&mean)?;
+                let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
+                centered.broadcast_div(&(var + self.eps)?.sqrt()?)?
+            }
+            NormKind::RmsNorm => {
+                let mean_square = x.sqr()?.mean_keepdim(D::Minus1)?;
+                x.broadcast_div(&(mean_square + self.eps)?.sqrt()?)?
+            }
+        };
         let y = normed.to_dtype(dtype)?.broadcast_mul(&self.weight)?;
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,

@@ -150,7 +150,8 @@ impl Trainer {
                 )?,
             };
             let have = tokenizer.vocab_size();
-            let trained_bpe = config.tokenizer.path.is_none() && config.tokenizer.kind == TokenizerKind::Bpe;
+            let trained_bpe =
+                config.tokenizer.path.is_none() && config.tokenizer.kind == TokenizerKind::Bpe;
             if trained_bpe && have < config.tokenizer.vocab_size {
                 user_bail!(
                     "tokenizer.vocab_size = {} is more than corpus {} supports: BPE ran out of pairs seen twice at {have} tokens; set tokenizer.vocab_size to at most {have} or use a larger corpus",
