@@ -11,7 +11,7 @@ use tinygpt::generate::{generate as sample_text, unescape, DecodeMode, GenerateO
 use tinygpt::sample::{Sampler, SamplingParams};
 use tinygpt::user_bail;
 
-use crate::{BenchArgs, CheckpointArgs, EvalArgs, GenerateArgs, InfoArgs};
+use crate::{BenchArgs, CheckpointArgs, EvalArgs, ExportArgs, GenerateArgs, ImportArgs, InfoArgs};
 
 fn load(args: &CheckpointArgs) -> Result<Loaded> {
     Loaded::load(&args.checkpoint, &parse_device(&args.device)?)
@@ -277,6 +277,34 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         r.ttft_ms,
         r.prefill_tokens_per_s,
         mb(r.peak_rss_after_decode_mb)
+    );
+    Ok(())
+}
+
+pub fn export(args: ExportArgs) -> Result<()> {
+    let loaded = load(&args.ckpt)?;
+    let layout = tinygpt::interop::export(&loaded, &args.out)?;
+    eprintln!(
+        "wrote {} ({:?} layout): load it with transformers.AutoModelForCausalLM.from_pretrained({:?})",
+        args.out.display(),
+        layout,
+        args.out.display().to_string()
+    );
+    Ok(())
+}
+
+pub fn import(args: ImportArgs) -> Result<()> {
+    let config = tinygpt::interop::import(&args.from, &args.out)?;
+    let m = &config.model;
+    eprintln!(
+        "imported {} into {}: {} layers, {} heads, width {}, context {}, vocabulary {}",
+        args.from.display(),
+        args.out.display(),
+        m.n_layer,
+        m.n_head,
+        m.n_embd,
+        m.block_size,
+        m.vocab_size
     );
     Ok(())
 }

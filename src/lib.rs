@@ -14,6 +14,7 @@ pub mod error;
 pub mod eval;
 pub mod fast;
 pub mod generate;
+pub mod interop;
 pub mod lock;
 pub mod model;
 pub mod progress;

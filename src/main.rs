@@ -10,6 +10,7 @@ use clap::{Args, Parser, Subcommand};
 use tinygpt::config::Config;
 use tinygpt::error::{exit_code, find_user_error, DivergedError, InterruptedError};
 use tinygpt::progress::TerminalReporter;
+use tinygpt::train::Start;
 
 #[derive(Parser)]
 #[command(
@@ -34,6 +35,29 @@ enum Command {
     Info(InfoArgs),
     /// Measure training and decoding speed of a config on this machine.
     Bench(BenchArgs),
+    /// Write a checkpoint as a Hugging Face model folder (GPT-2 or Llama layout).
+    Export(ExportArgs),
+    /// Read a Hugging Face GPT-2 or Llama folder into a checkpoint folder.
+    Import(ImportArgs),
+}
+
+#[derive(Args)]
+struct ExportArgs {
+    #[command(flatten)]
+    ckpt: CheckpointArgs,
+    /// Output folder: config.json, model.safetensors, tokenizer.json.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(Args)]
+struct ImportArgs {
+    /// A Hugging Face model folder (config.json, model.safetensors or shards, tokenizer.json).
+    #[arg(long = "from")]
+    from: PathBuf,
+    /// The checkpoint folder to create, e.g. checkpoints/gpt2.
+    #[arg(long)]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -45,8 +69,11 @@ struct TrainArgs {
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     overrides: Vec<String>,
     /// Continue the checkpoint in the run folder.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "init_from")]
     resume: bool,
+    /// Start from this checkpoint's weights and tokenizer (fine-tuning on the config's corpus).
+    #[arg(long, value_name = "CHECKPOINT")]
+    init_from: Option<PathBuf>,
     /// cpu, cuda, cuda:N, metal or auto (overrides run.device).
     #[arg(long)]
     device: Option<String>,
@@ -166,7 +193,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 overrides.push(format!("run.device={device:?}"));
             }
             let config = Config::load(&args.config, &overrides)?;
-            let mut trainer = tinygpt::train::Trainer::new(config, args.resume)?;
+            let start = match (args.resume, args.init_from) {
+                (true, _) => Start::Resume,
+                (false, Some(dir)) => Start::InitFrom(dir),
+                (false, None) => Start::Fresh,
+            };
+            let mut trainer = tinygpt::train::Trainer::start(config, start)?;
             trainer.stop_when(stop_on_signals()?);
             trainer.run(&mut TerminalReporter::new())?;
             Ok(())
@@ -175,6 +207,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Eval(args) => commands::eval(args),
         Command::Info(args) => commands::info(args),
         Command::Bench(args) => commands::bench(args),
+        Command::Export(args) => commands::export(args),
+        Command::Import(args) => commands::import(args),
     }
 }
 
@@ -206,6 +240,13 @@ fn stop_on_signals() -> anyhow::Result<Arc<AtomicI32>> {
 }
 
 fn main() -> ExitCode {
+    // Like any Unix filter: `tinygpt generate ... | head` ends quietly when the reader
+    // goes away, instead of panicking on a closed stdout.
+    #[cfg(unix)]
+    // Safety: restoring the default disposition of SIGPIPE before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

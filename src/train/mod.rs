@@ -86,6 +86,17 @@ pub struct TrainSummary {
     pub run_dir: std::path::PathBuf,
 }
 
+/// How a run begins.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Start {
+    /// A new run: tokenizer from the config, random weights.
+    Fresh,
+    /// Continue the checkpoint in the run folder.
+    Resume,
+    /// A new run whose model and tokenizer start from another checkpoint (fine-tuning).
+    InitFrom(std::path::PathBuf),
+}
+
 /// Everything a run holds between steps.
 pub struct Trainer {
     pub config: Config,
@@ -108,11 +119,18 @@ pub struct Trainer {
 impl Trainer {
     /// Builds a new run, or with `resume` reloads the one in the run folder. A new run
     /// refuses a folder that already holds a checkpoint, so nothing is overwritten.
-    pub fn new(mut config: Config, resume: bool) -> Result<Self> {
+    pub fn new(config: Config, resume: bool) -> Result<Self> {
+        Self::start(config, if resume { Start::Resume } else { Start::Fresh })
+    }
+
+    /// Builds the run as `start` says.
+    pub fn start(mut config: Config, start: Start) -> Result<Self> {
+        let resume = start == Start::Resume;
         let device = parse_device(&config.run.device)?;
         let run = RunDir::new(config.run_dir());
         let mut state = TrainState::default();
         let docs = data::read_corpus(&config.data.corpus)?;
+        let mut init_weights = None;
 
         let tokenizer = if resume {
             if !run.has_checkpoint() {
@@ -141,33 +159,45 @@ impl Trainer {
                     run.path().display()
                 );
             }
-            let tokenizer = match &config.tokenizer.path {
-                Some(path) => Tokenizer::from_file(path)?,
-                None => Tokenizer::train(
-                    config.tokenizer.kind,
-                    &data::joined(&docs),
-                    config.tokenizer.vocab_size,
-                )?,
-            };
-            let have = tokenizer.vocab_size();
-            let trained_bpe =
-                config.tokenizer.path.is_none() && config.tokenizer.kind == TokenizerKind::Bpe;
-            if trained_bpe && have < config.tokenizer.vocab_size {
-                user_bail!(
+            if let Start::InitFrom(dir) = &start {
+                // Fine-tuning: the model and tokenizer come from the checkpoint; data,
+                // training and dropout from this config.
+                let loaded = crate::checkpoint::Loaded::load(dir, &device)?;
+                let dropout = config.model.dropout;
+                config.model = loaded.config.model.clone();
+                config.model.dropout = dropout;
+                config.tokenizer = loaded.config.tokenizer.clone();
+                init_weights = Some(loaded.model.params().to_map());
+                loaded.tokenizer
+            } else {
+                let tokenizer = match &config.tokenizer.path {
+                    Some(path) => Tokenizer::from_file(path)?,
+                    None => Tokenizer::train(
+                        config.tokenizer.kind,
+                        &data::joined(&docs),
+                        config.tokenizer.vocab_size,
+                    )?,
+                };
+                let have = tokenizer.vocab_size();
+                let trained_bpe =
+                    config.tokenizer.path.is_none() && config.tokenizer.kind == TokenizerKind::Bpe;
+                if trained_bpe && have < config.tokenizer.vocab_size {
+                    user_bail!(
                     "tokenizer.vocab_size = {} is more than corpus {} supports: BPE ran out of pairs seen twice at {have} tokens; set tokenizer.vocab_size to at most {have} or use a larger corpus",
                     config.tokenizer.vocab_size,
                     config.data.corpus.display()
                 );
-            }
-            if config.model.vocab_size == 0 {
-                config.model.vocab_size = have;
-            } else if config.model.vocab_size < have {
-                user_bail!(
+                }
+                if config.model.vocab_size == 0 {
+                    config.model.vocab_size = have;
+                } else if config.model.vocab_size < have {
+                    user_bail!(
                     "config: model.vocab_size = {} is smaller than the tokenizer's {have} tokens; remove it or set it to at least {have}",
                     config.model.vocab_size
                 );
+                }
+                tokenizer
             }
-            tokenizer
         };
         config.validate()?;
         check_memory(&config)?;
@@ -193,6 +223,9 @@ impl Trainer {
         )?;
 
         let model = Gpt::new(&config.model, config.run.seed, &device)?;
+        if let Some(weights) = &init_weights {
+            model.params().load(weights, "--init-from")?;
+        }
         let mut optimizer = AdamW::new(model.params(), &config.train)?;
         let seed = config.run.seed;
         let mut sampler = BatchSampler::new(seed, STREAM_TRAIN_BATCHES);

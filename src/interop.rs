@@ -1,0 +1,546 @@
+//! Hugging Face checkpoints, both ways: `export` writes a run as a `transformers` model
+//! folder (config.json, model.safetensors, tokenizer.json); `import` reads one (GPT-2
+//! or Llama layout, sharded or not) into a run folder.
+//!
+//! The mapping, our name <-> Hugging Face's (i = layer):
+//!
+//! | ours | GPT2LMHeadModel | LlamaForCausalLM |
+//! |---|---|---|
+//! | wte.weight | transformer.wte.weight | model.embed_tokens.weight |
+//! | wpe.weight | transformer.wpe.weight | – (RoPE) |
+//! | h.i.ln_1.* | transformer.h.i.ln_1.* | model.layers.i.input_layernorm.weight |
+//! | h.i.attn.c_attn.* | transformer.h.i.attn.c_attn.* (transposed) | self_attn.{q,k,v}_proj (row blocks) |
+//! | h.i.attn.c_proj.* | transformer.h.i.attn.c_proj.* (transposed) | self_attn.o_proj |
+//! | h.i.ln_2.* | transformer.h.i.ln_2.* | post_attention_layernorm.weight |
+//! | h.i.mlp.c_fc.* | transformer.h.i.mlp.c_fc.* (transposed) | mlp.{gate,up}_proj (row blocks) |
+//! | h.i.mlp.c_proj.* | transformer.h.i.mlp.c_proj.* (transposed) | mlp.down_proj |
+//! | ln_f.* | transformer.ln_f.* | model.norm.weight |
+//!
+//! GPT-2's Conv1D layers store weights as [in, out], the transpose of a linear layer's
+//! [out, in]; Llama's are [out, in] like ours. The output layer is tied to wte in both.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor};
+use serde_json::{json, Value};
+
+use crate::checkpoint::{write_atomic, Loaded, RunDir, TrainState};
+use crate::config::{Arch, Config, MlpKind, ModelConfig, NormKind, PositionKind, TokenizerKind};
+use crate::error::user_error;
+use crate::model::Gpt;
+use crate::tokenizer::Tokenizer;
+use crate::user_bail;
+
+/// Which Hugging Face model class a config maps to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HfLayout {
+    Gpt2,
+    Llama,
+}
+
+/// The Hugging Face class this model is exactly, or an error naming the option that has
+/// no equivalent there.
+pub fn layout_for(m: &ModelConfig) -> Result<HfLayout> {
+    match (m.positions, m.norm, m.mlp) {
+        (PositionKind::Learned, NormKind::LayerNorm, MlpKind::Gelu | MlpKind::GeluTanh) => {
+            if m.kv_heads() != m.n_head {
+                user_bail!(
+                    "model.n_kv_head = {} has no GPT-2 equivalent (GPT-2 has one K/V head per query head); export needs n_kv_head = n_head",
+                    m.kv_heads()
+                );
+            }
+            Ok(HfLayout::Gpt2)
+        }
+        (PositionKind::Rope, NormKind::RmsNorm, MlpKind::Swiglu) => Ok(HfLayout::Llama),
+        (PositionKind::Sinusoidal, _, _) => user_bail!(
+            "model.positions = \"sinusoidal\" has no Hugging Face equivalent in GPT-2 or Llama; use learned (GPT-2) or rope (Llama)"
+        ),
+        (PositionKind::Learned, _, _) => user_bail!(
+            "learned positions map to GPT-2, which needs model.norm = \"layernorm\" and model.mlp = \"gelu\" or \"gelu_tanh\" (this model has {:?}, {:?})",
+            m.norm,
+            m.mlp
+        ),
+        (PositionKind::Rope, _, _) => user_bail!(
+            "RoPE maps to Llama, which needs model.norm = \"rmsnorm\" and model.mlp = \"swiglu\" (this model has {:?}, {:?}); or set model.arch = \"llama\"",
+            m.norm,
+            m.mlp
+        ),
+    }
+}
+
+fn host(t: &Tensor) -> Result<Tensor> {
+    Ok(t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)
+}
+
+/// Writes `loaded` as a Hugging Face model folder.
+pub fn export(loaded: &Loaded, out: &Path) -> Result<HfLayout> {
+    let m = &loaded.config.model;
+    let layout = layout_for(m)?;
+    let ours = loaded.model.params().to_map();
+    let get = |name: &str| -> Result<Tensor> {
+        host(
+            ours.get(name)
+                .with_context(|| format!("the model has no {name}"))?,
+        )
+    };
+    // Biases the model lacks are zeros in layouts that always have them.
+    let bias_or_zeros = |name: &str, len: usize| -> Result<Tensor> {
+        match ours.get(name) {
+            Some(t) => host(t),
+            None => Ok(Tensor::zeros(len, DType::F32, &Device::Cpu)?),
+        }
+    };
+    let c = m.n_embd;
+    let kv = m.kv_heads() * m.head_dim();
+    let hidden = m.mlp_hidden();
+    let mut hf: HashMap<String, Tensor> = HashMap::new();
+    match layout {
+        HfLayout::Gpt2 => {
+            hf.insert("transformer.wte.weight".into(), get("wte.weight")?);
+            hf.insert("transformer.wpe.weight".into(), get("wpe.weight")?);
+            for i in 0..m.n_layer {
+                let (o, t) = (format!("h.{i}"), format!("transformer.h.{i}"));
+                for (norm, _) in [("ln_1", ()), ("ln_2", ())] {
+                    hf.insert(
+                        format!("{t}.{norm}.weight"),
+                        get(&format!("{o}.{norm}.weight"))?,
+                    );
+                    hf.insert(
+                        format!("{t}.{norm}.bias"),
+                        bias_or_zeros(&format!("{o}.{norm}.bias"), c)?,
+                    );
+                }
+                for (layer, d_out) in [
+                    ("attn.c_attn", c + 2 * kv),
+                    ("attn.c_proj", c),
+                    ("mlp.c_fc", hidden),
+                    ("mlp.c_proj", c),
+                ] {
+                    // Conv1D: [in, out].
+                    let w = get(&format!("{o}.{layer}.weight"))?.t()?.contiguous()?;
+                    hf.insert(format!("{t}.{layer}.weight"), w);
+                    hf.insert(
+                        format!("{t}.{layer}.bias"),
+                        bias_or_zeros(&format!("{o}.{layer}.bias"), d_out)?,
+                    );
+                }
+            }
+            hf.insert("transformer.ln_f.weight".into(), get("ln_f.weight")?);
+            hf.insert(
+                "transformer.ln_f.bias".into(),
+                bias_or_zeros("ln_f.bias", c)?,
+            );
+        }
+        HfLayout::Llama => {
+            hf.insert("model.embed_tokens.weight".into(), get("wte.weight")?);
+            for i in 0..m.n_layer {
+                let (o, l) = (format!("h.{i}"), format!("model.layers.{i}"));
+                hf.insert(
+                    format!("{l}.input_layernorm.weight"),
+                    get(&format!("{o}.ln_1.weight"))?,
+                );
+                hf.insert(
+                    format!("{l}.post_attention_layernorm.weight"),
+                    get(&format!("{o}.ln_2.weight"))?,
+                );
+                let blocks = [
+                    (
+                        "attn.c_attn",
+                        vec![
+                            ("self_attn.q_proj", 0, c),
+                            ("self_attn.k_proj", c, kv),
+                            ("self_attn.v_proj", c + kv, kv),
+                        ],
+                    ),
+                    ("attn.c_proj", vec![("self_attn.o_proj", 0, c)]),
+                    (
+                        "mlp.c_fc",
+                        vec![
+                            ("mlp.gate_proj", 0, hidden),
+                            ("mlp.up_proj", hidden, hidden),
+                        ],
+                    ),
+                    ("mlp.c_proj", vec![("mlp.down_proj", 0, c)]),
+                ];
+                for (ours_name, parts) in blocks {
+                    let w = get(&format!("{o}.{ours_name}.weight"))?;
+                    let b = ours
+                        .get(&format!("{o}.{ours_name}.bias"))
+                        .map(host)
+                        .transpose()?;
+                    for (hf_name, start, len) in parts {
+                        hf.insert(
+                            format!("{l}.{hf_name}.weight"),
+                            w.narrow(0, start, len)?.contiguous()?,
+                        );
+                        if let Some(b) = &b {
+                            hf.insert(
+                                format!("{l}.{hf_name}.bias"),
+                                b.narrow(0, start, len)?.contiguous()?,
+                            );
+                        }
+                    }
+                }
+            }
+            hf.insert("model.norm.weight".into(), get("ln_f.weight")?);
+        }
+    }
+
+    std::fs::create_dir_all(out)
+        .map_err(|e| user_error(format!("cannot create {}: {e}", out.display())))?;
+    let tk = &loaded.tokenizer;
+    let eot = tk.end_of_text();
+    let config = match layout {
+        HfLayout::Gpt2 => json!({
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": m.vocab_size,
+            "n_positions": m.block_size,
+            "n_ctx": m.block_size,
+            "n_embd": c,
+            "n_layer": m.n_layer,
+            "n_head": m.n_head,
+            "n_inner": hidden,
+            "activation_function": if m.mlp == MlpKind::GeluTanh { "gelu_new" } else { "gelu" },
+            "layer_norm_epsilon": m.norm_eps,
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+            "scale_attn_weights": true,
+            "tie_word_embeddings": true,
+            "bos_token_id": eot, "eos_token_id": eot,
+            "torch_dtype": "float32",
+        }),
+        HfLayout::Llama => json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": m.vocab_size,
+            "hidden_size": c,
+            "intermediate_size": hidden,
+            "num_hidden_layers": m.n_layer,
+            "num_attention_heads": m.n_head,
+            "num_key_value_heads": m.kv_heads(),
+            "head_dim": m.head_dim(),
+            "max_position_embeddings": m.block_size,
+            "rms_norm_eps": m.norm_eps,
+            "rope_theta": m.rope_theta,
+            "rope_scaling": null,
+            "hidden_act": "silu",
+            "attention_bias": m.bias,
+            "mlp_bias": m.bias,
+            "tie_word_embeddings": true,
+            "bos_token_id": eot, "eos_token_id": eot,
+            "torch_dtype": "float32",
+        }),
+    };
+    let sorted: std::collections::BTreeMap<&String, &Tensor> = hf.iter().collect();
+    let bytes = safetensors::serialize(
+        sorted.into_iter().map(|(k, v)| (k.as_str(), v)),
+        Some(HashMap::from([("format".to_string(), "pt".to_string())])),
+    )
+    .map_err(|e| anyhow::anyhow!("serialising safetensors: {e}"))?;
+    write_atomic(&out.join("model.safetensors"), &bytes)?;
+    write_atomic(
+        &out.join("config.json"),
+        serde_json::to_string_pretty(&config)?.as_bytes(),
+    )?;
+    write_atomic(&out.join("tokenizer.json"), tk.to_json()?.as_bytes())?;
+    let mut tok_config =
+        json!({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": m.block_size});
+    if let Some(eot) = eot.and_then(|id| tk.token_text(id)) {
+        tok_config["eos_token"] = json!(eot);
+        tok_config["bos_token"] = json!(eot);
+    }
+    write_atomic(
+        &out.join("tokenizer_config.json"),
+        serde_json::to_string_pretty(&tok_config)?.as_bytes(),
+    )?;
+    Ok(layout)
+}
+
+/// Reads the tensors of a Hugging Face folder: model.safetensors, or the shards listed in
+/// model.safetensors.index.json.
+fn read_hf_tensors(dir: &Path) -> Result<HashMap<String, Tensor>> {
+    let single = dir.join("model.safetensors");
+    let index = dir.join("model.safetensors.index.json");
+    let files: Vec<std::path::PathBuf> = if single.is_file() {
+        vec![single]
+    } else if index.is_file() {
+        let text = std::fs::read_to_string(&index)
+            .map_err(|e| user_error(format!("cannot read {}: {e}", index.display())))?;
+        let v: Value = serde_json::from_str(&text)
+            .map_err(|e| user_error(format!("{} is not valid JSON: {e}", index.display())))?;
+        let map = v["weight_map"]
+            .as_object()
+            .ok_or_else(|| user_error(format!("{} has no weight_map", index.display())))?;
+        let mut files: Vec<String> = map
+            .values()
+            .filter_map(|f| f.as_str().map(str::to_string))
+            .collect();
+        files.sort();
+        files.dedup();
+        files.into_iter().map(|f| dir.join(f)).collect()
+    } else {
+        user_bail!(
+            "{} has no model.safetensors or model.safetensors.index.json (PyTorch .bin files are not read: convert them to safetensors)",
+            dir.display()
+        );
+    };
+    let mut tensors = HashMap::new();
+    for file in files {
+        let bytes = std::fs::read(&file)
+            .map_err(|e| user_error(format!("cannot read {}: {e}", file.display())))?;
+        let part = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).map_err(|e| {
+            user_error(format!(
+                "{} is not a valid safetensors file ({e})",
+                file.display()
+            ))
+        })?;
+        tensors.extend(part);
+    }
+    Ok(tensors)
+}
+
+/// Removes tensor `name` (as f32), or fails naming it.
+fn take(tensors: &mut HashMap<String, Tensor>, name: &str, dir: &Path) -> Result<Tensor> {
+    let t = tensors
+        .remove(name)
+        .ok_or_else(|| user_error(format!("{}: tensor {name} is missing", dir.display())))?;
+    Ok(t.to_dtype(DType::F32)?)
+}
+
+fn usize_field(config: &Value, key: &str, path: &Path) -> Result<usize> {
+    config[key].as_u64().map(|v| v as usize).ok_or_else(|| {
+        user_error(format!(
+            "{}: missing or non-integer \"{key}\"",
+            path.display()
+        ))
+    })
+}
+
+/// Reads a Hugging Face GPT-2 or Llama folder into our config and tensor names.
+pub fn read_hf(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
+    let config_path = dir.join("config.json");
+    let text = std::fs::read_to_string(&config_path)
+        .map_err(|e| user_error(format!("cannot read {}: {e}", config_path.display())))?;
+    let hf: Value = serde_json::from_str(&text)
+        .map_err(|e| user_error(format!("{} is not valid JSON: {e}", config_path.display())))?;
+    let model_type = hf["model_type"].as_str().unwrap_or("");
+    let mut tensors = read_hf_tensors(dir)?;
+    let mut ours: HashMap<String, Tensor> = HashMap::new();
+    let m = match model_type {
+        "gpt2" => {
+            let c = usize_field(&hf, "n_embd", &config_path)?;
+            let mlp = match hf["activation_function"].as_str().unwrap_or("gelu_new") {
+                "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => MlpKind::GeluTanh,
+                "gelu" => MlpKind::Gelu,
+                other => user_bail!(
+                    "{}: activation_function {other:?} is not supported (gelu_new or gelu)",
+                    config_path.display()
+                ),
+            };
+            let m = ModelConfig {
+                arch: if mlp == MlpKind::GeluTanh {
+                    Arch::Gpt2
+                } else {
+                    Arch::Custom
+                },
+                n_layer: usize_field(&hf, "n_layer", &config_path)?,
+                n_head: usize_field(&hf, "n_head", &config_path)?,
+                n_kv_head: None,
+                n_embd: c,
+                block_size: usize_field(&hf, "n_positions", &config_path)?,
+                positions: PositionKind::Learned,
+                bias: true,
+                norm: NormKind::LayerNorm,
+                norm_eps: hf["layer_norm_epsilon"].as_f64().unwrap_or(1e-5),
+                mlp,
+                mlp_hidden: hf["n_inner"]
+                    .as_u64()
+                    .map(|v| v as usize)
+                    .filter(|&h| h != 4 * c),
+                vocab_size: usize_field(&hf, "vocab_size", &config_path)?,
+                ..ModelConfig::default()
+            };
+            // save_pretrained writes "transformer.h.0...", the original files "h.0...".
+            let prefix = if tensors.contains_key("transformer.wte.weight") {
+                "transformer."
+            } else {
+                ""
+            };
+            let mut t = |name: &str| take(&mut tensors, &format!("{prefix}{name}"), dir);
+            ours.insert("wte.weight".into(), t("wte.weight")?);
+            ours.insert("wpe.weight".into(), t("wpe.weight")?);
+            for i in 0..m.n_layer {
+                let h = format!("h.{i}");
+                for norm in ["ln_1", "ln_2"] {
+                    for p in ["weight", "bias"] {
+                        ours.insert(format!("{h}.{norm}.{p}"), t(&format!("{h}.{norm}.{p}"))?);
+                    }
+                }
+                for layer in ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"] {
+                    let w = t(&format!("{h}.{layer}.weight"))?.t()?.contiguous()?; // [in, out] -> [out, in]
+                    ours.insert(format!("{h}.{layer}.weight"), w);
+                    ours.insert(
+                        format!("{h}.{layer}.bias"),
+                        t(&format!("{h}.{layer}.bias"))?,
+                    );
+                }
+            }
+            ours.insert("ln_f.weight".into(), t("ln_f.weight")?);
+            ours.insert("ln_f.bias".into(), t("ln_f.bias")?);
+            m
+        }
+        "llama" => {
+            if !hf["rope_scaling"].is_null() {
+                user_bail!("{}: rope_scaling is not supported", config_path.display());
+            }
+            if hf["hidden_act"].as_str().unwrap_or("silu") != "silu" {
+                user_bail!("{}: hidden_act must be silu", config_path.display());
+            }
+            let attention_bias = hf["attention_bias"].as_bool().unwrap_or(false);
+            let mlp_bias = hf["mlp_bias"].as_bool().unwrap_or(false);
+            if attention_bias != mlp_bias {
+                user_bail!(
+                    "{}: attention_bias and mlp_bias must be equal here (model.bias covers both)",
+                    config_path.display()
+                );
+            }
+            let c = usize_field(&hf, "hidden_size", &config_path)?;
+            let n_head = usize_field(&hf, "num_attention_heads", &config_path)?;
+            if let Some(head_dim) = hf["head_dim"].as_u64() {
+                if head_dim as usize * n_head != c {
+                    user_bail!("{}: head_dim {head_dim} x {n_head} heads != hidden_size {c}; not supported", config_path.display());
+                }
+            }
+            let m = ModelConfig {
+                arch: Arch::Llama,
+                n_layer: usize_field(&hf, "num_hidden_layers", &config_path)?,
+                n_head,
+                n_kv_head: hf["num_key_value_heads"].as_u64().map(|v| v as usize),
+                n_embd: c,
+                block_size: usize_field(&hf, "max_position_embeddings", &config_path)?,
+                positions: PositionKind::Rope,
+                rope_theta: hf["rope_theta"].as_f64().unwrap_or(10000.0),
+                bias: attention_bias,
+                norm: NormKind::RmsNorm,
+                norm_eps: hf["rms_norm_eps"].as_f64().unwrap_or(1e-6),
+                mlp: MlpKind::Swiglu,
+                mlp_hidden: Some(usize_field(&hf, "intermediate_size", &config_path)?),
+                vocab_size: usize_field(&hf, "vocab_size", &config_path)?,
+                ..ModelConfig::default()
+            };
+            let wte = take(&mut tensors, "model.embed_tokens.weight", dir)?;
+            if let Some(head) = tensors.remove("lm_head.weight") {
+                let same = head.dims() == wte.dims()
+                    && (head.to_dtype(DType::F32)? - &wte)?
+                        .abs()?
+                        .max_all()?
+                        .to_scalar::<f32>()?
+                        == 0.0;
+                if !same {
+                    user_bail!("{}: lm_head.weight differs from model.embed_tokens.weight; only tied output layers are supported", dir.display());
+                }
+            }
+            let mut take = |name: &str| take(&mut tensors, name, dir);
+            ours.insert("wte.weight".into(), wte);
+            for i in 0..m.n_layer {
+                let (h, l) = (format!("h.{i}"), format!("model.layers.{i}"));
+                ours.insert(
+                    format!("{h}.ln_1.weight"),
+                    take(&format!("{l}.input_layernorm.weight"))?,
+                );
+                ours.insert(
+                    format!("{h}.ln_2.weight"),
+                    take(&format!("{l}.post_attention_layernorm.weight"))?,
+                );
+                let blocks: [(&str, &[&str]); 4] = [
+                    (
+                        "attn.c_attn",
+                        &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                    ),
+                    ("attn.c_proj", &["self_attn.o_proj"]),
+                    ("mlp.c_fc", &["mlp.gate_proj", "mlp.up_proj"]),
+                    ("mlp.c_proj", &["mlp.down_proj"]),
+                ];
+                for (ours_name, parts) in blocks {
+                    let ws = parts
+                        .iter()
+                        .map(|p| take(&format!("{l}.{p}.weight")))
+                        .collect::<Result<Vec<_>>>()?;
+                    ours.insert(format!("{h}.{ours_name}.weight"), Tensor::cat(&ws, 0)?);
+                    if m.bias {
+                        let bs = parts
+                            .iter()
+                            .map(|p| take(&format!("{l}.{p}.bias")))
+                            .collect::<Result<Vec<_>>>()?;
+                        ours.insert(format!("{h}.{ours_name}.bias"), Tensor::cat(&bs, 0)?);
+                    }
+                }
+            }
+            ours.insert("ln_f.weight".into(), take("model.norm.weight")?);
+            m
+        }
+        other => user_bail!(
+            "{}: model_type {other:?} is not supported; import reads gpt2 and llama",
+            config_path.display()
+        ),
+    };
+    // Buffers some files carry (GPT-2's causal mask, rotary caches) are not weights.
+    tensors.retain(|name, _| {
+        !(name.ends_with(".attn.bias")
+            || name.ends_with(".attn.masked_bias")
+            || name.contains("rotary_emb"))
+    });
+    if let Some(extra) = tensors.keys().next() {
+        user_bail!(
+            "{}: unexpected tensor {extra}; this is not a {model_type} layout we read",
+            dir.display()
+        );
+    }
+    Ok((m, ours))
+}
+
+/// Imports a Hugging Face folder as a run folder at `out` (step 0, no optimiser state):
+/// ready for generate, eval, info, and `train --init-from`.
+pub fn import(from: &Path, out: &Path) -> Result<Config> {
+    let (model_cfg, tensors) = read_hf(from)?;
+    let tk_path = from.join("tokenizer.json");
+    let tokenizer = Tokenizer::from_file(&tk_path)?;
+    let mut config = Config::default();
+    config.run.name = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    config.run.out_dir = out.parent().map(Path::to_path_buf).unwrap_or_default();
+    config.tokenizer.kind = TokenizerKind::Bpe;
+    config.model = model_cfg;
+    config
+        .validate()
+        .map_err(|e| user_error(format!("{}: {e:#}", from.display())))?;
+    if tokenizer.vocab_size() > config.model.vocab_size {
+        user_bail!(
+            "{}: tokenizer.json has {} tokens but the model only {}",
+            from.display(),
+            tokenizer.vocab_size(),
+            config.model.vocab_size
+        );
+    }
+    let model = Gpt::new(&config.model, 0, &Device::Cpu)?;
+    model.params().load(&tensors, &from.display().to_string())?;
+    let run = RunDir::new(out);
+    if run.has_checkpoint() {
+        user_bail!(
+            "{} already holds a checkpoint; choose another --out",
+            out.display()
+        );
+    }
+    run.save(
+        &config,
+        &tokenizer,
+        &model.params().to_map(),
+        &HashMap::new(),
+        &TrainState::default(),
+    )?;
+    Ok(config)
+}
