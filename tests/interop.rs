@@ -11,6 +11,9 @@ use tinygpt::config::{Arch, Config, MlpKind, NormKind, PositionKind};
 use tinygpt::model::{Dropout, Gpt};
 use tinygpt::tokenizer::Tokenizer;
 
+/// A change to the default test config.
+type Edit = fn(&mut Config);
+
 const TEXT: &str = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ.,;:!?\n";
 
 /// A run folder holding a freshly initialised model of this config.
@@ -75,7 +78,7 @@ fn same_weights(a: &Gpt, b: &Gpt) {
 #[test]
 fn export_then_import_is_the_identity() {
     let dir = tempfile::tempdir().unwrap();
-    let cases: [(&str, fn(&mut Config)); 3] = [
+    let cases: [(&str, Edit); 3] = [
         ("gpt2", |c| {
             c.model.arch = Arch::Gpt2;
             c.model.positions = PositionKind::Learned;
@@ -286,7 +289,7 @@ fn sharded_llama_files_load() {
 #[test]
 fn options_without_a_hugging_face_equivalent_are_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
-    let cases: [(fn(&mut Config), &str); 3] = [
+    let cases: [(Edit, &str); 3] = [
         (
             |c| c.model.positions = PositionKind::Sinusoidal,
             "model.positions",
