@@ -11,7 +11,10 @@ use tinygpt::generate::{generate as sample_text, unescape, DecodeMode, GenerateO
 use tinygpt::sample::{Sampler, SamplingParams};
 use tinygpt::user_bail;
 
-use crate::{BenchArgs, CheckpointArgs, EvalArgs, ExportArgs, GenerateArgs, ImportArgs, InfoArgs};
+use crate::{
+    AttentionArgs, BenchArgs, CheckpointArgs, EvalArgs, ExportArgs, GenerateArgs, ImportArgs,
+    InfoArgs, PlotArgs,
+};
 
 fn load(args: &CheckpointArgs) -> Result<Loaded> {
     Loaded::load(&args.checkpoint, &parse_device(&args.device)?)
@@ -305,6 +308,66 @@ pub fn import(args: ImportArgs) -> Result<()> {
         m.n_embd,
         m.block_size,
         m.vocab_size
+    );
+    Ok(())
+}
+
+pub fn plot(args: PlotArgs) -> Result<()> {
+    let metrics = args.checkpoint.join(tinygpt::checkpoint::METRICS_FILE);
+    if !metrics.is_file() {
+        user_bail!(
+            "{} has no metrics.jsonl; is it a run folder?",
+            args.checkpoint.display()
+        );
+    }
+    let out = args.out.unwrap_or_else(|| args.checkpoint.join("loss.png"));
+    let title = args.checkpoint.file_name().map_or_else(
+        || args.checkpoint.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    tinygpt::plot::loss_curve(&metrics, &out, &title)?;
+    eprintln!("wrote {}", out.display());
+    Ok(())
+}
+
+pub fn attention(args: AttentionArgs) -> Result<()> {
+    let loaded = load(&args.ckpt)?;
+    let m = &loaded.config.model;
+    let pick = |chosen: Option<usize>, count: usize, what: &str| -> Result<Vec<usize>> {
+        match chosen {
+            Some(i) if i >= count => user_bail!(
+                "--{what} {i} is out of range: the model has {count} ({what}s 0 to {})",
+                count - 1
+            ),
+            Some(i) => Ok(vec![i]),
+            None => Ok((0..count).collect()),
+        }
+    };
+    let layers = pick(args.layer, m.n_layer, "layer")?;
+    let heads = pick(args.head, m.n_head, "head")?;
+    let maps = tinygpt::plot::AttentionMaps::compute(
+        &loaded.model,
+        &loaded.tokenizer,
+        &unescape(&args.prompt),
+    )?;
+    if args.json {
+        let weights: Vec<Vec<&Vec<Vec<f32>>>> = layers
+            .iter()
+            .map(|&l| heads.iter().map(|&h| &maps.weights[l][h]).collect())
+            .collect();
+        println!(
+            "{}",
+            json!({"tokens": maps.tokens, "layers": layers, "heads": heads, "weights": weights})
+        );
+        return Ok(());
+    }
+    tinygpt::plot::attention_grid(&maps, &layers, &heads, &args.out)?;
+    eprintln!(
+        "wrote {} ({} layers x {} heads, {} tokens)",
+        args.out.display(),
+        layers.len(),
+        heads.len(),
+        maps.tokens.len()
     );
     Ok(())
 }

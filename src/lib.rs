@@ -17,6 +17,7 @@ pub mod generate;
 pub mod interop;
 pub mod lock;
 pub mod model;
+pub mod plot;
 pub mod progress;
 pub mod sample;
 pub mod tokenizer;

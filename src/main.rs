@@ -35,10 +35,43 @@ enum Command {
     Info(InfoArgs),
     /// Measure training and decoding speed of a config on this machine.
     Bench(BenchArgs),
+    /// Draw a run's loss curve (train, val, learning rate) to a PNG.
+    Plot(PlotArgs),
+    /// Draw the attention weights of every layer and head over a prompt to a PNG.
+    Attention(AttentionArgs),
     /// Write a checkpoint as a Hugging Face model folder (GPT-2 or Llama layout).
     Export(ExportArgs),
     /// Read a Hugging Face GPT-2 or Llama folder into a checkpoint folder.
     Import(ImportArgs),
+}
+
+#[derive(Args)]
+struct PlotArgs {
+    /// A run folder.
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Default: loss.png in the run folder.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct AttentionArgs {
+    #[command(flatten)]
+    ckpt: CheckpointArgs,
+    #[arg(long)]
+    prompt: String,
+    #[arg(long, default_value = "attention.png")]
+    out: PathBuf,
+    /// Only this layer (0-based).
+    #[arg(long)]
+    layer: Option<usize>,
+    /// Only this head (0-based).
+    #[arg(long)]
+    head: Option<usize>,
+    /// Print the weights as JSON instead of drawing.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -207,6 +240,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Eval(args) => commands::eval(args),
         Command::Info(args) => commands::info(args),
         Command::Bench(args) => commands::bench(args),
+        Command::Plot(args) => commands::plot(args),
+        Command::Attention(args) => commands::attention(args),
         Command::Export(args) => commands::export(args),
         Command::Import(args) => commands::import(args),
     }

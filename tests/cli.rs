@@ -178,6 +178,62 @@ fn generate_eval_and_info_from_a_checkpoint() {
     let loss = r["loss"].as_f64().unwrap();
     assert!((r["perplexity"].as_f64().unwrap() - loss.exp()).abs() < 1e-6);
 
+    // Pictures: the loss curve was drawn at the end of training; plot and attention draw
+    // on demand; attention's JSON has one T x T matrix per head, rows summing to 1.
+    assert!(dir.path().join(ck).join("loss.png").is_file());
+    let out = tinygpt(
+        dir.path(),
+        &["plot", "--checkpoint", ck, "--out", "curve.png"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        &std::fs::read(dir.path().join("curve.png")).unwrap()[1..4],
+        b"PNG"
+    );
+    let out = tinygpt(
+        dir.path(),
+        &[
+            "attention",
+            "--checkpoint",
+            ck,
+            "--prompt",
+            "To be",
+            "--out",
+            "a.png",
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(dir.path().join("a.png").is_file());
+    let out = tinygpt(
+        dir.path(),
+        &[
+            "attention",
+            "--checkpoint",
+            ck,
+            "--prompt",
+            "To be",
+            "--layer",
+            "0",
+            "--json",
+        ],
+    );
+    let maps: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(maps["tokens"].as_array().unwrap().len(), 5);
+    let head0 = &maps["weights"][0][0];
+    for (q, row) in head0.as_array().unwrap().iter().enumerate() {
+        let row: Vec<f64> = row
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        assert!((row.iter().sum::<f64>() - 1.0).abs() < 1e-5);
+        assert!(
+            row[q + 1..].iter().all(|&w| w == 0.0),
+            "causal: no weight on later tokens"
+        );
+    }
+
     let out = tinygpt(dir.path(), &["info", "--checkpoint", ck, "--json"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

@@ -456,6 +456,16 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             &format!("{g} --prompt Now --num-samples 0"),
             "--num-samples",
         ),
+        case(
+            "attention layer out of range",
+            "attention --checkpoint checkpoints/good --prompt Now --layer 9",
+            "--layer 9",
+        ),
+        case(
+            "plot of a folder without metrics",
+            "plot --checkpoint notxt",
+            "metrics.jsonl",
+        ),
         // Evaluation.
         case(
             "eval text missing",

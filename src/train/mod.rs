@@ -461,6 +461,10 @@ impl Trainer {
                 .into());
             }
         }
+        match crate::plot::run_loss_curve(self.run.path()) {
+            Ok(png) => reporter.note(&format!("loss curve: {}", png.display())),
+            Err(e) => reporter.note(&format!("no loss curve: {e:#}")),
+        }
         let summary = TrainSummary {
             step: self.state.step,
             train_loss: self.state.last_train_loss,

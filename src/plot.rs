@@ -1,0 +1,398 @@
+//! Pictures: the loss curve of a run, and attention maps of a prompt.
+//!
+//! Drawn with plotters into PNG files. The font (DejaVu Sans) is compiled in, so
+//! nothing depends on the fonts a machine happens to have.
+
+use std::path::Path;
+use std::sync::Once;
+
+use anyhow::{Context, Result};
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
+use plotters::style::FontStyle;
+
+use crate::user_bail;
+
+fn register_font() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
+            .unwrap_or_else(|_| panic!("the bundled DejaVu font is valid"));
+    });
+}
+
+fn plot_error<E: std::fmt::Display>(path: &Path) -> impl FnOnce(E) -> anyhow::Error + '_ {
+    move |e| anyhow::anyhow!("drawing {}: {e}", path.display())
+}
+
+/// The points of a run's metrics.jsonl.
+#[derive(Debug, Default)]
+pub struct Curves {
+    /// (step, training loss of that step)
+    pub train: Vec<(f64, f64)>,
+    /// (step, mean train loss at evaluation)
+    pub eval_train: Vec<(f64, f64)>,
+    /// (step, mean val loss at evaluation)
+    pub eval_val: Vec<(f64, f64)>,
+    /// (step, learning rate)
+    pub lr: Vec<(f64, f64)>,
+}
+
+impl Curves {
+    pub fn from_metrics(text: &str) -> Self {
+        let mut c = Curves::default();
+        for v in text
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        {
+            let Some(step) = v["step"].as_f64() else {
+                continue;
+            };
+            if let Some(loss) = v["loss"].as_f64() {
+                c.train.push((step, loss));
+            }
+            if let (Some(t), Some(val)) = (v["train_loss"].as_f64(), v["val_loss"].as_f64()) {
+                c.eval_train.push((step, t));
+                c.eval_val.push((step, val));
+            }
+            if let Some(lr) = v["lr"].as_f64() {
+                c.lr.push((step, lr));
+            }
+        }
+        c.lr.sort_by(|a, b| a.0.total_cmp(&b.0));
+        c
+    }
+}
+
+/// Draws train and val loss against step, with the learning rate on a second axis.
+pub fn loss_curve(metrics: &Path, out: &Path, title: &str) -> Result<()> {
+    let text = std::fs::read_to_string(metrics)
+        .map_err(|e| crate::error::user_error(format!("cannot read {}: {e}", metrics.display())))?;
+    let c = Curves::from_metrics(&text);
+    if c.train.is_empty() && c.eval_val.is_empty() {
+        user_bail!("{} has no losses to plot yet", metrics.display());
+    }
+    register_font();
+    let all_losses = c
+        .train
+        .iter()
+        .chain(&c.eval_train)
+        .chain(&c.eval_val)
+        .map(|p| p.1);
+    let (mut lo, mut hi) = all_losses.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+        (lo.min(v), hi.max(v))
+    });
+    let pad = ((hi - lo) * 0.05).max(1e-3);
+    lo = (lo - pad).max(0.0);
+    hi += pad;
+    let last_step = c
+        .train
+        .iter()
+        .chain(&c.eval_val)
+        .map(|p| p.0)
+        .fold(1.0, f64::max);
+    let lr_max = c.lr.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-12) * 1.1;
+
+    let err = plot_error(out);
+    let root = BitMapBackend::new(out, (1100, 650)).into_drawing_area();
+    root.fill(&WHITE).map_err(plot_error(out))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 26))
+        .margin(18)
+        .x_label_area_size(45)
+        .y_label_area_size(60)
+        .right_y_label_area_size(75)
+        .build_cartesian_2d(0f64..last_step, lo..hi)
+        .map_err(plot_error(out))?
+        .set_secondary_coord(0f64..last_step, 0f64..lr_max);
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .y_desc("loss (nats / token)")
+        .label_style(("sans-serif", 15))
+        .light_line_style(RGBColor(235, 235, 235))
+        .draw()
+        .map_err(plot_error(out))?;
+    chart
+        .configure_secondary_axes()
+        .y_desc("learning rate")
+        .label_style(("sans-serif", 15))
+        .y_label_formatter(&|v| format!("{v:.1e}"))
+        .draw()
+        .map_err(plot_error(out))?;
+
+    let light_blue = RGBColor(150, 180, 230);
+    let blue = RGBColor(31, 90, 180);
+    let orange = RGBColor(230, 110, 20);
+    let gray = RGBColor(120, 120, 120);
+    chart
+        .draw_series(LineSeries::new(
+            c.train.iter().copied(),
+            light_blue.stroke_width(1),
+        ))
+        .map_err(plot_error(out))?
+        .label("train loss (each logged step)")
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], light_blue));
+    for (points, color, label) in [
+        (&c.eval_train, blue, "train loss (eval)"),
+        (&c.eval_val, orange, "val loss (eval)"),
+    ] {
+        chart
+            .draw_series(LineSeries::new(
+                points.iter().copied(),
+                color.stroke_width(3),
+            ))
+            .map_err(plot_error(out))?
+            .label(label)
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3))
+            });
+        chart
+            .draw_series(points.iter().map(|&p| Circle::new(p, 4, color.filled())))
+            .map_err(plot_error(out))?;
+    }
+    chart
+        .draw_secondary_series(LineSeries::new(c.lr.iter().copied(), gray.stroke_width(1)))
+        .map_err(plot_error(out))?
+        .label("learning rate (right axis)")
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], gray));
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .label_font(("sans-serif", 15))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(plot_error(out))?;
+    root.present().map_err(err)?;
+    Ok(())
+}
+
+/// Attention weights of one prompt: `weights[layer][head][query][key]`.
+pub struct AttentionMaps {
+    pub tokens: Vec<String>,
+    pub weights: Vec<Vec<Vec<Vec<f32>>>>,
+}
+
+impl AttentionMaps {
+    /// Runs `text` through the model and keeps every head's softmax weights.
+    pub fn compute(
+        model: &crate::model::Gpt,
+        tokenizer: &crate::tokenizer::Tokenizer,
+        text: &str,
+    ) -> Result<Self> {
+        let ids = tokenizer.encode(text)?;
+        let block = model.config().block_size;
+        if ids.is_empty() || ids.len() > block {
+            user_bail!(
+                "the prompt is {} tokens; attention maps need 1 to {block} (the model's block_size)",
+                ids.len()
+            );
+        }
+        let input = candle_core::Tensor::new(ids.as_slice(), model.device())?.unsqueeze(0)?;
+        let out = model.forward(&input, 0, None, &mut crate::model::Dropout::off())?;
+        let weights = out
+            .attention
+            .iter()
+            .map(|w| {
+                Ok(w.squeeze(0)?
+                    .to_dtype(candle_core::DType::F32)?
+                    .to_vec3::<f32>()?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let tokens = ids
+            .iter()
+            .map(|&id| Ok(String::from_utf8_lossy(&tokenizer.token_bytes(id)?).into_owned()))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { tokens, weights })
+    }
+}
+
+/// White (0) to dark blue (1).
+fn shade(v: f32) -> RGBColor {
+    let v = v.clamp(0.0, 1.0).sqrt(); // small weights stay visible
+    let mix = |from: f32, to: f32| (from + (to - from) * v) as u8;
+    RGBColor(mix(255.0, 8.0), mix(255.0, 48.0), mix(255.0, 120.0))
+}
+
+/// Draws each (layer, head) as a T x T heatmap, queries down and keys across, in one
+/// grid (layers as rows, heads as columns). Masked (future) cells are hatched gray, so
+/// the causal triangle shows.
+pub fn attention_grid(
+    maps: &AttentionMaps,
+    layers: &[usize],
+    heads: &[usize],
+    out: &Path,
+) -> Result<()> {
+    register_font();
+    let t = maps.tokens.len();
+    let (rows, cols) = (layers.len(), heads.len());
+    let single = rows * cols == 1;
+    // Cells big enough to read; labels only where they fit.
+    let cell = if single {
+        (700 / t.max(1)).clamp(10, 48)
+    } else {
+        (260 / t.max(1)).clamp(3, 24)
+    };
+    let label_room = if single || t <= 24 { 90 } else { 20 };
+    let panel_w = cell * t + label_room + 20;
+    let panel_h = cell * t + label_room + 40;
+    let width = (panel_w * cols).max(300) as u32;
+    let height = (panel_h * rows + 50) as u32;
+    let root = BitMapBackend::new(out, (width, height)).into_drawing_area();
+    root.fill(&WHITE).map_err(plot_error(out))?;
+    let root = root
+        .titled(
+            "attention weights: queries (rows) attend to keys (columns)",
+            ("sans-serif", 20),
+        )
+        .map_err(plot_error(out))?;
+    let panels = root.split_evenly((rows, cols));
+    let label = |i: usize| -> String {
+        let s = maps.tokens.get(i).cloned().unwrap_or_default();
+        let s = s.replace('\n', "\\n").replace(' ', "·");
+        if s.chars().count() > 8 {
+            s.chars().take(7).collect::<String>() + "…"
+        } else {
+            s
+        }
+    };
+    let font_size = (cell as f64 * 0.7).clamp(9.0, 16.0);
+    for (panel, (li, hi)) in panels.iter().zip(
+        layers
+            .iter()
+            .flat_map(|&l| heads.iter().map(move |&h| (l, h))),
+    ) {
+        let w = &maps.weights[li][hi];
+        let mut chart = ChartBuilder::on(panel)
+            .caption(format!("layer {li}, head {hi}"), ("sans-serif", 15))
+            .margin(6)
+            .x_label_area_size(if label_room > 20 {
+                label_room as u32
+            } else {
+                0
+            })
+            .y_label_area_size(if label_room > 20 {
+                label_room as u32
+            } else {
+                0
+            })
+            .build_cartesian_2d(0f64..t as f64, t as f64..0f64)
+            .map_err(plot_error(out))?;
+        chart
+            .draw_series((0..t).flat_map(|q| {
+                (0..t).map(move |k| {
+                    let color = if k > q {
+                        RGBColor(225, 225, 225)
+                    } else {
+                        shade(w[q][k])
+                    };
+                    Rectangle::new(
+                        [(k as f64, q as f64), (k as f64 + 1.0, q as f64 + 1.0)],
+                        color.filled(),
+                    )
+                })
+            }))
+            .map_err(plot_error(out))?;
+        if label_room > 20 {
+            // One label per token, centred on its row and column (the mesh's own labels
+            // pick "nice" tick values and skip tokens).
+            let base = panel.get_base_pixel();
+            let at = |x: f64, y: f64| {
+                let (px, py) = chart.backend_coord(&(x, y));
+                (px - base.0, py - base.1)
+            };
+            let style = ("sans-serif", font_size).into_font().color(&BLACK);
+            for i in 0..t {
+                let centre = i as f64 + 0.5;
+                let (x, y) = at(0.0, centre);
+                panel
+                    .draw(&Text::new(
+                        label(i),
+                        (x - 4, y),
+                        style.clone().pos(Pos::new(HPos::Right, VPos::Center)),
+                    ))
+                    .map_err(plot_error(out))?;
+                let (x, y) = at(centre, t as f64);
+                let rotated = style
+                    .clone()
+                    .transform(FontTransform::Rotate90)
+                    .pos(Pos::new(HPos::Left, VPos::Center));
+                panel
+                    .draw(&Text::new(label(i), (x, y + 4), rotated))
+                    .map_err(plot_error(out))?;
+            }
+        }
+    }
+    root.present().map_err(plot_error(out))?;
+    Ok(())
+}
+
+/// Writes `loss.png` for a run folder; returns its path.
+pub fn run_loss_curve(run_dir: &Path) -> Result<std::path::PathBuf> {
+    let out = run_dir.join("loss.png");
+    let title = run_dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    loss_curve(&run_dir.join(crate::checkpoint::METRICS_FILE), &out, &title)
+        .with_context(|| format!("plotting {}", out.display()))?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn curves_read_both_kinds_of_lines() {
+        let text = r#"{"step":0,"train_loss":4.0,"val_loss":4.1,"lr":0.0001}
+{"step":10,"loss":3.0,"lr":0.001}
+not json
+{"step":20,"loss":2.0,"lr":0.0009}
+{"step":20,"train_loss":2.1,"val_loss":2.3,"lr":0.0009}"#;
+        let c = Curves::from_metrics(text);
+        assert_eq!(c.train, vec![(10.0, 3.0), (20.0, 2.0)]);
+        assert_eq!(c.eval_val, vec![(0.0, 4.1), (20.0, 2.3)]);
+        assert_eq!(c.lr.len(), 4);
+    }
+
+    #[test]
+    fn pngs_are_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let metrics = dir.path().join("metrics.jsonl");
+        let lines: String = (0..50)
+            .map(|s| {
+                format!(
+                    "{{\"step\":{s},\"loss\":{},\"lr\":{}}}\n",
+                    4.0 - s as f64 * 0.05,
+                    1e-3
+                )
+            })
+            .collect();
+        std::fs::write(
+            &metrics,
+            lines + "{\"step\":49,\"train_loss\":1.6,\"val_loss\":1.8,\"lr\":0.001}\n",
+        )
+        .unwrap();
+        let out = dir.path().join("loss.png");
+        loss_curve(&metrics, &out, "test").unwrap();
+        let png = std::fs::read(&out).unwrap();
+        assert_eq!(&png[1..4], b"PNG");
+
+        let maps = AttentionMaps {
+            tokens: vec!["a".into(), "b".into(), "\n".into()],
+            weights: vec![vec![
+                vec![
+                    vec![1.0, 0.0, 0.0],
+                    vec![0.3, 0.7, 0.0],
+                    vec![0.2, 0.3, 0.5]
+                ];
+                2
+            ]],
+        };
+        let out = dir.path().join("attn.png");
+        attention_grid(&maps, &[0], &[0, 1], &out).unwrap();
+        assert_eq!(&std::fs::read(&out).unwrap()[1..4], b"PNG");
+    }
+}
