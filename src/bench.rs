@@ -15,6 +15,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
 use crate::config::{Config, ModelConfig, TokenizerKind};
+use crate::fast::train::FastGpt;
 use crate::generate::{DecodeMode, Decoder};
 use crate::model::{Dropout, Gpt};
 use crate::sample::argmax;
@@ -51,6 +52,8 @@ pub struct BenchReport {
     pub decode_tokens: usize,
     pub decode_tokens_per_s: f64,
     pub decode_mode: String,
+    /// "fused" or "reference".
+    pub train_path: String,
     pub peak_rss_after_decode_mb: Option<f64>,
 }
 
@@ -102,6 +105,12 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
     let train = &config.train;
     let (b, t) = (train.batch_size, cfg.block_size);
     let model = Gpt::new(&cfg, config.run.seed, device)?;
+    let fused = train.fused && FastGpt::unsupported(&cfg, device).is_none();
+    let mut fast = if fused {
+        Some(FastGpt::new(&cfg, model.params(), b)?)
+    } else {
+        None
+    };
     let mut optimizer = AdamW::new(model.params(), train)?;
     let params: Vec<Tensor> = model
         .params()
@@ -119,23 +128,36 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         let y: Vec<u32> = (0..b * t)
             .map(|_| rng.random_range(0..cfg.vocab_size as u32))
             .collect();
-        let x = Tensor::from_vec(x, (b, t), device)?;
-        let y = Tensor::from_vec(y, (b, t), device)?;
-        let t0 = Instant::now();
-        let loss = model.loss(&x, &y, &mut dropout)?;
-        loss.to_scalar::<f32>()?; // wait for the device
-        let t1 = Instant::now();
-        let store = loss.backward()?;
-        let mut grads: Vec<Tensor> = params
-            .iter()
-            .map(|p| store.get(p).cloned().map_or_else(|| p.zeros_like(), Ok))
-            .collect::<candle_core::Result<_>>()?;
-        device.synchronize()?;
-        let t2 = Instant::now();
-        clip_grad_norm(&mut grads, train.grad_clip)?;
-        optimizer.step(&grads, train.lr)?;
-        device.synchronize()?;
-        let t3 = Instant::now();
+        let (t0, t1, t2, t3);
+        if let Some(fast) = fast.as_mut() {
+            t0 = Instant::now();
+            fast.zero_grads();
+            fast.forward(&x, &y);
+            t1 = Instant::now();
+            fast.backward(1.0);
+            t2 = Instant::now();
+            fast.clip_grads(train.grad_clip);
+            fast.adamw(step + 1, train.lr, train);
+            t3 = Instant::now();
+        } else {
+            let x = Tensor::from_vec(x, (b, t), device)?;
+            let y = Tensor::from_vec(y, (b, t), device)?;
+            t0 = Instant::now();
+            let loss = model.loss(&x, &y, &mut dropout)?;
+            loss.to_scalar::<f32>()?; // wait for the device
+            t1 = Instant::now();
+            let store = loss.backward()?;
+            let mut grads: Vec<Tensor> = params
+                .iter()
+                .map(|p| store.get(p).cloned().map_or_else(|| p.zeros_like(), Ok))
+                .collect::<candle_core::Result<_>>()?;
+            device.synchronize()?;
+            t2 = Instant::now();
+            clip_grad_norm(&mut grads, train.grad_clip)?;
+            optimizer.step(&grads, train.lr)?;
+            device.synchronize()?;
+            t3 = Instant::now();
+        }
         if step >= opts.warmup {
             let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
             fwd.push(ms(t0, t1));
@@ -145,6 +167,9 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         }
     }
     let peak_train = peak_rss_mb();
+    if let Some(fast) = &fast {
+        fast.write_params(model.params())?; // decode the trained weights
+    }
     let step_ms = median(total);
     let gflop = 3.0 * b as f64 * forward_flops(&cfg, t) / 1e9;
 
@@ -193,6 +218,7 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         decode_tokens: opts.decode_tokens,
         decode_tokens_per_s: opts.decode_tokens as f64 / decode_s,
         decode_mode: format!("{:?}", opts.decode_mode).to_lowercase(),
+        train_path: if fused { "fused" } else { "reference" }.into(),
         peak_rss_after_decode_mb: peak_rss_mb(),
     })
 }

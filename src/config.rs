@@ -267,6 +267,9 @@ pub struct TrainConfig {
     pub log_interval: usize,
     /// Write a checkpoint every this many steps (and at the end).
     pub checkpoint_interval: usize,
+    /// Train with the fused CPU kernels when the model allows (`false`: the reference
+    /// candle-ops model with autograd, as on GPUs).
+    pub fused: bool,
 }
 
 impl Default for TrainConfig {
@@ -288,6 +291,7 @@ impl Default for TrainConfig {
             eval_iters: 20,
             log_interval: 10,
             checkpoint_interval: 500,
+            fused: true,
         }
     }
 }

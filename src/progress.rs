@@ -33,7 +33,7 @@ impl TerminalReporter {
 impl Reporter for TerminalReporter {
     fn started(&mut self, info: &RunInfo) {
         self.println(&format!(
-            "run {}: {:.2}M parameters, {} tokenizer ({} tokens), {} train / {} val tokens, {} tokens/step, device {}",
+            "run {}: {:.2}M parameters, {} tokenizer ({} tokens), {} train / {} val tokens, {} tokens/step, device {}, {}",
             info.run_dir.display(),
             info.parameters as f64 / 1e6,
             info.tokenizer,
@@ -42,6 +42,7 @@ impl Reporter for TerminalReporter {
             info.val_tokens,
             info.tokens_per_step,
             info.device,
+            info.engine,
         ));
         if info.start_step > 0 {
             self.println(&format!("resuming at step {}", info.start_step));

@@ -163,11 +163,18 @@ fn same_seed_same_curve_other_seed_other_curve() {
 
 #[test]
 fn resume_continues_the_same_curve() {
+    // Dropout sends training down the reference path; without it, the fused kernels.
+    for dropout in [0.1, 0.0] {
+        resume_continues_the_same_curve_with(dropout);
+    }
+}
+
+fn resume_continues_the_same_curve_with(dropout: f64) {
     let dir = tempfile::tempdir().unwrap();
     let corpus = write_corpus(dir.path(), 20);
     let mut straight_cfg = config(dir.path(), &corpus);
     straight_cfg.run.name = "straight".into();
-    straight_cfg.model.dropout = 0.1;
+    straight_cfg.model.dropout = dropout;
     straight_cfg.train.grad_accum = 2;
     // The schedule must not depend on where the first part stops.
     straight_cfg.train.lr_decay_iters = Some(20);
@@ -201,6 +208,37 @@ fn resume_continues_the_same_curve() {
         resumed, straight.0,
         "resumed run must follow the uninterrupted curve exactly"
     );
+}
+
+/// The fused CPU kernels and the reference model train along the same curve (not bit
+/// for bit: float sums run in another order).
+#[test]
+fn fused_and_reference_paths_follow_the_same_curve() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(dir.path(), 20);
+    let mut curves = Vec::new();
+    for (name, fused) in [("fused", true), ("reference", false)] {
+        let mut cfg = config(dir.path(), &corpus);
+        cfg.run.name = name.into();
+        cfg.train.fused = fused;
+        cfg.train.max_iters = 40;
+        let trainer = Trainer::new(cfg.clone(), false).unwrap();
+        assert_eq!(trainer.engine_name().starts_with("fused"), fused);
+        drop(trainer);
+        let mut losses = Losses::default();
+        tinygpt::train::train(cfg, false, &mut losses).unwrap();
+        curves.push(losses.0);
+    }
+    for (f, r) in curves[0].iter().zip(&curves[1]) {
+        assert_eq!(f.0, r.0);
+        assert!(
+            (f.1 - r.1).abs() < 1e-4 * r.1,
+            "step {}: fused {} vs reference {}",
+            f.0,
+            f.1,
+            r.1
+        );
+    }
 }
 
 #[test]

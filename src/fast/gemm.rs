@@ -54,9 +54,91 @@ pub fn matmul_wt(
     }
 }
 
+/// How a matrix operand is stored, row-major.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// As used: (rows, cols).
+    AsIs,
+    /// Transposed: the operand (rows, cols) is stored as (cols, rows).
+    Transposed,
+}
+
+/// dst (m x n) = a (m x k) · b (k x n), or += with `accumulate`; `a_layout` and
+/// `b_layout` say whether each operand is stored as used or transposed.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(
+    dst: &mut [f32],
+    a: &[f32],
+    a_layout: Layout,
+    b: &[f32],
+    b_layout: Layout,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) {
+    assert!(dst.len() >= m * n && a.len() >= m * k && b.len() >= k * n);
+    // (row stride, column stride) of each operand as used.
+    let (a_rs, a_cs) = match a_layout {
+        Layout::AsIs => (k as isize, 1),
+        Layout::Transposed => (1, m as isize),
+    };
+    let (b_rs, b_cs) = match b_layout {
+        Layout::AsIs => (n as isize, 1),
+        Layout::Transposed => (1, k as isize),
+    };
+    // Safety: the assert above bounds every index gemm touches given these strides.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.as_ptr(),
+            a_cs,
+            a_rs,
+            b.as_ptr(),
+            b_cs,
+            b_rs,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism(m, n, k),
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_layout_matches_the_definition() {
+        let (m, n, k) = (6, 5, 9);
+        let a: Vec<f32> = (0..m * k).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect(); // m x k
+        let b: Vec<f32> = (0..k * n).map(|i| (i % 7) as f32 * 0.2 - 0.5).collect(); // k x n
+        let t = |x: &[f32], r: usize, c: usize| -> Vec<f32> {
+            (0..r * c).map(|i| x[(i % r) * c + i / r]).collect() // (c x r) transposed copy
+        };
+        let (at, bt) = (t(&a, m, k), t(&b, k, n));
+        let expected: Vec<f32> = (0..m * n)
+            .map(|i| (0..k).map(|p| a[(i / n) * k + p] * b[p * n + i % n]).sum())
+            .collect();
+        for (aa, al) in [(&a, Layout::AsIs), (&at, Layout::Transposed)] {
+            for (bb, bl) in [(&b, Layout::AsIs), (&bt, Layout::Transposed)] {
+                let mut out = vec![1.0f32; m * n];
+                matmul(&mut out, aa, al, bb, bl, m, n, k, true);
+                for (o, e) in out.iter().zip(&expected) {
+                    assert!((o - (1.0 + e)).abs() < 1e-5, "{al:?} {bl:?}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn matches_the_definition() {

@@ -5,5 +5,7 @@
 pub mod decode;
 pub mod gemm;
 pub mod kernels;
+pub mod ops;
+pub mod train;
 
 pub use decode::FastDecoder;

@@ -18,6 +18,7 @@ use crate::config::{Config, TokenizerKind};
 use crate::data::{self, Batch, BatchSampler, Split, Tokens};
 use crate::device::parse_device;
 use crate::error::{DivergedError, InterruptedError};
+use crate::fast::train::FastGpt;
 use crate::lock::RunLock;
 use crate::model::{Dropout, Gpt};
 use crate::tokenizer::Tokenizer;
@@ -56,6 +57,7 @@ pub struct RunInfo {
     pub vocab_size: usize,
     pub tokenizer: &'static str,
     pub device: String,
+    pub engine: String,
     pub tokens_per_step: usize,
 }
 
@@ -97,13 +99,22 @@ pub enum Start {
     InitFrom(std::path::PathBuf),
 }
 
+/// What computes the gradients and applies the updates.
+enum Engine {
+    /// The reference model: candle ops, autograd, AdamW over tensors (every device).
+    Reference(AdamW),
+    /// The fused CPU kernels over flat buffers (`fast::train`); the reference model's
+    /// variables are refreshed from it before saving.
+    Fused(Box<FastGpt>),
+}
+
 /// Everything a run holds between steps.
 pub struct Trainer {
     pub config: Config,
     pub run: RunDir,
     pub tokenizer: Tokenizer,
     pub model: Gpt,
-    optimizer: AdamW,
+    engine: Engine,
     split: Split,
     sampler: BatchSampler,
     dropout: Dropout,
@@ -113,6 +124,8 @@ pub struct Trainer {
     resumed: bool,
     /// Set (to the signal number) when the user asks training to stop.
     stop: Option<Arc<AtomicI32>>,
+    /// The reference path's clipped gradients between computing and applying them.
+    pending_grads: Option<Vec<Tensor>>,
     _lock: RunLock,
 }
 
@@ -226,7 +239,6 @@ impl Trainer {
         if let Some(weights) = &init_weights {
             model.params().load(weights, "--init-from")?;
         }
-        let mut optimizer = AdamW::new(model.params(), &config.train)?;
         let seed = config.run.seed;
         let mut sampler = BatchSampler::new(seed, STREAM_TRAIN_BATCHES);
         let mut dropout = Dropout::new(config.model.dropout, seed, STREAM_DROPOUT);
@@ -235,22 +247,34 @@ impl Trainer {
             model
                 .params()
                 .load(&weights, &run.file(MODEL_FILE).display().to_string())?;
-            let moments = run.load_tensors(&state, OPTIMIZER_FILE, &device)?;
-            optimizer.load_state(
-                &moments,
-                state.step,
-                &run.file(OPTIMIZER_FILE).display().to_string(),
-            )?;
             sampler.set_position(parse_position(&state.sampler_position)?);
             dropout.set_position(parse_position(&state.dropout_position)?);
             run.truncate_metrics(state.step)?;
+        }
+        let fused = config.train.fused && FastGpt::unsupported(&config.model, &device).is_none();
+        let mut engine = if fused {
+            Engine::Fused(Box::new(FastGpt::new(
+                &config.model,
+                model.params(),
+                config.train.batch_size,
+            )?))
+        } else {
+            Engine::Reference(AdamW::new(model.params(), &config.train)?)
+        };
+        if resume {
+            let moments = run.load_tensors(&state, OPTIMIZER_FILE, &device)?;
+            let source = run.file(OPTIMIZER_FILE).display().to_string();
+            match &mut engine {
+                Engine::Reference(adamw) => adamw.load_state(&moments, state.step, &source)?,
+                Engine::Fused(fast) => fast.load_moments(&moments, &source)?,
+            }
         }
         Ok(Self {
             config,
             run,
             tokenizer,
             model,
-            optimizer,
+            engine,
             split,
             sampler,
             dropout,
@@ -259,6 +283,7 @@ impl Trainer {
             session_start: Instant::now(),
             resumed: resume,
             stop: None,
+            pending_grads: None,
             _lock: lock,
         })
     }
@@ -280,6 +305,7 @@ impl Trainer {
             vocab_size: self.config.model.vocab_size,
             tokenizer: self.tokenizer.kind_name(),
             device: format!("{:?}", self.device),
+            engine: self.engine_name(),
             tokens_per_step: self
                 .config
                 .train
@@ -298,8 +324,72 @@ impl Trainer {
     /// One optimiser step over `grad_accum` micro-batches.
     pub fn train_step(&mut self) -> Result<StepLog> {
         let started = Instant::now();
-        let cfg = &self.config.train;
-        let lr = learning_rate(self.state.step, cfg);
+        let cfg = self.config.train.clone();
+        let lr = learning_rate(self.state.step, &cfg);
+        let block = self.config.model.block_size;
+        let batches: Vec<Batch> = (0..cfg.grad_accum)
+            .map(|_| {
+                self.sampler
+                    .sample(&self.split.train, cfg.batch_size, block)
+            })
+            .collect();
+        let (loss, grad_norm) = match &mut self.engine {
+            Engine::Fused(fast) => {
+                fast.zero_grads();
+                let mut loss_sum = 0.0;
+                for batch in &batches {
+                    loss_sum += fast.forward(&batch.x, &batch.y);
+                    // Each micro-batch contributes 1/accum of the mean gradient.
+                    fast.backward(1.0 / cfg.grad_accum as f32);
+                }
+                (
+                    loss_sum / cfg.grad_accum as f64,
+                    fast.clip_grads(cfg.grad_clip),
+                )
+            }
+            Engine::Reference(_) => self.reference_gradients(&batches, &cfg)?,
+        };
+        if !loss.is_finite() || !grad_norm.is_finite() {
+            return Err(DivergedError {
+                step: self.state.step + 1,
+                lr,
+                what: if loss.is_finite() {
+                    "gradient norm"
+                } else {
+                    "loss"
+                },
+            }
+            .into());
+        }
+        match &mut self.engine {
+            Engine::Fused(fast) => fast.adamw(self.state.step + 1, lr, &cfg),
+            Engine::Reference(adamw) => {
+                let grads = self.pending_grads.take().expect("gradients computed above");
+                adamw.step(&grads, lr)?;
+            }
+        }
+
+        let tokens = cfg.tokens_per_step(block);
+        self.state.step += 1;
+        self.state.tokens_seen += tokens as u64;
+        self.state.last_train_loss = Some(loss);
+        Ok(StepLog {
+            step: self.state.step,
+            loss,
+            lr,
+            grad_norm,
+            tokens_per_s: tokens as f64 / started.elapsed().as_secs_f64(),
+            elapsed_s: self.elapsed_s(),
+        })
+    }
+
+    /// The reference path's gradients for `batches` (mean over them), clipped; kept in
+    /// `pending_grads` for the optimiser. Returns (mean loss, norm before clipping).
+    fn reference_gradients(
+        &mut self,
+        batches: &[Batch],
+        cfg: &crate::config::TrainConfig,
+    ) -> Result<(f64, f64)> {
         let params: Vec<Tensor> = self
             .model
             .params()
@@ -308,17 +398,11 @@ impl Trainer {
             .collect();
         let mut grads: Vec<Option<Tensor>> = vec![None; params.len()];
         let mut loss_sum = 0.0;
-        for _ in 0..cfg.grad_accum {
-            let batch = self.sampler.sample(
-                &self.split.train,
-                cfg.batch_size,
-                self.config.model.block_size,
-            );
-            let (x, y) = self.batch_tensors(&batch)?;
+        for batch in batches {
+            let (x, y) = self.batch_tensors(batch)?;
             let loss = self.model.loss(&x, &y, &mut self.dropout)?;
             loss_sum += loss.to_scalar::<f32>()? as f64;
-            // Each micro-batch contributes 1/accum of the mean gradient.
-            let store = (loss / cfg.grad_accum as f64)?.backward()?;
+            let store = (loss / batches.len() as f64)?.backward()?;
             for (acc, p) in grads.iter_mut().zip(&params) {
                 if let Some(g) = store.get(p) {
                     *acc = Some(match acc.take() {
@@ -333,57 +417,40 @@ impl Trainer {
             .zip(&params)
             .map(|(g, p)| g.map_or_else(|| p.zeros_like(), Ok))
             .collect::<candle_core::Result<_>>()?;
-        let loss = loss_sum / cfg.grad_accum as f64;
-        let grad_norm = clip_grad_norm(&mut grads, cfg.grad_clip)?;
-        if !loss.is_finite() || !grad_norm.is_finite() {
-            return Err(DivergedError {
-                step: self.state.step + 1,
-                lr,
-                what: if loss.is_finite() {
-                    "gradient norm"
-                } else {
-                    "loss"
-                },
-            }
-            .into());
-        }
-        self.optimizer.step(&grads, lr)?;
-
-        let tokens = cfg.tokens_per_step(self.config.model.block_size);
-        self.state.step += 1;
-        self.state.tokens_seen += tokens as u64;
-        self.state.last_train_loss = Some(loss);
-        Ok(StepLog {
-            step: self.state.step,
-            loss,
-            lr,
-            grad_norm,
-            tokens_per_s: tokens as f64 / started.elapsed().as_secs_f64(),
-            elapsed_s: self.elapsed_s(),
-        })
+        let norm = clip_grad_norm(&mut grads, cfg.grad_clip)?;
+        self.pending_grads = Some(grads);
+        Ok((loss_sum / batches.len() as f64, norm))
     }
 
     /// Mean loss over `eval_iters` batches of train and of val. The batches are the same
     /// at every evaluation (a fixed seed), so the curve shows the model change, not noise.
-    pub fn evaluate(&self) -> Result<EvalLog> {
-        let cfg = &self.config.train;
-        let block = self.config.model.block_size;
-        let mean_loss = |tokens: &Tokens, stream: u64| -> Result<f64> {
-            let mut sampler = BatchSampler::new(self.config.run.seed, stream);
-            let mut sum = 0.0;
-            for _ in 0..cfg.eval_iters {
-                let batch = sampler.sample(tokens, cfg.batch_size, block);
-                let (x, y) = self.batch_tensors(&batch)?;
-                let loss = self.model.loss(&x, &y, &mut Dropout::off())?;
-                sum += loss.to_scalar::<f32>()? as f64;
-            }
-            Ok(sum / cfg.eval_iters as f64)
-        };
+    pub fn evaluate(&mut self) -> Result<EvalLog> {
+        let train = self.split.train.clone();
+        let val = self.split.val.clone();
         Ok(EvalLog {
             step: self.state.step,
-            train_loss: mean_loss(&self.split.train, STREAM_EVAL_TRAIN)?,
-            val_loss: mean_loss(&self.split.val, STREAM_EVAL_VAL)?,
+            train_loss: self.mean_loss(&train, STREAM_EVAL_TRAIN)?,
+            val_loss: self.mean_loss(&val, STREAM_EVAL_VAL)?,
         })
+    }
+
+    fn mean_loss(&mut self, tokens: &Tokens, stream: u64) -> Result<f64> {
+        let cfg = self.config.train.clone();
+        let block = self.config.model.block_size;
+        let mut sampler = BatchSampler::new(self.config.run.seed, stream);
+        let mut sum = 0.0;
+        for _ in 0..cfg.eval_iters {
+            let batch = sampler.sample(tokens, cfg.batch_size, block);
+            sum += match &mut self.engine {
+                Engine::Fused(fast) => fast.forward(&batch.x, &batch.y),
+                Engine::Reference(_) => {
+                    let (x, y) = self.batch_tensors(&batch)?;
+                    let loss = self.model.loss(&x, &y, &mut Dropout::off())?;
+                    loss.to_scalar::<f32>()? as f64
+                }
+            };
+        }
+        Ok(sum / cfg.eval_iters as f64)
     }
 
     pub fn elapsed_s(&self) -> f64 {
@@ -396,13 +463,40 @@ impl Trainer {
         state.elapsed_s = self.elapsed_s();
         state.sampler_position = self.sampler.position().to_string();
         state.dropout_position = self.dropout.position().to_string();
+        self.sync_model()?;
+        let moments = match &self.engine {
+            Engine::Reference(adamw) => adamw.state_tensors(),
+            Engine::Fused(fast) => fast.moments()?,
+        };
         self.run.save(
             &self.config,
             &self.tokenizer,
             &self.model.params().to_map(),
-            &self.optimizer.state_tensors(),
+            &moments,
             &state,
         )
+    }
+
+    /// Brings the reference model's weights up to date with the engine's.
+    pub fn sync_model(&self) -> Result<()> {
+        if let Engine::Fused(fast) = &self.engine {
+            fast.write_params(self.model.params())?;
+        }
+        Ok(())
+    }
+
+    /// "fused CPU kernels", or why the reference path is used.
+    pub fn engine_name(&self) -> String {
+        match &self.engine {
+            Engine::Fused(_) => "fused CPU kernels".into(),
+            Engine::Reference(_) if !self.config.train.fused => {
+                "reference (train.fused = false)".into()
+            }
+            Engine::Reference(_) => format!(
+                "reference ({})",
+                FastGpt::unsupported(&self.config.model, &self.device).unwrap_or_default()
+            ),
+        }
     }
 
     /// Trains to `max_iters`: eval at every `eval_interval` (and at the end), metrics
@@ -465,6 +559,7 @@ impl Trainer {
             Ok(png) => reporter.note(&format!("loss curve: {}", png.display())),
             Err(e) => reporter.note(&format!("no loss curve: {e:#}")),
         }
+        self.sync_model()?;
         let summary = TrainSummary {
             step: self.state.step,
             train_loss: self.state.last_train_loss,

@@ -1,0 +1,432 @@
+//! The layers of the training fast path, each a forward and its backward side by side
+//! (as llm.c lays them out). Shapes: N = B*T rows, C channels, H heads of size d.
+//! Backward functions accumulate (+=) into parameter gradients and into the gradient of
+//! their input, so residual branches and gradient accumulation need no extra pass.
+
+use rayon::prelude::*;
+
+use super::kernels::{axpy, dot_lanes, erf_approx, exp_approx, multiversion};
+
+// --- Embedding ----------------------------------------------------------------------
+
+/// x[n] = wte[ids[n]] (+ pos[n % T]).
+pub fn embed_forward(
+    x: &mut [f32],
+    ids: &[u32],
+    wte: &[f32],
+    pos: Option<&[f32]>,
+    t: usize,
+    c: usize,
+) {
+    for (n, (row, &id)) in x.chunks_exact_mut(c).zip(ids).enumerate() {
+        let id = id as usize;
+        row.copy_from_slice(&wte[id * c..(id + 1) * c]);
+        if let Some(pos) = pos {
+            let p = n % t;
+            for (xi, pi) in row.iter_mut().zip(&pos[p * c..(p + 1) * c]) {
+                *xi += pi;
+            }
+        }
+    }
+}
+
+/// dwte[ids[n]] += dx[n]; dpos[n % T] += dx[n] (when positions are learned).
+pub fn embed_backward(
+    dwte: &mut [f32],
+    dpos: Option<&mut [f32]>,
+    dx: &[f32],
+    ids: &[u32],
+    t: usize,
+    c: usize,
+) {
+    for (row, &id) in dx.chunks_exact(c).zip(ids) {
+        let id = id as usize;
+        axpy(&mut dwte[id * c..(id + 1) * c], 1.0, row);
+    }
+    if let Some(dpos) = dpos {
+        for (n, row) in dx.chunks_exact(c).enumerate() {
+            let p = n % t;
+            axpy(&mut dpos[p * c..(p + 1) * c], 1.0, row);
+        }
+    }
+}
+
+// --- LayerNorm ----------------------------------------------------------------------
+
+/// out = (x - mean) * rstd * w (+ b) per row; keeps mean and rstd for the backward.
+pub fn layernorm_forward(
+    out: &mut [f32],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+    x: &[f32],
+    w: &[f32],
+    b: Option<&[f32]>,
+    eps: f32,
+) {
+    let c = w.len();
+    for (n, (xr, or)) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)).enumerate() {
+        let m = xr.iter().sum::<f32>() / c as f32;
+        let var = xr.iter().map(|v| (v - m) * (v - m)).sum::<f32>() / c as f32;
+        let s = 1.0 / (var + eps).sqrt();
+        for i in 0..c {
+            or[i] = (xr[i] - m) * s * w[i] + b.map_or(0.0, |b| b[i]);
+        }
+        mean[n] = m;
+        rstd[n] = s;
+    }
+}
+
+/// With xhat = (x - mean) * rstd and g = dout * w:
+/// dx += rstd * (g - mean(g) - xhat * mean(g * xhat)); dw += dout * xhat; db += dout.
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_backward(
+    dx: &mut [f32],
+    dw: &mut [f32],
+    db: Option<&mut [f32]>,
+    dout: &[f32],
+    x: &[f32],
+    w: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+) {
+    let c = w.len();
+    let mut db = db;
+    for (n, ((dxr, dor), xr)) in dx
+        .chunks_exact_mut(c)
+        .zip(dout.chunks_exact(c))
+        .zip(x.chunks_exact(c))
+        .enumerate()
+    {
+        let (m, s) = (mean[n], rstd[n]);
+        let mut g_mean = 0.0;
+        let mut gx_mean = 0.0;
+        for i in 0..c {
+            let xhat = (xr[i] - m) * s;
+            let g = dor[i] * w[i];
+            g_mean += g;
+            gx_mean += g * xhat;
+        }
+        g_mean /= c as f32;
+        gx_mean /= c as f32;
+        for i in 0..c {
+            let xhat = (xr[i] - m) * s;
+            let g = dor[i] * w[i];
+            dxr[i] += s * (g - g_mean - xhat * gx_mean);
+            dw[i] += dor[i] * xhat;
+        }
+        if let Some(db) = db.as_deref_mut() {
+            axpy(db, 1.0, dor);
+        }
+    }
+}
+
+// --- Bias ---------------------------------------------------------------------------
+
+/// Adds `b` to every row of `out`.
+pub fn add_bias(out: &mut [f32], b: &[f32]) {
+    for row in out.chunks_exact_mut(b.len()) {
+        axpy(row, 1.0, b);
+    }
+}
+
+/// db += sum over rows of dout.
+pub fn bias_backward(db: &mut [f32], dout: &[f32]) {
+    for row in dout.chunks_exact(db.len()) {
+        axpy(db, 1.0, row);
+    }
+}
+
+// --- GELU ---------------------------------------------------------------------------
+
+multiversion! {
+    /// out = x Phi(x) (exact GELU).
+    pub fn gelu_forward(out: &mut [f32], x: &[f32]) {
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = 0.5 * v * (1.0 + erf_approx(v * std::f32::consts::FRAC_1_SQRT_2));
+        }
+    }
+}
+
+multiversion! {
+    /// dx += dout * (Phi(x) + x phi(x)), phi the standard normal density.
+    pub fn gelu_backward(dx: &mut [f32], x: &[f32], dout: &[f32]) {
+        const INV_SQRT_2PI: f32 = 0.398_942_3;
+        for ((d, &v), &g) in dx.iter_mut().zip(x).zip(dout) {
+            let cdf = 0.5 * (1.0 + erf_approx(v * std::f32::consts::FRAC_1_SQRT_2));
+            let pdf = INV_SQRT_2PI * exp_approx(-0.5 * v * v);
+            *d += g * (cdf + v * pdf);
+        }
+    }
+}
+
+// --- RoPE ---------------------------------------------------------------------------
+
+/// Rotates the q and k heads of every row of qkv (N, 3C) in place, split-halves pairing,
+/// by the angles of position n % T. With `inverse`, rotates back (the backward: a
+/// rotation's transpose is its inverse).
+pub fn rope(
+    qkv: &mut [f32],
+    cos: &[f32],
+    sin: &[f32],
+    t: usize,
+    c: usize,
+    d: usize,
+    inverse: bool,
+) {
+    let half = d / 2;
+    let sign = if inverse { -1.0 } else { 1.0 };
+    for (n, row) in qkv.chunks_exact_mut(3 * c).enumerate() {
+        let p = n % t;
+        let (cos, sin) = (
+            &cos[p * half..(p + 1) * half],
+            &sin[p * half..(p + 1) * half],
+        );
+        for head in row[..2 * c].chunks_exact_mut(d) {
+            let (a, b) = head.split_at_mut(half);
+            for i in 0..half {
+                let (x, y) = (a[i], b[i]);
+                let s = sign * sin[i];
+                a[i] = x * cos[i] - y * s;
+                b[i] = y * cos[i] + x * s;
+            }
+        }
+    }
+}
+
+// --- Causal self-attention ----------------------------------------------------------
+
+/// Shapes of one attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    pub b: usize,
+    pub t: usize,
+    pub c: usize,
+    pub h: usize,
+}
+
+impl AttnShape {
+    fn d(&self) -> usize {
+        self.c / self.h
+    }
+}
+
+/// From qkv (N, 3C: q | k | v, heads side by side): att (B, H, T, T) softmax weights
+/// (zero above the diagonal) and y (N, C). Sequences run in parallel.
+pub fn attention_forward(y: &mut [f32], att: &mut [f32], qkv: &[f32], s: AttnShape) {
+    let (t, c, h, d) = (s.t, s.c, s.h, s.d());
+    let scale = 1.0 / (d as f32).sqrt();
+    y.par_chunks_mut(t * c)
+        .zip(att.par_chunks_mut(h * t * t))
+        .enumerate()
+        .for_each(|(b, (y, att))| {
+            let qkv = &qkv[b * t * 3 * c..(b + 1) * t * 3 * c];
+            y.fill(0.0);
+            for head in 0..h {
+                for i in 0..t {
+                    let q = &qkv[i * 3 * c + head * d..][..d];
+                    let row = &mut att[(head * t + i) * t..][..t];
+                    let mut max = f32::NEG_INFINITY;
+                    for (j, a) in row[..=i].iter_mut().enumerate() {
+                        *a = dot_lanes(q, &qkv[j * 3 * c + c + head * d..][..d]) * scale;
+                        max = max.max(*a);
+                    }
+                    let mut sum = 0.0;
+                    for a in row[..=i].iter_mut() {
+                        *a = exp_approx(*a - max);
+                        sum += *a;
+                    }
+                    let inv = 1.0 / sum;
+                    let out = &mut y[i * c + head * d..][..d];
+                    for (j, a) in row[..=i].iter_mut().enumerate() {
+                        *a *= inv;
+                        axpy(out, *a, &qkv[j * 3 * c + 2 * c + head * d..][..d]);
+                    }
+                    row[i + 1..].fill(0.0);
+                }
+            }
+        });
+}
+
+/// Backward of `attention_forward`: dqkv += d(q | k | v) from dy.
+/// With p = att[i, :], dp_j = dy_i . v_j, ds_j = p_j (dp_j - sum_k p_k dp_k):
+/// dv_j += p_j dy_i; dq_i += scale sum_j ds_j k_j; dk_j += scale ds_j q_i.
+pub fn attention_backward(dqkv: &mut [f32], dy: &[f32], qkv: &[f32], att: &[f32], s: AttnShape) {
+    let (t, c, h, d) = (s.t, s.c, s.h, s.d());
+    let scale = 1.0 / (d as f32).sqrt();
+    dqkv.par_chunks_mut(t * 3 * c).enumerate().for_each_init(
+        || (vec![0f32; t], vec![0f32; d]),
+        |(dp, dq), (b, dqkv)| {
+            let qkv = &qkv[b * t * 3 * c..(b + 1) * t * 3 * c];
+            let dy = &dy[b * t * c..(b + 1) * t * c];
+            for head in 0..h {
+                for i in 0..t {
+                    let p = &att[((b * h + head) * t + i) * t..][..=i];
+                    let dyi = &dy[i * c + head * d..][..d];
+                    let mut weighted = 0.0;
+                    for (j, dpj) in dp[..=i].iter_mut().enumerate() {
+                        *dpj = dot_lanes(dyi, &qkv[j * 3 * c + 2 * c + head * d..][..d]);
+                        weighted += p[j] * *dpj;
+                    }
+                    let qi = &qkv[i * 3 * c + head * d..][..d];
+                    dq.fill(0.0);
+                    for j in 0..=i {
+                        let ds = p[j] * (dp[j] - weighted) * scale;
+                        axpy(&mut dqkv[j * 3 * c + 2 * c + head * d..][..d], p[j], dyi); // dv_j
+                        axpy(&mut dqkv[j * 3 * c + c + head * d..][..d], ds, qi); // dk_j
+                        axpy(dq, ds, &qkv[j * 3 * c + c + head * d..][..d]);
+                    }
+                    axpy(&mut dqkv[i * 3 * c + head * d..][..d], 1.0, dq); // dq_i
+                }
+            }
+        },
+    );
+}
+
+// --- Output layer: softmax + cross-entropy --------------------------------------------
+
+/// Turns each row of `logits` (N, V) into probabilities in place and returns the summed
+/// loss -log p[target]. Rows are independent; they run in parallel.
+pub fn softmax_cross_entropy(logits: &mut [f32], targets: &[u32], v: usize) -> f64 {
+    logits
+        .par_chunks_mut(v)
+        .zip(targets.par_iter())
+        .map(|(row, &target)| {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0f64;
+            for x in row.iter_mut() {
+                *x = (*x - max).exp();
+                sum += *x as f64;
+            }
+            let inv = (1.0 / sum) as f32;
+            let p_target = row[target as usize] as f64 / sum;
+            for x in row.iter_mut() {
+                *x *= inv;
+            }
+            -p_target.ln()
+        })
+        .sum()
+}
+
+/// probs -> dlogits in place: (p - onehot(target)) * scale.
+pub fn cross_entropy_backward(probs: &mut [f32], targets: &[u32], v: usize, scale: f32) {
+    for (row, &target) in probs.chunks_exact_mut(v).zip(targets) {
+        row[target as usize] -= 1.0;
+        for x in row.iter_mut() {
+            *x *= scale;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Central differences of a scalar function of one buffer, at a few indices.
+    fn numeric(f: &mut dyn FnMut(&[f32]) -> f64, x: &[f32], at: &[usize]) -> Vec<f64> {
+        let eps = 1e-2f32;
+        at.iter()
+            .map(|&i| {
+                let mut p = x.to_vec();
+                p[i] += eps;
+                let up = f(&p);
+                p[i] -= 2.0 * eps;
+                let down = f(&p);
+                (up - down) / (2.0 * eps as f64)
+            })
+            .collect()
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() <= 2e-3 * (1.0 + b.abs())
+    }
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i as u32 * 2654435761u32) ^ seed) % 1000) as f32 / 500.0 - 1.0)
+            .collect()
+    }
+
+    #[test]
+    fn layernorm_backward_matches_differences() {
+        let (n, c) = (3, 5);
+        let x = values(n * c, 1);
+        let w = values(c, 2);
+        let bias = values(c, 3);
+        let probe = values(n * c, 4); // loss = sum(out * probe)
+        let mut f = |x: &[f32]| -> f64 {
+            let (mut out, mut m, mut r) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
+            layernorm_forward(&mut out, &mut m, &mut r, x, &w, Some(&bias), 1e-5);
+            out.iter().zip(&probe).map(|(a, b)| (*a * *b) as f64).sum()
+        };
+        let (mut out, mut m, mut r) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
+        layernorm_forward(&mut out, &mut m, &mut r, &x, &w, Some(&bias), 1e-5);
+        let (mut dx, mut dw, mut db) = (vec![0.0; n * c], vec![0.0; c], vec![0.0; c]);
+        layernorm_backward(&mut dx, &mut dw, Some(&mut db), &probe, &x, &w, &m, &r);
+        let at = [0, 4, 7, 14];
+        for (i, num) in at.iter().zip(numeric(&mut f, &x, &at)) {
+            assert!(close(dx[*i] as f64, num), "dx[{i}] {} vs {num}", dx[*i]);
+        }
+    }
+
+    #[test]
+    fn gelu_backward_matches_differences() {
+        let x = values(9, 5);
+        let probe = values(9, 6);
+        let mut f = |x: &[f32]| -> f64 {
+            let mut out = vec![0.0; x.len()];
+            gelu_forward(&mut out, x);
+            out.iter().zip(&probe).map(|(a, b)| (*a * *b) as f64).sum()
+        };
+        let mut dx = vec![0.0; 9];
+        gelu_backward(&mut dx, &x, &probe);
+        let at: Vec<usize> = (0..9).collect();
+        for (i, num) in at.iter().zip(numeric(&mut f, &x, &at)) {
+            assert!(close(dx[*i] as f64, num), "{i}: {} vs {num}", dx[*i]);
+        }
+    }
+
+    #[test]
+    fn attention_backward_matches_differences() {
+        let s = AttnShape {
+            b: 2,
+            t: 4,
+            c: 6,
+            h: 2,
+        };
+        let n = s.b * s.t;
+        let qkv = values(n * 3 * s.c, 7);
+        let probe = values(n * s.c, 8);
+        let mut f = |qkv: &[f32]| -> f64 {
+            let (mut y, mut att) = (vec![0.0; n * s.c], vec![0.0; s.b * s.h * s.t * s.t]);
+            attention_forward(&mut y, &mut att, qkv, s);
+            y.iter().zip(&probe).map(|(a, b)| (*a * *b) as f64).sum()
+        };
+        let (mut y, mut att) = (vec![0.0; n * s.c], vec![0.0; s.b * s.h * s.t * s.t]);
+        attention_forward(&mut y, &mut att, &qkv, s);
+        let mut dqkv = vec![0.0; n * 3 * s.c];
+        attention_backward(&mut dqkv, &probe, &qkv, &att, s);
+        let at: Vec<usize> = (0..n * 3 * s.c).step_by(5).collect();
+        for (i, num) in at.iter().zip(numeric(&mut f, &qkv, &at)) {
+            assert!(
+                close(dqkv[*i] as f64, num),
+                "dqkv[{i}] {} vs {num}",
+                dqkv[*i]
+            );
+        }
+    }
+
+    #[test]
+    fn rope_inverse_undoes_rope() {
+        let (t, c, d) = (3, 8, 4);
+        let mut qkv = values(2 * t * 3 * c, 9);
+        let original = qkv.clone();
+        let cos: Vec<f32> = (0..t * d / 2).map(|i| (i as f32 * 0.3).cos()).collect();
+        let sin: Vec<f32> = (0..t * d / 2).map(|i| (i as f32 * 0.3).sin()).collect();
+        rope(&mut qkv, &cos, &sin, t, c, d, false);
+        assert_ne!(qkv, original);
+        rope(&mut qkv, &cos, &sin, t, c, d, true);
+        for (a, b) in qkv.iter().zip(&original) {
+            assert!((a - b).abs() < 1e-5);
+        }
+    }
+}

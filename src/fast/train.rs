@@ -1,0 +1,727 @@
+//! The training fast path on the CPU: the whole model's forward and backward written out
+//! over preallocated buffers (llm.c style), GEMMs through `fast::gemm`, AdamW in place.
+//!
+//! All parameters live in one flat buffer, their gradients and AdamW moments in three
+//! more of the same layout; every activation the backward needs has its own buffer,
+//! sized once for (batch, block_size). A step allocates nothing. The reference model
+//! (`crate::model`) stays the definition: tests hold this path's loss and gradients to
+//! it within 1e-5, and checkpoints are written from the reference's named tensors.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use anyhow::Result;
+use candle_core::{Device, Tensor};
+
+use super::gemm::{matmul, Layout};
+use super::ops::{self, AttnShape};
+use crate::config::{MlpKind, ModelConfig, NormKind, PositionKind, TrainConfig};
+use crate::model::position::{rope_tables, sinusoidal_table};
+use crate::model::Params;
+
+/// Where each parameter of one block sits in the flat buffer.
+struct BlockIndex {
+    ln_1_w: Range<usize>,
+    ln_1_b: Option<Range<usize>>,
+    attn_w: Range<usize>,
+    attn_b: Option<Range<usize>>,
+    proj_w: Range<usize>,
+    proj_b: Option<Range<usize>>,
+    ln_2_w: Range<usize>,
+    ln_2_b: Option<Range<usize>>,
+    fc_w: Range<usize>,
+    fc_b: Option<Range<usize>>,
+    fc_proj_w: Range<usize>,
+    fc_proj_b: Option<Range<usize>>,
+}
+
+/// Activations of one block, kept for the backward.
+struct BlockActs {
+    ln_1: Vec<f32>,
+    ln_1_mean: Vec<f32>,
+    ln_1_rstd: Vec<f32>,
+    qkv: Vec<f32>, // (N, 3C), q and k rotated when RoPE
+    att: Vec<f32>, // (B, H, T, T)
+    y: Vec<f32>,   // (N, C) attention output before the projection
+    res_2: Vec<f32>,
+    ln_2: Vec<f32>,
+    ln_2_mean: Vec<f32>,
+    ln_2_rstd: Vec<f32>,
+    fc: Vec<f32>,      // (N, 4C) before GELU
+    fc_gelu: Vec<f32>, // (N, 4C)
+    res_3: Vec<f32>,   // the block's output
+}
+
+/// Gradient scratch shared by all blocks.
+struct Scratch {
+    dres: Vec<f32>,    // (N, C): gradient flowing down the residual stream
+    dnorm: Vec<f32>,   // (N, C): gradient at a norm's output
+    dy: Vec<f32>,      // (N, C)
+    dqkv: Vec<f32>,    // (N, 3C)
+    dfc: Vec<f32>,     // (N, 4C)
+    dfc_out: Vec<f32>, // (N, 4C)
+    tmp: Vec<f32>,     // (N, C): a projection's output before the residual add
+}
+
+/// The names of the reference model's parameters this path reads and writes, in the
+/// flat buffer's order.
+pub struct FastGpt {
+    cfg: ModelConfig,
+    batch: usize,
+    names: Vec<(String, Range<usize>, Vec<usize>)>,
+    wte: Range<usize>,
+    wpe: Option<Range<usize>>,
+    ln_f_w: Range<usize>,
+    ln_f_b: Option<Range<usize>>,
+    blocks: Vec<BlockIndex>,
+    pos_table: Option<Vec<f32>>, // sinusoidal
+    rope: Option<(Vec<f32>, Vec<f32>)>,
+
+    pub params: Vec<f32>,
+    pub grads: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    decay: Vec<bool>, // per parameter tensor: weight decay applies (matrices)
+
+    x0: Vec<f32>,
+    acts: Vec<BlockActs>,
+    ln_f: Vec<f32>,
+    ln_f_mean: Vec<f32>,
+    ln_f_rstd: Vec<f32>,
+    logits: Vec<f32>, // (N, V): logits, then probabilities, then their gradient
+    scratch: Scratch,
+    ids: Vec<u32>,
+    targets: Vec<u32>,
+}
+
+impl FastGpt {
+    /// Why this config cannot use the fast path, if it cannot.
+    pub fn unsupported(cfg: &ModelConfig, device: &Device) -> Option<String> {
+        if !device.is_cpu() {
+            return Some("the fast path runs on the CPU".into());
+        }
+        if cfg.dropout > 0.0 {
+            return Some("model.dropout > 0".into());
+        }
+        if cfg.kv_heads() != cfg.n_head {
+            return Some("grouped K/V heads (model.n_kv_head)".into());
+        }
+        if cfg.norm != NormKind::LayerNorm || cfg.mlp != MlpKind::Gelu {
+            return Some("only LayerNorm + GELU blocks".into());
+        }
+        None
+    }
+
+    /// Lays out `params` (the reference model's, in their order) for (batch, block_size).
+    pub fn new(cfg: &ModelConfig, params: &Params, batch: usize) -> Result<Self> {
+        let mut names = Vec::new();
+        let mut offset = 0;
+        let mut flat = Vec::with_capacity(params.count());
+        let mut decay = Vec::new();
+        for (name, var) in params.iter() {
+            let values: Vec<f32> = var.as_tensor().flatten_all()?.to_vec1()?;
+            let range = offset..offset + values.len();
+            offset += values.len();
+            flat.extend_from_slice(&values);
+            decay.push(var.rank() >= 2);
+            names.push((name.to_string(), range, var.dims().to_vec()));
+        }
+        let find = |name: &str| -> Option<Range<usize>> {
+            names
+                .iter()
+                .find(|(n, _, _)| n == name)
+                .map(|(_, r, _)| r.clone())
+        };
+        let need = |name: &str| -> Result<Range<usize>> {
+            find(name).ok_or_else(|| anyhow::anyhow!("fast path: no parameter {name}"))
+        };
+        let blocks = (0..cfg.n_layer)
+            .map(|i| {
+                let p = |s: &str| format!("h.{i}.{s}");
+                Ok(BlockIndex {
+                    ln_1_w: need(&p("ln_1.weight"))?,
+                    ln_1_b: find(&p("ln_1.bias")),
+                    attn_w: need(&p("attn.c_attn.weight"))?,
+                    attn_b: find(&p("attn.c_attn.bias")),
+                    proj_w: need(&p("attn.c_proj.weight"))?,
+                    proj_b: find(&p("attn.c_proj.bias")),
+                    ln_2_w: need(&p("ln_2.weight"))?,
+                    ln_2_b: find(&p("ln_2.bias")),
+                    fc_w: need(&p("mlp.c_fc.weight"))?,
+                    fc_b: find(&p("mlp.c_fc.bias")),
+                    fc_proj_w: need(&p("mlp.c_proj.weight"))?,
+                    fc_proj_b: find(&p("mlp.c_proj.bias")),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (n, c, v) = (batch * cfg.block_size, cfg.n_embd, cfg.vocab_size);
+        let hidden = cfg.mlp_hidden();
+        let h = cfg.n_head;
+        let t = cfg.block_size;
+        let acts = (0..cfg.n_layer)
+            .map(|_| BlockActs {
+                ln_1: vec![0.0; n * c],
+                ln_1_mean: vec![0.0; n],
+                ln_1_rstd: vec![0.0; n],
+                qkv: vec![0.0; n * 3 * c],
+                att: vec![0.0; batch * h * t * t],
+                y: vec![0.0; n * c],
+                res_2: vec![0.0; n * c],
+                ln_2: vec![0.0; n * c],
+                ln_2_mean: vec![0.0; n],
+                ln_2_rstd: vec![0.0; n],
+                fc: vec![0.0; n * hidden],
+                fc_gelu: vec![0.0; n * hidden],
+                res_3: vec![0.0; n * c],
+            })
+            .collect();
+        let size = flat.len();
+        Ok(Self {
+            cfg: cfg.clone(),
+            batch,
+            wte: need("wte.weight")?,
+            wpe: find("wpe.weight"),
+            ln_f_w: need("ln_f.weight")?,
+            ln_f_b: find("ln_f.bias"),
+            blocks,
+            pos_table: match cfg.positions {
+                PositionKind::Sinusoidal => Some(
+                    sinusoidal_table(cfg.block_size, c, &Device::Cpu)?
+                        .flatten_all()?
+                        .to_vec1()?,
+                ),
+                _ => None,
+            },
+            rope: (cfg.positions == PositionKind::Rope).then(|| rope_tables(cfg)),
+            names,
+            params: flat,
+            grads: vec![0.0; size],
+            m: vec![0.0; size],
+            v: vec![0.0; size],
+            decay,
+            x0: vec![0.0; n * c],
+            acts,
+            ln_f: vec![0.0; n * c],
+            ln_f_mean: vec![0.0; n],
+            ln_f_rstd: vec![0.0; n],
+            logits: vec![0.0; n * v],
+            scratch: Scratch {
+                dres: vec![0.0; n * c],
+                dnorm: vec![0.0; n * c],
+                dy: vec![0.0; n * c],
+                dqkv: vec![0.0; n * 3 * c],
+                dfc: vec![0.0; n * hidden],
+                dfc_out: vec![0.0; n * hidden],
+                tmp: vec![0.0; n * c],
+            },
+            ids: vec![0; n],
+            targets: vec![0; n],
+        })
+    }
+
+    fn rows(&self) -> usize {
+        self.batch * self.cfg.block_size
+    }
+
+    /// Mean cross-entropy of `targets` given `ids`, both (batch, block_size) row-major.
+    /// Keeps what the backward needs.
+    pub fn forward(&mut self, ids: &[u32], targets: &[u32]) -> f64 {
+        let n = self.rows();
+        assert_eq!(ids.len(), n);
+        assert_eq!(targets.len(), n);
+        let (t, c, v) = (self.cfg.block_size, self.cfg.n_embd, self.cfg.vocab_size);
+        let hidden = self.cfg.mlp_hidden();
+        let eps = self.cfg.norm_eps as f32;
+        let shape = AttnShape {
+            b: self.batch,
+            t,
+            c,
+            h: self.cfg.n_head,
+        };
+        self.ids.copy_from_slice(ids);
+        self.targets.copy_from_slice(targets);
+        let p = &self.params;
+        let slice = |r: &Range<usize>| &p[r.clone()];
+        let opt = |r: &Option<Range<usize>>| r.as_ref().map(|r| &p[r.clone()]);
+
+        let pos = match (&self.wpe, &self.pos_table) {
+            (Some(r), _) => Some(&p[r.clone()]),
+            (None, Some(table)) => Some(table.as_slice()),
+            _ => None,
+        };
+        ops::embed_forward(&mut self.x0, ids, slice(&self.wte), pos, t, c);
+
+        for l in 0..self.blocks.len() {
+            let (before, rest) = self.acts.split_at_mut(l);
+            let a = &mut rest[0];
+            let input: &[f32] = if l == 0 {
+                &self.x0
+            } else {
+                &before[l - 1].res_3
+            };
+            let bi = &self.blocks[l];
+            ops::layernorm_forward(
+                &mut a.ln_1,
+                &mut a.ln_1_mean,
+                &mut a.ln_1_rstd,
+                input,
+                slice(&bi.ln_1_w),
+                opt(&bi.ln_1_b),
+                eps,
+            );
+            linear_forward(
+                &mut a.qkv,
+                &a.ln_1,
+                slice(&bi.attn_w),
+                opt(&bi.attn_b),
+                n,
+                c,
+                3 * c,
+            );
+            if let Some((cos, sin)) = &self.rope {
+                ops::rope(&mut a.qkv, cos, sin, t, c, c / self.cfg.n_head, false);
+            }
+            ops::attention_forward(&mut a.y, &mut a.att, &a.qkv, shape);
+            linear_forward(
+                &mut self.scratch.tmp,
+                &a.y,
+                slice(&bi.proj_w),
+                opt(&bi.proj_b),
+                n,
+                c,
+                c,
+            );
+            for ((r, x), y) in a.res_2.iter_mut().zip(input).zip(&self.scratch.tmp) {
+                *r = x + y;
+            }
+            ops::layernorm_forward(
+                &mut a.ln_2,
+                &mut a.ln_2_mean,
+                &mut a.ln_2_rstd,
+                &a.res_2,
+                slice(&bi.ln_2_w),
+                opt(&bi.ln_2_b),
+                eps,
+            );
+            linear_forward(
+                &mut a.fc,
+                &a.ln_2,
+                slice(&bi.fc_w),
+                opt(&bi.fc_b),
+                n,
+                c,
+                hidden,
+            );
+            ops::gelu_forward(&mut a.fc_gelu, &a.fc);
+            linear_forward(
+                &mut self.scratch.tmp,
+                &a.fc_gelu,
+                slice(&bi.fc_proj_w),
+                opt(&bi.fc_proj_b),
+                n,
+                hidden,
+                c,
+            );
+            for ((r, x), y) in a.res_3.iter_mut().zip(&a.res_2).zip(&self.scratch.tmp) {
+                *r = x + y;
+            }
+        }
+        let last = &self.acts.last().expect("at least one layer").res_3;
+        ops::layernorm_forward(
+            &mut self.ln_f,
+            &mut self.ln_f_mean,
+            &mut self.ln_f_rstd,
+            last,
+            slice(&self.ln_f_w),
+            opt(&self.ln_f_b),
+            eps,
+        );
+        // Tied output layer: logits = ln_f · wteᵀ.
+        matmul(
+            &mut self.logits,
+            &self.ln_f,
+            Layout::AsIs,
+            slice(&self.wte),
+            Layout::Transposed,
+            n,
+            v,
+            c,
+            false,
+        );
+        ops::softmax_cross_entropy(&mut self.logits, targets, v) / n as f64
+    }
+
+    /// Adds d(loss * `scale`)/d(params) to `grads`, for the batch of the last forward.
+    pub fn backward(&mut self, scale: f32) {
+        let n = self.rows();
+        let (t, c, v) = (self.cfg.block_size, self.cfg.n_embd, self.cfg.vocab_size);
+        let hidden = self.cfg.mlp_hidden();
+        let shape = AttnShape {
+            b: self.batch,
+            t,
+            c,
+            h: self.cfg.n_head,
+        };
+        let p = &self.params;
+        let g = &mut self.grads;
+        let s = &mut self.scratch;
+
+        // Softmax + cross-entropy, then the tied output layer.
+        ops::cross_entropy_backward(&mut self.logits, &self.targets, v, scale / n as f32);
+        s.dnorm.fill(0.0);
+        matmul(
+            &mut s.dnorm,
+            &self.logits,
+            Layout::AsIs,
+            &p[self.wte.clone()],
+            Layout::AsIs,
+            n,
+            c,
+            v,
+            false,
+        );
+        matmul(
+            &mut g[self.wte.clone()],
+            &self.logits,
+            Layout::Transposed,
+            &self.ln_f,
+            Layout::AsIs,
+            v,
+            c,
+            n,
+            true,
+        );
+        let last = &self.acts.last().expect("at least one layer").res_3;
+        s.dres.fill(0.0);
+        {
+            let (dw, db) = weight_and_bias(g, &self.ln_f_w, &self.ln_f_b);
+            ops::layernorm_backward(
+                &mut s.dres,
+                dw,
+                db,
+                &s.dnorm,
+                last,
+                &p[self.ln_f_w.clone()],
+                &self.ln_f_mean,
+                &self.ln_f_rstd,
+            );
+        }
+
+        for l in (0..self.blocks.len()).rev() {
+            let a = &self.acts[l];
+            let input: &[f32] = if l == 0 {
+                &self.x0
+            } else {
+                &self.acts[l - 1].res_3
+            };
+            let bi = &self.blocks[l];
+
+            // res_3 = res_2 + fc_proj(gelu(fc(ln_2(res_2)))): dres reaches both terms.
+            linear_backward(
+                &mut s.dfc_out,
+                g,
+                &s.dres,
+                &a.fc_gelu,
+                p,
+                &bi.fc_proj_w,
+                &bi.fc_proj_b,
+                n,
+                hidden,
+                c,
+            );
+            s.dfc.fill(0.0);
+            ops::gelu_backward(&mut s.dfc, &a.fc, &s.dfc_out);
+            linear_backward(
+                &mut s.dnorm,
+                g,
+                &s.dfc,
+                &a.ln_2,
+                p,
+                &bi.fc_w,
+                &bi.fc_b,
+                n,
+                c,
+                hidden,
+            );
+            {
+                let (dw, db) = weight_and_bias(g, &bi.ln_2_w, &bi.ln_2_b);
+                ops::layernorm_backward(
+                    &mut s.dres,
+                    dw,
+                    db,
+                    &s.dnorm,
+                    &a.res_2,
+                    &p[bi.ln_2_w.clone()],
+                    &a.ln_2_mean,
+                    &a.ln_2_rstd,
+                );
+            }
+
+            // res_2 = input + proj(attention(qkv(ln_1(input)))).
+            linear_backward(
+                &mut s.dy, g, &s.dres, &a.y, p, &bi.proj_w, &bi.proj_b, n, c, c,
+            );
+            s.dqkv.fill(0.0);
+            ops::attention_backward(&mut s.dqkv, &s.dy, &a.qkv, &a.att, shape);
+            if let Some((cos, sin)) = &self.rope {
+                // q, k were rotated after the projection: rotate their gradients back.
+                ops::rope(&mut s.dqkv, cos, sin, t, c, c / self.cfg.n_head, true);
+                // The projection's input is ln_1; its output before rotation is not
+                // kept, but the weight gradient only needs ln_1 and dqkv.
+            }
+            linear_backward(
+                &mut s.dnorm,
+                g,
+                &s.dqkv,
+                &a.ln_1,
+                p,
+                &bi.attn_w,
+                &bi.attn_b,
+                n,
+                c,
+                3 * c,
+            );
+            {
+                let (dw, db) = weight_and_bias(g, &bi.ln_1_w, &bi.ln_1_b);
+                ops::layernorm_backward(
+                    &mut s.dres,
+                    dw,
+                    db,
+                    &s.dnorm,
+                    input,
+                    &p[bi.ln_1_w.clone()],
+                    &a.ln_1_mean,
+                    &a.ln_1_rstd,
+                );
+            }
+        }
+
+        // The embeddings.
+        let (dwte, dwpe) = match &self.wpe {
+            Some(wpe) => {
+                // wte comes first in the buffer, so the two can be borrowed apart.
+                let (lo, hi) = g.split_at_mut(wpe.start);
+                (&mut lo[self.wte.clone()], Some(&mut hi[..wpe.len()]))
+            }
+            None => (&mut g[self.wte.clone()], None),
+        };
+        ops::embed_backward(dwte, dwpe, &s.dres, &self.ids, t, c);
+    }
+
+    pub fn zero_grads(&mut self) {
+        self.grads.fill(0.0);
+    }
+
+    /// Scales gradients to a global L2 norm of at most `max_norm` (0: no clipping) and
+    /// returns the norm before.
+    pub fn clip_grads(&mut self, max_norm: f64) -> f64 {
+        let norm = self
+            .grads
+            .iter()
+            .map(|&x| (x as f64) * (x as f64))
+            .sum::<f64>()
+            .sqrt();
+        if max_norm > 0.0 && norm > max_norm {
+            let scale = (max_norm / (norm + 1e-6)) as f32;
+            self.grads.iter_mut().for_each(|x| *x *= scale);
+        }
+        norm
+    }
+
+    /// One AdamW update (the same formula as `train::optim::AdamW`), in place.
+    pub fn adamw(&mut self, step: usize, lr: f64, cfg: &TrainConfig) {
+        let (b1, b2) = (cfg.beta1 as f32, cfg.beta2 as f32);
+        let bc1 = 1.0 - cfg.beta1.powi(step as i32);
+        let bc2 = 1.0 - cfg.beta2.powi(step as i32);
+        let (lr32, eps) = (lr as f32, cfg.eps as f32);
+        for ((_, range, _), &decay) in self.names.iter().zip(&self.decay) {
+            let shrink = if decay {
+                1.0 - (lr * cfg.weight_decay) as f32
+            } else {
+                1.0
+            };
+            let r = range.clone();
+            for (((p, g), m), v) in self.params[r.clone()]
+                .iter_mut()
+                .zip(&self.grads[r.clone()])
+                .zip(&mut self.m[r.clone()])
+                .zip(&mut self.v[r])
+            {
+                *m = b1 * *m + (1.0 - b1) * g;
+                *v = b2 * *v + (1.0 - b2) * g * g;
+                let m_hat = *m as f64 / bc1;
+                let v_hat = *v as f64 / bc2;
+                *p = *p * shrink - lr32 * (m_hat / (v_hat.sqrt() + eps as f64)) as f32;
+            }
+        }
+    }
+
+    /// Copies the weights into the reference model's variables (for saving, evaluating).
+    pub fn write_params(&self, params: &Params) -> Result<()> {
+        for (name, range, dims) in &self.names {
+            let var = params
+                .get(name)
+                .ok_or_else(|| anyhow::anyhow!("no parameter {name}"))?;
+            let t = Tensor::from_slice(&self.params[range.clone()], dims.as_slice(), &Device::Cpu)?;
+            var.set(&t)?;
+        }
+        Ok(())
+    }
+
+    /// Copies the reference model's weights in (after a resume, or to compare).
+    pub fn read_params(&mut self, params: &Params) -> Result<()> {
+        for (name, range, _) in &self.names {
+            let var = params
+                .get(name)
+                .ok_or_else(|| anyhow::anyhow!("no parameter {name}"))?;
+            let values: Vec<f32> = var.as_tensor().flatten_all()?.to_vec1()?;
+            self.params[range.clone()].copy_from_slice(&values);
+        }
+        Ok(())
+    }
+
+    /// Sets the gradient of parameter `name` (for tests of the optimiser alone).
+    pub fn set_grad(&mut self, name: &str, values: &[f32]) {
+        let (_, range, _) = self
+            .names
+            .iter()
+            .find(|(n, _, _)| n == name)
+            .expect("a parameter");
+        self.grads[range.clone()].copy_from_slice(values);
+    }
+
+    /// The gradients by parameter name (for tests against the reference).
+    pub fn grads_by_name(&self) -> HashMap<String, Vec<f32>> {
+        self.names
+            .iter()
+            .map(|(n, r, _)| (n.clone(), self.grads[r.clone()].to_vec()))
+            .collect()
+    }
+
+    /// AdamW moments by checkpoint name (`<param>.exp_avg`, `<param>.exp_avg_sq`).
+    pub fn moments(&self) -> Result<HashMap<String, Tensor>> {
+        let mut out = HashMap::new();
+        for (name, range, dims) in &self.names {
+            out.insert(
+                format!("{name}.exp_avg"),
+                Tensor::from_slice(&self.m[range.clone()], dims.as_slice(), &Device::Cpu)?,
+            );
+            out.insert(
+                format!("{name}.exp_avg_sq"),
+                Tensor::from_slice(&self.v[range.clone()], dims.as_slice(), &Device::Cpu)?,
+            );
+        }
+        Ok(out)
+    }
+
+    /// Restores AdamW moments saved by `moments` (or the reference optimiser).
+    pub fn load_moments(&mut self, tensors: &HashMap<String, Tensor>, source: &str) -> Result<()> {
+        for (name, range, dims) in &self.names {
+            for (suffix, buf) in [("exp_avg", &mut self.m), ("exp_avg_sq", &mut self.v)] {
+                let key = format!("{name}.{suffix}");
+                let Some(t) = tensors.get(&key) else {
+                    crate::user_bail!("{source}: tensor {key} is missing");
+                };
+                if t.dims() != dims.as_slice() {
+                    crate::user_bail!(
+                        "{source}: tensor {key} has shape {:?}, expected {dims:?}",
+                        t.dims()
+                    );
+                }
+                let values: Vec<f32> = t
+                    .to_dtype(candle_core::DType::F32)?
+                    .flatten_all()?
+                    .to_vec1()?;
+                buf[range.clone()].copy_from_slice(&values);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// out (n x d_out) = x (n x d_in) · Wᵀ + b.
+fn linear_forward(
+    out: &mut [f32],
+    x: &[f32],
+    w: &[f32],
+    b: Option<&[f32]>,
+    n: usize,
+    d_in: usize,
+    d_out: usize,
+) {
+    matmul(
+        out,
+        x,
+        Layout::AsIs,
+        w,
+        Layout::Transposed,
+        n,
+        d_out,
+        d_in,
+        false,
+    );
+    if let Some(b) = b {
+        ops::add_bias(&mut out[..n * d_out], b);
+    }
+}
+
+/// For out = x Wᵀ + b: dx = dout · W (overwritten), dW += doutᵀ · x, db += sum(dout).
+#[allow(clippy::too_many_arguments)]
+fn linear_backward(
+    dx: &mut [f32],
+    grads: &mut [f32],
+    dout: &[f32],
+    x: &[f32],
+    params: &[f32],
+    w: &Range<usize>,
+    b: &Option<Range<usize>>,
+    n: usize,
+    d_in: usize,
+    d_out: usize,
+) {
+    matmul(
+        dx,
+        dout,
+        Layout::AsIs,
+        &params[w.clone()],
+        Layout::AsIs,
+        n,
+        d_in,
+        d_out,
+        false,
+    );
+    matmul(
+        &mut grads[w.clone()],
+        dout,
+        Layout::Transposed,
+        x,
+        Layout::AsIs,
+        d_out,
+        d_in,
+        n,
+        true,
+    );
+    if let Some(b) = b {
+        ops::bias_backward(&mut grads[b.clone()], &dout[..n * d_out]);
+    }
+}
+
+/// Mutable views of a weight's and (optionally) its bias's gradients; the bias follows
+/// the weight in the buffer.
+fn weight_and_bias<'g>(
+    grads: &'g mut [f32],
+    w: &Range<usize>,
+    b: &Option<Range<usize>>,
+) -> (&'g mut [f32], Option<&'g mut [f32]>) {
+    match b {
+        Some(b) => {
+            assert!(b.start >= w.end, "bias after weight");
+            let (lo, hi) = grads.split_at_mut(w.end);
+            (
+                &mut lo[w.clone()],
+                Some(&mut hi[b.start - w.end..b.end - w.end]),
+            )
+        }
+        None => (&mut grads[w.clone()], None),
+    }
+}
