@@ -113,6 +113,59 @@ pub fn matmul(
     }
 }
 
+/// A matrix operand given by its first element and (row, column) strides.
+#[derive(Clone, Copy)]
+pub struct Strided<'a> {
+    pub data: &'a [f32],
+    pub row: usize,
+    pub col: usize,
+}
+
+/// dst (m x n, rows `dst_row` apart) = alpha * dst (if `accumulate`) + beta * a · b, on
+/// this thread: for the many small products inside attention, already spread over
+/// threads by the caller.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_strided(
+    dst: &mut [f32],
+    dst_row: usize,
+    a: Strided,
+    b: Strided,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+    beta: f32,
+) {
+    let last = |s: &Strided, rows: usize, cols: usize| (rows - 1) * s.row + (cols - 1) * s.col;
+    assert!(m > 0 && n > 0 && k > 0);
+    assert!(dst.len() > (m - 1) * dst_row + n - 1);
+    assert!(a.data.len() > last(&a, m, k) && b.data.len() > last(&b, k, n));
+    // Safety: the asserts bound every element gemm reads or writes.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_row as isize,
+            accumulate,
+            a.data.as_ptr(),
+            a.col as isize,
+            a.row as isize,
+            b.data.as_ptr(),
+            b.col as isize,
+            b.row as isize,
+            1.0,
+            beta,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

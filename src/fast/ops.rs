@@ -5,7 +5,8 @@
 
 use rayon::prelude::*;
 
-use super::kernels::{axpy, dot_lanes, erf_approx, exp_approx, multiversion};
+use super::gemm::{matmul_strided, Strided};
+use super::kernels::{axpy, erf_approx, exp_approx, multiversion};
 
 // --- Embedding ----------------------------------------------------------------------
 
@@ -213,38 +214,63 @@ impl AttnShape {
 /// From qkv (N, 3C: q | k | v, heads side by side): att (B, H, T, T) softmax weights
 /// (zero above the diagonal) and y (N, C). Sequences run in parallel.
 pub fn attention_forward(y: &mut [f32], att: &mut [f32], qkv: &[f32], s: AttnShape) {
-    let (t, c, h, d) = (s.t, s.c, s.h, s.d());
-    let scale = 1.0 / (d as f32).sqrt();
+    let (t, c, h) = (s.t, s.c, s.h);
     y.par_chunks_mut(t * c)
         .zip(att.par_chunks_mut(h * t * t))
-        .enumerate()
-        .for_each(|(b, (y, att))| {
-            let qkv = &qkv[b * t * 3 * c..(b + 1) * t * 3 * c];
-            y.fill(0.0);
-            for head in 0..h {
-                for i in 0..t {
-                    let q = &qkv[i * 3 * c + head * d..][..d];
-                    let row = &mut att[(head * t + i) * t..][..t];
-                    let mut max = f32::NEG_INFINITY;
-                    for (j, a) in row[..=i].iter_mut().enumerate() {
-                        *a = dot_lanes(q, &qkv[j * 3 * c + c + head * d..][..d]) * scale;
-                        max = max.max(*a);
-                    }
-                    let mut sum = 0.0;
-                    for a in row[..=i].iter_mut() {
-                        *a = exp_approx(*a - max);
-                        sum += *a;
-                    }
-                    let inv = 1.0 / sum;
-                    let out = &mut y[i * c + head * d..][..d];
-                    for (j, a) in row[..=i].iter_mut().enumerate() {
-                        *a *= inv;
-                        axpy(out, *a, &qkv[j * 3 * c + 2 * c + head * d..][..d]);
-                    }
-                    row[i + 1..].fill(0.0);
-                }
+        .zip(qkv.par_chunks(t * 3 * c))
+        .for_each(|((y, att), qkv)| attention_forward_one(y, att, qkv, s));
+}
+
+/// `attention_forward` for one sequence: per head, S = scale Q Kᵀ, causal softmax in
+/// place, Y = P V (GEMMs on strided views of qkv).
+pub fn attention_forward_one(y: &mut [f32], att: &mut [f32], qkv: &[f32], s: AttnShape) {
+    let (t, c, h, d) = (s.t, s.c, s.h, s.d());
+    let scale = 1.0 / (d as f32).sqrt();
+    for head in 0..h {
+        let q = Strided {
+            data: &qkv[head * d..],
+            row: 3 * c,
+            col: 1,
+        };
+        let kt = Strided {
+            data: &qkv[c + head * d..],
+            row: 1,
+            col: 3 * c,
+        };
+        let v = Strided {
+            data: &qkv[2 * c + head * d..],
+            row: 3 * c,
+            col: 1,
+        };
+        let p = &mut att[head * t * t..(head + 1) * t * t];
+        matmul_strided(p, t, q, kt, t, t, d, false, scale);
+        causal_softmax_rows(p, t);
+        let p = Strided {
+            data: p,
+            row: t,
+            col: 1,
+        };
+        matmul_strided(&mut y[head * d..], c, p, v, t, d, t, false, 1.0);
+    }
+}
+
+multiversion! {
+    /// Row i of the (t x t) scores: softmax over columns 0..=i, zeros after.
+    pub fn causal_softmax_rows(p: &mut [f32], t: usize) {
+        for (i, row) in p.chunks_exact_mut(t).enumerate() {
+            let max = row[..=i].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            for a in row[..=i].iter_mut() {
+                *a = exp_approx(*a - max);
+                sum += *a;
             }
-        });
+            let inv = 1.0 / sum;
+            for a in row[..=i].iter_mut() {
+                *a *= inv;
+            }
+            row[i + 1..].fill(0.0);
+        }
+    }
 }
 
 /// Backward of `attention_forward`: dqkv += d(q | k | v) from dy.
@@ -252,34 +278,105 @@ pub fn attention_forward(y: &mut [f32], att: &mut [f32], qkv: &[f32], s: AttnSha
 /// dv_j += p_j dy_i; dq_i += scale sum_j ds_j k_j; dk_j += scale ds_j q_i.
 pub fn attention_backward(dqkv: &mut [f32], dy: &[f32], qkv: &[f32], att: &[f32], s: AttnShape) {
     let (t, c, h, d) = (s.t, s.c, s.h, s.d());
+    dqkv.par_chunks_mut(t * 3 * c)
+        .zip(dy.par_chunks(t * c))
+        .zip(qkv.par_chunks(t * 3 * c))
+        .zip(att.par_chunks(h * t * t))
+        .for_each_init(
+            || vec![0f32; t * t],
+            |dp, (((dqkv, dy), qkv), att)| attention_backward_one(dqkv, dy, qkv, att, s, dp),
+        );
+    let _ = d;
+}
+
+/// `attention_backward` for one sequence; `ds` (T x T) is scratch. Per head:
+/// dP = dY Vᵀ; dS = P * (dP - rowsum(P * dP)) * scale; dQ += dS K; dK += dSᵀ Q;
+/// dV += Pᵀ dY.
+pub fn attention_backward_one(
+    dqkv: &mut [f32],
+    dy: &[f32],
+    qkv: &[f32],
+    att: &[f32],
+    s: AttnShape,
+    ds: &mut [f32],
+) {
+    let (t, c, h, d) = (s.t, s.c, s.h, s.d());
     let scale = 1.0 / (d as f32).sqrt();
-    dqkv.par_chunks_mut(t * 3 * c).enumerate().for_each_init(
-        || (vec![0f32; t], vec![0f32; d]),
-        |(dp, dq), (b, dqkv)| {
-            let qkv = &qkv[b * t * 3 * c..(b + 1) * t * 3 * c];
-            let dy = &dy[b * t * c..(b + 1) * t * c];
-            for head in 0..h {
-                for i in 0..t {
-                    let p = &att[((b * h + head) * t + i) * t..][..=i];
-                    let dyi = &dy[i * c + head * d..][..d];
-                    let mut weighted = 0.0;
-                    for (j, dpj) in dp[..=i].iter_mut().enumerate() {
-                        *dpj = dot_lanes(dyi, &qkv[j * 3 * c + 2 * c + head * d..][..d]);
-                        weighted += p[j] * *dpj;
-                    }
-                    let qi = &qkv[i * 3 * c + head * d..][..d];
-                    dq.fill(0.0);
-                    for j in 0..=i {
-                        let ds = p[j] * (dp[j] - weighted) * scale;
-                        axpy(&mut dqkv[j * 3 * c + 2 * c + head * d..][..d], p[j], dyi); // dv_j
-                        axpy(&mut dqkv[j * 3 * c + c + head * d..][..d], ds, qi); // dk_j
-                        axpy(dq, ds, &qkv[j * 3 * c + c + head * d..][..d]);
-                    }
-                    axpy(&mut dqkv[i * 3 * c + head * d..][..d], 1.0, dq); // dq_i
-                }
+    for head in 0..h {
+        let p = &att[head * t * t..(head + 1) * t * t];
+        let dy_h = Strided {
+            data: &dy[head * d..],
+            row: c,
+            col: 1,
+        };
+        let vt = Strided {
+            data: &qkv[2 * c + head * d..],
+            row: 1,
+            col: 3 * c,
+        };
+        matmul_strided(ds, t, dy_h, vt, t, t, d, false, 1.0);
+        softmax_rows_backward(ds, p, t, scale);
+        let ds_m = Strided {
+            data: ds,
+            row: t,
+            col: 1,
+        };
+        let ds_t = Strided {
+            data: ds,
+            row: 1,
+            col: t,
+        };
+        let k = Strided {
+            data: &qkv[c + head * d..],
+            row: 3 * c,
+            col: 1,
+        };
+        let q = Strided {
+            data: &qkv[head * d..],
+            row: 3 * c,
+            col: 1,
+        };
+        matmul_strided(&mut dqkv[head * d..], 3 * c, ds_m, k, t, d, t, true, 1.0);
+        matmul_strided(
+            &mut dqkv[c + head * d..],
+            3 * c,
+            ds_t,
+            q,
+            t,
+            d,
+            t,
+            true,
+            1.0,
+        );
+        let p_t = Strided {
+            data: p,
+            row: 1,
+            col: t,
+        };
+        matmul_strided(
+            &mut dqkv[2 * c + head * d..],
+            3 * c,
+            p_t,
+            dy_h,
+            t,
+            d,
+            t,
+            true,
+            1.0,
+        );
+    }
+}
+
+multiversion! {
+    /// dP -> dS in place, row by row: ds_j = p_j (dp_j - sum_k p_k dp_k) * scale.
+    pub fn softmax_rows_backward(ds: &mut [f32], p: &[f32], t: usize, scale: f32) {
+        for (row, p) in ds.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
+            let weighted: f32 = row.iter().zip(p).map(|(a, b)| a * b).sum();
+            for (a, &pj) in row.iter_mut().zip(p) {
+                *a = pj * (*a - weighted) * scale;
             }
-        },
-    );
+        }
+    }
 }
 
 // --- Output layer: softmax + cross-entropy --------------------------------------------

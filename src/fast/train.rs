@@ -14,6 +14,7 @@ use anyhow::Result;
 use candle_core::{Device, Tensor};
 
 use super::gemm::{matmul, Layout};
+use super::kernels::multiversion;
 use super::ops::{self, AttnShape};
 use crate::config::{MlpKind, ModelConfig, NormKind, PositionKind, TrainConfig};
 use crate::model::position::{rope_tables, sinusoidal_table};
@@ -541,18 +542,22 @@ impl FastGpt {
                 1.0
             };
             let r = range.clone();
-            for (((p, g), m), v) in self.params[r.clone()]
-                .iter_mut()
-                .zip(&self.grads[r.clone()])
-                .zip(&mut self.m[r.clone()])
-                .zip(&mut self.v[r])
-            {
-                *m = b1 * *m + (1.0 - b1) * g;
-                *v = b2 * *v + (1.0 - b2) * g * g;
-                let m_hat = *m as f64 / bc1;
-                let v_hat = *v as f64 / bc2;
-                *p = *p * shrink - lr32 * (m_hat / (v_hat.sqrt() + eps as f64)) as f32;
-            }
+            let hp = AdamHyper {
+                b1,
+                b2,
+                inv_bc1: (1.0 / bc1) as f32,
+                inv_bc2: (1.0 / bc2) as f32,
+                lr: lr32,
+                eps,
+                shrink,
+            };
+            adamw_update(
+                &mut self.params[r.clone()],
+                &self.grads[r.clone()],
+                &mut self.m[r.clone()],
+                &mut self.v[r],
+                hp,
+            );
         }
     }
 
@@ -636,6 +641,30 @@ impl FastGpt {
             }
         }
         Ok(())
+    }
+}
+
+#[derive(Clone, Copy)]
+pub struct AdamHyper {
+    b1: f32,
+    b2: f32,
+    inv_bc1: f32,
+    inv_bc2: f32,
+    lr: f32,
+    eps: f32,
+    shrink: f32,
+}
+
+multiversion! {
+    /// m, v <- moving averages of g, g^2; p <- p * shrink - lr * m_hat / (sqrt(v_hat) + eps).
+    pub fn adamw_update(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], hp: AdamHyper) {
+        for i in 0..p.len() {
+            m[i] = hp.b1 * m[i] + (1.0 - hp.b1) * g[i];
+            v[i] = hp.b2 * v[i] + (1.0 - hp.b2) * g[i] * g[i];
+            let m_hat = m[i] * hp.inv_bc1;
+            let v_hat = v[i] * hp.inv_bc2;
+            p[i] = p[i] * hp.shrink - hp.lr * m_hat / (v_hat.sqrt() + hp.eps);
+        }
     }
 }
 
