@@ -107,7 +107,11 @@ impl Tokenizer {
     }
 
     pub fn from_json(bytes: &[u8]) -> Result<Self> {
-        let hf = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| anyhow::anyhow!("{e}"))?;
+        // tokenizers 0.23 panics on some malformed files (an `expect` in its decoder
+        // deserialiser, found by fuzzing): a damaged file must be an error, not a crash.
+        let hf = catch_quietly(|| tokenizers::Tokenizer::from_bytes(bytes))
+            .map_err(|panic| anyhow::anyhow!("{panic}"))?
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         if hf.get_vocab_size(true) == 0 {
             anyhow::bail!("empty vocabulary");
         }
@@ -225,6 +229,39 @@ impl Tokenizer {
     pub fn save(&self, path: &Path) -> Result<()> {
         std::fs::write(path, self.to_json()?).with_context(|| format!("writing {}", path.display()))
     }
+}
+
+thread_local! {
+    static QUIET_PANICS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f`, turning a panic into an error message, without the panic's report on
+/// stderr (the process-wide panic hook is wrapped once to stay quiet on this thread
+/// while `f` runs; other panics are reported as before).
+fn catch_quietly<T>(f: impl FnOnce() -> T) -> std::result::Result<T, String> {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !QUIET_PANICS.with(|q| q.get()) {
+                previous(info);
+            }
+        }));
+    });
+    QUIET_PANICS.with(|q| q.set(true));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    QUIET_PANICS.with(|q| q.set(false));
+    result.map_err(|payload| {
+        let message = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or("malformed");
+        format!(
+            "the tokenizers library rejected it: {}",
+            message.lines().next().unwrap_or("")
+        )
+    })
 }
 
 /// GPT-2's byte-to-character table (bytes_to_unicode), reversed: printable bytes stand
@@ -422,5 +459,11 @@ mod tests {
     fn corrupt_json_is_an_error() {
         assert!(Tokenizer::from_json(b"{not json").is_err());
         assert!(Tokenizer::from_json(b"{}").is_err());
+        // Found by the fuzzer: makes tokenizers 0.23 panic inside its decoder parser.
+        let crash = include_bytes!("../tests/data/tokenizer-decoder-panic.json");
+        let err = Tokenizer::from_json(crash)
+            .err()
+            .expect("an error, not a panic");
+        assert!(format!("{err}").contains("rejected"), "{err}");
     }
 }
