@@ -300,6 +300,16 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             &format!("{t} --set tokenizer.path=nope.json"),
             "nope.json",
         ),
+        with(
+            "tokenizer.json that makes the tokenizers library panic",
+            &format!("{t} --set tokenizer.path=crash.json"),
+            "crash.json",
+            |d| {
+                let data = Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("tests/data/tokenizer-decoder-panic.json");
+                std::fs::copy(data, d.join("crash.json")).unwrap();
+            },
+        ),
         // Runs and checkpoints.
         case(
             "new run into a folder with a checkpoint",
