@@ -15,7 +15,7 @@ use anyhow::Result;
 use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 
-use super::gemm::matmul_wt;
+use super::gemm::{matmul, Layout};
 use super::kernels::{
     axpy, dot_lanes, exp_approx, gelu_erf, gelu_tanh, layer_norm, matvec, multiversion, rms_norm,
     softmax_inline,
@@ -25,10 +25,29 @@ use crate::config::{MlpKind, NormKind};
 use crate::model::position::{rope_tables, sinusoidal_table};
 use crate::model::Gpt;
 
+/// A linear layer stored transposed, (in, out) row-major: a mat-vec then runs along
+/// contiguous output rows (y += x_i * Wᵀ[i, :]), with no horizontal sums.
 struct Linear {
-    w: Vec<f32>, // (out, in), row-major
+    wt: Vec<f32>,
+    /// The weight as stored (out, in), kept for wide inputs (see DOT_MATVEC_MIN_INPUT).
+    w: Option<Vec<f32>>,
     b: Option<Vec<f32>>,
     d_out: usize,
+}
+
+impl Linear {
+    /// From a weight stored (out, in).
+    fn from_rows(w: &[f32], b: Option<Vec<f32>>, d_out: usize) -> Self {
+        let d_in = w.len() / d_out;
+        let mut wt = vec![0f32; w.len()];
+        for o in 0..d_out {
+            for i in 0..d_in {
+                wt[i * d_out + o] = w[o * d_in + i];
+            }
+        }
+        let w = (d_in >= DOT_MATVEC_MIN_INPUT).then(|| w.to_vec());
+        Self { wt, w, b, d_out }
+    }
 }
 
 struct Norm {
@@ -65,6 +84,7 @@ pub struct FastDecoder {
     vocab: usize,
     block: usize,
     wte: Vec<f32>,
+    head: Linear,                // the tied output layer: wte, transposed
     pos_table: Option<Vec<f32>>, // (block, C): learned or sinusoidal
     rope: Option<(Vec<f32>, Vec<f32>)>,
     layers: Vec<Layer>,
@@ -118,11 +138,11 @@ impl FastDecoder {
                 .get(&format!("{prefix}.weight"))
                 .expect("just read")
                 .dims()[0];
-            Ok(Linear {
-                w,
-                b: opt(&format!("{prefix}.bias"))?,
+            Ok(Linear::from_rows(
+                &w,
+                opt(&format!("{prefix}.bias"))?,
                 d_out,
-            })
+            ))
         };
         let norm = |prefix: &str| -> Result<Norm> {
             Ok(Norm {
@@ -169,6 +189,7 @@ impl FastDecoder {
             n_embd: c,
             vocab: cfg.vocab_size,
             block: cfg.block_size,
+            head: Linear::from_rows(&get("wte.weight")?, None, cfg.vocab_size),
             wte: get("wte.weight")?,
             pos_table,
             rope: (cfg.positions == PositionKind::Rope).then(|| rope_tables(cfg)),
@@ -348,13 +369,7 @@ impl FastDecoder {
                 &mut self.last[b * c..(b + 1) * c],
             );
         }
-        let head = Linear {
-            w: std::mem::take(&mut self.wte),
-            b: None,
-            d_out: self.vocab,
-        };
-        linear(&head, &self.last, self.batch, c, &mut self.logits);
-        self.wte = head.w;
+        linear(&self.head, &self.last, self.batch, c, &mut self.logits);
         self.len += t;
         Ok(&self.logits)
     }
@@ -416,26 +431,56 @@ fn swiglu_into(buf: &mut [f32], gate: usize, up: usize, out: usize, n: usize) {
 /// product per weight row (read once for all rows) for a few.
 fn linear(lin: &Linear, x: &[f32], rows: usize, d_in: usize, out: &mut [f32]) {
     let d_out = lin.d_out;
-    if rows == 1 {
-        return matvec(&lin.w, lin.b.as_deref(), x, &mut out[..d_out]);
-    }
     if rows <= 4 {
-        for o in 0..d_out {
-            let w = &lin.w[o * d_in..(o + 1) * d_in];
-            let bias = lin.b.as_ref().map_or(0.0, |b| b[o]);
-            for r in 0..rows {
-                out[r * d_out + o] = super::kernels::dot(w, &x[r * d_in..(r + 1) * d_in]) + bias;
+        for r in 0..rows {
+            let (x, out) = (
+                &x[r * d_in..(r + 1) * d_in],
+                &mut out[r * d_out..(r + 1) * d_out],
+            );
+            let bias = lin.b.as_deref();
+            match &lin.w {
+                Some(w) => matvec(w, bias, x, out),
+                None => matvec_t(&lin.wt, d_out, 0, bias, x, out),
             }
         }
         return;
     }
-    matmul_wt(out, x, &lin.w, rows, d_out, d_in, false);
+    matmul(
+        out,
+        x,
+        Layout::AsIs,
+        &lin.wt,
+        Layout::AsIs,
+        rows,
+        d_out,
+        d_in,
+        false,
+    );
     if let Some(bias) = &lin.b {
         for row in out[..rows * d_out].chunks_exact_mut(d_out) {
             add(row, bias);
         }
     }
 }
+
+multiversion! {
+    /// out = x · Wᵀ (+ b) with Wᵀ stored (in, stride): a sum of scaled rows, for the
+    /// output columns first .. first + out.len().
+    pub fn matvec_t(wt: &[f32], stride: usize, first: usize, bias: Option<&[f32]>, x: &[f32], out: &mut [f32]) {
+        let d_out = out.len();
+        match bias {
+            Some(b) => out.copy_from_slice(b),
+            None => out.fill(0.0),
+        }
+        for (i, &xi) in x.iter().enumerate() {
+            axpy(out, xi, &wt[i * stride + first..i * stride + first + d_out]);
+        }
+    }
+}
+
+/// Inputs at least this wide use dot products over weight rows for a mat-vec (long
+/// rows amortise the horizontal sum); narrower ones sum scaled rows of Wᵀ.
+const DOT_MATVEC_MIN_INPUT: usize = 256;
 
 fn add(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {

@@ -5,7 +5,7 @@ use gemm::Parallelism;
 
 /// Products smaller than this (in multiply-adds) stay on one thread: handing work to
 /// another costs more than it saves.
-const PARALLEL_MIN_MACS: usize = 1 << 18;
+const PARALLEL_MIN_MACS: usize = 1 << 22;
 
 fn parallelism(m: usize, n: usize, k: usize) -> Parallelism {
     let threads = candle_core::utils::get_num_threads();
