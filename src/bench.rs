@@ -111,7 +111,11 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
     } else {
         None
     };
-    let mut optimizer = AdamW::new(model.params(), train)?;
+    let mut optimizer = if fused {
+        None
+    } else {
+        Some(AdamW::new(model.params(), train)?)
+    };
     let params: Vec<Tensor> = model
         .params()
         .iter()
@@ -154,7 +158,9 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
             device.synchronize()?;
             t2 = Instant::now();
             clip_grad_norm(&mut grads, train.grad_clip)?;
-            optimizer.step(&grads, train.lr)?;
+            if let Some(optimizer) = optimizer.as_mut() {
+                optimizer.step(&grads, train.lr)?;
+            }
             device.synchronize()?;
             t3 = Instant::now();
         }

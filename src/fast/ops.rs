@@ -77,6 +77,24 @@ pub fn layernorm_forward(
     }
 }
 
+/// out = (x - mean) * rstd * w (+ b) with the statistics of an earlier forward.
+pub fn layernorm_apply(
+    out: &mut [f32],
+    x: &[f32],
+    w: &[f32],
+    b: Option<&[f32]>,
+    mean: &[f32],
+    rstd: &[f32],
+) {
+    let c = w.len();
+    for (n, (xr, or)) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)).enumerate() {
+        let (m, s) = (mean[n], rstd[n]);
+        for i in 0..c {
+            or[i] = (xr[i] - m) * s * w[i] + b.map_or(0.0, |b| b[i]);
+        }
+    }
+}
+
 /// With xhat = (x - mean) * rstd and g = dout * w:
 /// dx += rstd * (g - mean(g) - xhat * mean(g * xhat)); dw += dout * xhat; db += dout.
 #[allow(clippy::too_many_arguments)]

@@ -38,19 +38,16 @@ struct BlockIndex {
 
 /// Activations of one block, kept for the backward.
 struct BlockActs {
-    ln_1: Vec<f32>,
     ln_1_mean: Vec<f32>,
     ln_1_rstd: Vec<f32>,
     qkv: Vec<f32>, // (N, 3C), q and k rotated when RoPE
     att: Vec<f32>, // (B, H, T, T)
     y: Vec<f32>,   // (N, C) attention output before the projection
     res_2: Vec<f32>,
-    ln_2: Vec<f32>,
     ln_2_mean: Vec<f32>,
     ln_2_rstd: Vec<f32>,
-    fc: Vec<f32>,      // (N, 4C) before GELU
-    fc_gelu: Vec<f32>, // (N, 4C)
-    res_3: Vec<f32>,   // the block's output
+    fc: Vec<f32>,    // (N, 4C) before GELU; GELU(fc) is recomputed in the backward
+    res_3: Vec<f32>, // the block's output
 }
 
 /// Gradient scratch shared by all blocks.
@@ -62,6 +59,8 @@ struct Scratch {
     dfc: Vec<f32>,     // (N, 4C)
     dfc_out: Vec<f32>, // (N, 4C)
     tmp: Vec<f32>,     // (N, C): a projection's output before the residual add
+    gelu: Vec<f32>,    // (N, 4C): GELU(fc) of the block at hand
+    ln: Vec<f32>,      // (N, C): a norm's output, recomputed in the backward
 }
 
 /// The names of the reference model's parameters this path reads and writes, in the
@@ -161,18 +160,15 @@ impl FastGpt {
         let t = cfg.block_size;
         let acts = (0..cfg.n_layer)
             .map(|_| BlockActs {
-                ln_1: vec![0.0; n * c],
                 ln_1_mean: vec![0.0; n],
                 ln_1_rstd: vec![0.0; n],
                 qkv: vec![0.0; n * 3 * c],
                 att: vec![0.0; batch * h * t * t],
                 y: vec![0.0; n * c],
                 res_2: vec![0.0; n * c],
-                ln_2: vec![0.0; n * c],
                 ln_2_mean: vec![0.0; n],
                 ln_2_rstd: vec![0.0; n],
                 fc: vec![0.0; n * hidden],
-                fc_gelu: vec![0.0; n * hidden],
                 res_3: vec![0.0; n * c],
             })
             .collect();
@@ -214,6 +210,8 @@ impl FastGpt {
                 dfc: vec![0.0; n * hidden],
                 dfc_out: vec![0.0; n * hidden],
                 tmp: vec![0.0; n * c],
+                gelu: vec![0.0; n * hidden],
+                ln: vec![0.0; n * c],
             },
             ids: vec![0; n],
             targets: vec![0; n],
@@ -262,7 +260,7 @@ impl FastGpt {
             };
             let bi = &self.blocks[l];
             ops::layernorm_forward(
-                &mut a.ln_1,
+                &mut self.scratch.ln,
                 &mut a.ln_1_mean,
                 &mut a.ln_1_rstd,
                 input,
@@ -272,7 +270,7 @@ impl FastGpt {
             );
             linear_forward(
                 &mut a.qkv,
-                &a.ln_1,
+                &self.scratch.ln,
                 slice(&bi.attn_w),
                 opt(&bi.attn_b),
                 n,
@@ -296,7 +294,7 @@ impl FastGpt {
                 *r = x + y;
             }
             ops::layernorm_forward(
-                &mut a.ln_2,
+                &mut self.scratch.ln,
                 &mut a.ln_2_mean,
                 &mut a.ln_2_rstd,
                 &a.res_2,
@@ -306,17 +304,17 @@ impl FastGpt {
             );
             linear_forward(
                 &mut a.fc,
-                &a.ln_2,
+                &self.scratch.ln,
                 slice(&bi.fc_w),
                 opt(&bi.fc_b),
                 n,
                 c,
                 hidden,
             );
-            ops::gelu_forward(&mut a.fc_gelu, &a.fc);
+            ops::gelu_forward(&mut self.scratch.gelu, &a.fc);
             linear_forward(
                 &mut self.scratch.tmp,
-                &a.fc_gelu,
+                &self.scratch.gelu,
                 slice(&bi.fc_proj_w),
                 opt(&bi.fc_proj_b),
                 n,
@@ -418,11 +416,14 @@ impl FastGpt {
             let bi = &self.blocks[l];
 
             // res_3 = res_2 + fc_proj(gelu(fc(ln_2(res_2)))): dres reaches both terms.
+            // GELU(fc) is recomputed rather than kept per layer: it costs little time and
+            // saves one (N, 4C) buffer per layer, the largest activation.
+            ops::gelu_forward(&mut s.gelu, &a.fc);
             linear_backward(
                 &mut s.dfc_out,
                 g,
                 &s.dres,
-                &a.fc_gelu,
+                &s.gelu,
                 p,
                 &bi.fc_proj_w,
                 &bi.fc_proj_b,
@@ -432,11 +433,20 @@ impl FastGpt {
             );
             s.dfc.fill(0.0);
             ops::gelu_backward(&mut s.dfc, &a.fc, &s.dfc_out);
+            // The norms' outputs are recomputed from their inputs and saved statistics.
+            ops::layernorm_apply(
+                &mut s.ln,
+                &a.res_2,
+                &p[bi.ln_2_w.clone()],
+                bi.ln_2_b.as_ref().map(|r| &p[r.clone()]),
+                &a.ln_2_mean,
+                &a.ln_2_rstd,
+            );
             linear_backward(
                 &mut s.dnorm,
                 g,
                 &s.dfc,
-                &a.ln_2,
+                &s.ln,
                 p,
                 &bi.fc_w,
                 &bi.fc_b,
@@ -470,11 +480,19 @@ impl FastGpt {
                 // The projection's input is ln_1; its output before rotation is not
                 // kept, but the weight gradient only needs ln_1 and dqkv.
             }
+            ops::layernorm_apply(
+                &mut s.ln,
+                input,
+                &p[bi.ln_1_w.clone()],
+                bi.ln_1_b.as_ref().map(|r| &p[r.clone()]),
+                &a.ln_1_mean,
+                &a.ln_1_rstd,
+            );
             linear_backward(
                 &mut s.dnorm,
                 g,
                 &s.dqkv,
-                &a.ln_1,
+                &s.ln,
                 p,
                 &bi.attn_w,
                 &bi.attn_b,
