@@ -62,7 +62,11 @@ pub struct BenchReport {
 pub fn forward_flops(cfg: &ModelConfig, t: usize) -> f64 {
     let c = cfg.n_embd as f64;
     let kv = (cfg.kv_heads() * cfg.head_dim()) as f64;
-    let per_layer_weights = c * (c + 2.0 * kv) + c * c + 8.0 * c * c;
+    let fc_out = match cfg.mlp {
+        crate::config::MlpKind::Swiglu => 2 * cfg.mlp_hidden(),
+        _ => cfg.mlp_hidden(),
+    } as f64;
+    let per_layer_weights = c * (c + 2.0 * kv) + c * c + c * fc_out + cfg.mlp_hidden() as f64 * c;
     let weights = cfg.n_layer as f64 * per_layer_weights + cfg.vocab_size as f64 * c;
     let t = t as f64;
     let attention = cfg.n_layer as f64 * 2.0 * 2.0 * t * t * c;
@@ -222,7 +226,7 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         ttft_ms: ttft * 1e3,
         prefill_tokens_per_s: prompt_len as f64 / ttft,
         decode_tokens: opts.decode_tokens,
-        decode_tokens_per_s: opts.decode_tokens as f64 / decode_s,
+        decode_tokens_per_s: opts.decode_tokens as f64 / decode_s.max(1e-9),
         decode_mode: format!("{:?}", opts.decode_mode).to_lowercase(),
         train_path: if fused { "fused" } else { "reference" }.into(),
         peak_rss_after_decode_mb: peak_rss_mb(),

@@ -48,8 +48,8 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
         repetition_penalty: args.repetition_penalty,
     };
     params.validate()?;
-    if args.num_samples == 0 {
-        user_bail!("--num-samples must be at least 1");
+    if !(1..=1024).contains(&args.num_samples) {
+        user_bail!("--num-samples {} must be 1 to 1024", args.num_samples);
     }
     let prompt_text = read_prompt(&args)?;
     let loaded = load(&args.ckpt)?;

@@ -270,6 +270,10 @@ pub struct TrainConfig {
     /// Train with the fused CPU kernels when the model allows (`false`: the reference
     /// candle-ops model with autograd, as on GPUs).
     pub fused: bool,
+    /// Start from this checkpoint's weights and tokenizer (fine-tuning); set by
+    /// `train --init-from`. The model section then comes from that checkpoint.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<PathBuf>,
 }
 
 impl Default for TrainConfig {
@@ -292,6 +296,7 @@ impl Default for TrainConfig {
             log_interval: 10,
             checkpoint_interval: 500,
             fused: true,
+            init_from: None,
         }
     }
 }
@@ -366,6 +371,7 @@ impl Config {
             ("model.n_head", m.n_head),
             ("model.n_embd", m.n_embd),
             ("train.batch_size", t.batch_size),
+            ("train.max_iters", t.max_iters),
             ("train.grad_accum", t.grad_accum),
             ("train.eval_interval", t.eval_interval),
             ("train.eval_iters", t.eval_iters),
@@ -377,7 +383,7 @@ impl Config {
                 user_bail!("config: {name} = 0; it must be at least 1");
             }
         }
-        if self.run.name.contains(['/', '\\']) || self.run.name == ".." {
+        if self.run.name.contains(['/', '\\']) || self.run.name == ".." || self.run.name == "." {
             user_bail!(
                 "config: run.name = {:?} must be a plain folder name (no slashes); set run.out_dir for the parent folder",
                 self.run.name

@@ -291,6 +291,7 @@ pub fn generate(
 ) -> Result<Vec<Sample>> {
     let batch = samplers.len();
     let vocab = model.config().vocab_size;
+    let text_vocab = tokenizer.vocab_size().min(vocab);
     let mut decoder = Decoder::new(model, batch, options.mode)?;
     // A model trained on several documents ends one with <|endoftext|>: stop there.
     let end_of_text = tokenizer.end_of_text();
@@ -298,7 +299,7 @@ pub fn generate(
         .map(|_| Row {
             stream: tokenizer.text_stream(),
             stops: StopFilter::new(options.stop.clone()),
-            generated: Vec::with_capacity(options.max_new_tokens),
+            generated: Vec::with_capacity(options.max_new_tokens.min(1 << 16)),
             stopped_by: None,
         })
         .collect();
@@ -314,6 +315,8 @@ pub fn generate(
                 continue; // feeds its last token as filler; its output is final
             }
             let row_logits = &mut logits[i * vocab..(i + 1) * vocab];
+            // A vocabulary padded past the tokenizer's ids has rows no text maps to.
+            row_logits[text_vocab..].fill(f32::NEG_INFINITY);
             let id = samplers[i].sample(row_logits, decoder.window(i));
             if Some(id) == end_of_text {
                 row.stopped_by = Some("end_of_text");

@@ -414,7 +414,12 @@ pub fn read_hf(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
                 }
             }
             let m = ModelConfig {
-                arch: Arch::Llama,
+                // The preset has no biases; a Llama with them is the same model, custom.
+                arch: if attention_bias {
+                    Arch::Custom
+                } else {
+                    Arch::Llama
+                },
                 n_layer: usize_field(&hf, "num_hidden_layers", &config_path)?,
                 n_head,
                 n_kv_head: hf["num_key_value_heads"].as_u64().map(|v| v as usize),

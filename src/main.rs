@@ -102,7 +102,7 @@ struct TrainArgs {
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     overrides: Vec<String>,
     /// Continue the checkpoint in the run folder.
-    #[arg(long, conflicts_with = "init_from")]
+    #[arg(long)]
     resume: bool,
     /// Start from this checkpoint's weights and tokenizer (fine-tuning on the config's corpus).
     #[arg(long, value_name = "CHECKPOINT")]
@@ -225,10 +225,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if let Some(device) = args.device {
                 overrides.push(format!("run.device={device:?}"));
             }
+            if let Some(dir) = &args.init_from {
+                overrides.push(format!("train.init_from={:?}", dir.display().to_string()));
+            }
             let config = Config::load(&args.config, &overrides)?;
-            let start = match (args.resume, args.init_from) {
+            // With --resume, --init-from only tells which run it is (its model section
+            // came from the other checkpoint); the weights come from this run's folder.
+            let start = match (args.resume, &config.train.init_from) {
                 (true, _) => Start::Resume,
-                (false, Some(dir)) => Start::InitFrom(dir),
+                (false, Some(dir)) => Start::InitFrom(dir.clone()),
                 (false, None) => Start::Fresh,
             };
             let mut trainer = tinygpt::train::Trainer::start(config, start)?;

@@ -54,8 +54,9 @@ impl SamplingParams {
         Ok(())
     }
 
+    /// Temperatures this small make every probability but the top one underflow.
     pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0
+        self.temperature < 1e-6
     }
 }
 

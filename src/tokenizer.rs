@@ -223,7 +223,15 @@ impl Tokenizer {
         TextStream {
             tokenizer: self,
             pending: Vec::new(),
+            ids: Vec::new(),
+            emitted: 0,
         }
+    }
+
+    /// Tokens map to bytes one by one (byte-level BPE, char vocabularies); other
+    /// decoders (SentencePiece's Metaspace, byte fallback...) depend on neighbours.
+    fn bytes_per_token(&self) -> bool {
+        self.byte_of_char.is_some() || self.char_ids.is_some()
     }
 
     pub fn save(&self, path: &Path) -> Result<()> {
@@ -292,11 +300,29 @@ fn byte_level_table() -> HashMap<char, u8> {
 pub struct TextStream<'a> {
     tokenizer: &'a Tokenizer,
     pending: Vec<u8>,
+    /// For other decoders: every id so far, and the length of the text already given.
+    ids: Vec<u32>,
+    emitted: usize,
 }
 
 impl TextStream<'_> {
     /// The new text that token `id` completes, if any.
     pub fn push(&mut self, id: u32) -> Result<Option<String>> {
+        if !self.tokenizer.bytes_per_token() {
+            // Decode the whole sequence and give what is new, unless it ends in the
+            // middle of a character (a byte-fallback token waiting for the next).
+            self.ids.push(id);
+            let text = self.tokenizer.decode(&self.ids)?;
+            if text.ends_with('\u{FFFD}')
+                || text.len() < self.emitted
+                || !text.is_char_boundary(self.emitted)
+            {
+                return Ok(None);
+            }
+            let new = text[self.emitted..].to_string();
+            self.emitted = text.len();
+            return Ok((!new.is_empty()).then_some(new));
+        }
         self.pending.extend(self.tokenizer.token_bytes(id)?);
         let mut out = String::new();
         loop {
@@ -331,6 +357,12 @@ impl TextStream<'_> {
 
     /// Bytes still held at the end (an unfinished character), as `decode` shows them.
     pub fn finish(&mut self) -> Option<String> {
+        if !self.tokenizer.bytes_per_token() {
+            let text = self.tokenizer.decode(&self.ids).ok()?;
+            let rest = text.get(self.emitted..).unwrap_or("").to_string();
+            self.emitted = text.len();
+            return (!rest.is_empty()).then_some(rest);
+        }
         let rest = String::from_utf8_lossy(&self.pending).into_owned();
         self.pending.clear();
         (!rest.is_empty()).then_some(rest)
@@ -362,6 +394,30 @@ mod tests {
         assert_eq!(back.encode(TEXT).unwrap(), ids);
         assert_eq!(back.vocab_size(), tk.vocab_size());
         assert!(back.end_of_text().is_some());
+    }
+
+    /// A SentencePiece-style vocabulary (Metaspace decoder: "▁" marks a space, the
+    /// first one of a decode is dropped) streams to what decode gives.
+    #[test]
+    fn streaming_with_a_metaspace_decoder() {
+        let json = r#"{
+          "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+          "normalizer": null,
+          "pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": true},
+          "post_processor": null,
+          "decoder": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": true},
+          "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "▁to": 1, "▁be": 2, "▁or": 3, "▁not": 4}, "unk_token": "[UNK]"}
+        }"#;
+        let tk = Tokenizer::from_json(json.as_bytes()).unwrap();
+        let ids = [1u32, 2, 3, 4, 1, 2];
+        let mut stream = tk.text_stream();
+        let mut text = String::new();
+        for &id in &ids {
+            text.extend(stream.push(id).unwrap());
+        }
+        text.extend(stream.finish());
+        assert_eq!(text, tk.decode(&ids).unwrap());
+        assert_eq!(text, "to be or not to be");
     }
 
     #[test]

@@ -244,3 +244,76 @@ fn generate_eval_and_info_from_a_checkpoint() {
             > info["parameters_without_embeddings"].as_u64().unwrap()
     );
 }
+
+#[test]
+fn padded_vocabulary_and_fine_tuning_runs() {
+    let dir = setup();
+    // A model vocabulary larger than the tokenizer's: sampling never picks a padding id.
+    let out = tinygpt(
+        dir.path(),
+        &[
+            "train",
+            "--config",
+            "exp.toml",
+            "--set",
+            "model.vocab_size=128",
+            "--set",
+            "run.name=padded",
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = tinygpt(
+        dir.path(),
+        &[
+            "generate",
+            "--checkpoint",
+            "checkpoints/padded",
+            "--prompt",
+            "To",
+            "--temperature",
+            "2",
+            "--max-new-tokens",
+            "200",
+            "--json",
+            "--seed",
+            "1",
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let sample: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let distinct_chars = 30; // fewer than the 128 model ids
+    assert!(sample["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|id| id.as_u64().unwrap() < distinct_chars + 10));
+
+    // Fine-tune from it, then resume the fine-tuning run with the same command.
+    let ft = [
+        "train",
+        "--config",
+        "exp.toml",
+        "--init-from",
+        "checkpoints/padded",
+        "--set",
+        "run.name=ft",
+        "--set",
+        "model.n_layer=3",
+    ];
+    let out = tinygpt(dir.path(), &ft);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut resume = ft.to_vec();
+    resume.extend(["--resume", "--set", "train.max_iters=8"]);
+    let out = tinygpt(dir.path(), &resume);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let info = tinygpt(
+        dir.path(),
+        &["info", "--checkpoint", "checkpoints/ft", "--json"],
+    );
+    let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+    assert_eq!(info["step"], 8);
+    assert_eq!(
+        info["config"]["model"]["n_layer"], 1,
+        "the model came from --init-from"
+    );
+}

@@ -102,6 +102,16 @@ fn kv_cache_matches_full_forward_at_every_step() {
         false,
     );
     models.push(("gpt2-like".into(), gpt2));
+    // Wide enough (256) for the decoder's dot-product layout and untransposed head.
+    let wide = ModelConfig {
+        n_layer: 1,
+        n_head: 4,
+        n_embd: 256,
+        block_size: 8,
+        vocab_size: 13,
+        ..ModelConfig::default()
+    };
+    models.push(("wide".into(), Gpt::new(&wide, 3, &Device::Cpu).unwrap()));
     models.push(("llama-like".into(), llama));
     for (name, m) in &models {
         {

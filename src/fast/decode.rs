@@ -25,12 +25,16 @@ use crate::config::{MlpKind, NormKind};
 use crate::model::position::{rope_tables, sinusoidal_table};
 use crate::model::Gpt;
 
-/// A linear layer stored transposed, (in, out) row-major: a mat-vec then runs along
-/// contiguous output rows (y += x_i * Wᵀ[i, :]), with no horizontal sums.
+/// How a decode layer keeps its weight: as stored, (out, in), for dot products over long
+/// input rows; or transposed, (in, out), for narrow inputs, so a mat-vec runs along
+/// contiguous output rows (y += x_i * Wᵀ[i, :]) with no horizontal sums.
+enum Weight {
+    Rows(Vec<f32>),
+    Cols(Vec<f32>),
+}
+
 struct Linear {
-    wt: Vec<f32>,
-    /// The weight as stored (out, in), kept for wide inputs (see DOT_MATVEC_MIN_INPUT).
-    w: Option<Vec<f32>>,
+    w: Weight,
     b: Option<Vec<f32>>,
     d_out: usize,
 }
@@ -39,14 +43,18 @@ impl Linear {
     /// From a weight stored (out, in).
     fn from_rows(w: &[f32], b: Option<Vec<f32>>, d_out: usize) -> Self {
         let d_in = w.len() / d_out;
-        let mut wt = vec![0f32; w.len()];
-        for o in 0..d_out {
-            for i in 0..d_in {
-                wt[i * d_out + o] = w[o * d_in + i];
+        let w = if d_in >= DOT_MATVEC_MIN_INPUT {
+            Weight::Rows(w.to_vec())
+        } else {
+            let mut wt = vec![0f32; w.len()];
+            for o in 0..d_out {
+                for i in 0..d_in {
+                    wt[i * d_out + o] = w[o * d_in + i];
+                }
             }
-        }
-        let w = (d_in >= DOT_MATVEC_MIN_INPUT).then(|| w.to_vec());
-        Self { wt, w, b, d_out }
+            Weight::Cols(wt)
+        };
+        Self { w, b, d_out }
     }
 }
 
@@ -84,7 +92,9 @@ pub struct FastDecoder {
     vocab: usize,
     block: usize,
     wte: Vec<f32>,
-    head: Linear,                // the tied output layer: wte, transposed
+    /// The tied output layer: a transposed copy of wte for narrow models; wide ones
+    /// use wte's rows directly.
+    head: Option<Linear>,
     pos_table: Option<Vec<f32>>, // (block, C): learned or sinusoidal
     rope: Option<(Vec<f32>, Vec<f32>)>,
     layers: Vec<Layer>,
@@ -189,7 +199,11 @@ impl FastDecoder {
             n_embd: c,
             vocab: cfg.vocab_size,
             block: cfg.block_size,
-            head: Linear::from_rows(&get("wte.weight")?, None, cfg.vocab_size),
+            head: (cfg.n_embd < DOT_MATVEC_MIN_INPUT)
+                .then(|| -> Result<Linear> {
+                    Ok(Linear::from_rows(&get("wte.weight")?, None, cfg.vocab_size))
+                })
+                .transpose()?,
             wte: get("wte.weight")?,
             pos_table,
             rope: (cfg.positions == PositionKind::Rope).then(|| rope_tables(cfg)),
@@ -369,7 +383,18 @@ impl FastDecoder {
                 &mut self.last[b * c..(b + 1) * c],
             );
         }
-        linear(&self.head, &self.last, self.batch, c, &mut self.logits);
+        match &self.head {
+            Some(head) => linear(head, &self.last, self.batch, c, &mut self.logits),
+            None => project(
+                WeightRef::Rows(&self.wte),
+                None,
+                self.vocab,
+                &self.last,
+                self.batch,
+                c,
+                &mut self.logits,
+            ),
+        }
         self.len += t;
         Ok(&self.logits)
     }
@@ -430,33 +455,50 @@ fn swiglu_into(buf: &mut [f32], gate: usize, up: usize, out: usize, n: usize) {
 /// out = x Wᵀ + bias for `rows` rows of width `d_in`: a GEMM for many rows, one dot
 /// product per weight row (read once for all rows) for a few.
 fn linear(lin: &Linear, x: &[f32], rows: usize, d_in: usize, out: &mut [f32]) {
-    let d_out = lin.d_out;
+    let w = match &lin.w {
+        Weight::Rows(w) => WeightRef::Rows(w),
+        Weight::Cols(wt) => WeightRef::Cols(wt),
+    };
+    project(w, lin.b.as_deref(), lin.d_out, x, rows, d_in, out);
+}
+
+/// A borrowed weight in either layout.
+#[derive(Clone, Copy)]
+enum WeightRef<'a> {
+    Rows(&'a [f32]),
+    Cols(&'a [f32]),
+}
+
+/// out = x Wᵀ + bias for `rows` rows of width `d_in`: mat-vecs for a few rows, a GEMM for
+/// many.
+fn project(
+    w: WeightRef,
+    bias: Option<&[f32]>,
+    d_out: usize,
+    x: &[f32],
+    rows: usize,
+    d_in: usize,
+    out: &mut [f32],
+) {
     if rows <= 4 {
         for r in 0..rows {
             let (x, out) = (
                 &x[r * d_in..(r + 1) * d_in],
                 &mut out[r * d_out..(r + 1) * d_out],
             );
-            let bias = lin.b.as_deref();
-            match &lin.w {
-                Some(w) => matvec(w, bias, x, out),
-                None => matvec_t(&lin.wt, d_out, 0, bias, x, out),
+            match w {
+                WeightRef::Rows(w) => matvec(w, bias, x, out),
+                WeightRef::Cols(wt) => matvec_t(wt, d_out, 0, bias, x, out),
             }
         }
         return;
     }
-    matmul(
-        out,
-        x,
-        Layout::AsIs,
-        &lin.wt,
-        Layout::AsIs,
-        rows,
-        d_out,
-        d_in,
-        false,
-    );
-    if let Some(bias) = &lin.b {
+    let (w, layout) = match w {
+        WeightRef::Rows(w) => (w, Layout::Transposed),
+        WeightRef::Cols(wt) => (wt, Layout::AsIs),
+    };
+    matmul(out, x, Layout::AsIs, w, layout, rows, d_out, d_in, false);
+    if let Some(bias) = bias {
         for row in out[..rows * d_out].chunks_exact_mut(d_out) {
             add(row, bias);
         }

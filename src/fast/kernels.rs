@@ -60,13 +60,6 @@ pub fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
-multiversion! {
-    /// sum_i a[i] * b[i].
-    pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-        dot_lanes(a, b)
-    }
-}
-
 /// y += alpha * x.
 #[inline(always)]
 pub fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
@@ -169,13 +162,6 @@ multiversion! {
     }
 }
 
-multiversion! {
-    /// Softmax in place.
-    pub fn softmax(x: &mut [f32]) {
-        softmax_inline(x)
-    }
-}
-
 /// Softmax in place, inlined into multiversioned callers.
 #[inline(always)]
 pub fn softmax_inline(x: &mut [f32]) {
@@ -203,7 +189,7 @@ mod tests {
             let a: Vec<f32> = (0..n).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1).collect();
             let b: Vec<f32> = (0..n).map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.3).collect();
             let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
-            let got = dot(&a, &b) as f64;
+            let got = dot_lanes(&a, &b) as f64;
             assert!(
                 (got - exact).abs() <= 1e-4 * (1.0 + exact.abs()),
                 "n={n}: {got} vs {exact}"
@@ -232,7 +218,7 @@ mod tests {
     #[test]
     fn softmax_and_layer_norm() {
         let mut x = [1.0f32, 2.0, 3.0];
-        softmax(&mut x);
+        softmax_inline(&mut x);
         let e: Vec<f32> = [1.0f32, 2.0, 3.0].iter().map(|v| v.exp()).collect();
         let s: f32 = e.iter().sum();
         for i in 0..3 {

@@ -295,7 +295,7 @@ multiversion! {
 /// With p = att[i, :], dp_j = dy_i . v_j, ds_j = p_j (dp_j - sum_k p_k dp_k):
 /// dv_j += p_j dy_i; dq_i += scale sum_j ds_j k_j; dk_j += scale ds_j q_i.
 pub fn attention_backward(dqkv: &mut [f32], dy: &[f32], qkv: &[f32], att: &[f32], s: AttnShape) {
-    let (t, c, h, d) = (s.t, s.c, s.h, s.d());
+    let (t, c, h) = (s.t, s.c, s.h);
     dqkv.par_chunks_mut(t * 3 * c)
         .zip(dy.par_chunks(t * c))
         .zip(qkv.par_chunks(t * 3 * c))
@@ -304,7 +304,6 @@ pub fn attention_backward(dqkv: &mut [f32], dy: &[f32], qkv: &[f32], att: &[f32]
             || vec![0f32; t * t],
             |dp, (((dqkv, dy), qkv), att)| attention_backward_one(dqkv, dy, qkv, att, s, dp),
         );
-    let _ = d;
 }
 
 /// `attention_backward` for one sequence; `ds` (T x T) is scratch. Per head:
@@ -407,17 +406,19 @@ pub fn softmax_cross_entropy(logits: &mut [f32], targets: &[u32], v: usize) -> f
         .zip(targets.par_iter())
         .map(|(row, &target)| {
             let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            // -log p = log(sum e^(x - max)) - (x_target - max): finite even when
+            // e^(x_target - max) underflows.
+            let shifted_target = (row[target as usize] - max) as f64;
             let mut sum = 0.0f64;
             for x in row.iter_mut() {
                 *x = (*x - max).exp();
                 sum += *x as f64;
             }
             let inv = (1.0 / sum) as f32;
-            let p_target = row[target as usize] as f64 / sum;
             for x in row.iter_mut() {
                 *x *= inv;
             }
-            -p_target.ln()
+            sum.ln() - shifted_target
         })
         .sum()
 }

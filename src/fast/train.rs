@@ -63,11 +63,11 @@ struct Scratch {
     ln: Vec<f32>,      // (N, C): a norm's output, recomputed in the backward
 }
 
-/// The names of the reference model's parameters this path reads and writes, in the
-/// flat buffer's order.
+/// A model laid out for fused training: parameters, gradients, moments, activations.
 pub struct FastGpt {
     cfg: ModelConfig,
     batch: usize,
+    /// The reference model's parameter names, their ranges in the flat buffers, shapes.
     names: Vec<(String, Range<usize>, Vec<usize>)>,
     wte: Range<usize>,
     wpe: Option<Range<usize>>,
@@ -367,7 +367,6 @@ impl FastGpt {
 
         // Softmax + cross-entropy, then the tied output layer.
         ops::cross_entropy_backward(&mut self.logits, &self.targets, v, scale / n as f32);
-        s.dnorm.fill(0.0);
         matmul(
             &mut s.dnorm,
             &self.logits,

@@ -15,8 +15,6 @@ use candle_core::{DType, Tensor, D};
 use super::params::{Init, ParamBuilder};
 use crate::config::{ModelConfig, NormKind};
 
-pub const LAYER_NORM_EPS: f64 = 1e-5;
-
 pub struct Norm {
     kind: NormKind,
     eps: f64,

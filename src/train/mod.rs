@@ -156,7 +156,9 @@ impl Trainer {
             let saved = run.load_config(&state)?;
             let mut wanted = config.model.clone();
             wanted.vocab_size = saved.model.vocab_size;
-            if wanted != saved.model {
+            // A fine-tuning run's model came from the --init-from checkpoint, not from
+            // the user's [model] section.
+            if saved.train.init_from.is_none() && wanted != saved.model {
                 user_bail!(
                     "--resume: the [model] section differs from the checkpoint's in {}; resume with the same model settings",
                     run.path().join(crate::checkpoint::CONFIG_FILE).display()
@@ -164,6 +166,7 @@ impl Trainer {
             }
             config.model = saved.model;
             config.tokenizer = saved.tokenizer;
+            config.train.init_from = saved.train.init_from;
             run.load_tokenizer(&state)?
         } else {
             if run.has_checkpoint() {
@@ -213,7 +216,7 @@ impl Trainer {
             }
         };
         config.validate()?;
-        check_memory(&config)?;
+        check_memory(&config, &device)?;
 
         std::fs::create_dir_all(run.path()).map_err(|e| {
             crate::error::user_error(format!(
@@ -223,6 +226,10 @@ impl Trainer {
         })?;
         let lock = RunLock::acquire(run.path())?;
         run.remove_temp_files();
+        if !resume {
+            // Left by a run that never wrote a checkpoint (killed, diverged at once).
+            let _ = std::fs::remove_file(run.file(crate::checkpoint::METRICS_FILE));
+        }
         if resume {
             run.roll_forward(&state)?;
         }
@@ -499,6 +506,29 @@ impl Trainer {
         }
     }
 
+    /// Evaluates, records the losses in the state and metrics.jsonl, and reports.
+    fn evaluate_and_log(
+        &mut self,
+        step: usize,
+        cfg: &crate::config::TrainConfig,
+        reporter: &mut dyn Reporter,
+    ) -> Result<()> {
+        let e = self.evaluate()?;
+        self.state.last_val_loss = Some(e.val_loss);
+        self.state.last_train_loss = Some(e.train_loss);
+        self.state.best_val_loss = Some(
+            self.state
+                .best_val_loss
+                .map_or(e.val_loss, |b| b.min(e.val_loss)),
+        );
+        self.run.append_metrics(&json!({
+            "step": e.step, "train_loss": e.train_loss, "val_loss": e.val_loss,
+            "lr": learning_rate(step, cfg), "elapsed_s": self.elapsed_s(),
+        }))?;
+        reporter.eval(&e);
+        Ok(())
+    }
+
     /// Trains to `max_iters`: eval at every `eval_interval` (and at the end), metrics
     /// every `log_interval`, checkpoint every `checkpoint_interval` and at the end.
     pub fn run(&mut self, reporter: &mut dyn Reporter) -> Result<TrainSummary> {
@@ -511,19 +541,7 @@ impl Trainer {
             // A resumed run already evaluated (and saved) its first step.
             let resumed_here = self.resumed && step == start;
             if (step.is_multiple_of(cfg.eval_interval) || is_last) && !resumed_here {
-                let e = self.evaluate()?;
-                self.state.last_val_loss = Some(e.val_loss);
-                self.state.last_train_loss = Some(e.train_loss);
-                self.state.best_val_loss = Some(
-                    self.state
-                        .best_val_loss
-                        .map_or(e.val_loss, |b| b.min(e.val_loss)),
-                );
-                self.run.append_metrics(&json!({
-                    "step": e.step, "train_loss": e.train_loss, "val_loss": e.val_loss,
-                    "lr": learning_rate(step, &cfg), "elapsed_s": self.elapsed_s(),
-                }))?;
-                reporter.eval(&e);
+                self.evaluate_and_log(step, &cfg, reporter)?;
             }
             if step > start && (step.is_multiple_of(cfg.checkpoint_interval) || is_last) {
                 self.save()?;
@@ -546,6 +564,10 @@ impl Trainer {
             reporter.step(&log);
             let signal = self.stop.as_ref().map_or(0, |f| f.load(Ordering::SeqCst));
             if signal != 0 && step < cfg.max_iters {
+                // A resumed run skips the evaluation of its first step, so do it now.
+                if step.is_multiple_of(cfg.eval_interval) {
+                    self.evaluate_and_log(step, &cfg, reporter)?;
+                }
                 self.save()?;
                 return Err(InterruptedError {
                     signal,
@@ -579,7 +601,10 @@ pub fn train(config: Config, resume: bool, reporter: &mut dyn Reporter) -> Resul
 }
 
 /// Refuses a config whose training would not fit in the memory available.
-fn check_memory(config: &Config) -> Result<()> {
+fn check_memory(config: &Config, device: &Device) -> Result<()> {
+    if !device.is_cpu() {
+        return Ok(()); // the GPU's own allocator reports what does not fit
+    }
     let need = memory::training_bytes(&config.model, &config.train);
     if let Some(available) = memory::available_bytes() {
         if need > available {
