@@ -3,7 +3,7 @@
 //! 1e-5 relative, at odd sizes, for every position kind, with and without biases.
 
 use candle_core::{Device, Tensor};
-use tinygpt::config::{ModelConfig, PositionKind, TrainConfig};
+use tinygpt::config::{MlpKind, ModelConfig, NormKind, PositionKind, TrainConfig};
 use tinygpt::fast::train::FastGpt;
 use tinygpt::model::{Dropout, Gpt};
 use tinygpt::train::optim::AdamW;
@@ -38,13 +38,63 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
 fn fast_path_matches_the_reference() {
     let dev = Device::Cpu;
     let (b, t) = (3, 7);
-    for (positions, bias) in [
-        (PositionKind::Learned, true),
-        (PositionKind::Learned, false),
-        (PositionKind::Rope, false),
-        (PositionKind::Sinusoidal, true),
-    ] {
-        let cfg = cfg(positions, bias);
+    // (positions, bias, K/V heads, norm, mlp): the default blocks, GPT-2's and Llama's.
+    let variants = [
+        (
+            PositionKind::Learned,
+            true,
+            3,
+            NormKind::LayerNorm,
+            MlpKind::Gelu,
+        ),
+        (
+            PositionKind::Learned,
+            false,
+            3,
+            NormKind::LayerNorm,
+            MlpKind::Gelu,
+        ),
+        (
+            PositionKind::Rope,
+            false,
+            3,
+            NormKind::LayerNorm,
+            MlpKind::Gelu,
+        ),
+        (
+            PositionKind::Sinusoidal,
+            true,
+            3,
+            NormKind::LayerNorm,
+            MlpKind::Gelu,
+        ),
+        (
+            PositionKind::Learned,
+            true,
+            3,
+            NormKind::LayerNorm,
+            MlpKind::GeluTanh,
+        ),
+        (
+            PositionKind::Rope,
+            false,
+            1,
+            NormKind::RmsNorm,
+            MlpKind::Swiglu,
+        ),
+        (
+            PositionKind::Learned,
+            false,
+            1,
+            NormKind::LayerNorm,
+            MlpKind::Gelu,
+        ),
+    ];
+    for (positions, bias, kv, norm, mlp) in variants {
+        let mut cfg = cfg(positions, bias);
+        cfg.n_kv_head = Some(kv);
+        cfg.norm = norm;
+        cfg.mlp = mlp;
         let reference = Gpt::new(&cfg, 5, &dev).unwrap();
         let mut fast = FastGpt::new(&cfg, reference.params(), b).unwrap();
         let train = TrainConfig {
@@ -52,7 +102,7 @@ fn fast_path_matches_the_reference() {
             ..TrainConfig::default()
         };
         let mut adamw = AdamW::new(reference.params(), &train).unwrap();
-        let what = format!("{positions:?} bias={bias}");
+        let what = format!("{positions:?} bias={bias} kv={kv} {norm:?} {mlp:?}");
 
         for step in 1..=3 {
             let ids = batch(b, t, 11, step as u32);
@@ -146,7 +196,10 @@ fn unsupported_configs_are_named() {
     assert!(FastGpt::unsupported(&c, &dev).unwrap().contains("dropout"));
     c.dropout = 0.0;
     c.n_kv_head = Some(1);
-    assert!(FastGpt::unsupported(&c, &dev)
-        .unwrap()
-        .contains("n_kv_head"));
+    c.norm = NormKind::RmsNorm;
+    c.mlp = MlpKind::Swiglu;
+    assert!(
+        FastGpt::unsupported(&c, &dev).is_none(),
+        "GQA, RMSNorm and SwiGLU are fused too"
+    );
 }

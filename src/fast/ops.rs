@@ -139,6 +139,116 @@ pub fn layernorm_backward(
     }
 }
 
+/// RMSNorm: out = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps); keeps rstd.
+pub fn rmsnorm_forward(out: &mut [f32], rstd: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
+    let c = w.len();
+    for (n, (xr, or)) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)).enumerate() {
+        let s = 1.0 / (xr.iter().map(|v| v * v).sum::<f32>() / c as f32 + eps).sqrt();
+        for i in 0..c {
+            or[i] = xr[i] * s * w[i];
+        }
+        rstd[n] = s;
+    }
+}
+
+/// With xhat = x * rstd and g = dout * w: dx += rstd * (g - xhat * mean(g * xhat));
+/// dw += dout * xhat.
+pub fn rmsnorm_backward(
+    dx: &mut [f32],
+    dw: &mut [f32],
+    dout: &[f32],
+    x: &[f32],
+    w: &[f32],
+    rstd: &[f32],
+) {
+    let c = w.len();
+    for (n, ((dxr, dor), xr)) in dx
+        .chunks_exact_mut(c)
+        .zip(dout.chunks_exact(c))
+        .zip(x.chunks_exact(c))
+        .enumerate()
+    {
+        let s = rstd[n];
+        let gx_mean = (0..c).map(|i| dor[i] * w[i] * xr[i] * s).sum::<f32>() / c as f32;
+        for i in 0..c {
+            let xhat = xr[i] * s;
+            dxr[i] += s * (dor[i] * w[i] - xhat * gx_mean);
+            dw[i] += dor[i] * xhat;
+        }
+    }
+}
+
+/// A norm layer of either kind, with its statistics kept by the caller: `mean` is
+/// unused by RMSNorm.
+#[derive(Debug, Clone, Copy)]
+pub struct NormOp {
+    pub kind: crate::config::NormKind,
+    pub eps: f32,
+}
+
+impl NormOp {
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        out: &mut [f32],
+        mean: &mut [f32],
+        rstd: &mut [f32],
+        x: &[f32],
+        w: &[f32],
+        b: Option<&[f32]>,
+    ) {
+        match self.kind {
+            crate::config::NormKind::LayerNorm => {
+                layernorm_forward(out, mean, rstd, x, w, b, self.eps)
+            }
+            crate::config::NormKind::RmsNorm => rmsnorm_forward(out, rstd, x, w, self.eps),
+        }
+    }
+
+    /// The forward's output again, from the kept statistics.
+    pub fn apply(
+        &self,
+        out: &mut [f32],
+        x: &[f32],
+        w: &[f32],
+        b: Option<&[f32]>,
+        mean: &[f32],
+        rstd: &[f32],
+    ) {
+        match self.kind {
+            crate::config::NormKind::LayerNorm => layernorm_apply(out, x, w, b, mean, rstd),
+            crate::config::NormKind::RmsNorm => {
+                let c = w.len();
+                for (n, (xr, or)) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)).enumerate() {
+                    for i in 0..c {
+                        or[i] = xr[i] * rstd[n] * w[i];
+                    }
+                }
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward(
+        &self,
+        dx: &mut [f32],
+        dw: &mut [f32],
+        db: Option<&mut [f32]>,
+        dout: &[f32],
+        x: &[f32],
+        w: &[f32],
+        mean: &[f32],
+        rstd: &[f32],
+    ) {
+        match self.kind {
+            crate::config::NormKind::LayerNorm => {
+                layernorm_backward(dx, dw, db, dout, x, w, mean, rstd)
+            }
+            crate::config::NormKind::RmsNorm => rmsnorm_backward(dx, dw, dout, x, w, rstd),
+        }
+    }
+}
+
 // --- Bias ---------------------------------------------------------------------------
 
 /// Adds `b` to every row of `out`.
@@ -178,29 +288,118 @@ multiversion! {
     }
 }
 
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+
+multiversion! {
+    /// out = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3) (GPT-2's GELU).
+    pub fn gelu_tanh_forward(out: &mut [f32], x: &[f32]) {
+        for (o, &v) in out.iter_mut().zip(x) {
+            let u = SQRT_2_OVER_PI * (v + 0.044_715 * v * v * v);
+            let t = 1.0 - 2.0 / (exp_approx(2.0 * u) + 1.0);
+            *o = 0.5 * v * (1.0 + t);
+        }
+    }
+}
+
+multiversion! {
+    /// dx += dout * (0.5 (1 + t) + 0.5 x (1 - t^2) du/dx).
+    pub fn gelu_tanh_backward(dx: &mut [f32], x: &[f32], dout: &[f32]) {
+        for ((d, &v), &g) in dx.iter_mut().zip(x).zip(dout) {
+            let u = SQRT_2_OVER_PI * (v + 0.044_715 * v * v * v);
+            let t = 1.0 - 2.0 / (exp_approx(2.0 * u) + 1.0);
+            let du = SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044_715 * v * v);
+            *d += g * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * du);
+        }
+    }
+}
+
+multiversion! {
+    /// Rows of fc = (gate | up), each `hidden` wide: out = silu(gate) * up.
+    pub fn swiglu_forward(out: &mut [f32], fc: &[f32], hidden: usize) {
+        for (o, row) in out.chunks_exact_mut(hidden).zip(fc.chunks_exact(2 * hidden)) {
+            let (gate, up) = row.split_at(hidden);
+            for i in 0..hidden {
+                let sig = 1.0 / (1.0 + exp_approx(-gate[i]));
+                o[i] = gate[i] * sig * up[i];
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// dgate = dout * up * sig (1 + gate (1 - sig)); dup = dout * silu(gate). Written,
+    /// not accumulated, into dfc's (gate | up) rows.
+    pub fn swiglu_backward(dfc: &mut [f32], fc: &[f32], dout: &[f32], hidden: usize) {
+        for ((d, row), g) in dfc.chunks_exact_mut(2 * hidden).zip(fc.chunks_exact(2 * hidden)).zip(dout.chunks_exact(hidden)) {
+            let (gate, up) = row.split_at(hidden);
+            let (dgate, dup) = d.split_at_mut(hidden);
+            for i in 0..hidden {
+                let sig = 1.0 / (1.0 + exp_approx(-gate[i]));
+                dgate[i] = g[i] * up[i] * sig * (1.0 + gate[i] * (1.0 - sig));
+                dup[i] = g[i] * gate[i] * sig;
+            }
+        }
+    }
+}
+
+/// The MLP's non-linearity between c_fc (fc_out wide) and c_proj (hidden wide).
+#[derive(Debug, Clone, Copy)]
+pub struct Activation {
+    pub kind: crate::config::MlpKind,
+    pub hidden: usize,
+}
+
+impl Activation {
+    /// out (N, hidden) from fc (N, fc_out).
+    pub fn forward(&self, out: &mut [f32], fc: &[f32]) {
+        match self.kind {
+            crate::config::MlpKind::Gelu => gelu_forward(out, fc),
+            crate::config::MlpKind::GeluTanh => gelu_tanh_forward(out, fc),
+            crate::config::MlpKind::Swiglu => swiglu_forward(out, fc, self.hidden),
+        }
+    }
+
+    /// dfc (N, fc_out) = the gradient at fc, from dout (N, hidden); overwritten.
+    pub fn backward(&self, dfc: &mut [f32], fc: &[f32], dout: &[f32]) {
+        match self.kind {
+            crate::config::MlpKind::Gelu => {
+                dfc.fill(0.0);
+                gelu_backward(dfc, fc, dout)
+            }
+            crate::config::MlpKind::GeluTanh => {
+                dfc.fill(0.0);
+                gelu_tanh_backward(dfc, fc, dout)
+            }
+            crate::config::MlpKind::Swiglu => swiglu_backward(dfc, fc, dout, self.hidden),
+        }
+    }
+}
+
 // --- RoPE ---------------------------------------------------------------------------
 
-/// Rotates the q and k heads of every row of qkv (N, 3C) in place, split-halves pairing,
-/// by the angles of position n % T. With `inverse`, rotates back (the backward: a
-/// rotation's transpose is its inverse).
+/// Rotates the q and k heads (the first `rotated` values) of every qkv row (`width`
+/// wide) in place, split-halves pairing, by the angles of position n % T. With
+/// `inverse`, rotates back (the backward: a rotation's transpose is its inverse).
+#[allow(clippy::too_many_arguments)]
 pub fn rope(
     qkv: &mut [f32],
     cos: &[f32],
     sin: &[f32],
     t: usize,
-    c: usize,
+    width: usize,
+    rotated: usize,
     d: usize,
     inverse: bool,
 ) {
     let half = d / 2;
     let sign = if inverse { -1.0 } else { 1.0 };
-    for (n, row) in qkv.chunks_exact_mut(3 * c).enumerate() {
+    for (n, row) in qkv.chunks_exact_mut(width).enumerate() {
         let p = n % t;
         let (cos, sin) = (
             &cos[p * half..(p + 1) * half],
             &sin[p * half..(p + 1) * half],
         );
-        for head in row[..2 * c].chunks_exact_mut(d) {
+        for head in row[..rotated].chunks_exact_mut(d) {
             let (a, b) = head.split_at_mut(half);
             for i in 0..half {
                 let (x, y) = (a[i], b[i]);
@@ -221,43 +420,58 @@ pub struct AttnShape {
     pub t: usize,
     pub c: usize,
     pub h: usize,
+    /// K/V heads; each serves h / kv query heads.
+    pub kv: usize,
 }
 
 impl AttnShape {
     fn d(&self) -> usize {
         self.c / self.h
     }
+
+    /// Width of a qkv row: H query heads, then kv key heads, then kv value heads.
+    pub fn width(&self) -> usize {
+        self.c + 2 * self.kv * self.d()
+    }
+
+    /// Offsets in a qkv row of the key and value head query head `head` reads.
+    fn kv_offsets(&self, head: usize) -> (usize, usize) {
+        let g = head / (self.h / self.kv);
+        let d = self.d();
+        (self.c + g * d, self.c + self.kv * d + g * d)
+    }
 }
 
-/// From qkv (N, 3C: q | k | v, heads side by side): att (B, H, T, T) softmax weights
+/// From qkv (N, width: q | k | v heads side by side): att (B, H, T, T) softmax weights
 /// (zero above the diagonal) and y (N, C). Sequences run in parallel.
 pub fn attention_forward(y: &mut [f32], att: &mut [f32], qkv: &[f32], s: AttnShape) {
-    let (t, c, h) = (s.t, s.c, s.h);
+    let (t, c, h, w) = (s.t, s.c, s.h, s.width());
     y.par_chunks_mut(t * c)
         .zip(att.par_chunks_mut(h * t * t))
-        .zip(qkv.par_chunks(t * 3 * c))
+        .zip(qkv.par_chunks(t * w))
         .for_each(|((y, att), qkv)| attention_forward_one(y, att, qkv, s));
 }
 
 /// `attention_forward` for one sequence: per head, S = scale Q Kᵀ, causal softmax in
 /// place, Y = P V (GEMMs on strided views of qkv).
 pub fn attention_forward_one(y: &mut [f32], att: &mut [f32], qkv: &[f32], s: AttnShape) {
-    let (t, c, h, d) = (s.t, s.c, s.h, s.d());
+    let (t, c, h, d, w) = (s.t, s.c, s.h, s.d(), s.width());
     let scale = 1.0 / (d as f32).sqrt();
     for head in 0..h {
+        let (ko, vo) = s.kv_offsets(head);
         let q = Strided {
             data: &qkv[head * d..],
-            row: 3 * c,
+            row: w,
             col: 1,
         };
         let kt = Strided {
-            data: &qkv[c + head * d..],
+            data: &qkv[ko..],
             row: 1,
-            col: 3 * c,
+            col: w,
         };
         let v = Strided {
-            data: &qkv[2 * c + head * d..],
-            row: 3 * c,
+            data: &qkv[vo..],
+            row: w,
             col: 1,
         };
         let p = &mut att[head * t * t..(head + 1) * t * t];
@@ -295,10 +509,10 @@ multiversion! {
 /// With p = att[i, :], dp_j = dy_i . v_j, ds_j = p_j (dp_j - sum_k p_k dp_k):
 /// dv_j += p_j dy_i; dq_i += scale sum_j ds_j k_j; dk_j += scale ds_j q_i.
 pub fn attention_backward(dqkv: &mut [f32], dy: &[f32], qkv: &[f32], att: &[f32], s: AttnShape) {
-    let (t, c, h) = (s.t, s.c, s.h);
-    dqkv.par_chunks_mut(t * 3 * c)
+    let (t, c, h, w) = (s.t, s.c, s.h, s.width());
+    dqkv.par_chunks_mut(t * w)
         .zip(dy.par_chunks(t * c))
-        .zip(qkv.par_chunks(t * 3 * c))
+        .zip(qkv.par_chunks(t * w))
         .zip(att.par_chunks(h * t * t))
         .for_each_init(
             || vec![0f32; t * t],
@@ -317,9 +531,10 @@ pub fn attention_backward_one(
     s: AttnShape,
     ds: &mut [f32],
 ) {
-    let (t, c, h, d) = (s.t, s.c, s.h, s.d());
+    let (t, c, h, d, w) = (s.t, s.c, s.h, s.d(), s.width());
     let scale = 1.0 / (d as f32).sqrt();
     for head in 0..h {
+        let (ko, vo) = s.kv_offsets(head);
         let p = &att[head * t * t..(head + 1) * t * t];
         let dy_h = Strided {
             data: &dy[head * d..],
@@ -327,9 +542,9 @@ pub fn attention_backward_one(
             col: 1,
         };
         let vt = Strided {
-            data: &qkv[2 * c + head * d..],
+            data: &qkv[vo..],
             row: 1,
-            col: 3 * c,
+            col: w,
         };
         matmul_strided(ds, t, dy_h, vt, t, t, d, false, 1.0);
         softmax_rows_backward(ds, p, t, scale);
@@ -344,43 +559,23 @@ pub fn attention_backward_one(
             col: t,
         };
         let k = Strided {
-            data: &qkv[c + head * d..],
-            row: 3 * c,
+            data: &qkv[ko..],
+            row: w,
             col: 1,
         };
         let q = Strided {
             data: &qkv[head * d..],
-            row: 3 * c,
+            row: w,
             col: 1,
         };
-        matmul_strided(&mut dqkv[head * d..], 3 * c, ds_m, k, t, d, t, true, 1.0);
-        matmul_strided(
-            &mut dqkv[c + head * d..],
-            3 * c,
-            ds_t,
-            q,
-            t,
-            d,
-            t,
-            true,
-            1.0,
-        );
+        matmul_strided(&mut dqkv[head * d..], w, ds_m, k, t, d, t, true, 1.0);
+        matmul_strided(&mut dqkv[ko..], w, ds_t, q, t, d, t, true, 1.0);
         let p_t = Strided {
             data: p,
             row: 1,
             col: t,
         };
-        matmul_strided(
-            &mut dqkv[2 * c + head * d..],
-            3 * c,
-            p_t,
-            dy_h,
-            t,
-            d,
-            t,
-            true,
-            1.0,
-        );
+        matmul_strided(&mut dqkv[vo..], w, p_t, dy_h, t, d, t, true, 1.0);
     }
 }
 
@@ -508,9 +703,10 @@ mod tests {
             t: 4,
             c: 6,
             h: 2,
+            kv: 1,
         };
         let n = s.b * s.t;
-        let qkv = values(n * 3 * s.c, 7);
+        let qkv = values(n * s.width(), 7);
         let probe = values(n * s.c, 8);
         let mut f = |qkv: &[f32]| -> f64 {
             let (mut y, mut att) = (vec![0.0; n * s.c], vec![0.0; s.b * s.h * s.t * s.t]);
@@ -519,14 +715,75 @@ mod tests {
         };
         let (mut y, mut att) = (vec![0.0; n * s.c], vec![0.0; s.b * s.h * s.t * s.t]);
         attention_forward(&mut y, &mut att, &qkv, s);
-        let mut dqkv = vec![0.0; n * 3 * s.c];
+        let mut dqkv = vec![0.0; n * s.width()];
         attention_backward(&mut dqkv, &probe, &qkv, &att, s);
-        let at: Vec<usize> = (0..n * 3 * s.c).step_by(5).collect();
+        let at: Vec<usize> = (0..n * s.width()).step_by(3).collect();
         for (i, num) in at.iter().zip(numeric(&mut f, &qkv, &at)) {
             assert!(
                 close(dqkv[*i] as f64, num),
                 "dqkv[{i}] {} vs {num}",
                 dqkv[*i]
+            );
+        }
+    }
+
+    #[test]
+    fn rmsnorm_gelu_tanh_and_swiglu_backward_match_differences() {
+        let (n, c) = (3, 6);
+        let x = values(n * c, 11);
+        let w = values(c, 12);
+        let probe = values(n * c, 13);
+        let mut f = |x: &[f32]| -> f64 {
+            let (mut out, mut r) = (vec![0.0; n * c], vec![0.0; n]);
+            rmsnorm_forward(&mut out, &mut r, x, &w, 1e-5);
+            out.iter().zip(&probe).map(|(a, b)| (*a * *b) as f64).sum()
+        };
+        let (mut out, mut r) = (vec![0.0; n * c], vec![0.0; n]);
+        rmsnorm_forward(&mut out, &mut r, &x, &w, 1e-5);
+        let (mut dx, mut dw) = (vec![0.0; n * c], vec![0.0; c]);
+        rmsnorm_backward(&mut dx, &mut dw, &probe, &x, &w, &r);
+        let at: Vec<usize> = (0..n * c).step_by(2).collect();
+        for (i, num) in at.iter().zip(numeric(&mut f, &x, &at)) {
+            assert!(
+                close(dx[*i] as f64, num),
+                "rmsnorm dx[{i}] {} vs {num}",
+                dx[*i]
+            );
+        }
+
+        let mut f = |x: &[f32]| -> f64 {
+            let mut out = vec![0.0; x.len()];
+            gelu_tanh_forward(&mut out, x);
+            out.iter().zip(&probe).map(|(a, b)| (*a * *b) as f64).sum()
+        };
+        let mut dx = vec![0.0; n * c];
+        gelu_tanh_backward(&mut dx, &x, &probe);
+        for (i, num) in at.iter().zip(numeric(&mut f, &x, &at)) {
+            assert!(
+                close(dx[*i] as f64, num),
+                "gelu_tanh dx[{i}] {} vs {num}",
+                dx[*i]
+            );
+        }
+
+        let hidden = 3; // x as (n, 2 * hidden) rows of gate | up; probe as (n, hidden)
+        let probe_h = values(n * hidden, 14);
+        let mut f = |fc: &[f32]| -> f64 {
+            let mut out = vec![0.0; n * hidden];
+            swiglu_forward(&mut out, fc, hidden);
+            out.iter()
+                .zip(&probe_h)
+                .map(|(a, b)| (*a * *b) as f64)
+                .sum()
+        };
+        let mut dfc = vec![0.0; n * c];
+        swiglu_backward(&mut dfc, &x, &probe_h, hidden);
+        let all: Vec<usize> = (0..n * c).collect();
+        for (i, num) in all.iter().zip(numeric(&mut f, &x, &all)) {
+            assert!(
+                close(dfc[*i] as f64, num),
+                "swiglu dfc[{i}] {} vs {num}",
+                dfc[*i]
             );
         }
     }
@@ -538,9 +795,9 @@ mod tests {
         let original = qkv.clone();
         let cos: Vec<f32> = (0..t * d / 2).map(|i| (i as f32 * 0.3).cos()).collect();
         let sin: Vec<f32> = (0..t * d / 2).map(|i| (i as f32 * 0.3).sin()).collect();
-        rope(&mut qkv, &cos, &sin, t, c, d, false);
+        rope(&mut qkv, &cos, &sin, t, 3 * c, 2 * c, d, false);
         assert_ne!(qkv, original);
-        rope(&mut qkv, &cos, &sin, t, c, d, true);
+        rope(&mut qkv, &cos, &sin, t, 3 * c, 2 * c, d, true);
         for (a, b) in qkv.iter().zip(&original) {
             assert!((a - b).abs() < 1e-5);
         }

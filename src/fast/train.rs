@@ -16,7 +16,7 @@ use candle_core::{Device, Tensor};
 use super::gemm::{matmul, Layout};
 use super::kernels::multiversion;
 use super::ops::{self, AttnShape};
-use crate::config::{MlpKind, ModelConfig, NormKind, PositionKind, TrainConfig};
+use crate::config::{MlpKind, ModelConfig, PositionKind, TrainConfig};
 use crate::model::position::{rope_tables, sinusoidal_table};
 use crate::model::Params;
 
@@ -103,12 +103,6 @@ impl FastGpt {
         if cfg.dropout > 0.0 {
             return Some("model.dropout > 0".into());
         }
-        if cfg.kv_heads() != cfg.n_head {
-            return Some("grouped K/V heads (model.n_kv_head)".into());
-        }
-        if cfg.norm != NormKind::LayerNorm || cfg.mlp != MlpKind::Gelu {
-            return Some("only LayerNorm + GELU blocks".into());
-        }
         None
     }
 
@@ -156,19 +150,21 @@ impl FastGpt {
             .collect::<Result<Vec<_>>>()?;
         let (n, c, v) = (batch * cfg.block_size, cfg.n_embd, cfg.vocab_size);
         let hidden = cfg.mlp_hidden();
+        let qkv_w = cfg.n_embd + 2 * cfg.kv_heads() * cfg.head_dim();
+        let fc_out = fc_width(cfg);
         let h = cfg.n_head;
         let t = cfg.block_size;
         let acts = (0..cfg.n_layer)
             .map(|_| BlockActs {
                 ln_1_mean: vec![0.0; n],
                 ln_1_rstd: vec![0.0; n],
-                qkv: vec![0.0; n * 3 * c],
+                qkv: vec![0.0; n * qkv_w],
                 att: vec![0.0; batch * h * t * t],
                 y: vec![0.0; n * c],
                 res_2: vec![0.0; n * c],
                 ln_2_mean: vec![0.0; n],
                 ln_2_rstd: vec![0.0; n],
-                fc: vec![0.0; n * hidden],
+                fc: vec![0.0; n * fc_out],
                 res_3: vec![0.0; n * c],
             })
             .collect();
@@ -206,8 +202,8 @@ impl FastGpt {
                 dres: vec![0.0; n * c],
                 dnorm: vec![0.0; n * c],
                 dy: vec![0.0; n * c],
-                dqkv: vec![0.0; n * 3 * c],
-                dfc: vec![0.0; n * hidden],
+                dqkv: vec![0.0; n * qkv_w],
+                dfc: vec![0.0; n * fc_out],
                 dfc_out: vec![0.0; n * hidden],
                 tmp: vec![0.0; n * c],
                 gelu: vec![0.0; n * hidden],
@@ -230,12 +226,17 @@ impl FastGpt {
         assert_eq!(targets.len(), n);
         let (t, c, v) = (self.cfg.block_size, self.cfg.n_embd, self.cfg.vocab_size);
         let hidden = self.cfg.mlp_hidden();
-        let eps = self.cfg.norm_eps as f32;
+        let fc_out = fc_width(&self.cfg);
+        let (norm, act) = (self.norm_op(), self.activation());
+        let d = self.cfg.head_dim();
+        let kv_dim = self.cfg.kv_heads() * d;
+        let qkv_w = c + 2 * kv_dim;
         let shape = AttnShape {
             b: self.batch,
             t,
             c,
             h: self.cfg.n_head,
+            kv: self.cfg.kv_heads(),
         };
         self.ids.copy_from_slice(ids);
         self.targets.copy_from_slice(targets);
@@ -259,14 +260,13 @@ impl FastGpt {
                 &before[l - 1].res_3
             };
             let bi = &self.blocks[l];
-            ops::layernorm_forward(
+            norm.forward(
                 &mut self.scratch.ln,
                 &mut a.ln_1_mean,
                 &mut a.ln_1_rstd,
                 input,
                 slice(&bi.ln_1_w),
                 opt(&bi.ln_1_b),
-                eps,
             );
             linear_forward(
                 &mut a.qkv,
@@ -275,10 +275,10 @@ impl FastGpt {
                 opt(&bi.attn_b),
                 n,
                 c,
-                3 * c,
+                qkv_w,
             );
             if let Some((cos, sin)) = &self.rope {
-                ops::rope(&mut a.qkv, cos, sin, t, c, c / self.cfg.n_head, false);
+                ops::rope(&mut a.qkv, cos, sin, t, qkv_w, c + kv_dim, d, false);
             }
             ops::attention_forward(&mut a.y, &mut a.att, &a.qkv, shape);
             linear_forward(
@@ -293,14 +293,13 @@ impl FastGpt {
             for ((r, x), y) in a.res_2.iter_mut().zip(input).zip(&self.scratch.tmp) {
                 *r = x + y;
             }
-            ops::layernorm_forward(
+            norm.forward(
                 &mut self.scratch.ln,
                 &mut a.ln_2_mean,
                 &mut a.ln_2_rstd,
                 &a.res_2,
                 slice(&bi.ln_2_w),
                 opt(&bi.ln_2_b),
-                eps,
             );
             linear_forward(
                 &mut a.fc,
@@ -309,9 +308,9 @@ impl FastGpt {
                 opt(&bi.fc_b),
                 n,
                 c,
-                hidden,
+                fc_out,
             );
-            ops::gelu_forward(&mut self.scratch.gelu, &a.fc);
+            act.forward(&mut self.scratch.gelu, &a.fc);
             linear_forward(
                 &mut self.scratch.tmp,
                 &self.scratch.gelu,
@@ -326,14 +325,13 @@ impl FastGpt {
             }
         }
         let last = &self.acts.last().expect("at least one layer").res_3;
-        ops::layernorm_forward(
+        norm.forward(
             &mut self.ln_f,
             &mut self.ln_f_mean,
             &mut self.ln_f_rstd,
             last,
             slice(&self.ln_f_w),
             opt(&self.ln_f_b),
-            eps,
         );
         // Tied output layer: logits = ln_f · wteᵀ.
         matmul(
@@ -355,11 +353,17 @@ impl FastGpt {
         let n = self.rows();
         let (t, c, v) = (self.cfg.block_size, self.cfg.n_embd, self.cfg.vocab_size);
         let hidden = self.cfg.mlp_hidden();
+        let fc_out = fc_width(&self.cfg);
+        let (norm, act) = (self.norm_op(), self.activation());
+        let d = self.cfg.head_dim();
+        let kv_dim = self.cfg.kv_heads() * d;
+        let qkv_w = c + 2 * kv_dim;
         let shape = AttnShape {
             b: self.batch,
             t,
             c,
             h: self.cfg.n_head,
+            kv: self.cfg.kv_heads(),
         };
         let p = &self.params;
         let g = &mut self.grads;
@@ -393,7 +397,7 @@ impl FastGpt {
         s.dres.fill(0.0);
         {
             let (dw, db) = weight_and_bias(g, &self.ln_f_w, &self.ln_f_b);
-            ops::layernorm_backward(
+            norm.backward(
                 &mut s.dres,
                 dw,
                 db,
@@ -417,7 +421,7 @@ impl FastGpt {
             // res_3 = res_2 + fc_proj(gelu(fc(ln_2(res_2)))): dres reaches both terms.
             // GELU(fc) is recomputed rather than kept per layer: it costs little time and
             // saves one (N, 4C) buffer per layer, the largest activation.
-            ops::gelu_forward(&mut s.gelu, &a.fc);
+            act.forward(&mut s.gelu, &a.fc);
             linear_backward(
                 &mut s.dfc_out,
                 g,
@@ -430,10 +434,9 @@ impl FastGpt {
                 hidden,
                 c,
             );
-            s.dfc.fill(0.0);
-            ops::gelu_backward(&mut s.dfc, &a.fc, &s.dfc_out);
+            act.backward(&mut s.dfc, &a.fc, &s.dfc_out);
             // The norms' outputs are recomputed from their inputs and saved statistics.
-            ops::layernorm_apply(
+            norm.apply(
                 &mut s.ln,
                 &a.res_2,
                 &p[bi.ln_2_w.clone()],
@@ -451,11 +454,11 @@ impl FastGpt {
                 &bi.fc_b,
                 n,
                 c,
-                hidden,
+                fc_out,
             );
             {
                 let (dw, db) = weight_and_bias(g, &bi.ln_2_w, &bi.ln_2_b);
-                ops::layernorm_backward(
+                norm.backward(
                     &mut s.dres,
                     dw,
                     db,
@@ -475,11 +478,11 @@ impl FastGpt {
             ops::attention_backward(&mut s.dqkv, &s.dy, &a.qkv, &a.att, shape);
             if let Some((cos, sin)) = &self.rope {
                 // q, k were rotated after the projection: rotate their gradients back.
-                ops::rope(&mut s.dqkv, cos, sin, t, c, c / self.cfg.n_head, true);
+                ops::rope(&mut s.dqkv, cos, sin, t, qkv_w, c + kv_dim, d, true);
                 // The projection's input is ln_1; its output before rotation is not
                 // kept, but the weight gradient only needs ln_1 and dqkv.
             }
-            ops::layernorm_apply(
+            norm.apply(
                 &mut s.ln,
                 input,
                 &p[bi.ln_1_w.clone()],
@@ -497,11 +500,11 @@ impl FastGpt {
                 &bi.attn_b,
                 n,
                 c,
-                3 * c,
+                qkv_w,
             );
             {
                 let (dw, db) = weight_and_bias(g, &bi.ln_1_w, &bi.ln_1_b);
-                ops::layernorm_backward(
+                norm.backward(
                     &mut s.dres,
                     dw,
                     db,
@@ -524,6 +527,20 @@ impl FastGpt {
             None => (&mut g[self.wte.clone()], None),
         };
         ops::embed_backward(dwte, dwpe, &s.dres, &self.ids, t, c);
+    }
+
+    fn norm_op(&self) -> ops::NormOp {
+        ops::NormOp {
+            kind: self.cfg.norm,
+            eps: self.cfg.norm_eps as f32,
+        }
+    }
+
+    fn activation(&self) -> ops::Activation {
+        ops::Activation {
+            kind: self.cfg.mlp,
+            hidden: self.cfg.mlp_hidden(),
+        }
     }
 
     pub fn zero_grads(&mut self) {
@@ -682,6 +699,14 @@ multiversion! {
             let v_hat = v[i] * hp.inv_bc2;
             p[i] = p[i] * hp.shrink - hp.lr * m_hat / (v_hat.sqrt() + hp.eps);
         }
+    }
+}
+
+/// Width of c_fc's output: the hidden layer, twice it for SwiGLU (gate | up).
+fn fc_width(cfg: &ModelConfig) -> usize {
+    match cfg.mlp {
+        MlpKind::Swiglu => 2 * cfg.mlp_hidden(),
+        _ => cfg.mlp_hidden(),
     }
 }
 
