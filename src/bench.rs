@@ -109,7 +109,7 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
     let train = &config.train;
     let (b, t) = (train.batch_size, cfg.block_size);
     let model = Gpt::new(&cfg, config.run.seed, device)?;
-    let fused = train.fused && FastGpt::unsupported(&cfg, device).is_none();
+    let fused = train.fused && FastGpt::unsupported(&device).is_none();
     let mut fast = if fused {
         Some(FastGpt::new(&cfg, model.params(), b)?)
     } else {
@@ -140,7 +140,7 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         if let Some(fast) = fast.as_mut() {
             t0 = Instant::now();
             fast.zero_grads();
-            fast.forward(&x, &y);
+            fast.forward(&x, &y, Some(&mut dropout));
             t1 = Instant::now();
             fast.backward(1.0);
             t2 = Instant::now();

@@ -116,7 +116,7 @@ fn fast_path_matches_the_reference() {
             // Gradients at the same weights.
             fast.read_params(reference.params()).unwrap();
             fast.zero_grads();
-            let fast_loss = fast.forward(&ids, &targets);
+            let fast_loss = fast.forward(&ids, &targets, None);
             fast.backward(1.0);
             assert!(
                 (fast_loss - ref_loss).abs() <= 1e-5 * ref_loss,
@@ -167,17 +167,17 @@ fn gradient_scale_and_accumulation_add_up() {
     let (a_ids, a_t) = (batch(2, 7, 11, 1), batch(2, 7, 11, 2));
     let (b_ids, b_t) = (batch(2, 7, 11, 3), batch(2, 7, 11, 4));
     fast.zero_grads();
-    fast.forward(&a_ids, &a_t);
+    fast.forward(&a_ids, &a_t, None);
     fast.backward(0.5);
-    fast.forward(&b_ids, &b_t);
+    fast.forward(&b_ids, &b_t, None);
     fast.backward(0.5);
     let together = fast.grads.clone();
     fast.zero_grads();
-    fast.forward(&a_ids, &a_t);
+    fast.forward(&a_ids, &a_t, None);
     fast.backward(1.0);
     let a = fast.grads.clone();
     fast.zero_grads();
-    fast.forward(&b_ids, &b_t);
+    fast.forward(&b_ids, &b_t, None);
     fast.backward(1.0);
     let mean: Vec<f32> = a
         .iter()
@@ -188,18 +188,61 @@ fn gradient_scale_and_accumulation_add_up() {
 }
 
 #[test]
-fn unsupported_configs_are_named() {
+fn the_fast_path_runs_on_the_cpu_only() {
+    assert!(FastGpt::unsupported(&Device::Cpu).is_none());
+}
+
+/// With dropout, both paths draw their masks from the same stream in the same order:
+/// same loss, same gradients.
+#[test]
+fn dropout_masks_are_the_reference_masks() {
     let dev = Device::Cpu;
-    let mut c = cfg(PositionKind::Learned, false);
-    assert!(FastGpt::unsupported(&c, &dev).is_none());
-    c.dropout = 0.1;
-    assert!(FastGpt::unsupported(&c, &dev).unwrap().contains("dropout"));
-    c.dropout = 0.0;
-    c.n_kv_head = Some(1);
-    c.norm = NormKind::RmsNorm;
-    c.mlp = MlpKind::Swiglu;
-    assert!(
-        FastGpt::unsupported(&c, &dev).is_none(),
-        "GQA, RMSNorm and SwiGLU are fused too"
-    );
+    let (b, t) = (3, 7);
+    for (positions, norm, mlp) in [
+        (PositionKind::Learned, NormKind::LayerNorm, MlpKind::Gelu),
+        (PositionKind::Rope, NormKind::RmsNorm, MlpKind::Swiglu),
+    ] {
+        let mut cfg = cfg(positions, true);
+        cfg.dropout = 0.2;
+        cfg.norm = norm;
+        cfg.mlp = mlp;
+        let reference = Gpt::new(&cfg, 5, &dev).unwrap();
+        let mut fast = FastGpt::new(&cfg, reference.params(), b).unwrap();
+        let ids = batch(b, t, 11, 1);
+        let targets = batch(b, t, 11, 2);
+        let x = Tensor::from_slice(&ids, (b, t), &dev).unwrap();
+        let y = Tensor::from_slice(&targets, (b, t), &dev).unwrap();
+        let loss = reference
+            .loss(&x, &y, &mut Dropout::new(0.2, 9, 3))
+            .unwrap();
+        let ref_loss = loss.to_scalar::<f32>().unwrap() as f64;
+        let grads = loss.backward().unwrap();
+        fast.zero_grads();
+        let fast_loss = fast.forward(&ids, &targets, Some(&mut Dropout::new(0.2, 9, 3)));
+        fast.backward(1.0);
+        assert!(
+            (fast_loss - ref_loss).abs() <= 1e-5 * ref_loss,
+            "{positions:?}: loss {fast_loss} vs {ref_loss}"
+        );
+        let no_dropout = fast.forward(&ids, &targets, None);
+        assert!(
+            (no_dropout - fast_loss).abs() > 1e-3,
+            "dropout must change the loss"
+        );
+        let fast_grads = fast.grads_by_name();
+        for (name, var) in reference.params().iter() {
+            let expected: Vec<f32> = grads
+                .get(var.as_tensor())
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let err = rel_err(&fast_grads[name], &expected);
+            assert!(
+                err <= 1e-5,
+                "{positions:?}: gradient of {name} off by {err:e}"
+            );
+        }
+    }
 }

@@ -216,28 +216,31 @@ fn resume_continues_the_same_curve_with(dropout: f64) {
 fn fused_and_reference_paths_follow_the_same_curve() {
     let dir = tempfile::tempdir().unwrap();
     let corpus = write_corpus(dir.path(), 20);
-    let mut curves = Vec::new();
-    for (name, fused) in [("fused", true), ("reference", false)] {
-        let mut cfg = config(dir.path(), &corpus);
-        cfg.run.name = name.into();
-        cfg.train.fused = fused;
-        cfg.train.max_iters = 40;
-        let trainer = Trainer::new(cfg.clone(), false).unwrap();
-        assert_eq!(trainer.engine_name().starts_with("fused"), fused);
-        drop(trainer);
-        let mut losses = Losses::default();
-        tinygpt::train::train(cfg, false, &mut losses).unwrap();
-        curves.push(losses.0);
-    }
-    for (f, r) in curves[0].iter().zip(&curves[1]) {
-        assert_eq!(f.0, r.0);
-        assert!(
-            (f.1 - r.1).abs() < 1e-4 * r.1,
-            "step {}: fused {} vs reference {}",
-            f.0,
-            f.1,
-            r.1
-        );
+    for dropout in [0.0, 0.1] {
+        let mut curves = Vec::new();
+        for (name, fused) in [("fused", true), ("reference", false)] {
+            let mut cfg = config(dir.path(), &corpus);
+            cfg.run.name = format!("{name}-{dropout}");
+            cfg.model.dropout = dropout;
+            cfg.train.fused = fused;
+            cfg.train.max_iters = 40;
+            let trainer = Trainer::new(cfg.clone(), false).unwrap();
+            assert_eq!(trainer.engine_name().starts_with("fused"), fused);
+            drop(trainer);
+            let mut losses = Losses::default();
+            tinygpt::train::train(cfg, false, &mut losses).unwrap();
+            curves.push(losses.0);
+        }
+        for (f, r) in curves[0].iter().zip(&curves[1]) {
+            assert_eq!(f.0, r.0);
+            assert!(
+                (f.1 - r.1).abs() < 1e-4 * r.1,
+                "dropout {dropout} step {}: fused {} vs reference {}",
+                f.0,
+                f.1,
+                r.1
+            );
+        }
     }
 }
 

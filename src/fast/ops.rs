@@ -444,17 +444,40 @@ impl AttnShape {
 
 /// From qkv (N, width: q | k | v heads side by side): att (B, H, T, T) softmax weights
 /// (zero above the diagonal) and y (N, C). Sequences run in parallel.
-pub fn attention_forward(y: &mut [f32], att: &mut [f32], qkv: &[f32], s: AttnShape) {
+///
+/// With a dropout `mask` (B, H, T, T; 0 or 1/(1-p)), Y = (P * mask) V; att keeps P.
+pub fn attention_forward(
+    y: &mut [f32],
+    att: &mut [f32],
+    qkv: &[f32],
+    mask: Option<&[f32]>,
+    s: AttnShape,
+) {
     let (t, c, h, w) = (s.t, s.c, s.h, s.width());
+    let per_seq = h * t * t;
     y.par_chunks_mut(t * c)
-        .zip(att.par_chunks_mut(h * t * t))
+        .zip(att.par_chunks_mut(per_seq))
         .zip(qkv.par_chunks(t * w))
-        .for_each(|((y, att), qkv)| attention_forward_one(y, att, qkv, s));
+        .enumerate()
+        .for_each_init(
+            || vec![0f32; if mask.is_some() { t * t } else { 0 }],
+            |dropped, (b, ((y, att), qkv))| {
+                let mask = mask.map(|m| &m[b * per_seq..(b + 1) * per_seq]);
+                attention_forward_one(y, att, qkv, mask, dropped, s)
+            },
+        );
 }
 
 /// `attention_forward` for one sequence: per head, S = scale Q Kᵀ, causal softmax in
 /// place, Y = P V (GEMMs on strided views of qkv).
-pub fn attention_forward_one(y: &mut [f32], att: &mut [f32], qkv: &[f32], s: AttnShape) {
+pub fn attention_forward_one(
+    y: &mut [f32],
+    att: &mut [f32],
+    qkv: &[f32],
+    mask: Option<&[f32]>,
+    dropped: &mut [f32],
+    s: AttnShape,
+) {
     let (t, c, h, d, w) = (s.t, s.c, s.h, s.d(), s.width());
     let scale = 1.0 / (d as f32).sqrt();
     for head in 0..h {
@@ -477,6 +500,16 @@ pub fn attention_forward_one(y: &mut [f32], att: &mut [f32], qkv: &[f32], s: Att
         let p = &mut att[head * t * t..(head + 1) * t * t];
         matmul_strided(p, t, q, kt, t, t, d, false, scale);
         causal_softmax_rows(p, t);
+        let p: &[f32] = match mask {
+            Some(mask) => {
+                let m = &mask[head * t * t..(head + 1) * t * t];
+                for ((o, a), k) in dropped.iter_mut().zip(p.iter()).zip(m) {
+                    *o = a * k;
+                }
+                dropped
+            }
+            None => p,
+        };
         let p = Strided {
             data: p,
             row: t,
@@ -508,28 +541,48 @@ multiversion! {
 /// Backward of `attention_forward`: dqkv += d(q | k | v) from dy.
 /// With p = att[i, :], dp_j = dy_i . v_j, ds_j = p_j (dp_j - sum_k p_k dp_k):
 /// dv_j += p_j dy_i; dq_i += scale sum_j ds_j k_j; dk_j += scale ds_j q_i.
-pub fn attention_backward(dqkv: &mut [f32], dy: &[f32], qkv: &[f32], att: &[f32], s: AttnShape) {
+pub fn attention_backward(
+    dqkv: &mut [f32],
+    dy: &[f32],
+    qkv: &[f32],
+    att: &[f32],
+    mask: Option<&[f32]>,
+    s: AttnShape,
+) {
     let (t, c, h, w) = (s.t, s.c, s.h, s.width());
+    let per_seq = h * t * t;
     dqkv.par_chunks_mut(t * w)
         .zip(dy.par_chunks(t * c))
         .zip(qkv.par_chunks(t * w))
-        .zip(att.par_chunks(h * t * t))
+        .zip(att.par_chunks(per_seq))
+        .enumerate()
         .for_each_init(
-            || vec![0f32; t * t],
-            |dp, (((dqkv, dy), qkv), att)| attention_backward_one(dqkv, dy, qkv, att, s, dp),
+            || {
+                (
+                    vec![0f32; t * t],
+                    vec![0f32; if mask.is_some() { t * t } else { 0 }],
+                )
+            },
+            |(ds, dropped), (b, (((dqkv, dy), qkv), att))| {
+                let mask = mask.map(|m| &m[b * per_seq..(b + 1) * per_seq]);
+                attention_backward_one(dqkv, dy, qkv, att, mask, s, ds, dropped)
+            },
         );
 }
 
-/// `attention_backward` for one sequence; `ds` (T x T) is scratch. Per head:
-/// dP = dY Vᵀ; dS = P * (dP - rowsum(P * dP)) * scale; dQ += dS K; dK += dSᵀ Q;
-/// dV += Pᵀ dY.
+/// `attention_backward` for one sequence; `ds` and `dropped` (T x T) are scratch. Per
+/// head, with Pd = P * mask (P without dropout): dPd = dY Vᵀ; dP = dPd * mask;
+/// dS = P * (dP - rowsum(P * dP)) * scale; dQ += dS K; dK += dSᵀ Q; dV += Pdᵀ dY.
+#[allow(clippy::too_many_arguments)]
 pub fn attention_backward_one(
     dqkv: &mut [f32],
     dy: &[f32],
     qkv: &[f32],
     att: &[f32],
+    mask: Option<&[f32]>,
     s: AttnShape,
     ds: &mut [f32],
+    dropped: &mut [f32],
 ) {
     let (t, c, h, d, w) = (s.t, s.c, s.h, s.d(), s.width());
     let scale = 1.0 / (d as f32).sqrt();
@@ -547,6 +600,12 @@ pub fn attention_backward_one(
             col: w,
         };
         matmul_strided(ds, t, dy_h, vt, t, t, d, false, 1.0);
+        let head_mask = mask.map(|m| &m[head * t * t..(head + 1) * t * t]);
+        if let Some(m) = head_mask {
+            for (g, k) in ds.iter_mut().zip(m) {
+                *g *= k;
+            }
+        }
         softmax_rows_backward(ds, p, t, scale);
         let ds_m = Strided {
             data: ds,
@@ -570,8 +629,17 @@ pub fn attention_backward_one(
         };
         matmul_strided(&mut dqkv[head * d..], w, ds_m, k, t, d, t, true, 1.0);
         matmul_strided(&mut dqkv[ko..], w, ds_t, q, t, d, t, true, 1.0);
+        let p_used: &[f32] = match head_mask {
+            Some(m) => {
+                for ((o, a), k) in dropped.iter_mut().zip(p).zip(m) {
+                    *o = a * k;
+                }
+                dropped
+            }
+            None => p,
+        };
         let p_t = Strided {
-            data: p,
+            data: p_used,
             row: 1,
             col: t,
         };
@@ -710,13 +778,13 @@ mod tests {
         let probe = values(n * s.c, 8);
         let mut f = |qkv: &[f32]| -> f64 {
             let (mut y, mut att) = (vec![0.0; n * s.c], vec![0.0; s.b * s.h * s.t * s.t]);
-            attention_forward(&mut y, &mut att, qkv, s);
+            attention_forward(&mut y, &mut att, qkv, None, s);
             y.iter().zip(&probe).map(|(a, b)| (*a * *b) as f64).sum()
         };
         let (mut y, mut att) = (vec![0.0; n * s.c], vec![0.0; s.b * s.h * s.t * s.t]);
-        attention_forward(&mut y, &mut att, &qkv, s);
+        attention_forward(&mut y, &mut att, &qkv, None, s);
         let mut dqkv = vec![0.0; n * s.width()];
-        attention_backward(&mut dqkv, &probe, &qkv, &att, s);
+        attention_backward(&mut dqkv, &probe, &qkv, &att, None, s);
         let at: Vec<usize> = (0..n * s.width()).step_by(3).collect();
         for (i, num) in at.iter().zip(numeric(&mut f, &qkv, &at)) {
             assert!(

@@ -18,7 +18,7 @@ use super::kernels::multiversion;
 use super::ops::{self, AttnShape};
 use crate::config::{MlpKind, ModelConfig, PositionKind, TrainConfig};
 use crate::model::position::{rope_tables, sinusoidal_table};
-use crate::model::Params;
+use crate::model::{Dropout, Params};
 
 /// Where each parameter of one block sits in the flat buffer.
 struct BlockIndex {
@@ -48,6 +48,10 @@ struct BlockActs {
     ln_2_rstd: Vec<f32>,
     fc: Vec<f32>,    // (N, 4C) before GELU; GELU(fc) is recomputed in the backward
     res_3: Vec<f32>, // the block's output
+    // Dropout masks (0 or 1/(1-p)) of the last forward; empty without dropout.
+    drop_att: Vec<f32>,  // (B, H, T, T) on the attention weights
+    drop_attn: Vec<f32>, // (N, C) on the attention branch's output
+    drop_mlp: Vec<f32>,  // (N, C) on the MLP branch's output
 }
 
 /// Gradient scratch shared by all blocks.
@@ -91,17 +95,17 @@ pub struct FastGpt {
     logits: Vec<f32>, // (N, V): logits, then probabilities, then their gradient
     scratch: Scratch,
     ids: Vec<u32>,
+    drop_x0: Vec<f32>, // (N, C) on the embeddings
+    /// Whether the last forward drew dropout masks (training) or not (evaluation).
+    dropped: bool,
     targets: Vec<u32>,
 }
 
 impl FastGpt {
     /// Why this config cannot use the fast path, if it cannot.
-    pub fn unsupported(cfg: &ModelConfig, device: &Device) -> Option<String> {
+    pub fn unsupported(device: &Device) -> Option<String> {
         if !device.is_cpu() {
             return Some("the fast path runs on the CPU".into());
-        }
-        if cfg.dropout > 0.0 {
-            return Some("model.dropout > 0".into());
         }
         None
     }
@@ -150,6 +154,7 @@ impl FastGpt {
             .collect::<Result<Vec<_>>>()?;
         let (n, c, v) = (batch * cfg.block_size, cfg.n_embd, cfg.vocab_size);
         let hidden = cfg.mlp_hidden();
+        let dropout = cfg.dropout > 0.0;
         let qkv_w = cfg.n_embd + 2 * cfg.kv_heads() * cfg.head_dim();
         let fc_out = fc_width(cfg);
         let h = cfg.n_head;
@@ -166,6 +171,9 @@ impl FastGpt {
                 ln_2_rstd: vec![0.0; n],
                 fc: vec![0.0; n * fc_out],
                 res_3: vec![0.0; n * c],
+                drop_att: vec![0.0; if dropout { batch * h * t * t } else { 0 }],
+                drop_attn: vec![0.0; if dropout { n * c } else { 0 }],
+                drop_mlp: vec![0.0; if dropout { n * c } else { 0 }],
             })
             .collect();
         let size = flat.len();
@@ -210,6 +218,8 @@ impl FastGpt {
                 ln: vec![0.0; n * c],
             },
             ids: vec![0; n],
+            drop_x0: vec![0.0; if dropout { n * c } else { 0 }],
+            dropped: false,
             targets: vec![0; n],
         })
     }
@@ -219,8 +229,15 @@ impl FastGpt {
     }
 
     /// Mean cross-entropy of `targets` given `ids`, both (batch, block_size) row-major.
-    /// Keeps what the backward needs.
-    pub fn forward(&mut self, ids: &[u32], targets: &[u32]) -> f64 {
+    /// Keeps what the backward needs. With an active `dropout`, masks are drawn from it
+    /// in the reference model's order (embeddings; per layer attention weights, attention
+    /// output, MLP output), so both paths drop the same elements.
+    pub fn forward(
+        &mut self,
+        ids: &[u32],
+        targets: &[u32],
+        mut dropout: Option<&mut Dropout>,
+    ) -> f64 {
         let n = self.rows();
         assert_eq!(ids.len(), n);
         assert_eq!(targets.len(), n);
@@ -250,6 +267,16 @@ impl FastGpt {
             _ => None,
         };
         ops::embed_forward(&mut self.x0, ids, slice(&self.wte), pos, t, c);
+        self.dropped = dropout.as_deref().is_some_and(|d| d.active()) && !self.drop_x0.is_empty();
+        let mut draw = |mask: &mut [f32]| {
+            if let Some(d) = dropout.as_deref_mut() {
+                d.fill_mask(mask);
+            }
+        };
+        if self.dropped {
+            draw(&mut self.drop_x0);
+            mul(&mut self.x0, &self.drop_x0);
+        }
 
         for l in 0..self.blocks.len() {
             let (before, rest) = self.acts.split_at_mut(l);
@@ -280,7 +307,11 @@ impl FastGpt {
             if let Some((cos, sin)) = &self.rope {
                 ops::rope(&mut a.qkv, cos, sin, t, qkv_w, c + kv_dim, d, false);
             }
-            ops::attention_forward(&mut a.y, &mut a.att, &a.qkv, shape);
+            if self.dropped {
+                draw(&mut a.drop_att);
+            }
+            let att_mask = self.dropped.then_some(a.drop_att.as_slice());
+            ops::attention_forward(&mut a.y, &mut a.att, &a.qkv, att_mask, shape);
             linear_forward(
                 &mut self.scratch.tmp,
                 &a.y,
@@ -290,6 +321,10 @@ impl FastGpt {
                 c,
                 c,
             );
+            if self.dropped {
+                draw(&mut a.drop_attn);
+                mul(&mut self.scratch.tmp, &a.drop_attn);
+            }
             for ((r, x), y) in a.res_2.iter_mut().zip(input).zip(&self.scratch.tmp) {
                 *r = x + y;
             }
@@ -320,6 +355,10 @@ impl FastGpt {
                 hidden,
                 c,
             );
+            if self.dropped {
+                draw(&mut a.drop_mlp);
+                mul(&mut self.scratch.tmp, &a.drop_mlp);
+            }
             for ((r, x), y) in a.res_3.iter_mut().zip(&a.res_2).zip(&self.scratch.tmp) {
                 *r = x + y;
             }
@@ -422,10 +461,16 @@ impl FastGpt {
             // GELU(fc) is recomputed rather than kept per layer: it costs little time and
             // saves one (N, 4C) buffer per layer, the largest activation.
             act.forward(&mut s.gelu, &a.fc);
+            // Through the branch's dropout: its gradient is dres * mask.
+            let dbranch: &[f32] = if self.dropped {
+                masked(&mut s.tmp, &s.dres, &a.drop_mlp)
+            } else {
+                &s.dres
+            };
             linear_backward(
                 &mut s.dfc_out,
                 g,
-                &s.dres,
+                dbranch,
                 &s.gelu,
                 p,
                 &bi.fc_proj_w,
@@ -471,11 +516,17 @@ impl FastGpt {
             }
 
             // res_2 = input + proj(attention(qkv(ln_1(input)))).
+            let dbranch: &[f32] = if self.dropped {
+                masked(&mut s.tmp, &s.dres, &a.drop_attn)
+            } else {
+                &s.dres
+            };
             linear_backward(
-                &mut s.dy, g, &s.dres, &a.y, p, &bi.proj_w, &bi.proj_b, n, c, c,
+                &mut s.dy, g, dbranch, &a.y, p, &bi.proj_w, &bi.proj_b, n, c, c,
             );
             s.dqkv.fill(0.0);
-            ops::attention_backward(&mut s.dqkv, &s.dy, &a.qkv, &a.att, shape);
+            let att_mask = self.dropped.then_some(a.drop_att.as_slice());
+            ops::attention_backward(&mut s.dqkv, &s.dy, &a.qkv, &a.att, att_mask, shape);
             if let Some((cos, sin)) = &self.rope {
                 // q, k were rotated after the projection: rotate their gradients back.
                 ops::rope(&mut s.dqkv, cos, sin, t, qkv_w, c + kv_dim, d, true);
@@ -526,6 +577,9 @@ impl FastGpt {
             }
             None => (&mut g[self.wte.clone()], None),
         };
+        if self.dropped {
+            mul(&mut s.dres, &self.drop_x0);
+        }
         ops::embed_backward(dwte, dwpe, &s.dres, &self.ids, t, c);
     }
 
@@ -700,6 +754,21 @@ multiversion! {
             p[i] = p[i] * hp.shrink - hp.lr * m_hat / (v_hat.sqrt() + hp.eps);
         }
     }
+}
+
+/// x *= mask, elementwise.
+fn mul(x: &mut [f32], mask: &[f32]) {
+    for (a, m) in x.iter_mut().zip(mask) {
+        *a *= m;
+    }
+}
+
+/// out = x * mask; returns out.
+fn masked<'o>(out: &'o mut [f32], x: &[f32], mask: &[f32]) -> &'o [f32] {
+    for ((o, a), m) in out.iter_mut().zip(x).zip(mask) {
+        *o = a * m;
+    }
+    out
 }
 
 /// Width of c_fc's output: the hidden layer, twice it for SwiGLU (gate | up).

@@ -34,21 +34,33 @@ impl Dropout {
         }
     }
 
+    /// True when masks are drawn (training with p > 0).
+    pub fn active(&self) -> bool {
+        self.rng.is_some() && self.p > 0.0
+    }
+
+    /// Fills `mask` with the next draws: 0 with probability p, else 1 / (1 - p). Both
+    /// the reference model and the fused CPU path draw through here, in the same order,
+    /// so they drop the same elements. Returns false (mask untouched) when inactive.
+    pub fn fill_mask(&mut self, mask: &mut [f32]) -> bool {
+        let p = self.p;
+        let Some(rng) = self.rng.as_mut().filter(|_| p > 0.0) else {
+            return false;
+        };
+        let keep = (1.0 / (1.0 - p)) as f32;
+        for m in mask.iter_mut() {
+            *m = if rng.random::<f64>() < p { 0.0 } else { keep };
+        }
+        true
+    }
+
     /// Zeroes each element with probability p and scales the rest by 1 / (1 - p).
     pub fn apply(&mut self, x: &Tensor) -> Result<Tensor> {
-        let Some(rng) = self.rng.as_mut().filter(|_| self.p > 0.0) else {
+        if !self.active() {
             return Ok(x.clone());
-        };
-        let keep = 1.0 / (1.0 - self.p);
-        let mask: Vec<f32> = (0..x.elem_count())
-            .map(|_| {
-                if rng.random::<f64>() < self.p {
-                    0.0
-                } else {
-                    keep as f32
-                }
-            })
-            .collect();
+        }
+        let mut mask = vec![0f32; x.elem_count()];
+        self.fill_mask(&mut mask);
         let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
         Ok(x.mul(&mask)?)
     }

@@ -258,7 +258,7 @@ impl Trainer {
             dropout.set_position(parse_position(&state.dropout_position)?);
             run.truncate_metrics(state.step)?;
         }
-        let fused = config.train.fused && FastGpt::unsupported(&config.model, &device).is_none();
+        let fused = config.train.fused && FastGpt::unsupported(&device).is_none();
         let mut engine = if fused {
             Engine::Fused(Box::new(FastGpt::new(
                 &config.model,
@@ -345,7 +345,7 @@ impl Trainer {
                 fast.zero_grads();
                 let mut loss_sum = 0.0;
                 for batch in &batches {
-                    loss_sum += fast.forward(&batch.x, &batch.y);
+                    loss_sum += fast.forward(&batch.x, &batch.y, Some(&mut self.dropout));
                     // Each micro-batch contributes 1/accum of the mean gradient.
                     fast.backward(1.0 / cfg.grad_accum as f32);
                 }
@@ -449,7 +449,7 @@ impl Trainer {
         for _ in 0..cfg.eval_iters {
             let batch = sampler.sample(tokens, cfg.batch_size, block);
             sum += match &mut self.engine {
-                Engine::Fused(fast) => fast.forward(&batch.x, &batch.y),
+                Engine::Fused(fast) => fast.forward(&batch.x, &batch.y, None),
                 Engine::Reference(_) => {
                     let (x, y) = self.batch_tensors(&batch)?;
                     let loss = self.model.loss(&x, &y, &mut Dropout::off())?;
@@ -501,7 +501,7 @@ impl Trainer {
             }
             Engine::Reference(_) => format!(
                 "reference ({})",
-                FastGpt::unsupported(&self.config.model, &self.device).unwrap_or_default()
+                FastGpt::unsupported(&self.device).unwrap_or_default()
             ),
         }
     }
