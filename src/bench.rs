@@ -109,7 +109,7 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
     let train = &config.train;
     let (b, t) = (train.batch_size, cfg.block_size);
     let model = Gpt::new(&cfg, config.run.seed, device)?;
-    let fused = train.fused && FastGpt::unsupported(&device).is_none();
+    let fused = train.fused && FastGpt::unsupported(device).is_none();
     let mut fast = if fused {
         Some(FastGpt::new(&cfg, model.params(), b)?)
     } else {
