@@ -3,7 +3,7 @@
 
 use anyhow::Result;
 use candle_core::Tensor;
-use rand::{Rng, SeedableRng};
+use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 pub struct Dropout {
@@ -48,8 +48,14 @@ impl Dropout {
             return false;
         };
         let keep = (1.0 / (1.0 - p)) as f32;
+        // One 32-bit draw per element: dropped when below p * 2^32.
+        let threshold = (p * 4_294_967_296.0) as u64;
         for m in mask.iter_mut() {
-            *m = if rng.random::<f64>() < p { 0.0 } else { keep };
+            *m = if (rng.next_u32() as u64) < threshold {
+                0.0
+            } else {
+                keep
+            };
         }
         true
     }
@@ -63,5 +69,27 @@ impl Dropout {
         self.fill_mask(&mut mask);
         let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
         Ok(x.mul(&mask)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drops_a_fraction_p_and_rescales_the_rest() {
+        let mut d = Dropout::new(0.25, 1, 0);
+        let mut mask = vec![0f32; 100_000];
+        assert!(d.fill_mask(&mut mask));
+        let dropped = mask.iter().filter(|&&m| m == 0.0).count() as f64 / mask.len() as f64;
+        assert!((dropped - 0.25).abs() < 0.01, "{dropped}");
+        assert!(mask
+            .iter()
+            .all(|&m| m == 0.0 || (m - 1.0 / 0.75).abs() < 1e-6));
+        // Same seed, same masks; off means untouched.
+        let mut again = vec![0f32; 100_000];
+        Dropout::new(0.25, 1, 0).fill_mask(&mut again);
+        assert_eq!(mask, again);
+        assert!(!Dropout::off().fill_mask(&mut again));
     }
 }
