@@ -662,12 +662,19 @@ multiversion! {
 // --- Output layer: softmax + cross-entropy --------------------------------------------
 
 /// Turns each row of `logits` (N, V) into probabilities in place and returns the summed
-/// loss -log p[target]. Rows are independent; they run in parallel.
-pub fn softmax_cross_entropy(logits: &mut [f32], targets: &[u32], v: usize) -> f64 {
+/// loss -log p[target]. Rows run in parallel, each writing its loss to `row_loss` (N);
+/// the sum runs in row order, so the result does not depend on thread timing.
+pub fn softmax_cross_entropy(
+    logits: &mut [f32],
+    targets: &[u32],
+    v: usize,
+    row_loss: &mut [f64],
+) -> f64 {
     logits
         .par_chunks_mut(v)
         .zip(targets.par_iter())
-        .map(|(row, &target)| {
+        .zip(row_loss.par_iter_mut())
+        .for_each(|((row, &target), loss)| {
             let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             // -log p = log(sum e^(x - max)) - (x_target - max): finite even when
             // e^(x_target - max) underflows.
@@ -681,9 +688,9 @@ pub fn softmax_cross_entropy(logits: &mut [f32], targets: &[u32], v: usize) -> f
             for x in row.iter_mut() {
                 *x *= inv;
             }
-            sum.ln() - shifted_target
-        })
-        .sum()
+            *loss = sum.ln() - shifted_target;
+        });
+    row_loss.iter().sum()
 }
 
 /// probs -> dlogits in place: (p - onehot(target)) * scale.

@@ -95,7 +95,8 @@ pub struct FastGpt {
     logits: Vec<f32>, // (N, V): logits, then probabilities, then their gradient
     scratch: Scratch,
     ids: Vec<u32>,
-    drop_x0: Vec<f32>, // (N, C) on the embeddings
+    drop_x0: Vec<f32>,  // (N, C) on the embeddings
+    row_loss: Vec<f64>, // (N): each position's loss, summed in order
     /// Whether the last forward drew dropout masks (training) or not (evaluation).
     dropped: bool,
     targets: Vec<u32>,
@@ -219,6 +220,7 @@ impl FastGpt {
             },
             ids: vec![0; n],
             drop_x0: vec![0.0; if dropout { n * c } else { 0 }],
+            row_loss: vec![0.0; n],
             dropped: false,
             targets: vec![0; n],
         })
@@ -384,7 +386,7 @@ impl FastGpt {
             c,
             false,
         );
-        ops::softmax_cross_entropy(&mut self.logits, targets, v) / n as f64
+        ops::softmax_cross_entropy(&mut self.logits, targets, v, &mut self.row_loss) / n as f64
     }
 
     /// Adds d(loss * `scale`)/d(params) to `grads`, for the batch of the last forward.
