@@ -334,3 +334,31 @@ fn eval_of_one_window_equals_the_training_loss() {
     assert_eq!(r.predictions, ids.len() - 1);
     assert!(r.loss.is_finite() && r.loss > 0.0);
 }
+
+/// Many samples with a long prompt: the fast decoder prefills in chunks of positions
+/// (its scratch holds 1024 rows) and still matches the reference cache.
+#[test]
+fn chunked_prefill_matches_the_reference() {
+    let cfg = ModelConfig {
+        n_layer: 1,
+        n_head: 2,
+        n_embd: 16,
+        block_size: 64,
+        vocab_size: 13,
+        ..ModelConfig::default()
+    };
+    let m = Gpt::new(&cfg, 8, &Device::Cpu).unwrap();
+    let batch = 40; // 1024 / 40 = 25 positions per chunk: a 60-token prompt takes 3
+    let prompt: Vec<u32> = (0..60).map(|i| (i * 7 % 13) as u32).collect();
+    let mut fast = Decoder::new(&m, batch, DecodeMode::Fast).unwrap();
+    let mut reference = Decoder::new(&m, batch, DecodeMode::Cached).unwrap();
+    let a = fast.prefill(&prompt).unwrap().to_vec();
+    let b = reference.prefill(&prompt).unwrap().to_vec();
+    assert_close(&a, &b, "chunked prefill");
+    let ids: Vec<u32> = (0..batch as u32).map(|i| i % 13).collect();
+    for step in 0..6 {
+        let a = fast.push(&ids).unwrap().to_vec();
+        let b = reference.push(&ids).unwrap().to_vec();
+        assert_close(&a, &b, &format!("step {step} after a chunked prefill"));
+    }
+}

@@ -101,6 +101,9 @@ pub struct FastDecoder {
     ln_f: Norm,
 
     batch: usize,
+    /// Positions per forward call that the scratch buffers hold (a prefill may need
+    /// several calls).
+    chunk: usize,
     len: usize,
     keys: Vec<Vec<f32>>,   // per layer: (batch, block, H_kv * d)
     values: Vec<Vec<f32>>, // per layer: (batch, block, H_kv * d)
@@ -187,7 +190,20 @@ impl FastDecoder {
         let kv_dim = cfg.kv_heads() * cfg.head_dim();
         let qkv_dim = c + 2 * kv_dim;
         let cache = || vec![0f32; batch * cfg.block_size * kv_dim];
-        let rows = batch * cfg.block_size;
+        // Scratch for at most MAX_ROWS rows: longer prefills run in chunks of positions.
+        let chunk = (MAX_ROWS / batch).clamp(1, cfg.block_size);
+        let rows = batch * chunk;
+        let kv_bytes = 2.0 * 4.0 * (cfg.n_layer * batch * cfg.block_size * kv_dim) as f64;
+        if let Some(available) = crate::train::memory::available_bytes() {
+            if kv_bytes > available {
+                crate::user_bail!(
+                    "{batch} samples of {} positions need {:.1} GiB of keys and values, more than the {:.1} GiB available; use fewer --num-samples",
+                    cfg.block_size,
+                    kv_bytes / f64::from(1 << 30),
+                    available / f64::from(1 << 30)
+                );
+            }
+        }
         let fc_out = match cfg.mlp {
             MlpKind::Swiglu => 2 * cfg.mlp_hidden(),
             _ => cfg.mlp_hidden(),
@@ -210,6 +226,7 @@ impl FastDecoder {
             layers,
             ln_f: norm("ln_f")?,
             batch,
+            chunk,
             len: 0,
             keys: (0..cfg.n_layer).map(|_| cache()).collect(),
             values: (0..cfg.n_layer).map(|_| cache()).collect(),
@@ -247,7 +264,21 @@ impl FastDecoder {
         let t = windows[0].len();
         assert!(windows.iter().all(|w| w.len() == t));
         self.len = 0;
-        self.forward(&windows.concat(), t)
+        // Position chunks that fit the scratch buffers; each appends to the K/V buffers.
+        let mut start = 0;
+        while start + self.chunk < t {
+            let ids: Vec<u32> = windows
+                .iter()
+                .flat_map(|w| w[start..start + self.chunk].iter().copied())
+                .collect();
+            self.forward(&ids, self.chunk)?;
+            start += self.chunk;
+        }
+        let ids: Vec<u32> = windows
+            .iter()
+            .flat_map(|w| w[start..].iter().copied())
+            .collect();
+        self.forward(&ids, t - start)
     }
 
     /// Feeds one token per sequence at the next position; returns logits, (batch, V).
@@ -259,6 +290,7 @@ impl FastDecoder {
     /// len .. len + t, appending their keys and values.
     fn forward(&mut self, ids: &[u32], t: usize) -> Result<&[f32]> {
         assert_eq!(ids.len(), self.batch * t);
+        assert!(t <= self.chunk, "prefill chunks fit the scratch buffers");
         let pos0 = self.len;
         if t == 0 || pos0 + t > self.block {
             anyhow::bail!(
@@ -519,6 +551,10 @@ multiversion! {
         }
     }
 }
+
+/// Rows (sequences x positions) of scratch a decoder allocates: bounds memory for long
+/// contexts and many samples; a longer prefill runs in chunks.
+const MAX_ROWS: usize = 1024;
 
 /// Inputs at least this wide use dot products over weight rows for a mat-vec (long
 /// rows amortise the horizontal sum); narrower ones sum scaled rows of Wᵀ.
