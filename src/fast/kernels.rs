@@ -8,7 +8,7 @@
 /// other architecture), and picks at run time. The body is plain Rust loops; the
 /// compiler vectorises them for the wider registers.
 macro_rules! multiversion {
-    ($(#[$m:meta])* pub fn $name:ident($($arg:ident : $ty:ty),*) $(-> $ret:ty)? $body:block) => {
+    ($(#[$m:meta])* pub fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
         $(#[$m])*
         pub fn $name($($arg: $ty),*) $(-> $ret)? {
             #[inline(always)]

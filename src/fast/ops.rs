@@ -54,87 +54,93 @@ pub fn embed_backward(
 
 // --- LayerNorm ----------------------------------------------------------------------
 
-/// out = (x - mean) * rstd * w (+ b) per row; keeps mean and rstd for the backward.
-pub fn layernorm_forward(
-    out: &mut [f32],
-    mean: &mut [f32],
-    rstd: &mut [f32],
-    x: &[f32],
-    w: &[f32],
-    b: Option<&[f32]>,
-    eps: f32,
-) {
-    let c = w.len();
-    for (n, (xr, or)) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)).enumerate() {
-        let m = xr.iter().sum::<f32>() / c as f32;
-        let var = xr.iter().map(|v| (v - m) * (v - m)).sum::<f32>() / c as f32;
-        let s = 1.0 / (var + eps).sqrt();
-        for i in 0..c {
-            or[i] = (xr[i] - m) * s * w[i] + b.map_or(0.0, |b| b[i]);
-        }
-        mean[n] = m;
-        rstd[n] = s;
-    }
-}
-
-/// out = (x - mean) * rstd * w (+ b) with the statistics of an earlier forward.
-pub fn layernorm_apply(
-    out: &mut [f32],
-    x: &[f32],
-    w: &[f32],
-    b: Option<&[f32]>,
-    mean: &[f32],
-    rstd: &[f32],
-) {
-    let c = w.len();
-    for (n, (xr, or)) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)).enumerate() {
-        let (m, s) = (mean[n], rstd[n]);
-        for i in 0..c {
-            or[i] = (xr[i] - m) * s * w[i] + b.map_or(0.0, |b| b[i]);
+multiversion! {
+    /// out = (x - mean) * rstd * w (+ b) per row; keeps mean and rstd for the backward.
+    pub fn layernorm_forward(
+        out: &mut [f32],
+        mean: &mut [f32],
+        rstd: &mut [f32],
+        x: &[f32],
+        w: &[f32],
+        b: Option<&[f32]>,
+        eps: f32,
+    ) {
+        let c = w.len();
+        for (n, (xr, or)) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)).enumerate() {
+            let m = xr.iter().sum::<f32>() / c as f32;
+            let var = xr.iter().map(|v| (v - m) * (v - m)).sum::<f32>() / c as f32;
+            let s = 1.0 / (var + eps).sqrt();
+            for i in 0..c {
+                or[i] = (xr[i] - m) * s * w[i] + b.map_or(0.0, |b| b[i]);
+            }
+            mean[n] = m;
+            rstd[n] = s;
         }
     }
 }
 
-/// With xhat = (x - mean) * rstd and g = dout * w:
-/// dx += rstd * (g - mean(g) - xhat * mean(g * xhat)); dw += dout * xhat; db += dout.
-#[allow(clippy::too_many_arguments)]
-pub fn layernorm_backward(
-    dx: &mut [f32],
-    dw: &mut [f32],
-    db: Option<&mut [f32]>,
-    dout: &[f32],
-    x: &[f32],
-    w: &[f32],
-    mean: &[f32],
-    rstd: &[f32],
-) {
-    let c = w.len();
-    let mut db = db;
-    for (n, ((dxr, dor), xr)) in dx
-        .chunks_exact_mut(c)
-        .zip(dout.chunks_exact(c))
-        .zip(x.chunks_exact(c))
-        .enumerate()
-    {
-        let (m, s) = (mean[n], rstd[n]);
-        let mut g_mean = 0.0;
-        let mut gx_mean = 0.0;
-        for i in 0..c {
-            let xhat = (xr[i] - m) * s;
-            let g = dor[i] * w[i];
-            g_mean += g;
-            gx_mean += g * xhat;
+multiversion! {
+    /// out = (x - mean) * rstd * w (+ b) with the statistics of an earlier forward.
+    pub fn layernorm_apply(
+        out: &mut [f32],
+        x: &[f32],
+        w: &[f32],
+        b: Option<&[f32]>,
+        mean: &[f32],
+        rstd: &[f32],
+    ) {
+        let c = w.len();
+        for (n, (xr, or)) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)).enumerate() {
+            let (m, s) = (mean[n], rstd[n]);
+            for i in 0..c {
+                or[i] = (xr[i] - m) * s * w[i] + b.map_or(0.0, |b| b[i]);
+            }
         }
-        g_mean /= c as f32;
-        gx_mean /= c as f32;
-        for i in 0..c {
-            let xhat = (xr[i] - m) * s;
-            let g = dor[i] * w[i];
-            dxr[i] += s * (g - g_mean - xhat * gx_mean);
-            dw[i] += dor[i] * xhat;
-        }
-        if let Some(db) = db.as_deref_mut() {
-            axpy(db, 1.0, dor);
+    }
+}
+
+multiversion! {
+    /// With xhat = (x - mean) * rstd and g = dout * w:
+    /// dx += rstd * (g - mean(g) - xhat * mean(g * xhat)); dw += dout * xhat; db += dout.
+    #[allow(clippy::too_many_arguments)]
+    pub fn layernorm_backward(
+        dx: &mut [f32],
+        dw: &mut [f32],
+        db: Option<&mut [f32]>,
+        dout: &[f32],
+        x: &[f32],
+        w: &[f32],
+        mean: &[f32],
+        rstd: &[f32],
+    ) {
+        let c = w.len();
+        let mut db = db;
+        for (n, ((dxr, dor), xr)) in dx
+            .chunks_exact_mut(c)
+            .zip(dout.chunks_exact(c))
+            .zip(x.chunks_exact(c))
+            .enumerate()
+        {
+            let (m, s) = (mean[n], rstd[n]);
+            let mut g_mean = 0.0;
+            let mut gx_mean = 0.0;
+            for i in 0..c {
+                let xhat = (xr[i] - m) * s;
+                let g = dor[i] * w[i];
+                g_mean += g;
+                gx_mean += g * xhat;
+            }
+            g_mean /= c as f32;
+            gx_mean /= c as f32;
+            for i in 0..c {
+                let xhat = (xr[i] - m) * s;
+                let g = dor[i] * w[i];
+                dxr[i] += s * (g - g_mean - xhat * gx_mean);
+                dw[i] += dor[i] * xhat;
+            }
+            if let Some(db) = db.as_deref_mut() {
+                axpy(db, 1.0, dor);
+            }
         }
     }
 }
@@ -523,7 +529,7 @@ multiversion! {
     /// Row i of the (t x t) scores: softmax over columns 0..=i, zeros after.
     pub fn causal_softmax_rows(p: &mut [f32], t: usize) {
         for (i, row) in p.chunks_exact_mut(t).enumerate() {
-            let max = row[..=i].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let max = max_lanes(&row[..=i]);
             let mut sum = 0.0;
             for a in row[..=i].iter_mut() {
                 *a = exp_approx(*a - max);
@@ -657,6 +663,24 @@ multiversion! {
             }
         }
     }
+}
+
+/// The largest element, with 16 running maxima the compiler keeps in a vector register.
+#[inline(always)]
+fn max_lanes(x: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let chunks = x.chunks_exact(16);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for k in 0..16 {
+            lanes[k] = if c[k] > lanes[k] { c[k] } else { lanes[k] };
+        }
+    }
+    let mut m = f32::NEG_INFINITY;
+    for v in lanes.iter().chain(rest) {
+        m = if *v > m { *v } else { m };
+    }
+    m
 }
 
 // --- Output layer: softmax + cross-entropy --------------------------------------------
