@@ -28,6 +28,11 @@ enum Command {
     /// Train a tokenizer and a model from a TOML experiment file.
     Train(TrainArgs),
     /// Sample text from a checkpoint, streamed as it is generated.
+    ///
+    /// The prompt is prefilled once, then tokens come one at a time from a KV cache. The
+    /// model never sees more than its block_size positions: when the context is full, the
+    /// window slides to its last half and is prefilled again, for every position kind
+    /// (learned, RoPE, sinusoidal: none is asked about positions it was not trained on).
     Generate(GenerateArgs),
     /// Score a text file: mean next-token loss, perplexity, bits per byte.
     Eval(EvalArgs),
@@ -122,12 +127,7 @@ struct CheckpointArgs {
     device: String,
 }
 
-/// Sampling: the prompt is prefilled once, then tokens come one at a time from a KV
-/// cache. The model never sees more than its block_size: when the context is full the
-/// window slides to its last half and is prefilled again, for every position kind
-/// (learned, RoPE, sinusoidal).
 #[derive(Args)]
-#[command(verbatim_doc_comment)]
 struct GenerateArgs {
     #[command(flatten)]
     ckpt: CheckpointArgs,
