@@ -243,20 +243,17 @@ impl FastGpt {
         let n = self.rows();
         assert_eq!(ids.len(), n);
         assert_eq!(targets.len(), n);
-        let (t, c, v) = (self.cfg.block_size, self.cfg.n_embd, self.cfg.vocab_size);
-        let hidden = self.cfg.mlp_hidden();
-        let fc_out = fc_width(&self.cfg);
-        let (norm, act) = (self.norm_op(), self.activation());
-        let d = self.cfg.head_dim();
-        let kv_dim = self.cfg.kv_heads() * d;
-        let qkv_w = c + 2 * kv_dim;
-        let shape = AttnShape {
-            b: self.batch,
+        let Dims {
             t,
             c,
-            h: self.cfg.n_head,
-            kv: self.cfg.kv_heads(),
-        };
+            v,
+            hidden,
+            fc_out,
+            d,
+            kv_dim,
+            qkv_w,
+        } = self.dims();
+        let (norm, act, shape) = (self.norm_op(), self.activation(), self.attn_shape());
         self.ids.copy_from_slice(ids);
         self.targets.copy_from_slice(targets);
         let p = &self.params;
@@ -392,20 +389,17 @@ impl FastGpt {
     /// Adds d(loss * `scale`)/d(params) to `grads`, for the batch of the last forward.
     pub fn backward(&mut self, scale: f32) {
         let n = self.rows();
-        let (t, c, v) = (self.cfg.block_size, self.cfg.n_embd, self.cfg.vocab_size);
-        let hidden = self.cfg.mlp_hidden();
-        let fc_out = fc_width(&self.cfg);
-        let (norm, act) = (self.norm_op(), self.activation());
-        let d = self.cfg.head_dim();
-        let kv_dim = self.cfg.kv_heads() * d;
-        let qkv_w = c + 2 * kv_dim;
-        let shape = AttnShape {
-            b: self.batch,
+        let Dims {
             t,
             c,
-            h: self.cfg.n_head,
-            kv: self.cfg.kv_heads(),
-        };
+            v,
+            hidden,
+            fc_out,
+            d,
+            kv_dim,
+            qkv_w,
+        } = self.dims();
+        let (norm, act, shape) = (self.norm_op(), self.activation(), self.attn_shape());
         let p = &self.params;
         let g = &mut self.grads;
         let s = &mut self.scratch;
@@ -585,6 +579,32 @@ impl FastGpt {
         ops::embed_backward(dwte, dwpe, &s.dres, &self.ids, t, c);
     }
 
+    fn dims(&self) -> Dims {
+        let c = self.cfg.n_embd;
+        let d = self.cfg.head_dim();
+        let kv_dim = self.cfg.kv_heads() * d;
+        Dims {
+            t: self.cfg.block_size,
+            c,
+            v: self.cfg.vocab_size,
+            hidden: self.cfg.mlp_hidden(),
+            fc_out: fc_width(&self.cfg),
+            d,
+            kv_dim,
+            qkv_w: c + 2 * kv_dim,
+        }
+    }
+
+    fn attn_shape(&self) -> AttnShape {
+        AttnShape {
+            b: self.batch,
+            t: self.cfg.block_size,
+            c: self.cfg.n_embd,
+            h: self.cfg.n_head,
+            kv: self.cfg.kv_heads(),
+        }
+    }
+
     fn norm_op(&self) -> ops::NormOp {
         ops::NormOp {
             kind: self.cfg.norm,
@@ -756,6 +776,18 @@ multiversion! {
             p[i] = p[i] * hp.shrink - hp.lr * m_hat / (v_hat.sqrt() + hp.eps);
         }
     }
+}
+
+/// The sizes a forward or backward pass works with.
+struct Dims {
+    t: usize,      // positions per sequence
+    c: usize,      // width
+    v: usize,      // vocabulary
+    hidden: usize, // MLP hidden width
+    fc_out: usize, // c_fc's output width (2 hidden for SwiGLU)
+    d: usize,      // head size
+    kv_dim: usize, // K/V heads x head size
+    qkv_w: usize,  // a qkv row: c + 2 kv_dim
 }
 
 /// x *= mask, elementwise.
