@@ -294,6 +294,20 @@ multiversion! {
     }
 }
 
+multiversion! {
+    /// GELU(x) into `out` and its derivative Phi(x) + x phi(x) into `slope`, in one
+    /// pass (the backward needs both: the output for the next layer's weight gradient,
+    /// the slope once the output's gradient is known).
+    pub fn gelu_with_slope(out: &mut [f32], slope: &mut [f32], x: &[f32]) {
+        const INV_SQRT_2PI: f32 = 0.398_942_3;
+        for ((o, s), &v) in out.iter_mut().zip(slope.iter_mut()).zip(x) {
+            let cdf = 0.5 * (1.0 + erf_approx(v * std::f32::consts::FRAC_1_SQRT_2));
+            *o = v * cdf;
+            *s = cdf + v * INV_SQRT_2PI * exp_approx(-0.5 * v * v);
+        }
+    }
+}
+
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 
 multiversion! {
@@ -362,6 +376,22 @@ impl Activation {
             crate::config::MlpKind::Gelu => gelu_forward(out, fc),
             crate::config::MlpKind::GeluTanh => gelu_tanh_forward(out, fc),
             crate::config::MlpKind::Swiglu => swiglu_forward(out, fc, self.hidden),
+        }
+    }
+
+    /// The backward's first half: the output again (into `out`) and, where the kind
+    /// allows, the slope d out / d fc (into `slope`, then dfc = dout * slope). Returns
+    /// whether the slope was written; otherwise use `backward`.
+    pub fn recompute(&self, out: &mut [f32], slope: &mut [f32], fc: &[f32]) -> bool {
+        match self.kind {
+            crate::config::MlpKind::Gelu => {
+                gelu_with_slope(out, slope, fc);
+                true
+            }
+            _ => {
+                self.forward(out, fc);
+                false
+            }
         }
     }
 

@@ -456,7 +456,7 @@ impl FastGpt {
             // res_3 = res_2 + fc_proj(gelu(fc(ln_2(res_2)))): dres reaches both terms.
             // GELU(fc) is recomputed rather than kept per layer: it costs little time and
             // saves one (N, 4C) buffer per layer, the largest activation.
-            act.forward(&mut s.gelu, &a.fc);
+            let have_slope = act.recompute(&mut s.gelu, &mut s.dfc, &a.fc);
             // Through the branch's dropout: its gradient is dres * mask.
             let dbranch: &[f32] = if self.dropped {
                 masked(&mut s.tmp, &s.dres, &a.drop_mlp)
@@ -475,7 +475,14 @@ impl FastGpt {
                 hidden,
                 c,
             );
-            act.backward(&mut s.dfc, &a.fc, &s.dfc_out);
+            if have_slope {
+                // s.dfc holds the slope: scale it by the output's gradient in place.
+                for (d, g) in s.dfc.iter_mut().zip(&s.dfc_out) {
+                    *d *= g;
+                }
+            } else {
+                act.backward(&mut s.dfc, &a.fc, &s.dfc_out);
+            }
             // The norms' outputs are recomputed from their inputs and saved statistics.
             norm.apply(
                 &mut s.ln,
