@@ -61,13 +61,7 @@ pub struct BenchReport {
 /// attention's two (T x T) products included, the tied output layer included.
 pub fn forward_flops(cfg: &ModelConfig, t: usize) -> f64 {
     let c = cfg.n_embd as f64;
-    let kv = (cfg.kv_heads() * cfg.head_dim()) as f64;
-    let fc_out = match cfg.mlp {
-        crate::config::MlpKind::Swiglu => 2 * cfg.mlp_hidden(),
-        _ => cfg.mlp_hidden(),
-    } as f64;
-    let per_layer_weights = c * (c + 2.0 * kv) + c * c + c * fc_out + cfg.mlp_hidden() as f64 * c;
-    let weights = cfg.n_layer as f64 * per_layer_weights + cfg.vocab_size as f64 * c;
+    let weights = (cfg.n_layer * cfg.block_matrix_weights()) as f64 + cfg.vocab_size as f64 * c;
     let t = t as f64;
     let attention = cfg.n_layer as f64 * 2.0 * 2.0 * t * t * c;
     2.0 * t * weights + attention

@@ -219,6 +219,23 @@ impl Default for ModelConfig {
 }
 
 impl ModelConfig {
+    /// Width of the MLP's first projection: the hidden layer, twice it for SwiGLU
+    /// (gate | up).
+    pub fn mlp_fc_width(&self) -> usize {
+        match self.mlp {
+            MlpKind::Swiglu => 2 * self.mlp_hidden(),
+            _ => self.mlp_hidden(),
+        }
+    }
+
+    /// Weights of one block's matrices (QKV, attention output, MLP in and out): what
+    /// each token multiplies through per layer.
+    pub fn block_matrix_weights(&self) -> usize {
+        let c = self.n_embd;
+        let kv = self.kv_heads() * self.head_dim();
+        c * (c + 2 * kv) + c * c + c * self.mlp_fc_width() + self.mlp_hidden() * c
+    }
+
     pub fn mlp_hidden(&self) -> usize {
         self.mlp_hidden.unwrap_or(match self.mlp {
             MlpKind::Swiglu => (8 * self.n_embd / 3).div_ceil(8) * 8,

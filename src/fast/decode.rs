@@ -204,10 +204,7 @@ impl FastDecoder {
                 );
             }
         }
-        let fc_out = match cfg.mlp {
-            MlpKind::Swiglu => 2 * cfg.mlp_hidden(),
-            _ => cfg.mlp_hidden(),
-        };
+        let fc_out = cfg.mlp_fc_width();
         Ok(Self {
             n_head: cfg.n_head,
             n_kv_head: cfg.kv_heads(),

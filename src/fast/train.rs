@@ -16,7 +16,7 @@ use candle_core::{Device, Tensor};
 use super::gemm::{matmul, Layout};
 use super::kernels::multiversion;
 use super::ops::{self, AttnShape};
-use crate::config::{MlpKind, ModelConfig, PositionKind, TrainConfig};
+use crate::config::{ModelConfig, PositionKind, TrainConfig};
 use crate::model::position::{rope_tables, sinusoidal_table};
 use crate::model::{Dropout, Params};
 
@@ -157,7 +157,7 @@ impl FastGpt {
         let hidden = cfg.mlp_hidden();
         let dropout = cfg.dropout > 0.0;
         let qkv_w = cfg.n_embd + 2 * cfg.kv_heads() * cfg.head_dim();
-        let fc_out = fc_width(cfg);
+        let fc_out = cfg.mlp_fc_width();
         let h = cfg.n_head;
         let t = cfg.block_size;
         let acts = (0..cfg.n_layer)
@@ -595,7 +595,7 @@ impl FastGpt {
             c,
             v: self.cfg.vocab_size,
             hidden: self.cfg.mlp_hidden(),
-            fc_out: fc_width(&self.cfg),
+            fc_out: self.cfg.mlp_fc_width(),
             d,
             kv_dim,
             qkv_w: c + 2 * kv_dim,
@@ -810,14 +810,6 @@ fn masked<'o>(out: &'o mut [f32], x: &[f32], mask: &[f32]) -> &'o [f32] {
         *o = a * m;
     }
     out
-}
-
-/// Width of c_fc's output: the hidden layer, twice it for SwiGLU (gate | up).
-fn fc_width(cfg: &ModelConfig) -> usize {
-    match cfg.mlp {
-        MlpKind::Swiglu => 2 * cfg.mlp_hidden(),
-        _ => cfg.mlp_hidden(),
-    }
 }
 
 /// out (n x d_out) = x (n x d_in) · Wᵀ + b.

@@ -20,10 +20,7 @@ pub struct Mlp {
 impl Mlp {
     pub fn new(pb: &mut ParamBuilder, prefix: &str, cfg: &ModelConfig) -> Result<Self> {
         let hidden = cfg.mlp_hidden();
-        let fc_out = match cfg.mlp {
-            MlpKind::Swiglu => 2 * hidden,
-            _ => hidden,
-        };
+        let fc_out = cfg.mlp_fc_width();
         let proj_std = 0.02 / (2.0 * cfg.n_layer as f64).sqrt();
         Ok(Self {
             kind: cfg.mlp,

@@ -6,13 +6,7 @@ use crate::config::{ModelConfig, TrainConfig};
 /// Parameters of the model (weights only).
 pub fn parameter_count(m: &ModelConfig) -> f64 {
     let c = m.n_embd as f64;
-    let kv = (m.kv_heads() * m.head_dim()) as f64;
-    let fc_out = match m.mlp {
-        crate::config::MlpKind::Swiglu => 2 * m.mlp_hidden(),
-        _ => m.mlp_hidden(),
-    } as f64;
-    let mlp = c * fc_out + m.mlp_hidden() as f64 * c;
-    let per_layer = 2.0 * c + c * (c + 2.0 * kv) + c * c + mlp;
+    let per_layer = 2.0 * c + m.block_matrix_weights() as f64;
     let positions = if m.positions == crate::config::PositionKind::Learned {
         (m.block_size as f64) * c
     } else {
