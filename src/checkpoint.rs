@@ -261,23 +261,12 @@ impl RunDir {
 
     pub fn load_config(&self, state: &TrainState) -> Result<Config> {
         let bytes = self.read_verified(state, CONFIG_FILE)?;
-        let text = String::from_utf8(bytes).map_err(|_| {
-            user_error(format!("{} is not UTF-8", self.file(CONFIG_FILE).display()))
-        })?;
-        let config = Config::from_toml_str(&text, &[])
-            .map_err(|e| user_error(format!("{}: {e:#}", self.file(CONFIG_FILE).display())))?;
-        config.validate()?;
-        Ok(config)
+        parse_config(&bytes, &self.file(CONFIG_FILE).display().to_string())
     }
 
     pub fn load_tokenizer(&self, state: &TrainState) -> Result<Tokenizer> {
         let bytes = self.read_verified(state, TOKENIZER_FILE)?;
-        Tokenizer::from_json(&bytes).map_err(|e| {
-            user_error(format!(
-                "{} is not a valid tokenizer.json ({e:#})",
-                self.file(TOKENIZER_FILE).display()
-            ))
-        })
+        parse_tokenizer(&bytes, &self.file(TOKENIZER_FILE).display().to_string())
     }
 
     /// Loads a safetensors file of the checkpoint onto `device`.
@@ -288,12 +277,7 @@ impl RunDir {
         device: &Device,
     ) -> Result<HashMap<String, Tensor>> {
         let bytes = self.read_verified(state, name)?;
-        candle_core::safetensors::load_buffer(&bytes, device).map_err(|e| {
-            user_error(format!(
-                "{} is not a valid safetensors file ({e}); restore it or retrain",
-                self.file(name).display()
-            ))
-        })
+        parse_tensors(&bytes, device, &self.file(name).display().to_string())
     }
 
     /// Appends one JSON object to metrics.jsonl.
@@ -325,6 +309,29 @@ impl RunDir {
             .collect();
         write_atomic(&path, kept.as_bytes())
     }
+}
+
+/// config.toml's bytes to a validated config; `path` names the file in errors.
+fn parse_config(bytes: &[u8], path: &str) -> Result<Config> {
+    let text =
+        std::str::from_utf8(bytes).map_err(|_| user_error(format!("{path} is not UTF-8")))?;
+    let config =
+        Config::from_toml_str(text, &[]).map_err(|e| user_error(format!("{path}: {e:#}")))?;
+    config.validate()?;
+    Ok(config)
+}
+
+fn parse_tokenizer(bytes: &[u8], path: &str) -> Result<Tokenizer> {
+    Tokenizer::from_json(bytes)
+        .map_err(|e| user_error(format!("{path} is not a valid tokenizer.json ({e:#})")))
+}
+
+fn parse_tensors(bytes: &[u8], device: &Device, path: &str) -> Result<HashMap<String, Tensor>> {
+    candle_core::safetensors::load_buffer(bytes, device).map_err(|e| {
+        user_error(format!(
+            "{path} is not a valid safetensors file ({e}); restore it or retrain"
+        ))
+    })
 }
 
 fn serialize_tensors(tensors: &HashMap<String, Tensor>) -> Result<Vec<u8>> {
@@ -375,16 +382,8 @@ impl Loaded {
         device: &Device,
         source: &str,
     ) -> Result<(Config, Tokenizer, crate::model::Gpt)> {
-        let text = std::str::from_utf8(config)
-            .map_err(|_| user_error(format!("{source}/{CONFIG_FILE} is not UTF-8")))?;
-        let config = Config::from_toml_str(text, &[])
-            .map_err(|e| user_error(format!("{source}/{CONFIG_FILE}: {e:#}")))?;
-        config.validate()?;
-        let tokenizer = Tokenizer::from_json(tokenizer).map_err(|e| {
-            user_error(format!(
-                "{source}/{TOKENIZER_FILE} is not a valid tokenizer.json ({e:#})"
-            ))
-        })?;
+        let config = parse_config(config, &format!("{source}/{CONFIG_FILE}"))?;
+        let tokenizer = parse_tokenizer(tokenizer, &format!("{source}/{TOKENIZER_FILE}"))?;
         let m = &config.model;
         if tokenizer.vocab_size() > m.vocab_size {
             user_bail!(
@@ -403,11 +402,7 @@ impl Loaded {
                 );
             }
         }
-        let tensors = candle_core::safetensors::load_buffer(weights, device).map_err(|e| {
-            user_error(format!(
-                "{source}/{MODEL_FILE} is not a valid safetensors file ({e}); restore it or retrain"
-            ))
-        })?;
+        let tensors = parse_tensors(weights, device, &format!("{source}/{MODEL_FILE}"))?;
         let model = crate::model::Gpt::new(m, 0, device)?;
         model
             .params()
