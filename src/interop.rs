@@ -40,6 +40,40 @@ pub enum HfLayout {
     Llama,
 }
 
+/// A GPT-2 block's norms (weight and bias each) and Conv1D layers (weight [in, out],
+/// bias), under the same names in both layouts.
+const GPT2_NORMS: [&str; 2] = ["ln_1", "ln_2"];
+const GPT2_LINEARS: [&str; 4] = ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"];
+
+/// A Llama block's norms: ours -> Hugging Face's.
+const LLAMA_NORMS: [(&str, &str); 2] = [
+    ("ln_1", "input_layernorm"),
+    ("ln_2", "post_attention_layernorm"),
+];
+
+/// A Llama block's projections: each of ours is Hugging Face's stacked by rows, in
+/// this order.
+const LLAMA_LINEARS: [(&str, &[&str]); 4] = [
+    (
+        "attn.c_attn",
+        &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+    ),
+    ("attn.c_proj", &["self_attn.o_proj"]),
+    ("mlp.c_fc", &["mlp.gate_proj", "mlp.up_proj"]),
+    ("mlp.c_proj", &["mlp.down_proj"]),
+];
+
+/// Rows of a Llama projection: queries, outputs and down are C; keys and values the
+/// K/V width; gate and up the hidden width.
+fn llama_rows(m: &ModelConfig, hf_name: &str) -> usize {
+    let kv = m.kv_heads() * m.head_dim();
+    match hf_name {
+        "self_attn.k_proj" | "self_attn.v_proj" => kv,
+        "mlp.gate_proj" | "mlp.up_proj" => m.mlp_hidden(),
+        _ => m.n_embd,
+    }
+}
+
 /// The Hugging Face class this model is exactly, or an error naming the option that has
 /// no equivalent there.
 pub fn layout_for(m: &ModelConfig) -> Result<HfLayout> {
@@ -93,7 +127,6 @@ pub fn export(loaded: &Loaded, out: &Path) -> Result<HfLayout> {
         }
     };
     let c = m.n_embd;
-    let kv = m.kv_heads() * m.head_dim();
     let hidden = m.mlp_hidden();
     let mut hf: HashMap<String, Tensor> = HashMap::new();
     match layout {
@@ -102,29 +135,20 @@ pub fn export(loaded: &Loaded, out: &Path) -> Result<HfLayout> {
             hf.insert("transformer.wpe.weight".into(), get("wpe.weight")?);
             for i in 0..m.n_layer {
                 let (o, t) = (format!("h.{i}"), format!("transformer.h.{i}"));
-                for (norm, _) in [("ln_1", ()), ("ln_2", ())] {
+                for norm in GPT2_NORMS {
                     hf.insert(
                         format!("{t}.{norm}.weight"),
                         get(&format!("{o}.{norm}.weight"))?,
                     );
-                    hf.insert(
-                        format!("{t}.{norm}.bias"),
-                        bias_or_zeros(&format!("{o}.{norm}.bias"), c)?,
-                    );
+                    let bias = bias_or_zeros(&format!("{o}.{norm}.bias"), c)?;
+                    hf.insert(format!("{t}.{norm}.bias"), bias);
                 }
-                for (layer, d_out) in [
-                    ("attn.c_attn", c + 2 * kv),
-                    ("attn.c_proj", c),
-                    ("mlp.c_fc", hidden),
-                    ("mlp.c_proj", c),
-                ] {
+                for layer in GPT2_LINEARS {
+                    let w = get(&format!("{o}.{layer}.weight"))?;
+                    let bias = bias_or_zeros(&format!("{o}.{layer}.bias"), w.dim(0)?)?;
                     // Conv1D: [in, out].
-                    let w = get(&format!("{o}.{layer}.weight"))?.t()?.contiguous()?;
-                    hf.insert(format!("{t}.{layer}.weight"), w);
-                    hf.insert(
-                        format!("{t}.{layer}.bias"),
-                        bias_or_zeros(&format!("{o}.{layer}.bias"), d_out)?,
-                    );
+                    hf.insert(format!("{t}.{layer}.weight"), w.t()?.contiguous()?);
+                    hf.insert(format!("{t}.{layer}.bias"), bias);
                 }
             }
             hf.insert("transformer.ln_f.weight".into(), get("ln_f.weight")?);
@@ -137,40 +161,21 @@ pub fn export(loaded: &Loaded, out: &Path) -> Result<HfLayout> {
             hf.insert("model.embed_tokens.weight".into(), get("wte.weight")?);
             for i in 0..m.n_layer {
                 let (o, l) = (format!("h.{i}"), format!("model.layers.{i}"));
-                hf.insert(
-                    format!("{l}.input_layernorm.weight"),
-                    get(&format!("{o}.ln_1.weight"))?,
-                );
-                hf.insert(
-                    format!("{l}.post_attention_layernorm.weight"),
-                    get(&format!("{o}.ln_2.weight"))?,
-                );
-                let blocks = [
-                    (
-                        "attn.c_attn",
-                        vec![
-                            ("self_attn.q_proj", 0, c),
-                            ("self_attn.k_proj", c, kv),
-                            ("self_attn.v_proj", c + kv, kv),
-                        ],
-                    ),
-                    ("attn.c_proj", vec![("self_attn.o_proj", 0, c)]),
-                    (
-                        "mlp.c_fc",
-                        vec![
-                            ("mlp.gate_proj", 0, hidden),
-                            ("mlp.up_proj", hidden, hidden),
-                        ],
-                    ),
-                    ("mlp.c_proj", vec![("mlp.down_proj", 0, c)]),
-                ];
-                for (ours_name, parts) in blocks {
+                for (norm, hf_norm) in LLAMA_NORMS {
+                    hf.insert(
+                        format!("{l}.{hf_norm}.weight"),
+                        get(&format!("{o}.{norm}.weight"))?,
+                    );
+                }
+                for (ours_name, parts) in LLAMA_LINEARS {
                     let w = get(&format!("{o}.{ours_name}.weight"))?;
                     let b = ours
                         .get(&format!("{o}.{ours_name}.bias"))
                         .map(host)
                         .transpose()?;
-                    for (hf_name, start, len) in parts {
+                    let mut start = 0;
+                    for hf_name in parts {
+                        let len = llama_rows(m, hf_name);
                         hf.insert(
                             format!("{l}.{hf_name}.weight"),
                             w.narrow(0, start, len)?.contiguous()?,
@@ -181,6 +186,7 @@ pub fn export(loaded: &Loaded, out: &Path) -> Result<HfLayout> {
                                 b.narrow(0, start, len)?.contiguous()?,
                             );
                         }
+                        start += len;
                     }
                 }
             }
@@ -373,13 +379,14 @@ pub fn read_hf(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
             ours.insert("wpe.weight".into(), t("wpe.weight")?);
             for i in 0..m.n_layer {
                 let h = format!("h.{i}");
-                for norm in ["ln_1", "ln_2"] {
+                for norm in GPT2_NORMS {
                     for p in ["weight", "bias"] {
                         ours.insert(format!("{h}.{norm}.{p}"), t(&format!("{h}.{norm}.{p}"))?);
                     }
                 }
-                for layer in ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"] {
-                    let w = t(&format!("{h}.{layer}.weight"))?.t()?.contiguous()?; // [in, out] -> [out, in]
+                for layer in GPT2_LINEARS {
+                    // [in, out] -> [out, in]
+                    let w = t(&format!("{h}.{layer}.weight"))?.t()?.contiguous()?;
                     ours.insert(format!("{h}.{layer}.weight"), w);
                     ours.insert(
                         format!("{h}.{layer}.bias"),
@@ -451,35 +458,28 @@ pub fn read_hf(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
             ours.insert("wte.weight".into(), wte);
             for i in 0..m.n_layer {
                 let (h, l) = (format!("h.{i}"), format!("model.layers.{i}"));
-                ours.insert(
-                    format!("{h}.ln_1.weight"),
-                    take(&format!("{l}.input_layernorm.weight"))?,
-                );
-                ours.insert(
-                    format!("{h}.ln_2.weight"),
-                    take(&format!("{l}.post_attention_layernorm.weight"))?,
-                );
-                let blocks: [(&str, &[&str]); 4] = [
-                    (
-                        "attn.c_attn",
-                        &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-                    ),
-                    ("attn.c_proj", &["self_attn.o_proj"]),
-                    ("mlp.c_fc", &["mlp.gate_proj", "mlp.up_proj"]),
-                    ("mlp.c_proj", &["mlp.down_proj"]),
-                ];
-                for (ours_name, parts) in blocks {
-                    let ws = parts
-                        .iter()
-                        .map(|p| take(&format!("{l}.{p}.weight")))
-                        .collect::<Result<Vec<_>>>()?;
-                    ours.insert(format!("{h}.{ours_name}.weight"), Tensor::cat(&ws, 0)?);
-                    if m.bias {
-                        let bs = parts
+                for (norm, hf_norm) in LLAMA_NORMS {
+                    ours.insert(
+                        format!("{h}.{norm}.weight"),
+                        take(&format!("{l}.{hf_norm}.weight"))?,
+                    );
+                }
+                for (ours_name, parts) in LLAMA_LINEARS {
+                    let stack = |what: &str,
+                                 take: &mut dyn FnMut(&str) -> Result<Tensor>|
+                     -> Result<Tensor> {
+                        let parts = parts
                             .iter()
-                            .map(|p| take(&format!("{l}.{p}.bias")))
+                            .map(|p| take(&format!("{l}.{p}.{what}")))
                             .collect::<Result<Vec<_>>>()?;
-                        ours.insert(format!("{h}.{ours_name}.bias"), Tensor::cat(&bs, 0)?);
+                        Ok(Tensor::cat(&parts, 0)?)
+                    };
+                    ours.insert(
+                        format!("{h}.{ours_name}.weight"),
+                        stack("weight", &mut take)?,
+                    );
+                    if m.bias {
+                        ours.insert(format!("{h}.{ours_name}.bias"), stack("bias", &mut take)?);
                     }
                 }
             }
