@@ -482,11 +482,13 @@ impl AttnShape {
 /// (zero above the diagonal) and y (N, C). Sequences run in parallel.
 ///
 /// With a dropout `mask` (B, H, T, T; 0 or 1/(1-p)), Y = (P * mask) V; att keeps P.
+/// `scratch` holds 2 T x T values per sequence.
 pub fn attention_forward(
     y: &mut [f32],
     att: &mut [f32],
     qkv: &[f32],
     mask: Option<&[f32]>,
+    scratch: &mut [f32],
     s: AttnShape,
 ) {
     let (t, c, h, w) = (s.t, s.c, s.h, s.width());
@@ -494,14 +496,12 @@ pub fn attention_forward(
     y.par_chunks_mut(t * c)
         .zip(att.par_chunks_mut(per_seq))
         .zip(qkv.par_chunks(t * w))
+        .zip(scratch.par_chunks_mut(2 * t * t))
         .enumerate()
-        .for_each_init(
-            || vec![0f32; if mask.is_some() { t * t } else { 0 }],
-            |dropped, (b, ((y, att), qkv))| {
-                let mask = mask.map(|m| &m[b * per_seq..(b + 1) * per_seq]);
-                attention_forward_one(y, att, qkv, mask, dropped, s)
-            },
-        );
+        .for_each(|(b, (((y, att), qkv), scratch))| {
+            let mask = mask.map(|m| &m[b * per_seq..(b + 1) * per_seq]);
+            attention_forward_one(y, att, qkv, mask, &mut scratch[..t * t], s)
+        });
 }
 
 /// `attention_forward` for one sequence: per head, S = scale Q Kᵀ, causal softmax in
@@ -583,6 +583,7 @@ pub fn attention_backward(
     qkv: &[f32],
     att: &[f32],
     mask: Option<&[f32]>,
+    scratch: &mut [f32],
     s: AttnShape,
 ) {
     let (t, c, h, w) = (s.t, s.c, s.h, s.width());
@@ -591,19 +592,13 @@ pub fn attention_backward(
         .zip(dy.par_chunks(t * c))
         .zip(qkv.par_chunks(t * w))
         .zip(att.par_chunks(per_seq))
+        .zip(scratch.par_chunks_mut(2 * t * t))
         .enumerate()
-        .for_each_init(
-            || {
-                (
-                    vec![0f32; t * t],
-                    vec![0f32; if mask.is_some() { t * t } else { 0 }],
-                )
-            },
-            |(ds, dropped), (b, (((dqkv, dy), qkv), att))| {
-                let mask = mask.map(|m| &m[b * per_seq..(b + 1) * per_seq]);
-                attention_backward_one(dqkv, dy, qkv, att, mask, s, ds, dropped)
-            },
-        );
+        .for_each(|(b, ((((dqkv, dy), qkv), att), scratch))| {
+            let mask = mask.map(|m| &m[b * per_seq..(b + 1) * per_seq]);
+            let (ds, dropped) = scratch.split_at_mut(t * t);
+            attention_backward_one(dqkv, dy, qkv, att, mask, s, ds, dropped)
+        });
 }
 
 /// `attention_backward` for one sequence; `ds` and `dropped` (T x T) are scratch. Per
@@ -839,13 +834,35 @@ mod tests {
         let probe = values(n * s.c, 8);
         let mut f = |qkv: &[f32]| -> f64 {
             let (mut y, mut att) = (vec![0.0; n * s.c], vec![0.0; s.b * s.h * s.t * s.t]);
-            attention_forward(&mut y, &mut att, qkv, None, s);
+            attention_forward(
+                &mut y,
+                &mut att,
+                qkv,
+                None,
+                &mut vec![0.0; 2 * s.b * s.t * s.t],
+                s,
+            );
             y.iter().zip(&probe).map(|(a, b)| (*a * *b) as f64).sum()
         };
         let (mut y, mut att) = (vec![0.0; n * s.c], vec![0.0; s.b * s.h * s.t * s.t]);
-        attention_forward(&mut y, &mut att, &qkv, None, s);
+        attention_forward(
+            &mut y,
+            &mut att,
+            &qkv,
+            None,
+            &mut vec![0.0; 2 * s.b * s.t * s.t],
+            s,
+        );
         let mut dqkv = vec![0.0; n * s.width()];
-        attention_backward(&mut dqkv, &probe, &qkv, &att, None, s);
+        attention_backward(
+            &mut dqkv,
+            &probe,
+            &qkv,
+            &att,
+            None,
+            &mut vec![0.0; 2 * s.b * s.t * s.t],
+            s,
+        );
         let at: Vec<usize> = (0..n * s.width()).step_by(3).collect();
         for (i, num) in at.iter().zip(numeric(&mut f, &qkv, &at)) {
             assert!(

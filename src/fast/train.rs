@@ -65,6 +65,7 @@ struct Scratch {
     tmp: Vec<f32>,     // (N, C): a projection's output before the residual add
     gelu: Vec<f32>,    // (N, 4C): GELU(fc) of the block at hand
     ln: Vec<f32>,      // (N, C): a norm's output, recomputed in the backward
+    attn: Vec<f32>,    // (B, 2, T, T): attention's per-sequence work space
 }
 
 /// A model laid out for fused training: parameters, gradients, moments, activations.
@@ -217,6 +218,7 @@ impl FastGpt {
                 tmp: vec![0.0; n * c],
                 gelu: vec![0.0; n * hidden],
                 ln: vec![0.0; n * c],
+                attn: vec![0.0; batch * 2 * t * t],
             },
             ids: vec![0; n],
             drop_x0: vec![0.0; if dropout { n * c } else { 0 }],
@@ -310,7 +312,14 @@ impl FastGpt {
                 draw(&mut a.drop_att);
             }
             let att_mask = self.dropped.then_some(a.drop_att.as_slice());
-            ops::attention_forward(&mut a.y, &mut a.att, &a.qkv, att_mask, shape);
+            ops::attention_forward(
+                &mut a.y,
+                &mut a.att,
+                &a.qkv,
+                att_mask,
+                &mut self.scratch.attn,
+                shape,
+            );
             linear_forward(
                 &mut self.scratch.tmp,
                 &a.y,
@@ -529,7 +538,15 @@ impl FastGpt {
             );
             s.dqkv.fill(0.0);
             let att_mask = self.dropped.then_some(a.drop_att.as_slice());
-            ops::attention_backward(&mut s.dqkv, &s.dy, &a.qkv, &a.att, att_mask, shape);
+            ops::attention_backward(
+                &mut s.dqkv,
+                &s.dy,
+                &a.qkv,
+                &a.att,
+                att_mask,
+                &mut s.attn,
+                shape,
+            );
             if let Some((cos, sin)) = &self.rope {
                 // q, k were rotated after the projection: rotate their gradients back.
                 ops::rope(&mut s.dqkv, cos, sin, t, qkv_w, c + kv_dim, d, true);
