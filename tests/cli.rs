@@ -98,38 +98,23 @@ fn generate_eval_and_info_from_a_checkpoint() {
     let ck = "checkpoints/exp";
 
     // Streamed text starts with the prompt; stats on stderr.
-    let out = tinygpt(
-        dir.path(),
-        &[
-            "generate",
-            "--checkpoint",
-            ck,
-            "--prompt",
-            "To be",
-            "--max-new-tokens",
-            "20",
-            "--seed",
-            "3",
-        ],
-    );
+    let generate = [
+        "generate",
+        "--checkpoint",
+        ck,
+        "--prompt",
+        "To be",
+        "--max-new-tokens",
+        "20",
+        "--seed",
+        "3",
+    ];
+    let out = tinygpt(dir.path(), &generate);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = String::from_utf8(out.stdout.clone()).unwrap();
     assert!(text.starts_with("To be"), "{text}");
     assert!(stderr(&out).contains("decode") && stderr(&out).contains("tokens/s"));
-    let again = tinygpt(
-        dir.path(),
-        &[
-            "generate",
-            "--checkpoint",
-            ck,
-            "--prompt",
-            "To be",
-            "--max-new-tokens",
-            "20",
-            "--seed",
-            "3",
-        ],
-    );
+    let again = tinygpt(dir.path(), &generate);
     assert_eq!(again.stdout, out.stdout, "same seed, same text");
 
     // JSON: one object per sample; prompt from stdin.

@@ -771,6 +771,23 @@ mod tests {
             .collect()
     }
 
+    /// Analytic gradient `analytic` against central differences of `f` at `at`.
+    fn assert_gradient(
+        what: &str,
+        analytic: &[f32],
+        f: &mut dyn FnMut(&[f32]) -> f64,
+        x: &[f32],
+        at: &[usize],
+    ) {
+        for (&i, num) in at.iter().zip(numeric(f, x, at)) {
+            assert!(
+                close(analytic[i] as f64, num),
+                "{what}[{i}]: {} vs {num}",
+                analytic[i]
+            );
+        }
+    }
+
     fn close(a: f64, b: f64) -> bool {
         (a - b).abs() <= 2e-3 * (1.0 + b.abs())
     }
@@ -798,9 +815,7 @@ mod tests {
         let (mut dx, mut dw, mut db) = (vec![0.0; n * c], vec![0.0; c], vec![0.0; c]);
         layernorm_backward(&mut dx, &mut dw, Some(&mut db), &probe, &x, &w, &m, &r);
         let at = [0, 4, 7, 14];
-        for (i, num) in at.iter().zip(numeric(&mut f, &x, &at)) {
-            assert!(close(dx[*i] as f64, num), "dx[{i}] {} vs {num}", dx[*i]);
-        }
+        assert_gradient("dx", &dx, &mut f, &x, &at);
     }
 
     #[test]
@@ -815,9 +830,7 @@ mod tests {
         let mut dx = vec![0.0; 9];
         gelu_backward(&mut dx, &x, &probe);
         let at: Vec<usize> = (0..9).collect();
-        for (i, num) in at.iter().zip(numeric(&mut f, &x, &at)) {
-            assert!(close(dx[*i] as f64, num), "{i}: {} vs {num}", dx[*i]);
-        }
+        assert_gradient("dx", &dx, &mut f, &x, &at);
     }
 
     #[test]
@@ -864,13 +877,7 @@ mod tests {
             s,
         );
         let at: Vec<usize> = (0..n * s.width()).step_by(3).collect();
-        for (i, num) in at.iter().zip(numeric(&mut f, &qkv, &at)) {
-            assert!(
-                close(dqkv[*i] as f64, num),
-                "dqkv[{i}] {} vs {num}",
-                dqkv[*i]
-            );
-        }
+        assert_gradient("dqkv", &dqkv, &mut f, &qkv, &at);
     }
 
     #[test]
@@ -889,13 +896,7 @@ mod tests {
         let (mut dx, mut dw) = (vec![0.0; n * c], vec![0.0; c]);
         rmsnorm_backward(&mut dx, &mut dw, &probe, &x, &w, &r);
         let at: Vec<usize> = (0..n * c).step_by(2).collect();
-        for (i, num) in at.iter().zip(numeric(&mut f, &x, &at)) {
-            assert!(
-                close(dx[*i] as f64, num),
-                "rmsnorm dx[{i}] {} vs {num}",
-                dx[*i]
-            );
-        }
+        assert_gradient("rmsnorm dx", &dx, &mut f, &x, &at);
 
         let mut f = |x: &[f32]| -> f64 {
             let mut out = vec![0.0; x.len()];
@@ -904,13 +905,7 @@ mod tests {
         };
         let mut dx = vec![0.0; n * c];
         gelu_tanh_backward(&mut dx, &x, &probe);
-        for (i, num) in at.iter().zip(numeric(&mut f, &x, &at)) {
-            assert!(
-                close(dx[*i] as f64, num),
-                "gelu_tanh dx[{i}] {} vs {num}",
-                dx[*i]
-            );
-        }
+        assert_gradient("gelu_tanh dx", &dx, &mut f, &x, &at);
 
         let hidden = 3; // x as (n, 2 * hidden) rows of gate | up; probe as (n, hidden)
         let probe_h = values(n * hidden, 14);
@@ -925,13 +920,7 @@ mod tests {
         let mut dfc = vec![0.0; n * c];
         swiglu_backward(&mut dfc, &x, &probe_h, hidden);
         let all: Vec<usize> = (0..n * c).collect();
-        for (i, num) in all.iter().zip(numeric(&mut f, &x, &all)) {
-            assert!(
-                close(dfc[*i] as f64, num),
-                "swiglu dfc[{i}] {} vs {num}",
-                dfc[*i]
-            );
-        }
+        assert_gradient("swiglu dfc", &dfc, &mut f, &x, &all);
     }
 
     #[test]
