@@ -328,15 +328,25 @@ impl BatchSampler {
     }
 
     pub fn sample(&mut self, tokens: &Tokens, batch: usize, block: usize) -> Batch {
+        let mut out = Batch {
+            x: vec![0u32; batch * block],
+            y: vec![0u32; batch * block],
+            batch,
+            block,
+        };
+        self.sample_into(tokens, &mut out);
+        out
+    }
+
+    /// Refills `out` (keeping its batch and block sizes) with the next windows.
+    pub fn sample_into(&mut self, tokens: &Tokens, out: &mut Batch) {
+        let (batch, block) = (out.batch, out.block);
         let max_start = tokens.len() - block - 1;
-        let mut x = vec![0u32; batch * block];
-        let mut y = vec![0u32; batch * block];
         for b in 0..batch {
             let start = self.rng.random_range(0..=max_start);
-            tokens.copy_range(start, &mut x[b * block..(b + 1) * block]);
-            tokens.copy_range(start + 1, &mut y[b * block..(b + 1) * block]);
+            tokens.copy_range(start, &mut out.x[b * block..(b + 1) * block]);
+            tokens.copy_range(start + 1, &mut out.y[b * block..(b + 1) * block]);
         }
-        Batch { x, y, batch, block }
     }
 }
 

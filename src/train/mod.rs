@@ -124,6 +124,8 @@ pub struct Trainer {
     resumed: bool,
     /// Set (to the signal number) when the user asks training to stop.
     stop: Option<Arc<AtomicI32>>,
+    /// The step's micro-batches, refilled in place.
+    batches: Vec<Batch>,
     /// The reference path's clipped gradients between computing and applying them.
     pending_grads: Option<Vec<Tensor>>,
     _lock: RunLock,
@@ -276,6 +278,14 @@ impl Trainer {
                 Engine::Fused(fast) => fast.load_moments(&moments, &source)?,
             }
         }
+        let (b, t) = (config.train.batch_size, config.model.block_size);
+        let empty = Batch {
+            x: vec![0; b * t],
+            y: vec![0; b * t],
+            batch: b,
+            block: t,
+        };
+        let batches = vec![empty; config.train.grad_accum];
         Ok(Self {
             config,
             run,
@@ -291,6 +301,7 @@ impl Trainer {
             resumed: resume,
             stop: None,
             pending_grads: None,
+            batches,
             _lock: lock,
         })
     }
@@ -331,30 +342,25 @@ impl Trainer {
     /// One optimiser step over `grad_accum` micro-batches.
     pub fn train_step(&mut self) -> Result<StepLog> {
         let started = Instant::now();
-        let cfg = self.config.train.clone();
-        let lr = learning_rate(self.state.step, &cfg);
-        let block = self.config.model.block_size;
-        let batches: Vec<Batch> = (0..cfg.grad_accum)
-            .map(|_| {
-                self.sampler
-                    .sample(&self.split.train, cfg.batch_size, block)
-            })
-            .collect();
+        let cfg = &self.config.train;
+        let lr = learning_rate(self.state.step, cfg);
+        let (accum, clip) = (cfg.grad_accum, cfg.grad_clip);
+        let tokens = cfg.tokens_per_step(self.config.model.block_size);
+        for batch in &mut self.batches {
+            self.sampler.sample_into(&self.split.train, batch);
+        }
         let (loss, grad_norm) = match &mut self.engine {
             Engine::Fused(fast) => {
                 fast.zero_grads();
                 let mut loss_sum = 0.0;
-                for batch in &batches {
+                for batch in &self.batches {
                     loss_sum += fast.forward(&batch.x, &batch.y, Some(&mut self.dropout));
                     // Each micro-batch contributes 1/accum of the mean gradient.
-                    fast.backward(1.0 / cfg.grad_accum as f32);
+                    fast.backward(1.0 / accum as f32);
                 }
-                (
-                    loss_sum / cfg.grad_accum as f64,
-                    fast.clip_grads(cfg.grad_clip),
-                )
+                (loss_sum / accum as f64, fast.clip_grads(clip))
             }
-            Engine::Reference(_) => self.reference_gradients(&batches, &cfg)?,
+            Engine::Reference(_) => self.reference_gradients(clip)?,
         };
         if !loss.is_finite() || !grad_norm.is_finite() {
             return Err(DivergedError {
@@ -369,14 +375,13 @@ impl Trainer {
             .into());
         }
         match &mut self.engine {
-            Engine::Fused(fast) => fast.adamw(self.state.step + 1, lr, &cfg),
+            Engine::Fused(fast) => fast.adamw(self.state.step + 1, lr, &self.config.train),
             Engine::Reference(adamw) => {
                 let grads = self.pending_grads.take().expect("gradients computed above");
                 adamw.step(&grads, lr)?;
             }
         }
 
-        let tokens = cfg.tokens_per_step(block);
         self.state.step += 1;
         self.state.tokens_seen += tokens as u64;
         self.state.last_train_loss = Some(loss);
@@ -390,13 +395,11 @@ impl Trainer {
         })
     }
 
-    /// The reference path's gradients for `batches` (mean over them), clipped; kept in
-    /// `pending_grads` for the optimiser. Returns (mean loss, norm before clipping).
-    fn reference_gradients(
-        &mut self,
-        batches: &[Batch],
-        cfg: &crate::config::TrainConfig,
-    ) -> Result<(f64, f64)> {
+    /// The reference path's gradients for the step's batches (mean over them), clipped
+    /// to `clip`; kept in `pending_grads` for the optimiser. Returns (mean loss, norm
+    /// before clipping).
+    fn reference_gradients(&mut self, clip: f64) -> Result<(f64, f64)> {
+        let batches = std::mem::take(&mut self.batches);
         let params: Vec<Tensor> = self
             .model
             .params()
@@ -405,7 +408,7 @@ impl Trainer {
             .collect();
         let mut grads: Vec<Option<Tensor>> = vec![None; params.len()];
         let mut loss_sum = 0.0;
-        for batch in batches {
+        for batch in &batches {
             let (x, y) = self.batch_tensors(batch)?;
             let loss = self.model.loss(&x, &y, &mut self.dropout)?;
             loss_sum += loss.to_scalar::<f32>()? as f64;
@@ -424,9 +427,11 @@ impl Trainer {
             .zip(&params)
             .map(|(g, p)| g.map_or_else(|| p.zeros_like(), Ok))
             .collect::<candle_core::Result<_>>()?;
-        let norm = clip_grad_norm(&mut grads, cfg.grad_clip)?;
+        let norm = clip_grad_norm(&mut grads, clip)?;
+        let mean = loss_sum / batches.len() as f64;
+        self.batches = batches;
         self.pending_grads = Some(grads);
-        Ok((loss_sum / batches.len() as f64, norm))
+        Ok((mean, norm))
     }
 
     /// Mean loss over `eval_iters` batches of train and of val. The batches are the same
