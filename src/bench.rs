@@ -20,6 +20,7 @@ use crate::generate::{DecodeMode, Decoder};
 use crate::model::{Dropout, Gpt};
 use crate::sample::argmax;
 use crate::train::optim::{clip_grad_norm, AdamW};
+use crate::train::uses_fused_path;
 
 pub struct BenchOptions {
     pub steps: usize,
@@ -103,9 +104,9 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
     let train = &config.train;
     let (b, t) = (train.batch_size, cfg.block_size);
     let model = Gpt::new(&cfg, config.run.seed, device)?;
-    let fused = train.fused && FastGpt::unsupported(device).is_none();
+    let fused = uses_fused_path(train, device)?;
     let mut fast = if fused {
-        Some(FastGpt::new(&cfg, model.params(), b)?)
+        Some(FastGpt::new(&cfg, model.params(), b, train.dtype)?)
     } else {
         None
     };

@@ -132,6 +132,18 @@ pub enum NormKind {
     RmsNorm,
 }
 
+/// Precision of the matrix products in training (`train.dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// f32 operands and sums.
+    #[default]
+    F32,
+    /// Mixed precision: matrix-product operands rounded to bf16, products summed in
+    /// f32. Weights, gradients, optimiser state, norms, softmax and the loss stay f32.
+    Bf16,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MlpKind {
@@ -287,6 +299,9 @@ pub struct TrainConfig {
     /// Train with the fused CPU kernels when the model allows (`false`: the reference
     /// candle-ops model with autograd, as on GPUs).
     pub fused: bool,
+    /// Precision of the matrix products: "f32", or "bf16" (bf16 operands, f32 sums;
+    /// f32 master weights and optimiser). bf16 needs the fused CPU path.
+    pub dtype: Precision,
     /// Start from this checkpoint's weights and tokenizer (fine-tuning); set by
     /// `train --init-from`. The model section then comes from that checkpoint.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -313,6 +328,7 @@ impl Default for TrainConfig {
             log_interval: 10,
             checkpoint_interval: 500,
             fused: true,
+            dtype: Precision::F32,
             init_from: None,
         }
     }

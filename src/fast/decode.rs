@@ -15,7 +15,7 @@ use anyhow::Result;
 use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 
-use super::gemm::{matmul, Layout};
+use super::gemm::{matmul, Layout, Precision};
 use super::kernels::{
     axpy, dot_lanes, exp_approx, gelu_erf, gelu_tanh, layer_norm, matvec, multiversion, rms_norm,
     softmax_inline,
@@ -526,7 +526,18 @@ fn project(
         WeightRef::Rows(w) => (w, Layout::Transposed),
         WeightRef::Cols(wt) => (wt, Layout::AsIs),
     };
-    matmul(out, x, Layout::AsIs, w, layout, rows, d_out, d_in, false);
+    matmul(
+        out,
+        x,
+        Layout::AsIs,
+        w,
+        layout,
+        rows,
+        d_out,
+        d_in,
+        false,
+        Precision::F32,
+    );
     if let Some(bias) = bias {
         for row in out[..rows * d_out].chunks_exact_mut(d_out) {
             add(row, bias);

@@ -3,12 +3,23 @@
 
 use gemm::Parallelism;
 
+pub use crate::config::Precision;
+
+use super::bf16::matmul_bf16;
+
 /// Products smaller than this (in multiply-adds) stay on one thread: handing work to
 /// another costs more than it saves.
 const PARALLEL_MIN_MACS: usize = 1 << 22;
 
+/// Threads for large products: candle's count (RAYON_NUM_THREADS, else the physical
+/// cores), looked up once: candle reads the environment and /proc/cpuinfo per call.
+pub fn threads() -> usize {
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(candle_core::utils::get_num_threads)
+}
+
 fn parallelism(m: usize, n: usize, k: usize) -> Parallelism {
-    let threads = candle_core::utils::get_num_threads();
+    let threads = threads();
     if threads > 1 && m * n * k >= PARALLEL_MIN_MACS {
         Parallelism::Rayon(threads)
     } else {
@@ -26,7 +37,8 @@ pub enum Layout {
 }
 
 /// dst (m x n) = a (m x k) · b (k x n), or += with `accumulate`; `a_layout` and
-/// `b_layout` say whether each operand is stored as used or transposed.
+/// `b_layout` say whether each operand is stored as used or transposed. Spread over
+/// threads when large.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
     dst: &mut [f32],
@@ -38,17 +50,14 @@ pub fn matmul(
     n: usize,
     k: usize,
     accumulate: bool,
+    precision: Precision,
 ) {
     assert!(dst.len() >= m * n && a.len() >= m * k && b.len() >= k * n);
-    // (row stride, column stride) of each operand as used.
-    let (a_rs, a_cs) = match a_layout {
-        Layout::AsIs => (k as isize, 1),
-        Layout::Transposed => (1, m as isize),
-    };
-    let (b_rs, b_cs) = match b_layout {
-        Layout::AsIs => (n as isize, 1),
-        Layout::Transposed => (1, k as isize),
-    };
+    let a = Strided::new(a, a_layout, m, k);
+    let b = Strided::new(b, b_layout, k, n);
+    if precision == Precision::Bf16 {
+        return matmul_bf16(dst, n, a, b, m, n, k, accumulate, 1.0, true);
+    }
     // Safety: the assert above bounds every index gemm touches given these strides.
     unsafe {
         gemm::gemm(
@@ -59,12 +68,12 @@ pub fn matmul(
             1,
             n as isize,
             accumulate,
-            a.as_ptr(),
-            a_cs,
-            a_rs,
-            b.as_ptr(),
-            b_cs,
-            b_rs,
+            a.data.as_ptr(),
+            a.col as isize,
+            a.row as isize,
+            b.data.as_ptr(),
+            b.col as isize,
+            b.row as isize,
             1.0,
             1.0,
             false,
@@ -83,6 +92,24 @@ pub struct Strided<'a> {
     pub col: usize,
 }
 
+impl<'a> Strided<'a> {
+    /// A dense (rows x cols) operand stored as `layout` says.
+    pub fn new(data: &'a [f32], layout: Layout, rows: usize, cols: usize) -> Self {
+        match layout {
+            Layout::AsIs => Self {
+                data,
+                row: cols,
+                col: 1,
+            },
+            Layout::Transposed => Self {
+                data,
+                row: 1,
+                col: rows,
+            },
+        }
+    }
+}
+
 /// dst (m x n, rows `dst_row` apart) = dst (if `accumulate`) + beta * a · b, on
 /// this thread: for the many small products inside attention, already spread over
 /// threads by the caller.
@@ -97,7 +124,11 @@ pub fn matmul_strided(
     k: usize,
     accumulate: bool,
     beta: f32,
+    precision: Precision,
 ) {
+    if precision == Precision::Bf16 {
+        return matmul_bf16(dst, dst_row, a, b, m, n, k, accumulate, beta, false);
+    }
     let last = |s: &Strided, rows: usize, cols: usize| (rows - 1) * s.row + (cols - 1) * s.col;
     assert!(m > 0 && n > 0 && k > 0);
     assert!(dst.len() > (m - 1) * dst_row + n - 1);
@@ -147,7 +178,7 @@ mod tests {
         for (aa, al) in [(&a, Layout::AsIs), (&at, Layout::Transposed)] {
             for (bb, bl) in [(&b, Layout::AsIs), (&bt, Layout::Transposed)] {
                 let mut out = vec![1.0f32; m * n];
-                matmul(&mut out, aa, al, bb, bl, m, n, k, true);
+                matmul(&mut out, aa, al, bb, bl, m, n, k, true, Precision::F32);
                 for (o, e) in out.iter().zip(&expected) {
                     assert!((o - (1.0 + e)).abs() < 1e-5, "{al:?} {bl:?}");
                 }

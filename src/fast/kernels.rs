@@ -60,6 +60,41 @@ pub fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
+/// sum_i f(a[i], b[i], c[i]) over equal-length slices, in 16 interleaved partial sums:
+/// one running sum is a serial chain the compiler may not reorder, so it would not
+/// vectorise. Inlined into the multiversioned kernels. (Pass `a` again for fewer
+/// operands.)
+#[inline(always)]
+pub fn sum_lanes3(a: &[f32], b: &[f32], c: &[f32], f: impl Fn(f32, f32, f32) -> f32) -> f32 {
+    const LANES: usize = 16;
+    debug_assert!(a.len() == b.len() && a.len() == c.len());
+    let whole = a.len() / LANES * LANES;
+    let mut acc = [0f32; LANES];
+    for ((ca, cb), cc) in a[..whole]
+        .chunks_exact(LANES)
+        .zip(b[..whole].chunks_exact(LANES))
+        .zip(c[..whole].chunks_exact(LANES))
+    {
+        for k in 0..LANES {
+            acc[k] += f(ca[k], cb[k], cc[k]);
+        }
+    }
+    let mut sum = 0.0;
+    for v in acc {
+        sum += v;
+    }
+    for i in whole..a.len() {
+        sum += f(a[i], b[i], c[i]);
+    }
+    sum
+}
+
+/// sum_i f(x[i]), vectorisable (see `sum_lanes3`).
+#[inline(always)]
+pub fn sum_lanes(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    sum_lanes3(x, x, x, |v, _, _| f(v))
+}
+
 /// y += alpha * x.
 #[inline(always)]
 pub fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {

@@ -2,6 +2,7 @@
 //! reference model (plain candle ops) in tests. The reference stays the definition of
 //! the model and the path on every other device.
 
+pub mod bf16;
 pub mod decode;
 pub mod gemm;
 pub mod kernels;

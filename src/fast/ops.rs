@@ -5,8 +5,10 @@
 
 use rayon::prelude::*;
 
-use super::gemm::{matmul_strided, Strided};
-use super::kernels::{axpy, erf_approx, exp_approx, multiversion};
+use super::gemm::{matmul_strided, Precision, Strided};
+use super::kernels::{
+    axpy, dot_lanes, erf_approx, exp_approx, multiversion, sum_lanes, sum_lanes3,
+};
 
 // --- Embedding ----------------------------------------------------------------------
 
@@ -67,8 +69,8 @@ multiversion! {
     ) {
         let c = w.len();
         for (n, (xr, or)) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)).enumerate() {
-            let m = xr.iter().sum::<f32>() / c as f32;
-            let var = xr.iter().map(|v| (v - m) * (v - m)).sum::<f32>() / c as f32;
+            let m = sum_lanes(xr, |v| v) / c as f32;
+            let var = sum_lanes(xr, |v| (v - m) * (v - m)) / c as f32;
             let s = 1.0 / (var + eps).sqrt();
             for i in 0..c {
                 or[i] = (xr[i] - m) * s * w[i] + b.map_or(0.0, |b| b[i]);
@@ -122,16 +124,8 @@ multiversion! {
             .enumerate()
         {
             let (m, s) = (mean[n], rstd[n]);
-            let mut g_mean = 0.0;
-            let mut gx_mean = 0.0;
-            for i in 0..c {
-                let xhat = (xr[i] - m) * s;
-                let g = dor[i] * w[i];
-                g_mean += g;
-                gx_mean += g * xhat;
-            }
-            g_mean /= c as f32;
-            gx_mean /= c as f32;
+            let g_mean = sum_lanes3(dor, w, w, |d, w, _| d * w) / c as f32;
+            let gx_mean = sum_lanes3(dor, w, xr, |d, w, x| d * w * (x - m) * s) / c as f32;
             for i in 0..c {
                 let xhat = (xr[i] - m) * s;
                 let g = dor[i] * w[i];
@@ -145,45 +139,49 @@ multiversion! {
     }
 }
 
-/// RMSNorm: out = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps); keeps rstd.
-pub fn rmsnorm_forward(out: &mut [f32], rstd: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
-    let c = w.len();
-    for (n, (xr, or)) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)).enumerate() {
-        let s = 1.0 / (xr.iter().map(|v| v * v).sum::<f32>() / c as f32 + eps).sqrt();
-        for i in 0..c {
-            or[i] = xr[i] * s * w[i];
-        }
-        rstd[n] = s;
-    }
-}
-
-/// With xhat = x * rstd and g = dout * w: dx += rstd * (g - xhat * mean(g * xhat));
-/// dw += dout * xhat.
-pub fn rmsnorm_backward(
-    dx: &mut [f32],
-    dw: &mut [f32],
-    dout: &[f32],
-    x: &[f32],
-    w: &[f32],
-    rstd: &[f32],
-) {
-    let c = w.len();
-    for (n, ((dxr, dor), xr)) in dx
-        .chunks_exact_mut(c)
-        .zip(dout.chunks_exact(c))
-        .zip(x.chunks_exact(c))
-        .enumerate()
-    {
-        let s = rstd[n];
-        let gx_mean = (0..c).map(|i| dor[i] * w[i] * xr[i] * s).sum::<f32>() / c as f32;
-        for i in 0..c {
-            let xhat = xr[i] * s;
-            dxr[i] += s * (dor[i] * w[i] - xhat * gx_mean);
-            dw[i] += dor[i] * xhat;
+multiversion! {
+    /// RMSNorm: out = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps); keeps rstd.
+    pub fn rmsnorm_forward(out: &mut [f32], rstd: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
+        let c = w.len();
+        for (n, (xr, or)) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)).enumerate() {
+            let s = 1.0 / (sum_lanes(xr, |v| v * v) / c as f32 + eps).sqrt();
+            for i in 0..c {
+                or[i] = xr[i] * s * w[i];
+            }
+            rstd[n] = s;
         }
     }
 }
 
+multiversion! {
+    /// With xhat = x * rstd and g = dout * w: dx += rstd * (g - xhat * mean(g * xhat));
+    /// dw += dout * xhat.
+    pub fn rmsnorm_backward(
+        dx: &mut [f32],
+        dw: &mut [f32],
+        dout: &[f32],
+        x: &[f32],
+        w: &[f32],
+        rstd: &[f32],
+    ) {
+        let c = w.len();
+        for (n, ((dxr, dor), xr)) in dx
+            .chunks_exact_mut(c)
+            .zip(dout.chunks_exact(c))
+            .zip(x.chunks_exact(c))
+            .enumerate()
+        {
+            let s = rstd[n];
+            let gx_mean = sum_lanes3(dor, w, xr, |d, w, x| d * w * x * s) / c as f32;
+            for i in 0..c {
+                let xhat = xr[i] * s;
+                dxr[i] += s * (dor[i] * w[i] - xhat * gx_mean);
+                dw[i] += dor[i] * xhat;
+            }
+        }
+    }
+
+}
 /// A norm layer of either kind, with its statistics kept by the caller: `mean` is
 /// unused by RMSNorm.
 #[derive(Debug, Clone, Copy)]
@@ -484,6 +482,7 @@ impl AttnShape {
 /// With a dropout `mask` (B, H, T, T; 0 or 1/(1-p)), Y = (P * mask) V; att keeps P.
 /// `scratch` holds 2 T x T values per sequence.
 pub fn attention_forward(
+    precision: Precision,
     y: &mut [f32],
     att: &mut [f32],
     qkv: &[f32],
@@ -500,13 +499,14 @@ pub fn attention_forward(
         .enumerate()
         .for_each(|(b, (((y, att), qkv), scratch))| {
             let mask = mask.map(|m| &m[b * per_seq..(b + 1) * per_seq]);
-            attention_forward_one(y, att, qkv, mask, &mut scratch[..t * t], s)
+            attention_forward_one(precision, y, att, qkv, mask, &mut scratch[..t * t], s)
         });
 }
 
 /// `attention_forward` for one sequence: per head, S = scale Q Kᵀ, causal softmax in
 /// place, Y = P V (GEMMs on strided views of qkv).
 pub fn attention_forward_one(
+    precision: Precision,
     y: &mut [f32],
     att: &mut [f32],
     qkv: &[f32],
@@ -534,7 +534,7 @@ pub fn attention_forward_one(
             col: 1,
         };
         let p = &mut att[head * t * t..(head + 1) * t * t];
-        matmul_strided(p, t, q, kt, t, t, d, false, scale);
+        matmul_strided(p, t, q, kt, t, t, d, false, scale, precision);
         causal_softmax_rows(p, t);
         let p: &[f32] = match mask {
             Some(mask) => {
@@ -551,7 +551,7 @@ pub fn attention_forward_one(
             row: t,
             col: 1,
         };
-        matmul_strided(&mut y[head * d..], c, p, v, t, d, t, false, 1.0);
+        matmul_strided(&mut y[head * d..], c, p, v, t, d, t, false, 1.0, precision);
     }
 }
 
@@ -560,12 +560,10 @@ multiversion! {
     pub fn causal_softmax_rows(p: &mut [f32], t: usize) {
         for (i, row) in p.chunks_exact_mut(t).enumerate() {
             let max = max_lanes(&row[..=i]);
-            let mut sum = 0.0;
             for a in row[..=i].iter_mut() {
                 *a = exp_approx(*a - max);
-                sum += *a;
             }
-            let inv = 1.0 / sum;
+            let inv = 1.0 / sum_lanes(&row[..=i], |a| a);
             for a in row[..=i].iter_mut() {
                 *a *= inv;
             }
@@ -577,7 +575,9 @@ multiversion! {
 /// Backward of `attention_forward`: dqkv += d(q | k | v) from dy.
 /// With p = att[i, :], dp_j = dy_i . v_j, ds_j = p_j (dp_j - sum_k p_k dp_k):
 /// dv_j += p_j dy_i; dq_i += scale sum_j ds_j k_j; dk_j += scale ds_j q_i.
+#[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
+    precision: Precision,
     dqkv: &mut [f32],
     dy: &[f32],
     qkv: &[f32],
@@ -597,7 +597,7 @@ pub fn attention_backward(
         .for_each(|(b, ((((dqkv, dy), qkv), att), scratch))| {
             let mask = mask.map(|m| &m[b * per_seq..(b + 1) * per_seq]);
             let (ds, dropped) = scratch.split_at_mut(t * t);
-            attention_backward_one(dqkv, dy, qkv, att, mask, s, ds, dropped)
+            attention_backward_one(precision, dqkv, dy, qkv, att, mask, s, ds, dropped)
         });
 }
 
@@ -606,6 +606,7 @@ pub fn attention_backward(
 /// dS = P * (dP - rowsum(P * dP)) * scale; dQ += dS K; dK += dSᵀ Q; dV += Pdᵀ dY.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_one(
+    precision: Precision,
     dqkv: &mut [f32],
     dy: &[f32],
     qkv: &[f32],
@@ -630,7 +631,7 @@ pub fn attention_backward_one(
             row: 1,
             col: w,
         };
-        matmul_strided(ds, t, dy_h, vt, t, t, d, false, 1.0);
+        matmul_strided(ds, t, dy_h, vt, t, t, d, false, 1.0, precision);
         let head_mask = mask.map(|m| &m[head * t * t..(head + 1) * t * t]);
         if let Some(m) = head_mask {
             for (g, k) in ds.iter_mut().zip(m) {
@@ -658,8 +659,19 @@ pub fn attention_backward_one(
             row: w,
             col: 1,
         };
-        matmul_strided(&mut dqkv[head * d..], w, ds_m, k, t, d, t, true, 1.0);
-        matmul_strided(&mut dqkv[ko..], w, ds_t, q, t, d, t, true, 1.0);
+        matmul_strided(
+            &mut dqkv[head * d..],
+            w,
+            ds_m,
+            k,
+            t,
+            d,
+            t,
+            true,
+            1.0,
+            precision,
+        );
+        matmul_strided(&mut dqkv[ko..], w, ds_t, q, t, d, t, true, 1.0, precision);
         let p_used: &[f32] = match head_mask {
             Some(m) => {
                 for ((o, a), k) in dropped.iter_mut().zip(p).zip(m) {
@@ -674,7 +686,7 @@ pub fn attention_backward_one(
             row: 1,
             col: t,
         };
-        matmul_strided(&mut dqkv[vo..], w, p_t, dy_h, t, d, t, true, 1.0);
+        matmul_strided(&mut dqkv[vo..], w, p_t, dy_h, t, d, t, true, 1.0, precision);
     }
 }
 
@@ -682,7 +694,7 @@ multiversion! {
     /// dP -> dS in place, row by row: ds_j = p_j (dp_j - sum_k p_k dp_k) * scale.
     pub fn softmax_rows_backward(ds: &mut [f32], p: &[f32], t: usize, scale: f32) {
         for (row, p) in ds.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
-            let weighted: f32 = row.iter().zip(p).map(|(a, b)| a * b).sum();
+            let weighted = dot_lanes(row, p);
             for (a, &pj) in row.iter_mut().zip(p) {
                 *a = pj * (*a - weighted) * scale;
             }
@@ -848,6 +860,7 @@ mod tests {
         let mut f = |qkv: &[f32]| -> f64 {
             let (mut y, mut att) = (vec![0.0; n * s.c], vec![0.0; s.b * s.h * s.t * s.t]);
             attention_forward(
+                Precision::F32,
                 &mut y,
                 &mut att,
                 qkv,
@@ -859,6 +872,7 @@ mod tests {
         };
         let (mut y, mut att) = (vec![0.0; n * s.c], vec![0.0; s.b * s.h * s.t * s.t]);
         attention_forward(
+            Precision::F32,
             &mut y,
             &mut att,
             &qkv,
@@ -868,6 +882,7 @@ mod tests {
         );
         let mut dqkv = vec![0.0; n * s.width()];
         attention_backward(
+            Precision::F32,
             &mut dqkv,
             &probe,
             &qkv,

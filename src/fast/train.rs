@@ -13,7 +13,7 @@ use std::ops::Range;
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 
-use super::gemm::{matmul, Layout};
+use super::gemm::{matmul, Layout, Precision};
 use super::kernels::multiversion;
 use super::ops::{self, AttnShape};
 use crate::config::{ModelConfig, PositionKind, TrainConfig};
@@ -101,6 +101,8 @@ pub struct FastGpt {
     /// Whether the last forward drew dropout masks (training) or not (evaluation).
     dropped: bool,
     targets: Vec<u32>,
+    /// Of every matrix product, forward and backward.
+    precision: Precision,
 }
 
 impl FastGpt {
@@ -112,8 +114,14 @@ impl FastGpt {
         None
     }
 
-    /// Lays out `params` (the reference model's, in their order) for (batch, block_size).
-    pub fn new(cfg: &ModelConfig, params: &Params, batch: usize) -> Result<Self> {
+    /// Lays out `params` (the reference model's, in their order) for (batch, block_size),
+    /// with matrix products in `precision`.
+    pub fn new(
+        cfg: &ModelConfig,
+        params: &Params,
+        batch: usize,
+        precision: Precision,
+    ) -> Result<Self> {
         let mut names = Vec::new();
         let mut offset = 0;
         let mut flat = Vec::with_capacity(params.count());
@@ -225,6 +233,7 @@ impl FastGpt {
             row_loss: vec![0.0; n],
             dropped: false,
             targets: vec![0; n],
+            precision,
         })
     }
 
@@ -256,6 +265,7 @@ impl FastGpt {
             qkv_w,
         } = self.dims();
         let (norm, act, shape) = (self.norm_op(), self.activation(), self.attn_shape());
+        let precision = self.precision;
         self.ids.copy_from_slice(ids);
         self.targets.copy_from_slice(targets);
         let p = &self.params;
@@ -297,6 +307,7 @@ impl FastGpt {
                 opt(&bi.ln_1_b),
             );
             linear_forward(
+                precision,
                 &mut a.qkv,
                 &self.scratch.ln,
                 slice(&bi.attn_w),
@@ -313,6 +324,7 @@ impl FastGpt {
             }
             let att_mask = self.dropped.then_some(a.drop_att.as_slice());
             ops::attention_forward(
+                precision,
                 &mut a.y,
                 &mut a.att,
                 &a.qkv,
@@ -321,6 +333,7 @@ impl FastGpt {
                 shape,
             );
             linear_forward(
+                precision,
                 &mut self.scratch.tmp,
                 &a.y,
                 slice(&bi.proj_w),
@@ -345,6 +358,7 @@ impl FastGpt {
                 opt(&bi.ln_2_b),
             );
             linear_forward(
+                precision,
                 &mut a.fc,
                 &self.scratch.ln,
                 slice(&bi.fc_w),
@@ -355,6 +369,7 @@ impl FastGpt {
             );
             act.forward(&mut self.scratch.gelu, &a.fc);
             linear_forward(
+                precision,
                 &mut self.scratch.tmp,
                 &self.scratch.gelu,
                 slice(&bi.fc_proj_w),
@@ -391,6 +406,7 @@ impl FastGpt {
             v,
             c,
             false,
+            precision,
         );
         ops::softmax_cross_entropy(&mut self.logits, targets, v, &mut self.row_loss) / n as f64
     }
@@ -409,6 +425,7 @@ impl FastGpt {
             qkv_w,
         } = self.dims();
         let (norm, act, shape) = (self.norm_op(), self.activation(), self.attn_shape());
+        let precision = self.precision;
         let p = &self.params;
         let g = &mut self.grads;
         let s = &mut self.scratch;
@@ -425,6 +442,7 @@ impl FastGpt {
             c,
             v,
             false,
+            precision,
         );
         matmul(
             &mut g[self.wte.clone()],
@@ -436,6 +454,7 @@ impl FastGpt {
             c,
             n,
             true,
+            precision,
         );
         let last = &self.acts.last().expect("at least one layer").res_3;
         s.dres.fill(0.0);
@@ -473,6 +492,7 @@ impl FastGpt {
                 &s.dres
             };
             linear_backward(
+                precision,
                 &mut s.dfc_out,
                 g,
                 dbranch,
@@ -502,6 +522,7 @@ impl FastGpt {
                 &a.ln_2_rstd,
             );
             linear_backward(
+                precision,
                 &mut s.dnorm,
                 g,
                 &s.dfc,
@@ -534,11 +555,12 @@ impl FastGpt {
                 &s.dres
             };
             linear_backward(
-                &mut s.dy, g, dbranch, &a.y, p, &bi.proj_w, &bi.proj_b, n, c, c,
+                precision, &mut s.dy, g, dbranch, &a.y, p, &bi.proj_w, &bi.proj_b, n, c, c,
             );
             s.dqkv.fill(0.0);
             let att_mask = self.dropped.then_some(a.drop_att.as_slice());
             ops::attention_backward(
+                precision,
                 &mut s.dqkv,
                 &s.dy,
                 &a.qkv,
@@ -562,6 +584,7 @@ impl FastGpt {
                 &a.ln_1_rstd,
             );
             linear_backward(
+                precision,
                 &mut s.dnorm,
                 g,
                 &s.dqkv,
@@ -830,7 +853,9 @@ fn masked<'o>(out: &'o mut [f32], x: &[f32], mask: &[f32]) -> &'o [f32] {
 }
 
 /// out (n x d_out) = x (n x d_in) · Wᵀ + b.
+#[allow(clippy::too_many_arguments)]
 fn linear_forward(
+    precision: Precision,
     out: &mut [f32],
     x: &[f32],
     w: &[f32],
@@ -849,6 +874,7 @@ fn linear_forward(
         d_out,
         d_in,
         false,
+        precision,
     );
     if let Some(b) = b {
         ops::add_bias(&mut out[..n * d_out], b);
@@ -858,6 +884,7 @@ fn linear_forward(
 /// For out = x Wᵀ + b: dx = dout · W (overwritten), dW += doutᵀ · x, db += sum(dout).
 #[allow(clippy::too_many_arguments)]
 fn linear_backward(
+    precision: Precision,
     dx: &mut [f32],
     grads: &mut [f32],
     dout: &[f32],
@@ -879,6 +906,7 @@ fn linear_backward(
         d_in,
         d_out,
         false,
+        precision,
     );
     matmul(
         &mut grads[w.clone()],
@@ -890,6 +918,7 @@ fn linear_backward(
         d_in,
         n,
         true,
+        precision,
     );
     if let Some(b) = b {
         ops::bias_backward(&mut grads[b.clone()], &dout[..n * d_out]);

@@ -14,7 +14,7 @@ use candle_core::{Device, Tensor};
 use serde_json::json;
 
 use crate::checkpoint::{RunDir, TrainState, MODEL_FILE, OPTIMIZER_FILE};
-use crate::config::{Config, TokenizerKind};
+use crate::config::{Config, Precision, TokenizerKind, TrainConfig};
 use crate::data::{self, Batch, BatchSampler, Split, Tokens};
 use crate::device::parse_device;
 use crate::error::{DivergedError, InterruptedError};
@@ -108,6 +108,25 @@ enum Engine {
     Fused(Box<FastGpt>),
 }
 
+/// Whether training runs on the fused CPU kernels (`fast::train`) rather than the
+/// reference model. bf16 matrix products exist only there, so asking for them where
+/// the fused path is off is refused rather than silently trained in f32.
+pub fn uses_fused_path(train: &TrainConfig, device: &Device) -> Result<bool> {
+    let why_not = if train.fused {
+        FastGpt::unsupported(device)
+    } else {
+        Some("train.fused = false".into())
+    };
+    match (why_not, train.dtype) {
+        (None, _) => Ok(true),
+        (Some(_), Precision::F32) => Ok(false),
+        (Some(why), Precision::Bf16) => user_bail!(
+            "train.dtype = \"bf16\" needs the fused CPU path, which is off here ({why}); \
+             use train.dtype = \"f32\""
+        ),
+    }
+}
+
 /// Everything a run holds between steps.
 pub struct Trainer {
     pub config: Config,
@@ -142,6 +161,8 @@ impl Trainer {
     pub fn start(mut config: Config, start: Start) -> Result<Self> {
         let resume = start == Start::Resume;
         let device = parse_device(&config.run.device)?;
+        // Before anything is written: a refused dtype must leave no run folder behind.
+        let fused = uses_fused_path(&config.train, &device)?;
         let run = RunDir::new(config.run_dir());
         let mut state = TrainState::default();
         let docs = data::read_corpus(&config.data.corpus)?;
@@ -260,12 +281,12 @@ impl Trainer {
             dropout.set_position(parse_position(&state.dropout_position)?);
             run.truncate_metrics(state.step)?;
         }
-        let fused = config.train.fused && FastGpt::unsupported(&device).is_none();
         let mut engine = if fused {
             Engine::Fused(Box::new(FastGpt::new(
                 &config.model,
                 model.params(),
                 config.train.batch_size,
+                config.train.dtype,
             )?))
         } else {
             Engine::Reference(AdamW::new(model.params(), &config.train)?)
@@ -500,7 +521,10 @@ impl Trainer {
     /// "fused CPU kernels", or why the reference path is used.
     pub fn engine_name(&self) -> String {
         match &self.engine {
-            Engine::Fused(_) => "fused CPU kernels".into(),
+            Engine::Fused(_) => match self.config.train.dtype {
+                Precision::F32 => "fused CPU kernels".into(),
+                Precision::Bf16 => "fused CPU kernels, bf16 matrix products".into(),
+            },
             Engine::Reference(_) if !self.config.train.fused => {
                 "reference (train.fused = false)".into()
             }

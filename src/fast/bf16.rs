@@ -1,0 +1,684 @@
+//! Matrix products with bf16 operands and f32 accumulation: the GEMM behind
+//! `dtype = "bf16"` mixed precision.
+//!
+//! Operands stay f32 in memory (the master weights and the activations); they are
+//! rounded to bf16 (to nearest, ties to even) while being packed into the small
+//! panels the inner kernel reads, so no bf16 copy of any tensor is kept. Products
+//! of two bf16 numbers are exact in f32, and sums are f32: the only precision lost
+//! is the rounding of each operand to 8 significant bits.
+//!
+//! The inner kernel is `vdpbf16ps` (AVX512_BF16): per 32-bit lane, two bf16 products
+//! added to an f32 accumulator, twice the multiply-adds of an f32 FMA per instruction.
+//! That pairs up neighbouring k: a packed operand holds, per 32-bit word, the bf16 of
+//! k = 2p in the low half and k = 2p + 1 in the high half. CPUs without AVX512_BF16
+//! run the same packed data through a plain-Rust kernel with the same numerics.
+//!
+//! Blocking follows BLIS/gemm: k in blocks of `KC`, rows in blocks of `MC` packed as
+//! `MR`-row panels, columns packed as `NR`-column panels, an `MR` x `NR` tile of
+//! accumulators in registers (6 x 64 f32 = 24 AVX-512 registers).
+
+use std::cell::RefCell;
+
+use super::gemm::Strided;
+
+const MR: usize = 6;
+const NR: usize = 64;
+/// k per packed block (even, so pairs never straddle blocks).
+const KC: usize = 384;
+/// Rows per packed block of A (a multiple of `MR`): 96 x 128 words = 48 KiB, in L2.
+const MC: usize = 96;
+
+/// Products smaller than this (in multiply-adds) stay on one thread.
+const PARALLEL_MIN_MACS: usize = 1 << 22;
+
+/// The bits of the bf16 nearest to `x` (ties to even); NaN stays NaN.
+#[inline(always)]
+pub fn to_bf16_bits(x: f32) -> u16 {
+    let bits = x.to_bits();
+    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16;
+    let quiet_nan = (bits >> 16) | 0x40;
+    (if bits & 0x7fff_ffff > 0x7f80_0000 {
+        quiet_nan
+    } else {
+        rounded
+    }) as u16
+}
+
+/// `x` rounded to the nearest bf16, as an f32.
+#[inline(always)]
+pub fn round_to_bf16(x: f32) -> f32 {
+    f32::from_bits((to_bf16_bits(x) as u32) << 16)
+}
+
+/// One 32-bit word of a packed operand: `even` (k = 2p) low, `odd` (k = 2p + 1) high.
+#[inline(always)]
+fn pair(even: f32, odd: f32) -> u32 {
+    to_bf16_bits(even) as u32 | (to_bf16_bits(odd) as u32) << 16
+}
+
+/// Pack buffers, one set per thread, grown on first use and then reused.
+#[derive(Default)]
+struct Panels {
+    a: Vec<u32>,
+    b: Vec<u32>,
+    column: Vec<u32>,
+}
+
+thread_local! {
+    static PANELS: RefCell<Panels> = RefCell::new(Panels::default());
+}
+
+/// dst (m x n, rows `dst_row` apart) = dst (if `accumulate`) + beta * a · b, with a
+/// and b rounded to bf16 and f32 sums. Splits the work over the available threads
+/// when it is large enough (`parallel`).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_bf16(
+    dst: &mut [f32],
+    dst_row: usize,
+    a: Strided,
+    b: Strided,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+    beta: f32,
+    parallel: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let last = |s: &Strided, rows: usize, cols: usize| (rows - 1) * s.row + (cols - 1) * s.col;
+    assert!(dst.len() > (m - 1) * dst_row + n - 1 && dst_row >= n);
+    assert!(k == 0 || (a.data.len() > last(&a, m, k) && b.data.len() > last(&b, k, n)));
+    let problem = Problem {
+        dst: dst.as_mut_ptr(),
+        dst_row,
+        a,
+        b,
+        k,
+        accumulate,
+        beta,
+    };
+    if !parallel || super::gemm::threads() < 2 || m * n * k < PARALLEL_MIN_MACS {
+        // Safety: the asserts above bound every access; `dst` is borrowed mutably.
+        unsafe { problem.run(0..m, 0..n) };
+        return;
+    }
+    // Split the longer side into one contiguous share per thread, in whole panels.
+    let threads = super::gemm::threads();
+    let (len, unit) = if m >= n { (m, MR) } else { (n, NR) };
+    let share = len.div_ceil(threads).div_ceil(unit) * unit;
+    let shares = len.div_ceil(share);
+    let problem = &problem;
+    rayon::scope(|scope| {
+        for i in 1..shares {
+            scope.spawn(move |_| problem.run_share(m, n, share, i));
+        }
+        problem.run_share(m, n, share, 0);
+    });
+}
+
+/// One product, shared (read-only) by the threads that compute its parts.
+struct Problem<'a> {
+    dst: *mut f32,
+    dst_row: usize,
+    a: Strided<'a>,
+    b: Strided<'a>,
+    k: usize,
+    accumulate: bool,
+    beta: f32,
+}
+
+// Safety: threads write disjoint parts of `dst` (`run_share`), and the operands are
+// shared reads.
+unsafe impl Sync for Problem<'_> {}
+
+impl Problem<'_> {
+    /// The `i`-th share of `share` rows (if m >= n) or columns.
+    fn run_share(&self, m: usize, n: usize, share: usize, i: usize) {
+        // Safety: shares are disjoint and inside (m, n), which `matmul_bf16` checked.
+        unsafe {
+            if m >= n {
+                self.run(i * share..((i + 1) * share).min(m), 0..n)
+            } else {
+                self.run(0..m, i * share..((i + 1) * share).min(n))
+            }
+        }
+    }
+
+    /// Computes the block (rows, cols) of dst on this thread.
+    ///
+    /// # Safety
+    /// rows and cols must lie inside the bounds checked by `matmul_bf16`, and no other
+    /// thread may touch this block of dst meanwhile.
+    unsafe fn run(&self, rows: std::ops::Range<usize>, cols: std::ops::Range<usize>) {
+        self.run_with(pick_kernel(), rows, cols)
+    }
+
+    /// `run` with a given inner kernel.
+    ///
+    /// # Safety
+    /// As for `run`; the CPU must have what `kernel` needs.
+    unsafe fn run_with(
+        &self,
+        kernel: Kernel,
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+    ) {
+        PANELS.with(|panels| {
+            let panels = &mut *panels.borrow_mut();
+            let n = cols.len();
+            let col_panels = n.div_ceil(NR);
+            if self.k == 0 {
+                // An empty sum: dst = dst (if accumulating) + beta * 0.
+                for r in rows {
+                    let row = self.dst.add(r * self.dst_row + cols.start);
+                    for j in 0..n {
+                        *row.add(j) = if self.accumulate { *row.add(j) } else { 0.0 };
+                    }
+                }
+                return;
+            }
+            // Equal k blocks of at most KC (even): fewer, fuller passes over dst.
+            let step = self.k.div_ceil(self.k.div_ceil(KC)).next_multiple_of(2);
+            for k0 in (0..self.k).step_by(step) {
+                let kc = step.min(self.k - k0);
+                let kp = kc.div_ceil(2);
+                pack_b(
+                    &mut panels.b,
+                    &mut panels.column,
+                    &self.b,
+                    k0,
+                    kc,
+                    cols.clone(),
+                );
+                let load = self.accumulate || k0 > 0;
+                let mut i0 = rows.start;
+                while i0 < rows.end {
+                    let mc = MC.min(rows.end - i0);
+                    let strides = pack_a(&mut panels.a, &self.a, i0, mc, k0, kc);
+                    for jp in 0..col_panels {
+                        let b = panels.b.as_ptr().add(jp * kp * NR);
+                        let width = NR.min(n - jp * NR);
+                        for ip in 0..mc.div_ceil(MR) {
+                            let height = MR.min(mc - ip * MR);
+                            let a = APanel {
+                                first: panels.a.as_ptr().add(ip * MR * strides.row),
+                                row: strides.row,
+                                pair: strides.pair,
+                                height,
+                            };
+                            let c = self
+                                .dst
+                                .add((i0 + ip * MR) * self.dst_row + cols.start + jp * NR);
+                            kernel(
+                                kp,
+                                a,
+                                b,
+                                Tile {
+                                    c,
+                                    row: self.dst_row,
+                                    height,
+                                    width,
+                                    load,
+                                    beta: self.beta,
+                                },
+                            );
+                        }
+                    }
+                    i0 += mc;
+                }
+            }
+        })
+    }
+}
+
+/// Rows i0..i0+mc, k k0..k0+kc of A as pair words, in whichever order reads A along
+/// memory: word (i, p) is at `i * row + p * pair`. k past kc reads as zero.
+struct APairs {
+    row: usize,
+    pair: usize,
+}
+
+fn pack_a(dst: &mut Vec<u32>, a: &Strided, i0: usize, mc: usize, k0: usize, kc: usize) -> APairs {
+    let kp = kc.div_ceil(2);
+    dst.clear();
+    dst.resize(mc * kp, 0);
+    if a.row == 1 && a.col != 1 {
+        // A's columns (fixed k) run along memory: zip pairs of them, all rows at once.
+        for (p, out) in dst.chunks_exact_mut(mc).enumerate() {
+            let even = &a.data[(k0 + 2 * p) * a.col + i0..][..mc];
+            let odd = (2 * p + 1 < kc).then(|| &a.data[(k0 + 2 * p + 1) * a.col + i0..][..mc]);
+            zip_pairs(even, odd, out);
+        }
+        APairs { row: 1, pair: mc }
+    } else {
+        for (i, out) in dst.chunks_exact_mut(kp).enumerate() {
+            let start = (i0 + i) * a.row + k0 * a.col;
+            if a.col == 1 {
+                convert_pairs(&a.data[start..start + kc], out);
+            } else {
+                let at = |kk: usize| {
+                    if kk < kc {
+                        a.data[start + kk * a.col]
+                    } else {
+                        0.0
+                    }
+                };
+                for (p, w) in out.iter_mut().enumerate() {
+                    *w = pair(at(2 * p), at(2 * p + 1));
+                }
+            }
+        }
+        APairs { row: kp, pair: 1 }
+    }
+}
+
+/// Packs k k0..k0+kc, columns `cols` of `b` as `NR`-column panels: word (p, j) of a
+/// panel holds column j's k pair p; columns past the end and k past kc are zeros.
+/// `column` is scratch for one column's words.
+fn pack_b(
+    dst: &mut Vec<u32>,
+    column: &mut Vec<u32>,
+    b: &Strided,
+    k0: usize,
+    kc: usize,
+    cols: std::ops::Range<usize>,
+) {
+    let kp = kc.div_ceil(2);
+    let n = cols.len();
+    let panels = n.div_ceil(NR);
+    dst.clear();
+    dst.resize(panels * kp * NR, 0);
+    for panel in 0..panels {
+        let out = &mut dst[panel * kp * NR..(panel + 1) * kp * NR];
+        let c0 = cols.start + panel * NR;
+        let width = NR.min(n - panel * NR);
+        if b.col == 1 {
+            // B's rows (fixed k) run along memory: zip pairs of them.
+            for (p, words) in out.chunks_exact_mut(NR).enumerate() {
+                let even = &b.data[(k0 + 2 * p) * b.row + c0..][..width];
+                let odd =
+                    (2 * p + 1 < kc).then(|| &b.data[(k0 + 2 * p + 1) * b.row + c0..][..width]);
+                zip_pairs(even, odd, &mut words[..width]);
+            }
+        } else {
+            column.clear();
+            column.resize(kp, 0);
+            for j in 0..width {
+                let start = (c0 + j) * b.col + k0 * b.row;
+                if b.row == 1 {
+                    convert_pairs(&b.data[start..start + kc], column);
+                } else {
+                    let at = |kk: usize| {
+                        if kk < kc {
+                            b.data[start + kk * b.row]
+                        } else {
+                            0.0
+                        }
+                    };
+                    for (p, w) in column.iter_mut().enumerate() {
+                        *w = pair(at(2 * p), at(2 * p + 1));
+                    }
+                }
+                for (p, &w) in column.iter().enumerate() {
+                    out[p * NR + j] = w;
+                }
+            }
+        }
+    }
+}
+
+super::kernels::multiversion! {
+    /// out[p] = pair(src[2p], src[2p + 1]), the last odd element paired with zero.
+    pub fn convert_pairs(src: &[f32], out: &mut [u32]) {
+        debug_assert_eq!(out.len(), src.len().div_ceil(2));
+        let whole = src.len() / 2;
+        for (w, two) in out.iter_mut().zip(src.chunks_exact(2)) {
+            *w = pair(two[0], two[1]);
+        }
+        if src.len() % 2 == 1 {
+            out[whole] = pair(src[src.len() - 1], 0.0);
+        }
+    }
+}
+
+super::kernels::multiversion! {
+    /// out[j] = pair(even[j], odd[j]) (odd zero when absent).
+    pub fn zip_pairs(even: &[f32], odd: Option<&[f32]>, out: &mut [u32]) {
+        match odd {
+            Some(odd) => {
+                for ((w, e), o) in out.iter_mut().zip(even).zip(odd) {
+                    *w = pair(*e, *o);
+                }
+            }
+            None => {
+                for (w, e) in out.iter_mut().zip(even) {
+                    *w = pair(*e, 0.0);
+                }
+            }
+        }
+    }
+}
+
+/// Where one `MR` x `NR` tile of accumulators goes: `height` x `width` of it are
+/// real, at `c` with rows `row` apart; c = (c if `load`) + beta * tile.
+struct Tile {
+    c: *mut f32,
+    row: usize,
+    height: usize,
+    width: usize,
+    load: bool,
+    beta: f32,
+}
+
+/// Up to `MR` rows of A's pair words for the inner kernel: word (i, p) at
+/// `first + i * row + p * pair`, for i < `height`.
+struct APanel {
+    first: *const u32,
+    row: usize,
+    pair: usize,
+    height: usize,
+}
+
+impl APanel {
+    /// Where each of the `MR` rows starts; rows past `height` repeat row 0 (their
+    /// results are never stored), so every read stays inside the block.
+    fn rows(&self) -> [*const u32; MR] {
+        std::array::from_fn(|i| {
+            let i = if i < self.height { i } else { 0 };
+            self.first.wrapping_add(i * self.row)
+        })
+    }
+}
+
+/// An inner kernel: the tile for `kp` k pairs of one A panel and one B panel.
+type Kernel = unsafe fn(usize, APanel, *const u32, Tile);
+
+fn pick_kernel() -> Kernel {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512_bf16() {
+        return kernel_avx512_bf16;
+    }
+    kernel_portable
+}
+
+/// Whether this CPU runs the `vdpbf16ps` kernel (otherwise the portable one runs).
+pub fn has_avx512_bf16() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// # Safety
+/// The CPU must have AVX-512F and AVX512_BF16; `a` and `b` must hold `kp` packed
+/// pairs of a full panel each, and the tile must be writable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn kernel_avx512_bf16(kp: usize, a: APanel, b: *const u32, tile: Tile) {
+    use std::arch::x86_64::*;
+    const V: usize = NR / 16;
+    let mut acc = [[_mm512_setzero_ps(); V]; MR];
+    let rows = a.rows();
+    for p in 0..kp {
+        let bp = b.add(p * NR);
+        let bv: [__m512bh; V] =
+            std::array::from_fn(|v| std::mem::transmute(_mm512_loadu_si512(bp.add(16 * v).cast())));
+        for (row, first) in acc.iter_mut().zip(rows) {
+            let word = *first.add(p * a.pair);
+            let ai: __m512bh = std::mem::transmute(_mm512_set1_epi32(word as i32));
+            for v in 0..V {
+                row[v] = _mm512_dpbf16_ps(row[v], ai, bv[v]);
+            }
+        }
+    }
+    let beta = _mm512_set1_ps(tile.beta);
+    for (i, row) in acc.iter().enumerate().take(tile.height) {
+        let c = tile.c.add(i * tile.row);
+        for (v, lane) in row.iter().enumerate() {
+            let start = 16 * v;
+            if start >= tile.width {
+                break;
+            }
+            let mask: __mmask16 = if tile.width - start >= 16 {
+                0xffff
+            } else {
+                (1u16 << (tile.width - start)) - 1
+            };
+            let mut out = _mm512_mul_ps(*lane, beta);
+            if tile.load {
+                out = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, c.add(start)), out);
+            }
+            _mm512_mask_storeu_ps(c.add(start), mask, out);
+        }
+    }
+}
+
+/// The same tile in plain Rust: each word widened to its two f32s (exact), odd k
+/// then even k added per lane, as `vdpbf16ps` does.
+///
+/// # Safety
+/// As for `kernel_avx512_bf16`, less the CPU features.
+unsafe fn kernel_portable(kp: usize, a: APanel, b: *const u32, tile: Tile) {
+    let b = std::slice::from_raw_parts(b, kp * NR);
+    let rows = a.rows();
+    let mut acc = [[0f32; NR]; MR];
+    let even = |w: u32| f32::from_bits(w << 16);
+    let odd = |w: u32| f32::from_bits(w & 0xffff_0000);
+    for (p, bp) in b.chunks_exact(NR).enumerate() {
+        for (row, first) in acc.iter_mut().zip(rows) {
+            let aw = *first.add(p * a.pair);
+            for (x, &bw) in row.iter_mut().zip(bp) {
+                *x += odd(aw) * odd(bw);
+                *x += even(aw) * even(bw);
+            }
+        }
+    }
+    for (i, row) in acc.iter().enumerate().take(tile.height) {
+        let c = std::slice::from_raw_parts_mut(tile.c.add(i * tile.row), tile.width);
+        for (out, x) in c.iter_mut().zip(row) {
+            *out = if tile.load { *out } else { 0.0 } + tile.beta * x;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_is_to_nearest_even() {
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties go to the even (1.0).
+        assert_eq!(round_to_bf16(1.0 + 2f32.powi(-8)), 1.0);
+        // 1 + 3 * 2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: ties go to even.
+        assert_eq!(
+            round_to_bf16(1.0 + 3.0 * 2f32.powi(-8)),
+            1.0 + 2f32.powi(-6)
+        );
+        // Just above halfway rounds up.
+        assert_eq!(
+            round_to_bf16(1.0 + 2f32.powi(-8) + 2f32.powi(-20)),
+            1.0 + 2f32.powi(-7)
+        );
+        assert_eq!(round_to_bf16(-2.5), -2.5);
+        assert_eq!(round_to_bf16(f32::INFINITY), f32::INFINITY);
+        assert!(round_to_bf16(f32::NAN).is_nan());
+        // The largest f32 is past the largest bf16 by more than half a step.
+        assert_eq!(round_to_bf16(f32::MAX), f32::INFINITY);
+        assert_eq!(to_bf16_bits(1.0), 0x3f80);
+    }
+
+    /// dst = (dst if accumulate) + beta * round(a) · round(b), summed in f64.
+    #[allow(clippy::too_many_arguments)]
+    fn oracle(
+        dst: &mut [f32],
+        dst_row: usize,
+        a: &Strided,
+        b: &Strided,
+        (m, n, k): (usize, usize, usize),
+        accumulate: bool,
+        beta: f32,
+    ) {
+        for i in 0..m {
+            for j in 0..n {
+                let sum: f64 = (0..k)
+                    .map(|p| {
+                        round_to_bf16(a.data[i * a.row + p * a.col]) as f64
+                            * round_to_bf16(b.data[p * b.row + j * b.col]) as f64
+                    })
+                    .sum();
+                let old = if accumulate {
+                    dst[i * dst_row + j]
+                } else {
+                    0.0
+                };
+                dst[i * dst_row + j] = old + beta * sum as f32;
+            }
+        }
+    }
+
+    fn values(len: usize, seed: u32) -> Vec<f32> {
+        // A cheap deterministic spread of magnitudes and signs.
+        (0..len as u32)
+            .map(|i| {
+                let x = i
+                    .wrapping_mul(2654435761)
+                    .wrapping_add(seed.wrapping_mul(40503));
+                (x >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Every combination of operand layouts, odd sizes past every block edge, with and
+    /// without accumulation, on one thread and split over threads, against the oracle.
+    fn check(
+        kernel_name: &str,
+        run: impl Fn(&mut [f32], usize, Strided, Strided, (usize, usize, usize), bool, f32),
+    ) {
+        for &(m, n, k) in &[
+            (1, 1, 1),
+            (7, 65, 3),
+            (13, 130, 257),
+            (100, 70, 600),
+            (5, 3, 0),
+        ] {
+            let (a_data, b_data) = (values(m * k + 1, 1), values(k * n + 1, 2));
+            for a_t in [false, true] {
+                for b_t in [false, true] {
+                    let a = if a_t {
+                        Strided {
+                            data: &a_data,
+                            row: 1,
+                            col: m,
+                        }
+                    } else {
+                        Strided {
+                            data: &a_data,
+                            row: k,
+                            col: 1,
+                        }
+                    };
+                    let b = if b_t {
+                        Strided {
+                            data: &b_data,
+                            row: 1,
+                            col: k,
+                        }
+                    } else {
+                        Strided {
+                            data: &b_data,
+                            row: n,
+                            col: 1,
+                        }
+                    };
+                    for (accumulate, beta) in [(false, 1.0), (true, 0.5)] {
+                        let dst_row = n + 3;
+                        let start = values(m * dst_row, 3);
+                        let mut got = start.clone();
+                        let mut want = start.clone();
+                        run(&mut got, dst_row, a, b, (m, n, k), accumulate, beta);
+                        oracle(&mut want, dst_row, &a, &b, (m, n, k), accumulate, beta);
+                        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                            let padding = i % dst_row >= n;
+                            let tol = if padding {
+                                0.0
+                            } else {
+                                1e-5 * (1.0 + k as f32).sqrt()
+                            };
+                            assert!(
+                                (g - w).abs() <= tol,
+                                "{kernel_name} {m}x{n}x{k} a_t={a_t} b_t={b_t} acc={accumulate}: [{i}] {g} vs {w}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn products_match_rounded_operands_summed_exactly() {
+        check("picked", |dst, dst_row, a, b, (m, n, k), acc, beta| {
+            matmul_bf16(dst, dst_row, a, b, m, n, k, acc, beta, false)
+        });
+        check(
+            "picked, threads",
+            |dst, dst_row, a, b, (m, n, k), acc, beta| {
+                matmul_bf16(dst, dst_row, a, b, m, n, k, acc, beta, true)
+            },
+        );
+    }
+
+    #[test]
+    fn the_portable_kernel_matches_too() {
+        fn run(
+            dst: &mut [f32],
+            dst_row: usize,
+            a: Strided,
+            b: Strided,
+            (m, n, k): (usize, usize, usize),
+            acc: bool,
+            beta: f32,
+        ) {
+            let problem = Problem {
+                dst: dst.as_mut_ptr(),
+                dst_row,
+                a,
+                b,
+                k,
+                accumulate: acc,
+                beta,
+            };
+            // Safety: the whole (m, n) block of a buffer sized for it, on this thread.
+            unsafe { problem.run_with(kernel_portable, 0..m, 0..n) }
+        }
+        check("portable", run);
+    }
+
+    #[test]
+    fn big_products_split_over_threads_agree_with_one_thread() {
+        let (m, n, k) = (300, 200, 100);
+        let (a_data, b_data) = (values(m * k, 4), values(k * n, 5));
+        let a = Strided {
+            data: &a_data,
+            row: k,
+            col: 1,
+        };
+        let b = Strided {
+            data: &b_data,
+            row: 1,
+            col: k,
+        };
+        let (mut one, mut many) = (vec![0f32; m * n], vec![0f32; m * n]);
+        matmul_bf16(&mut one, n, a, b, m, n, k, false, 1.0, false);
+        matmul_bf16(&mut many, n, a, b, m, n, k, false, 1.0, true);
+        assert_eq!(
+            one, many,
+            "each element is summed in the same order either way"
+        );
+    }
+}
