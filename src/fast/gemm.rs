@@ -93,6 +93,14 @@ pub struct Strided<'a> {
 }
 
 impl<'a> Strided<'a> {
+    /// The operand from element (row, col) on.
+    pub fn offset(self, row: usize, col: usize) -> Self {
+        Self {
+            data: &self.data[row * self.row + col * self.col..],
+            ..self
+        }
+    }
+
     /// A dense (rows x cols) operand stored as `layout` says.
     pub fn new(data: &'a [f32], layout: Layout, rows: usize, cols: usize) -> Self {
         match layout {
