@@ -23,8 +23,12 @@ use super::gemm::Strided;
 
 const MR: usize = 6;
 const NR: usize = 64;
-/// k per packed block (even, so pairs never straddle blocks).
-const KC: usize = 384;
+/// k per packed block, about (even, so pairs never straddle blocks): a B panel of
+/// 128 pairs x 64 columns is 32 KiB, in L1 beside the A rows.
+const KC: usize = 256;
+/// Up to this k, one block: a second pass over dst costs more than the B panel
+/// spilling from L1 to L2 (measured on the 384-wide products of the bench model).
+const KC_SINGLE: usize = 512;
 /// Rows per packed block of A (a multiple of `MR`): 96 x 128 words = 48 KiB, in L2.
 const MC: usize = 96;
 
@@ -179,8 +183,13 @@ impl Problem<'_> {
                 }
                 return;
             }
-            // Equal k blocks of at most KC (even): fewer, fuller passes over dst.
-            let step = self.k.div_ceil(self.k.div_ceil(KC)).next_multiple_of(2);
+            // Equal k blocks of about KC (even), or one up to KC_SINGLE.
+            let blocks = if self.k <= KC_SINGLE {
+                1
+            } else {
+                self.k.div_ceil(KC)
+            };
+            let step = self.k.div_ceil(blocks).next_multiple_of(2);
             for k0 in (0..self.k).step_by(step) {
                 let kc = step.min(self.k - k0);
                 let kp = kc.div_ceil(2);
@@ -424,6 +433,15 @@ unsafe fn kernel_avx512_bf16(kp: usize, a: APanel, b: *const u32, tile: Tile) {
     const V: usize = NR / 16;
     let mut acc = [[_mm512_setzero_ps(); V]; MR];
     let rows = a.rows();
+    // Fetch the tile of dst now, so its misses overlap the products instead of
+    // stalling the stores at the end.
+    for i in 0..tile.height {
+        for v in 0..V {
+            if 16 * v < tile.width {
+                _mm_prefetch::<_MM_HINT_T0>(tile.c.add(i * tile.row + 16 * v).cast());
+            }
+        }
+    }
     for p in 0..kp {
         let bp = b.add(p * NR);
         let bv: [__m512bh; V] =
