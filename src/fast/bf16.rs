@@ -70,6 +70,8 @@ struct Panels {
 
 thread_local! {
     static PANELS: RefCell<Panels> = RefCell::new(Panels::default());
+    /// The other threads' partial products of `split_k`, held by the calling thread.
+    static PARTIALS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// dst (m x n, rows `dst_row` apart) = dst (if `accumulate`) + beta * a · b, with a
@@ -108,8 +110,11 @@ pub fn matmul_bf16(
         unsafe { problem.run(0..m, 0..n) };
         return;
     }
-    // Split the longer side into one contiguous share per thread, in whole panels.
     let threads = super::gemm::threads();
+    if k >= 4 * m.max(n) {
+        return split_k(dst, dst_row, a, b, (m, n, k), accumulate, beta, threads);
+    }
+    // Split the longer side into one contiguous share per thread, in whole panels.
     let (len, unit) = if m >= n { (m, MR) } else { (n, NR) };
     let share = len.div_ceil(threads).div_ceil(unit) * unit;
     let shares = len.div_ceil(share);
@@ -120,6 +125,48 @@ pub fn matmul_bf16(
         }
         problem.run_share(m, n, share, 0);
     });
+}
+
+/// A long sum (weight gradients: k is the token count) split over threads by k: each
+/// thread multiplies its own stretch of both operands (nothing packed twice) into its
+/// own partial product, and the partials are added into dst in thread order.
+#[allow(clippy::too_many_arguments)]
+fn split_k(
+    dst: &mut [f32],
+    dst_row: usize,
+    a: Strided,
+    b: Strided,
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+    beta: f32,
+    threads: usize,
+) {
+    let share = k.div_ceil(threads).next_multiple_of(2);
+    let shares = k.div_ceil(share);
+    PARTIALS.with(|partials| {
+        let partials = &mut *partials.borrow_mut();
+        partials.clear();
+        partials.resize((shares - 1) * m * n, 0.0);
+        let part = |i: usize| {
+            let (k0, k1) = (i * share, ((i + 1) * share).min(k));
+            (a.offset(0, k0), b.offset(k0, 0), k1 - k0)
+        };
+        rayon::scope(|scope| {
+            for (i, out) in partials.chunks_exact_mut(m * n).enumerate() {
+                let (a, b, k) = part(i + 1);
+                scope.spawn(move |_| matmul_bf16(out, n, a, b, m, n, k, false, 1.0, false));
+            }
+            let (a, b, k) = part(0);
+            matmul_bf16(dst, dst_row, a, b, m, n, k, accumulate, beta, false);
+        });
+        for out in partials.chunks_exact(m * n) {
+            for (row, add) in dst.chunks_mut(dst_row).zip(out.chunks_exact(n)) {
+                for (d, x) in row.iter_mut().zip(add) {
+                    *d += beta * x;
+                }
+            }
+        }
+    })
 }
 
 /// One product, shared (read-only) by the threads that compute its parts.

@@ -7,6 +7,7 @@ pub mod decode;
 pub mod gemm;
 pub mod kernels;
 pub mod ops;
+pub mod parallel;
 pub mod train;
 
 pub use decode::FastDecoder;

@@ -9,6 +9,7 @@ use super::gemm::{matmul_strided, Precision, Strided};
 use super::kernels::{
     axpy, dot_lanes, erf_approx, exp_approx, multiversion, sum_lanes, sum_lanes3,
 };
+use super::parallel::{share_len, share_rows, with_partials};
 
 // --- Embedding ----------------------------------------------------------------------
 
@@ -201,12 +202,18 @@ impl NormOp {
         w: &[f32],
         b: Option<&[f32]>,
     ) {
-        match self.kind {
-            crate::config::NormKind::LayerNorm => {
-                layernorm_forward(out, mean, rstd, x, w, b, self.eps)
-            }
-            crate::config::NormKind::RmsNorm => rmsnorm_forward(out, rstd, x, w, self.eps),
-        }
+        let c = w.len();
+        let share = share_rows(rstd.len(), c);
+        out.par_chunks_mut(share * c)
+            .zip(mean.par_chunks_mut(share))
+            .zip(rstd.par_chunks_mut(share))
+            .zip(x.par_chunks(share * c))
+            .for_each(|(((out, mean), rstd), x)| match self.kind {
+                crate::config::NormKind::LayerNorm => {
+                    layernorm_forward(out, mean, rstd, x, w, b, self.eps)
+                }
+                crate::config::NormKind::RmsNorm => rmsnorm_forward(out, rstd, x, w, self.eps),
+            });
     }
 
     /// The forward's output again, from the kept statistics.
@@ -219,17 +226,23 @@ impl NormOp {
         mean: &[f32],
         rstd: &[f32],
     ) {
-        match self.kind {
-            crate::config::NormKind::LayerNorm => layernorm_apply(out, x, w, b, mean, rstd),
-            crate::config::NormKind::RmsNorm => {
-                let c = w.len();
-                for (n, (xr, or)) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)).enumerate() {
-                    for i in 0..c {
-                        or[i] = xr[i] * rstd[n] * w[i];
+        let c = w.len();
+        let share = share_rows(rstd.len(), c);
+        out.par_chunks_mut(share * c)
+            .zip(mean.par_chunks(share))
+            .zip(rstd.par_chunks(share))
+            .zip(x.par_chunks(share * c))
+            .for_each(|(((out, mean), rstd), x)| match self.kind {
+                crate::config::NormKind::LayerNorm => layernorm_apply(out, x, w, b, mean, rstd),
+                crate::config::NormKind::RmsNorm => {
+                    for (n, (xr, or)) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)).enumerate()
+                    {
+                        for i in 0..c {
+                            or[i] = xr[i] * rstd[n] * w[i];
+                        }
                     }
                 }
-            }
-        }
+            });
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -244,12 +257,39 @@ impl NormOp {
         mean: &[f32],
         rstd: &[f32],
     ) {
-        match self.kind {
-            crate::config::NormKind::LayerNorm => {
-                layernorm_backward(dx, dw, db, dout, x, w, mean, rstd)
+        // Each share of rows sums its weight (and bias) gradients into its own partial
+        // (dw | db), added in share order afterwards.
+        let c = w.len();
+        let share = share_rows(rstd.len(), c);
+        let has_bias = db.is_some();
+        with_partials(rstd.len().div_ceil(share) * 2 * c, |partials| {
+            partials
+                .par_chunks_mut(2 * c)
+                .zip(dx.par_chunks_mut(share * c))
+                .zip(dout.par_chunks(share * c))
+                .zip(x.par_chunks(share * c))
+                .zip(mean.par_chunks(share))
+                .zip(rstd.par_chunks(share))
+                .for_each(|(((((partial, dx), dout), x), mean), rstd)| {
+                    let (dw, db) = partial.split_at_mut(c);
+                    match self.kind {
+                        crate::config::NormKind::LayerNorm => {
+                            let db = has_bias.then_some(db);
+                            layernorm_backward(dx, dw, db, dout, x, w, mean, rstd)
+                        }
+                        crate::config::NormKind::RmsNorm => {
+                            rmsnorm_backward(dx, dw, dout, x, w, rstd)
+                        }
+                    }
+                });
+            let mut db = db;
+            for partial in partials.chunks_exact(2 * c) {
+                axpy(dw, 1.0, &partial[..c]);
+                if let Some(db) = db.as_deref_mut() {
+                    axpy(db, 1.0, &partial[c..]);
+                }
             }
-            crate::config::NormKind::RmsNorm => rmsnorm_backward(dx, dw, dout, x, w, rstd),
-        }
+        });
     }
 }
 
@@ -370,10 +410,22 @@ pub struct Activation {
 impl Activation {
     /// out (N, hidden) from fc (N, fc_out).
     pub fn forward(&self, out: &mut [f32], fc: &[f32]) {
+        let (hidden, fc_out) = (self.hidden, self.fc_out());
+        let share = share_rows(out.len() / hidden, fc_out);
+        out.par_chunks_mut(share * hidden)
+            .zip(fc.par_chunks(share * fc_out))
+            .for_each(|(out, fc)| match self.kind {
+                crate::config::MlpKind::Gelu => gelu_forward(out, fc),
+                crate::config::MlpKind::GeluTanh => gelu_tanh_forward(out, fc),
+                crate::config::MlpKind::Swiglu => swiglu_forward(out, fc, hidden),
+            });
+    }
+
+    /// Width of the layer before: `hidden`, or twice that for SwiGLU's gate | up.
+    fn fc_out(&self) -> usize {
         match self.kind {
-            crate::config::MlpKind::Gelu => gelu_forward(out, fc),
-            crate::config::MlpKind::GeluTanh => gelu_tanh_forward(out, fc),
-            crate::config::MlpKind::Swiglu => swiglu_forward(out, fc, self.hidden),
+            crate::config::MlpKind::Swiglu => 2 * self.hidden,
+            _ => self.hidden,
         }
     }
 
@@ -383,7 +435,11 @@ impl Activation {
     pub fn recompute(&self, out: &mut [f32], slope: &mut [f32], fc: &[f32]) -> bool {
         match self.kind {
             crate::config::MlpKind::Gelu => {
-                gelu_with_slope(out, slope, fc);
+                let share = share_len(out.len());
+                out.par_chunks_mut(share)
+                    .zip(slope.par_chunks_mut(share))
+                    .zip(fc.par_chunks(share))
+                    .for_each(|((out, slope), fc)| gelu_with_slope(out, slope, fc));
                 true
             }
             _ => {
@@ -395,17 +451,22 @@ impl Activation {
 
     /// dfc (N, fc_out) = the gradient at fc, from dout (N, hidden); overwritten.
     pub fn backward(&self, dfc: &mut [f32], fc: &[f32], dout: &[f32]) {
-        match self.kind {
-            crate::config::MlpKind::Gelu => {
-                dfc.fill(0.0);
-                gelu_backward(dfc, fc, dout)
-            }
-            crate::config::MlpKind::GeluTanh => {
-                dfc.fill(0.0);
-                gelu_tanh_backward(dfc, fc, dout)
-            }
-            crate::config::MlpKind::Swiglu => swiglu_backward(dfc, fc, dout, self.hidden),
-        }
+        let (hidden, fc_out) = (self.hidden, self.fc_out());
+        let share = share_rows(dout.len() / hidden, fc_out);
+        dfc.par_chunks_mut(share * fc_out)
+            .zip(fc.par_chunks(share * fc_out))
+            .zip(dout.par_chunks(share * hidden))
+            .for_each(|((dfc, fc), dout)| match self.kind {
+                crate::config::MlpKind::Gelu => {
+                    dfc.fill(0.0);
+                    gelu_backward(dfc, fc, dout)
+                }
+                crate::config::MlpKind::GeluTanh => {
+                    dfc.fill(0.0);
+                    gelu_tanh_backward(dfc, fc, dout)
+                }
+                crate::config::MlpKind::Swiglu => swiglu_backward(dfc, fc, dout, hidden),
+            });
     }
 }
 

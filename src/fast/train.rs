@@ -16,9 +16,11 @@ use candle_core::{Device, Tensor};
 use super::gemm::{matmul, Layout, Precision};
 use super::kernels::multiversion;
 use super::ops::{self, AttnShape};
+use super::parallel::{share_len, zip_in_place, zip_map};
 use crate::config::{ModelConfig, PositionKind, TrainConfig};
 use crate::model::position::{rope_tables, sinusoidal_table};
 use crate::model::{Dropout, Params};
+use rayon::prelude::*;
 
 /// Where each parameter of one block sits in the flat buffer.
 struct BlockIndex {
@@ -346,9 +348,7 @@ impl FastGpt {
                 draw(&mut a.drop_attn);
                 mul(&mut self.scratch.tmp, &a.drop_attn);
             }
-            for ((r, x), y) in a.res_2.iter_mut().zip(input).zip(&self.scratch.tmp) {
-                *r = x + y;
-            }
+            zip_map(&mut a.res_2, input, &self.scratch.tmp, |x, y| x + y);
             norm.forward(
                 &mut self.scratch.ln,
                 &mut a.ln_2_mean,
@@ -382,9 +382,7 @@ impl FastGpt {
                 draw(&mut a.drop_mlp);
                 mul(&mut self.scratch.tmp, &a.drop_mlp);
             }
-            for ((r, x), y) in a.res_3.iter_mut().zip(&a.res_2).zip(&self.scratch.tmp) {
-                *r = x + y;
-            }
+            zip_map(&mut a.res_3, &a.res_2, &self.scratch.tmp, |x, y| x + y);
         }
         let last = &self.acts.last().expect("at least one layer").res_3;
         norm.forward(
@@ -506,9 +504,7 @@ impl FastGpt {
             );
             if have_slope {
                 // s.dfc holds the slope: scale it by the output's gradient in place.
-                for (d, g) in s.dfc.iter_mut().zip(&s.dfc_out) {
-                    *d *= g;
-                }
+                zip_in_place(&mut s.dfc, &s.dfc_out, |slope, g| slope * g);
             } else {
                 act.backward(&mut s.dfc, &a.fc, &s.dfc_out);
             }
@@ -692,30 +688,40 @@ impl FastGpt {
         let bc1 = 1.0 - cfg.beta1.powi(step as i32);
         let bc2 = 1.0 - cfg.beta2.powi(step as i32);
         let (lr32, eps) = (lr as f32, cfg.eps as f32);
-        for ((_, range, _), &decay) in self.names.iter().zip(&self.decay) {
-            let shrink = if decay {
+        let hyper = |decay: bool| AdamHyper {
+            b1,
+            b2,
+            inv_bc1: (1.0 / bc1) as f32,
+            inv_bc2: (1.0 / bc2) as f32,
+            lr: lr32,
+            eps,
+            shrink: if decay {
                 1.0 - (lr * cfg.weight_decay) as f32
             } else {
                 1.0
-            };
-            let r = range.clone();
-            let hp = AdamHyper {
-                b1,
-                b2,
-                inv_bc1: (1.0 / bc1) as f32,
-                inv_bc2: (1.0 / bc2) as f32,
-                lr: lr32,
-                eps,
-                shrink,
-            };
-            adamw_update(
-                &mut self.params[r.clone()],
-                &self.grads[r.clone()],
-                &mut self.m[r.clone()],
-                &mut self.v[r],
-                hp,
-            );
-        }
+            },
+        };
+        // One share of the flat buffers per thread, each updating the parts of the
+        // tensors that fall in it with that tensor's decay.
+        let share = share_len(self.params.len());
+        self.params
+            .par_chunks_mut(share)
+            .zip(self.grads.par_chunks(share))
+            .zip(self.m.par_chunks_mut(share))
+            .zip(self.v.par_chunks_mut(share))
+            .enumerate()
+            .for_each(|(i, (((p, g), m), v))| {
+                let first = i * share;
+                for ((_, range, _), decay) in self.names.iter().zip(&self.decay) {
+                    let start = range.start.max(first);
+                    let end = range.end.min(first + p.len());
+                    if start < end {
+                        let r = start - first..end - first;
+                        let (p, g) = (&mut p[r.clone()], &g[r.clone()]);
+                        adamw_update(p, g, &mut m[r.clone()], &mut v[r], hyper(*decay));
+                    }
+                }
+            });
     }
 
     /// Copies the weights into the reference model's variables (for saving, evaluating).
@@ -839,16 +845,12 @@ struct Dims {
 
 /// x *= mask, elementwise.
 fn mul(x: &mut [f32], mask: &[f32]) {
-    for (a, m) in x.iter_mut().zip(mask) {
-        *a *= m;
-    }
+    zip_in_place(x, mask, |a, m| a * m);
 }
 
 /// out = x * mask; returns out.
 fn masked<'o>(out: &'o mut [f32], x: &[f32], mask: &[f32]) -> &'o [f32] {
-    for ((o, a), m) in out.iter_mut().zip(x).zip(mask) {
-        *o = a * m;
-    }
+    zip_map(out, x, mask, |a, m| a * m);
     out
 }
 

@@ -1,0 +1,70 @@
+//! Row-wise passes (norms, activations, residual adds, the optimiser) spread over the
+//! threads: each thread takes one contiguous share of the rows. Every row sees the same
+//! arithmetic whatever the number of threads; only sums across rows (norm weight
+//! gradients) are split into per-share partials, added in share order, so results do
+//! not depend on thread timing.
+
+use std::cell::RefCell;
+
+use rayon::prelude::*;
+
+use super::gemm::threads;
+
+/// Below this many elements a pass stays on one thread: waking another costs more.
+const MIN_PARALLEL: usize = 1 << 14;
+
+/// Rows per share for `rows` rows of `width` elements: all of them when small.
+pub fn share_rows(rows: usize, width: usize) -> usize {
+    let threads = threads();
+    if threads < 2 || rows * width < MIN_PARALLEL {
+        rows.max(1)
+    } else {
+        rows.div_ceil(threads)
+    }
+}
+
+/// Elements per share of an elementwise pass over `len` values.
+pub fn share_len(len: usize) -> usize {
+    share_rows(len, 1)
+}
+
+/// out[i] = f(a[i], b[i]) over the threads.
+pub fn zip_map(out: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) {
+    let share = share_len(out.len());
+    out.par_chunks_mut(share)
+        .zip(a.par_chunks(share))
+        .zip(b.par_chunks(share))
+        .for_each(|((o, a), b)| {
+            for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
+                *o = f(a, b);
+            }
+        });
+}
+
+/// x[i] = f(x[i], y[i]) over the threads.
+pub fn zip_in_place(x: &mut [f32], y: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) {
+    let share = share_len(x.len());
+    x.par_chunks_mut(share)
+        .zip(y.par_chunks(share))
+        .for_each(|(x, y)| {
+            for (x, &y) in x.iter_mut().zip(y) {
+                *x = f(*x, y);
+            }
+        });
+}
+
+thread_local! {
+    /// Scratch for per-share partial sums, held by the calling thread.
+    static PARTIALS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with `len` zeroed values of this thread's scratch (reused from call to
+/// call: no allocation per step).
+pub fn with_partials<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    PARTIALS.with(|partials| {
+        let partials = &mut *partials.borrow_mut();
+        partials.clear();
+        partials.resize(len, 0.0);
+        f(partials)
+    })
+}
