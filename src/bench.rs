@@ -55,6 +55,8 @@ pub struct BenchReport {
     pub decode_mode: String,
     /// "fused" or "reference".
     pub train_path: String,
+    /// Precision of the training step's matrix products (train.dtype).
+    pub train_dtype: crate::config::Precision,
     pub peak_rss_after_decode_mb: Option<f64>,
 }
 
@@ -224,6 +226,7 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         decode_tokens_per_s: opts.decode_tokens as f64 / decode_s.max(1e-9),
         decode_mode: format!("{:?}", opts.decode_mode).to_lowercase(),
         train_path: if fused { "fused" } else { "reference" }.into(),
+        train_dtype: train.dtype,
         peak_rss_after_decode_mb: peak_rss_mb(),
     })
 }

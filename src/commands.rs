@@ -262,9 +262,10 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     }
     let mb = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0} MiB"));
     println!(
-        "train   {:.1} ms/step ({}: forward {:.1}, backward {:.1}, optimizer {:.1}), {:.0} tokens/s, {:.2} GFLOP/step, {:.1} GFLOP/s, peak RSS {}",
+        "train   {:.1} ms/step ({} {:?}: forward {:.1}, backward {:.1}, optimizer {:.1}), {:.0} tokens/s, {:.2} GFLOP/step, {:.1} GFLOP/s, peak RSS {}",
         r.train_ms_per_step,
         r.train_path,
+        r.train_dtype,
         r.forward_ms,
         r.backward_ms,
         r.optimizer_ms,

@@ -128,14 +128,17 @@ pub fn layer_norm(x: &[f32], w: &[f32], b: Option<&[f32]>, eps: f32, out: &mut [
 
 /// e^x for x <= 88, branch-free so loops over it vectorise (Cephes' expf: range
 /// reduction by ln 2, a degree-6 polynomial, 2^n from the exponent bits). Relative error
-/// ~1e-7; inputs below -87 give ~1e-38 instead of 0.
+/// ~1e-7; inputs below -87 give ~1e-38 instead of 0; NaN stays NaN.
+///
+/// Written with min/max, floor and an unchecked float-to-int conversion: `clamp` and
+/// `as i32` (which saturates and maps NaN to 0) make the compiler fall back to scalar
+/// code with compares and branches.
 #[inline(always)]
-pub fn exp_approx(x: f32) -> f32 {
-    let x = x.clamp(-87.0, 88.0);
-    let t = x * std::f32::consts::LOG2_E + 0.5;
-    let mut n = t as i32; // truncates toward zero; make it a floor
-    n -= ((n as f32) > t) as i32;
-    let nf = n as f32;
+pub fn exp_approx(input: f32) -> f32 {
+    let x = input.max(-87.0).min(88.0);
+    let nf = (x * std::f32::consts::LOG2_E + 0.5).floor();
+    // Safety: x is clamped above, so nf is within [-126, 128]; an i32 holds it.
+    let n: i32 = unsafe { nf.to_int_unchecked() };
     let r = x - nf * 0.693_359_4 - nf * -2.121_944_4e-4;
     let z = r * r;
     let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
@@ -143,7 +146,12 @@ pub fn exp_approx(x: f32) -> f32 {
         * r
         + 0.5;
     let y = p * z + r + 1.0;
-    y * f32::from_bits(((n + 127) as u32) << 23)
+    let e = y * f32::from_bits(((n + 127) as u32) << 23);
+    if input.is_nan() {
+        input
+    } else {
+        e
+    }
 }
 
 /// erf(x) as a rational function of x on [-4, 4] (erf is +-1 in f32 beyond): the
