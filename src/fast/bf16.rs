@@ -296,37 +296,66 @@ struct APairs {
     pair: usize,
 }
 
+/// Packs rows i0..i0+mc, k k0..k0+kc of `a` into `dst` (see `APairs`).
 fn pack_a(dst: &mut Vec<u32>, a: &Strided, i0: usize, mc: usize, k0: usize, kc: usize) -> APairs {
     let kp = kc.div_ceil(2);
-    dst.clear();
-    dst.resize(mc * kp, 0);
-    if a.row == 1 && a.col != 1 {
-        // A's columns (fixed k) run along memory: zip pairs of them, all rows at once.
-        for (p, out) in dst.chunks_exact_mut(mc).enumerate() {
-            let even = &a.data[(k0 + 2 * p) * a.col + i0..][..mc];
-            let odd = (2 * p + 1 < kc).then(|| &a.data[(k0 + 2 * p + 1) * a.col + i0..][..mc]);
-            zip_pairs(even, odd, out);
-        }
+    let out = scratch(dst, mc * kp);
+    // Read A along memory: by columns (fixed k) when those are contiguous, else by rows.
+    let by_columns = a.row == 1 && a.col != 1;
+    fill_a(out, a, i0, mc, k0, kc, by_columns);
+    if by_columns {
         APairs { row: 1, pair: mc }
     } else {
-        for (i, out) in dst.chunks_exact_mut(kp).enumerate() {
-            let start = (i0 + i) * a.row + k0 * a.col;
-            if a.col == 1 {
-                convert_pairs(&a.data[start..start + kc], out);
-            } else {
-                let at = |kk: usize| {
-                    if kk < kc {
-                        a.data[start + kk * a.col]
-                    } else {
-                        0.0
+        APairs { row: kp, pair: 1 }
+    }
+}
+
+/// The first `len` words of `buffer`, grown if needed. Stale contents are left: the
+/// packers overwrite every word the kernel reads.
+fn scratch(buffer: &mut Vec<u32>, len: usize) -> &mut [u32] {
+    if buffer.len() < len {
+        buffer.resize(len, 0);
+    }
+    &mut buffer[..len]
+}
+
+super::kernels::multiversion! {
+    /// `pack_a`'s loops, compiled for the CPU's vector width.
+    pub fn fill_a(
+        out: &mut [u32],
+        a: &Strided,
+        i0: usize,
+        mc: usize,
+        k0: usize,
+        kc: usize,
+        by_columns: bool,
+    ) {
+        let kp = kc.div_ceil(2);
+        if by_columns {
+            // Word (i, p) at p * mc + i: zip pairs of A's columns, all rows at once.
+            for (p, out) in out.chunks_exact_mut(mc).enumerate() {
+                let even = &a.data[(k0 + 2 * p) * a.col + i0..][..mc];
+                if 2 * p + 1 < kc {
+                    zip_pairs(even, &a.data[(k0 + 2 * p + 1) * a.col + i0..][..mc], out);
+                } else {
+                    zip_pairs(even, even, out);
+                    zero_odd(out);
+                }
+            }
+        } else {
+            // Word (i, p) at i * kp + p.
+            for (i, out) in out.chunks_exact_mut(kp).enumerate() {
+                let start = (i0 + i) * a.row + k0 * a.col;
+                if a.col == 1 {
+                    convert_pairs(&a.data[start..start + kc], out);
+                } else {
+                    let at = |kk: usize| if kk < kc { a.data[start + kk * a.col] } else { 0.0 };
+                    for (p, w) in out.iter_mut().enumerate() {
+                        *w = pair(at(2 * p), at(2 * p + 1));
                     }
-                };
-                for (p, w) in out.iter_mut().enumerate() {
-                    *w = pair(at(2 * p), at(2 * p + 1));
                 }
             }
         }
-        APairs { row: kp, pair: 1 }
     }
 }
 
@@ -342,78 +371,89 @@ fn pack_b(
     cols: std::ops::Range<usize>,
 ) {
     let kp = kc.div_ceil(2);
-    let n = cols.len();
-    let panels = n.div_ceil(NR);
-    dst.clear();
-    dst.resize(panels * kp * NR, 0);
-    for panel in 0..panels {
-        let out = &mut dst[panel * kp * NR..(panel + 1) * kp * NR];
-        let c0 = cols.start + panel * NR;
-        let width = NR.min(n - panel * NR);
-        if b.col == 1 {
-            // B's rows (fixed k) run along memory: zip pairs of them.
-            for (p, words) in out.chunks_exact_mut(NR).enumerate() {
-                let even = &b.data[(k0 + 2 * p) * b.row + c0..][..width];
-                let odd =
-                    (2 * p + 1 < kc).then(|| &b.data[(k0 + 2 * p + 1) * b.row + c0..][..width]);
-                zip_pairs(even, odd, &mut words[..width]);
-            }
-        } else {
-            column.clear();
-            column.resize(kp, 0);
-            for j in 0..width {
-                let start = (c0 + j) * b.col + k0 * b.row;
-                if b.row == 1 {
-                    convert_pairs(&b.data[start..start + kc], column);
-                } else {
-                    let at = |kk: usize| {
-                        if kk < kc {
-                            b.data[start + kk * b.row]
-                        } else {
-                            0.0
+    let panels = cols.len().div_ceil(NR);
+    let out = scratch(dst, panels * kp * NR);
+    let column = scratch(column, kp);
+    fill_b(out, column, b, k0, kc, cols.start, cols.len());
+}
+
+super::kernels::multiversion! {
+    /// `pack_b`'s loops, compiled for the CPU's vector width.
+    pub fn fill_b(
+        out: &mut [u32],
+        column: &mut [u32],
+        b: &Strided,
+        k0: usize,
+        kc: usize,
+        first_col: usize,
+        n: usize,
+    ) {
+        let kp = kc.div_ceil(2);
+        for (panel, out) in out.chunks_exact_mut(kp * NR).enumerate() {
+            let c0 = first_col + panel * NR;
+            let width = NR.min(n - panel * NR);
+            if b.col == 1 {
+                // B's rows (fixed k) run along memory: zip pairs of them.
+                for (p, words) in out.chunks_exact_mut(NR).enumerate() {
+                    let even = &b.data[(k0 + 2 * p) * b.row + c0..][..width];
+                    let (used, padding) = words.split_at_mut(width);
+                    if 2 * p + 1 < kc {
+                        zip_pairs(even, &b.data[(k0 + 2 * p + 1) * b.row + c0..][..width], used);
+                    } else {
+                        zip_pairs(even, even, used);
+                        zero_odd(used);
+                    }
+                    padding.fill(0);
+                }
+            } else {
+                for j in 0..width {
+                    let start = (c0 + j) * b.col + k0 * b.row;
+                    if b.row == 1 {
+                        convert_pairs(&b.data[start..start + kc], column);
+                    } else {
+                        let at = |kk: usize| if kk < kc { b.data[start + kk * b.row] } else { 0.0 };
+                        for (p, w) in column.iter_mut().enumerate() {
+                            *w = pair(at(2 * p), at(2 * p + 1));
                         }
-                    };
-                    for (p, w) in column.iter_mut().enumerate() {
-                        *w = pair(at(2 * p), at(2 * p + 1));
+                    }
+                    for (p, &w) in column.iter().enumerate() {
+                        out[p * NR + j] = w;
                     }
                 }
-                for (p, &w) in column.iter().enumerate() {
-                    out[p * NR + j] = w;
+                for p in 0..kp {
+                    out[p * NR + width..(p + 1) * NR].fill(0);
                 }
             }
         }
     }
 }
 
-super::kernels::multiversion! {
-    /// out[p] = pair(src[2p], src[2p + 1]), the last odd element paired with zero.
-    pub fn convert_pairs(src: &[f32], out: &mut [u32]) {
-        debug_assert_eq!(out.len(), src.len().div_ceil(2));
-        let whole = src.len() / 2;
-        for (w, two) in out.iter_mut().zip(src.chunks_exact(2)) {
-            *w = pair(two[0], two[1]);
-        }
-        if src.len() % 2 == 1 {
-            out[whole] = pair(src[src.len() - 1], 0.0);
-        }
+/// out[p] = pair(src[2p], src[2p + 1]), the last odd element paired with zero.
+#[inline(always)]
+fn convert_pairs(src: &[f32], out: &mut [u32]) {
+    debug_assert_eq!(out.len(), src.len().div_ceil(2));
+    let whole = src.len() / 2;
+    for (w, two) in out.iter_mut().zip(src.chunks_exact(2)) {
+        *w = pair(two[0], two[1]);
+    }
+    if src.len() % 2 == 1 {
+        out[whole] = pair(src[src.len() - 1], 0.0);
     }
 }
 
-super::kernels::multiversion! {
-    /// out[j] = pair(even[j], odd[j]) (odd zero when absent).
-    pub fn zip_pairs(even: &[f32], odd: Option<&[f32]>, out: &mut [u32]) {
-        match odd {
-            Some(odd) => {
-                for ((w, e), o) in out.iter_mut().zip(even).zip(odd) {
-                    *w = pair(*e, *o);
-                }
-            }
-            None => {
-                for (w, e) in out.iter_mut().zip(even) {
-                    *w = pair(*e, 0.0);
-                }
-            }
-        }
+/// out[j] = pair(even[j], odd[j]).
+#[inline(always)]
+fn zip_pairs(even: &[f32], odd: &[f32], out: &mut [u32]) {
+    for ((w, e), o) in out.iter_mut().zip(even).zip(odd) {
+        *w = pair(*e, *o);
+    }
+}
+
+/// Clears the odd (high) half of every word: the pair past an odd k's end.
+#[inline(always)]
+fn zero_odd(words: &mut [u32]) {
+    for w in words {
+        *w &= 0xffff;
     }
 }
 
