@@ -135,6 +135,8 @@ pub fn layer_norm(x: &[f32], w: &[f32], b: Option<&[f32]>, eps: f32, out: &mut [
 /// code with compares and branches.
 #[inline(always)]
 pub fn exp_approx(input: f32) -> f32 {
+    // Not `clamp`: that keeps NaN, which must not reach the conversion below.
+    #[allow(clippy::manual_clamp)]
     let x = input.max(-87.0).min(88.0);
     let nf = (x * std::f32::consts::LOG2_E + 0.5).floor();
     // Safety: x is clamped above, so nf is within [-126, 128]; an i32 holds it.
