@@ -19,7 +19,7 @@
 
 use std::cell::RefCell;
 
-use super::gemm::Strided;
+use super::gemm::{Causal, Strided};
 
 const MR: usize = 6;
 const NR: usize = 64;
@@ -93,9 +93,7 @@ pub fn matmul_bf16(
     if m == 0 || n == 0 {
         return;
     }
-    let last = |s: &Strided, rows: usize, cols: usize| (rows - 1) * s.row + (cols - 1) * s.col;
-    assert!(dst.len() > (m - 1) * dst_row + n - 1 && dst_row >= n);
-    assert!(k == 0 || (a.data.len() > last(&a, m, k) && b.data.len() > last(&b, k, n)));
+    check_bounds(dst, dst_row, &a, &b, (m, n, k));
     let problem = Problem {
         dst: dst.as_mut_ptr(),
         dst_row,
@@ -104,6 +102,7 @@ pub fn matmul_bf16(
         k,
         accumulate,
         beta,
+        causal: Causal::No,
     };
     if !parallel || super::gemm::threads() < 2 || m * n * k < PARALLEL_MIN_MACS {
         // Safety: the asserts above bound every access; `dst` is borrowed mutably.
@@ -125,6 +124,52 @@ pub fn matmul_bf16(
         }
         problem.run_share(m, n, share, 0);
     });
+}
+
+/// Panics unless dst (m x n, rows `dst_row` apart), a (m x k) and b (k x n) hold every
+/// element the product touches.
+fn check_bounds(
+    dst: &[f32],
+    dst_row: usize,
+    a: &Strided,
+    b: &Strided,
+    (m, n, k): (usize, usize, usize),
+) {
+    let last = |s: &Strided, rows: usize, cols: usize| (rows - 1) * s.row + (cols - 1) * s.col;
+    assert!(dst.len() > (m - 1) * dst_row + n - 1 && dst_row >= n);
+    assert!(k == 0 || (a.data.len() > last(a, m, k) && b.data.len() > last(b, k, n)));
+}
+
+/// `matmul_bf16` on this thread, skipping what `causal` allows: tiles of dst above the
+/// diagonal (`LowerDst`), or the k past (`LowerA`) or before (`UpperA`) each row's
+/// diagonal, which are zeros of A. Packing skips them too.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_bf16_causal(
+    dst: &mut [f32],
+    dst_row: usize,
+    a: Strided,
+    b: Strided,
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+    beta: f32,
+    causal: Causal,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    check_bounds(dst, dst_row, &a, &b, (m, n, k));
+    let problem = Problem {
+        dst: dst.as_mut_ptr(),
+        dst_row,
+        a,
+        b,
+        k,
+        accumulate,
+        beta,
+        causal,
+    };
+    // Safety: bounds checked above; `dst` is borrowed mutably.
+    unsafe { problem.run(0..m, 0..n) }
 }
 
 /// A long sum (weight gradients: k is the token count) split over threads by k: each
@@ -178,6 +223,8 @@ struct Problem<'a> {
     k: usize,
     accumulate: bool,
     beta: f32,
+    /// Rows and columns count from the problem's first (`run` over the whole problem).
+    causal: Causal,
 }
 
 // Safety: threads write disjoint parts of `dst` (`run_share`), and the operands are
@@ -252,23 +299,44 @@ impl Problem<'_> {
                 let mut i0 = rows.start;
                 while i0 < rows.end {
                     let mc = MC.min(rows.end - i0);
-                    let strides = pack_a(&mut panels.a, &self.a, i0, mc, k0, kc);
+                    // Pairs of this k block that rows i0..i0+mc may hold non-zero.
+                    let (a_from, a_to) = match self.causal {
+                        Causal::LowerA => (0, kp.min((i0 + mc).saturating_sub(k0).div_ceil(2))),
+                        Causal::UpperA => ((i0.saturating_sub(k0) / 2).min(kp), kp),
+                        _ => (0, kp),
+                    };
+                    let strides = pack_a(&mut panels.a, &self.a, i0, mc, k0, kc, a_from..a_to);
                     for jp in 0..col_panels {
+                        let c0 = cols.start + jp * NR;
                         let b = panels.b.as_ptr().add(jp * kp * NR);
                         let width = NR.min(n - jp * NR);
                         for ip in 0..mc.div_ceil(MR) {
+                            let r0 = i0 + ip * MR;
                             let height = MR.min(mc - ip * MR);
+                            let (from, to) = match self.causal {
+                                Causal::No => (0, kp),
+                                // Wholly above the diagonal: never read.
+                                Causal::LowerDst if c0 >= r0 + height => continue,
+                                Causal::LowerDst => (0, kp),
+                                Causal::LowerA => {
+                                    (0, a_to.min((r0 + height).saturating_sub(k0).div_ceil(2)))
+                                }
+                                Causal::UpperA => (a_from.max(r0.saturating_sub(k0) / 2), kp),
+                            };
+                            let to = to.max(from);
                             let a = APanel {
-                                first: panels.a.as_ptr().add(ip * MR * strides.row),
+                                first: panels
+                                    .a
+                                    .as_ptr()
+                                    .add(ip * MR * strides.row + from * strides.pair),
                                 row: strides.row,
                                 pair: strides.pair,
                                 height,
                             };
-                            let c = self
-                                .dst
-                                .add((i0 + ip * MR) * self.dst_row + cols.start + jp * NR);
+                            let b = b.add(from * NR);
+                            let c = self.dst.add(r0 * self.dst_row + c0);
                             kernel(
-                                kp,
+                                to - from,
                                 a,
                                 b,
                                 Tile {
@@ -296,13 +364,22 @@ struct APairs {
     pair: usize,
 }
 
-/// Packs rows i0..i0+mc, k k0..k0+kc of `a` into `dst` (see `APairs`).
-fn pack_a(dst: &mut Vec<u32>, a: &Strided, i0: usize, mc: usize, k0: usize, kc: usize) -> APairs {
+/// Packs rows i0..i0+mc, k k0..k0+kc of `a` into `dst` (see `APairs`); only the pairs
+/// in `pairs` (the rest of the layout is left stale: the kernel will not read it).
+fn pack_a(
+    dst: &mut Vec<u32>,
+    a: &Strided,
+    i0: usize,
+    mc: usize,
+    k0: usize,
+    kc: usize,
+    pairs: std::ops::Range<usize>,
+) -> APairs {
     let kp = kc.div_ceil(2);
     let out = scratch(dst, mc * kp);
     // Read A along memory: by columns (fixed k) when those are contiguous, else by rows.
     let by_columns = a.row == 1 && a.col != 1;
-    fill_a(out, a, i0, mc, k0, kc, by_columns);
+    fill_a(out, a, i0, mc, k0, kc, pairs, by_columns);
     if by_columns {
         APairs { row: 1, pair: mc }
     } else {
@@ -328,12 +405,13 @@ super::kernels::multiversion! {
         mc: usize,
         k0: usize,
         kc: usize,
+        pairs: std::ops::Range<usize>,
         by_columns: bool,
     ) {
         let kp = kc.div_ceil(2);
         if by_columns {
             // Word (i, p) at p * mc + i: zip pairs of A's columns, all rows at once.
-            for (p, out) in out.chunks_exact_mut(mc).enumerate() {
+            for (p, out) in out.chunks_exact_mut(mc).enumerate().take(pairs.end).skip(pairs.start) {
                 let even = &a.data[(k0 + 2 * p) * a.col + i0..][..mc];
                 if 2 * p + 1 < kc {
                     zip_pairs(even, &a.data[(k0 + 2 * p + 1) * a.col + i0..][..mc], out);
@@ -344,12 +422,15 @@ super::kernels::multiversion! {
             }
         } else {
             // Word (i, p) at i * kp + p.
+            let (k_from, k_to) = (2 * pairs.start, (2 * pairs.end).min(kc));
             for (i, out) in out.chunks_exact_mut(kp).enumerate() {
-                let start = (i0 + i) * a.row + k0 * a.col;
+                let out = &mut out[pairs.clone()];
+                let start = (i0 + i) * a.row + (k0 + k_from) * a.col;
                 if a.col == 1 {
-                    convert_pairs(&a.data[start..start + kc], out);
+                    convert_pairs(&a.data[start..start + k_to - k_from], out);
                 } else {
-                    let at = |kk: usize| if kk < kc { a.data[start + kk * a.col] } else { 0.0 };
+                    let len = k_to - k_from;
+                    let at = |kk: usize| if kk < len { a.data[start + kk * a.col] } else { 0.0 };
                     for (p, w) in out.iter_mut().enumerate() {
                         *w = pair(at(2 * p), at(2 * p + 1));
                     }
@@ -757,6 +838,7 @@ mod tests {
                 k,
                 accumulate: acc,
                 beta,
+                causal: Causal::No,
             };
             // Safety: the whole (m, n) block of a buffer sized for it, on this thread.
             unsafe { problem.run_with(kernel_portable, 0..m, 0..n) }
@@ -785,5 +867,88 @@ mod tests {
             one, many,
             "each element is summed in the same order either way"
         );
+    }
+
+    /// Causal attention products (T x T operands, both layouts of A) against the
+    /// oracle: at T past the row blocks and past one k block, with A zero where the
+    /// structure says, and (for `LowerDst`) only the lower triangle compared.
+    #[test]
+    fn causal_products_skip_only_zeros() {
+        for t in [5, 130, 600] {
+            let d = 19;
+            for causal in [Causal::LowerDst, Causal::LowerA, Causal::UpperA] {
+                for a_t in [false, true] {
+                    // (m, n, k): dst T x T for LowerDst (k = d), else T x d (k = T).
+                    let (m, n, k) = match causal {
+                        Causal::LowerDst => (t, t, d),
+                        _ => (t, d, t),
+                    };
+                    let mut a_data = values(m * k, 7);
+                    let a = |data| {
+                        if a_t {
+                            Strided {
+                                data,
+                                row: 1,
+                                col: m,
+                            }
+                        } else {
+                            Strided {
+                                data,
+                                row: k,
+                                col: 1,
+                            }
+                        }
+                    };
+                    // Zero A where the structure promises zeros.
+                    for i in 0..m {
+                        for kk in 0..k {
+                            let zero = match causal {
+                                Causal::LowerA => kk > i,
+                                Causal::UpperA => kk < i,
+                                _ => false,
+                            };
+                            if zero {
+                                let at = if a_t { kk * m + i } else { i * k + kk };
+                                a_data[at] = 0.0;
+                            }
+                        }
+                    }
+                    let b_data = values(k * n, 8);
+                    let b = Strided {
+                        data: &b_data,
+                        row: n,
+                        col: 1,
+                    };
+                    for accumulate in [false, true] {
+                        let start = values(m * n, 9);
+                        let (mut got, mut want) = (start.clone(), start.clone());
+                        let run = (m, n, k);
+                        matmul_bf16_causal(
+                            &mut got,
+                            n,
+                            a(&a_data),
+                            b,
+                            run,
+                            accumulate,
+                            0.5,
+                            causal,
+                        );
+                        oracle(&mut want, n, &a(&a_data), &b, run, accumulate, 0.5);
+                        for i in 0..m {
+                            for j in 0..n {
+                                if causal == Causal::LowerDst && j > i {
+                                    continue;
+                                }
+                                let (g, w) = (got[i * n + j], want[i * n + j]);
+                                assert!(
+                                    (g - w).abs() <= 1e-5 * (1.0 + k as f32).sqrt(),
+                                    "{causal:?} t={t} a_t={a_t} acc={accumulate} ({i},{j}): {g} vs {w}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 }

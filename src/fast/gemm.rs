@@ -5,7 +5,7 @@ use gemm::Parallelism;
 
 pub use crate::config::Precision;
 
-use super::bf16::matmul_bf16;
+use super::bf16::{matmul_bf16, matmul_bf16_causal};
 
 /// Products smaller than this (in multiply-adds) stay on one thread: handing work to
 /// another costs more than it saves.
@@ -84,6 +84,24 @@ pub fn matmul(
     }
 }
 
+/// Structure a product inside causal attention can exploit: parts of a (T x T)
+/// operand are zero, or parts of the result are never read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Causal {
+    /// A plain product.
+    No,
+    /// Only dst's lower triangle (column <= row) is needed; the rest may be left stale.
+    LowerDst,
+    /// A is lower triangular: A[i][k] = 0 for k > i.
+    LowerA,
+    /// A is upper triangular: A[i][k] = 0 for k < i.
+    UpperA,
+}
+
+/// Rows per block when the f32 path splits a causal product: a block of rows
+/// [i0, i1) needs columns (or k) up to i1 only, or from i0 on.
+const CAUSAL_BLOCK: usize = 64;
+
 /// A matrix operand given by its first element and (row, column) strides.
 #[derive(Clone, Copy)]
 pub struct Strided<'a> {
@@ -120,25 +138,63 @@ impl<'a> Strided<'a> {
 
 /// dst (m x n, rows `dst_row` apart) = dst (if `accumulate`) + beta * a · b, on
 /// this thread: for the many small products inside attention, already spread over
-/// threads by the caller.
+/// threads by the caller. `causal` says what may be skipped (see `Causal`).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_strided(
     dst: &mut [f32],
     dst_row: usize,
     a: Strided,
     b: Strided,
-    m: usize,
-    n: usize,
-    k: usize,
+    (m, n, k): (usize, usize, usize),
     accumulate: bool,
     beta: f32,
+    causal: Causal,
     precision: Precision,
 ) {
     if precision == Precision::Bf16 {
-        return matmul_bf16(dst, dst_row, a, b, m, n, k, accumulate, beta, false);
+        let problem = (m, n, k);
+        return matmul_bf16_causal(dst, dst_row, a, b, problem, accumulate, beta, causal);
+    }
+    if causal == Causal::No {
+        return gemm_f32(dst, dst_row, a, b, (m, n, k), accumulate, beta);
+    }
+    // The gemm crate knows no structure: split the rows into blocks, each multiplied
+    // over the columns or k it needs.
+    for i0 in (0..m).step_by(CAUSAL_BLOCK) {
+        let i1 = (i0 + CAUSAL_BLOCK).min(m);
+        let rows = &mut dst[i0 * dst_row..];
+        let (a, b, n, k) = match causal {
+            Causal::No => (a.offset(i0, 0), b, n, k),
+            Causal::LowerDst => (a.offset(i0, 0), b, n.min(i1), k),
+            Causal::LowerA => (a.offset(i0, 0), b, n, k.min(i1)),
+            Causal::UpperA => (a.offset(i0, i0), b.offset(i0, 0), n, k - i0.min(k)),
+        };
+        gemm_f32(rows, dst_row, a, b, (i1 - i0, n, k), accumulate, beta);
+    }
+}
+
+/// `matmul_strided` in f32 through the gemm crate, on this thread.
+fn gemm_f32(
+    dst: &mut [f32],
+    dst_row: usize,
+    a: Strided,
+    b: Strided,
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+    beta: f32,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        for row in dst.chunks_mut(dst_row).take(m) {
+            for x in &mut row[..n] {
+                *x = if accumulate { *x } else { 0.0 };
+            }
+        }
+        return;
     }
     let last = |s: &Strided, rows: usize, cols: usize| (rows - 1) * s.row + (cols - 1) * s.col;
-    assert!(m > 0 && n > 0 && k > 0);
     assert!(dst.len() > (m - 1) * dst_row + n - 1);
     assert!(a.data.len() > last(&a, m, k) && b.data.len() > last(&b, k, n));
     // Safety: the asserts bound every element gemm reads or writes.
@@ -189,6 +245,61 @@ mod tests {
                 matmul(&mut out, aa, al, bb, bl, m, n, k, true, Precision::F32);
                 for (o, e) in out.iter().zip(&expected) {
                     assert!((o - (1.0 + e)).abs() < 1e-5, "{al:?} {bl:?}");
+                }
+            }
+        }
+    }
+
+    /// The f32 path's causal splitting against plain products, past one row block.
+    #[test]
+    fn causal_splits_match_plain_products() {
+        let (t, d) = (150, 7);
+        let values = |len: usize, seed: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| ((i * 31 + seed * 17) % 23) as f32 * 0.1 - 1.1)
+                .collect()
+        };
+        for causal in [Causal::LowerDst, Causal::LowerA, Causal::UpperA] {
+            let (m, n, k) = match causal {
+                Causal::LowerDst => (t, t, d),
+                _ => (t, d, t),
+            };
+            let mut a_data = values(m * k, 1);
+            for i in 0..m {
+                for kk in 0..k {
+                    let zero = match causal {
+                        Causal::LowerA => kk > i,
+                        Causal::UpperA => kk < i,
+                        _ => false,
+                    };
+                    if zero {
+                        a_data[i * k + kk] = 0.0;
+                    }
+                }
+            }
+            let b_data = values(k * n, 2);
+            let a = Strided {
+                data: &a_data,
+                row: k,
+                col: 1,
+            };
+            let b = Strided {
+                data: &b_data,
+                row: n,
+                col: 1,
+            };
+            let start = values(m * n, 3);
+            let (mut split, mut plain) = (start.clone(), start);
+            let f32s = Precision::F32;
+            matmul_strided(&mut split, n, a, b, (m, n, k), true, 0.5, causal, f32s);
+            matmul_strided(&mut plain, n, a, b, (m, n, k), true, 0.5, Causal::No, f32s);
+            for i in 0..m {
+                for j in 0..n {
+                    if causal == Causal::LowerDst && j > i {
+                        continue;
+                    }
+                    let (s, p) = (split[i * n + j], plain[i * n + j]);
+                    assert!((s - p).abs() < 1e-4, "{causal:?} ({i},{j}): {s} vs {p}");
                 }
             }
         }

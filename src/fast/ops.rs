@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::gemm::{matmul_strided, Precision, Strided};
+use super::gemm::{matmul_strided, Causal, Precision, Strided};
 use super::kernels::{
     axpy, dot_lanes, erf_approx, exp_approx, multiversion, sum_lanes, sum_lanes3,
 };
@@ -595,21 +595,9 @@ pub fn attention_forward_one(
             col: 1,
         };
         let p = &mut att[head * t * t..(head + 1) * t * t];
-        for (i0, i1) in causal_blocks(t) {
-            let rows = &mut p[i0 * t..];
-            matmul_strided(
-                rows,
-                t,
-                q.offset(i0, 0),
-                kt,
-                i1 - i0,
-                i1,
-                d,
-                false,
-                scale,
-                precision,
-            );
-        }
+        // Scores above the diagonal are never read: the softmax writes zeros there.
+        let tt = (t, t, d);
+        matmul_strided(p, t, q, kt, tt, false, scale, Causal::LowerDst, precision);
         causal_softmax_rows(p, t);
         let p: &[f32] = match mask {
             Some(mask) => {
@@ -626,34 +614,9 @@ pub fn attention_forward_one(
             row: t,
             col: 1,
         };
-        for (i0, i1) in causal_blocks(t) {
-            let rows = &mut y[i0 * c + head * d..];
-            matmul_strided(
-                rows,
-                c,
-                p.offset(i0, 0),
-                v,
-                i1 - i0,
-                d,
-                i1,
-                false,
-                1.0,
-                precision,
-            );
-        }
+        let y = &mut y[head * d..];
+        matmul_strided(y, c, p, v, (t, d, t), false, 1.0, Causal::LowerA, precision);
     }
-}
-
-/// Query rows per block in the attention products: a block of rows [i0, i1) sees
-/// keys 0..i1 only, so the products skip the blocks above the diagonal (about 40% of
-/// the work at T = 256), where every causal weight is zero.
-const CAUSAL_BLOCK: usize = 64;
-
-/// The blocks of query rows, as (first, end).
-fn causal_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
-    (0..t)
-        .step_by(CAUSAL_BLOCK)
-        .map(move |i0| (i0, (i0 + CAUSAL_BLOCK).min(t)))
 }
 
 multiversion! {
@@ -732,23 +695,10 @@ pub fn attention_backward_one(
             row: 1,
             col: w,
         };
-        // dPd, each block of rows up to the diagonal block (the rest stays stale:
-        // the softmax backward below reads and writes only j <= i).
-        for (i0, i1) in causal_blocks(t) {
-            let rows = &mut ds[i0 * t..];
-            matmul_strided(
-                rows,
-                t,
-                dy_h.offset(i0, 0),
-                vt,
-                i1 - i0,
-                i1,
-                d,
-                false,
-                1.0,
-                precision,
-            );
-        }
+        // dPd below the diagonal (the rest stays stale: the softmax backward reads
+        // and writes only j <= i).
+        let tt = (t, t, d);
+        matmul_strided(ds, t, dy_h, vt, tt, false, 1.0, Causal::LowerDst, precision);
         let head_mask = mask.map(|m| &m[head * t * t..(head + 1) * t * t]);
         if let Some(m) = head_mask {
             for (g, k) in ds.iter_mut().zip(m) {
@@ -776,26 +726,12 @@ pub fn attention_backward_one(
             row: w,
             col: 1,
         };
-        // dS is zero above the diagonal: query rows [i0, i1) take keys 0..i1, and key
-        // rows [j0, j1) get gradient from queries j0.. only.
-        for (i0, i1) in causal_blocks(t) {
-            let dq = &mut dqkv[i0 * w + head * d..];
-            matmul_strided(
-                dq,
-                w,
-                ds_m.offset(i0, 0),
-                k,
-                i1 - i0,
-                d,
-                i1,
-                true,
-                1.0,
-                precision,
-            );
-            let dk = &mut dqkv[i0 * w + ko..];
-            let (ds_t, q) = (ds_t.offset(i0, i0), q.offset(i0, 0));
-            matmul_strided(dk, w, ds_t, q, i1 - i0, d, t - i0, true, 1.0, precision);
-        }
+        // dS is zero above the diagonal: query i takes keys j <= i, key j gets
+        // gradient from queries i >= j.
+        let (dq, td) = (&mut dqkv[head * d..], (t, d, t));
+        matmul_strided(dq, w, ds_m, k, td, true, 1.0, Causal::LowerA, precision);
+        let dk = &mut dqkv[ko..];
+        matmul_strided(dk, w, ds_t, q, td, true, 1.0, Causal::UpperA, precision);
         let p_used: &[f32] = match head_mask {
             Some(m) => {
                 for ((o, a), k) in dropped.iter_mut().zip(p).zip(m) {
@@ -810,11 +746,8 @@ pub fn attention_backward_one(
             row: 1,
             col: t,
         };
-        for (j0, j1) in causal_blocks(t) {
-            let dv = &mut dqkv[j0 * w + vo..];
-            let (p_t, dy_h) = (p_t.offset(j0, j0), dy_h.offset(j0, 0));
-            matmul_strided(dv, w, p_t, dy_h, j1 - j0, d, t - j0, true, 1.0, precision);
-        }
+        let dv = &mut dqkv[vo..];
+        matmul_strided(dv, w, p_t, dy_h, td, true, 1.0, Causal::UpperA, precision);
     }
 }
 
