@@ -379,7 +379,7 @@ fn pack_a(
     let out = scratch(dst, mc * kp);
     // Read A along memory: by columns (fixed k) when those are contiguous, else by rows.
     let by_columns = a.row == 1 && a.col != 1;
-    fill_a(out, a, i0, mc, k0, kc, pairs, by_columns);
+    fill_a(out, a, i0..i0 + mc, k0..k0 + kc, pairs, by_columns);
     if by_columns {
         APairs { row: 1, pair: mc }
     } else {
@@ -401,13 +401,12 @@ super::kernels::multiversion! {
     pub fn fill_a(
         out: &mut [u32],
         a: &Strided,
-        i0: usize,
-        mc: usize,
-        k0: usize,
-        kc: usize,
+        rows: std::ops::Range<usize>,
+        ks: std::ops::Range<usize>,
         pairs: std::ops::Range<usize>,
         by_columns: bool,
     ) {
+        let (i0, mc, k0, kc) = (rows.start, rows.len(), ks.start, ks.len());
         let kp = kc.div_ceil(2);
         if by_columns {
             // Word (i, p) at p * mc + i: zip pairs of A's columns, all rows at once.
