@@ -105,8 +105,8 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
     cfg.vocab_size = bench_vocab(config);
     let train = &config.train;
     let (b, t) = (train.batch_size, cfg.block_size);
-    let model = Gpt::new(&cfg, config.run.seed, device)?;
-    let fused = uses_fused_path(train, device)?;
+    let model = Gpt::with_products(&cfg, config.run.seed, device, train.dtype)?;
+    let fused = uses_fused_path(train, device);
     let mut fast = if fused {
         Some(FastGpt::new(&cfg, model.params(), b, train.dtype)?)
     } else {

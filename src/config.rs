@@ -299,8 +299,8 @@ pub struct TrainConfig {
     /// Train with the fused CPU kernels when the model allows (`false`: the reference
     /// candle-ops model with autograd, as on GPUs).
     pub fused: bool,
-    /// Precision of the matrix products: "f32", or "bf16" (bf16 operands, f32 sums;
-    /// f32 master weights and optimiser). bf16 needs the fused CPU path.
+    /// Precision of the matrix products: "f32", or "bf16" (mixed precision: bf16
+    /// operands; f32 master weights, optimiser, norms, softmax and loss).
     pub dtype: Precision,
     /// Start from this checkpoint's weights and tokenizer (fine-tuning); set by
     /// `train --init-from`. The model section then comes from that checkpoint.

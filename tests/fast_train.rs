@@ -365,7 +365,64 @@ fn long_contexts_match_the_reference() {
             let g = grads.get(var.as_tensor()).unwrap();
             let expected: Vec<f32> = g.flatten_all().unwrap().to_vec1().unwrap();
             let err = rel_err(&fast_grads[name], &expected);
-            assert!(err <= tol, "{precision:?}: gradient of {name} off by {err:e}");
+            assert!(
+                err <= tol,
+                "{precision:?}: gradient of {name} off by {err:e}"
+            );
         }
     }
+}
+
+/// The reference model's bf16 products (autocast's recipe, for GPUs) land within bf16
+/// rounding of its f32 products and of the fused bf16 path, and really are rounded.
+#[test]
+fn reference_bf16_products_track_f32() {
+    let dev = Device::Cpu;
+    let (b, t) = (2, 19);
+    let cfg = ModelConfig {
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 32,
+        block_size: t,
+        vocab_size: 23,
+        ..ModelConfig::default()
+    };
+    let ids = batch(b, t, 23, 1);
+    let targets = batch(b, t, 23, 2);
+    let x = Tensor::from_slice(&ids, (b, t), &dev).unwrap();
+    let y = Tensor::from_slice(&targets, (b, t), &dev).unwrap();
+    let loss_and_grads = |products: Precision| {
+        let model = Gpt::with_products(&cfg, 5, &dev, products).unwrap();
+        let loss = model.loss(&x, &y, &mut Dropout::off()).unwrap();
+        let grads = loss.backward().unwrap();
+        let by_name: Vec<Vec<f32>> = model
+            .params()
+            .iter()
+            .map(|(_, v)| {
+                let g = grads.get(v.as_tensor()).unwrap();
+                g.flatten_all().unwrap().to_vec1().unwrap()
+            })
+            .collect();
+        (loss.to_scalar::<f32>().unwrap() as f64, by_name, model)
+    };
+    let (f32_loss, f32_grads, _) = loss_and_grads(Precision::F32);
+    let (bf16_loss, bf16_grads, model) = loss_and_grads(Precision::Bf16);
+    assert!(
+        bf16_loss != f32_loss,
+        "bf16 products gave the f32 loss exactly"
+    );
+    assert!(
+        (bf16_loss - f32_loss).abs() <= 5e-4 * f32_loss,
+        "loss {bf16_loss} vs {f32_loss}"
+    );
+    for (((name, _), g), want) in model.params().iter().zip(&bf16_grads).zip(&f32_grads) {
+        let err = rel_err(g, want);
+        assert!(err <= 2e-2, "gradient of {name} off by {err:e}");
+    }
+    let mut fast = FastGpt::new(&cfg, model.params(), b, Precision::Bf16).unwrap();
+    let fast_loss = fast.forward(&ids, &targets, None);
+    assert!(
+        (fast_loss - bf16_loss).abs() <= 5e-4 * f32_loss,
+        "fused bf16 loss {fast_loss} vs reference bf16 {bf16_loss}"
+    );
 }

@@ -165,11 +165,6 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "train.dtype",
         ),
         case(
-            "bf16 without the fused path",
-            &format!("{t} --set train.dtype=bf16 --set train.fused=false"),
-            "train.dtype",
-        ),
-        case(
             "unknown position kind",
             &format!("{t} --set model.positions=alibi"),
             "model.positions",

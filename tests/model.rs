@@ -3,7 +3,7 @@
 //! finite differences.
 
 use candle_core::{DType, Device, IndexOp, Tensor};
-use tinygpt::config::{MlpKind, ModelConfig, NormKind, PositionKind};
+use tinygpt::config::{MlpKind, ModelConfig, NormKind, PositionKind, Precision};
 use tinygpt::model::attention::{causal_mask, scaled_dot_product_attention};
 use tinygpt::model::position::{sinusoidal_table, Rope};
 use tinygpt::model::{Dropout, Gpt};
@@ -49,7 +49,8 @@ fn attention_worked_example() {
 
     // Unscaled, unmasked.
     let (out, w) =
-        scaled_dot_product_attention(&q, &k, &v, 1.0, false, &mut Dropout::off()).unwrap();
+        scaled_dot_product_attention(&q, &k, &v, 1.0, false, &mut Dropout::off(), Precision::F32)
+            .unwrap();
     let w = round2(w.i((0, 0)).unwrap().to_vec2::<f32>().unwrap());
     assert_eq!(
         w,
@@ -66,7 +67,9 @@ fn attention_worked_example() {
     );
 
     // Causal: token i sees tokens 0..=i only.
-    let (_, w) = scaled_dot_product_attention(&q, &k, &v, 1.0, true, &mut Dropout::off()).unwrap();
+    let (_, w) =
+        scaled_dot_product_attention(&q, &k, &v, 1.0, true, &mut Dropout::off(), Precision::F32)
+            .unwrap();
     let w = round2(w.i((0, 0)).unwrap().to_vec2::<f32>().unwrap());
     assert_eq!(
         w,

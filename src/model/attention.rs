@@ -9,12 +9,13 @@ use anyhow::Result;
 use candle_core::{Device, Tensor, D};
 
 use super::dropout::Dropout;
-use super::linear::Linear;
+use super::linear::{product, Linear};
 use super::params::ParamBuilder;
 use super::position::Rope;
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, Precision};
 
-/// softmax(q k^T * scale + mask) v, returning (output, weights).
+/// softmax(q k^T * scale + mask) v, returning (output, weights); the two products in
+/// `products` precision (softmax in the inputs' type).
 ///
 /// q: (B, H, T, d); k, v: (B, H, S, d) with S >= T. The T queries are the last T of
 /// the S positions, so with `causal` query t sees keys 0 ..= S - T + t.
@@ -26,16 +27,17 @@ pub fn scaled_dot_product_attention(
     scale: f64,
     causal: bool,
     dropout: &mut Dropout,
+    products: Precision,
 ) -> Result<(Tensor, Tensor)> {
     let t = q.dim(2)?;
     let s = k.dim(2)?;
-    let mut scores = (q.matmul(&k.t()?)? * scale)?; // (B, H, T, S)
+    let mut scores = (product(q, &k.t()?, products)? * scale)?; // (B, H, T, S)
     if causal {
         let mask = causal_mask(t, s, q.device())?.to_dtype(scores.dtype())?;
         scores = scores.broadcast_add(&mask)?;
     }
     let weights = candle_nn::ops::softmax(&scores, D::Minus1)?;
-    let out = dropout.apply(&weights)?.matmul(v)?;
+    let out = product(&dropout.apply(&weights)?, v, products)?;
     Ok((out, weights))
 }
 
@@ -108,6 +110,7 @@ pub struct CausalSelfAttention {
     n_head: usize,
     n_kv_head: usize,
     head_dim: usize,
+    products: Precision,
 }
 
 impl CausalSelfAttention {
@@ -135,6 +138,7 @@ impl CausalSelfAttention {
             n_head: cfg.n_head,
             n_kv_head: cfg.kv_heads(),
             head_dim,
+            products: pb.products(),
         })
     }
 
@@ -172,7 +176,8 @@ impl CausalSelfAttention {
         let k = repeat_kv(&k, h / h_kv)?;
         let v = repeat_kv(&v, h / h_kv)?;
         let scale = 1.0 / (d as f64).sqrt();
-        let (y, weights) = scaled_dot_product_attention(&q, &k, &v, scale, true, dropout)?;
+        let (y, weights) =
+            scaled_dot_product_attention(&q, &k, &v, scale, true, dropout, self.products)?;
         let y = y.transpose(1, 2)?.reshape((b, t, c))?; // heads side by side again
         Ok((self.c_proj.forward(&y)?, weights))
     }

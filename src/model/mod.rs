@@ -20,12 +20,13 @@ use candle_core::{DType, Device, Tensor};
 pub use attention::KvCache;
 use block::Block;
 pub use dropout::Dropout;
+use linear::product;
 use norm::Norm;
 pub use params::Params;
 use params::{Init, ParamBuilder};
 use position::{InputPositions, Rope};
 
-use crate::config::{ModelConfig, PositionKind};
+use crate::config::{ModelConfig, PositionKind, Precision};
 use crate::user_bail;
 
 pub struct Gpt {
@@ -36,6 +37,8 @@ pub struct Gpt {
     blocks: Vec<Block>,
     ln_f: Norm,
     params: Params,
+    /// Precision of every matrix product (train.dtype).
+    products: Precision,
 }
 
 /// What one forward pass returns.
@@ -51,17 +54,39 @@ impl Gpt {
     /// N(0, 0.02 / sqrt(2 n_layer)) so the residual stream's variance does not grow
     /// with depth, norms at 1, biases at 0. Same seed, same weights, on any device.
     pub fn new(cfg: &ModelConfig, seed: u64, device: &Device) -> Result<Self> {
-        Self::with_dtype(cfg, seed, device, DType::F32)
+        Self::build(cfg, seed, device, DType::F32, Precision::F32)
     }
 
     /// As [`Gpt::new`] with parameters of type `dtype` (f64 for gradient checks).
     pub fn with_dtype(cfg: &ModelConfig, seed: u64, device: &Device, dtype: DType) -> Result<Self> {
+        Self::build(cfg, seed, device, dtype, Precision::F32)
+    }
+
+    /// As [`Gpt::new`], every matrix product in `products` precision (training with
+    /// `train.dtype`; weights stay f32).
+    pub fn with_products(
+        cfg: &ModelConfig,
+        seed: u64,
+        device: &Device,
+        products: Precision,
+    ) -> Result<Self> {
+        Self::build(cfg, seed, device, DType::F32, products)
+    }
+
+    fn build(
+        cfg: &ModelConfig,
+        seed: u64,
+        device: &Device,
+        dtype: DType,
+        products: Precision,
+    ) -> Result<Self> {
         if cfg.vocab_size == 0 {
             anyhow::bail!(
                 "model.vocab_size must be set (from the tokenizer) before building the model"
             );
         }
         let mut pb = ParamBuilder::new(seed, device, dtype);
+        pb.set_products(products);
         let wte = pb.var(
             "wte.weight",
             &[cfg.vocab_size, cfg.n_embd],
@@ -84,6 +109,7 @@ impl Gpt {
             blocks,
             ln_f,
             params: pb.finish(),
+            products,
         })
     }
 
@@ -137,9 +163,8 @@ impl Gpt {
             attention.push(weights);
         }
         let x = self.ln_f.forward(&x)?.reshape((b * t, c))?;
-        let logits = x
-            .matmul(&self.wte.t()?)?
-            .reshape((b, t, self.cfg.vocab_size))?;
+        let logits =
+            product(&x, &self.wte.t()?, self.products)?.reshape((b, t, self.cfg.vocab_size))?;
         Ok(Output { logits, attention })
     }
 

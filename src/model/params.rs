@@ -13,6 +13,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, StandardNormal};
 
+use crate::config::Precision;
 use crate::user_bail;
 
 /// Named variables in construction order. Names are the tensor names in
@@ -92,6 +93,7 @@ pub struct ParamBuilder {
     rng: ChaCha8Rng,
     device: Device,
     dtype: DType,
+    products: Precision,
 }
 
 impl ParamBuilder {
@@ -101,7 +103,18 @@ impl ParamBuilder {
             rng: ChaCha8Rng::seed_from_u64(seed),
             device: device.clone(),
             dtype,
+            products: Precision::F32,
         }
+    }
+
+    /// Layers built from here on multiply in `products` (see [`super::linear::product`]).
+    pub fn set_products(&mut self, products: Precision) {
+        self.products = products;
+    }
+
+    /// The precision of the matrix products of the layers being built.
+    pub fn products(&self) -> Precision {
+        self.products
     }
 
     pub fn device(&self) -> &Device {

@@ -109,22 +109,9 @@ enum Engine {
 }
 
 /// Whether training runs on the fused CPU kernels (`fast::train`) rather than the
-/// reference model. bf16 matrix products exist only there, so asking for them where
-/// the fused path is off is refused rather than silently trained in f32.
-pub fn uses_fused_path(train: &TrainConfig, device: &Device) -> Result<bool> {
-    let why_not = if train.fused {
-        FastGpt::unsupported(device)
-    } else {
-        Some("train.fused = false".into())
-    };
-    match (why_not, train.dtype) {
-        (None, _) => Ok(true),
-        (Some(_), Precision::F32) => Ok(false),
-        (Some(why), Precision::Bf16) => user_bail!(
-            "train.dtype = \"bf16\" needs the fused CPU path, which is off here ({why}); \
-             use train.dtype = \"f32\""
-        ),
-    }
+/// reference model (train.fused = false, or a GPU).
+pub fn uses_fused_path(train: &TrainConfig, device: &Device) -> bool {
+    train.fused && FastGpt::unsupported(device).is_none()
 }
 
 /// Everything a run holds between steps.
@@ -161,8 +148,7 @@ impl Trainer {
     pub fn start(mut config: Config, start: Start) -> Result<Self> {
         let resume = start == Start::Resume;
         let device = parse_device(&config.run.device)?;
-        // Before anything is written: a refused dtype must leave no run folder behind.
-        let fused = uses_fused_path(&config.train, &device)?;
+        let fused = uses_fused_path(&config.train, &device);
         let run = RunDir::new(config.run_dir());
         let mut state = TrainState::default();
         let docs = data::read_corpus(&config.data.corpus)?;
@@ -265,7 +251,8 @@ impl Trainer {
             &config.data.corpus,
         )?;
 
-        let model = Gpt::new(&config.model, config.run.seed, &device)?;
+        let model =
+            Gpt::with_products(&config.model, config.run.seed, &device, config.train.dtype)?;
         if let Some(weights) = &init_weights {
             model.params().load(weights, "--init-from")?;
         }
@@ -520,11 +507,8 @@ impl Trainer {
 
     /// "fused CPU kernels", or why the reference path is used.
     pub fn engine_name(&self) -> String {
-        match &self.engine {
-            Engine::Fused(_) => match self.config.train.dtype {
-                Precision::F32 => "fused CPU kernels".into(),
-                Precision::Bf16 => "fused CPU kernels, bf16 matrix products".into(),
-            },
+        let path = match &self.engine {
+            Engine::Fused(_) => "fused CPU kernels".into(),
             Engine::Reference(_) if !self.config.train.fused => {
                 "reference (train.fused = false)".into()
             }
@@ -532,6 +516,10 @@ impl Trainer {
                 "reference ({})",
                 FastGpt::unsupported(&self.device).unwrap_or_default()
             ),
+        };
+        match self.config.train.dtype {
+            Precision::F32 => path,
+            Precision::Bf16 => format!("{path}, bf16 matrix products"),
         }
     }
 
