@@ -13,6 +13,13 @@ use super::gemm::threads;
 /// Below this many elements a pass stays on one thread: waking another costs more.
 const MIN_PARALLEL: usize = 1 << 14;
 
+/// Runs `f` on one of the pool's threads (the caller waits): the many parallel
+/// passes inside then fork and join within the pool instead of each waking it from
+/// outside.
+pub fn on_workers<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    rayon::scope(|_| f())
+}
+
 /// Rows per share for `rows` rows of `width` elements: all of them when small.
 pub fn share_rows(rows: usize, width: usize) -> usize {
     let threads = threads();

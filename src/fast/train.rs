@@ -16,7 +16,7 @@ use candle_core::{Device, Tensor};
 use super::gemm::{matmul, Layout, Precision};
 use super::kernels::multiversion;
 use super::ops::{self, AttnShape};
-use super::parallel::{share_len, zip_in_place, zip_map};
+use super::parallel::{on_workers, share_len, zip_in_place, zip_map};
 use crate::config::{ModelConfig, PositionKind, TrainConfig};
 use crate::model::position::{rope_tables, sinusoidal_table};
 use crate::model::{Dropout, Params};
@@ -251,6 +251,15 @@ impl FastGpt {
         &mut self,
         ids: &[u32],
         targets: &[u32],
+        dropout: Option<&mut Dropout>,
+    ) -> f64 {
+        on_workers(|| self.forward_on_worker(ids, targets, dropout))
+    }
+
+    fn forward_on_worker(
+        &mut self,
+        ids: &[u32],
+        targets: &[u32],
         mut dropout: Option<&mut Dropout>,
     ) -> f64 {
         let n = self.rows();
@@ -411,6 +420,10 @@ impl FastGpt {
 
     /// Adds d(loss * `scale`)/d(params) to `grads`, for the batch of the last forward.
     pub fn backward(&mut self, scale: f32) {
+        on_workers(|| self.backward_on_worker(scale))
+    }
+
+    fn backward_on_worker(&mut self, scale: f32) {
         let n = self.rows();
         let Dims {
             t,
@@ -684,6 +697,10 @@ impl FastGpt {
 
     /// One AdamW update (the same formula as `train::optim::AdamW`), in place.
     pub fn adamw(&mut self, step: usize, lr: f64, cfg: &TrainConfig) {
+        on_workers(|| self.adamw_on_worker(step, lr, cfg))
+    }
+
+    fn adamw_on_worker(&mut self, step: usize, lr: f64, cfg: &TrainConfig) {
         let (b1, b2) = (cfg.beta1 as f32, cfg.beta2 as f32);
         let bc1 = 1.0 - cfg.beta1.powi(step as i32);
         let bc2 = 1.0 - cfg.beta2.powi(step as i32);
