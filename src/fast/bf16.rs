@@ -287,7 +287,7 @@ impl Problem<'_> {
             for k0 in (0..self.k).step_by(step) {
                 let kc = step.min(self.k - k0);
                 let kp = kc.div_ceil(2);
-                pack_b(
+                let b_panels = pack_b(
                     &mut panels.b,
                     &mut panels.column,
                     &self.b,
@@ -308,7 +308,7 @@ impl Problem<'_> {
                     let strides = pack_a(&mut panels.a, &self.a, i0, mc, k0, kc, a_from..a_to);
                     for jp in 0..col_panels {
                         let c0 = cols.start + jp * NR;
-                        let b = panels.b.as_ptr().add(jp * kp * NR);
+                        let b = b_panels.as_ptr().add(jp * kp * NR);
                         let width = NR.min(n - jp * NR);
                         for ip in 0..mc.div_ceil(MR) {
                             let r0 = i0 + ip * MR;
@@ -325,8 +325,8 @@ impl Problem<'_> {
                             };
                             let to = to.max(from);
                             let a = APanel {
-                                first: panels
-                                    .a
+                                first: strides
+                                    .words
                                     .as_ptr()
                                     .add(ip * MR * strides.row + from * strides.pair),
                                 row: strides.row,
@@ -359,41 +359,47 @@ impl Problem<'_> {
 
 /// Rows i0..i0+mc, k k0..k0+kc of A as pair words, in whichever order reads A along
 /// memory: word (i, p) is at `i * row + p * pair`. k past kc reads as zero.
-struct APairs {
+struct APairs<'d> {
+    words: &'d [u32],
     row: usize,
     pair: usize,
 }
 
 /// Packs rows i0..i0+mc, k k0..k0+kc of `a` into `dst` (see `APairs`); only the pairs
 /// in `pairs` (the rest of the layout is left stale: the kernel will not read it).
-fn pack_a(
-    dst: &mut Vec<u32>,
+fn pack_a<'d>(
+    dst: &'d mut Vec<u32>,
     a: &Strided,
     i0: usize,
     mc: usize,
     k0: usize,
     kc: usize,
     pairs: std::ops::Range<usize>,
-) -> APairs {
+) -> APairs<'d> {
     let kp = kc.div_ceil(2);
     let out = scratch(dst, mc * kp);
     // Read A along memory: by columns (fixed k) when those are contiguous, else by rows.
     let by_columns = a.row == 1 && a.col != 1;
     fill_a(out, a, i0..i0 + mc, k0..k0 + kc, pairs, by_columns);
-    if by_columns {
-        APairs { row: 1, pair: mc }
-    } else {
-        APairs { row: kp, pair: 1 }
+    let (row, pair) = if by_columns { (1, mc) } else { (kp, 1) };
+    APairs {
+        words: out,
+        row,
+        pair,
     }
 }
 
 /// The first `len` words of `buffer`, grown if needed. Stale contents are left: the
 /// packers overwrite every word the kernel reads.
+/// The slice starts on a 64-byte boundary, so the kernel's 64-byte panel loads never
+/// straddle two cache lines.
 fn scratch(buffer: &mut Vec<u32>, len: usize) -> &mut [u32] {
-    if buffer.len() < len {
-        buffer.resize(len, 0);
+    const SLACK: usize = 64 / 4;
+    if buffer.len() < len + SLACK {
+        buffer.resize(len + SLACK, 0);
     }
-    &mut buffer[..len]
+    let skip = buffer.as_ptr().align_offset(64).min(SLACK);
+    &mut buffer[skip..skip + len]
 }
 
 super::kernels::multiversion! {
@@ -442,19 +448,20 @@ super::kernels::multiversion! {
 /// Packs k k0..k0+kc, columns `cols` of `b` as `NR`-column panels: word (p, j) of a
 /// panel holds column j's k pair p; columns past the end and k past kc are zeros.
 /// `column` is scratch for one column's words.
-fn pack_b(
-    dst: &mut Vec<u32>,
+fn pack_b<'d>(
+    dst: &'d mut Vec<u32>,
     column: &mut Vec<u32>,
     b: &Strided,
     k0: usize,
     kc: usize,
     cols: std::ops::Range<usize>,
-) {
+) -> &'d [u32] {
     let kp = kc.div_ceil(2);
     let panels = cols.len().div_ceil(NR);
     let out = scratch(dst, panels * kp * NR);
     let column = scratch(column, kp);
     fill_b(out, column, b, k0, kc, cols.start, cols.len());
+    out
 }
 
 super::kernels::multiversion! {
