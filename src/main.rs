@@ -1,5 +1,7 @@
 //! The `tinygpt` command line: parse, call the library, map errors to exit codes.
 
+mod alloc;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
@@ -278,6 +280,9 @@ fn stop_on_signals() -> anyhow::Result<Arc<AtomicI32>> {
 fn stop_on_signals() -> anyhow::Result<Arc<AtomicI32>> {
     Ok(Arc::new(AtomicI32::new(0)))
 }
+
+#[global_allocator]
+static ALLOCATOR: alloc::CacheLineAligned = alloc::CacheLineAligned;
 
 fn main() -> ExitCode {
     // Like any Unix filter: `tinygpt generate ... | head` ends quietly when the reader

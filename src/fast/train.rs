@@ -247,12 +247,7 @@ impl FastGpt {
     /// Keeps what the backward needs. With an active `dropout`, masks are drawn from it
     /// in the reference model's order (embeddings; per layer attention weights, attention
     /// output, MLP output), so both paths drop the same elements.
-    pub fn forward(
-        &mut self,
-        ids: &[u32],
-        targets: &[u32],
-        dropout: Option<&mut Dropout>,
-    ) -> f64 {
+    pub fn forward(&mut self, ids: &[u32], targets: &[u32], dropout: Option<&mut Dropout>) -> f64 {
         on_workers(|| self.forward_on_worker(ids, targets, dropout))
     }
 
