@@ -257,6 +257,12 @@ impl FastDecoder {
     /// Starts over: runs `windows` (one per sequence, equal lengths) from position 0.
     /// Returns the last position's logits, (batch, V).
     pub fn prefill(&mut self, windows: &[Vec<u32>]) -> Result<&[f32]> {
+        // On a pool thread: the many small parallel passes fork and join inside it.
+        super::parallel::on_workers(|| self.prefill_on_worker(windows).map(|_| ()))?;
+        Ok(&self.logits)
+    }
+
+    fn prefill_on_worker(&mut self, windows: &[Vec<u32>]) -> Result<&[f32]> {
         assert_eq!(windows.len(), self.batch);
         let t = windows[0].len();
         assert!(windows.iter().all(|w| w.len() == t));
