@@ -247,13 +247,51 @@ fn dropout_masks_are_the_reference_masks() {
     }
 }
 
+/// The reference model's loss on one batch and each parameter's gradient, in
+/// parameter order.
+fn reference_loss_and_grads(
+    model: &Gpt,
+    ids: &[u32],
+    targets: &[u32],
+    (b, t): (usize, usize),
+) -> (f64, Vec<(String, Vec<f32>)>) {
+    let dev = Device::Cpu;
+    let x = Tensor::from_slice(ids, (b, t), &dev).unwrap();
+    let y = Tensor::from_slice(targets, (b, t), &dev).unwrap();
+    let loss = model.loss(&x, &y, &mut Dropout::off()).unwrap();
+    let grads = loss.backward().unwrap();
+    let by_name = model
+        .params()
+        .iter()
+        .map(|(name, var)| {
+            let g = grads.get(var.as_tensor()).unwrap();
+            (
+                name.to_string(),
+                g.flatten_all().unwrap().to_vec1().unwrap(),
+            )
+        })
+        .collect();
+    (loss.to_scalar::<f32>().unwrap() as f64, by_name)
+}
+
+/// The fast path's loss and gradients (by name) on one batch.
+fn fast_loss_and_grads(
+    fast: &mut FastGpt,
+    ids: &[u32],
+    targets: &[u32],
+) -> (f64, std::collections::HashMap<String, Vec<f32>>) {
+    fast.zero_grads();
+    let loss = fast.forward(ids, targets, None);
+    fast.backward(1.0);
+    (loss, fast.grads_by_name())
+}
+
 /// bf16 matrix products (f32 sums, f32 everything else) against the f32 reference: the
 /// loss and every gradient within what rounding operands to 8 significant bits allows,
 /// and measurably different from f32 (so the products really are rounded). Sizes past
 /// the GEMM's 6 x 64 tiles and its k pairs (odd head size, odd widths).
 #[test]
 fn bf16_products_stay_within_bf16_rounding_of_the_reference() {
-    let dev = Device::Cpu;
     let (b, t) = (3, 37);
     for (positions, kv, norm, mlp) in [
         (PositionKind::Learned, 4, NormKind::LayerNorm, MlpKind::Gelu),
@@ -271,23 +309,13 @@ fn bf16_products_stay_within_bf16_rounding_of_the_reference() {
             vocab_size: 67,
             ..ModelConfig::default()
         };
-        let reference = Gpt::new(&cfg, 5, &dev).unwrap();
+        let reference = Gpt::new(&cfg, 5, &Device::Cpu).unwrap();
+        let (ids, targets) = (batch(b, t, 67, 1), batch(b, t, 67, 2));
+        let (ref_loss, ref_grads) = reference_loss_and_grads(&reference, &ids, &targets, (b, t));
         let mut f32_path = FastGpt::new(&cfg, reference.params(), b, Precision::F32).unwrap();
         let mut bf16_path = FastGpt::new(&cfg, reference.params(), b, Precision::Bf16).unwrap();
-        let ids = batch(b, t, 67, 1);
-        let targets = batch(b, t, 67, 2);
-        let x = Tensor::from_slice(&ids, (b, t), &dev).unwrap();
-        let y = Tensor::from_slice(&targets, (b, t), &dev).unwrap();
-        let loss = reference.loss(&x, &y, &mut Dropout::off()).unwrap();
-        let ref_loss = loss.to_scalar::<f32>().unwrap() as f64;
-        let grads = loss.backward().unwrap();
-
-        f32_path.zero_grads();
-        let f32_loss = f32_path.forward(&ids, &targets, None);
-        f32_path.backward(1.0);
-        bf16_path.zero_grads();
-        let bf16_loss = bf16_path.forward(&ids, &targets, None);
-        bf16_path.backward(1.0);
+        let (f32_loss, f32_grads) = fast_loss_and_grads(&mut f32_path, &ids, &targets);
+        let (bf16_loss, bf16_grads) = fast_loss_and_grads(&mut bf16_path, &ids, &targets);
         let what = format!("{positions:?} kv={kv}");
         assert!(
             (bf16_loss - ref_loss).abs() <= 2e-4 * ref_loss,
@@ -297,19 +325,9 @@ fn bf16_products_stay_within_bf16_rounding_of_the_reference() {
             (bf16_loss - f32_loss).abs() > 1e-7,
             "{what}: bf16 gave exactly the f32 loss"
         );
-        let (f32_grads, bf16_grads) = (f32_path.grads_by_name(), bf16_path.grads_by_name());
-        for (name, var) in reference.params().iter() {
-            let expected: Vec<f32> = grads
-                .get(var.as_tensor())
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            let (f32_err, bf16_err) = (
-                rel_err(&f32_grads[name], &expected),
-                rel_err(&bf16_grads[name], &expected),
-            );
+        for (name, expected) in &ref_grads {
+            let f32_err = rel_err(&f32_grads[name], expected);
+            let bf16_err = rel_err(&bf16_grads[name], expected);
             assert!(
                 f32_err <= 1e-5,
                 "{what}: f32 gradient of {name} off by {f32_err:e}"
@@ -333,7 +351,6 @@ fn bf16_products_stay_within_bf16_rounding_of_the_reference() {
 /// fast path still equals the reference to 1e-5, and bf16 stays within its rounding.
 #[test]
 fn long_contexts_match_the_reference() {
-    let dev = Device::Cpu;
     let (b, t) = (2, 150);
     let cfg = ModelConfig {
         n_layer: 1,
@@ -343,28 +360,18 @@ fn long_contexts_match_the_reference() {
         vocab_size: 11,
         ..ModelConfig::default()
     };
-    let reference = Gpt::new(&cfg, 5, &dev).unwrap();
-    let ids = batch(b, t, 11, 1);
-    let targets = batch(b, t, 11, 2);
-    let x = Tensor::from_slice(&ids, (b, t), &dev).unwrap();
-    let y = Tensor::from_slice(&targets, (b, t), &dev).unwrap();
-    let loss = reference.loss(&x, &y, &mut Dropout::off()).unwrap();
-    let ref_loss = loss.to_scalar::<f32>().unwrap() as f64;
-    let grads = loss.backward().unwrap();
+    let reference = Gpt::new(&cfg, 5, &Device::Cpu).unwrap();
+    let (ids, targets) = (batch(b, t, 11, 1), batch(b, t, 11, 2));
+    let (ref_loss, ref_grads) = reference_loss_and_grads(&reference, &ids, &targets, (b, t));
     for (precision, tol) in [(Precision::F32, 1e-5), (Precision::Bf16, 2e-2)] {
         let mut fast = FastGpt::new(&cfg, reference.params(), b, precision).unwrap();
-        fast.zero_grads();
-        let fast_loss = fast.forward(&ids, &targets, None);
-        fast.backward(1.0);
+        let (loss, grads) = fast_loss_and_grads(&mut fast, &ids, &targets);
         assert!(
-            (fast_loss - ref_loss).abs() <= tol * ref_loss,
-            "{precision:?}: loss {fast_loss} vs {ref_loss}"
+            (loss - ref_loss).abs() <= tol * ref_loss,
+            "{precision:?}: loss {loss} vs {ref_loss}"
         );
-        let fast_grads = fast.grads_by_name();
-        for (name, var) in reference.params().iter() {
-            let g = grads.get(var.as_tensor()).unwrap();
-            let expected: Vec<f32> = g.flatten_all().unwrap().to_vec1().unwrap();
-            let err = rel_err(&fast_grads[name], &expected);
+        for (name, expected) in &ref_grads {
+            let err = rel_err(&grads[name], expected);
             assert!(
                 err <= tol,
                 "{precision:?}: gradient of {name} off by {err:e}"
@@ -377,7 +384,6 @@ fn long_contexts_match_the_reference() {
 /// rounding of its f32 products and of the fused bf16 path, and really are rounded.
 #[test]
 fn reference_bf16_products_track_f32() {
-    let dev = Device::Cpu;
     let (b, t) = (2, 19);
     let cfg = ModelConfig {
         n_layer: 2,
@@ -387,26 +393,11 @@ fn reference_bf16_products_track_f32() {
         vocab_size: 23,
         ..ModelConfig::default()
     };
-    let ids = batch(b, t, 23, 1);
-    let targets = batch(b, t, 23, 2);
-    let x = Tensor::from_slice(&ids, (b, t), &dev).unwrap();
-    let y = Tensor::from_slice(&targets, (b, t), &dev).unwrap();
-    let loss_and_grads = |products: Precision| {
-        let model = Gpt::with_products(&cfg, 5, &dev, products).unwrap();
-        let loss = model.loss(&x, &y, &mut Dropout::off()).unwrap();
-        let grads = loss.backward().unwrap();
-        let by_name: Vec<Vec<f32>> = model
-            .params()
-            .iter()
-            .map(|(_, v)| {
-                let g = grads.get(v.as_tensor()).unwrap();
-                g.flatten_all().unwrap().to_vec1().unwrap()
-            })
-            .collect();
-        (loss.to_scalar::<f32>().unwrap() as f64, by_name, model)
-    };
-    let (f32_loss, f32_grads, _) = loss_and_grads(Precision::F32);
-    let (bf16_loss, bf16_grads, model) = loss_and_grads(Precision::Bf16);
+    let (ids, targets) = (batch(b, t, 23, 1), batch(b, t, 23, 2));
+    let f32_model = Gpt::with_products(&cfg, 5, &Device::Cpu, Precision::F32).unwrap();
+    let bf16_model = Gpt::with_products(&cfg, 5, &Device::Cpu, Precision::Bf16).unwrap();
+    let (f32_loss, f32_grads) = reference_loss_and_grads(&f32_model, &ids, &targets, (b, t));
+    let (bf16_loss, bf16_grads) = reference_loss_and_grads(&bf16_model, &ids, &targets, (b, t));
     assert!(
         bf16_loss != f32_loss,
         "bf16 products gave the f32 loss exactly"
@@ -415,11 +406,11 @@ fn reference_bf16_products_track_f32() {
         (bf16_loss - f32_loss).abs() <= 5e-4 * f32_loss,
         "loss {bf16_loss} vs {f32_loss}"
     );
-    for (((name, _), g), want) in model.params().iter().zip(&bf16_grads).zip(&f32_grads) {
+    for ((name, g), (_, want)) in bf16_grads.iter().zip(&f32_grads) {
         let err = rel_err(g, want);
         assert!(err <= 2e-2, "gradient of {name} off by {err:e}");
     }
-    let mut fast = FastGpt::new(&cfg, model.params(), b, Precision::Bf16).unwrap();
+    let mut fast = FastGpt::new(&cfg, bf16_model.params(), b, Precision::Bf16).unwrap();
     let fast_loss = fast.forward(&ids, &targets, None);
     assert!(
         (fast_loss - bf16_loss).abs() <= 5e-4 * f32_loss,

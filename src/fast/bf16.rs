@@ -83,17 +83,20 @@ pub fn matmul_bf16(
     dst_row: usize,
     a: Strided,
     b: Strided,
-    m: usize,
-    n: usize,
-    k: usize,
+    (m, n, k): (usize, usize, usize),
     accumulate: bool,
     beta: f32,
     parallel: bool,
 ) {
-    if m == 0 || n == 0 {
-        return;
+    let threads = super::gemm::threads();
+    if !parallel || threads < 2 || m * n * k < PARALLEL_MIN_MACS {
+        let problem = (m, n, k);
+        return matmul_bf16_serial(dst, dst_row, a, b, problem, accumulate, beta, Causal::No);
     }
     check_bounds(dst, dst_row, &a, &b, (m, n, k));
+    if k >= 4 * m.max(n) {
+        return split_k(dst, dst_row, a, b, (m, n, k), accumulate, beta, threads);
+    }
     let problem = Problem {
         dst: dst.as_mut_ptr(),
         dst_row,
@@ -104,15 +107,6 @@ pub fn matmul_bf16(
         beta,
         causal: Causal::No,
     };
-    if !parallel || super::gemm::threads() < 2 || m * n * k < PARALLEL_MIN_MACS {
-        // Safety: the asserts above bound every access; `dst` is borrowed mutably.
-        unsafe { problem.run(0..m, 0..n) };
-        return;
-    }
-    let threads = super::gemm::threads();
-    if k >= 4 * m.max(n) {
-        return split_k(dst, dst_row, a, b, (m, n, k), accumulate, beta, threads);
-    }
     // Split the longer side into one contiguous share per thread, in whole panels.
     let (len, unit) = if m >= n { (m, MR) } else { (n, NR) };
     let share = len.div_ceil(threads).div_ceil(unit) * unit;
@@ -144,7 +138,7 @@ fn check_bounds(
 /// diagonal (`LowerDst`), or the k past (`LowerA`) or before (`UpperA`) each row's
 /// diagonal, which are zeros of A. Packing skips them too.
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_bf16_causal(
+pub fn matmul_bf16_serial(
     dst: &mut [f32],
     dst_row: usize,
     a: Strided,
@@ -199,10 +193,12 @@ fn split_k(
         rayon::scope(|scope| {
             for (i, out) in partials.chunks_exact_mut(m * n).enumerate() {
                 let (a, b, k) = part(i + 1);
-                scope.spawn(move |_| matmul_bf16(out, n, a, b, m, n, k, false, 1.0, false));
+                scope.spawn(move |_| {
+                    matmul_bf16_serial(out, n, a, b, (m, n, k), false, 1.0, Causal::No)
+                });
             }
             let (a, b, k) = part(0);
-            matmul_bf16(dst, dst_row, a, b, m, n, k, accumulate, beta, false);
+            matmul_bf16_serial(dst, dst_row, a, b, (m, n, k), accumulate, beta, Causal::No);
         });
         for out in partials.chunks_exact(m * n) {
             for (row, add) in dst.chunks_mut(dst_row).zip(out.chunks_exact(n)) {
@@ -815,12 +811,12 @@ mod tests {
     #[test]
     fn products_match_rounded_operands_summed_exactly() {
         check("picked", |dst, dst_row, a, b, (m, n, k), acc, beta| {
-            matmul_bf16(dst, dst_row, a, b, m, n, k, acc, beta, false)
+            matmul_bf16(dst, dst_row, a, b, (m, n, k), acc, beta, false)
         });
         check(
             "picked, threads",
             |dst, dst_row, a, b, (m, n, k), acc, beta| {
-                matmul_bf16(dst, dst_row, a, b, m, n, k, acc, beta, true)
+                matmul_bf16(dst, dst_row, a, b, (m, n, k), acc, beta, true)
             },
         );
     }
@@ -867,8 +863,8 @@ mod tests {
             col: k,
         };
         let (mut one, mut many) = (vec![0f32; m * n], vec![0f32; m * n]);
-        matmul_bf16(&mut one, n, a, b, m, n, k, false, 1.0, false);
-        matmul_bf16(&mut many, n, a, b, m, n, k, false, 1.0, true);
+        matmul_bf16(&mut one, n, a, b, (m, n, k), false, 1.0, false);
+        matmul_bf16(&mut many, n, a, b, (m, n, k), false, 1.0, true);
         assert_eq!(
             one, many,
             "each element is summed in the same order either way"
@@ -929,7 +925,7 @@ mod tests {
                         let start = values(m * n, 9);
                         let (mut got, mut want) = (start.clone(), start.clone());
                         let run = (m, n, k);
-                        matmul_bf16_causal(
+                        matmul_bf16_serial(
                             &mut got,
                             n,
                             a(&a_data),

@@ -5,7 +5,7 @@ use gemm::Parallelism;
 
 pub use crate::config::Precision;
 
-use super::bf16::{matmul_bf16, matmul_bf16_causal};
+use super::bf16::{matmul_bf16, matmul_bf16_serial};
 
 /// Products smaller than this (in multiply-adds) stay on one thread: handing work to
 /// another costs more than it saves.
@@ -55,32 +55,12 @@ pub fn matmul(
     assert!(dst.len() >= m * n && a.len() >= m * k && b.len() >= k * n);
     let a = Strided::new(a, a_layout, m, k);
     let b = Strided::new(b, b_layout, k, n);
-    if precision == Precision::Bf16 {
-        return matmul_bf16(dst, n, a, b, m, n, k, accumulate, 1.0, true);
-    }
-    // Safety: the assert above bounds every index gemm touches given these strides.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            accumulate,
-            a.data.as_ptr(),
-            a.col as isize,
-            a.row as isize,
-            b.data.as_ptr(),
-            b.col as isize,
-            b.row as isize,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism(m, n, k),
-        )
+    match precision {
+        Precision::Bf16 => matmul_bf16(dst, n, a, b, (m, n, k), accumulate, 1.0, true),
+        Precision::F32 => {
+            let threads = parallelism(m, n, k);
+            gemm_f32(dst, n, a, b, (m, n, k), accumulate, 1.0, threads)
+        }
     }
 }
 
@@ -153,10 +133,11 @@ pub fn matmul_strided(
 ) {
     if precision == Precision::Bf16 {
         let problem = (m, n, k);
-        return matmul_bf16_causal(dst, dst_row, a, b, problem, accumulate, beta, causal);
+        return matmul_bf16_serial(dst, dst_row, a, b, problem, accumulate, beta, causal);
     }
     if causal == Causal::No {
-        return gemm_f32(dst, dst_row, a, b, (m, n, k), accumulate, beta);
+        let here = Parallelism::None;
+        return gemm_f32(dst, dst_row, a, b, (m, n, k), accumulate, beta, here);
     }
     // The gemm crate knows no structure: split the rows into blocks, each multiplied
     // over the columns or k it needs.
@@ -169,11 +150,13 @@ pub fn matmul_strided(
             Causal::LowerA => (a.offset(i0, 0), b, n, k.min(i1)),
             Causal::UpperA => (a.offset(i0, i0), b.offset(i0, 0), n, k - i0.min(k)),
         };
-        gemm_f32(rows, dst_row, a, b, (i1 - i0, n, k), accumulate, beta);
+        let here = Parallelism::None;
+        gemm_f32(rows, dst_row, a, b, (i1 - i0, n, k), accumulate, beta, here);
     }
 }
 
-/// `matmul_strided` in f32 through the gemm crate, on this thread.
+/// dst = dst (if `accumulate`) + beta * a · b in f32, through the gemm crate.
+#[allow(clippy::too_many_arguments)]
 fn gemm_f32(
     dst: &mut [f32],
     dst_row: usize,
@@ -182,6 +165,7 @@ fn gemm_f32(
     (m, n, k): (usize, usize, usize),
     accumulate: bool,
     beta: f32,
+    threads: Parallelism,
 ) {
     if m == 0 || n == 0 {
         return;
@@ -218,7 +202,7 @@ fn gemm_f32(
             false,
             false,
             false,
-            Parallelism::None,
+            threads,
         )
     }
 }
