@@ -20,6 +20,7 @@
 use std::cell::RefCell;
 
 use super::gemm::{Causal, Strided};
+use super::parallel::with_partials;
 
 const MR: usize = 6;
 const NR: usize = 64;
@@ -69,9 +70,8 @@ struct Panels {
 }
 
 thread_local! {
+    /// Borrowed only while packing and multiplying, which never wait on other jobs.
     static PANELS: RefCell<Panels> = RefCell::new(Panels::default());
-    /// The other threads' partial products of `split_k`, held by the calling thread.
-    static PARTIALS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// dst (m x n, rows `dst_row` apart) = dst (if `accumulate`) + beta * a · b, with a
@@ -182,10 +182,7 @@ fn split_k(
 ) {
     let share = k.div_ceil(threads).next_multiple_of(2);
     let shares = k.div_ceil(share);
-    PARTIALS.with(|partials| {
-        let partials = &mut *partials.borrow_mut();
-        partials.clear();
-        partials.resize((shares - 1) * m * n, 0.0);
+    with_partials((shares - 1) * m * n, |partials| {
         let part = |i: usize| {
             let (k0, k1) = (i * share, ((i + 1) * share).min(k));
             (a.offset(0, k0), b.offset(k0, 0), k1 - k0)

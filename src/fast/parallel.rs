@@ -4,7 +4,7 @@
 //! gradients) are split into per-share partials, added in share order, so results do
 //! not depend on thread timing.
 
-use std::cell::RefCell;
+use std::cell::Cell;
 
 use rayon::prelude::*;
 
@@ -61,17 +61,20 @@ pub fn zip_in_place(x: &mut [f32], y: &[f32], f: impl Fn(f32, f32) -> f32 + Sync
 }
 
 thread_local! {
-    /// Scratch for per-share partial sums, held by the calling thread.
-    static PARTIALS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Scratch for per-share partial sums, kept by the calling thread between calls.
+    static PARTIALS: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
 }
 
 /// Runs `f` with `len` zeroed values of this thread's scratch (reused from call to
 /// call: no allocation per step).
 pub fn with_partials<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
-    PARTIALS.with(|partials| {
-        let partials = &mut *partials.borrow_mut();
-        partials.clear();
-        partials.resize(len, 0.0);
-        f(partials)
-    })
+    // Taken out for the call rather than borrowed: while `f` waits for other threads,
+    // this thread may run another job that wants partials of its own (it then gets a
+    // fresh buffer).
+    let mut partials = PARTIALS.take();
+    partials.clear();
+    partials.resize(len, 0.0);
+    let result = f(&mut partials);
+    PARTIALS.set(partials);
+    result
 }
