@@ -537,15 +537,19 @@ impl AttnShape {
     }
 }
 
-/// From qkv (N, width: q | k | v heads side by side): att (B, H, T, T) softmax weights
-/// (zero above the diagonal) and y (N, C). Sequences run in parallel.
-///
-/// With a dropout `mask` (B, H, T, T; 0 or 1/(1-p)), Y = (P * mask) V; att keeps P.
-/// `scratch` holds 2 T x T values per sequence.
+/// Work space `attention_forward` and `attention_backward` need for `b` sequences of
+/// `t` positions: three T x T matrices per sequence (weights, their gradient, the
+/// dropped weights). The weights are recomputed in the backward rather than kept per
+/// layer, which would cost B H T T values per layer (150 MiB at 6 layers, T = 256).
+pub fn attention_scratch_len(b: usize, t: usize) -> usize {
+    b * 3 * t * t
+}
+
+/// y (N, C) from qkv (N, width: q | k | v heads side by side), sequences in parallel.
+/// With a dropout `mask` (B, H, T, T; 0 or 1/(1-p)), Y = (P * mask) V.
 pub fn attention_forward(
     precision: Precision,
     y: &mut [f32],
-    att: &mut [f32],
     qkv: &[f32],
     mask: Option<&[f32]>,
     scratch: &mut [f32],
@@ -554,51 +558,36 @@ pub fn attention_forward(
     let (t, c, h, w) = (s.t, s.c, s.h, s.width());
     let per_seq = h * t * t;
     y.par_chunks_mut(t * c)
-        .zip(att.par_chunks_mut(per_seq))
         .zip(qkv.par_chunks(t * w))
-        .zip(scratch.par_chunks_mut(2 * t * t))
+        .zip(scratch.par_chunks_mut(3 * t * t))
         .enumerate()
-        .for_each(|(b, (((y, att), qkv), scratch))| {
+        .for_each(|(b, ((y, qkv), scratch))| {
             let mask = mask.map(|m| &m[b * per_seq..(b + 1) * per_seq]);
-            attention_forward_one(precision, y, att, qkv, mask, &mut scratch[..t * t], s)
+            let (p, dropped) = scratch.split_at_mut(t * t);
+            attention_forward_one(precision, y, qkv, mask, p, &mut dropped[..t * t], s)
         });
 }
 
-/// `attention_forward` for one sequence: per head, S = scale Q Kᵀ, causal softmax in
-/// place, Y = P V (GEMMs on strided views of qkv).
+/// `attention_forward` for one sequence: per head, the weights P (into `p`), then
+/// Y = P V (a GEMM on strided views of qkv).
 pub fn attention_forward_one(
     precision: Precision,
     y: &mut [f32],
-    att: &mut [f32],
     qkv: &[f32],
     mask: Option<&[f32]>,
+    p: &mut [f32],
     dropped: &mut [f32],
     s: AttnShape,
 ) {
     let (t, c, h, d, w) = (s.t, s.c, s.h, s.d(), s.width());
-    let scale = 1.0 / (d as f32).sqrt();
     for head in 0..h {
-        let (ko, vo) = s.kv_offsets(head);
-        let q = Strided {
-            data: &qkv[head * d..],
-            row: w,
-            col: 1,
-        };
-        let kt = Strided {
-            data: &qkv[ko..],
-            row: 1,
-            col: w,
-        };
+        attention_weights(precision, p, qkv, head, s);
+        let (_, vo) = s.kv_offsets(head);
         let v = Strided {
             data: &qkv[vo..],
             row: w,
             col: 1,
         };
-        let p = &mut att[head * t * t..(head + 1) * t * t];
-        // Scores above the diagonal are never read: the softmax writes zeros there.
-        let tt = (t, t, d);
-        matmul_strided(p, t, q, kt, tt, false, scale, Causal::LowerDst, precision);
-        causal_softmax_rows(p, t);
         let p: &[f32] = match mask {
             Some(mask) => {
                 let m = &mask[head * t * t..(head + 1) * t * t];
@@ -619,6 +608,37 @@ pub fn attention_forward_one(
     }
 }
 
+/// One head's attention weights for one sequence into `p` (T x T): S = Q Kᵀ / sqrt(d),
+/// then the causal softmax of each row (zeros above the diagonal).
+fn attention_weights(precision: Precision, p: &mut [f32], qkv: &[f32], head: usize, s: AttnShape) {
+    let (t, d, w) = (s.t, s.d(), s.width());
+    let (ko, _) = s.kv_offsets(head);
+    let q = Strided {
+        data: &qkv[head * d..],
+        row: w,
+        col: 1,
+    };
+    let kt = Strided {
+        data: &qkv[ko..],
+        row: 1,
+        col: w,
+    };
+    let scale = 1.0 / (d as f32).sqrt();
+    // Scores above the diagonal are never read: the softmax writes zeros there.
+    matmul_strided(
+        p,
+        t,
+        q,
+        kt,
+        (t, t, d),
+        false,
+        scale,
+        Causal::LowerDst,
+        precision,
+    );
+    causal_softmax_rows(p, t);
+}
+
 multiversion! {
     /// Row i of the (t x t) scores: softmax over columns 0..=i, zeros after.
     pub fn causal_softmax_rows(p: &mut [f32], t: usize) {
@@ -637,7 +657,7 @@ multiversion! {
 }
 
 /// Backward of `attention_forward`: dqkv += d(q | k | v) from dy.
-/// With p = att[i, :], dp_j = dy_i . v_j, ds_j = p_j (dp_j - sum_k p_k dp_k):
+/// With p = P[i, :], dp_j = dy_i . v_j, ds_j = p_j (dp_j - sum_k p_k dp_k):
 /// dv_j += p_j dy_i; dq_i += scale sum_j ds_j k_j; dk_j += scale ds_j q_i.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
@@ -645,7 +665,6 @@ pub fn attention_backward(
     dqkv: &mut [f32],
     dy: &[f32],
     qkv: &[f32],
-    att: &[f32],
     mask: Option<&[f32]>,
     scratch: &mut [f32],
     s: AttnShape,
@@ -655,18 +674,29 @@ pub fn attention_backward(
     dqkv.par_chunks_mut(t * w)
         .zip(dy.par_chunks(t * c))
         .zip(qkv.par_chunks(t * w))
-        .zip(att.par_chunks(per_seq))
-        .zip(scratch.par_chunks_mut(2 * t * t))
+        .zip(scratch.par_chunks_mut(3 * t * t))
         .enumerate()
-        .for_each(|(b, ((((dqkv, dy), qkv), att), scratch))| {
+        .for_each(|(b, (((dqkv, dy), qkv), scratch))| {
             let mask = mask.map(|m| &m[b * per_seq..(b + 1) * per_seq]);
-            let (ds, dropped) = scratch.split_at_mut(t * t);
-            attention_backward_one(precision, dqkv, dy, qkv, att, mask, s, ds, dropped)
+            let (p, rest) = scratch.split_at_mut(t * t);
+            let (ds, dropped) = rest.split_at_mut(t * t);
+            let work = AttnWork { p, ds, dropped };
+            attention_backward_one(precision, dqkv, dy, qkv, mask, s, work)
         });
 }
 
-/// `attention_backward` for one sequence; `ds` and `dropped` (T x T) are scratch. Per
-/// head, with Pd = P * mask (P without dropout): dPd = dY Vᵀ; dP = dPd * mask;
+/// One sequence's T x T work space in the attention backward.
+pub struct AttnWork<'a> {
+    /// The weights, recomputed.
+    pub p: &'a mut [f32],
+    /// Their gradient.
+    pub ds: &'a mut [f32],
+    /// The weights after dropout.
+    pub dropped: &'a mut [f32],
+}
+
+/// `attention_backward` for one sequence. Per head, P recomputed from q and k, and with
+/// Pd = P * mask (P without dropout): dPd = dY Vᵀ; dP = dPd * mask;
 /// dS = P * (dP - rowsum(P * dP)) * scale; dQ += dS K; dK += dSᵀ Q; dV += Pdᵀ dY.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_one(
@@ -674,17 +704,17 @@ pub fn attention_backward_one(
     dqkv: &mut [f32],
     dy: &[f32],
     qkv: &[f32],
-    att: &[f32],
     mask: Option<&[f32]>,
     s: AttnShape,
-    ds: &mut [f32],
-    dropped: &mut [f32],
+    work: AttnWork,
 ) {
     let (t, c, h, d, w) = (s.t, s.c, s.h, s.d(), s.width());
     let scale = 1.0 / (d as f32).sqrt();
+    let AttnWork { p, ds, dropped } = work;
     for head in 0..h {
         let (ko, vo) = s.kv_offsets(head);
-        let p = &att[head * t * t..(head + 1) * t * t];
+        attention_weights(precision, p, qkv, head, s);
+        let p: &[f32] = p;
         let dy_h = Strided {
             data: &dy[head * d..],
             row: c,
@@ -921,38 +951,21 @@ mod tests {
         let n = s.b * s.t;
         let qkv = values(n * s.width(), 7);
         let probe = values(n * s.c, 8);
+        let scratch = attention_scratch_len(s.b, s.t);
         let mut f = |qkv: &[f32]| -> f64 {
-            let (mut y, mut att) = (vec![0.0; n * s.c], vec![0.0; s.b * s.h * s.t * s.t]);
-            attention_forward(
-                Precision::F32,
-                &mut y,
-                &mut att,
-                qkv,
-                None,
-                &mut vec![0.0; 2 * s.b * s.t * s.t],
-                s,
-            );
+            let mut y = vec![0.0; n * s.c];
+            let f32s = Precision::F32;
+            attention_forward(f32s, &mut y, qkv, None, &mut vec![0.0; scratch], s);
             y.iter().zip(&probe).map(|(a, b)| (*a * *b) as f64).sum()
         };
-        let (mut y, mut att) = (vec![0.0; n * s.c], vec![0.0; s.b * s.h * s.t * s.t]);
-        attention_forward(
-            Precision::F32,
-            &mut y,
-            &mut att,
-            &qkv,
-            None,
-            &mut vec![0.0; 2 * s.b * s.t * s.t],
-            s,
-        );
         let mut dqkv = vec![0.0; n * s.width()];
         attention_backward(
             Precision::F32,
             &mut dqkv,
             &probe,
             &qkv,
-            &att,
             None,
-            &mut vec![0.0; 2 * s.b * s.t * s.t],
+            &mut vec![0.0; scratch],
             s,
         );
         let at: Vec<usize> = (0..n * s.width()).step_by(3).collect();

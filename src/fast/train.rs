@@ -43,7 +43,6 @@ struct BlockActs {
     ln_1_mean: Vec<f32>,
     ln_1_rstd: Vec<f32>,
     qkv: Vec<f32>, // (N, 3C), q and k rotated when RoPE
-    att: Vec<f32>, // (B, H, T, T)
     y: Vec<f32>,   // (N, C) attention output before the projection
     res_2: Vec<f32>,
     ln_2_mean: Vec<f32>,
@@ -67,7 +66,7 @@ struct Scratch {
     tmp: Vec<f32>,     // (N, C): a projection's output before the residual add
     gelu: Vec<f32>,    // (N, 4C): GELU(fc) of the block at hand
     ln: Vec<f32>,      // (N, C): a norm's output, recomputed in the backward
-    attn: Vec<f32>,    // (B, 2, T, T): attention's per-sequence work space
+    attn: Vec<f32>,    // (B, 3, T, T): attention's per-sequence work space
 }
 
 /// A model laid out for fused training: parameters, gradients, moments, activations.
@@ -176,7 +175,6 @@ impl FastGpt {
                 ln_1_mean: vec![0.0; n],
                 ln_1_rstd: vec![0.0; n],
                 qkv: vec![0.0; n * qkv_w],
-                att: vec![0.0; batch * h * t * t],
                 y: vec![0.0; n * c],
                 res_2: vec![0.0; n * c],
                 ln_2_mean: vec![0.0; n],
@@ -228,7 +226,7 @@ impl FastGpt {
                 tmp: vec![0.0; n * c],
                 gelu: vec![0.0; n * hidden],
                 ln: vec![0.0; n * c],
-                attn: vec![0.0; batch * 2 * t * t],
+                attn: vec![0.0; ops::attention_scratch_len(batch, t)],
             },
             ids: vec![0; n],
             drop_x0: vec![0.0; if dropout { n * c } else { 0 }],
@@ -332,7 +330,6 @@ impl FastGpt {
             ops::attention_forward(
                 precision,
                 &mut a.y,
-                &mut a.att,
                 &a.qkv,
                 att_mask,
                 &mut self.scratch.attn,
@@ -568,7 +565,6 @@ impl FastGpt {
                 &mut s.dqkv,
                 &s.dy,
                 &a.qkv,
-                &a.att,
                 att_mask,
                 &mut s.attn,
                 shape,
