@@ -538,11 +538,17 @@ impl AttnShape {
 }
 
 /// Work space `attention_forward` and `attention_backward` need for `b` sequences of
-/// `t` positions: three T x T matrices per sequence (weights, their gradient, the
-/// dropped weights). The weights are recomputed in the backward rather than kept per
-/// layer, which would cost B H T T values per layer (150 MiB at 6 layers, T = 256).
+/// `t` positions: three T x T matrices (weights, their gradient, the dropped weights)
+/// per share of sequences, one share per thread. The weights are recomputed in the
+/// backward rather than kept per layer, which would cost B H T T values per layer
+/// (150 MiB at 6 layers, T = 256).
 pub fn attention_scratch_len(b: usize, t: usize) -> usize {
-    b * 3 * t * t
+    b.div_ceil(sequences_per_share(b)) * 3 * t * t
+}
+
+/// Sequences each thread takes in the attention passes.
+fn sequences_per_share(b: usize) -> usize {
+    b.div_ceil(super::gemm::threads()).max(1)
 }
 
 /// y (N, C) from qkv (N, width: q | k | v heads side by side), sequences in parallel.
@@ -557,14 +563,19 @@ pub fn attention_forward(
 ) {
     let (t, c, h, w) = (s.t, s.c, s.h, s.width());
     let per_seq = h * t * t;
-    y.par_chunks_mut(t * c)
-        .zip(qkv.par_chunks(t * w))
+    let share = sequences_per_share(s.b);
+    y.par_chunks_mut(share * t * c)
+        .zip(qkv.par_chunks(share * t * w))
         .zip(scratch.par_chunks_mut(3 * t * t))
         .enumerate()
-        .for_each(|(b, ((y, qkv), scratch))| {
-            let mask = mask.map(|m| &m[b * per_seq..(b + 1) * per_seq]);
+        .for_each(|(i, ((y, qkv), scratch))| {
             let (p, dropped) = scratch.split_at_mut(t * t);
-            attention_forward_one(precision, y, qkv, mask, p, &mut dropped[..t * t], s)
+            let dropped = &mut dropped[..t * t];
+            for (j, (y, qkv)) in y.chunks_mut(t * c).zip(qkv.chunks(t * w)).enumerate() {
+                let b = i * share + j;
+                let mask = mask.map(|m| &m[b * per_seq..(b + 1) * per_seq]);
+                attention_forward_one(precision, y, qkv, mask, p, dropped, s)
+            }
         });
 }
 
@@ -671,17 +682,29 @@ pub fn attention_backward(
 ) {
     let (t, c, h, w) = (s.t, s.c, s.h, s.width());
     let per_seq = h * t * t;
-    dqkv.par_chunks_mut(t * w)
-        .zip(dy.par_chunks(t * c))
-        .zip(qkv.par_chunks(t * w))
+    let share = sequences_per_share(s.b);
+    dqkv.par_chunks_mut(share * t * w)
+        .zip(dy.par_chunks(share * t * c))
+        .zip(qkv.par_chunks(share * t * w))
         .zip(scratch.par_chunks_mut(3 * t * t))
         .enumerate()
-        .for_each(|(b, (((dqkv, dy), qkv), scratch))| {
-            let mask = mask.map(|m| &m[b * per_seq..(b + 1) * per_seq]);
+        .for_each(|(i, (((dqkv, dy), qkv), scratch))| {
             let (p, rest) = scratch.split_at_mut(t * t);
             let (ds, dropped) = rest.split_at_mut(t * t);
-            let work = AttnWork { p, ds, dropped };
-            attention_backward_one(precision, dqkv, dy, qkv, mask, s, work)
+            let sequences = dqkv
+                .chunks_mut(t * w)
+                .zip(dy.chunks(t * c))
+                .zip(qkv.chunks(t * w));
+            for (j, ((dqkv, dy), qkv)) in sequences.enumerate() {
+                let b = i * share + j;
+                let mask = mask.map(|m| &m[b * per_seq..(b + 1) * per_seq]);
+                let work = AttnWork {
+                    p: &mut *p,
+                    ds: &mut *ds,
+                    dropped: &mut dropped[..t * t],
+                };
+                attention_backward_one(precision, dqkv, dy, qkv, mask, s, work)
+            }
         });
 }
 
