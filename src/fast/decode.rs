@@ -15,7 +15,7 @@ use anyhow::Result;
 use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 
-use super::gemm::{matmul, Layout, Precision};
+use super::gemm::{matmul, threads, Layout, Precision};
 use super::kernels::{
     axpy, dot_lanes, exp_approx, gelu_erf, gelu_tanh, layer_norm, matvec, multiversion, rms_norm,
     softmax_inline,
@@ -286,7 +286,13 @@ impl FastDecoder {
 
     /// Feeds one token per sequence at the next position; returns logits, (batch, V).
     pub fn step(&mut self, ids: &[u32]) -> Result<&[f32]> {
-        self.forward(ids, 1)
+        // Large models split their mat-vecs over the threads: run on a pool thread so
+        // those hand-offs stay inside it. Small ones run here, on one thread.
+        if self.n_embd * self.n_embd < PARALLEL_MATVEC_MIN_WEIGHTS {
+            return self.forward(ids, 1);
+        }
+        super::parallel::on_workers(|| self.forward(ids, 1).map(|_| ()))?;
+        Ok(&self.logits)
     }
 
     /// Runs `t` new tokens per sequence (`ids` is (batch, t) row-major) at positions
@@ -516,15 +522,28 @@ fn project(
     out: &mut [f32],
 ) {
     if rows <= 4 {
+        // Large weights: each thread takes a share of the outputs (the weights are
+        // read from memory once per token; two cores read them faster than one).
+        let share = if d_out * d_in >= PARALLEL_MATVEC_MIN_WEIGHTS {
+            d_out.div_ceil(threads())
+        } else {
+            d_out
+        };
         for r in 0..rows {
             let (x, out) = (
                 &x[r * d_in..(r + 1) * d_in],
                 &mut out[r * d_out..(r + 1) * d_out],
             );
-            match w {
-                WeightRef::Rows(w) => matvec(w, bias, x, out),
-                WeightRef::Cols(wt) => matvec_t(wt, d_out, 0, bias, x, out),
-            }
+            out.par_chunks_mut(share).enumerate().for_each(|(i, out)| {
+                let first = i * share;
+                let bias = bias.map(|b| &b[first..first + out.len()]);
+                match w {
+                    WeightRef::Rows(w) => {
+                        matvec(&w[first * d_in..(first + out.len()) * d_in], bias, x, out)
+                    }
+                    WeightRef::Cols(wt) => matvec_t(wt, d_out, first, bias, x, out),
+                }
+            });
         }
         return;
     }
@@ -569,6 +588,10 @@ multiversion! {
 /// Rows (sequences x positions) of scratch a decoder allocates: bounds memory for long
 /// contexts and many samples; a longer prefill runs in chunks.
 const MAX_ROWS: usize = 1024;
+
+/// Weights at least this large (d_out x d_in) are split over the threads in a mat-vec;
+/// smaller ones (the baby model's) stay on one: the hand-off costs more than it saves.
+const PARALLEL_MATVEC_MIN_WEIGHTS: usize = 1 << 17;
 
 /// Inputs at least this wide use dot products over weight rows for a mat-vec (long
 /// rows amortise the horizontal sum); narrower ones sum scaled rows of Wᵀ.
