@@ -112,6 +112,16 @@ fn kv_cache_matches_full_forward_at_every_step() {
         ..ModelConfig::default()
     };
     models.push(("wide".into(), Gpt::new(&wide, 3, &Device::Cpu).unwrap()));
+    // Weights large enough for the decoder to split mat-vecs over threads: 192 wide
+    // (transposed layout) and 384 wide (row layout, steps run on a pool thread).
+    for n_embd in [192, 384] {
+        let split = ModelConfig {
+            n_embd,
+            ..wide.clone()
+        };
+        let name = format!("split mat-vecs {n_embd}");
+        models.push((name, Gpt::new(&split, 4, &Device::Cpu).unwrap()));
+    }
     models.push(("llama-like".into(), llama));
     for (name, m) in &models {
         {
