@@ -1,5 +1,5 @@
 //! Matrix products with bf16 operands and f32 accumulation: the GEMM behind
-//! `dtype = "bf16"` mixed precision.
+//! `train.dtype = "bf16"` mixed precision.
 //!
 //! Operands stay f32 in memory (the master weights and the activations); they are
 //! rounded to bf16 (to nearest, ties to even) while being packed into the small
@@ -15,7 +15,9 @@
 //!
 //! Blocking follows BLIS/gemm: k in blocks of `KC`, rows in blocks of `MC` packed as
 //! `MR`-row panels, columns packed as `NR`-column panels, an `MR` x `NR` tile of
-//! accumulators in registers (6 x 64 f32 = 24 AVX-512 registers).
+//! accumulators in registers (6 x 64 f32 = 24 AVX-512 registers). Large products
+//! are split over threads by rows or columns, weight gradients (long k) by k; the
+//! products inside causal attention skip what the mask makes zero (`Causal`).
 
 use std::cell::RefCell;
 
@@ -30,7 +32,8 @@ const KC: usize = 256;
 /// Up to this k, one block: a second pass over dst costs more than the B panel
 /// spilling from L1 to L2 (measured on the 384-wide products of the bench model).
 const KC_SINGLE: usize = 512;
-/// Rows per packed block of A (a multiple of `MR`): 96 x 128 words = 48 KiB, in L2.
+/// Rows per packed block of A (a multiple of `MR`): 96 rows x up to 256 pairs, at most
+/// 96 KiB, in L2.
 const MC: usize = 96;
 
 /// Products smaller than this (in multiply-adds) stay on one thread.
