@@ -646,26 +646,39 @@ unsafe fn kernel_avx512_bf16(kp: usize, a: APanel, b: *const u32, tile: Tile) {
     }
 }
 
-/// The same tile in plain Rust: each word widened to its two f32s (exact), odd k
-/// then even k added per lane, as `vdpbf16ps` does.
+super::kernels::multiversion! {
+    /// acc[i][j] += A row i's pairs times B column j's, for the pairs in `b` (kp x NR
+    /// words): each word widened to its two f32s (exact), odd k then even k added per
+    /// lane, as `vdpbf16ps` does. Word p of row i is `rows[i][p * pair]`.
+    pub fn accumulate_tile(acc: &mut [[f32; NR]; MR], rows: &[&[u32]; MR], pair: usize, b: &[u32]) {
+        let even = |w: u32| f32::from_bits(w << 16);
+        let odd = |w: u32| f32::from_bits(w & 0xffff_0000);
+        for (p, bp) in b.chunks_exact(NR).enumerate() {
+            for (row, a) in acc.iter_mut().zip(rows) {
+                let aw = a[p * pair];
+                let (a_odd, a_even) = (odd(aw), even(aw));
+                for (x, &bw) in row.iter_mut().zip(bp) {
+                    *x += a_odd * odd(bw);
+                    *x += a_even * even(bw);
+                }
+            }
+        }
+    }
+}
+
+/// The same tile in plain Rust (`accumulate_tile`, vectorised for the CPU at hand).
 ///
 /// # Safety
 /// As for `kernel_avx512_bf16`, less the CPU features.
 unsafe fn kernel_portable(kp: usize, a: APanel, b: *const u32, tile: Tile) {
     let b = std::slice::from_raw_parts(b, kp * NR);
-    let rows = a.rows();
+    // Each row's words, from its first to its last one read.
+    let span = if kp == 0 { 0 } else { (kp - 1) * a.pair + 1 };
+    let rows = a
+        .rows()
+        .map(|first| std::slice::from_raw_parts(first, span));
     let mut acc = [[0f32; NR]; MR];
-    let even = |w: u32| f32::from_bits(w << 16);
-    let odd = |w: u32| f32::from_bits(w & 0xffff_0000);
-    for (p, bp) in b.chunks_exact(NR).enumerate() {
-        for (row, first) in acc.iter_mut().zip(rows) {
-            let aw = *first.add(p * a.pair);
-            for (x, &bw) in row.iter_mut().zip(bp) {
-                *x += odd(aw) * odd(bw);
-                *x += even(aw) * even(bw);
-            }
-        }
-    }
+    accumulate_tile(&mut acc, &rows, a.pair, b);
     for (i, row) in acc.iter().enumerate().take(tile.height) {
         let c = std::slice::from_raw_parts_mut(tile.c.add(i * tile.row), tile.width);
         for (out, x) in c.iter_mut().zip(row) {

@@ -519,6 +519,15 @@ impl Trainer {
         };
         match self.config.train.dtype {
             Precision::F32 => path,
+            Precision::Bf16
+                if matches!(self.engine, Engine::Fused(_))
+                    && !crate::fast::bf16::has_avx512_bf16() =>
+            {
+                format!(
+                    "{path}, bf16 matrix products emulated (this CPU lacks AVX512_BF16: \
+                 train.dtype = \"f32\" is faster here)"
+                )
+            }
             Precision::Bf16 => format!("{path}, bf16 matrix products"),
         }
     }
