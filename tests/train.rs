@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use candle_core::Tensor;
-use tinygpt::config::{Config, PositionKind, TokenizerKind};
+use tinygpt::config::{Config, PositionKind, Precision, TokenizerKind};
 use tinygpt::model::Dropout;
 use tinygpt::train::optim::AdamW;
 use tinygpt::train::{Reporter, Silent, StepLog, Trainer};
@@ -163,18 +163,23 @@ fn same_seed_same_curve_other_seed_other_curve() {
 
 #[test]
 fn resume_continues_the_same_curve() {
-    // Dropout sends training down the reference path; without it, the fused kernels.
-    for dropout in [0.1, 0.0] {
-        resume_continues_the_same_curve_with(dropout);
+    // With and without dropout (its stream position is saved too), and in bf16.
+    for (dropout, dtype) in [
+        (0.1, Precision::F32),
+        (0.0, Precision::F32),
+        (0.0, Precision::Bf16),
+    ] {
+        resume_continues_the_same_curve_with(dropout, dtype);
     }
 }
 
-fn resume_continues_the_same_curve_with(dropout: f64) {
+fn resume_continues_the_same_curve_with(dropout: f64, dtype: Precision) {
     let dir = tempfile::tempdir().unwrap();
     let corpus = write_corpus(dir.path(), 20);
     let mut straight_cfg = config(dir.path(), &corpus);
     straight_cfg.run.name = "straight".into();
     straight_cfg.model.dropout = dropout;
+    straight_cfg.train.dtype = dtype;
     straight_cfg.train.grad_accum = 2;
     // The schedule must not depend on where the first part stops.
     straight_cfg.train.lr_decay_iters = Some(20);
