@@ -21,7 +21,7 @@
 
 use std::cell::RefCell;
 
-use super::gemm::{Causal, Strided};
+use super::gemm::{check_bounds, Causal, Strided};
 use super::parallel::with_partials;
 
 const MR: usize = 6;
@@ -35,9 +35,6 @@ const KC_SINGLE: usize = 512;
 /// Rows per packed block of A (a multiple of `MR`): 96 rows x up to 256 pairs, at most
 /// 96 KiB, in L2.
 const MC: usize = 96;
-
-/// Products smaller than this (in multiply-adds) stay on one thread.
-const PARALLEL_MIN_MACS: usize = 1 << 22;
 
 /// The bits of the bf16 nearest to `x` (ties to even); NaN stays NaN.
 #[inline(always)]
@@ -92,7 +89,7 @@ pub fn matmul_bf16(
     parallel: bool,
 ) {
     let threads = super::gemm::threads();
-    if !parallel || threads < 2 || m * n * k < PARALLEL_MIN_MACS {
+    if !parallel || threads < 2 || m * n * k < super::gemm::PARALLEL_MIN_MACS {
         let problem = (m, n, k);
         return matmul_bf16_serial(dst, dst_row, a, b, problem, accumulate, beta, Causal::No);
     }
@@ -121,20 +118,6 @@ pub fn matmul_bf16(
         }
         problem.run_share(m, n, share, 0);
     });
-}
-
-/// Panics unless dst (m x n, rows `dst_row` apart), a (m x k) and b (k x n) hold every
-/// element the product touches.
-fn check_bounds(
-    dst: &[f32],
-    dst_row: usize,
-    a: &Strided,
-    b: &Strided,
-    (m, n, k): (usize, usize, usize),
-) {
-    let last = |s: &Strided, rows: usize, cols: usize| (rows - 1) * s.row + (cols - 1) * s.col;
-    assert!(dst.len() > (m - 1) * dst_row + n - 1 && dst_row >= n);
-    assert!(k == 0 || (a.data.len() > last(a, m, k) && b.data.len() > last(b, k, n)));
 }
 
 /// `matmul_bf16` on this thread, skipping what `causal` allows: tiles of dst above the

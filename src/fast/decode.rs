@@ -56,6 +56,14 @@ impl Linear {
         };
         Self { w, b, d_out }
     }
+
+    /// Whether a mat-vec with this weight is split over the threads.
+    fn splits(&self) -> bool {
+        let weights = match &self.w {
+            Weight::Rows(w) | Weight::Cols(w) => w.len(),
+        };
+        splits_matvec(weights)
+    }
 }
 
 struct Norm {
@@ -99,6 +107,8 @@ pub struct FastDecoder {
     rope: Option<(Vec<f32>, Vec<f32>)>,
     layers: Vec<Layer>,
     ln_f: Norm,
+    /// Some layer's mat-vecs are split over the threads (see `splits_matvec`).
+    splits_matvecs: bool,
 
     batch: usize,
     /// Positions per forward call that the scratch buffers hold (a prefill may need
@@ -205,6 +215,11 @@ impl FastDecoder {
             }
         }
         let fc_out = cfg.mlp_fc_width();
+        let splits_matvecs = layers.iter().any(|l| {
+            [&l.c_attn, &l.attn_proj, &l.c_fc, &l.mlp_proj]
+                .iter()
+                .any(|lin| lin.splits())
+        });
         Ok(Self {
             n_head: cfg.n_head,
             n_kv_head: cfg.kv_heads(),
@@ -222,6 +237,7 @@ impl FastDecoder {
             rope: (cfg.positions == PositionKind::Rope).then(|| rope_tables(cfg)),
             layers,
             ln_f: norm("ln_f")?,
+            splits_matvecs,
             batch,
             chunk,
             len: 0,
@@ -286,9 +302,9 @@ impl FastDecoder {
 
     /// Feeds one token per sequence at the next position; returns logits, (batch, V).
     pub fn step(&mut self, ids: &[u32]) -> Result<&[f32]> {
-        // Large models split their mat-vecs over the threads: run on a pool thread so
-        // those hand-offs stay inside it. Small ones run here, on one thread.
-        if self.n_embd * self.n_embd < PARALLEL_MATVEC_MIN_WEIGHTS {
+        // Models that split mat-vecs over the threads run on a pool thread, so those
+        // hand-offs stay inside it; the others run here, on one thread.
+        if !self.splits_matvecs {
             return self.forward(ids, 1);
         }
         super::parallel::on_workers(|| self.forward(ids, 1).map(|_| ()))?;
@@ -524,7 +540,7 @@ fn project(
     if rows <= 4 {
         // Large weights: each thread takes a share of the outputs (the weights are
         // read from memory once per token; two cores read them faster than one).
-        let share = if d_out * d_in >= PARALLEL_MATVEC_MIN_WEIGHTS {
+        let share = if splits_matvec(d_out * d_in) {
             d_out.div_ceil(threads())
         } else {
             d_out
@@ -589,9 +605,12 @@ multiversion! {
 /// contexts and many samples; a longer prefill runs in chunks.
 const MAX_ROWS: usize = 1024;
 
-/// Weights at least this large (d_out x d_in) are split over the threads in a mat-vec;
-/// smaller ones (the baby model's) stay on one: the hand-off costs more than it saves.
-const PARALLEL_MATVEC_MIN_WEIGHTS: usize = 1 << 17;
+/// Whether a mat-vec over `weights` values is split over the threads: from 128 Ki on;
+/// smaller ones (the baby model's) stay on one, where the hand-off costs more than it
+/// saves.
+fn splits_matvec(weights: usize) -> bool {
+    weights >= 1 << 17
+}
 
 /// Inputs at least this wide use dot products over weight rows for a mat-vec (long
 /// rows amortise the horizontal sum); narrower ones sum scaled rows of Wᵀ.

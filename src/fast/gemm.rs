@@ -9,7 +9,7 @@ use super::bf16::{matmul_bf16, matmul_bf16_serial};
 
 /// Products smaller than this (in multiply-adds) stay on one thread: handing work to
 /// another costs more than it saves.
-const PARALLEL_MIN_MACS: usize = 1 << 22;
+pub(super) const PARALLEL_MIN_MACS: usize = 1 << 22;
 
 /// Threads for large products: candle's count (RAYON_NUM_THREADS, else the physical
 /// cores), looked up once: candle reads the environment and /proc/cpuinfo per call.
@@ -52,7 +52,6 @@ pub fn matmul(
     accumulate: bool,
     precision: Precision,
 ) {
-    assert!(dst.len() >= m * n && a.len() >= m * k && b.len() >= k * n);
     let a = Strided::new(a, a_layout, m, k);
     let b = Strided::new(b, b_layout, k, n);
     match precision {
@@ -81,6 +80,23 @@ pub enum Causal {
 /// Rows per block when the f32 path splits a causal product: a block of rows
 /// [i0, i1) needs columns (or k) up to i1 only, or from i0 on.
 const CAUSAL_BLOCK: usize = 64;
+
+/// Panics unless dst (m x n, rows `dst_row` apart), a (m x k) and b (k x n) hold every
+/// element a product touches.
+pub(super) fn check_bounds(
+    dst: &[f32],
+    dst_row: usize,
+    a: &Strided,
+    b: &Strided,
+    (m, n, k): (usize, usize, usize),
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let last = |s: &Strided, rows: usize, cols: usize| (rows - 1) * s.row + (cols - 1) * s.col;
+    assert!(dst.len() > (m - 1) * dst_row + n - 1 && dst_row >= n);
+    assert!(k == 0 || (a.data.len() > last(a, m, k) && b.data.len() > last(b, k, n)));
+}
 
 /// A matrix operand given by its first element and (row, column) strides.
 #[derive(Clone, Copy)]
@@ -135,14 +151,14 @@ pub fn matmul_strided(
         let problem = (m, n, k);
         return matmul_bf16_serial(dst, dst_row, a, b, problem, accumulate, beta, causal);
     }
-    if causal == Causal::No {
-        let here = Parallelism::None;
-        return gemm_f32(dst, dst_row, a, b, (m, n, k), accumulate, beta, here);
-    }
     // The gemm crate knows no structure: split the rows into blocks, each multiplied
-    // over the columns or k it needs.
-    for i0 in (0..m).step_by(CAUSAL_BLOCK) {
-        let i1 = (i0 + CAUSAL_BLOCK).min(m);
+    // over the columns or k it needs (a plain product is one block).
+    let block = match causal {
+        Causal::No => m.max(1),
+        _ => CAUSAL_BLOCK,
+    };
+    for i0 in (0..m).step_by(block) {
+        let i1 = (i0 + block).min(m);
         let rows = &mut dst[i0 * dst_row..];
         let (a, b, n, k) = match causal {
             Causal::No => (a.offset(i0, 0), b, n, k),
@@ -167,21 +183,9 @@ fn gemm_f32(
     beta: f32,
     threads: Parallelism,
 ) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        for row in dst.chunks_mut(dst_row).take(m) {
-            for x in &mut row[..n] {
-                *x = if accumulate { *x } else { 0.0 };
-            }
-        }
-        return;
-    }
-    let last = |s: &Strided, rows: usize, cols: usize| (rows - 1) * s.row + (cols - 1) * s.col;
-    assert!(dst.len() > (m - 1) * dst_row + n - 1);
-    assert!(a.data.len() > last(&a, m, k) && b.data.len() > last(&b, k, n));
-    // Safety: the asserts bound every element gemm reads or writes.
+    check_bounds(dst, dst_row, &a, &b, (m, n, k));
+    // Safety: checked above: every element gemm reads or writes is inside the slices
+    // (it handles empty sizes itself).
     unsafe {
         gemm::gemm(
             m,

@@ -405,12 +405,14 @@ multiversion! {
 pub struct Activation {
     pub kind: crate::config::MlpKind,
     pub hidden: usize,
+    /// c_fc's width: `hidden`, or twice that for SwiGLU's gate | up.
+    pub fc_out: usize,
 }
 
 impl Activation {
     /// out (N, hidden) from fc (N, fc_out).
     pub fn forward(&self, out: &mut [f32], fc: &[f32]) {
-        let (hidden, fc_out) = (self.hidden, self.fc_out());
+        let (hidden, fc_out) = (self.hidden, self.fc_out);
         let share = share_rows(out.len() / hidden, fc_out);
         out.par_chunks_mut(share * hidden)
             .zip(fc.par_chunks(share * fc_out))
@@ -419,14 +421,6 @@ impl Activation {
                 crate::config::MlpKind::GeluTanh => gelu_tanh_forward(out, fc),
                 crate::config::MlpKind::Swiglu => swiglu_forward(out, fc, hidden),
             });
-    }
-
-    /// Width of the layer before: `hidden`, or twice that for SwiGLU's gate | up.
-    fn fc_out(&self) -> usize {
-        match self.kind {
-            crate::config::MlpKind::Swiglu => 2 * self.hidden,
-            _ => self.hidden,
-        }
     }
 
     /// The backward's first half: the output again (into `out`) and, where the kind
@@ -451,7 +445,7 @@ impl Activation {
 
     /// dfc (N, fc_out) = the gradient at fc, from dout (N, hidden); overwritten.
     pub fn backward(&self, dfc: &mut [f32], fc: &[f32], dout: &[f32]) {
-        let (hidden, fc_out) = (self.hidden, self.fc_out());
+        let (hidden, fc_out) = (self.hidden, self.fc_out);
         let share = share_rows(dout.len() / hidden, fc_out);
         dfc.par_chunks_mut(share * fc_out)
             .zip(fc.par_chunks(share * fc_out))
@@ -670,7 +664,6 @@ multiversion! {
 /// Backward of `attention_forward`: dqkv += d(q | k | v) from dy.
 /// With p = P[i, :], dp_j = dy_i . v_j, ds_j = p_j (dp_j - sum_k p_k dp_k):
 /// dv_j += p_j dy_i; dq_i += scale sum_j ds_j k_j; dk_j += scale ds_j q_i.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
     precision: Precision,
     dqkv: &mut [f32],
@@ -721,7 +714,6 @@ pub struct AttnWork<'a> {
 /// `attention_backward` for one sequence. Per head, P recomputed from q and k, and with
 /// Pd = P * mask (P without dropout): dPd = dY Vᵀ; dP = dPd * mask;
 /// dS = P * (dP - rowsum(P * dP)) * scale; dQ += dS K; dK += dSᵀ Q; dV += Pdᵀ dY.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_backward_one(
     precision: Precision,
     dqkv: &mut [f32],

@@ -663,6 +663,7 @@ impl FastGpt {
         ops::Activation {
             kind: self.cfg.mlp,
             hidden: self.cfg.mlp_hidden(),
+            fc_out: self.cfg.mlp_fc_width(),
         }
     }
 
