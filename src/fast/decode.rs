@@ -17,9 +17,10 @@ use rayon::prelude::*;
 
 use super::gemm::{matmul, threads, Layout, Precision};
 use super::kernels::{
-    axpy, dot_lanes, exp_approx, gelu_erf, gelu_tanh, layer_norm, matvec, multiversion, rms_norm,
+    axpy, dot_lanes, exp_approx, gelu_in_place, gelu_tanh_in_place, matvec, multiversion,
     softmax_inline,
 };
+use super::ops::{layernorm_forward, rmsnorm_forward};
 use crate::config::PositionKind;
 use crate::config::{MlpKind, NormKind};
 use crate::model::position::{rope_tables, sinusoidal_table};
@@ -74,10 +75,13 @@ struct Norm {
 }
 
 impl Norm {
+    /// The training path's kernels, one row at a time (the statistics are not kept).
     fn row(&self, x: &[f32], out: &mut [f32]) {
+        let (mut mean, mut rstd) = ([0f32], [0f32]);
+        let (w, b) = (&self.w, self.b.as_deref());
         match self.kind {
-            NormKind::LayerNorm => layer_norm(x, &self.w, self.b.as_deref(), self.eps, out),
-            NormKind::RmsNorm => rms_norm(x, &self.w, self.eps, out),
+            NormKind::LayerNorm => layernorm_forward(out, &mut mean, &mut rstd, x, w, b, self.eps),
+            NormKind::RmsNorm => rmsnorm_forward(out, &mut rstd, x, w, self.eps),
         }
     }
 }
@@ -412,8 +416,8 @@ impl FastDecoder {
             let fc_out = layer.c_fc.d_out;
             linear(&layer.c_fc, &self.xn[..rows * c], rows, c, &mut self.hidden);
             match self.mlp {
-                MlpKind::Gelu => gelu_erf(&mut self.hidden[..rows * fc_out]),
-                MlpKind::GeluTanh => gelu_tanh(&mut self.hidden[..rows * fc_out]),
+                MlpKind::Gelu => gelu_in_place(&mut self.hidden[..rows * fc_out]),
+                MlpKind::GeluTanh => gelu_tanh_in_place(&mut self.hidden[..rows * fc_out]),
                 // Rows of (gate | up) -> rows of silu(gate) * up, packed in place.
                 MlpKind::Swiglu => {
                     for r in 0..rows {

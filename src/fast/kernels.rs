@@ -115,17 +115,6 @@ multiversion! {
     }
 }
 
-/// LayerNorm of one row: (x - mean) / sqrt(var + eps) * w (+ b).
-pub fn layer_norm(x: &[f32], w: &[f32], b: Option<&[f32]>, eps: f32, out: &mut [f32]) {
-    let n = x.len() as f32;
-    let mean = x.iter().sum::<f32>() / n;
-    let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
-    let inv = 1.0 / (var + eps).sqrt();
-    for i in 0..x.len() {
-        out[i] = (x[i] - mean) * inv * w[i] + b.map_or(0.0, |b| b[i]);
-    }
-}
-
 /// e^x for x <= 88, branch-free so loops over it vectorise (Cephes' expf: range
 /// reduction by ln 2, a degree-6 polynomial, 2^n from the exponent bits). Relative error
 /// ~1e-7; inputs below -87 give ~1e-38 instead of 0; NaN stays NaN.
@@ -176,33 +165,36 @@ pub fn erf_approx(x: f32) -> f32 {
     p / q
 }
 
-/// RMSNorm of one row: x / sqrt(mean(x^2) + eps) * w.
-pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let mean_square = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
-    let inv = 1.0 / (mean_square + eps).sqrt();
-    for i in 0..x.len() {
-        out[i] = x[i] * inv * w[i];
-    }
+/// Exact (erf) GELU: x Phi(x).
+#[inline(always)]
+pub fn gelu(x: f32) -> f32 {
+    0.5 * x * (1.0 + erf_approx(x * std::f32::consts::FRAC_1_SQRT_2))
+}
+
+/// GPT-2's tanh GELU: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), with
+/// tanh(u) = 1 - 2 / (e^(2u) + 1).
+#[inline(always)]
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    let u = SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x);
+    let tanh = 1.0 - 2.0 / (exp_approx(2.0 * u) + 1.0);
+    0.5 * x * (1.0 + tanh)
 }
 
 multiversion! {
-    /// GPT-2's tanh GELU, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), in place;
-    /// tanh(u) = 1 - 2 / (e^(2u) + 1).
-    pub fn gelu_tanh(x: &mut [f32]) {
-        const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    /// `gelu_tanh` in place.
+    pub fn gelu_tanh_in_place(x: &mut [f32]) {
         for v in x.iter_mut() {
-            let u = SQRT_2_OVER_PI * (*v + 0.044_715 * *v * *v * *v);
-            let tanh = 1.0 - 2.0 / (exp_approx(2.0 * u) + 1.0);
-            *v = 0.5 * *v * (1.0 + tanh);
+            *v = gelu_tanh(*v);
         }
     }
 }
 
 multiversion! {
-    /// Exact (erf) GELU, x * Phi(x), in place.
-    pub fn gelu_erf(x: &mut [f32]) {
+    /// `gelu` in place.
+    pub fn gelu_in_place(x: &mut [f32]) {
         for v in x.iter_mut() {
-            *v = 0.5 * *v * (1.0 + erf_approx(*v * std::f32::consts::FRAC_1_SQRT_2));
+            *v = gelu(*v);
         }
     }
 }
@@ -269,14 +261,9 @@ mod tests {
         for i in 0..3 {
             assert!((x[i] - e[i] / s).abs() < 1e-7);
         }
-        let mut out = [0f32; 4];
-        layer_norm(
-            &[1.0, 2.0, 3.0, 4.0],
-            &[1.0; 4],
-            Some(&[0.5; 4]),
-            0.0,
-            &mut out,
-        );
+        let (mut out, mut mean, mut rstd) = ([0f32; 4], [0f32], [0f32]);
+        let (x, w, b) = ([1.0, 2.0, 3.0, 4.0], [1.0; 4], [0.5; 4]);
+        super::super::ops::layernorm_forward(&mut out, &mut mean, &mut rstd, &x, &w, Some(&b), 0.0);
         let sd = 1.25f32.sqrt();
         assert!((out[0] - (-1.5 / sd + 0.5)).abs() < 1e-6);
     }

@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use super::gemm::{matmul_strided, Causal, Precision, Strided};
 use super::kernels::{
-    axpy, dot_lanes, erf_approx, exp_approx, multiversion, sum_lanes, sum_lanes3,
+    axpy, dot_lanes, erf_approx, exp_approx, gelu, gelu_tanh, multiversion, sum_lanes, sum_lanes3,
 };
 use super::parallel::{share_len, share_rows, with_partials};
 
@@ -315,7 +315,7 @@ multiversion! {
     /// out = x Phi(x) (exact GELU).
     pub fn gelu_forward(out: &mut [f32], x: &[f32]) {
         for (o, &v) in out.iter_mut().zip(x) {
-            *o = 0.5 * v * (1.0 + erf_approx(v * std::f32::consts::FRAC_1_SQRT_2));
+            *o = gelu(v);
         }
     }
 }
@@ -352,9 +352,7 @@ multiversion! {
     /// out = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3) (GPT-2's GELU).
     pub fn gelu_tanh_forward(out: &mut [f32], x: &[f32]) {
         for (o, &v) in out.iter_mut().zip(x) {
-            let u = SQRT_2_OVER_PI * (v + 0.044_715 * v * v * v);
-            let t = 1.0 - 2.0 / (exp_approx(2.0 * u) + 1.0);
-            *o = 0.5 * v * (1.0 + t);
+            *o = gelu_tanh(v);
         }
     }
 }
