@@ -202,17 +202,15 @@ multiversion! {
 /// Softmax in place, inlined into multiversioned callers.
 #[inline(always)]
 pub fn softmax_inline(x: &mut [f32]) {
-    {
-        let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0;
-        for v in x.iter_mut() {
-            *v = exp_approx(*v - max);
-            sum += *v;
-        }
-        let inv = 1.0 / sum;
-        for v in x.iter_mut() {
-            *v *= inv;
-        }
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    for v in x.iter_mut() {
+        *v = exp_approx(*v - max);
+    }
+    // A separate lane-wise sum: summed inside the loop above, the exps would not
+    // vectorise.
+    let inv = 1.0 / sum_lanes(x, |v| v);
+    for v in x.iter_mut() {
+        *v *= inv;
     }
 }
 
