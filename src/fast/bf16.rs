@@ -76,8 +76,7 @@ thread_local! {
 
 /// dst (m x n, rows `dst_row` apart) = dst (if `accumulate`) + beta * a · b, with a
 /// and b rounded to bf16 and f32 sums. Splits the work over the available threads
-/// when it is large enough (`parallel`).
-#[allow(clippy::too_many_arguments)]
+/// when it is large enough.
 pub fn matmul_bf16(
     dst: &mut [f32],
     dst_row: usize,
@@ -86,10 +85,9 @@ pub fn matmul_bf16(
     (m, n, k): (usize, usize, usize),
     accumulate: bool,
     beta: f32,
-    parallel: bool,
 ) {
     let threads = super::gemm::threads();
-    if !parallel || threads < 2 || m * n * k < super::gemm::PARALLEL_MIN_MACS {
+    if threads < 2 || m * n * k < super::gemm::PARALLEL_MIN_MACS {
         let problem = (m, n, k);
         return matmul_bf16_serial(dst, dst_row, a, b, problem, accumulate, beta, Causal::No);
     }
@@ -806,13 +804,13 @@ mod tests {
 
     #[test]
     fn products_match_rounded_operands_summed_exactly() {
-        check("picked", |dst, dst_row, a, b, (m, n, k), acc, beta| {
-            matmul_bf16(dst, dst_row, a, b, (m, n, k), acc, beta, false)
+        check("one thread", |dst, dst_row, a, b, (m, n, k), acc, beta| {
+            matmul_bf16_serial(dst, dst_row, a, b, (m, n, k), acc, beta, Causal::No)
         });
         check(
-            "picked, threads",
+            "split over threads",
             |dst, dst_row, a, b, (m, n, k), acc, beta| {
-                matmul_bf16(dst, dst_row, a, b, (m, n, k), acc, beta, true)
+                matmul_bf16(dst, dst_row, a, b, (m, n, k), acc, beta)
             },
         );
     }
@@ -859,8 +857,8 @@ mod tests {
             col: k,
         };
         let (mut one, mut many) = (vec![0f32; m * n], vec![0f32; m * n]);
-        matmul_bf16(&mut one, n, a, b, (m, n, k), false, 1.0, false);
-        matmul_bf16(&mut many, n, a, b, (m, n, k), false, 1.0, true);
+        matmul_bf16_serial(&mut one, n, a, b, (m, n, k), false, 1.0, Causal::No);
+        matmul_bf16(&mut many, n, a, b, (m, n, k), false, 1.0);
         assert_eq!(
             one, many,
             "each element is summed in the same order either way"

@@ -55,7 +55,7 @@ pub fn matmul(
     let a = Strided::new(a, a_layout, m, k);
     let b = Strided::new(b, b_layout, k, n);
     match precision {
-        Precision::Bf16 => matmul_bf16(dst, n, a, b, (m, n, k), accumulate, 1.0, true),
+        Precision::Bf16 => matmul_bf16(dst, n, a, b, (m, n, k), accumulate, 1.0),
         Precision::F32 => {
             let threads = parallelism(m, n, k);
             gemm_f32(dst, n, a, b, (m, n, k), accumulate, 1.0, threads)
