@@ -21,6 +21,7 @@ use crate::model::{Dropout, Gpt};
 use crate::sample::argmax;
 use crate::train::optim::{clip_grad_norm, AdamW};
 use crate::train::uses_fused_path;
+use crate::util::peak_rss_mb;
 
 pub struct BenchOptions {
     pub steps: usize,
@@ -81,14 +82,6 @@ fn median(mut v: Vec<f64>) -> f64 {
     } else {
         0.5 * (v[n / 2 - 1] + v[n / 2])
     }
-}
-
-/// Peak resident memory of this process so far (Linux), in MiB.
-pub fn peak_rss_mb() -> Option<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb / 1024.0)
 }
 
 /// The vocabulary size a bench uses when the config leaves it to the tokenizer.

@@ -32,10 +32,10 @@ use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::config::Config;
-use crate::data::sha256_hex;
 use crate::error::user_error;
 use crate::tokenizer::Tokenizer;
 use crate::user_bail;
+use crate::util::{sha256_hex, write_atomic};
 
 pub const CONFIG_FILE: &str = "config.toml";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
@@ -76,26 +76,6 @@ pub struct TrainState {
     pub dropout_position: String,
     /// Size and SHA-256 of every other file of the checkpoint.
     pub files: BTreeMap<String, FileDigest>,
-}
-
-/// Writes `bytes` to `path` atomically: temp file in the same folder, fsync, rename,
-/// fsync of the folder. A crash leaves either the old file or the new one.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path.file_name().context("a file path")?.to_string_lossy();
-    let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
-    let write = || -> std::io::Result<()> {
-        let mut f = fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        fs::rename(&tmp, path)?;
-        // The rename itself must reach the disk.
-        fs::File::open(dir)?.sync_all()
-    };
-    write().with_context(|| format!("writing {}", path.display()))
 }
 
 /// One run's folder.
@@ -393,7 +373,7 @@ impl Loaded {
             );
         }
         let need = 4.0 * crate::train::memory::parameter_count(m);
-        if let Some(available) = crate::train::memory::available_bytes() {
+        if let Some(available) = crate::util::available_memory_bytes() {
             if need > available {
                 user_bail!(
                     "{source}/{CONFIG_FILE}: the model needs {:.1} GiB, more than the {:.1} GiB available",
@@ -408,21 +388,5 @@ impl Loaded {
             .params()
             .load(&tensors, &format!("{source}/{MODEL_FILE}"))?;
         Ok((config, tokenizer, model))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn atomic_write_replaces_whole_files() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("x.bin");
-        write_atomic(&p, b"first").unwrap();
-        write_atomic(&p, b"second").unwrap();
-        assert_eq!(fs::read(&p).unwrap(), b"second");
-        let leftovers: Vec<_> = fs::read_dir(dir.path()).unwrap().collect();
-        assert_eq!(leftovers.len(), 1, "no temp files left behind");
     }
 }

@@ -14,11 +14,11 @@ use memmap2::Mmap;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
 use crate::error::user_error;
 use crate::tokenizer::Tokenizer;
 use crate::user_bail;
+use crate::util::{sha256_hex, sha256_hex_of, write_atomic};
 
 /// Reads the corpus: one file, or every `.txt` file of a folder in name order.
 /// Returns the documents' texts.
@@ -189,26 +189,20 @@ struct CacheHeader {
     tokens: usize,
 }
 
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    hex(&Sha256::digest(bytes))
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 /// Returns the corpus's tokens, from `cache` (a path without extension: `.bin` and
 /// `.json` are added) when it was made from the same corpus and tokenizer, else encodes
 /// and writes the cache.
 pub fn cached_tokens(docs: &[String], tokenizer: &Tokenizer, cache: &Path) -> Result<Tokens> {
-    let corpus_sha256 = {
-        let mut h = Sha256::new();
-        for d in docs {
-            h.update((d.len() as u64).to_le_bytes());
-            h.update(d.as_bytes());
-        }
-        hex(&h.finalize())
-    };
+    let lengths: Vec<[u8; 8]> = docs
+        .iter()
+        .map(|d| (d.len() as u64).to_le_bytes())
+        .collect();
+    let corpus_sha256 = sha256_hex_of(
+        lengths
+            .iter()
+            .zip(docs)
+            .flat_map(|(len, d)| [len.as_slice(), d.as_bytes()]),
+    );
     let tokenizer_sha256 = sha256_hex(tokenizer.to_json()?.as_bytes());
     let bytes_per_token = if tokenizer.vocab_size() <= 1 << 16 {
         2
@@ -241,8 +235,8 @@ pub fn cached_tokens(docs: &[String], tokenizer: &Tokenizer, cache: &Path) -> Re
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
     // The header is written after the data, so a header always describes a whole file.
-    crate::checkpoint::write_atomic(&bin, &bytes)?;
-    crate::checkpoint::write_atomic(&json, serde_json::to_string_pretty(&header)?.as_bytes())?;
+    write_atomic(&bin, &bytes)?;
+    write_atomic(&json, serde_json::to_string_pretty(&header)?.as_bytes())?;
     Ok(Tokens::from_vec(ids))
 }
 

@@ -26,12 +26,13 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
-use crate::checkpoint::{write_atomic, Loaded, RunDir, TrainState};
+use crate::checkpoint::{Loaded, RunDir, TrainState};
 use crate::config::{Arch, Config, MlpKind, ModelConfig, NormKind, PositionKind, TokenizerKind};
 use crate::error::user_error;
 use crate::model::Gpt;
 use crate::tokenizer::Tokenizer;
 use crate::user_bail;
+use crate::util::write_atomic;
 
 /// Which Hugging Face model class a config maps to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

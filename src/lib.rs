@@ -22,3 +22,4 @@ pub mod progress;
 pub mod sample;
 pub mod tokenizer;
 pub mod train;
+pub mod util;

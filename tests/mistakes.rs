@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use tinygpt::data::sha256_hex;
+use tinygpt::util::sha256_hex;
 
 struct Case {
     /// What the user did wrong.

@@ -208,7 +208,7 @@ impl FastDecoder {
         let chunk = (MAX_ROWS / batch).clamp(1, cfg.block_size);
         let rows = batch * chunk;
         let kv_bytes = 2.0 * 4.0 * (cfg.n_layer * batch * cfg.block_size * kv_dim) as f64;
-        if let Some(available) = crate::train::memory::available_bytes() {
+        if let Some(available) = crate::util::available_memory_bytes() {
             if kv_bytes > available {
                 crate::user_bail!(
                     "{batch} samples of {} positions need {:.1} GiB of keys and values, more than the {:.1} GiB available; use fewer --num-samples",

@@ -26,14 +26,6 @@ pub fn training_bytes(m: &ModelConfig, t: &TrainConfig) -> f64 {
     4.0 * (4.0 * parameter_count(m) + activations)
 }
 
-/// Memory the OS says is available (Linux), in bytes.
-pub fn available_bytes() -> Option<f64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024.0)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

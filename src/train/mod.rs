@@ -632,7 +632,7 @@ fn check_memory(config: &Config, device: &Device) -> Result<()> {
         return Ok(()); // the GPU's own allocator reports what does not fit
     }
     let need = memory::training_bytes(&config.model, &config.train);
-    if let Some(available) = memory::available_bytes() {
+    if let Some(available) = crate::util::available_memory_bytes() {
         if need > available {
             user_bail!(
                 "config: training this model needs about {:.1} GiB ({:.0}M parameters, batch {} x {} tokens) but {:.1} GiB is available; reduce model.n_embd, model.n_layer, model.block_size or train.batch_size",

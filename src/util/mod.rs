@@ -1,0 +1,9 @@
+//! Leaf utilities: file writes that survive crashes, hashing, and what the operating
+//! system says about memory. Nothing here imports anything else of ours, so every other
+//! module may use it without an import circle.
+
+mod files;
+mod system;
+
+pub use files::{sha256_hex, sha256_hex_of, write_atomic};
+pub use system::{available_memory_bytes, peak_rss_mb};
