@@ -64,10 +64,11 @@ pub struct BenchReport {
 /// Forward FLOPs of one sequence of `t` tokens: 2 per multiply-add in every matmul,
 /// attention's two (T x T) products included, the tied output layer included.
 pub fn forward_flops(cfg: &ModelConfig, t: usize) -> f64 {
-    let c = cfg.n_embd as f64;
-    let weights = (cfg.n_layer * cfg.block_matrix_weights()) as f64 + cfg.vocab_size as f64 * c;
+    let s = crate::model::spec::Shapes::new(cfg);
+    let c = s.n_embd as f64;
+    let weights = (s.n_layer * s.block_matrix_weights()) as f64 + s.vocab_size as f64 * c;
     let t = t as f64;
-    let attention = cfg.n_layer as f64 * 2.0 * 2.0 * t * t * c;
+    let attention = s.n_layer as f64 * 2.0 * 2.0 * t * t * c;
     2.0 * t * weights + attention
 }
 

@@ -372,7 +372,7 @@ impl Loaded {
                 m.vocab_size
             );
         }
-        let need = 4.0 * crate::train::memory::parameter_count(m);
+        let need = 4.0 * crate::model::ModelSpec::new(m).len() as f64;
         if let Some(available) = crate::util::available_memory_bytes() {
             if need > available {
                 user_bail!(

@@ -169,13 +169,8 @@ pub fn eval(args: EvalArgs) -> Result<()> {
 
 pub fn info(args: InfoArgs) -> Result<()> {
     let loaded = load(&args.ckpt)?;
-    let params = loaded.model.params();
-    let total = params.count();
-    let embeddings: usize = params
-        .iter()
-        .filter(|(name, _)| name.starts_with("wte.") || name.starts_with("wpe."))
-        .map(|(_, v)| v.elem_count())
-        .sum();
+    let spec = loaded.model.spec();
+    let (total, embeddings) = (spec.len(), spec.embedding_len());
     let st = &loaded.state;
     let cfg = &loaded.config;
     if args.json {

@@ -231,23 +231,6 @@ impl Default for ModelConfig {
 }
 
 impl ModelConfig {
-    /// Width of the MLP's first projection: the hidden layer, twice it for SwiGLU
-    /// (gate | up).
-    pub fn mlp_fc_width(&self) -> usize {
-        match self.mlp {
-            MlpKind::Swiglu => 2 * self.mlp_hidden(),
-            _ => self.mlp_hidden(),
-        }
-    }
-
-    /// Weights of one block's matrices (QKV, attention output, MLP in and out): what
-    /// each token multiplies through per layer.
-    pub fn block_matrix_weights(&self) -> usize {
-        let c = self.n_embd;
-        let kv = self.kv_heads() * self.head_dim();
-        c * (c + 2 * kv) + c * c + c * self.mlp_fc_width() + self.mlp_hidden() * c
-    }
-
     pub fn mlp_hidden(&self) -> usize {
         self.mlp_hidden.unwrap_or(match self.mlp {
             MlpKind::Swiglu => (8 * self.n_embd / 3).div_ceil(8) * 8,
@@ -347,6 +330,10 @@ impl TrainConfig {
 /// The largest vocabulary: token ids are stored as u32 and the embedding must stay sane.
 pub const MAX_VOCAB: usize = 1 << 20;
 
+/// The most layers, and the widest width, context or MLP a config may ask for.
+pub const MAX_LAYERS: usize = 1 << 16;
+pub const MAX_WIDTH: usize = 1 << 20;
+
 impl Config {
     /// Reads a TOML experiment file and applies `section.key=value` overrides.
     pub fn load(path: &Path, overrides: &[String]) -> Result<Config> {
@@ -421,6 +408,19 @@ impl Config {
                 "config: run.name = {:?} must be a plain folder name (no slashes); set run.out_dir for the parent folder",
                 self.run.name
             );
+        }
+        // Bounds that keep every size the model derives (parameter counts, buffer
+        // offsets) far inside a usize; the memory check refuses far smaller models.
+        let bounded = [
+            ("model.n_layer", m.n_layer, MAX_LAYERS),
+            ("model.n_embd", m.n_embd, MAX_WIDTH),
+            ("model.block_size", m.block_size, MAX_WIDTH),
+            ("model.mlp_hidden", m.mlp_hidden.unwrap_or(0), MAX_WIDTH),
+        ];
+        for (name, value, max) in bounded {
+            if value > max {
+                user_bail!("config: {name} = {value} exceeds the limit of {max}");
+            }
         }
         if m.block_size < 2 {
             user_bail!(
@@ -701,6 +701,8 @@ mod tests {
             (&["model.n_layer=0"], "model.n_layer"),
             (&["model.dropout=1.0"], "model.dropout"),
             (&["model.vocab_size=99999999"], "vocab_size"),
+            (&["model.n_layer=100000"], "model.n_layer"),
+            (&["model.n_embd=4194304", "model.n_head=1"], "model.n_embd"),
             (&["model.rope_theta=0.5"], "rope_theta"),
             (&["tokenizer.vocab_size=100"], "tokenizer.vocab_size"),
             (&["data.val_fraction=0"], "val_fraction"),

@@ -22,14 +22,15 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
 use crate::checkpoint::{Loaded, RunDir, TrainState};
 use crate::config::{Arch, Config, MlpKind, ModelConfig, NormKind, PositionKind, TokenizerKind};
 use crate::error::user_error;
-use crate::model::Gpt;
+use crate::model::spec::{BlockParams, LinearParams, NormParams, ParamId, Shapes};
+use crate::model::{Gpt, ModelSpec};
 use crate::tokenizer::Tokenizer;
 use crate::user_bail;
 use crate::util::write_atomic;
@@ -41,38 +42,55 @@ pub enum HfLayout {
     Llama,
 }
 
-/// A GPT-2 block's norms (weight and bias each) and Conv1D layers (weight [in, out],
-/// bias), under the same names in both layouts.
-const GPT2_NORMS: [&str; 2] = ["ln_1", "ln_2"];
-const GPT2_LINEARS: [&str; 4] = ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"];
+/// Llama's names for one block's norms (ours: ln_1, ln_2).
+fn llama_norms(b: &BlockParams) -> [(NormParams, &'static str); 2] {
+    [
+        (b.ln_1, "input_layernorm"),
+        (b.ln_2, "post_attention_layernorm"),
+    ]
+}
 
-/// A Llama block's norms: ours -> Hugging Face's.
-const LLAMA_NORMS: [(&str, &str); 2] = [
-    ("ln_1", "input_layernorm"),
-    ("ln_2", "post_attention_layernorm"),
-];
+/// Llama's projections for each of a block's: ours are theirs stacked by rows, in
+/// this order, with these row counts (q: C; k, v: the K/V width; gate, up: hidden).
+fn llama_projections(
+    b: &BlockParams,
+    s: &Shapes,
+) -> [(LinearParams, Vec<(&'static str, usize)>); 4] {
+    [
+        (
+            b.attn_qkv,
+            vec![
+                ("self_attn.q_proj", s.n_embd),
+                ("self_attn.k_proj", s.kv_width),
+                ("self_attn.v_proj", s.kv_width),
+            ],
+        ),
+        (b.attn_proj, vec![("self_attn.o_proj", s.n_embd)]),
+        (
+            b.mlp_fc,
+            vec![
+                ("mlp.gate_proj", s.mlp_hidden),
+                ("mlp.up_proj", s.mlp_hidden),
+            ],
+        ),
+        (b.mlp_proj, vec![("mlp.down_proj", s.n_embd)]),
+    ]
+}
 
-/// A Llama block's projections: each of ours is Hugging Face's stacked by rows, in
-/// this order.
-const LLAMA_LINEARS: [(&str, &[&str]); 4] = [
-    (
-        "attn.c_attn",
-        &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-    ),
-    ("attn.c_proj", &["self_attn.o_proj"]),
-    ("mlp.c_fc", &["mlp.gate_proj", "mlp.up_proj"]),
-    ("mlp.c_proj", &["mlp.down_proj"]),
-];
+/// The spec of `m` as GPT-2 stores it: GPT-2's names are ours under `transformer.`,
+/// and its files always hold biases, so this spec names every tensor of the file.
+fn gpt2_spec(m: &ModelConfig) -> ModelSpec {
+    ModelSpec::new(&ModelConfig {
+        bias: true,
+        ..m.clone()
+    })
+}
 
-/// Rows of a Llama projection: queries, outputs and down are C; keys and values the
-/// K/V width; gate and up the hidden width.
-fn llama_rows(m: &ModelConfig, hf_name: &str) -> usize {
-    let kv = m.kv_heads() * m.head_dim();
-    match hf_name {
-        "self_attn.k_proj" | "self_attn.v_proj" => kv,
-        "mlp.gate_proj" | "mlp.up_proj" => m.mlp_hidden(),
-        _ => m.n_embd,
-    }
+/// Whether `id` is a linear layer's weight: GPT-2's Conv1D stores those [in, out].
+fn is_linear_weight(spec: &ModelSpec, id: ParamId) -> bool {
+    spec.blocks
+        .iter()
+        .any(|b| b.linears().iter().any(|l| l.weight == id))
 }
 
 /// The Hugging Face class this model is exactly, or an error naming the option that has
@@ -113,85 +131,53 @@ fn host(t: &Tensor) -> Result<Tensor> {
 pub fn export(loaded: &Loaded, out: &Path) -> Result<HfLayout> {
     let m = &loaded.config.model;
     let layout = layout_for(m)?;
+    let spec = loaded.model.spec();
     let ours = loaded.model.params().to_map();
-    let get = |name: &str| -> Result<Tensor> {
-        host(
-            ours.get(name)
-                .with_context(|| format!("the model has no {name}"))?,
-        )
-    };
-    // Biases the model lacks are zeros in layouts that always have them.
-    let bias_or_zeros = |name: &str, len: usize| -> Result<Tensor> {
-        match ours.get(name) {
-            Some(t) => host(t),
-            None => Ok(Tensor::zeros(len, DType::F32, &Device::Cpu)?),
-        }
-    };
+    let get = |id: ParamId| -> Result<Tensor> { host(&ours[&spec[id].name]) };
     let c = m.n_embd;
     let hidden = m.mlp_hidden();
     let mut hf: HashMap<String, Tensor> = HashMap::new();
     match layout {
         HfLayout::Gpt2 => {
-            hf.insert("transformer.wte.weight".into(), get("wte.weight")?);
-            hf.insert("transformer.wpe.weight".into(), get("wpe.weight")?);
-            for i in 0..m.n_layer {
-                let (o, t) = (format!("h.{i}"), format!("transformer.h.{i}"));
-                for norm in GPT2_NORMS {
-                    hf.insert(
-                        format!("{t}.{norm}.weight"),
-                        get(&format!("{o}.{norm}.weight"))?,
-                    );
-                    let bias = bias_or_zeros(&format!("{o}.{norm}.bias"), c)?;
-                    hf.insert(format!("{t}.{norm}.bias"), bias);
-                }
-                for layer in GPT2_LINEARS {
-                    let w = get(&format!("{o}.{layer}.weight"))?;
-                    let bias = bias_or_zeros(&format!("{o}.{layer}.bias"), w.dim(0)?)?;
-                    // Conv1D: [in, out].
-                    hf.insert(format!("{t}.{layer}.weight"), w.t()?.contiguous()?);
-                    hf.insert(format!("{t}.{layer}.bias"), bias);
-                }
+            let full = gpt2_spec(m);
+            for id in full.ids() {
+                let p = &full[id];
+                // Biases this model lacks are zeros.
+                let t = match ours.get(&p.name) {
+                    Some(t) => host(t)?,
+                    None => Tensor::zeros(p.shape.as_slice(), DType::F32, &Device::Cpu)?,
+                };
+                let t = if is_linear_weight(&full, id) {
+                    t.t()?.contiguous()?
+                } else {
+                    t
+                };
+                hf.insert(format!("transformer.{}", p.name), t);
             }
-            hf.insert("transformer.ln_f.weight".into(), get("ln_f.weight")?);
-            hf.insert(
-                "transformer.ln_f.bias".into(),
-                bias_or_zeros("ln_f.bias", c)?,
-            );
         }
         HfLayout::Llama => {
-            hf.insert("model.embed_tokens.weight".into(), get("wte.weight")?);
-            for i in 0..m.n_layer {
-                let (o, l) = (format!("h.{i}"), format!("model.layers.{i}"));
-                for (norm, hf_norm) in LLAMA_NORMS {
-                    hf.insert(
-                        format!("{l}.{hf_norm}.weight"),
-                        get(&format!("{o}.{norm}.weight"))?,
-                    );
+            hf.insert("model.embed_tokens.weight".into(), get(spec.wte)?);
+            for (i, b) in spec.blocks.iter().enumerate() {
+                let l = format!("model.layers.{i}");
+                for (norm, hf_norm) in llama_norms(b) {
+                    hf.insert(format!("{l}.{hf_norm}.weight"), get(norm.weight)?);
                 }
-                for (ours_name, parts) in LLAMA_LINEARS {
-                    let w = get(&format!("{o}.{ours_name}.weight"))?;
-                    let b = ours
-                        .get(&format!("{o}.{ours_name}.bias"))
-                        .map(host)
-                        .transpose()?;
+                for (linear, parts) in llama_projections(b, &spec.shapes) {
+                    let w = get(linear.weight)?;
+                    let bias = linear.bias.map(get).transpose()?;
                     let mut start = 0;
-                    for hf_name in parts {
-                        let len = llama_rows(m, hf_name);
-                        hf.insert(
-                            format!("{l}.{hf_name}.weight"),
-                            w.narrow(0, start, len)?.contiguous()?,
-                        );
-                        if let Some(b) = &b {
-                            hf.insert(
-                                format!("{l}.{hf_name}.bias"),
-                                b.narrow(0, start, len)?.contiguous()?,
-                            );
+                    for (hf_name, rows) in parts {
+                        let w = w.narrow(0, start, rows)?.contiguous()?;
+                        hf.insert(format!("{l}.{hf_name}.weight"), w);
+                        if let Some(b) = &bias {
+                            let b = b.narrow(0, start, rows)?.contiguous()?;
+                            hf.insert(format!("{l}.{hf_name}.bias"), b);
                         }
-                        start += len;
+                        start += rows;
                     }
                 }
             }
-            hf.insert("model.norm.weight".into(), get("ln_f.weight")?);
+            hf.insert("model.norm.weight".into(), get(spec.ln_f.weight)?);
         }
     }
 
@@ -375,28 +361,17 @@ pub fn read_hf(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
             } else {
                 ""
             };
-            let mut t = |name: &str| take(&mut tensors, &format!("{prefix}{name}"), dir);
-            ours.insert("wte.weight".into(), t("wte.weight")?);
-            ours.insert("wpe.weight".into(), t("wpe.weight")?);
-            for i in 0..m.n_layer {
-                let h = format!("h.{i}");
-                for norm in GPT2_NORMS {
-                    for p in ["weight", "bias"] {
-                        ours.insert(format!("{h}.{norm}.{p}"), t(&format!("{h}.{norm}.{p}"))?);
-                    }
-                }
-                for layer in GPT2_LINEARS {
-                    // [in, out] -> [out, in]
-                    let w = t(&format!("{h}.{layer}.weight"))?.t()?.contiguous()?;
-                    ours.insert(format!("{h}.{layer}.weight"), w);
-                    ours.insert(
-                        format!("{h}.{layer}.bias"),
-                        t(&format!("{h}.{layer}.bias"))?,
-                    );
-                }
+            let spec = gpt2_spec(&m);
+            for id in spec.ids() {
+                let name = &spec[id].name;
+                let t = take(&mut tensors, &format!("{prefix}{name}"), dir)?;
+                let t = if is_linear_weight(&spec, id) {
+                    t.t()?.contiguous()? // Conv1D's [in, out] -> [out, in]
+                } else {
+                    t
+                };
+                ours.insert(name.clone(), t);
             }
-            ours.insert("ln_f.weight".into(), t("ln_f.weight")?);
-            ours.insert("ln_f.bias".into(), t("ln_f.bias")?);
             m
         }
         "llama" => {
@@ -455,36 +430,30 @@ pub fn read_hf(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
                     user_bail!("{}: lm_head.weight differs from model.embed_tokens.weight; only tied output layers are supported", dir.display());
                 }
             }
+            let spec = ModelSpec::new(&m);
             let mut take = |name: &str| take(&mut tensors, name, dir);
-            ours.insert("wte.weight".into(), wte);
-            for i in 0..m.n_layer {
-                let (h, l) = (format!("h.{i}"), format!("model.layers.{i}"));
-                for (norm, hf_norm) in LLAMA_NORMS {
-                    ours.insert(
-                        format!("{h}.{norm}.weight"),
-                        take(&format!("{l}.{hf_norm}.weight"))?,
-                    );
+            let name = |id: ParamId| spec[id].name.clone();
+            ours.insert(name(spec.wte), wte);
+            for (i, b) in spec.blocks.iter().enumerate() {
+                let l = format!("model.layers.{i}");
+                for (norm, hf_norm) in llama_norms(b) {
+                    ours.insert(name(norm.weight), take(&format!("{l}.{hf_norm}.weight"))?);
                 }
-                for (ours_name, parts) in LLAMA_LINEARS {
-                    let stack = |what: &str,
-                                 take: &mut dyn FnMut(&str) -> Result<Tensor>|
-                     -> Result<Tensor> {
+                for (linear, parts) in llama_projections(b, &spec.shapes) {
+                    let mut stack = |what: &str| -> Result<Tensor> {
                         let parts = parts
                             .iter()
-                            .map(|p| take(&format!("{l}.{p}.{what}")))
+                            .map(|(hf_name, _)| take(&format!("{l}.{hf_name}.{what}")))
                             .collect::<Result<Vec<_>>>()?;
                         Ok(Tensor::cat(&parts, 0)?)
                     };
-                    ours.insert(
-                        format!("{h}.{ours_name}.weight"),
-                        stack("weight", &mut take)?,
-                    );
-                    if m.bias {
-                        ours.insert(format!("{h}.{ours_name}.bias"), stack("bias", &mut take)?);
+                    ours.insert(name(linear.weight), stack("weight")?);
+                    if let Some(bias) = linear.bias {
+                        ours.insert(name(bias), stack("bias")?);
                     }
                 }
             }
-            ours.insert("ln_f.weight".into(), take("model.norm.weight")?);
+            ours.insert(name(spec.ln_f.weight), take("model.norm.weight")?);
             m
         }
         other => user_bail!(

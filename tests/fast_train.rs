@@ -125,7 +125,8 @@ fn fast_path_matches_the_reference() {
 
             let fast_grads = fast.grads_by_name();
             let mut ordered = Vec::new();
-            for (name, var) in reference.params().iter() {
+            for (param, var) in reference.params().iter() {
+                let name = param.name.as_str();
                 let g = grads.get(var.as_tensor()).unwrap();
                 let expected: Vec<f32> = g.flatten_all().unwrap().to_vec1().unwrap();
                 let err = rel_err(&fast_grads[name], &expected);
@@ -138,15 +139,19 @@ fn fast_path_matches_the_reference() {
 
             // The same update from the same gradients on both sides (the moments carry
             // over from step to step).
-            for ((name, _), g) in reference.params().iter().zip(&ordered) {
-                fast.set_grad(name, &g.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            for ((param, _), g) in reference.params().iter().zip(&ordered) {
+                fast.set_grad(
+                    &param.name,
+                    &g.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                );
             }
             let lr = 1e-2;
             adamw.step(&ordered, lr).unwrap();
             fast.adamw(step, lr, &train);
             let check = Gpt::new(&cfg, 99, &dev).unwrap();
             fast.write_params(check.params()).unwrap();
-            for ((name, a), (_, b)) in reference.params().iter().zip(check.params().iter()) {
+            for ((param, a), (_, b)) in reference.params().iter().zip(check.params().iter()) {
+                let name = &param.name;
                 let a: Vec<f32> = a.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
                 let b: Vec<f32> = b.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
                 let err = rel_err(&b, &a);
@@ -230,7 +235,8 @@ fn dropout_masks_are_the_reference_masks() {
             "dropout must change the loss"
         );
         let fast_grads = fast.grads_by_name();
-        for (name, var) in reference.params().iter() {
+        for (param, var) in reference.params().iter() {
+            let name = param.name.as_str();
             let expected: Vec<f32> = grads
                 .get(var.as_tensor())
                 .unwrap()
@@ -263,10 +269,10 @@ fn reference_loss_and_grads(
     let by_name = model
         .params()
         .iter()
-        .map(|(name, var)| {
+        .map(|(param, var)| {
             let g = grads.get(var.as_tensor()).unwrap();
             (
-                name.to_string(),
+                param.name.clone(),
                 g.flatten_all().unwrap().to_vec1().unwrap(),
             )
         })

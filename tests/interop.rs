@@ -29,7 +29,8 @@ fn run_folder(dir: &Path, name: &str, edit: impl Fn(&mut Config)) -> std::path::
     config.validate().unwrap();
     let model = Gpt::new(&config.model, 7, &Device::Cpu).unwrap();
     // Non-trivial biases and norm gains, so a mix-up cannot hide behind zeros and ones.
-    for (name, var) in model.params().iter() {
+    for (param, var) in model.params().iter() {
+        let name = param.name.as_str();
         if name.ends_with(".bias") || name.contains("ln_") {
             let n = var.elem_count();
             let values: Vec<f32> = (0..n).map(|i| 0.5 + (i % 7) as f32 * 0.1).collect();

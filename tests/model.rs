@@ -283,7 +283,8 @@ fn gradients_match_finite_differences() {
         let loss = model.loss(&x, &y, &mut Dropout::off()).unwrap();
         let grads = loss.backward().unwrap();
         let eps = 1e-6;
-        for (name, var) in model.params().iter() {
+        for (param, var) in model.params().iter() {
+            let name = param.name.as_str();
             let g = grads
                 .get(var.as_tensor())
                 .unwrap_or_else(|| panic!("{name} has no gradient"))

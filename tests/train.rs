@@ -93,7 +93,8 @@ fn every_parameter_gets_a_gradient_and_moves() {
             .iter()
             .map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1().unwrap())
             .collect();
-        for (name, var) in model.params().iter() {
+        for (param, var) in model.params().iter() {
+            let name = param.name.as_str();
             let g = grads
                 .get(var.as_tensor())
                 .unwrap_or_else(|| panic!("{positions:?}: {name} has no gradient"));
@@ -110,7 +111,8 @@ fn every_parameter_gets_a_gradient_and_moves() {
         }
         let mut opt = AdamW::new(model.params(), &cfg.train).unwrap();
         opt.step(&all, 1e-3).unwrap();
-        for ((name, var), old) in model.params().iter().zip(before) {
+        for ((param, var), old) in model.params().iter().zip(before) {
+            let name = &param.name;
             let new: Vec<f32> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
             assert_ne!(new, old, "{name} did not change after an optimiser step");
         }

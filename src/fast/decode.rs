@@ -218,7 +218,7 @@ impl FastDecoder {
                 );
             }
         }
-        let fc_out = cfg.mlp_fc_width();
+        let fc_out = crate::model::spec::Shapes::new(cfg).mlp_fc_width;
         let splits_matvecs = layers.iter().any(|l| {
             [&l.c_attn, &l.attn_proj, &l.c_fc, &l.mlp_proj]
                 .iter()

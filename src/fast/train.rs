@@ -132,8 +132,8 @@ impl FastGpt {
             let range = offset..offset + values.len();
             offset += values.len();
             flat.extend_from_slice(&values);
-            decay.push(var.rank() >= 2);
-            names.push((name.to_string(), range, var.dims().to_vec()));
+            decay.push(name.decay);
+            names.push((name.name.clone(), range, var.dims().to_vec()));
         }
         let find = |name: &str| -> Option<Range<usize>> {
             names
@@ -167,7 +167,7 @@ impl FastGpt {
         let hidden = cfg.mlp_hidden();
         let dropout = cfg.dropout > 0.0;
         let qkv_w = cfg.n_embd + 2 * cfg.kv_heads() * cfg.head_dim();
-        let fc_out = cfg.mlp_fc_width();
+        let fc_out = crate::model::spec::Shapes::new(cfg).mlp_fc_width;
         let h = cfg.n_head;
         let t = cfg.block_size;
         let acts = (0..cfg.n_layer)
@@ -635,7 +635,7 @@ impl FastGpt {
             c,
             v: self.cfg.vocab_size,
             hidden: self.cfg.mlp_hidden(),
-            fc_out: self.cfg.mlp_fc_width(),
+            fc_out: crate::model::spec::Shapes::new(&self.cfg).mlp_fc_width,
             d,
             kv_dim,
             qkv_w: c + 2 * kv_dim,
@@ -663,7 +663,7 @@ impl FastGpt {
         ops::Activation {
             kind: self.cfg.mlp,
             hidden: self.cfg.mlp_hidden(),
-            fc_out: self.cfg.mlp_fc_width(),
+            fc_out: crate::model::spec::Shapes::new(&self.cfg).mlp_fc_width,
         }
     }
 

@@ -10,9 +10,10 @@ use candle_core::{Device, Tensor, D};
 
 use super::dropout::Dropout;
 use super::linear::{product, Linear};
-use super::params::ParamBuilder;
+use super::params::Params;
 use super::position::Rope;
-use crate::config::{ModelConfig, Precision};
+use super::spec::{BlockParams, Shapes};
+use crate::config::Precision;
 
 /// softmax(q k^T * scale + mask) v, returning (output, weights); the two products in
 /// `products` precision (softmax in the inputs' type).
@@ -114,32 +115,15 @@ pub struct CausalSelfAttention {
 }
 
 impl CausalSelfAttention {
-    pub fn new(pb: &mut ParamBuilder, prefix: &str, cfg: &ModelConfig) -> Result<Self> {
-        let head_dim = cfg.head_dim();
-        let qkv = (cfg.n_head + 2 * cfg.kv_heads()) * head_dim;
-        let proj_std = 0.02 / (2.0 * cfg.n_layer as f64).sqrt();
-        Ok(Self {
-            c_attn: Linear::new(
-                pb,
-                &format!("{prefix}.c_attn"),
-                cfg.n_embd,
-                qkv,
-                cfg.bias,
-                0.02,
-            )?,
-            c_proj: Linear::new(
-                pb,
-                &format!("{prefix}.c_proj"),
-                cfg.n_embd,
-                cfg.n_embd,
-                cfg.bias,
-                proj_std,
-            )?,
-            n_head: cfg.n_head,
-            n_kv_head: cfg.kv_heads(),
-            head_dim,
-            products: pb.products(),
-        })
+    pub fn new(params: &Params, block: &BlockParams, shapes: &Shapes, products: Precision) -> Self {
+        Self {
+            c_attn: Linear::new(params, &block.attn_qkv, products),
+            c_proj: Linear::new(params, &block.attn_proj, products),
+            n_head: shapes.n_head,
+            n_kv_head: shapes.n_kv_head,
+            head_dim: shapes.head_dim,
+            products,
+        }
     }
 
     /// x: (B, T, C) at positions pos0 .. pos0 + T -> (B, T, C), and the attention

@@ -10,9 +10,10 @@ use super::attention::{CausalSelfAttention, KvCache};
 use super::dropout::Dropout;
 use super::mlp::Mlp;
 use super::norm::Norm;
-use super::params::ParamBuilder;
+use super::params::Params;
 use super::position::Rope;
-use crate::config::ModelConfig;
+use super::spec::{BlockParams, ModelSpec};
+use crate::config::Precision;
 
 pub struct Block {
     ln_1: Norm,
@@ -22,13 +23,19 @@ pub struct Block {
 }
 
 impl Block {
-    pub fn new(pb: &mut ParamBuilder, prefix: &str, cfg: &ModelConfig) -> Result<Self> {
-        Ok(Self {
-            ln_1: Norm::new(pb, &format!("{prefix}.ln_1"), cfg)?,
-            attn: CausalSelfAttention::new(pb, &format!("{prefix}.attn"), cfg)?,
-            ln_2: Norm::new(pb, &format!("{prefix}.ln_2"), cfg)?,
-            mlp: Mlp::new(pb, &format!("{prefix}.mlp"), cfg)?,
-        })
+    pub fn new(
+        params: &Params,
+        spec: &ModelSpec,
+        block: &BlockParams,
+        products: Precision,
+    ) -> Self {
+        let cfg = &spec.config;
+        Self {
+            ln_1: Norm::new(params, &block.ln_1, cfg),
+            attn: CausalSelfAttention::new(params, block, &spec.shapes, products),
+            ln_2: Norm::new(params, &block.ln_2, cfg),
+            mlp: Mlp::new(params, block, cfg.mlp, products),
+        }
     }
 
     /// x: (B, T, C) -> (B, T, C), and this layer's attention weights.

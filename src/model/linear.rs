@@ -3,7 +3,8 @@
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 
-use super::params::{Init, ParamBuilder};
+use super::params::Params;
+use super::spec::LinearParams;
 use crate::config::Precision;
 
 pub struct Linear {
@@ -13,30 +14,13 @@ pub struct Linear {
 }
 
 impl Linear {
-    /// Weights N(0, std); biases (if any) zero.
-    pub fn new(
-        pb: &mut ParamBuilder,
-        prefix: &str,
-        d_in: usize,
-        d_out: usize,
-        bias: bool,
-        std: f64,
-    ) -> Result<Self> {
-        let weight = pb.var(
-            &format!("{prefix}.weight"),
-            &[d_out, d_in],
-            Init::Normal { std },
-        )?;
-        let bias = if bias {
-            Some(pb.var(&format!("{prefix}.bias"), &[d_out], Init::Zeros)?)
-        } else {
-            None
-        };
-        Ok(Self {
-            weight,
-            bias,
-            products: pb.products(),
-        })
+    /// The layer `p` of `params`, multiplying in `products` precision.
+    pub fn new(params: &Params, p: &LinearParams, products: Precision) -> Self {
+        Self {
+            weight: params.tensor(p.weight).clone(),
+            bias: p.bias.map(|b| params.tensor(b).clone()),
+            products,
+        }
     }
 
     /// x: (B, T, in) -> (B, T, out). Flattened to one 2-D matmul.

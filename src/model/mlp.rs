@@ -8,8 +8,9 @@ use anyhow::Result;
 use candle_core::{Tensor, D};
 
 use super::linear::Linear;
-use super::params::ParamBuilder;
-use crate::config::{MlpKind, ModelConfig};
+use super::params::Params;
+use super::spec::BlockParams;
+use crate::config::{MlpKind, Precision};
 
 pub struct Mlp {
     kind: MlpKind,
@@ -18,29 +19,12 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    pub fn new(pb: &mut ParamBuilder, prefix: &str, cfg: &ModelConfig) -> Result<Self> {
-        let hidden = cfg.mlp_hidden();
-        let fc_out = cfg.mlp_fc_width();
-        let proj_std = 0.02 / (2.0 * cfg.n_layer as f64).sqrt();
-        Ok(Self {
-            kind: cfg.mlp,
-            c_fc: Linear::new(
-                pb,
-                &format!("{prefix}.c_fc"),
-                cfg.n_embd,
-                fc_out,
-                cfg.bias,
-                0.02,
-            )?,
-            c_proj: Linear::new(
-                pb,
-                &format!("{prefix}.c_proj"),
-                hidden,
-                cfg.n_embd,
-                cfg.bias,
-                proj_std,
-            )?,
-        })
+    pub fn new(params: &Params, block: &BlockParams, kind: MlpKind, products: Precision) -> Self {
+        Self {
+            kind,
+            c_fc: Linear::new(params, &block.mlp_fc, products),
+            c_proj: Linear::new(params, &block.mlp_proj, products),
+        }
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {

@@ -1,9 +1,11 @@
 //! The GPT: token embedding -> positions -> N blocks -> final norm -> logits through the
 //! token embedding matrix (weight tying).
 //!
-//! Read in this order: `params` (named tensors, init), `linear`, `norm`, `position`,
-//! `attention`, `mlp`, `block`, then `Gpt` below. Shapes: B batch, T tokens, C width,
-//! V vocabulary, H heads, d = C / H head size.
+//! Read in this order: `spec` (the shapes and the parameter table every engine reads),
+//! `params` (the table as candle variables), `linear`, `norm`, `position`, `attention`,
+//! `mlp`, `block`, then `Gpt` below: the reference engine's model, plain candle ops
+//! differentiated by candle's autograd. Shapes: B batch, T tokens, C width, V
+//! vocabulary, H heads, d = C / H head size.
 
 pub mod attention;
 pub mod block;
@@ -13,6 +15,7 @@ pub mod mlp;
 pub mod norm;
 pub mod params;
 pub mod position;
+pub mod spec;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
@@ -23,14 +26,14 @@ pub use dropout::Dropout;
 use linear::product;
 use norm::Norm;
 pub use params::Params;
-use params::{Init, ParamBuilder};
 use position::{InputPositions, Rope};
+pub use spec::ModelSpec;
 
 use crate::config::{ModelConfig, PositionKind, Precision};
 use crate::user_bail;
 
 pub struct Gpt {
-    cfg: ModelConfig,
+    spec: ModelSpec,
     wte: Tensor, // (V, C): token embedding, and (transposed) the output layer
     positions: InputPositions,
     rope: Option<Rope>,
@@ -85,36 +88,34 @@ impl Gpt {
                 "model.vocab_size must be set (from the tokenizer) before building the model"
             );
         }
-        let mut pb = ParamBuilder::new(seed, device, dtype);
-        pb.set_products(products);
-        let wte = pb.var(
-            "wte.weight",
-            &[cfg.vocab_size, cfg.n_embd],
-            Init::Normal { std: 0.02 },
-        )?;
-        let positions = InputPositions::new(&mut pb, cfg)?;
+        let spec = ModelSpec::new(cfg);
+        let params = Params::from_flat(&spec, &spec.initial_values(seed), device, dtype)?;
         let rope = match cfg.positions {
             PositionKind::Rope => Some(Rope::new(cfg, device, dtype)?),
             _ => None,
         };
-        let blocks = (0..cfg.n_layer)
-            .map(|i| Block::new(&mut pb, &format!("h.{i}"), cfg))
-            .collect::<Result<Vec<_>>>()?;
-        let ln_f = Norm::new(&mut pb, "ln_f", cfg)?;
         Ok(Self {
-            cfg: cfg.clone(),
-            wte,
-            positions,
+            wte: params.tensor(spec.wte).clone(),
+            positions: InputPositions::new(&params, &spec, device, dtype)?,
             rope,
-            blocks,
-            ln_f,
-            params: pb.finish(),
+            blocks: spec
+                .blocks
+                .iter()
+                .map(|block| Block::new(&params, &spec, block, products))
+                .collect(),
+            ln_f: Norm::new(&params, &spec.ln_f, cfg),
+            params,
             products,
+            spec,
         })
     }
 
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
     pub fn config(&self) -> &ModelConfig {
-        &self.cfg
+        &self.spec.config
     }
 
     pub fn params(&self) -> &Params {
@@ -137,11 +138,11 @@ impl Gpt {
         dropout: &mut Dropout,
     ) -> Result<Output> {
         let (b, t) = idx.dims2()?;
-        if pos0 + t > self.cfg.block_size {
+        if pos0 + t > self.spec.config.block_size {
             user_bail!(
                 "{} positions requested but the model was trained on at most block_size = {}",
                 pos0 + t,
-                self.cfg.block_size
+                self.spec.config.block_size
             );
         }
         if let Some(cache) = cache.as_deref() {
@@ -149,7 +150,7 @@ impl Gpt {
                 anyhow::bail!("KV cache holds {} positions but pos0 = {pos0}", cache.len());
             }
         }
-        let c = self.cfg.n_embd;
+        let c = self.spec.config.n_embd;
         let tok = self
             .wte
             .embedding(&idx.flatten_all()?)?
@@ -163,8 +164,11 @@ impl Gpt {
             attention.push(weights);
         }
         let x = self.ln_f.forward(&x)?.reshape((b * t, c))?;
-        let logits =
-            product(&x, &self.wte.t()?, self.products)?.reshape((b, t, self.cfg.vocab_size))?;
+        let logits = product(&x, &self.wte.t()?, self.products)?.reshape((
+            b,
+            t,
+            self.spec.config.vocab_size,
+        ))?;
         Ok(Output { logits, attention })
     }
 

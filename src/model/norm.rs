@@ -12,7 +12,8 @@
 use anyhow::Result;
 use candle_core::{DType, Tensor, D};
 
-use super::params::{Init, ParamBuilder};
+use super::params::Params;
+use super::spec::NormParams;
 use crate::config::{ModelConfig, NormKind};
 
 pub struct Norm {
@@ -23,20 +24,14 @@ pub struct Norm {
 }
 
 impl Norm {
-    pub fn new(pb: &mut ParamBuilder, prefix: &str, cfg: &ModelConfig) -> Result<Self> {
-        let dim = cfg.n_embd;
-        let weight = pb.var(&format!("{prefix}.weight"), &[dim], Init::Ones)?;
-        let bias = if cfg.bias && cfg.norm == NormKind::LayerNorm {
-            Some(pb.var(&format!("{prefix}.bias"), &[dim], Init::Zeros)?)
-        } else {
-            None
-        };
-        Ok(Self {
+    /// The norm `p` of `params`, of the kind and epsilon `cfg` says.
+    pub fn new(params: &Params, p: &NormParams, cfg: &ModelConfig) -> Self {
+        Self {
             kind: cfg.norm,
             eps: cfg.norm_eps,
-            weight,
-            bias,
-        })
+            weight: params.tensor(p.weight).clone(),
+            bias: p.bias.map(|b| params.tensor(b).clone()),
+        }
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {

@@ -1,37 +1,67 @@
-//! The model's trainable tensors, by name, with GPT-2's initialisation.
+//! The reference model's trainable tensors: the spec's table as candle variables.
 //!
 //! candle's own initialisers draw from an unseeded RNG on CPU, so runs could not be
-//! reproduced. Here every tensor is drawn on the host from a seeded ChaCha stream, in
-//! construction order, and then moved to the device: the same seed gives the same
-//! initial weights on every device.
+//! reproduced. The values come from [`ModelSpec::initial_values`] (one seeded stream,
+//! drawn on the host) or from a checkpoint, and are then moved to the device: the same
+//! seed gives the same weights on every device and in every engine.
 
 use std::collections::HashMap;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
-use rand_distr::{Distribution, StandardNormal};
 
-use crate::config::Precision;
+use super::spec::{ModelSpec, Param, ParamId};
 use crate::user_bail;
 
-/// Named variables in construction order. Names are the tensor names in
-/// `model.safetensors` (documented in the README).
-#[derive(Default)]
+/// One variable per entry of the spec's table, in table order.
 pub struct Params {
-    vars: Vec<(String, Var)>,
+    table: Vec<Param>,
+    vars: Vec<Var>,
 }
 
 impl Params {
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &Var)> {
-        self.vars.iter().map(|(n, v)| (n.as_str(), v))
+    /// The spec's tensors from `values` (a flat buffer in table order), as `dtype` on
+    /// `device`.
+    pub fn from_flat(
+        spec: &ModelSpec,
+        values: &[f32],
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Self> {
+        assert_eq!(values.len(), spec.len(), "a flat buffer of the whole table");
+        let vars = spec
+            .params()
+            .iter()
+            .map(|p| {
+                let t = Tensor::from_slice(&values[p.range()], p.shape.as_slice(), device)?;
+                Ok(Var::from_tensor(&t.to_dtype(dtype)?)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            table: spec.params().to_vec(),
+            vars,
+        })
+    }
+
+    /// The tensor of `id` (it tracks gradients).
+    pub fn tensor(&self, id: ParamId) -> &Tensor {
+        self.var(id).as_tensor()
+    }
+
+    pub fn var(&self, id: ParamId) -> &Var {
+        &self.vars[id.index()]
+    }
+
+    /// Each table entry with its variable, in table order.
+    pub fn iter(&self) -> impl Iterator<Item = (&Param, &Var)> {
+        self.table.iter().zip(&self.vars)
     }
 
     pub fn get(&self, name: &str) -> Option<&Var> {
-        self.vars.iter().find(|(n, _)| n == name).map(|(_, v)| v)
+        self.iter().find(|(p, _)| p.name == name).map(|(_, v)| v)
     }
 
+    /// Number of tensors.
     pub fn len(&self) -> usize {
         self.vars.len()
     }
@@ -42,31 +72,57 @@ impl Params {
 
     /// Total number of scalars.
     pub fn count(&self) -> usize {
-        self.vars.iter().map(|(_, v)| v.elem_count()).sum()
+        self.table.iter().map(Param::len).sum()
     }
 
     /// The tensors by name, for saving.
     pub fn to_map(&self) -> HashMap<String, Tensor> {
-        self.vars
-            .iter()
-            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+        self.iter()
+            .map(|(p, v)| (p.name.clone(), v.as_tensor().clone()))
             .collect()
+    }
+
+    /// Every value as f32 on the host, in one buffer in table order (what the fused
+    /// engines and the CPU decoder work on).
+    pub fn to_flat(&self) -> Result<Vec<f32>> {
+        let mut flat = Vec::with_capacity(self.count());
+        for v in &self.vars {
+            let t = v.as_tensor().to_dtype(DType::F32)?.flatten_all()?;
+            flat.extend(t.to_vec1::<f32>()?);
+        }
+        Ok(flat)
+    }
+
+    /// Overwrites every variable from a flat buffer in table order.
+    pub fn set_flat(&self, values: &[f32]) -> Result<()> {
+        assert_eq!(
+            values.len(),
+            self.count(),
+            "a flat buffer of the whole table"
+        );
+        for (p, var) in self.iter() {
+            let t = Tensor::from_slice(&values[p.range()], p.shape.as_slice(), var.device())?;
+            var.set(&t.to_dtype(var.dtype())?)?;
+        }
+        Ok(())
     }
 
     /// Overwrites every variable from `tensors`, which must hold exactly these names
     /// with these shapes. `source` names the file in errors.
     pub fn load(&self, tensors: &HashMap<String, Tensor>, source: &str) -> Result<()> {
-        for (name, var) in &self.vars {
-            let Some(t) = tensors.get(name) else {
+        for (p, var) in self.iter() {
+            let Some(t) = tensors.get(&p.name) else {
                 user_bail!(
-                    "{source}: tensor {name} is missing; the file does not match this model's config"
+                    "{source}: tensor {} is missing; the file does not match this model's config",
+                    p.name
                 );
             };
-            if t.dims() != var.dims() {
+            if t.dims() != p.shape.as_slice() {
                 user_bail!(
-                    "{source}: tensor {name} has shape {:?}, but the config needs {:?}",
+                    "{source}: tensor {} has shape {:?}, but the config needs {:?}",
+                    p.name,
                     t.dims(),
-                    var.dims()
+                    p.shape
                 );
             }
             var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
@@ -77,79 +133,5 @@ impl Params {
             );
         }
         Ok(())
-    }
-}
-
-/// How a new tensor starts.
-pub enum Init {
-    Normal { std: f64 },
-    Zeros,
-    Ones,
-}
-
-/// Creates named variables from a seeded stream.
-pub struct ParamBuilder {
-    params: Params,
-    rng: ChaCha8Rng,
-    device: Device,
-    dtype: DType,
-    products: Precision,
-}
-
-impl ParamBuilder {
-    pub fn new(seed: u64, device: &Device, dtype: DType) -> Self {
-        Self {
-            params: Params::default(),
-            rng: ChaCha8Rng::seed_from_u64(seed),
-            device: device.clone(),
-            dtype,
-            products: Precision::F32,
-        }
-    }
-
-    /// Layers built from here on multiply in `products` (see [`super::linear::product`]).
-    pub fn set_products(&mut self, products: Precision) {
-        self.products = products;
-    }
-
-    /// The precision of the matrix products of the layers being built.
-    pub fn products(&self) -> Precision {
-        self.products
-    }
-
-    pub fn device(&self) -> &Device {
-        &self.device
-    }
-
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-
-    /// Makes the variable `name` and returns its tensor (which tracks gradients).
-    pub fn var(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
-        assert!(
-            self.params.get(name).is_none(),
-            "parameter {name} created twice"
-        );
-        let n: usize = shape.iter().product();
-        let values: Vec<f32> = match init {
-            Init::Normal { std } => (0..n)
-                .map(|_| {
-                    let z: f64 = StandardNormal.sample(&mut self.rng);
-                    (z * std) as f32
-                })
-                .collect(),
-            Init::Zeros => vec![0.0; n],
-            Init::Ones => vec![1.0; n],
-        };
-        let t = Tensor::from_vec(values, shape, &self.device)?.to_dtype(self.dtype)?;
-        let var = Var::from_tensor(&t)?;
-        let tensor = var.as_tensor().clone();
-        self.params.vars.push((name.to_string(), var));
-        Ok(tensor)
-    }
-
-    pub fn finish(self) -> Params {
-        self.params
     }
 }

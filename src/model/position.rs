@@ -7,7 +7,8 @@
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, D};
 
-use super::params::{Init, ParamBuilder};
+use super::params::Params;
+use super::spec::ModelSpec;
 use crate::config::{ModelConfig, PositionKind};
 
 /// Position information added to the embedding at the input, if any.
@@ -21,17 +22,14 @@ pub enum InputPositions {
 }
 
 impl InputPositions {
-    pub fn new(pb: &mut ParamBuilder, cfg: &ModelConfig) -> Result<Self> {
-        Ok(match cfg.positions {
-            PositionKind::Learned => InputPositions::Learned(pb.var(
-                "wpe.weight",
-                &[cfg.block_size, cfg.n_embd],
-                Init::Normal { std: 0.02 },
-            )?),
-            PositionKind::Sinusoidal => InputPositions::Sinusoidal(
-                sinusoidal_table(cfg.block_size, cfg.n_embd, pb.device())?.to_dtype(pb.dtype())?,
+    pub fn new(params: &Params, spec: &ModelSpec, device: &Device, dtype: DType) -> Result<Self> {
+        let cfg = &spec.config;
+        Ok(match (spec.wpe, cfg.positions) {
+            (Some(wpe), _) => InputPositions::Learned(params.tensor(wpe).clone()),
+            (None, PositionKind::Sinusoidal) => InputPositions::Sinusoidal(
+                sinusoidal_table(cfg.block_size, cfg.n_embd, device)?.to_dtype(dtype)?,
             ),
-            PositionKind::Rope => InputPositions::None,
+            (None, _) => InputPositions::None,
         })
     }
 

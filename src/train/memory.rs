@@ -2,18 +2,7 @@
 //! so an absurd config is refused with a message instead of exhausting the machine.
 
 use crate::config::{ModelConfig, TrainConfig};
-
-/// Parameters of the model (weights only).
-pub fn parameter_count(m: &ModelConfig) -> f64 {
-    let c = m.n_embd as f64;
-    let per_layer = 2.0 * c + m.block_matrix_weights() as f64;
-    let positions = if m.positions == crate::config::PositionKind::Learned {
-        (m.block_size as f64) * c
-    } else {
-        0.0
-    };
-    m.vocab_size as f64 * c + positions + m.n_layer as f64 * per_layer + c
-}
+use crate::model::ModelSpec;
 
 /// Bytes for one training step of the reference path: weights, gradients and the two
 /// AdamW moments (4 copies), plus the activations autograd keeps for one micro-batch
@@ -23,21 +12,12 @@ pub fn training_bytes(m: &ModelConfig, t: &TrainConfig) -> f64 {
     let tokens = (t.batch_size * m.block_size) as f64;
     let per_layer = tokens * (40.0 * m.n_embd as f64 + 4.0 * (m.n_head * m.block_size) as f64);
     let activations = m.n_layer as f64 * per_layer + 4.0 * tokens * m.vocab_size as f64;
-    4.0 * (4.0 * parameter_count(m) + activations)
+    4.0 * (4.0 * ModelSpec::new(m).len() as f64 + activations)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parameter_count_matches_the_baby_model() {
-        let m = ModelConfig {
-            vocab_size: 65,
-            ..ModelConfig::default()
-        };
-        assert_eq!(parameter_count(&m), 804_096.0);
-    }
 
     #[test]
     fn the_baby_run_fits_and_a_huge_one_does_not() {

@@ -637,7 +637,7 @@ fn check_memory(config: &Config, device: &Device) -> Result<()> {
             user_bail!(
                 "config: training this model needs about {:.1} GiB ({:.0}M parameters, batch {} x {} tokens) but {:.1} GiB is available; reduce model.n_embd, model.n_layer, model.block_size or train.batch_size",
                 need / f64::from(1 << 30),
-                memory::parameter_count(&config.model) / 1e6,
+                crate::model::ModelSpec::new(&config.model).len() as f64 / 1e6,
                 config.train.batch_size,
                 config.model.block_size,
                 available / f64::from(1 << 30)

@@ -35,13 +35,13 @@ impl AdamW {
     pub fn new(params: &Params, cfg: &TrainConfig) -> Result<Self> {
         let slots = params
             .iter()
-            .map(|(name, var)| {
+            .map(|(p, var)| {
                 Ok(Slot {
-                    name: name.to_string(),
+                    name: p.name.clone(),
                     var: var.clone(),
                     m: var.zeros_like()?,
                     v: var.zeros_like()?,
-                    decay: var.rank() >= 2,
+                    decay: p.decay,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -146,57 +146,65 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
-    /// One parameter, two steps, checked against the AdamW formula written out by hand.
+    /// Two steps, checked against the AdamW formula written out by hand on one element
+    /// of a matrix (decayed) and of a norm's gain (not decayed).
     #[test]
     fn matches_the_formula() {
         let dev = Device::Cpu;
-        let mut pb = crate::model::params::ParamBuilder::new(0, &dev, DType::F32);
-        pb.var("w", &[1, 2], crate::model::params::Init::Ones)
-            .unwrap();
-        pb.var("b", &[2], crate::model::params::Init::Ones).unwrap();
-        let params = pb.finish();
-        let cfg = TrainConfig {
+        let cfg = crate::config::ModelConfig {
+            n_layer: 1,
+            n_head: 1,
+            n_embd: 2,
+            block_size: 2,
+            vocab_size: 3,
+            ..Default::default()
+        };
+        let model = crate::model::Gpt::new(&cfg, 0, &dev).unwrap();
+        let spec = model.spec();
+        let params = model.params();
+        let train = TrainConfig {
             beta1: 0.9,
             beta2: 0.99,
             eps: 1e-8,
             weight_decay: 0.1,
             ..TrainConfig::default()
         };
-        let mut opt = AdamW::new(&params, &cfg).unwrap();
+        let mut opt = AdamW::new(params, &train).unwrap();
         let lr = 0.01;
-        let g1 = [0.5f64, -2.0];
-        let g2 = [0.25f64, 1.0];
-        for g in [g1, g2] {
-            let gw = Tensor::new(&[[g[0] as f32, g[1] as f32]], &dev).unwrap();
-            let gb = Tensor::new(&[g[0] as f32, g[1] as f32], &dev).unwrap();
-            opt.step(&[gw, gb], lr).unwrap();
+        let first = |id| -> f64 {
+            params
+                .tensor(id)
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()[0] as f64
+        };
+        let (wte0, gain0) = (first(spec.wte), first(spec.ln_f.weight));
+        for g in [0.5f64, -2.0] {
+            let grads: Vec<Tensor> = params
+                .iter()
+                .map(|(_, v)| (v.ones_like().unwrap() * g).unwrap())
+                .collect();
+            opt.step(&grads, lr).unwrap();
         }
-        // By hand, element 0.
-        let (mut m, mut v, mut pw, mut pbias) = (0.0, 0.0, 1.0f64, 1.0f64);
-        for (t, g) in [g1[0], g2[0]].iter().enumerate() {
+        // By hand.
+        let (mut m, mut v, mut pw, mut pg) = (0.0, 0.0, wte0, gain0);
+        for (t, g) in [0.5f64, -2.0].iter().enumerate() {
             m = 0.9 * m + 0.1 * g;
             v = 0.99 * v + 0.01 * g * g;
             let step = t as i32 + 1;
             let upd =
                 (m / (1.0 - 0.9f64.powi(step))) / ((v / (1.0 - 0.99f64.powi(step))).sqrt() + 1e-8);
             pw = pw * (1.0 - lr * 0.1) - lr * upd;
-            pbias -= lr * upd; // 1-D: no decay
+            pg -= lr * upd; // 1-D: no decay
         }
-        let w = params
-            .get("w")
-            .unwrap()
-            .as_tensor()
-            .to_vec2::<f32>()
-            .unwrap();
-        let b = params
-            .get("b")
-            .unwrap()
-            .as_tensor()
-            .to_vec1::<f32>()
-            .unwrap();
-        assert!((w[0][0] as f64 - pw).abs() < 1e-6, "{} vs {pw}", w[0][0]);
-        assert!((b[0] as f64 - pbias).abs() < 1e-6, "{} vs {pbias}", b[0]);
-        assert!(pw < pbias, "the matrix is decayed, the vector is not");
+        let (w, gain) = (first(spec.wte), first(spec.ln_f.weight));
+        assert!((w - pw).abs() < 1e-6, "{w} vs {pw}");
+        assert!((gain - pg).abs() < 1e-6, "{gain} vs {pg}");
+        assert!(
+            (pw - (wte0 - (gain0 - pg))).abs() > 1e-6,
+            "the matrix is decayed, the gain is not"
+        );
     }
 
     #[test]
