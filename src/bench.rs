@@ -117,7 +117,6 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         .map(|(_, v)| v.as_tensor().clone())
         .collect();
     let mut rng = ChaCha8Rng::seed_from_u64(config.run.seed);
-    let mut dropout = Dropout::new(cfg.dropout, config.run.seed, 0);
 
     let (mut fwd, mut bwd, mut opt, mut total) = (vec![], vec![], vec![], vec![]);
     for step in 0..opts.warmup + opts.steps {
@@ -131,7 +130,11 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         if let Some(fast) = fast.as_mut() {
             t0 = Instant::now();
             fast.zero_grads();
-            fast.forward(&x, &y, Some(&mut dropout));
+            fast.forward(
+                &x,
+                &y,
+                Dropout::in_pass(cfg.dropout, config.run.seed, step, 0).as_ref(),
+            );
             t1 = Instant::now();
             fast.backward(1.0);
             t2 = Instant::now();
@@ -142,7 +145,8 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
             let x = Tensor::from_vec(x, (b, t), device)?;
             let y = Tensor::from_vec(y, (b, t), device)?;
             t0 = Instant::now();
-            let loss = model.loss(&x, &y, &mut dropout)?;
+            let dropout = Dropout::in_pass(cfg.dropout, config.run.seed, step, 0);
+            let loss = model.loss(&x, &y, dropout.as_ref())?;
             loss.to_scalar::<f32>()?; // wait for the device
             t1 = Instant::now();
             let store = loss.backward()?;

@@ -70,10 +70,10 @@ pub struct TrainState {
     pub last_train_loss: Option<f64>,
     pub last_val_loss: Option<f64>,
     pub best_val_loss: Option<f64>,
-    /// Positions of the batch sampler's and dropout's RNG streams (u128 as decimal
-    /// strings: JSON numbers cannot hold them).
+    /// Position of the batch sampler's RNG stream (a u128 as a decimal string: JSON
+    /// numbers cannot hold it). Dropout needs no state: its masks are a function of the
+    /// step.
     pub sampler_position: String,
-    pub dropout_position: String,
     /// Size and SHA-256 of every other file of the checkpoint.
     pub files: BTreeMap<String, FileDigest>,
 }

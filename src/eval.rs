@@ -11,7 +11,7 @@
 use anyhow::Result;
 use candle_core::{DType, IndexOp, Tensor, D};
 
-use crate::model::{Dropout, Gpt};
+use crate::model::Gpt;
 use crate::user_bail;
 
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -44,11 +44,8 @@ pub fn evaluate(model: &Gpt, ids: &[u32], bytes: usize) -> Result<EvalResult> {
     loop {
         let end = (begin + block).min(ids.len());
         let window = Tensor::new(&ids[begin..end], model.device())?.unsqueeze(0)?;
-        let logits = model
-            .forward(&window, 0, None, &mut Dropout::off())?
-            .logits
-            .i(0)?; // (T, V)
-                    // Position j predicts ids[begin + j + 1]; score targets scored_until .. end.
+        let logits = model.forward(&window, 0, None, None)?.logits.i(0)?; // (T, V)
+                                                                          // Position j predicts ids[begin + j + 1]; score targets scored_until .. end.
         let first = scored_until - 1 - begin;
         let count = end - scored_until;
         let logits = logits.narrow(0, first, count)?.to_dtype(DType::F32)?;

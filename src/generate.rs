@@ -17,7 +17,7 @@ use anyhow::Result;
 use candle_core::Tensor;
 
 use crate::fast::FastDecoder;
-use crate::model::{Dropout, Gpt, KvCache};
+use crate::model::{Gpt, KvCache};
 use crate::sample::Sampler;
 use crate::tokenizer::{TextStream, Tokenizer};
 use crate::user_bail;
@@ -112,9 +112,7 @@ impl<'m> Decoder<'m> {
             }
             Backend::Cached(cache) => {
                 let ids = Tensor::from_slice(ids, (self.batch, 1), self.model.device())?;
-                let out = self
-                    .model
-                    .forward(&ids, pos, Some(cache), &mut Dropout::off())?;
+                let out = self.model.forward(&ids, pos, Some(cache), None)?;
                 self.logits = last_logits(&out.logits)?;
             }
             Backend::Uncached => return self.refill(),
@@ -133,14 +131,12 @@ impl<'m> Decoder<'m> {
             Backend::Cached(cache) => {
                 cache.clear();
                 let ids = windows_tensor(&self.windows, self.model)?;
-                let out = self
-                    .model
-                    .forward(&ids, 0, Some(cache), &mut Dropout::off())?;
+                let out = self.model.forward(&ids, 0, Some(cache), None)?;
                 self.logits = last_logits(&out.logits)?;
             }
             Backend::Uncached => {
                 let ids = windows_tensor(&self.windows, self.model)?;
-                let out = self.model.forward(&ids, 0, None, &mut Dropout::off())?;
+                let out = self.model.forward(&ids, 0, None, None)?;
                 self.logits = last_logits(&out.logits)?;
             }
         }

@@ -190,7 +190,7 @@ impl AttentionMaps {
             );
         }
         let input = candle_core::Tensor::new(ids.as_slice(), model.device())?.unsqueeze(0)?;
-        let out = model.forward(&input, 0, None, &mut crate::model::Dropout::off())?;
+        let out = model.forward(&input, 0, None, None)?;
         let weights = out
             .attention
             .iter()

@@ -109,7 +109,7 @@ fn fast_path_matches_the_reference() {
             let targets = batch(b, t, 11, 100 + step as u32);
             let x = Tensor::from_slice(&ids, (b, t), &dev).unwrap();
             let y = Tensor::from_slice(&targets, (b, t), &dev).unwrap();
-            let loss = reference.loss(&x, &y, &mut Dropout::off()).unwrap();
+            let loss = reference.loss(&x, &y, None).unwrap();
             let ref_loss = loss.to_scalar::<f32>().unwrap() as f64;
             let grads = loss.backward().unwrap();
 
@@ -218,12 +218,12 @@ fn dropout_masks_are_the_reference_masks() {
         let x = Tensor::from_slice(&ids, (b, t), &dev).unwrap();
         let y = Tensor::from_slice(&targets, (b, t), &dev).unwrap();
         let loss = reference
-            .loss(&x, &y, &mut Dropout::new(0.2, 9, 3))
+            .loss(&x, &y, Dropout::in_pass(0.2, 9, 3, 0).as_ref())
             .unwrap();
         let ref_loss = loss.to_scalar::<f32>().unwrap() as f64;
         let grads = loss.backward().unwrap();
         fast.zero_grads();
-        let fast_loss = fast.forward(&ids, &targets, Some(&mut Dropout::new(0.2, 9, 3)));
+        let fast_loss = fast.forward(&ids, &targets, Dropout::in_pass(0.2, 9, 3, 0).as_ref());
         fast.backward(1.0);
         assert!(
             (fast_loss - ref_loss).abs() <= 1e-5 * ref_loss,
@@ -264,7 +264,7 @@ fn reference_loss_and_grads(
     let dev = Device::Cpu;
     let x = Tensor::from_slice(ids, (b, t), &dev).unwrap();
     let y = Tensor::from_slice(targets, (b, t), &dev).unwrap();
-    let loss = model.loss(&x, &y, &mut Dropout::off()).unwrap();
+    let loss = model.loss(&x, &y, None).unwrap();
     let grads = loss.backward().unwrap();
     let by_name = model
         .params()

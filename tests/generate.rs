@@ -7,7 +7,7 @@ use candle_core::{Device, Tensor};
 use tinygpt::checkpoint::Loaded;
 use tinygpt::config::{Config, MlpKind, ModelConfig, NormKind, PositionKind, TokenizerKind};
 use tinygpt::generate::{generate, DecodeMode, Decoder, GenerateOptions};
-use tinygpt::model::{Dropout, Gpt};
+use tinygpt::model::Gpt;
 use tinygpt::sample::{Sampler, SamplingParams};
 use tinygpt::train::Silent;
 
@@ -49,10 +49,7 @@ fn full_forward_last(model: &Gpt, window: &[u32]) -> Vec<f32> {
         .unwrap()
         .unsqueeze(0)
         .unwrap();
-    let logits = model
-        .forward(&ids, 0, None, &mut Dropout::off())
-        .unwrap()
-        .logits;
+    let logits = model.forward(&ids, 0, None, None).unwrap().logits;
     let t = window.len();
     logits
         .squeeze(0)
@@ -321,7 +318,7 @@ fn eval_of_one_window_equals_the_training_loss() {
         .unwrap();
     let train_loss = loaded
         .model
-        .loss(&x, &y, &mut Dropout::off())
+        .loss(&x, &y, None)
         .unwrap()
         .to_scalar::<f32>()
         .unwrap() as f64;

@@ -8,7 +8,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use tinygpt::checkpoint::{Loaded, RunDir, TrainState};
 use tinygpt::config::{Arch, Config, MlpKind, NormKind, PositionKind};
-use tinygpt::model::{Dropout, Gpt};
+use tinygpt::model::Gpt;
 use tinygpt::tokenizer::Tokenizer;
 
 /// A change to the default test config.
@@ -53,10 +53,7 @@ fn run_folder(dir: &Path, name: &str, edit: impl Fn(&mut Config)) -> std::path::
 
 fn logits(model: &Gpt) -> Vec<Vec<f32>> {
     let ids = Tensor::new(&[[3u32, 1, 4, 1, 5, 9, 2, 6, 5, 3]], &Device::Cpu).unwrap();
-    let out = model
-        .forward(&ids, 0, None, &mut Dropout::off())
-        .unwrap()
-        .logits;
+    let out = model.forward(&ids, 0, None, None).unwrap().logits;
     out.squeeze(0).unwrap().to_vec2().unwrap()
 }
 

@@ -6,7 +6,7 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 use tinygpt::config::{MlpKind, ModelConfig, NormKind, PositionKind, Precision};
 use tinygpt::model::attention::{causal_mask, scaled_dot_product_attention};
 use tinygpt::model::position::{sinusoidal_table, Rope};
-use tinygpt::model::{Dropout, Gpt};
+use tinygpt::model::Gpt;
 
 fn tiny_cfg(positions: PositionKind) -> ModelConfig {
     ModelConfig {
@@ -49,8 +49,7 @@ fn attention_worked_example() {
 
     // Unscaled, unmasked.
     let (out, w) =
-        scaled_dot_product_attention(&q, &k, &v, 1.0, false, &mut Dropout::off(), Precision::F32)
-            .unwrap();
+        scaled_dot_product_attention(&q, &k, &v, 1.0, false, None, Precision::F32).unwrap();
     let w = round2(w.i((0, 0)).unwrap().to_vec2::<f32>().unwrap());
     assert_eq!(
         w,
@@ -67,9 +66,7 @@ fn attention_worked_example() {
     );
 
     // Causal: token i sees tokens 0..=i only.
-    let (_, w) =
-        scaled_dot_product_attention(&q, &k, &v, 1.0, true, &mut Dropout::off(), Precision::F32)
-            .unwrap();
+    let (_, w) = scaled_dot_product_attention(&q, &k, &v, 1.0, true, None, Precision::F32).unwrap();
     let w = round2(w.i((0, 0)).unwrap().to_vec2::<f32>().unwrap());
     assert_eq!(
         w,
@@ -98,7 +95,7 @@ fn logits(model: &Gpt, ids: &[u32]) -> Vec<Vec<f32>> {
         .unwrap()
         .unsqueeze(0)
         .unwrap();
-    let out = model.forward(&idx, 0, None, &mut Dropout::off()).unwrap();
+    let out = model.forward(&idx, 0, None, None).unwrap();
     out.logits.i(0).unwrap().to_vec2::<f32>().unwrap()
 }
 
@@ -275,12 +272,12 @@ fn gradients_match_finite_differences() {
         let y = Tensor::new(&[[4u32, 2, 6, 0, 3, 1], [5, 1, 2, 3, 4, 0]], &dev).unwrap();
         let loss_of = || -> f64 {
             model
-                .loss(&x, &y, &mut Dropout::off())
+                .loss(&x, &y, None)
                 .unwrap()
                 .to_scalar::<f64>()
                 .unwrap()
         };
-        let loss = model.loss(&x, &y, &mut Dropout::off()).unwrap();
+        let loss = model.loss(&x, &y, None).unwrap();
         let grads = loss.backward().unwrap();
         let eps = 1e-6;
         for (param, var) in model.params().iter() {

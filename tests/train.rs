@@ -6,7 +6,6 @@ use std::path::Path;
 
 use candle_core::Tensor;
 use tinygpt::config::{Config, PositionKind, Precision, TokenizerKind};
-use tinygpt::model::Dropout;
 use tinygpt::train::optim::AdamW;
 use tinygpt::train::{Reporter, Silent, StepLog, Trainer};
 
@@ -82,11 +81,7 @@ fn every_parameter_gets_a_gradient_and_moves() {
             model.device(),
         )
         .unwrap();
-        let grads = model
-            .loss(&x, &y, &mut Dropout::off())
-            .unwrap()
-            .backward()
-            .unwrap();
+        let grads = model.loss(&x, &y, None).unwrap().backward().unwrap();
         let mut all = Vec::new();
         let before: Vec<Vec<f32>> = model
             .params()

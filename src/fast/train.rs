@@ -19,7 +19,7 @@ use super::ops::{self, AttnShape};
 use super::parallel::{on_workers, share_len, zip_in_place, zip_map};
 use crate::config::{ModelConfig, PositionKind, TrainConfig};
 use crate::model::position::{rope_tables, sinusoidal_table};
-use crate::model::{Dropout, Params};
+use crate::model::{Dropout, Params, Site};
 use rayon::prelude::*;
 
 /// Where each parameter of one block sits in the flat buffer.
@@ -245,7 +245,7 @@ impl FastGpt {
     /// Keeps what the backward needs. With an active `dropout`, masks are drawn from it
     /// in the reference model's order (embeddings; per layer attention weights, attention
     /// output, MLP output), so both paths drop the same elements.
-    pub fn forward(&mut self, ids: &[u32], targets: &[u32], dropout: Option<&mut Dropout>) -> f64 {
+    pub fn forward(&mut self, ids: &[u32], targets: &[u32], dropout: Option<&Dropout>) -> f64 {
         on_workers(|| self.forward_on_worker(ids, targets, dropout))
     }
 
@@ -253,7 +253,7 @@ impl FastGpt {
         &mut self,
         ids: &[u32],
         targets: &[u32],
-        mut dropout: Option<&mut Dropout>,
+        dropout: Option<&Dropout>,
     ) -> f64 {
         let n = self.rows();
         assert_eq!(ids.len(), n);
@@ -282,14 +282,14 @@ impl FastGpt {
             _ => None,
         };
         ops::embed_forward(&mut self.x0, ids, slice(&self.wte), pos, t, c);
-        self.dropped = dropout.as_deref().is_some_and(|d| d.active()) && !self.drop_x0.is_empty();
-        let mut draw = |mask: &mut [f32]| {
-            if let Some(d) = dropout.as_deref_mut() {
-                d.fill_mask(mask);
+        self.dropped = dropout.is_some() && !self.drop_x0.is_empty();
+        let draw = |mask: &mut [f32], site: Site| {
+            if let Some(d) = dropout {
+                d.fill(site, 0, mask);
             }
         };
         if self.dropped {
-            draw(&mut self.drop_x0);
+            draw(&mut self.drop_x0, Site::Embedding);
             mul(&mut self.x0, &self.drop_x0);
         }
 
@@ -324,7 +324,7 @@ impl FastGpt {
                 ops::rope(&mut a.qkv, cos, sin, t, qkv_w, c + kv_dim, d, false);
             }
             if self.dropped {
-                draw(&mut a.drop_att);
+                draw(&mut a.drop_att, Site::AttentionWeights(l));
             }
             let att_mask = self.dropped.then_some(a.drop_att.as_slice());
             ops::attention_forward(
@@ -346,7 +346,7 @@ impl FastGpt {
                 c,
             );
             if self.dropped {
-                draw(&mut a.drop_attn);
+                draw(&mut a.drop_attn, Site::AttentionOutput(l));
                 mul(&mut self.scratch.tmp, &a.drop_attn);
             }
             zip_map(&mut a.res_2, input, &self.scratch.tmp, |x, y| x + y);
@@ -380,7 +380,7 @@ impl FastGpt {
                 c,
             );
             if self.dropped {
-                draw(&mut a.drop_mlp);
+                draw(&mut a.drop_mlp, Site::MlpOutput(l));
                 mul(&mut self.scratch.tmp, &a.drop_mlp);
             }
             zip_map(&mut a.res_3, &a.res_2, &self.scratch.tmp, |x, y| x + y);

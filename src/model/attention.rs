@@ -8,7 +8,7 @@
 use anyhow::Result;
 use candle_core::{Device, Tensor, D};
 
-use super::dropout::Dropout;
+use super::dropout::{Dropout, Site};
 use super::linear::{product, Linear};
 use super::params::Params;
 use super::position::Rope;
@@ -16,7 +16,8 @@ use super::spec::{BlockParams, Shapes};
 use crate::config::Precision;
 
 /// softmax(q k^T * scale + mask) v, returning (output, weights); the two products in
-/// `products` precision (softmax in the inputs' type).
+/// `products` precision (softmax in the inputs' type). With `dropout` (in training), the
+/// weights are dropped out at the given site before they weigh the values.
 ///
 /// q: (B, H, T, d); k, v: (B, H, S, d) with S >= T. The T queries are the last T of
 /// the S positions, so with `causal` query t sees keys 0 ..= S - T + t.
@@ -27,7 +28,7 @@ pub fn scaled_dot_product_attention(
     v: &Tensor,
     scale: f64,
     causal: bool,
-    dropout: &mut Dropout,
+    dropout: Option<(&Dropout, Site)>,
     products: Precision,
 ) -> Result<(Tensor, Tensor)> {
     let t = q.dim(2)?;
@@ -38,7 +39,11 @@ pub fn scaled_dot_product_attention(
         scores = scores.broadcast_add(&mask)?;
     }
     let weights = candle_nn::ops::softmax(&scores, D::Minus1)?;
-    let out = product(&dropout.apply(&weights)?, v, products)?;
+    let used = match dropout {
+        Some((d, site)) => d.apply(&weights, site)?,
+        None => weights.clone(),
+    };
+    let out = product(&used, v, products)?;
     Ok((out, weights))
 }
 
@@ -106,6 +111,7 @@ impl KvCache {
 }
 
 pub struct CausalSelfAttention {
+    layer: usize,
     c_attn: Linear, // C -> (H + 2 H_kv) d: q | k | v
     c_proj: Linear, // C -> C
     n_head: usize,
@@ -115,8 +121,15 @@ pub struct CausalSelfAttention {
 }
 
 impl CausalSelfAttention {
-    pub fn new(params: &Params, block: &BlockParams, shapes: &Shapes, products: Precision) -> Self {
+    pub fn new(
+        params: &Params,
+        layer: usize,
+        block: &BlockParams,
+        shapes: &Shapes,
+        products: Precision,
+    ) -> Self {
         Self {
+            layer,
             c_attn: Linear::new(params, &block.attn_qkv, products),
             c_proj: Linear::new(params, &block.attn_proj, products),
             n_head: shapes.n_head,
@@ -133,8 +146,8 @@ impl CausalSelfAttention {
         x: &Tensor,
         pos0: usize,
         rope: Option<&Rope>,
-        cache: Option<(&mut KvCache, usize)>,
-        dropout: &mut Dropout,
+        cache: Option<&mut KvCache>,
+        dropout: Option<&Dropout>,
     ) -> Result<(Tensor, Tensor)> {
         let (b, t, c) = x.dims3()?;
         let (h, h_kv, d) = (self.n_head, self.n_kv_head, self.head_dim);
@@ -153,13 +166,14 @@ impl CausalSelfAttention {
             q = rope.apply(&q, pos0)?;
             k = rope.apply(&k, pos0)?;
         }
-        if let Some((cache, layer)) = cache {
-            (k, v) = cache.extend(layer, k, v)?; // (B, H_kv, S, d)
+        if let Some(cache) = cache {
+            (k, v) = cache.extend(self.layer, k, v)?; // (B, H_kv, S, d)
         }
         // Each group of H / H_kv query heads shares one K/V head.
         let k = repeat_kv(&k, h / h_kv)?;
         let v = repeat_kv(&v, h / h_kv)?;
         let scale = 1.0 / (d as f64).sqrt();
+        let dropout = dropout.map(|d| (d, Site::AttentionWeights(self.layer)));
         let (y, weights) =
             scaled_dot_product_attention(&q, &k, &v, scale, true, dropout, self.products)?;
         let y = y.transpose(1, 2)?.reshape((b, t, c))?; // heads side by side again

@@ -7,7 +7,7 @@ use anyhow::Result;
 use candle_core::Tensor;
 
 use super::attention::{CausalSelfAttention, KvCache};
-use super::dropout::Dropout;
+use super::dropout::{maybe_apply, Dropout, Site};
 use super::mlp::Mlp;
 use super::norm::Norm;
 use super::params::Params;
@@ -16,6 +16,8 @@ use super::spec::{BlockParams, ModelSpec};
 use crate::config::Precision;
 
 pub struct Block {
+    /// Its place in the stack (0 = nearest the input).
+    layer: usize,
     ln_1: Norm,
     attn: CausalSelfAttention,
     ln_2: Norm,
@@ -26,13 +28,15 @@ impl Block {
     pub fn new(
         params: &Params,
         spec: &ModelSpec,
+        layer: usize,
         block: &BlockParams,
         products: Precision,
     ) -> Self {
         let cfg = &spec.config;
         Self {
+            layer,
             ln_1: Norm::new(params, &block.ln_1, cfg),
-            attn: CausalSelfAttention::new(params, block, &spec.shapes, products),
+            attn: CausalSelfAttention::new(params, layer, block, &spec.shapes, products),
             ln_2: Norm::new(params, &block.ln_2, cfg),
             mlp: Mlp::new(params, block, cfg.mlp, products),
         }
@@ -44,14 +48,16 @@ impl Block {
         x: &Tensor,
         pos0: usize,
         rope: Option<&Rope>,
-        cache: Option<(&mut KvCache, usize)>,
-        dropout: &mut Dropout,
+        cache: Option<&mut KvCache>,
+        dropout: Option<&Dropout>,
     ) -> Result<(Tensor, Tensor)> {
+        let l = self.layer;
         let (attn, weights) =
             self.attn
                 .forward(&self.ln_1.forward(x)?, pos0, rope, cache, dropout)?;
-        let x = (x + dropout.apply(&attn)?)?;
-        let x = (&x + dropout.apply(&self.mlp.forward(&self.ln_2.forward(&x)?)?)?)?;
+        let x = (x + maybe_apply(dropout, &attn, Site::AttentionOutput(l))?)?;
+        let mlp = self.mlp.forward(&self.ln_2.forward(&x)?)?;
+        let x = (&x + maybe_apply(dropout, &mlp, Site::MlpOutput(l))?)?;
         Ok((x, weights))
     }
 }

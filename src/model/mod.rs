@@ -22,7 +22,7 @@ use candle_core::{DType, Device, Tensor};
 
 pub use attention::KvCache;
 use block::Block;
-pub use dropout::Dropout;
+pub use dropout::{Dropout, Site};
 use linear::product;
 use norm::Norm;
 pub use params::Params;
@@ -101,7 +101,8 @@ impl Gpt {
             blocks: spec
                 .blocks
                 .iter()
-                .map(|block| Block::new(&params, &spec, block, products))
+                .enumerate()
+                .map(|(layer, block)| Block::new(&params, &spec, layer, block, products))
                 .collect(),
             ln_f: Norm::new(&params, &spec.ln_f, cfg),
             params,
@@ -135,7 +136,7 @@ impl Gpt {
         idx: &Tensor,
         pos0: usize,
         mut cache: Option<&mut KvCache>,
-        dropout: &mut Dropout,
+        dropout: Option<&Dropout>,
     ) -> Result<Output> {
         let (b, t) = idx.dims2()?;
         if pos0 + t > self.spec.config.block_size {
@@ -155,11 +156,12 @@ impl Gpt {
             .wte
             .embedding(&idx.flatten_all()?)?
             .reshape((b, t, c))?;
-        let mut x = dropout.apply(&self.positions.add_to(&tok, pos0)?)?;
+        let embedded = self.positions.add_to(&tok, pos0)?;
+        let mut x = dropout::maybe_apply(dropout, &embedded, Site::Embedding)?;
         let mut attention = Vec::with_capacity(self.blocks.len());
-        for (i, block) in self.blocks.iter().enumerate() {
-            let layer_cache = cache.as_deref_mut().map(|c| (c, i));
-            let (y, weights) = block.forward(&x, pos0, self.rope.as_ref(), layer_cache, dropout)?;
+        for block in &self.blocks {
+            let (y, weights) =
+                block.forward(&x, pos0, self.rope.as_ref(), cache.as_deref_mut(), dropout)?;
             x = y;
             attention.push(weights);
         }
@@ -173,7 +175,12 @@ impl Gpt {
     }
 
     /// Mean cross-entropy of predicting `targets` (B, T) from `idx` (B, T).
-    pub fn loss(&self, idx: &Tensor, targets: &Tensor, dropout: &mut Dropout) -> Result<Tensor> {
+    pub fn loss(
+        &self,
+        idx: &Tensor,
+        targets: &Tensor,
+        dropout: Option<&Dropout>,
+    ) -> Result<Tensor> {
         let logits = self.forward(idx, 0, None, dropout)?.logits;
         cross_entropy(&logits, targets)
     }

@@ -29,7 +29,6 @@ use schedule::learning_rate;
 /// RNG streams drawn from the run's seed; separate so that evaluation never shifts
 /// the training batches and resume can restore each one.
 const STREAM_TRAIN_BATCHES: u64 = 1;
-const STREAM_DROPOUT: u64 = 2;
 const STREAM_EVAL_TRAIN: u64 = 3;
 const STREAM_EVAL_VAL: u64 = 4;
 
@@ -123,7 +122,6 @@ pub struct Trainer {
     engine: Engine,
     split: Split,
     sampler: BatchSampler,
-    dropout: Dropout,
     pub state: TrainState,
     device: Device,
     session_start: Instant,
@@ -258,14 +256,12 @@ impl Trainer {
         }
         let seed = config.run.seed;
         let mut sampler = BatchSampler::new(seed, STREAM_TRAIN_BATCHES);
-        let mut dropout = Dropout::new(config.model.dropout, seed, STREAM_DROPOUT);
         if resume {
             let weights = run.load_tensors(&state, MODEL_FILE, &device)?;
             model
                 .params()
                 .load(&weights, &run.file(MODEL_FILE).display().to_string())?;
             sampler.set_position(parse_position(&state.sampler_position)?);
-            dropout.set_position(parse_position(&state.dropout_position)?);
             run.truncate_metrics(state.step)?;
         }
         let mut engine = if fused {
@@ -302,7 +298,6 @@ impl Trainer {
             engine,
             split,
             sampler,
-            dropout,
             state,
             device,
             session_start: Instant::now(),
@@ -361,8 +356,9 @@ impl Trainer {
             Engine::Fused(fast) => {
                 fast.zero_grads();
                 let mut loss_sum = 0.0;
-                for batch in &self.batches {
-                    loss_sum += fast.forward(&batch.x, &batch.y, Some(&mut self.dropout));
+                for (micro, batch) in self.batches.iter().enumerate() {
+                    let dropout = dropout_in(&self.config, self.state.step, micro);
+                    loss_sum += fast.forward(&batch.x, &batch.y, dropout.as_ref());
                     // Each micro-batch contributes 1/accum of the mean gradient.
                     fast.backward(1.0 / accum as f32);
                 }
@@ -416,9 +412,10 @@ impl Trainer {
             .collect();
         let mut grads: Vec<Option<Tensor>> = vec![None; params.len()];
         let mut loss_sum = 0.0;
-        for batch in &batches {
+        for (micro, batch) in batches.iter().enumerate() {
             let (x, y) = self.batch_tensors(batch)?;
-            let loss = self.model.loss(&x, &y, &mut self.dropout)?;
+            let dropout = dropout_in(&self.config, self.state.step, micro);
+            let loss = self.model.loss(&x, &y, dropout.as_ref())?;
             loss_sum += loss.to_scalar::<f32>()? as f64;
             let store = (loss / batches.len() as f64)?.backward()?;
             for (acc, p) in grads.iter_mut().zip(&params) {
@@ -465,7 +462,7 @@ impl Trainer {
                 Engine::Fused(fast) => fast.forward(&batch.x, &batch.y, None),
                 Engine::Reference(_) => {
                     let (x, y) = self.batch_tensors(&batch)?;
-                    let loss = self.model.loss(&x, &y, &mut Dropout::off())?;
+                    let loss = self.model.loss(&x, &y, None)?;
                     loss.to_scalar::<f32>()? as f64
                 }
             };
@@ -482,7 +479,6 @@ impl Trainer {
         let mut state = self.state.clone();
         state.elapsed_s = self.elapsed_s();
         state.sampler_position = self.sampler.position().to_string();
-        state.dropout_position = self.dropout.position().to_string();
         self.sync_model()?;
         let moments = match &self.engine {
             Engine::Reference(adamw) => adamw.state_tensors(),
@@ -645,6 +641,11 @@ fn check_memory(config: &Config, device: &Device) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Dropout in the forward pass of micro-batch `micro` of step `step`, if the model has any.
+fn dropout_in(config: &Config, step: usize, micro: usize) -> Option<Dropout> {
+    Dropout::in_pass(config.model.dropout, config.run.seed, step, micro)
 }
 
 fn parse_position(s: &str) -> Result<u128> {
