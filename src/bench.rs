@@ -9,18 +9,19 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
 use crate::config::{Config, ModelConfig, TokenizerKind};
-use crate::fast::train::FastGpt;
+use crate::data::Batch;
+use crate::engine;
 use crate::generate::{DecodeMode, Decoder};
 use crate::model::{Dropout, Gpt};
+use crate::optim::AdamWStep;
 use crate::sample::argmax;
-use crate::train::optim::{clip_grad_norm, AdamW};
-use crate::train::uses_fused_path;
+use crate::train::engine_options;
 use crate::util::peak_rss_mb;
 
 pub struct BenchOptions {
@@ -54,7 +55,7 @@ pub struct BenchReport {
     pub decode_tokens: usize,
     pub decode_tokens_per_s: f64,
     pub decode_mode: String,
-    /// "fused" or "reference".
+    /// The engine that trained: "fused" or "reference".
     pub train_path: String,
     /// Precision of the training step's matrix products (train.dtype).
     pub train_dtype: crate::config::Precision,
@@ -97,72 +98,31 @@ pub fn bench_vocab(config: &Config) -> usize {
 pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<BenchReport> {
     let mut cfg = config.model.clone();
     cfg.vocab_size = bench_vocab(config);
-    let train = &config.train;
+    let (train, seed) = (&config.train, config.run.seed);
     let (b, t) = (train.batch_size, cfg.block_size);
-    let model = Gpt::with_products(&cfg, config.run.seed, device, train.dtype)?;
-    let fused = uses_fused_path(train, device);
-    let mut fast = if fused {
-        Some(FastGpt::new(&cfg, model.params(), b, train.dtype)?)
-    } else {
-        None
-    };
-    let mut optimizer = if fused {
-        None
-    } else {
-        Some(AdamW::new(model.params(), train)?)
-    };
-    let params: Vec<Tensor> = model
-        .params()
-        .iter()
-        .map(|(_, v)| v.as_tensor().clone())
-        .collect();
-    let mut rng = ChaCha8Rng::seed_from_u64(config.run.seed);
+    let mut engine = engine::build(&cfg, seed, device, engine_options(train))?;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut batch = Batch::empty(b, t);
 
     let (mut fwd, mut bwd, mut opt, mut total) = (vec![], vec![], vec![], vec![]);
     for step in 0..opts.warmup + opts.steps {
-        let x: Vec<u32> = (0..b * t)
-            .map(|_| rng.random_range(0..cfg.vocab_size as u32))
-            .collect();
-        let y: Vec<u32> = (0..b * t)
-            .map(|_| rng.random_range(0..cfg.vocab_size as u32))
-            .collect();
-        let (t0, t1, t2, t3);
-        if let Some(fast) = fast.as_mut() {
-            t0 = Instant::now();
-            fast.zero_grads();
-            fast.forward(
-                &x,
-                &y,
-                Dropout::in_pass(cfg.dropout, config.run.seed, step, 0).as_ref(),
-            );
-            t1 = Instant::now();
-            fast.backward(1.0);
-            t2 = Instant::now();
-            fast.clip_grads(train.grad_clip);
-            fast.adamw(step + 1, train.lr, train);
-            t3 = Instant::now();
-        } else {
-            let x = Tensor::from_vec(x, (b, t), device)?;
-            let y = Tensor::from_vec(y, (b, t), device)?;
-            t0 = Instant::now();
-            let dropout = Dropout::in_pass(cfg.dropout, config.run.seed, step, 0);
-            let loss = model.loss(&x, &y, dropout.as_ref())?;
-            loss.to_scalar::<f32>()?; // wait for the device
-            t1 = Instant::now();
-            let store = loss.backward()?;
-            let mut grads: Vec<Tensor> = params
-                .iter()
-                .map(|p| store.get(p).cloned().map_or_else(|| p.zeros_like(), Ok))
-                .collect::<candle_core::Result<_>>()?;
-            device.synchronize()?;
-            t2 = Instant::now();
-            clip_grad_norm(&mut grads, train.grad_clip)?;
-            if let Some(optimizer) = optimizer.as_mut() {
-                optimizer.step(&grads, train.lr)?;
-            }
-            device.synchronize()?;
-            t3 = Instant::now();
+        for id in batch.x.iter_mut().chain(batch.y.iter_mut()) {
+            *id = rng.random_range(0..cfg.vocab_size as u32);
         }
+        let dropout = Dropout::in_pass(cfg.dropout, seed, step, 0);
+        // The forward returns its loss, which waits for the device; the rest is
+        // synchronised by hand.
+        let t0 = Instant::now();
+        engine.zero_grads()?;
+        engine.forward(&batch, dropout.as_ref())?;
+        let t1 = Instant::now();
+        engine.backward(1.0)?;
+        device.synchronize()?;
+        let t2 = Instant::now();
+        engine.clip_grads(train.grad_clip)?;
+        engine.adamw(&AdamWStep::new(train, step + 1, train.lr))?;
+        device.synchronize()?;
+        let t3 = Instant::now();
         if step >= opts.warmup {
             let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
             fwd.push(ms(t0, t1));
@@ -172,9 +132,9 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         }
     }
     let peak_train = peak_rss_mb();
-    if let Some(fast) = &fast {
-        fast.write_params(model.params())?; // decode the trained weights
-    }
+    // Decode with the trained weights.
+    let model = Gpt::new(&cfg, seed, device)?;
+    model.params().load(&engine.weights()?, "bench")?;
     let step_ms = median(total);
     let gflop = 3.0 * b as f64 * forward_flops(&cfg, t) / 1e9;
 
@@ -205,7 +165,7 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         model: cfg.clone(),
         batch_size: b,
         tokens_per_step: b * t,
-        parameters: model.params().count(),
+        parameters: engine.spec().len(),
         device: format!("{device:?}"),
         threads: candle_core::utils::get_num_threads(),
         steps: opts.steps,
@@ -223,7 +183,7 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         decode_tokens: opts.decode_tokens,
         decode_tokens_per_s: opts.decode_tokens as f64 / decode_s.max(1e-9),
         decode_mode: format!("{:?}", opts.decode_mode).to_lowercase(),
-        train_path: if fused { "fused" } else { "reference" }.into(),
+        train_path: engine.name().into(),
         train_dtype: train.dtype,
         peak_rss_after_decode_mb: peak_rss_mb(),
     })

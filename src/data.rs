@@ -299,6 +299,18 @@ pub struct Batch {
     pub block: usize,
 }
 
+impl Batch {
+    /// A batch of zeros, to be filled by a sampler.
+    pub fn empty(batch: usize, block: usize) -> Self {
+        Self {
+            x: vec![0; batch * block],
+            y: vec![0; batch * block],
+            batch,
+            block,
+        }
+    }
+}
+
 /// Draws windows at uniformly random offsets from a seeded, resumable RNG.
 #[derive(Clone)]
 pub struct BatchSampler {
@@ -322,12 +334,7 @@ impl BatchSampler {
     }
 
     pub fn sample(&mut self, tokens: &Tokens, batch: usize, block: usize) -> Batch {
-        let mut out = Batch {
-            x: vec![0u32; batch * block],
-            y: vec![0u32; batch * block],
-            batch,
-            block,
-        };
+        let mut out = Batch::empty(batch, block);
         self.sample_into(tokens, &mut out);
         out
     }

@@ -16,7 +16,7 @@ use std::time::Instant;
 use anyhow::Result;
 use candle_core::Tensor;
 
-use crate::fast::FastDecoder;
+use crate::cpu::FastDecoder;
 use crate::model::{Gpt, KvCache};
 use crate::sample::Sampler;
 use crate::tokenizer::{TextStream, Tokenizer};
@@ -53,8 +53,9 @@ pub struct Decoder<'m> {
 impl<'m> Decoder<'m> {
     pub fn new(model: &'m Gpt, batch: usize, mode: DecodeMode) -> Result<Self> {
         let backend = match mode {
-            DecodeMode::Fast if FastDecoder::supports(model) => {
-                Backend::Fast(Box::new(FastDecoder::new(model, batch)?))
+            DecodeMode::Fast if model.device().is_cpu() => {
+                let weights = model.params().to_flat()?;
+                Backend::Fast(Box::new(FastDecoder::new(model.spec(), &weights, batch)?))
             }
             DecodeMode::Fast | DecodeMode::Cached => {
                 Backend::Cached(KvCache::new(model.config().n_layer))

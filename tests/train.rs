@@ -4,9 +4,11 @@
 
 use std::path::Path;
 
-use candle_core::Tensor;
+use candle_core::Device;
 use tinygpt::config::{Config, PositionKind, Precision, TokenizerKind};
-use tinygpt::train::optim::AdamW;
+use tinygpt::data::Batch;
+use tinygpt::engine;
+use tinygpt::optim::AdamWStep;
 use tinygpt::train::{Reporter, Silent, StepLog, Trainer};
 
 /// A corpus with structure: a fixed pseudo-random "sentence" of 48 characters repeated.
@@ -55,6 +57,8 @@ impl Reporter for Losses {
     }
 }
 
+/// In both engines and for every position kind: every parameter gets a finite,
+/// non-zero gradient, and moves in an optimiser step.
 #[test]
 fn every_parameter_gets_a_gradient_and_moves() {
     let dir = tempfile::tempdir().unwrap();
@@ -64,52 +68,44 @@ fn every_parameter_gets_a_gradient_and_moves() {
         PositionKind::Rope,
         PositionKind::Sinusoidal,
     ] {
-        let mut cfg = config(dir.path(), &corpus);
-        cfg.run.name = format!("{positions:?}");
-        cfg.model.positions = positions;
-        cfg.model.bias = true;
-        cfg.model.n_kv_head = Some(1);
-        let trainer = Trainer::new(cfg.clone(), false).unwrap();
-        let model = &trainer.model;
-        let x = Tensor::new(
-            &[[1u32, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6]],
-            model.device(),
-        )
-        .unwrap();
-        let y = Tensor::new(
-            &[[2u32, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7]],
-            model.device(),
-        )
-        .unwrap();
-        let grads = model.loss(&x, &y, None).unwrap().backward().unwrap();
-        let mut all = Vec::new();
-        let before: Vec<Vec<f32>> = model
-            .params()
-            .iter()
-            .map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1().unwrap())
-            .collect();
-        for (param, var) in model.params().iter() {
-            let name = param.name.as_str();
-            let g = grads
-                .get(var.as_tensor())
-                .unwrap_or_else(|| panic!("{positions:?}: {name} has no gradient"));
-            let values = g.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            assert!(
-                values.iter().all(|v| v.is_finite()),
-                "{name}: gradient not finite"
-            );
-            assert!(
-                values.iter().any(|v| *v != 0.0),
-                "{positions:?}: {name}: gradient is all zero"
-            );
-            all.push(g.clone());
-        }
-        let mut opt = AdamW::new(model.params(), &cfg.train).unwrap();
-        opt.step(&all, 1e-3).unwrap();
-        for ((param, var), old) in model.params().iter().zip(before) {
-            let name = &param.name;
-            let new: Vec<f32> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
-            assert_ne!(new, old, "{name} did not change after an optimiser step");
+        for fused in [true, false] {
+            let mut cfg = config(dir.path(), &corpus);
+            cfg.model.positions = positions;
+            cfg.model.bias = true;
+            cfg.model.n_kv_head = Some(1);
+            cfg.model.vocab_size = 11;
+            cfg.train.batch_size = 1;
+            cfg.train.fused = fused;
+            let what = format!("{positions:?} fused={fused}");
+            let options = tinygpt::train::engine_options(&cfg.train);
+            let mut engine = engine::build(&cfg.model, 5, &Device::Cpu, options).unwrap();
+            let batch = Batch {
+                x: vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6],
+                y: vec![2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7],
+                batch: 1,
+                block: 16,
+            };
+            let before = engine.weights().unwrap();
+            engine.zero_grads().unwrap();
+            engine.forward(&batch, None).unwrap();
+            engine.backward(1.0).unwrap();
+            for (name, g) in engine.grads().unwrap() {
+                let values = g.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                assert!(
+                    values.iter().all(|v| v.is_finite()),
+                    "{what}: {name}: not finite"
+                );
+                assert!(values.iter().any(|v| *v != 0.0), "{what}: {name}: all zero");
+            }
+            engine.adamw(&AdamWStep::new(&cfg.train, 1, 1e-3)).unwrap();
+            for (name, new) in engine.weights().unwrap() {
+                let new: Vec<f32> = new.flatten_all().unwrap().to_vec1().unwrap();
+                let old: Vec<f32> = before[&name].flatten_all().unwrap().to_vec1().unwrap();
+                assert_ne!(
+                    new, old,
+                    "{what}: {name} did not change in an optimiser step"
+                );
+            }
         }
     }
 }

@@ -18,7 +18,7 @@ pub mod position;
 pub mod spec;
 
 use anyhow::Result;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, D};
 
 pub use attention::KvCache;
 use block::Block;
@@ -188,6 +188,11 @@ impl Gpt {
 
 /// Mean over all positions of -log softmax(logits)[target]. logits: (B, T, V).
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    Ok(position_losses(logits, targets)?.mean_all()?)
+}
+
+/// Each position's -log softmax(logits)[target], (B * T). logits: (B, T, V).
+pub fn position_losses(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let (b, t, v) = logits.dims3()?;
     let logits = logits.reshape((b * t, v))?;
     // Half-precision logits are widened: the log-sum-exp needs the range.
@@ -195,8 +200,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         DType::F16 | DType::BF16 => logits.to_dtype(DType::F32)?,
         _ => logits,
     };
-    Ok(candle_nn::loss::cross_entropy(
-        &logits,
-        &targets.flatten_all()?,
-    )?)
+    let log_probs = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+    let targets = targets.flatten_all()?.unsqueeze(1)?;
+    Ok(log_probs.gather(&targets, 1)?.squeeze(1)?.neg()?)
 }

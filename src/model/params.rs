@@ -76,7 +76,7 @@ impl Params {
     }
 
     /// The tensors by name, for saving.
-    pub fn to_map(&self) -> HashMap<String, Tensor> {
+    pub fn to_map(&self) -> NamedTensors {
         self.iter()
             .map(|(p, v)| (p.name.clone(), v.as_tensor().clone()))
             .collect()
@@ -109,29 +109,57 @@ impl Params {
 
     /// Overwrites every variable from `tensors`, which must hold exactly these names
     /// with these shapes. `source` names the file in errors.
-    pub fn load(&self, tensors: &HashMap<String, Tensor>, source: &str) -> Result<()> {
-        for (p, var) in self.iter() {
-            let Some(t) = tensors.get(&p.name) else {
-                user_bail!(
-                    "{source}: tensor {} is missing; the file does not match this model's config",
-                    p.name
-                );
-            };
-            if t.dims() != p.shape.as_slice() {
-                user_bail!(
-                    "{source}: tensor {} has shape {:?}, but the config needs {:?}",
-                    p.name,
-                    t.dims(),
-                    p.shape
-                );
-            }
-            var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
-        }
+    pub fn load(&self, tensors: &NamedTensors, source: &str) -> Result<()> {
+        let flat = flat_from_named(&self.table, tensors, "", source)?;
         if let Some(extra) = tensors.keys().find(|k| self.get(k).is_none()) {
             user_bail!(
                 "{source}: unexpected tensor {extra}; the file does not match this model's config"
             );
         }
-        Ok(())
+        self.set_flat(&flat)
     }
+}
+
+/// Tensors by name, as safetensors files hold them.
+pub type NamedTensors = HashMap<String, Tensor>;
+
+/// The tensors of `table`, found in `tensors` as `<name><suffix>`, as one flat f32
+/// buffer in table order. A missing or mis-shaped tensor is an error naming it and
+/// `source` (the file).
+pub fn flat_from_named(
+    table: &[Param],
+    tensors: &NamedTensors,
+    suffix: &str,
+    source: &str,
+) -> Result<Vec<f32>> {
+    let mut flat = Vec::with_capacity(table.iter().map(Param::len).sum());
+    for p in table {
+        let name = format!("{}{suffix}", p.name);
+        let Some(t) = tensors.get(&name) else {
+            user_bail!(
+                "{source}: tensor {name} is missing; the file does not match this model's config"
+            );
+        };
+        if t.dims() != p.shape.as_slice() {
+            user_bail!(
+                "{source}: tensor {name} has shape {:?}, but the config needs {:?}",
+                t.dims(),
+                p.shape
+            );
+        }
+        flat.extend(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+    }
+    Ok(flat)
+}
+
+/// The reverse of [`flat_from_named`]: `flat`'s tensors on the host, named
+/// `<name><suffix>`.
+pub fn named_from_flat(table: &[Param], flat: &[f32], suffix: &str) -> Result<NamedTensors> {
+    table
+        .iter()
+        .map(|p| {
+            let t = Tensor::from_slice(&flat[p.range()], p.shape.as_slice(), &Device::Cpu)?;
+            Ok((format!("{}{suffix}", p.name), t))
+        })
+        .collect()
 }

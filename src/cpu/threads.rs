@@ -1,5 +1,5 @@
-//! Row-wise passes (norms, activations, residual adds, the optimiser) spread over the
-//! threads: each thread takes one contiguous share of the rows. Every row sees the same
+//! How work is spread over the threads. Row-wise passes (norms, activations, residual
+//! adds, the optimiser) give each thread one contiguous share of the rows. Every row sees the same
 //! arithmetic whatever the number of threads; only sums across rows (norm weight
 //! gradients) are split into per-share partials, added in share order, so results do
 //! not depend on thread timing.
@@ -8,7 +8,12 @@ use std::cell::Cell;
 
 use rayon::prelude::*;
 
-use super::gemm::threads;
+/// Threads for parallel work: candle's count (RAYON_NUM_THREADS, else the physical
+/// cores), looked up once: candle reads the environment and /proc/cpuinfo per call.
+pub fn threads() -> usize {
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(candle_core::utils::get_num_threads)
+}
 
 /// Below this many elements a pass stays on one thread: waking another costs more.
 const MIN_PARALLEL: usize = 1 << 14;

@@ -21,8 +21,8 @@
 
 use std::cell::RefCell;
 
-use super::gemm::{check_bounds, Causal, Strided};
-use super::parallel::with_partials;
+use super::matrix::{Causal, Product, Strided, PARALLEL_MIN_MACS};
+use super::threads::{threads, with_partials};
 
 const MR: usize = 6;
 const NR: usize = 64;
@@ -74,36 +74,22 @@ thread_local! {
     static PANELS: RefCell<Panels> = RefCell::new(Panels::default());
 }
 
-/// dst (m x n, rows `dst_row` apart) = dst (if `accumulate`) + beta * a · b, with a
-/// and b rounded to bf16 and f32 sums. Splits the work over the available threads
-/// when it is large enough.
-pub fn matmul_bf16(
-    dst: &mut [f32],
-    dst_row: usize,
-    a: Strided,
-    b: Strided,
-    (m, n, k): (usize, usize, usize),
-    accumulate: bool,
-    beta: f32,
-) {
-    let threads = super::gemm::threads();
-    if threads < 2 || m * n * k < super::gemm::PARALLEL_MIN_MACS {
-        let problem = (m, n, k);
-        return matmul_bf16_serial(dst, dst_row, a, b, problem, accumulate, beta, Causal::No);
+/// dst (rows `dst_row` apart) = the product `p`, with its operands rounded to bf16 and
+/// f32 sums. Splits the work over the available threads when it is large enough.
+pub fn matmul(dst: &mut [f32], dst_row: usize, p: Product) {
+    let threads = threads();
+    if threads < 2 || p.macs() < PARALLEL_MIN_MACS {
+        return matmul_serial(dst, dst_row, p);
     }
-    check_bounds(dst, dst_row, &a, &b, (m, n, k));
-    if k >= 4 * m.max(n) {
-        return split_k(dst, dst_row, a, b, (m, n, k), accumulate, beta, threads);
+    p.check_bounds(dst, dst_row);
+    let (m, n) = (p.m, p.n);
+    if p.k >= 4 * m.max(n) {
+        return split_k(dst, dst_row, p, threads);
     }
     let problem = Problem {
         dst: dst.as_mut_ptr(),
         dst_row,
-        a,
-        b,
-        k,
-        accumulate,
-        beta,
-        causal: Causal::No,
+        p,
     };
     // Split the longer side into one contiguous share per thread, in whole panels.
     let (len, unit) = if m >= n { (m, MR) } else { (n, NR) };
@@ -112,79 +98,56 @@ pub fn matmul_bf16(
     let problem = &problem;
     rayon::scope(|scope| {
         for i in 1..shares {
-            scope.spawn(move |_| problem.run_share(m, n, share, i));
+            scope.spawn(move |_| problem.run_share(share, i));
         }
-        problem.run_share(m, n, share, 0);
+        problem.run_share(share, 0);
     });
 }
 
-/// `matmul_bf16` on this thread, skipping what `causal` allows: tiles of dst above the
+/// `matmul` on this thread, skipping what `p.causal` allows: tiles of dst above the
 /// diagonal (`LowerDst`), or the k past (`LowerA`) or before (`UpperA`) each row's
 /// diagonal, which are zeros of A. Packing skips them too.
-#[allow(clippy::too_many_arguments)]
-pub fn matmul_bf16_serial(
-    dst: &mut [f32],
-    dst_row: usize,
-    a: Strided,
-    b: Strided,
-    (m, n, k): (usize, usize, usize),
-    accumulate: bool,
-    beta: f32,
-    causal: Causal,
-) {
-    if m == 0 || n == 0 {
+pub fn matmul_serial(dst: &mut [f32], dst_row: usize, p: Product) {
+    if p.m == 0 || p.n == 0 {
         return;
     }
-    check_bounds(dst, dst_row, &a, &b, (m, n, k));
+    p.check_bounds(dst, dst_row);
     let problem = Problem {
         dst: dst.as_mut_ptr(),
         dst_row,
-        a,
-        b,
-        k,
-        accumulate,
-        beta,
-        causal,
+        p,
     };
     // Safety: bounds checked above; `dst` is borrowed mutably.
-    unsafe { problem.run(0..m, 0..n) }
+    unsafe { problem.run(0..p.m, 0..p.n) }
 }
 
 /// A long sum (weight gradients: k is the token count) split over threads by k: each
 /// thread multiplies its own stretch of both operands (nothing packed twice) into its
 /// own partial product, and the partials are added into dst in thread order.
-#[allow(clippy::too_many_arguments)]
-fn split_k(
-    dst: &mut [f32],
-    dst_row: usize,
-    a: Strided,
-    b: Strided,
-    (m, n, k): (usize, usize, usize),
-    accumulate: bool,
-    beta: f32,
-    threads: usize,
-) {
+fn split_k(dst: &mut [f32], dst_row: usize, p: Product, threads: usize) {
+    let (m, n, k) = (p.m, p.n, p.k);
     let share = k.div_ceil(threads).next_multiple_of(2);
     let shares = k.div_ceil(share);
+    let part = |i: usize| {
+        let k0 = i * share;
+        p.k_range(k0, share.min(k - k0))
+    };
     with_partials((shares - 1) * m * n, |partials| {
-        let part = |i: usize| {
-            let (k0, k1) = (i * share, ((i + 1) * share).min(k));
-            (a.offset(0, k0), b.offset(k0, 0), k1 - k0)
-        };
         rayon::scope(|scope| {
             for (i, out) in partials.chunks_exact_mut(m * n).enumerate() {
-                let (a, b, k) = part(i + 1);
-                scope.spawn(move |_| {
-                    matmul_bf16_serial(out, n, a, b, (m, n, k), false, 1.0, Causal::No)
-                });
+                let part = Product {
+                    accumulate: false,
+                    beta: 1.0,
+                    ..part(i + 1)
+                };
+                scope.spawn(move |_| matmul_serial(out, n, part));
             }
-            let (a, b, k) = part(0);
-            matmul_bf16_serial(dst, dst_row, a, b, (m, n, k), accumulate, beta, Causal::No);
+            matmul_serial(dst, dst_row, part(0));
         });
         for out in partials.chunks_exact(m * n) {
             for (row, add) in dst.chunks_mut(dst_row).zip(out.chunks_exact(n)) {
                 for (d, x) in row.iter_mut().zip(add) {
-                    *d += beta * x;
+                    *d += p.beta * x;
                 }
             }
         }
@@ -195,13 +158,8 @@ fn split_k(
 struct Problem<'a> {
     dst: *mut f32,
     dst_row: usize,
-    a: Strided<'a>,
-    b: Strided<'a>,
-    k: usize,
-    accumulate: bool,
-    beta: f32,
-    /// Rows and columns count from the problem's first (`run` over the whole problem).
-    causal: Causal,
+    /// Rows and columns count from the product's first (`run` over the whole of it).
+    p: Product<'a>,
 }
 
 // Safety: threads write disjoint parts of `dst` (`run_share`), and the operands are
@@ -210,8 +168,9 @@ unsafe impl Sync for Problem<'_> {}
 
 impl Problem<'_> {
     /// The `i`-th share of `share` rows (if m >= n) or columns.
-    fn run_share(&self, m: usize, n: usize, share: usize, i: usize) {
-        // Safety: shares are disjoint and inside (m, n), which `matmul_bf16` checked.
+    fn run_share(&self, share: usize, i: usize) {
+        let (m, n) = (self.p.m, self.p.n);
+        // Safety: shares are disjoint and inside (m, n), which `matmul` checked.
         unsafe {
             if m >= n {
                 self.run(i * share..((i + 1) * share).min(m), 0..n)
@@ -224,7 +183,7 @@ impl Problem<'_> {
     /// Computes the block (rows, cols) of dst on this thread.
     ///
     /// # Safety
-    /// rows and cols must lie inside the bounds checked by `matmul_bf16`, and no other
+    /// rows and cols must lie inside the bounds checked by `matmul`, and no other
     /// thread may touch this block of dst meanwhile.
     unsafe fn run(&self, rows: std::ops::Range<usize>, cols: std::ops::Range<usize>) {
         self.run_with(pick_kernel(), rows, cols)
@@ -244,45 +203,45 @@ impl Problem<'_> {
             let panels = &mut *panels.borrow_mut();
             let n = cols.len();
             let col_panels = n.div_ceil(NR);
-            if self.k == 0 {
+            if self.p.k == 0 {
                 // An empty sum: dst = dst (if accumulating) + beta * 0.
                 for r in rows {
                     let row = self.dst.add(r * self.dst_row + cols.start);
                     for j in 0..n {
-                        *row.add(j) = if self.accumulate { *row.add(j) } else { 0.0 };
+                        *row.add(j) = if self.p.accumulate { *row.add(j) } else { 0.0 };
                     }
                 }
                 return;
             }
             // Equal k blocks of about KC (even), or one up to KC_SINGLE.
-            let blocks = if self.k <= KC_SINGLE {
+            let blocks = if self.p.k <= KC_SINGLE {
                 1
             } else {
-                self.k.div_ceil(KC)
+                self.p.k.div_ceil(KC)
             };
-            let step = self.k.div_ceil(blocks).next_multiple_of(2);
-            for k0 in (0..self.k).step_by(step) {
-                let kc = step.min(self.k - k0);
+            let step = self.p.k.div_ceil(blocks).next_multiple_of(2);
+            for k0 in (0..self.p.k).step_by(step) {
+                let kc = step.min(self.p.k - k0);
                 let kp = kc.div_ceil(2);
                 let b_panels = pack_b(
                     &mut panels.b,
                     &mut panels.column,
-                    &self.b,
+                    &self.p.b,
                     k0,
                     kc,
                     cols.clone(),
                 );
-                let load = self.accumulate || k0 > 0;
+                let load = self.p.accumulate || k0 > 0;
                 let mut i0 = rows.start;
                 while i0 < rows.end {
                     let mc = MC.min(rows.end - i0);
                     // Pairs of this k block that rows i0..i0+mc may hold non-zero.
-                    let (a_from, a_to) = match self.causal {
+                    let (a_from, a_to) = match self.p.causal {
                         Causal::LowerA => (0, kp.min((i0 + mc).saturating_sub(k0).div_ceil(2))),
                         Causal::UpperA => ((i0.saturating_sub(k0) / 2).min(kp), kp),
                         _ => (0, kp),
                     };
-                    let strides = pack_a(&mut panels.a, &self.a, i0, mc, k0, kc, a_from..a_to);
+                    let strides = pack_a(&mut panels.a, &self.p.a, i0, mc, k0, kc, a_from..a_to);
                     for jp in 0..col_panels {
                         let c0 = cols.start + jp * NR;
                         let b = b_panels.as_ptr().add(jp * kp * NR);
@@ -290,7 +249,7 @@ impl Problem<'_> {
                         for ip in 0..mc.div_ceil(MR) {
                             let r0 = i0 + ip * MR;
                             let height = MR.min(mc - ip * MR);
-                            let (from, to) = match self.causal {
+                            let (from, to) = match self.p.causal {
                                 Causal::No => (0, kp),
                                 // Wholly above the diagonal: never read.
                                 Causal::LowerDst if c0 >= r0 + height => continue,
@@ -322,7 +281,7 @@ impl Problem<'_> {
                                     height,
                                     width,
                                     load,
-                                    beta: self.beta,
+                                    beta: self.p.beta,
                                 },
                             );
                         }
@@ -672,6 +631,20 @@ unsafe fn kernel_portable(kp: usize, a: APanel, b: *const u32, tile: Tile) {
 mod tests {
     use super::*;
 
+    fn product<'a>(
+        a: Strided<'a>,
+        b: Strided<'a>,
+        mnk: (usize, usize, usize),
+        accumulate: bool,
+        beta: f32,
+    ) -> Product<'a> {
+        Product {
+            accumulate,
+            beta,
+            ..Product::new(a, b, mnk)
+        }
+    }
+
     #[test]
     fn rounding_is_to_nearest_even() {
         // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties go to the even (1.0).
@@ -805,12 +778,12 @@ mod tests {
     #[test]
     fn products_match_rounded_operands_summed_exactly() {
         check("one thread", |dst, dst_row, a, b, (m, n, k), acc, beta| {
-            matmul_bf16_serial(dst, dst_row, a, b, (m, n, k), acc, beta, Causal::No)
+            matmul_serial(dst, dst_row, product(a, b, (m, n, k), acc, beta))
         });
         check(
             "split over threads",
             |dst, dst_row, a, b, (m, n, k), acc, beta| {
-                matmul_bf16(dst, dst_row, a, b, (m, n, k), acc, beta)
+                matmul(dst, dst_row, product(a, b, (m, n, k), acc, beta))
             },
         );
     }
@@ -829,12 +802,7 @@ mod tests {
             let problem = Problem {
                 dst: dst.as_mut_ptr(),
                 dst_row,
-                a,
-                b,
-                k,
-                accumulate: acc,
-                beta,
-                causal: Causal::No,
+                p: product(a, b, (m, n, k), acc, beta),
             };
             // Safety: the whole (m, n) block of a buffer sized for it, on this thread.
             unsafe { problem.run_with(kernel_portable, 0..m, 0..n) }
@@ -857,8 +825,8 @@ mod tests {
             col: k,
         };
         let (mut one, mut many) = (vec![0f32; m * n], vec![0f32; m * n]);
-        matmul_bf16_serial(&mut one, n, a, b, (m, n, k), false, 1.0, Causal::No);
-        matmul_bf16(&mut many, n, a, b, (m, n, k), false, 1.0);
+        matmul_serial(&mut one, n, Product::new(a, b, (m, n, k)));
+        matmul(&mut many, n, Product::new(a, b, (m, n, k)));
         assert_eq!(
             one, many,
             "each element is summed in the same order either way"
@@ -919,16 +887,8 @@ mod tests {
                         let start = values(m * n, 9);
                         let (mut got, mut want) = (start.clone(), start.clone());
                         let run = (m, n, k);
-                        matmul_bf16_serial(
-                            &mut got,
-                            n,
-                            a(&a_data),
-                            b,
-                            run,
-                            accumulate,
-                            0.5,
-                            causal,
-                        );
+                        let p = product(a(&a_data), b, run, accumulate, 0.5);
+                        matmul_serial(&mut got, n, p.causal(causal));
                         oracle(&mut want, n, &a(&a_data), &b, run, accumulate, 0.5);
                         for i in 0..m {
                             for j in 0..n {

@@ -1,5 +1,5 @@
-//! Small CPU kernels for the fast paths: dot products and friends, with AVX-512 and
-//! AVX2+FMA versions picked at run time and a plain fallback.
+//! Small CPU kernels: dot products and friends, with AVX-512 and AVX2+FMA versions
+//! picked at run time and a plain fallback.
 //!
 //! Summation order differs from candle's, so results agree with the reference to
 //! float rounding (~1e-6 relative), not bit for bit.
@@ -181,24 +181,6 @@ pub fn gelu_tanh(x: f32) -> f32 {
     0.5 * x * (1.0 + tanh)
 }
 
-multiversion! {
-    /// `gelu_tanh` in place.
-    pub fn gelu_tanh_in_place(x: &mut [f32]) {
-        for v in x.iter_mut() {
-            *v = gelu_tanh(*v);
-        }
-    }
-}
-
-multiversion! {
-    /// `gelu` in place.
-    pub fn gelu_in_place(x: &mut [f32]) {
-        for v in x.iter_mut() {
-            *v = gelu(*v);
-        }
-    }
-}
-
 /// Softmax in place, inlined into multiversioned callers.
 #[inline(always)]
 pub fn softmax_inline(x: &mut [f32]) {
@@ -261,7 +243,15 @@ mod tests {
         }
         let (mut out, mut mean, mut rstd) = ([0f32; 4], [0f32], [0f32]);
         let (x, w, b) = ([1.0, 2.0, 3.0, 4.0], [1.0; 4], [0.5; 4]);
-        super::super::ops::layernorm_forward(&mut out, &mut mean, &mut rstd, &x, &w, Some(&b), 0.0);
+        crate::cpu::ops::norm::layernorm_forward(
+            &mut out,
+            &mut mean,
+            &mut rstd,
+            &x,
+            &w,
+            Some(&b),
+            0.0,
+        );
         let sd = 1.25f32.sqrt();
         assert!((out[0] - (-1.5 / sd + 0.5)).abs() < 1e-6);
     }

@@ -1,0 +1,174 @@
+//! Matrix products for the fused engine: f32 through the `gemm` crate (AVX-512 kernels
+//! where the CPU has them), bf16 operands through our own kernel (`bf16`).
+
+use gemm::Parallelism;
+
+pub use crate::config::Precision;
+
+use super::bf16;
+use super::matrix::{Causal, Product, PARALLEL_MIN_MACS};
+use super::threads::threads;
+
+/// Rows per block when the f32 path splits a causal product: a block of rows
+/// [i0, i1) needs columns (or k) up to i1 only, or from i0 on.
+const CAUSAL_BLOCK: usize = 64;
+
+/// dst (rows `dst_row` apart) = the product `p` in `precision`, spread over the threads
+/// when it is large. Plain products only (no causal structure).
+pub fn matmul(dst: &mut [f32], dst_row: usize, p: Product, precision: Precision) {
+    debug_assert_eq!(p.causal, Causal::No);
+    match precision {
+        Precision::Bf16 => bf16::matmul(dst, dst_row, p),
+        Precision::F32 => {
+            let threads = threads();
+            let parallelism = if threads > 1 && p.macs() >= PARALLEL_MIN_MACS {
+                Parallelism::Rayon(threads)
+            } else {
+                Parallelism::None
+            };
+            gemm_f32(dst, dst_row, p, parallelism)
+        }
+    }
+}
+
+/// The product `p` on this thread, skipping what its `causal` allows: for the many
+/// small products inside attention, already spread over threads by the caller.
+pub fn matmul_serial(dst: &mut [f32], dst_row: usize, p: Product, precision: Precision) {
+    if precision == Precision::Bf16 {
+        return bf16::matmul_serial(dst, dst_row, p);
+    }
+    // The gemm crate knows no structure: split the rows into blocks, each multiplied
+    // over the columns or k it needs (a plain product is one block).
+    let block = match p.causal {
+        Causal::No => p.m.max(1),
+        _ => CAUSAL_BLOCK,
+    };
+    for i0 in (0..p.m).step_by(block) {
+        let i1 = (i0 + block).min(p.m);
+        let rows = Product {
+            a: p.a.offset(i0, 0),
+            m: i1 - i0,
+            ..p
+        };
+        let part = match p.causal {
+            Causal::No => rows,
+            Causal::LowerDst => Product {
+                n: p.n.min(i1),
+                ..rows
+            },
+            Causal::LowerA => Product {
+                k: p.k.min(i1),
+                ..rows
+            },
+            Causal::UpperA => rows.k_range(i0.min(p.k), p.k - i0.min(p.k)),
+        };
+        gemm_f32(&mut dst[i0 * dst_row..], dst_row, part, Parallelism::None);
+    }
+}
+
+/// dst = dst (if accumulating) + beta * a · b in f32, through the gemm crate.
+fn gemm_f32(dst: &mut [f32], dst_row: usize, p: Product, threads: Parallelism) {
+    p.check_bounds(dst, dst_row);
+    // Safety: checked above: every element gemm reads or writes is inside the slices
+    // (it handles empty sizes itself).
+    unsafe {
+        gemm::gemm(
+            p.m,
+            p.n,
+            p.k,
+            dst.as_mut_ptr(),
+            1,
+            dst_row as isize,
+            p.accumulate,
+            p.a.data.as_ptr(),
+            p.a.col as isize,
+            p.a.row as isize,
+            p.b.data.as_ptr(),
+            p.b.col as isize,
+            p.b.row as isize,
+            1.0,
+            p.beta,
+            false,
+            false,
+            false,
+            threads,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::matrix::{Layout, Strided};
+    use super::*;
+
+    #[test]
+    fn every_layout_matches_the_definition() {
+        let (m, n, k) = (6, 5, 9);
+        let a: Vec<f32> = (0..m * k).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect(); // m x k
+        let b: Vec<f32> = (0..k * n).map(|i| (i % 7) as f32 * 0.2 - 0.5).collect(); // k x n
+        let t = |x: &[f32], r: usize, c: usize| -> Vec<f32> {
+            (0..r * c).map(|i| x[(i % r) * c + i / r]).collect() // (c x r) transposed copy
+        };
+        let (at, bt) = (t(&a, m, k), t(&b, k, n));
+        let expected: Vec<f32> = (0..m * n)
+            .map(|i| (0..k).map(|p| a[(i / n) * k + p] * b[p * n + i % n]).sum())
+            .collect();
+        for (aa, al) in [(&a, Layout::AsIs), (&at, Layout::Transposed)] {
+            for (bb, bl) in [(&b, Layout::AsIs), (&bt, Layout::Transposed)] {
+                let mut out = vec![1.0f32; m * n];
+                let (sa, sb) = (Strided::dense(aa, al, m, k), Strided::dense(bb, bl, k, n));
+                let p = Product::new(sa, sb, (m, n, k)).accumulating();
+                matmul(&mut out, n, p, Precision::F32);
+                for (o, e) in out.iter().zip(&expected) {
+                    assert!((o - (1.0 + e)).abs() < 1e-5, "{al:?} {bl:?}");
+                }
+            }
+        }
+    }
+
+    /// The f32 path's causal splitting against plain products, past one row block.
+    #[test]
+    fn causal_splits_match_plain_products() {
+        let (t, d) = (150, 7);
+        let values = |len: usize, seed: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| ((i * 31 + seed * 17) % 23) as f32 * 0.1 - 1.1)
+                .collect()
+        };
+        for causal in [Causal::LowerDst, Causal::LowerA, Causal::UpperA] {
+            let (m, n, k) = match causal {
+                Causal::LowerDst => (t, t, d),
+                _ => (t, d, t),
+            };
+            let mut a_data = values(m * k, 1);
+            for i in 0..m {
+                for kk in 0..k {
+                    let zero = match causal {
+                        Causal::LowerA => kk > i,
+                        Causal::UpperA => kk < i,
+                        _ => false,
+                    };
+                    if zero {
+                        a_data[i * k + kk] = 0.0;
+                    }
+                }
+            }
+            let b_data = values(k * n, 2);
+            let (a, b) = (Strided::rows(&a_data, k), Strided::rows(&b_data, n));
+            let p = Product::new(a, b, (m, n, k)).accumulating().scaled(0.5);
+            let start = values(m * n, 3);
+            let (mut split, mut plain) = (start.clone(), start);
+            matmul_serial(&mut split, n, p.causal(causal), Precision::F32);
+            matmul_serial(&mut plain, n, p, Precision::F32);
+            for i in 0..m {
+                for j in 0..n {
+                    if causal == Causal::LowerDst && j > i {
+                        continue;
+                    }
+                    let (s, p) = (split[i * n + j], plain[i * n + j]);
+                    assert!((s - p).abs() < 1e-4, "{causal:?} ({i},{j}): {s} vs {p}");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,21 @@
+//! The fused CPU engine and decoder: our own kernels over flat, preallocated buffers
+//! (llm.c's way), reading the same model spec as the reference and held to it in tests.
+//!
+//! Read in this order: `threads` (how work is split), `matrix` (how a product is
+//! described), `kernels` (vector building blocks, compiled per CPU), `gemm` and `bf16`
+//! (matrix products), `ops/` (each layer's forward and backward side by side), `layout`
+//! (typed views of the flat buffers), `engine` (the training step) and `decode`
+//! (decoding with a K/V cache).
+
+pub mod bf16;
+pub mod decode;
+pub mod engine;
+pub mod gemm;
+pub mod kernels;
+pub mod layout;
+pub mod matrix;
+pub mod ops;
+pub mod threads;
+
+pub use decode::FastDecoder;
+pub use engine::FusedCpu;

@@ -1,0 +1,323 @@
+//! Causal self-attention over fused q | k | v rows, with grouped K/V heads: per
+//! sequence and head, the weights P = causal softmax(Q Kᵀ / sqrt(d)), then Y = P V, as
+//! strided GEMMs that skip the masked triangle. Sequences run in parallel.
+//!
+//! The weights are recomputed in the backward rather than kept per layer: keeping them
+//! would cost B H T T values a layer (150 MiB at 6 layers and T = 256) for a few percent
+//! of the step.
+
+use rayon::prelude::*;
+
+use crate::config::Precision;
+use crate::cpu::gemm::matmul_serial;
+use crate::cpu::kernels::{dot_lanes, exp_approx, multiversion, sum_lanes};
+use crate::cpu::matrix::{Causal, Product, Strided};
+use crate::cpu::threads::threads;
+use crate::model::spec::Shapes;
+
+/// One attention call: `batch` sequences of `t` positions, the model's heads, products
+/// in `precision`.
+#[derive(Debug, Clone, Copy)]
+pub struct Attention {
+    pub batch: usize,
+    pub t: usize,
+    pub shapes: Shapes,
+    pub precision: Precision,
+}
+
+/// One sequence's T x T work space.
+pub struct AttnWork<'a> {
+    /// The weights P of one head.
+    pub p: &'a mut [f32],
+    /// Their gradient (backward only).
+    pub ds: &'a mut [f32],
+    /// The weights after dropout.
+    pub dropped: &'a mut [f32],
+}
+
+impl Attention {
+    /// Work space `forward` and `backward` need: three T x T matrices (weights, their
+    /// gradient, the dropped weights) per share of sequences, one share per thread.
+    pub fn scratch_len(&self) -> usize {
+        self.batch.div_ceil(self.sequences_per_share()) * 3 * self.t * self.t
+    }
+
+    /// Sequences each thread takes.
+    fn sequences_per_share(&self) -> usize {
+        self.batch.div_ceil(threads()).max(1)
+    }
+
+    /// Offsets in a qkv row of the key and the value head that query head `head` reads.
+    fn kv_offsets(&self, head: usize) -> (usize, usize) {
+        let s = &self.shapes;
+        let kv_head = head / s.group();
+        let k = s.n_embd + kv_head * s.head_dim;
+        (k, k + s.kv_width)
+    }
+
+    /// Runs `one(sequence, its rows of out, work space)` for every sequence of the
+    /// batch: one share of sequences per thread, each share with its own slice of
+    /// `scratch`. `out` has rows `width` wide.
+    fn per_sequence(
+        &self,
+        out: &mut [f32],
+        width: usize,
+        scratch: &mut [f32],
+        one: impl Fn(usize, &mut [f32], AttnWork) + Sync,
+    ) {
+        let (t, share) = (self.t, self.sequences_per_share());
+        out.par_chunks_mut(share * t * width)
+            .zip(scratch.par_chunks_mut(3 * t * t))
+            .enumerate()
+            .for_each(|(i, (out, scratch))| {
+                let (p, rest) = scratch.split_at_mut(t * t);
+                let (ds, dropped) = rest.split_at_mut(t * t);
+                for (j, out) in out.chunks_mut(t * width).enumerate() {
+                    let work = AttnWork {
+                        p: &mut *p,
+                        ds: &mut *ds,
+                        dropped: &mut dropped[..t * t],
+                    };
+                    one(i * share + j, out, work);
+                }
+            });
+    }
+
+    /// Sequence `b`'s rows of `x` (rows `width` wide), and its part of a dropout mask.
+    fn sequence<'x>(&self, x: &'x [f32], width: usize, b: usize) -> &'x [f32] {
+        let len = self.t * width;
+        &x[b * len..(b + 1) * len]
+    }
+
+    /// y (N, C) from qkv (N, qkv width). With a dropout `mask` (B, H, T, T; 0 or
+    /// 1/(1-p)), Y = (P * mask) V.
+    pub fn forward(&self, y: &mut [f32], qkv: &[f32], mask: Option<&[f32]>, scratch: &mut [f32]) {
+        let s = &self.shapes;
+        let heads = s.n_head * self.t;
+        self.per_sequence(y, s.n_embd, scratch, |b, y, work| {
+            let qkv = self.sequence(qkv, s.qkv_width, b);
+            let mask = mask.map(|m| self.sequence(m, heads, b));
+            self.forward_one(y, qkv, mask, work)
+        });
+    }
+
+    /// `forward` for one sequence: per head, the weights P (into `work.p`), then Y = P V
+    /// (a GEMM on strided views of qkv).
+    fn forward_one(&self, y: &mut [f32], qkv: &[f32], mask: Option<&[f32]>, work: AttnWork) {
+        let (t, s) = (self.t, &self.shapes);
+        let (c, d, w) = (s.n_embd, s.head_dim, s.qkv_width);
+        let AttnWork { p, dropped, .. } = work;
+        for head in 0..s.n_head {
+            self.weights(p, qkv, head);
+            let (_, vo) = self.kv_offsets(head);
+            let p: &[f32] = match mask {
+                Some(mask) => drop_out(dropped, p, &mask[head * t * t..(head + 1) * t * t]),
+                None => p,
+            };
+            let v = Strided::rows(&qkv[vo..], w);
+            let pv = Product::new(Strided::rows(p, t), v, (t, d, t)).causal(Causal::LowerA);
+            matmul_serial(&mut y[head * d..], c, pv, self.precision);
+        }
+    }
+
+    /// One head's weights for one sequence into `p` (T x T): S = Q Kᵀ / sqrt(d), then the
+    /// causal softmax of each row (zeros above the diagonal).
+    fn weights(&self, p: &mut [f32], qkv: &[f32], head: usize) {
+        let (t, s) = (self.t, &self.shapes);
+        let (d, w) = (s.head_dim, s.qkv_width);
+        let (ko, _) = self.kv_offsets(head);
+        let q = Strided::rows(&qkv[head * d..], w);
+        let kt = Strided::columns(&qkv[ko..], w);
+        let scale = 1.0 / (d as f32).sqrt();
+        // Scores above the diagonal are never read: the softmax writes zeros there.
+        let qk = Product::new(q, kt, (t, t, d))
+            .scaled(scale)
+            .causal(Causal::LowerDst);
+        matmul_serial(p, t, qk, self.precision);
+        causal_softmax_rows(p, t);
+    }
+
+    /// dqkv += d(q | k | v) from dy. Per head, with P recomputed and Pd = P * mask (P
+    /// without dropout): dPd = dY Vᵀ; dP = dPd * mask; dS = P * (dP - rowsum(P * dP))
+    /// * scale; dQ += dS K; dK += dSᵀ Q; dV += Pdᵀ dY.
+    pub fn backward(
+        &self,
+        dqkv: &mut [f32],
+        dy: &[f32],
+        qkv: &[f32],
+        mask: Option<&[f32]>,
+        scratch: &mut [f32],
+    ) {
+        let s = &self.shapes;
+        let heads = s.n_head * self.t;
+        self.per_sequence(dqkv, s.qkv_width, scratch, |b, dqkv, work| {
+            let rows = (
+                self.sequence(dy, s.n_embd, b),
+                self.sequence(qkv, s.qkv_width, b),
+            );
+            let mask = mask.map(|m| self.sequence(m, heads, b));
+            self.backward_one(dqkv, rows, mask, work)
+        });
+    }
+
+    /// `backward` for one sequence.
+    fn backward_one(
+        &self,
+        dqkv: &mut [f32],
+        (dy, qkv): (&[f32], &[f32]),
+        mask: Option<&[f32]>,
+        work: AttnWork,
+    ) {
+        let (t, s) = (self.t, &self.shapes);
+        let (c, d, w) = (s.n_embd, s.head_dim, s.qkv_width);
+        let scale = 1.0 / (d as f32).sqrt();
+        let AttnWork { p, ds, dropped } = work;
+        for head in 0..s.n_head {
+            let (ko, vo) = self.kv_offsets(head);
+            self.weights(p, qkv, head);
+            let p: &[f32] = p;
+            let dy_h = Strided::rows(&dy[head * d..], c);
+            // dPd below the diagonal (the rest stays stale: the softmax backward reads
+            // and writes only j <= i).
+            let dpd = Product::new(dy_h, Strided::columns(&qkv[vo..], w), (t, t, d));
+            matmul_serial(ds, t, dpd.causal(Causal::LowerDst), self.precision);
+            let head_mask = mask.map(|m| &m[head * t * t..(head + 1) * t * t]);
+            if let Some(m) = head_mask {
+                for (g, k) in ds.iter_mut().zip(m) {
+                    *g *= k;
+                }
+            }
+            causal_softmax_rows_backward(ds, p, t, scale);
+            // dS is zero above the diagonal: query i takes keys j <= i, key j gets
+            // gradient from queries i >= j.
+            let (ds_m, ds_t) = (Strided::rows(ds, t), Strided::columns(ds, t));
+            let k = Strided::rows(&qkv[ko..], w);
+            let q = Strided::rows(&qkv[head * d..], w);
+            let dq = Product::new(ds_m, k, (t, d, t))
+                .accumulating()
+                .causal(Causal::LowerA);
+            matmul_serial(&mut dqkv[head * d..], w, dq, self.precision);
+            let dk = Product::new(ds_t, q, (t, d, t))
+                .accumulating()
+                .causal(Causal::UpperA);
+            matmul_serial(&mut dqkv[ko..], w, dk, self.precision);
+            let p_used: &[f32] = match head_mask {
+                Some(m) => drop_out(dropped, p, m),
+                None => p,
+            };
+            let dv = Product::new(Strided::columns(p_used, t), dy_h, (t, d, t));
+            matmul_serial(
+                &mut dqkv[vo..],
+                w,
+                dv.accumulating().causal(Causal::UpperA),
+                self.precision,
+            );
+        }
+    }
+}
+
+/// out = p * mask, elementwise; returns out.
+fn drop_out<'o>(out: &'o mut [f32], p: &[f32], mask: &[f32]) -> &'o [f32] {
+    for ((o, a), k) in out.iter_mut().zip(p).zip(mask) {
+        *o = a * k;
+    }
+    out
+}
+
+multiversion! {
+    /// Row i of the (t x t) scores: softmax over columns 0..=i, zeros after.
+    pub fn causal_softmax_rows(p: &mut [f32], t: usize) {
+        for (i, row) in p.chunks_exact_mut(t).enumerate() {
+            let max = max_lanes(&row[..=i]);
+            for a in row[..=i].iter_mut() {
+                *a = exp_approx(*a - max);
+            }
+            let inv = 1.0 / sum_lanes(&row[..=i], |a| a);
+            for a in row[..=i].iter_mut() {
+                *a *= inv;
+            }
+            row[i + 1..].fill(0.0);
+        }
+    }
+}
+
+multiversion! {
+    /// dP -> dS in place, row by row: ds_j = p_j (dp_j - sum_k p_k dp_k) * scale for
+    /// j <= i; zero above the diagonal (where p is zero and dP need not be set).
+    pub fn causal_softmax_rows_backward(ds: &mut [f32], p: &[f32], t: usize, scale: f32) {
+        for (i, (row, p)) in ds.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
+            let (seen, above) = row.split_at_mut(i + 1);
+            let weighted = dot_lanes(seen, &p[..=i]);
+            for (a, &pj) in seen.iter_mut().zip(p) {
+                *a = pj * (*a - weighted) * scale;
+            }
+            above.fill(0.0);
+        }
+    }
+}
+
+/// The largest element, with 16 running maxima the compiler keeps in a vector register.
+#[inline(always)]
+fn max_lanes(x: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let chunks = x.chunks_exact(16);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for k in 0..16 {
+            lanes[k] = if c[k] > lanes[k] { c[k] } else { lanes[k] };
+        }
+    }
+    let mut m = f32::NEG_INFINITY;
+    for v in lanes.iter().chain(rest) {
+        m = if *v > m { *v } else { m };
+    }
+    m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ModelConfig;
+    use crate::cpu::ops::testing::{assert_gradient, probe_loss, values};
+
+    /// dqkv of sum(attention(qkv) * probe) against central differences, with grouped
+    /// K/V heads, without and with a dropout mask on the weights.
+    #[test]
+    fn backward_matches_differences() {
+        let cfg = ModelConfig {
+            n_head: 2,
+            n_kv_head: Some(1),
+            n_embd: 6,
+            block_size: 4,
+            vocab_size: 3,
+            ..ModelConfig::default()
+        };
+        let attn = Attention {
+            batch: 2,
+            t: 4,
+            shapes: Shapes::new(&cfg),
+            precision: Precision::F32,
+        };
+        let s = attn.shapes;
+        let n = attn.batch * attn.t;
+        let qkv = values(n * s.qkv_width, 7);
+        let probe = values(n * s.n_embd, 8);
+        let mask: Vec<f32> = values(attn.batch * s.n_head * 16, 9)
+            .iter()
+            .map(|&v| if v < -0.3 { 0.0 } else { 1.25 })
+            .collect();
+        for mask in [None, Some(mask.as_slice())] {
+            let mut scratch = vec![0.0; attn.scratch_len()];
+            let mut loss = |qkv: &[f32]| -> f64 {
+                let mut y = vec![0.0; n * s.n_embd];
+                attn.forward(&mut y, qkv, mask, &mut vec![0.0; attn.scratch_len()]);
+                probe_loss(&y, &probe)
+            };
+            let mut dqkv = vec![0.0; n * s.qkv_width];
+            attn.backward(&mut dqkv, &probe, &qkv, mask, &mut scratch);
+            let at: Vec<usize> = (0..n * s.qkv_width).step_by(3).collect();
+            let what = format!("dqkv, mask: {}", mask.is_some());
+            assert_gradient(&what, &dqkv, &mut loss, &qkv, &at);
+        }
+    }
+}

@@ -1,0 +1,322 @@
+//! Normalisation over each row, LayerNorm or RMSNorm, forward and backward.
+//!
+//! LayerNorm: (x - mean) rstd w (+ b), with rstd = 1 / sqrt(var + eps). RMSNorm:
+//! x rstd w, with rstd = 1 / sqrt(mean(x^2) + eps). The forward keeps each row's mean
+//! and rstd (`NormStats`), so the backward, and `apply` (the output again, for the
+//! backward of the layer after), need nothing else.
+
+use rayon::prelude::*;
+
+use crate::config::NormKind;
+use crate::cpu::kernels::{axpy, multiversion, sum_lanes, sum_lanes3};
+use crate::cpu::threads::{share_rows, with_partials};
+
+/// A norm's gain (and bias), with its kind and epsilon.
+#[derive(Clone, Copy)]
+pub struct NormWeights<'a> {
+    pub kind: NormKind,
+    pub eps: f32,
+    pub w: &'a [f32],
+    pub b: Option<&'a [f32]>,
+}
+
+/// The gradients of a norm's gain (and bias).
+pub struct NormGrads<'a> {
+    pub w: &'a mut [f32],
+    pub b: Option<&'a mut [f32]>,
+}
+
+/// Per row, what a forward leaves for its backward: the mean (LayerNorm only) and
+/// 1 / std.
+pub struct NormStats {
+    pub mean: Vec<f32>,
+    pub rstd: Vec<f32>,
+}
+
+impl NormStats {
+    /// Room for `rows` rows.
+    pub fn new(rows: usize) -> Self {
+        Self {
+            mean: vec![0.0; rows],
+            rstd: vec![0.0; rows],
+        }
+    }
+}
+
+impl NormWeights<'_> {
+    /// out = the norm of each row of x; keeps the rows' statistics in `stats`.
+    pub fn forward(&self, out: &mut [f32], stats: &mut NormStats, x: &[f32]) {
+        let c = self.w.len();
+        let rows = x.len() / c;
+        let share = share_rows(rows, c);
+        let (w, b, eps) = (self.w, self.b, self.eps);
+        out[..rows * c]
+            .par_chunks_mut(share * c)
+            .zip(stats.mean[..rows].par_chunks_mut(share))
+            .zip(stats.rstd[..rows].par_chunks_mut(share))
+            .zip(x.par_chunks(share * c))
+            .for_each(|(((out, mean), rstd), x)| match self.kind {
+                NormKind::LayerNorm => layernorm_forward(out, mean, rstd, x, w, b, eps),
+                NormKind::RmsNorm => rmsnorm_forward(out, rstd, x, w, eps),
+            });
+    }
+
+    /// The forward's output again, from x and the kept statistics.
+    pub fn apply(&self, out: &mut [f32], x: &[f32], stats: &NormStats) {
+        let c = self.w.len();
+        let rows = x.len() / c;
+        let share = share_rows(rows, c);
+        let (w, b) = (self.w, self.b);
+        out[..rows * c]
+            .par_chunks_mut(share * c)
+            .zip(stats.mean[..rows].par_chunks(share))
+            .zip(stats.rstd[..rows].par_chunks(share))
+            .zip(x.par_chunks(share * c))
+            .for_each(|(((out, mean), rstd), x)| match self.kind {
+                NormKind::LayerNorm => layernorm_apply(out, x, w, b, mean, rstd),
+                NormKind::RmsNorm => rmsnorm_apply(out, x, w, rstd),
+            });
+    }
+
+    /// dx += d(norm)/dx · dout; the gain's (and bias's) gradients += theirs.
+    pub fn backward(
+        &self,
+        dx: &mut [f32],
+        grads: NormGrads,
+        dout: &[f32],
+        x: &[f32],
+        stats: &NormStats,
+    ) {
+        // Each share of rows sums its weight (and bias) gradients into its own partial
+        // (dw | db), added in share order afterwards: the result does not depend on
+        // thread timing.
+        let c = self.w.len();
+        let rows = x.len() / c;
+        let share = share_rows(rows, c);
+        let has_bias = grads.b.is_some();
+        let w = self.w;
+        with_partials(rows.div_ceil(share) * 2 * c, |partials| {
+            partials
+                .par_chunks_mut(2 * c)
+                .zip(dx.par_chunks_mut(share * c))
+                .zip(dout.par_chunks(share * c))
+                .zip(x.par_chunks(share * c))
+                .zip(stats.mean[..rows].par_chunks(share))
+                .zip(stats.rstd[..rows].par_chunks(share))
+                .for_each(|(((((partial, dx), dout), x), mean), rstd)| {
+                    let (dw, db) = partial.split_at_mut(c);
+                    match self.kind {
+                        NormKind::LayerNorm => {
+                            let db = has_bias.then_some(db);
+                            layernorm_backward(dx, dw, db, dout, x, w, mean, rstd)
+                        }
+                        NormKind::RmsNorm => rmsnorm_backward(dx, dw, dout, x, w, rstd),
+                    }
+                });
+            let NormGrads { w: dw, mut b } = grads;
+            for partial in partials.chunks_exact(2 * c) {
+                axpy(dw, 1.0, &partial[..c]);
+                if let Some(db) = b.as_deref_mut() {
+                    axpy(db, 1.0, &partial[c..]);
+                }
+            }
+        });
+    }
+}
+
+multiversion! {
+    /// out = (x - mean) * rstd * w (+ b) per row; keeps mean and rstd for the backward.
+    pub fn layernorm_forward(
+        out: &mut [f32],
+        mean: &mut [f32],
+        rstd: &mut [f32],
+        x: &[f32],
+        w: &[f32],
+        b: Option<&[f32]>,
+        eps: f32,
+    ) {
+        let c = w.len();
+        for (n, (xr, or)) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)).enumerate() {
+            let m = sum_lanes(xr, |v| v) / c as f32;
+            let var = sum_lanes(xr, |v| (v - m) * (v - m)) / c as f32;
+            let s = 1.0 / (var + eps).sqrt();
+            for i in 0..c {
+                or[i] = (xr[i] - m) * s * w[i] + b.map_or(0.0, |b| b[i]);
+            }
+            mean[n] = m;
+            rstd[n] = s;
+        }
+    }
+}
+
+multiversion! {
+    /// out = (x - mean) * rstd * w (+ b) with the statistics of an earlier forward.
+    pub fn layernorm_apply(
+        out: &mut [f32],
+        x: &[f32],
+        w: &[f32],
+        b: Option<&[f32]>,
+        mean: &[f32],
+        rstd: &[f32],
+    ) {
+        let c = w.len();
+        for (n, (xr, or)) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)).enumerate() {
+            let (m, s) = (mean[n], rstd[n]);
+            for i in 0..c {
+                or[i] = (xr[i] - m) * s * w[i] + b.map_or(0.0, |b| b[i]);
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// With xhat = (x - mean) * rstd and g = dout * w:
+    /// dx += rstd * (g - mean(g) - xhat * mean(g * xhat)); dw += dout * xhat; db += dout.
+    #[allow(clippy::too_many_arguments)]
+    pub fn layernorm_backward(
+        dx: &mut [f32],
+        dw: &mut [f32],
+        db: Option<&mut [f32]>,
+        dout: &[f32],
+        x: &[f32],
+        w: &[f32],
+        mean: &[f32],
+        rstd: &[f32],
+    ) {
+        let c = w.len();
+        let mut db = db;
+        for (n, ((dxr, dor), xr)) in dx
+            .chunks_exact_mut(c)
+            .zip(dout.chunks_exact(c))
+            .zip(x.chunks_exact(c))
+            .enumerate()
+        {
+            let (m, s) = (mean[n], rstd[n]);
+            let g_mean = sum_lanes3(dor, w, w, |d, w, _| d * w) / c as f32;
+            let gx_mean = sum_lanes3(dor, w, xr, |d, w, x| d * w * (x - m) * s) / c as f32;
+            for i in 0..c {
+                let xhat = (xr[i] - m) * s;
+                let g = dor[i] * w[i];
+                dxr[i] += s * (g - g_mean - xhat * gx_mean);
+                dw[i] += dor[i] * xhat;
+            }
+            if let Some(db) = db.as_deref_mut() {
+                axpy(db, 1.0, dor);
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// RMSNorm: out = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps); keeps rstd.
+    pub fn rmsnorm_forward(out: &mut [f32], rstd: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
+        let c = w.len();
+        for (n, (xr, or)) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)).enumerate() {
+            let s = 1.0 / (sum_lanes(xr, |v| v * v) / c as f32 + eps).sqrt();
+            for i in 0..c {
+                or[i] = xr[i] * s * w[i];
+            }
+            rstd[n] = s;
+        }
+    }
+}
+
+multiversion! {
+    /// out = x * rstd * w with the statistics of an earlier forward.
+    pub fn rmsnorm_apply(out: &mut [f32], x: &[f32], w: &[f32], rstd: &[f32]) {
+        let c = w.len();
+        for (n, (xr, or)) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)).enumerate() {
+            for i in 0..c {
+                or[i] = xr[i] * rstd[n] * w[i];
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// With xhat = x * rstd and g = dout * w: dx += rstd * (g - xhat * mean(g * xhat));
+    /// dw += dout * xhat.
+    pub fn rmsnorm_backward(
+        dx: &mut [f32],
+        dw: &mut [f32],
+        dout: &[f32],
+        x: &[f32],
+        w: &[f32],
+        rstd: &[f32],
+    ) {
+        let c = w.len();
+        for (n, ((dxr, dor), xr)) in dx
+            .chunks_exact_mut(c)
+            .zip(dout.chunks_exact(c))
+            .zip(x.chunks_exact(c))
+            .enumerate()
+        {
+            let s = rstd[n];
+            let gx_mean = sum_lanes3(dor, w, xr, |d, w, x| d * w * x * s) / c as f32;
+            for i in 0..c {
+                let xhat = xr[i] * s;
+                dxr[i] += s * (dor[i] * w[i] - xhat * gx_mean);
+                dw[i] += dor[i] * xhat;
+            }
+        }
+    }
+
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::ops::testing::{all, assert_gradient, probe_loss, values};
+
+    /// dx, dw and (LayerNorm) db of loss = sum(norm(x) * probe) against central
+    /// differences, for both kinds; `apply` repeats the forward from its statistics.
+    #[test]
+    fn backward_matches_differences() {
+        let (n, c) = (3, 5);
+        for kind in [NormKind::LayerNorm, NormKind::RmsNorm] {
+            let (x, w, b, probe) = (
+                values(n * c, 1),
+                values(c, 2),
+                values(c, 3),
+                values(n * c, 4),
+            );
+            let bias = (kind == NormKind::LayerNorm).then_some(b.as_slice());
+            let loss = |x: &[f32], w: &[f32], b: Option<&[f32]>| -> f64 {
+                let (mut out, mut stats) = (vec![0.0; n * c], NormStats::new(n));
+                let eps = 1e-5;
+                NormWeights { kind, eps, w, b }.forward(&mut out, &mut stats, x);
+                probe_loss(&out, &probe)
+            };
+            let (mut out, mut stats) = (vec![0.0; n * c], NormStats::new(n));
+            let weights = NormWeights {
+                kind,
+                eps: 1e-5,
+                w: &w,
+                b: bias,
+            };
+            weights.forward(&mut out, &mut stats, &x);
+            let mut again = vec![0.0; n * c];
+            weights.apply(&mut again, &x, &stats);
+            assert_eq!(again, out, "{kind:?}: apply is the forward");
+
+            let (mut dx, mut dw, mut db) = (vec![0.0; n * c], vec![0.0; c], vec![0.0; c]);
+            let grads = NormGrads {
+                w: &mut dw,
+                b: bias.is_some().then_some(db.as_mut_slice()),
+            };
+            weights.backward(&mut dx, grads, &probe, &x, &stats);
+            let what = |g: &str| format!("{kind:?} {g}");
+            assert_gradient(
+                &what("dx"),
+                &dx,
+                &mut |x| loss(x, &w, bias),
+                &x,
+                &all(n * c),
+            );
+            assert_gradient(&what("dw"), &dw, &mut |w| loss(&x, w, bias), &w, &all(c));
+            if let Some(b) = bias {
+                assert_gradient(&what("db"), &db, &mut |b| loss(&x, &w, Some(b)), b, &all(c));
+            }
+        }
+    }
+}

@@ -1,0 +1,57 @@
+//! What a run reports, and to whom: the CLI draws a progress bar from these, tests
+//! collect or ignore them. The library itself never prints.
+
+/// Where the library reports progress; the CLI draws a progress bar, tests stay quiet.
+pub trait Reporter {
+    fn started(&mut self, _info: &RunInfo) {}
+    fn step(&mut self, _log: &StepLog) {}
+    fn eval(&mut self, _log: &EvalLog) {}
+    fn note(&mut self, _message: &str) {}
+    fn finished(&mut self, _summary: &TrainSummary) {}
+}
+
+/// Reports nothing.
+pub struct Silent;
+impl Reporter for Silent {}
+
+#[derive(Debug, Clone)]
+pub struct RunInfo {
+    pub run_dir: std::path::PathBuf,
+    pub start_step: usize,
+    pub max_iters: usize,
+    pub parameters: usize,
+    pub train_tokens: usize,
+    pub val_tokens: usize,
+    pub vocab_size: usize,
+    pub tokenizer: &'static str,
+    pub device: String,
+    pub engine: String,
+    pub tokens_per_step: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct StepLog {
+    /// Optimiser steps completed, this one included.
+    pub step: usize,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    pub tokens_per_s: f64,
+    pub elapsed_s: f64,
+}
+
+#[derive(Debug, Clone)]
+pub struct EvalLog {
+    pub step: usize,
+    pub train_loss: f64,
+    pub val_loss: f64,
+}
+
+#[derive(Debug, Clone)]
+pub struct TrainSummary {
+    pub step: usize,
+    pub train_loss: Option<f64>,
+    pub val_loss: Option<f64>,
+    pub elapsed_s: f64,
+    pub run_dir: std::path::PathBuf,
+}

@@ -1,0 +1,136 @@
+//! How a run begins: a new run (the tokenizer trained or given, weights from the seed),
+//! a resumed one (everything from its run folder), or fine-tuning (model and tokenizer
+//! from another checkpoint, data and training from this config). Each gives the
+//! resolved config, the tokenizer, and what to load into the engine.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Result;
+use candle_core::Device;
+
+use crate::checkpoint::{Loaded, RunDir, TrainState, CONFIG_FILE};
+use crate::config::{Config, TokenizerKind};
+use crate::data;
+use crate::model::params::NamedTensors;
+use crate::tokenizer::Tokenizer;
+use crate::user_bail;
+
+/// How a run begins.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Start {
+    /// A new run: tokenizer from the config, random weights.
+    Fresh,
+    /// Continue the checkpoint in the run folder.
+    Resume,
+    /// A new run whose model and tokenizer start from another checkpoint (fine-tuning).
+    InitFrom(PathBuf),
+}
+
+/// What a run starts from.
+pub struct Origin {
+    /// The config as the run will use it (vocabulary size filled in; a resumed or
+    /// fine-tuning run's model section from its checkpoint).
+    pub config: Config,
+    pub tokenizer: Tokenizer,
+    /// Step 0, or where the resumed run stopped.
+    pub state: TrainState,
+    /// Weights to start from instead of the seed's (fine-tuning). A resumed run reads
+    /// its own from the run folder.
+    pub weights: Option<NamedTensors>,
+}
+
+/// Resolves `start` for the run folder `run`, whose corpus is `docs`.
+pub fn resolve(config: Config, start: &Start, run: &RunDir, docs: &[String]) -> Result<Origin> {
+    if *start != Start::Resume && run.has_checkpoint() {
+        user_bail!(
+            "{} already holds a checkpoint; pass --resume to continue it, or choose another run.name (--set run.name=...)",
+            run.path().display()
+        );
+    }
+    match start {
+        Start::Resume => resume(config, run),
+        Start::InitFrom(dir) => init_from(config, dir),
+        Start::Fresh => fresh(config, docs),
+    }
+}
+
+/// The run folder's config, tokenizer and state; the user's [model] section must match
+/// the checkpoint's.
+fn resume(mut config: Config, run: &RunDir) -> Result<Origin> {
+    if !run.has_checkpoint() {
+        user_bail!(
+            "--resume: {} holds no checkpoint to resume; drop --resume to start a new run",
+            run.path().display()
+        );
+    }
+    let state = run.state()?;
+    let saved = run.load_config(&state)?;
+    let mut wanted = config.model.clone();
+    wanted.vocab_size = saved.model.vocab_size;
+    // A fine-tuning run's model came from the --init-from checkpoint, not from the
+    // user's [model] section.
+    if saved.train.init_from.is_none() && wanted != saved.model {
+        user_bail!(
+            "--resume: the [model] section differs from the checkpoint's in {}; resume with the same model settings",
+            run.path().join(CONFIG_FILE).display()
+        );
+    }
+    config.model = saved.model;
+    config.tokenizer = saved.tokenizer;
+    config.train.init_from = saved.train.init_from;
+    Ok(Origin {
+        tokenizer: run.load_tokenizer(&state)?,
+        config,
+        state,
+        weights: None,
+    })
+}
+
+/// The model and tokenizer of the checkpoint in `dir`; data, training and dropout from
+/// `config`.
+fn init_from(mut config: Config, dir: &Path) -> Result<Origin> {
+    let loaded = Loaded::load(dir, &Device::Cpu)?;
+    let dropout = config.model.dropout;
+    config.model = loaded.config.model.clone();
+    config.model.dropout = dropout;
+    config.tokenizer = loaded.config.tokenizer.clone();
+    Ok(Origin {
+        config,
+        weights: Some(loaded.model.params().to_map()),
+        tokenizer: loaded.tokenizer,
+        state: TrainState::default(),
+    })
+}
+
+/// A tokenizer trained on the corpus (or read from tokenizer.path), and the model's
+/// vocabulary set from it.
+fn fresh(mut config: Config, docs: &[String]) -> Result<Origin> {
+    let tk = &config.tokenizer;
+    let tokenizer = match &tk.path {
+        Some(path) => Tokenizer::from_file(path)?,
+        None => Tokenizer::train(tk.kind, &data::joined(docs), tk.vocab_size)?,
+    };
+    let have = tokenizer.vocab_size();
+    let trained_bpe = tk.path.is_none() && tk.kind == TokenizerKind::Bpe;
+    if trained_bpe && have < tk.vocab_size {
+        user_bail!(
+            "tokenizer.vocab_size = {} is more than corpus {} supports: BPE ran out of pairs seen twice at {have} tokens; set tokenizer.vocab_size to at most {have} or use a larger corpus",
+            tk.vocab_size,
+            config.data.corpus.display()
+        );
+    }
+    if config.model.vocab_size == 0 {
+        config.model.vocab_size = have;
+    } else if config.model.vocab_size < have {
+        user_bail!(
+            "config: model.vocab_size = {} is smaller than the tokenizer's {have} tokens; remove it or set it to at least {have}",
+            config.model.vocab_size
+        );
+    }
+    Ok(Origin {
+        config,
+        tokenizer,
+        state: TrainState::default(),
+        weights: None,
+    })
+}
