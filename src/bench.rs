@@ -9,16 +9,17 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use candle_core::Device;
+use candle_core::{DType, Device};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
-use crate::config::{Config, ModelConfig, TokenizerKind};
+use crate::config::{Config, ModelConfig, Precision, TokenizerKind};
 use crate::data::Batch;
 use crate::engine;
 use crate::generate::{DecodeMode, Decoder};
-use crate::model::{Dropout, Gpt};
+use crate::model::params::flat_from_named;
+use crate::model::{Dropout, Gpt, ModelSpec};
 use crate::optim::AdamWStep;
 use crate::sample::argmax;
 use crate::train::engine_options;
@@ -100,7 +101,13 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
     cfg.vocab_size = bench_vocab(config);
     let (train, seed) = (&config.train, config.run.seed);
     let (b, t) = (train.batch_size, cfg.block_size);
-    let mut engine = engine::build(&cfg, seed, device, engine_options(train))?;
+    let spec = ModelSpec::new(&cfg);
+    let mut engine = engine::build(
+        &spec,
+        &spec.initial_values(seed),
+        device,
+        engine_options(train),
+    )?;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut batch = Batch::empty(b, t);
 
@@ -133,8 +140,8 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
     }
     let peak_train = peak_rss_mb();
     // Decode with the trained weights.
-    let model = Gpt::new(&cfg, seed, device)?;
-    model.params().load(&engine.weights()?, "bench")?;
+    let weights = flat_from_named(spec.params(), &engine.weights()?, "", "bench")?;
+    let model = Gpt::from_flat(&spec, &weights, device, DType::F32, Precision::F32)?;
     let step_ms = median(total);
     let gflop = 3.0 * b as f64 * forward_flops(&cfg, t) / 1e9;
 

@@ -382,11 +382,12 @@ impl Loaded {
                 );
             }
         }
-        let tensors = parse_tensors(weights, device, &format!("{source}/{MODEL_FILE}"))?;
-        let model = crate::model::Gpt::new(m, 0, device)?;
-        model
-            .params()
-            .load(&tensors, &format!("{source}/{MODEL_FILE}"))?;
+        let file = format!("{source}/{MODEL_FILE}");
+        let tensors = parse_tensors(weights, &Device::Cpu, &file)?;
+        let spec = crate::model::ModelSpec::new(m);
+        let values = crate::model::params::weights_from_file(spec.params(), &tensors, &file)?;
+        let (dtype, products) = (candle_core::DType::F32, crate::config::Precision::F32);
+        let model = crate::model::Gpt::from_flat(&spec, &values, device, dtype, products)?;
         Ok((config, tokenizer, model))
     }
 }

@@ -9,10 +9,16 @@
 //! `labels=input_ids` gives in transformers).
 
 use anyhow::Result;
-use candle_core::{DType, IndexOp, Tensor, D};
 
+use crate::config::Precision;
+use crate::data::Batch;
+use crate::engine::{self, EngineOptions};
 use crate::model::Gpt;
 use crate::user_bail;
+
+/// Tokens scored per engine call: windows run together, as many as make up about this
+/// many positions (activation memory grows with it).
+const TOKENS_PER_CALL: usize = 2048;
 
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct EvalResult {
@@ -28,7 +34,34 @@ pub struct EvalResult {
     pub bits_per_byte: f64,
 }
 
-/// Scores `ids` (the tokens of a text of `bytes` UTF-8 bytes).
+/// One window of the text: tokens `begin .. end` go in, and the predictions of
+/// targets `first .. end` are scored (each position predicts the next token).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Window {
+    begin: usize,
+    first: usize,
+    end: usize,
+}
+
+/// Windows of `block` tokens advancing by half a block over `n` tokens, each scoring
+/// the targets the previous one did not: every target from 1 on exactly once.
+fn windows(n: usize, block: usize) -> Vec<Window> {
+    let stride = (block / 2).max(1);
+    let mut out = Vec::new();
+    let (mut begin, mut first) = (0, 1);
+    loop {
+        let end = (begin + block).min(n);
+        out.push(Window { begin, first, end });
+        if end == n {
+            return out;
+        }
+        first = end;
+        begin += stride;
+    }
+}
+
+/// Scores `ids` (the tokens of a text of `bytes` UTF-8 bytes) with `model`'s weights,
+/// on the engine that `engine::build` picks for its device.
 pub fn evaluate(model: &Gpt, ids: &[u32], bytes: usize) -> Result<EvalResult> {
     if ids.len() < 2 {
         user_bail!(
@@ -37,27 +70,36 @@ pub fn evaluate(model: &Gpt, ids: &[u32], bytes: usize) -> Result<EvalResult> {
         );
     }
     let block = model.config().block_size;
-    let stride = (block / 2).max(1);
+    let windows = windows(ids.len(), block);
+    let batch = (TOKENS_PER_CALL / block).clamp(1, windows.len());
+    let options = EngineOptions {
+        batch,
+        precision: Precision::F32,
+        fused: true,
+    };
+    let weights = model.params().to_flat()?;
+    let mut engine = engine::build(model.spec(), &weights, model.device(), options)?;
+    // Windows shorter than a block are padded at the end: causal attention means the
+    // padding changes no earlier position. Rows past the last window are padding too.
+    let mut input = Batch::empty(batch, block);
     let mut total_nll = 0.0f64;
-    let mut scored_until = 1; // targets [1, scored_until) are done
-    let mut begin = 0;
-    loop {
-        let end = (begin + block).min(ids.len());
-        let window = Tensor::new(&ids[begin..end], model.device())?.unsqueeze(0)?;
-        let logits = model.forward(&window, 0, None, None)?.logits.i(0)?; // (T, V)
-                                                                          // Position j predicts ids[begin + j + 1]; score targets scored_until .. end.
-        let first = scored_until - 1 - begin;
-        let count = end - scored_until;
-        let logits = logits.narrow(0, first, count)?.to_dtype(DType::F32)?;
-        let targets = Tensor::new(&ids[scored_until..end], model.device())?;
-        let log_probs = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-        let picked = log_probs.gather(&targets.unsqueeze(1)?, 1)?;
-        total_nll -= picked.sum_all()?.to_scalar::<f32>()? as f64;
-        scored_until = end;
-        if end == ids.len() {
-            break;
+    for group in windows.chunks(batch) {
+        input.x.fill(0);
+        input.y.fill(0);
+        for (row, w) in group.iter().enumerate() {
+            let at = row * block;
+            let len = w.end - w.begin;
+            input.x[at..at + len].copy_from_slice(&ids[w.begin..w.end]);
+            let targets = &ids[w.begin + 1..(w.end + 1).min(ids.len())];
+            input.y[at..at + targets.len()].copy_from_slice(targets);
         }
-        begin += stride;
+        engine.forward(&input, None)?;
+        let losses = engine.position_losses()?;
+        for (row, w) in group.iter().enumerate() {
+            // Target k is predicted at position k - 1 - begin.
+            let scored = row * block + w.first - 1 - w.begin..row * block + w.end - 1 - w.begin;
+            total_nll += losses[scored].iter().sum::<f64>();
+        }
     }
     let predictions = ids.len() - 1;
     let loss = total_nll / predictions as f64;
@@ -69,4 +111,27 @@ pub fn evaluate(model: &Gpt, ids: &[u32], bytes: usize) -> Result<EvalResult> {
         perplexity: loss.exp(),
         bits_per_byte: total_nll / std::f64::consts::LN_2 / bytes.max(1) as f64,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every target from 1 to n - 1 is scored exactly once, each window holds at most a
+    /// block, and every window after the first sees at least half a block of context.
+    #[test]
+    fn windows_score_every_target_once() {
+        for (n, block) in [(2, 8), (8, 8), (9, 8), (50, 8), (51, 7), (5, 2)] {
+            let ws = windows(n, block);
+            let mut scored = Vec::new();
+            for (i, w) in ws.iter().enumerate() {
+                assert!(w.end - w.begin <= block && w.begin < w.first && w.first <= w.end);
+                if i > 0 {
+                    assert!(w.first - 1 - w.begin >= block / 2 - 1, "{n} {block}: {w:?}");
+                }
+                scored.extend(w.first..w.end);
+            }
+            assert_eq!(scored, (1..n).collect::<Vec<_>>(), "n={n} block={block}");
+        }
+    }
 }

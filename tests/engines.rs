@@ -8,7 +8,7 @@ use tinygpt::config::{MlpKind, ModelConfig, NormKind, PositionKind, Precision, T
 use tinygpt::data::Batch;
 use tinygpt::engine::{self, Engine, EngineOptions};
 use tinygpt::model::params::NamedTensors;
-use tinygpt::model::Dropout;
+use tinygpt::model::{Dropout, ModelSpec};
 use tinygpt::optim::AdamWStep;
 
 fn cfg(positions: PositionKind, bias: bool) -> ModelConfig {
@@ -32,7 +32,8 @@ fn engines(cfg: &ModelConfig, batch: usize, precision: Precision) -> [Box<dyn En
             precision,
             fused,
         };
-        engine::build(cfg, 5, &Device::Cpu, options).unwrap()
+        let spec = ModelSpec::new(cfg);
+        engine::build(&spec, &spec.initial_values(5), &Device::Cpu, options).unwrap()
     })
 }
 

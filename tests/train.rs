@@ -8,6 +8,7 @@ use candle_core::Device;
 use tinygpt::config::{Config, PositionKind, Precision, TokenizerKind};
 use tinygpt::data::Batch;
 use tinygpt::engine;
+use tinygpt::model::ModelSpec;
 use tinygpt::optim::AdamWStep;
 use tinygpt::train::{Reporter, Silent, StepLog, Trainer};
 
@@ -78,7 +79,9 @@ fn every_parameter_gets_a_gradient_and_moves() {
             cfg.train.fused = fused;
             let what = format!("{positions:?} fused={fused}");
             let options = tinygpt::train::engine_options(&cfg.train);
-            let mut engine = engine::build(&cfg.model, 5, &Device::Cpu, options).unwrap();
+            let spec = ModelSpec::new(&cfg.model);
+            let weights = spec.initial_values(5);
+            let mut engine = engine::build(&spec, &weights, &Device::Cpu, options).unwrap();
             let batch = Batch {
                 x: vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6],
                 y: vec![2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7],

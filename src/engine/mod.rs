@@ -14,7 +14,7 @@ pub mod reference;
 use anyhow::Result;
 use candle_core::Device;
 
-use crate::config::{ModelConfig, Precision};
+use crate::config::Precision;
 use crate::cpu::FusedCpu;
 use crate::data::Batch;
 use crate::model::params::{flat_from_named, named_from_flat, NamedTensors};
@@ -84,31 +84,26 @@ pub struct EngineOptions {
     pub fused: bool,
 }
 
-/// The engine for `model` on `device`, freshly initialised from `seed`: the fused CPU
+/// The engine for the model `spec` on `device`, starting from `weights` (a flat buffer
+/// in table order: `spec.initial_values(seed)`, or a checkpoint's): the fused CPU
 /// engine on the CPU unless `options.fused` is off, the reference engine everywhere
 /// else.
 pub fn build(
-    model: &ModelConfig,
-    seed: u64,
+    spec: &ModelSpec,
+    weights: &[f32],
     device: &Device,
     options: EngineOptions,
 ) -> Result<Box<dyn Engine>> {
-    let spec = ModelSpec::new(model);
-    if !options.fused {
-        let why = "train.fused = false";
-        return Ok(Box::new(ReferenceEngine::new(
-            &spec, seed, device, options, why,
-        )?));
-    }
-    if device.is_cpu() {
-        let values = spec.initial_values(seed);
-        let engine = FusedCpu::new(&spec, &values, options.batch, options.precision)?;
+    let why = if !options.fused {
+        "train.fused = false"
+    } else if device.is_cpu() {
+        let engine = FusedCpu::new(spec, weights, options.batch, options.precision)?;
         return Ok(Box::new(engine));
-    }
-    let why = "no fused engine for this device yet";
-    Ok(Box::new(ReferenceEngine::new(
-        &spec, seed, device, options, why,
-    )?))
+    } else {
+        "no fused engine for this device yet"
+    };
+    let engine = ReferenceEngine::new(spec, weights, device, options, why)?;
+    Ok(Box::new(engine))
 }
 
 impl Engine for FusedCpu {

@@ -30,15 +30,15 @@ pub struct ReferenceEngine {
 }
 
 impl ReferenceEngine {
-    /// The model `spec`, initialised from `seed`, on `device`.
+    /// The model `spec` with `weights` (flat, table order) on `device`.
     pub fn new(
         spec: &ModelSpec,
-        seed: u64,
+        weights: &[f32],
         device: &Device,
         options: EngineOptions,
         why: &'static str,
     ) -> Result<Self> {
-        let model = Gpt::with_products(&spec.config, seed, device, options.precision)?;
+        let model = Gpt::from_flat(spec, weights, device, DType::F32, options.precision)?;
         Ok(Self {
             grads: vec![None; model.params().len()],
             model,
@@ -275,7 +275,9 @@ mod tests {
             precision: Precision::F32,
             fused: false,
         };
-        ReferenceEngine::new(&ModelSpec::new(&cfg), 0, &Device::Cpu, options, "test").unwrap()
+        let spec = ModelSpec::new(&cfg);
+        let weights = spec.initial_values(0);
+        ReferenceEngine::new(&spec, &weights, &Device::Cpu, options, "test").unwrap()
     }
 
     fn first(e: &ReferenceEngine, id: crate::model::spec::ParamId) -> f64 {

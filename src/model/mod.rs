@@ -83,13 +83,27 @@ impl Gpt {
         dtype: DType,
         products: Precision,
     ) -> Result<Self> {
+        let spec = ModelSpec::new(cfg);
+        Self::from_flat(&spec, &spec.initial_values(seed), device, dtype, products)
+    }
+
+    /// The model `spec` with `values` (flat, table order) as its weights, of type
+    /// `dtype` on `device`, every matrix product in `products` precision.
+    pub fn from_flat(
+        spec: &ModelSpec,
+        values: &[f32],
+        device: &Device,
+        dtype: DType,
+        products: Precision,
+    ) -> Result<Self> {
+        let cfg = &spec.config;
         if cfg.vocab_size == 0 {
             anyhow::bail!(
                 "model.vocab_size must be set (from the tokenizer) before building the model"
             );
         }
-        let spec = ModelSpec::new(cfg);
-        let params = Params::from_flat(&spec, &spec.initial_values(seed), device, dtype)?;
+        let spec = spec.clone();
+        let params = Params::from_flat(&spec, values, device, dtype)?;
         let rope = match cfg.positions {
             PositionKind::Rope => Some(Rope::new(cfg, device, dtype)?),
             _ => None,

@@ -110,14 +110,27 @@ impl Params {
     /// Overwrites every variable from `tensors`, which must hold exactly these names
     /// with these shapes. `source` names the file in errors.
     pub fn load(&self, tensors: &NamedTensors, source: &str) -> Result<()> {
-        let flat = flat_from_named(&self.table, tensors, "", source)?;
-        if let Some(extra) = tensors.keys().find(|k| self.get(k).is_none()) {
-            user_bail!(
-                "{source}: unexpected tensor {extra}; the file does not match this model's config"
-            );
-        }
-        self.set_flat(&flat)
+        self.set_flat(&weights_from_file(&self.table, tensors, source)?)
     }
+}
+
+/// The weights of `table` from a file's `tensors`, which must hold exactly these names
+/// with these shapes, as one flat buffer; `source` names the file in errors.
+pub fn weights_from_file(
+    table: &[Param],
+    tensors: &NamedTensors,
+    source: &str,
+) -> Result<Vec<f32>> {
+    let flat = flat_from_named(table, tensors, "", source)?;
+    if let Some(extra) = tensors
+        .keys()
+        .find(|k| !table.iter().any(|p| &p.name == *k))
+    {
+        user_bail!(
+            "{source}: unexpected tensor {extra}; the file does not match this model's config"
+        );
+    }
+    Ok(flat)
 }
 
 /// Tensors by name, as safetensors files hold them.

@@ -21,7 +21,7 @@ pub use report::{EvalLog, Reporter, RunInfo, Silent, StepLog, TrainSummary};
 use schedule::learning_rate;
 pub use start::Start;
 
-use crate::checkpoint::{RunDir, TrainState, METRICS_FILE, MODEL_FILE, OPTIMIZER_FILE};
+use crate::checkpoint::{RunDir, TrainState, METRICS_FILE, OPTIMIZER_FILE};
 use crate::config::{Config, TrainConfig};
 use crate::data::{self, Batch, BatchSampler, Split, Tokens};
 use crate::device::parse_device;
@@ -93,12 +93,14 @@ impl Trainer {
         let (data, block) = (&config.data, config.model.block_size);
         let split = Split::new(tokens, data.val_fraction, block, &data.corpus)?;
 
+        let spec = ModelSpec::new(&config.model);
+        let weights = origin
+            .weights
+            .unwrap_or_else(|| spec.initial_values(config.run.seed));
         let options = engine_options(&config.train);
-        let mut engine = engine::build(&config.model, config.run.seed, &device, options)?;
+        let mut engine = engine::build(&spec, &weights, &device, options)?;
+        drop(weights);
         let mut sampler = BatchSampler::new(config.run.seed, STREAM_TRAIN_BATCHES);
-        if let Some(weights) = &origin.weights {
-            engine.load_weights(weights, "--init-from")?;
-        }
         if resume {
             restore(&run, &state, engine.as_mut(), &mut sampler)?;
         }
@@ -344,19 +346,17 @@ fn open_run_folder(run: &RunDir, resume: bool, state: &TrainState) -> Result<Run
     Ok(lock)
 }
 
-/// Puts a resumed run back where its checkpoint left it: weights, AdamW moments, the
-/// batch sampler's position; metrics logged after the checkpoint are dropped.
+/// Puts a resumed run back where its checkpoint left it (the engine has its weights
+/// already): AdamW moments, the batch sampler's position; metrics logged after the
+/// checkpoint are dropped.
 fn restore(
     run: &RunDir,
     state: &TrainState,
     engine: &mut dyn Engine,
     sampler: &mut BatchSampler,
 ) -> Result<()> {
-    let source = |file| run.file(file).display().to_string();
-    let weights = run.load_tensors(state, MODEL_FILE, &Device::Cpu)?;
-    engine.load_weights(&weights, &source(MODEL_FILE))?;
     let moments = run.load_tensors(state, OPTIMIZER_FILE, &Device::Cpu)?;
-    engine.load_moments(&moments, &source(OPTIMIZER_FILE))?;
+    engine.load_moments(&moments, &run.file(OPTIMIZER_FILE).display().to_string())?;
     sampler.set_position(parse_position(&state.sampler_position)?);
     run.truncate_metrics(state.step)
 }

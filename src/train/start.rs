@@ -8,10 +8,11 @@ use std::path::{Path, PathBuf};
 use anyhow::Result;
 use candle_core::Device;
 
-use crate::checkpoint::{Loaded, RunDir, TrainState, CONFIG_FILE};
+use crate::checkpoint::{Loaded, RunDir, TrainState, CONFIG_FILE, MODEL_FILE};
 use crate::config::{Config, TokenizerKind};
 use crate::data;
-use crate::model::params::NamedTensors;
+use crate::model::params::weights_from_file;
+use crate::model::ModelSpec;
 use crate::tokenizer::Tokenizer;
 use crate::user_bail;
 
@@ -34,9 +35,10 @@ pub struct Origin {
     pub tokenizer: Tokenizer,
     /// Step 0, or where the resumed run stopped.
     pub state: TrainState,
-    /// Weights to start from instead of the seed's (fine-tuning). A resumed run reads
-    /// its own from the run folder.
-    pub weights: Option<NamedTensors>,
+    /// The weights to start from, flat in table order: the run folder's for a resumed
+    /// run, the other checkpoint's for fine-tuning; `None` for a new run (the seed's,
+    /// drawn once the model is known to fit in memory).
+    pub weights: Option<Vec<f32>>,
 }
 
 /// Resolves `start` for the run folder `run`, whose corpus is `docs`.
@@ -78,11 +80,14 @@ fn resume(mut config: Config, run: &RunDir) -> Result<Origin> {
     config.model = saved.model;
     config.tokenizer = saved.tokenizer;
     config.train.init_from = saved.train.init_from;
+    let tensors = run.load_tensors(&state, MODEL_FILE, &Device::Cpu)?;
+    let source = run.file(MODEL_FILE).display().to_string();
+    let spec = ModelSpec::new(&config.model);
     Ok(Origin {
+        weights: Some(weights_from_file(spec.params(), &tensors, &source)?),
         tokenizer: run.load_tokenizer(&state)?,
         config,
         state,
-        weights: None,
     })
 }
 
@@ -96,7 +101,7 @@ fn init_from(mut config: Config, dir: &Path) -> Result<Origin> {
     config.tokenizer = loaded.config.tokenizer.clone();
     Ok(Origin {
         config,
-        weights: Some(loaded.model.params().to_map()),
+        weights: Some(loaded.model.params().to_flat()?),
         tokenizer: loaded.tokenizer,
         state: TrainState::default(),
     })
