@@ -17,11 +17,11 @@ use serde::Serialize;
 use crate::config::{Config, ModelConfig, Precision, TokenizerKind};
 use crate::data::Batch;
 use crate::engine;
+use crate::generate::sample::argmax;
 use crate::generate::{DecodeMode, Decoder};
 use crate::model::params::flat_from_named;
 use crate::model::{Dropout, Gpt, ModelSpec};
 use crate::optim::AdamWStep;
-use crate::sample::argmax;
 use crate::train::engine_options;
 use crate::util::peak_rss_mb;
 

@@ -7,8 +7,8 @@ use serde_json::json;
 use tinygpt::checkpoint::Loaded;
 use tinygpt::device::parse_device;
 use tinygpt::error::user_error;
+use tinygpt::generate::sample::{Sampler, SamplingParams};
 use tinygpt::generate::{generate as sample_text, unescape, DecodeMode, GenerateOptions};
-use tinygpt::sample::{Sampler, SamplingParams};
 use tinygpt::user_bail;
 
 use crate::{

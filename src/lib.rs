@@ -21,7 +21,7 @@ pub mod model;
 pub mod optim;
 pub mod plot;
 pub mod progress;
-pub mod sample;
+
 pub mod tokenizer;
 pub mod train;
 pub mod util;

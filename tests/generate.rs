@@ -6,9 +6,9 @@ use std::path::Path;
 use candle_core::{Device, Tensor};
 use tinygpt::checkpoint::Loaded;
 use tinygpt::config::{Config, MlpKind, ModelConfig, NormKind, PositionKind, TokenizerKind};
+use tinygpt::generate::sample::{Sampler, SamplingParams};
 use tinygpt::generate::{generate, DecodeMode, Decoder, GenerateOptions};
 use tinygpt::model::Gpt;
-use tinygpt::sample::{Sampler, SamplingParams};
 use tinygpt::train::Silent;
 
 fn model(positions: PositionKind, n_kv_head: Option<usize>) -> Gpt {

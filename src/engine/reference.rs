@@ -5,7 +5,7 @@
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 
-use super::{check_batch, Engine, EngineOptions, MOMENT_SUFFIXES};
+use super::interface::{check_batch, Engine, EngineOptions, MOMENT_SUFFIXES};
 use crate::config::Precision;
 use crate::data::Batch;
 use crate::model::params::{flat_from_named, named_from_flat, NamedTensors, Params};

@@ -1,0 +1,86 @@
+//! The interface every engine implements: what the trainer, `eval` and `bench` need
+//! from a model that computes somewhere.
+
+use anyhow::Result;
+
+use crate::config::Precision;
+use crate::data::Batch;
+use crate::model::params::NamedTensors;
+use crate::model::{Dropout, ModelSpec};
+use crate::optim::AdamWStep;
+
+/// A model that trains: loss, gradients, updates, and its state in and out.
+pub trait Engine {
+    /// How it computes, for the run's first line (e.g. "fused CPU kernels").
+    fn describe(&self) -> String;
+
+    /// "fused" or "reference" (bench's JSON).
+    fn name(&self) -> &'static str;
+
+    fn spec(&self) -> &ModelSpec;
+
+    /// Mean next-token loss of `batch` (as many sequences as the engine was built
+    /// for, block_size tokens each), with `dropout` when training. Keeps what
+    /// `backward` needs.
+    fn forward(&mut self, batch: &Batch, dropout: Option<&Dropout>) -> Result<f64>;
+
+    /// Each position's loss in the last forward, (batch, block_size) row-major.
+    fn position_losses(&self) -> Result<Vec<f64>>;
+
+    /// Adds the gradient of the last forward's loss times `scale` to the gradients.
+    fn backward(&mut self, scale: f32) -> Result<()>;
+
+    fn zero_grads(&mut self) -> Result<()>;
+
+    /// Scales the gradients to a global L2 norm of at most `max_norm` (0: no clipping)
+    /// and returns the norm before.
+    fn clip_grads(&mut self, max_norm: f64) -> Result<f64>;
+
+    /// The gradients summed since `zero_grads`, by parameter name (zeros where none
+    /// arrived).
+    fn grads(&self) -> Result<NamedTensors>;
+
+    /// Replaces the gradients (tests hold every engine's optimiser to the same
+    /// gradients); `source` names them in errors.
+    fn set_grads(&mut self, grads: &NamedTensors, source: &str) -> Result<()>;
+
+    /// Applies the AdamW update `u` with the current gradients.
+    fn adamw(&mut self, u: &AdamWStep) -> Result<()>;
+
+    /// A copy of the weights by tensor name (as `model.safetensors` holds them).
+    fn weights(&self) -> Result<NamedTensors>;
+
+    /// Replaces the weights; `source` names the file in errors.
+    fn load_weights(&mut self, tensors: &NamedTensors, source: &str) -> Result<()>;
+
+    /// AdamW's moments by name (`<param>.exp_avg`, `<param>.exp_avg_sq`), zeros before
+    /// the first update.
+    fn moments(&self) -> Result<NamedTensors>;
+
+    fn load_moments(&mut self, tensors: &NamedTensors, source: &str) -> Result<()>;
+}
+
+/// How to build an engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineOptions {
+    /// Sequences per forward.
+    pub batch: usize,
+    /// Precision of the matrix products.
+    pub precision: Precision,
+    /// Use a fused engine where one runs on the device (`train.fused`).
+    pub fused: bool,
+}
+
+/// The names of AdamW's two moments of a parameter: `<param>.exp_avg` (m) and
+/// `<param>.exp_avg_sq` (v), as PyTorch's AdamW state calls them.
+pub const MOMENT_SUFFIXES: [&str; 2] = [".exp_avg", ".exp_avg_sq"];
+
+/// An engine built for `sequences` of `block` tokens takes only batches of that shape.
+pub(super) fn check_batch(sequences: usize, block: usize, batch: &Batch) -> Result<()> {
+    let shape = (batch.batch, batch.block);
+    let filled = batch.x.len() == sequences * block && batch.y.len() == batch.x.len();
+    if shape != (sequences, block) || !filled {
+        anyhow::bail!("a batch of {shape:?} for an engine built for ({sequences}, {block})");
+    }
+    Ok(())
+}

@@ -1,0 +1,144 @@
+//! Text from a trained model: prefill the prompt once, then one token per step from a
+//! KV cache, sampled and streamed as it decodes.
+//!
+//! Several samples decode together as one batch; each has its own seeded sampler, so
+//! sample i is the same text whatever the number of samples. Read `decoder` (how the
+//! next logits are computed), `sample` (how a token is chosen from them) and `stop`
+//! (stop strings), then `generate` below.
+
+pub mod decoder;
+pub mod sample;
+pub mod stop;
+
+use std::time::Instant;
+
+use anyhow::Result;
+
+use crate::model::Gpt;
+use crate::tokenizer::{TextStream, Tokenizer};
+pub use decoder::{DecodeMode, Decoder};
+use sample::Sampler;
+pub use stop::{unescape, StopFilter};
+
+/// Everything a generation needs besides the model and the prompt.
+pub struct GenerateOptions {
+    pub max_new_tokens: usize,
+    pub stop: Vec<String>,
+    pub mode: DecodeMode,
+}
+
+/// One finished sample.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Sample {
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    pub stats: Stats,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Stats {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    pub prefill_ms: f64,
+    pub decode_ms: f64,
+    /// This sample's tokens over the decode time (samples decode together).
+    pub decode_tokens_per_s: f64,
+    pub stopped_by: &'static str,
+}
+
+/// One sequence being generated.
+struct Row<'t> {
+    stream: TextStream<'t>,
+    stops: StopFilter,
+    generated: Vec<u32>,
+    stopped_by: Option<&'static str>,
+}
+
+/// Generates one sample per sampler after `prompt`, all decoded together. `on_text`
+/// gets (sample index, text) for each piece of text as soon as it is decoded.
+pub fn generate(
+    model: &Gpt,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    samplers: &mut [Sampler],
+    options: &GenerateOptions,
+    on_text: &mut dyn FnMut(usize, &str) -> Result<()>,
+) -> Result<Vec<Sample>> {
+    let batch = samplers.len();
+    let vocab = model.config().vocab_size;
+    let text_vocab = tokenizer.vocab_size().min(vocab);
+    let mut decoder = Decoder::new(model, batch, options.mode)?;
+    // A model trained on several documents ends one with <|endoftext|>: stop there.
+    let end_of_text = tokenizer.end_of_text();
+    let mut rows: Vec<Row> = (0..batch)
+        .map(|_| Row {
+            stream: tokenizer.text_stream(),
+            stops: StopFilter::new(options.stop.clone()),
+            generated: Vec::with_capacity(options.max_new_tokens.min(1 << 16)),
+            stopped_by: None,
+        })
+        .collect();
+
+    let started = Instant::now();
+    let mut logits = decoder.prefill(prompt)?.to_vec();
+    let prefill_ms = started.elapsed().as_secs_f64() * 1e3;
+    let decode_start = Instant::now();
+    let mut next = vec![0u32; batch];
+    for step in 0..options.max_new_tokens {
+        for (i, row) in rows.iter_mut().enumerate() {
+            if row.stopped_by.is_some() {
+                continue; // feeds its last token as filler; its output is final
+            }
+            let row_logits = &mut logits[i * vocab..(i + 1) * vocab];
+            // A vocabulary padded past the tokenizer's ids has rows no text maps to.
+            row_logits[text_vocab..].fill(f32::NEG_INFINITY);
+            let id = samplers[i].sample(row_logits, decoder.window(i));
+            if Some(id) == end_of_text {
+                row.stopped_by = Some("end_of_text");
+                continue;
+            }
+            next[i] = id;
+            row.generated.push(id);
+            if let Some(piece) = row.stream.push(id)? {
+                let shown = row.stops.push(&piece);
+                if !shown.is_empty() {
+                    on_text(i, &shown)?;
+                }
+                if row.stops.stopped() {
+                    row.stopped_by = Some("stop");
+                }
+            }
+        }
+        if rows.iter().all(|r| r.stopped_by.is_some()) || step + 1 == options.max_new_tokens {
+            break;
+        }
+        logits.copy_from_slice(decoder.push(&next)?);
+    }
+    let decode_ms = decode_start.elapsed().as_secs_f64() * 1e3;
+    let mut samples = Vec::with_capacity(batch);
+    for (i, mut row) in rows.into_iter().enumerate() {
+        if let Some(tail) = row.stream.finish() {
+            let shown = row.stops.push(&tail);
+            if !shown.is_empty() {
+                on_text(i, &shown)?;
+            }
+        }
+        let rest = row.stops.finish();
+        if !rest.is_empty() {
+            on_text(i, &rest)?;
+        }
+        samples.push(Sample {
+            text: row.stops.text().to_string(),
+            stats: Stats {
+                prompt_tokens: prompt.len(),
+                generated_tokens: row.generated.len(),
+                prefill_ms,
+                decode_ms,
+                decode_tokens_per_s: row.generated.len() as f64 / (decode_ms / 1e3).max(1e-9),
+                stopped_by: row.stopped_by.unwrap_or("max_new_tokens"),
+            },
+            token_ids: row.generated,
+        });
+    }
+    Ok(samples)
+}
