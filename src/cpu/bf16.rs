@@ -865,16 +865,8 @@ mod tests {
                     };
                     // Zero A where the structure promises zeros.
                     for i in 0..m {
-                        for kk in 0..k {
-                            let zero = match causal {
-                                Causal::LowerA => kk > i,
-                                Causal::UpperA => kk < i,
-                                _ => false,
-                            };
-                            if zero {
-                                let at = if a_t { kk * m + i } else { i * k + kk };
-                                a_data[at] = 0.0;
-                            }
+                        for kk in (0..k).filter(|&kk| causal.zero_in_a(i, kk)) {
+                            a_data[if a_t { kk * m + i } else { i * k + kk }] = 0.0;
                         }
                     }
                     let b_data = values(k * n, 8);

@@ -308,7 +308,7 @@ impl FusedCpu {
             .backward(&mut s.dln, out, dlogits, &a.ln_f, pass.precision);
         let last = &a.blocks.last().expect("at least one layer").res_3;
         s.dres.fill(0.0);
-        let ln_f_grads = Grads::new(spec, g).norm(&spec.ln_f);
+        let ln_f_grads = Grads::new(spec, g).ln_f();
         weights
             .norm(&spec.ln_f)
             .backward(&mut s.dres, ln_f_grads, &s.dln, last, &a.ln_f_stats);

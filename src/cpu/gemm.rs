@@ -142,15 +142,8 @@ mod tests {
             };
             let mut a_data = values(m * k, 1);
             for i in 0..m {
-                for kk in 0..k {
-                    let zero = match causal {
-                        Causal::LowerA => kk > i,
-                        Causal::UpperA => kk < i,
-                        _ => false,
-                    };
-                    if zero {
-                        a_data[i * k + kk] = 0.0;
-                    }
+                for kk in (0..k).filter(|&kk| causal.zero_in_a(i, kk)) {
+                    a_data[i * k + kk] = 0.0;
                 }
             }
             let b_data = values(k * n, 2);

@@ -7,24 +7,44 @@ use super::ops::linear::{LinearGrads, LinearWeights};
 use super::ops::norm::{NormGrads, NormWeights};
 use crate::model::spec::{LinearParams, ModelSpec, NormParams, ParamId};
 
-/// One block's weights, in the order the data flows.
-pub struct BlockWeights<'a> {
-    pub ln_1: NormWeights<'a>,
-    pub attn_qkv: LinearWeights<'a>,
-    pub attn_proj: LinearWeights<'a>,
-    pub ln_2: NormWeights<'a>,
-    pub mlp_fc: LinearWeights<'a>,
-    pub mlp_proj: LinearWeights<'a>,
+/// One block's views, in the order the data flows (and the table is laid out): its
+/// norms' as N, its projections' as L.
+pub struct Block<N, L> {
+    pub ln_1: N,
+    pub attn_qkv: L,
+    pub attn_proj: L,
+    pub ln_2: N,
+    pub mlp_fc: L,
+    pub mlp_proj: L,
 }
 
+/// One block's weights.
+pub type BlockWeights<'a> = Block<NormWeights<'a>, LinearWeights<'a>>;
+
 /// One block's gradients.
-pub struct BlockGrads<'a> {
-    pub ln_1: NormGrads<'a>,
-    pub attn_qkv: LinearGrads<'a>,
-    pub attn_proj: LinearGrads<'a>,
-    pub ln_2: NormGrads<'a>,
-    pub mlp_fc: LinearGrads<'a>,
-    pub mlp_proj: LinearGrads<'a>,
+pub type BlockGrads<'a> = Block<NormGrads<'a>, LinearGrads<'a>>;
+
+/// What hands out a layer's view by its spec handle: weights or gradients.
+pub trait Views {
+    type Norm;
+    type Linear;
+    fn norm(&mut self, p: &NormParams) -> Self::Norm;
+    fn linear(&mut self, p: &LinearParams) -> Self::Linear;
+}
+
+impl<N, L> Block<N, L> {
+    /// Block `layer` of `spec`, each view taken in table order.
+    fn of<V: Views<Norm = N, Linear = L>>(views: &mut V, spec: &ModelSpec, layer: usize) -> Self {
+        let b = &spec.blocks[layer];
+        Self {
+            ln_1: views.norm(&b.ln_1),
+            attn_qkv: views.linear(&b.attn_qkv),
+            attn_proj: views.linear(&b.attn_proj),
+            ln_2: views.norm(&b.ln_2),
+            mlp_fc: views.linear(&b.mlp_fc),
+            mlp_proj: views.linear(&b.mlp_proj),
+        }
+    }
 }
 
 /// The parameters of `spec` in a flat buffer, read by layer.
@@ -64,15 +84,10 @@ impl<'a> Weights<'a> {
     }
 
     pub fn block(&self, layer: usize) -> BlockWeights<'a> {
-        let b = &self.spec.blocks[layer];
-        BlockWeights {
-            ln_1: self.norm(&b.ln_1),
-            attn_qkv: self.linear(&b.attn_qkv),
-            attn_proj: self.linear(&b.attn_proj),
-            ln_2: self.norm(&b.ln_2),
-            mlp_fc: self.linear(&b.mlp_fc),
-            mlp_proj: self.linear(&b.mlp_proj),
-        }
+        // A copy of the two references: reading needs no `&mut`, but `Views` hands it
+        // out for the gradients' sake.
+        let mut views = *self;
+        Block::of(&mut views, self.spec, layer)
     }
 
     /// The input embedding's tables: tokens, and the learned position table or else
@@ -93,6 +108,19 @@ impl<'a> Weights<'a> {
             d_in: s.n_embd,
             d_out: s.vocab_size,
         }
+    }
+}
+
+impl<'a> Views for Weights<'a> {
+    type Norm = NormWeights<'a>;
+    type Linear = LinearWeights<'a>;
+
+    fn norm(&mut self, p: &NormParams) -> NormWeights<'a> {
+        Weights::norm(self, p)
+    }
+
+    fn linear(&mut self, p: &LinearParams) -> LinearWeights<'a> {
+        Weights::linear(self, p)
     }
 }
 
@@ -130,31 +158,19 @@ impl<'a> Grads<'a> {
         piece
     }
 
-    pub fn linear(&mut self, p: &LinearParams) -> LinearGrads<'a> {
-        LinearGrads {
-            w: self.take(p.weight),
-            b: p.bias.map(|b| self.take(b)),
-        }
-    }
-
-    pub fn norm(&mut self, p: &NormParams) -> NormGrads<'a> {
-        NormGrads {
-            w: self.take(p.weight),
-            b: p.bias.map(|b| self.take(b)),
-        }
-    }
-
     /// Block `layer`'s gradients.
     pub fn block(mut self, layer: usize) -> BlockGrads<'a> {
-        let b = &self.spec.blocks[layer];
-        BlockGrads {
-            ln_1: self.norm(&b.ln_1),
-            attn_qkv: self.linear(&b.attn_qkv),
-            attn_proj: self.linear(&b.attn_proj),
-            ln_2: self.norm(&b.ln_2),
-            mlp_fc: self.linear(&b.mlp_fc),
-            mlp_proj: self.linear(&b.mlp_proj),
-        }
+        let spec = self.spec;
+        Block::of(&mut self, spec, layer)
+    }
+
+    /// A weight's gradient and its bias's, which follows it in the table.
+    fn weight_and_bias(
+        &mut self,
+        w: ParamId,
+        b: Option<ParamId>,
+    ) -> (&'a mut [f32], Option<&'a mut [f32]>) {
+        (self.take(w), b.map(|b| self.take(b)))
     }
 
     /// The gradients of the token embedding and learned positions.
@@ -165,11 +181,32 @@ impl<'a> Grads<'a> {
         }
     }
 
+    /// The final norm's gradients.
+    pub fn ln_f(mut self) -> NormGrads<'a> {
+        let ln_f = self.spec.ln_f;
+        Views::norm(&mut self, &ln_f)
+    }
+
     /// The output layer's gradient: the token embedding's (tied).
     pub fn output(mut self) -> LinearGrads<'a> {
         LinearGrads {
             w: self.take(self.spec.wte),
             b: None,
         }
+    }
+}
+
+impl<'a> Views for Grads<'a> {
+    type Norm = NormGrads<'a>;
+    type Linear = LinearGrads<'a>;
+
+    fn norm(&mut self, p: &NormParams) -> NormGrads<'a> {
+        let (w, b) = self.weight_and_bias(p.weight, p.bias);
+        NormGrads { w, b }
+    }
+
+    fn linear(&mut self, p: &LinearParams) -> LinearGrads<'a> {
+        let (w, b) = self.weight_and_bias(p.weight, p.bias);
+        LinearGrads { w, b }
     }
 }

@@ -65,6 +65,17 @@ pub enum Causal {
     UpperA,
 }
 
+impl Causal {
+    /// Whether this structure makes A[i][k] zero.
+    pub fn zero_in_a(self, i: usize, k: usize) -> bool {
+        match self {
+            Causal::LowerA => k > i,
+            Causal::UpperA => k < i,
+            Causal::No | Causal::LowerDst => false,
+        }
+    }
+}
+
 /// One product: dst (m x n) = dst (if `accumulate`) + beta * a (m x k) · b (k x n),
 /// skipping what `causal` allows.
 #[derive(Clone, Copy)]

@@ -10,9 +10,8 @@ use candle_core::{Device, Tensor, D};
 
 use super::dropout::{Dropout, Site};
 use super::linear::{product, Linear};
-use super::params::Params;
 use super::position::Rope;
-use super::spec::{BlockParams, Shapes};
+use super::{Parts, Pass};
 use crate::config::Precision;
 
 /// softmax(q k^T * scale + mask) v, returning (output, weights); the two products in
@@ -112,6 +111,8 @@ impl KvCache {
 
 pub struct CausalSelfAttention {
     layer: usize,
+    /// Rotary positions, when the model has them.
+    rope: Option<Rope>,
     c_attn: Linear, // C -> (H + 2 H_kv) d: q | k | v
     c_proj: Linear, // C -> C
     n_head: usize,
@@ -121,17 +122,15 @@ pub struct CausalSelfAttention {
 }
 
 impl CausalSelfAttention {
-    pub fn new(
-        params: &Params,
-        layer: usize,
-        block: &BlockParams,
-        shapes: &Shapes,
-        products: Precision,
-    ) -> Self {
+    /// The attention of block `layer`.
+    pub fn new(parts: Parts, layer: usize) -> Self {
+        let (block, shapes) = (&parts.spec.blocks[layer], &parts.spec.shapes);
+        let products = parts.products;
         Self {
             layer,
-            c_attn: Linear::new(params, &block.attn_qkv, products),
-            c_proj: Linear::new(params, &block.attn_proj, products),
+            rope: parts.rope.cloned(),
+            c_attn: Linear::new(parts.params, &block.attn_qkv, products),
+            c_proj: Linear::new(parts.params, &block.attn_proj, products),
             n_head: shapes.n_head,
             n_kv_head: shapes.n_kv_head,
             head_dim: shapes.head_dim,
@@ -139,15 +138,13 @@ impl CausalSelfAttention {
         }
     }
 
-    /// x: (B, T, C) at positions pos0 .. pos0 + T -> (B, T, C), and the attention
-    /// weights (B, H, T, S).
+    /// x: (B, T, C) at positions pass.pos0 .. pass.pos0 + T -> (B, T, C), and the
+    /// attention weights (B, H, T, S).
     pub fn forward(
         &self,
         x: &Tensor,
-        pos0: usize,
-        rope: Option<&Rope>,
+        pass: Pass,
         cache: Option<&mut KvCache>,
-        dropout: Option<&Dropout>,
     ) -> Result<(Tensor, Tensor)> {
         let (b, t, c) = x.dims3()?;
         let (h, h_kv, d) = (self.n_head, self.n_kv_head, self.head_dim);
@@ -162,9 +159,9 @@ impl CausalSelfAttention {
         let mut q = heads(0, h)?;
         let mut k = heads(h, h_kv)?;
         let mut v = heads(h + h_kv, h_kv)?;
-        if let Some(rope) = rope {
-            q = rope.apply(&q, pos0)?;
-            k = rope.apply(&k, pos0)?;
+        if let Some(rope) = &self.rope {
+            q = rope.apply(&q, pass.pos0)?;
+            k = rope.apply(&k, pass.pos0)?;
         }
         if let Some(cache) = cache {
             (k, v) = cache.extend(self.layer, k, v)?; // (B, H_kv, S, d)
@@ -173,7 +170,9 @@ impl CausalSelfAttention {
         let k = repeat_kv(&k, h / h_kv)?;
         let v = repeat_kv(&v, h / h_kv)?;
         let scale = 1.0 / (d as f64).sqrt();
-        let dropout = dropout.map(|d| (d, Site::AttentionWeights(self.layer)));
+        let dropout = pass
+            .dropout
+            .map(|d| (d, Site::AttentionWeights(self.layer)));
         let (y, weights) =
             scaled_dot_product_attention(&q, &k, &v, scale, true, dropout, self.products)?;
         let y = y.transpose(1, 2)?.reshape((b, t, c))?; // heads side by side again

@@ -7,13 +7,10 @@ use anyhow::Result;
 use candle_core::Tensor;
 
 use super::attention::{CausalSelfAttention, KvCache};
-use super::dropout::{maybe_apply, Dropout, Site};
+use super::dropout::{maybe_apply, Site};
 use super::mlp::Mlp;
 use super::norm::Norm;
-use super::params::Params;
-use super::position::Rope;
-use super::spec::{BlockParams, ModelSpec};
-use crate::config::Precision;
+use super::{Parts, Pass};
 
 pub struct Block {
     /// Its place in the stack (0 = nearest the input).
@@ -25,20 +22,15 @@ pub struct Block {
 }
 
 impl Block {
-    pub fn new(
-        params: &Params,
-        spec: &ModelSpec,
-        layer: usize,
-        block: &BlockParams,
-        products: Precision,
-    ) -> Self {
-        let cfg = &spec.config;
+    /// Block `layer` (0 = nearest the input).
+    pub fn new(parts: Parts, layer: usize) -> Self {
+        let (cfg, block, params) = (&parts.spec.config, &parts.spec.blocks[layer], parts.params);
         Self {
             layer,
             ln_1: Norm::new(params, &block.ln_1, cfg),
-            attn: CausalSelfAttention::new(params, layer, block, &spec.shapes, products),
+            attn: CausalSelfAttention::new(parts, layer),
             ln_2: Norm::new(params, &block.ln_2, cfg),
-            mlp: Mlp::new(params, block, cfg.mlp, products),
+            mlp: Mlp::new(params, block, cfg.mlp, parts.products),
         }
     }
 
@@ -46,15 +38,11 @@ impl Block {
     pub fn forward(
         &self,
         x: &Tensor,
-        pos0: usize,
-        rope: Option<&Rope>,
+        pass: Pass,
         cache: Option<&mut KvCache>,
-        dropout: Option<&Dropout>,
     ) -> Result<(Tensor, Tensor)> {
-        let l = self.layer;
-        let (attn, weights) =
-            self.attn
-                .forward(&self.ln_1.forward(x)?, pos0, rope, cache, dropout)?;
+        let (l, dropout) = (self.layer, pass.dropout);
+        let (attn, weights) = self.attn.forward(&self.ln_1.forward(x)?, pass, cache)?;
         let x = (x + maybe_apply(dropout, &attn, Site::AttentionOutput(l))?)?;
         let mlp = self.mlp.forward(&self.ln_2.forward(&x)?)?;
         let x = (&x + maybe_apply(dropout, &mlp, Site::MlpOutput(l))?)?;

@@ -36,12 +36,28 @@ pub struct Gpt {
     spec: ModelSpec,
     wte: Tensor, // (V, C): token embedding, and (transposed) the output layer
     positions: InputPositions,
-    rope: Option<Rope>,
     blocks: Vec<Block>,
     ln_f: Norm,
     params: Params,
     /// Precision of every matrix product (train.dtype).
     products: Precision,
+}
+
+/// What every layer is built from: the variables, the spec that names them, the rotary
+/// tables (RoPE models), and the precision of the matrix products.
+#[derive(Clone, Copy)]
+pub struct Parts<'a> {
+    pub params: &'a Params,
+    pub spec: &'a ModelSpec,
+    pub rope: Option<&'a Rope>,
+    pub products: Precision,
+}
+
+/// One forward pass: where its first token sits, and dropout when training.
+#[derive(Clone, Copy)]
+pub struct Pass<'a> {
+    pub pos0: usize,
+    pub dropout: Option<&'a Dropout>,
 }
 
 /// What one forward pass returns.
@@ -111,12 +127,16 @@ impl Gpt {
         Ok(Self {
             wte: params.tensor(spec.wte).clone(),
             positions: InputPositions::new(&params, &spec, device, dtype)?,
-            rope,
-            blocks: spec
-                .blocks
-                .iter()
-                .enumerate()
-                .map(|(layer, block)| Block::new(&params, &spec, layer, block, products))
+            blocks: (0..cfg.n_layer)
+                .map(|layer| {
+                    let parts = Parts {
+                        params: &params,
+                        spec: &spec,
+                        rope: rope.as_ref(),
+                        products,
+                    };
+                    Block::new(parts, layer)
+                })
                 .collect(),
             ln_f: Norm::new(&params, &spec.ln_f, cfg),
             params,
@@ -173,9 +193,9 @@ impl Gpt {
         let embedded = self.positions.add_to(&tok, pos0)?;
         let mut x = dropout::maybe_apply(dropout, &embedded, Site::Embedding)?;
         let mut attention = Vec::with_capacity(self.blocks.len());
+        let pass = Pass { pos0, dropout };
         for block in &self.blocks {
-            let (y, weights) =
-                block.forward(&x, pos0, self.rope.as_ref(), cache.as_deref_mut(), dropout)?;
+            let (y, weights) = block.forward(&x, pass, cache.as_deref_mut())?;
             x = y;
             attention.push(weights);
         }

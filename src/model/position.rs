@@ -78,7 +78,8 @@ pub fn rope_tables(cfg: &ModelConfig) -> (Vec<f32>, Vec<f32>) {
 /// Rotary position embedding in the split-halves pairing of Hugging Face's Llama:
 /// dimension i is rotated together with i + d/2 by the angle pos * theta_i, where
 /// theta_i = base^(-2i/d). (The paper pairs (2i, 2i+1); the two differ only by a fixed
-/// permutation of the head dimensions.)
+/// permutation of the head dimensions.) Cloning shares the tables.
+#[derive(Clone)]
 pub struct Rope {
     cos: Tensor, // (block_size, d/2)
     sin: Tensor, // (block_size, d/2)
