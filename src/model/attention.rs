@@ -10,8 +10,8 @@ use candle_core::{Device, Tensor, D};
 
 use super::dropout::{Dropout, Site};
 use super::linear::{product, Linear};
+use super::pass::{Parts, Pass};
 use super::position::Rope;
-use super::{Parts, Pass};
 use crate::config::Precision;
 
 /// softmax(q k^T * scale + mask) v, returning (output, weights); the two products in

@@ -10,7 +10,7 @@ use super::attention::{CausalSelfAttention, KvCache};
 use super::dropout::{maybe_apply, Site};
 use super::mlp::Mlp;
 use super::norm::Norm;
-use super::{Parts, Pass};
+use super::pass::{Parts, Pass};
 
 pub struct Block {
     /// Its place in the stack (0 = nearest the input).

@@ -14,6 +14,7 @@ pub mod linear;
 pub mod mlp;
 pub mod norm;
 pub mod params;
+pub mod pass;
 pub mod position;
 pub mod spec;
 
@@ -26,6 +27,7 @@ pub use dropout::{Dropout, Site};
 use linear::product;
 use norm::Norm;
 pub use params::Params;
+use pass::{Parts, Pass};
 use position::{InputPositions, Rope};
 pub use spec::ModelSpec;
 
@@ -41,23 +43,6 @@ pub struct Gpt {
     params: Params,
     /// Precision of every matrix product (train.dtype).
     products: Precision,
-}
-
-/// What every layer is built from: the variables, the spec that names them, the rotary
-/// tables (RoPE models), and the precision of the matrix products.
-#[derive(Clone, Copy)]
-pub struct Parts<'a> {
-    pub params: &'a Params,
-    pub spec: &'a ModelSpec,
-    pub rope: Option<&'a Rope>,
-    pub products: Precision,
-}
-
-/// One forward pass: where its first token sits, and dropout when training.
-#[derive(Clone, Copy)]
-pub struct Pass<'a> {
-    pub pos0: usize,
-    pub dropout: Option<&'a Dropout>,
 }
 
 /// What one forward pass returns.
