@@ -58,34 +58,19 @@ impl Gpt {
     /// N(0, 0.02 / sqrt(2 n_layer)) so the residual stream's variance does not grow
     /// with depth, norms at 1, biases at 0. Same seed, same weights, on any device.
     pub fn new(cfg: &ModelConfig, seed: u64, device: &Device) -> Result<Self> {
-        Self::build(cfg, seed, device, DType::F32, Precision::F32)
+        Self::with_dtype(cfg, seed, device, DType::F32)
     }
 
     /// As [`Gpt::new`] with parameters of type `dtype` (f64 for gradient checks).
     pub fn with_dtype(cfg: &ModelConfig, seed: u64, device: &Device, dtype: DType) -> Result<Self> {
-        Self::build(cfg, seed, device, dtype, Precision::F32)
-    }
-
-    /// As [`Gpt::new`], every matrix product in `products` precision (training with
-    /// `train.dtype`; weights stay f32).
-    pub fn with_products(
-        cfg: &ModelConfig,
-        seed: u64,
-        device: &Device,
-        products: Precision,
-    ) -> Result<Self> {
-        Self::build(cfg, seed, device, DType::F32, products)
-    }
-
-    fn build(
-        cfg: &ModelConfig,
-        seed: u64,
-        device: &Device,
-        dtype: DType,
-        products: Precision,
-    ) -> Result<Self> {
         let spec = ModelSpec::new(cfg);
-        Self::from_flat(&spec, &spec.initial_values(seed), device, dtype, products)
+        Self::from_flat(
+            &spec,
+            &spec.initial_values(seed),
+            device,
+            dtype,
+            Precision::F32,
+        )
     }
 
     /// The model `spec` with `values` (flat, table order) as its weights, of type
