@@ -40,6 +40,11 @@ pub struct BenchReport {
     pub tokens_per_step: usize,
     pub parameters: usize,
     pub device: String,
+    /// The CPU's model name, and the vector level the CPU kernels ran at (the CPU's
+    /// best, capped by TINYGPT_CPU_ISA).
+    pub cpu_model: Option<String>,
+    pub cpu_features: Vec<&'static str>,
+    pub cpu_isa: crate::cpu::isa::Isa,
     pub threads: usize,
     pub steps: usize,
     pub train_ms_per_step: f64,
@@ -174,6 +179,9 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         tokens_per_step: b * t,
         parameters: engine.spec().len(),
         device: format!("{device:?}"),
+        cpu_model: crate::cpu::isa::cpu_model(),
+        cpu_features: crate::cpu::isa::cpu_features(),
+        cpu_isa: crate::cpu::isa::active(),
         threads: candle_core::utils::get_num_threads(),
         steps: opts.steps,
         train_ms_per_step: step_ms,

@@ -257,6 +257,13 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     }
     let mb = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0} MiB"));
     println!(
+        "cpu     {} [{}], kernels at {}, {} threads",
+        r.cpu_model.as_deref().unwrap_or("unknown CPU"),
+        r.cpu_features.join(" "),
+        r.cpu_isa.name(),
+        r.threads
+    );
+    println!(
         "train   {:.1} ms/step ({} {:?}: forward {:.1}, backward {:.1}, optimizer {:.1}), {:.0} tokens/s, {:.2} GFLOP/step, {:.1} GFLOP/s, peak RSS {}",
         r.train_ms_per_step,
         r.train_path,

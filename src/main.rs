@@ -293,6 +293,10 @@ fn main() -> ExitCode {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     let cli = Cli::parse();
+    if let Err(message) = tinygpt::cpu::isa::cap_from_env() {
+        eprintln!("error: {message}");
+        return ExitCode::from(exit_code::USER as u8);
+    }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {

@@ -522,11 +522,12 @@ fn pick_kernel() -> Kernel {
     kernel_portable
 }
 
-/// Whether this CPU runs the `vdpbf16ps` kernel (otherwise the portable one runs).
+/// Whether the `vdpbf16ps` kernel runs: the CPU has AVX512_BF16 and the active level
+/// (`cpu::isa`) allows AVX-512. Otherwise the portable kernel runs.
 pub fn has_avx512_bf16() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx512f")
+        super::isa::active() == super::isa::Isa::Avx512
             && std::arch::is_x86_feature_detected!("avx512bf16")
     }
     #[cfg(not(target_arch = "x86_64"))]

@@ -1,11 +1,18 @@
-//! Matrix products for the fused engine: f32 through the `gemm` crate (AVX-512 kernels
-//! where the CPU has them), bf16 operands through our own kernel (`bf16`).
+//! Matrix products for the fused engine: f32 through the `gemm` crate's blocking and
+//! micro-kernels, bf16 operands through our own kernel (`bf16`).
+//!
+//! The `gemm` crate picks its micro-kernels once, by CPU detection alone. We call its
+//! generic driver with the micro-kernels of the active level instead (`cpu::isa`), so
+//! `TINYGPT_CPU_ISA` caps the products too.
 
-use gemm::Parallelism;
+use gemm_common::gemm::gemm_basic_generic;
+use gemm_common::simd::MixedSimd;
+use gemm_common::Parallelism;
 
 pub use crate::config::Precision;
 
 use super::bf16;
+use super::isa;
 use super::matrix::{Causal, Product, PARALLEL_MIN_MACS};
 use super::threads::threads;
 
@@ -66,13 +73,22 @@ pub fn matmul_serial(dst: &mut [f32], dst_row: usize, p: Product, precision: Pre
     }
 }
 
-/// dst = dst (if accumulating) + beta * a · b in f32, through the gemm crate.
+/// dst = dst (if accumulating) + beta * a · b in f32, through the gemm crate's driver
+/// and the micro-kernels of the active level.
 fn gemm_f32(dst: &mut [f32], dst_row: usize, p: Product, threads: Parallelism) {
     p.check_bounds(dst, dst_row);
+    let kernel: GemmF32 = match isa::active() {
+        #[cfg(target_arch = "x86_64")]
+        isa::Isa::Avx512 => avx512::gemm,
+        #[cfg(target_arch = "x86_64")]
+        isa::Isa::Avx2 => avx2::gemm,
+        _ => scalar::gemm,
+    };
+    let (a, b) = (p.a, p.b);
     // Safety: checked above: every element gemm reads or writes is inside the slices
-    // (it handles empty sizes itself).
+    // (it handles empty sizes itself); the active level is one the CPU has.
     unsafe {
-        gemm::gemm(
+        kernel(
             p.m,
             p.n,
             p.k,
@@ -80,12 +96,12 @@ fn gemm_f32(dst: &mut [f32], dst_row: usize, p: Product, threads: Parallelism) {
             1,
             dst_row as isize,
             p.accumulate,
-            p.a.data.as_ptr(),
-            p.a.col as isize,
-            p.a.row as isize,
-            p.b.data.as_ptr(),
-            p.b.col as isize,
-            p.b.row as isize,
+            a.data.as_ptr(),
+            a.col as isize,
+            a.row as isize,
+            b.data.as_ptr(),
+            b.col as isize,
+            b.row as isize,
             1.0,
             p.beta,
             false,
@@ -95,6 +111,109 @@ fn gemm_f32(dst: &mut [f32], dst_row: usize, p: Product, threads: Parallelism) {
         )
     }
 }
+
+/// The gemm crate's f32 entry point: (m, n, k, dst, dst column and row strides,
+/// read dst, lhs and strides, rhs and strides, alpha, beta, three conjugation flags,
+/// threads).
+type GemmF32 = unsafe fn(
+    usize,
+    usize,
+    usize,
+    *mut f32,
+    isize,
+    isize,
+    bool,
+    *const f32,
+    isize,
+    isize,
+    *const f32,
+    isize,
+    isize,
+    f32,
+    f32,
+    bool,
+    bool,
+    bool,
+    Parallelism,
+);
+
+/// One level's entry point: the crate's generic driver with that level's micro-kernels
+/// (as the crate's own `gemm_def!` builds them), `$lanes` f32 to a vector.
+macro_rules! level_gemm {
+    ($level:ident, $kernels:ident, $simd:ident, $lanes:expr) => {
+        mod $level {
+            use super::*;
+            use gemm_f32::microkernel::$kernels::f32 as ukr;
+
+            #[allow(clippy::too_many_arguments)]
+            pub unsafe fn gemm(
+                m: usize,
+                n: usize,
+                k: usize,
+                dst: *mut f32,
+                dst_cs: isize,
+                dst_rs: isize,
+                read_dst: bool,
+                lhs: *const f32,
+                lhs_cs: isize,
+                lhs_rs: isize,
+                rhs: *const f32,
+                rhs_cs: isize,
+                rhs_rs: isize,
+                alpha: f32,
+                beta: f32,
+                conj_dst: bool,
+                conj_lhs: bool,
+                conj_rhs: bool,
+                threads: Parallelism,
+            ) {
+                let simd = <gemm_common::simd::$simd as MixedSimd<f32, f32, f32, f32>>::try_new()
+                    .expect("the active level is one the CPU has");
+                gemm_basic_generic::<
+                    _,
+                    f32,
+                    $lanes,
+                    { ukr::MR_DIV_N * $lanes },
+                    { ukr::NR },
+                    { ukr::MR_DIV_N },
+                    { ukr::H_M },
+                    { ukr::H_N },
+                >(
+                    simd,
+                    m,
+                    n,
+                    k,
+                    dst,
+                    dst_cs,
+                    dst_rs,
+                    read_dst,
+                    lhs,
+                    lhs_cs,
+                    lhs_rs,
+                    rhs,
+                    rhs_cs,
+                    rhs_rs,
+                    alpha,
+                    beta,
+                    conj_dst,
+                    conj_lhs,
+                    conj_rhs,
+                    |a, b, c| a * b + c,
+                    &ukr::UKR,
+                    &ukr::H_UKR,
+                    false,
+                    threads,
+                )
+            }
+        }
+    };
+}
+
+level_gemm!(scalar, scalar, Scalar, 1);
+#[cfg(target_arch = "x86_64")]
+level_gemm!(avx2, fma, V3, 8);
+#[cfg(target_arch = "x86_64")]
+level_gemm!(avx512, avx512f, V4, 16);
 
 #[cfg(test)]
 mod tests {

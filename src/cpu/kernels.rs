@@ -5,8 +5,9 @@
 //! float rounding (~1e-6 relative), not bit for bit.
 
 /// Compiles `$body` three times: for AVX-512, for AVX2+FMA, and for any x86-64 (or
-/// other architecture), and picks at run time. The body is plain Rust loops; the
-/// compiler vectorises them for the wider registers.
+/// other architecture), and picks at run time by the active level (`cpu::isa`: the CPU's
+/// best, capped by `TINYGPT_CPU_ISA`). The body is plain Rust loops; the compiler
+/// vectorises them for the wider registers.
 macro_rules! multiversion {
     ($(#[$m:meta])* pub fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
         $(#[$m])*
@@ -19,15 +20,11 @@ macro_rules! multiversion {
                 unsafe fn v4($($arg: $ty),*) $(-> $ret)? { portable($($arg),*) }
                 #[target_feature(enable = "avx2,fma")]
                 unsafe fn v3($($arg: $ty),*) $(-> $ret)? { portable($($arg),*) }
-                if std::arch::is_x86_feature_detected!("avx512f")
-                    && std::arch::is_x86_feature_detected!("avx512dq")
-                {
-                    // Safety: the CPU has these features.
-                    return unsafe { v4($($arg),*) };
-                }
-                if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-                    // Safety: the CPU has these features.
-                    return unsafe { v3($($arg),*) };
+                match $crate::cpu::isa::active() {
+                    // Safety: the active level never exceeds what the CPU has.
+                    $crate::cpu::isa::Isa::Avx512 => return unsafe { v4($($arg),*) },
+                    $crate::cpu::isa::Isa::Avx2 => return unsafe { v3($($arg),*) },
+                    $crate::cpu::isa::Isa::Scalar => {}
                 }
             }
             portable($($arg),*)

@@ -1,7 +1,8 @@
 //! The fused CPU engine and decoder: our own kernels over flat, preallocated buffers
 //! (llm.c's way), reading the same model spec as the reference and held to it in tests.
 //!
-//! Read in this order: `threads` (how work is split), `matrix` (how a product is
+//! Read in this order: `isa` (which vector instructions run), `threads` (how work is
+//! split), `matrix` (how a product is
 //! described), `kernels` (vector building blocks, compiled per CPU), `gemm` and `bf16`
 //! (matrix products), `ops/` (each layer's forward and backward side by side), `layout`
 //! (typed views of the flat buffers), `engine` (the training step) and `decode`
@@ -11,6 +12,7 @@ pub mod bf16;
 pub mod decode;
 pub mod engine;
 pub mod gemm;
+pub mod isa;
 pub mod kernels;
 pub mod layout;
 pub mod matrix;

@@ -13,9 +13,9 @@ use crate::optim::AdamWStep;
 
 impl Engine for FusedCpu {
     fn describe(&self) -> String {
-        let kernels = "fused CPU kernels";
+        let kernels = format!("fused CPU kernels, {}", crate::cpu::isa::active().name());
         match self.precision() {
-            Precision::F32 => kernels.into(),
+            Precision::F32 => kernels,
             Precision::Bf16 if crate::cpu::bf16::has_avx512_bf16() => {
                 format!("{kernels}, bf16 matrix products")
             }

@@ -1,0 +1,184 @@
+//! Which vector instructions the CPU kernels use: the best the CPU has, capped by the
+//! environment variable `TINYGPT_CPU_ISA` (`avx512`, `avx2` or `scalar`), as oneDNN's
+//! `ONEDNN_MAX_CPU_ISA` caps oneDNN. So any machine can run, measure and test the path a
+//! laptop without AVX-512 takes. Every kernel we dispatch reads [`active`]: our
+//! multiversioned loops, the f32 GEMM (the `gemm` crate's micro-kernels, chosen here
+//! rather than by the crate) and the bf16 GEMM.
+//!
+//! On other architectures (aarch64) every kernel runs its portable Rust, which the
+//! compiler vectorises for the target's baseline (NEON on aarch64); the level there is
+//! `scalar` in the sense of "no x86 dispatch".
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::OnceLock;
+
+/// The environment variable that caps the level.
+pub const ENV: &str = "TINYGPT_CPU_ISA";
+
+/// A dispatch level, ordered: each includes the ones below it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Isa {
+    /// Portable Rust, compiled for the baseline of the target.
+    Scalar,
+    /// AVX2 with FMA (x86-64-v3).
+    Avx2,
+    /// AVX-512 F/BW/DQ/VL (x86-64-v4).
+    Avx512,
+}
+
+impl Isa {
+    pub const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Avx512];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Isa> {
+        Isa::ALL
+            .into_iter()
+            .find(|isa| isa.name() == s.trim().to_ascii_lowercase())
+    }
+
+    /// The best level this CPU has.
+    pub fn detected() -> Isa {
+        static DETECTED: OnceLock<Isa> = OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                use std::arch::is_x86_feature_detected as has;
+                if has!("avx512f") && has!("avx512bw") && has!("avx512dq") && has!("avx512vl") {
+                    return Isa::Avx512;
+                }
+                if has!("avx2") && has!("fma") {
+                    return Isa::Avx2;
+                }
+            }
+            Isa::Scalar
+        })
+    }
+
+    /// Every level this CPU can run, lowest first.
+    pub fn supported() -> Vec<Isa> {
+        Isa::ALL
+            .into_iter()
+            .filter(|&isa| isa <= Isa::detected())
+            .collect()
+    }
+}
+
+/// The cap `TINYGPT_CPU_ISA` sets: `Ok(None)` when unset, `Err` (naming the variable and
+/// its values) when it is not a level.
+pub fn cap_from_env() -> Result<Option<Isa>, String> {
+    match std::env::var(ENV) {
+        Err(_) => Ok(None),
+        Ok(value) if value.trim().is_empty() => Ok(None),
+        Ok(value) => Isa::parse(&value).map(Some).ok_or_else(|| {
+            format!("{ENV}={value:?} is not a CPU level; use avx512, avx2 or scalar (or unset it)")
+        }),
+    }
+}
+
+/// 0: not forced; otherwise the forced level's index + 1.
+static FORCED: AtomicU8 = AtomicU8::new(0);
+
+/// The level every kernel uses now: the CPU's best, capped by `TINYGPT_CPU_ISA` (an
+/// invalid value is ignored here; the CLI refuses it at startup), or the level
+/// [`force`] set.
+pub fn active() -> Isa {
+    static CAPPED: OnceLock<Isa> = OnceLock::new();
+    match FORCED.load(Ordering::Relaxed) {
+        0 => *CAPPED.get_or_init(|| match cap_from_env() {
+            Ok(Some(cap)) => cap.min(Isa::detected()),
+            _ => Isa::detected(),
+        }),
+        n => Isa::ALL[n as usize - 1],
+    }
+}
+
+/// Makes every kernel run at `level` (`None`: back to [`active`]'s own choice), for
+/// tests that compare the levels in one process. Panics if the CPU cannot run it. Not
+/// for use while kernels run on other threads.
+pub fn force(level: Option<Isa>) {
+    if let Some(level) = level {
+        assert!(
+            level <= Isa::detected(),
+            "this CPU cannot run {}",
+            level.name()
+        );
+    }
+    let code = level.map_or(0, |l| {
+        Isa::ALL.iter().position(|&x| x == l).unwrap() as u8 + 1
+    });
+    FORCED.store(code, Ordering::Relaxed);
+}
+
+/// The vector features this CPU has that matter to our kernels and to other libraries
+/// (x86: fma, avx2, avx512*; aarch64: neon, ...), for reports.
+pub fn cpu_features() -> Vec<&'static str> {
+    let mut out = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        let features = [
+            ("fma", has!("fma")),
+            ("avx2", has!("avx2")),
+            ("avx512f", has!("avx512f")),
+            ("avx512bw", has!("avx512bw")),
+            ("avx512vl", has!("avx512vl")),
+            ("avx512dq", has!("avx512dq")),
+            ("avx512bf16", has!("avx512bf16")),
+        ];
+        out.extend(
+            features
+                .into_iter()
+                .filter(|(_, has)| *has)
+                .map(|(name, _)| name),
+        );
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        use std::arch::is_aarch64_feature_detected as has;
+        let features = [
+            ("neon", has!("neon")),
+            ("bf16", has!("bf16")),
+            ("sve", has!("sve")),
+        ];
+        out.extend(
+            features
+                .into_iter()
+                .filter(|(_, has)| *has)
+                .map(|(name, _)| name),
+        );
+    }
+    out
+}
+
+/// The CPU's model name (Linux), for reports that give a figure with its machine.
+pub fn cpu_model() -> Option<String> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("model name"))?;
+    Some(line.split_once(':')?.1.trim().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_parse_order_and_name() {
+        assert_eq!(Isa::parse("AVX2"), Some(Isa::Avx2));
+        assert_eq!(Isa::parse(" scalar "), Some(Isa::Scalar));
+        assert_eq!(Isa::parse("sse4"), None);
+        assert!(Isa::Scalar < Isa::Avx2 && Isa::Avx2 < Isa::Avx512);
+        for isa in Isa::ALL {
+            assert_eq!(Isa::parse(isa.name()), Some(isa));
+        }
+        assert!(Isa::supported().contains(&Isa::Scalar));
+        assert_eq!(Isa::supported().last(), Some(&Isa::detected()));
+    }
+}

@@ -1,0 +1,246 @@
+//! Every CPU level this machine supports (AVX-512, AVX2, scalar: `TINYGPT_CPU_ISA`'s
+//! values) gives the same results: the f32 GEMM against an f64 oracle, vector kernels
+//! against the scalar level, and the whole fused engine against the reference engine.
+//! So the AVX2 paths are tested on AVX-512 machines too.
+//!
+//! The level is process-wide: one test here forces it, level after level; the other
+//! only runs the binary.
+
+use std::process::Command;
+
+use candle_core::Device;
+use tinygpt::config::{MlpKind, ModelConfig, NormKind, PositionKind, Precision};
+use tinygpt::cpu::gemm::{matmul, matmul_serial};
+use tinygpt::cpu::isa::{self, Isa};
+use tinygpt::cpu::matrix::{Product, Strided};
+use tinygpt::cpu::ops::activation::Activation;
+use tinygpt::cpu::ops::attention::causal_softmax_rows;
+use tinygpt::cpu::ops::norm::{NormStats, NormWeights};
+use tinygpt::data::Batch;
+use tinygpt::engine::{self, EngineOptions};
+use tinygpt::model::spec::Shapes;
+use tinygpt::model::ModelSpec;
+
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n as u32)
+        .map(|i| {
+            ((i.wrapping_mul(2654435761) ^ seed.wrapping_mul(40503)) % 1000) as f32 / 500.0 - 1.0
+        })
+        .collect()
+}
+
+/// f32 products at odd sizes, every layout, plain and split over threads, against
+/// the same sums in f64.
+fn check_gemm(level: Isa) {
+    for (m, n, k) in [
+        (1, 1, 1),
+        (7, 19, 5),
+        (33, 17, 70),
+        (96, 130, 257),
+        (300, 200, 100),
+    ] {
+        let (a, b) = (values(m * k, 1), values(k * n, 2));
+        let want: Vec<f64> = (0..m * n)
+            .map(|i| {
+                (0..k)
+                    .map(|p| a[(i / n) * k + p] as f64 * b[p * n + i % n] as f64)
+                    .sum()
+            })
+            .collect();
+        let at: Vec<f32> = (0..m * k).map(|i| a[(i % m) * k + i / m]).collect(); // (k x m)
+        for (sa, a_t) in [
+            (Strided::rows(&a, k), false),
+            (Strided::columns(&at, m), true),
+        ] {
+            let p = Product::new(sa, Strided::rows(&b, n), (m, n, k));
+            let (mut par, mut serial) = (vec![0f32; m * n], vec![0f32; m * n]);
+            matmul(&mut par, n, p, Precision::F32);
+            matmul_serial(&mut serial, n, p, Precision::F32);
+            for (got, what) in [(&par, "matmul"), (&serial, "serial")] {
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let tol = 1e-5 * (1.0 + k as f64).sqrt() * (1.0 + w.abs());
+                    assert!(
+                        (*g as f64 - w).abs() <= tol,
+                        "{level:?} {what} {m}x{n}x{k} a_t={a_t} [{i}]: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Vector kernels' outputs at `level` (their sums run in another order per level, so
+/// they are compared to the scalar level to float rounding).
+fn kernel_outputs() -> Vec<Vec<f32>> {
+    let cfg = ModelConfig {
+        n_embd: 40,
+        n_head: 4,
+        vocab_size: 5,
+        ..ModelConfig::default()
+    };
+    let s = Shapes::new(&cfg);
+    let rows = 9;
+    let x = values(rows * s.n_embd, 3);
+    let (w, b) = (values(s.n_embd, 4), values(s.n_embd, 5));
+    let mut norm = vec![0f32; x.len()];
+    let mut stats = NormStats::new(rows);
+    let weights = NormWeights {
+        kind: NormKind::LayerNorm,
+        eps: 1e-5,
+        w: &w,
+        b: Some(&b),
+    };
+    weights.forward(&mut norm, &mut stats, &x);
+    let fc = values(rows * s.mlp_fc_width, 6);
+    let mut outputs = vec![norm, stats.rstd.clone()];
+    for kind in [MlpKind::Gelu, MlpKind::GeluTanh] {
+        let mut act = vec![0f32; rows * s.mlp_hidden];
+        Activation::new(kind, &s).forward(&mut act, &fc);
+        outputs.push(act);
+    }
+    let t = 37;
+    let mut scores: Vec<f32> = values(t * t, 7).iter().map(|v| v * 8.0).collect();
+    causal_softmax_rows(&mut scores, t);
+    outputs.push(scores);
+    outputs
+}
+
+/// The fused engine's loss and gradients at `level` against the reference engine's.
+fn check_engine(level: Isa) {
+    for (positions, kv, norm, mlp) in [
+        (PositionKind::Learned, 4, NormKind::LayerNorm, MlpKind::Gelu),
+        (PositionKind::Rope, 2, NormKind::RmsNorm, MlpKind::Swiglu),
+    ] {
+        let cfg = ModelConfig {
+            n_layer: 2,
+            n_head: 4,
+            n_kv_head: Some(kv),
+            n_embd: 72,
+            block_size: 37,
+            positions,
+            norm,
+            mlp,
+            dropout: 0.1,
+            vocab_size: 67,
+            ..ModelConfig::default()
+        };
+        let spec = ModelSpec::new(&cfg);
+        let weights = spec.initial_values(3);
+        let batch = Batch {
+            x: values(3 * 37, 8)
+                .iter()
+                .map(|v| ((v + 1.0) * 33.0) as u32)
+                .collect(),
+            y: values(3 * 37, 9)
+                .iter()
+                .map(|v| ((v + 1.0) * 33.0) as u32)
+                .collect(),
+            batch: 3,
+            block: 37,
+        };
+        let dropout = tinygpt::model::Dropout::in_pass(0.1, 1, 2, 0);
+        let run = |fused| {
+            let options = EngineOptions {
+                batch: 3,
+                precision: Precision::F32,
+                fused,
+            };
+            let mut e = engine::build(&spec, &weights, &Device::Cpu, options).unwrap();
+            let loss = e.forward(&batch, dropout.as_ref()).unwrap();
+            e.backward(1.0).unwrap();
+            (loss, e.grads().unwrap())
+        };
+        let (ref_loss, ref_grads) = run(false);
+        let (loss, grads) = run(true);
+        let what = format!("{level:?} {positions:?} {norm:?} {mlp:?}");
+        assert!(
+            (loss - ref_loss).abs() <= 1e-5 * ref_loss,
+            "{what}: {loss} vs {ref_loss}"
+        );
+        for (name, want) in &ref_grads {
+            let want: Vec<f32> = want.flatten_all().unwrap().to_vec1().unwrap();
+            let got: Vec<f32> = grads[name].flatten_all().unwrap().to_vec1().unwrap();
+            let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-12);
+            let err = got
+                .iter()
+                .zip(&want)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+                / scale;
+            assert!(err <= 1e-5, "{what}: gradient of {name} off by {err:e}");
+        }
+    }
+}
+
+#[test]
+fn every_supported_level_gives_the_same_results() {
+    let levels = Isa::supported();
+    eprintln!("levels this CPU supports: {levels:?}");
+    isa::force(Some(Isa::Scalar));
+    let scalar = kernel_outputs();
+    for &level in &levels {
+        isa::force(Some(level));
+        assert_eq!(isa::active(), level);
+        check_gemm(level);
+        for (got, want) in kernel_outputs().iter().zip(&scalar) {
+            for (g, w) in got.iter().zip(want) {
+                assert!(
+                    (g - w).abs() <= 2e-6 * (1.0 + w.abs()),
+                    "{level:?}: {g} vs scalar {w}"
+                );
+            }
+        }
+        check_engine(level);
+    }
+    isa::force(None);
+    if levels.len() < 3 {
+        eprintln!(
+            "note: this CPU lacks {:?}; those levels were not run",
+            &Isa::ALL[levels.len()..]
+        );
+    }
+}
+
+/// `TINYGPT_CPU_ISA` caps what the binary runs (bench reports it), and a value that is
+/// not a level is refused in one line, exit 2.
+#[test]
+fn the_environment_caps_the_level() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tiny.toml");
+    std::fs::write(
+        &config,
+        "[model]\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 8\nvocab_size = 11\n[train]\nbatch_size = 2\n",
+    )
+    .unwrap();
+    let bench = |isa: &str| {
+        Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+            .args([
+                "bench",
+                "--config",
+                config.to_str().unwrap(),
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+            ])
+            .args(["--decode-tokens", "2", "--prompt-tokens", "2", "--json"])
+            .env("TINYGPT_CPU_ISA", isa)
+            .output()
+            .unwrap()
+    };
+    let out = bench("scalar");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["cpu_isa"], "scalar");
+    let out = bench("sse9");
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("TINYGPT_CPU_ISA") && stderr.contains("avx2"),
+        "{stderr}"
+    );
+}
