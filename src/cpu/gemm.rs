@@ -5,8 +5,6 @@
 //! generic driver with the micro-kernels of the active level instead (`cpu::isa`), so
 //! `TINYGPT_CPU_ISA` caps the products too.
 
-use gemm_common::gemm::gemm_basic_generic;
-use gemm_common::simd::MixedSimd;
 use gemm_common::Parallelism;
 
 pub use crate::config::Precision;
@@ -142,7 +140,9 @@ type GemmF32 = unsafe fn(
 macro_rules! level_gemm {
     ($level:ident, $kernels:ident, $simd:ident, $lanes:expr) => {
         mod $level {
-            use super::*;
+            use gemm_common::gemm::gemm_basic_generic;
+            use gemm_common::simd::MixedSimd;
+            use gemm_common::Parallelism;
             use gemm_f32::microkernel::$kernels::f32 as ukr;
 
             #[allow(clippy::too_many_arguments)]
