@@ -1,17 +1,15 @@
-// Throwaway: GFLOP/s of cpu::gemm::matmul at the baby model's shapes.
+// Throwaway: our dispatched GEMM vs the gemm crate's own entry point, interleaved.
 use std::time::Instant;
 use tinygpt::config::Precision;
 use tinygpt::cpu::gemm::matmul;
 use tinygpt::cpu::matrix::{Product, Strided};
 fn main() {
-    // (name, m, n, k, a transposed?, b transposed?)
     let shapes = [
         ("qkv fwd", 4096, 1152, 384, false, true),
-        ("fc fwd", 4096, 1536, 384, false, true),
         ("proj fwd", 4096, 384, 1536, false, true),
-        ("fc dx", 4096, 384, 1536, false, false),
         ("fc dW", 1536, 384, 4096, true, false),
-        ("qkv dW", 1152, 384, 4096, true, false),
+        ("baby fc", 768, 512, 128, false, true),
+        ("baby dx", 768, 128, 512, false, false),
     ];
     for (name, m, n, k, at, bt) in shapes {
         let a = vec![0.5f32; m * k];
@@ -28,58 +26,52 @@ fn main() {
             Strided::rows(&b, n)
         };
         let p = Product::new(sa, sb, (m, n, k));
-        for _ in 0..20 {
-            matmul(&mut c, n, p, Precision::F32);
+        let reps = (1e9 / (2.0 * (m * n * k) as f64)).max(20.0) as usize;
+        let (mut ours, mut crate_) = (f64::MAX, f64::MAX);
+        let threads = tinygpt::cpu::threads::threads();
+        for _ in 0..6 {
+            let t = Instant::now();
+            for _ in 0..reps {
+                matmul(&mut c, n, p, Precision::F32);
+            }
+            ours = ours.min(t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            for _ in 0..reps {
+                unsafe {
+                    gemm::gemm(
+                        m,
+                        n,
+                        k,
+                        c.as_mut_ptr(),
+                        1,
+                        n as isize,
+                        false,
+                        a.as_ptr(),
+                        sa.col as isize,
+                        sa.row as isize,
+                        b.as_ptr(),
+                        sb.col as isize,
+                        sb.row as isize,
+                        1.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        if threads > 1 {
+                            gemm::Parallelism::Rayon(threads)
+                        } else {
+                            gemm::Parallelism::None
+                        },
+                    )
+                }
+            }
+            crate_ = crate_.min(t.elapsed().as_secs_f64());
         }
-        let reps = (2e9 / (2.0 * (m * n * k) as f64)).max(50.0) as usize;
-        let t = Instant::now();
-        for _ in 0..reps {
-            matmul(&mut c, n, p, Precision::F32);
-        }
-        let s = t.elapsed().as_secs_f64();
+        let g = |s: f64| 2.0 * (m * n * k) as f64 * reps as f64 / s / 1e9;
         println!(
-            "{name:10} {m}x{n}x{k}: {:.1} GFLOP/s ({:.1} us)",
-            2.0 * (m * n * k) as f64 * reps as f64 / s / 1e9,
-            s / reps as f64 * 1e6
-        );
-    }
-    // One head of attention, serial, causal: S = Q K^T (T x T x d), Y = P V (T x d x T).
-    use tinygpt::cpu::gemm::matmul_serial;
-    use tinygpt::cpu::matrix::Causal;
-    let (t, d, w) = (256, 64, 1152);
-    let qkv = vec![0.1f32; t * w];
-    let mut p = vec![0f32; t * t];
-    let mut y = vec![0f32; t * 384];
-    for (name, causal) in [("plain", Causal::No), ("causal", Causal::LowerDst)] {
-        let reps = 2000;
-        let t0 = Instant::now();
-        for _ in 0..reps {
-            let qk = Product::new(
-                Strided::rows(&qkv, w),
-                Strided::columns(&qkv[384..], w),
-                (t, t, d),
-            )
-            .causal(causal);
-            matmul_serial(&mut p, t, qk, Precision::F32);
-            let c2 = if causal == Causal::No {
-                Causal::No
-            } else {
-                Causal::LowerA
-            };
-            let pv = Product::new(
-                Strided::rows(&p, t),
-                Strided::rows(&qkv[768..], w),
-                (t, d, t),
-            )
-            .causal(c2);
-            matmul_serial(&mut y, 384, pv, Precision::F32);
-        }
-        let s = t0.elapsed().as_secs_f64();
-        let flops = 2.0 * 2.0 * (t * t * d) as f64;
-        println!(
-            "attn head {name}: {:.1} us per head, {:.1} GFLOP/s of the full product",
-            s / reps as f64 * 1e6,
-            flops * reps as f64 / s / 1e9
+            "{name:9} ours {:6.1}  crate {:6.1} GFLOP/s",
+            g(ours),
+            g(crate_)
         );
     }
 }

@@ -82,24 +82,32 @@ fn gemm_f32(dst: &mut [f32], dst_row: usize, p: Product, threads: Parallelism) {
         isa::Isa::Avx2 => avx2::gemm,
         _ => scalar::gemm,
     };
-    let (a, b) = (p.a, p.b);
+    // The micro-kernels prefer a column-major destination: a row-major one (ours) is
+    // multiplied as its transpose, dstᵀ = bᵀ aᵀ, as the crate's own entry point does.
+    let (dst_cs, dst_rs) = (1, dst_row as isize);
+    let transpose = dst_cs < dst_rs;
+    let (m, n, lhs, rhs, dst_cs, dst_rs) = if transpose {
+        (p.n, p.m, p.b.transpose(), p.a.transpose(), dst_rs, dst_cs)
+    } else {
+        (p.m, p.n, p.a, p.b, dst_cs, dst_rs)
+    };
     // Safety: checked above: every element gemm reads or writes is inside the slices
     // (it handles empty sizes itself); the active level is one the CPU has.
     unsafe {
         kernel(
-            p.m,
-            p.n,
+            m,
+            n,
             p.k,
             dst.as_mut_ptr(),
-            1,
-            dst_row as isize,
+            dst_cs,
+            dst_rs,
             p.accumulate,
-            a.data.as_ptr(),
-            a.col as isize,
-            a.row as isize,
-            b.data.as_ptr(),
-            b.col as isize,
-            b.row as isize,
+            lhs.data.as_ptr(),
+            lhs.col as isize,
+            lhs.row as isize,
+            rhs.data.as_ptr(),
+            rhs.col as isize,
+            rhs.row as isize,
             1.0,
             p.beta,
             false,

@@ -42,6 +42,15 @@ impl<'a> Strided<'a> {
         Self { data, row: 1, col }
     }
 
+    /// The same elements read as the transpose.
+    pub fn transpose(self) -> Self {
+        Self {
+            row: self.col,
+            col: self.row,
+            ..self
+        }
+    }
+
     /// The operand from element (row, col) on.
     pub fn offset(self, row: usize, col: usize) -> Self {
         Self {
