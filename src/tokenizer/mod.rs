@@ -22,8 +22,11 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, DecoderWrapper, ModelWrapper, PreTokenizerWrapper, TokenizerImpl};
 
 use crate::config::TokenizerKind;
+
+mod byte_level;
 use crate::error::user_error;
 use crate::user_bail;
+use byte_level::{gpt2_byte_chars, ByteLevelBpe};
 
 /// The special token that separates documents in BPE vocabularies.
 pub const END_OF_TEXT: &str = "<|endoftext|>";
@@ -36,6 +39,9 @@ pub struct Tokenizer {
     /// Present for byte-level vocabularies: the character each byte is written as in
     /// token strings (GPT-2's table), reversed.
     byte_of_char: Option<HashMap<char, u8>>,
+    /// Present for byte-level BPE of GPT-2's shape: encoding without `tokenizers`'
+    /// per-token bookkeeping, same ids.
+    fast_bpe: Option<ByteLevelBpe>,
 }
 
 impl Tokenizer {
@@ -133,10 +139,12 @@ impl Tokenizer {
         });
         let byte_of_char =
             matches!(hf.get_decoder(), Some(DecoderWrapper::ByteLevel(_))).then(byte_level_table);
+        let fast_bpe = ByteLevelBpe::for_tokenizer(&hf);
         Self {
             hf,
             char_ids,
             byte_of_char,
+            fast_bpe,
         }
     }
 
@@ -178,11 +186,26 @@ impl Tokenizer {
             }
             return Ok(out);
         }
+        if let Some(fast) = &self.fast_bpe {
+            let mut out = Vec::with_capacity(text.len() / 3);
+            fast.encode(self.hf.get_model(), text, &mut out)?;
+            return Ok(out);
+        }
+        self.encode_with_tokenizers(text)
+    }
+
+    /// Encodes with `tokenizers`' own pipeline (the fast path's oracle).
+    pub fn encode_with_tokenizers(&self, text: &str) -> Result<Vec<u32>> {
         let encoding = self
             .hf
             .encode_fast(text, false)
             .map_err(|e| anyhow::anyhow!("encoding text: {e}"))?;
         Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Whether encoding takes the byte-level fast path (see `byte_level`).
+    pub fn has_fast_path(&self) -> bool {
+        self.fast_bpe.is_some()
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
@@ -272,23 +295,12 @@ fn catch_quietly<T>(f: impl FnOnce() -> T) -> std::result::Result<T, String> {
     })
 }
 
-/// GPT-2's byte-to-character table (bytes_to_unicode), reversed: printable bytes stand
-/// for themselves, the others are shifted to code points from 256 up.
+/// GPT-2's byte-to-character table (bytes_to_unicode), reversed.
 fn byte_level_table() -> HashMap<char, u8> {
-    let printable = |b: u32| {
-        (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b)
-    };
-    let mut shifted = 0;
-    (0u32..=255)
-        .map(|b| {
-            let c = if printable(b) {
-                b
-            } else {
-                shifted += 1;
-                255 + shifted
-            };
-            (char::from_u32(c).expect("a valid code point"), b as u8)
-        })
+    gpt2_byte_chars()
+        .into_iter()
+        .enumerate()
+        .map(|(byte, c)| (c, byte as u8))
         .collect()
 }
 
@@ -516,7 +528,7 @@ mod tests {
         assert!(Tokenizer::from_json(b"{not json").is_err());
         assert!(Tokenizer::from_json(b"{}").is_err());
         // Found by the fuzzer: makes tokenizers 0.23 panic inside its decoder parser.
-        let crash = include_bytes!("../tests/data/tokenizer-decoder-panic.json");
+        let crash = include_bytes!("../../tests/data/tokenizer-decoder-panic.json");
         let err = Tokenizer::from_json(crash)
             .err()
             .expect("an error, not a panic");
