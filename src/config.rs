@@ -52,17 +52,25 @@ impl Default for RunConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
-    /// A text file, or a folder whose `.txt` files are read in name order.
+    /// A text, `.jsonl`, `.parquet` or `.bin` (token ids) file, or a folder of them
+    /// read in name order.
     pub corpus: PathBuf,
-    /// The last `val_fraction` of the tokens are held out for validation.
+    /// The field (jsonl) or column (parquet) that holds each document's text.
+    pub text_field: String,
+    /// The last `val_fraction` of the tokens are held out for validation (token files
+    /// named `val.bin` or `*_val_*.bin` are the validation set instead).
     pub val_fraction: f64,
+    /// Where trained tokenizers and token ids are kept, per corpus, for every run.
+    pub cache_dir: PathBuf,
 }
 
 impl Default for DataConfig {
     fn default() -> Self {
         Self {
             corpus: PathBuf::from("data/shakespeare.txt"),
+            text_field: "text".into(),
             val_fraction: 0.1,
+            cache_dir: PathBuf::from("data/cache"),
         }
     }
 }
@@ -82,6 +90,9 @@ pub struct TokenizerConfig {
     pub kind: TokenizerKind,
     /// Target vocabulary for BPE (256 byte tokens + merges + special tokens).
     pub vocab_size: usize,
+    /// BPE trains on a sample of this many bytes of the corpus, spread through it (all
+    /// of a smaller corpus).
+    pub train_bytes: u64,
     /// Use this tokenizer.json instead of training one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub path: Option<PathBuf>,
@@ -92,6 +103,7 @@ impl Default for TokenizerConfig {
         Self {
             kind: TokenizerKind::Bpe,
             vocab_size: 2048,
+            train_bytes: 32_000_000,
             path: None,
         }
     }
@@ -499,6 +511,12 @@ impl Config {
                 "config: tokenizer.vocab_size = {} is out of range; byte-level BPE needs 257..={MAX_VOCAB} (256 bytes + end-of-text)",
                 tk.vocab_size
             );
+        }
+        if tk.train_bytes == 0 {
+            user_bail!("config: tokenizer.train_bytes = 0; BPE needs some text to train on (default 32000000)");
+        }
+        if self.data.text_field.is_empty() {
+            user_bail!("config: data.text_field is empty; name the jsonl field or parquet column holding the text (default \"text\")");
         }
         if !(self.data.val_fraction > 0.0 && self.data.val_fraction < 1.0) {
             user_bail!(

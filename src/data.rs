@@ -1,139 +1,117 @@
-//! Corpus -> token ids (once, cached) -> train/val split -> random `(x, y)` windows.
-//!
-//! The token cache is a flat little-endian file of u16 ids (u32 when the vocabulary is
-//! larger than 65,536), memory-mapped on reuse. A small JSON header beside it records
-//! the SHA-256 of the corpus and of the tokenizer.json it was made with; when either
-//! changes the cache is rebuilt.
+//! Token ids -> train/val split -> random `(x, y)` windows. (The ids come from the
+//! corpus through `corpus::cache`, or from token files as they are.)
 
-use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use memmap2::Mmap;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use serde::{Deserialize, Serialize};
 
-use crate::error::user_error;
-use crate::tokenizer::Tokenizer;
 use crate::user_bail;
-use crate::util::{sha256_hex, sha256_hex_of, write_atomic};
 
-/// Reads the corpus: one file, or every `.txt` file of a folder in name order.
-/// Returns the documents' texts.
-pub fn read_corpus(path: &Path) -> Result<Vec<String>> {
-    let meta = fs::metadata(path).map_err(|e| {
-        user_error(format!(
-            "corpus {}: {e}; set data.corpus to a text file or a folder of .txt files{}",
-            path.display(),
-            if path.ends_with("data/shakespeare.txt") {
-                " (./data/prepare.sh builds data/shakespeare.txt)"
-            } else {
-                ""
-            }
-        ))
-    })?;
-    let files: Vec<PathBuf> = if meta.is_dir() {
-        let mut files: Vec<PathBuf> = fs::read_dir(path)
-            .with_context(|| format!("listing {}", path.display()))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "txt"))
-            .collect();
-        files.sort();
-        if files.is_empty() {
-            user_bail!(
-                "corpus folder {} has no .txt files; put the training text in *.txt files there",
-                path.display()
-            );
-        }
-        files
-    } else {
-        vec![path.to_path_buf()]
-    };
-    let mut docs = Vec::with_capacity(files.len());
-    for file in files {
-        let bytes = fs::read(&file)
-            .map_err(|e| user_error(format!("cannot read corpus file {}: {e}", file.display())))?;
-        let text = String::from_utf8(bytes).map_err(|e| {
-            user_error(format!(
-                "corpus file {} is not UTF-8 (invalid byte at offset {}); convert it, e.g. with iconv -t UTF-8",
-                file.display(),
-                e.utf8_error().valid_up_to()
-            ))
-        })?;
-        docs.push(text);
-    }
-    if docs.iter().all(|d| d.trim().is_empty()) {
-        user_bail!(
-            "corpus {} is empty; it needs some text to train on",
-            path.display()
-        );
-    }
-    Ok(docs)
-}
-
-/// The documents joined into one text, as the tokenizer is trained on.
-pub fn joined(docs: &[String]) -> String {
-    docs.join("\n")
-}
-
-/// Encodes the documents; BPE vocabularies put `<|endoftext|>` between documents,
-/// char vocabularies a newline.
-pub fn encode_corpus(docs: &[String], tokenizer: &Tokenizer) -> Result<Vec<u32>> {
-    let separator = match tokenizer.end_of_text() {
-        Some(eot) => vec![eot],
-        None if docs.len() > 1 => tokenizer.encode("\n")?,
-        None => vec![],
-    };
-    let mut ids = Vec::new();
-    for (i, doc) in docs.iter().enumerate() {
-        if i > 0 {
-            ids.extend_from_slice(&separator);
-        }
-        ids.extend(tokenizer.encode(doc)?);
-    }
-    Ok(ids)
-}
-
-/// Token ids, owned or memory-mapped from the cache; a cheap view of a range of them.
+/// Token ids: owned, or memory-mapped from token files (the cache, nanoGPT's and
+/// llm.c's `.bin` files), possibly several files one after another; a cheap view of a
+/// range of them.
 #[derive(Clone)]
 pub struct Tokens {
+    parts: Vec<Part>,
+    len: usize,
+}
+
+/// A range of one storage.
+#[derive(Clone)]
+struct Part {
     storage: Arc<Storage>,
     start: usize,
     len: usize,
 }
 
-enum Storage {
+pub enum Storage {
     Owned(Vec<u32>),
-    MappedU16(Mmap),
-    MappedU32(Mmap),
+    /// Little-endian ids of `width` bytes (2 or 4) from byte `offset` of a mapped file.
+    Mapped {
+        map: Mmap,
+        offset: usize,
+        width: usize,
+    },
+}
+
+impl Storage {
+    fn len(&self) -> usize {
+        match self {
+            Storage::Owned(v) => v.len(),
+            Storage::Mapped { map, offset, width } => (map.len() - offset) / width,
+        }
+    }
+
+    /// Copies ids `start..start + out.len()` into `out`.
+    fn copy(&self, start: usize, out: &mut [u32]) {
+        match self {
+            Storage::Owned(v) => out.copy_from_slice(&v[start..start + out.len()]),
+            Storage::Mapped { map, offset, width } => {
+                let from = offset + start * width;
+                let bytes = &map[from..from + out.len() * width];
+                if *width == 2 {
+                    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                        *o = u16::from_le_bytes([b[0], b[1]]) as u32;
+                    }
+                } else {
+                    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                        *o = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    }
+                }
+            }
+        }
+    }
 }
 
 impl Tokens {
     pub fn from_vec(ids: Vec<u32>) -> Self {
-        Self::whole(Storage::Owned(ids))
+        Self::concat(vec![Storage::Owned(ids)])
     }
 
-    fn whole(storage: Storage) -> Self {
-        let len = match &storage {
-            Storage::Owned(v) => v.len(),
-            Storage::MappedU16(m) => m.len() / 2,
-            Storage::MappedU32(m) => m.len() / 4,
-        };
-        Self {
-            storage: Arc::new(storage),
-            start: 0,
-            len,
-        }
+    /// The storages' ids one after another.
+    pub fn concat(storages: Vec<Storage>) -> Self {
+        let parts: Vec<Part> = storages
+            .into_iter()
+            .map(|storage| Part {
+                len: storage.len(),
+                storage: Arc::new(storage),
+                start: 0,
+            })
+            .filter(|p| p.len > 0)
+            .collect();
+        let len = parts.iter().map(|p| p.len).sum();
+        Self { parts, len }
+    }
+
+    /// The views' ids one after another.
+    pub fn chain(views: Vec<Tokens>) -> Self {
+        let parts: Vec<Part> = views.into_iter().flat_map(|v| v.parts).collect();
+        let len = parts.iter().map(|p| p.len).sum();
+        Self { parts, len }
     }
 
     /// The tokens in `range` (relative to this view), sharing storage.
     pub fn slice(&self, range: std::ops::Range<usize>) -> Self {
         assert!(range.start <= range.end && range.end <= self.len);
+        let mut parts = Vec::new();
+        let mut at = 0;
+        for part in &self.parts {
+            let (lo, hi) = (range.start.max(at), range.end.min(at + part.len));
+            if lo < hi {
+                parts.push(Part {
+                    storage: Arc::clone(&part.storage),
+                    start: part.start + lo - at,
+                    len: hi - lo,
+                });
+            }
+            at += part.len;
+        }
         Self {
-            storage: Arc::clone(&self.storage),
-            start: self.start + range.start,
+            parts,
             len: range.end - range.start,
         }
     }
@@ -148,29 +126,28 @@ impl Tokens {
 
     pub fn get(&self, i: usize) -> u32 {
         assert!(i < self.len, "token index {i} out of range {}", self.len);
-        let i = self.start + i;
-        match &*self.storage {
-            Storage::Owned(v) => v[i],
-            Storage::MappedU16(m) => u16::from_le_bytes([m[2 * i], m[2 * i + 1]]) as u32,
-            Storage::MappedU32(m) => {
-                u32::from_le_bytes([m[4 * i], m[4 * i + 1], m[4 * i + 2], m[4 * i + 3]])
-            }
-        }
+        let mut out = [0];
+        self.copy_range(i, &mut out);
+        out[0]
     }
 
-    /// Copies `range` into `out`.
+    /// Copies the ids from `start` on into `out`.
     pub fn copy_range(&self, start: usize, out: &mut [u32]) {
         assert!(start + out.len() <= self.len);
-        match &*self.storage {
-            Storage::Owned(v) => {
-                let s = self.start + start;
-                out.copy_from_slice(&v[s..s + out.len()])
+        let (mut at, mut done) = (0, 0);
+        for part in &self.parts {
+            if done == out.len() {
+                break;
             }
-            _ => {
-                for (k, o) in out.iter_mut().enumerate() {
-                    *o = self.get(start + k);
-                }
+            let want = start + done;
+            if want < at + part.len {
+                let from = want - at;
+                let n = (part.len - from).min(out.len() - done);
+                part.storage
+                    .copy(part.start + from, &mut out[done..done + n]);
+                done += n;
             }
+            at += part.len;
         }
     }
 
@@ -179,84 +156,22 @@ impl Tokens {
         self.copy_range(0, &mut v);
         v
     }
-}
 
-#[derive(Debug, Serialize, Deserialize, PartialEq)]
-struct CacheHeader {
-    corpus_sha256: String,
-    tokenizer_sha256: String,
-    bytes_per_token: usize,
-    tokens: usize,
-}
-
-/// Returns the corpus's tokens, from `cache` (a path without extension: `.bin` and
-/// `.json` are added) when it was made from the same corpus and tokenizer, else encodes
-/// and writes the cache.
-pub fn cached_tokens(docs: &[String], tokenizer: &Tokenizer, cache: &Path) -> Result<Tokens> {
-    let lengths: Vec<[u8; 8]> = docs
-        .iter()
-        .map(|d| (d.len() as u64).to_le_bytes())
-        .collect();
-    let corpus_sha256 = sha256_hex_of(
-        lengths
-            .iter()
-            .zip(docs)
-            .flat_map(|(len, d)| [len.as_slice(), d.as_bytes()]),
-    );
-    let tokenizer_sha256 = sha256_hex(tokenizer.to_json()?.as_bytes());
-    let bytes_per_token = if tokenizer.vocab_size() <= 1 << 16 {
-        2
-    } else {
-        4
-    };
-    let bin = cache.with_extension("bin");
-    let json = cache.with_extension("json");
-
-    if let Some(tokens) = read_cache(&bin, &json, &corpus_sha256, &tokenizer_sha256) {
-        return Ok(tokens);
+    /// The largest id (0 when empty), scanned in parallel blocks.
+    pub fn max_id(&self) -> u32 {
+        use rayon::prelude::*;
+        const BLOCK: usize = 1 << 20;
+        (0..self.len.div_ceil(BLOCK))
+            .into_par_iter()
+            .map(|b| {
+                let start = b * BLOCK;
+                let mut ids = vec![0; BLOCK.min(self.len - start)];
+                self.copy_range(start, &mut ids);
+                ids.into_iter().max().unwrap_or(0)
+            })
+            .max()
+            .unwrap_or(0)
     }
-
-    let ids = encode_corpus(docs, tokenizer)?;
-    let mut bytes = Vec::with_capacity(ids.len() * bytes_per_token);
-    for &id in &ids {
-        if bytes_per_token == 2 {
-            bytes.extend_from_slice(&(id as u16).to_le_bytes());
-        } else {
-            bytes.extend_from_slice(&id.to_le_bytes());
-        }
-    }
-    let header = CacheHeader {
-        corpus_sha256,
-        tokenizer_sha256,
-        bytes_per_token,
-        tokens: ids.len(),
-    };
-    if let Some(dir) = bin.parent() {
-        fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    // The header is written after the data, so a header always describes a whole file.
-    write_atomic(&bin, &bytes)?;
-    write_atomic(&json, serde_json::to_string_pretty(&header)?.as_bytes())?;
-    Ok(Tokens::from_vec(ids))
-}
-
-fn read_cache(bin: &Path, json: &Path, corpus: &str, tokenizer: &str) -> Option<Tokens> {
-    let header: CacheHeader = serde_json::from_slice(&fs::read(json).ok()?).ok()?;
-    if header.corpus_sha256 != corpus || header.tokenizer_sha256 != tokenizer {
-        return None;
-    }
-    let file = fs::File::open(bin).ok()?;
-    // Safety: the cache file is ours and replaced only by rename, never written in place.
-    let map = unsafe { Mmap::map(&file) }.ok()?;
-    if map.len() != header.tokens * header.bytes_per_token {
-        return None;
-    }
-    let storage = match header.bytes_per_token {
-        2 => Storage::MappedU16(map),
-        4 => Storage::MappedU32(map),
-        _ => return None,
-    };
-    Some(Tokens::whole(storage))
 }
 
 /// Train and validation tokens: the first `1 - val_fraction` and the rest.
@@ -266,6 +181,7 @@ pub struct Split {
 }
 
 impl Split {
+    /// The last `val_fraction` of `tokens` for validation, the rest for training.
     pub fn new(
         tokens: Tokens,
         val_fraction: f64,
@@ -275,17 +191,26 @@ impl Split {
         let n = tokens.len();
         let n_val = ((n as f64) * val_fraction).round() as usize;
         let n_train = n - n_val;
+        Self::of(
+            tokens.slice(0..n_train),
+            tokens.slice(n_train..n),
+            block_size,
+            corpus,
+        )
+    }
+
+    /// Given train and validation tokens (nanoGPT's train.bin and val.bin, say).
+    pub fn of(train: Tokens, val: Tokens, block_size: usize, corpus: &Path) -> Result<Self> {
+        let (n_train, n_val) = (train.len(), val.len());
         let need = block_size + 1;
         if n_train < need || n_val < need {
             user_bail!(
-                "corpus {} has {n} tokens: {n_train} for training and {n_val} for validation, but each needs at least block_size + 1 = {need}; use a longer corpus or a smaller model.block_size",
-                corpus.display()
+                "corpus {} has {} tokens: {n_train} for training and {n_val} for validation, but each needs at least block_size + 1 = {need}; use a longer corpus or a smaller model.block_size",
+                corpus.display(),
+                n_train + n_val
             );
         }
-        Ok(Self {
-            train: tokens.slice(0..n_train),
-            val: tokens.slice(n_train..n),
-        })
+        Ok(Self { train, val })
     }
 }
 
@@ -388,23 +313,6 @@ mod tests {
             d.sample(&tokens, 3, 5),
             BatchSampler::new(7, 0).sample(&tokens, 3, 5)
         );
-    }
-
-    #[test]
-    fn cache_is_reused_and_invalidated() {
-        let dir = tempfile::tempdir().unwrap();
-        let cache = dir.path().join("tokens");
-        let docs = vec!["hello world\n".repeat(10)];
-        let tk = Tokenizer::train_char(&docs[0]).unwrap();
-        let first = cached_tokens(&docs, &tk, &cache).unwrap();
-        assert!(matches!(*first.storage, Storage::Owned(_)));
-        let second = cached_tokens(&docs, &tk, &cache).unwrap();
-        assert!(matches!(*second.storage, Storage::MappedU16(_)));
-        assert_eq!(first.to_vec(), second.to_vec());
-        let changed = vec!["hello world!\n".repeat(10)];
-        let tk2 = Tokenizer::train_char(&changed[0]).unwrap();
-        let third = cached_tokens(&changed, &tk2, &cache).unwrap();
-        assert!(matches!(*third.storage, Storage::Owned(_)));
     }
 
     #[test]

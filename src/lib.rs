@@ -1,13 +1,15 @@
 //! tinygpt: train and sample small GPT language models, on candle.
 //!
-//! The data path, one direction: [`config`] -> [`tokenizer`] -> [`data`] -> [`model`]
-//! -> [`train`] -> [`checkpoint`]. The binary (`src/main.rs`) only parses arguments and
-//! calls into here; the library prints nothing itself and reports through the
-//! [`train::Reporter`] it is given.
+//! The data path, one direction: [`config`] -> [`corpus`] (+ [`tokenizer`]) -> [`data`]
+//! -> [`model`] -> [`train`] -> [`checkpoint`]. The binary (`src/main.rs`) only parses
+//! arguments and calls into here; the library reports training through the
+//! [`train::Reporter`] it is given, and prints only the progress of preparing a corpus
+//! (bars on stderr, one closing line each: see [`util::bars`]).
 
 pub mod bench;
 pub mod checkpoint;
 pub mod config;
+pub mod corpus;
 pub mod cpu;
 pub mod data;
 pub mod device;

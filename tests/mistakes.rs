@@ -93,6 +93,25 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
     std::fs::create_dir(d.join("notxt")).unwrap();
     std::fs::write(d.join("notxt/readme.md"), "no text here").unwrap();
     std::fs::write(d.join("bad-tokenizer.json"), "{ nope").unwrap();
+    std::fs::write(d.join("bad.jsonl"), "{\"text\": \"fine\"}\n{oops\n").unwrap();
+    std::fs::write(d.join("nofield.jsonl"), "{\"id\": 1, \"body\": \"x\"}\n").unwrap();
+    let tokens: Vec<u8> = [1u16, 2, 5000, 3]
+        .repeat(50)
+        .iter()
+        .flat_map(|t| t.to_le_bytes())
+        .collect();
+    std::fs::write(d.join("tokens.bin"), &tokens).unwrap();
+    std::fs::write(d.join("odd.bin"), [1u8, 0, 2]).unwrap();
+    let mut header = vec![0i32; 256];
+    header[..3].copy_from_slice(&[1234, 1, 4]);
+    let mut shard: Vec<u8> = header.iter().flat_map(|x| x.to_le_bytes()).collect();
+    shard.extend([1u16, 2, 3, 4].iter().flat_map(|t| t.to_le_bytes()));
+    std::fs::write(d.join("badmagic.bin"), &shard).unwrap();
+    std::fs::create_dir(d.join("mixed")).unwrap();
+    std::fs::write(d.join("mixed/a.txt"), "some text").unwrap();
+    std::fs::write(d.join("mixed/b.bin"), [1u8, 0]).unwrap();
+    let parquet = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/stories.parquet");
+    let parquet = parquet.display();
     std::fs::write(d.join("syntax.toml"), "[model]\nn_layer = = 2\n").unwrap();
     std::fs::write(d.join("unknown.toml"), "[model]\nlayers = 2\n").unwrap();
     std::fs::write(d.join("section.toml"), "[modle]\nn_layer = 2\n").unwrap();
@@ -288,6 +307,51 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "corpus folder without .txt",
             &format!("{t} --set data.corpus=notxt"),
             ".txt",
+        ),
+        case(
+            "jsonl line that is not JSON",
+            &format!("{t} --set data.corpus=bad.jsonl"),
+            "bad.jsonl:2",
+        ),
+        case(
+            "jsonl without the text field",
+            &format!("{t} --set data.corpus=nofield.jsonl"),
+            "it has: body, id",
+        ),
+        case(
+            "jsonl text field not a string",
+            &format!("{t} --set data.corpus=nofield.jsonl --set data.text_field=id"),
+            "a number",
+        ),
+        case(
+            "parquet without the text column",
+            &format!("{t} --set data.corpus={parquet} --set data.text_field=body"),
+            "it has: id, text, url",
+        ),
+        case(
+            "token file without tokenizer.path",
+            &format!("{t} --set data.corpus=tokens.bin"),
+            "tokenizer.path",
+        ),
+        case(
+            "llm.c shard with a wrong magic",
+            &format!("{t} --set data.corpus=badmagic.bin --set tokenizer.path={CK}/tokenizer.json"),
+            "magic 1234",
+        ),
+        case(
+            "token id beyond the vocabulary",
+            &format!("{t} --set data.corpus=tokens.bin --set tokenizer.path={CK}/tokenizer.json"),
+            "holds id 5000",
+        ),
+        case(
+            "token file of an odd size",
+            &format!("{t} --set data.corpus=odd.bin --set tokenizer.path={CK}/tokenizer.json"),
+            "truncated",
+        ),
+        case(
+            "corpus folder mixing tokens and text",
+            &format!("{t} --set data.corpus=mixed"),
+            "mixes",
         ),
         // Tokenizer.
         case(

@@ -48,6 +48,16 @@ impl Tokenizer {
     /// Trains byte-level BPE on `text` up to `vocab_size` tokens (fewer if the corpus
     /// has fewer distinct pairs worth merging).
     pub fn train_bpe(text: &str, vocab_size: usize) -> Result<Self> {
+        Self::train_bpe_on(std::iter::once(text), vocab_size)
+    }
+
+    /// Trains byte-level BPE on the texts of a stream (read in parallel as it comes;
+    /// only the counts of distinct words are kept).
+    pub fn train_bpe_on<I, S>(texts: I, vocab_size: usize) -> Result<Self>
+    where
+        I: Iterator<Item = S> + Send,
+        S: AsRef<str> + Send,
+    {
         let mut trainer = TrainerWrapper::BpeTrainer(
             BpeTrainerBuilder::new()
                 .vocab_size(vocab_size)
@@ -68,14 +78,18 @@ impl Tokenizer {
             false, true, true,
         ))));
         tk.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevelDecoder::default())));
-        tk.train(&mut trainer, text.split_inclusive('\n'))
+        tk.train(&mut trainer, texts)
             .map_err(|e| anyhow::anyhow!("training the BPE tokenizer: {e}"))?;
         Ok(Self::from_hf(tokenizers::Tokenizer::from(tk)))
     }
 
     /// One token per distinct character of `text`, in sorted order.
     pub fn train_char(text: &str) -> Result<Self> {
-        let chars: HashSet<char> = text.chars().collect();
+        Self::train_char_on(text.chars().collect())
+    }
+
+    /// One token per character of `chars`, in sorted order.
+    pub fn train_char_on(chars: HashSet<char>) -> Result<Self> {
         let mut chars: Vec<char> = chars.into_iter().collect();
         chars.sort_unstable();
         let vocab: Vocab = chars
@@ -174,24 +188,32 @@ impl Tokenizer {
     /// Encodes text; special tokens written in the text (like `<|endoftext|>`) are
     /// recognised. A character a char-level vocabulary lacks is a user error.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        if let Some(ids) = &self.char_ids {
-            let mut out = Vec::with_capacity(text.len());
-            for (pos, c) in text.char_indices() {
-                match ids.get(&c) {
-                    Some(&id) => out.push(id),
-                    None => user_bail!(
-                        "the character {c:?} (byte offset {pos}) is not in this char-level vocabulary; remove it from the text or train a BPE tokenizer"
-                    ),
+        let mut out = Vec::with_capacity(text.len() / 3);
+        self.encode_into(text, &mut out)?;
+        Ok(out)
+    }
+
+    /// Appends the ids of `text` to `out`.
+    pub fn encode_into(&self, text: &str, out: &mut Vec<u32>) -> Result<()> {
+        match (&self.char_ids, &self.fast_bpe) {
+            (Some(ids), _) => {
+                out.reserve(text.len());
+                for (pos, c) in text.char_indices() {
+                    match ids.get(&c) {
+                        Some(&id) => out.push(id),
+                        None => user_bail!(
+                            "the character {c:?} (byte offset {pos}) is not in this char-level vocabulary; remove it from the text or train a BPE tokenizer"
+                        ),
+                    }
                 }
+                Ok(())
             }
-            return Ok(out);
+            (None, Some(fast)) => fast.encode(self.hf.get_model(), text, out),
+            (None, None) => {
+                out.extend(self.encode_with_tokenizers(text)?);
+                Ok(())
+            }
         }
-        if let Some(fast) = &self.fast_bpe {
-            let mut out = Vec::with_capacity(text.len() / 3);
-            fast.encode(self.hf.get_model(), text, &mut out)?;
-            return Ok(out);
-        }
-        self.encode_with_tokenizers(text)
     }
 
     /// Encodes with `tokenizers`' own pipeline (the fast path's oracle).

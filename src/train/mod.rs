@@ -23,7 +23,9 @@ pub use start::Start;
 
 use crate::checkpoint::{RunDir, TrainState, METRICS_FILE, OPTIMIZER_FILE};
 use crate::config::{Config, TrainConfig};
-use crate::data::{self, Batch, BatchSampler, Split, Tokens};
+use crate::corpus::cache::CorpusCache;
+use crate::corpus::{token_files, Corpus};
+use crate::data::{Batch, BatchSampler, Split, Tokens};
 use crate::device::parse_device;
 use crate::engine::{self, Engine, EngineOptions};
 use crate::error::{DivergedError, InterruptedError};
@@ -80,18 +82,16 @@ impl Trainer {
     pub fn start(config: Config, start: Start) -> Result<Self> {
         let device = parse_device(&config.run.device)?;
         let run = RunDir::new(config.run_dir());
-        let docs = data::read_corpus(&config.data.corpus)?;
-        let origin = start::resolve(config, &start, &run, &docs)?;
+        let corpus = Corpus::open(&config.data.corpus, &config.data.text_field)?;
+        let cache = CorpusCache::new(&config.data.cache_dir, &corpus);
+        let origin = start::resolve(config, &start, &run, &corpus, &cache)?;
         let (config, state) = (origin.config, origin.state);
         config.validate()?;
         check_memory(&config, &device)?;
         let resume = start == Start::Resume;
         let lock = open_run_folder(&run, resume, &state)?;
 
-        let tokens = data::cached_tokens(&docs, &origin.tokenizer, &run.file("tokens"))?;
-        check_token_ids(&tokens, config.model.vocab_size)?;
-        let (data, block) = (&config.data, config.model.block_size);
-        let split = Split::new(tokens, data.val_fraction, block, &data.corpus)?;
+        let split = load_split(&config, &corpus, &cache, &origin.tokenizer)?;
 
         let spec = ModelSpec::new(&config.model);
         let weights = origin
@@ -104,7 +104,7 @@ impl Trainer {
         if resume {
             restore(&run, &state, engine.as_mut(), &mut sampler)?;
         }
-        let batch = Batch::empty(config.train.batch_size, block);
+        let batch = Batch::empty(config.train.batch_size, config.model.block_size);
         Ok(Self {
             batches: vec![batch.clone(); config.train.grad_accum],
             eval_batch: batch,
@@ -390,12 +390,29 @@ fn parse_position(s: &str) -> Result<u128> {
         .map_err(|_| crate::error::user_error(format!("state.json: bad RNG position {s:?}")))
 }
 
-fn check_token_ids(tokens: &Tokens, vocab_size: usize) -> Result<()> {
-    if let Some(bad) = (0..tokens.len())
-        .map(|i| tokens.get(i))
-        .find(|&id| id as usize >= vocab_size)
-    {
-        user_bail!("the token cache holds id {bad}, outside the model's vocabulary of {vocab_size}; delete the run's tokens.bin and retry");
+/// The corpus's tokens, split for training and validation: token files as they are,
+/// text through the cache.
+fn load_split(
+    config: &Config,
+    corpus: &Corpus,
+    cache: &CorpusCache,
+    tokenizer: &Tokenizer,
+) -> Result<Split> {
+    let (data, block) = (&config.data, config.model.block_size);
+    let vocab_size = config.model.vocab_size;
+    if corpus.is_tokenized() {
+        return match token_files::load(corpus, vocab_size)? {
+            (train, Some(val)) => Split::of(train, val, block, &data.corpus),
+            (all, None) => Split::new(all, data.val_fraction, block, &data.corpus),
+        };
     }
-    Ok(())
+    let tokens = cache.tokens(corpus, tokenizer)?;
+    let max = tokens.max_id();
+    if !tokens.is_empty() && max as usize >= vocab_size {
+        user_bail!(
+            "the token cache in {} holds id {max}, outside the model's vocabulary of {vocab_size}; delete that folder and retry",
+            cache.dir().display()
+        );
+    }
+    Split::new(tokens, data.val_fraction, block, &data.corpus)
 }

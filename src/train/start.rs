@@ -10,7 +10,8 @@ use candle_core::Device;
 
 use crate::checkpoint::{Loaded, RunDir, TrainState, CONFIG_FILE, MODEL_FILE};
 use crate::config::{Config, TokenizerKind};
-use crate::data;
+use crate::corpus::cache::CorpusCache;
+use crate::corpus::Corpus;
 use crate::model::params::weights_from_file;
 use crate::model::ModelSpec;
 use crate::tokenizer::Tokenizer;
@@ -41,8 +42,14 @@ pub struct Origin {
     pub weights: Option<Vec<f32>>,
 }
 
-/// Resolves `start` for the run folder `run`, whose corpus is `docs`.
-pub fn resolve(config: Config, start: &Start, run: &RunDir, docs: &[String]) -> Result<Origin> {
+/// Resolves `start` for the run folder `run`, whose corpus is `corpus`.
+pub fn resolve(
+    config: Config,
+    start: &Start,
+    run: &RunDir,
+    corpus: &Corpus,
+    cache: &CorpusCache,
+) -> Result<Origin> {
     if *start != Start::Resume && run.has_checkpoint() {
         user_bail!(
             "{} already holds a checkpoint; pass --resume to continue it, or choose another run.name (--set run.name=...)",
@@ -52,7 +59,7 @@ pub fn resolve(config: Config, start: &Start, run: &RunDir, docs: &[String]) -> 
     match start {
         Start::Resume => resume(config, run),
         Start::InitFrom(dir) => init_from(config, dir),
-        Start::Fresh => fresh(config, docs),
+        Start::Fresh => fresh(config, corpus, cache),
     }
 }
 
@@ -109,11 +116,15 @@ fn init_from(mut config: Config, dir: &Path) -> Result<Origin> {
 
 /// A tokenizer trained on the corpus (or read from tokenizer.path), and the model's
 /// vocabulary set from it.
-fn fresh(mut config: Config, docs: &[String]) -> Result<Origin> {
+fn fresh(mut config: Config, corpus: &Corpus, cache: &CorpusCache) -> Result<Origin> {
     let tk = &config.tokenizer;
     let tokenizer = match &tk.path {
         Some(path) => Tokenizer::from_file(path)?,
-        None => Tokenizer::train(tk.kind, &data::joined(docs), tk.vocab_size)?,
+        None if corpus.is_tokenized() => user_bail!(
+            "corpus {} holds token ids (.bin files); set tokenizer.path to the tokenizer.json they were encoded with (GPT-2's for nanoGPT's and llm.c's files)",
+            corpus.path.display()
+        ),
+        None => cache.tokenizer(corpus, tk)?,
     };
     let have = tokenizer.vocab_size();
     let trained_bpe = tk.path.is_none() && tk.kind == TokenizerKind::Bpe;

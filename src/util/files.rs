@@ -1,8 +1,8 @@
 //! Atomic file writes and content hashes.
 
 use std::fs;
-use std::io::Write;
-use std::path::Path;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use sha2::{Digest, Sha256};
@@ -10,21 +10,69 @@ use sha2::{Digest, Sha256};
 /// Writes `bytes` to `path` atomically: temp file in the same folder, fsync, rename,
 /// fsync of the folder. A crash leaves either the old file or the new one.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path
-        .parent()
+    let mut file = AtomicFile::create(path)?;
+    file.write_all(bytes)
+        .with_context(|| format!("writing {}", path.display()))?;
+    file.commit()
+}
+
+/// A file written under a temporary name in its folder and renamed into place by
+/// [`AtomicFile::commit`]: readers see the old file or the whole new one, never part.
+/// Dropped without a commit (an error, a full disk), the temporary file is removed.
+pub struct AtomicFile {
+    path: PathBuf,
+    tmp: PathBuf,
+    file: Option<BufWriter<fs::File>>,
+}
+
+impl AtomicFile {
+    pub fn create(path: &Path) -> Result<Self> {
+        let name = path.file_name().context("a file path")?.to_string_lossy();
+        let tmp = folder_of(path).join(format!(".{name}.tmp{}", std::process::id()));
+        let file = fs::File::create(&tmp).with_context(|| format!("writing {}", tmp.display()))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            tmp,
+            file: Some(BufWriter::with_capacity(1 << 20, file)),
+        })
+    }
+
+    /// Flushes, fsyncs and renames the file into place.
+    pub fn commit(mut self) -> Result<()> {
+        let file = self.file.take().expect("not committed yet");
+        let finish = || -> std::io::Result<()> {
+            let file = file.into_inner().map_err(|e| e.into_error())?;
+            file.sync_all()?;
+            fs::rename(&self.tmp, &self.path)?;
+            // The rename itself must reach the disk.
+            fs::File::open(folder_of(&self.path))?.sync_all()
+        };
+        finish().with_context(|| format!("writing {}", self.path.display()))
+    }
+}
+
+impl Write for AtomicFile {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.file.as_mut().expect("not committed").write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.file.as_mut().expect("not committed").flush()
+    }
+}
+
+impl Drop for AtomicFile {
+    fn drop(&mut self) {
+        if self.file.take().is_some() {
+            let _ = fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+fn folder_of(path: &Path) -> &Path {
+    path.parent()
         .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path.file_name().context("a file path")?.to_string_lossy();
-    let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
-    let write = || -> std::io::Result<()> {
-        let mut f = fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        fs::rename(&tmp, path)?;
-        // The rename itself must reach the disk.
-        fs::File::open(dir)?.sync_all()
-    };
-    write().with_context(|| format!("writing {}", path.display()))
+        .unwrap_or(Path::new("."))
 }
 
 /// The SHA-256 of `bytes`, as 64 lowercase hex digits.

@@ -2,8 +2,9 @@
 //! system says about memory. Nothing here imports anything else of ours, so every other
 //! module may use it without an import circle.
 
+pub mod bars;
 mod files;
 mod system;
 
-pub use files::{sha256_hex, sha256_hex_of, write_atomic};
+pub use files::{sha256_hex, sha256_hex_of, write_atomic, AtomicFile};
 pub use system::{available_memory_bytes, peak_rss_mb};

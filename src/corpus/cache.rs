@@ -1,0 +1,189 @@
+//! What is made from a corpus, made once and kept for every run that uses it:
+//!
+//! ```text
+//! <data.cache_dir>/<corpus name>-<fingerprint>/
+//!     corpus.json                          the files it was made from
+//!     tokenizer-bpe-<vocab>-<sample>.json  a trained tokenizer, per settings
+//!     tokenizer-char.json
+//!     tokens-<tokenizer hash>.bin          the corpus's ids, little-endian u16
+//!                                          (u32 above 65,536 tokens)
+//!     tokens-<tokenizer hash>.json         their header, written after them
+//! ```
+//!
+//! The fingerprint covers the corpus's files (see [`Corpus::fingerprint`]); the
+//! tokenizer hash is the SHA-256 of its tokenizer.json, so a given `tokenizer.path` or a
+//! resumed run's tokenizer finds its ids too. Files are written whole under a temporary
+//! name and renamed; a header is trusted only when the ids file has the size it names.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use memmap2::Mmap;
+use serde::{Deserialize, Serialize};
+
+use super::encode::encode;
+use super::train::train_tokenizer;
+use super::Corpus;
+use crate::config::{TokenizerConfig, TokenizerKind};
+use crate::data::{Storage, Tokens};
+use crate::tokenizer::Tokenizer;
+use crate::util::bars::{bytes_bar, finish};
+use crate::util::{sha256_hex, write_atomic, AtomicFile};
+
+pub struct CorpusCache {
+    dir: PathBuf,
+}
+
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+struct TokensHeader {
+    corpus_fingerprint: String,
+    tokenizer_sha256: String,
+    bytes_per_token: usize,
+    tokens: usize,
+    max_id: u32,
+}
+
+impl CorpusCache {
+    /// The cache folder of `corpus` under `cache_dir` (created when first written).
+    pub fn new(cache_dir: &Path, corpus: &Corpus) -> Self {
+        let fingerprint = corpus.fingerprint();
+        Self {
+            dir: cache_dir.join(format!("{}-{}", corpus.name(), &fingerprint[..16])),
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn create(&self, corpus: &Corpus) -> Result<()> {
+        fs::create_dir_all(&self.dir)
+            .with_context(|| format!("creating the cache folder {}", self.dir.display()))?;
+        let manifest = self.dir.join("corpus.json");
+        if !manifest.exists() {
+            write_atomic(
+                &manifest,
+                serde_json::to_string_pretty(&corpus.files)?.as_bytes(),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The tokenizer `config` describes, trained on `corpus` once per settings.
+    pub fn tokenizer(&self, corpus: &Corpus, config: &TokenizerConfig) -> Result<Tokenizer> {
+        let file = self.dir.join(match config.kind {
+            TokenizerKind::Bpe => format!(
+                "tokenizer-bpe-{}-{}.json",
+                config.vocab_size, config.train_bytes
+            ),
+            TokenizerKind::Char => "tokenizer-char.json".to_string(),
+        });
+        // A damaged file is trained again, not trusted.
+        if let Ok(tokenizer) = Tokenizer::from_file(&file) {
+            return Ok(tokenizer);
+        }
+        let start = Instant::now();
+        let what = match config.kind {
+            TokenizerKind::Bpe => format!("training BPE ({} tokens)", config.vocab_size),
+            TokenizerKind::Char => "collecting characters".to_string(),
+        };
+        let bar = bytes_bar(corpus.bytes(), &what);
+        let tokenizer = train_tokenizer(corpus, config, &bar)?;
+        self.create(corpus)?;
+        write_atomic(&file, tokenizer.to_json()?.as_bytes())?;
+        finish(
+            &bar,
+            &format!(
+                "tokenizer: {} tokens ({}) in {:.1} s, kept in {}",
+                tokenizer.vocab_size(),
+                tokenizer.kind_name(),
+                start.elapsed().as_secs_f64(),
+                file.display()
+            ),
+        );
+        Ok(tokenizer)
+    }
+
+    /// The ids of `corpus` under `tokenizer`: mapped from the cache, or encoded into it.
+    pub fn tokens(&self, corpus: &Corpus, tokenizer: &Tokenizer) -> Result<Tokens> {
+        let tokenizer_sha256 = sha256_hex(tokenizer.to_json()?.as_bytes());
+        let stem = format!("tokens-{}", &tokenizer_sha256[..16]);
+        let (bin, json) = (
+            self.dir.join(format!("{stem}.bin")),
+            self.dir.join(format!("{stem}.json")),
+        );
+        let fingerprint = corpus.fingerprint();
+        if let Some(tokens) = read_cache(&bin, &json, &fingerprint, &tokenizer_sha256) {
+            return Ok(tokens);
+        }
+
+        self.create(corpus)?;
+        let start = Instant::now();
+        let bar = bytes_bar(corpus.bytes(), "encoding");
+        let width = if tokenizer.vocab_size() <= 1 << 16 {
+            2
+        } else {
+            4
+        };
+        let mut out = AtomicFile::create(&bin)?;
+        let (mut tokens, mut max_id) = (0usize, 0u32);
+        let mut bytes = Vec::new();
+        encode(corpus, tokenizer, &bar, |ids| {
+            bytes.clear();
+            for &id in ids {
+                if width == 2 {
+                    bytes.extend_from_slice(&(id as u16).to_le_bytes());
+                } else {
+                    bytes.extend_from_slice(&id.to_le_bytes());
+                }
+            }
+            tokens += ids.len();
+            max_id = ids.iter().copied().fold(max_id, u32::max);
+            out.write_all(&bytes)
+                .with_context(|| format!("writing {}", bin.display()))
+        })?;
+        out.commit()?;
+        let header = TokensHeader {
+            corpus_fingerprint: fingerprint.clone(),
+            tokenizer_sha256: tokenizer_sha256.clone(),
+            bytes_per_token: width,
+            tokens,
+            max_id,
+        };
+        write_atomic(&json, serde_json::to_string_pretty(&header)?.as_bytes())?;
+        let seconds = start.elapsed().as_secs_f64();
+        finish(
+            &bar,
+            &format!(
+                "encoded {:.1} MB into {tokens} tokens in {seconds:.1} s ({:.1} MB/s), kept in {}",
+                corpus.bytes() as f64 / 1e6,
+                corpus.bytes() as f64 / 1e6 / seconds.max(1e-9),
+                bin.display()
+            ),
+        );
+        read_cache(&bin, &json, &fingerprint, &tokenizer_sha256)
+            .with_context(|| format!("reading back {}", bin.display()))
+    }
+}
+
+fn read_cache(bin: &Path, json: &Path, corpus: &str, tokenizer: &str) -> Option<Tokens> {
+    let header: TokensHeader = serde_json::from_slice(&fs::read(json).ok()?).ok()?;
+    if header.corpus_fingerprint != corpus || header.tokenizer_sha256 != tokenizer {
+        return None;
+    }
+    let file = fs::File::open(bin).ok()?;
+    // Safety: the cache file is replaced only by rename, never written in place.
+    let map = unsafe { Mmap::map(&file) }.ok()?;
+    let width = header.bytes_per_token;
+    if !matches!(width, 2 | 4) || map.len() != header.tokens * width {
+        return None;
+    }
+    Some(Tokens::concat(vec![Storage::Mapped {
+        map,
+        offset: 0,
+        width,
+    }]))
+}

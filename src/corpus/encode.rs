@@ -1,0 +1,93 @@
+//! Corpus -> token ids: chunks encoded on every core, handed on in corpus order.
+//!
+//! Documents are separated as one encoding of the whole would have them: by the
+//! end-of-text token in vocabularies that have it (BPE), by a newline in char
+//! vocabularies. Memory holds a few chunks per core, whatever the corpus's size.
+
+use anyhow::Result;
+use indicatif::ProgressBar;
+use rayon::prelude::*;
+
+use super::{Corpus, Piece};
+use crate::error::user_error;
+use crate::tokenizer::Tokenizer;
+
+/// Encodes `corpus`, calling `sink` with each chunk's ids in order; `progress` advances
+/// through the corpus's bytes.
+pub fn encode(
+    corpus: &Corpus,
+    tokenizer: &Tokenizer,
+    progress: &ProgressBar,
+    sink: impl FnMut(&[u32]) -> Result<()>,
+) -> Result<()> {
+    encode_in_chunks(corpus, tokenizer, super::CHUNK_BYTES, progress, sink)
+}
+
+/// [`encode`] with chunks of about `chunk_bytes` (small ones in tests).
+pub fn encode_in_chunks(
+    corpus: &Corpus,
+    tokenizer: &Tokenizer,
+    chunk_bytes: usize,
+    progress: &ProgressBar,
+    mut sink: impl FnMut(&[u32]) -> Result<()>,
+) -> Result<()> {
+    let separator = Separator::of(tokenizer);
+    let wave = 4 * rayon::current_num_threads();
+    let mut chunks = corpus.chunks_of(chunk_bytes);
+    let mut first = true;
+    loop {
+        let batch: Vec<Vec<Piece>> = chunks.by_ref().take(wave).collect::<Result<_>>()?;
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let encoded: Vec<Result<Vec<u32>>> = batch
+            .par_iter()
+            .enumerate()
+            .map(|(i, pieces)| encode_chunk(pieces, first && i == 0, &separator, tokenizer))
+            .collect();
+        for ids in encoded {
+            sink(&ids?)?;
+        }
+        first = false;
+        progress.set_position(chunks.position());
+    }
+}
+
+/// What goes between documents; a char vocabulary without a newline can only encode a
+/// corpus of one document, so its error waits until a second document comes.
+enum Separator {
+    Ids(Vec<u32>),
+    Missing(String),
+}
+
+impl Separator {
+    fn of(tokenizer: &Tokenizer) -> Self {
+        match tokenizer.end_of_text() {
+            Some(eot) => Self::Ids(vec![eot]),
+            None => match tokenizer.encode("\n") {
+                Ok(ids) => Self::Ids(ids),
+                Err(e) => Self::Missing(format!("documents are separated by a newline, and {e:#}")),
+            },
+        }
+    }
+}
+
+fn encode_chunk(
+    pieces: &[Piece],
+    starts_corpus: bool,
+    separator: &Separator,
+    tokenizer: &Tokenizer,
+) -> Result<Vec<u32>> {
+    let bytes: usize = pieces.iter().map(|p| p.text.len()).sum();
+    let mut ids = Vec::with_capacity(bytes / 3 + 1);
+    for (i, piece) in pieces.iter().enumerate() {
+        if piece.new_document && !(starts_corpus && i == 0) {
+            match separator {
+                Separator::Ids(sep) => ids.extend_from_slice(sep),
+                Separator::Missing(why) => return Err(user_error(why.clone())),
+            }
+        }
+        tokenizer.encode_into(&piece.text, &mut ids)?;
+    }
+    Ok(ids)
+}

@@ -1,0 +1,351 @@
+//! The training text as `data.corpus` names it, read as a stream.
+//!
+//! `data.corpus` is a file or a folder. A file's format comes from its extension:
+//! - `.jsonl`: one JSON object per line, a document in its field `data.text_field`;
+//! - `.parquet`: one document per row, from the column `data.text_field`;
+//! - `.bin`: token ids already encoded (nanoGPT's raw u16 `train.bin`, llm.c's shards);
+//! - anything else: UTF-8 text, one document per file.
+//!
+//! A folder's `.txt`, `.jsonl`, `.parquet` and `.bin` files are read in name order; token
+//! files and text do not mix.
+//!
+//! Text is never held whole. [`Corpus::chunks`] reads about [`CHUNK_BYTES`] at a time,
+//! cut where the tokenizer would split anyway (see `cut`), so chunks encode in parallel
+//! to the ids of the whole.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::UNIX_EPOCH;
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+
+use crate::error::user_error;
+use crate::user_bail;
+use crate::util::sha256_hex;
+
+pub mod cache;
+pub mod cut;
+pub mod encode;
+mod jsonl;
+mod parquet;
+mod text;
+pub mod token_files;
+mod train;
+
+/// About how much text a chunk holds.
+pub const CHUNK_BYTES: usize = 1 << 20;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Format {
+    Text,
+    Jsonl,
+    Parquet,
+    /// Token ids already encoded.
+    Tokens,
+}
+
+impl Format {
+    fn of(path: &Path) -> Self {
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("jsonl") => Self::Jsonl,
+            Some("parquet") => Self::Parquet,
+            Some("bin") => Self::Tokens,
+            _ => Self::Text,
+        }
+    }
+
+    /// Whether a folder's file of this name is part of the corpus.
+    fn listed(path: &Path) -> bool {
+        matches!(
+            path.extension().and_then(|e| e.to_str()),
+            Some("txt" | "jsonl" | "parquet" | "bin")
+        )
+    }
+}
+
+/// One file of the corpus, as it was when the corpus was opened.
+#[derive(Debug, Clone, Serialize)]
+pub struct CorpusFile {
+    pub path: PathBuf,
+    pub format: Format,
+    pub bytes: u64,
+    /// Modification time in nanoseconds since the epoch: with the size, what the
+    /// fingerprint sees of the contents.
+    modified_ns: u128,
+}
+
+pub struct Corpus {
+    pub path: PathBuf,
+    pub files: Vec<CorpusFile>,
+    text_field: String,
+}
+
+/// A run of one document's text; `new_document` marks a document's first piece.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Piece {
+    pub text: String,
+    pub new_document: bool,
+}
+
+/// A file's documents, a piece at a time.
+trait Pieces {
+    fn next_piece(&mut self) -> Result<Option<Piece>>;
+    /// About how many of the file's bytes are behind the pieces handed out.
+    fn consumed(&self) -> u64;
+}
+
+impl Corpus {
+    /// Lists the corpus's files; `text_field` names the text in jsonl and parquet files.
+    pub fn open(path: &Path, text_field: &str) -> Result<Self> {
+        let meta = fs::metadata(path).map_err(|e| {
+            user_error(format!(
+                "corpus {}: {e}; set data.corpus to a text, .jsonl, .parquet or .bin file, or a folder of them{}",
+                path.display(),
+                if path.ends_with("data/shakespeare.txt") {
+                    " (./data/prepare.sh builds data/shakespeare.txt)"
+                } else {
+                    ""
+                }
+            ))
+        })?;
+        let paths: Vec<PathBuf> = if meta.is_dir() {
+            let mut paths: Vec<PathBuf> = fs::read_dir(path)
+                .with_context(|| format!("listing {}", path.display()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.is_file() && Format::listed(p))
+                .collect();
+            paths.sort();
+            if paths.is_empty() {
+                user_bail!(
+                    "corpus folder {} has no .txt, .jsonl, .parquet or .bin files; put the training data there",
+                    path.display()
+                );
+            }
+            paths
+        } else {
+            vec![path.to_path_buf()]
+        };
+        let mut files = Vec::with_capacity(paths.len());
+        for path in paths {
+            let meta = fs::metadata(&path)
+                .map_err(|e| user_error(format!("corpus file {}: {e}", path.display())))?;
+            let modified_ns = meta
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_nanos());
+            files.push(CorpusFile {
+                format: Format::of(&path),
+                bytes: meta.len(),
+                modified_ns,
+                path,
+            });
+        }
+        let tokens = files.iter().filter(|f| f.format == Format::Tokens).count();
+        if tokens > 0 && tokens < files.len() {
+            user_bail!(
+                "corpus folder {} mixes token files (.bin) with text; put them in separate folders",
+                path.display()
+            );
+        }
+        if files.iter().all(|f| f.bytes == 0) {
+            user_bail!(
+                "corpus {} is empty; it needs some text to train on",
+                path.display()
+            );
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+            files,
+            text_field: text_field.to_string(),
+        })
+    }
+
+    /// Whether the corpus is token ids already (`.bin` files), not text.
+    pub fn is_tokenized(&self) -> bool {
+        self.files.iter().all(|f| f.format == Format::Tokens)
+    }
+
+    /// The files' total size: what progress is measured in.
+    pub fn bytes(&self) -> u64 {
+        self.files.iter().map(|f| f.bytes).sum()
+    }
+
+    /// A short name for cache folders: the corpus's file or folder name.
+    pub fn name(&self) -> String {
+        let name = self
+            .path
+            .file_stem()
+            .map(|s| s.to_string_lossy().to_string())
+            .unwrap_or_default();
+        let name: String = name
+            .chars()
+            .map(|c| {
+                if c.is_alphanumeric() || c == '-' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .take(40)
+            .collect();
+        if name.is_empty() {
+            "corpus".into()
+        } else {
+            name
+        }
+    }
+
+    /// SHA-256 of what identifies the corpus's contents without reading them: each
+    /// file's name, size and modification time, and the field read from jsonl/parquet.
+    /// (Rewriting a file changes its modification time; `touch` makes a rebuild.)
+    pub fn fingerprint(&self) -> String {
+        #[derive(Serialize)]
+        struct Manifest<'a> {
+            text_field: &'a str,
+            files: Vec<(String, u64, u128)>,
+        }
+        let files = self
+            .files
+            .iter()
+            .map(|f| {
+                let name = f.path.file_name().unwrap_or_default();
+                (name.to_string_lossy().to_string(), f.bytes, f.modified_ns)
+            })
+            .collect();
+        let manifest = Manifest {
+            text_field: &self.text_field,
+            files,
+        };
+        sha256_hex(
+            serde_json::to_string(&manifest)
+                .expect("a manifest serialises")
+                .as_bytes(),
+        )
+    }
+
+    /// The text in chunks of about [`CHUNK_BYTES`], each a list of pieces in order.
+    pub fn chunks(&self) -> Chunks<'_> {
+        self.chunks_of(CHUNK_BYTES)
+    }
+
+    /// The text in chunks of about `chunk_bytes`.
+    pub fn chunks_of(&self, chunk_bytes: usize) -> Chunks<'_> {
+        Chunks {
+            corpus: self,
+            chunk_bytes: chunk_bytes.max(1),
+            files_done_bytes: 0,
+            next_file: 0,
+            current: None,
+            oversized: None,
+            done: false,
+        }
+    }
+
+    fn open_file(&self, file: &CorpusFile, chunk_bytes: usize) -> Result<Box<dyn Pieces + Send>> {
+        Ok(match file.format {
+            Format::Text => Box::new(text::TextFile::open(&file.path, chunk_bytes)?),
+            Format::Jsonl => Box::new(jsonl::JsonlFile::open(&file.path, &self.text_field)?),
+            Format::Parquet => {
+                Box::new(parquet::ParquetFile::open(&file.path, &self.text_field)?)
+            }
+            Format::Tokens => user_bail!(
+                "corpus {} holds token ids (.bin), not text; it is used as it is, with tokenizer.path",
+                file.path.display()
+            ),
+        })
+    }
+}
+
+/// See [`Corpus::chunks`].
+pub struct Chunks<'a> {
+    corpus: &'a Corpus,
+    chunk_bytes: usize,
+    /// The sizes of the files read to the end.
+    files_done_bytes: u64,
+    next_file: usize,
+    current: Option<Box<dyn Pieces + Send>>,
+    /// The rest of a document too long for one chunk, cut as it is handed out.
+    oversized: Option<Piece>,
+    done: bool,
+}
+
+impl Chunks<'_> {
+    /// About how many of the corpus's bytes (see [`Corpus::bytes`]) are read.
+    pub fn position(&self) -> u64 {
+        self.files_done_bytes + self.current.as_ref().map_or(0, |f| f.consumed())
+    }
+
+    fn next_piece(&mut self) -> Result<Option<Piece>> {
+        if let Some(mut rest) = self.oversized.take() {
+            if rest.text.len() > self.chunk_bytes {
+                let cut = cut::cut_near(&rest.text, self.chunk_bytes);
+                let tail = rest.text.split_off(cut);
+                self.oversized = Some(Piece {
+                    text: tail,
+                    new_document: false,
+                });
+            }
+            return Ok(Some(rest));
+        }
+        loop {
+            if self.current.is_none() {
+                let Some(file) = self.corpus.files.get(self.next_file) else {
+                    return Ok(None);
+                };
+                self.next_file += 1;
+                self.current = Some(self.corpus.open_file(file, self.chunk_bytes)?);
+            }
+            match self
+                .current
+                .as_mut()
+                .expect("a file is open")
+                .next_piece()?
+            {
+                Some(piece) if piece.text.len() > self.chunk_bytes => {
+                    self.oversized = Some(piece);
+                    return self.next_piece();
+                }
+                Some(piece) => return Ok(Some(piece)),
+                None => {
+                    self.current = None;
+                    self.files_done_bytes += self.corpus.files[self.next_file - 1].bytes;
+                }
+            }
+        }
+    }
+}
+
+impl Iterator for Chunks<'_> {
+    type Item = Result<Vec<Piece>>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.done {
+            return None;
+        }
+        let mut chunk = Vec::new();
+        let mut bytes = 0;
+        // Pieces of a text file come near the chunk size, one to a chunk; small
+        // documents gather until half a chunk.
+        while bytes < self.chunk_bytes.div_ceil(2) {
+            match self.next_piece() {
+                Ok(Some(piece)) => {
+                    bytes += piece.text.len().max(1);
+                    chunk.push(piece);
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    self.done = true;
+                    return Some(Err(e));
+                }
+            }
+        }
+        if chunk.is_empty() {
+            self.done = true;
+            return None;
+        }
+        Some(Ok(chunk))
+    }
+}

@@ -1,0 +1,156 @@
+//! Token files used as they are, memory-mapped: nanoGPT's `train.bin`/`val.bin` (raw
+//! little-endian u16 ids, no header) and llm.c's shards (a header of 256 little-endian
+//! i32: magic, version, token count; then the ids: u16 for GPT-2's magic 20240520
+//! version 1, u32 for LLaMA 3's 20240801 version 7).
+//!
+//! A file whose header's count matches its size is taken as llm.c's; its magic must
+//! then be one of those. Anything else is nanoGPT's raw u16.
+
+use std::fs::File;
+use std::path::Path;
+
+use anyhow::Result;
+use memmap2::Mmap;
+
+use super::Corpus;
+use crate::data::{Storage, Tokens};
+use crate::error::user_error;
+use crate::user_bail;
+
+const LLMC_HEADER_BYTES: usize = 256 * 4;
+const LLMC_GPT2: (i32, i32) = (20240520, 1);
+const LLMC_LLAMA3: (i32, i32) = (20240801, 7);
+
+/// How a token file lays out its ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// nanoGPT: u16 ids from the first byte.
+    Raw16,
+    /// llm.c: a 1 KiB header, then ids of `width` bytes.
+    Llmc { width: usize },
+}
+
+/// Reads which layout `bytes` (a whole file) has, or why it has none.
+pub fn layout(bytes: &[u8], path: &Path) -> Result<Layout> {
+    let int = |i: usize| -> Option<i32> {
+        bytes
+            .get(4 * i..4 * i + 4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    if let (Some(magic), Some(version), Some(count)) = (int(0), int(1), int(2)) {
+        for width in [2, 4] {
+            let size = (count.max(0) as usize)
+                .checked_mul(width)
+                .and_then(|n| n.checked_add(LLMC_HEADER_BYTES));
+            if count > 0 && size == Some(bytes.len()) {
+                return match (magic, version) {
+                    LLMC_GPT2 if width == 2 => Ok(Layout::Llmc { width }),
+                    LLMC_LLAMA3 if width == 4 => Ok(Layout::Llmc { width }),
+                    _ => Err(user_error(format!(
+                        "token file {} has an llm.c header with magic {magic} version {version}, which is neither GPT-2's ({}, {}) nor LLaMA 3's ({}, {}); regenerate it with llm.c's dev/data scripts",
+                        path.display(),
+                        LLMC_GPT2.0,
+                        LLMC_GPT2.1,
+                        LLMC_LLAMA3.0,
+                        LLMC_LLAMA3.1
+                    ))),
+                };
+            }
+        }
+    }
+    if !bytes.len().is_multiple_of(2) {
+        user_bail!(
+            "token file {} is {} bytes: not u16 ids (nanoGPT's .bin) nor an llm.c shard; it may be truncated",
+            path.display(),
+            bytes.len()
+        );
+    }
+    Ok(Layout::Raw16)
+}
+
+/// Maps one token file.
+pub fn open(path: &Path) -> Result<Tokens> {
+    let file = File::open(path)
+        .map_err(|e| user_error(format!("cannot read token file {}: {e}", path.display())))?;
+    // Safety: the file is only read; a corpus rewritten while training would change the
+    // ids under us, as rewriting any input would.
+    let map = unsafe { Mmap::map(&file) }
+        .map_err(|e| user_error(format!("cannot map token file {}: {e}", path.display())))?;
+    let storage = match layout(&map, path)? {
+        Layout::Raw16 => Storage::Mapped {
+            map,
+            offset: 0,
+            width: 2,
+        },
+        Layout::Llmc { width } => Storage::Mapped {
+            map,
+            offset: LLMC_HEADER_BYTES,
+            width,
+        },
+    };
+    Ok(Tokens::concat(vec![storage]))
+}
+
+/// A tokenized corpus's ids: `(train, Some(val))` when some of its files are named as
+/// validation (nanoGPT's `val.bin`, llm.c's `*_val_*.bin`), else `(all, None)`.
+/// Every id is checked against `vocab_size`.
+pub fn load(corpus: &Corpus, vocab_size: usize) -> Result<(Tokens, Option<Tokens>)> {
+    let (mut train, mut val) = (Vec::new(), Vec::new());
+    for file in &corpus.files {
+        let tokens = open(&file.path)?;
+        let max = tokens.max_id();
+        if max as usize >= vocab_size {
+            user_bail!(
+                "token file {} holds id {max}, outside the vocabulary of {vocab_size}; set tokenizer.path to the tokenizer it was encoded with (or model.vocab_size to at least {})",
+                file.path.display(),
+                max as usize + 1
+            );
+        }
+        let name = file.path.file_name().unwrap_or_default().to_string_lossy();
+        if is_validation(&name) {
+            val.push(tokens);
+        } else {
+            train.push(tokens);
+        }
+    }
+    if train.is_empty() {
+        user_bail!(
+            "corpus {} has only validation token files (named *val*); add training files",
+            corpus.path.display()
+        );
+    }
+    let val = (!val.is_empty()).then(|| Tokens::chain(val));
+    Ok((Tokens::chain(train), val))
+}
+
+fn is_validation(name: &str) -> bool {
+    name == "val.bin" || name.contains("_val_") || name.starts_with("val_")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn llmc(magic: i32, version: i32, ids: &[u16]) -> Vec<u8> {
+        let mut header = [0i32; 256];
+        header[0] = magic;
+        header[1] = version;
+        header[2] = ids.len() as i32;
+        let mut bytes: Vec<u8> = header.iter().flat_map(|x| x.to_le_bytes()).collect();
+        bytes.extend(ids.iter().flat_map(|x| x.to_le_bytes()));
+        bytes
+    }
+
+    #[test]
+    fn tells_the_layouts_apart() {
+        let p = Path::new("x.bin");
+        assert_eq!(
+            layout(&llmc(20240520, 1, &[1, 2, 3]), p).unwrap(),
+            Layout::Llmc { width: 2 }
+        );
+        assert_eq!(layout(&[1, 0, 2, 0], p).unwrap(), Layout::Raw16);
+        let err = layout(&llmc(12345, 1, &[1, 2, 3]), p).unwrap_err();
+        assert!(format!("{err}").contains("magic 12345"), "{err}");
+        assert!(layout(&[1, 0, 2], p).is_err());
+    }
+}

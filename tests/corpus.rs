@@ -1,0 +1,376 @@
+//! Corpora of any size and format: the streamed, chunked, parallel encoding gives the ids
+//! of encoding each document whole; every format gives the ids its documents should;
+//! the cache is reused and rebuilt when it should be.
+
+use std::path::Path;
+
+use indicatif::ProgressBar;
+use tinygpt::corpus::cache::CorpusCache;
+use tinygpt::corpus::encode::encode_in_chunks;
+use tinygpt::corpus::{token_files, Corpus};
+use tinygpt::tokenizer::Tokenizer;
+
+/// Documents with everything that could go wrong at a cut: runs of spaces and newlines,
+/// tabs, non-ASCII letters and spaces, digits, contractions, emoji, the end-of-text
+/// text inside a document, long lines, and an empty document.
+fn documents() -> Vec<String> {
+    let mut docs = Vec::new();
+    for i in 0..40 {
+        let mut doc = String::new();
+        for j in 0..(i % 7 + 1) * 20 {
+            match (i + j) % 9 {
+                0 => doc.push_str("Now is the winter of our discontent\n"),
+                1 => doc.push_str("Made glorious summer  by this sun of York;\n\n"),
+                2 => doc.push_str("  indented\tline\t\twith tabs \n"),
+                3 => {
+                    doc.push_str("Ünïcödé wörds — “quotes” naïve café 日本語の文章。\u{3000}全角 ")
+                }
+                4 => doc.push_str("we've 3.14 apples; don't panic 'S 12345 🎉🎉 "),
+                5 => doc.push_str("a<|endoftext|>b "),
+                6 => doc.push_str(&"word ".repeat(60)),
+                7 => doc.push_str("trailing spaces   \n \nand one \nor \ttwo\t\nthen\n\n\nthree\n"),
+                _ => doc.push_str(&format!("line {i}-{j}\r\n")),
+            }
+        }
+        docs.push(doc);
+    }
+    docs.insert(5, String::new());
+    docs
+}
+
+/// Encodes each document whole with `tokenizers` itself, joined by end-of-text: what the
+/// streamed path must equal.
+fn one_shot(docs: &[String], tk: &Tokenizer) -> Vec<u32> {
+    let eot = tk.end_of_text().expect("BPE has end-of-text");
+    let mut ids = Vec::new();
+    for (i, doc) in docs.iter().enumerate() {
+        if i > 0 {
+            ids.push(eot);
+        }
+        ids.extend(tk.encode_with_tokenizers(doc).unwrap());
+    }
+    ids
+}
+
+/// `assert_eq!` for long id lists: reports where they part, not the lists.
+#[track_caller]
+fn assert_same(got: &[u32], want: &[u32], what: &str) {
+    if let Some(i) = (0..got.len().min(want.len())).find(|&i| got[i] != want[i]) {
+        let (a, b) = (i.saturating_sub(3), (i + 4).min(got.len()).min(want.len()));
+        panic!(
+            "{what}: ids differ at {i}: {:?} vs {:?}",
+            &got[a..b],
+            &want[a..b]
+        );
+    }
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+}
+
+fn streamed(corpus: &Corpus, tk: &Tokenizer, chunk_bytes: usize) -> Vec<u32> {
+    let mut ids = Vec::new();
+    encode_in_chunks(corpus, tk, chunk_bytes, &ProgressBar::hidden(), |chunk| {
+        ids.extend_from_slice(chunk);
+        Ok(())
+    })
+    .unwrap();
+    ids
+}
+
+fn write_text_folder(dir: &Path, docs: &[String]) {
+    std::fs::create_dir_all(dir).unwrap();
+    for (i, doc) in docs.iter().enumerate() {
+        std::fs::write(dir.join(format!("{i:03}.txt")), doc).unwrap();
+    }
+}
+
+/// BPE trained line by line: each line's end is the end of a text, so words that
+/// only a wrong cut would make (" \n", "  \n") are learned as merges, and a wrong cut
+/// changes the ids.
+fn bpe_for(docs: &[String]) -> Tokenizer {
+    let lines = docs.iter().flat_map(|d| d.split_inclusive('\n'));
+    Tokenizer::train_bpe_on(lines, 600).unwrap()
+}
+
+#[test]
+fn chunked_encoding_equals_encoding_each_document_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let docs = documents();
+    write_text_folder(&dir.path().join("docs"), &docs);
+    let tk = bpe_for(&docs);
+    let corpus = Corpus::open(&dir.path().join("docs"), "text").unwrap();
+    let expected = one_shot(&docs, &tk);
+    // Chunks far smaller than a document force cuts everywhere; the default size none.
+    for chunk_bytes in [1, 64, 1000, 1 << 20] {
+        assert_same(
+            &streamed(&corpus, &tk, chunk_bytes),
+            &expected,
+            &format!("chunks of {chunk_bytes} bytes"),
+        );
+    }
+}
+
+#[test]
+fn parallel_encoding_equals_serial() {
+    let dir = tempfile::tempdir().unwrap();
+    let docs = documents();
+    write_text_folder(&dir.path().join("docs"), &docs);
+    let tk = bpe_for(&docs);
+    let corpus = Corpus::open(&dir.path().join("docs"), "text").unwrap();
+    let run = |threads| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(|| streamed(&corpus, &tk, 200))
+    };
+    let serial = run(1);
+    assert_same(&run(4), &serial, "4 threads");
+    assert_same(&run(3), &serial, "3 threads");
+}
+
+#[test]
+fn documents_are_separated_only_at_their_boundaries() {
+    let dir = tempfile::tempdir().unwrap();
+    // Documents without the end-of-text text in them, cut into many chunks each.
+    let docs: Vec<String> = documents()
+        .into_iter()
+        .map(|d| d.replace("<|endoftext|>", "|"))
+        .collect();
+    write_text_folder(&dir.path().join("docs"), &docs);
+    let tk = bpe_for(&docs);
+    let corpus = Corpus::open(&dir.path().join("docs"), "text").unwrap();
+    let ids = streamed(&corpus, &tk, 100);
+    let eot = tk.end_of_text().unwrap();
+    let pieces: Vec<&[u32]> = ids.split(|&id| id == eot).collect();
+    assert_eq!(pieces.len(), docs.len());
+    for (piece, doc) in pieces.iter().zip(&docs) {
+        assert_eq!(&tk.decode(piece).unwrap(), doc);
+    }
+}
+
+#[test]
+fn jsonl_gives_its_documents() {
+    let dir = tempfile::tempdir().unwrap();
+    let docs = documents();
+    let mut jsonl = String::new();
+    for (i, doc) in docs.iter().enumerate() {
+        jsonl.push_str(&serde_json::json!({"id": i, "content": doc, "meta": {"x": 1}}).to_string());
+        jsonl.push('\n');
+        if i == 3 {
+            jsonl.push('\n'); // blank lines are skipped
+        }
+    }
+    let path = dir.path().join("docs.jsonl");
+    std::fs::write(&path, jsonl).unwrap();
+    let tk = bpe_for(&docs);
+    let corpus = Corpus::open(&path, "content").unwrap();
+    assert_same(&streamed(&corpus, &tk, 300), &one_shot(&docs, &tk), "jsonl");
+}
+
+#[test]
+fn parquet_from_pyarrow_gives_its_rows() {
+    // tests/data/make_parquet.py wrote these: snappy with dictionary pages, zstd with
+    // data pages v2, two rows per row group.
+    let docs: Vec<String> = [
+        "Once upon a time, there was a fox.\nThe end.",
+        "A second story: über naïve café ☕.",
+        "",
+        "Third\n\nparagraphs  with  spaces ",
+        "Last one<|endoftext|>inside",
+    ]
+    .map(String::from)
+    .to_vec();
+    let tk = bpe_for(&documents());
+    for name in ["stories.parquet", "stories-zstd.parquet"] {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/data")
+            .join(name);
+        let corpus = Corpus::open(&path, "text").unwrap();
+        assert_same(
+            &streamed(&corpus, &tk, 1 << 20),
+            &one_shot(&docs, &tk),
+            name,
+        );
+        let err = Corpus::open(&path, "body")
+            .and_then(|c| c.chunks().collect::<anyhow::Result<Vec<_>>>())
+            .expect_err("no such column");
+        assert!(format!("{err}").contains("it has: id, text, url"), "{err}");
+    }
+}
+
+fn u16_bytes(ids: &[u16]) -> Vec<u8> {
+    ids.iter().flat_map(|t| t.to_le_bytes()).collect()
+}
+
+fn llmc_shard(ids: &[u16]) -> Vec<u8> {
+    let mut header = [0i32; 256];
+    header[..3].copy_from_slice(&[20240520, 1, ids.len() as i32]);
+    let mut bytes: Vec<u8> = header.iter().flat_map(|x| x.to_le_bytes()).collect();
+    bytes.extend(u16_bytes(ids));
+    bytes
+}
+
+#[test]
+fn nanogpt_bins_are_used_as_they_are_with_val_bin_held_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let train: Vec<u16> = (0..1000).map(|i| (i * 7 % 50257) as u16).collect();
+    let val: Vec<u16> = (0..300).map(|i| (i * 13 % 50257) as u16).collect();
+    std::fs::write(dir.path().join("train.bin"), u16_bytes(&train)).unwrap();
+    std::fs::write(dir.path().join("val.bin"), u16_bytes(&val)).unwrap();
+    let corpus = Corpus::open(dir.path(), "text").unwrap();
+    assert!(corpus.is_tokenized());
+    let (t, v) = token_files::load(&corpus, 50257).unwrap();
+    let as_u32 = |ids: &[u16]| ids.iter().map(|&i| i as u32).collect::<Vec<_>>();
+    assert_eq!(t.to_vec(), as_u32(&train));
+    assert_eq!(v.expect("val.bin is validation").to_vec(), as_u32(&val));
+    let err = token_files::load(&corpus, 1000).err().unwrap();
+    assert!(
+        format!("{err}").contains("outside the vocabulary of 1000"),
+        "{err}"
+    );
+}
+
+#[test]
+fn llmc_shards_are_read_past_their_headers_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let shards: Vec<Vec<u16>> = (0..3)
+        .map(|s| (0..500).map(|i| (s * 1000 + i) as u16).collect())
+        .collect();
+    for (i, shard) in shards.iter().enumerate() {
+        let name = format!("fineweb_train_{i:06}.bin");
+        std::fs::write(dir.path().join(name), llmc_shard(shard)).unwrap();
+    }
+    std::fs::write(
+        dir.path().join("fineweb_val_000000.bin"),
+        llmc_shard(&[7; 400]),
+    )
+    .unwrap();
+    let corpus = Corpus::open(dir.path(), "text").unwrap();
+    let (train, val) = token_files::load(&corpus, 50257).unwrap();
+    let expected: Vec<u32> = shards.concat().iter().map(|&i| i as u32).collect();
+    assert_eq!(train.to_vec(), expected);
+    // Windows across shard boundaries read both shards.
+    let mut window = vec![0; 10];
+    train.copy_range(495, &mut window);
+    assert_eq!(
+        window,
+        [495, 496, 497, 498, 499, 1000, 1001, 1002, 1003, 1004]
+    );
+    assert_eq!(train.slice(498..1400).to_vec()[..3], [498, 499, 1000]);
+    assert_eq!(val.unwrap().to_vec(), vec![7; 400]);
+}
+
+#[test]
+fn the_cache_is_reused_until_the_corpus_or_tokenizer_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let docs = documents();
+    let path = dir.path().join("corpus.txt");
+    std::fs::write(&path, docs.concat()).unwrap();
+    let cache_dir = dir.path().join("cache");
+    let tk = bpe_for(&docs);
+
+    let corpus = Corpus::open(&path, "text").unwrap();
+    let cache = CorpusCache::new(&cache_dir, &corpus);
+    // Ids copied out: the maps are dropped before the files are damaged below.
+    let first = cache.tokens(&corpus, &tk).unwrap().to_vec();
+    assert_same(
+        &first,
+        &tk.encode_with_tokenizers(&docs.concat()).unwrap(),
+        "cache",
+    );
+    let bin = std::fs::read_dir(cache.dir())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "bin"))
+        .unwrap();
+    let written = std::fs::metadata(&bin).unwrap().modified().unwrap();
+
+    // Same corpus, same tokenizer: mapped, not written again.
+    let again = CorpusCache::new(&cache_dir, &Corpus::open(&path, "text").unwrap());
+    assert_eq!(again.dir(), cache.dir());
+    assert_eq!(again.tokens(&corpus, &tk).unwrap().to_vec(), first);
+    assert_eq!(
+        std::fs::metadata(&bin).unwrap().modified().unwrap(),
+        written
+    );
+
+    // A header whose ids file was cut short is not trusted: encoded again.
+    std::fs::write(&bin, b"\x01\x00").unwrap();
+    assert!(bin.with_extension("json").exists());
+    assert_eq!(cache.tokens(&corpus, &tk).unwrap().to_vec(), first);
+
+    // Another tokenizer: its own ids beside the first.
+    let char_tk = Tokenizer::train_char(&docs.concat()).unwrap();
+    let chars = cache.tokens(&corpus, &char_tk).unwrap();
+    assert_eq!(chars.to_vec(), char_tk.encode(&docs.concat()).unwrap());
+
+    // The corpus rewritten: another folder.
+    std::fs::write(&path, docs[..10].concat()).unwrap();
+    let changed = Corpus::open(&path, "text").unwrap();
+    let cache2 = CorpusCache::new(&cache_dir, &changed);
+    assert_ne!(cache2.dir(), cache.dir());
+    assert_eq!(
+        cache2.tokens(&changed, &tk).unwrap().to_vec(),
+        tk.encode_with_tokenizers(&docs[..10].concat()).unwrap()
+    );
+}
+
+#[test]
+fn tokenizers_train_once_per_corpus_and_settings_on_a_sample() {
+    let dir = tempfile::tempdir().unwrap();
+    let docs = documents();
+    let path = dir.path().join("corpus.txt");
+    std::fs::write(&path, docs.concat()).unwrap();
+    let corpus = Corpus::open(&path, "text").unwrap();
+    let cache = CorpusCache::new(&dir.path().join("cache"), &corpus);
+    let mut config = tinygpt::config::TokenizerConfig {
+        vocab_size: 500,
+        ..Default::default()
+    };
+    let whole = cache.tokenizer(&corpus, &config).unwrap();
+    assert_eq!(whole.vocab_size(), 500);
+    // Trained on the whole (smaller than the sample): as training on the text at once.
+    let direct = Tokenizer::train_bpe(&docs.concat(), 500).unwrap();
+    assert_eq!(whole.to_json().unwrap(), direct.to_json().unwrap());
+    // Kept: the same file again.
+    assert_eq!(
+        cache
+            .tokenizer(&corpus, &config)
+            .unwrap()
+            .to_json()
+            .unwrap(),
+        whole.to_json().unwrap()
+    );
+    config.vocab_size = 400;
+    cache.tokenizer(&corpus, &config).unwrap();
+    let files = std::fs::read_dir(cache.dir()).unwrap().count();
+    assert_eq!(files, 3, "corpus.json and two tokenizers");
+}
+
+#[test]
+fn bpe_trains_on_a_sample_of_the_configured_size() {
+    let dir = tempfile::tempdir().unwrap();
+    // 3 MiB: the first half one vocabulary, the second another.
+    let first = "alpha beta alphabet betamax\n".repeat(1 << 16);
+    let second = "gamma delta gammadelta deltoid\n".repeat(1 << 16);
+    let path = dir.path().join("corpus.txt");
+    std::fs::write(&path, [first, second].concat()).unwrap();
+    let corpus = Corpus::open(&path, "text").unwrap();
+    let cache = CorpusCache::new(&dir.path().join("cache"), &corpus);
+    let config = |train_bytes| tinygpt::config::TokenizerConfig {
+        vocab_size: 300,
+        train_bytes,
+        ..Default::default()
+    };
+    let whole = cache.tokenizer(&corpus, &config(1 << 30)).unwrap();
+    // The smallest sample is one chunk (1 MiB), from the start.
+    let sampled = cache.tokenizer(&corpus, &config(1)).unwrap();
+    let gamma = "gamma delta gammadelta deltoid\n";
+    let (by_whole, by_sample) = (whole.encode(gamma).unwrap(), sampled.encode(gamma).unwrap());
+    assert!(
+        by_sample.len() > by_whole.len() + 5,
+        "the sample saw only the first half: {} vs {} tokens",
+        by_sample.len(),
+        by_whole.len()
+    );
+}
