@@ -8,7 +8,6 @@
 //!   optimizer.safetensors  AdamW moments, for resume
 //!   state.json             step, losses, RNG positions, and each file's size + sha256
 //!   metrics.jsonl          one JSON object per logged step / eval
-//!   tokens.bin, tokens.json  the token cache
 //! ```
 //!
 //! Crash safety. A checkpoint is written in three phases:

@@ -156,22 +156,6 @@ impl Tokens {
         self.copy_range(0, &mut v);
         v
     }
-
-    /// The largest id (0 when empty), scanned in parallel blocks.
-    pub fn max_id(&self) -> u32 {
-        use rayon::prelude::*;
-        const BLOCK: usize = 1 << 20;
-        (0..self.len.div_ceil(BLOCK))
-            .into_par_iter()
-            .map(|b| {
-                let start = b * BLOCK;
-                let mut ids = vec![0; BLOCK.min(self.len - start)];
-                self.copy_range(start, &mut ids);
-                ids.into_iter().max().unwrap_or(0)
-            })
-            .max()
-            .unwrap_or(0)
-    }
 }
 
 /// Train and validation tokens: the first `1 - val_fraction` and the rest.

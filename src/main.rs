@@ -25,9 +25,24 @@ struct Cli {
     command: Command,
 }
 
+const CORPUS_HELP: &str = "\
+Corpora (data.corpus): a text file; a .jsonl file (one JSON object per line, text in
+data.text_field, default \"text\"); a .parquet file as the Hugging Face hub serves them
+(column data.text_field); nanoGPT's train.bin/val.bin or llm.c's .bin shards (used as they
+are; set tokenizer.path to the tokenizer they were encoded with); or a folder of those.
+Tokenizers and token ids are cached per corpus in data.cache_dir (default data/cache).
+
+Examples:
+  tinygpt train --config configs/shakespeare-bpe.toml --set data.corpus=stories.jsonl
+  tinygpt train --config configs/shakespeare-bpe.toml --set data.corpus=fineweb/ \\
+      --set data.text_field=text --set tokenizer.vocab_size=8192
+  tinygpt train --config configs/shakespeare-bpe.toml --set data.corpus=data/openwebtext \\
+      --set tokenizer.path=gpt2/tokenizer.json";
+
 #[derive(Subcommand)]
 enum Command {
     /// Train a tokenizer and a model from a TOML experiment file.
+    #[command(after_help = CORPUS_HELP)]
     Train(TrainArgs),
     /// Sample text from a checkpoint, streamed as it is generated.
     ///

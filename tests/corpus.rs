@@ -272,7 +272,7 @@ fn the_cache_is_reused_until_the_corpus_or_tokenizer_changes() {
     let corpus = Corpus::open(&path, "text").unwrap();
     let cache = CorpusCache::new(&cache_dir, &corpus);
     // Ids copied out: the maps are dropped before the files are damaged below.
-    let first = cache.tokens(&corpus, &tk).unwrap().to_vec();
+    let first = cache.tokens(&corpus, &tk).unwrap().0.to_vec();
     assert_same(
         &first,
         &tk.encode_with_tokenizers(&docs.concat()).unwrap(),
@@ -288,7 +288,7 @@ fn the_cache_is_reused_until_the_corpus_or_tokenizer_changes() {
     // Same corpus, same tokenizer: mapped, not written again.
     let again = CorpusCache::new(&cache_dir, &Corpus::open(&path, "text").unwrap());
     assert_eq!(again.dir(), cache.dir());
-    assert_eq!(again.tokens(&corpus, &tk).unwrap().to_vec(), first);
+    assert_eq!(again.tokens(&corpus, &tk).unwrap().0.to_vec(), first);
     assert_eq!(
         std::fs::metadata(&bin).unwrap().modified().unwrap(),
         written
@@ -297,11 +297,11 @@ fn the_cache_is_reused_until_the_corpus_or_tokenizer_changes() {
     // A header whose ids file was cut short is not trusted: encoded again.
     std::fs::write(&bin, b"\x01\x00").unwrap();
     assert!(bin.with_extension("json").exists());
-    assert_eq!(cache.tokens(&corpus, &tk).unwrap().to_vec(), first);
+    assert_eq!(cache.tokens(&corpus, &tk).unwrap().0.to_vec(), first);
 
     // Another tokenizer: its own ids beside the first.
     let char_tk = Tokenizer::train_char(&docs.concat()).unwrap();
-    let chars = cache.tokens(&corpus, &char_tk).unwrap();
+    let chars = cache.tokens(&corpus, &char_tk).unwrap().0;
     assert_eq!(chars.to_vec(), char_tk.encode(&docs.concat()).unwrap());
 
     // The corpus rewritten: another folder.
@@ -310,7 +310,7 @@ fn the_cache_is_reused_until_the_corpus_or_tokenizer_changes() {
     let cache2 = CorpusCache::new(&cache_dir, &changed);
     assert_ne!(cache2.dir(), cache.dir());
     assert_eq!(
-        cache2.tokens(&changed, &tk).unwrap().to_vec(),
+        cache2.tokens(&changed, &tk).unwrap().0.to_vec(),
         tk.encode_with_tokenizers(&docs[..10].concat()).unwrap()
     );
 }
@@ -373,4 +373,118 @@ fn bpe_trains_on_a_sample_of_the_configured_size() {
         by_sample.len(),
         by_whole.len()
     );
+}
+
+#[test]
+fn a_failure_midway_leaves_no_cache_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let docs = dir.path().join("docs");
+    std::fs::create_dir(&docs).unwrap();
+    // Good text for more than a wave of chunks (4 per thread), then a broken line.
+    let good = (0..10_000)
+        .map(|i| serde_json::json!({ "text": format!("{} {i}", "story ".repeat(200)) }).to_string())
+        .collect::<Vec<_>>()
+        .join("\n");
+    std::fs::write(docs.join("a.jsonl"), good).unwrap();
+    std::fs::write(docs.join("b.jsonl"), "{\"text\": \"fine\"}\n{broken\n").unwrap();
+    let corpus = Corpus::open(&docs, "text").unwrap();
+    let tk = Tokenizer::train_bpe("story 0123456789 fine", 280).unwrap();
+    let cache = CorpusCache::new(&dir.path().join("cache"), &corpus);
+    let err = cache.tokens(&corpus, &tk).err().expect("line 2 is broken");
+    assert!(format!("{err}").contains("b.jsonl:2"), "{err}");
+    let left: Vec<String> = std::fs::read_dir(cache.dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    assert_eq!(
+        left,
+        ["corpus.json"],
+        "no ids, no header, no temporary file"
+    );
+}
+
+/// Runs the binary in `dir`; returns stderr, asserting success.
+fn tinygpt(dir: &Path, args: &[&str]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "{args:?}: {err}");
+    err
+}
+
+#[test]
+fn training_runs_on_jsonl_and_on_nanogpt_bins_sharing_one_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let docs = documents();
+    let jsonl: String = docs
+        .iter()
+        .map(|doc| serde_json::json!({ "text": doc }).to_string() + "\n")
+        .collect();
+    std::fs::write(d.join("docs.jsonl"), jsonl).unwrap();
+    std::fs::write(
+        d.join("exp.toml"),
+        "[data]\ncorpus = \"docs.jsonl\"\n[tokenizer]\nvocab_size = 400\n\
+         [model]\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\n\
+         [train]\nbatch_size = 4\nmax_iters = 2\nwarmup_iters = 1\neval_interval = 2\neval_iters = 1\n",
+    )
+    .unwrap();
+    tinygpt(d, &["train", "--config", "exp.toml", "--set", "run.name=a"]);
+    let cache = std::fs::read_dir(d.join("data/cache"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let ids_file = std::fs::read_dir(&cache)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "bin"))
+        .expect("the ids are cached");
+    let written = std::fs::metadata(&ids_file).unwrap().modified().unwrap();
+    // A second run on the same corpus reuses tokenizer and ids.
+    tinygpt(d, &["train", "--config", "exp.toml", "--set", "run.name=b"]);
+    assert_eq!(
+        std::fs::metadata(&ids_file).unwrap().modified().unwrap(),
+        written
+    );
+    assert_eq!(
+        std::fs::read(d.join("checkpoints/a/tokenizer.json")).unwrap(),
+        std::fs::read(d.join("checkpoints/b/tokenizer.json")).unwrap()
+    );
+
+    // The same ids written as nanoGPT's train.bin / val.bin train with that tokenizer.
+    let tk = Tokenizer::from_file(&d.join("checkpoints/a/tokenizer.json")).unwrap();
+    let ids: Vec<u16> = docs
+        .iter()
+        .flat_map(|doc| tk.encode(doc).unwrap())
+        .map(|id| id as u16)
+        .collect();
+    let (train, val) = ids.split_at(ids.len() * 9 / 10);
+    std::fs::create_dir(d.join("owt")).unwrap();
+    std::fs::write(d.join("owt/train.bin"), u16_bytes(train)).unwrap();
+    std::fs::write(d.join("owt/val.bin"), u16_bytes(val)).unwrap();
+    let err = tinygpt(
+        d,
+        &[
+            "train",
+            "--config",
+            "exp.toml",
+            "--set",
+            "run.name=c",
+            "--set",
+            "data.corpus=owt",
+            "--set",
+            "tokenizer.path=checkpoints/a/tokenizer.json",
+        ],
+    );
+    let counts = format!("{} train / {} val tokens", train.len(), val.len());
+    assert!(err.contains(&counts), "expected {counts:?} in {err}");
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(d.join("checkpoints/c/state.json")).unwrap())
+            .unwrap();
+    assert_eq!(state["step"], 2);
 }

@@ -107,8 +107,10 @@ impl CorpusCache {
         Ok(tokenizer)
     }
 
-    /// The ids of `corpus` under `tokenizer`: mapped from the cache, or encoded into it.
-    pub fn tokens(&self, corpus: &Corpus, tokenizer: &Tokenizer) -> Result<Tokens> {
+    /// The ids of `corpus` under `tokenizer`, mapped from the cache (encoded into it
+    /// first if need be), and the largest of them (from the header: checking the ids
+    /// needs no pass over them).
+    pub fn tokens(&self, corpus: &Corpus, tokenizer: &Tokenizer) -> Result<(Tokens, u32)> {
         let tokenizer_sha256 = sha256_hex(tokenizer.to_json()?.as_bytes());
         let stem = format!("tokens-{}", &tokenizer_sha256[..16]);
         let (bin, json) = (
@@ -169,7 +171,7 @@ impl CorpusCache {
     }
 }
 
-fn read_cache(bin: &Path, json: &Path, corpus: &str, tokenizer: &str) -> Option<Tokens> {
+fn read_cache(bin: &Path, json: &Path, corpus: &str, tokenizer: &str) -> Option<(Tokens, u32)> {
     let header: TokensHeader = serde_json::from_slice(&fs::read(json).ok()?).ok()?;
     if header.corpus_fingerprint != corpus || header.tokenizer_sha256 != tokenizer {
         return None;
@@ -181,9 +183,10 @@ fn read_cache(bin: &Path, json: &Path, corpus: &str, tokenizer: &str) -> Option<
     if !matches!(width, 2 | 4) || map.len() != header.tokens * width {
         return None;
     }
-    Some(Tokens::concat(vec![Storage::Mapped {
+    let tokens = Tokens::concat(vec![Storage::Mapped {
         map,
         offset: 0,
         width,
-    }]))
+    }]);
+    Some((tokens, header.max_id))
 }

@@ -32,6 +32,16 @@ pub enum Layout {
 
 /// Reads which layout `bytes` (a whole file) has, or why it has none.
 pub fn layout(bytes: &[u8], path: &Path) -> Result<Layout> {
+    layout_of_size(
+        &bytes[..bytes.len().min(LLMC_HEADER_BYTES)],
+        bytes.len(),
+        path,
+    )
+}
+
+/// [`layout`] from the file's first bytes and its size.
+fn layout_of_size(head: &[u8], len: usize, path: &Path) -> Result<Layout> {
+    let bytes = head;
     let int = |i: usize| -> Option<i32> {
         bytes
             .get(4 * i..4 * i + 4)
@@ -42,7 +52,7 @@ pub fn layout(bytes: &[u8], path: &Path) -> Result<Layout> {
             let size = (count.max(0) as usize)
                 .checked_mul(width)
                 .and_then(|n| n.checked_add(LLMC_HEADER_BYTES));
-            if count > 0 && size == Some(bytes.len()) {
+            if count > 0 && size == Some(len) {
                 return match (magic, version) {
                     LLMC_GPT2 if width == 2 => Ok(Layout::Llmc { width }),
                     LLMC_LLAMA3 if width == 4 => Ok(Layout::Llmc { width }),
@@ -58,11 +68,10 @@ pub fn layout(bytes: &[u8], path: &Path) -> Result<Layout> {
             }
         }
     }
-    if !bytes.len().is_multiple_of(2) {
+    if !len.is_multiple_of(2) {
         user_bail!(
-            "token file {} is {} bytes: not u16 ids (nanoGPT's .bin) nor an llm.c shard; it may be truncated",
+            "token file {} is {len} bytes: not u16 ids (nanoGPT's .bin) nor an llm.c shard; it may be truncated",
             path.display(),
-            bytes.len()
         );
     }
     Ok(Layout::Raw16)
@@ -98,7 +107,7 @@ pub fn load(corpus: &Corpus, vocab_size: usize) -> Result<(Tokens, Option<Tokens
     let (mut train, mut val) = (Vec::new(), Vec::new());
     for file in &corpus.files {
         let tokens = open(&file.path)?;
-        let max = tokens.max_id();
+        let max = max_id(&file.path)?;
         if max as usize >= vocab_size {
             user_bail!(
                 "token file {} holds id {max}, outside the vocabulary of {vocab_size}; set tokenizer.path to the tokenizer it was encoded with (or model.vocab_size to at least {})",
@@ -121,6 +130,48 @@ pub fn load(corpus: &Corpus, vocab_size: usize) -> Result<(Tokens, Option<Tokens
     }
     let val = (!val.is_empty()).then(|| Tokens::chain(val));
     Ok((Tokens::chain(train), val))
+}
+
+/// The largest id in a token file, read in blocks (not through the map, whose pages
+/// would all stay resident).
+fn max_id(path: &Path) -> Result<u32> {
+    use std::io::Read;
+    let cannot =
+        |e: std::io::Error| user_error(format!("cannot read token file {}: {e}", path.display()));
+    let mut file = File::open(path).map_err(cannot)?;
+    let mut head = vec![0u8; LLMC_HEADER_BYTES];
+    let n = file.read(&mut head).map_err(cannot)?;
+    let len = file.metadata().map_err(cannot)?.len() as usize;
+    // The layout needs the header and the size only.
+    let (offset, width) = match layout_of_size(&head[..n], len, path)? {
+        Layout::Raw16 => (0, 2),
+        Layout::Llmc { width } => (LLMC_HEADER_BYTES, width),
+    };
+    let mut file = File::open(path).map_err(cannot)?;
+    let mut skip = vec![0u8; offset];
+    file.read_exact(&mut skip).map_err(cannot)?;
+    let mut block = vec![0u8; 1 << 22];
+    let mut max = 0u32;
+    loop {
+        let n = file.read(&mut block).map_err(cannot)?;
+        if n == 0 {
+            return Ok(max);
+        }
+        let whole = n - n % width;
+        max = block[..whole]
+            .chunks_exact(width)
+            .map(|b| match width {
+                2 => u16::from_le_bytes([b[0], b[1]]) as u32,
+                _ => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            })
+            .fold(max, u32::max);
+        if whole < n {
+            // A read that ended inside an id: take its bytes again next time.
+            use std::io::{Seek, SeekFrom};
+            file.seek(SeekFrom::Current(-((n - whole) as i64)))
+                .map_err(cannot)?;
+        }
+    }
 }
 
 fn is_validation(name: &str) -> bool {

@@ -406,8 +406,7 @@ fn load_split(
             (all, None) => Split::new(all, data.val_fraction, block, &data.corpus),
         };
     }
-    let tokens = cache.tokens(corpus, tokenizer)?;
-    let max = tokens.max_id();
+    let (tokens, max) = cache.tokens(corpus, tokenizer)?;
     if !tokens.is_empty() && max as usize >= vocab_size {
         user_bail!(
             "the token cache in {} holds id {max}, outside the model's vocabulary of {vocab_size}; delete that folder and retry",
