@@ -88,10 +88,10 @@ impl Trainer {
         let (config, state) = (origin.config, origin.state);
         config.validate()?;
         check_memory(&config, &device)?;
+        // The data before the run folder: a corpus that cannot be read leaves nothing.
+        let split = load_split(&config, &corpus, &cache, &origin.tokenizer)?;
         let resume = start == Start::Resume;
         let lock = open_run_folder(&run, resume, &state)?;
-
-        let split = load_split(&config, &corpus, &cache, &origin.tokenizer)?;
 
         let spec = ModelSpec::new(&config.model);
         let weights = origin
