@@ -12,8 +12,8 @@ use tinygpt::generate::{generate as sample_text, unescape, DecodeMode, GenerateO
 use tinygpt::user_bail;
 
 use crate::{
-    AttentionArgs, BenchArgs, CheckpointArgs, EvalArgs, ExportArgs, GenerateArgs, ImportArgs,
-    InfoArgs, PlotArgs,
+    AttentionArgs, BenchArgs, CheckpointArgs, CompareArgs, EvalArgs, ExportArgs, GenerateArgs,
+    ImportArgs, InfoArgs, PlotArgs, SweepArgs,
 };
 
 fn load(args: &CheckpointArgs) -> Result<Loaded> {
@@ -373,5 +373,106 @@ pub fn attention(args: AttentionArgs) -> Result<()> {
         heads.len(),
         maps.tokens.len()
     );
+    Ok(())
+}
+
+pub fn sweep(args: SweepArgs, stop: std::sync::Arc<std::sync::atomic::AtomicI32>) -> Result<()> {
+    use tinygpt::sweep::{self, Grid};
+    let grids = args
+        .grids
+        .iter()
+        .map(|g| Grid::parse(g))
+        .collect::<Result<Vec<_>>>()?;
+    let points = sweep::points(&args.config, &args.overrides, &grids)?;
+    let mut reporter = tinygpt::progress::TerminalReporter::new();
+    let result = sweep::run(&points, stop, &mut reporter);
+    // What exists is compared, finished or not, before an interruption is reported.
+    let runs = sweep::existing_runs(&points);
+    if !runs.is_empty() {
+        let base = points[0].config.run.out_dir.join(format!(
+            "{}-sweep.png",
+            args.config
+                .file_stem()
+                .map_or("sweep".into(), |s| s.to_string_lossy())
+        ));
+        report_comparison(&runs, &base, args.x, args.json)?;
+    }
+    result.map(|_| ())
+}
+
+pub fn compare(args: CompareArgs) -> Result<()> {
+    let runs = expand_runs(&args.runs)?;
+    report_comparison(&runs, &args.out, args.x, args.json)
+}
+
+/// Run folders from the arguments: folders as given, quoted globs expanded, a folder
+/// of run folders opened (in name order).
+fn expand_runs(args: &[std::path::PathBuf]) -> Result<Vec<std::path::PathBuf>> {
+    let is_run = |p: &std::path::Path| {
+        p.join(tinygpt::checkpoint::METRICS_FILE).exists()
+            || p.join(tinygpt::checkpoint::CONFIG_FILE).exists()
+    };
+    let mut runs = Vec::new();
+    for arg in args {
+        let text = arg.to_string_lossy();
+        if !arg.exists() && text.contains(['*', '?', '[']) {
+            let matches = glob::glob(&text)
+                .map_err(|e| user_error(format!("{text}: not a valid pattern ({e})")))?
+                .filter_map(|p| p.ok())
+                .filter(|p| is_run(p))
+                .collect::<Vec<_>>();
+            if matches.is_empty() {
+                user_bail!("{text} matches no run folder");
+            }
+            runs.extend(matches);
+        } else if arg.is_dir() && !is_run(arg) {
+            let mut inside: Vec<_> = std::fs::read_dir(arg)
+                .map_err(|e| user_error(format!("cannot list {}: {e}", arg.display())))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| is_run(p))
+                .collect();
+            if inside.is_empty() {
+                user_bail!(
+                    "{} is neither a run folder nor a folder of run folders",
+                    arg.display()
+                );
+            }
+            inside.sort();
+            runs.extend(inside);
+        } else {
+            runs.push(arg.clone());
+        }
+    }
+    Ok(runs)
+}
+
+fn report_comparison(
+    dirs: &[std::path::PathBuf],
+    out: &std::path::Path,
+    x: tinygpt::compare::XAxis,
+    as_json: bool,
+) -> Result<()> {
+    use tinygpt::compare::{self, XAxis};
+    let runs = compare::read_runs(dirs)?;
+    let rows = compare::rows(&runs);
+    if as_json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        print!("{}", compare::table(&rows));
+    }
+    let (series, skipped) = compare::series(&runs, &rows, x);
+    for why in skipped {
+        eprintln!("not plotted: {why}");
+    }
+    let x_label = match x {
+        XAxis::Steps => "step",
+        XAxis::Tokens => "tokens seen",
+        XAxis::Time => "training time (s)",
+    };
+    let title = format!("{} runs: val loss (train loss pale)", rows.len());
+    match tinygpt::plot::comparison(&series, x_label, out, &title) {
+        Ok(()) => eprintln!("wrote {}", out.display()),
+        Err(e) => eprintln!("no plot: {e:#}"),
+    }
     Ok(())
 }

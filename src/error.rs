@@ -70,15 +70,18 @@ pub struct InterruptedError {
     pub signal: i32,
     pub step: usize,
     pub run_dir: std::path::PathBuf,
+    /// How to continue, e.g. "the same command and --resume".
+    pub continue_with: String,
 }
 
 impl fmt::Display for InterruptedError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "interrupted at step {}; checkpoint saved in {}; continue with the same command and --resume",
+            "interrupted at step {}; checkpoint saved in {}; continue with {}",
             self.step,
-            self.run_dir.display()
+            self.run_dir.display(),
+            self.continue_with
         )
     }
 }

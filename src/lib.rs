@@ -8,6 +8,7 @@
 
 pub mod bench;
 pub mod checkpoint;
+pub mod compare;
 pub mod config;
 pub mod corpus;
 pub mod cpu;
@@ -23,6 +24,7 @@ pub mod model;
 pub mod optim;
 pub mod plot;
 pub mod progress;
+pub mod sweep;
 
 pub mod tokenizer;
 pub mod train;

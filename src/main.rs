@@ -44,6 +44,11 @@ enum Command {
     /// Train a tokenizer and a model from a TOML experiment file.
     #[command(after_help = CORPUS_HELP)]
     Train(TrainArgs),
+    /// Train one config at every combination of some settings' values, one run after
+    /// another; run it again to continue (done runs are skipped, an interrupted one resumes).
+    Sweep(SweepArgs),
+    /// Compare runs: val/train loss of each in one PNG, and a table (or --json).
+    Compare(CompareArgs),
     /// Sample text from a checkpoint, streamed as it is generated.
     ///
     /// The prompt is prefilled once, then tokens come one at a time from a KV cache. The
@@ -132,6 +137,46 @@ struct TrainArgs {
     /// cpu, cuda, cuda:N, metal or auto (overrides run.device).
     #[arg(long)]
     device: Option<String>,
+}
+
+#[derive(Args)]
+struct SweepArgs {
+    /// Experiment file (TOML), e.g. configs/shakespeare-char.toml.
+    #[arg(long, short)]
+    config: PathBuf,
+    /// A setting and its values: --grid model.n_layer=2,4,6 (repeatable; every
+    /// combination runs, named <run.name>-n_layer=2-...).
+    #[arg(long = "grid", value_name = "SECTION.KEY=V1,V2,...", required = true)]
+    grids: Vec<String>,
+    /// Override a config value for every run: --set train.max_iters=500 (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    overrides: Vec<String>,
+    /// cpu, cuda, cuda:N, metal or auto (overrides run.device).
+    #[arg(long)]
+    device: Option<String>,
+    /// The comparison plot's x axis.
+    #[arg(long, value_enum, default_value = "steps")]
+    x: tinygpt::compare::XAxis,
+    /// Print the final table as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct CompareArgs {
+    /// Run folders (e.g. checkpoints/*), a quoted glob ("checkpoints/lr-*"), or a folder
+    /// of run folders (checkpoints).
+    #[arg(required = true, value_name = "RUN")]
+    runs: Vec<PathBuf>,
+    /// The PNG to write.
+    #[arg(long, default_value = "compare.png")]
+    out: PathBuf,
+    /// Loss against optimiser steps, tokens seen, or training time.
+    #[arg(long, value_enum, default_value = "steps")]
+    x: tinygpt::compare::XAxis,
+    /// Print the table as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -258,6 +303,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             trainer.run(&mut TerminalReporter::new())?;
             Ok(())
         }
+        Command::Sweep(mut args) => {
+            if let Some(device) = args.device.take() {
+                args.overrides.push(format!("run.device={device:?}"));
+            }
+            commands::sweep(args, stop_on_signals()?)
+        }
+        Command::Compare(args) => commands::compare(args),
         Command::Generate(args) => commands::generate(args),
         Command::Eval(args) => commands::eval(args),
         Command::Info(args) => commands::info(args),

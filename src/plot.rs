@@ -26,7 +26,7 @@ fn plot_error<E: std::fmt::Display>(path: &Path) -> impl FnOnce(E) -> anyhow::Er
 }
 
 /// The points of a run's metrics.jsonl.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Curves {
     /// (step, training loss of that step)
     pub train: Vec<(f64, f64)>,
@@ -165,6 +165,113 @@ pub fn loss_curve(metrics: &Path, out: &Path, title: &str) -> Result<()> {
         .draw()
         .map_err(plot_error(out))?;
     root.present().map_err(err)?;
+    Ok(())
+}
+
+/// 1500 -> "1.5k", 2000000 -> "2M", 12 -> "12", 0.5 -> "0.5".
+fn short_number(v: f64) -> String {
+    let trim = |s: String| s.trim_end_matches('0').trim_end_matches('.').to_string();
+    match v.abs() {
+        a if a >= 1e9 => trim(format!("{:.2}", v / 1e9)) + "G",
+        a if a >= 1e6 => trim(format!("{:.2}", v / 1e6)) + "M",
+        a if a >= 1e4 => trim(format!("{:.1}", v / 1e3)) + "k",
+        a if a >= 10.0 || a == 0.0 => format!("{v:.0}"),
+        _ => trim(format!("{v:.2}")),
+    }
+}
+
+/// Colours told apart by most eyes (Okabe and Ito's palette), then repeated.
+const PALETTE: [RGBColor; 8] = [
+    RGBColor(0, 114, 178),
+    RGBColor(230, 159, 0),
+    RGBColor(0, 158, 115),
+    RGBColor(204, 121, 167),
+    RGBColor(86, 180, 233),
+    RGBColor(213, 94, 0),
+    RGBColor(240, 228, 66),
+    RGBColor(0, 0, 0),
+];
+
+/// Several runs in one picture: each run's val loss (thick, with points) and train loss
+/// (thin, pale) in its own colour, against `x_label`'s unit. `runs`: (legend label, val
+/// points, train points).
+#[allow(clippy::type_complexity)]
+pub fn comparison(
+    runs: &[(String, Vec<(f64, f64)>, Vec<(f64, f64)>)],
+    x_label: &str,
+    out: &Path,
+    title: &str,
+) -> Result<()> {
+    let points = || runs.iter().flat_map(|r| r.1.iter().chain(&r.2));
+    if points().next().is_none() {
+        user_bail!("none of the runs has losses to plot yet");
+    }
+    register_font();
+    let (mut lo, mut hi) = points().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), p| {
+        (lo.min(p.1), hi.max(p.1))
+    });
+    // Early training losses dwarf the differences that matter: the y range is set by
+    // the val curves and the second half of the train curves.
+    let focus = runs.iter().flat_map(|r| {
+        let half = r.2.len() / 2;
+        r.1.iter().chain(&r.2[half..])
+    });
+    let focus_hi = focus.map(|p| p.1).fold(f64::NEG_INFINITY, f64::max);
+    if focus_hi.is_finite() {
+        hi = hi.min(focus_hi + (focus_hi - lo) * 0.3);
+    }
+    let pad = ((hi - lo) * 0.05).max(1e-3);
+    lo = (lo - pad).max(0.0);
+    hi += pad;
+    let x_max = points().map(|p| p.0).fold(0.0, f64::max).max(1e-9);
+
+    let root = BitMapBackend::new(out, (1100, 650)).into_drawing_area();
+    root.fill(&WHITE).map_err(plot_error(out))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 26))
+        .margin(18)
+        .x_label_area_size(45)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0f64..x_max, lo..hi)
+        .map_err(plot_error(out))?;
+    chart
+        .configure_mesh()
+        .x_desc(x_label)
+        .y_desc("loss (nats / token)")
+        .x_label_formatter(&|v| short_number(*v))
+        .label_style(("sans-serif", 15))
+        .light_line_style(RGBColor(245, 245, 245))
+        .draw()
+        .map_err(plot_error(out))?;
+    let in_range = |p: &&(f64, f64)| p.1 <= hi;
+    for (i, (label, val, train)) in runs.iter().enumerate() {
+        let color = PALETTE[i % PALETTE.len()];
+        chart
+            .draw_series(LineSeries::new(
+                train.iter().filter(in_range).copied(),
+                color.mix(0.35).stroke_width(1),
+            ))
+            .map_err(plot_error(out))?;
+        chart
+            .draw_series(LineSeries::new(val.iter().copied(), color.stroke_width(3)))
+            .map_err(plot_error(out))?
+            .label(label.as_str())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3))
+            });
+        chart
+            .draw_series(val.iter().map(|&p| Circle::new(p, 3, color.filled())))
+            .map_err(plot_error(out))?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .label_font(("sans-serif", 15))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(plot_error(out))?;
+    root.present().map_err(plot_error(out))?;
     Ok(())
 }
 

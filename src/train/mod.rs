@@ -300,6 +300,7 @@ impl Trainer {
                     signal,
                     step,
                     run_dir,
+                    continue_with: "the same command and --resume".into(),
                 }
                 .into());
             }

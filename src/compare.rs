@@ -1,0 +1,402 @@
+//! Runs side by side: what differs between their configs, and how each went.
+//!
+//! A run folder is read as it is, finished or still training: its `config.toml` (all
+//! settings, defaults filled in) and its `metrics.jsonl` (a line being written is
+//! skipped). Each run is named by the settings in which it differs from the others, as
+//! `n_layer=6 lr=0.0003`, so a legend says what the experiment varied.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use anyhow::Result;
+use serde::Serialize;
+
+use crate::config::Config;
+use crate::error::user_error;
+use crate::model::ModelSpec;
+use crate::plot::Curves;
+use crate::user_bail;
+
+/// Settings that name or place a run rather than change it.
+const NOT_SETTINGS: [&str; 2] = ["run.name", "run.out_dir"];
+
+/// One run as read from its folder.
+#[derive(Debug, Clone)]
+pub struct Run {
+    pub dir: PathBuf,
+    /// Every setting as `section.key` -> value, from config.toml (empty if none yet).
+    pub settings: BTreeMap<String, String>,
+    pub parameters: Option<usize>,
+    pub tokens_per_step: Option<usize>,
+    pub curves: Curves,
+    /// (step, elapsed seconds) of each logged training step.
+    pub elapsed: Vec<(f64, f64)>,
+    /// tokens/s of each logged training step.
+    pub tokens_per_s: Vec<f64>,
+}
+
+/// A row of the comparison table.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Row {
+    pub run: String,
+    /// The settings in which this run differs from the others: `key=value`.
+    pub differs: Vec<String>,
+    pub parameters: Option<usize>,
+    pub steps: usize,
+    pub best_val_loss: Option<f64>,
+    pub best_val_step: Option<usize>,
+    /// Median over the logged steps.
+    pub tokens_per_s: Option<f64>,
+    pub wall_s: Option<f64>,
+}
+
+impl Run {
+    /// Reads the run folder `dir`.
+    pub fn read(dir: &Path) -> Result<Self> {
+        let metrics = dir.join(crate::checkpoint::METRICS_FILE);
+        let config = dir.join(crate::checkpoint::CONFIG_FILE);
+        if !metrics.exists() && !config.exists() {
+            user_bail!(
+                "{} is not a run folder (no metrics.jsonl or config.toml); pass folders under checkpoints/",
+                dir.display()
+            );
+        }
+        let (settings, parameters, tokens_per_step) = match std::fs::read_to_string(&config) {
+            Ok(text) => {
+                let config = Config::from_toml_str(&text, &[])
+                    .map_err(|e| user_error(format!("{}: {e:#}", config.display())))?;
+                (
+                    flatten(&config),
+                    Some(ModelSpec::new(&config.model).len()),
+                    Some(config.train.tokens_per_step(config.model.block_size)),
+                )
+            }
+            // Still before its first checkpoint: only the metrics tell.
+            Err(_) => (BTreeMap::new(), None, None),
+        };
+        let text = std::fs::read_to_string(&metrics).unwrap_or_default();
+        let mut elapsed = Vec::new();
+        let mut tokens_per_s = Vec::new();
+        for record in text
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        {
+            let (Some(step), Some(seconds)) =
+                (record["step"].as_f64(), record["elapsed_s"].as_f64())
+            else {
+                continue;
+            };
+            elapsed.push((step, seconds));
+            if let Some(rate) = record["tokens_per_s"].as_f64() {
+                tokens_per_s.push(rate);
+            }
+        }
+        elapsed.sort_by(|a, b| a.0.total_cmp(&b.0));
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            settings,
+            parameters,
+            tokens_per_step,
+            curves: Curves::from_metrics(&text),
+            elapsed,
+            tokens_per_s,
+        })
+    }
+
+    pub fn name(&self) -> String {
+        self.dir.file_name().map_or_else(
+            || self.dir.display().to_string(),
+            |n| n.to_string_lossy().into(),
+        )
+    }
+
+    /// The last step logged (training or evaluation).
+    pub fn steps(&self) -> usize {
+        let c = &self.curves;
+        c.train
+            .iter()
+            .chain(&c.eval_val)
+            .map(|p| p.0 as usize)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The seconds the run had trained at `step`, interpolated between logged steps.
+    pub fn seconds_at(&self, step: f64) -> Option<f64> {
+        let e = &self.elapsed;
+        let after = e.iter().position(|p| p.0 >= step)?;
+        if after == 0 || e[after].0 == step {
+            return Some(e[after].1 * (step / e[after].0.max(1.0)).min(1.0));
+        }
+        let (a, b) = (e[after - 1], e[after]);
+        Some(a.1 + (b.1 - a.1) * (step - a.0) / (b.0 - a.0))
+    }
+}
+
+/// A config as `section.key` -> value, every setting present.
+pub fn flatten(config: &Config) -> BTreeMap<String, String> {
+    let table = toml::Table::try_from(config).expect("a Config serialises to a table");
+    let mut out = BTreeMap::new();
+    for (section, value) in table {
+        match value {
+            toml::Value::Table(keys) => {
+                for (key, value) in keys {
+                    out.insert(format!("{section}.{key}"), show(&value));
+                }
+            }
+            other => {
+                out.insert(section, show(&other));
+            }
+        }
+    }
+    out
+}
+
+fn show(value: &toml::Value) -> String {
+    match value {
+        toml::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// The settings whose values are not the same in every run (a setting missing from a
+/// run counts as a value of its own), in key order.
+pub fn differing_keys(runs: &[BTreeMap<String, String>]) -> Vec<String> {
+    let keys: BTreeSet<&String> = runs.iter().flat_map(|r| r.keys()).collect();
+    keys.into_iter()
+        .filter(|k| !NOT_SETTINGS.contains(&k.as_str()))
+        .filter(|k| {
+            let mut values = runs.iter().map(|r| r.get(*k));
+            let first = values.next().flatten();
+            values.any(|v| v != first)
+        })
+        .cloned()
+        .collect()
+}
+
+/// `key=value` for each differing key, keys shortened to their last part (`n_layer`)
+/// unless two differing keys share it.
+pub fn describe(settings: &BTreeMap<String, String>, differing: &[String]) -> Vec<String> {
+    let short = |k: &str| k.rsplit('.').next().unwrap_or(k).to_string();
+    differing
+        .iter()
+        .map(|key| {
+            let clash = differing
+                .iter()
+                .filter(|other| short(other) == short(key))
+                .count()
+                > 1;
+            let name = if clash { key.clone() } else { short(key) };
+            let value = settings.get(key).map_or("-", String::as_str);
+            format!("{name}={value}")
+        })
+        .collect()
+}
+
+/// Reads the run folders, in the order given.
+pub fn read_runs(dirs: &[PathBuf]) -> Result<Vec<Run>> {
+    if dirs.is_empty() {
+        user_bail!("no runs to compare; pass run folders, e.g. checkpoints/*");
+    }
+    dirs.iter().map(|d| Run::read(d)).collect()
+}
+
+/// The table's rows, and each run's legend label (what differs, or its name).
+pub fn rows(runs: &[Run]) -> Vec<Row> {
+    let settings: Vec<BTreeMap<String, String>> = runs.iter().map(|r| r.settings.clone()).collect();
+    let differing = differing_keys(&settings);
+    runs.iter()
+        .map(|run| {
+            let best = run
+                .curves
+                .eval_val
+                .iter()
+                .copied()
+                .min_by(|a, b| a.1.total_cmp(&b.1));
+            Row {
+                run: run.name(),
+                differs: describe(&run.settings, &differing),
+                parameters: run.parameters,
+                steps: run.steps(),
+                best_val_loss: best.map(|b| b.1),
+                best_val_step: best.map(|b| b.0 as usize),
+                tokens_per_s: median(&run.tokens_per_s),
+                wall_s: run.elapsed.last().map(|p| p.1),
+            }
+        })
+        .collect()
+}
+
+/// What a legend calls a run: its differing settings, or its name if none differ.
+pub fn label(row: &Row) -> String {
+    if row.differs.is_empty() {
+        row.run.clone()
+    } else {
+        row.differs.join(" ")
+    }
+}
+
+fn median(values: &[f64]) -> Option<f64> {
+    let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    Some(v[v.len() / 2])
+}
+
+/// The rows as an aligned text table.
+pub fn table(rows: &[Row]) -> String {
+    let header = [
+        "run", "differs", "params", "steps", "best val", "at step", "tok/s", "wall",
+    ];
+    let cells: Vec<[String; 8]> = rows
+        .iter()
+        .map(|r| {
+            let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+            [
+                r.run.clone(),
+                if r.differs.is_empty() {
+                    "-".into()
+                } else {
+                    r.differs.join(" ")
+                },
+                opt(r.parameters.map(|p| format!("{:.2}M", p as f64 / 1e6))),
+                r.steps.to_string(),
+                opt(r.best_val_loss.map(|l| format!("{l:.4}"))),
+                opt(r.best_val_step.map(|s| s.to_string())),
+                opt(r.tokens_per_s.map(|t| format!("{t:.0}"))),
+                opt(r.wall_s.map(|s| format!("{s:.1}s"))),
+            ]
+        })
+        .collect();
+    let widths: Vec<usize> = (0..header.len())
+        .map(|i| {
+            cells
+                .iter()
+                .map(|c| c[i].chars().count())
+                .chain([header[i].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let line = |cells: Vec<&str>| {
+        let mut s: String = cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}  "))
+            .collect();
+        s.truncate(s.trim_end().len());
+        s + "\n"
+    };
+    let mut out = line(header.to_vec());
+    for c in &cells {
+        out += &line(c.iter().map(String::as_str).collect());
+    }
+    out
+}
+
+/// What the comparison plot puts on its x axis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum XAxis {
+    Steps,
+    Tokens,
+    Time,
+}
+
+/// A run's curves with x in the chosen unit: (label, val points, train points).
+pub type Series = (String, Vec<(f64, f64)>, Vec<(f64, f64)>);
+
+/// Each run's val and train loss against `x`; runs that cannot say (tokens without a
+/// config, time without step logs) are left out with a reason.
+pub fn series(runs: &[Run], rows: &[Row], x: XAxis) -> (Vec<Series>, Vec<String>) {
+    let mut out = Vec::new();
+    let mut skipped = Vec::new();
+    for (run, row) in runs.iter().zip(rows) {
+        let convert = |points: &[(f64, f64)]| -> Option<Vec<(f64, f64)>> {
+            points
+                .iter()
+                .map(|&(step, loss)| {
+                    let x = match x {
+                        XAxis::Steps => Some(step),
+                        XAxis::Tokens => run.tokens_per_step.map(|t| step * t as f64),
+                        XAxis::Time => run.seconds_at(step),
+                    }?;
+                    Some((x, loss))
+                })
+                .collect()
+        };
+        match (convert(&run.curves.eval_val), convert(&run.curves.train)) {
+            (Some(val), Some(train)) if !(val.is_empty() && train.is_empty()) => {
+                out.push((label(row), val, train))
+            }
+            (Some(_), Some(_)) => skipped.push(format!("{}: no losses yet", row.run)),
+            _ => skipped.push(format!("{}: cannot place it on that axis", row.run)),
+        }
+    }
+    (out, skipped)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn runs_are_named_by_what_differs() {
+        let a = settings(&[
+            ("run.name", "a"),
+            ("model.n_layer", "4"),
+            ("train.lr", "0.001"),
+            ("model.dropout", "0.1"),
+            ("seed", "1"),
+        ]);
+        let b = settings(&[
+            ("run.name", "b"),
+            ("model.n_layer", "6"),
+            ("train.lr", "0.0003"),
+            ("model.dropout", "0.1"),
+            ("seed", "1"),
+        ]);
+        let keys = differing_keys(&[a.clone(), b.clone()]);
+        assert_eq!(keys, ["model.n_layer", "train.lr"]);
+        assert_eq!(describe(&b, &keys), ["n_layer=6", "lr=0.0003"]);
+        // Two differing keys with the same last part keep their sections.
+        let c = settings(&[("model.dropout", "0.2"), ("train.dropout", "1")]);
+        let d = settings(&[("model.dropout", "0.0"), ("train.dropout", "2")]);
+        let keys = differing_keys(&[c.clone(), d]);
+        assert_eq!(
+            describe(&c, &keys),
+            ["model.dropout=0.2", "train.dropout=1"]
+        );
+        // A key one run lacks differs.
+        let e = settings(&[("model.n_layer", "4")]);
+        assert_eq!(differing_keys(&[e, BTreeMap::new()]), ["model.n_layer"]);
+        // Identical runs: nothing differs, and the label is the name.
+        assert!(differing_keys(&[a.clone(), a]).is_empty());
+    }
+
+    #[test]
+    fn time_is_interpolated_between_logged_steps() {
+        let run = Run {
+            dir: PathBuf::from("r"),
+            settings: BTreeMap::new(),
+            parameters: None,
+            tokens_per_step: None,
+            curves: Curves::default(),
+            elapsed: vec![(10.0, 5.0), (20.0, 7.0)],
+            tokens_per_s: vec![],
+        };
+        assert_eq!(run.seconds_at(15.0), Some(6.0));
+        assert_eq!(run.seconds_at(20.0), Some(7.0));
+        assert_eq!(run.seconds_at(0.0), Some(0.0));
+        assert_eq!(run.seconds_at(5.0), Some(2.5));
+        assert_eq!(run.seconds_at(30.0), None);
+    }
+}

@@ -1,0 +1,235 @@
+//! A sweep: one config, run at every combination of a few settings' values, one run
+//! after another, each in its own run folder named from its values.
+//!
+//! Running the same sweep again continues it: complete runs are skipped, a run that was
+//! interrupted resumes from its checkpoint, the rest start. Every point's config is
+//! loaded and checked before anything trains, so a bad value fails at once.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
+
+use anyhow::Result;
+
+use crate::checkpoint::RunDir;
+use crate::config::Config;
+use crate::error::InterruptedError;
+use crate::train::{Reporter, Start, Trainer};
+use crate::user_bail;
+
+/// One setting's values: `--grid model.n_layer=2,4,6`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Grid {
+    pub key: String,
+    pub values: Vec<String>,
+}
+
+impl Grid {
+    pub fn parse(arg: &str) -> Result<Self> {
+        let Some((key, values)) = arg.split_once('=') else {
+            user_bail!("--grid {arg}: expected section.key=value1,value2,... (e.g. --grid model.n_layer=2,4)");
+        };
+        let values: Vec<String> = values.split(',').map(|v| v.trim().to_string()).collect();
+        if key.trim().is_empty() || values.iter().any(String::is_empty) {
+            user_bail!("--grid {arg}: expected section.key=value1,value2,... with no empty value");
+        }
+        Ok(Self {
+            key: key.trim().to_string(),
+            values,
+        })
+    }
+}
+
+/// One combination of the grids' values, and the run it makes.
+#[derive(Debug, Clone)]
+pub struct Point {
+    /// `(key, value)` per grid, in grid order.
+    pub values: Vec<(String, String)>,
+    pub config: Config,
+}
+
+impl Point {
+    pub fn run_dir(&self) -> PathBuf {
+        self.config.run_dir()
+    }
+}
+
+/// Every combination of `grids` (the first grid varies slowest), each point's config
+/// loaded from `config_path` with `overrides` and then the point's values, and named
+/// `<run.name>-<key>=<value>...`.
+pub fn points(config_path: &Path, overrides: &[String], grids: &[Grid]) -> Result<Vec<Point>> {
+    if grids.is_empty() {
+        user_bail!(
+            "sweep: no --grid given; e.g. --grid model.n_layer=2,4 --grid train.lr=1e-3,3e-4"
+        );
+    }
+    let base = Config::load(config_path, overrides)?.run.name;
+    let mut combos: Vec<Vec<(String, String)>> = vec![vec![]];
+    for grid in grids {
+        combos = combos
+            .into_iter()
+            .flat_map(|combo| {
+                grid.values.iter().map(move |v| {
+                    let mut c = combo.clone();
+                    c.push((grid.key.clone(), v.clone()));
+                    c
+                })
+            })
+            .collect();
+    }
+    let keys: Vec<&str> = grids.iter().map(|g| g.key.as_str()).collect();
+    combos
+        .into_iter()
+        .map(|values| {
+            let mut all = overrides.to_vec();
+            all.extend(values.iter().map(|(k, v)| format!("{k}={v}")));
+            all.push(format!("run.name={:?}", run_name(&base, &keys, &values)));
+            let config = Config::load(config_path, &all)?;
+            Ok(Point { values, config })
+        })
+        .collect()
+}
+
+/// `<base>-n_layer=2-lr=1e-3`: keys by their last part unless two grids share it;
+/// characters a file name cannot hold become `_`.
+pub fn run_name(base: &str, keys: &[&str], values: &[(String, String)]) -> String {
+    let short = |k: &str| k.rsplit('.').next().unwrap_or(k).to_string();
+    let mut name = base.to_string();
+    for (key, value) in values {
+        let clash = keys.iter().filter(|k| short(k) == short(key)).count() > 1;
+        let key = if clash { key.clone() } else { short(key) };
+        name.push_str(&format!("-{key}={value}"));
+    }
+    name.chars()
+        .map(|c| {
+            if c == '/' || c == '\\' || c.is_whitespace() || c == '"' {
+                '_'
+            } else {
+                c
+            }
+        })
+        .collect()
+}
+
+/// What the sweep did with a point.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Complete before this sweep ran: left as it was.
+    AlreadyComplete,
+    /// Trained from the start.
+    Trained,
+    /// Continued from an interrupted run's checkpoint.
+    Resumed,
+}
+
+/// Runs every point in order. Once `stop` holds a signal number the run in progress
+/// checkpoints and the sweep stops (an [`InterruptedError`] saying how to continue).
+pub fn run(
+    points: &[Point],
+    stop: Arc<AtomicI32>,
+    reporter: &mut dyn Reporter,
+) -> Result<Vec<Outcome>> {
+    let mut outcomes = Vec::with_capacity(points.len());
+    for (i, point) in points.iter().enumerate() {
+        let dir = point.run_dir();
+        let run = RunDir::new(&dir);
+        let start = if run.has_checkpoint() {
+            let state = run.state()?;
+            if state.step >= point.config.train.max_iters {
+                reporter.note(&format!(
+                    "sweep {}/{}: {} is complete (step {}), skipped",
+                    i + 1,
+                    points.len(),
+                    dir.display(),
+                    state.step
+                ));
+                outcomes.push(Outcome::AlreadyComplete);
+                continue;
+            }
+            Start::Resume
+        } else {
+            Start::Fresh
+        };
+        let signal = stop.load(Ordering::SeqCst);
+        if signal != 0 {
+            return Err(interrupted(signal, 0, dir));
+        }
+        reporter.note(&format!(
+            "sweep {}/{}: {} ({})",
+            i + 1,
+            points.len(),
+            dir.display(),
+            if start == Start::Resume {
+                "resuming"
+            } else {
+                "new"
+            }
+        ));
+        let outcome = if start == Start::Resume {
+            Outcome::Resumed
+        } else {
+            Outcome::Trained
+        };
+        let mut trainer = Trainer::start(point.config.clone(), start)?;
+        trainer.stop_when(Arc::clone(&stop));
+        match trainer.run(reporter) {
+            Ok(_) => outcomes.push(outcome),
+            Err(e) => {
+                return Err(match e.downcast::<InterruptedError>() {
+                    Ok(stopped) => interrupted(stopped.signal, stopped.step, stopped.run_dir),
+                    Err(other) => other,
+                })
+            }
+        }
+    }
+    Ok(outcomes)
+}
+
+fn interrupted(signal: i32, step: usize, run_dir: PathBuf) -> anyhow::Error {
+    InterruptedError {
+        signal,
+        step,
+        run_dir,
+        continue_with: "the same sweep command (done runs are skipped, this one resumes)".into(),
+    }
+    .into()
+}
+
+/// The run folders of the points that have one, in sweep order.
+pub fn existing_runs(points: &[Point]) -> Vec<PathBuf> {
+    points
+        .iter()
+        .map(Point::run_dir)
+        .filter(|d| d.join(crate::checkpoint::METRICS_FILE).exists())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grids_parse_and_name_runs() {
+        let g = Grid::parse("model.n_layer=2,4, 6").unwrap();
+        assert_eq!(g.key, "model.n_layer");
+        assert_eq!(g.values, ["2", "4", "6"]);
+        assert!(Grid::parse("model.n_layer").is_err());
+        assert!(Grid::parse("model.n_layer=2,,4").is_err());
+        let values = [
+            ("model.n_layer".to_string(), "2".to_string()),
+            ("train.lr".to_string(), "1e-3".to_string()),
+        ];
+        assert_eq!(
+            run_name("exp", &["model.n_layer", "train.lr"], &values),
+            "exp-n_layer=2-lr=1e-3"
+        );
+        let clash = [
+            ("model.dropout".to_string(), "0.1".to_string()),
+            ("train.dropout".to_string(), "a/b".to_string()),
+        ];
+        assert_eq!(
+            run_name("x", &["model.dropout", "train.dropout"], &clash),
+            "x-model.dropout=0.1-train.dropout=a_b"
+        );
+    }
+}

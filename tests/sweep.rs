@@ -1,0 +1,227 @@
+//! Experiments side by side: a sweep runs every point once, is a no-op when run again,
+//! resumes after an interruption; compare reads run folders (finished or not) into a
+//! table named by what differs, and a picture.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
+
+use tinygpt::compare::{self, XAxis};
+use tinygpt::config::Config;
+use tinygpt::error::InterruptedError;
+use tinygpt::sweep::{self, Grid, Outcome};
+use tinygpt::train::{Reporter, Silent, StepLog};
+
+fn tiny_experiment(dir: &Path) -> PathBuf {
+    let text = "Now is the winter of our discontent\nMade glorious summer by this sun of York;\n"
+        .repeat(60);
+    std::fs::write(dir.join("corpus.txt"), text).unwrap();
+    let path = dir.join("exp.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[run]\nout_dir = {:?}\n[data]\ncorpus = {:?}\ncache_dir = {:?}\n[tokenizer]\nkind = \"char\"\n\
+             [model]\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\n\
+             [train]\nbatch_size = 4\nmax_iters = 6\nwarmup_iters = 1\neval_interval = 3\n\
+             eval_iters = 1\nlog_interval = 1\ncheckpoint_interval = 3\n",
+            dir.join("checkpoints").display().to_string(),
+            dir.join("corpus.txt").display().to_string(),
+            dir.join("cache").display().to_string(),
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// Asks training to stop (as Ctrl-C does) once the run it reports reaches `at`.
+struct StopAt {
+    at: usize,
+    flag: Arc<AtomicI32>,
+}
+
+impl Reporter for StopAt {
+    fn step(&mut self, log: &StepLog) {
+        if log.step == self.at {
+            self.flag.store(2, Ordering::SeqCst);
+        }
+    }
+}
+
+#[test]
+fn a_sweep_runs_each_point_once_and_resumes_after_an_interruption() {
+    let dir = tempfile::tempdir().unwrap();
+    let exp = tiny_experiment(dir.path());
+    let grids = [Grid::parse("model.n_layer=1,2").unwrap()];
+    let points = sweep::points(&exp, &[], &grids).unwrap();
+    let names: Vec<String> = points.iter().map(|p| p.config.run.name.clone()).collect();
+    assert_eq!(names, ["exp-n_layer=1", "exp-n_layer=2"]);
+
+    // Interrupted at step 4 (of 6) of the first point.
+    let flag = Arc::new(AtomicI32::new(0));
+    let mut stop = StopAt {
+        at: 4,
+        flag: Arc::clone(&flag),
+    };
+    let first = sweep::run(&points, Arc::clone(&flag), &mut stop);
+    let err = first.expect_err("stopped by the flag");
+    let stopped = err
+        .downcast_ref::<InterruptedError>()
+        .expect("an interruption");
+    assert_eq!(
+        stopped.run_dir,
+        points[0].run_dir(),
+        "stopped in the first run"
+    );
+    assert_eq!(stopped.step, 4);
+    assert!(stopped.continue_with.contains("same sweep command"));
+
+    // Run again: the interrupted run resumes, the other starts.
+    let outcomes = sweep::run(&points, Arc::new(AtomicI32::new(0)), &mut Silent).unwrap();
+    assert_eq!(outcomes, [Outcome::Resumed, Outcome::Trained]);
+    for p in &points {
+        let state = tinygpt::checkpoint::RunDir::new(p.run_dir())
+            .state()
+            .unwrap();
+        assert_eq!(state.step, 6, "{}", p.run_dir().display());
+    }
+
+    // And again: nothing to do, nothing written.
+    let state_file = points[1].run_dir().join("state.json");
+    let before = std::fs::read(&state_file).unwrap();
+    let modified = std::fs::metadata(&state_file).unwrap().modified().unwrap();
+    let outcomes = sweep::run(&points, Arc::new(AtomicI32::new(0)), &mut Silent).unwrap();
+    assert_eq!(
+        outcomes,
+        [Outcome::AlreadyComplete, Outcome::AlreadyComplete]
+    );
+    assert_eq!(std::fs::read(&state_file).unwrap(), before);
+    assert_eq!(
+        std::fs::metadata(&state_file).unwrap().modified().unwrap(),
+        modified
+    );
+
+    // The comparison names the runs by what the sweep varied.
+    let runs = compare::read_runs(&sweep::existing_runs(&points)).unwrap();
+    let rows = compare::rows(&runs);
+    assert_eq!(rows[0].differs, ["n_layer=1"]);
+    assert_eq!(rows[1].differs, ["n_layer=2"]);
+    assert!(rows
+        .iter()
+        .all(|r| r.steps == 6 && r.best_val_loss.is_some()));
+    assert!(rows[0].parameters.unwrap() < rows[1].parameters.unwrap());
+}
+
+#[test]
+fn a_bad_grid_value_fails_before_anything_trains() {
+    let dir = tempfile::tempdir().unwrap();
+    let exp = tiny_experiment(dir.path());
+    let grids = [Grid::parse("model.n_layer=1,two").unwrap()];
+    let err = sweep::points(&exp, &[], &grids).expect_err("two is not a number");
+    assert!(format!("{err:#}").contains("model.n_layer"), "{err:#}");
+    assert!(!dir.path().join("checkpoints").exists());
+}
+
+/// A run folder written by hand: its config and metrics.
+fn fixture_run(root: &Path, name: &str, overrides: &[&str], metrics: &str) -> PathBuf {
+    let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+    let config = Config::from_toml_str("", &overrides).unwrap();
+    let dir = root.join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("config.toml"), config.to_toml_string()).unwrap();
+    std::fs::write(dir.join("metrics.jsonl"), metrics).unwrap();
+    dir
+}
+
+const METRICS_A: &str = r#"{"step":0,"train_loss":4.2,"val_loss":4.3,"lr":0.0,"elapsed_s":0.5}
+{"step":10,"loss":3.0,"lr":0.001,"grad_norm":1.0,"tokens_per_s":1000.0,"elapsed_s":2.0}
+{"step":20,"loss":2.5,"lr":0.001,"grad_norm":1.0,"tokens_per_s":3000.0,"elapsed_s":3.0}
+{"step":20,"train_loss":2.4,"val_loss":2.45,"lr":0.001,"elapsed_s":3.5}
+{"step":30,"loss":2.2,"lr":0.001,"grad_norm":1.0,"tokens_per_s":2000.0,"elapsed_s":4.0}
+{"step":40,"train_loss":2.1,"val_loss":2.6,"lr":0.001,"elapsed_s":5.0}
+"#;
+
+#[test]
+fn the_table_reads_metrics_as_they_are() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = fixture_run(
+        dir.path(),
+        "a",
+        &["model.n_layer=6", "train.lr=3e-4"],
+        METRICS_A,
+    );
+    // Still training: a line half written.
+    let b = fixture_run(
+        dir.path(),
+        "b",
+        &["model.n_layer=4", "train.lr=3e-4"],
+        "{\"step\":0,\"train_loss\":4.1,\"val_loss\":4.0,\"lr\":0.0,\"elapsed_s\":0.1}\n{\"step\":5,\"loss\":3.",
+    );
+    let runs = compare::read_runs(&[a, b]).unwrap();
+    let rows = compare::rows(&runs);
+    let ra = &rows[0];
+    assert_eq!(ra.run, "a");
+    assert_eq!(ra.differs, ["n_layer=6"]);
+    assert_eq!(ra.steps, 40);
+    assert_eq!(ra.best_val_loss, Some(2.45));
+    assert_eq!(ra.best_val_step, Some(20));
+    assert_eq!(
+        ra.tokens_per_s,
+        Some(2000.0),
+        "the median of 1000, 3000, 2000"
+    );
+    assert_eq!(ra.wall_s, Some(5.0));
+    let rb = &rows[1];
+    assert_eq!(
+        (rb.steps, rb.best_val_loss, rb.tokens_per_s),
+        (0, Some(4.0), None)
+    );
+    let table = compare::table(&rows);
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 3);
+    assert!(
+        lines[1].starts_with("a ") && lines[1].contains("2.4500"),
+        "{table}"
+    );
+    assert!(lines[2].contains("n_layer=4"), "{table}");
+
+    // Against tokens: steps times batch x block x accumulation.
+    let (series, skipped) = compare::series(&runs, &rows, XAxis::Tokens);
+    assert!(skipped.is_empty());
+    let per_step = (12 * 64) as f64; // the default batch_size x block_size
+    assert_eq!(series[0].1[1], (20.0 * per_step, 2.45));
+    // Against time: evaluations placed at their seconds.
+    let (series, _) = compare::series(&runs, &rows, XAxis::Time);
+    assert_eq!(series[0].1[1], (3.0, 2.45));
+}
+
+#[test]
+fn compare_on_the_command_line_writes_a_table_and_a_picture() {
+    let dir = tempfile::tempdir().unwrap();
+    let runs = dir.path().join("runs");
+    fixture_run(&runs, "lr-1", &["train.lr=1e-3"], METRICS_A);
+    fixture_run(&runs, "lr-2", &["train.lr=2e-3"], METRICS_A);
+    let png = dir.path().join("c.png");
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+            .args(args)
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{args:?}: {stderr}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    // A folder of runs, as JSON.
+    let json = run(&["compare", "runs", "--json", "--out", png.to_str().unwrap()]);
+    let rows: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(rows.as_array().unwrap().len(), 2);
+    assert_eq!(rows[1]["differs"][0], "lr=0.002");
+    assert!(
+        std::fs::metadata(&png).unwrap().len() > 10_000,
+        "a real picture"
+    );
+    // A quoted glob, against time.
+    let table = run(&["compare", "runs/lr-*", "--x", "time", "--out", "t.png"]);
+    assert_eq!(table.lines().count(), 3, "{table}");
+    assert!(dir.path().join("t.png").exists());
+}
