@@ -545,6 +545,27 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "plot --checkpoint notxt",
             "metrics.jsonl",
         ),
+        // Sweeps and comparisons.
+        case(
+            "sweep grid without values",
+            "sweep --config exp.toml --grid model.n_layer",
+            "section.key=value1,value2",
+        ),
+        case(
+            "sweep grid of a wrong type",
+            "sweep --config exp.toml --grid model.n_layer=1,two",
+            "model.n_layer",
+        ),
+        case(
+            "compare of a folder without runs",
+            "compare notxt",
+            "neither a run folder",
+        ),
+        case(
+            "compare of a glob matching nothing",
+            "compare nope-*",
+            "matches no run folder",
+        ),
         // Evaluation.
         case(
             "eval text missing",
