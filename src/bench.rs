@@ -24,6 +24,7 @@ use crate::model::{Dropout, Gpt, ModelSpec};
 use crate::optim::AdamWStep;
 use crate::train::engine_options;
 use crate::util::peak_rss_mb;
+use crate::util::Stop;
 
 pub struct BenchOptions {
     pub steps: usize,
@@ -31,6 +32,8 @@ pub struct BenchOptions {
     pub prompt_tokens: usize,
     pub decode_tokens: usize,
     pub decode_mode: DecodeMode,
+    /// Benchmarking gives up (`Stopped`) between steps and tokens once this asks.
+    pub stop: Stop,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -118,6 +121,7 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
 
     let (mut fwd, mut bwd, mut opt, mut total) = (vec![], vec![], vec![], vec![]);
     for step in 0..opts.warmup + opts.steps {
+        opts.stop.check()?;
         for id in batch.x.iter_mut().chain(batch.y.iter_mut()) {
             *id = rng.random_range(0..cfg.vocab_size as u32);
         }
@@ -168,7 +172,10 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
     }
     let ttft = median(prefills);
     let t0 = Instant::now();
-    for _ in 0..opts.decode_tokens {
+    for i in 0..opts.decode_tokens {
+        if i % 64 == 0 {
+            opts.stop.check()?;
+        }
         next = argmax(decoder.push(&[next])?);
     }
     let decode_s = t0.elapsed().as_secs_f64();

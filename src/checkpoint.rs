@@ -271,6 +271,17 @@ impl RunDir {
     }
 
     /// Drops metrics logged after `step` (they belong to work lost since the checkpoint).
+    /// Whether metrics.jsonl holds an evaluation of `step` (an evaluation cut short by
+    /// a stop left none, and a resumed run does it again).
+    pub fn has_eval_at(&self, step: usize) -> bool {
+        let Ok(text) = fs::read_to_string(self.file(METRICS_FILE)) else {
+            return false;
+        };
+        text.lines()
+            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+            .any(|v| v["step"].as_u64() == Some(step as u64) && v.get("val_loss").is_some())
+    }
+
     pub fn truncate_metrics(&self, step: usize) -> Result<()> {
         let path = self.file(METRICS_FILE);
         let Ok(text) = fs::read_to_string(&path) else {

@@ -40,7 +40,7 @@ fn read_prompt(args: &GenerateArgs) -> Result<String> {
     Ok(text)
 }
 
-pub fn generate(args: GenerateArgs) -> Result<()> {
+pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
     let params = SamplingParams {
         temperature: args.temperature,
         top_k: args.top_k,
@@ -81,6 +81,7 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
         max_new_tokens: args.max_new_tokens,
         stop: args.stop.iter().map(|s| unescape(s)).collect(),
         mode,
+        cancel: stop,
     };
     let stream = args.num_samples == 1 && !args.json;
     let stdout = std::io::stdout();
@@ -217,7 +218,7 @@ pub fn info(args: InfoArgs) -> Result<()> {
     Ok(())
 }
 
-pub fn bench(args: BenchArgs) -> Result<()> {
+pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
     let mut overrides = args.overrides;
     if let Some(device) = args.device {
         overrides.push(format!("run.device={device:?}"));
@@ -234,6 +235,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         } else {
             DecodeMode::Fast
         },
+        stop,
     };
     let m = &config.model;
     if !args.json {
@@ -376,7 +378,7 @@ pub fn attention(args: AttentionArgs) -> Result<()> {
     Ok(())
 }
 
-pub fn sweep(args: SweepArgs, stop: std::sync::Arc<std::sync::atomic::AtomicI32>) -> Result<()> {
+pub fn sweep(args: SweepArgs, stop: tinygpt::util::Stop) -> Result<()> {
     use tinygpt::sweep::{self, Grid};
     let grids = args
         .grids

@@ -13,6 +13,7 @@ use tinygpt::config::Config;
 use tinygpt::error::{exit_code, find_user_error, DivergedError, InterruptedError};
 use tinygpt::progress::TerminalReporter;
 use tinygpt::train::Start;
+use tinygpt::util::{Stop, Stopped};
 
 #[derive(Parser)]
 #[command(
@@ -281,6 +282,9 @@ struct BenchArgs {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
+    // Every command stops politely on the first Ctrl-C or SIGTERM (its loops check);
+    // a second one exits at once.
+    let stop = stop_on_signals()?;
     match cli.command {
         Command::Train(args) => {
             let mut overrides = args.overrides;
@@ -298,8 +302,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 (false, Some(dir)) => Start::InitFrom(dir.clone()),
                 (false, None) => Start::Fresh,
             };
-            let mut trainer = tinygpt::train::Trainer::start(config, start)?;
-            trainer.stop_when(stop_on_signals()?);
+            let mut trainer = tinygpt::train::Trainer::start_until(config, start, stop)?;
             trainer.run(&mut TerminalReporter::new())?;
             Ok(())
         }
@@ -307,13 +310,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if let Some(device) = args.device.take() {
                 args.overrides.push(format!("run.device={device:?}"));
             }
-            commands::sweep(args, stop_on_signals()?)
+            commands::sweep(args, stop)
         }
         Command::Compare(args) => commands::compare(args),
-        Command::Generate(args) => commands::generate(args),
+        Command::Generate(args) => commands::generate(args, stop),
         Command::Eval(args) => commands::eval(args),
         Command::Info(args) => commands::info(args),
-        Command::Bench(args) => commands::bench(args),
+        Command::Bench(args) => commands::bench(args, stop),
         Command::Plot(args) => commands::plot(args),
         Command::Attention(args) => commands::attention(args),
         Command::Export(args) => commands::export(args),
@@ -323,10 +326,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 
 mod commands;
 
-/// Ctrl-C or SIGTERM sets the flag to the signal number: training finishes its step,
-/// writes a checkpoint and stops. A second Ctrl-C exits at once, writing nothing.
+/// Ctrl-C or SIGTERM asks the command to stop (training finishes its step, writes a
+/// checkpoint and stops; other work gives up within about a second). A second Ctrl-C
+/// exits at once, writing nothing.
 #[cfg(unix)]
-fn stop_on_signals() -> anyhow::Result<Arc<AtomicI32>> {
+fn stop_on_signals() -> anyhow::Result<Stop> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let flag = Arc::new(AtomicI32::new(0));
     let asked = Arc::new(AtomicBool::new(false));
@@ -340,12 +344,12 @@ fn stop_on_signals() -> anyhow::Result<Arc<AtomicI32>> {
             signal_hook::low_level::register(signal, move || flag.store(signal, Ordering::SeqCst))?;
         }
     }
-    Ok(flag)
+    Ok(Stop::from_flag(flag))
 }
 
 #[cfg(not(unix))]
-fn stop_on_signals() -> anyhow::Result<Arc<AtomicI32>> {
-    Ok(Arc::new(AtomicI32::new(0)))
+fn stop_on_signals() -> anyhow::Result<Stop> {
+    Ok(Stop::new())
 }
 
 #[global_allocator]
@@ -372,6 +376,10 @@ fn main() -> ExitCode {
                 ExitCode::from(exit_code::USER as u8)
             } else if let Some(stopped) = err.downcast_ref::<InterruptedError>() {
                 eprintln!("{stopped}");
+                ExitCode::from((128 + stopped.signal) as u8)
+            } else if let Some(stopped) = err.chain().find_map(|e| e.downcast_ref::<Stopped>()) {
+                // What was given up and what was kept, in one line.
+                eprintln!("{err:#}");
                 ExitCode::from((128 + stopped.signal) as u8)
             } else if let Some(diverged) = err.downcast_ref::<DivergedError>() {
                 eprintln!("error: {diverged}");

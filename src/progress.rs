@@ -73,6 +73,19 @@ impl Reporter for TerminalReporter {
         }
     }
 
+    fn evaluating(&mut self, done: usize, total: usize) {
+        // A long evaluation must not look like a hang: it shows on the bar.
+        if let Some(bar) = &self.bar {
+            bar.set_message(format!("evaluating: batch {done}/{total}"));
+        }
+    }
+
+    fn saving(&mut self) {
+        if let Some(bar) = &self.bar {
+            bar.set_message("writing the checkpoint".to_string());
+        }
+    }
+
     fn eval(&mut self, log: &EvalLog) {
         self.println(&format!(
             "step {:>6}: train loss {:.4}, val loss {:.4}",

@@ -6,8 +6,6 @@
 //! loaded and checked before anything trains, so a bad value fails at once.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::Arc;
 
 use anyhow::Result;
 
@@ -16,6 +14,7 @@ use crate::config::Config;
 use crate::error::InterruptedError;
 use crate::train::{Reporter, Start, Trainer};
 use crate::user_bail;
+use crate::util::Stop;
 
 /// One setting's values: `--grid model.n_layer=2,4,6`.
 #[derive(Debug, Clone, PartialEq)]
@@ -124,11 +123,7 @@ pub enum Outcome {
 
 /// Runs every point in order. Once `stop` holds a signal number the run in progress
 /// checkpoints and the sweep stops (an [`InterruptedError`] saying how to continue).
-pub fn run(
-    points: &[Point],
-    stop: Arc<AtomicI32>,
-    reporter: &mut dyn Reporter,
-) -> Result<Vec<Outcome>> {
+pub fn run(points: &[Point], stop: Stop, reporter: &mut dyn Reporter) -> Result<Vec<Outcome>> {
     let mut outcomes = Vec::with_capacity(points.len());
     for (i, point) in points.iter().enumerate() {
         let dir = point.run_dir();
@@ -150,8 +145,7 @@ pub fn run(
         } else {
             Start::Fresh
         };
-        let signal = stop.load(Ordering::SeqCst);
-        if signal != 0 {
+        if let Some(signal) = stop.signal() {
             return Err(interrupted(signal, 0, dir));
         }
         reporter.note(&format!(
@@ -170,8 +164,7 @@ pub fn run(
         } else {
             Outcome::Trained
         };
-        let mut trainer = Trainer::start(point.config.clone(), start)?;
-        trainer.stop_when(Arc::clone(&stop));
+        let mut trainer = Trainer::start_until(point.config.clone(), start, stop.clone())?;
         match trainer.run(reporter) {
             Ok(_) => outcomes.push(outcome),
             Err(e) => {

@@ -9,6 +9,7 @@ use tinygpt::corpus::cache::CorpusCache;
 use tinygpt::corpus::encode::encode_in_chunks;
 use tinygpt::corpus::{token_files, Corpus};
 use tinygpt::tokenizer::Tokenizer;
+use tinygpt::util::Stop;
 
 /// Documents with everything that could go wrong at a cut: runs of spaces and newlines,
 /// tabs, non-ASCII letters and spaces, digits, contractions, emoji, the end-of-text
@@ -68,10 +69,17 @@ fn assert_same(got: &[u32], want: &[u32], what: &str) {
 
 fn streamed(corpus: &Corpus, tk: &Tokenizer, chunk_bytes: usize) -> Vec<u32> {
     let mut ids = Vec::new();
-    encode_in_chunks(corpus, tk, chunk_bytes, &ProgressBar::hidden(), |chunk| {
-        ids.extend_from_slice(chunk);
-        Ok(())
-    })
+    encode_in_chunks(
+        corpus,
+        tk,
+        chunk_bytes,
+        &ProgressBar::hidden(),
+        &Stop::new(),
+        |chunk| {
+            ids.extend_from_slice(chunk);
+            Ok(())
+        },
+    )
     .unwrap();
     ids
 }
@@ -272,7 +280,7 @@ fn the_cache_is_reused_until_the_corpus_or_tokenizer_changes() {
     let corpus = Corpus::open(&path, "text").unwrap();
     let cache = CorpusCache::new(&cache_dir, &corpus);
     // Ids copied out: the maps are dropped before the files are damaged below.
-    let first = cache.tokens(&corpus, &tk).unwrap().0.to_vec();
+    let first = cache.tokens(&corpus, &tk, &Stop::new()).unwrap().0.to_vec();
     assert_same(
         &first,
         &tk.encode_with_tokenizers(&docs.concat()).unwrap(),
@@ -288,7 +296,10 @@ fn the_cache_is_reused_until_the_corpus_or_tokenizer_changes() {
     // Same corpus, same tokenizer: mapped, not written again.
     let again = CorpusCache::new(&cache_dir, &Corpus::open(&path, "text").unwrap());
     assert_eq!(again.dir(), cache.dir());
-    assert_eq!(again.tokens(&corpus, &tk).unwrap().0.to_vec(), first);
+    assert_eq!(
+        again.tokens(&corpus, &tk, &Stop::new()).unwrap().0.to_vec(),
+        first
+    );
     assert_eq!(
         std::fs::metadata(&bin).unwrap().modified().unwrap(),
         written
@@ -297,11 +308,14 @@ fn the_cache_is_reused_until_the_corpus_or_tokenizer_changes() {
     // A header whose ids file was cut short is not trusted: encoded again.
     std::fs::write(&bin, b"\x01\x00").unwrap();
     assert!(bin.with_extension("json").exists());
-    assert_eq!(cache.tokens(&corpus, &tk).unwrap().0.to_vec(), first);
+    assert_eq!(
+        cache.tokens(&corpus, &tk, &Stop::new()).unwrap().0.to_vec(),
+        first
+    );
 
     // Another tokenizer: its own ids beside the first.
     let char_tk = Tokenizer::train_char(&docs.concat()).unwrap();
-    let chars = cache.tokens(&corpus, &char_tk).unwrap().0;
+    let chars = cache.tokens(&corpus, &char_tk, &Stop::new()).unwrap().0;
     assert_eq!(chars.to_vec(), char_tk.encode(&docs.concat()).unwrap());
 
     // The corpus rewritten: another folder.
@@ -310,7 +324,11 @@ fn the_cache_is_reused_until_the_corpus_or_tokenizer_changes() {
     let cache2 = CorpusCache::new(&cache_dir, &changed);
     assert_ne!(cache2.dir(), cache.dir());
     assert_eq!(
-        cache2.tokens(&changed, &tk).unwrap().0.to_vec(),
+        cache2
+            .tokens(&changed, &tk, &Stop::new())
+            .unwrap()
+            .0
+            .to_vec(),
         tk.encode_with_tokenizers(&docs[..10].concat()).unwrap()
     );
 }
@@ -327,7 +345,7 @@ fn tokenizers_train_once_per_corpus_and_settings_on_a_sample() {
         vocab_size: 500,
         ..Default::default()
     };
-    let whole = cache.tokenizer(&corpus, &config).unwrap();
+    let whole = cache.tokenizer(&corpus, &config, &Stop::new()).unwrap();
     assert_eq!(whole.vocab_size(), 500);
     // Trained on the whole (smaller than the sample): as training on the text at once.
     let direct = Tokenizer::train_bpe(&docs.concat(), 500).unwrap();
@@ -335,14 +353,14 @@ fn tokenizers_train_once_per_corpus_and_settings_on_a_sample() {
     // Kept: the same file again.
     assert_eq!(
         cache
-            .tokenizer(&corpus, &config)
+            .tokenizer(&corpus, &config, &Stop::new())
             .unwrap()
             .to_json()
             .unwrap(),
         whole.to_json().unwrap()
     );
     config.vocab_size = 400;
-    cache.tokenizer(&corpus, &config).unwrap();
+    cache.tokenizer(&corpus, &config, &Stop::new()).unwrap();
     let files = std::fs::read_dir(cache.dir()).unwrap().count();
     assert_eq!(files, 3, "corpus.json and two tokenizers");
 }
@@ -362,9 +380,11 @@ fn bpe_trains_on_a_sample_of_the_configured_size() {
         train_bytes,
         ..Default::default()
     };
-    let whole = cache.tokenizer(&corpus, &config(1 << 30)).unwrap();
+    let whole = cache
+        .tokenizer(&corpus, &config(1 << 30), &Stop::new())
+        .unwrap();
     // The smallest sample is one chunk (1 MiB), from the start.
-    let sampled = cache.tokenizer(&corpus, &config(1)).unwrap();
+    let sampled = cache.tokenizer(&corpus, &config(1), &Stop::new()).unwrap();
     let gamma = "gamma delta gammadelta deltoid\n";
     let (by_whole, by_sample) = (whole.encode(gamma).unwrap(), sampled.encode(gamma).unwrap());
     assert!(
@@ -390,8 +410,11 @@ fn a_failure_midway_leaves_no_cache_behind() {
     let corpus = Corpus::open(&docs, "text").unwrap();
     let tk = Tokenizer::train_bpe("story 0123456789 fine", 280).unwrap();
     let cache = CorpusCache::new(&dir.path().join("cache"), &corpus);
-    let err = cache.tokens(&corpus, &tk).err().expect("line 2 is broken");
-    assert!(format!("{err}").contains("b.jsonl:2"), "{err}");
+    let err = cache
+        .tokens(&corpus, &tk, &Stop::new())
+        .err()
+        .expect("line 2 is broken");
+    assert!(format!("{err:#}").contains("b.jsonl:2"), "{err}");
     let left: Vec<String> = std::fs::read_dir(cache.dir())
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().to_string())

@@ -204,6 +204,7 @@ fn sample_all(
         max_new_tokens: n,
         stop: vec![],
         mode,
+        cancel: tinygpt::util::Stop::new(),
     };
     let mut pieces = vec![Vec::new(); seeds.len()];
     let samples = generate(

@@ -3,14 +3,13 @@
 //! table named by what differs, and a picture.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::Arc;
 
 use tinygpt::compare::{self, XAxis};
 use tinygpt::config::Config;
 use tinygpt::error::InterruptedError;
 use tinygpt::sweep::{self, Grid, Outcome};
 use tinygpt::train::{Reporter, Silent, StepLog};
+use tinygpt::util::Stop;
 
 fn tiny_experiment(dir: &Path) -> PathBuf {
     let text = "Now is the winter of our discontent\nMade glorious summer by this sun of York;\n"
@@ -36,13 +35,13 @@ fn tiny_experiment(dir: &Path) -> PathBuf {
 /// Asks training to stop (as Ctrl-C does) once the run it reports reaches `at`.
 struct StopAt {
     at: usize,
-    flag: Arc<AtomicI32>,
+    stop: Stop,
 }
 
 impl Reporter for StopAt {
     fn step(&mut self, log: &StepLog) {
         if log.step == self.at {
-            self.flag.store(2, Ordering::SeqCst);
+            self.stop.request(2);
         }
     }
 }
@@ -57,12 +56,12 @@ fn a_sweep_runs_each_point_once_and_resumes_after_an_interruption() {
     assert_eq!(names, ["exp-n_layer=1", "exp-n_layer=2"]);
 
     // Interrupted at step 4 (of 6) of the first point.
-    let flag = Arc::new(AtomicI32::new(0));
-    let mut stop = StopAt {
+    let stop = Stop::new();
+    let mut stop_at = StopAt {
         at: 4,
-        flag: Arc::clone(&flag),
+        stop: stop.clone(),
     };
-    let first = sweep::run(&points, Arc::clone(&flag), &mut stop);
+    let first = sweep::run(&points, stop, &mut stop_at);
     let err = first.expect_err("stopped by the flag");
     let stopped = err
         .downcast_ref::<InterruptedError>()
@@ -76,7 +75,7 @@ fn a_sweep_runs_each_point_once_and_resumes_after_an_interruption() {
     assert!(stopped.continue_with.contains("same sweep command"));
 
     // Run again: the interrupted run resumes, the other starts.
-    let outcomes = sweep::run(&points, Arc::new(AtomicI32::new(0)), &mut Silent).unwrap();
+    let outcomes = sweep::run(&points, Stop::new(), &mut Silent).unwrap();
     assert_eq!(outcomes, [Outcome::Resumed, Outcome::Trained]);
     for p in &points {
         let state = tinygpt::checkpoint::RunDir::new(p.run_dir())
@@ -89,7 +88,7 @@ fn a_sweep_runs_each_point_once_and_resumes_after_an_interruption() {
     let state_file = points[1].run_dir().join("state.json");
     let before = std::fs::read(&state_file).unwrap();
     let modified = std::fs::metadata(&state_file).unwrap().modified().unwrap();
-    let outcomes = sweep::run(&points, Arc::new(AtomicI32::new(0)), &mut Silent).unwrap();
+    let outcomes = sweep::run(&points, Stop::new(), &mut Silent).unwrap();
     assert_eq!(
         outcomes,
         [Outcome::AlreadyComplete, Outcome::AlreadyComplete]

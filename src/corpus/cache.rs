@@ -31,7 +31,7 @@ use crate::config::{TokenizerConfig, TokenizerKind};
 use crate::data::{Storage, Tokens};
 use crate::tokenizer::Tokenizer;
 use crate::util::bars::{bytes_bar, finish};
-use crate::util::{sha256_hex, write_atomic, AtomicFile};
+use crate::util::{sha256_hex, write_atomic, AtomicFile, Stop};
 
 pub struct CorpusCache {
     dir: PathBuf,
@@ -73,7 +73,12 @@ impl CorpusCache {
     }
 
     /// The tokenizer `config` describes, trained on `corpus` once per settings.
-    pub fn tokenizer(&self, corpus: &Corpus, config: &TokenizerConfig) -> Result<Tokenizer> {
+    pub fn tokenizer(
+        &self,
+        corpus: &Corpus,
+        config: &TokenizerConfig,
+        stop: &Stop,
+    ) -> Result<Tokenizer> {
         let file = self.dir.join(match config.kind {
             TokenizerKind::Bpe => format!(
                 "tokenizer-bpe-{}-{}.json",
@@ -91,7 +96,8 @@ impl CorpusCache {
             TokenizerKind::Char => "collecting characters".to_string(),
         };
         let bar = bytes_bar(corpus.bytes(), &what);
-        let tokenizer = train_tokenizer(corpus, config, &bar)?;
+        let tokenizer = train_tokenizer(corpus, config, &bar, stop)
+            .context("training the tokenizer; nothing was kept")?;
         self.create(corpus)?;
         write_atomic(&file, tokenizer.to_json()?.as_bytes())?;
         finish(
@@ -110,7 +116,12 @@ impl CorpusCache {
     /// The ids of `corpus` under `tokenizer`, mapped from the cache (encoded into it
     /// first if need be), and the largest of them (from the header: checking the ids
     /// needs no pass over them).
-    pub fn tokens(&self, corpus: &Corpus, tokenizer: &Tokenizer) -> Result<(Tokens, u32)> {
+    pub fn tokens(
+        &self,
+        corpus: &Corpus,
+        tokenizer: &Tokenizer,
+        stop: &Stop,
+    ) -> Result<(Tokens, u32)> {
         let tokenizer_sha256 = sha256_hex(tokenizer.to_json()?.as_bytes());
         let stem = format!("tokens-{}", &tokenizer_sha256[..16]);
         let (bin, json) = (
@@ -133,7 +144,7 @@ impl CorpusCache {
         let mut out = AtomicFile::create(&bin)?;
         let (mut tokens, mut max_id) = (0usize, 0u32);
         let mut bytes = Vec::new();
-        encode(corpus, tokenizer, &bar, |ids| {
+        encode(corpus, tokenizer, &bar, stop, |ids| {
             bytes.clear();
             for &id in ids {
                 if width == 2 {
@@ -146,7 +157,8 @@ impl CorpusCache {
             max_id = ids.iter().copied().fold(max_id, u32::max);
             out.write_all(&bytes)
                 .with_context(|| format!("writing {}", bin.display()))
-        })?;
+        })
+        .context("encoding the corpus; nothing partial was kept")?;
         out.commit()?;
         let header = TokensHeader {
             corpus_fingerprint: fingerprint.clone(),

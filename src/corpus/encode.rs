@@ -11,16 +11,19 @@ use rayon::prelude::*;
 use super::{Corpus, Piece};
 use crate::error::user_error;
 use crate::tokenizer::Tokenizer;
+use crate::util::Stop;
 
 /// Encodes `corpus`, calling `sink` with each chunk's ids in order; `progress` advances
-/// through the corpus's bytes.
+/// through the corpus's bytes. Gives up (`Stopped`) between waves of chunks (a few MB)
+/// once `stop` asks.
 pub fn encode(
     corpus: &Corpus,
     tokenizer: &Tokenizer,
     progress: &ProgressBar,
+    stop: &Stop,
     sink: impl FnMut(&[u32]) -> Result<()>,
 ) -> Result<()> {
-    encode_in_chunks(corpus, tokenizer, super::CHUNK_BYTES, progress, sink)
+    encode_in_chunks(corpus, tokenizer, super::CHUNK_BYTES, progress, stop, sink)
 }
 
 /// [`encode`] with chunks of about `chunk_bytes` (small ones in tests).
@@ -29,6 +32,7 @@ pub fn encode_in_chunks(
     tokenizer: &Tokenizer,
     chunk_bytes: usize,
     progress: &ProgressBar,
+    stop: &Stop,
     mut sink: impl FnMut(&[u32]) -> Result<()>,
 ) -> Result<()> {
     let separator = Separator::of(tokenizer);
@@ -36,6 +40,7 @@ pub fn encode_in_chunks(
     let mut chunks = corpus.chunks_of(chunk_bytes);
     let mut first = true;
     loop {
+        stop.check()?;
         let batch: Vec<Vec<Piece>> = chunks.by_ref().take(wave).collect::<Result<_>>()?;
         if batch.is_empty() {
             return Ok(());

@@ -76,6 +76,7 @@ pub struct CorpusFile {
     modified_ns: u128,
 }
 
+#[derive(Debug, Clone)]
 pub struct Corpus {
     pub path: PathBuf,
     pub files: Vec<CorpusFile>,

@@ -15,39 +15,67 @@ use indicatif::ProgressBar;
 use super::{Chunks, Corpus, Piece};
 use crate::config::{TokenizerConfig, TokenizerKind};
 use crate::tokenizer::Tokenizer;
+use crate::util::Stop;
 
-/// Trains the tokenizer `config` describes on `corpus`.
+/// Trains the tokenizer `config` describes on `corpus`; gives up (`Stopped`) within a
+/// fraction of a second once `stop` asks.
 pub fn train_tokenizer(
     corpus: &Corpus,
     config: &TokenizerConfig,
     progress: &ProgressBar,
+    stop: &Stop,
 ) -> Result<Tokenizer> {
     match config.kind {
-        TokenizerKind::Char => train_char(corpus, progress),
+        TokenizerKind::Char => train_char(corpus, progress, stop),
         TokenizerKind::Bpe => {
-            let failure = Mutex::new(None);
-            let sample = Sample {
-                chunks: corpus.chunks(),
-                total: corpus.bytes().max(1),
-                wanted: config.train_bytes,
-                taken: 0,
-                progress,
-                failure: &failure,
-            };
-            let tokenizer = Tokenizer::train_bpe_on(sample, config.vocab_size);
-            if let Some(e) = failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
-                return Err(e);
+            // tokenizers' merge loop cannot be interrupted: it runs on a thread of its
+            // own, which a stop leaves behind (the process is about to end).
+            let (corpus, progress, inner) = (corpus.clone(), progress.clone(), stop.clone());
+            let (wanted, vocab_size) = (config.train_bytes, config.vocab_size);
+            let worker = std::thread::spawn(move || {
+                train_bpe(&corpus, wanted, vocab_size, &progress, &inner)
+            });
+            while !worker.is_finished() {
+                stop.check()?;
+                std::thread::sleep(std::time::Duration::from_millis(50));
             }
-            tokenizer
+            worker
+                .join()
+                .map_err(|_| anyhow::anyhow!("the BPE trainer panicked"))?
         }
     }
 }
 
-fn train_char(corpus: &Corpus, progress: &ProgressBar) -> Result<Tokenizer> {
+fn train_bpe(
+    corpus: &Corpus,
+    wanted: u64,
+    vocab_size: usize,
+    progress: &ProgressBar,
+    stop: &Stop,
+) -> Result<Tokenizer> {
+    let failure = Mutex::new(None);
+    let sample = Sample {
+        chunks: corpus.chunks(),
+        total: corpus.bytes().max(1),
+        wanted,
+        taken: 0,
+        progress,
+        stop,
+        failure: &failure,
+    };
+    let tokenizer = Tokenizer::train_bpe_on(sample, vocab_size);
+    if let Some(e) = failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        return Err(e);
+    }
+    tokenizer
+}
+
+fn train_char(corpus: &Corpus, progress: &ProgressBar, stop: &Stop) -> Result<Tokenizer> {
     let mut chars = HashSet::new();
     let mut documents = 0usize;
     let mut chunks = corpus.chunks();
     while let Some(chunk) = chunks.next() {
+        stop.check()?;
         for piece in chunk? {
             documents += piece.new_document as usize;
             chars.extend(piece.text.chars());
@@ -83,6 +111,7 @@ struct Sample<'a> {
     wanted: u64,
     taken: u64,
     progress: &'a ProgressBar,
+    stop: &'a Stop,
     failure: &'a Mutex<Option<anyhow::Error>>,
 }
 
@@ -92,6 +121,10 @@ impl Iterator for Sample<'_> {
     fn next(&mut self) -> Option<String> {
         let marks = self.wanted.div_ceil(super::CHUNK_BYTES as u64).max(1);
         while self.taken < self.wanted {
+            if let Err(stopped) = self.stop.check() {
+                *self.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(stopped.into());
+                return None;
+            }
             let before = self.chunks.position();
             let chunk = match self.chunks.next()? {
                 Ok(chunk) => chunk,

@@ -16,6 +16,7 @@ use anyhow::Result;
 
 use crate::model::Gpt;
 use crate::tokenizer::{TextStream, Tokenizer};
+use crate::util::Stop;
 pub use decoder::{DecodeMode, Decoder};
 use sample::Sampler;
 pub use stop::{unescape, StopFilter};
@@ -25,6 +26,9 @@ pub struct GenerateOptions {
     pub max_new_tokens: usize,
     pub stop: Vec<String>,
     pub mode: DecodeMode,
+    /// Decoding gives up (`Stopped`) between tokens once this asks; the text handed to
+    /// `on_text` so far stands.
+    pub cancel: Stop,
 }
 
 /// One finished sample.
@@ -85,6 +89,7 @@ pub fn generate(
     let decode_start = Instant::now();
     let mut next = vec![0u32; batch];
     for step in 0..options.max_new_tokens {
+        options.cancel.check()?;
         for (i, row) in rows.iter_mut().enumerate() {
             if row.stopped_by.is_some() {
                 continue; // feeds its last token as filler; its output is final

@@ -9,7 +9,7 @@ mod report;
 pub mod schedule;
 mod start;
 
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::AtomicI32;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -34,6 +34,7 @@ use crate::model::{Dropout, ModelSpec};
 use crate::optim::AdamWStep;
 use crate::tokenizer::Tokenizer;
 use crate::user_bail;
+use crate::util::{Stop, Stopped};
 
 /// RNG streams drawn from the run's seed; separate so that evaluation never shifts
 /// the training batches and resume can restore each one. (Dropout needs no stream: its
@@ -54,8 +55,8 @@ pub struct Trainer {
     device: Device,
     session_start: Instant,
     resumed: bool,
-    /// Set (to the signal number) when the user asks training to stop.
-    stop: Option<Arc<AtomicI32>>,
+    /// Asked through when the user wants training to stop.
+    stop: Stop,
     /// The step's micro-batches, and an evaluation batch, refilled in place.
     batches: Vec<Batch>,
     eval_batch: Batch,
@@ -80,16 +81,22 @@ impl Trainer {
 
     /// Builds the run as `start` says.
     pub fn start(config: Config, start: Start) -> Result<Self> {
+        Self::start_until(config, start, Stop::new())
+    }
+
+    /// Builds the run as `start` says; preparing the data gives up (`Stopped`) and
+    /// training stops cleanly (checkpoint, then `InterruptedError`) once `stop` asks.
+    pub fn start_until(config: Config, start: Start, stop: Stop) -> Result<Self> {
         let device = parse_device(&config.run.device)?;
         let run = RunDir::new(config.run_dir());
         let corpus = Corpus::open(&config.data.corpus, &config.data.text_field)?;
         let cache = CorpusCache::new(&config.data.cache_dir, &corpus);
-        let origin = start::resolve(config, &start, &run, &corpus, &cache)?;
+        let origin = start::resolve(config, &start, &run, &corpus, &cache, &stop)?;
         let (config, state) = (origin.config, origin.state);
         config.validate()?;
         check_memory(&config, &device)?;
         // The data before the run folder: a corpus that cannot be read leaves nothing.
-        let split = load_split(&config, &corpus, &cache, &origin.tokenizer)?;
+        let split = load_split(&config, &corpus, &cache, &origin.tokenizer, &stop)?;
         let resume = start == Start::Resume;
         let lock = open_run_folder(&run, resume, &state)?;
 
@@ -118,7 +125,7 @@ impl Trainer {
             device,
             session_start: Instant::now(),
             resumed: resume,
-            stop: None,
+            stop,
             _lock: lock,
         })
     }
@@ -126,7 +133,7 @@ impl Trainer {
     /// Training stops cleanly (checkpoint, then `InterruptedError`) once `flag` holds a
     /// signal number other than 0.
     pub fn stop_when(&mut self, flag: Arc<AtomicI32>) {
-        self.stop = Some(flag);
+        self.stop = Stop::from_flag(flag);
     }
 
     pub fn info(&self) -> RunInfo {
@@ -206,21 +213,39 @@ impl Trainer {
     /// Mean loss over `eval_iters` batches of train and of val. The batches are the same
     /// at every evaluation (a fixed seed), so the curve shows the model change, not noise.
     pub fn evaluate(&mut self) -> Result<EvalLog> {
+        self.evaluate_reporting(&mut Silent)
+    }
+
+    /// [`Trainer::evaluate`], reporting each batch; gives up (`Stopped`) between
+    /// batches once a stop is asked for.
+    fn evaluate_reporting(&mut self, reporter: &mut dyn Reporter) -> Result<EvalLog> {
         let (train, val) = (self.split.train.clone(), self.split.val.clone());
+        let iters = self.config.train.eval_iters;
         Ok(EvalLog {
             step: self.state.step,
-            train_loss: self.mean_loss(&train, STREAM_EVAL_TRAIN)?,
-            val_loss: self.mean_loss(&val, STREAM_EVAL_VAL)?,
+            train_loss: self.mean_loss(&train, STREAM_EVAL_TRAIN, |done| {
+                reporter.evaluating(done, 2 * iters)
+            })?,
+            val_loss: self.mean_loss(&val, STREAM_EVAL_VAL, |done| {
+                reporter.evaluating(iters + done, 2 * iters)
+            })?,
         })
     }
 
-    fn mean_loss(&mut self, tokens: &Tokens, stream: u64) -> Result<f64> {
+    fn mean_loss(
+        &mut self,
+        tokens: &Tokens,
+        stream: u64,
+        mut progress: impl FnMut(usize),
+    ) -> Result<f64> {
         let iters = self.config.train.eval_iters;
         let mut sampler = BatchSampler::new(self.config.run.seed, stream);
         let mut sum = 0.0;
-        for _ in 0..iters {
+        for i in 0..iters {
+            self.stop.check()?;
             sampler.sample_into(tokens, &mut self.eval_batch);
             sum += self.engine.forward(&self.eval_batch, None)?;
+            progress(i + 1);
         }
         Ok(sum / iters as f64)
     }
@@ -241,7 +266,7 @@ impl Trainer {
 
     /// Evaluates, records the losses in the state and metrics.jsonl, and reports.
     fn evaluate_and_log(&mut self, reporter: &mut dyn Reporter) -> Result<()> {
-        let e = self.evaluate()?;
+        let e = self.evaluate_reporting(reporter)?;
         self.state.last_val_loss = Some(e.val_loss);
         self.state.last_train_loss = Some(e.train_loss);
         let best = self
@@ -264,14 +289,23 @@ impl Trainer {
         reporter.started(&self.info());
         let start = self.state.step;
         let mut step = start;
+        // A resumed run evaluated its first step before the checkpoint, unless a stop
+        // cut that evaluation short.
+        let evaluated_start = self.resumed && self.run.has_eval_at(start);
         loop {
             let is_last = step >= cfg.max_iters;
-            // A resumed run already evaluated (and saved) its first step.
-            let resumed_here = self.resumed && step == start;
-            if (step.is_multiple_of(cfg.eval_interval) || is_last) && !resumed_here {
-                self.evaluate_and_log(reporter)?;
+            let done_already = evaluated_start && step == start;
+            if (step.is_multiple_of(cfg.eval_interval) || is_last) && !done_already {
+                match self.evaluate_and_log(reporter) {
+                    Err(e) if e.is::<Stopped>() => {
+                        let signal = e.downcast_ref::<Stopped>().map_or(2, |s| s.signal);
+                        return Err(self.interrupt(signal, step > start, reporter)?);
+                    }
+                    other => other?,
+                }
             }
             if step > start && (step.is_multiple_of(cfg.checkpoint_interval) || is_last) {
+                reporter.saving();
                 self.save()?;
                 let at = self.run.path().display();
                 reporter.note(&format!("checkpoint: {at} at step {step}"));
@@ -288,21 +322,9 @@ impl Trainer {
                 }))?;
             }
             reporter.step(&log);
-            let signal = self.stop.as_ref().map_or(0, |f| f.load(Ordering::SeqCst));
-            if signal != 0 && step < cfg.max_iters {
-                // A resumed run skips the evaluation of its first step, so do it now.
-                if step.is_multiple_of(cfg.eval_interval) {
-                    self.evaluate_and_log(reporter)?;
-                }
-                self.save()?;
-                let run_dir = self.run.path().to_path_buf();
-                return Err(InterruptedError {
-                    signal,
-                    step,
-                    run_dir,
-                    continue_with: "the same command and --resume".into(),
-                }
-                .into());
+            if let (Some(signal), true) = (self.stop.signal(), step < cfg.max_iters) {
+                // The evaluation due at this step is left to the resumed run.
+                return Err(self.interrupt(signal, true, reporter)?);
             }
         }
         match crate::plot::run_loss_curve(self.run.path()) {
@@ -318,6 +340,34 @@ impl Trainer {
         };
         reporter.finished(&summary);
         Ok(summary)
+    }
+}
+
+impl Trainer {
+    /// Stops for `signal`: saves the current step if it trained (`save`), and says what
+    /// was kept and how to continue.
+    fn interrupt(
+        &mut self,
+        signal: i32,
+        save: bool,
+        reporter: &mut dyn Reporter,
+    ) -> Result<anyhow::Error> {
+        if save {
+            reporter.saving();
+            self.save()?;
+        }
+        let continue_with = if self.run.has_checkpoint() {
+            "the same command and --resume"
+        } else {
+            "the same command (no step was trained, nothing was saved)"
+        };
+        Ok(InterruptedError {
+            signal,
+            step: self.state.step,
+            run_dir: self.run.path().to_path_buf(),
+            continue_with: continue_with.into(),
+        }
+        .into())
     }
 }
 
@@ -398,6 +448,7 @@ fn load_split(
     corpus: &Corpus,
     cache: &CorpusCache,
     tokenizer: &Tokenizer,
+    stop: &Stop,
 ) -> Result<Split> {
     let (data, block) = (&config.data, config.model.block_size);
     let vocab_size = config.model.vocab_size;
@@ -407,7 +458,7 @@ fn load_split(
             (all, None) => Split::new(all, data.val_fraction, block, &data.corpus),
         };
     }
-    let (tokens, max) = cache.tokens(corpus, tokenizer)?;
+    let (tokens, max) = cache.tokens(corpus, tokenizer, stop)?;
     if !tokens.is_empty() && max as usize >= vocab_size {
         user_bail!(
             "the token cache in {} holds id {max}, outside the model's vocabulary of {vocab_size}; delete that folder and retry",

@@ -6,6 +6,10 @@ pub trait Reporter {
     fn started(&mut self, _info: &RunInfo) {}
     fn step(&mut self, _log: &StepLog) {}
     fn eval(&mut self, _log: &EvalLog) {}
+    /// Evaluation batch `done` of `total` is finished.
+    fn evaluating(&mut self, _done: usize, _total: usize) {}
+    /// A checkpoint is being written.
+    fn saving(&mut self) {}
     fn note(&mut self, _message: &str) {}
     fn finished(&mut self, _summary: &TrainSummary) {}
 }

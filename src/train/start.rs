@@ -16,6 +16,7 @@ use crate::model::params::weights_from_file;
 use crate::model::ModelSpec;
 use crate::tokenizer::Tokenizer;
 use crate::user_bail;
+use crate::util::Stop;
 
 /// How a run begins.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,6 +50,7 @@ pub fn resolve(
     run: &RunDir,
     corpus: &Corpus,
     cache: &CorpusCache,
+    stop: &Stop,
 ) -> Result<Origin> {
     if *start != Start::Resume && run.has_checkpoint() {
         user_bail!(
@@ -59,7 +61,7 @@ pub fn resolve(
     match start {
         Start::Resume => resume(config, run),
         Start::InitFrom(dir) => init_from(config, dir),
-        Start::Fresh => fresh(config, corpus, cache),
+        Start::Fresh => fresh(config, corpus, cache, stop),
     }
 }
 
@@ -116,7 +118,7 @@ fn init_from(mut config: Config, dir: &Path) -> Result<Origin> {
 
 /// A tokenizer trained on the corpus (or read from tokenizer.path), and the model's
 /// vocabulary set from it.
-fn fresh(mut config: Config, corpus: &Corpus, cache: &CorpusCache) -> Result<Origin> {
+fn fresh(mut config: Config, corpus: &Corpus, cache: &CorpusCache, stop: &Stop) -> Result<Origin> {
     let tk = &config.tokenizer;
     let tokenizer = match &tk.path {
         Some(path) => Tokenizer::from_file(path)?,
@@ -124,7 +126,7 @@ fn fresh(mut config: Config, corpus: &Corpus, cache: &CorpusCache) -> Result<Ori
             "corpus {} holds token ids (.bin files); set tokenizer.path to the tokenizer.json they were encoded with (GPT-2's for nanoGPT's and llm.c's files)",
             corpus.path.display()
         ),
-        None => cache.tokenizer(corpus, tk)?,
+        None => cache.tokenizer(corpus, tk, stop)?,
     };
     let have = tokenizer.vocab_size();
     let trained_bpe = tk.path.is_none() && tk.kind == TokenizerKind::Bpe;
