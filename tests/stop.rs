@@ -1,0 +1,232 @@
+//! Stop means stop: the binary, sent SIGTERM or SIGINT in the middle of long work,
+//! exits within seconds with 128 + the signal, keeping only whole files.
+#![cfg(unix)]
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn tinygpt(dir: &Path, args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tinygpt"));
+    command.args(args).current_dir(dir);
+    command
+}
+
+/// Waits until `ready` holds (polling), panicking after a minute.
+fn wait_for(what: &str, child: &mut Child, ready: impl Fn() -> bool) {
+    let start = Instant::now();
+    while !ready() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("exited ({status}) before {what}");
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "never saw {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Sends `signal` and returns the exit code and stderr, asserting the exit came within
+/// `limit`.
+fn signal_and_wait(mut child: Child, signal: i32, limit: Duration) -> (i32, String) {
+    let sent = Instant::now();
+    // Safety: kill(2) on our own child's pid.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, signal) }, 0);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let took = sent.elapsed();
+            let mut err = String::new();
+            std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+            assert!(took < limit, "took {took:?} to stop: {err}");
+            return (status.code().expect("exited, not killed"), err);
+        }
+        if sent.elapsed() > limit * 4 {
+            let _ = child.kill();
+            panic!("still running {:?} after the signal", sent.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn metrics_has(run: &Path, step: u64, key: &str) -> bool {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .any(|v| v["step"].as_u64() == Some(step) && v.get(key).is_some())
+}
+
+fn experiment(dir: &Path) {
+    let text = "Now is the winter of our discontent\nMade glorious summer by this sun of York;\n"
+        .repeat(60);
+    std::fs::write(dir.join("corpus.txt"), text).unwrap();
+    std::fs::write(
+        dir.join("exp.toml"),
+        "[run]\nname = \"r\"\n[data]\ncorpus = \"corpus.txt\"\n[tokenizer]\nkind = \"char\"\n\
+         [model]\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\n\
+         [train]\nbatch_size = 4\nmax_iters = 2\nwarmup_iters = 1\neval_interval = 2\n\
+         eval_iters = 2\nlog_interval = 1\ncheckpoint_interval = 2\n",
+    )
+    .unwrap();
+    let out = tinygpt(dir, &["train", "--config", "exp.toml"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Resumes the run to step 3, whose evaluation would take hours, and stops it there.
+fn stop_a_long_evaluation(signal: i32, code: i32) {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    experiment(d);
+    let run = d.join("checkpoints/r");
+    let long = [
+        "train",
+        "--config",
+        "exp.toml",
+        "--resume",
+        "--set",
+        "train.max_iters=6",
+        "--set",
+        "train.eval_interval=3",
+        "--set",
+        "train.eval_iters=100000000",
+    ];
+    let mut child = tinygpt(d, &long).stderr(Stdio::piped()).spawn().unwrap();
+    wait_for("step 3", &mut child, || metrics_has(&run, 3, "loss"));
+    std::thread::sleep(Duration::from_millis(300)); // well into the evaluation
+    let (exit, err) = signal_and_wait(child, signal, Duration::from_secs(5));
+    assert_eq!(exit, code, "{err}");
+    assert!(err.contains("interrupted at step 3"), "{err}");
+    assert!(err.contains("--resume"), "{err}");
+
+    // The step trained before the stop was saved whole; its evaluation was not logged.
+    let loaded = tinygpt::checkpoint::Loaded::load(&run, &candle_core::Device::Cpu).unwrap();
+    assert_eq!(loaded.state.step, 3);
+    assert!(!metrics_has(&run, 3, "val_loss"));
+    // Resumed with a sane evaluation: step 3 is evaluated after all, and training ends.
+    let out = tinygpt(
+        d,
+        &[
+            "train",
+            "--config",
+            "exp.toml",
+            "--resume",
+            "--set",
+            "train.max_iters=6",
+            "--set",
+            "train.eval_interval=3",
+        ],
+    )
+    .output()
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(metrics_has(&run, 3, "val_loss") && metrics_has(&run, 6, "val_loss"));
+}
+
+#[test]
+fn sigterm_stops_a_long_evaluation_within_seconds() {
+    stop_a_long_evaluation(libc::SIGTERM, 143);
+}
+
+#[test]
+fn sigint_stops_a_long_evaluation_within_seconds() {
+    stop_a_long_evaluation(libc::SIGINT, 130);
+}
+
+#[test]
+fn sigterm_stops_corpus_encoding_leaving_no_partial_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    experiment(d);
+    // ~120 MB: seconds of encoding on any machine, after a BPE trained on 1 MB.
+    let line = "Now is the winter of our discontent made glorious summer by this sun of York\n";
+    let big = line.repeat(120_000_000 / line.len());
+    std::fs::write(d.join("big.txt"), big).unwrap();
+    let args = [
+        "train",
+        "--config",
+        "exp.toml",
+        "--set",
+        "run.name=big",
+        "--set",
+        "data.corpus=big.txt",
+        "--set",
+        "tokenizer.kind=bpe",
+        "--set",
+        "tokenizer.vocab_size=300",
+        "--set",
+        "tokenizer.train_bytes=1000000",
+    ];
+    let mut child = tinygpt(d, &args).stderr(Stdio::piped()).spawn().unwrap();
+    let cache = d.join("data/cache");
+    let tokenizer_done = || {
+        std::fs::read_dir(&cache)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|corpus| {
+                std::fs::read_dir(corpus.path())
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .any(|f| f.file_name().to_string_lossy().starts_with("tokenizer-bpe"))
+            })
+    };
+    wait_for("the trained tokenizer", &mut child, tokenizer_done);
+    std::thread::sleep(Duration::from_millis(200)); // into the encoding
+    let (exit, err) = signal_and_wait(child, libc::SIGTERM, Duration::from_secs(3));
+    assert_eq!(exit, 143, "{err}");
+    assert!(err.contains("stopped by SIGTERM"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    // No ids, no header, no temporary file; no run folder.
+    let big_corpus = std::fs::read_dir(&cache)
+        .unwrap()
+        .flatten()
+        .filter(|c| c.file_name().to_string_lossy().starts_with("big-"));
+    for corpus in big_corpus {
+        for file in std::fs::read_dir(corpus.path()).unwrap().flatten() {
+            let name = file.file_name().to_string_lossy().to_string();
+            assert!(
+                name == "corpus.json" || name.starts_with("tokenizer-"),
+                "left behind: {name}"
+            );
+        }
+    }
+    assert!(!d.join("checkpoints/big").exists());
+}
+
+#[test]
+fn sigint_stops_generation_between_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    experiment(d);
+    let args = [
+        "generate",
+        "--checkpoint",
+        "checkpoints/r",
+        "--max-new-tokens",
+        "100000000",
+        "--prompt",
+        "Now",
+    ];
+    let mut child = tinygpt(d, &args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(child.try_wait().unwrap().is_none(), "still generating");
+    let (exit, err) = signal_and_wait(child, libc::SIGINT, Duration::from_secs(2));
+    assert_eq!(exit, 130, "{err}");
+    assert!(err.contains("stopped by Ctrl-C"), "{err}");
+}
