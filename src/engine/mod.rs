@@ -9,6 +9,7 @@
 //! An engine holds no random state: dropout masks are a function of (seed, step,
 //! micro-batch), passed in with each forward, and batches are drawn by the trainer.
 
+pub mod footprint;
 pub mod fused_cpu;
 pub mod interface;
 pub mod reference;
@@ -18,6 +19,7 @@ use candle_core::Device;
 
 use crate::cpu::FusedCpu;
 use crate::model::ModelSpec;
+pub use footprint::{training_bytes, Footprint};
 pub use interface::{Engine, EngineOptions, MOMENT_SUFFIXES};
 use reference::ReferenceEngine;
 
@@ -31,14 +33,25 @@ pub fn build(
     device: &Device,
     options: EngineOptions,
 ) -> Result<Box<dyn Engine>> {
-    let why = if !options.fused {
-        "train.fused = false"
-    } else if device.is_cpu() {
+    if footprint(device, &options) == Footprint::FusedCpu {
         let engine = FusedCpu::new(spec, weights, options.batch, options.precision)?;
         return Ok(Box::new(engine));
+    }
+    let why = if !options.fused {
+        "train.fused = false"
     } else {
         "no fused engine for this device yet"
     };
     let engine = ReferenceEngine::new(spec, weights, device, options, why)?;
     Ok(Box::new(engine))
+}
+
+/// The engine [`build`] chooses for `device` and `options`, as the footprint to
+/// estimate (the one place the choice is made).
+pub fn footprint(device: &Device, options: &EngineOptions) -> Footprint {
+    if options.fused && device.is_cpu() {
+        Footprint::FusedCpu
+    } else {
+        Footprint::Reference
+    }
 }

@@ -4,7 +4,6 @@
 //! The trainer holds an [`Engine`] and never asks which one: the engine computes, the
 //! trainer decides what to compute (batches, schedule, evaluation, checkpoints).
 
-pub mod memory;
 mod report;
 pub mod schedule;
 mod start;
@@ -417,7 +416,8 @@ fn check_memory(config: &Config, device: &Device) -> Result<()> {
     if !device.is_cpu() {
         return Ok(()); // the GPU's own allocator reports what does not fit
     }
-    let need = memory::training_bytes(&config.model, &config.train);
+    let footprint = engine::footprint(device, &engine_options(&config.train));
+    let need = engine::training_bytes(&config.model, &config.train, footprint);
     if let Some(available) = crate::util::available_memory_bytes() {
         if need > available {
             user_bail!(

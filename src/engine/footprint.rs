@@ -1,0 +1,64 @@
+//! What an engine needs in memory to train, estimated before anything is allocated, so
+//! a config that cannot fit is refused with a message instead of exhausting the machine.
+
+use crate::config::{ModelConfig, TrainConfig};
+use crate::model::ModelSpec;
+
+/// Which engine's footprint to estimate ([`super::footprint`] tells the one `build`
+/// chooses).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Footprint {
+    /// candle's autograd (the reference engine): every intermediate kept for backward.
+    Reference,
+    /// The fused CPU engine: flat buffers of what backward needs, attention recomputed.
+    FusedCpu,
+}
+
+/// Bytes for building an engine and one training step: weights, gradients and the two
+/// AdamW moments (4 copies, f32), plus activations for one micro-batch of `tokens`
+/// (batch x block), in f32 values:
+/// - `per_channel` per channel per token per layer (inputs of each product, norms,
+///   the MLP's hidden layer, residuals, their gradients);
+/// - `per_score` per attention score per layer (B x H x T x T);
+/// - `per_logit` per logit (B x T x vocab);
+/// - `outside` per channel per token outside the layers (embeddings, final norm).
+///
+/// The coefficients are fitted to the heap's peak measured by a counting allocator
+/// over 7 shapes (tests/memory.rs; within 7% of each); they hold on the CPU, and
+/// roughly on a GPU for the same engine.
+pub fn training_bytes(m: &ModelConfig, t: &TrainConfig, engine: Footprint) -> f64 {
+    let (per_channel, per_score, per_logit, outside) = match engine {
+        Footprint::Reference => (19.0, 10.5, 4.0, 72.0),
+        Footprint::FusedCpu => (10.0, 0.12, 1.1, 21.0),
+    };
+    let tokens = (t.batch_size * m.block_size) as f64;
+    let (layers, width) = (m.n_layer as f64, m.n_embd as f64);
+    let scores = (m.n_head * m.block_size) as f64;
+    let activations = tokens
+        * (layers * (per_channel * width + per_score * scores)
+            + per_logit * m.vocab_size as f64
+            + outside * width);
+    4.0 * (4.0 * ModelSpec::new(m).len() as f64 + activations)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_baby_run_fits_and_a_huge_one_does_not() {
+        let m = ModelConfig {
+            vocab_size: 65,
+            ..ModelConfig::default()
+        };
+        let t = TrainConfig::default();
+        assert!(training_bytes(&m, &t, Footprint::Reference) < 500e6);
+        let huge = ModelConfig {
+            n_embd: 65536,
+            n_head: 64,
+            n_layer: 96,
+            ..m
+        };
+        assert!(training_bytes(&huge, &t, Footprint::FusedCpu) > 1e13);
+    }
+}
