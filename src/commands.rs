@@ -145,14 +145,16 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
     Ok(())
 }
 
-pub fn eval(args: EvalArgs) -> Result<()> {
+pub fn eval(args: EvalArgs, stop: tinygpt::util::Stop) -> Result<()> {
     let text = std::fs::read(&args.text)
         .map_err(|e| user_error(format!("cannot read --text {}: {e}", args.text.display())))?;
     let text = String::from_utf8(text)
         .map_err(|_| user_error(format!("--text {} is not UTF-8", args.text.display())))?;
     let loaded = load(&args.ckpt)?;
     let ids = loaded.tokenizer.encode(&text)?;
-    let r = tinygpt::eval::evaluate(&loaded.model, &ids, text.len())?;
+    let bar = tinygpt::util::bars::count_bar(0, "scoring windows");
+    let r = tinygpt::eval::evaluate_until(&loaded.model, &ids, text.len(), &bar, &stop)?;
+    bar.finish_and_clear();
     if args.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
@@ -291,8 +293,10 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
 }
 
 pub fn export(args: ExportArgs) -> Result<()> {
+    let bar = tinygpt::util::bars::spinner(&format!("exporting to {}", args.out.display()));
     let loaded = load(&args.ckpt)?;
     let layout = tinygpt::interop::export(&loaded, &args.out)?;
+    bar.finish_and_clear();
     eprintln!(
         "wrote {} ({:?} layout): load it with transformers.AutoModelForCausalLM.from_pretrained({:?})",
         args.out.display(),
@@ -303,7 +307,9 @@ pub fn export(args: ExportArgs) -> Result<()> {
 }
 
 pub fn import(args: ImportArgs) -> Result<()> {
+    let bar = tinygpt::util::bars::spinner(&format!("importing {}", args.from.display()));
     let config = tinygpt::interop::import(&args.from, &args.out)?;
+    bar.finish_and_clear();
     let m = &config.model;
     eprintln!(
         "imported {} into {}: {} layers, {} heads, width {}, context {}, vocabulary {}",

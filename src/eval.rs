@@ -9,12 +9,14 @@
 //! `labels=input_ids` gives in transformers).
 
 use anyhow::Result;
+use indicatif::ProgressBar;
 
 use crate::config::Precision;
 use crate::data::Batch;
 use crate::engine::{self, EngineOptions};
 use crate::model::Gpt;
 use crate::user_bail;
+use crate::util::Stop;
 
 /// Tokens scored per engine call: windows run together, as many as make up about this
 /// many positions (activation memory grows with it).
@@ -63,6 +65,18 @@ fn windows(n: usize, block: usize) -> Vec<Window> {
 /// Scores `ids` (the tokens of a text of `bytes` UTF-8 bytes) with `model`'s weights,
 /// on the engine that `engine::build` picks for its device.
 pub fn evaluate(model: &Gpt, ids: &[u32], bytes: usize) -> Result<EvalResult> {
+    evaluate_until(model, ids, bytes, &ProgressBar::hidden(), &Stop::new())
+}
+
+/// [`evaluate`], advancing `progress` over the windows and giving up (`Stopped`)
+/// between batches of windows once `stop` asks.
+pub fn evaluate_until(
+    model: &Gpt,
+    ids: &[u32],
+    bytes: usize,
+    progress: &ProgressBar,
+    stop: &Stop,
+) -> Result<EvalResult> {
     if ids.len() < 2 {
         user_bail!(
             "the text is {} token(s); evaluation needs at least 2 (one to predict from, one to predict)",
@@ -83,7 +97,9 @@ pub fn evaluate(model: &Gpt, ids: &[u32], bytes: usize) -> Result<EvalResult> {
     // padding changes no earlier position. Rows past the last window are padding too.
     let mut input = Batch::empty(batch, block);
     let mut total_nll = 0.0f64;
+    progress.set_length(windows.len() as u64);
     for group in windows.chunks(batch) {
+        stop.check()?;
         input.x.fill(0);
         input.y.fill(0);
         for (row, w) in group.iter().enumerate() {
@@ -100,6 +116,7 @@ pub fn evaluate(model: &Gpt, ids: &[u32], bytes: usize) -> Result<EvalResult> {
             let scored = row * block + w.first - 1 - w.begin..row * block + w.end - 1 - w.begin;
             total_nll += losses[scored].iter().sum::<f64>();
         }
+        progress.inc(group.len() as u64);
     }
     let predictions = ids.len() - 1;
     let loss = total_nll / predictions as f64;

@@ -282,9 +282,22 @@ struct BenchArgs {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
-    // Every command stops politely on the first Ctrl-C or SIGTERM (its loops check);
-    // a second one exits at once.
-    let stop = stop_on_signals()?;
+    // Commands with long loops stop politely on the first Ctrl-C or SIGTERM (the loops
+    // check; a second signal exits at once). The others keep the default, which ends
+    // them at once: everything they write is written atomically.
+    let polite = matches!(
+        cli.command,
+        Command::Train(_)
+            | Command::Sweep(_)
+            | Command::Generate(_)
+            | Command::Eval(_)
+            | Command::Bench(_)
+    );
+    let stop = if polite {
+        stop_on_signals()?
+    } else {
+        Stop::new()
+    };
     match cli.command {
         Command::Train(args) => {
             let mut overrides = args.overrides;
@@ -314,7 +327,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Compare(args) => commands::compare(args),
         Command::Generate(args) => commands::generate(args, stop),
-        Command::Eval(args) => commands::eval(args),
+        Command::Eval(args) => commands::eval(args, stop),
         Command::Info(args) => commands::info(args),
         Command::Bench(args) => commands::bench(args, stop),
         Command::Plot(args) => commands::plot(args),

@@ -19,6 +19,20 @@ pub fn bytes_bar(total: u64, message: &str) -> ProgressBar {
     bar
 }
 
+/// A bar over `total` units of work (windows, tensors), with ETA.
+pub fn count_bar(total: u64, message: &str) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr_with_hz(4));
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg} {bar:30.cyan/blue} {pos}/{len} [{elapsed_precise} < {eta_precise}]",
+        )
+        .expect("a valid template")
+        .progress_chars("=> "),
+    );
+    bar.set_message(message.to_string());
+    bar
+}
+
 /// A spinner with a message and the time elapsed.
 pub fn spinner(message: &str) -> ProgressBar {
     let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr_with_hz(4));
