@@ -60,7 +60,8 @@ pub struct DataConfig {
     /// The last `val_fraction` of the tokens are held out for validation (token files
     /// named `val.bin` or `*_val_*.bin` are the validation set instead).
     pub val_fraction: f64,
-    /// Where trained tokenizers and token ids are kept, per corpus, for every run.
+    /// Where trained tokenizers and token ids are kept, per corpus, for every run;
+    /// empty: a `cache` folder beside the corpus (data/shakespeare.txt -> data/cache).
     pub cache_dir: PathBuf,
 }
 
@@ -70,7 +71,7 @@ impl Default for DataConfig {
             corpus: PathBuf::from("data/shakespeare.txt"),
             text_field: "text".into(),
             val_fraction: 0.1,
-            cache_dir: PathBuf::from("data/cache"),
+            cache_dir: PathBuf::new(),
         }
     }
 }

@@ -31,7 +31,8 @@ Corpora (data.corpus): a text file; a .jsonl file (one JSON object per line, tex
 data.text_field, default \"text\"); a .parquet file as the Hugging Face hub serves them
 (column data.text_field); nanoGPT's train.bin/val.bin or llm.c's .bin shards (used as they
 are; set tokenizer.path to the tokenizer they were encoded with); or a folder of those.
-Tokenizers and token ids are cached per corpus in data.cache_dir (default data/cache).
+Tokenizers and token ids are cached per corpus in data.cache_dir (default: cache/ beside
+the corpus).
 
 Examples:
   tinygpt train --config configs/shakespeare-bpe.toml --set data.corpus=stories.jsonl

@@ -456,7 +456,7 @@ fn training_runs_on_jsonl_and_on_nanogpt_bins_sharing_one_cache() {
     )
     .unwrap();
     tinygpt(d, &["train", "--config", "exp.toml", "--set", "run.name=a"]);
-    let cache = std::fs::read_dir(d.join("data/cache"))
+    let cache = std::fs::read_dir(d.join("cache"))
         .unwrap()
         .next()
         .unwrap()

@@ -168,7 +168,7 @@ fn sigterm_stops_corpus_encoding_leaving_no_partial_cache() {
         "tokenizer.train_bytes=1000000",
     ];
     let mut child = tinygpt(d, &args).stderr(Stdio::piped()).spawn().unwrap();
-    let cache = d.join("data/cache");
+    let cache = d.join("cache");
     let tokenizer_done = || {
         std::fs::read_dir(&cache)
             .into_iter()

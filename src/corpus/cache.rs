@@ -1,7 +1,7 @@
 //! What is made from a corpus, made once and kept for every run that uses it:
 //!
 //! ```text
-//! <data.cache_dir>/<corpus name>-<fingerprint>/
+//! <data.cache_dir, or cache/ beside the corpus>/<corpus name>-<fingerprint>/
 //!     corpus.json                          the files it was made from
 //!     tokenizer-bpe-<vocab>-<sample>.json  a trained tokenizer, per settings
 //!     tokenizer-char.json
@@ -47,11 +47,17 @@ struct TokensHeader {
 }
 
 impl CorpusCache {
-    /// The cache folder of `corpus` under `cache_dir` (created when first written).
+    /// The cache folder of `corpus` under `cache_dir`, or, when that is empty, under
+    /// `cache` beside the corpus (created when first written).
     pub fn new(cache_dir: &Path, corpus: &Corpus) -> Self {
         let fingerprint = corpus.fingerprint();
+        let root = if cache_dir.as_os_str().is_empty() {
+            corpus.path.parent().unwrap_or(Path::new("")).join("cache")
+        } else {
+            cache_dir.to_path_buf()
+        };
         Self {
-            dir: cache_dir.join(format!("{}-{}", corpus.name(), &fingerprint[..16])),
+            dir: root.join(format!("{}-{}", corpus.name(), &fingerprint[..16])),
         }
     }
 
@@ -60,8 +66,12 @@ impl CorpusCache {
     }
 
     fn create(&self, corpus: &Corpus) -> Result<()> {
-        fs::create_dir_all(&self.dir)
-            .with_context(|| format!("creating the cache folder {}", self.dir.display()))?;
+        fs::create_dir_all(&self.dir).map_err(|e| {
+            crate::error::user_error(format!(
+                "cannot create the cache folder {}: {e}; set data.cache_dir to a writable folder",
+                self.dir.display()
+            ))
+        })?;
         let manifest = self.dir.join("corpus.json");
         if !manifest.exists() {
             write_atomic(
