@@ -64,6 +64,7 @@ impl Run {
         let (settings, parameters, tokens_per_step) = match std::fs::read_to_string(&config) {
             Ok(text) => {
                 let config = Config::from_toml_str(&text, &[])
+                    .and_then(|c| c.validate().map(|()| c))
                     .map_err(|e| user_error(format!("{}: {e:#}", config.display())))?;
                 (
                     flatten(&config),

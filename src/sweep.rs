@@ -11,7 +11,7 @@ use anyhow::Result;
 
 use crate::checkpoint::RunDir;
 use crate::config::Config;
-use crate::error::InterruptedError;
+use crate::error::{DivergedError, InterruptedError};
 use crate::train::{Reporter, Start, Trainer};
 use crate::user_bail;
 use crate::util::Stop;
@@ -119,6 +119,9 @@ pub enum Outcome {
     Trained,
     /// Continued from an interrupted run's checkpoint.
     Resumed,
+    /// Stopped by a non-finite loss or gradient; its last checkpoint is kept (a later
+    /// sweep resumes it, and it diverges again where it did).
+    Diverged,
 }
 
 /// Runs every point in order. Once `stop` holds a signal number the run in progress
@@ -130,7 +133,9 @@ pub fn run(points: &[Point], stop: Stop, reporter: &mut dyn Reporter) -> Result<
         let run = RunDir::new(&dir);
         let start = if run.has_checkpoint() {
             let state = run.state()?;
-            if state.step >= point.config.train.max_iters {
+            // Complete: trained to the end and evaluated there (a stop in the final
+            // evaluation leaves the last step saved but not evaluated).
+            if state.step >= point.config.train.max_iters && run.has_eval_at(state.step) {
                 reporter.note(&format!(
                     "sweep {}/{}: {} is complete (step {}), skipped",
                     i + 1,
@@ -167,6 +172,17 @@ pub fn run(points: &[Point], stop: Stop, reporter: &mut dyn Reporter) -> Result<
         let mut trainer = Trainer::start_until(point.config.clone(), start, stop.clone())?;
         match trainer.run(reporter) {
             Ok(_) => outcomes.push(outcome),
+            // One point's divergence (a learning rate too high, say) is a result of the
+            // sweep, not the end of it.
+            Err(e) if e.is::<DivergedError>() => {
+                reporter.note(&format!(
+                    "sweep {}/{}: {} diverged ({e}); going on",
+                    i + 1,
+                    points.len(),
+                    dir.display()
+                ));
+                outcomes.push(Outcome::Diverged);
+            }
             Err(e) => {
                 return Err(match e.downcast::<InterruptedError>() {
                     Ok(stopped) => interrupted(stopped.signal, stopped.step, stopped.run_dir),

@@ -225,6 +225,8 @@ fn nanogpt_bins_are_used_as_they_are_with_val_bin_held_out() {
     let val: Vec<u16> = (0..300).map(|i| (i * 13 % 50257) as u16).collect();
     std::fs::write(dir.path().join("train.bin"), u16_bytes(&train)).unwrap();
     std::fs::write(dir.path().join("val.bin"), u16_bytes(&val)).unwrap();
+    // nanoGPT's prepare.py leaves the text beside the ids: the ids are the corpus.
+    std::fs::write(dir.path().join("input.txt"), "First Citizen:").unwrap();
     let corpus = Corpus::open(dir.path(), "text").unwrap();
     assert!(corpus.is_tokenized());
     let (t, v) = token_files::load(&corpus, 50257).unwrap();

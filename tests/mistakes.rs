@@ -349,9 +349,9 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "truncated",
         ),
         case(
-            "corpus folder mixing tokens and text",
+            "folder of token files (text beside them left out) without tokenizer.path",
             &format!("{t} --set data.corpus=mixed"),
-            "mixes",
+            "tokenizer.path",
         ),
         // Tokenizer.
         case(

@@ -110,6 +110,59 @@ fn a_sweep_runs_each_point_once_and_resumes_after_an_interruption() {
     assert!(rows[0].parameters.unwrap() < rows[1].parameters.unwrap());
 }
 
+/// Asks training to stop once an evaluation starts after step `at`.
+struct StopInEvaluation {
+    at: usize,
+    last_step: usize,
+    stop: Stop,
+}
+
+impl Reporter for StopInEvaluation {
+    fn step(&mut self, log: &StepLog) {
+        self.last_step = log.step;
+    }
+    fn evaluating(&mut self, _done: usize, _total: usize) {
+        if self.last_step == self.at {
+            self.stop.request(15);
+        }
+    }
+}
+
+#[test]
+fn a_run_stopped_in_its_final_evaluation_is_not_complete() {
+    let dir = tempfile::tempdir().unwrap();
+    let exp = tiny_experiment(dir.path());
+    let points = sweep::points(&exp, &[], &[Grid::parse("model.n_layer=1").unwrap()]).unwrap();
+    let stop = Stop::new();
+    let mut reporter = StopInEvaluation {
+        at: 6,
+        last_step: 0,
+        stop: stop.clone(),
+    };
+    let err = sweep::run(&points, stop, &mut reporter).expect_err("stopped");
+    assert_eq!(err.downcast_ref::<InterruptedError>().unwrap().step, 6);
+    let run = tinygpt::checkpoint::RunDir::new(points[0].run_dir());
+    assert_eq!(run.state().unwrap().step, 6);
+    assert!(!run.has_eval_at(6));
+    // Not skipped: resumed, it evaluates step 6 and saves that.
+    let outcomes = sweep::run(&points, Stop::new(), &mut Silent).unwrap();
+    assert_eq!(outcomes, [Outcome::Resumed]);
+    assert!(run.has_eval_at(6));
+    assert!(run.state().unwrap().last_val_loss.is_some());
+    let outcomes = sweep::run(&points, Stop::new(), &mut Silent).unwrap();
+    assert_eq!(outcomes, [Outcome::AlreadyComplete]);
+}
+
+#[test]
+fn a_diverging_point_does_not_end_the_sweep() {
+    let dir = tempfile::tempdir().unwrap();
+    let exp = tiny_experiment(dir.path());
+    let grids = [Grid::parse("train.lr=1e12,1e-3").unwrap()];
+    let points = sweep::points(&exp, &[], &grids).unwrap();
+    let outcomes = sweep::run(&points, Stop::new(), &mut Silent).unwrap();
+    assert_eq!(outcomes, [Outcome::Diverged, Outcome::Trained]);
+}
+
 #[test]
 fn a_bad_grid_value_fails_before_anything_trains() {
     let dir = tempfile::tempdir().unwrap();

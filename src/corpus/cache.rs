@@ -202,7 +202,7 @@ fn read_cache(bin: &Path, json: &Path, corpus: &str, tokenizer: &str) -> Option<
     // Safety: the cache file is replaced only by rename, never written in place.
     let map = unsafe { Mmap::map(&file) }.ok()?;
     let width = header.bytes_per_token;
-    if !matches!(width, 2 | 4) || map.len() != header.tokens * width {
+    if !matches!(width, 2 | 4) || Some(map.len()) != header.tokens.checked_mul(width) {
         return None;
     }
     let tokens = Tokens::concat(vec![Storage::Mapped {

@@ -144,12 +144,10 @@ impl Corpus {
                 path,
             });
         }
-        let tokens = files.iter().filter(|f| f.format == Format::Tokens).count();
-        if tokens > 0 && tokens < files.len() {
-            user_bail!(
-                "corpus folder {} mixes token files (.bin) with text; put them in separate folders",
-                path.display()
-            );
+        // A folder of token files may hold the text they came from too (nanoGPT's
+        // data/shakespeare_char has input.txt beside train.bin): the ids are the corpus.
+        if meta.is_dir() && files.iter().any(|f| f.format == Format::Tokens) {
+            files.retain(|f| f.format == Format::Tokens);
         }
         if files.iter().all(|f| f.bytes == 0) {
             user_bail!(
@@ -268,8 +266,8 @@ pub struct Chunks<'a> {
     files_done_bytes: u64,
     next_file: usize,
     current: Option<Box<dyn Pieces + Send>>,
-    /// The rest of a document too long for one chunk, cut as it is handed out.
-    oversized: Option<Piece>,
+    /// A document too long for one chunk, and how much of it is handed out already.
+    oversized: Option<(Piece, usize)>,
     done: bool,
 }
 
@@ -280,16 +278,17 @@ impl Chunks<'_> {
     }
 
     fn next_piece(&mut self) -> Result<Option<Piece>> {
-        if let Some(mut rest) = self.oversized.take() {
-            if rest.text.len() > self.chunk_bytes {
-                let cut = cut::cut_near(&rest.text, self.chunk_bytes);
-                let tail = rest.text.split_off(cut);
-                self.oversized = Some(Piece {
-                    text: tail,
-                    new_document: false,
-                });
+        if let Some((document, start)) = self.oversized.take() {
+            let rest = &document.text[start..];
+            let cut = cut::cut_near(rest, self.chunk_bytes);
+            let piece = Piece {
+                text: rest[..cut].to_string(),
+                new_document: document.new_document && start == 0,
+            };
+            if start + cut < document.text.len() {
+                self.oversized = Some((document, start + cut));
             }
-            return Ok(Some(rest));
+            return Ok(Some(piece));
         }
         loop {
             if self.current.is_none() {
@@ -306,7 +305,7 @@ impl Chunks<'_> {
                 .next_piece()?
             {
                 Some(piece) if piece.text.len() > self.chunk_bytes => {
-                    self.oversized = Some(piece);
+                    self.oversized = Some((piece, 0));
                     return self.next_piece();
                 }
                 Some(piece) => return Ok(Some(piece)),

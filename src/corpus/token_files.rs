@@ -48,6 +48,22 @@ fn layout_of_size(head: &[u8], len: usize, path: &Path) -> Result<Layout> {
             .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
     };
     if let (Some(magic), Some(version), Some(count)) = (int(0), int(1), int(2)) {
+        // llm.c's header with a size that does not match: a cut-short download, not
+        // raw ids (which would train on the header and half-ids).
+        let width = match (magic, version) {
+            LLMC_GPT2 => Some(2),
+            LLMC_LLAMA3 => Some(4),
+            _ => None,
+        };
+        if let Some(width) = width {
+            let want = (count.max(0) as u64) * width as u64 + LLMC_HEADER_BYTES as u64;
+            if want != len as u64 {
+                user_bail!(
+                    "token file {} is a truncated llm.c shard: its header says {count} tokens ({want} bytes), the file has {len} bytes; download it again",
+                    path.display()
+                );
+            }
+        }
         for width in [2, 4] {
             let size = (count.max(0) as usize)
                 .checked_mul(width)
@@ -174,8 +190,10 @@ fn max_id(path: &Path) -> Result<u32> {
     }
 }
 
+/// nanoGPT's `val.bin`, llm.c's `fineweb_val_000000.bin`, `tiny_shakespeare_val.bin`.
 fn is_validation(name: &str) -> bool {
-    name == "val.bin" || name.contains("_val_") || name.starts_with("val_")
+    let stem = name.strip_suffix(".bin").unwrap_or(name);
+    stem == "val" || stem.ends_with("_val") || stem.contains("_val_") || stem.starts_with("val_")
 }
 
 #[cfg(test)]
@@ -202,6 +220,26 @@ mod tests {
         assert_eq!(layout(&[1, 0, 2, 0], p).unwrap(), Layout::Raw16);
         let err = layout(&llmc(12345, 1, &[1, 2, 3]), p).unwrap_err();
         assert!(format!("{err}").contains("magic 12345"), "{err}");
+        let mut cut = llmc(20240520, 1, &[1, 2, 3, 4]);
+        cut.truncate(cut.len() - 2);
+        let err = layout(&cut, p).unwrap_err();
+        assert!(format!("{err}").contains("truncated"), "{err}");
+        for name in [
+            "val.bin",
+            "fineweb_val_000000.bin",
+            "tiny_shakespeare_val.bin",
+            "val_1.bin",
+        ] {
+            assert!(is_validation(name), "{name}");
+        }
+        for name in [
+            "train.bin",
+            "fineweb_train_000001.bin",
+            "interval.bin",
+            "valley.bin",
+        ] {
+            assert!(!is_validation(name), "{name}");
+        }
         assert!(layout(&[1, 0, 2], p).is_err());
     }
 }

@@ -138,7 +138,14 @@ impl Tokenizer {
         Ok(Self::from_hf(hf))
     }
 
-    fn from_hf(hf: tokenizers::Tokenizer) -> Self {
+    fn from_hf(mut hf: tokenizers::Tokenizer) -> Self {
+        // A tokenizer.json may carry truncation or padding for model inputs (as
+        // save_pretrained writes them); applied here they would cut every chunk of a
+        // corpus to max_length tokens. Our encoding is of whole texts.
+        hf.with_padding(None);
+        if hf.with_truncation(None).is_err() {
+            unreachable!("removing truncation cannot fail");
+        }
         let is_char = matches!(hf.get_decoder(), Some(DecoderWrapper::Fuse(_)))
             && hf.get_pre_tokenizer().is_none()
             && hf
@@ -543,6 +550,21 @@ mod tests {
         );
         assert_eq!(pieces.concat(), text);
         assert_eq!(pieces.concat(), tk.decode(&ids).unwrap());
+    }
+
+    #[test]
+    fn truncation_in_a_tokenizer_json_is_not_applied_to_texts() {
+        let text = "hello world, hello tokens\n".repeat(20);
+        let tk = Tokenizer::train_bpe(&text, 300).unwrap();
+        let mut json: serde_json::Value = serde_json::from_str(&tk.to_json().unwrap()).unwrap();
+        json["truncation"] = serde_json::json!({
+            "direction": "Right", "max_length": 5, "strategy": "LongestFirst", "stride": 0
+        });
+        let truncating = Tokenizer::from_json(json.to_string().as_bytes()).unwrap();
+        assert_eq!(
+            truncating.encode_with_tokenizers(&text).unwrap(),
+            tk.encode_with_tokenizers(&text).unwrap()
+        );
     }
 
     #[test]

@@ -294,7 +294,8 @@ impl Trainer {
         loop {
             let is_last = step >= cfg.max_iters;
             let done_already = evaluated_start && step == start;
-            if (step.is_multiple_of(cfg.eval_interval) || is_last) && !done_already {
+            let evaluate = (step.is_multiple_of(cfg.eval_interval) || is_last) && !done_already;
+            if evaluate {
                 match self.evaluate_and_log(reporter) {
                     Err(e) if e.is::<Stopped>() => {
                         let signal = e.downcast_ref::<Stopped>().map_or(2, |s| s.signal);
@@ -303,7 +304,12 @@ impl Trainer {
                     other => other?,
                 }
             }
-            if step > start && (step.is_multiple_of(cfg.checkpoint_interval) || is_last) {
+            // A resumed run that redid the evaluation a stop cut short saves it too (its
+            // last step may need no training at all).
+            let redid_evaluation = evaluate && self.resumed && step == start;
+            if (step > start || redid_evaluation)
+                && (step.is_multiple_of(cfg.checkpoint_interval) || is_last)
+            {
                 reporter.saving();
                 self.save()?;
                 let at = self.run.path().display();

@@ -47,7 +47,12 @@ impl AtomicFile {
             // The rename itself must reach the disk.
             fs::File::open(folder_of(&self.path))?.sync_all()
         };
-        finish().with_context(|| format!("writing {}", self.path.display()))
+        let result = finish();
+        if result.is_err() {
+            // A failed flush or fsync (a full disk) must not leave the temporary file.
+            let _ = fs::remove_file(&self.tmp);
+        }
+        result.with_context(|| format!("writing {}", self.path.display()))
     }
 }
 
