@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The test command (README; .ci/run runs exactly this): the test suite on the CPU, then a
+# compile check of the CUDA feature as CI keeps it: clippy with -D warnings over every
+# target, candle's kernels compiled by nvcc, nothing linked or run (no GPU needed).
+#
+#   tools/test.sh                             # both; the CUDA check installs its toolkit once
+#   TINYGPT_SKIP_CUDA_CHECK=1 tools/test.sh   # the test suite only
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+cargo test
+
+if [ "${TINYGPT_SKIP_CUDA_CHECK:-0}" = 1 ]; then
+  echo "SKIPPED: the CUDA compile check (TINYGPT_SKIP_CUDA_CHECK=1)" >&2
+  exit 0
+fi
+if ! toolkit_env=$(tools/cuda-toolkit.sh); then
+  echo "SKIPPED: the CUDA compile check: tools/cuda-toolkit.sh could not install the CUDA build toolkit (see above)" >&2
+  exit 0
+fi
+eval "$toolkit_env"
+# Its own target folder: the CUDA build does not evict the CPU one.
+CARGO_TARGET_DIR=target-cuda cargo clippy --features cuda --all-targets -- -D warnings
+echo "CUDA compile check: clean" >&2
