@@ -29,6 +29,33 @@ pub fn parse_device(name: &str) -> Result<Device> {
     }
 }
 
+/// The device's (free, total) memory in bytes, as its driver counts them: CUDA's
+/// cuMemGetInfo. `None` for the CPU (see `util::available_memory_bytes`) and Metal.
+pub fn gpu_memory(device: &Device) -> Option<(u64, u64)> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(cuda) => {
+            let (free, total) = cuda.cuda_stream().context().mem_get_info().ok()?;
+            Some((free as u64, total as u64))
+        }
+        _ => None,
+    }
+}
+
+/// Whether an error from a device says it ran out of memory (CUDA's
+/// CUDA_ERROR_OUT_OF_MEMORY, cuBLAS's alloc failure, Metal's).
+pub fn is_out_of_memory(error: &anyhow::Error) -> bool {
+    let text = format!("{error:#}").to_ascii_lowercase();
+    [
+        "out_of_memory",
+        "out of memory",
+        "alloc_failed",
+        "outofmemory",
+    ]
+    .iter()
+    .any(|needle| text.contains(needle))
+}
+
 fn auto() -> Result<Device> {
     if cfg!(feature = "cuda") && candle_core::utils::cuda_is_available() {
         return cuda(0);
@@ -58,6 +85,19 @@ fn metal(ordinal: usize) -> Result<Device> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn out_of_memory_is_recognised_in_a_chain() {
+        let cuda = anyhow::anyhow!("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")")
+            .context("matmul");
+        assert!(is_out_of_memory(&cuda));
+        assert!(is_out_of_memory(&anyhow::anyhow!(
+            "CUBLAS_STATUS_ALLOC_FAILED"
+        )));
+        assert!(!is_out_of_memory(&anyhow::anyhow!(
+            "shape mismatch in matmul"
+        )));
+    }
 
     #[test]
     fn names() {

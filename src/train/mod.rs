@@ -301,7 +301,7 @@ impl Trainer {
                         let signal = e.downcast_ref::<Stopped>().map_or(2, |s| s.signal);
                         return Err(self.interrupt(signal, step > start, reporter)?);
                     }
-                    other => other?,
+                    other => other.map_err(|e| self.explain(e))?,
                 }
             }
             // A resumed run that redid the evaluation a stop cut short saves it too (its
@@ -318,7 +318,7 @@ impl Trainer {
             if is_last {
                 break;
             }
-            let log = self.train_step()?;
+            let log = self.train_step().map_err(|e| self.explain(e))?;
             step = log.step;
             if step.is_multiple_of(cfg.log_interval) || step == cfg.max_iters {
                 self.run.append_metrics(&json!({
@@ -349,6 +349,31 @@ impl Trainer {
 }
 
 impl Trainer {
+    /// A device that ran out of memory mid-run is a one-line user error (the batch is
+    /// too big for it), not the device library's internals; other errors pass.
+    fn explain(&self, error: anyhow::Error) -> anyhow::Error {
+        if !crate::device::is_out_of_memory(&error) {
+            return error;
+        }
+        let kept = if self.run.has_checkpoint() {
+            format!(
+                "the last checkpoint in {} stands",
+                self.run.path().display()
+            )
+        } else {
+            "no checkpoint was written yet".to_string()
+        };
+        let which = if self.device.is_cpu() {
+            "the machine"
+        } else {
+            "the GPU"
+        };
+        crate::error::user_error(format!(
+            "{which} ran out of memory at step {}; {kept}; use a smaller train.batch_size with a larger train.grad_accum, a shorter model.block_size, or train.dtype = \"bf16\"",
+            self.state.step
+        ))
+    }
+
     /// Stops for `signal`: saves the current step if it trained (`save`), and says what
     /// was kept and how to continue.
     fn interrupt(
@@ -419,20 +444,32 @@ fn restore(
 
 /// Refuses a config whose training would not fit in the memory available.
 fn check_memory(config: &Config, device: &Device) -> Result<()> {
-    if !device.is_cpu() {
-        return Ok(()); // the GPU's own allocator reports what does not fit
-    }
     let footprint = engine::footprint(device, &engine_options(&config.train));
     let need = engine::training_bytes(&config.model, &config.train, footprint);
-    if let Some(available) = crate::util::available_memory_bytes() {
-        if need > available {
+    let gib = |bytes: f64| bytes / f64::from(1 << 30);
+    let what = format!(
+        "{:.0}M parameters, batch {} x {} tokens",
+        ModelSpec::new(&config.model).len() as f64 / 1e6,
+        config.train.batch_size,
+        config.model.block_size
+    );
+    if device.is_cpu() {
+        if let Some(available) = crate::util::available_memory_bytes() {
+            if need > available {
+                user_bail!(
+                    "config: training this model needs about {:.1} GiB ({what}) but {:.1} GiB is available; reduce model.n_embd, model.n_layer, model.block_size or train.batch_size",
+                    gib(need),
+                    gib(available)
+                );
+            }
+        }
+    } else if let Some((free, total)) = crate::device::gpu_memory(device) {
+        if need > free as f64 {
             user_bail!(
-                "config: training this model needs about {:.1} GiB ({:.0}M parameters, batch {} x {} tokens) but {:.1} GiB is available; reduce model.n_embd, model.n_layer, model.block_size or train.batch_size",
-                need / f64::from(1 << 30),
-                ModelSpec::new(&config.model).len() as f64 / 1e6,
-                config.train.batch_size,
-                config.model.block_size,
-                available / f64::from(1 << 30)
+                "config: training this model needs about {:.1} GiB of GPU memory ({what}) but {:.1} GiB of {:.1} GiB is free; use a smaller train.batch_size with a larger train.grad_accum, a shorter model.block_size, or train.dtype = \"bf16\"",
+                gib(need),
+                gib(free as f64),
+                gib(total as f64)
             );
         }
     }
