@@ -20,5 +20,10 @@ if ! toolkit_env=$(tools/cuda-toolkit.sh); then
 fi
 eval "$toolkit_env"
 # Its own target folder: the CUDA build does not evict the CPU one.
-CARGO_TARGET_DIR=target-cuda cargo clippy --features cuda --all-targets -- -D warnings
+if cargo clippy --version >/dev/null 2>&1; then
+  CARGO_TARGET_DIR=target-cuda cargo clippy --features cuda --all-targets -- -D warnings
+else
+  echo "clippy is not installed (rustup component add clippy): type-checking only" >&2
+  CARGO_TARGET_DIR=target-cuda cargo check --features cuda --all-targets
+fi
 echo "CUDA compile check: clean" >&2
