@@ -230,3 +230,77 @@ fn sigint_stops_generation_between_tokens() {
     assert_eq!(exit, 130, "{err}");
     assert!(err.contains("stopped by Ctrl-C"), "{err}");
 }
+
+/// A model whose checkpoint (weights and AdamW moments, ~130 MB) takes a while to write,
+/// saved after every step, so a signal lands in a write more often than not.
+fn big_checkpoints(dir: &Path) -> Vec<&'static str> {
+    experiment(dir);
+    vec![
+        "train",
+        "--config",
+        "exp.toml",
+        "--set",
+        "run.name=big",
+        "--set",
+        "model.n_layer=6",
+        "--set",
+        "model.n_embd=384",
+        "--set",
+        "model.n_head=6",
+        "--set",
+        "train.max_iters=100000",
+        "--set",
+        "train.checkpoint_interval=1",
+        "--set",
+        "train.eval_interval=100000",
+    ]
+}
+
+#[test]
+fn a_stop_during_checkpoint_writes_leaves_a_run_that_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let args = big_checkpoints(d);
+    let run = d.join("checkpoints/big");
+    for signals in [1, 2] {
+        // The first session starts the run, the second resumes it; either saves two
+        // checkpoints before the signal.
+        let resume: &[&str] = if signals == 1 { &[] } else { &["--resume"] };
+        let before = tinygpt::checkpoint::RunDir::new(&run)
+            .state()
+            .map_or(0, |s| s.step);
+        let mut child = tinygpt(d, &args)
+            .args(resume)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_for("a checkpoint", &mut child, || {
+            tinygpt::checkpoint::RunDir::new(&run)
+                .state()
+                .is_ok_and(|s| s.step >= before + 2)
+        });
+        if signals == 2 {
+            // A second signal exits at once, wherever the write is.
+            // Safety: kill(2) on our own child's pid.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            std::thread::sleep(Duration::from_millis(30));
+        }
+        let (exit, err) = signal_and_wait(child, libc::SIGTERM, Duration::from_secs(10));
+        assert_eq!(exit, 143, "{signals} signal(s): {err}");
+        // Resumable: one more step from whatever the stop left.
+        let state = tinygpt::checkpoint::RunDir::new(&run).state().unwrap();
+        let next = format!("train.max_iters={}", state.step + 1);
+        let out = tinygpt(d, &args)
+            .args(["--resume", "--set", &next])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{signals} signal(s), resuming at {}: {}",
+            state.step,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let loaded = tinygpt::checkpoint::Loaded::load(&run, &candle_core::Device::Cpu).unwrap();
+        assert_eq!(loaded.state.step, state.step + 1);
+    }
+}
