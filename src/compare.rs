@@ -204,7 +204,13 @@ pub fn read_runs(dirs: &[PathBuf]) -> Result<Vec<Run>> {
 
 /// The table's rows, and each run's legend label (what differs, or its name).
 pub fn rows(runs: &[Run]) -> Vec<Row> {
-    let settings: Vec<BTreeMap<String, String>> = runs.iter().map(|r| r.settings.clone()).collect();
+    // A run before its first checkpoint has no config yet: it takes no part in what
+    // differs (else every setting would), and is named by its folder.
+    let settings: Vec<BTreeMap<String, String>> = runs
+        .iter()
+        .filter(|r| !r.settings.is_empty())
+        .map(|r| r.settings.clone())
+        .collect();
     let differing = differing_keys(&settings);
     runs.iter()
         .map(|run| {
@@ -216,7 +222,11 @@ pub fn rows(runs: &[Run]) -> Vec<Row> {
                 .min_by(|a, b| a.1.total_cmp(&b.1));
             Row {
                 run: run.name(),
-                differs: describe(&run.settings, &differing),
+                differs: if run.settings.is_empty() {
+                    Vec::new()
+                } else {
+                    describe(&run.settings, &differing)
+                },
                 parameters: run.parameters,
                 steps: run.steps(),
                 best_val_loss: best.map(|b| b.1),

@@ -247,6 +247,23 @@ fn the_table_reads_metrics_as_they_are() {
 }
 
 #[test]
+fn a_run_without_a_config_yet_does_not_make_every_setting_differ() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = fixture_run(dir.path(), "a", &["train.lr=1e-3"], METRICS_A);
+    let b = fixture_run(dir.path(), "b", &["train.lr=2e-3"], METRICS_A);
+    // Still before its first checkpoint: metrics, no config.toml.
+    let c = dir.path().join("c");
+    std::fs::create_dir(&c).unwrap();
+    std::fs::write(c.join("metrics.jsonl"), METRICS_A).unwrap();
+    let rows = compare::rows(&compare::read_runs(&[a, b, c]).unwrap());
+    assert_eq!(rows[0].differs, ["lr=0.001"]);
+    assert_eq!(rows[1].differs, ["lr=0.002"]);
+    assert!(rows[2].differs.is_empty() && rows[2].parameters.is_none());
+    assert_eq!(compare::label(&rows[2]), "c");
+    assert_eq!(rows[2].best_val_loss, Some(2.45));
+}
+
+#[test]
 fn compare_on_the_command_line_writes_a_table_and_a_picture() {
     let dir = tempfile::tempdir().unwrap();
     let runs = dir.path().join("runs");
