@@ -35,6 +35,8 @@ use crate::util::{sha256_hex, write_atomic, AtomicFile, Stop};
 
 pub struct CorpusCache {
     dir: PathBuf,
+    /// The corpus's fingerprint (its folder's name ends with a prefix of it).
+    fingerprint: String,
 }
 
 #[derive(Debug, Serialize, Deserialize, PartialEq)]
@@ -58,6 +60,7 @@ impl CorpusCache {
         };
         Self {
             dir: root.join(format!("{}-{}", corpus.name(), &fingerprint[..16])),
+            fingerprint,
         }
     }
 
@@ -138,8 +141,8 @@ impl CorpusCache {
             self.dir.join(format!("{stem}.bin")),
             self.dir.join(format!("{stem}.json")),
         );
-        let fingerprint = corpus.fingerprint();
-        if let Some(tokens) = read_cache(&bin, &json, &fingerprint, &tokenizer_sha256) {
+        let fingerprint = &self.fingerprint;
+        if let Some(tokens) = read_cache(&bin, &json, fingerprint, &tokenizer_sha256) {
             return Ok(tokens);
         }
 
@@ -188,7 +191,7 @@ impl CorpusCache {
                 bin.display()
             ),
         );
-        read_cache(&bin, &json, &fingerprint, &tokenizer_sha256)
+        read_cache(&bin, &json, fingerprint, &tokenizer_sha256)
             .with_context(|| format!("reading back {}", bin.display()))
     }
 }

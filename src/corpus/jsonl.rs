@@ -19,8 +19,7 @@ pub struct JsonlFile {
 
 impl JsonlFile {
     pub fn open(path: &Path, field: &str) -> Result<Self> {
-        let file = File::open(path)
-            .map_err(|e| user_error(format!("cannot read corpus file {}: {e}", path.display())))?;
+        let file = super::open_file(path)?;
         Ok(Self {
             path: path.to_path_buf(),
             lines: BufReader::with_capacity(1 << 20, file).lines(),

@@ -90,6 +90,12 @@ pub struct Piece {
     pub new_document: bool,
 }
 
+/// Opens a corpus file for reading; failing is the user's to fix (a path, permissions).
+fn open_file(path: &Path) -> Result<fs::File> {
+    fs::File::open(path)
+        .map_err(|e| user_error(format!("cannot read corpus file {}: {e}", path.display())))
+}
+
 /// A file's documents, a piece at a time.
 trait Pieces {
     fn next_piece(&mut self) -> Result<Option<Piece>>;

@@ -36,8 +36,7 @@ pub struct ParquetFile {
 
 impl ParquetFile {
     pub fn open(path: &Path, field: &str) -> Result<Self> {
-        let file = File::open(path)
-            .map_err(|e| user_error(format!("cannot read corpus file {}: {e}", path.display())))?;
+        let file = super::open_file(path)?;
         let reader = SerializedFileReader::new(file).map_err(|e| {
             user_error(format!(
                 "corpus file {} is not a readable parquet file ({e})",

@@ -27,8 +27,7 @@ pub struct TextFile {
 
 impl TextFile {
     pub fn open(path: &Path, chunk_bytes: usize) -> Result<Self> {
-        let file = File::open(path)
-            .map_err(|e| user_error(format!("cannot read corpus file {}: {e}", path.display())))?;
+        let file = super::open_file(path)?;
         Ok(Self {
             path: path.to_path_buf(),
             file,
@@ -62,27 +61,35 @@ impl TextFile {
 impl Pieces for TextFile {
     fn next_piece(&mut self) -> Result<Option<Piece>> {
         let mut want = self.chunk_bytes;
-        let cut = loop {
+        loop {
             self.fill(want)?;
-            match self.cut()? {
-                Some(cut) => break cut,
-                // No safe place to cut: read on (a line of that length is rare) up to a
-                // bound, then cut where the bound falls.
-                None if want < MAX_PIECE_BYTES => want = (want * 4).min(MAX_PIECE_BYTES),
-                None => break hard_cut(self.valid(), want),
+            if self.started && self.pending.is_empty() {
+                return Ok(None);
             }
-        };
-        if self.started && self.pending.is_empty() {
-            return Ok(None);
+            let valid = valid_prefix(&self.pending, self.at_end, &self.path, self.offset)?;
+            let cut = if self.at_end {
+                valid.len()
+            } else {
+                match last_safe_cut(valid, valid.len()) {
+                    Some(cut) => cut,
+                    // No safe place to cut: read on (a line of that length is rare) up to
+                    // a bound, then cut where the bound falls.
+                    None if want < MAX_PIECE_BYTES => {
+                        want = (want * 4).min(MAX_PIECE_BYTES);
+                        continue;
+                    }
+                    None => hard_cut(valid, want),
+                }
+            };
+            let piece = Piece {
+                text: valid[..cut].to_string(),
+                new_document: !self.started,
+            };
+            self.pending.drain(..cut);
+            self.offset += cut as u64;
+            self.started = true;
+            return Ok(Some(piece));
         }
-        let piece = Piece {
-            text: self.valid()[..cut].to_string(),
-            new_document: !self.started,
-        };
-        self.pending.drain(..cut);
-        self.offset += cut as u64;
-        self.started = true;
-        Ok(Some(piece))
     }
 
     fn consumed(&self) -> u64 {
@@ -90,34 +97,18 @@ impl Pieces for TextFile {
     }
 }
 
-impl TextFile {
-    /// The valid UTF-8 prefix of `pending` (checked by [`TextFile::cut`]).
-    fn valid(&self) -> &str {
-        let n = std::str::from_utf8(&self.pending).map_or_else(|e| e.valid_up_to(), str::len);
-        std::str::from_utf8(&self.pending[..n]).expect("a valid prefix")
-    }
-
-    /// Where to end the next piece: all that is left at the end of the file, else the
-    /// last safe cut; `None` when there is no safe cut in what is read.
-    fn cut(&self) -> Result<Option<usize>> {
-        // The valid prefix; a character split by the read waits for its other bytes.
-        let valid = match std::str::from_utf8(&self.pending) {
-            Ok(text) => text,
-            Err(e) if e.error_len().is_none() && !self.at_end => {
-                std::str::from_utf8(&self.pending[..e.valid_up_to()]).expect("valid prefix")
-            }
-            Err(e) => {
-                return Err(user_error(format!(
-                    "corpus file {} is not UTF-8 (invalid byte at offset {}); convert it, e.g. with iconv -t UTF-8",
-                    self.path.display(),
-                    self.offset + e.valid_up_to() as u64
-                )))
-            }
-        };
-        Ok(if self.at_end {
-            Some(valid.len())
-        } else {
-            last_safe_cut(valid, valid.len())
-        })
+/// The valid UTF-8 prefix of `bytes` (read from `path` at `offset`); a character split
+/// by the last read waits for its other bytes, unless the file has ended.
+fn valid_prefix<'a>(bytes: &'a [u8], at_end: bool, path: &Path, offset: u64) -> Result<&'a str> {
+    match std::str::from_utf8(bytes) {
+        Ok(text) => Ok(text),
+        Err(e) if e.error_len().is_none() && !at_end => {
+            Ok(std::str::from_utf8(&bytes[..e.valid_up_to()]).expect("a valid prefix"))
+        }
+        Err(e) => Err(user_error(format!(
+            "corpus file {} is not UTF-8 (invalid byte at offset {}); convert it, e.g. with iconv -t UTF-8",
+            path.display(),
+            offset + e.valid_up_to() as u64
+        ))),
     }
 }

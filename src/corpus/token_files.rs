@@ -163,9 +163,8 @@ fn max_id(path: &Path) -> Result<u32> {
         Layout::Raw16 => (0, 2),
         Layout::Llmc { width } => (LLMC_HEADER_BYTES, width),
     };
-    let mut file = File::open(path).map_err(cannot)?;
-    let mut skip = vec![0u8; offset];
-    file.read_exact(&mut skip).map_err(cannot)?;
+    use std::io::{Seek, SeekFrom};
+    file.seek(SeekFrom::Start(offset as u64)).map_err(cannot)?;
     let mut block = vec![0u8; 1 << 22];
     let mut max = 0u32;
     loop {
@@ -183,7 +182,6 @@ fn max_id(path: &Path) -> Result<u32> {
             .fold(max, u32::max);
         if whole < n {
             // A read that ended inside an id: take its bytes again next time.
-            use std::io::{Seek, SeekFrom};
             file.seek(SeekFrom::Current(-((n - whole) as i64)))
                 .map_err(cannot)?;
         }

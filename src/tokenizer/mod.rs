@@ -21,11 +21,10 @@ use tokenizers::models::TrainerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, DecoderWrapper, ModelWrapper, PreTokenizerWrapper, TokenizerImpl};
 
-use crate::config::TokenizerKind;
-
-mod byte_level;
 use crate::error::user_error;
 use crate::user_bail;
+
+mod byte_level;
 use byte_level::{gpt2_byte_chars, ByteLevelBpe};
 
 /// The special token that separates documents in BPE vocabularies.
@@ -104,14 +103,6 @@ impl Tokenizer {
         let mut hf = tokenizers::Tokenizer::new(ModelWrapper::BPE(bpe));
         hf.with_decoder(Some(DecoderWrapper::Fuse(Fuse::new())));
         Ok(Self::from_hf(hf))
-    }
-
-    /// Trains the configured kind on `text`.
-    pub fn train(kind: TokenizerKind, text: &str, vocab_size: usize) -> Result<Self> {
-        match kind {
-            TokenizerKind::Bpe => Self::train_bpe(text, vocab_size),
-            TokenizerKind::Char => Self::train_char(text),
-        }
     }
 
     /// Loads a `tokenizer.json`.

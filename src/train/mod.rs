@@ -8,8 +8,6 @@ mod report;
 pub mod schedule;
 mod start;
 
-use std::sync::atomic::AtomicI32;
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Result;
@@ -127,12 +125,6 @@ impl Trainer {
             stop,
             _lock: lock,
         })
-    }
-
-    /// Training stops cleanly (checkpoint, then `InterruptedError`) once `flag` holds a
-    /// signal number other than 0.
-    pub fn stop_when(&mut self, flag: Arc<AtomicI32>) {
-        self.stop = Stop::from_flag(flag);
     }
 
     pub fn info(&self) -> RunInfo {
@@ -296,12 +288,11 @@ impl Trainer {
             let done_already = evaluated_start && step == start;
             let evaluate = (step.is_multiple_of(cfg.eval_interval) || is_last) && !done_already;
             if evaluate {
-                match self.evaluate_and_log(reporter) {
-                    Err(e) if e.is::<Stopped>() => {
-                        let signal = e.downcast_ref::<Stopped>().map_or(2, |s| s.signal);
-                        return Err(self.interrupt(signal, step > start, reporter)?);
-                    }
-                    other => other.map_err(|e| self.explain(e))?,
+                if let Err(e) = self.evaluate_and_log(reporter) {
+                    return Err(match e.downcast_ref::<Stopped>() {
+                        Some(stopped) => self.interrupt(stopped.signal, step > start, reporter)?,
+                        None => self.explain(e),
+                    });
                 }
             }
             // A resumed run that redid the evaluation a stop cut short saves it too (its

@@ -24,11 +24,6 @@ impl Stop {
         Self(flag)
     }
 
-    /// The flag, for a signal handler to set.
-    pub fn flag(&self) -> Arc<AtomicI32> {
-        Arc::clone(&self.0)
-    }
-
     /// Asks the work to stop, as `signal` (2: SIGINT, 15: SIGTERM) would.
     pub fn request(&self, signal: i32) {
         self.0.store(signal, Ordering::SeqCst);
