@@ -12,6 +12,7 @@ pub mod compare;
 pub mod config;
 pub mod corpus;
 pub mod cpu;
+pub mod cuda;
 pub mod data;
 pub mod device;
 pub mod engine;

@@ -2,6 +2,11 @@
 //! uses: the same loss, the same gradient for every parameter, the same weights after
 //! AdamW from the same gradients (f32 to 1e-5 relative), the same dropout masks, at odd
 //! sizes, for every model option. A new engine joins by being built in `engines()`.
+//!
+//! Every test runs on each device of `devices()`: the CPU, and, in a build with the
+//! `cuda` feature on a machine with a GPU, CUDA, where the reference engine (candle's
+//! CUDA ops) is the oracle for the fused CUDA engine on the same GPU (f32 to 1e-4: the
+//! GPU sums in other orders). Without a GPU the CUDA half is skipped, loudly.
 
 use candle_core::{Device, Tensor};
 use tinygpt::config::{MlpKind, ModelConfig, NormKind, PositionKind, Precision, TrainConfig};
@@ -24,8 +29,38 @@ fn cfg(positions: PositionKind, bias: bool) -> ModelConfig {
     }
 }
 
-/// The reference engine and the fused one, initialised from the same seed.
-fn engines(cfg: &ModelConfig, batch: usize, precision: Precision) -> [Box<dyn Engine>; 2] {
+/// The CPU, and the first GPU where the build and the machine have one.
+fn devices() -> Vec<Device> {
+    let mut devices = vec![Device::Cpu];
+    if cfg!(feature = "cuda") {
+        match Device::new_cuda(0) {
+            Ok(gpu) => devices.push(gpu),
+            Err(e) => eprintln!(
+                "SKIPPED: the fused CUDA engine was not tested (no CUDA device: {e}); \
+                 these tests ran on the CPU only"
+            ),
+        }
+    }
+    devices
+}
+
+/// How close f32 engines on `device` must be to its reference (relative to each
+/// tensor's largest entry).
+fn tol(device: &Device) -> f64 {
+    if device.is_cpu() {
+        1e-5
+    } else {
+        1e-4
+    }
+}
+
+/// The reference engine and the fused one on `device`, initialised from the same seed.
+fn engines(
+    device: &Device,
+    cfg: &ModelConfig,
+    batch: usize,
+    precision: Precision,
+) -> [Box<dyn Engine>; 2] {
     [false, true].map(|fused| {
         let options = EngineOptions {
             batch,
@@ -33,7 +68,7 @@ fn engines(cfg: &ModelConfig, batch: usize, precision: Precision) -> [Box<dyn En
             fused,
         };
         let spec = ModelSpec::new(cfg);
-        engine::build(&spec, &spec.initial_values(5), &Device::Cpu, options).unwrap()
+        engine::build(&spec, &spec.initial_values(5), device, options).unwrap()
     })
 }
 
@@ -85,149 +120,158 @@ fn assert_all_close(got: &NamedTensors, want: &NamedTensors, tol: f64, what: &st
 
 #[test]
 fn fused_matches_the_reference() {
-    let (b, t) = (3, 7);
-    // (positions, bias, K/V heads, norm, mlp): the default blocks, GPT-2's and Llama's.
-    let variants = [
-        (
-            PositionKind::Learned,
-            true,
-            3,
-            NormKind::LayerNorm,
-            MlpKind::Gelu,
-        ),
-        (
-            PositionKind::Learned,
-            false,
-            3,
-            NormKind::LayerNorm,
-            MlpKind::Gelu,
-        ),
-        (
-            PositionKind::Rope,
-            false,
-            3,
-            NormKind::LayerNorm,
-            MlpKind::Gelu,
-        ),
-        (
-            PositionKind::Sinusoidal,
-            true,
-            3,
-            NormKind::LayerNorm,
-            MlpKind::Gelu,
-        ),
-        (
-            PositionKind::Learned,
-            true,
-            3,
-            NormKind::LayerNorm,
-            MlpKind::GeluTanh,
-        ),
-        (
-            PositionKind::Rope,
-            false,
-            1,
-            NormKind::RmsNorm,
-            MlpKind::Swiglu,
-        ),
-        (
-            PositionKind::Learned,
-            false,
-            1,
-            NormKind::LayerNorm,
-            MlpKind::Gelu,
-        ),
-    ];
-    let train = TrainConfig {
-        weight_decay: 0.1,
-        ..TrainConfig::default()
-    };
-    for (positions, bias, kv, norm, mlp) in variants {
-        let mut cfg = cfg(positions, bias);
-        cfg.n_kv_head = Some(kv);
-        cfg.norm = norm;
-        cfg.mlp = mlp;
-        let [mut reference, mut fused] = engines(&cfg, b, Precision::F32);
-        let what = format!("{positions:?} bias={bias} kv={kv} {norm:?} {mlp:?}");
-        assert_all_close(
-            &fused.weights().unwrap(),
-            &reference.weights().unwrap(),
-            0.0,
-            &what,
-        );
-        for step in 1..=3 {
-            let batch = batch(b, t, 11, step);
-            let (ref_loss, ref_grads) = loss_and_grads(reference.as_mut(), &batch, None);
-            let (loss, grads) = loss_and_grads(fused.as_mut(), &batch, None);
-            let what = format!("{what} step {step}");
-            assert!(
-                (loss - ref_loss).abs() <= 1e-5 * ref_loss,
-                "{what}: loss {loss} vs {ref_loss}"
-            );
-            assert_all_close(&grads, &ref_grads, 1e-5, &format!("{what}: gradient"));
-            // Each position's loss, whose mean is the loss.
-            let (positions, ref_positions) = (
-                fused.position_losses().unwrap(),
-                reference.position_losses().unwrap(),
-            );
-            assert_eq!(positions.len(), b * t);
-            for (p, r) in positions.iter().zip(&ref_positions) {
-                assert!(
-                    (p - r).abs() <= 1e-5 * (1.0 + r.abs()),
-                    "{what}: position loss {p} vs {r}"
-                );
-            }
-            let mean = positions.iter().sum::<f64>() / positions.len() as f64;
-            assert!(
-                (mean - loss).abs() < 1e-9,
-                "{what}: positions' mean is the loss"
-            );
-
-            // The same update from the same gradients on both sides (the moments carry
-            // over from step to step).
-            fused.set_grads(&ref_grads, "test").unwrap();
-            let update = AdamWStep::new(&train, step as usize, 1e-2);
-            reference.adamw(&update).unwrap();
-            fused.adamw(&update).unwrap();
-            let what = format!("{what}: after AdamW");
+    for device in &devices() {
+        let (b, t) = (3, 7);
+        // (positions, bias, K/V heads, norm, mlp): the default blocks, GPT-2's and Llama's.
+        let variants = [
+            (
+                PositionKind::Learned,
+                true,
+                3,
+                NormKind::LayerNorm,
+                MlpKind::Gelu,
+            ),
+            (
+                PositionKind::Learned,
+                false,
+                3,
+                NormKind::LayerNorm,
+                MlpKind::Gelu,
+            ),
+            (
+                PositionKind::Rope,
+                false,
+                3,
+                NormKind::LayerNorm,
+                MlpKind::Gelu,
+            ),
+            (
+                PositionKind::Sinusoidal,
+                true,
+                3,
+                NormKind::LayerNorm,
+                MlpKind::Gelu,
+            ),
+            (
+                PositionKind::Learned,
+                true,
+                3,
+                NormKind::LayerNorm,
+                MlpKind::GeluTanh,
+            ),
+            (
+                PositionKind::Rope,
+                false,
+                1,
+                NormKind::RmsNorm,
+                MlpKind::Swiglu,
+            ),
+            (
+                PositionKind::Learned,
+                false,
+                1,
+                NormKind::LayerNorm,
+                MlpKind::Gelu,
+            ),
+        ];
+        let train = TrainConfig {
+            weight_decay: 0.1,
+            ..TrainConfig::default()
+        };
+        for (positions, bias, kv, norm, mlp) in variants {
+            let mut cfg = cfg(positions, bias);
+            cfg.n_kv_head = Some(kv);
+            cfg.norm = norm;
+            cfg.mlp = mlp;
+            let [mut reference, mut fused] = engines(device, &cfg, b, Precision::F32);
+            let what = format!("{positions:?} bias={bias} kv={kv} {norm:?} {mlp:?}");
             assert_all_close(
                 &fused.weights().unwrap(),
                 &reference.weights().unwrap(),
-                1e-5,
+                0.0,
                 &what,
             );
-            // Keep both on identical weights, so the next step compares gradients only.
-            fused
-                .load_weights(&reference.weights().unwrap(), "test")
-                .unwrap();
+            for step in 1..=3 {
+                let batch = batch(b, t, 11, step);
+                let (ref_loss, ref_grads) = loss_and_grads(reference.as_mut(), &batch, None);
+                let (loss, grads) = loss_and_grads(fused.as_mut(), &batch, None);
+                let what = format!("{what} step {step}");
+                assert!(
+                    (loss - ref_loss).abs() <= tol(device) * ref_loss,
+                    "{what}: loss {loss} vs {ref_loss}"
+                );
+                assert_all_close(
+                    &grads,
+                    &ref_grads,
+                    tol(device),
+                    &format!("{what}: gradient"),
+                );
+                // Each position's loss, whose mean is the loss.
+                let (positions, ref_positions) = (
+                    fused.position_losses().unwrap(),
+                    reference.position_losses().unwrap(),
+                );
+                assert_eq!(positions.len(), b * t);
+                for (p, r) in positions.iter().zip(&ref_positions) {
+                    assert!(
+                        (p - r).abs() <= tol(device) * (1.0 + r.abs()),
+                        "{what}: position loss {p} vs {r}"
+                    );
+                }
+                let mean = positions.iter().sum::<f64>() / positions.len() as f64;
+                assert!(
+                    (mean - loss).abs() < 1e-9,
+                    "{what}: positions' mean is the loss"
+                );
+
+                // The same update from the same gradients on both sides (the moments carry
+                // over from step to step).
+                fused.set_grads(&ref_grads, "test").unwrap();
+                let update = AdamWStep::new(&train, step as usize, 1e-2);
+                reference.adamw(&update).unwrap();
+                fused.adamw(&update).unwrap();
+                let what = format!("{what}: after AdamW");
+                assert_all_close(
+                    &fused.weights().unwrap(),
+                    &reference.weights().unwrap(),
+                    tol(device),
+                    &what,
+                );
+                // Keep both on identical weights, so the next step compares gradients only.
+                fused
+                    .load_weights(&reference.weights().unwrap(), "test")
+                    .unwrap();
+            }
+            assert_all_close(
+                &fused.moments().unwrap(),
+                &reference.moments().unwrap(),
+                tol(device),
+                &what,
+            );
         }
-        assert_all_close(
-            &fused.moments().unwrap(),
-            &reference.moments().unwrap(),
-            1e-5,
-            &what,
-        );
     }
 }
 
 #[test]
 fn gradient_scale_and_accumulation_add_up() {
-    let cfg = cfg(PositionKind::Learned, true);
-    for mut e in engines(&cfg, 2, Precision::F32) {
-        let (a, b) = (batch(2, 7, 11, 1), batch(2, 7, 11, 3));
-        e.zero_grads().unwrap();
-        for micro in [&a, &b] {
-            e.forward(micro, None).unwrap();
-            e.backward(0.5).unwrap();
+    for device in &devices() {
+        let cfg = cfg(PositionKind::Learned, true);
+        for mut e in engines(device, &cfg, 2, Precision::F32) {
+            let (a, b) = (batch(2, 7, 11, 1), batch(2, 7, 11, 3));
+            e.zero_grads().unwrap();
+            for micro in [&a, &b] {
+                e.forward(micro, None).unwrap();
+                e.backward(0.5).unwrap();
+            }
+            let together = e.grads().unwrap();
+            let (_, ga) = loss_and_grads(e.as_mut(), &a, None);
+            let (_, gb) = loss_and_grads(e.as_mut(), &b, None);
+            let mean: NamedTensors = ga
+                .iter()
+                .map(|(name, g)| (name.clone(), ((g + &gb[name]).unwrap() * 0.5).unwrap()))
+                .collect();
+            assert_all_close(&together, &mean, 1e-6, e.name());
         }
-        let together = e.grads().unwrap();
-        let (_, ga) = loss_and_grads(e.as_mut(), &a, None);
-        let (_, gb) = loss_and_grads(e.as_mut(), &b, None);
-        let mean: NamedTensors = ga
-            .iter()
-            .map(|(name, g)| (name.clone(), ((g + &gb[name]).unwrap() * 0.5).unwrap()))
-            .collect();
-        assert_all_close(&together, &mean, 1e-6, e.name());
     }
 }
 
@@ -235,37 +279,39 @@ fn gradient_scale_and_accumulation_add_up() {
 /// learns a batch by heart.
 #[test]
 fn both_engines_train() {
-    let cfg = cfg(PositionKind::Rope, false);
-    let train = TrainConfig {
-        weight_decay: 0.0,
-        ..TrainConfig::default()
-    };
-    let [mut reference, mut fused] = engines(&cfg, 2, Precision::F32);
-    assert!(
-        fused.describe().starts_with("fused"),
-        "{}",
-        fused.describe()
-    );
-    assert!(reference
-        .describe()
-        .starts_with("reference (train.fused = false)"));
-    for e in [&mut reference, &mut fused] {
-        let batch = batch(2, 7, 11, 9);
-        let first = e.forward(&batch, None).unwrap();
-        let mut last = first;
-        for step in 1..=60 {
-            e.zero_grads().unwrap();
-            last = e.forward(&batch, None).unwrap();
-            e.backward(1.0).unwrap();
-            e.clip_grads(1.0).unwrap();
-            e.adamw(&AdamWStep::new(&train, step, 1e-2)).unwrap();
-        }
-        assert!(first > 2.0, "{}: starts near ln 11: {first}", e.name());
+    for device in &devices() {
+        let cfg = cfg(PositionKind::Rope, false);
+        let train = TrainConfig {
+            weight_decay: 0.0,
+            ..TrainConfig::default()
+        };
+        let [mut reference, mut fused] = engines(device, &cfg, 2, Precision::F32);
         assert!(
-            last < 0.2 * first,
-            "{}: {first} -> {last} after 60 steps",
-            e.name()
+            fused.describe().starts_with("fused"),
+            "{}",
+            fused.describe()
         );
+        assert!(reference
+            .describe()
+            .starts_with("reference (train.fused = false)"));
+        for e in [&mut reference, &mut fused] {
+            let batch = batch(2, 7, 11, 9);
+            let first = e.forward(&batch, None).unwrap();
+            let mut last = first;
+            for step in 1..=60 {
+                e.zero_grads().unwrap();
+                last = e.forward(&batch, None).unwrap();
+                e.backward(1.0).unwrap();
+                e.clip_grads(1.0).unwrap();
+                e.adamw(&AdamWStep::new(&train, step, 1e-2)).unwrap();
+            }
+            assert!(first > 2.0, "{}: starts near ln 11: {first}", e.name());
+            assert!(
+                last < 0.2 * first,
+                "{}: {first} -> {last} after 60 steps",
+                e.name()
+            );
+        }
     }
 }
 
@@ -273,33 +319,35 @@ fn both_engines_train() {
 /// step): the same loss and gradients, and not the loss without dropout.
 #[test]
 fn dropout_masks_are_the_same_in_every_engine() {
-    let (b, t) = (3, 7);
-    for (positions, norm, mlp) in [
-        (PositionKind::Learned, NormKind::LayerNorm, MlpKind::Gelu),
-        (PositionKind::Rope, NormKind::RmsNorm, MlpKind::Swiglu),
-    ] {
-        let mut cfg = cfg(positions, true);
-        cfg.dropout = 0.2;
-        cfg.norm = norm;
-        cfg.mlp = mlp;
-        let [mut reference, mut fused] = engines(&cfg, b, Precision::F32);
-        let batch = batch(b, t, 11, 1);
-        for (step, micro) in [(0, 0), (5, 1)] {
-            let dropout = Dropout::in_pass(0.2, 9, step, micro);
-            let (ref_loss, ref_grads) =
-                loss_and_grads(reference.as_mut(), &batch, dropout.as_ref());
-            let (loss, grads) = loss_and_grads(fused.as_mut(), &batch, dropout.as_ref());
-            let what = format!("{positions:?} step {step} micro {micro}");
-            assert!(
-                (loss - ref_loss).abs() <= 1e-5 * ref_loss,
-                "{what}: {loss} vs {ref_loss}"
-            );
-            assert_all_close(&grads, &ref_grads, 1e-5, &what);
-            let without = fused.forward(&batch, None).unwrap();
-            assert!(
-                (without - loss).abs() > 1e-3,
-                "{what}: dropout must change the loss"
-            );
+    for device in &devices() {
+        let (b, t) = (3, 7);
+        for (positions, norm, mlp) in [
+            (PositionKind::Learned, NormKind::LayerNorm, MlpKind::Gelu),
+            (PositionKind::Rope, NormKind::RmsNorm, MlpKind::Swiglu),
+        ] {
+            let mut cfg = cfg(positions, true);
+            cfg.dropout = 0.2;
+            cfg.norm = norm;
+            cfg.mlp = mlp;
+            let [mut reference, mut fused] = engines(device, &cfg, b, Precision::F32);
+            let batch = batch(b, t, 11, 1);
+            for (step, micro) in [(0, 0), (5, 1)] {
+                let dropout = Dropout::in_pass(0.2, 9, step, micro);
+                let (ref_loss, ref_grads) =
+                    loss_and_grads(reference.as_mut(), &batch, dropout.as_ref());
+                let (loss, grads) = loss_and_grads(fused.as_mut(), &batch, dropout.as_ref());
+                let what = format!("{positions:?} step {step} micro {micro}");
+                assert!(
+                    (loss - ref_loss).abs() <= tol(device) * ref_loss,
+                    "{what}: {loss} vs {ref_loss}"
+                );
+                assert_all_close(&grads, &ref_grads, tol(device), &what);
+                let without = fused.forward(&batch, None).unwrap();
+                assert!(
+                    (without - loss).abs() > 1e-3,
+                    "{what}: dropout must change the loss"
+                );
+            }
         }
     }
 }
@@ -310,48 +358,50 @@ fn dropout_masks_are_the_same_in_every_engine() {
 /// the GEMM's 6 x 64 tiles and its k pairs (odd head size, odd widths).
 #[test]
 fn bf16_products_stay_within_bf16_rounding_of_the_reference() {
-    let (b, t) = (3, 37);
-    for (positions, kv, norm, mlp) in [
-        (PositionKind::Learned, 4, NormKind::LayerNorm, MlpKind::Gelu),
-        (PositionKind::Rope, 2, NormKind::RmsNorm, MlpKind::Swiglu),
-    ] {
-        let cfg = ModelConfig {
-            n_layer: 2,
-            n_head: 4,
-            n_kv_head: Some(kv),
-            n_embd: 72, // head size 18
-            block_size: t,
-            positions,
-            norm,
-            mlp,
-            vocab_size: 67,
-            ..ModelConfig::default()
-        };
-        let batch = batch(b, t, 67, 1);
-        let [mut reference, mut f32_fused] = engines(&cfg, b, Precision::F32);
-        let [_, mut bf16_fused] = engines(&cfg, b, Precision::Bf16);
-        let (ref_loss, ref_grads) = loss_and_grads(reference.as_mut(), &batch, None);
-        let (f32_loss, f32_grads) = loss_and_grads(f32_fused.as_mut(), &batch, None);
-        let (bf16_loss, bf16_grads) = loss_and_grads(bf16_fused.as_mut(), &batch, None);
-        let what = format!("{positions:?} kv={kv}");
-        assert!(
-            (bf16_loss - ref_loss).abs() <= 2e-4 * ref_loss,
-            "{what}: bf16 loss {bf16_loss} vs {ref_loss}"
-        );
-        assert!(
-            (bf16_loss - f32_loss).abs() > 1e-7,
-            "{what}: bf16 gave the f32 loss"
-        );
-        assert_all_close(&f32_grads, &ref_grads, 1e-5, &format!("{what} f32"));
-        // Each operand carries a relative error up to 2^-9 (0.2%); through the layers'
-        // products that stays under 2% of each gradient's largest entry (measured: under
-        // 0.75%).
-        assert_all_close(&bf16_grads, &ref_grads, 2e-2, &format!("{what} bf16"));
-        for (name, g) in &bf16_grads {
+    for device in &devices() {
+        let (b, t) = (3, 37);
+        for (positions, kv, norm, mlp) in [
+            (PositionKind::Learned, 4, NormKind::LayerNorm, MlpKind::Gelu),
+            (PositionKind::Rope, 2, NormKind::RmsNorm, MlpKind::Swiglu),
+        ] {
+            let cfg = ModelConfig {
+                n_layer: 2,
+                n_head: 4,
+                n_kv_head: Some(kv),
+                n_embd: 72, // head size 18
+                block_size: t,
+                positions,
+                norm,
+                mlp,
+                vocab_size: 67,
+                ..ModelConfig::default()
+            };
+            let batch = batch(b, t, 67, 1);
+            let [mut reference, mut f32_fused] = engines(device, &cfg, b, Precision::F32);
+            let [_, mut bf16_fused] = engines(device, &cfg, b, Precision::Bf16);
+            let (ref_loss, ref_grads) = loss_and_grads(reference.as_mut(), &batch, None);
+            let (f32_loss, f32_grads) = loss_and_grads(f32_fused.as_mut(), &batch, None);
+            let (bf16_loss, bf16_grads) = loss_and_grads(bf16_fused.as_mut(), &batch, None);
+            let what = format!("{positions:?} kv={kv}");
             assert!(
-                rel_err(&values(g), &values(&ref_grads[name])) > 0.0,
-                "{what}: bf16 gradient of {name} is the f32 one"
+                (bf16_loss - ref_loss).abs() <= 2e-4 * ref_loss,
+                "{what}: bf16 loss {bf16_loss} vs {ref_loss}"
             );
+            assert!(
+                (bf16_loss - f32_loss).abs() > 1e-7,
+                "{what}: bf16 gave the f32 loss"
+            );
+            assert_all_close(&f32_grads, &ref_grads, tol(device), &format!("{what} f32"));
+            // Each operand carries a relative error up to 2^-9 (0.2%); through the layers'
+            // products that stays under 2% of each gradient's largest entry (measured: under
+            // 0.75%).
+            assert_all_close(&bf16_grads, &ref_grads, 2e-2, &format!("{what} bf16"));
+            for (name, g) in &bf16_grads {
+                assert!(
+                    rel_err(&values(g), &values(&ref_grads[name])) > 0.0,
+                    "{what}: bf16 gradient of {name} is the f32 one"
+                );
+            }
         }
     }
 }
@@ -360,26 +410,28 @@ fn bf16_products_stay_within_bf16_rounding_of_the_reference() {
 /// fused engine still equals the reference to 1e-5, and bf16 stays within its rounding.
 #[test]
 fn long_contexts_match_the_reference() {
-    let (b, t) = (2, 150);
-    let cfg = ModelConfig {
-        n_layer: 1,
-        n_head: 2,
-        n_embd: 16,
-        block_size: t,
-        vocab_size: 11,
-        ..ModelConfig::default()
-    };
-    let batch = batch(b, t, 11, 1);
-    let [mut reference, _] = engines(&cfg, b, Precision::F32);
-    let (ref_loss, ref_grads) = loss_and_grads(reference.as_mut(), &batch, None);
-    for (precision, tol) in [(Precision::F32, 1e-5), (Precision::Bf16, 2e-2)] {
-        let [_, mut fused] = engines(&cfg, b, precision);
-        let (loss, grads) = loss_and_grads(fused.as_mut(), &batch, None);
-        assert!(
-            (loss - ref_loss).abs() <= tol * ref_loss,
-            "{precision:?}: loss {loss} vs {ref_loss}"
-        );
-        assert_all_close(&grads, &ref_grads, tol, &format!("{precision:?}"));
+    for device in &devices() {
+        let (b, t) = (2, 150);
+        let cfg = ModelConfig {
+            n_layer: 1,
+            n_head: 2,
+            n_embd: 16,
+            block_size: t,
+            vocab_size: 11,
+            ..ModelConfig::default()
+        };
+        let batch = batch(b, t, 11, 1);
+        let [mut reference, _] = engines(device, &cfg, b, Precision::F32);
+        let (ref_loss, ref_grads) = loss_and_grads(reference.as_mut(), &batch, None);
+        for (precision, tol) in [(Precision::F32, tol(device)), (Precision::Bf16, 2e-2)] {
+            let [_, mut fused] = engines(device, &cfg, b, precision);
+            let (loss, grads) = loss_and_grads(fused.as_mut(), &batch, None);
+            assert!(
+                (loss - ref_loss).abs() <= tol * ref_loss,
+                "{precision:?}: loss {loss} vs {ref_loss}"
+            );
+            assert_all_close(&grads, &ref_grads, tol, &format!("{precision:?}"));
+        }
     }
 }
 
@@ -387,85 +439,89 @@ fn long_contexts_match_the_reference() {
 /// rounding of its f32 products and of the fused bf16 engine, and really are rounded.
 #[test]
 fn reference_bf16_products_track_f32() {
-    let (b, t) = (2, 19);
-    let cfg = ModelConfig {
-        n_layer: 2,
-        n_head: 2,
-        n_embd: 32,
-        block_size: t,
-        vocab_size: 23,
-        ..ModelConfig::default()
-    };
-    let batch = batch(b, t, 23, 1);
-    let [mut f32_ref, _] = engines(&cfg, b, Precision::F32);
-    let [mut bf16_ref, mut bf16_fused] = engines(&cfg, b, Precision::Bf16);
-    let (f32_loss, f32_grads) = loss_and_grads(f32_ref.as_mut(), &batch, None);
-    let (bf16_loss, bf16_grads) = loss_and_grads(bf16_ref.as_mut(), &batch, None);
-    assert!(
-        bf16_loss != f32_loss,
-        "bf16 products gave the f32 loss exactly"
-    );
-    assert!(
-        (bf16_loss - f32_loss).abs() <= 5e-4 * f32_loss,
-        "loss {bf16_loss} vs {f32_loss}"
-    );
-    assert_all_close(&bf16_grads, &f32_grads, 2e-2, "reference bf16");
-    let fused_loss = bf16_fused.forward(&batch, None).unwrap();
-    assert!(
-        (fused_loss - bf16_loss).abs() <= 5e-4 * f32_loss,
-        "fused bf16 loss {fused_loss} vs reference bf16 {bf16_loss}"
-    );
+    for device in &devices() {
+        let (b, t) = (2, 19);
+        let cfg = ModelConfig {
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 32,
+            block_size: t,
+            vocab_size: 23,
+            ..ModelConfig::default()
+        };
+        let batch = batch(b, t, 23, 1);
+        let [mut f32_ref, _] = engines(device, &cfg, b, Precision::F32);
+        let [mut bf16_ref, mut bf16_fused] = engines(device, &cfg, b, Precision::Bf16);
+        let (f32_loss, f32_grads) = loss_and_grads(f32_ref.as_mut(), &batch, None);
+        let (bf16_loss, bf16_grads) = loss_and_grads(bf16_ref.as_mut(), &batch, None);
+        assert!(
+            bf16_loss != f32_loss,
+            "bf16 products gave the f32 loss exactly"
+        );
+        assert!(
+            (bf16_loss - f32_loss).abs() <= 5e-4 * f32_loss,
+            "loss {bf16_loss} vs {f32_loss}"
+        );
+        assert_all_close(&bf16_grads, &f32_grads, 2e-2, "reference bf16");
+        let fused_loss = bf16_fused.forward(&batch, None).unwrap();
+        assert!(
+            (fused_loss - bf16_loss).abs() <= 5e-4 * f32_loss,
+            "fused bf16 loss {fused_loss} vs reference bf16 {bf16_loss}"
+        );
+    }
 }
 
 /// State in and out by name: one engine's weights and moments load into the other;
 /// a missing or mis-shaped tensor is refused by name; a batch of the wrong shape too.
 #[test]
 fn state_moves_between_engines_by_name() {
-    let cfg = cfg(PositionKind::Learned, true);
-    let [mut reference, mut fused] = engines(&cfg, 2, Precision::F32);
-    let train = TrainConfig::default();
-    let (_, grads) = loss_and_grads(fused.as_mut(), &batch(2, 7, 11, 4), None);
-    fused.adamw(&AdamWStep::new(&train, 1, 1e-2)).unwrap();
-    reference
-        .load_weights(&fused.weights().unwrap(), "fused")
-        .unwrap();
-    reference
-        .load_moments(&fused.moments().unwrap(), "fused")
-        .unwrap();
-    assert_all_close(
-        &reference.weights().unwrap(),
-        &fused.weights().unwrap(),
-        0.0,
-        "weights",
-    );
-    assert_all_close(
-        &reference.moments().unwrap(),
-        &fused.moments().unwrap(),
-        0.0,
-        "moments",
-    );
+    for device in &devices() {
+        let cfg = cfg(PositionKind::Learned, true);
+        let [mut reference, mut fused] = engines(device, &cfg, 2, Precision::F32);
+        let train = TrainConfig::default();
+        let (_, grads) = loss_and_grads(fused.as_mut(), &batch(2, 7, 11, 4), None);
+        fused.adamw(&AdamWStep::new(&train, 1, 1e-2)).unwrap();
+        reference
+            .load_weights(&fused.weights().unwrap(), "fused")
+            .unwrap();
+        reference
+            .load_moments(&fused.moments().unwrap(), "fused")
+            .unwrap();
+        assert_all_close(
+            &reference.weights().unwrap(),
+            &fused.weights().unwrap(),
+            0.0,
+            "weights",
+        );
+        assert_all_close(
+            &reference.moments().unwrap(),
+            &fused.moments().unwrap(),
+            0.0,
+            "moments",
+        );
 
-    let mut missing = grads.clone();
-    missing.remove("ln_f.bias");
-    let err = fused
-        .load_weights(&missing, "model.safetensors")
-        .unwrap_err();
-    assert!(
-        format!("{err}").contains("model.safetensors: tensor ln_f.bias is missing"),
-        "{err}"
-    );
-    let mut bent = grads.clone();
-    bent.insert(
-        "wte.weight".into(),
-        Tensor::zeros((3, 3), candle_core::DType::F32, &Device::Cpu).unwrap(),
-    );
-    let err = reference.load_weights(&bent, "x").unwrap_err();
-    assert!(
-        format!("{err}").contains("wte.weight has shape [3, 3]"),
-        "{err}"
-    );
-    assert!(
-        fused.forward(&batch(3, 7, 11, 1), None).is_err(),
-        "3 sequences for an engine of 2"
-    );
+        let mut missing = grads.clone();
+        missing.remove("ln_f.bias");
+        let err = fused
+            .load_weights(&missing, "model.safetensors")
+            .unwrap_err();
+        assert!(
+            format!("{err}").contains("model.safetensors: tensor ln_f.bias is missing"),
+            "{err}"
+        );
+        let mut bent = grads.clone();
+        bent.insert(
+            "wte.weight".into(),
+            Tensor::zeros((3, 3), candle_core::DType::F32, &Device::Cpu).unwrap(),
+        );
+        let err = reference.load_weights(&bent, "x").unwrap_err();
+        assert!(
+            format!("{err}").contains("wte.weight has shape [3, 3]"),
+            "{err}"
+        );
+        assert!(
+            fused.forward(&batch(3, 7, 11, 1), None).is_err(),
+            "3 sequences for an engine of 2"
+        );
+    }
 }

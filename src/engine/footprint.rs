@@ -12,6 +12,8 @@ pub enum Footprint {
     Reference,
     /// The fused CPU engine: flat buffers of what backward needs, attention recomputed.
     FusedCpu,
+    /// The fused CUDA engine: its allocation plan, exactly (`crate::cuda::Plan`).
+    FusedCuda,
 }
 
 /// Bytes for building an engine and one training step: weights, gradients and the two
@@ -26,10 +28,18 @@ pub enum Footprint {
 /// The coefficients are fitted to the heap's peak measured by a counting allocator
 /// over 7 shapes (tests/memory.rs; within 7% of each); they hold on the CPU, and
 /// roughly on a GPU for the same engine.
+///
+/// The fused CUDA engine allocates everything up front from its plan: its bytes are
+/// the plan's total (cuBLAS's work space and the CUDA context come on top).
 pub fn training_bytes(m: &ModelConfig, t: &TrainConfig, engine: Footprint) -> f64 {
     let (per_channel, per_score, per_logit, outside) = match engine {
         Footprint::Reference => (19.0, 10.5, 4.0, 72.0),
         Footprint::FusedCpu => (10.0, 0.12, 1.1, 21.0),
+        Footprint::FusedCuda => {
+            let spec = ModelSpec::new(m);
+            let plan = crate::cuda::Plan::for_spec(&spec, t.batch_size);
+            return plan.bytes(m.n_layer, true) as f64;
+        }
     };
     let tokens = (t.batch_size * m.block_size) as f64;
     let (layers, width) = (m.n_layer as f64, m.n_embd as f64);

@@ -1,16 +1,19 @@
 //! One interface for what computes losses, gradients and updates. The trainer, `eval`
 //! and `bench` hold a `Box<dyn Engine>` and never ask which one it is.
 //!
-//! Two engines read the same model spec: [`reference::ReferenceEngine`] (the candle
-//! model of `crate::model` with candle's autograd, on any device; the oracle in tests)
-//! and [`crate::cpu::FusedCpu`] (our kernels over flat buffers). [`build`] chooses one;
-//! a new engine (fused CUDA, say) is an `impl Engine` and one arm there.
+//! Three engines read the same model spec: [`reference::ReferenceEngine`] (the candle
+//! model of `crate::model` with candle's autograd, on any device; the oracle in tests),
+//! [`crate::cpu::FusedCpu`] (our kernels over flat buffers) and, built with the `cuda`
+//! feature, `crate::cuda::FusedCuda` (our CUDA kernels and cuBLAS over flat device
+//! buffers). [`build`] chooses one; a new engine is an `impl Engine` and one arm there.
 //!
 //! An engine holds no random state: dropout masks are a function of (seed, step,
 //! micro-batch), passed in with each forward, and batches are drawn by the trainer.
 
 pub mod footprint;
 pub mod fused_cpu;
+#[cfg(feature = "cuda")]
+pub mod fused_cuda;
 pub mod interface;
 pub mod reference;
 
@@ -24,33 +27,44 @@ pub use interface::{Engine, EngineOptions, MOMENT_SUFFIXES};
 use reference::ReferenceEngine;
 
 /// The engine for the model `spec` on `device`, starting from `weights` (a flat buffer
-/// in table order: `spec.initial_values(seed)`, or a checkpoint's): the fused CPU
-/// engine on the CPU unless `options.fused` is off, the reference engine everywhere
-/// else.
+/// in table order: `spec.initial_values(seed)`, or a checkpoint's): the fused engine
+/// of the CPU or of CUDA unless `options.fused` is off, the reference engine
+/// everywhere else.
 pub fn build(
     spec: &ModelSpec,
     weights: &[f32],
     device: &Device,
     options: EngineOptions,
 ) -> Result<Box<dyn Engine>> {
-    if footprint(device, &options) == Footprint::FusedCpu {
-        let engine = FusedCpu::new(spec, weights, options.batch, options.precision)?;
-        return Ok(Box::new(engine));
+    let (batch, precision) = (options.batch, options.precision);
+    match footprint(device, &options) {
+        Footprint::FusedCpu => Ok(Box::new(FusedCpu::new(spec, weights, batch, precision)?)),
+        #[cfg(feature = "cuda")]
+        Footprint::FusedCuda => {
+            let engine = crate::cuda::FusedCuda::new(spec, weights, device, batch, precision)?;
+            Ok(Box::new(engine))
+        }
+        _ => {
+            let why = if !options.fused {
+                "train.fused = false"
+            } else {
+                "no fused engine for this device yet"
+            };
+            let engine = ReferenceEngine::new(spec, weights, device, options, why)?;
+            Ok(Box::new(engine))
+        }
     }
-    let why = if !options.fused {
-        "train.fused = false"
-    } else {
-        "no fused engine for this device yet"
-    };
-    let engine = ReferenceEngine::new(spec, weights, device, options, why)?;
-    Ok(Box::new(engine))
 }
 
 /// The engine [`build`] chooses for `device` and `options`, as the footprint to
 /// estimate (the one place the choice is made).
 pub fn footprint(device: &Device, options: &EngineOptions) -> Footprint {
-    if options.fused && device.is_cpu() {
+    if !options.fused {
+        Footprint::Reference
+    } else if device.is_cpu() {
         Footprint::FusedCpu
+    } else if cfg!(feature = "cuda") && device.is_cuda() {
+        Footprint::FusedCuda
     } else {
         Footprint::Reference
     }

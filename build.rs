@@ -1,0 +1,76 @@
+//! With the `cuda` feature: compiles the fused CUDA engine's kernels
+//! (`src/cuda/kernels/*.cu`) to PTX with nvcc, into OUT_DIR, where `src/cuda/kernels.rs`
+//! includes them. Without it: nothing (the CPU build needs no CUDA toolkit).
+//!
+//! nvcc is `$NVCC`, else `nvcc` on PATH, else `$CUDA_HOME/bin/nvcc`. The PTX targets
+//! `compute_$CUDA_COMPUTE_CAP` (as candle's kernels do; default 80, which every GPU from
+//! the A100 on runs, the driver compiling it for the GPU at load).
+
+use std::env;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const KERNELS: &str = "src/cuda/kernels";
+
+fn main() {
+    println!("cargo:rerun-if-changed={KERNELS}");
+    println!("cargo:rerun-if-env-changed=NVCC");
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
+    if env::var_os("CARGO_FEATURE_CUDA").is_none() {
+        return;
+    }
+    let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let nvcc = nvcc();
+    let cap = env::var("CUDA_COMPUTE_CAP")
+        .ok()
+        .map(|c| c.trim().replace('.', ""))
+        .filter(|c| !c.is_empty())
+        .unwrap_or_else(|| "80".to_string());
+    let mut sources: Vec<PathBuf> = std::fs::read_dir(KERNELS)
+        .unwrap_or_else(|e| panic!("reading {KERNELS}: {e}"))
+        .map(|entry| entry.expect("a directory entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "cu"))
+        .collect();
+    sources.sort();
+    for source in &sources {
+        compile(&nvcc, &cap, source, &out);
+    }
+}
+
+fn nvcc() -> PathBuf {
+    if let Some(nvcc) = env::var_os("NVCC") {
+        return PathBuf::from(nvcc);
+    }
+    let on_path = Command::new("nvcc").arg("--version").output();
+    if on_path.is_ok_and(|o| o.status.success()) {
+        return PathBuf::from("nvcc");
+    }
+    if let Some(home) = env::var_os("CUDA_HOME") {
+        return Path::new(&home).join("bin/nvcc");
+    }
+    panic!(
+        "the cuda feature needs nvcc (a CUDA toolkit): put it on PATH, set NVCC or CUDA_HOME, \
+         or run `eval \"$(tools/cuda-toolkit.sh)\"`"
+    );
+}
+
+fn compile(nvcc: &Path, cap: &str, source: &Path, out: &Path) {
+    let stem = source.file_stem().expect("a file name").to_string_lossy();
+    let ptx = out.join(format!("{stem}.ptx"));
+    let status = Command::new(nvcc)
+        .args(["--ptx", "-O3", "-std=c++17"])
+        .arg(format!("-arch=compute_{cap}"))
+        .arg("-I")
+        .arg(KERNELS)
+        .arg(source)
+        .arg("-o")
+        .arg(&ptx)
+        .status()
+        .unwrap_or_else(|e| panic!("running {}: {e}", nvcc.display()));
+    assert!(
+        status.success(),
+        "nvcc failed on {} ({status})",
+        source.display()
+    );
+}

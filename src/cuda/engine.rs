@@ -1,0 +1,861 @@
+//! The fused CUDA engine: the model's forward and backward written out over flat,
+//! preallocated device buffers in llm.c's manner, the same walk as the fused CPU
+//! engine (`crate::cpu::FusedCpu`), layer for layer.
+//!
+//! Parameters, gradients and AdamW's moments are one flat device buffer each, laid
+//! out by the model spec; a layer's weights are an offset into it. Every activation
+//! the backward needs is allocated once for (batch, block_size) from the engine's
+//! [`Plan`]: a step allocates nothing. Matrix products go to cuBLAS (strided batches
+//! for attention's heads); everything else is our kernels (`kernels/*.cu`). Dropout
+//! masks are never stored: each kernel that drops computes the mask of its elements
+//! from the counter-based generator of `crate::model::dropout`, so forward and
+//! backward (and the CPU engines) drop the same elements. Sums over rows (bias and
+//! gain gradients, embedding gradients, the loss, the gradient norm) are added in a
+//! fixed order, without atomics: the same batch gives the same bits, run after run.
+
+use std::sync::Arc;
+
+use anyhow::{ensure, Context, Result};
+use candle_core::cuda::cudarc::cublas::CudaBlas;
+use candle_core::cuda::cudarc::driver::CudaStream;
+use candle_core::Device;
+
+use super::blas::{matmul, Matrix};
+use super::buffers::Buf;
+use super::kernels::{AdamBuffers, AdamParams, DropoutArgs, Heads, Kernels};
+use super::plan::{NORM_BLOCKS, PARTS};
+use crate::config::{PositionKind, Precision};
+use crate::model::position::{rope_tables, sinusoidal_table};
+use crate::model::spec::{LinearParams, ModelSpec, NormParams, ParamId};
+use crate::model::{Dropout, Site};
+use crate::optim::{clip_scale, AdamWStep};
+
+/// A model laid out on the GPU for fused training.
+pub struct FusedCuda {
+    spec: ModelSpec,
+    batch: usize,
+    precision: Precision,
+    kernels: Kernels,
+    blas: Arc<CudaBlas>,
+    stream: Arc<CudaStream>,
+    params: Buf<f32>,
+    /// Gradients, then AdamW's moments, allocated when first needed (evaluation needs
+    /// neither).
+    grads: Option<Buf<f32>>,
+    moments: Option<[Buf<f32>; 2]>,
+    /// Where each tensor of the table ends, and whether it decays (AdamW's launch).
+    ends: Buf<u64>,
+    decays: Buf<i32>,
+    tables: Tables,
+    acts: Activations,
+    scratch: Scratch,
+    /// The dropout of the last forward, whose masks the backward recomputes.
+    dropout: Option<Dropout>,
+    /// Distinct tokens of the last forward's batch (the embedding backward's buckets).
+    distinct: usize,
+}
+
+/// Fixed tables the positions need.
+struct Tables {
+    /// (block_size, C): sinusoidal positions.
+    sinusoids: Option<Buf<f32>>,
+    /// (block_size, d/2) each: RoPE's cos and sin.
+    rope: Option<[Buf<f32>; 2]>,
+}
+
+/// Per row of a norm: mean (0 for RMSNorm) then 1 / std, each `rows` long.
+struct Stats {
+    buf: Buf<f32>,
+    rows: usize,
+}
+
+impl Stats {
+    fn new(stream: &Arc<CudaStream>, rows: usize) -> Result<Self> {
+        Ok(Self {
+            buf: Buf::zeros(stream, 2 * rows)?,
+            rows,
+        })
+    }
+
+    /// (mean, rstd) addresses.
+    fn ptrs(&self) -> (u64, u64) {
+        (self.buf.at(0), self.buf.at(self.rows))
+    }
+}
+
+/// What one block's forward keeps for its backward. N = batch x block_size rows.
+struct BlockActs {
+    ln_1: Stats,
+    /// (N, qkv width): q and k turned under RoPE.
+    qkv: Buf<f32>,
+    /// (N, C): the heads' outputs side by side, before the projection.
+    y: Buf<f32>,
+    /// (N, C): the residual stream after the attention sub-layer.
+    res_2: Buf<f32>,
+    ln_2: Stats,
+    /// (N, fc width): the MLP's first projection, before its non-linearity.
+    fc: Buf<f32>,
+    /// (N, C): the block's output.
+    res_3: Buf<f32>,
+}
+
+/// The batch and what the forward keeps outside the blocks.
+struct Activations {
+    ids: Buf<u32>,
+    targets: Buf<u32>,
+    /// The batch's rows bucketed by token: distinct tokens, where each one's rows
+    /// start in `order`, and the rows sorted by token.
+    tokens: Buf<u32>,
+    starts: Buf<u32>,
+    order: Buf<u32>,
+    /// (N, C): the embeddings entering the first block (after dropout).
+    x0: Buf<f32>,
+    blocks: Vec<BlockActs>,
+    /// (N, C): the final norm's output, and its statistics.
+    ln_f: Buf<f32>,
+    ln_f_stats: Stats,
+    /// (N, V): logits, then probabilities, then their gradient.
+    logits: Buf<f32>,
+    /// (N): each position's loss.
+    row_loss: Buf<f32>,
+}
+
+/// Work space every block shares.
+struct Scratch {
+    /// (N, C): the gradient flowing down the residual stream.
+    dres: Buf<f32>,
+    /// (N, C): a norm's output (recomputed in the backward), and its gradient.
+    ln: Buf<f32>,
+    dln: Buf<f32>,
+    /// (N, C): a branch's output before the residual add (or its gradient after
+    /// dropout).
+    branch: Buf<f32>,
+    /// (N, C): the attention output's gradient.
+    dy: Buf<f32>,
+    dqkv: Buf<f32>,
+    /// (N, hidden): the MLP's activations (recomputed in the backward), their gradient.
+    act: Buf<f32>,
+    dact: Buf<f32>,
+    /// (N, fc width): the gradient at the MLP's first projection.
+    dfc: Buf<f32>,
+    /// (B, H, T, d) each: the heads in the layout of the batched products, the heads'
+    /// outputs (or their gradient), and the heads' gradients.
+    q: Buf<f32>,
+    k: Buf<f32>,
+    v: Buf<f32>,
+    heads: Buf<f32>,
+    dq: Buf<f32>,
+    dk: Buf<f32>,
+    dv: Buf<f32>,
+    /// (B, H, T, T): the attention weights, and their gradient.
+    att: Buf<f32>,
+    datt: Buf<f32>,
+    /// Column partial sums (PARTS rows).
+    partials: Buf<f32>,
+    /// f64: NORM_BLOCKS partial sums, then one total.
+    sums: Buf<f64>,
+}
+
+impl FusedCuda {
+    /// The model `spec` with weights `values` (a flat buffer in table order) on the
+    /// CUDA device `device`, for batches of `batch` sequences of block_size tokens.
+    pub fn new(
+        spec: &ModelSpec,
+        values: &[f32],
+        device: &Device,
+        batch: usize,
+        precision: Precision,
+    ) -> Result<Self> {
+        assert_eq!(values.len(), spec.len(), "a flat buffer of the whole table");
+        let Device::Cuda(dev) = device else {
+            anyhow::bail!("the fused CUDA engine runs on a CUDA device, not {device:?}");
+        };
+        let stream = dev.cuda_stream();
+        let s = &spec.shapes;
+        let (n, c) = (batch * s.block_size, s.n_embd);
+        let zeros = |len: usize| Buf::<f32>::zeros(&stream, len);
+
+        let cfg = &spec.config;
+        let sinusoids = match cfg.positions {
+            PositionKind::Sinusoidal => {
+                let table = sinusoidal_table(s.block_size, c, &candle_core::Device::Cpu)?;
+                Some(Buf::from_host(&stream, &table.flatten_all()?.to_vec1()?)?)
+            }
+            _ => None,
+        };
+        let rope = match cfg.positions {
+            PositionKind::Rope => {
+                let (cos, sin) = rope_tables(cfg);
+                Some([
+                    Buf::from_host(&stream, &cos)?,
+                    Buf::from_host(&stream, &sin)?,
+                ])
+            }
+            _ => None,
+        };
+        let table = spec.params();
+        let ends: Vec<u64> = table.iter().map(|p| (p.offset + p.len()) as u64).collect();
+        let decays: Vec<i32> = table.iter().map(|p| i32::from(p.decay)).collect();
+
+        let blocks = (0..s.n_layer)
+            .map(|_| {
+                Ok(BlockActs {
+                    ln_1: Stats::new(&stream, n)?,
+                    qkv: zeros(n * s.qkv_width)?,
+                    y: zeros(n * c)?,
+                    res_2: zeros(n * c)?,
+                    ln_2: Stats::new(&stream, n)?,
+                    fc: zeros(n * s.mlp_fc_width)?,
+                    res_3: zeros(n * c)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ids = |len: usize| Buf::<u32>::zeros(&stream, len);
+        let acts = Activations {
+            ids: ids(n)?,
+            targets: ids(n)?,
+            tokens: ids(n)?,
+            starts: ids(n + 1)?,
+            order: ids(n)?,
+            x0: zeros(n * c)?,
+            blocks,
+            ln_f: zeros(n * c)?,
+            ln_f_stats: Stats::new(&stream, n)?,
+            logits: zeros(n * s.vocab_size)?,
+            row_loss: zeros(n)?,
+        };
+        let widest = c.max(s.qkv_width).max(s.mlp_fc_width);
+        let scores = batch * s.n_head * s.block_size * s.block_size;
+        let scratch = Scratch {
+            dres: zeros(n * c)?,
+            ln: zeros(n * c)?,
+            dln: zeros(n * c)?,
+            branch: zeros(n * c)?,
+            dy: zeros(n * c)?,
+            dqkv: zeros(n * s.qkv_width)?,
+            act: zeros(n * s.mlp_hidden)?,
+            dact: zeros(n * s.mlp_hidden)?,
+            dfc: zeros(n * s.mlp_fc_width)?,
+            q: zeros(n * c)?,
+            k: zeros(n * c)?,
+            v: zeros(n * c)?,
+            heads: zeros(n * c)?,
+            dq: zeros(n * c)?,
+            dk: zeros(n * c)?,
+            dv: zeros(n * c)?,
+            att: zeros(scores)?,
+            datt: zeros(scores)?,
+            partials: zeros(PARTS * 2 * widest)?,
+            sums: Buf::zeros(&stream, NORM_BLOCKS + 1)?,
+        };
+        Ok(Self {
+            kernels: Kernels::load(dev)?,
+            blas: dev.cublas_handle(),
+            params: Buf::from_host(&stream, values)?,
+            grads: None,
+            moments: None,
+            ends: Buf::from_host(&stream, &ends)?,
+            decays: Buf::from_host(&stream, &decays)?,
+            tables: Tables { sinusoids, rope },
+            acts,
+            scratch,
+            dropout: None,
+            distinct: 0,
+            spec: spec.clone(),
+            batch,
+            precision,
+            stream,
+        })
+    }
+
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    fn rows(&self) -> usize {
+        self.batch * self.spec.shapes.block_size
+    }
+
+    fn heads(&self) -> Heads {
+        let s = &self.spec.shapes;
+        Heads {
+            batch: self.batch,
+            t: s.block_size,
+            heads: s.n_head,
+            kv_heads: s.n_kv_head,
+            d: s.head_dim,
+        }
+    }
+
+    /// The address of parameter `id`'s weights.
+    fn w(&self, id: ParamId) -> u64 {
+        self.params.at(self.spec[id].offset)
+    }
+
+    fn w_opt(&self, id: Option<ParamId>) -> u64 {
+        id.map_or(0, |id| self.w(id))
+    }
+
+    /// The address of parameter `id`'s gradient.
+    fn g(&self, id: ParamId) -> u64 {
+        self.grads
+            .as_ref()
+            .expect("gradients allocated before a backward")
+            .at(self.spec[id].offset)
+    }
+
+    fn g_opt(&self, id: Option<ParamId>) -> u64 {
+        id.map_or(0, |id| self.g(id))
+    }
+
+    /// The tied output layer: the token embedding read as a (V, C) linear layer.
+    fn output_layer(&self) -> LinearParams {
+        let s = &self.spec.shapes;
+        LinearParams {
+            weight: self.spec.wte,
+            bias: None,
+            d_in: s.n_embd,
+            d_out: s.vocab_size,
+        }
+    }
+
+    /// Mean cross-entropy of `targets` given `ids`, both (batch, block_size) row-major,
+    /// with `dropout` when training. Keeps what the backward needs.
+    pub fn forward(
+        &mut self,
+        ids: &[u32],
+        targets: &[u32],
+        dropout: Option<&Dropout>,
+    ) -> Result<f64> {
+        let n = self.rows();
+        ensure!(
+            ids.len() == n && targets.len() == n,
+            "a batch of (batch, block_size)"
+        );
+        let v = self.spec.shapes.vocab_size;
+        ensure!(
+            ids.iter().chain(targets).all(|&id| (id as usize) < v),
+            "a token id beyond the vocabulary of {v}"
+        );
+        self.upload_batch(ids, targets)?;
+        self.dropout = dropout.copied();
+        let s = self.spec.shapes;
+        let (t, c) = (s.block_size, s.n_embd);
+
+        let positions = match (self.spec.wpe, &self.tables.sinusoids) {
+            (Some(wpe), _) => self.w(wpe),
+            (None, Some(table)) => table.ptr(),
+            (None, None) => 0,
+        };
+        let a = &self.acts;
+        self.kernels.embedding_forward(
+            a.x0.ptr(),
+            a.ids.ptr(),
+            self.w(self.spec.wte),
+            positions,
+            n,
+            t,
+            c,
+            DropoutArgs::at(dropout, Site::Embedding),
+        )?;
+        for l in 0..s.n_layer {
+            self.block_forward(l)?;
+        }
+        let a = &self.acts;
+        let last = a.blocks.last().expect("at least one layer").res_3.ptr();
+        self.norm_forward(a.ln_f.ptr(), &a.ln_f_stats, last, &self.spec.ln_f)?;
+        self.linear_forward(a.logits.ptr(), a.ln_f.ptr(), &self.output_layer())?;
+        let (logits, losses) = (a.logits.ptr(), a.row_loss.ptr());
+        self.kernels
+            .softmax_cross_entropy(logits, losses, a.targets.ptr(), n, s.vocab_size)?;
+        let total = self.scratch.sums.at(NORM_BLOCKS);
+        self.kernels.sum_all(total, 0, losses, n)?;
+        let sum = self.scratch.sums.read_one(&self.stream, NORM_BLOCKS)?;
+        Ok(sum / n as f64)
+    }
+
+    /// The batch to the device, with its rows bucketed by token for the embedding's
+    /// backward (rows sorted by token, stably, so each token's rows add in order).
+    fn upload_batch(&mut self, ids: &[u32], targets: &[u32]) -> Result<()> {
+        let mut order: Vec<u32> = (0..ids.len() as u32).collect();
+        order.sort_by_key(|&r| ids[r as usize]);
+        let mut tokens = Vec::new();
+        let mut starts = Vec::new();
+        for (k, &r) in order.iter().enumerate() {
+            let id = ids[r as usize];
+            if tokens.last() != Some(&id) {
+                tokens.push(id);
+                starts.push(k as u32);
+            }
+        }
+        starts.push(order.len() as u32);
+        self.distinct = tokens.len();
+        let (stream, a) = (&self.stream, &mut self.acts);
+        a.ids.write(stream, ids)?;
+        a.targets.write(stream, targets)?;
+        a.tokens.write(stream, &tokens)?;
+        a.starts.write(stream, &starts)?;
+        a.order.write(stream, &order)
+    }
+
+    /// Block `l`: res_2 = x + attention(ln_1(x)); res_3 = res_2 + mlp(ln_2(res_2)).
+    fn block_forward(&self, l: usize) -> Result<()> {
+        let (s, k, sc) = (&self.spec.shapes, &self.kernels, &self.scratch);
+        let (n, c) = (self.rows(), s.n_embd);
+        let p = &self.spec.blocks[l];
+        let a = &self.acts.blocks[l];
+        let x = self.block_input(l);
+        let dropout = self.dropout.as_ref();
+
+        // Attention: q | k | v of the normed input, positions turned in, heads attend,
+        // their outputs projected back into the residual stream.
+        self.norm_forward(sc.ln.ptr(), &a.ln_1, x, &p.ln_1)?;
+        self.linear_forward(a.qkv.ptr(), sc.ln.ptr(), &p.attn_qkv)?;
+        if let Some(rope) = &self.tables.rope {
+            let tables = (rope[0].ptr(), rope[1].ptr());
+            k.rope(a.qkv.ptr(), tables, n, self.heads(), s.qkv_width, 1.0)?;
+        }
+        self.attention_forward(l, a.y.ptr(), a.qkv.ptr())?;
+        self.linear_forward(sc.branch.ptr(), a.y.ptr(), &p.attn_proj)?;
+        let mask = DropoutArgs::at(dropout, Site::AttentionOutput(l));
+        k.residual(a.res_2.ptr(), x, sc.branch.ptr(), n * c, mask)?;
+
+        // MLP: expand, non-linearity, project back.
+        self.norm_forward(sc.ln.ptr(), &a.ln_2, a.res_2.ptr(), &p.ln_2)?;
+        self.linear_forward(a.fc.ptr(), sc.ln.ptr(), &p.mlp_fc)?;
+        let kind = self.spec.config.mlp;
+        k.activation_forward(sc.act.ptr(), a.fc.ptr(), n, s.mlp_hidden, kind)?;
+        self.linear_forward(sc.branch.ptr(), sc.act.ptr(), &p.mlp_proj)?;
+        let mask = DropoutArgs::at(dropout, Site::MlpOutput(l));
+        k.residual(a.res_3.ptr(), a.res_2.ptr(), sc.branch.ptr(), n * c, mask)
+    }
+
+    /// Block `l`'s input: the embeddings, or the block below's output.
+    fn block_input(&self, l: usize) -> u64 {
+        match l {
+            0 => self.acts.x0.ptr(),
+            _ => self.acts.blocks[l - 1].res_3.ptr(),
+        }
+    }
+
+    /// y (N, C) from qkv: per sequence and head, P = causal softmax(Q Kᵀ / sqrt(d)),
+    /// dropped (layer `l`'s weights mask), then Y = P V.
+    fn attention_forward(&self, l: usize, y: u64, qkv: u64) -> Result<()> {
+        let (h, sc, k) = (self.heads(), &self.scratch, &self.kernels);
+        let (t, d, bh) = (h.t, h.d, h.batch * h.heads);
+        k.split_heads((sc.q.ptr(), sc.k.ptr(), sc.v.ptr()), qkv, h)?;
+        self.scores(h)?;
+        let mask = DropoutArgs::at(self.dropout.as_ref(), Site::AttentionWeights(l));
+        k.causal_softmax(sc.att.ptr(), h, mask)?;
+        self.product(
+            Matrix::new(sc.heads.ptr(), t, d),
+            Matrix::new(sc.att.ptr(), t, t).n(),
+            Matrix::new(sc.v.ptr(), t, d).n(),
+            (1.0, 0.0),
+            bh,
+        )?;
+        k.merge_heads(y, sc.heads.ptr(), h)
+    }
+
+    /// att = Q Kᵀ / sqrt(d) for every sequence and head, from the split heads.
+    fn scores(&self, h: Heads) -> Result<()> {
+        let sc = &self.scratch;
+        let (t, d) = (h.t, h.d);
+        let scale = 1.0 / (d as f32).sqrt();
+        self.product(
+            Matrix::new(sc.att.ptr(), t, t),
+            Matrix::new(sc.q.ptr(), t, d).n(),
+            Matrix::new(sc.k.ptr(), t, d).t(),
+            (scale, 0.0),
+            h.batch * h.heads,
+        )
+    }
+
+    /// One matrix product (a batch of `batch`) in the engine's precision:
+    /// c = alpha a b + beta c.
+    fn product(
+        &self,
+        c: Matrix,
+        a: super::blas::Operand,
+        b: super::blas::Operand,
+        (alpha, beta): (f32, f32),
+        batch: usize,
+    ) -> Result<()> {
+        matmul(&self.blas, self.precision, c, a, b, alpha, beta, batch)
+    }
+
+    /// out (N, d_out) = x Wᵀ (+ b).
+    fn linear_forward(&self, out: u64, x: u64, p: &LinearParams) -> Result<()> {
+        let n = self.rows();
+        self.product(
+            Matrix::new(out, n, p.d_out),
+            Matrix::new(x, n, p.d_in).n(),
+            Matrix::new(self.w(p.weight), p.d_out, p.d_in).t(),
+            (1.0, 0.0),
+            1,
+        )?;
+        if let Some(b) = p.bias {
+            self.kernels.add_bias(out, self.w(b), n, p.d_out)?;
+        }
+        Ok(())
+    }
+
+    /// dx = dout W (written); dW += doutᵀ x; db += the column sums of dout.
+    fn linear_backward(&self, dx: u64, dout: u64, x: u64, p: &LinearParams) -> Result<()> {
+        let n = self.rows();
+        self.product(
+            Matrix::new(dx, n, p.d_in),
+            Matrix::new(dout, n, p.d_out).n(),
+            Matrix::new(self.w(p.weight), p.d_out, p.d_in).n(),
+            (1.0, 0.0),
+            1,
+        )?;
+        self.product(
+            Matrix::new(self.g(p.weight), p.d_out, p.d_in),
+            Matrix::new(dout, n, p.d_out).t(),
+            Matrix::new(x, n, p.d_in).n(),
+            (1.0, 1.0),
+            1,
+        )?;
+        if let Some(b) = p.bias {
+            let partials = self.scratch.partials.ptr();
+            self.kernels
+                .bias_backward(self.g(b), dout, n, p.d_out, partials)?;
+        }
+        Ok(())
+    }
+
+    fn norm_forward(&self, out: u64, stats: &Stats, x: u64, p: &NormParams) -> Result<()> {
+        let cfg = &self.spec.config;
+        let weights = (self.w(p.weight), self.w_opt(p.bias));
+        let (n, c) = (self.rows(), self.spec.shapes.n_embd);
+        self.kernels.norm_forward(
+            out,
+            stats.ptrs(),
+            x,
+            weights,
+            n,
+            c,
+            cfg.norm_eps as f32,
+            cfg.norm,
+        )
+    }
+
+    /// out = the norm's output again, from x and the kept statistics.
+    fn norm_apply(&self, out: u64, stats: &Stats, x: u64, p: &NormParams) -> Result<()> {
+        let weights = (self.w(p.weight), self.w_opt(p.bias));
+        let (n, c) = (self.rows(), self.spec.shapes.n_embd);
+        self.kernels.norm_apply(out, x, weights, stats.ptrs(), n, c)
+    }
+
+    /// dx += d(norm)/dx . dout; the gain's (and bias's) gradients += theirs.
+    fn norm_backward(
+        &self,
+        dx: u64,
+        dout: u64,
+        x: u64,
+        stats: &Stats,
+        p: &NormParams,
+    ) -> Result<()> {
+        let grads = (self.g(p.weight), self.g_opt(p.bias));
+        let (n, c) = (self.rows(), self.spec.shapes.n_embd);
+        let partials = self.scratch.partials.ptr();
+        let kind = self.spec.config.norm;
+        let w = self.w(p.weight);
+        self.kernels
+            .norm_backward(dx, grads, dout, x, w, stats.ptrs(), n, c, kind, partials)
+    }
+
+    /// Adds d(loss * `scale`)/d(params) to the gradients, for the batch of the last
+    /// forward.
+    pub fn backward(&mut self, scale: f32) -> Result<()> {
+        if self.grads.is_none() {
+            self.zero_grads()?;
+        }
+        let n = self.rows();
+        let s = self.spec.shapes;
+        let (k, a, sc) = (&self.kernels, &self.acts, &self.scratch);
+
+        let dlogits = a.logits.ptr();
+        k.cross_entropy_backward(dlogits, a.targets.ptr(), n, s.vocab_size, scale / n as f32)?;
+        self.linear_backward(sc.dln.ptr(), dlogits, a.ln_f.ptr(), &self.output_layer())?;
+        let last = a.blocks.last().expect("at least one layer").res_3.ptr();
+        sc.dres.fill_zeros(&self.stream)?;
+        self.norm_backward(
+            sc.dres.ptr(),
+            sc.dln.ptr(),
+            last,
+            &a.ln_f_stats,
+            &self.spec.ln_f,
+        )?;
+        for l in (0..s.n_layer).rev() {
+            self.block_backward(l)?;
+        }
+
+        // The embeddings: each row's gradient (through the embedding's dropout) to its
+        // token's vector and, when learned, its position's.
+        let mask = DropoutArgs::at(self.dropout.as_ref(), Site::Embedding);
+        let (k, a, sc) = (&self.kernels, &self.acts, &self.scratch);
+        k.embedding_backward_tokens(
+            self.g(self.spec.wte),
+            sc.dres.ptr(),
+            a.tokens.ptr(),
+            a.starts.ptr(),
+            a.order.ptr(),
+            self.distinct,
+            s.n_embd,
+            mask,
+        )?;
+        if let Some(wpe) = self.spec.wpe {
+            let dims = (self.batch, s.block_size, s.n_embd);
+            k.embedding_backward_positions(self.g(wpe), sc.dres.ptr(), dims, mask)?;
+        }
+        Ok(())
+    }
+
+    /// The backward of `block_forward`: `dres` holds the gradient at the block's
+    /// output on entry and at its input on return; weight gradients accumulate.
+    fn block_backward(&self, l: usize) -> Result<()> {
+        let (s, k, sc) = (&self.spec.shapes, &self.kernels, &self.scratch);
+        let n = self.rows();
+        let p = &self.spec.blocks[l];
+        let a = &self.acts.blocks[l];
+        let x = self.block_input(l);
+        let dres = sc.dres.ptr();
+
+        // res_3 = res_2 + mlp(ln_2(res_2)): dres reaches both terms. The non-linearity's
+        // output is recomputed.
+        let kind = self.spec.config.mlp;
+        k.activation_forward(sc.act.ptr(), a.fc.ptr(), n, s.mlp_hidden, kind)?;
+        let dbranch = self.branch_gradient(dres, Site::MlpOutput(l))?;
+        self.linear_backward(sc.dact.ptr(), dbranch, sc.act.ptr(), &p.mlp_proj)?;
+        let dims = (n, s.mlp_hidden);
+        k.activation_backward(sc.dfc.ptr(), a.fc.ptr(), sc.dact.ptr(), dims, kind)?;
+        self.norm_apply(sc.ln.ptr(), &a.ln_2, a.res_2.ptr(), &p.ln_2)?;
+        self.linear_backward(sc.dln.ptr(), sc.dfc.ptr(), sc.ln.ptr(), &p.mlp_fc)?;
+        self.norm_backward(dres, sc.dln.ptr(), a.res_2.ptr(), &a.ln_2, &p.ln_2)?;
+
+        // res_2 = x + proj(attention(qkv(ln_1(x)))).
+        let dbranch = self.branch_gradient(dres, Site::AttentionOutput(l))?;
+        self.linear_backward(sc.dy.ptr(), dbranch, a.y.ptr(), &p.attn_proj)?;
+        self.attention_backward(l, sc.dqkv.ptr(), sc.dy.ptr(), a.qkv.ptr())?;
+        if let Some(rope) = &self.tables.rope {
+            // q and k were turned after the projection: turn their gradients back.
+            let tables = (rope[0].ptr(), rope[1].ptr());
+            k.rope(sc.dqkv.ptr(), tables, n, self.heads(), s.qkv_width, -1.0)?;
+        }
+        self.norm_apply(sc.ln.ptr(), &a.ln_1, x, &p.ln_1)?;
+        self.linear_backward(sc.dln.ptr(), sc.dqkv.ptr(), sc.ln.ptr(), &p.attn_qkv)?;
+        self.norm_backward(dres, sc.dln.ptr(), x, &a.ln_1, &p.ln_1)
+    }
+
+    /// The gradient at a branch's output before its dropout: dres through the mask of
+    /// `site` (into the branch buffer), or dres itself without dropout.
+    fn branch_gradient(&self, dres: u64, site: Site) -> Result<u64> {
+        let Some(dropout) = self.dropout.as_ref() else {
+            return Ok(dres);
+        };
+        let sc = &self.scratch;
+        let n = self.rows() * self.spec.shapes.n_embd;
+        let mask = DropoutArgs::at(Some(dropout), site);
+        self.kernels.dropout(sc.branch.ptr(), dres, n, mask)?;
+        Ok(sc.branch.ptr())
+    }
+
+    /// dqkv (written) from dy, with the weights recomputed: with Pd = P * mask,
+    /// dV = Pdᵀ dY; dPd = dY Vᵀ; dS = softmax backward; dQ = dS K / sqrt(d);
+    /// dK = dSᵀ Q / sqrt(d); grouped K/V heads sum their query heads' gradients.
+    fn attention_backward(&self, l: usize, dqkv: u64, dy: u64, qkv: u64) -> Result<()> {
+        let (h, sc, k) = (self.heads(), &self.scratch, &self.kernels);
+        let (t, d, bh) = (h.t, h.d, h.batch * h.heads);
+        let scale = 1.0 / (d as f32).sqrt();
+        let mask = DropoutArgs::at(self.dropout.as_ref(), Site::AttentionWeights(l));
+
+        k.split_rows(sc.heads.ptr(), dy, h)?; // dY
+        k.split_heads((sc.q.ptr(), sc.k.ptr(), sc.v.ptr()), qkv, h)?;
+        self.scores(h)?;
+        k.causal_softmax(sc.att.ptr(), h, DropoutArgs::NONE)?; // P
+        let dropped = match self.dropout {
+            Some(_) => {
+                k.dropout(sc.datt.ptr(), sc.att.ptr(), bh * t * t, mask)?;
+                sc.datt.ptr()
+            }
+            None => sc.att.ptr(),
+        };
+        let (dy, heads) = (Matrix::new(sc.heads.ptr(), t, d), |ptr| {
+            Matrix::new(ptr, t, d)
+        });
+        let weights = |ptr| Matrix::new(ptr, t, t);
+        self.product(
+            heads(sc.dv.ptr()),
+            weights(dropped).t(),
+            dy.n(),
+            (1.0, 0.0),
+            bh,
+        )?;
+        // dPd overwrites Pd (in datt), which dV has used.
+        self.product(
+            weights(sc.datt.ptr()),
+            dy.n(),
+            heads(sc.v.ptr()).t(),
+            (1.0, 0.0),
+            bh,
+        )?;
+        k.causal_softmax_backward(sc.datt.ptr(), sc.att.ptr(), h, mask)?;
+        let ds = weights(sc.datt.ptr());
+        self.product(
+            heads(sc.dq.ptr()),
+            ds.n(),
+            heads(sc.k.ptr()).n(),
+            (scale, 0.0),
+            bh,
+        )?;
+        self.product(
+            heads(sc.dk.ptr()),
+            ds.t(),
+            heads(sc.q.ptr()).n(),
+            (scale, 0.0),
+            bh,
+        )?;
+        k.merge_head_grads(dqkv, (sc.dq.ptr(), sc.dk.ptr(), sc.dv.ptr()), h)
+    }
+
+    pub fn zero_grads(&mut self) -> Result<()> {
+        match &self.grads {
+            Some(g) => g.fill_zeros(&self.stream),
+            None => {
+                self.grads = Some(Buf::zeros(&self.stream, self.spec.len())?);
+                Ok(())
+            }
+        }
+    }
+
+    /// Scales the gradients to a global L2 norm of at most `max_norm` (0: no clipping)
+    /// and returns the norm before.
+    pub fn clip_grads(&mut self, max_norm: f64) -> Result<f64> {
+        let Some(grads) = &self.grads else {
+            return Ok(0.0);
+        };
+        let sums = &self.scratch.sums;
+        let (total, partials) = (sums.at(NORM_BLOCKS), sums.ptr());
+        self.kernels
+            .sum_squares(total, grads.ptr(), grads.len(), partials)?;
+        let norm = sums.read_one(&self.stream, NORM_BLOCKS)?.sqrt();
+        if let Some(scale) = clip_scale(norm, max_norm) {
+            self.kernels.scale(grads.ptr(), grads.len(), scale as f32)?;
+        }
+        Ok(norm)
+    }
+
+    /// The AdamW update `u`, in place, in one launch.
+    pub fn adamw(&mut self, u: &AdamWStep) -> Result<()> {
+        if self.grads.is_none() {
+            self.zero_grads()?;
+        }
+        if self.moments.is_none() {
+            let len = self.spec.len();
+            self.moments = Some([
+                Buf::zeros(&self.stream, len)?,
+                Buf::zeros(&self.stream, len)?,
+            ]);
+        }
+        let (grads, [m, v]) = (
+            self.grads.as_ref().context("gradients")?,
+            self.moments.as_ref().context("moments")?,
+        );
+        let (bc1, bc2) = u.bias_corrections();
+        let hyper = AdamParams {
+            b1: u.beta1 as f32,
+            b2: u.beta2 as f32,
+            inv_bc1: (1.0 / bc1) as f32,
+            inv_bc2: (1.0 / bc2) as f32,
+            lr: u.lr as f32,
+            eps: u.eps as f32,
+            shrink: u.shrink(true) as f32,
+        };
+        let buffers = AdamBuffers {
+            params: self.params.ptr(),
+            grads: grads.ptr(),
+            m: m.ptr(),
+            v: v.ptr(),
+            ends: self.ends.ptr(),
+            decays: self.decays.ptr(),
+            tensors: self.ends.len(),
+        };
+        self.kernels.adamw(buffers, self.spec.len(), hyper)
+    }
+
+    /// The weights: a flat buffer in the spec's table order.
+    pub fn weights(&self) -> Result<Vec<f32>> {
+        self.params.read(&self.stream, self.spec.len())
+    }
+
+    pub fn set_weights(&mut self, values: &[f32]) -> Result<()> {
+        ensure!(
+            values.len() == self.spec.len(),
+            "a flat buffer of the whole table"
+        );
+        self.params.write(&self.stream, values)
+    }
+
+    /// The gradients, laid out like the weights (zeros before the first backward).
+    pub fn grads(&self) -> Result<Vec<f32>> {
+        match &self.grads {
+            Some(g) => g.read(&self.stream, self.spec.len()),
+            None => Ok(vec![0.0; self.spec.len()]),
+        }
+    }
+
+    pub fn set_grads(&mut self, values: &[f32]) -> Result<()> {
+        ensure!(
+            values.len() == self.spec.len(),
+            "a flat buffer of the whole table"
+        );
+        if self.grads.is_none() {
+            self.zero_grads()?;
+        }
+        let grads = self.grads.as_mut().context("gradients")?;
+        grads.write(&self.stream, values)
+    }
+
+    /// AdamW's moments (m, v), laid out like the weights; zeros before the first
+    /// update.
+    pub fn moments(&self) -> Result<(Vec<f32>, Vec<f32>)> {
+        let len = self.spec.len();
+        match &self.moments {
+            Some([m, v]) => Ok((m.read(&self.stream, len)?, v.read(&self.stream, len)?)),
+            None => Ok((vec![0.0; len], vec![0.0; len])),
+        }
+    }
+
+    pub fn set_moments(&mut self, m: &[f32], v: &[f32]) -> Result<()> {
+        let len = self.spec.len();
+        ensure!(
+            m.len() == len && v.len() == len,
+            "moments of the whole table"
+        );
+        if self.moments.is_none() {
+            self.moments = Some([
+                Buf::zeros(&self.stream, len)?,
+                Buf::zeros(&self.stream, len)?,
+            ]);
+        }
+        let [bm, bv] = self.moments.as_mut().context("moments")?;
+        bm.write(&self.stream, m)?;
+        bv.write(&self.stream, v)
+    }
+
+    /// Each position's loss in the last forward, (batch, block_size) row-major.
+    pub fn position_losses(&self) -> Result<Vec<f64>> {
+        let losses = self.acts.row_loss.read(&self.stream, self.rows())?;
+        Ok(losses.into_iter().map(f64::from).collect())
+    }
+}

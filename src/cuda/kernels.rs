@@ -1,0 +1,586 @@
+//! The engine's own kernels (`kernels/*.cu`, compiled to PTX by build.rs), loaded
+//! once through candle's CUDA device, each behind a typed launch.
+//!
+//! Pointers cross as raw device addresses (`u64`): the engine owns every buffer for
+//! its whole life and runs on one stream, so nothing is freed or raced while a launch
+//! reads it, and a layer's weights are an offset into the flat parameter buffer
+//! (llm.c's pointers into `params_memory`).
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use candle_core::cuda::cudarc::driver::{
+    CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda::CudaDevice;
+
+use crate::config::{MlpKind, NormKind};
+use crate::model::{Dropout, Site};
+
+macro_rules! ptx {
+    ($module:literal) => {
+        include_str!(concat!(env!("OUT_DIR"), "/", $module, ".ptx"))
+    };
+}
+
+/// Launches kernel `$func` of `$kernels` with `$cfg` and the arguments in order (each
+/// kept alive until the launch, as the builder holds their addresses).
+macro_rules! launch {
+    ($kernels:expr, $func:ident, $cfg:expr; $($arg:expr),* $(,)?) => {{
+        let mut builder = $kernels.stream.launch_builder(&$kernels.$func);
+        $(
+            let arg = $arg;
+            builder.arg(&arg);
+        )*
+        // SAFETY: the arguments match the kernel's parameters in number, order and
+        // type (each kernel's signature is beside its wrapper's), and every pointer is
+        // into a live buffer of the length the kernel reads.
+        unsafe { builder.launch($cfg) }.context(stringify!($func))?;
+        anyhow::Ok(())
+    }};
+}
+
+/// A dropout site's mask for the kernels, field for field `struct Dropout` of
+/// kernels/common.cuh. `NONE` (threshold 0) keeps everything.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DropoutArgs {
+    key0: u32,
+    key1: u32,
+    site: u32,
+    micro: u32,
+    step: u32,
+    threshold: u64,
+    keep: f32,
+}
+
+// SAFETY: a plain `repr(C)` struct of integers and a float, laid out as the kernels'
+// `struct Dropout`.
+unsafe impl DeviceRepr for DropoutArgs {}
+
+impl DropoutArgs {
+    pub const NONE: Self = Self {
+        key0: 0,
+        key1: 0,
+        site: 0,
+        micro: 0,
+        step: 0,
+        threshold: 0,
+        keep: 1.0,
+    };
+
+    /// The mask of `site` in the pass `dropout` (none without one).
+    pub fn at(dropout: Option<&Dropout>, site: Site) -> Self {
+        let Some(d) = dropout else {
+            return Self::NONE;
+        };
+        let (counter, key) = d.counter(site);
+        Self {
+            key0: key[0],
+            key1: key[1],
+            site: counter[1],
+            micro: counter[2],
+            step: counter[3],
+            threshold: d.threshold(),
+            keep: d.keep_scale(),
+        }
+    }
+}
+
+/// Threads per block of the element-wise kernels.
+const THREADS: u32 = 256;
+
+/// A grid-stride launch over `n` elements.
+fn elements(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(THREADS as usize).clamp(1, 65_536) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One warp per row.
+fn warp_rows(rows: usize) -> LaunchConfig {
+    let per_block = THREADS as usize / 32;
+    LaunchConfig {
+        grid_dim: (rows.div_ceil(per_block) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One thread per column, `parts` block rows.
+fn columns(cols: usize, parts: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (cols.div_ceil(THREADS as usize) as u32, parts as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn int(n: usize) -> i32 {
+    i32::try_from(n).expect("a size under 2^31")
+}
+
+fn long(n: usize) -> i64 {
+    n as i64
+}
+
+/// The MLP's non-linearity as the kernels number it.
+fn activation_kind(kind: MlpKind) -> i32 {
+    match kind {
+        MlpKind::Gelu => 0,
+        MlpKind::GeluTanh => 1,
+        MlpKind::Swiglu => 2,
+    }
+}
+
+/// Every kernel, loaded.
+pub struct Kernels {
+    embedding_forward: CudaFunction,
+    embedding_backward_tokens: CudaFunction,
+    embedding_backward_positions: CudaFunction,
+    norm_forward: CudaFunction,
+    norm_apply: CudaFunction,
+    norm_backward_input: CudaFunction,
+    norm_backward_params: CudaFunction,
+    column_partials: CudaFunction,
+    add_column_sums: CudaFunction,
+    activation_forward: CudaFunction,
+    activation_backward: CudaFunction,
+    residual_forward: CudaFunction,
+    dropout_apply: CudaFunction,
+    add_bias: CudaFunction,
+    scale_in_place: CudaFunction,
+    rope: CudaFunction,
+    split_heads: CudaFunction,
+    merge_heads: CudaFunction,
+    split_rows: CudaFunction,
+    merge_head_grads: CudaFunction,
+    causal_softmax: CudaFunction,
+    causal_softmax_backward: CudaFunction,
+    softmax_cross_entropy: CudaFunction,
+    cross_entropy_backward: CudaFunction,
+    sum_squares: CudaFunction,
+    sum_all: CudaFunction,
+    adamw: CudaFunction,
+    stream: Arc<CudaStream>,
+}
+
+/// Sizes of a batch of heads: (B, H, T, d), grouped K/V heads Hkv.
+#[derive(Debug, Clone, Copy)]
+pub struct Heads {
+    pub batch: usize,
+    pub t: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub d: usize,
+}
+
+impl Heads {
+    fn len(&self) -> usize {
+        self.batch * self.heads * self.t * self.d
+    }
+}
+
+impl Kernels {
+    pub fn load(dev: &CudaDevice) -> Result<Self> {
+        let load = |module: &str, ptx: &str, name: &str| -> Result<CudaFunction> {
+            let func = dev
+                .get_or_load_custom_func(name, &format!("tinygpt_{module}"), ptx)
+                .with_context(|| format!("loading the CUDA kernel {name}"))?;
+            Ok(func.into_cuda_function())
+        };
+        let embedding = |name| load("embedding", ptx!("embedding"), name);
+        let norm = |name| load("norm", ptx!("norm"), name);
+        let activation = |name| load("activation", ptx!("activation"), name);
+        let elementwise = |name| load("elementwise", ptx!("elementwise"), name);
+        let attention = |name| load("attention", ptx!("attention"), name);
+        let loss = |name| load("loss", ptx!("loss"), name);
+        let optim = |name| load("optim", ptx!("optim"), name);
+        Ok(Self {
+            embedding_forward: embedding("embedding_forward")?,
+            embedding_backward_tokens: embedding("embedding_backward_tokens")?,
+            embedding_backward_positions: embedding("embedding_backward_positions")?,
+            norm_forward: norm("norm_forward")?,
+            norm_apply: norm("norm_apply")?,
+            norm_backward_input: norm("norm_backward_input")?,
+            norm_backward_params: norm("norm_backward_params")?,
+            column_partials: norm("column_partials")?,
+            add_column_sums: norm("add_column_sums")?,
+            activation_forward: activation("activation_forward")?,
+            activation_backward: activation("activation_backward")?,
+            residual_forward: elementwise("residual_forward")?,
+            dropout_apply: elementwise("dropout_apply")?,
+            add_bias: elementwise("add_bias")?,
+            scale_in_place: elementwise("scale_in_place")?,
+            rope: elementwise("rope")?,
+            split_heads: attention("split_heads")?,
+            merge_heads: attention("merge_heads")?,
+            split_rows: attention("split_rows")?,
+            merge_head_grads: attention("merge_head_grads")?,
+            causal_softmax: attention("causal_softmax")?,
+            causal_softmax_backward: attention("causal_softmax_backward")?,
+            softmax_cross_entropy: loss("softmax_cross_entropy")?,
+            cross_entropy_backward: loss("cross_entropy_backward")?,
+            sum_squares: optim("sum_squares")?,
+            sum_all: optim("sum_all")?,
+            adamw: optim("adamw")?,
+            stream: dev.cuda_stream(),
+        })
+    }
+
+    /// x (rows x C) = (wte[ids] + positions[row % T]) * mask; `positions` 0 for none.
+    #[allow(clippy::too_many_arguments)]
+    pub fn embedding_forward(
+        &self,
+        x: u64,
+        ids: u64,
+        wte: u64,
+        positions: u64,
+        rows: usize,
+        t: usize,
+        c: usize,
+        dropout: DropoutArgs,
+    ) -> Result<()> {
+        launch!(self, embedding_forward, elements(rows * c);
+            x, ids, wte, positions, int(rows), int(t), int(c), dropout)
+    }
+
+    /// dwte[tokens[u]] += the rows order[starts[u] .. starts[u + 1]] of dx * mask.
+    #[allow(clippy::too_many_arguments)]
+    pub fn embedding_backward_tokens(
+        &self,
+        dwte: u64,
+        dx: u64,
+        tokens: u64,
+        starts: u64,
+        order: u64,
+        distinct: usize,
+        c: usize,
+        dropout: DropoutArgs,
+    ) -> Result<()> {
+        let cfg = LaunchConfig {
+            grid_dim: (distinct as u32, c.div_ceil(THREADS as usize) as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(self, embedding_backward_tokens, cfg;
+            dwte, dx, tokens, starts, order, int(distinct), int(c), dropout)
+    }
+
+    /// dwpe[t] += the sum over sequences of dx * mask at position t.
+    pub fn embedding_backward_positions(
+        &self,
+        dwpe: u64,
+        dx: u64,
+        (b, t, c): (usize, usize, usize),
+        dropout: DropoutArgs,
+    ) -> Result<()> {
+        launch!(self, embedding_backward_positions, elements(t * c);
+            dwpe, dx, int(b), int(t), int(c), dropout)
+    }
+
+    /// out = norm(x) per row of C, keeping each row's mean and rstd; `b` 0 for none.
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_forward(
+        &self,
+        out: u64,
+        (mean, rstd): (u64, u64),
+        x: u64,
+        (w, b): (u64, u64),
+        rows: usize,
+        c: usize,
+        eps: f32,
+        kind: NormKind,
+    ) -> Result<()> {
+        let rms = i32::from(kind == NormKind::RmsNorm);
+        launch!(self, norm_forward, warp_rows(rows);
+            out, mean, rstd, x, w, b, int(rows), int(c), eps, rms)
+    }
+
+    /// The forward's output again from the kept statistics.
+    pub fn norm_apply(
+        &self,
+        out: u64,
+        x: u64,
+        (w, b): (u64, u64),
+        (mean, rstd): (u64, u64),
+        rows: usize,
+        c: usize,
+    ) -> Result<()> {
+        launch!(self, norm_apply, elements(rows * c);
+            out, x, w, b, mean, rstd, int(rows), int(c))
+    }
+
+    /// dx += d(norm)/dx . dout; then the gain's (and bias's) gradients += theirs, via
+    /// `partials` (PARTS x 2C).
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_backward(
+        &self,
+        dx: u64,
+        (dw, db): (u64, u64),
+        dout: u64,
+        x: u64,
+        w: u64,
+        (mean, rstd): (u64, u64),
+        rows: usize,
+        c: usize,
+        kind: NormKind,
+        partials: u64,
+    ) -> Result<()> {
+        let rms = i32::from(kind == NormKind::RmsNorm);
+        launch!(self, norm_backward_input, warp_rows(rows);
+            dx, dout, x, w, mean, rstd, int(rows), int(c), rms)?;
+        let parts = super::plan::PARTS.min(rows);
+        launch!(self, norm_backward_params, columns(c, parts);
+            partials, dout, x, mean, rstd, int(rows), int(c))?;
+        self.add_column_sums(dw, partials, parts, 2 * c, c)?;
+        if db != 0 {
+            self.add_column_sums(db, partials + 4 * c as u64, parts, 2 * c, c)?;
+        }
+        Ok(())
+    }
+
+    /// db += the column sums of x (rows x cols), via `partials` (PARTS x cols).
+    pub fn bias_backward(
+        &self,
+        db: u64,
+        x: u64,
+        rows: usize,
+        cols: usize,
+        partials: u64,
+    ) -> Result<()> {
+        let parts = super::plan::PARTS.min(rows);
+        launch!(self, column_partials, columns(cols, parts);
+            partials, x, int(rows), int(cols))?;
+        self.add_column_sums(db, partials, parts, cols, cols)
+    }
+
+    fn add_column_sums(
+        &self,
+        dst: u64,
+        partials: u64,
+        parts: usize,
+        stride: usize,
+        count: usize,
+    ) -> Result<()> {
+        launch!(self, add_column_sums, columns(count, 1);
+            dst, partials, int(parts), int(stride), int(count))
+    }
+
+    /// out (rows x hidden) = the MLP's non-linearity of fc.
+    pub fn activation_forward(
+        &self,
+        out: u64,
+        fc: u64,
+        rows: usize,
+        hidden: usize,
+        kind: MlpKind,
+    ) -> Result<()> {
+        launch!(self, activation_forward, elements(rows * hidden);
+            out, fc, int(rows), int(hidden), activation_kind(kind))
+    }
+
+    /// dfc = the non-linearity's backward of dout (written).
+    pub fn activation_backward(
+        &self,
+        dfc: u64,
+        fc: u64,
+        dout: u64,
+        (rows, hidden): (usize, usize),
+        kind: MlpKind,
+    ) -> Result<()> {
+        launch!(self, activation_backward, elements(rows * hidden);
+            dfc, fc, dout, int(rows), int(hidden), activation_kind(kind))
+    }
+
+    /// out = x + branch * mask.
+    pub fn residual(
+        &self,
+        out: u64,
+        x: u64,
+        branch: u64,
+        n: usize,
+        dropout: DropoutArgs,
+    ) -> Result<()> {
+        launch!(self, residual_forward, elements(n); out, x, branch, long(n), dropout)
+    }
+
+    /// out = x * mask.
+    pub fn dropout(&self, out: u64, x: u64, n: usize, dropout: DropoutArgs) -> Result<()> {
+        launch!(self, dropout_apply, elements(n); out, x, long(n), dropout)
+    }
+
+    /// out[r] += b, rows of `cols`.
+    pub fn add_bias(&self, out: u64, b: u64, rows: usize, cols: usize) -> Result<()> {
+        launch!(self, add_bias, elements(rows * cols); out, b, int(rows), int(cols))
+    }
+
+    /// x *= s.
+    pub fn scale(&self, x: u64, n: usize, s: f32) -> Result<()> {
+        launch!(self, scale_in_place, elements(n); x, long(n), s)
+    }
+
+    /// Turns the q and k heads of qkv rows (width `w`) by their positions' angles;
+    /// `sign` -1 turns back.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(
+        &self,
+        qkv: u64,
+        (cos, sin): (u64, u64),
+        rows: usize,
+        h: Heads,
+        w: usize,
+        sign: f32,
+    ) -> Result<()> {
+        let turned = h.heads + h.kv_heads;
+        launch!(self, rope, elements(rows * turned * h.d / 2);
+            qkv, cos, sin, int(rows), int(h.t), int(turned), int(h.d), int(w), sign)
+    }
+
+    /// q, k, v (B, H, T, d) from qkv rows.
+    pub fn split_heads(&self, (q, k, v): (u64, u64, u64), qkv: u64, h: Heads) -> Result<()> {
+        launch!(self, split_heads, elements(h.len());
+            q, k, v, qkv, int(h.batch), int(h.t), int(h.heads), int(h.kv_heads), int(h.d))
+    }
+
+    /// Rows (B T, H d) from heads (B, H, T, d).
+    pub fn merge_heads(&self, y: u64, heads: u64, h: Heads) -> Result<()> {
+        launch!(self, merge_heads, elements(h.len());
+            y, heads, int(h.batch), int(h.t), int(h.heads), int(h.d))
+    }
+
+    /// Heads (B, H, T, d) from rows (B T, H d).
+    pub fn split_rows(&self, heads: u64, y: u64, h: Heads) -> Result<()> {
+        launch!(self, split_rows, elements(h.len());
+            heads, y, int(h.batch), int(h.t), int(h.heads), int(h.d))
+    }
+
+    /// dqkv rows from dq, dk, dv (B, H, T, d), grouped K/V heads summed.
+    pub fn merge_head_grads(
+        &self,
+        dqkv: u64,
+        (dq, dk, dv): (u64, u64, u64),
+        h: Heads,
+    ) -> Result<()> {
+        let w = (h.heads + 2 * h.kv_heads) * h.d;
+        launch!(self, merge_head_grads, elements(h.batch * h.t * w);
+            dqkv, dq, dk, dv, int(h.batch), int(h.t), int(h.heads), int(h.kv_heads), int(h.d))
+    }
+
+    /// In place on (B H, T, T) scores: the causal softmax of each row, times the mask.
+    pub fn causal_softmax(&self, att: u64, h: Heads, dropout: DropoutArgs) -> Result<()> {
+        let rows = h.batch * h.heads * h.t;
+        launch!(self, causal_softmax, warp_rows(rows);
+            att, int(h.batch * h.heads), int(h.t), dropout)
+    }
+
+    /// In place on datt: the scores' gradient, given the weights `p`.
+    pub fn causal_softmax_backward(
+        &self,
+        datt: u64,
+        p: u64,
+        h: Heads,
+        dropout: DropoutArgs,
+    ) -> Result<()> {
+        let rows = h.batch * h.heads * h.t;
+        launch!(self, causal_softmax_backward, warp_rows(rows);
+            datt, p, int(h.batch * h.heads), int(h.t), dropout)
+    }
+
+    /// In place on logits (rows x V): probabilities; row_loss = -log p[target].
+    pub fn softmax_cross_entropy(
+        &self,
+        logits: u64,
+        row_loss: u64,
+        targets: u64,
+        rows: usize,
+        v: usize,
+    ) -> Result<()> {
+        let threads = v.next_power_of_two().clamp(32, 1024) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(self, softmax_cross_entropy, cfg; logits, row_loss, targets, int(rows), int(v))
+    }
+
+    /// In place on probabilities: (p - onehot(target)) * scale.
+    pub fn cross_entropy_backward(
+        &self,
+        probs: u64,
+        targets: u64,
+        rows: usize,
+        v: usize,
+        scale: f32,
+    ) -> Result<()> {
+        launch!(self, cross_entropy_backward, elements(rows * v);
+            probs, targets, int(rows), int(v), scale)
+    }
+
+    /// out[0] = sum of x^2 over n f32 values, in f64, through `partials` (NORM_BLOCKS).
+    pub fn sum_squares(&self, out: u64, x: u64, n: usize, partials: u64) -> Result<()> {
+        let blocks = super::plan::NORM_BLOCKS;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(self, sum_squares, cfg; partials, x, long(n))?;
+        self.sum_all(out, partials, 0, blocks)
+    }
+
+    /// out[0] = the sum of n f64 values `x`, or of n f32 values `x32` when not 0.
+    pub fn sum_all(&self, out: u64, x: u64, x32: u64, n: usize) -> Result<()> {
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(self, sum_all, cfg; out, x, x32, int(n))
+    }
+
+    /// AdamW over n parameters in one launch (`AdamParams` has the numbers).
+    pub fn adamw(&self, buffers: AdamBuffers, n: usize, p: AdamParams) -> Result<()> {
+        let AdamBuffers {
+            params,
+            grads,
+            m,
+            v,
+            ends,
+            decays,
+            tensors,
+        } = buffers;
+        launch!(self, adamw, elements(n);
+            params, grads, m, v, long(n), ends, decays, int(tensors),
+            p.b1, p.b2, p.inv_bc1, p.inv_bc2, p.lr, p.eps, p.shrink)
+    }
+}
+
+/// The flat buffers AdamW updates, and the table of tensors: where each ends, and
+/// whether it decays.
+pub struct AdamBuffers {
+    pub params: u64,
+    pub grads: u64,
+    pub m: u64,
+    pub v: u64,
+    pub ends: u64,
+    pub decays: u64,
+    pub tensors: usize,
+}
+
+/// AdamW's numbers for one update, in f32 as the CPU engine computes them.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamParams {
+    pub b1: f32,
+    pub b2: f32,
+    pub inv_bc1: f32,
+    pub inv_bc2: f32,
+    pub lr: f32,
+    pub eps: f32,
+    /// What decaying tensors are multiplied by first.
+    pub shrink: f32,
+}

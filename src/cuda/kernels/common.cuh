@@ -1,0 +1,111 @@
+// What every kernel file shares: warp and block reductions, and the dropout mask,
+// the same function of (seed, step, micro-batch, site, element) as src/model/dropout.rs.
+#pragma once
+#include <stdint.h>
+
+#define WARP_SIZE 32
+#define FULL_MASK 0xffffffffu
+
+__device__ inline float warp_sum(float v) {
+    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(FULL_MASK, v, offset);
+    }
+    return v;
+}
+
+__device__ inline double warp_sum_f64(double v) {
+    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(FULL_MASK, v, offset);
+    }
+    return v;
+}
+
+__device__ inline float warp_max(float v) {
+    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, offset));
+    }
+    return v;
+}
+
+// The sum of `v` over the block (blockDim.x a multiple of 32), returned to every
+// thread. The partial sums are added in a fixed order: the result does not depend
+// on timing.
+__device__ inline float block_sum(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int warps = blockDim.x / WARP_SIZE;
+    v = warp_sum(v);
+    __syncthreads();  // an earlier call may still be reading `partial`
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = lane < warps ? partial[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+__device__ inline double block_sum_f64(double v) {
+    __shared__ double partial[32];
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int warps = blockDim.x / WARP_SIZE;
+    v = warp_sum_f64(v);
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = lane < warps ? partial[lane] : 0.0;
+    return warp_sum_f64(v);
+}
+
+__device__ inline float block_max(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int warps = blockDim.x / WARP_SIZE;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = lane < warps ? partial[lane] : -INFINITY;
+    return warp_max(v);
+}
+
+// Philox-4x32-10 (Salmon et al., SC'11), as `philox4x32_10` in src/model/dropout.rs.
+__device__ inline uint4 philox4x32_10(uint4 c, uint2 k) {
+    const uint32_t M0 = 0xD2511F53u, M1 = 0xCD9E8D57u;
+    const uint32_t W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
+    for (int round = 0; round < 10; round++) {
+        if (round > 0) {
+            k.x += W0;
+            k.y += W1;
+        }
+        const uint32_t hi0 = __umulhi(M0, c.x), lo0 = M0 * c.x;
+        const uint32_t hi1 = __umulhi(M1, c.z), lo1 = M1 * c.z;
+        c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
+    }
+    return c;
+}
+
+// One site's dropout in one pass (`DropoutArgs` in src/cuda/kernels.rs, field for
+// field). threshold 0 means no dropout.
+struct Dropout {
+    uint32_t key0, key1;  // the run's seed, low and high words
+    uint32_t site;        // layer << 2 | kind (`Site::code`)
+    uint32_t micro, step;
+    unsigned long long threshold;  // words below it are dropped: p * 2^32
+    float keep;                    // 1 / (1 - p)
+};
+
+// What element `element` of the site is multiplied by: 0, or 1 / (1 - p).
+__device__ inline float dropout_scale(const Dropout& d, unsigned long long element) {
+    if (d.threshold == 0) return 1.0f;
+    const uint4 counter = make_uint4((uint32_t)(element / 4), d.site, d.micro, d.step);
+    const uint4 r = philox4x32_10(counter, make_uint2(d.key0, d.key1));
+    const uint32_t lane = (uint32_t)(element % 4);
+    const uint32_t word = lane == 0 ? r.x : lane == 1 ? r.y : lane == 2 ? r.z : r.w;
+    return (unsigned long long)word < d.threshold ? 0.0f : d.keep;
+}
+
+// A grid-stride loop over n elements.
+#define FOR_EACH(i, n) \
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (long long)(n); \
+         i += (long long)gridDim.x * blockDim.x)

@@ -1,0 +1,51 @@
+// The input embedding: token vectors plus position vectors (learned or sinusoidal),
+// with dropout; and its backward, deterministic: no atomics.
+#include "common.cuh"
+
+// x[r] = (wte[ids[r]] + positions[r % T]) * mask; positions may be null (RoPE).
+extern "C" __global__ void embedding_forward(float* x, const uint32_t* ids, const float* wte,
+                                             const float* positions, int rows, int T, int C,
+                                             Dropout dropout) {
+    FOR_EACH(i, (long long)rows * C) {
+        const long long r = i / C;
+        const int c = (int)(i % C);
+        float v = wte[(long long)ids[r] * C + c];
+        if (positions != nullptr) v += positions[(r % T) * C + c];
+        x[i] = v * dropout_scale(dropout, i);
+    }
+}
+
+// dwte[id] += the sum of dx (times the mask) over the rows holding token id. The rows
+// come sorted by token on the host: `order` lists rows, token `tokens[u]`'s rows are
+// order[starts[u] .. starts[u + 1]]. One block row per distinct token, one thread per
+// channel, rows summed in order. Grid: (distinct tokens, channel blocks).
+extern "C" __global__ void embedding_backward_tokens(float* dwte, const float* dx,
+                                                     const uint32_t* tokens,
+                                                     const uint32_t* starts,
+                                                     const uint32_t* order, int distinct, int C,
+                                                     Dropout dropout) {
+    const int u = blockIdx.x;
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (u >= distinct || c >= C) return;
+    float sum = 0.0f;
+    for (uint32_t k = starts[u]; k < starts[u + 1]; k++) {
+        const long long i = (long long)order[k] * C + c;
+        sum += dx[i] * dropout_scale(dropout, i);
+    }
+    dwte[(long long)tokens[u] * C + c] += sum;
+}
+
+// dwpe[t] += the sum over sequences of dx at position t (times the mask).
+extern "C" __global__ void embedding_backward_positions(float* dwpe, const float* dx, int B,
+                                                        int T, int C, Dropout dropout) {
+    FOR_EACH(i, (long long)T * C) {
+        const long long t = i / C;
+        const int c = (int)(i % C);
+        float sum = 0.0f;
+        for (int b = 0; b < B; b++) {
+            const long long at = ((long long)b * T + t) * C + c;
+            sum += dx[at] * dropout_scale(dropout, at);
+        }
+        dwpe[i] += sum;
+    }
+}

@@ -1,0 +1,31 @@
+// The classifier's softmax and cross-entropy, fused: one block per row of logits.
+#include "common.cuh"
+
+// In place on logits (rows x V): their softmax; row_loss[r] = -log p[target].
+extern "C" __global__ void softmax_cross_entropy(float* logits, float* row_loss,
+                                                 const uint32_t* targets, int rows, int V) {
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    float* x = logits + (long long)r * V;
+    float m = -INFINITY;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, x[j]);
+    m = block_max(m);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) sum += expf(x[j] - m);
+    sum = block_sum(sum);
+    const float target_logit = x[targets[r]];
+    __syncthreads();  // every thread has read the target's logit before any write
+    if (threadIdx.x == 0) row_loss[r] = logf(sum) + m - target_logit;
+    const float inv = 1.0f / sum;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) x[j] = expf(x[j] - m) * inv;
+}
+
+// In place on probabilities: d(loss)/d(logits) = (p - onehot(target)) * scale.
+extern "C" __global__ void cross_entropy_backward(float* probs, const uint32_t* targets,
+                                                  int rows, int V, float scale) {
+    FOR_EACH(i, (long long)rows * V) {
+        const long long r = i / V;
+        const int j = (int)(i % V);
+        probs[i] = (probs[i] - (j == (int)targets[r] ? 1.0f : 0.0f)) * scale;
+    }
+}

@@ -1,0 +1,107 @@
+// LayerNorm and RMSNorm over rows of C, forward and backward, one warp per row.
+// LayerNorm: (x - mean) rstd w (+ b); RMSNorm: x rstd w, rstd = 1 / sqrt(mean(x^2) + eps)
+// (src/cpu/ops/norm.rs has the same formulas). `rms` picks RMSNorm; mean is then 0.
+#include "common.cuh"
+
+// out = norm(x) per row; keeps each row's mean and rstd. b may be null.
+extern "C" __global__ void norm_forward(float* out, float* mean, float* rstd, const float* x,
+                                        const float* w, const float* b, int rows, int C,
+                                        float eps, int rms) {
+    const int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    if (row >= rows) return;
+    const float* xr = x + (long long)row * C;
+    float m = 0.0f;
+    if (!rms) {
+        float sum = 0.0f;
+        for (int i = lane; i < C; i += WARP_SIZE) sum += xr[i];
+        m = warp_sum(sum) / C;
+    }
+    float var = 0.0f;
+    for (int i = lane; i < C; i += WARP_SIZE) {
+        const float d = xr[i] - m;
+        var += d * d;
+    }
+    const float s = 1.0f / sqrtf(warp_sum(var) / C + eps);
+    float* o = out + (long long)row * C;
+    for (int i = lane; i < C; i += WARP_SIZE) {
+        o[i] = (xr[i] - m) * s * w[i] + (b != nullptr ? b[i] : 0.0f);
+    }
+    if (lane == 0) {
+        mean[row] = m;
+        rstd[row] = s;
+    }
+}
+
+// The forward's output again from the kept statistics (for the backward of the
+// product that reads it).
+extern "C" __global__ void norm_apply(float* out, const float* x, const float* w, const float* b,
+                                      const float* mean, const float* rstd, int rows, int C) {
+    FOR_EACH(i, (long long)rows * C) {
+        const long long r = i / C;
+        const int c = (int)(i % C);
+        out[i] = (x[i] - mean[r]) * rstd[r] * w[c] + (b != nullptr ? b[c] : 0.0f);
+    }
+}
+
+// dx += d(norm)/dx . dout per row: with xhat = (x - mean) rstd and g = dout w,
+// dx += rstd (g - mean(g) - xhat mean(g xhat)); RMSNorm drops the mean(g) term.
+extern "C" __global__ void norm_backward_input(float* dx, const float* dout, const float* x,
+                                               const float* w, const float* mean,
+                                               const float* rstd, int rows, int C, int rms) {
+    const int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    if (row >= rows) return;
+    const long long base = (long long)row * C;
+    const float m = mean[row], s = rstd[row];
+    float g_sum = 0.0f, gx_sum = 0.0f;
+    for (int i = lane; i < C; i += WARP_SIZE) {
+        const float g = dout[base + i] * w[i];
+        g_sum += g;
+        gx_sum += g * (x[base + i] - m) * s;
+    }
+    const float g_mean = rms ? 0.0f : warp_sum(g_sum) / C;
+    const float gx_mean = warp_sum(gx_sum) / C;
+    for (int i = lane; i < C; i += WARP_SIZE) {
+        const float xhat = (x[base + i] - m) * s;
+        dx[base + i] += s * (dout[base + i] * w[i] - g_mean - xhat * gx_mean);
+    }
+}
+
+// The gain's and bias's gradients in two steps, deterministic: each block row j sums
+// rows j, j + R, j + 2R, ... (R = gridDim.y) of dout xhat and of dout into
+// partials[j][0 .. C] and partials[j][C .. 2C]; `add_column_sums` adds the R partials.
+extern "C" __global__ void norm_backward_params(float* partials, const float* dout,
+                                                const float* x, const float* mean,
+                                                const float* rstd, int rows, int C) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float dw = 0.0f, db = 0.0f;
+    for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+        const long long i = (long long)r * C + c;
+        dw += dout[i] * (x[i] - mean[r]) * rstd[r];
+        db += dout[i];
+    }
+    float* p = partials + (long long)blockIdx.y * 2 * C;
+    p[c] = dw;
+    p[C + c] = db;
+}
+
+// Each block row j sums rows j, j + R, ... of x (rows x C) into partials[j][0 .. C].
+extern "C" __global__ void column_partials(float* partials, const float* x, int rows, int C) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float sum = 0.0f;
+    for (int r = blockIdx.y; r < rows; r += gridDim.y) sum += x[(long long)r * C + c];
+    partials[(long long)blockIdx.y * C + c] = sum;
+}
+
+// dst[c] += the sum of partials[j][c] over j < parts (rows `stride` apart), in order.
+extern "C" __global__ void add_column_sums(float* dst, const float* partials, int parts,
+                                           int stride, int count) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= count) return;
+    float sum = 0.0f;
+    for (int j = 0; j < parts; j++) sum += partials[(long long)j * stride + c];
+    dst[c] += sum;
+}

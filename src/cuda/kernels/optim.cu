@@ -1,0 +1,44 @@
+// The optimiser over the flat buffers: the global gradient norm (deterministic, in
+// f64) and AdamW in one launch.
+#include "common.cuh"
+
+// partials[block] = the sum of x^2 over the block's grid-stride share, in f64.
+extern "C" __global__ void sum_squares(double* partials, const float* x, long long n) {
+    double sum = 0.0;
+    FOR_EACH(i, n) { sum += (double)x[i] * (double)x[i]; }
+    sum = block_sum_f64(sum);
+    if (threadIdx.x == 0) partials[blockIdx.x] = sum;
+}
+
+// out[0] = the sum of n f64 values (one block), f32 values when `x32` is set.
+extern "C" __global__ void sum_all(double* out, const double* x, const float* x32, int n) {
+    double sum = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) sum += x32 != nullptr ? (double)x32[i] : x[i];
+    sum = block_sum_f64(sum);
+    if (threadIdx.x == 0) out[0] = sum;
+}
+
+// AdamW over every parameter: m, v <- moving averages of g, g^2;
+// p <- p * shrink - lr * m_hat / (sqrt(v_hat) + eps), where shrink applies only to the
+// tensors that decay. Tensor k ends at ends[k] (exclusive); decays[k] says whether it
+// decays.
+extern "C" __global__ void adamw(float* params, const float* grads, float* m, float* v,
+                                 long long n, const unsigned long long* ends, const int* decays,
+                                 int tensors, float b1, float b2, float inv_bc1, float inv_bc2,
+                                 float lr, float eps, float shrink) {
+    FOR_EACH(i, n) {
+        // The tensor holding i: the first whose end is past it.
+        int lo = 0, hi = tensors - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi) / 2;
+            if (ends[mid] > (unsigned long long)i) hi = mid; else lo = mid + 1;
+        }
+        const float g = grads[i];
+        const float mi = b1 * m[i] + (1.0f - b1) * g;
+        const float vi = b2 * v[i] + (1.0f - b2) * g * g;
+        m[i] = mi;
+        v[i] = vi;
+        const float s = decays[lo] ? shrink : 1.0f;
+        params[i] = params[i] * s - lr * (mi * inv_bc1) / (sqrtf(vi * inv_bc2) + eps);
+    }
+}

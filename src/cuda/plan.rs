@@ -1,0 +1,128 @@
+//! What the fused CUDA engine allocates, as numbers: every device buffer's length,
+//! sized once from the model's shapes and the batch. The engine allocates from this
+//! plan and the memory check reads its total, so the estimate is the allocation, not
+//! a fit. Plain arithmetic: it compiles and is tested without CUDA.
+
+use crate::config::PositionKind;
+use crate::model::spec::{ModelSpec, Shapes};
+
+/// Block rows of the two-step column sums (bias and norm-gain gradients): each sums
+/// every PARTS-th row, then one pass adds the PARTS partial sums in order.
+pub const PARTS: usize = 64;
+
+/// Blocks of the first step of the gradient norm (partial sums of squares in f64).
+pub const NORM_BLOCKS: usize = 1024;
+
+/// Lengths, in elements, of everything the engine holds on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plan {
+    /// Rows: sequences x block_size.
+    pub rows: usize,
+    /// Scalars of all parameters: the flat buffer's length, as are the gradients',
+    /// and each AdamW moment's.
+    pub params: usize,
+    /// What one block's forward keeps for its backward (f32).
+    pub per_block: usize,
+    /// Activations outside the blocks (f32): embeddings, final norm, logits, losses.
+    pub outside: usize,
+    /// Work space every block shares (f32): gradients flowing down, heads in the
+    /// products' layout, the attention weights and their gradient.
+    pub scratch: usize,
+    /// The batch and its token buckets (u32).
+    pub ids: usize,
+    /// Fixed tables (f32): sinusoidal positions or RoPE's cos and sin.
+    pub tables: usize,
+    /// f64 partial sums of the gradient norm and the loss.
+    pub sums: usize,
+}
+
+impl Plan {
+    pub fn new(s: &Shapes, params: usize, batch: usize, tables: usize) -> Self {
+        let (t, c) = (s.block_size, s.n_embd);
+        let n = batch * t;
+        let norm_stats = 2 * n;
+        let per_block = 2 * norm_stats
+            + n * s.qkv_width // q | k | v, positions turned in
+            + 3 * n * c // the heads' output, and the residual stream after each sub-layer
+            + n * s.mlp_fc_width; // the MLP's first projection
+        let outside = n * c // the embeddings entering the first block
+            + n * c + norm_stats // the final norm
+            + n * s.vocab_size // logits, then probabilities, then their gradient
+            + n; // each position's loss
+        let widest = c.max(s.qkv_width).max(s.mlp_fc_width);
+        let scratch = 5 * n * c // dres, ln, dln, branch, dy
+            + n * s.qkv_width // dqkv
+            + 2 * n * s.mlp_hidden // the activation and its gradient
+            + n * s.mlp_fc_width // dfc
+            + 7 * n * c // q, k, v, heads, dq, dk, dv: (B, H, T, d) each
+            + 2 * batch * s.n_head * t * t // the weights and their gradient
+            + PARTS * 2 * widest; // column partial sums
+        Self {
+            rows: n,
+            params,
+            per_block,
+            outside,
+            scratch,
+            ids: 2 * n + 3 * n + 1, // ids, targets; tokens, starts, order
+            tables,
+            sums: NORM_BLOCKS + 1,
+        }
+    }
+
+    /// The plan of the model `spec` at `batch` sequences.
+    pub fn for_spec(spec: &ModelSpec, batch: usize) -> Self {
+        let s = &spec.shapes;
+        let tables = match spec.config.positions {
+            PositionKind::Sinusoidal => s.block_size * s.n_embd,
+            PositionKind::Rope => s.block_size * s.head_dim, // cos and sin, d/2 each
+            PositionKind::Learned => 0,
+        };
+        Self::new(s, spec.len(), batch, tables)
+    }
+
+    /// Device bytes to evaluate (weights and activations) and, with `training`, to
+    /// train (gradients and the two moments besides).
+    pub fn bytes(&self, layers: usize, training: bool) -> u64 {
+        let copies = if training { 4 } else { 1 };
+        let f32s = copies * self.params
+            + layers * self.per_block
+            + self.outside
+            + self.scratch
+            + self.tables;
+        4 * (f32s + self.ids) as u64 + 8 * self.sums as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ModelConfig;
+    use crate::model::ModelSpec;
+
+    /// GPT-2 small at T 1024, batch 8: 124M parameters (4 copies: ~2 GB) and the
+    /// activations of 8192 rows, the logits alone 1.6 GB.
+    #[test]
+    fn gpt2_small_needs_a_few_gigabytes() {
+        let cfg = ModelConfig {
+            n_layer: 12,
+            n_head: 12,
+            n_embd: 768,
+            block_size: 1024,
+            vocab_size: 50304,
+            ..ModelConfig::default()
+        };
+        let spec = ModelSpec::new(&cfg);
+        let plan = Plan::for_spec(&spec, 8);
+        assert_eq!(plan.rows, 8192);
+        let logits = 4 * 8192 * 50304u64;
+        let gb = plan.bytes(12, true) as f64 / 1e9;
+        assert!((4.0..9.0).contains(&gb), "{gb} GB");
+        assert!(plan.bytes(12, true) > logits + 16 * spec.len() as u64);
+        let optimiser = plan.bytes(12, true) - plan.bytes(12, false);
+        assert_eq!(
+            optimiser,
+            12 * spec.len() as u64,
+            "gradients and two moments"
+        );
+    }
+}

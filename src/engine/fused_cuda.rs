@@ -1,0 +1,89 @@
+//! The fused CUDA engine (`crate::cuda::FusedCuda`) behind the engine interface: its
+//! flat device buffers in and out by tensor name.
+
+use anyhow::Result;
+
+use super::interface::{check_batch, Engine, MOMENT_SUFFIXES};
+use crate::config::Precision;
+use crate::cuda::FusedCuda;
+use crate::data::Batch;
+use crate::model::params::{flat_from_named, named_from_flat, NamedTensors};
+use crate::model::{Dropout, ModelSpec};
+use crate::optim::AdamWStep;
+
+impl Engine for FusedCuda {
+    fn describe(&self) -> String {
+        match self.precision() {
+            Precision::F32 => "fused CUDA kernels, cuBLAS f32 products".to_string(),
+            Precision::Bf16 => {
+                "fused CUDA kernels, bf16 tensor-core products (f32 sums and weights)".to_string()
+            }
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        "fused"
+    }
+
+    fn spec(&self) -> &ModelSpec {
+        FusedCuda::spec(self)
+    }
+
+    fn forward(&mut self, batch: &Batch, dropout: Option<&Dropout>) -> Result<f64> {
+        check_batch(self.batch(), self.spec().shapes.block_size, batch)?;
+        FusedCuda::forward(self, &batch.x, &batch.y, dropout)
+    }
+
+    fn position_losses(&self) -> Result<Vec<f64>> {
+        FusedCuda::position_losses(self)
+    }
+
+    fn backward(&mut self, scale: f32) -> Result<()> {
+        FusedCuda::backward(self, scale)
+    }
+
+    fn zero_grads(&mut self) -> Result<()> {
+        FusedCuda::zero_grads(self)
+    }
+
+    fn clip_grads(&mut self, max_norm: f64) -> Result<f64> {
+        FusedCuda::clip_grads(self, max_norm)
+    }
+
+    fn grads(&self) -> Result<NamedTensors> {
+        named_from_flat(self.spec().params(), &FusedCuda::grads(self)?, "")
+    }
+
+    fn set_grads(&mut self, grads: &NamedTensors, source: &str) -> Result<()> {
+        let flat = flat_from_named(self.spec().params(), grads, "", source)?;
+        FusedCuda::set_grads(self, &flat)
+    }
+
+    fn adamw(&mut self, u: &AdamWStep) -> Result<()> {
+        FusedCuda::adamw(self, u)
+    }
+
+    fn weights(&self) -> Result<NamedTensors> {
+        named_from_flat(self.spec().params(), &FusedCuda::weights(self)?, "")
+    }
+
+    fn load_weights(&mut self, tensors: &NamedTensors, source: &str) -> Result<()> {
+        let flat = flat_from_named(self.spec().params(), tensors, "", source)?;
+        self.set_weights(&flat)
+    }
+
+    fn moments(&self) -> Result<NamedTensors> {
+        let table = self.spec().params();
+        let (m, v) = FusedCuda::moments(self)?;
+        let mut out = named_from_flat(table, &m, MOMENT_SUFFIXES[0])?;
+        out.extend(named_from_flat(table, &v, MOMENT_SUFFIXES[1])?);
+        Ok(out)
+    }
+
+    fn load_moments(&mut self, tensors: &NamedTensors, source: &str) -> Result<()> {
+        let table = self.spec().params();
+        let m = flat_from_named(table, tensors, MOMENT_SUFFIXES[0], source)?;
+        let v = flat_from_named(table, tensors, MOMENT_SUFFIXES[1], source)?;
+        self.set_moments(&m, &v)
+    }
+}
