@@ -1,6 +1,8 @@
 //! Training end to end on small generated corpora: every parameter learns, a tiny model
 //! overfits a tiny corpus, the same seed gives the same curve, and resume continues it
-//! exactly.
+//! exactly. Overfitting, exact resume and fused-vs-reference curves run on every device
+//! of `devices()`: the CPU, and CUDA in a `cuda` build on a machine with a GPU (skipped
+//! loudly otherwise).
 
 use std::path::Path;
 
@@ -47,6 +49,19 @@ fn config(dir: &Path, corpus: &Path) -> Config {
     c.train.log_interval = 1;
     c.train.checkpoint_interval = 10;
     c
+}
+
+/// `run.device` values to train on: the CPU, and CUDA where the build and the machine
+/// have it.
+fn devices() -> Vec<&'static str> {
+    let mut devices = vec!["cpu"];
+    if cfg!(feature = "cuda") {
+        match Device::new_cuda(0) {
+            Ok(_) => devices.push("cuda"),
+            Err(e) => eprintln!("SKIPPED on CUDA (no CUDA device: {e}); trained on the CPU only"),
+        }
+    }
+    devices
 }
 
 /// Collects the loss of every step.
@@ -115,9 +130,16 @@ fn every_parameter_gets_a_gradient_and_moves() {
 
 #[test]
 fn tiny_model_overfits_a_tiny_corpus() {
+    for device in devices() {
+        tiny_model_overfits_a_tiny_corpus_on(device);
+    }
+}
+
+fn tiny_model_overfits_a_tiny_corpus_on(device: &str) {
     let dir = tempfile::tempdir().unwrap();
     let corpus = write_corpus(dir.path(), 30);
     let mut cfg = config(dir.path(), &corpus);
+    cfg.run.device = device.into();
     cfg.train.max_iters = 300;
     cfg.train.lr = 3e-3;
     cfg.train.min_lr = 3e-4;
@@ -129,11 +151,14 @@ fn tiny_model_overfits_a_tiny_corpus() {
     let summary = tinygpt::train::train(cfg, false, &mut losses).unwrap();
     let first = losses.0[0].1;
     let last = losses.0.last().unwrap().1; // the training loss of the last step
-    assert!(first > 2.5, "starts near ln(vocab): {first}");
-    assert!(last < 0.1, "loss after 300 steps: {last}");
+    assert!(first > 2.5, "{device}: starts near ln(vocab): {first}");
+    assert!(last < 0.1, "{device}: loss after 300 steps: {last}");
     let val = summary.val_loss.unwrap();
     // The first characters of a window have too little context to be certain.
-    assert!(val < 0.25, "the val text repeats the same sentence: {val}");
+    assert!(
+        val < 0.25,
+        "{device}: the val text repeats the same sentence: {val}"
+    );
 }
 
 #[test]
@@ -160,19 +185,22 @@ fn same_seed_same_curve_other_seed_other_curve() {
 #[test]
 fn resume_continues_the_same_curve() {
     // With and without dropout (its stream position is saved too), and in bf16.
-    for (dropout, dtype) in [
-        (0.1, Precision::F32),
-        (0.0, Precision::F32),
-        (0.0, Precision::Bf16),
-    ] {
-        resume_continues_the_same_curve_with(dropout, dtype);
+    for device in devices() {
+        for (dropout, dtype) in [
+            (0.1, Precision::F32),
+            (0.0, Precision::F32),
+            (0.0, Precision::Bf16),
+        ] {
+            resume_continues_the_same_curve_with(device, dropout, dtype);
+        }
     }
 }
 
-fn resume_continues_the_same_curve_with(dropout: f64, dtype: Precision) {
+fn resume_continues_the_same_curve_with(device: &str, dropout: f64, dtype: Precision) {
     let dir = tempfile::tempdir().unwrap();
     let corpus = write_corpus(dir.path(), 20);
     let mut straight_cfg = config(dir.path(), &corpus);
+    straight_cfg.run.device = device.into();
     straight_cfg.run.name = "straight".into();
     straight_cfg.model.dropout = dropout;
     straight_cfg.train.dtype = dtype;
@@ -207,21 +235,22 @@ fn resume_continues_the_same_curve_with(dropout: f64, dtype: Precision) {
     );
     assert_eq!(
         resumed, straight.0,
-        "resumed run must follow the uninterrupted curve exactly"
+        "{device}: resumed run must follow the uninterrupted curve exactly"
     );
 }
 
-/// The fused CPU kernels and the reference model train along the same curve (not bit
-/// for bit: float sums run in another order).
+/// The fused kernels and the reference model train along the same curve (not bit for
+/// bit: float sums run in another order), on each device.
 #[test]
 fn fused_and_reference_paths_follow_the_same_curve() {
     let dir = tempfile::tempdir().unwrap();
     let corpus = write_corpus(dir.path(), 20);
-    for dropout in [0.0, 0.1] {
+    for (device, dropout) in devices().into_iter().flat_map(|d| [(d, 0.0), (d, 0.1)]) {
         let mut curves = Vec::new();
         for (name, fused) in [("fused", true), ("reference", false)] {
             let mut cfg = config(dir.path(), &corpus);
-            cfg.run.name = format!("{name}-{dropout}");
+            cfg.run.name = format!("{name}-{device}-{dropout}");
+            cfg.run.device = device.into();
             cfg.model.dropout = dropout;
             cfg.train.fused = fused;
             cfg.train.max_iters = 40;
@@ -236,7 +265,7 @@ fn fused_and_reference_paths_follow_the_same_curve() {
             assert_eq!(f.0, r.0);
             assert!(
                 (f.1 - r.1).abs() < 1e-4 * r.1,
-                "dropout {dropout} step {}: fused {} vs reference {}",
+                "{device} dropout {dropout} step {}: fused {} vs reference {}",
                 f.0,
                 f.1,
                 r.1
