@@ -1,6 +1,8 @@
 //! With the `cuda` feature: compiles the fused CUDA engine's kernels
-//! (`src/cuda/kernels/*.cu`) to PTX with nvcc, into OUT_DIR, where `src/cuda/kernels.rs`
-//! includes them. Without it: nothing (the CPU build needs no CUDA toolkit).
+//! (`src/cuda/kernels/*.cu`) to PTX with nvcc, into OUT_DIR, where `src/cuda/gpu.rs`
+//! includes them. With `cuda-emulator`: compiles the same kernels as C++ for the CPU
+//! (`src/cuda/emulator/`). Without either: nothing (the CPU build needs no CUDA
+//! toolkit and no C++ compiler).
 //!
 //! nvcc is `$NVCC`, else `nvcc` on PATH, else `$CUDA_HOME/bin/nvcc`. The PTX targets
 //! `compute_$CUDA_COMPUTE_CAP` (as candle's kernels do; default 80, which every GPU from
@@ -17,6 +19,18 @@ fn main() {
     println!("cargo:rerun-if-env-changed=NVCC");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
+    println!("cargo:rerun-if-changed=src/cuda/emulator");
+    if env::var_os("CARGO_FEATURE_CUDA_EMULATOR").is_some() {
+        cc::Build::new()
+            .cpp(true)
+            .std("c++20")
+            .file("src/cuda/emulator/emulator.cpp")
+            .include("src/cuda/emulator")
+            .include(KERNELS)
+            .opt_level(2)
+            .warnings(false)
+            .compile("tinygpt_cuda_emulator");
+    }
     if env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }

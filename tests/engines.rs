@@ -29,47 +29,88 @@ fn cfg(positions: PositionKind, bias: bool) -> ModelConfig {
     }
 }
 
-/// The CPU, and the first GPU where the build and the machine have one.
-fn devices() -> Vec<Device> {
-    let mut devices = vec![Device::Cpu];
+/// Where a pair of engines runs: on a candle device (the reference and the fused
+/// engine there), or the fused CUDA engine under the CPU emulator beside the CPU
+/// reference (feature `cuda-emulator`).
+#[derive(Debug)]
+enum Place {
+    Device(Device),
+    #[allow(dead_code)] // built with the feature `cuda-emulator`
+    EmulatedGpu,
+}
+
+/// The CPU; the emulated CUDA engine in a `cuda-emulator` build; and the first GPU
+/// where the build and the machine have one.
+fn devices() -> Vec<Place> {
+    let mut places = vec![Place::Device(Device::Cpu)];
+    if cfg!(feature = "cuda-emulator") {
+        places.push(Place::EmulatedGpu);
+    } else {
+        eprintln!(
+            "SKIPPED: the fused CUDA engine under the emulator (build with \
+             --features cuda-emulator, as tools/test.sh does)"
+        );
+    }
     if cfg!(feature = "cuda") {
         match Device::new_cuda(0) {
-            Ok(gpu) => devices.push(gpu),
+            Ok(gpu) => places.push(Place::Device(gpu)),
             Err(e) => eprintln!(
-                "SKIPPED: the fused CUDA engine was not tested (no CUDA device: {e}); \
-                 these tests ran on the CPU only"
+                "SKIPPED: the fused CUDA engine was not tested on a GPU (no CUDA device: \
+                 {e})"
             ),
         }
     }
-    devices
+    places
 }
 
-/// How close f32 engines on `device` must be to its reference (relative to each
-/// tensor's largest entry).
-fn tol(device: &Device) -> f64 {
-    if device.is_cpu() {
-        1e-5
-    } else {
-        1e-4
+/// How close f32 engines at `place` must be to the reference (relative to each
+/// tensor's largest entry): the GPU sums in other orders.
+fn tol(place: &Place) -> f64 {
+    match place {
+        Place::Device(d) if !d.is_cpu() => 1e-4,
+        _ => 1e-5,
     }
 }
 
-/// The reference engine and the fused one on `device`, initialised from the same seed.
+/// The reference engine and the fused one at `place`, initialised from the same seed.
 fn engines(
-    device: &Device,
+    place: &Place,
     cfg: &ModelConfig,
     batch: usize,
     precision: Precision,
 ) -> [Box<dyn Engine>; 2] {
-    [false, true].map(|fused| {
+    let spec = ModelSpec::new(cfg);
+    let values = spec.initial_values(5);
+    let build = |device: &Device, fused: bool| {
         let options = EngineOptions {
             batch,
             precision,
             fused,
         };
-        let spec = ModelSpec::new(cfg);
-        engine::build(&spec, &spec.initial_values(5), device, options).unwrap()
-    })
+        engine::build(&spec, &values, device, options).unwrap()
+    };
+    match place {
+        Place::Device(device) => [build(device, false), build(device, true)],
+        Place::EmulatedGpu => [
+            build(&Device::Cpu, false),
+            emulated(&spec, &values, batch, precision),
+        ],
+    }
+}
+
+#[cfg(feature = "cuda-emulator")]
+fn emulated(
+    spec: &ModelSpec,
+    values: &[f32],
+    batch: usize,
+    precision: Precision,
+) -> Box<dyn Engine> {
+    Box::new(tinygpt::cuda::FusedCuda::emulated(spec, values, batch, precision).unwrap())
+}
+
+#[cfg(not(feature = "cuda-emulator"))]
+fn emulated(_: &ModelSpec, _: &[f32], _: usize, _: Precision) -> Box<dyn Engine> {
+    unreachable!("no emulator in this build")
 }
 
 fn batch(b: usize, t: usize, v: u32, seed: u32) -> Batch {

@@ -1,36 +1,101 @@
-//! Device buffers the engine owns for its whole life, each with its address.
+//! Buffers the engine owns for its whole life, each with its address: device memory
+//! on CUDA, host memory under the emulator (the kernels then read host addresses).
 
-use std::sync::Arc;
+use std::alloc::{self, Layout};
+use std::ptr::NonNull;
 
-use anyhow::{Context, Result};
+#[cfg(feature = "cuda")]
+use anyhow::Context;
+use anyhow::Result;
+#[cfg(feature = "cuda")]
 use candle_core::cuda::cudarc::driver::{
-    result, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
+    result, CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits,
 };
 
-/// `len` values of T on the device (at least one, so every buffer has an address).
-pub struct Buf<T> {
-    slice: CudaSlice<T>,
+use super::gpu::Gpu;
+
+/// What a buffer can hold: plain values, all-zero bits a valid zero.
+#[cfg(feature = "cuda")]
+pub trait Value: Copy + Default + DeviceRepr + ValidAsZeroBits {}
+#[cfg(not(feature = "cuda"))]
+pub trait Value: Copy + Default {}
+impl Value for f32 {}
+impl Value for f64 {}
+impl Value for u32 {}
+impl Value for u64 {}
+impl Value for i32 {}
+
+/// `len` values of T (at least one allocated, so every buffer has an address).
+pub struct Buf<T: Value> {
+    mem: Memory<T>,
     ptr: u64,
     len: usize,
 }
 
-impl<T: DeviceRepr + ValidAsZeroBits + Copy> Buf<T> {
-    pub fn zeros(stream: &Arc<CudaStream>, len: usize) -> Result<Self> {
-        let slice = stream
-            .alloc_zeros::<T>(len.max(1))
-            .with_context(|| format!("allocating {len} values on the GPU"))?;
-        let ptr = slice.device_ptr(stream).0;
-        Ok(Self { slice, ptr, len })
+enum Memory<T: Value> {
+    #[cfg(feature = "cuda")]
+    Device(CudaSlice<T>),
+    /// Host memory only ever reached through its address (kernels write it), never
+    /// through a Rust reference held across a launch.
+    #[allow(dead_code)] // built on CUDA only under the emulator
+    Host(NonNull<T>, Layout),
+}
+
+impl<T: Value> Drop for Buf<T> {
+    #[allow(irrefutable_let_patterns)] // host memory is all there is without CUDA
+    fn drop(&mut self) {
+        if let Memory::Host(ptr, layout) = &self.mem {
+            // SAFETY: allocated in `zeros` with this layout, freed once.
+            unsafe { alloc::dealloc(ptr.as_ptr().cast(), *layout) };
+        }
+    }
+}
+
+impl<T: Value> Buf<T> {
+    pub fn zeros(gpu: &Gpu, len: usize) -> Result<Self> {
+        let room = len.max(1);
+        match gpu {
+            #[cfg(feature = "cuda")]
+            Gpu::Cuda(g) => {
+                let slice = g
+                    .stream
+                    .alloc_zeros::<T>(room)
+                    .with_context(|| format!("allocating {len} values on the GPU"))?;
+                let ptr = slice.device_ptr(&g.stream).0;
+                Ok(Self {
+                    mem: Memory::Device(slice),
+                    ptr,
+                    len,
+                })
+            }
+            #[cfg(feature = "cuda-emulator")]
+            Gpu::Emulated => {
+                let layout = Layout::array::<T>(room)?;
+                // SAFETY: a non-zero size; all-zero bits are a valid T (`Value`).
+                let raw = unsafe { alloc::alloc_zeroed(layout) }.cast::<T>();
+                let ptr = NonNull::new(raw).ok_or_else(|| anyhow::anyhow!("out of memory"))?;
+                Ok(Self {
+                    mem: Memory::Host(ptr, layout),
+                    ptr: raw as u64,
+                    len,
+                })
+            }
+        }
     }
 
-    pub fn from_host(stream: &Arc<CudaStream>, values: &[T]) -> Result<Self> {
-        let mut buf = Self::zeros(stream, values.len())?;
-        buf.write(stream, values)?;
+    pub fn from_host(gpu: &Gpu, values: &[T]) -> Result<Self> {
+        let mut buf = Self::zeros(gpu, values.len())?;
+        buf.write(gpu, values)?;
         Ok(buf)
     }
 
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Bytes of its `len` values.
+    pub fn bytes(&self) -> u64 {
+        (self.len * std::mem::size_of::<T>()) as u64
     }
 
     /// The address of the first value.
@@ -45,7 +110,7 @@ impl<T: DeviceRepr + ValidAsZeroBits + Copy> Buf<T> {
     }
 
     /// Copies `values` to the start of the buffer.
-    pub fn write(&mut self, stream: &Arc<CudaStream>, values: &[T]) -> Result<()> {
+    pub fn write(&mut self, gpu: &Gpu, values: &[T]) -> Result<()> {
         assert!(
             values.len() <= self.len,
             "{} values into {}",
@@ -55,35 +120,79 @@ impl<T: DeviceRepr + ValidAsZeroBits + Copy> Buf<T> {
         if values.is_empty() {
             return Ok(());
         }
-        stream.memcpy_htod(values, &mut self.slice.slice_mut(..values.len()))?;
+        match (&mut self.mem, gpu) {
+            #[cfg(feature = "cuda")]
+            (Memory::Device(slice), Gpu::Cuda(g)) => {
+                g.stream
+                    .memcpy_htod(values, &mut slice.slice_mut(..values.len()))?;
+            }
+            (Memory::Host(ptr, _), _) => {
+                // SAFETY: the buffer holds at least values.len() values; no reference
+                // to it exists (kernels run synchronously under the emulator).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(values.as_ptr(), ptr.as_ptr(), values.len())
+                };
+            }
+            #[allow(unreachable_patterns)]
+            _ => unreachable!("a buffer is used on the device that made it"),
+        }
         Ok(())
     }
 
-    /// The first `len` values, once the stream has computed them.
-    pub fn read(&self, stream: &Arc<CudaStream>, len: usize) -> Result<Vec<T>> {
-        assert!(len <= self.len, "{len} values of {}", self.len);
-        if len == 0 {
+    /// Values `range`, once the device has computed them.
+    pub fn read_range(&self, gpu: &Gpu, range: std::ops::Range<usize>) -> Result<Vec<T>> {
+        assert!(range.end <= self.len, "{range:?} of {} values", self.len);
+        if range.is_empty() {
             return Ok(Vec::new());
         }
-        let values = stream.clone_dtoh(&self.slice.slice(..len))?;
-        stream.synchronize()?;
-        Ok(values)
+        match (&self.mem, gpu) {
+            #[cfg(feature = "cuda")]
+            (Memory::Device(slice), Gpu::Cuda(g)) => {
+                let values = g.stream.clone_dtoh(&slice.slice(range))?;
+                g.stream.synchronize()?;
+                Ok(values)
+            }
+            (Memory::Host(ptr, _), _) => {
+                // SAFETY: in bounds (asserted); nothing writes it meanwhile.
+                let values = unsafe {
+                    std::slice::from_raw_parts(ptr.as_ptr().add(range.start), range.len())
+                };
+                Ok(values.to_vec())
+            }
+            #[allow(unreachable_patterns)]
+            _ => unreachable!("a buffer is used on the device that made it"),
+        }
     }
 
-    /// Value `i`, once the stream has computed it.
-    pub fn read_one(&self, stream: &Arc<CudaStream>, i: usize) -> Result<T> {
-        assert!(i < self.len, "value {i} of {}", self.len);
-        let value = stream.clone_dtoh(&self.slice.slice(i..i + 1))?;
-        stream.synchronize()?;
-        Ok(value[0])
+    /// The first `len` values.
+    pub fn read(&self, gpu: &Gpu, len: usize) -> Result<Vec<T>> {
+        self.read_range(gpu, 0..len)
+    }
+
+    /// Value `i`.
+    pub fn read_one(&self, gpu: &Gpu, i: usize) -> Result<T> {
+        Ok(self.read_range(gpu, i..i + 1)?[0])
     }
 
     /// Sets every value to zero (in stream order, like a kernel).
-    pub fn fill_zeros(&self, stream: &Arc<CudaStream>) -> Result<()> {
-        let bytes = self.slice.len() * std::mem::size_of::<T>();
-        // SAFETY: the buffer is live and `bytes` long; the memset is queued on the
-        // stream every use of the buffer is queued on.
-        unsafe { result::memset_d8_async(self.ptr, 0, bytes, stream.cu_stream()) }?;
+    pub fn fill_zeros(&self, gpu: &Gpu) -> Result<()> {
+        let bytes = self.len.max(1) * std::mem::size_of::<T>();
+        match (&self.mem, gpu) {
+            #[cfg(feature = "cuda")]
+            (Memory::Device(_), Gpu::Cuda(g)) => {
+                // A raw driver call: it needs the context current on this thread.
+                g.stream.context().bind_to_thread()?;
+                // SAFETY: the buffer is live and `bytes` long; the memset is queued on
+                // the stream every use of the buffer is queued on.
+                unsafe { result::memset_d8_async(self.ptr, 0, bytes, g.stream.cu_stream()) }?;
+            }
+            (Memory::Host(ptr, _), _) => {
+                // SAFETY: the buffer is `bytes` long; no reference to it exists.
+                unsafe { std::ptr::write_bytes(ptr.as_ptr().cast::<u8>(), 0, bytes) };
+            }
+            #[allow(unreachable_patterns)]
+            _ => unreachable!("a buffer is used on the device that made it"),
+        }
         Ok(())
     }
 }

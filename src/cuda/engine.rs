@@ -13,17 +13,15 @@
 //! gain gradients, embedding gradients, the loss, the gradient norm) are added in a
 //! fixed order, without atomics: the same batch gives the same bits, run after run.
 
-use std::sync::Arc;
-
 use anyhow::{ensure, Context, Result};
-use candle_core::cuda::cudarc::cublas::CudaBlas;
-use candle_core::cuda::cudarc::driver::CudaStream;
+#[cfg(feature = "cuda")]
 use candle_core::Device;
 
 use super::blas::{matmul, Matrix};
 use super::buffers::Buf;
-use super::kernels::{AdamBuffers, AdamParams, DropoutArgs, Heads, Kernels};
-use super::plan::{NORM_BLOCKS, PARTS};
+use super::gpu::Gpu;
+use super::kernels::{AdamBuffers, AdamParams, DropoutArgs, Heads};
+use super::plan::{Plan, NORM_BLOCKS, PARTS};
 use crate::config::{PositionKind, Precision};
 use crate::model::position::{rope_tables, sinusoidal_table};
 use crate::model::spec::{LinearParams, ModelSpec, NormParams, ParamId};
@@ -35,9 +33,8 @@ pub struct FusedCuda {
     spec: ModelSpec,
     batch: usize,
     precision: Precision,
-    kernels: Kernels,
-    blas: Arc<CudaBlas>,
-    stream: Arc<CudaStream>,
+    /// Where the buffers live and the kernels run.
+    gpu: Gpu,
     params: Buf<f32>,
     /// Gradients, then AdamW's moments, allocated when first needed (evaluation needs
     /// neither).
@@ -70,9 +67,9 @@ struct Stats {
 }
 
 impl Stats {
-    fn new(stream: &Arc<CudaStream>, rows: usize) -> Result<Self> {
+    fn new(gpu: &Gpu, rows: usize) -> Result<Self> {
         Ok(Self {
-            buf: Buf::zeros(stream, 2 * rows)?,
+            buf: Buf::zeros(gpu, 2 * rows)?,
             rows,
         })
     }
@@ -159,6 +156,7 @@ struct Scratch {
 impl FusedCuda {
     /// The model `spec` with weights `values` (a flat buffer in table order) on the
     /// CUDA device `device`, for batches of `batch` sequences of block_size tokens.
+    #[cfg(feature = "cuda")]
     pub fn new(
         spec: &ModelSpec,
         values: &[f32],
@@ -166,30 +164,48 @@ impl FusedCuda {
         batch: usize,
         precision: Precision,
     ) -> Result<Self> {
-        assert_eq!(values.len(), spec.len(), "a flat buffer of the whole table");
         let Device::Cuda(dev) = device else {
             anyhow::bail!("the fused CUDA engine runs on a CUDA device, not {device:?}");
         };
-        let stream = dev.cuda_stream();
+        Self::on(Gpu::cuda(dev)?, spec, values, batch, precision)
+    }
+
+    /// The same engine with its kernels run on the CPU by the emulator (tests).
+    #[cfg(feature = "cuda-emulator")]
+    pub fn emulated(
+        spec: &ModelSpec,
+        values: &[f32],
+        batch: usize,
+        precision: Precision,
+    ) -> Result<Self> {
+        Self::on(Gpu::Emulated, spec, values, batch, precision)
+    }
+
+    fn on(
+        gpu: Gpu,
+        spec: &ModelSpec,
+        values: &[f32],
+        batch: usize,
+        precision: Precision,
+    ) -> Result<Self> {
+        assert_eq!(values.len(), spec.len(), "a flat buffer of the whole table");
+        gpu.bind()?;
         let s = &spec.shapes;
         let (n, c) = (batch * s.block_size, s.n_embd);
-        let zeros = |len: usize| Buf::<f32>::zeros(&stream, len);
+        let zeros = |len: usize| Buf::<f32>::zeros(&gpu, len);
 
         let cfg = &spec.config;
         let sinusoids = match cfg.positions {
             PositionKind::Sinusoidal => {
                 let table = sinusoidal_table(s.block_size, c, &candle_core::Device::Cpu)?;
-                Some(Buf::from_host(&stream, &table.flatten_all()?.to_vec1()?)?)
+                Some(Buf::from_host(&gpu, &table.flatten_all()?.to_vec1()?)?)
             }
             _ => None,
         };
         let rope = match cfg.positions {
             PositionKind::Rope => {
                 let (cos, sin) = rope_tables(cfg);
-                Some([
-                    Buf::from_host(&stream, &cos)?,
-                    Buf::from_host(&stream, &sin)?,
-                ])
+                Some([Buf::from_host(&gpu, &cos)?, Buf::from_host(&gpu, &sin)?])
             }
             _ => None,
         };
@@ -200,17 +216,17 @@ impl FusedCuda {
         let blocks = (0..s.n_layer)
             .map(|_| {
                 Ok(BlockActs {
-                    ln_1: Stats::new(&stream, n)?,
+                    ln_1: Stats::new(&gpu, n)?,
                     qkv: zeros(n * s.qkv_width)?,
                     y: zeros(n * c)?,
                     res_2: zeros(n * c)?,
-                    ln_2: Stats::new(&stream, n)?,
+                    ln_2: Stats::new(&gpu, n)?,
                     fc: zeros(n * s.mlp_fc_width)?,
                     res_3: zeros(n * c)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let ids = |len: usize| Buf::<u32>::zeros(&stream, len);
+        let ids = |len: usize| Buf::<u32>::zeros(&gpu, len);
         let acts = Activations {
             ids: ids(n)?,
             targets: ids(n)?,
@@ -220,7 +236,7 @@ impl FusedCuda {
             x0: zeros(n * c)?,
             blocks,
             ln_f: zeros(n * c)?,
-            ln_f_stats: Stats::new(&stream, n)?,
+            ln_f_stats: Stats::new(&gpu, n)?,
             logits: zeros(n * s.vocab_size)?,
             row_loss: zeros(n)?,
         };
@@ -246,16 +262,14 @@ impl FusedCuda {
             att: zeros(scores)?,
             datt: zeros(scores)?,
             partials: zeros(PARTS * 2 * widest)?,
-            sums: Buf::zeros(&stream, NORM_BLOCKS + 1)?,
+            sums: Buf::zeros(&gpu, NORM_BLOCKS + 1)?,
         };
-        Ok(Self {
-            kernels: Kernels::load(dev)?,
-            blas: dev.cublas_handle(),
-            params: Buf::from_host(&stream, values)?,
+        let engine = Self {
+            params: Buf::from_host(&gpu, values)?,
             grads: None,
             moments: None,
-            ends: Buf::from_host(&stream, &ends)?,
-            decays: Buf::from_host(&stream, &decays)?,
+            ends: Buf::from_host(&gpu, &ends)?,
+            decays: Buf::from_host(&gpu, &decays)?,
             tables: Tables { sinusoids, rope },
             acts,
             scratch,
@@ -264,8 +278,77 @@ impl FusedCuda {
             spec: spec.clone(),
             batch,
             precision,
-            stream,
-        })
+            gpu,
+        };
+        let plan = Plan::for_spec(spec, batch).bytes(s.n_layer, false);
+        ensure!(
+            engine.bytes_held() == plan,
+            "the fused CUDA engine holds {} bytes, its allocation plan says {plan}",
+            engine.bytes_held()
+        );
+        Ok(engine)
+    }
+
+    /// Device bytes of every buffer the engine holds (the plan's total, checked when
+    /// it is built).
+    fn bytes_held(&self) -> u64 {
+        let (a, sc, t) = (&self.acts, &self.scratch, &self.tables);
+        let blocks: u64 = a
+            .blocks
+            .iter()
+            .map(|b| {
+                b.ln_1.buf.bytes()
+                    + b.qkv.bytes()
+                    + b.y.bytes()
+                    + b.res_2.bytes()
+                    + b.ln_2.buf.bytes()
+                    + b.fc.bytes()
+                    + b.res_3.bytes()
+            })
+            .sum();
+        let outside = [&a.x0, &a.ln_f, &a.ln_f_stats.buf, &a.logits, &a.row_loss]
+            .iter()
+            .map(|b| b.bytes())
+            .sum::<u64>();
+        let ids = [&a.ids, &a.targets, &a.tokens, &a.starts, &a.order]
+            .iter()
+            .map(|b| b.bytes())
+            .sum::<u64>();
+        let scratch = [
+            &sc.dres,
+            &sc.ln,
+            &sc.dln,
+            &sc.branch,
+            &sc.dy,
+            &sc.dqkv,
+            &sc.act,
+            &sc.dact,
+            &sc.dfc,
+            &sc.q,
+            &sc.k,
+            &sc.v,
+            &sc.heads,
+            &sc.dq,
+            &sc.dk,
+            &sc.dv,
+            &sc.att,
+            &sc.datt,
+            &sc.partials,
+        ]
+        .iter()
+        .map(|b| b.bytes())
+        .sum::<u64>();
+        let tables = t.sinusoids.iter().chain(t.rope.iter().flatten());
+        let optimiser = self.grads.iter().chain(self.moments.iter().flatten());
+        let flat = std::iter::once(&self.params).chain(optimiser).chain(tables);
+        blocks
+            + outside
+            + ids
+            + scratch
+            + flat.map(|b| b.bytes()).sum::<u64>()
+            + sc.sums.bytes()
+            + self.ends.bytes()
+            + self.decays.bytes()
     }
 
     pub fn spec(&self) -> &ModelSpec {
@@ -282,6 +365,13 @@ impl FusedCuda {
 
     fn rows(&self) -> usize {
         self.batch * self.spec.shapes.block_size
+    }
+
+    /// Makes the engine's CUDA context current on this thread: cuBLAS calls and raw
+    /// driver calls need it (cudarc's own calls bind it themselves). The engine's work
+    /// goes to the stream of the thread that built it, so one thread drives it.
+    fn bind(&self) -> Result<()> {
+        self.gpu.bind()
     }
 
     fn heads(&self) -> Heads {
@@ -335,6 +425,7 @@ impl FusedCuda {
         targets: &[u32],
         dropout: Option<&Dropout>,
     ) -> Result<f64> {
+        self.bind()?;
         let n = self.rows();
         ensure!(
             ids.len() == n && targets.len() == n,
@@ -356,7 +447,7 @@ impl FusedCuda {
             (None, None) => 0,
         };
         let a = &self.acts;
-        self.kernels.embedding_forward(
+        self.gpu.embedding_forward(
             a.x0.ptr(),
             a.ids.ptr(),
             self.w(self.spec.wte),
@@ -374,11 +465,11 @@ impl FusedCuda {
         self.norm_forward(a.ln_f.ptr(), &a.ln_f_stats, last, &self.spec.ln_f)?;
         self.linear_forward(a.logits.ptr(), a.ln_f.ptr(), &self.output_layer())?;
         let (logits, losses) = (a.logits.ptr(), a.row_loss.ptr());
-        self.kernels
+        self.gpu
             .softmax_cross_entropy(logits, losses, a.targets.ptr(), n, s.vocab_size)?;
         let total = self.scratch.sums.at(NORM_BLOCKS);
-        self.kernels.sum_all(total, 0, losses, n)?;
-        let sum = self.scratch.sums.read_one(&self.stream, NORM_BLOCKS)?;
+        self.gpu.sum_all(total, 0, losses, n)?;
+        let sum = self.scratch.sums.read_one(&self.gpu, NORM_BLOCKS)?;
         Ok(sum / n as f64)
     }
 
@@ -398,17 +489,17 @@ impl FusedCuda {
         }
         starts.push(order.len() as u32);
         self.distinct = tokens.len();
-        let (stream, a) = (&self.stream, &mut self.acts);
-        a.ids.write(stream, ids)?;
-        a.targets.write(stream, targets)?;
-        a.tokens.write(stream, &tokens)?;
-        a.starts.write(stream, &starts)?;
-        a.order.write(stream, &order)
+        let (gpu, a) = (&self.gpu, &mut self.acts);
+        a.ids.write(gpu, ids)?;
+        a.targets.write(gpu, targets)?;
+        a.tokens.write(gpu, &tokens)?;
+        a.starts.write(gpu, &starts)?;
+        a.order.write(gpu, &order)
     }
 
     /// Block `l`: res_2 = x + attention(ln_1(x)); res_3 = res_2 + mlp(ln_2(res_2)).
     fn block_forward(&self, l: usize) -> Result<()> {
-        let (s, k, sc) = (&self.spec.shapes, &self.kernels, &self.scratch);
+        let (s, k, sc) = (&self.spec.shapes, &self.gpu, &self.scratch);
         let (n, c) = (self.rows(), s.n_embd);
         let p = &self.spec.blocks[l];
         let a = &self.acts.blocks[l];
@@ -449,7 +540,7 @@ impl FusedCuda {
     /// y (N, C) from qkv: per sequence and head, P = causal softmax(Q Kᵀ / sqrt(d)),
     /// dropped (layer `l`'s weights mask), then Y = P V.
     fn attention_forward(&self, l: usize, y: u64, qkv: u64) -> Result<()> {
-        let (h, sc, k) = (self.heads(), &self.scratch, &self.kernels);
+        let (h, sc, k) = (self.heads(), &self.scratch, &self.gpu);
         let (t, d, bh) = (h.t, h.d, h.batch * h.heads);
         k.split_heads((sc.q.ptr(), sc.k.ptr(), sc.v.ptr()), qkv, h)?;
         self.scores(h)?;
@@ -489,7 +580,7 @@ impl FusedCuda {
         (alpha, beta): (f32, f32),
         batch: usize,
     ) -> Result<()> {
-        matmul(&self.blas, self.precision, c, a, b, alpha, beta, batch)
+        matmul(&self.gpu, self.precision, c, a, b, alpha, beta, batch)
     }
 
     /// out (N, d_out) = x Wᵀ (+ b).
@@ -503,7 +594,7 @@ impl FusedCuda {
             1,
         )?;
         if let Some(b) = p.bias {
-            self.kernels.add_bias(out, self.w(b), n, p.d_out)?;
+            self.gpu.add_bias(out, self.w(b), n, p.d_out)?;
         }
         Ok(())
     }
@@ -527,7 +618,7 @@ impl FusedCuda {
         )?;
         if let Some(b) = p.bias {
             let partials = self.scratch.partials.ptr();
-            self.kernels
+            self.gpu
                 .bias_backward(self.g(b), dout, n, p.d_out, partials)?;
         }
         Ok(())
@@ -537,7 +628,7 @@ impl FusedCuda {
         let cfg = &self.spec.config;
         let weights = (self.w(p.weight), self.w_opt(p.bias));
         let (n, c) = (self.rows(), self.spec.shapes.n_embd);
-        self.kernels.norm_forward(
+        self.gpu.norm_forward(
             out,
             stats.ptrs(),
             x,
@@ -553,7 +644,7 @@ impl FusedCuda {
     fn norm_apply(&self, out: u64, stats: &Stats, x: u64, p: &NormParams) -> Result<()> {
         let weights = (self.w(p.weight), self.w_opt(p.bias));
         let (n, c) = (self.rows(), self.spec.shapes.n_embd);
-        self.kernels.norm_apply(out, x, weights, stats.ptrs(), n, c)
+        self.gpu.norm_apply(out, x, weights, stats.ptrs(), n, c)
     }
 
     /// dx += d(norm)/dx . dout; the gain's (and bias's) gradients += theirs.
@@ -570,25 +661,26 @@ impl FusedCuda {
         let partials = self.scratch.partials.ptr();
         let kind = self.spec.config.norm;
         let w = self.w(p.weight);
-        self.kernels
+        self.gpu
             .norm_backward(dx, grads, dout, x, w, stats.ptrs(), n, c, kind, partials)
     }
 
     /// Adds d(loss * `scale`)/d(params) to the gradients, for the batch of the last
     /// forward.
     pub fn backward(&mut self, scale: f32) -> Result<()> {
+        self.bind()?;
         if self.grads.is_none() {
             self.zero_grads()?;
         }
         let n = self.rows();
         let s = self.spec.shapes;
-        let (k, a, sc) = (&self.kernels, &self.acts, &self.scratch);
+        let (k, a, sc) = (&self.gpu, &self.acts, &self.scratch);
 
         let dlogits = a.logits.ptr();
         k.cross_entropy_backward(dlogits, a.targets.ptr(), n, s.vocab_size, scale / n as f32)?;
         self.linear_backward(sc.dln.ptr(), dlogits, a.ln_f.ptr(), &self.output_layer())?;
         let last = a.blocks.last().expect("at least one layer").res_3.ptr();
-        sc.dres.fill_zeros(&self.stream)?;
+        sc.dres.fill_zeros(&self.gpu)?;
         self.norm_backward(
             sc.dres.ptr(),
             sc.dln.ptr(),
@@ -603,7 +695,7 @@ impl FusedCuda {
         // The embeddings: each row's gradient (through the embedding's dropout) to its
         // token's vector and, when learned, its position's.
         let mask = DropoutArgs::at(self.dropout.as_ref(), Site::Embedding);
-        let (k, a, sc) = (&self.kernels, &self.acts, &self.scratch);
+        let (k, a, sc) = (&self.gpu, &self.acts, &self.scratch);
         k.embedding_backward_tokens(
             self.g(self.spec.wte),
             sc.dres.ptr(),
@@ -624,7 +716,7 @@ impl FusedCuda {
     /// The backward of `block_forward`: `dres` holds the gradient at the block's
     /// output on entry and at its input on return; weight gradients accumulate.
     fn block_backward(&self, l: usize) -> Result<()> {
-        let (s, k, sc) = (&self.spec.shapes, &self.kernels, &self.scratch);
+        let (s, k, sc) = (&self.spec.shapes, &self.gpu, &self.scratch);
         let n = self.rows();
         let p = &self.spec.blocks[l];
         let a = &self.acts.blocks[l];
@@ -666,7 +758,7 @@ impl FusedCuda {
         let sc = &self.scratch;
         let n = self.rows() * self.spec.shapes.n_embd;
         let mask = DropoutArgs::at(Some(dropout), site);
-        self.kernels.dropout(sc.branch.ptr(), dres, n, mask)?;
+        self.gpu.dropout(sc.branch.ptr(), dres, n, mask)?;
         Ok(sc.branch.ptr())
     }
 
@@ -674,7 +766,7 @@ impl FusedCuda {
     /// dV = Pdᵀ dY; dPd = dY Vᵀ; dS = softmax backward; dQ = dS K / sqrt(d);
     /// dK = dSᵀ Q / sqrt(d); grouped K/V heads sum their query heads' gradients.
     fn attention_backward(&self, l: usize, dqkv: u64, dy: u64, qkv: u64) -> Result<()> {
-        let (h, sc, k) = (self.heads(), &self.scratch, &self.kernels);
+        let (h, sc, k) = (self.heads(), &self.scratch, &self.gpu);
         let (t, d, bh) = (h.t, h.d, h.batch * h.heads);
         let scale = 1.0 / (d as f32).sqrt();
         let mask = DropoutArgs::at(self.dropout.as_ref(), Site::AttentionWeights(l));
@@ -730,9 +822,9 @@ impl FusedCuda {
 
     pub fn zero_grads(&mut self) -> Result<()> {
         match &self.grads {
-            Some(g) => g.fill_zeros(&self.stream),
+            Some(g) => g.fill_zeros(&self.gpu),
             None => {
-                self.grads = Some(Buf::zeros(&self.stream, self.spec.len())?);
+                self.grads = Some(Buf::zeros(&self.gpu, self.spec.len())?);
                 Ok(())
             }
         }
@@ -741,31 +833,30 @@ impl FusedCuda {
     /// Scales the gradients to a global L2 norm of at most `max_norm` (0: no clipping)
     /// and returns the norm before.
     pub fn clip_grads(&mut self, max_norm: f64) -> Result<f64> {
+        self.bind()?;
         let Some(grads) = &self.grads else {
             return Ok(0.0);
         };
         let sums = &self.scratch.sums;
         let (total, partials) = (sums.at(NORM_BLOCKS), sums.ptr());
-        self.kernels
+        self.gpu
             .sum_squares(total, grads.ptr(), grads.len(), partials)?;
-        let norm = sums.read_one(&self.stream, NORM_BLOCKS)?.sqrt();
+        let norm = sums.read_one(&self.gpu, NORM_BLOCKS)?.sqrt();
         if let Some(scale) = clip_scale(norm, max_norm) {
-            self.kernels.scale(grads.ptr(), grads.len(), scale as f32)?;
+            self.gpu.scale(grads.ptr(), grads.len(), scale as f32)?;
         }
         Ok(norm)
     }
 
     /// The AdamW update `u`, in place, in one launch.
     pub fn adamw(&mut self, u: &AdamWStep) -> Result<()> {
+        self.bind()?;
         if self.grads.is_none() {
             self.zero_grads()?;
         }
         if self.moments.is_none() {
             let len = self.spec.len();
-            self.moments = Some([
-                Buf::zeros(&self.stream, len)?,
-                Buf::zeros(&self.stream, len)?,
-            ]);
+            self.moments = Some([Buf::zeros(&self.gpu, len)?, Buf::zeros(&self.gpu, len)?]);
         }
         let (grads, [m, v]) = (
             self.grads.as_ref().context("gradients")?,
@@ -790,12 +881,12 @@ impl FusedCuda {
             decays: self.decays.ptr(),
             tensors: self.ends.len(),
         };
-        self.kernels.adamw(buffers, self.spec.len(), hyper)
+        self.gpu.adamw(buffers, self.spec.len(), hyper)
     }
 
     /// The weights: a flat buffer in the spec's table order.
     pub fn weights(&self) -> Result<Vec<f32>> {
-        self.params.read(&self.stream, self.spec.len())
+        self.params.read(&self.gpu, self.spec.len())
     }
 
     pub fn set_weights(&mut self, values: &[f32]) -> Result<()> {
@@ -803,13 +894,13 @@ impl FusedCuda {
             values.len() == self.spec.len(),
             "a flat buffer of the whole table"
         );
-        self.params.write(&self.stream, values)
+        self.params.write(&self.gpu, values)
     }
 
     /// The gradients, laid out like the weights (zeros before the first backward).
     pub fn grads(&self) -> Result<Vec<f32>> {
         match &self.grads {
-            Some(g) => g.read(&self.stream, self.spec.len()),
+            Some(g) => g.read(&self.gpu, self.spec.len()),
             None => Ok(vec![0.0; self.spec.len()]),
         }
     }
@@ -823,7 +914,7 @@ impl FusedCuda {
             self.zero_grads()?;
         }
         let grads = self.grads.as_mut().context("gradients")?;
-        grads.write(&self.stream, values)
+        grads.write(&self.gpu, values)
     }
 
     /// AdamW's moments (m, v), laid out like the weights; zeros before the first
@@ -831,7 +922,7 @@ impl FusedCuda {
     pub fn moments(&self) -> Result<(Vec<f32>, Vec<f32>)> {
         let len = self.spec.len();
         match &self.moments {
-            Some([m, v]) => Ok((m.read(&self.stream, len)?, v.read(&self.stream, len)?)),
+            Some([m, v]) => Ok((m.read(&self.gpu, len)?, v.read(&self.gpu, len)?)),
             None => Ok((vec![0.0; len], vec![0.0; len])),
         }
     }
@@ -843,19 +934,16 @@ impl FusedCuda {
             "moments of the whole table"
         );
         if self.moments.is_none() {
-            self.moments = Some([
-                Buf::zeros(&self.stream, len)?,
-                Buf::zeros(&self.stream, len)?,
-            ]);
+            self.moments = Some([Buf::zeros(&self.gpu, len)?, Buf::zeros(&self.gpu, len)?]);
         }
         let [bm, bv] = self.moments.as_mut().context("moments")?;
-        bm.write(&self.stream, m)?;
-        bv.write(&self.stream, v)
+        bm.write(&self.gpu, m)?;
+        bv.write(&self.gpu, v)
     }
 
     /// Each position's loss in the last forward, (batch, block_size) row-major.
     pub fn position_losses(&self) -> Result<Vec<f64>> {
-        let losses = self.acts.row_loss.read(&self.stream, self.rows())?;
+        let losses = self.acts.row_loss.read(&self.gpu, self.rows())?;
         Ok(losses.into_iter().map(f64::from).collect())
     }
 }

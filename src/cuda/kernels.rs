@@ -1,43 +1,94 @@
-//! The engine's own kernels (`kernels/*.cu`, compiled to PTX by build.rs), loaded
-//! once through candle's CUDA device, each behind a typed launch.
+//! The engine's own kernels (`kernels/*.cu`: PTX by build.rs on CUDA, C++ in the
+//! emulator), each behind a typed launch on [`Gpu`].
 //!
 //! Pointers cross as raw device addresses (`u64`): the engine owns every buffer for
 //! its whole life and runs on one stream, so nothing is freed or raced while a launch
 //! reads it, and a layer's weights are an offset into the flat parameter buffer
 //! (llm.c's pointers into `params_memory`).
 
-use std::sync::Arc;
+use anyhow::Result;
 
-use anyhow::{Context, Result};
-use candle_core::cuda::cudarc::driver::{
-    CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
-};
-use candle_core::cuda::CudaDevice;
-
+use super::gpu::{Gpu, Launch};
 use crate::config::{MlpKind, NormKind};
 use crate::model::{Dropout, Site};
 
-macro_rules! ptx {
-    ($module:literal) => {
-        include_str!(concat!(env!("OUT_DIR"), "/", $module, ".ptx"))
+/// Launches kernel `$kernel` on `$gpu` with `$cfg` and the arguments in order, each
+/// passed by address as cuLaunchKernel takes them (the temporaries live until the
+/// launch returns).
+macro_rules! launch {
+    ($gpu:expr, $kernel:ident, $cfg:expr; $($arg:expr),* $(,)?) => {
+        // SAFETY: the arguments match the kernel's parameters in number, order and
+        // type (each kernel's signature is beside its wrapper's in kernels/*.cu), and
+        // every pointer is into a live buffer of the length the kernel reads.
+        unsafe {
+            $gpu.launch(
+                Kernel::$kernel,
+                $cfg,
+                &mut [$(&mut { $arg } as *mut _ as *mut std::ffi::c_void),*],
+            )
+        }
     };
 }
 
-/// Launches kernel `$func` of `$kernels` with `$cfg` and the arguments in order (each
-/// kept alive until the launch, as the builder holds their addresses).
-macro_rules! launch {
-    ($kernels:expr, $func:ident, $cfg:expr; $($arg:expr),* $(,)?) => {{
-        let mut builder = $kernels.stream.launch_builder(&$kernels.$func);
-        $(
-            let arg = $arg;
-            builder.arg(&arg);
-        )*
-        // SAFETY: the arguments match the kernel's parameters in number, order and
-        // type (each kernel's signature is beside its wrapper's), and every pointer is
-        // into a live buffer of the length the kernel reads.
-        unsafe { builder.launch($cfg) }.context(stringify!($func))?;
-        anyhow::Ok(())
-    }};
+/// Names every kernel: its variant, its function name and the file it is in.
+macro_rules! kernels {
+    ($($variant:ident = $name:literal in $module:literal,)*) => {
+        /// Every kernel of kernels/*.cu.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub enum Kernel {
+            $($variant,)*
+        }
+
+        impl Kernel {
+            /// In declaration order: `Kernel::X as usize` indexes it.
+            #[allow(dead_code)] // read on CUDA only
+            pub const ALL: &[Kernel] = &[$(Kernel::$variant,)*];
+
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(Kernel::$variant => $name,)*
+                }
+            }
+
+            /// The file (`kernels/<module>.cu`) it is in.
+            #[allow(dead_code)] // read on CUDA only
+            pub fn module(self) -> &'static str {
+                match self {
+                    $(Kernel::$variant => $module,)*
+                }
+            }
+        }
+    };
+}
+
+kernels! {
+    EmbeddingForward = "embedding_forward" in "embedding",
+    EmbeddingBackwardTokens = "embedding_backward_tokens" in "embedding",
+    EmbeddingBackwardPositions = "embedding_backward_positions" in "embedding",
+    NormForward = "norm_forward" in "norm",
+    NormApply = "norm_apply" in "norm",
+    NormBackwardInput = "norm_backward_input" in "norm",
+    NormBackwardParams = "norm_backward_params" in "norm",
+    ColumnPartials = "column_partials" in "norm",
+    AddColumnSums = "add_column_sums" in "norm",
+    ActivationForward = "activation_forward" in "activation",
+    ActivationBackward = "activation_backward" in "activation",
+    ResidualForward = "residual_forward" in "elementwise",
+    DropoutApply = "dropout_apply" in "elementwise",
+    AddBias = "add_bias" in "elementwise",
+    ScaleInPlace = "scale_in_place" in "elementwise",
+    Rope = "rope" in "elementwise",
+    SplitHeads = "split_heads" in "attention",
+    MergeHeads = "merge_heads" in "attention",
+    SplitRows = "split_rows" in "attention",
+    MergeHeadGrads = "merge_head_grads" in "attention",
+    CausalSoftmax = "causal_softmax" in "attention",
+    CausalSoftmaxBackward = "causal_softmax_backward" in "attention",
+    SoftmaxCrossEntropy = "softmax_cross_entropy" in "loss",
+    CrossEntropyBackward = "cross_entropy_backward" in "loss",
+    SumSquares = "sum_squares" in "optim",
+    SumAll = "sum_all" in "optim",
+    Adamw = "adamw" in "optim",
 }
 
 /// A dropout site's mask for the kernels, field for field `struct Dropout` of
@@ -53,10 +104,6 @@ pub struct DropoutArgs {
     threshold: u64,
     keep: f32,
 }
-
-// SAFETY: a plain `repr(C)` struct of integers and a float, laid out as the kernels'
-// `struct Dropout`.
-unsafe impl DeviceRepr for DropoutArgs {}
 
 impl DropoutArgs {
     pub const NONE: Self = Self {
@@ -91,31 +138,28 @@ impl DropoutArgs {
 const THREADS: u32 = 256;
 
 /// A grid-stride launch over `n` elements.
-fn elements(n: usize) -> LaunchConfig {
+fn elements(n: usize) -> Launch {
     let blocks = n.div_ceil(THREADS as usize).clamp(1, 65_536) as u32;
-    LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
+    Launch {
+        grid: (blocks, 1, 1),
+        threads: THREADS,
     }
 }
 
 /// One warp per row.
-fn warp_rows(rows: usize) -> LaunchConfig {
+fn warp_rows(rows: usize) -> Launch {
     let per_block = THREADS as usize / 32;
-    LaunchConfig {
-        grid_dim: (rows.div_ceil(per_block) as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
+    Launch {
+        grid: (rows.div_ceil(per_block) as u32, 1, 1),
+        threads: THREADS,
     }
 }
 
 /// One thread per column, `parts` block rows.
-fn columns(cols: usize, parts: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (cols.div_ceil(THREADS as usize) as u32, parts as u32, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
+fn columns(cols: usize, parts: usize) -> Launch {
+    Launch {
+        grid: (cols.div_ceil(THREADS as usize) as u32, parts as u32, 1),
+        threads: THREADS,
     }
 }
 
@@ -136,38 +180,6 @@ fn activation_kind(kind: MlpKind) -> i32 {
     }
 }
 
-/// Every kernel, loaded.
-pub struct Kernels {
-    embedding_forward: CudaFunction,
-    embedding_backward_tokens: CudaFunction,
-    embedding_backward_positions: CudaFunction,
-    norm_forward: CudaFunction,
-    norm_apply: CudaFunction,
-    norm_backward_input: CudaFunction,
-    norm_backward_params: CudaFunction,
-    column_partials: CudaFunction,
-    add_column_sums: CudaFunction,
-    activation_forward: CudaFunction,
-    activation_backward: CudaFunction,
-    residual_forward: CudaFunction,
-    dropout_apply: CudaFunction,
-    add_bias: CudaFunction,
-    scale_in_place: CudaFunction,
-    rope: CudaFunction,
-    split_heads: CudaFunction,
-    merge_heads: CudaFunction,
-    split_rows: CudaFunction,
-    merge_head_grads: CudaFunction,
-    causal_softmax: CudaFunction,
-    causal_softmax_backward: CudaFunction,
-    softmax_cross_entropy: CudaFunction,
-    cross_entropy_backward: CudaFunction,
-    sum_squares: CudaFunction,
-    sum_all: CudaFunction,
-    adamw: CudaFunction,
-    stream: Arc<CudaStream>,
-}
-
 /// Sizes of a batch of heads: (B, H, T, d), grouped K/V heads Hkv.
 #[derive(Debug, Clone, Copy)]
 pub struct Heads {
@@ -184,53 +196,7 @@ impl Heads {
     }
 }
 
-impl Kernels {
-    pub fn load(dev: &CudaDevice) -> Result<Self> {
-        let load = |module: &str, ptx: &str, name: &str| -> Result<CudaFunction> {
-            let func = dev
-                .get_or_load_custom_func(name, &format!("tinygpt_{module}"), ptx)
-                .with_context(|| format!("loading the CUDA kernel {name}"))?;
-            Ok(func.into_cuda_function())
-        };
-        let embedding = |name| load("embedding", ptx!("embedding"), name);
-        let norm = |name| load("norm", ptx!("norm"), name);
-        let activation = |name| load("activation", ptx!("activation"), name);
-        let elementwise = |name| load("elementwise", ptx!("elementwise"), name);
-        let attention = |name| load("attention", ptx!("attention"), name);
-        let loss = |name| load("loss", ptx!("loss"), name);
-        let optim = |name| load("optim", ptx!("optim"), name);
-        Ok(Self {
-            embedding_forward: embedding("embedding_forward")?,
-            embedding_backward_tokens: embedding("embedding_backward_tokens")?,
-            embedding_backward_positions: embedding("embedding_backward_positions")?,
-            norm_forward: norm("norm_forward")?,
-            norm_apply: norm("norm_apply")?,
-            norm_backward_input: norm("norm_backward_input")?,
-            norm_backward_params: norm("norm_backward_params")?,
-            column_partials: norm("column_partials")?,
-            add_column_sums: norm("add_column_sums")?,
-            activation_forward: activation("activation_forward")?,
-            activation_backward: activation("activation_backward")?,
-            residual_forward: elementwise("residual_forward")?,
-            dropout_apply: elementwise("dropout_apply")?,
-            add_bias: elementwise("add_bias")?,
-            scale_in_place: elementwise("scale_in_place")?,
-            rope: elementwise("rope")?,
-            split_heads: attention("split_heads")?,
-            merge_heads: attention("merge_heads")?,
-            split_rows: attention("split_rows")?,
-            merge_head_grads: attention("merge_head_grads")?,
-            causal_softmax: attention("causal_softmax")?,
-            causal_softmax_backward: attention("causal_softmax_backward")?,
-            softmax_cross_entropy: loss("softmax_cross_entropy")?,
-            cross_entropy_backward: loss("cross_entropy_backward")?,
-            sum_squares: optim("sum_squares")?,
-            sum_all: optim("sum_all")?,
-            adamw: optim("adamw")?,
-            stream: dev.cuda_stream(),
-        })
-    }
-
+impl Gpu {
     /// x (rows x C) = (wte[ids] + positions[row % T]) * mask; `positions` 0 for none.
     #[allow(clippy::too_many_arguments)]
     pub fn embedding_forward(
@@ -244,7 +210,7 @@ impl Kernels {
         c: usize,
         dropout: DropoutArgs,
     ) -> Result<()> {
-        launch!(self, embedding_forward, elements(rows * c);
+        launch!(self, EmbeddingForward, elements(rows * c);
             x, ids, wte, positions, int(rows), int(t), int(c), dropout)
     }
 
@@ -261,12 +227,11 @@ impl Kernels {
         c: usize,
         dropout: DropoutArgs,
     ) -> Result<()> {
-        let cfg = LaunchConfig {
-            grid_dim: (distinct as u32, c.div_ceil(THREADS as usize) as u32, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
+        let cfg = Launch {
+            grid: (distinct as u32, c.div_ceil(THREADS as usize) as u32, 1),
+            threads: THREADS,
         };
-        launch!(self, embedding_backward_tokens, cfg;
+        launch!(self, EmbeddingBackwardTokens, cfg;
             dwte, dx, tokens, starts, order, int(distinct), int(c), dropout)
     }
 
@@ -278,7 +243,7 @@ impl Kernels {
         (b, t, c): (usize, usize, usize),
         dropout: DropoutArgs,
     ) -> Result<()> {
-        launch!(self, embedding_backward_positions, elements(t * c);
+        launch!(self, EmbeddingBackwardPositions, elements(t * c);
             dwpe, dx, int(b), int(t), int(c), dropout)
     }
 
@@ -296,7 +261,7 @@ impl Kernels {
         kind: NormKind,
     ) -> Result<()> {
         let rms = i32::from(kind == NormKind::RmsNorm);
-        launch!(self, norm_forward, warp_rows(rows);
+        launch!(self, NormForward, warp_rows(rows);
             out, mean, rstd, x, w, b, int(rows), int(c), eps, rms)
     }
 
@@ -310,7 +275,7 @@ impl Kernels {
         rows: usize,
         c: usize,
     ) -> Result<()> {
-        launch!(self, norm_apply, elements(rows * c);
+        launch!(self, NormApply, elements(rows * c);
             out, x, w, b, mean, rstd, int(rows), int(c))
     }
 
@@ -331,10 +296,10 @@ impl Kernels {
         partials: u64,
     ) -> Result<()> {
         let rms = i32::from(kind == NormKind::RmsNorm);
-        launch!(self, norm_backward_input, warp_rows(rows);
+        launch!(self, NormBackwardInput, warp_rows(rows);
             dx, dout, x, w, mean, rstd, int(rows), int(c), rms)?;
         let parts = super::plan::PARTS.min(rows);
-        launch!(self, norm_backward_params, columns(c, parts);
+        launch!(self, NormBackwardParams, columns(c, parts);
             partials, dout, x, mean, rstd, int(rows), int(c))?;
         self.add_column_sums(dw, partials, parts, 2 * c, c)?;
         if db != 0 {
@@ -353,7 +318,7 @@ impl Kernels {
         partials: u64,
     ) -> Result<()> {
         let parts = super::plan::PARTS.min(rows);
-        launch!(self, column_partials, columns(cols, parts);
+        launch!(self, ColumnPartials, columns(cols, parts);
             partials, x, int(rows), int(cols))?;
         self.add_column_sums(db, partials, parts, cols, cols)
     }
@@ -366,7 +331,7 @@ impl Kernels {
         stride: usize,
         count: usize,
     ) -> Result<()> {
-        launch!(self, add_column_sums, columns(count, 1);
+        launch!(self, AddColumnSums, columns(count, 1);
             dst, partials, int(parts), int(stride), int(count))
     }
 
@@ -379,7 +344,7 @@ impl Kernels {
         hidden: usize,
         kind: MlpKind,
     ) -> Result<()> {
-        launch!(self, activation_forward, elements(rows * hidden);
+        launch!(self, ActivationForward, elements(rows * hidden);
             out, fc, int(rows), int(hidden), activation_kind(kind))
     }
 
@@ -392,7 +357,7 @@ impl Kernels {
         (rows, hidden): (usize, usize),
         kind: MlpKind,
     ) -> Result<()> {
-        launch!(self, activation_backward, elements(rows * hidden);
+        launch!(self, ActivationBackward, elements(rows * hidden);
             dfc, fc, dout, int(rows), int(hidden), activation_kind(kind))
     }
 
@@ -405,22 +370,22 @@ impl Kernels {
         n: usize,
         dropout: DropoutArgs,
     ) -> Result<()> {
-        launch!(self, residual_forward, elements(n); out, x, branch, long(n), dropout)
+        launch!(self, ResidualForward, elements(n); out, x, branch, long(n), dropout)
     }
 
     /// out = x * mask.
     pub fn dropout(&self, out: u64, x: u64, n: usize, dropout: DropoutArgs) -> Result<()> {
-        launch!(self, dropout_apply, elements(n); out, x, long(n), dropout)
+        launch!(self, DropoutApply, elements(n); out, x, long(n), dropout)
     }
 
     /// out[r] += b, rows of `cols`.
     pub fn add_bias(&self, out: u64, b: u64, rows: usize, cols: usize) -> Result<()> {
-        launch!(self, add_bias, elements(rows * cols); out, b, int(rows), int(cols))
+        launch!(self, AddBias, elements(rows * cols); out, b, int(rows), int(cols))
     }
 
     /// x *= s.
     pub fn scale(&self, x: u64, n: usize, s: f32) -> Result<()> {
-        launch!(self, scale_in_place, elements(n); x, long(n), s)
+        launch!(self, ScaleInPlace, elements(n); x, long(n), s)
     }
 
     /// Turns the q and k heads of qkv rows (width `w`) by their positions' angles;
@@ -436,25 +401,25 @@ impl Kernels {
         sign: f32,
     ) -> Result<()> {
         let turned = h.heads + h.kv_heads;
-        launch!(self, rope, elements(rows * turned * h.d / 2);
+        launch!(self, Rope, elements(rows * turned * h.d / 2);
             qkv, cos, sin, int(rows), int(h.t), int(turned), int(h.d), int(w), sign)
     }
 
     /// q, k, v (B, H, T, d) from qkv rows.
     pub fn split_heads(&self, (q, k, v): (u64, u64, u64), qkv: u64, h: Heads) -> Result<()> {
-        launch!(self, split_heads, elements(h.len());
+        launch!(self, SplitHeads, elements(h.len());
             q, k, v, qkv, int(h.batch), int(h.t), int(h.heads), int(h.kv_heads), int(h.d))
     }
 
     /// Rows (B T, H d) from heads (B, H, T, d).
     pub fn merge_heads(&self, y: u64, heads: u64, h: Heads) -> Result<()> {
-        launch!(self, merge_heads, elements(h.len());
+        launch!(self, MergeHeads, elements(h.len());
             y, heads, int(h.batch), int(h.t), int(h.heads), int(h.d))
     }
 
     /// Heads (B, H, T, d) from rows (B T, H d).
     pub fn split_rows(&self, heads: u64, y: u64, h: Heads) -> Result<()> {
-        launch!(self, split_rows, elements(h.len());
+        launch!(self, SplitRows, elements(h.len());
             heads, y, int(h.batch), int(h.t), int(h.heads), int(h.d))
     }
 
@@ -466,14 +431,14 @@ impl Kernels {
         h: Heads,
     ) -> Result<()> {
         let w = (h.heads + 2 * h.kv_heads) * h.d;
-        launch!(self, merge_head_grads, elements(h.batch * h.t * w);
+        launch!(self, MergeHeadGrads, elements(h.batch * h.t * w);
             dqkv, dq, dk, dv, int(h.batch), int(h.t), int(h.heads), int(h.kv_heads), int(h.d))
     }
 
     /// In place on (B H, T, T) scores: the causal softmax of each row, times the mask.
     pub fn causal_softmax(&self, att: u64, h: Heads, dropout: DropoutArgs) -> Result<()> {
         let rows = h.batch * h.heads * h.t;
-        launch!(self, causal_softmax, warp_rows(rows);
+        launch!(self, CausalSoftmax, warp_rows(rows);
             att, int(h.batch * h.heads), int(h.t), dropout)
     }
 
@@ -486,7 +451,7 @@ impl Kernels {
         dropout: DropoutArgs,
     ) -> Result<()> {
         let rows = h.batch * h.heads * h.t;
-        launch!(self, causal_softmax_backward, warp_rows(rows);
+        launch!(self, CausalSoftmaxBackward, warp_rows(rows);
             datt, p, int(h.batch * h.heads), int(h.t), dropout)
     }
 
@@ -499,13 +464,11 @@ impl Kernels {
         rows: usize,
         v: usize,
     ) -> Result<()> {
-        let threads = v.next_power_of_two().clamp(32, 1024) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
+        let cfg = Launch {
+            grid: (rows as u32, 1, 1),
+            threads: v.next_power_of_two().clamp(32, 1024) as u32,
         };
-        launch!(self, softmax_cross_entropy, cfg; logits, row_loss, targets, int(rows), int(v))
+        launch!(self, SoftmaxCrossEntropy, cfg; logits, row_loss, targets, int(rows), int(v))
     }
 
     /// In place on probabilities: (p - onehot(target)) * scale.
@@ -517,30 +480,31 @@ impl Kernels {
         v: usize,
         scale: f32,
     ) -> Result<()> {
-        launch!(self, cross_entropy_backward, elements(rows * v);
+        launch!(self, CrossEntropyBackward, elements(rows * v);
             probs, targets, int(rows), int(v), scale)
     }
 
-    /// out[0] = sum of x^2 over n f32 values, in f64, through `partials` (NORM_BLOCKS).
+    /// out[0] = sum of x^2 over n f32 values, in f64, through `partials` (at most
+    /// NORM_BLOCKS, one per block of the first pass).
     pub fn sum_squares(&self, out: u64, x: u64, n: usize, partials: u64) -> Result<()> {
-        let blocks = super::plan::NORM_BLOCKS;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
+        let blocks = n
+            .div_ceil(THREADS as usize)
+            .clamp(1, super::plan::NORM_BLOCKS);
+        let cfg = Launch {
+            grid: (blocks as u32, 1, 1),
+            threads: THREADS,
         };
-        launch!(self, sum_squares, cfg; partials, x, long(n))?;
+        launch!(self, SumSquares, cfg; partials, x, long(n))?;
         self.sum_all(out, partials, 0, blocks)
     }
 
     /// out[0] = the sum of n f64 values `x`, or of n f32 values `x32` when not 0.
     pub fn sum_all(&self, out: u64, x: u64, x32: u64, n: usize) -> Result<()> {
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 0,
+        let cfg = Launch {
+            grid: (1, 1, 1),
+            threads: 1024,
         };
-        launch!(self, sum_all, cfg; out, x, x32, int(n))
+        launch!(self, SumAll, cfg; out, x, x32, int(n))
     }
 
     /// AdamW over n parameters in one launch (`AdamParams` has the numbers).
@@ -554,7 +518,7 @@ impl Kernels {
             decays,
             tensors,
         } = buffers;
-        launch!(self, adamw, elements(n);
+        launch!(self, Adamw, elements(n);
             params, grads, m, v, long(n), ends, decays, int(tensors),
             p.b1, p.b2, p.inv_bc1, p.inv_bc2, p.lr, p.eps, p.shrink)
     }

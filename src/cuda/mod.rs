@@ -5,22 +5,31 @@
 //! reference on the same GPU.
 //!
 //! - [`plan`]: every buffer's size, from the shapes (also the memory check; no CUDA).
-//! - `kernels`: the kernels, loaded, each behind a typed launch.
+//! - `gpu`: where it runs: a CUDA device, or the emulator (below).
+//! - `kernels`: every kernel, each behind a typed launch.
 //! - `blas`: row-major matrix products on cuBLAS (f32, or bf16 tensor-core products).
-//! - `buffers`: device buffers with their addresses.
-//! - `engine`: [`FusedCuda`], the forward and backward walk.
+//! - `buffers`: buffers with their addresses.
+//! - `engine`: `FusedCuda`, the forward and backward walk.
+//! - `emulator` (feature `cuda-emulator`): the same kernels compiled as C++ and run on
+//!   the CPU, and cuBLAS's product written out, so `tests/engines.rs` holds the whole
+//!   engine to the reference on machines without a GPU (CI's). What it cannot catch:
+//!   the CUDA API's own use (loading, launching, copying) and timing; the GPU tests do.
 
 pub mod plan;
 
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 mod blas;
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 mod buffers;
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-emulator")]
+mod emulator;
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 mod engine;
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+mod gpu;
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 mod kernels;
 
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 pub use engine::FusedCuda;
 pub use plan::Plan;

@@ -34,10 +34,13 @@ pub struct Plan {
     pub tables: usize,
     /// f64 partial sums of the gradient norm and the loss.
     pub sums: usize,
+    /// Tensors in the parameter table: AdamW reads where each ends (u64) and whether
+    /// it decays (i32).
+    pub tensors: usize,
 }
 
 impl Plan {
-    pub fn new(s: &Shapes, params: usize, batch: usize, tables: usize) -> Self {
+    pub fn new(s: &Shapes, params: usize, tensors: usize, batch: usize, tables: usize) -> Self {
         let (t, c) = (s.block_size, s.n_embd);
         let n = batch * t;
         let norm_stats = 2 * n;
@@ -66,6 +69,7 @@ impl Plan {
             ids: 2 * n + 3 * n + 1, // ids, targets; tokens, starts, order
             tables,
             sums: NORM_BLOCKS + 1,
+            tensors,
         }
     }
 
@@ -77,7 +81,7 @@ impl Plan {
             PositionKind::Rope => s.block_size * s.head_dim, // cos and sin, d/2 each
             PositionKind::Learned => 0,
         };
-        Self::new(s, spec.len(), batch, tables)
+        Self::new(s, spec.len(), spec.params().len(), batch, tables)
     }
 
     /// Device bytes to evaluate (weights and activations) and, with `training`, to
@@ -89,7 +93,7 @@ impl Plan {
             + self.outside
             + self.scratch
             + self.tables;
-        4 * (f32s + self.ids) as u64 + 8 * self.sums as u64
+        4 * (f32s + self.ids) as u64 + 8 * self.sums as u64 + 12 * self.tensors as u64
     }
 }
 

@@ -12,7 +12,7 @@
 
 pub mod footprint;
 pub mod fused_cpu;
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 pub mod fused_cuda;
 pub mod interface;
 pub mod reference;

@@ -90,8 +90,7 @@ extern "C" __global__ void causal_softmax(float* att, int BH, int T, Dropout dro
     for (int j = lane; j <= i; j += WARP_SIZE) sum += expf(s[j] - m);
     const float inv = 1.0f / warp_sum(sum);
     for (int j = lane; j < T; j += WARP_SIZE) {
-        const float p = j <= i ? expf(s[j] - m) * inv : 0.0f;
-        s[j] = p * dropout_scale(dropout, row * T + j);
+        s[j] = j <= i ? expf(s[j] - m) * inv * dropout_scale(dropout, row * T + j) : 0.0f;
     }
 }
 
@@ -105,13 +104,14 @@ extern "C" __global__ void causal_softmax_backward(float* datt, const float* p, 
     const int i = (int)(row % T);
     float* g = datt + row * T;
     const float* pr = p + row * T;
+    // dP in place first (each element's mask drawn once), then the row's dot product.
     float dot = 0.0f;
     for (int j = lane; j <= i; j += WARP_SIZE) {
-        dot += pr[j] * g[j] * dropout_scale(dropout, row * T + j);
+        g[j] *= dropout_scale(dropout, row * T + j);
+        dot += pr[j] * g[j];
     }
     dot = warp_sum(dot);
     for (int j = lane; j < T; j += WARP_SIZE) {
-        const float dp = g[j] * dropout_scale(dropout, row * T + j);
-        g[j] = j <= i ? pr[j] * (dp - dot) : 0.0f;
+        g[j] = j <= i ? pr[j] * (g[j] - dot) : 0.0f;
     }
 }

@@ -15,7 +15,7 @@ extern "C" __global__ void softmax_cross_entropy(float* logits, float* row_loss,
     sum = block_sum(sum);
     const float target_logit = x[targets[r]];
     __syncthreads();  // every thread has read the target's logit before any write
-    if (threadIdx.x == 0) row_loss[r] = logf(sum) + m - target_logit;
+    if (threadIdx.x == 0) row_loss[r] = logf(sum) - (target_logit - m);
     const float inv = 1.0f / sum;
     for (int j = threadIdx.x; j < V; j += blockDim.x) x[j] = expf(x[j] - m) * inv;
 }

@@ -1,0 +1,98 @@
+//! The CUDA engine's device, emulated on the CPU (feature `cuda-emulator`): our kernels
+//! compiled as C++ (`emulator/`, see cuda_shim.h) and launched by name, and cuBLAS's
+//! column-major product written out plainly. For tests on machines without a GPU: the
+//! engine's every step, index and formula runs as on the GPU, slowly.
+
+use std::ffi::{c_char, c_void, CString};
+
+use anyhow::{bail, Result};
+
+use super::blas::ColumnMajor;
+use super::gpu::Launch;
+use crate::config::Precision;
+
+extern "C" {
+    fn tinygpt_emulate_launch(
+        name: *const c_char,
+        grid: *const u32,
+        block: *const u32,
+        args: *mut *mut c_void,
+    ) -> i32;
+}
+
+/// Runs kernel `name` over `cfg`'s grid, block after block.
+///
+/// # Safety
+/// As `Gpu::launch`: the arguments match the kernel's parameters, and every address
+/// among them is into live host memory of the length the kernel reads.
+pub unsafe fn launch(name: &str, cfg: Launch, args: &mut [*mut c_void]) -> Result<()> {
+    let c_name = CString::new(name)?;
+    let grid = [cfg.grid.0, cfg.grid.1, cfg.grid.2];
+    let block = [cfg.threads, 1, 1];
+    // SAFETY: as the caller promises; the name, grid and block outlive the call.
+    let status = unsafe {
+        tinygpt_emulate_launch(
+            c_name.as_ptr(),
+            grid.as_ptr(),
+            block.as_ptr(),
+            args.as_mut_ptr(),
+        )
+    };
+    match status {
+        0 => Ok(()),
+        1 => bail!("the emulator has no kernel {name}"),
+        _ => bail!(
+            "{name}: {} threads is not a whole number of warps",
+            cfg.threads
+        ),
+    }
+}
+
+/// cuBLAS's strided-batched product, column-major: C = alpha op(A) op(B) + beta C
+/// (beta 0 ignores C, as cuBLAS does). Under `Precision::Bf16` each operand is rounded
+/// to bf16 first and the sums stay f32, as the tensor cores do.
+///
+/// # Safety
+/// The addresses are into live host f32 buffers holding the matrices `g` describes.
+pub unsafe fn gemm(g: &ColumnMajor, precision: Precision) {
+    let round = |x: f32| match precision {
+        Precision::F32 => x,
+        Precision::Bf16 => crate::cpu::bf16::round_to_bf16(x),
+    };
+    let at = |base: u64, i: usize| base as *mut f32 as usize + 4 * i;
+    for batch in 0..g.batch {
+        let (a, b, c) = (
+            at(g.a, batch * g.stride_a),
+            at(g.b, batch * g.stride_b),
+            at(g.c, batch * g.stride_c),
+        );
+        for col in 0..g.n {
+            for row in 0..g.m {
+                let mut sum = 0f32;
+                for k in 0..g.k {
+                    let ai = if g.transa {
+                        k + row * g.lda
+                    } else {
+                        row + k * g.lda
+                    };
+                    let bi = if g.transb {
+                        col + k * g.ldb
+                    } else {
+                        k + col * g.ldb
+                    };
+                    // SAFETY: in the matrices the caller describes.
+                    let (x, y) =
+                        unsafe { (*(a as *const f32).add(ai), *(b as *const f32).add(bi)) };
+                    sum += round(x) * round(y);
+                }
+                // SAFETY: as above.
+                let out = unsafe { &mut *(c as *mut f32).add(row + col * g.ldc) };
+                *out = if g.beta == 0.0 {
+                    g.alpha * sum
+                } else {
+                    g.alpha * sum + g.beta * *out
+                };
+            }
+        }
+    }
+}

@@ -1,0 +1,132 @@
+//! Where the fused CUDA engine's buffers live and its kernels run: a CUDA device, or,
+//! with the feature `cuda-emulator`, the same kernels compiled for the CPU
+//! (`emulator/`), so tests hold the whole engine to the reference on machines without
+//! a GPU. The engine is written once against [`Gpu`]; only launching a kernel, a
+//! matrix product and moving bytes differ.
+
+use std::ffi::c_void;
+#[cfg(feature = "cuda")]
+use std::sync::Arc;
+
+#[cfg(feature = "cuda")]
+use anyhow::Context;
+use anyhow::Result;
+#[cfg(feature = "cuda")]
+use candle_core::cuda::cudarc::{
+    cublas::CudaBlas,
+    driver::{result, CudaFunction, CudaStream},
+};
+
+use super::kernels::Kernel;
+
+/// Grid and block of a launch (one dimension of threads; no dynamic shared memory).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    pub grid: (u32, u32, u32),
+    pub threads: u32,
+}
+
+/// The device the engine runs on.
+pub enum Gpu {
+    #[cfg(feature = "cuda")]
+    Cuda(CudaGpu),
+    /// The kernels run as C++ on the CPU, one block after another.
+    #[cfg(feature = "cuda-emulator")]
+    Emulated,
+}
+
+/// A CUDA device's stream (candle's, so candle's tensors and ours are ordered), its
+/// cuBLAS handle, and our kernels loaded on it.
+#[cfg(feature = "cuda")]
+pub struct CudaGpu {
+    pub stream: Arc<CudaStream>,
+    pub blas: Arc<CudaBlas>,
+    /// Indexed by `Kernel as usize`.
+    functions: Vec<CudaFunction>,
+}
+
+impl Gpu {
+    /// candle's CUDA device `dev`, with our kernels loaded (PTX from build.rs).
+    #[cfg(feature = "cuda")]
+    pub fn cuda(dev: &candle_core::CudaDevice) -> Result<Self> {
+        let functions = Kernel::ALL
+            .iter()
+            .map(|k| {
+                let module = k.module();
+                let name = k.name();
+                let func = dev
+                    .get_or_load_custom_func(name, &format!("tinygpt_{module}"), ptx(module))
+                    .with_context(|| format!("loading the CUDA kernel {name}"))?;
+                Ok(func.into_cuda_function())
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self::Cuda(CudaGpu {
+            stream: dev.cuda_stream(),
+            blas: dev.cublas_handle(),
+            functions,
+        }))
+    }
+
+    /// Makes the device's context current on this thread (cuBLAS and raw driver calls
+    /// need it). The work goes to the stream of the thread that made the engine, so one
+    /// thread drives it.
+    pub fn bind(&self) -> Result<()> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Gpu::Cuda(gpu) => Ok(gpu.stream.context().bind_to_thread()?),
+            #[cfg(feature = "cuda-emulator")]
+            Gpu::Emulated => Ok(()),
+        }
+    }
+
+    /// Launches `kernel` with `args` in cuLaunchKernel's convention (args[i] points at
+    /// parameter i's value).
+    ///
+    /// # Safety
+    /// The arguments must match the kernel's parameters in number, order and type, and
+    /// every pointer among them must address live memory of this device as long as the
+    /// kernel reads it.
+    pub unsafe fn launch(
+        &self,
+        kernel: Kernel,
+        cfg: Launch,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Gpu::Cuda(gpu) => {
+                let func = gpu.functions[kernel as usize].cu_function();
+                let block = (cfg.threads, 1, 1);
+                // SAFETY: as the caller promises; the stream is the engine's.
+                unsafe {
+                    result::launch_kernel(func, cfg.grid, block, 0, gpu.stream.cu_stream(), args)
+                }
+                .with_context(|| format!("launching {}", kernel.name()))
+            }
+            #[cfg(feature = "cuda-emulator")]
+            Gpu::Emulated => unsafe { super::emulator::launch(kernel.name(), cfg, args) },
+        }
+    }
+}
+
+/// The PTX of one kernel file, compiled by build.rs.
+#[cfg(feature = "cuda")]
+fn ptx(module: &str) -> &'static str {
+    macro_rules! ptx {
+        ($($module:literal),*) => {
+            match module {
+                $($module => include_str!(concat!(env!("OUT_DIR"), "/", $module, ".ptx")),)*
+                other => unreachable!("no kernel file {other}.cu"),
+            }
+        };
+    }
+    ptx!(
+        "embedding",
+        "norm",
+        "activation",
+        "elementwise",
+        "attention",
+        "loss",
+        "optim"
+    )
+}
