@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
-# The test command (README; .ci/run runs exactly this): the test suite on the CPU, then a
-# compile check of the CUDA feature as CI keeps it: clippy with -D warnings over every
-# target, candle's kernels compiled by nvcc, nothing linked or run (no GPU needed).
+# The test command (README; .ci/run runs exactly this): the test suite on the CPU, with
+# the fused CUDA engine run under its CPU emulator (feature cuda-emulator: our kernels
+# compiled as C++20, so a C++ compiler is needed; without one that part is skipped,
+# loudly), then a compile check of the CUDA feature as CI keeps it: clippy with
+# -D warnings over every target, our kernels and candle's compiled by nvcc, nothing
+# linked or run (no GPU needed).
 #
 #   tools/test.sh                             # both; the CUDA check installs its toolkit once
 #   TINYGPT_SKIP_CUDA_CHECK=1 tools/test.sh   # the test suite only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-cargo test
+if command -v c++ >/dev/null || command -v g++ >/dev/null || command -v clang++ >/dev/null; then
+  cargo test --features cuda-emulator
+else
+  echo "SKIPPED: the fused CUDA engine under the emulator (no C++ compiler: install g++)" >&2
+  cargo test
+fi
 
 if [ "${TINYGPT_SKIP_CUDA_CHECK:-0}" = 1 ]; then
   echo "SKIPPED: the CUDA compile check (TINYGPT_SKIP_CUDA_CHECK=1)" >&2
@@ -21,9 +29,9 @@ fi
 eval "$toolkit_env"
 # Its own target folder: the CUDA build does not evict the CPU one.
 if cargo clippy --version >/dev/null 2>&1; then
-  CARGO_TARGET_DIR=target-cuda cargo clippy --features cuda --all-targets -- -D warnings
+  CARGO_TARGET_DIR=target-cuda cargo clippy --features cuda,cuda-emulator --all-targets -- -D warnings
 else
   echo "clippy is not installed (rustup component add clippy): type-checking only" >&2
-  CARGO_TARGET_DIR=target-cuda cargo check --features cuda --all-targets
+  CARGO_TARGET_DIR=target-cuda cargo check --features cuda,cuda-emulator --all-targets
 fi
 echo "CUDA compile check: clean" >&2

@@ -1,9 +1,11 @@
 // Just enough of CUDA's device side for the engine's kernels (../kernels/*.cu) to
-// compile as C++ and run on the CPU, unchanged: each block's threads are OS threads,
-// __syncthreads a barrier of the block, a warp shuffle an exchange through a barrier
-// of the warp's 32 lanes, __shared__ arrays one per program (blocks run one after
-// another). Slow, exact in what it computes, and only for tests on machines without a
-// GPU (feature `cuda-emulator`).
+// compile as C++ and run on the CPU, unchanged. Blocks run one after another; a
+// block's threads are fibers on one OS thread, switched only where threads meet:
+// __syncthreads, and each warp shuffle (lanes write, all meet, lanes read, all meet).
+// Every kernel's threads pass the same meeting points in the same order (or return),
+// which is what makes one round-robin over the fibers a barrier. __shared__ arrays
+// are one per program (one block runs at a time). Exact in what it computes, slow, and
+// only for tests on machines without a GPU (feature `cuda-emulator`).
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -30,8 +32,8 @@ inline uint32_t __umulhi(uint32_t a, uint32_t b) {
     return (uint32_t)(((uint64_t)a * (uint64_t)b) >> 32);
 }
 
-extern thread_local dim3 threadIdx;
-extern thread_local dim3 blockIdx;
+extern dim3 threadIdx;
+extern dim3 blockIdx;
 extern dim3 blockDim;
 extern dim3 gridDim;
 

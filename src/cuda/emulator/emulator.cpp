@@ -1,11 +1,10 @@
 // Runs the engine's CUDA kernels on the CPU (see cuda_shim.h), launched by name with
 // cuLaunchKernel's argument convention: args[i] points at parameter i's value.
-#include <barrier>
+#include <ucontext.h>
+
 #include <cstring>
 #include <functional>
-#include <memory>
 #include <mutex>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -19,46 +18,15 @@
 #include "../kernels/norm.cu"
 #include "../kernels/optim.cu"
 
-thread_local dim3 threadIdx;
-thread_local dim3 blockIdx;
+dim3 threadIdx;
+dim3 blockIdx;
 dim3 blockDim;
 dim3 gridDim;
 
 namespace {
 
-// One warp's lanes meet here to exchange values.
-struct Warp {
-    std::barrier<> meet{32};
-    float floats[32];
-    double doubles[32];
-};
-
-// The block being run by threads: its barrier and its warps.
-struct Block {
-    explicit Block(unsigned threads) : meet(threads) {
-        for (unsigned w = 0; w < threads / 32; w++) warps.push_back(std::make_unique<Warp>());
-    }
-    std::barrier<> meet;
-    std::vector<std::unique_ptr<Warp>> warps;
-};
-
-Block* current_block = nullptr;
-
-Warp& my_warp() { return *current_block->warps[threadIdx.x / 32]; }
-
-template <typename T>
-T shuffle_xor(T v, int lane_mask, T* slots) {
-    Warp& w = my_warp();
-    const unsigned lane = threadIdx.x % 32;
-    slots[lane] = v;
-    w.meet.arrive_and_wait();
-    const T other = slots[lane ^ (unsigned)lane_mask];
-    w.meet.arrive_and_wait();
-    return other;
-}
-
 // A kernel behind the launch convention, and whether its threads meet (barriers or
-// shuffles: then each block's threads run concurrently).
+// shuffles: then a block's threads run as fibers).
 struct Kernel {
     const char* name;
     std::function<void(void**)> call;
@@ -110,53 +78,106 @@ const std::vector<Kernel>& kernels() {
     return table;
 }
 
-// One launch at a time: the grid, the block and the __shared__ arrays are global.
+// One launch at a time: the grid, the block, the fibers and the __shared__ arrays are
+// global.
 std::mutex launches;
+
+// The fibers of the block being run: one per thread, each on its own stack.
+constexpr size_t STACK_BYTES = 64 * 1024;
+struct Fiber {
+    ucontext_t context;
+    std::vector<char> stack = std::vector<char>(STACK_BYTES);
+    dim3 index;
+    bool done = false;
+};
+std::vector<Fiber> fibers;
+ucontext_t scheduler;
+Fiber* running = nullptr;
+const Kernel* kernel = nullptr;
+void** kernel_args = nullptr;
+
+// Where every fiber starts: the kernel, for its thread.
+void fiber_main() {
+    kernel->call(kernel_args);
+    running->done = true;
+    swapcontext(&running->context, &scheduler);
+}
+
+// This thread has reached a meeting point: the others run to theirs.
+void meet() { swapcontext(&running->context, &scheduler); }
+
+dim3 thread_index(unsigned t) {
+    return dim3{t % blockDim.x, (t / blockDim.x) % blockDim.y, t / (blockDim.x * blockDim.y)};
+}
 
 void run_block(const Kernel& k, void** args, dim3 block) {
     const unsigned n = blockDim.x * blockDim.y * blockDim.z;
-    auto thread_at = [&](unsigned t) {
-        threadIdx = dim3{t % blockDim.x, (t / blockDim.x) % blockDim.y, t / (blockDim.x * blockDim.y)};
-        blockIdx = block;
-    };
+    blockIdx = block;
     if (!k.threads_meet) {
         for (unsigned t = 0; t < n; t++) {
-            thread_at(t);
+            threadIdx = thread_index(t);
             k.call(args);
         }
         return;
     }
-    Block sync(n);
-    current_block = &sync;
-    std::vector<std::thread> threads;
-    threads.reserve(n);
+    kernel = &k;
+    kernel_args = args;
+    if (fibers.size() < n) fibers.resize(n);
     for (unsigned t = 0; t < n; t++) {
-        threads.emplace_back([&, t] {
-            thread_at(t);
-            k.call(args);
-            // A thread that has returned no longer holds the others up.
-            sync.meet.arrive_and_drop();
-            sync.warps[t / 32]->meet.arrive_and_drop();
-        });
+        Fiber& f = fibers[t];
+        f.index = thread_index(t);
+        f.done = false;
+        getcontext(&f.context);
+        f.context.uc_stack.ss_sp = f.stack.data();
+        f.context.uc_stack.ss_size = f.stack.size();
+        f.context.uc_link = nullptr;
+        makecontext(&f.context, fiber_main, 0);
     }
-    for (auto& th : threads) th.join();
-    current_block = nullptr;
+    // Rounds: every live fiber runs to its next meeting point (or its end). A fiber
+    // resumes only after all the others have reached the same point.
+    for (bool live = true; live;) {
+        live = false;
+        for (unsigned t = 0; t < n; t++) {
+            Fiber& f = fibers[t];
+            if (f.done) continue;
+            running = &f;
+            threadIdx = f.index;
+            swapcontext(&scheduler, &f.context);
+            live = live || !f.done;
+        }
+    }
+    running = nullptr;
+}
+
+// Each warp's lanes exchange values through these.
+float warp_floats[1024];
+double warp_doubles[1024];
+
+template <typename T>
+T shuffle_xor(T v, int lane_mask, T* slots) {
+    const unsigned t = threadIdx.x;
+    const unsigned partner = (t & ~31u) | ((t % 32) ^ (unsigned)lane_mask);
+    slots[t] = v;
+    meet();
+    const T other = slots[partner];
+    meet();
+    return other;
 }
 
 }  // namespace
 
-void __syncthreads() { current_block->meet.arrive_and_wait(); }
+void __syncthreads() { meet(); }
 
 float __shfl_xor_sync(unsigned, float v, int lane_mask) {
-    return shuffle_xor(v, lane_mask, my_warp().floats);
+    return shuffle_xor(v, lane_mask, warp_floats);
 }
 
 double __shfl_xor_sync(unsigned, double v, int lane_mask) {
-    return shuffle_xor(v, lane_mask, my_warp().doubles);
+    return shuffle_xor(v, lane_mask, warp_doubles);
 }
 
 // Runs kernel `name` over the grid; 0 when done, 1 for an unknown kernel, 2 for a block
-// whose size is not a whole number of warps (the kernels assume whole warps).
+// that is not a whole number of warps or over 1024 threads (the kernels assume both).
 extern "C" int tinygpt_emulate_launch(const char* name, const unsigned* grid, const unsigned* block,
                                       void** args) {
     std::lock_guard<std::mutex> lock(launches);
@@ -165,9 +186,10 @@ extern "C" int tinygpt_emulate_launch(const char* name, const unsigned* grid, co
         if (std::strcmp(candidate.name, name) == 0) k = &candidate;
     }
     if (k == nullptr) return 1;
+    const unsigned threads = block[0] * block[1] * block[2];
+    if (threads % 32 != 0 || threads > 1024) return 2;
     gridDim = dim3{grid[0], grid[1], grid[2]};
     blockDim = dim3{block[0], block[1], block[2]};
-    if ((block[0] * block[1] * block[2]) % 32 != 0) return 2;
     for (unsigned z = 0; z < grid[2]; z++)
         for (unsigned y = 0; y < grid[1]; y++)
             for (unsigned x = 0; x < grid[0]; x++) run_block(*k, args, dim3{x, y, z});
