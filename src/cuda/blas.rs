@@ -1,4 +1,5 @@
-//! Matrix products on cuBLAS, written in row-major terms.
+//! Matrix products written in row-major terms, carried out as cuBLAS's column-major
+//! products.
 //!
 //! The engine's matrices are row-major (as the CPU engine's and PyTorch's); cuBLAS is
 //! column-major. A row-major matrix is the column-major view of its transpose, so
@@ -7,12 +8,9 @@
 //! the linear layers), and operands may be strided views (rows `ld` apart), so the
 //! attention's per-head products read their heads in place.
 
-#[cfg(feature = "cuda")]
-use anyhow::Context;
 use anyhow::{ensure, Result};
-#[cfg(feature = "cuda")]
-use candle_core::cuda::cudarc::cublas::{result, sys, CudaBlas};
 
+use super::calls::ColumnMajor;
 use super::gpu::Gpu;
 use crate::config::Precision;
 
@@ -74,29 +72,6 @@ impl Operand {
     }
 }
 
-/// One column-major strided-batched product as cuBLAS takes it:
-/// C = alpha op(A) op(B) + beta C, op(A) m x k, op(B) k x n, for each of `batch`.
-#[derive(Debug, Clone, Copy)]
-pub struct ColumnMajor {
-    pub transa: bool,
-    pub transb: bool,
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub alpha: f32,
-    pub a: u64,
-    pub lda: usize,
-    pub stride_a: usize,
-    pub b: u64,
-    pub ldb: usize,
-    pub stride_b: usize,
-    pub beta: f32,
-    pub c: u64,
-    pub ldc: usize,
-    pub stride_c: usize,
-    pub batch: usize,
-}
-
 /// C = alpha op(A) op(B) + beta C for each of `batch` matrices. `precision` picks the
 /// products' arithmetic: f32 throughout, or operands rounded to bf16 with f32 sums
 /// on the tensor cores (cuBLAS's 32F_FAST_16BF; the data stays f32 in memory).
@@ -153,63 +128,7 @@ pub fn matmul(
         stride_c: c.stride,
         batch,
     };
-    match gpu {
-        #[cfg(feature = "cuda")]
-        Gpu::Cuda(g) => cublas(&g.blas, precision, &call),
-        #[cfg(feature = "cuda-emulator")]
-        Gpu::Emulated => {
-            // SAFETY: the addresses are the engine's host buffers, sized for these
-            // shapes (checked above).
-            unsafe { super::emulator::gemm(&call, precision) };
-            Ok(())
-        }
-    }
-}
-
-#[cfg(feature = "cuda")]
-fn cublas(blas: &CudaBlas, precision: Precision, g: &ColumnMajor) -> Result<()> {
-    let compute = match precision {
-        Precision::F32 => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-        Precision::Bf16 => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
-    };
-    let op = |t: bool| {
-        if t {
-            sys::cublasOperation_t::CUBLAS_OP_T
-        } else {
-            sys::cublasOperation_t::CUBLAS_OP_N
-        }
-    };
-    let f32 = sys::cudaDataType_t::CUDA_R_32F;
-    let dim = |x: usize| i32::try_from(x).context("a matrix dimension over 2^31");
-    // SAFETY: the pointers are into live device buffers the engine sized for these
-    // shapes (the shapes, row spacings and batch strides checked by `matmul`), on the
-    // handle's stream; alpha and beta are host values that outlive the call.
-    unsafe {
-        result::gemm_strided_batched_ex(
-            *blas.handle(),
-            op(g.transa),
-            op(g.transb),
-            dim(g.m)?,
-            dim(g.n)?,
-            dim(g.k)?,
-            (&g.alpha) as *const f32 as *const _,
-            g.a as *const _,
-            f32,
-            dim(g.lda)?,
-            g.stride_a as i64,
-            g.b as *const _,
-            f32,
-            dim(g.ldb)?,
-            g.stride_b as i64,
-            (&g.beta) as *const f32 as *const _,
-            g.c as *mut _,
-            f32,
-            dim(g.ldc)?,
-            g.stride_c as i64,
-            dim(g.batch)?,
-            compute,
-            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    }
-    .context("cuBLAS matmul")
+    // SAFETY: the addresses are into the engine's live buffers on `gpu`, sized for
+    // these shapes (shapes, row spacings and batch strides checked above).
+    unsafe { gpu.gemm(&call, precision) }
 }

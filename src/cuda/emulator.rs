@@ -7,8 +7,7 @@ use std::ffi::{c_char, c_void, CString};
 
 use anyhow::{bail, Result};
 
-use super::blas::ColumnMajor;
-use super::gpu::Launch;
+use super::calls::{ColumnMajor, Launch};
 use crate::config::Precision;
 
 extern "C" {

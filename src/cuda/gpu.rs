@@ -13,18 +13,12 @@ use anyhow::Context;
 use anyhow::Result;
 #[cfg(feature = "cuda")]
 use candle_core::cuda::cudarc::{
-    cublas::CudaBlas,
+    cublas::{self, sys, CudaBlas},
     driver::{result, CudaFunction, CudaStream},
 };
 
-use super::kernels::Kernel;
-
-/// Grid and block of a launch (one dimension of threads; no dynamic shared memory).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Launch {
-    pub grid: (u32, u32, u32),
-    pub threads: u32,
-}
+use super::calls::{ColumnMajor, Kernel, Launch};
+use crate::config::Precision;
 
 /// The device the engine runs on.
 pub enum Gpu {
@@ -107,6 +101,24 @@ impl Gpu {
             Gpu::Emulated => unsafe { super::emulator::launch(kernel.name(), cfg, args) },
         }
     }
+
+    /// The column-major product `g`, f32, or with operands rounded to bf16 on the
+    /// tensor cores (cuBLAS's 32F_FAST_16BF; f32 sums, data f32 in memory).
+    ///
+    /// # Safety
+    /// Its addresses are into live buffers of this device holding the matrices it
+    /// describes.
+    pub unsafe fn gemm(&self, g: &ColumnMajor, precision: Precision) -> Result<()> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Gpu::Cuda(gpu) => unsafe { cublas_gemm(&gpu.blas, g, precision) },
+            #[cfg(feature = "cuda-emulator")]
+            Gpu::Emulated => {
+                unsafe { super::emulator::gemm(g, precision) };
+                Ok(())
+            }
+        }
+    }
 }
 
 /// The PTX of one kernel file, compiled by build.rs.
@@ -129,4 +141,52 @@ fn ptx(module: &str) -> &'static str {
         "loss",
         "optim"
     )
+}
+
+/// cuBLAS's strided-batched product (`Gpu::gemm` on CUDA; same safety contract).
+#[cfg(feature = "cuda")]
+unsafe fn cublas_gemm(blas: &CudaBlas, g: &ColumnMajor, precision: Precision) -> Result<()> {
+    let compute = match precision {
+        Precision::F32 => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        Precision::Bf16 => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
+    };
+    let op = |t: bool| {
+        if t {
+            sys::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            sys::cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    let f32 = sys::cudaDataType_t::CUDA_R_32F;
+    let dim = |x: usize| i32::try_from(x).context("a matrix dimension over 2^31");
+    // SAFETY: the addresses are as the caller promises, on the handle's stream; alpha
+    // and beta are host values that outlive the call.
+    unsafe {
+        cublas::result::gemm_strided_batched_ex(
+            *blas.handle(),
+            op(g.transa),
+            op(g.transb),
+            dim(g.m)?,
+            dim(g.n)?,
+            dim(g.k)?,
+            (&g.alpha) as *const f32 as *const _,
+            g.a as *const _,
+            f32,
+            dim(g.lda)?,
+            g.stride_a as i64,
+            g.b as *const _,
+            f32,
+            dim(g.ldb)?,
+            g.stride_b as i64,
+            (&g.beta) as *const f32 as *const _,
+            g.c as *mut _,
+            f32,
+            dim(g.ldc)?,
+            g.stride_c as i64,
+            dim(g.batch)?,
+            compute,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .context("cuBLAS matmul")
 }

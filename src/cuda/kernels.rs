@@ -8,7 +8,8 @@
 
 use anyhow::Result;
 
-use super::gpu::{Gpu, Launch};
+use super::calls::{Kernel, Launch};
+use super::gpu::Gpu;
 use crate::config::{MlpKind, NormKind};
 use crate::model::{Dropout, Site};
 
@@ -28,67 +29,6 @@ macro_rules! launch {
             )
         }
     };
-}
-
-/// Names every kernel: its variant, its function name and the file it is in.
-macro_rules! kernels {
-    ($($variant:ident = $name:literal in $module:literal,)*) => {
-        /// Every kernel of kernels/*.cu.
-        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-        pub enum Kernel {
-            $($variant,)*
-        }
-
-        impl Kernel {
-            /// In declaration order: `Kernel::X as usize` indexes it.
-            #[allow(dead_code)] // read on CUDA only
-            pub const ALL: &[Kernel] = &[$(Kernel::$variant,)*];
-
-            pub fn name(self) -> &'static str {
-                match self {
-                    $(Kernel::$variant => $name,)*
-                }
-            }
-
-            /// The file (`kernels/<module>.cu`) it is in.
-            #[allow(dead_code)] // read on CUDA only
-            pub fn module(self) -> &'static str {
-                match self {
-                    $(Kernel::$variant => $module,)*
-                }
-            }
-        }
-    };
-}
-
-kernels! {
-    EmbeddingForward = "embedding_forward" in "embedding",
-    EmbeddingBackwardTokens = "embedding_backward_tokens" in "embedding",
-    EmbeddingBackwardPositions = "embedding_backward_positions" in "embedding",
-    NormForward = "norm_forward" in "norm",
-    NormApply = "norm_apply" in "norm",
-    NormBackwardInput = "norm_backward_input" in "norm",
-    NormBackwardParams = "norm_backward_params" in "norm",
-    ColumnPartials = "column_partials" in "norm",
-    AddColumnSums = "add_column_sums" in "norm",
-    ActivationForward = "activation_forward" in "activation",
-    ActivationBackward = "activation_backward" in "activation",
-    ResidualForward = "residual_forward" in "elementwise",
-    DropoutApply = "dropout_apply" in "elementwise",
-    AddBias = "add_bias" in "elementwise",
-    ScaleInPlace = "scale_in_place" in "elementwise",
-    Rope = "rope" in "elementwise",
-    SplitHeads = "split_heads" in "attention",
-    MergeHeads = "merge_heads" in "attention",
-    SplitRows = "split_rows" in "attention",
-    MergeHeadGrads = "merge_head_grads" in "attention",
-    CausalSoftmax = "causal_softmax" in "attention",
-    CausalSoftmaxBackward = "causal_softmax_backward" in "attention",
-    SoftmaxCrossEntropy = "softmax_cross_entropy" in "loss",
-    CrossEntropyBackward = "cross_entropy_backward" in "loss",
-    SumSquares = "sum_squares" in "optim",
-    SumAll = "sum_all" in "optim",
-    Adamw = "adamw" in "optim",
 }
 
 /// A dropout site's mask for the kernels, field for field `struct Dropout` of

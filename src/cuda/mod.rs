@@ -5,6 +5,7 @@
 //! reference on the same GPU.
 //!
 //! - [`plan`]: every buffer's size, from the shapes (also the memory check; no CUDA).
+//! - `calls`: what the engine asks of a device, as data (kernel launches, products).
 //! - `gpu`: where it runs: a CUDA device, or the emulator (below).
 //! - `kernels`: every kernel, each behind a typed launch.
 //! - `blas`: row-major matrix products on cuBLAS (f32, or bf16 tensor-core products).
@@ -21,6 +22,8 @@ pub mod plan;
 mod blas;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 mod buffers;
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+mod calls;
 #[cfg(feature = "cuda-emulator")]
 mod emulator;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]

@@ -1,0 +1,94 @@
+//! What the engine asks of a device, in plain data: a kernel launch (which kernel, its
+//! grid) and a column-major matrix product as cuBLAS takes it. `gpu` carries them out
+//! on CUDA or in the emulator.
+
+/// Grid and block of a launch (one dimension of threads; no dynamic shared memory).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    pub grid: (u32, u32, u32),
+    pub threads: u32,
+}
+
+/// Names every kernel: its variant, its function name and the file it is in.
+macro_rules! kernels {
+    ($($variant:ident = $name:literal in $module:literal,)*) => {
+        /// Every kernel of kernels/*.cu.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub enum Kernel {
+            $($variant,)*
+        }
+
+        impl Kernel {
+            /// In declaration order: `Kernel::X as usize` indexes it.
+            #[allow(dead_code)] // read on CUDA only
+            pub const ALL: &[Kernel] = &[$(Kernel::$variant,)*];
+
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(Kernel::$variant => $name,)*
+                }
+            }
+
+            /// The file (`kernels/<module>.cu`) it is in.
+            #[allow(dead_code)] // read on CUDA only
+            pub fn module(self) -> &'static str {
+                match self {
+                    $(Kernel::$variant => $module,)*
+                }
+            }
+        }
+    };
+}
+
+kernels! {
+    EmbeddingForward = "embedding_forward" in "embedding",
+    EmbeddingBackwardTokens = "embedding_backward_tokens" in "embedding",
+    EmbeddingBackwardPositions = "embedding_backward_positions" in "embedding",
+    NormForward = "norm_forward" in "norm",
+    NormApply = "norm_apply" in "norm",
+    NormBackwardInput = "norm_backward_input" in "norm",
+    NormBackwardParams = "norm_backward_params" in "norm",
+    ColumnPartials = "column_partials" in "norm",
+    AddColumnSums = "add_column_sums" in "norm",
+    ActivationForward = "activation_forward" in "activation",
+    ActivationBackward = "activation_backward" in "activation",
+    ResidualForward = "residual_forward" in "elementwise",
+    DropoutApply = "dropout_apply" in "elementwise",
+    AddBias = "add_bias" in "elementwise",
+    ScaleInPlace = "scale_in_place" in "elementwise",
+    Rope = "rope" in "elementwise",
+    SplitHeads = "split_heads" in "attention",
+    MergeHeads = "merge_heads" in "attention",
+    SplitRows = "split_rows" in "attention",
+    MergeHeadGrads = "merge_head_grads" in "attention",
+    CausalSoftmax = "causal_softmax" in "attention",
+    CausalSoftmaxBackward = "causal_softmax_backward" in "attention",
+    SoftmaxCrossEntropy = "softmax_cross_entropy" in "loss",
+    CrossEntropyBackward = "cross_entropy_backward" in "loss",
+    SumSquares = "sum_squares" in "optim",
+    SumAll = "sum_all" in "optim",
+    Adamw = "adamw" in "optim",
+}
+
+/// One column-major strided-batched product as cuBLAS takes it:
+/// C = alpha op(A) op(B) + beta C, op(A) m x k, op(B) k x n, for each of `batch`.
+#[derive(Debug, Clone, Copy)]
+pub struct ColumnMajor {
+    pub transa: bool,
+    pub transb: bool,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub alpha: f32,
+    pub a: u64,
+    pub lda: usize,
+    pub stride_a: usize,
+    pub b: u64,
+    pub ldb: usize,
+    pub stride_b: usize,
+    pub beta: f32,
+    pub c: u64,
+    pub ldc: usize,
+    pub stride_c: usize,
+    pub batch: usize,
+}
