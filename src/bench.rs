@@ -58,6 +58,13 @@ pub struct BenchReport {
     pub gflop_per_step: f64,
     pub gflops: f64,
     pub peak_rss_mb: Option<f64>,
+    /// GPU memory in use after the training steps (the device's total less its free),
+    /// on CUDA. The fused CUDA engine allocates everything before its first step, so
+    /// for it this is its peak; candle's reference engine frees as it goes, so for it
+    /// this is less than its peak. Other processes' use is included.
+    pub gpu_memory_mb: Option<f64>,
+    /// How the engine computes (its first line in `train`).
+    pub train_engine: String,
     pub prompt_tokens: usize,
     pub ttft_ms: f64,
     pub prefill_tokens_per_s: f64,
@@ -148,6 +155,8 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         }
     }
     let peak_train = peak_rss_mb();
+    let gpu_memory_mb = crate::device::gpu_memory(device)
+        .map(|(free, total)| total.saturating_sub(free) as f64 / f64::from(1 << 20));
     // Decode with the trained weights.
     let weights = flat_from_named(spec.params(), &engine.weights()?, "", "bench")?;
     let model = Gpt::from_flat(&spec, &weights, device, DType::F32, Precision::F32)?;
@@ -199,6 +208,8 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         gflop_per_step: gflop,
         gflops: gflop / (step_ms / 1e3),
         peak_rss_mb: peak_train,
+        gpu_memory_mb,
+        train_engine: engine.describe(),
         prompt_tokens: prompt_len,
         ttft_ms: ttft * 1e3,
         prefill_tokens_per_s: prompt_len as f64 / ttft,

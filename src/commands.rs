@@ -268,7 +268,7 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
         r.threads
     );
     println!(
-        "train   {:.1} ms/step ({} {:?}: forward {:.1}, backward {:.1}, optimizer {:.1}), {:.0} tokens/s, {:.2} GFLOP/step, {:.1} GFLOP/s, peak RSS {}",
+        "train   {:.1} ms/step ({} {:?}: forward {:.1}, backward {:.1}, optimizer {:.1}), {:.0} tokens/s, {:.2} GFLOP/step, {:.1} GFLOP/s, peak RSS {}{}",
         r.train_ms_per_step,
         r.train_path,
         r.train_dtype,
@@ -278,8 +278,11 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
         r.train_tokens_per_s,
         r.gflop_per_step,
         r.gflops,
-        mb(r.peak_rss_mb)
+        mb(r.peak_rss_mb),
+        r.gpu_memory_mb
+            .map_or(String::new(), |m| format!(", GPU memory in use {m:.0} MiB"))
     );
+    println!("engine  {}", r.train_engine);
     println!(
         "decode  {:.0} tokens/s ({}), prefill {} tokens in {:.1} ms ({:.0} tokens/s), peak RSS {}",
         r.decode_tokens_per_s,
