@@ -4,8 +4,9 @@
 //!
 //! Parameters, gradients and AdamW's moments are one flat device buffer each, laid
 //! out by the model spec; a layer's weights are an offset into it. Every activation
-//! the backward needs is allocated once for (batch, block_size) from the engine's
-//! [`Plan`]: a step allocates nothing. Matrix products go to cuBLAS (strided batches
+//! the backward needs is allocated once for (batch, block_size): a step allocates
+//! nothing. [`Plan`] says how much that is (the memory check reads it), and building
+//! the engine checks that it holds exactly that. Matrix products go to cuBLAS (strided batches
 //! for attention's heads); everything else is our kernels (`kernels/*.cu`). Dropout
 //! masks are never stored: each kernel that drops computes the mask of its elements
 //! from the counter-based generator of `crate::model::dropout`, so forward and
