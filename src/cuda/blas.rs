@@ -10,9 +10,11 @@
 
 use anyhow::{ensure, Result};
 
+use super::buffers::Buf;
 use super::calls::ColumnMajor;
 use super::gpu::Gpu;
 use crate::config::Precision;
+use crate::model::spec::{LinearParams, ModelSpec};
 
 /// A row-major matrix on the device: `rows x cols` as stored, consecutive rows `ld`
 /// elements apart, a batch of them `stride` elements apart.
@@ -131,4 +133,30 @@ pub fn matmul(
     // SAFETY: the addresses are into the engine's live buffers on `gpu`, sized for
     // these shapes (shapes, row spacings and batch strides checked above).
     unsafe { gpu.gemm(&call, precision) }
+}
+
+/// A linear layer forward: out (rows, d_out) = x Wᵀ (+ b), its weights read from the
+/// flat parameter buffer `params` at the spec's offsets.
+#[allow(clippy::too_many_arguments)]
+pub fn linear(
+    gpu: &Gpu,
+    precision: Precision,
+    spec: &ModelSpec,
+    params: &Buf<f32>,
+    out: u64,
+    x: u64,
+    p: &LinearParams,
+    rows: usize,
+) -> Result<()> {
+    let w = params.at(spec[p.weight].offset);
+    let (c, a, b) = (
+        Matrix::new(out, rows, p.d_out),
+        Matrix::new(x, rows, p.d_in).n(),
+        Matrix::new(w, p.d_out, p.d_in).t(),
+    );
+    matmul(gpu, precision, c, a, b, 1.0, 0.0, 1)?;
+    if let Some(bias) = p.bias {
+        gpu.add_bias(out, params.at(spec[bias].offset), rows, p.d_out)?;
+    }
+    Ok(())
 }

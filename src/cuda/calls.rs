@@ -68,6 +68,9 @@ kernels! {
     SumSquares = "sum_squares" in "optim",
     SumAll = "sum_all" in "optim",
     Adamw = "adamw" in "optim",
+    StoreKeysValues = "store_keys_values" in "decode",
+    AttendCached = "attend_cached" in "decode",
+    LastRows = "last_rows" in "decode",
 }
 
 /// One column-major strided-batched product as cuBLAS takes it:

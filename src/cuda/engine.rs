@@ -18,12 +18,13 @@ use anyhow::{ensure, Context, Result};
 #[cfg(feature = "cuda")]
 use candle_core::Device;
 
-use super::blas::{matmul, Matrix};
+use super::blas::{linear, matmul, Matrix};
 use super::buffers::Buf;
 use super::gpu::Gpu;
 use super::kernels::{AdamBuffers, AdamParams, DropoutArgs, Heads};
 use super::plan::{Plan, NORM_BLOCKS, PARTS};
 use crate::config::{PositionKind, Precision};
+use crate::cpu::ops::Positions;
 use crate::model::position::{rope_tables, sinusoidal_table};
 use crate::model::spec::{LinearParams, ModelSpec, NormParams, ParamId};
 use crate::model::{Dropout, Site};
@@ -454,7 +455,7 @@ impl FusedCuda {
             self.w(self.spec.wte),
             positions,
             n,
-            t,
+            Positions::from_start(t),
             c,
             DropoutArgs::at(dropout, Site::Embedding),
         )?;
@@ -513,7 +514,8 @@ impl FusedCuda {
         self.linear_forward(a.qkv.ptr(), sc.ln.ptr(), &p.attn_qkv)?;
         if let Some(rope) = &self.tables.rope {
             let tables = (rope[0].ptr(), rope[1].ptr());
-            k.rope(a.qkv.ptr(), tables, n, self.heads(), s.qkv_width, 1.0)?;
+            let at = Positions::from_start(s.block_size);
+            k.rope(a.qkv.ptr(), tables, n, at, self.heads(), s.qkv_width, 1.0)?;
         }
         self.attention_forward(l, a.y.ptr(), a.qkv.ptr())?;
         self.linear_forward(sc.branch.ptr(), a.y.ptr(), &p.attn_proj)?;
@@ -586,18 +588,17 @@ impl FusedCuda {
 
     /// out (N, d_out) = x Wᵀ (+ b).
     fn linear_forward(&self, out: u64, x: u64, p: &LinearParams) -> Result<()> {
-        let n = self.rows();
-        self.product(
-            Matrix::new(out, n, p.d_out),
-            Matrix::new(x, n, p.d_in).n(),
-            Matrix::new(self.w(p.weight), p.d_out, p.d_in).t(),
-            (1.0, 0.0),
-            1,
-        )?;
-        if let Some(b) = p.bias {
-            self.gpu.add_bias(out, self.w(b), n, p.d_out)?;
-        }
-        Ok(())
+        let (spec, params) = (&self.spec, &self.params);
+        linear(
+            &self.gpu,
+            self.precision,
+            spec,
+            params,
+            out,
+            x,
+            p,
+            self.rows(),
+        )
     }
 
     /// dx = dout W (written); dW += doutᵀ x; db += the column sums of dout.
@@ -743,7 +744,16 @@ impl FusedCuda {
         if let Some(rope) = &self.tables.rope {
             // q and k were turned after the projection: turn their gradients back.
             let tables = (rope[0].ptr(), rope[1].ptr());
-            k.rope(sc.dqkv.ptr(), tables, n, self.heads(), s.qkv_width, -1.0)?;
+            let at = Positions::from_start(s.block_size);
+            k.rope(
+                sc.dqkv.ptr(),
+                tables,
+                n,
+                at,
+                self.heads(),
+                s.qkv_width,
+                -1.0,
+            )?;
         }
         self.norm_apply(sc.ln.ptr(), &a.ln_1, x, &p.ln_1)?;
         self.linear_backward(sc.dln.ptr(), sc.dqkv.ptr(), sc.ln.ptr(), &p.attn_qkv)?;

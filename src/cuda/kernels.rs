@@ -11,6 +11,7 @@ use anyhow::Result;
 use super::calls::{Kernel, Launch};
 use super::gpu::Gpu;
 use crate::config::{MlpKind, NormKind};
+use crate::cpu::ops::Positions;
 use crate::model::{Dropout, Site};
 
 /// Launches kernel `$kernel` on `$gpu` with `$cfg` and the arguments in order, each
@@ -137,7 +138,8 @@ impl Heads {
 }
 
 impl Gpu {
-    /// x (rows x C) = (wte[ids] + positions[row % T]) * mask; `positions` 0 for none.
+    /// x (rows x C) = (wte[ids] + positions[at.first + row % at.t]) * mask;
+    /// `positions` 0 for none.
     #[allow(clippy::too_many_arguments)]
     pub fn embedding_forward(
         &self,
@@ -146,12 +148,12 @@ impl Gpu {
         wte: u64,
         positions: u64,
         rows: usize,
-        t: usize,
+        at: Positions,
         c: usize,
         dropout: DropoutArgs,
     ) -> Result<()> {
         launch!(self, EmbeddingForward, elements(rows * c);
-            x, ids, wte, positions, int(rows), int(t), int(c), dropout)
+            x, ids, wte, positions, int(rows), int(at.t), int(at.first), int(c), dropout)
     }
 
     /// dwte[tokens[u]] += the rows order[starts[u] .. starts[u + 1]] of dx * mask.
@@ -336,13 +338,15 @@ impl Gpu {
         qkv: u64,
         (cos, sin): (u64, u64),
         rows: usize,
+        at: Positions,
         h: Heads,
         w: usize,
         sign: f32,
     ) -> Result<()> {
         let turned = h.heads + h.kv_heads;
         launch!(self, Rope, elements(rows * turned * h.d / 2);
-            qkv, cos, sin, int(rows), int(h.t), int(turned), int(h.d), int(w), sign)
+            qkv, cos, sin, int(rows), int(at.t), int(at.first), int(turned), int(h.d), int(w),
+            sign)
     }
 
     /// q, k, v (B, H, T, d) from qkv rows.
@@ -461,6 +465,49 @@ impl Gpu {
         launch!(self, Adamw, elements(n);
             params, grads, m, v, long(n), ends, decays, int(tensors),
             p.b1, p.b2, p.inv_bc1, p.inv_bc2, p.lr, p.eps, p.shrink)
+    }
+
+    /// Each row's key and value heads into its sequence's cache slot (batch, block,
+    /// kv width) at its position.
+    #[allow(clippy::too_many_arguments)]
+    pub fn store_keys_values(
+        &self,
+        (keys, values): (u64, u64),
+        qkv: u64,
+        rows: usize,
+        at: Positions,
+        h: Heads,
+        block: usize,
+    ) -> Result<()> {
+        let kv = h.kv_heads * h.d;
+        let (c, w) = (h.heads * h.d, (h.heads + 2 * h.kv_heads) * h.d);
+        launch!(self, StoreKeysValues, elements(rows * kv);
+            keys, values, qkv, int(rows), int(at.t), int(at.first), int(c), int(kv), int(w),
+            int(block))
+    }
+
+    /// out (rows, H d): each row's query heads attending over its sequence's cache up
+    /// to its position; `scores` is (rows, H, block) work space.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_cached(
+        &self,
+        out: u64,
+        scores: u64,
+        qkv: u64,
+        (keys, values): (u64, u64),
+        rows: usize,
+        at: Positions,
+        h: Heads,
+        block: usize,
+    ) -> Result<()> {
+        launch!(self, AttendCached, warp_rows(rows * h.heads);
+            out, scores, qkv, keys, values, int(rows), int(at.t), int(at.first),
+            int(h.heads), int(h.kv_heads), int(h.d), int(block))
+    }
+
+    /// dst (batch, C) = each sequence's last row of src (batch T, C).
+    pub fn last_rows(&self, dst: u64, src: u64, batch: usize, t: usize, c: usize) -> Result<()> {
+        launch!(self, LastRows, elements(batch * c); dst, src, int(batch), int(t), int(c))
     }
 }
 

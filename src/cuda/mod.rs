@@ -11,6 +11,7 @@
 //! - `blas`: row-major matrix products on cuBLAS (f32, or bf16 tensor-core products).
 //! - `buffers`: buffers with their addresses.
 //! - `engine`: `FusedCuda`, the forward and backward walk.
+//! - `decode`: `CudaDecoder`, decoding with per-layer K/V caches on the device.
 //! - `emulator` (feature `cuda-emulator`): the same kernels compiled as C++ and run on
 //!   the CPU, and cuBLAS's product written out, so `tests/engines.rs` holds the whole
 //!   engine to the reference on machines without a GPU (CI's). What it cannot catch:
@@ -24,6 +25,8 @@ mod blas;
 mod buffers;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 mod calls;
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+mod decode;
 #[cfg(feature = "cuda-emulator")]
 mod emulator;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
@@ -33,6 +36,8 @@ mod gpu;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 mod kernels;
 
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+pub use decode::CudaDecoder;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 pub use engine::FusedCuda;
 pub use plan::Plan;

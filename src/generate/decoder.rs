@@ -1,5 +1,6 @@
 //! Stepping a model through growing contexts: the fused CPU decoder where the weights
-//! are on the CPU, the reference model's KV cache elsewhere, or (for checking and
+//! are on the CPU, the CUDA decoder (`crate::cuda::CudaDecoder`) where they are on a
+//! CUDA device, the reference model's KV cache elsewhere, or (for checking and
 //! benchmarking) the reference model over the whole window every step.
 //!
 //! The context window: the model was trained on at most `block_size` positions, and it
@@ -18,7 +19,8 @@ use crate::user_bail;
 /// How the next logits are computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecodeMode {
-    /// The fused CPU decoder (`fast::FastDecoder`); the reference path elsewhere.
+    /// The fused CPU decoder (`cpu::FastDecoder`), the CUDA decoder on CUDA; the
+    /// reference path elsewhere.
     Fast,
     /// The reference model, one position at a time from its KV cache.
     Cached,
@@ -28,6 +30,8 @@ pub enum DecodeMode {
 
 enum Backend {
     Fast(Box<FastDecoder>),
+    #[cfg(feature = "cuda")]
+    Cuda(Box<crate::cuda::CudaDecoder>),
     Cached(KvCache),
     Uncached,
 }
@@ -49,6 +53,19 @@ impl<'m> Decoder<'m> {
             DecodeMode::Fast if model.device().is_cpu() => {
                 let weights = model.params().to_flat()?;
                 Backend::Fast(Box::new(FastDecoder::new(model.spec(), &weights, batch)?))
+            }
+            #[cfg(feature = "cuda")]
+            DecodeMode::Fast if model.device().is_cuda() => {
+                let weights = model.params().to_flat()?;
+                let precision = crate::config::Precision::F32;
+                let decoder = crate::cuda::CudaDecoder::new(
+                    model.spec(),
+                    &weights,
+                    model.device(),
+                    batch,
+                    precision,
+                )?;
+                Backend::Cuda(Box::new(decoder))
             }
             DecodeMode::Fast | DecodeMode::Cached => {
                 Backend::Cached(KvCache::new(model.config().n_layer))
@@ -104,6 +121,12 @@ impl<'m> Decoder<'m> {
                 self.logits.clear();
                 self.logits.extend_from_slice(logits);
             }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(cuda) => {
+                let logits = cuda.step(ids)?;
+                self.logits.clear();
+                self.logits.extend_from_slice(logits);
+            }
             Backend::Cached(cache) => {
                 let ids = Tensor::from_slice(ids, (self.batch, 1), self.model.device())?;
                 let out = self.model.forward(&ids, pos, Some(cache), None)?;
@@ -119,6 +142,12 @@ impl<'m> Decoder<'m> {
         match &mut self.backend {
             Backend::Fast(fast) => {
                 let logits = fast.prefill(&self.windows)?;
+                self.logits.clear();
+                self.logits.extend_from_slice(logits);
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(cuda) => {
+                let logits = cuda.prefill(&self.windows)?;
                 self.logits.clear();
                 self.logits.extend_from_slice(logits);
             }

@@ -1,7 +1,7 @@
 // Just enough of CUDA's device side for the engine's kernels (../kernels/*.cu) to
 // compile as C++ and run on the CPU, unchanged. Blocks run one after another; a
 // block's threads are fibers on one OS thread, switched only where threads meet:
-// __syncthreads, and each warp shuffle (lanes write, all meet, lanes read, all meet).
+// __syncthreads, __syncwarp, and each warp shuffle (lanes write, all meet, lanes read, all meet).
 // Every kernel's threads pass the same meeting points in the same order (or return),
 // which is what makes one round-robin over the fibers a barrier. __shared__ arrays
 // are one per program (one block runs at a time). Exact in what it computes, slow, and
@@ -38,5 +38,6 @@ extern dim3 blockDim;
 extern dim3 gridDim;
 
 void __syncthreads();
+void __syncwarp(unsigned mask = 0xffffffffu);
 float __shfl_xor_sync(unsigned mask, float v, int lane_mask);
 double __shfl_xor_sync(unsigned mask, double v, int lane_mask);

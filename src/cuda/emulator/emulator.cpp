@@ -12,6 +12,7 @@
 
 #include "../kernels/activation.cu"
 #include "../kernels/attention.cu"
+#include "../kernels/decode.cu"
 #include "../kernels/elementwise.cu"
 #include "../kernels/embedding.cu"
 #include "../kernels/loss.cu"
@@ -74,6 +75,9 @@ const std::vector<Kernel>& kernels() {
         entry("sum_squares", sum_squares, true),
         entry("sum_all", sum_all, true),
         entry("adamw", adamw, false),
+        entry("store_keys_values", store_keys_values, false),
+        entry("attend_cached", attend_cached, true),
+        entry("last_rows", last_rows, false),
     };
     return table;
 }
@@ -167,6 +171,8 @@ T shuffle_xor(T v, int lane_mask, T* slots) {
 }  // namespace
 
 void __syncthreads() { meet(); }
+
+void __syncwarp(unsigned) { meet(); }
 
 float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     return shuffle_xor(v, lane_mask, warp_floats);

@@ -24,17 +24,18 @@ extern "C" __global__ void scale_in_place(float* x, long long n, float s) {
 }
 
 // Rotary positions on the q and k heads of qkv rows (width W), split-halves pairing
-// (dimension i turns with i + d/2), by the angle of the row's position (row % T);
+// (dimension i turns with i + d/2), by the angle of the row's position (first + row % T);
 // sign -1 turns back (the backward). cos and sin are (T_max, d/2) tables.
 extern "C" __global__ void rope(float* qkv, const float* cos_table, const float* sin_table,
-                                int rows, int T, int heads, int d, int W, float sign) {
+                                int rows, int T, int first, int heads, int d, int W,
+                                float sign) {
     const int half = d / 2;
     FOR_EACH(i, (long long)rows * heads * half) {
         const int k = (int)(i % half);
         const long long rh = i / half;
         const int head = (int)(rh % heads);
         const long long row = rh / heads;
-        const long long p = row % T;
+        const long long p = first + row % T;
         float* h = qkv + row * W + (long long)head * d;
         const float c = cos_table[p * half + k], s = sign * sin_table[p * half + k];
         const float x = h[k], y = h[k + half];

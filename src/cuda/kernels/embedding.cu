@@ -2,15 +2,17 @@
 // with dropout; and its backward, deterministic: no atomics.
 #include "common.cuh"
 
-// x[r] = (wte[ids[r]] + positions[r % T]) * mask; positions may be null (RoPE).
+// x[r] = (wte[ids[r]] + positions[first + r % T]) * mask: rows are sequences of T
+// positions from position `first` (0 in training; the cached length in decoding).
+// positions may be null (RoPE).
 extern "C" __global__ void embedding_forward(float* x, const uint32_t* ids, const float* wte,
-                                             const float* positions, int rows, int T, int C,
-                                             Dropout dropout) {
+                                             const float* positions, int rows, int T, int first,
+                                             int C, Dropout dropout) {
     FOR_EACH(i, (long long)rows * C) {
         const long long r = i / C;
         const int c = (int)(i % C);
         float v = wte[(long long)ids[r] * C + c];
-        if (positions != nullptr) v += positions[(r % T) * C + c];
+        if (positions != nullptr) v += positions[(first + r % T) * C + c];
         x[i] = v * dropout_scale(dropout, i);
     }
 }

@@ -1,0 +1,351 @@
+//! Decoding on the GPU: the fused CPU decoder's walk (`crate::cpu::FastDecoder`) with
+//! the training engine's kernels and products, plus what only decoding has: per-layer
+//! key/value caches on the device, written as rows arrive, and attention of new rows
+//! over them (kernels/decode.cu). Weights stay resident; a step uploads one id per
+//! sequence and reads back one row of logits per sequence. The prompt (and every
+//! window slide) runs through the same code with many rows at once.
+
+use anyhow::{bail, ensure, Result};
+#[cfg(feature = "cuda")]
+use candle_core::Device;
+
+use super::blas::linear;
+use super::buffers::Buf;
+use super::gpu::Gpu;
+use super::kernels::{DropoutArgs, Heads};
+use crate::config::{PositionKind, Precision};
+use crate::cpu::ops::Positions;
+use crate::model::position::{rope_tables, sinusoidal_table};
+use crate::model::spec::{LinearParams, ModelSpec, NormParams};
+
+/// Rows one forward call holds at most: longer prefills run in chunks of positions.
+const MAX_ROWS: usize = 4096;
+
+/// A model's weights on the GPU and the K/V caches of `batch` sequences.
+pub struct CudaDecoder {
+    spec: ModelSpec,
+    gpu: Gpu,
+    precision: Precision,
+    params: Buf<f32>,
+    sinusoids: Option<Buf<f32>>,
+    rope: Option<[Buf<f32>; 2]>,
+    batch: usize,
+    /// Positions per forward call the work space holds.
+    chunk: usize,
+    /// Positions held in the caches.
+    len: usize,
+    /// Per layer: (batch, block_size, kv width).
+    keys: Vec<Buf<f32>>,
+    values: Vec<Buf<f32>>,
+    work: Work,
+    /// The last call's logits, (batch, V), on the host.
+    logits: Vec<f32>,
+}
+
+/// Work space for `chunk` positions of every sequence.
+struct Work {
+    ids: Buf<u32>,
+    x: Buf<f32>,
+    xn: Buf<f32>,
+    /// A norm's mean and rstd per row.
+    stats: Buf<f32>,
+    qkv: Buf<f32>,
+    att: Buf<f32>,
+    proj: Buf<f32>,
+    fc: Buf<f32>,
+    act: Buf<f32>,
+    /// (rows, H, block_size): attention scores.
+    scores: Buf<f32>,
+    /// (batch, C): each sequence's last row, then its final norm, and its statistics.
+    last: Buf<f32>,
+    last_normed: Buf<f32>,
+    last_stats: Buf<f32>,
+    /// (batch, V).
+    logits: Buf<f32>,
+}
+
+impl CudaDecoder {
+    /// The model `spec` with weights `values` (flat, table order) on the CUDA device
+    /// `device`, for `batch` sequences decoded together, products in `precision`.
+    #[cfg(feature = "cuda")]
+    pub fn new(
+        spec: &ModelSpec,
+        values: &[f32],
+        device: &Device,
+        batch: usize,
+        precision: Precision,
+    ) -> Result<Self> {
+        let Device::Cuda(dev) = device else {
+            bail!("the CUDA decoder runs on a CUDA device, not {device:?}");
+        };
+        Self::on(Gpu::cuda(dev)?, spec, values, batch, precision)
+    }
+
+    /// The same decoder with its kernels run on the CPU by the emulator (tests).
+    #[cfg(feature = "cuda-emulator")]
+    pub fn emulated(
+        spec: &ModelSpec,
+        values: &[f32],
+        batch: usize,
+        precision: Precision,
+    ) -> Result<Self> {
+        Self::on(Gpu::Emulated, spec, values, batch, precision)
+    }
+
+    fn on(
+        gpu: Gpu,
+        spec: &ModelSpec,
+        values: &[f32],
+        batch: usize,
+        precision: Precision,
+    ) -> Result<Self> {
+        ensure!(
+            values.len() == spec.len(),
+            "a flat buffer of the whole table"
+        );
+        gpu.bind()?;
+        let s = &spec.shapes;
+        let cfg = &spec.config;
+        let chunk = (MAX_ROWS / batch).clamp(1, s.block_size);
+        let rows = batch * chunk;
+        let zeros = |len: usize| Buf::<f32>::zeros(&gpu, len);
+        let sinusoids = match cfg.positions {
+            PositionKind::Sinusoidal => {
+                let table = sinusoidal_table(s.block_size, s.n_embd, &candle_core::Device::Cpu)?;
+                Some(Buf::from_host(&gpu, &table.flatten_all()?.to_vec1()?)?)
+            }
+            _ => None,
+        };
+        let rope = match cfg.positions {
+            PositionKind::Rope => {
+                let (cos, sin) = rope_tables(cfg);
+                Some([Buf::from_host(&gpu, &cos)?, Buf::from_host(&gpu, &sin)?])
+            }
+            _ => None,
+        };
+        let cache = batch * s.block_size * s.kv_width;
+        let (keys, values_cache) = (
+            (0..s.n_layer)
+                .map(|_| zeros(cache))
+                .collect::<Result<Vec<_>>>()?,
+            (0..s.n_layer)
+                .map(|_| zeros(cache))
+                .collect::<Result<Vec<_>>>()?,
+        );
+        let c = s.n_embd;
+        let work = Work {
+            ids: Buf::zeros(&gpu, rows)?,
+            x: zeros(rows * c)?,
+            xn: zeros(rows * c)?,
+            stats: zeros(2 * rows)?,
+            qkv: zeros(rows * s.qkv_width)?,
+            att: zeros(rows * c)?,
+            proj: zeros(rows * c)?,
+            fc: zeros(rows * s.mlp_fc_width)?,
+            act: zeros(rows * s.mlp_hidden)?,
+            scores: zeros(rows * s.n_head * s.block_size)?,
+            last: zeros(batch * c)?,
+            last_normed: zeros(batch * c)?,
+            last_stats: zeros(2 * batch)?,
+            logits: zeros(batch * s.vocab_size)?,
+        };
+        Ok(Self {
+            params: Buf::from_host(&gpu, values)?,
+            spec: spec.clone(),
+            gpu,
+            precision,
+            sinusoids,
+            rope,
+            batch,
+            chunk,
+            len: 0,
+            keys,
+            values: values_cache,
+            work,
+            logits: Vec::new(),
+        })
+    }
+
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// Positions held in the caches.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Starts over: runs `windows` (one per sequence, equal lengths) from position 0.
+    /// Returns the last position's logits, (batch, V).
+    pub fn prefill(&mut self, windows: &[Vec<u32>]) -> Result<&[f32]> {
+        ensure!(windows.len() == self.batch, "one window per sequence");
+        let t = windows[0].len();
+        ensure!(
+            windows.iter().all(|w| w.len() == t),
+            "windows of equal length"
+        );
+        self.len = 0;
+        let mut start = 0;
+        while start < t {
+            let len = self.chunk.min(t - start);
+            let ids: Vec<u32> = windows
+                .iter()
+                .flat_map(|w| w[start..start + len].iter().copied())
+                .collect();
+            self.forward(&ids, len)?;
+            start += len;
+        }
+        Ok(&self.logits)
+    }
+
+    /// Feeds one token per sequence at the next position; returns logits, (batch, V).
+    pub fn step(&mut self, ids: &[u32]) -> Result<&[f32]> {
+        self.forward(ids, 1)?;
+        Ok(&self.logits)
+    }
+
+    fn heads(&self) -> Heads {
+        let s = &self.spec.shapes;
+        Heads {
+            batch: self.batch,
+            t: s.block_size,
+            heads: s.n_head,
+            kv_heads: s.n_kv_head,
+            d: s.head_dim,
+        }
+    }
+
+    /// Runs `t` new tokens per sequence (`ids` is (batch, t) row-major) at positions
+    /// len .. len + t, appending their keys and values.
+    fn forward(&mut self, ids: &[u32], t: usize) -> Result<()> {
+        self.gpu.bind()?;
+        let s = self.spec.shapes;
+        ensure!(
+            ids.len() == self.batch * t && t <= self.chunk,
+            "ids of (batch, chunk)"
+        );
+        if t == 0 || self.len + t > s.block_size {
+            bail!(
+                "{} positions do not fit the K/V caches of {}: slide the window",
+                self.len + t,
+                s.block_size
+            );
+        }
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= s.vocab_size) {
+            bail!(
+                "token id {id} is outside the vocabulary of {}",
+                s.vocab_size
+            );
+        }
+        let (rows, c) = (self.batch * t, s.n_embd);
+        let at = Positions { t, first: self.len };
+        self.work.ids.write(&self.gpu, ids)?;
+        let (g, w) = (&self.gpu, &self.work);
+        let positions = match (self.spec.wpe, &self.sinusoids) {
+            (Some(wpe), _) => self.params.at(self.spec[wpe].offset),
+            (None, Some(table)) => table.ptr(),
+            (None, None) => 0,
+        };
+        let wte = self.params.at(self.spec[self.spec.wte].offset);
+        g.embedding_forward(
+            w.x.ptr(),
+            w.ids.ptr(),
+            wte,
+            positions,
+            rows,
+            at,
+            c,
+            DropoutArgs::NONE,
+        )?;
+        let heads = self.heads();
+        let kind = self.spec.config.mlp;
+        for (l, p) in self.spec.blocks.iter().enumerate() {
+            // Attention: q, k, v for every row; positions turned in; keys and values
+            // cached; each row attends over its sequence's cache.
+            self.norm(w.xn.ptr(), w.stats.ptr(), w.x.ptr(), &p.ln_1, rows)?;
+            self.linear(w.qkv.ptr(), w.xn.ptr(), &p.attn_qkv, rows)?;
+            if let Some([cos, sin]) = &self.rope {
+                let tables = (cos.ptr(), sin.ptr());
+                g.rope(w.qkv.ptr(), tables, rows, at, heads, s.qkv_width, 1.0)?;
+            }
+            let cache = (self.keys[l].ptr(), self.values[l].ptr());
+            g.store_keys_values(cache, w.qkv.ptr(), rows, at, heads, s.block_size)?;
+            let (att, scores) = (w.att.ptr(), w.scores.ptr());
+            g.attend_cached(
+                att,
+                scores,
+                w.qkv.ptr(),
+                cache,
+                rows,
+                at,
+                heads,
+                s.block_size,
+            )?;
+            self.linear(w.proj.ptr(), w.att.ptr(), &p.attn_proj, rows)?;
+            g.residual(
+                w.x.ptr(),
+                w.x.ptr(),
+                w.proj.ptr(),
+                rows * c,
+                DropoutArgs::NONE,
+            )?;
+
+            // MLP.
+            self.norm(w.xn.ptr(), w.stats.ptr(), w.x.ptr(), &p.ln_2, rows)?;
+            self.linear(w.fc.ptr(), w.xn.ptr(), &p.mlp_fc, rows)?;
+            g.activation_forward(w.act.ptr(), w.fc.ptr(), rows, s.mlp_hidden, kind)?;
+            self.linear(w.proj.ptr(), w.act.ptr(), &p.mlp_proj, rows)?;
+            g.residual(
+                w.x.ptr(),
+                w.x.ptr(),
+                w.proj.ptr(),
+                rows * c,
+                DropoutArgs::NONE,
+            )?;
+        }
+
+        // Only each sequence's last position needs logits.
+        g.last_rows(w.last.ptr(), w.x.ptr(), self.batch, t, c)?;
+        let (last, normed) = (w.last.ptr(), w.last_normed.ptr());
+        self.norm(
+            normed,
+            w.last_stats.ptr(),
+            last,
+            &self.spec.ln_f,
+            self.batch,
+        )?;
+        let output = LinearParams {
+            weight: self.spec.wte,
+            bias: None,
+            d_in: c,
+            d_out: s.vocab_size,
+        };
+        self.linear(w.logits.ptr(), normed, &output, self.batch)?;
+        self.logits = w.logits.read(g, self.batch * s.vocab_size)?;
+        self.len += t;
+        Ok(())
+    }
+
+    fn linear(&self, out: u64, x: u64, p: &LinearParams, rows: usize) -> Result<()> {
+        let (spec, params) = (&self.spec, &self.params);
+        linear(&self.gpu, self.precision, spec, params, out, x, p, rows)
+    }
+
+    /// out = the norm of each of `rows` rows of x; `stats` holds 2 rows of statistics.
+    fn norm(&self, out: u64, stats: u64, x: u64, p: &NormParams, rows: usize) -> Result<()> {
+        let cfg = &self.spec.config;
+        let weights = (
+            self.params.at(self.spec[p.weight].offset),
+            p.bias.map_or(0, |b| self.params.at(self.spec[b].offset)),
+        );
+        let stats = (stats, stats + 4 * rows as u64);
+        let c = self.spec.shapes.n_embd;
+        let eps = cfg.norm_eps as f32;
+        self.gpu
+            .norm_forward(out, stats, x, weights, rows, c, eps, cfg.norm)
+    }
+}

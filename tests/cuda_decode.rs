@@ -1,0 +1,163 @@
+//! The CUDA decoder against the fused CPU decoder: the same logits after a prefill and
+//! after every step, and so the same greedy tokens, for each model option, with several
+//! sequences at once, up to the end of the context. Runs the CUDA decoder under the CPU
+//! emulator (feature `cuda-emulator`) and on a GPU (feature `cuda`, a machine with one);
+//! says SKIPPED for each that is missing.
+
+use tinygpt::config::{MlpKind, ModelConfig, NormKind, PositionKind};
+use tinygpt::cpu::FastDecoder;
+use tinygpt::model::ModelSpec;
+
+/// A decoder under test: prefill and step, logits (batch, V) back.
+trait Decode {
+    fn prefill(&mut self, windows: &[Vec<u32>]) -> Vec<f32>;
+    fn step(&mut self, ids: &[u32]) -> Vec<f32>;
+}
+
+impl Decode for FastDecoder {
+    fn prefill(&mut self, windows: &[Vec<u32>]) -> Vec<f32> {
+        FastDecoder::prefill(self, windows).unwrap().to_vec()
+    }
+    fn step(&mut self, ids: &[u32]) -> Vec<f32> {
+        FastDecoder::step(self, ids).unwrap().to_vec()
+    }
+}
+
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+impl Decode for tinygpt::cuda::CudaDecoder {
+    fn prefill(&mut self, windows: &[Vec<u32>]) -> Vec<f32> {
+        tinygpt::cuda::CudaDecoder::prefill(self, windows)
+            .unwrap()
+            .to_vec()
+    }
+    fn step(&mut self, ids: &[u32]) -> Vec<f32> {
+        tinygpt::cuda::CudaDecoder::step(self, ids)
+            .unwrap()
+            .to_vec()
+    }
+}
+
+/// The CUDA decoders this build and machine can make for `spec`: (where, decoder).
+fn cuda_decoders(spec: &ModelSpec, values: &[f32], batch: usize) -> Vec<(String, Box<dyn Decode>)> {
+    #[allow(unused_mut)]
+    let mut out: Vec<(String, Box<dyn Decode>)> = Vec::new();
+    let precision = tinygpt::config::Precision::F32;
+    #[cfg(feature = "cuda-emulator")]
+    out.push((
+        "emulated".into(),
+        Box::new(tinygpt::cuda::CudaDecoder::emulated(spec, values, batch, precision).unwrap()),
+    ));
+    #[cfg(not(feature = "cuda-emulator"))]
+    eprintln!("SKIPPED: the CUDA decoder under the emulator (build with --features cuda-emulator)");
+    #[cfg(feature = "cuda")]
+    match candle_core::Device::new_cuda(0) {
+        Ok(gpu) => out.push((
+            "cuda".into(),
+            Box::new(
+                tinygpt::cuda::CudaDecoder::new(spec, values, &gpu, batch, precision).unwrap(),
+            ),
+        )),
+        Err(e) => eprintln!("SKIPPED: the CUDA decoder on a GPU (no CUDA device: {e})"),
+    }
+    let _ = (spec, values, batch, precision);
+    out
+}
+
+/// Weights that give every position distinct, confident logits: the initial values
+/// with the embeddings scaled up (so greedy choices are not near-ties).
+fn weights(spec: &ModelSpec) -> Vec<f32> {
+    let mut values = spec.initial_values(3);
+    let wte = spec[spec.wte].range();
+    values[wte].iter_mut().for_each(|v| *v *= 20.0);
+    values
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// max |a - b| over max |b|.
+fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-12);
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+#[test]
+fn cuda_decoder_matches_the_cpu_decoder() {
+    let variants = [
+        (
+            PositionKind::Learned,
+            true,
+            4,
+            NormKind::LayerNorm,
+            MlpKind::Gelu,
+        ),
+        (
+            PositionKind::Rope,
+            false,
+            2,
+            NormKind::RmsNorm,
+            MlpKind::Swiglu,
+        ),
+        (
+            PositionKind::Sinusoidal,
+            true,
+            4,
+            NormKind::LayerNorm,
+            MlpKind::GeluTanh,
+        ),
+    ];
+    for (positions, bias, kv, norm, mlp) in variants {
+        let cfg = ModelConfig {
+            n_layer: 2,
+            n_head: 4,
+            n_kv_head: Some(kv),
+            n_embd: 32,
+            block_size: 12,
+            vocab_size: 29,
+            positions,
+            bias,
+            norm,
+            mlp,
+            ..ModelConfig::default()
+        };
+        let spec = ModelSpec::new(&cfg);
+        let values = weights(&spec);
+        let batch = 3;
+        let windows: Vec<Vec<u32>> = (0..batch as u32)
+            .map(|b| (0..5).map(|i| (7 * i + 3 * b + 1) % 29).collect())
+            .collect();
+        for (place, mut cuda) in cuda_decoders(&spec, &values, batch) {
+            let what = format!("{place} {positions:?} kv={kv} {norm:?} {mlp:?}");
+            let mut cpu: Box<dyn Decode> =
+                Box::new(FastDecoder::new(&spec, &values, batch).unwrap());
+            let (want, got) = (cpu.prefill(&windows), cuda.prefill(&windows));
+            assert!(
+                rel_err(&got, &want) < 1e-4,
+                "{what}: prefill logits off by {}",
+                rel_err(&got, &want)
+            );
+            let mut logits = want;
+            // Greedy to the end of the context: positions 5 .. 11.
+            for step in 0..cfg.block_size - windows[0].len() {
+                let ids: Vec<u32> = logits.chunks(cfg.vocab_size).map(argmax).collect();
+                let (want, got) = (cpu.step(&ids), cuda.step(&ids));
+                let err = rel_err(&got, &want);
+                assert!(err < 1e-4, "{what}: step {step} logits off by {err}");
+                let greedy = |l: &[f32]| l.chunks(cfg.vocab_size).map(argmax).collect::<Vec<_>>();
+                assert_eq!(
+                    greedy(&got),
+                    greedy(&want),
+                    "{what}: step {step} greedy tokens"
+                );
+                logits = want;
+            }
+        }
+    }
+}
