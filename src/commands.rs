@@ -3,10 +3,12 @@
 use std::io::{IsTerminal, Read, Write};
 
 use anyhow::Result;
+use candle_core::Device;
 use serde_json::json;
 use tinygpt::checkpoint::Loaded;
 use tinygpt::device::parse_device;
 use tinygpt::error::user_error;
+use tinygpt::generate::choose::fastest_decoder;
 use tinygpt::generate::sample::{Sampler, SamplingParams};
 use tinygpt::generate::{generate as sample_text, unescape, DecodeMode, GenerateOptions};
 use tinygpt::user_bail;
@@ -18,6 +20,24 @@ use crate::{
 
 fn load(args: &CheckpointArgs) -> Result<Loaded> {
     Loaded::load(&args.checkpoint, &parse_device(&args.device)?)
+}
+
+/// `--device auto` for decoding: the checkpoint loads on the CPU, both decoders are
+/// timed on it, and it moves to CUDA only if CUDA decodes faster. Says which and why.
+fn load_for_decoding(dir: &std::path::Path, batch: usize) -> Result<Loaded> {
+    let on_cpu = Loaded::load(dir, &Device::Cpu)?;
+    let weights = on_cpu.model.params().to_flat()?;
+    let choice = fastest_decoder(on_cpu.model.spec(), &weights, batch)?;
+    let name = if choice.device.is_cpu() {
+        "cpu"
+    } else {
+        "cuda"
+    };
+    eprintln!("device auto: {name} ({})", choice.why);
+    if choice.device.is_cpu() {
+        return Ok(on_cpu);
+    }
+    Loaded::load(dir, &choice.device)
 }
 
 fn read_prompt(args: &GenerateArgs) -> Result<String> {
@@ -52,7 +72,18 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
         user_bail!("--num-samples {} must be 1 to 1024", args.num_samples);
     }
     let prompt_text = read_prompt(&args)?;
-    let loaded = load(&args.ckpt)?;
+    let mode = if args.no_kv_cache {
+        DecodeMode::Uncached
+    } else if args.reference {
+        DecodeMode::Cached
+    } else {
+        DecodeMode::Fast
+    };
+    let loaded = if args.ckpt.device == "auto" && mode == DecodeMode::Fast {
+        load_for_decoding(&args.ckpt.checkpoint, args.num_samples)?
+    } else {
+        load(&args.ckpt)?
+    };
     let tk = &loaded.tokenizer;
     let (prompt, show_prompt) = if prompt_text.is_empty() {
         let start = match tk.end_of_text() {
@@ -70,13 +101,6 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
     let mut samplers = (0..args.num_samples as u64)
         .map(|i| Sampler::new(params.clone(), seed.wrapping_add(i)))
         .collect::<Result<Vec<_>>>()?;
-    let mode = if args.no_kv_cache {
-        DecodeMode::Uncached
-    } else if args.reference {
-        DecodeMode::Cached
-    } else {
-        DecodeMode::Fast
-    };
     let options = GenerateOptions {
         max_new_tokens: args.max_new_tokens,
         stop: args.stop.iter().map(|s| unescape(s)).collect(),

@@ -6,6 +6,7 @@
 //! next logits are computed), `sample` (how a token is chosen from them) and `stop`
 //! (stop strings), then `generate` below.
 
+pub mod choose;
 pub mod decoder;
 pub mod sample;
 pub mod stop;

@@ -1,0 +1,158 @@
+//! `--device auto` for decoding: the device that decodes this model faster, measured
+//! rather than assumed. A small model decodes faster on the CPU (one step is a few
+//! microseconds of arithmetic) than through a chain of GPU launches; a large one the
+//! other way round. Both decoders are built and timed on the same few steps.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use candle_core::Device;
+
+use crate::cpu::FastDecoder;
+use crate::model::ModelSpec;
+
+/// The chosen device, and the measurement behind it for the user.
+pub struct Choice {
+    pub device: Device,
+    pub why: String,
+}
+
+/// A decoder to time: prefill, then one token per sequence a step.
+trait Steps {
+    fn prefill(&mut self, windows: &[Vec<u32>]) -> Result<()>;
+    fn step(&mut self, ids: &[u32]) -> Result<()>;
+}
+
+impl Steps for FastDecoder {
+    fn prefill(&mut self, windows: &[Vec<u32>]) -> Result<()> {
+        FastDecoder::prefill(self, windows).map(|_| ())
+    }
+    fn step(&mut self, ids: &[u32]) -> Result<()> {
+        FastDecoder::step(self, ids).map(|_| ())
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Steps for crate::cuda::CudaDecoder {
+    fn prefill(&mut self, windows: &[Vec<u32>]) -> Result<()> {
+        crate::cuda::CudaDecoder::prefill(self, windows).map(|_| ())
+    }
+    fn step(&mut self, ids: &[u32]) -> Result<()> {
+        crate::cuda::CudaDecoder::step(self, ids).map(|_| ())
+    }
+}
+
+/// Tokens a second (all sequences together) over steps after two untimed ones: at
+/// least 4 steps and 30 ms, at most 64 steps or 1 s, within the context.
+fn tokens_per_s(decoder: &mut dyn Steps, spec: &ModelSpec, batch: usize) -> Result<f64> {
+    let windows = vec![vec![0u32]; batch];
+    decoder.prefill(&windows)?;
+    let ids = vec![0u32; batch];
+    let room = spec.shapes.block_size - 1;
+    let warm = 2.min(room);
+    for _ in 0..warm {
+        decoder.step(&ids)?;
+    }
+    let (start, mut steps) = (Instant::now(), 0usize);
+    while warm + steps < room && steps < 64 {
+        decoder.step(&ids)?;
+        steps += 1;
+        let elapsed = start.elapsed();
+        if (steps >= 4 && elapsed >= Duration::from_millis(30)) || elapsed >= Duration::from_secs(1)
+        {
+            break;
+        }
+    }
+    Ok((steps * batch) as f64 / start.elapsed().as_secs_f64().max(1e-9))
+}
+
+/// Which of the CPU and the first CUDA device (where the build and the machine have
+/// one) decodes `batch` sequences of the model `spec` with `weights` faster.
+pub fn fastest_decoder(spec: &ModelSpec, weights: &[f32], batch: usize) -> Result<Choice> {
+    let gpu = cuda_device();
+    let Some(gpu) = gpu else {
+        return Ok(Choice {
+            device: Device::Cpu,
+            why: "no CUDA device".into(),
+        });
+    };
+    let cpu = tokens_per_s(&mut FastDecoder::new(spec, weights, batch)?, spec, batch)?;
+    let cuda = cuda_tokens_per_s(spec, weights, batch, &gpu)?;
+    let (device, faster, slower, other) = if cpu >= cuda {
+        (Device::Cpu, cpu, cuda, "cuda")
+    } else {
+        (gpu, cuda, cpu, "cpu")
+    };
+    Ok(Choice {
+        device,
+        why: format!(
+            "decoding measured at {faster:.0} tokens/s here against {slower:.0} on {other} \
+             ({batch} sequence{})",
+            if batch == 1 { "" } else { "s" }
+        ),
+    })
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device() -> Option<Device> {
+    candle_core::utils::cuda_is_available()
+        .then(|| Device::new_cuda(0).ok())
+        .flatten()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device() -> Option<Device> {
+    None
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_tokens_per_s(spec: &ModelSpec, weights: &[f32], batch: usize, gpu: &Device) -> Result<f64> {
+    let precision = crate::config::Precision::F32;
+    let mut decoder = crate::cuda::CudaDecoder::new(spec, weights, gpu, batch, precision)?;
+    tokens_per_s(&mut decoder, spec, batch)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_tokens_per_s(_: &ModelSpec, _: &[f32], _: usize, _: &Device) -> Result<f64> {
+    unreachable!("no CUDA device without the cuda feature")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ModelConfig;
+
+    #[test]
+    fn the_cpu_decoder_is_timed_within_its_context() {
+        let cfg = ModelConfig {
+            n_layer: 1,
+            n_head: 2,
+            n_embd: 16,
+            block_size: 6,
+            vocab_size: 11,
+            ..ModelConfig::default()
+        };
+        let spec = ModelSpec::new(&cfg);
+        let weights = spec.initial_values(1);
+        let mut decoder = FastDecoder::new(&spec, &weights, 2).unwrap();
+        // 5 steps of room: 2 untimed, then 3 timed, never past the context.
+        let tps = tokens_per_s(&mut decoder, &spec, 2).unwrap();
+        assert!(tps > 0.0 && tps.is_finite(), "{tps}");
+        assert_eq!(decoder.len(), 6);
+    }
+
+    #[test]
+    fn without_a_gpu_the_cpu_is_chosen_and_says_why() {
+        if cuda_device().is_some() {
+            eprintln!("SKIPPED: this machine has a GPU; the race runs instead");
+            return;
+        }
+        let spec = ModelSpec::new(&ModelConfig {
+            vocab_size: 11,
+            ..ModelConfig::default()
+        });
+        let choice = fastest_decoder(&spec, &spec.initial_values(1), 1).unwrap();
+        assert!(choice.device.is_cpu());
+        assert_eq!(choice.why, "no CUDA device");
+    }
+}
