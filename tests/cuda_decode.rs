@@ -161,3 +161,42 @@ fn cuda_decoder_matches_the_cpu_decoder() {
         }
     }
 }
+
+/// Decoding sequences together gives each the logits it gets alone.
+#[test]
+fn batched_decoding_is_each_sequence_alone() {
+    let cfg = ModelConfig {
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 16,
+        block_size: 9,
+        vocab_size: 13,
+        positions: PositionKind::Rope,
+        ..ModelConfig::default()
+    };
+    let spec = ModelSpec::new(&cfg);
+    let values = weights(&spec);
+    let windows: Vec<Vec<u32>> = vec![vec![1, 2, 3], vec![4, 0, 7], vec![12, 12, 5]];
+    let steps: Vec<Vec<u32>> = vec![vec![3, 9, 1], vec![0, 2, 11], vec![6, 6, 6]];
+    let mut together = cuda_decoders(&spec, &values, 3);
+    for (place, batched) in together.iter_mut() {
+        let mut logits = vec![batched.prefill(&windows)];
+        logits.extend(steps.iter().map(|ids| batched.step(ids)));
+        for (b, window) in windows.iter().enumerate() {
+            let (_, alone) = &mut cuda_decoders(&spec, &values, 1)
+                .into_iter()
+                .find(|(p, _)| p == place)
+                .expect("the same place again");
+            let mut mine = vec![alone.prefill(std::slice::from_ref(window))];
+            mine.extend(steps.iter().map(|ids| alone.step(&[ids[b]])));
+            let v = cfg.vocab_size;
+            for (step, (all, one)) in logits.iter().zip(&mine).enumerate() {
+                let err = rel_err(one, &all[b * v..(b + 1) * v]);
+                assert!(
+                    err < 1e-5,
+                    "{place}: sequence {b} step {step}: off by {err}"
+                );
+            }
+        }
+    }
+}
