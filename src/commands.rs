@@ -79,7 +79,8 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
     } else {
         DecodeMode::Fast
     };
-    let loaded = if args.ckpt.device == "auto" && mode == DecodeMode::Fast {
+    let auto = args.ckpt.device.trim().eq_ignore_ascii_case("auto");
+    let loaded = if auto && mode == DecodeMode::Fast {
         load_for_decoding(&args.ckpt.checkpoint, args.num_samples)?
     } else {
         load(&args.ckpt)?

@@ -9,6 +9,27 @@ pub struct Launch {
     pub threads: u32,
 }
 
+/// Calls `$then!` with the name of every kernel file (`kernels/<name>.cu`), each
+/// compiled to PTX by build.rs: the one list `gpu.rs` includes PTX from, and that the
+/// test below holds to the files on disk and to every kernel's file.
+#[cfg_attr(not(any(test, feature = "cuda")), allow(unused_macros))]
+macro_rules! kernel_files {
+    ($then:ident) => {
+        $then!(
+            "embedding",
+            "norm",
+            "activation",
+            "elementwise",
+            "attention",
+            "loss",
+            "optim",
+            "decode"
+        )
+    };
+}
+#[cfg(feature = "cuda")]
+pub(crate) use kernel_files;
+
 /// Names every kernel: its variant, its function name and the file it is in.
 macro_rules! kernels {
     ($($variant:ident = $name:literal in $module:literal,)*) => {
@@ -94,4 +115,49 @@ pub struct ColumnMajor {
     pub ldc: usize,
     pub stride_c: usize,
     pub batch: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    macro_rules! list {
+        ($($file:literal),*) => {
+            &[$($file),*]
+        };
+    }
+
+    /// The kernel files, by name.
+    const FILES: &[&str] = kernel_files!(list);
+
+    /// Every kernel names a file that is compiled and loaded (a wrong one would only
+    /// fail on a GPU, when its PTX is loaded), and every .cu file is in the list.
+    #[test]
+    fn every_kernel_is_in_a_listed_file_and_every_file_is_listed() {
+        for k in Kernel::ALL {
+            assert!(FILES.contains(&k.module()), "{k:?} names {}", k.module());
+            let path = format!(
+                "{}/src/cuda/kernels/{}.cu",
+                env!("CARGO_MANIFEST_DIR"),
+                k.module()
+            );
+            let source = std::fs::read_to_string(&path).unwrap();
+            assert!(
+                source.contains(&format!("void {}(", k.name())),
+                "{} is not in {path}",
+                k.name()
+            );
+        }
+        let dir = format!("{}/src/cuda/kernels", env!("CARGO_MANIFEST_DIR"));
+        let mut on_disk: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "cu"))
+            .map(|p| p.file_stem().unwrap().to_string_lossy().into_owned())
+            .collect();
+        on_disk.sort();
+        let mut listed: Vec<String> = FILES.iter().map(|f| f.to_string()).collect();
+        listed.sort();
+        assert_eq!(on_disk, listed);
+    }
 }

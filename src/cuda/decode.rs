@@ -106,7 +106,11 @@ impl CudaDecoder {
         gpu.bind()?;
         let s = &spec.shapes;
         let cfg = &spec.config;
-        let chunk = (MAX_ROWS / batch).clamp(1, s.block_size);
+        ensure!(batch > 0, "at least one sequence");
+        // Rows per call: at most MAX_ROWS, and scores (rows x H x block) of at most 2^26
+        // values (256 MiB).
+        let by_scores = (1 << 26) / (s.n_head * s.block_size * batch);
+        let chunk = (MAX_ROWS / batch).min(by_scores).clamp(1, s.block_size);
         let rows = batch * chunk;
         let zeros = |len: usize| Buf::<f32>::zeros(&gpu, len);
         let sinusoids = match cfg.positions {

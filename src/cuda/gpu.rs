@@ -132,15 +132,7 @@ fn ptx(module: &str) -> &'static str {
             }
         };
     }
-    ptx!(
-        "embedding",
-        "norm",
-        "activation",
-        "elementwise",
-        "attention",
-        "loss",
-        "optim"
-    )
+    super::calls::kernel_files!(ptx)
 }
 
 /// cuBLAS's strided-batched product (`Gpu::gemm` on CUDA; same safety contract).

@@ -77,7 +77,15 @@ pub fn fastest_decoder(spec: &ModelSpec, weights: &[f32], batch: usize) -> Resul
         });
     };
     let cpu = tokens_per_s(&mut FastDecoder::new(spec, weights, batch)?, spec, batch)?;
-    let cuda = cuda_tokens_per_s(spec, weights, batch, &gpu)?;
+    let cuda = match cuda_tokens_per_s(spec, weights, batch, &gpu) {
+        Ok(cuda) => cuda,
+        Err(e) => {
+            return Ok(Choice {
+                device: Device::Cpu,
+                why: format!("the CUDA decoder failed: {e:#}"),
+            })
+        }
+    };
     let (device, faster, slower, other) = if cpu >= cuda {
         (Device::Cpu, cpu, cuda, "cuda")
     } else {
@@ -86,8 +94,7 @@ pub fn fastest_decoder(spec: &ModelSpec, weights: &[f32], batch: usize) -> Resul
     Ok(Choice {
         device,
         why: format!(
-            "decoding measured at {faster:.0} tokens/s here against {slower:.0} on {other} \
-             ({batch} sequence{})",
+            "it decoded {faster:.0} tokens/s, {other} {slower:.0}, {batch} sequence{} at a time",
             if batch == 1 { "" } else { "s" }
         ),
     })

@@ -2,6 +2,7 @@
 // cuLaunchKernel's argument convention: args[i] points at parameter i's value.
 #include <ucontext.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -107,8 +108,12 @@ void fiber_main() {
     swapcontext(&running->context, &scheduler);
 }
 
-// This thread has reached a meeting point: the others run to theirs.
-void meet() { swapcontext(&running->context, &scheduler); }
+// This thread has reached a meeting point: the others run to theirs. Only kernels
+// marked as meeting run as fibers (`threads_meet`); any other would have none to meet.
+void meet() {
+    if (running == nullptr) std::abort();
+    swapcontext(&running->context, &scheduler);
+}
 
 dim3 thread_index(unsigned t) {
     return dim3{t % blockDim.x, (t / blockDim.x) % blockDim.y, t / (blockDim.x * blockDim.y)};
@@ -192,8 +197,9 @@ extern "C" int tinygpt_emulate_launch(const char* name, const unsigned* grid, co
         if (std::strcmp(candidate.name, name) == 0) k = &candidate;
     }
     if (k == nullptr) return 1;
+    // One-dimensional blocks of whole warps: the shuffles index lanes by threadIdx.x.
     const unsigned threads = block[0] * block[1] * block[2];
-    if (threads % 32 != 0 || threads > 1024) return 2;
+    if (threads % 32 != 0 || threads > 1024 || block[1] != 1 || block[2] != 1) return 2;
     gridDim = dim3{grid[0], grid[1], grid[2]};
     blockDim = dim3{block[0], block[1], block[2]};
     for (unsigned z = 0; z < grid[2]; z++)
