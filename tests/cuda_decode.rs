@@ -200,3 +200,40 @@ fn batched_decoding_is_each_sequence_alone() {
         }
     }
 }
+
+/// A prefill longer than one call's rows runs in chunks of positions (350 sequences
+/// of 12: chunks of 11 and 1), and prefilling again starts over (a window slide).
+#[test]
+fn long_prefills_run_in_chunks_and_prefill_starts_over() {
+    let cfg = ModelConfig {
+        n_layer: 1,
+        n_head: 2,
+        n_embd: 8,
+        block_size: 12,
+        vocab_size: 13,
+        ..ModelConfig::default()
+    };
+    let spec = ModelSpec::new(&cfg);
+    let values = weights(&spec);
+    let batch = 350;
+    let windows: Vec<Vec<u32>> = (0..batch as u32)
+        .map(|b| (0..12).map(|i| (b * 7 + i * 3) % 13).collect())
+        .collect();
+    let short: Vec<Vec<u32>> = windows.iter().map(|w| w[..4].to_vec()).collect();
+    for (place, mut cuda) in cuda_decoders(&spec, &values, batch) {
+        let mut cpu: Box<dyn Decode> = Box::new(FastDecoder::new(&spec, &values, batch).unwrap());
+        let (want, got) = (cpu.prefill(&windows), cuda.prefill(&windows));
+        let err = rel_err(&got, &want);
+        assert!(err < 1e-4, "{place}: a chunked prefill off by {err}");
+        let (want, got) = (cpu.prefill(&short), cuda.prefill(&short));
+        let err = rel_err(&got, &want);
+        assert!(err < 1e-4, "{place}: prefill again off by {err}");
+        let ids = vec![5; batch];
+        let (want, got) = (cpu.step(&ids), cuda.step(&ids));
+        let err = rel_err(&got, &want);
+        assert!(
+            err < 1e-4,
+            "{place}: a step after the new prefill off by {err}"
+        );
+    }
+}
