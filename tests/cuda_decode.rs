@@ -191,11 +191,10 @@ fn batched_decoding_is_each_sequence_alone() {
             mine.extend(steps.iter().map(|ids| alone.step(&[ids[b]])));
             let v = cfg.vocab_size;
             for (step, (all, one)) in logits.iter().zip(&mine).enumerate() {
+                // On a GPU, cuBLAS may pick another algorithm for 1 row than for 3.
+                let tol = if place == "emulated" { 1e-5 } else { 1e-4 };
                 let err = rel_err(one, &all[b * v..(b + 1) * v]);
-                assert!(
-                    err < 1e-5,
-                    "{place}: sequence {b} step {step}: off by {err}"
-                );
+                assert!(err < tol, "{place}: sequence {b} step {step}: off by {err}");
             }
         }
     }
