@@ -19,6 +19,7 @@ use anyhow::{ensure, Context, Result};
 use candle_core::Device;
 
 use super::blas::{linear, matmul, Matrix};
+use super::buckets::Buckets;
 use super::buffers::Buf;
 use super::gpu::Gpu;
 use super::kernels::{AdamBuffers, AdamParams, DropoutArgs, Heads};
@@ -50,8 +51,8 @@ pub struct FusedCuda {
     scratch: Scratch,
     /// The dropout of the last forward, whose masks the backward recomputes.
     dropout: Option<Dropout>,
-    /// Distinct tokens of the last forward's batch (the embedding backward's buckets).
-    distinct: usize,
+    /// The last forward's rows bucketed by token (the embedding's backward).
+    buckets: Buckets,
 }
 
 /// Fixed tables the positions need.
@@ -276,7 +277,7 @@ impl FusedCuda {
             acts,
             scratch,
             dropout: None,
-            distinct: 0,
+            buckets: Buckets::default(),
             spec: spec.clone(),
             batch,
             precision,
@@ -478,25 +479,13 @@ impl FusedCuda {
     /// The batch to the device, with its rows bucketed by token for the embedding's
     /// backward (rows sorted by token, stably, so each token's rows add in order).
     fn upload_batch(&mut self, ids: &[u32], targets: &[u32]) -> Result<()> {
-        let mut order: Vec<u32> = (0..ids.len() as u32).collect();
-        order.sort_by_key(|&r| ids[r as usize]);
-        let mut tokens = Vec::new();
-        let mut starts = Vec::new();
-        for (k, &r) in order.iter().enumerate() {
-            let id = ids[r as usize];
-            if tokens.last() != Some(&id) {
-                tokens.push(id);
-                starts.push(k as u32);
-            }
-        }
-        starts.push(order.len() as u32);
-        self.distinct = tokens.len();
-        let (gpu, a) = (&self.gpu, &mut self.acts);
+        self.buckets.fill(ids, self.spec.shapes.vocab_size);
+        let (gpu, a, b) = (&self.gpu, &mut self.acts, &self.buckets);
         a.ids.write(gpu, ids)?;
         a.targets.write(gpu, targets)?;
-        a.tokens.write(gpu, &tokens)?;
-        a.starts.write(gpu, &starts)?;
-        a.order.write(gpu, &order)
+        a.tokens.write(gpu, &b.tokens)?;
+        a.starts.write(gpu, &b.starts)?;
+        a.order.write(gpu, &b.order)
     }
 
     /// Block `l`: res_2 = x + attention(ln_1(x)); res_3 = res_2 + mlp(ln_2(res_2)).
@@ -704,7 +693,7 @@ impl FusedCuda {
             a.tokens.ptr(),
             a.starts.ptr(),
             a.order.ptr(),
-            self.distinct,
+            self.buckets.tokens.len(),
             s.n_embd,
             mask,
         )?;

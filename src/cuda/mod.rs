@@ -5,6 +5,7 @@
 //! reference on the same GPU.
 //!
 //! - [`plan`]: every buffer's size, from the shapes (also the memory check; no CUDA).
+//! - `buckets`: a batch's rows grouped by token, for the embedding's backward.
 //! - `calls`: what the engine asks of a device, as data (kernel launches, products).
 //! - `gpu`: where it runs: a CUDA device, or the emulator (below).
 //! - `kernels`: every kernel, each behind a typed launch.
@@ -21,6 +22,8 @@ pub mod plan;
 
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 mod blas;
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+mod buckets;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 mod buffers;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
