@@ -590,21 +590,34 @@ impl FusedCuda {
         )
     }
 
-    /// dx = dout W (written); dW += doutᵀ x; db += the column sums of dout.
-    fn linear_backward(&self, dx: u64, dout: u64, x: u64, p: &LinearParams) -> Result<()> {
+    /// With the output's gradient `factor` dout: dx = factor dout W (written);
+    /// dW += factor doutᵀ x; db += the column sums of dout (layers with a bias take
+    /// factor 1).
+    fn linear_backward(
+        &self,
+        dx: u64,
+        dout: u64,
+        x: u64,
+        p: &LinearParams,
+        factor: f32,
+    ) -> Result<()> {
+        ensure!(
+            p.bias.is_none() || factor == 1.0,
+            "a scaled gradient into a bias"
+        );
         let n = self.rows();
         self.product(
             Matrix::new(dx, n, p.d_in),
             Matrix::new(dout, n, p.d_out).n(),
             Matrix::new(self.w(p.weight), p.d_out, p.d_in).n(),
-            (1.0, 0.0),
+            (factor, 0.0),
             1,
         )?;
         self.product(
             Matrix::new(self.g(p.weight), p.d_out, p.d_in),
             Matrix::new(dout, n, p.d_out).t(),
             Matrix::new(x, n, p.d_in).n(),
-            (1.0, 1.0),
+            (factor, 1.0),
             1,
         )?;
         if let Some(b) = p.bias {
@@ -668,8 +681,12 @@ impl FusedCuda {
         let (k, a, sc) = (&self.gpu, &self.acts, &self.scratch);
 
         let dlogits = a.logits.ptr();
-        k.cross_entropy_backward(dlogits, a.targets.ptr(), n, s.vocab_size, scale / n as f32)?;
-        self.linear_backward(sc.dln.ptr(), dlogits, a.ln_f.ptr(), &self.output_layer())?;
+        // d(loss)/d(logits) = (p - onehot) * scale / N: the subtraction in place, the
+        // factor carried by the output layer's two products.
+        k.cross_entropy_backward(dlogits, a.targets.ptr(), n, s.vocab_size)?;
+        let output = self.output_layer();
+        let factor = scale / n as f32;
+        self.linear_backward(sc.dln.ptr(), dlogits, a.ln_f.ptr(), &output, factor)?;
         let last = a.blocks.last().expect("at least one layer").res_3.ptr();
         sc.dres.fill_zeros(&self.gpu)?;
         self.norm_backward(
@@ -719,16 +736,16 @@ impl FusedCuda {
         let kind = self.spec.config.mlp;
         k.activation_forward(sc.act.ptr(), a.fc.ptr(), n, s.mlp_hidden, kind)?;
         let dbranch = self.branch_gradient(dres, Site::MlpOutput(l))?;
-        self.linear_backward(sc.dact.ptr(), dbranch, sc.act.ptr(), &p.mlp_proj)?;
+        self.linear_backward(sc.dact.ptr(), dbranch, sc.act.ptr(), &p.mlp_proj, 1.0)?;
         let dims = (n, s.mlp_hidden);
         k.activation_backward(sc.dfc.ptr(), a.fc.ptr(), sc.dact.ptr(), dims, kind)?;
         self.norm_apply(sc.ln.ptr(), &a.ln_2, a.res_2.ptr(), &p.ln_2)?;
-        self.linear_backward(sc.dln.ptr(), sc.dfc.ptr(), sc.ln.ptr(), &p.mlp_fc)?;
+        self.linear_backward(sc.dln.ptr(), sc.dfc.ptr(), sc.ln.ptr(), &p.mlp_fc, 1.0)?;
         self.norm_backward(dres, sc.dln.ptr(), a.res_2.ptr(), &a.ln_2, &p.ln_2)?;
 
         // res_2 = x + proj(attention(qkv(ln_1(x)))).
         let dbranch = self.branch_gradient(dres, Site::AttentionOutput(l))?;
-        self.linear_backward(sc.dy.ptr(), dbranch, a.y.ptr(), &p.attn_proj)?;
+        self.linear_backward(sc.dy.ptr(), dbranch, a.y.ptr(), &p.attn_proj, 1.0)?;
         self.attention_backward(l, sc.dqkv.ptr(), sc.dy.ptr(), a.qkv.ptr())?;
         if let Some(rope) = &self.tables.rope {
             // q and k were turned after the projection: turn their gradients back.
@@ -745,7 +762,7 @@ impl FusedCuda {
             )?;
         }
         self.norm_apply(sc.ln.ptr(), &a.ln_1, x, &p.ln_1)?;
-        self.linear_backward(sc.dln.ptr(), sc.dqkv.ptr(), sc.ln.ptr(), &p.attn_qkv)?;
+        self.linear_backward(sc.dln.ptr(), sc.dqkv.ptr(), sc.ln.ptr(), &p.attn_qkv, 1.0)?;
         self.norm_backward(dres, sc.dln.ptr(), x, &a.ln_1, &p.ln_1)
     }
 

@@ -415,17 +415,15 @@ impl Gpu {
         launch!(self, SoftmaxCrossEntropy, cfg; logits, row_loss, targets, int(rows), int(v))
     }
 
-    /// In place on probabilities: (p - onehot(target)) * scale.
+    /// In place on probabilities: p - onehot(target) (unscaled).
     pub fn cross_entropy_backward(
         &self,
         probs: u64,
         targets: u64,
         rows: usize,
         v: usize,
-        scale: f32,
     ) -> Result<()> {
-        launch!(self, CrossEntropyBackward, elements(rows * v);
-            probs, targets, int(rows), int(v), scale)
+        launch!(self, CrossEntropyBackward, elements(rows); probs, targets, int(rows), int(v))
     }
 
     /// out[0] = sum of x^2 over n f32 values, in f64, through `partials` (at most

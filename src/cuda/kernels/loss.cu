@@ -20,12 +20,10 @@ extern "C" __global__ void softmax_cross_entropy(float* logits, float* row_loss,
     for (int j = threadIdx.x; j < V; j += blockDim.x) x[j] = expf(x[j] - m) * inv;
 }
 
-// In place on probabilities: d(loss)/d(logits) = (p - onehot(target)) * scale.
+// In place on probabilities: p - onehot(target), the gradient of each row's loss at
+// its logits, unscaled: the scale (1 / rows, times the backward's) goes into the two
+// products that read it, so this touches one value a row instead of rows x V.
 extern "C" __global__ void cross_entropy_backward(float* probs, const uint32_t* targets,
-                                                  int rows, int V, float scale) {
-    FOR_EACH(i, (long long)rows * V) {
-        const long long r = i / V;
-        const int j = (int)(i % V);
-        probs[i] = (probs[i] - (j == (int)targets[r] ? 1.0f : 0.0f)) * scale;
-    }
+                                                  int rows, int V) {
+    FOR_EACH(r, rows) { probs[r * V + targets[r]] -= 1.0f; }
 }
