@@ -1,23 +1,30 @@
 // The classifier's softmax and cross-entropy, fused: one block per row of logits.
 #include "common.cuh"
 
-// In place on logits (rows x V): their softmax; row_loss[r] = -log p[target].
+// In place on logits (rows x V): their softmax; row_loss[r] = -log p[target]. Two
+// passes over the row: the max and the sum of exponentials together (online: the sum
+// is rescaled whenever the max grows), then the probabilities.
 extern "C" __global__ void softmax_cross_entropy(float* logits, float* row_loss,
                                                  const uint32_t* targets, int rows, int V) {
     const int r = blockIdx.x;
     if (r >= rows) return;
     float* x = logits + (long long)r * V;
-    float m = -INFINITY;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, x[j]);
-    m = block_max(m);
-    float sum = 0.0f;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) sum += expf(x[j] - m);
-    sum = block_sum(sum);
+    float m = -INFINITY, sum = 0.0f;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        if (x[j] > m) {
+            sum = sum * expf(m - x[j]) + 1.0f;
+            m = x[j];
+        } else {
+            sum += expf(x[j] - m);
+        }
+    }
+    const float row_max = block_max(m);
+    sum = block_sum(sum * expf(m - row_max));  // a thread with no elements adds 0
     const float target_logit = x[targets[r]];
     __syncthreads();  // every thread has read the target's logit before any write
-    if (threadIdx.x == 0) row_loss[r] = logf(sum) - (target_logit - m);
+    if (threadIdx.x == 0) row_loss[r] = logf(sum) - (target_logit - row_max);
     const float inv = 1.0f / sum;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) x[j] = expf(x[j] - m) * inv;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) x[j] = expf(x[j] - row_max) * inv;
 }
 
 // In place on probabilities: p - onehot(target), the gradient of each row's loss at
