@@ -7,7 +7,7 @@
 #   bash .gpu/run.sh sanity baby char gpt2   # the side-by-side bench (needs torch there)
 #
 # The CUDA build toolkit comes from tools/cuda-toolkit.sh unless nvcc is on PATH. Test
-# executables call the library (no paths of this machine baked in), are stripped and
+# executables (engines, cuda_decode, train, gpu_memory) call the library (no paths of this machine baked in), are stripped and
 # xz-compressed (~8 MB each: candle embeds its PTX). run.sh, torch_gpt.py and the corpus
 # come from ../shared/gpu when that folder exists beside the checkout (the team's
 # workspace); without it only the tests are packed, with a run.sh that runs them.
@@ -21,7 +21,7 @@ if ! command -v nvcc >/dev/null; then
 fi
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target-cuda}
-TESTS=(engines train gpu_memory)
+TESTS=(engines cuda_decode train gpu_memory)
 
 cargo build --release --features cuda
 mapfile -t executables < <(
