@@ -6,9 +6,9 @@
 #   bash .gpu/run.sh tests           # on the GPU machine, from the repository root
 #   bash .gpu/run.sh sanity baby char gpt2   # the side-by-side bench (needs torch there)
 #
-# The CUDA build toolkit comes from tools/cuda-toolkit.sh unless nvcc is on PATH. Test
-# executables (engines, cuda_decode, train, gpu_memory) call the library (no paths of this machine baked in), are stripped and
-# xz-compressed (~8 MB each: candle embeds its PTX). run.sh, torch_gpt.py and the corpus
+# The CUDA build toolkit comes from tools/cuda-toolkit.sh unless nvcc is on PATH. The test
+# executables (engines, cuda_decode, train, gpu_memory) call the library (no paths of this
+# machine baked in), are stripped and xz-compressed (~8 MB each: candle embeds its PTX). run.sh, torch_gpt.py and the corpus
 # come from ../shared/gpu when that folder exists beside the checkout (the team's
 # workspace); without it only the tests are packed, with a run.sh that runs them.
 #
