@@ -38,6 +38,11 @@ pub fn build(
 ) -> Result<Box<dyn Engine>> {
     let (batch, precision) = (options.batch, options.precision);
     match footprint(device, &options) {
+        #[cfg(feature = "cuda-emulator")]
+        Footprint::FusedCpu if emulate_cuda() => {
+            let engine = crate::cuda::FusedCuda::emulated(spec, weights, batch, precision)?;
+            Ok(Box::new(engine))
+        }
         Footprint::FusedCpu => Ok(Box::new(FusedCpu::new(spec, weights, batch, precision)?)),
         #[cfg(feature = "cuda")]
         Footprint::FusedCuda => {
@@ -54,6 +59,15 @@ pub fn build(
             Ok(Box::new(engine))
         }
     }
+}
+
+/// Builds with the feature `cuda-emulator` take `TINYGPT_EMULATE_CUDA=1` to mean: where
+/// the fused CPU engine would run, run the fused CUDA engine under the CPU emulator
+/// instead. A developer's switch (train, eval, bench with the CUDA engine's code on a
+/// machine without a GPU, slowly) and the trainer tests' (tests/emulated_training.rs).
+#[cfg(feature = "cuda-emulator")]
+fn emulate_cuda() -> bool {
+    std::env::var_os("TINYGPT_EMULATE_CUDA").is_some_and(|v| v == "1")
 }
 
 /// The engine [`build`] chooses for `device` and `options`, as the footprint to
