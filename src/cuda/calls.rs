@@ -9,6 +9,29 @@ pub struct Launch {
     pub threads: u32,
 }
 
+/// One kernel argument as cuLaunchKernel takes it: the address of its value, and the
+/// value's size.
+#[derive(Debug, Clone, Copy)]
+pub struct Arg {
+    pub ptr: *mut std::ffi::c_void,
+    /// Checked against the kernel's parameter by the emulator (cuLaunchKernel takes
+    /// the addresses only).
+    #[cfg_attr(not(feature = "cuda-emulator"), allow(dead_code))]
+    pub size: usize,
+}
+
+impl Arg {
+    pub fn of<T>(value: &mut T) -> Self {
+        Self {
+            ptr: (value as *mut T).cast(),
+            size: std::mem::size_of::<T>(),
+        }
+    }
+}
+
+/// Kernels take at most this many arguments (AdamW's 15).
+pub const MAX_ARGS: usize = 16;
+
 /// Calls `$then!` with the name of every kernel file (`kernels/<name>.cu`), each
 /// compiled to PTX by build.rs: the one list `gpu.rs` includes PTX from, and that the
 /// test below holds to the files on disk and to every kernel's file.

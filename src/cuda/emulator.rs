@@ -16,30 +16,48 @@ extern "C" {
         grid: *const u32,
         block: *const u32,
         args: *mut *mut c_void,
+        sizes: *const usize,
+        count: usize,
     ) -> i32;
 }
 
-/// Runs kernel `name` over `cfg`'s grid, block after block.
+/// Runs kernel `name` over `cfg`'s grid, block after block, once the number of
+/// arguments and each one's size (`sizes`) match the kernel's parameters.
 ///
 /// # Safety
 /// As `Gpu::launch`: the arguments match the kernel's parameters, and every address
 /// among them is into live host memory of the length the kernel reads.
-pub unsafe fn launch(name: &str, cfg: Launch, args: &mut [*mut c_void]) -> Result<()> {
+pub unsafe fn launch(
+    name: &str,
+    cfg: Launch,
+    args: &mut [*mut c_void],
+    sizes: &[usize],
+) -> Result<()> {
     let c_name = CString::new(name)?;
     let grid = [cfg.grid.0, cfg.grid.1, cfg.grid.2];
     let block = [cfg.threads, 1, 1];
-    // SAFETY: as the caller promises; the name, grid and block outlive the call.
+    // SAFETY: as the caller promises; the name, grid, block and sizes outlive the call.
     let status = unsafe {
         tinygpt_emulate_launch(
             c_name.as_ptr(),
             grid.as_ptr(),
             block.as_ptr(),
             args.as_mut_ptr(),
+            sizes.as_ptr(),
+            sizes.len(),
         )
     };
     match status {
         0 => Ok(()),
         1 => bail!("the emulator has no kernel {name}"),
+        3 => bail!(
+            "{name} takes another number of arguments than {}",
+            sizes.len()
+        ),
+        s if s >= 100 => bail!(
+            "{name}: argument {} has another size than the kernel's parameter",
+            s - 100
+        ),
         _ => bail!(
             "{name}: {} threads is not a whole number of warps",
             cfg.threads

@@ -17,7 +17,7 @@ use candle_core::cuda::cudarc::{
     driver::{result, CudaFunction, CudaStream},
 };
 
-use super::calls::{ColumnMajor, Kernel, Launch};
+use super::calls::{Arg, ColumnMajor, Kernel, Launch, MAX_ARGS};
 use crate::config::Precision;
 
 /// The device the engine runs on.
@@ -73,19 +73,24 @@ impl Gpu {
         }
     }
 
-    /// Launches `kernel` with `args` in cuLaunchKernel's convention (args[i] points at
-    /// parameter i's value).
+    /// Launches `kernel` with `args` in cuLaunchKernel's convention (each the address
+    /// of parameter i's value).
     ///
     /// # Safety
     /// The arguments must match the kernel's parameters in number, order and type, and
     /// every pointer among them must address live memory of this device as long as the
     /// kernel reads it.
-    pub unsafe fn launch(
-        &self,
-        kernel: Kernel,
-        cfg: Launch,
-        args: &mut [*mut c_void],
-    ) -> Result<()> {
+    pub unsafe fn launch(&self, kernel: Kernel, cfg: Launch, args: &[Arg]) -> Result<()> {
+        anyhow::ensure!(
+            args.len() <= MAX_ARGS,
+            "{}: too many arguments",
+            kernel.name()
+        );
+        let mut ptrs = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
+        for (p, a) in ptrs.iter_mut().zip(args) {
+            *p = a.ptr;
+        }
+        let ptrs = &mut ptrs[..args.len()];
         match self {
             #[cfg(feature = "cuda")]
             Gpu::Cuda(gpu) => {
@@ -93,12 +98,19 @@ impl Gpu {
                 let block = (cfg.threads, 1, 1);
                 // SAFETY: as the caller promises; the stream is the engine's.
                 unsafe {
-                    result::launch_kernel(func, cfg.grid, block, 0, gpu.stream.cu_stream(), args)
+                    result::launch_kernel(func, cfg.grid, block, 0, gpu.stream.cu_stream(), ptrs)
                 }
                 .with_context(|| format!("launching {}", kernel.name()))
             }
             #[cfg(feature = "cuda-emulator")]
-            Gpu::Emulated => unsafe { super::emulator::launch(kernel.name(), cfg, args) },
+            Gpu::Emulated => {
+                let mut sizes = [0usize; MAX_ARGS];
+                for (s, a) in sizes.iter_mut().zip(args) {
+                    *s = a.size;
+                }
+                let sizes = &sizes[..args.len()];
+                unsafe { super::emulator::launch(kernel.name(), cfg, ptrs, sizes) }
+            }
         }
     }
 

@@ -8,27 +8,22 @@
 
 use anyhow::Result;
 
-use super::calls::{Kernel, Launch};
+use super::calls::{Arg, Kernel, Launch};
 use super::gpu::Gpu;
 use crate::config::{MlpKind, NormKind};
 use crate::cpu::ops::Positions;
 use crate::model::{Dropout, Site};
 
 /// Launches kernel `$kernel` on `$gpu` with `$cfg` and the arguments in order, each
-/// passed by address as cuLaunchKernel takes them (the temporaries live until the
-/// launch returns).
+/// passed by address as cuLaunchKernel takes them, with its size (the emulator checks
+/// every size against the kernel's parameter). The temporaries live until the launch
+/// returns.
 macro_rules! launch {
     ($gpu:expr, $kernel:ident, $cfg:expr; $($arg:expr),* $(,)?) => {
         // SAFETY: the arguments match the kernel's parameters in number, order and
         // type (each kernel's signature is beside its wrapper's in kernels/*.cu), and
         // every pointer is into a live buffer of the length the kernel reads.
-        unsafe {
-            $gpu.launch(
-                Kernel::$kernel,
-                $cfg,
-                &mut [$(&mut { $arg } as *mut _ as *mut std::ffi::c_void),*],
-            )
-        }
+        unsafe { $gpu.launch(Kernel::$kernel, $cfg, &[$(Arg::of(&mut { $arg })),*]) }
     };
 }
 

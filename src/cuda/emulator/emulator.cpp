@@ -33,6 +33,7 @@ struct Kernel {
     const char* name;
     std::function<void(void**)> call;
     bool threads_meet;
+    std::vector<size_t> parameter_sizes;
 };
 
 template <typename... A, size_t... I>
@@ -44,7 +45,8 @@ template <typename... A>
 Kernel entry(const char* name, void (*kernel)(A...), bool threads_meet) {
     return Kernel{name,
                   [kernel](void** args) { call_with(kernel, args, std::index_sequence_for<A...>{}); },
-                  threads_meet};
+                  threads_meet,
+                  {sizeof(A)...}};
 }
 
 const std::vector<Kernel>& kernels() {
@@ -188,15 +190,21 @@ double __shfl_xor_sync(unsigned, double v, int lane_mask) {
 }
 
 // Runs kernel `name` over the grid; 0 when done, 1 for an unknown kernel, 2 for a block
-// that is not a whole number of warps or over 1024 threads (the kernels assume both).
+// that is not a whole number of warps or over 1024 threads (the kernels assume both),
+// 3 for another number of arguments than the kernel's parameters, 100 + i when
+// argument i's size is not its parameter's.
 extern "C" int tinygpt_emulate_launch(const char* name, const unsigned* grid, const unsigned* block,
-                                      void** args) {
+                                      void** args, const size_t* sizes, size_t count) {
     std::lock_guard<std::mutex> lock(launches);
     const Kernel* k = nullptr;
     for (const Kernel& candidate : kernels()) {
         if (std::strcmp(candidate.name, name) == 0) k = &candidate;
     }
     if (k == nullptr) return 1;
+    if (count != k->parameter_sizes.size()) return 3;
+    for (size_t i = 0; i < count; i++) {
+        if (sizes[i] != k->parameter_sizes[i]) return 100 + (int)i;
+    }
     // One-dimensional blocks of whole warps: the shuffles index lanes by threadIdx.x.
     const unsigned threads = block[0] * block[1] * block[2];
     if (threads % 32 != 0 || threads > 1024 || block[1] != 1 || block[2] != 1) return 2;
