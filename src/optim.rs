@@ -33,6 +33,21 @@ impl AdamWStep {
         }
     }
 
+    /// The update's numbers in f32, as the fused engines' kernels take them, for a
+    /// tensor that decays (`decay`) or not.
+    pub fn in_f32(&self, decay: bool) -> AdamWF32 {
+        let (bc1, bc2) = self.bias_corrections();
+        AdamWF32 {
+            b1: self.beta1 as f32,
+            b2: self.beta2 as f32,
+            inv_bc1: (1.0 / bc1) as f32,
+            inv_bc2: (1.0 / bc2) as f32,
+            lr: self.lr as f32,
+            eps: self.eps as f32,
+            shrink: self.shrink(decay) as f32,
+        }
+    }
+
     /// (1 - b1^step, 1 - b2^step).
     pub fn bias_corrections(&self) -> (f64, f64) {
         let step = self.step as i32;
@@ -48,6 +63,20 @@ impl AdamWStep {
             1.0
         }
     }
+}
+
+/// One AdamW update in f32: m, v <- moving averages of g, g²;
+/// p <- p * shrink - lr * (m * inv_bc1) / (sqrt(v * inv_bc2) + eps).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWF32 {
+    pub b1: f32,
+    pub b2: f32,
+    pub inv_bc1: f32,
+    pub inv_bc2: f32,
+    pub lr: f32,
+    pub eps: f32,
+    /// What the weights are multiplied by first (1 for tensors that do not decay).
+    pub shrink: f32,
 }
 
 /// The factor that scales gradients of global L2 norm `norm` down to `max_norm`, as

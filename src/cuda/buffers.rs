@@ -141,27 +141,36 @@ impl<T: Value> Buf<T> {
 
     /// Values `range`, once the device has computed them.
     pub fn read_range(&self, gpu: &Gpu, range: std::ops::Range<usize>) -> Result<Vec<T>> {
+        let mut values = vec![T::default(); range.len()];
+        self.read_into(gpu, range.start, &mut values)?;
+        Ok(values)
+    }
+
+    /// Values `first ..` into `dst` (as many as it holds), once the device has computed
+    /// them: a hot loop's read, with no allocation.
+    pub fn read_into(&self, gpu: &Gpu, first: usize, dst: &mut [T]) -> Result<()> {
+        let range = first..first + dst.len();
         assert!(range.end <= self.len, "{range:?} of {} values", self.len);
         if range.is_empty() {
-            return Ok(Vec::new());
+            return Ok(());
         }
         match (&self.mem, gpu) {
             #[cfg(feature = "cuda")]
             (Memory::Device(slice), Gpu::Cuda(g)) => {
-                let values = g.stream.clone_dtoh(&slice.slice(range))?;
+                g.stream.memcpy_dtoh(&slice.slice(range), dst)?;
                 g.stream.synchronize()?;
-                Ok(values)
             }
             (Memory::Host(ptr, _), _) => {
                 // SAFETY: in bounds (asserted); nothing writes it meanwhile.
                 let values = unsafe {
                     std::slice::from_raw_parts(ptr.as_ptr().add(range.start), range.len())
                 };
-                Ok(values.to_vec())
+                dst.copy_from_slice(values);
             }
             #[allow(unreachable_patterns)]
             _ => unreachable!("a buffer is used on the device that made it"),
         }
+        Ok(())
     }
 
     /// The first `len` values.

@@ -13,9 +13,9 @@ use super::blas::linear;
 use super::buffers::Buf;
 use super::gpu::Gpu;
 use super::kernels::{DropoutArgs, Heads};
-use crate::config::{PositionKind, Precision};
+use super::tables::PositionTables;
+use crate::config::Precision;
 use crate::cpu::ops::Positions;
-use crate::model::position::{rope_tables, sinusoidal_table};
 use crate::model::spec::{LinearParams, ModelSpec, NormParams};
 
 /// Rows one forward call holds at most: longer prefills run in chunks of positions.
@@ -27,8 +27,7 @@ pub struct CudaDecoder {
     gpu: Gpu,
     precision: Precision,
     params: Buf<f32>,
-    sinusoids: Option<Buf<f32>>,
-    rope: Option<[Buf<f32>; 2]>,
+    tables: PositionTables,
     batch: usize,
     /// Positions per forward call the work space holds.
     chunk: usize,
@@ -75,10 +74,8 @@ impl CudaDecoder {
         batch: usize,
         precision: Precision,
     ) -> Result<Self> {
-        let Device::Cuda(dev) = device else {
-            bail!("the CUDA decoder runs on a CUDA device, not {device:?}");
-        };
-        Self::on(Gpu::cuda(dev)?, spec, values, batch, precision)
+        let gpu = Gpu::cuda(device, "the CUDA decoder")?;
+        Self::on(gpu, spec, values, batch, precision)
     }
 
     /// The same decoder with its kernels run on the CPU by the emulator (tests).
@@ -105,7 +102,6 @@ impl CudaDecoder {
         );
         gpu.bind()?;
         let s = &spec.shapes;
-        let cfg = &spec.config;
         ensure!(batch > 0, "at least one sequence");
         // Rows per call: at most MAX_ROWS, and scores (rows x H x block) of at most 2^26
         // values (256 MiB).
@@ -113,20 +109,7 @@ impl CudaDecoder {
         let chunk = (MAX_ROWS / batch).min(by_scores).clamp(1, s.block_size);
         let rows = batch * chunk;
         let zeros = |len: usize| Buf::<f32>::zeros(&gpu, len);
-        let sinusoids = match cfg.positions {
-            PositionKind::Sinusoidal => {
-                let table = sinusoidal_table(s.block_size, s.n_embd, &candle_core::Device::Cpu)?;
-                Some(Buf::from_host(&gpu, &table.flatten_all()?.to_vec1()?)?)
-            }
-            _ => None,
-        };
-        let rope = match cfg.positions {
-            PositionKind::Rope => {
-                let (cos, sin) = rope_tables(cfg);
-                Some([Buf::from_host(&gpu, &cos)?, Buf::from_host(&gpu, &sin)?])
-            }
-            _ => None,
-        };
+        let tables = PositionTables::new(&gpu, spec)?;
         let cache = batch * s.block_size * s.kv_width;
         let (keys, values_cache) = (
             (0..s.n_layer)
@@ -158,8 +141,7 @@ impl CudaDecoder {
             spec: spec.clone(),
             gpu,
             precision,
-            sinusoids,
-            rope,
+            tables,
             batch,
             chunk,
             len: 0,
@@ -249,11 +231,7 @@ impl CudaDecoder {
         let at = Positions { t, first: self.len };
         self.work.ids.write(&self.gpu, ids)?;
         let (g, w) = (&self.gpu, &self.work);
-        let positions = match (self.spec.wpe, &self.sinusoids) {
-            (Some(wpe), _) => self.params.at(self.spec[wpe].offset),
-            (None, Some(table)) => table.ptr(),
-            (None, None) => 0,
-        };
+        let positions = self.tables.added(&self.spec, &self.params);
         let wte = self.params.at(self.spec[self.spec.wte].offset);
         g.embedding_forward(
             w.x.ptr(),
@@ -272,8 +250,7 @@ impl CudaDecoder {
             // cached; each row attends over its sequence's cache.
             self.norm(w.xn.ptr(), w.stats.ptr(), w.x.ptr(), &p.ln_1, rows)?;
             self.linear(w.qkv.ptr(), w.xn.ptr(), &p.attn_qkv, rows)?;
-            if let Some([cos, sin]) = &self.rope {
-                let tables = (cos.ptr(), sin.ptr());
+            if let Some(tables) = self.tables.rope() {
                 g.rope(w.qkv.ptr(), tables, rows, at, heads, s.qkv_width, 1.0)?;
             }
             let cache = (self.keys[l].ptr(), self.values[l].ptr());
@@ -329,7 +306,8 @@ impl CudaDecoder {
             d_out: s.vocab_size,
         };
         self.linear(w.logits.ptr(), normed, &output, self.batch)?;
-        self.logits = w.logits.read(g, self.batch * s.vocab_size)?;
+        self.logits.resize(self.batch * s.vocab_size, 0.0);
+        w.logits.read_into(g, 0, &mut self.logits)?;
         self.len += t;
         Ok(())
     }

@@ -22,11 +22,11 @@ use super::blas::{linear, matmul, Matrix};
 use super::buckets::Buckets;
 use super::buffers::Buf;
 use super::gpu::Gpu;
-use super::kernels::{AdamBuffers, AdamParams, DropoutArgs, Heads};
+use super::kernels::{AdamBuffers, DropoutArgs, Heads};
 use super::plan::{Plan, NORM_BLOCKS, PARTS};
-use crate::config::{PositionKind, Precision};
+use super::tables::PositionTables;
+use crate::config::Precision;
 use crate::cpu::ops::Positions;
-use crate::model::position::{rope_tables, sinusoidal_table};
 use crate::model::spec::{LinearParams, ModelSpec, NormParams, ParamId};
 use crate::model::{Dropout, Site};
 use crate::optim::{clip_scale, AdamWStep};
@@ -46,21 +46,13 @@ pub struct FusedCuda {
     /// Where each tensor of the table ends, and whether it decays (AdamW's launch).
     ends: Buf<u64>,
     decays: Buf<i32>,
-    tables: Tables,
+    tables: PositionTables,
     acts: Activations,
     scratch: Scratch,
     /// The dropout of the last forward, whose masks the backward recomputes.
     dropout: Option<Dropout>,
     /// The last forward's rows bucketed by token (the embedding's backward).
     buckets: Buckets,
-}
-
-/// Fixed tables the positions need.
-struct Tables {
-    /// (block_size, C): sinusoidal positions.
-    sinusoids: Option<Buf<f32>>,
-    /// (block_size, d/2) each: RoPE's cos and sin.
-    rope: Option<[Buf<f32>; 2]>,
 }
 
 /// Per row of a norm: mean (0 for RMSNorm) then 1 / std, each `rows` long.
@@ -167,10 +159,8 @@ impl FusedCuda {
         batch: usize,
         precision: Precision,
     ) -> Result<Self> {
-        let Device::Cuda(dev) = device else {
-            anyhow::bail!("the fused CUDA engine runs on a CUDA device, not {device:?}");
-        };
-        Self::on(Gpu::cuda(dev)?, spec, values, batch, precision)
+        let gpu = Gpu::cuda(device, "the fused CUDA engine")?;
+        Self::on(gpu, spec, values, batch, precision)
     }
 
     /// The same engine with its kernels run on the CPU by the emulator (tests).
@@ -197,21 +187,7 @@ impl FusedCuda {
         let (n, c) = (batch * s.block_size, s.n_embd);
         let zeros = |len: usize| Buf::<f32>::zeros(&gpu, len);
 
-        let cfg = &spec.config;
-        let sinusoids = match cfg.positions {
-            PositionKind::Sinusoidal => {
-                let table = sinusoidal_table(s.block_size, c, &candle_core::Device::Cpu)?;
-                Some(Buf::from_host(&gpu, &table.flatten_all()?.to_vec1()?)?)
-            }
-            _ => None,
-        };
-        let rope = match cfg.positions {
-            PositionKind::Rope => {
-                let (cos, sin) = rope_tables(cfg);
-                Some([Buf::from_host(&gpu, &cos)?, Buf::from_host(&gpu, &sin)?])
-            }
-            _ => None,
-        };
+        let tables = PositionTables::new(&gpu, spec)?;
         let table = spec.params();
         let ends: Vec<u64> = table.iter().map(|p| (p.offset + p.len()) as u64).collect();
         let decays: Vec<i32> = table.iter().map(|p| i32::from(p.decay)).collect();
@@ -273,7 +249,7 @@ impl FusedCuda {
             moments: None,
             ends: Buf::from_host(&gpu, &ends)?,
             decays: Buf::from_host(&gpu, &decays)?,
-            tables: Tables { sinusoids, rope },
+            tables,
             acts,
             scratch,
             dropout: None,
@@ -341,14 +317,14 @@ impl FusedCuda {
         .iter()
         .map(|b| b.bytes())
         .sum::<u64>();
-        let tables = t.sinusoids.iter().chain(t.rope.iter().flatten());
         let optimiser = self.grads.iter().chain(self.moments.iter().flatten());
-        let flat = std::iter::once(&self.params).chain(optimiser).chain(tables);
+        let flat = std::iter::once(&self.params).chain(optimiser);
         blocks
             + outside
             + ids
             + scratch
             + flat.map(|b| b.bytes()).sum::<u64>()
+            + t.bytes()
             + sc.sums.bytes()
             + self.ends.bytes()
             + self.decays.bytes()
@@ -444,11 +420,7 @@ impl FusedCuda {
         let s = self.spec.shapes;
         let (t, c) = (s.block_size, s.n_embd);
 
-        let positions = match (self.spec.wpe, &self.tables.sinusoids) {
-            (Some(wpe), _) => self.w(wpe),
-            (None, Some(table)) => table.ptr(),
-            (None, None) => 0,
-        };
+        let positions = self.tables.added(&self.spec, &self.params);
         let a = &self.acts;
         self.gpu.embedding_forward(
             a.x0.ptr(),
@@ -501,8 +473,7 @@ impl FusedCuda {
         // their outputs projected back into the residual stream.
         self.norm_forward(sc.ln.ptr(), &a.ln_1, x, &p.ln_1)?;
         self.linear_forward(a.qkv.ptr(), sc.ln.ptr(), &p.attn_qkv)?;
-        if let Some(rope) = &self.tables.rope {
-            let tables = (rope[0].ptr(), rope[1].ptr());
+        if let Some(tables) = self.tables.rope() {
             let at = Positions::from_start(s.block_size);
             k.rope(a.qkv.ptr(), tables, n, at, self.heads(), s.qkv_width, 1.0)?;
         }
@@ -747,9 +718,8 @@ impl FusedCuda {
         let dbranch = self.branch_gradient(dres, Site::AttentionOutput(l))?;
         self.linear_backward(sc.dy.ptr(), dbranch, a.y.ptr(), &p.attn_proj, 1.0)?;
         self.attention_backward(l, sc.dqkv.ptr(), sc.dy.ptr(), a.qkv.ptr())?;
-        if let Some(rope) = &self.tables.rope {
+        if let Some(tables) = self.tables.rope() {
             // q and k were turned after the projection: turn their gradients back.
-            let tables = (rope[0].ptr(), rope[1].ptr());
             let at = Positions::from_start(s.block_size);
             k.rope(
                 sc.dqkv.ptr(),
@@ -879,16 +849,7 @@ impl FusedCuda {
             self.grads.as_ref().context("gradients")?,
             self.moments.as_ref().context("moments")?,
         );
-        let (bc1, bc2) = u.bias_corrections();
-        let hyper = AdamParams {
-            b1: u.beta1 as f32,
-            b2: u.beta2 as f32,
-            inv_bc1: (1.0 / bc1) as f32,
-            inv_bc2: (1.0 / bc2) as f32,
-            lr: u.lr as f32,
-            eps: u.eps as f32,
-            shrink: u.shrink(true) as f32,
-        };
+        let hyper = u.in_f32(true);
         let buffers = AdamBuffers {
             params: self.params.ptr(),
             grads: grads.ptr(),

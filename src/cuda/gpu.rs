@@ -40,9 +40,13 @@ pub struct CudaGpu {
 }
 
 impl Gpu {
-    /// candle's CUDA device `dev`, with our kernels loaded (PTX from build.rs).
+    /// The candle device `device`, which must be a CUDA one, with our kernels loaded
+    /// (PTX from build.rs); `what` names the caller in the error.
     #[cfg(feature = "cuda")]
-    pub fn cuda(dev: &candle_core::CudaDevice) -> Result<Self> {
+    pub fn cuda(device: &candle_core::Device, what: &str) -> Result<Self> {
+        let candle_core::Device::Cuda(dev) = device else {
+            anyhow::bail!("{what} runs on a CUDA device, not {device:?}");
+        };
         let functions = Kernel::ALL
             .iter()
             .map(|k| {

@@ -13,6 +13,7 @@ use super::gpu::Gpu;
 use crate::config::{MlpKind, NormKind};
 use crate::cpu::ops::Positions;
 use crate::model::{Dropout, Site};
+use crate::optim::AdamWF32;
 
 /// Launches kernel `$kernel` on `$gpu` with `$cfg` and the arguments in order, each
 /// passed by address as cuLaunchKernel takes them, with its size (the emulator checks
@@ -444,8 +445,9 @@ impl Gpu {
         launch!(self, SumAll, cfg; out, x, x32, int(n))
     }
 
-    /// AdamW over n parameters in one launch (`AdamParams` has the numbers).
-    pub fn adamw(&self, buffers: AdamBuffers, n: usize, p: AdamParams) -> Result<()> {
+    /// AdamW over n parameters in one launch, with the numbers of a decaying tensor
+    /// (`p.shrink` applies only to the tensors the table marks as decaying).
+    pub fn adamw(&self, buffers: AdamBuffers, n: usize, p: AdamWF32) -> Result<()> {
         let AdamBuffers {
             params,
             grads,
@@ -514,17 +516,4 @@ pub struct AdamBuffers {
     pub ends: u64,
     pub decays: u64,
     pub tensors: usize,
-}
-
-/// AdamW's numbers for one update, in f32 as the CPU engine computes them.
-#[derive(Debug, Clone, Copy)]
-pub struct AdamParams {
-    pub b1: f32,
-    pub b2: f32,
-    pub inv_bc1: f32,
-    pub inv_bc2: f32,
-    pub lr: f32,
-    pub eps: f32,
-    /// What decaying tensors are multiplied by first.
-    pub shrink: f32,
 }

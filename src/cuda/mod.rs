@@ -10,7 +10,7 @@
 //! - `gpu`: where it runs: a CUDA device, or the emulator (below).
 //! - `kernels`: every kernel, each behind a typed launch.
 //! - `blas`: row-major matrix products on cuBLAS (f32, or bf16 tensor-core products).
-//! - `buffers`: buffers with their addresses.
+//! - `buffers`: buffers with their addresses; `tables`: the position tables.
 //! - `engine`: `FusedCuda`, the forward and backward walk.
 //! - `decode`: `CudaDecoder`, decoding with per-layer K/V caches on the device.
 //! - `emulator` (feature `cuda-emulator`): the same kernels compiled as C++ and run on
@@ -38,6 +38,8 @@ mod engine;
 mod gpu;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 mod kernels;
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+mod tables;
 
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 pub use decode::CudaDecoder;

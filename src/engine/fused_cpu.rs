@@ -3,7 +3,7 @@
 
 use anyhow::Result;
 
-use super::interface::{check_batch, Engine, MOMENT_SUFFIXES};
+use super::interface::{check_batch, moments_by_name, moments_from_names, Engine};
 use crate::config::Precision;
 use crate::cpu::FusedCpu;
 use crate::data::Batch;
@@ -91,17 +91,12 @@ impl Engine for FusedCpu {
     }
 
     fn moments(&self) -> Result<NamedTensors> {
-        let table = self.spec().params();
         let (m, v) = FusedCpu::moments(self);
-        let mut out = named_from_flat(table, &m, MOMENT_SUFFIXES[0])?;
-        out.extend(named_from_flat(table, &v, MOMENT_SUFFIXES[1])?);
-        Ok(out)
+        moments_by_name(self.spec().params(), &m, &v)
     }
 
     fn load_moments(&mut self, tensors: &NamedTensors, source: &str) -> Result<()> {
-        let table = self.spec().params();
-        let m = flat_from_named(table, tensors, MOMENT_SUFFIXES[0], source)?;
-        let v = flat_from_named(table, tensors, MOMENT_SUFFIXES[1], source)?;
+        let (m, v) = moments_from_names(self.spec().params(), tensors, source)?;
         self.set_moments(&m, &v);
         Ok(())
     }

@@ -5,7 +5,8 @@ use anyhow::Result;
 
 use crate::config::Precision;
 use crate::data::Batch;
-use crate::model::params::NamedTensors;
+use crate::model::params::{flat_from_named, named_from_flat, NamedTensors};
+use crate::model::spec::Param;
 use crate::model::{Dropout, ModelSpec};
 use crate::optim::AdamWStep;
 
@@ -74,6 +75,24 @@ pub struct EngineOptions {
 /// The names of AdamW's two moments of a parameter: `<param>.exp_avg` (m) and
 /// `<param>.exp_avg_sq` (v), as PyTorch's AdamW state calls them.
 pub const MOMENT_SUFFIXES: [&str; 2] = [".exp_avg", ".exp_avg_sq"];
+
+/// AdamW's two flat moment buffers (laid out as `table`) by tensor name.
+pub(super) fn moments_by_name(table: &[Param], m: &[f32], v: &[f32]) -> Result<NamedTensors> {
+    let mut out = named_from_flat(table, m, MOMENT_SUFFIXES[0])?;
+    out.extend(named_from_flat(table, v, MOMENT_SUFFIXES[1])?);
+    Ok(out)
+}
+
+/// The two flat moment buffers from tensors by name; `source` names them in errors.
+pub(super) fn moments_from_names(
+    table: &[Param],
+    tensors: &NamedTensors,
+    source: &str,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let m = flat_from_named(table, tensors, MOMENT_SUFFIXES[0], source)?;
+    let v = flat_from_named(table, tensors, MOMENT_SUFFIXES[1], source)?;
+    Ok((m, v))
+}
 
 /// An engine built for `sequences` of `block` tokens takes only batches of that shape.
 pub(super) fn check_batch(sequences: usize, block: usize, batch: &Batch) -> Result<()> {

@@ -6,7 +6,7 @@ use rayon::prelude::*;
 use crate::cpu::kernels::multiversion;
 use crate::cpu::threads::share_len;
 use crate::model::spec::Param;
-use crate::optim::{clip_scale, AdamWStep};
+use crate::optim::{clip_scale, AdamWF32, AdamWStep};
 
 /// The global L2 norm of all gradients together.
 pub fn global_norm(grads: &[f32]) -> f64 {
@@ -55,40 +55,15 @@ pub fn update(u: &AdamWStep, params: &mut [f32], grads: &[f32], moments: Moments
                 if start < end {
                     let r = start - first..end - first;
                     let (p, g) = (&mut p[r.clone()], &g[r.clone()]);
-                    adamw_update(p, g, &mut m[r.clone()], &mut v[r], hyper(u, param.decay));
+                    adamw_update(p, g, &mut m[r.clone()], &mut v[r], u.in_f32(param.decay));
                 }
             }
         });
 }
 
-fn hyper(u: &AdamWStep, decay: bool) -> AdamHyper {
-    let (bc1, bc2) = u.bias_corrections();
-    AdamHyper {
-        b1: u.beta1 as f32,
-        b2: u.beta2 as f32,
-        inv_bc1: (1.0 / bc1) as f32,
-        inv_bc2: (1.0 / bc2) as f32,
-        lr: u.lr as f32,
-        eps: u.eps as f32,
-        shrink: u.shrink(decay) as f32,
-    }
-}
-
-/// AdamW's numbers for one tensor, in f32.
-#[derive(Clone, Copy)]
-pub struct AdamHyper {
-    b1: f32,
-    b2: f32,
-    inv_bc1: f32,
-    inv_bc2: f32,
-    lr: f32,
-    eps: f32,
-    shrink: f32,
-}
-
 multiversion! {
     /// m, v <- moving averages of g, g^2; p <- p * shrink - lr * m_hat / (sqrt(v_hat) + eps).
-    pub fn adamw_update(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], hp: AdamHyper) {
+    pub fn adamw_update(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], hp: AdamWF32) {
         for i in 0..p.len() {
             m[i] = hp.b1 * m[i] + (1.0 - hp.b1) * g[i];
             v[i] = hp.b2 * v[i] + (1.0 - hp.b2) * g[i] * g[i];
