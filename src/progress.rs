@@ -7,6 +7,9 @@ use crate::train::{EvalLog, Reporter, RunInfo, StepLog, TrainSummary};
 
 pub struct TerminalReporter {
     bar: Option<ProgressBar>,
+    /// The last reading's figures, shown until the next (steps between readings have
+    /// none, and an evaluation or a save writes over the message meanwhile).
+    figures: String,
 }
 
 impl Default for TerminalReporter {
@@ -17,7 +20,10 @@ impl Default for TerminalReporter {
 
 impl TerminalReporter {
     pub fn new() -> Self {
-        Self { bar: None }
+        Self {
+            bar: None,
+            figures: String::new(),
+        }
     }
 
     fn println(&self, line: &str) {
@@ -66,10 +72,13 @@ impl Reporter for TerminalReporter {
     fn step(&mut self, log: &StepLog) {
         if let Some(bar) = &self.bar {
             bar.set_position(log.step as u64);
-            bar.set_message(format!(
-                "loss {:.4} lr {:.2e} {:.0} tok/s",
-                log.loss, log.lr, log.tokens_per_s
-            ));
+            if let Some(m) = &log.measured {
+                self.figures = format!(
+                    "loss {:.4} lr {:.2e} {:.0} tok/s",
+                    m.loss, log.lr, m.tokens_per_s
+                );
+            }
+            bar.set_message(self.figures.clone());
         }
     }
 

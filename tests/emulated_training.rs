@@ -13,7 +13,9 @@ use tinygpt::train::{Reporter, StepLog, Trainer};
 struct Losses(Vec<(usize, f64)>);
 impl Reporter for Losses {
     fn step(&mut self, log: &StepLog) {
-        self.0.push((log.step, log.loss));
+        if let Some(m) = &log.measured {
+            self.0.push((log.step, m.loss));
+        }
     }
 }
 

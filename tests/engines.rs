@@ -134,7 +134,7 @@ fn loss_and_grads(
     dropout: Option<&Dropout>,
 ) -> (f64, NamedTensors) {
     e.zero_grads().unwrap();
-    let loss = e.forward(batch, dropout).unwrap();
+    let loss = e.loss(batch, dropout).unwrap();
     e.backward(1.0).unwrap();
     (loss, e.grads().unwrap())
 }
@@ -316,6 +316,62 @@ fn gradient_scale_and_accumulation_add_up() {
     }
 }
 
+/// The global L2 norm of gradients by name, in f64.
+fn global_norm(grads: &NamedTensors) -> f64 {
+    let squares = grads.values().flat_map(values).map(|x| (x as f64).powi(2));
+    squares.sum::<f64>().sqrt()
+}
+
+/// What the trainer reads only when it reports (the CUDA engine keeps it on the
+/// device): the mean loss of the forwards since the last read, and the gradient norm
+/// the last clip measured, with the gradients scaled to the max norm on the device.
+#[test]
+fn losses_and_the_gradient_norm_are_read_when_asked() {
+    for device in &devices() {
+        let cfg = cfg(PositionKind::Rope, true);
+        for mut e in engines(device, &cfg, 2, Precision::F32) {
+            let what = format!("{} on {device:?}", e.describe());
+            let (a, b) = (batch(2, 7, 11, 1), batch(2, 7, 11, 2));
+            let (loss_a, loss_b) = (e.loss(&a, None).unwrap(), e.loss(&b, None).unwrap());
+            assert!(
+                (loss_a - loss_b).abs() > 1e-3,
+                "{what}: two different batches"
+            );
+            e.forward(&a, None).unwrap();
+            e.forward(&b, None).unwrap();
+            let mean = e.take_loss().unwrap();
+            assert!(
+                (mean - (loss_a + loss_b) / 2.0).abs() <= 1e-6 * mean,
+                "{what}: {mean} is not the mean of {loss_a} and {loss_b}"
+            );
+            assert!(e.take_loss().is_err(), "{what}: read twice");
+
+            let (_, grads) = loss_and_grads(e.as_mut(), &a, None);
+            let norm = global_norm(&grads);
+            e.clip_grads(0.0).unwrap();
+            let measured = e.grad_norm().unwrap();
+            assert!(
+                (measured - norm).abs() <= 1e-5 * norm,
+                "{what}: norm {measured} vs {norm}"
+            );
+            assert_all_close(&e.grads().unwrap(), &grads, 0.0, "max_norm 0 clips nothing");
+            e.clip_grads(2.0 * norm).unwrap();
+            assert_all_close(&e.grads().unwrap(), &grads, 0.0, "under the max norm");
+            let max_norm = norm / 4.0;
+            e.clip_grads(max_norm).unwrap();
+            let clipped = global_norm(&e.grads().unwrap());
+            assert!(
+                (clipped - max_norm).abs() <= 1e-5 * max_norm,
+                "{what}: clipped to {clipped}, not {max_norm}"
+            );
+            assert!(
+                (e.grad_norm().unwrap() - norm).abs() <= 1e-5 * norm,
+                "{what}: the norm before this clip"
+            );
+        }
+    }
+}
+
 /// The chooser gives the fused engine on the CPU (the reference when asked), and each
 /// learns a batch by heart.
 #[test]
@@ -337,11 +393,11 @@ fn both_engines_train() {
             .starts_with("reference (train.fused = false)"));
         for e in [&mut reference, &mut fused] {
             let batch = batch(2, 7, 11, 9);
-            let first = e.forward(&batch, None).unwrap();
+            let first = e.loss(&batch, None).unwrap();
             let mut last = first;
             for step in 1..=60 {
                 e.zero_grads().unwrap();
-                last = e.forward(&batch, None).unwrap();
+                last = e.loss(&batch, None).unwrap();
                 e.backward(1.0).unwrap();
                 e.clip_grads(1.0).unwrap();
                 e.adamw(&AdamWStep::new(&train, step, 1e-2)).unwrap();
@@ -383,7 +439,7 @@ fn dropout_masks_are_the_same_in_every_engine() {
                     "{what}: {loss} vs {ref_loss}"
                 );
                 assert_all_close(&grads, &ref_grads, tol(device), &what);
-                let without = fused.forward(&batch, None).unwrap();
+                let without = fused.loss(&batch, None).unwrap();
                 assert!(
                     (without - loss).abs() > 1e-3,
                     "{what}: dropout must change the loss"
@@ -504,7 +560,7 @@ fn reference_bf16_products_track_f32() {
             "loss {bf16_loss} vs {f32_loss}"
         );
         assert_all_close(&bf16_grads, &f32_grads, 2e-2, "reference bf16");
-        let fused_loss = bf16_fused.forward(&batch, None).unwrap();
+        let fused_loss = bf16_fused.loss(&batch, None).unwrap();
         assert!(
             (fused_loss - bf16_loss).abs() <= 5e-4 * f32_loss,
             "fused bf16 loss {fused_loss} vs reference bf16 {bf16_loss}"

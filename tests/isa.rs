@@ -146,7 +146,7 @@ fn check_engine(level: Isa) {
                 fused,
             };
             let mut e = engine::build(&spec, &weights, &Device::Cpu, options).unwrap();
-            let loss = e.forward(&batch, dropout.as_ref()).unwrap();
+            let loss = e.loss(&batch, dropout.as_ref()).unwrap();
             e.backward(1.0).unwrap();
             (loss, e.grads().unwrap())
         };

@@ -12,7 +12,7 @@ use tinygpt::data::Batch;
 use tinygpt::engine;
 use tinygpt::model::ModelSpec;
 use tinygpt::optim::AdamWStep;
-use tinygpt::train::{Reporter, Silent, StepLog, Trainer};
+use tinygpt::train::{Measured, Reporter, Silent, StepLog, Trainer};
 
 /// A corpus with structure: a fixed pseudo-random "sentence" of 48 characters repeated.
 fn write_corpus(dir: &Path, repeats: usize) -> std::path::PathBuf {
@@ -64,12 +64,14 @@ fn devices() -> Vec<&'static str> {
     devices
 }
 
-/// Collects the loss of every step.
+/// Collects every reading's loss (every step's where train.log_interval is 1).
 #[derive(Default)]
 struct Losses(Vec<(usize, f64)>);
 impl Reporter for Losses {
     fn step(&mut self, log: &StepLog) {
-        self.0.push((log.step, log.loss));
+        if let Some(m) = &log.measured {
+            self.0.push((log.step, m.loss));
+        }
     }
 }
 
@@ -159,6 +161,76 @@ fn tiny_model_overfits_a_tiny_corpus_on(device: &str) {
         val < 0.25,
         "{device}: the val text repeats the same sentence: {val}"
     );
+}
+
+/// Collects every step's reading, or its absence.
+#[derive(Default)]
+struct Readings(Vec<(usize, Option<Measured>)>);
+impl Reporter for Readings {
+    fn step(&mut self, log: &StepLog) {
+        self.0.push((log.step, log.measured));
+    }
+}
+
+/// The trainer reads the engine (which waits for a GPU) only where a step is
+/// reported: log, evaluation and checkpoint steps and the end. A reading covers the
+/// steps since the last one: their mean loss is the mean of the per-step losses of
+/// the same run read every step, and metrics.jsonl has one line per reading.
+#[test]
+fn a_reading_covers_the_steps_since_the_last() {
+    for device in devices() {
+        let dir = tempfile::tempdir().unwrap();
+        let corpus = write_corpus(dir.path(), 20);
+        let mut every_cfg = config(dir.path(), &corpus);
+        every_cfg.run.device = device.into();
+        every_cfg.run.name = "every".into();
+        let mut every = Losses::default();
+        tinygpt::train::train(every_cfg.clone(), false, &mut every).unwrap();
+        assert_eq!(
+            every.0.len(),
+            20,
+            "{device}: log_interval 1 reads every step"
+        );
+
+        let mut sparse_cfg = every_cfg;
+        sparse_cfg.run.name = "sparse".into();
+        sparse_cfg.train.log_interval = 4;
+        sparse_cfg.train.eval_interval = 10;
+        sparse_cfg.train.checkpoint_interval = 6;
+        let mut sparse = Readings::default();
+        let summary = tinygpt::train::train(sparse_cfg, false, &mut sparse).unwrap();
+        let read: Vec<(usize, Measured)> = sparse
+            .0
+            .iter()
+            .filter_map(|&(step, m)| m.map(|m| (step, m)))
+            .collect();
+        let steps: Vec<usize> = read.iter().map(|r| r.0).collect();
+        assert_eq!(steps, [4, 6, 8, 10, 12, 16, 18, 20], "{device}");
+        assert_eq!(sparse.0.len(), 20, "every step is reported");
+        let mut first = 1;
+        for &(step, m) in &read {
+            assert_eq!(m.steps, step + 1 - first, "{device} at {step}");
+            let window = &every.0[first - 1..step];
+            let mean = window.iter().map(|l| l.1).sum::<f64>() / window.len() as f64;
+            assert!(
+                (m.loss - mean).abs() <= 1e-9 * mean,
+                "{device} at {step}: {} vs the mean {mean} of steps {first}..={step}",
+                m.loss
+            );
+            assert!(m.grad_norm.is_finite() && m.grad_norm > 0.0);
+            assert!(m.tokens_per_s > 0.0);
+            first = step + 1;
+        }
+        let run = tinygpt::checkpoint::RunDir::new(&summary.run_dir);
+        let metrics = std::fs::read_to_string(run.file("metrics.jsonl")).unwrap();
+        let logged: Vec<u64> = metrics
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|l| l.get("loss").is_some())
+            .map(|l| l["step"].as_u64().unwrap())
+            .collect();
+        assert_eq!(logged, [4, 6, 8, 10, 12, 16, 18, 20], "{device}");
+    }
 }
 
 #[test]

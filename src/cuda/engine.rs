@@ -22,14 +22,14 @@ use super::blas::{linear, matmul, Matrix};
 use super::buckets::Buckets;
 use super::buffers::Buf;
 use super::gpu::Gpu;
-use super::kernels::{AdamBuffers, DropoutArgs, Heads};
-use super::plan::{Plan, NORM_BLOCKS, PARTS};
+use super::kernels::{AdamBuffers, DropoutArgs, Heads, Sum};
+use super::plan::{Plan, LOSS_SUM, NORM_SQ, PARTS};
 use super::tables::PositionTables;
 use crate::config::Precision;
 use crate::cpu::ops::Positions;
 use crate::model::spec::{LinearParams, ModelSpec, NormParams, ParamId};
 use crate::model::{Dropout, Site};
-use crate::optim::{clip_scale, AdamWStep};
+use crate::optim::AdamWStep;
 
 /// A model laid out on the GPU for fused training.
 pub struct FusedCuda {
@@ -53,6 +53,10 @@ pub struct FusedCuda {
     dropout: Option<Dropout>,
     /// The last forward's rows bucketed by token (the embedding's backward).
     buckets: Buckets,
+    /// Forwards whose losses the device has summed since the host last read them.
+    unread_forwards: usize,
+    /// Whether a clip has measured the gradient norm.
+    clipped: bool,
 }
 
 /// Per row of a norm: mean (0 for RMSNorm) then 1 / std, each `rows` long.
@@ -144,7 +148,8 @@ struct Scratch {
     datt: Buf<f32>,
     /// Column partial sums (PARTS rows).
     partials: Buf<f32>,
-    /// f64: NORM_BLOCKS partial sums, then one total.
+    /// f64: NORM_BLOCKS partial sums, then the squared gradient norm and the loss
+    /// sum (`NORM_SQ`, `LOSS_SUM`).
     sums: Buf<f64>,
 }
 
@@ -241,7 +246,7 @@ impl FusedCuda {
             att: zeros(scores)?,
             datt: zeros(scores)?,
             partials: zeros(PARTS * 2 * widest)?,
-            sums: Buf::zeros(&gpu, NORM_BLOCKS + 1)?,
+            sums: Buf::zeros(&gpu, LOSS_SUM + 1)?,
         };
         let engine = Self {
             params: Buf::from_host(&gpu, values)?,
@@ -254,6 +259,8 @@ impl FusedCuda {
             scratch,
             dropout: None,
             buckets: Buckets::default(),
+            unread_forwards: 0,
+            clipped: false,
             spec: spec.clone(),
             batch,
             precision,
@@ -397,13 +404,14 @@ impl FusedCuda {
     }
 
     /// Mean cross-entropy of `targets` given `ids`, both (batch, block_size) row-major,
-    /// with `dropout` when training. Keeps what the backward needs.
+    /// with `dropout` when training, added on the device to the losses `take_loss`
+    /// reads. Keeps what the backward needs.
     pub fn forward(
         &mut self,
         ids: &[u32],
         targets: &[u32],
         dropout: Option<&Dropout>,
-    ) -> Result<f64> {
+    ) -> Result<()> {
         self.bind()?;
         let n = self.rows();
         ensure!(
@@ -442,10 +450,27 @@ impl FusedCuda {
         let (logits, losses) = (a.logits.ptr(), a.row_loss.ptr());
         self.gpu
             .softmax_cross_entropy(logits, losses, a.targets.ptr(), n, s.vocab_size)?;
-        let total = self.scratch.sums.at(NORM_BLOCKS);
-        self.gpu.sum_all(total, 0, losses, n)?;
-        let sum = self.scratch.sums.read_one(&self.gpu, NORM_BLOCKS)?;
-        Ok(sum / n as f64)
+        // Summed where they are, so the host waits for nothing until it reads them.
+        let into = if self.unread_forwards == 0 {
+            Sum::Replace
+        } else {
+            Sum::Add
+        };
+        let total = self.scratch.sums.at(LOSS_SUM);
+        self.gpu.sum_all(total, 0, losses, n, into)?;
+        self.unread_forwards += 1;
+        Ok(())
+    }
+
+    /// The mean loss of the forwards since the last call (waits for the device).
+    pub fn take_loss(&mut self) -> Result<f64> {
+        ensure!(
+            self.unread_forwards > 0,
+            "a loss read with no forward since the last"
+        );
+        let sum = self.scratch.sums.read_one(&self.gpu, LOSS_SUM)?;
+        let forwards = std::mem::take(&mut self.unread_forwards);
+        Ok(sum / (forwards * self.rows()) as f64)
     }
 
     /// The batch to the device, with its rows bucketed by token for the embedding's
@@ -817,22 +842,31 @@ impl FusedCuda {
         }
     }
 
-    /// Scales the gradients to a global L2 norm of at most `max_norm` (0: no clipping)
-    /// and returns the norm before.
-    pub fn clip_grads(&mut self, max_norm: f64) -> Result<f64> {
+    /// Scales the gradients to a global L2 norm of at most `max_norm` (0: no
+    /// clipping), deciding on the device: the host reads the norm only when it asks
+    /// (`grad_norm`).
+    pub fn clip_grads(&mut self, max_norm: f64) -> Result<()> {
         self.bind()?;
-        let Some(grads) = &self.grads else {
-            return Ok(0.0);
-        };
-        let sums = &self.scratch.sums;
-        let (total, partials) = (sums.at(NORM_BLOCKS), sums.ptr());
-        self.gpu
-            .sum_squares(total, grads.ptr(), grads.len(), partials)?;
-        let norm = sums.read_one(&self.gpu, NORM_BLOCKS)?.sqrt();
-        if let Some(scale) = clip_scale(norm, max_norm) {
-            self.gpu.scale(grads.ptr(), grads.len(), scale as f32)?;
+        if self.grads.is_none() {
+            self.zero_grads()?;
         }
-        Ok(norm)
+        let grads = self.grads.as_ref().context("gradients")?;
+        let sums = &self.scratch.sums;
+        let (norm_sq, partials) = (sums.at(NORM_SQ), sums.ptr());
+        self.gpu
+            .sum_squares(norm_sq, grads.ptr(), grads.len(), partials)?;
+        if max_norm > 0.0 {
+            self.gpu
+                .clip_to_norm(grads.ptr(), grads.len(), norm_sq, max_norm)?;
+        }
+        self.clipped = true;
+        Ok(())
+    }
+
+    /// The gradients' global L2 norm the last clip measured (waits for the device).
+    pub fn grad_norm(&self) -> Result<f64> {
+        ensure!(self.clipped, "a gradient norm read before any clip");
+        Ok(self.scratch.sums.read_one(&self.gpu, NORM_SQ)?.sqrt())
     }
 
     /// The AdamW update `u`, in place, in one launch.

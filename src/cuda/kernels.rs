@@ -321,11 +321,6 @@ impl Gpu {
         launch!(self, AddBias, elements(rows * cols); out, b, int(rows), int(cols))
     }
 
-    /// x *= s.
-    pub fn scale(&self, x: u64, n: usize, s: f32) -> Result<()> {
-        launch!(self, ScaleInPlace, elements(n); x, long(n), s)
-    }
-
     /// Turns the q and k heads of qkv rows (width `w`) by their positions' angles;
     /// `sign` -1 turns back.
     #[allow(clippy::too_many_arguments)]
@@ -433,16 +428,25 @@ impl Gpu {
             threads: THREADS,
         };
         launch!(self, SumSquares, cfg; partials, x, long(n))?;
-        self.sum_all(out, partials, 0, blocks)
+        self.sum_all(out, partials, 0, blocks, Sum::Replace)
     }
 
-    /// out[0] = the sum of n f64 values `x`, or of n f32 values `x32` when not 0.
-    pub fn sum_all(&self, out: u64, x: u64, x32: u64, n: usize) -> Result<()> {
+    /// out[0] = the sum of n f64 values `x`, or of n f32 values `x32` when not 0;
+    /// `Sum::Add` adds it to out[0].
+    pub fn sum_all(&self, out: u64, x: u64, x32: u64, n: usize, into: Sum) -> Result<()> {
         let cfg = Launch {
             grid: (1, 1, 1),
             threads: 1024,
         };
-        launch!(self, SumAll, cfg; out, x, x32, int(n))
+        let accumulate = i32::from(into == Sum::Add);
+        launch!(self, SumAll, cfg; out, x, x32, int(n), accumulate)
+    }
+
+    /// Scales n f32 values `x` to an L2 norm of `max_norm` where the norm they have
+    /// (the square root of the f64 at `norm_sq`) is larger: clipping decided on the
+    /// device, as `optim::clip_scale` decides it on the host.
+    pub fn clip_to_norm(&self, x: u64, n: usize, norm_sq: u64, max_norm: f64) -> Result<()> {
+        launch!(self, ClipToNorm, elements(n); x, long(n), norm_sq, max_norm)
     }
 
     /// AdamW over n parameters in one launch, with the numbers of a decaying tensor
@@ -504,6 +508,13 @@ impl Gpu {
     pub fn last_rows(&self, dst: u64, src: u64, batch: usize, t: usize, c: usize) -> Result<()> {
         launch!(self, LastRows, elements(batch * c); dst, src, int(batch), int(t), int(c))
     }
+}
+
+/// Where a one-block sum goes: over what its output holds, or added to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sum {
+    Replace,
+    Add,
 }
 
 /// The flat buffers AdamW updates, and the table of tensors: where each ends, and

@@ -13,6 +13,12 @@ pub const PARTS: usize = 64;
 /// Blocks of the first step of the gradient norm (partial sums of squares in f64).
 pub const NORM_BLOCKS: usize = 1024;
 
+/// Where, in the f64 sums after the NORM_BLOCKS partials, the engine keeps what the
+/// host reads only when it reports: the squared gradient norm of the last clip, and
+/// the loss summed over the forwards since the last read.
+pub const NORM_SQ: usize = NORM_BLOCKS;
+pub const LOSS_SUM: usize = NORM_BLOCKS + 1;
+
 /// Lengths, in elements, of everything the engine holds on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Plan {
@@ -32,7 +38,7 @@ pub struct Plan {
     pub ids: usize,
     /// Fixed tables (f32): sinusoidal positions or RoPE's cos and sin.
     pub tables: usize,
-    /// f64 partial sums of the gradient norm and the loss.
+    /// f64 partial sums of the gradient norm, then the norm and the loss summed.
     pub sums: usize,
     /// Tensors in the parameter table: AdamW reads where each ends (u64) and whether
     /// it decays (i32).
@@ -68,7 +74,7 @@ impl Plan {
             scratch,
             ids: 2 * n + 3 * n + 1, // ids, targets; tokens, starts, order
             tables,
-            sums: NORM_BLOCKS + 1,
+            sums: LOSS_SUM + 1,
             tensors,
         }
     }

@@ -29,9 +29,13 @@ impl Engine for FusedCuda {
         FusedCuda::spec(self)
     }
 
-    fn forward(&mut self, batch: &Batch, dropout: Option<&Dropout>) -> Result<f64> {
+    fn forward(&mut self, batch: &Batch, dropout: Option<&Dropout>) -> Result<()> {
         check_batch(self.batch(), self.spec().shapes.block_size, batch)?;
         FusedCuda::forward(self, &batch.x, &batch.y, dropout)
+    }
+
+    fn take_loss(&mut self) -> Result<f64> {
+        FusedCuda::take_loss(self)
     }
 
     fn position_losses(&self) -> Result<Vec<f64>> {
@@ -46,8 +50,12 @@ impl Engine for FusedCuda {
         FusedCuda::zero_grads(self)
     }
 
-    fn clip_grads(&mut self, max_norm: f64) -> Result<f64> {
+    fn clip_grads(&mut self, max_norm: f64) -> Result<()> {
         FusedCuda::clip_grads(self, max_norm)
+    }
+
+    fn grad_norm(&self) -> Result<f64> {
+        FusedCuda::grad_norm(self)
     }
 
     fn grads(&self) -> Result<NamedTensors> {

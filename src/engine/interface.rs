@@ -20,10 +20,21 @@ pub trait Engine {
 
     fn spec(&self) -> &ModelSpec;
 
-    /// Mean next-token loss of `batch` (as many sequences as the engine was built
-    /// for, block_size tokens each), with `dropout` when training. Keeps what
-    /// `backward` needs.
-    fn forward(&mut self, batch: &Batch, dropout: Option<&Dropout>) -> Result<f64>;
+    /// The mean next-token loss of `batch` (as many sequences as the engine was built
+    /// for, block_size tokens each), with `dropout` when training, added to the losses
+    /// `take_loss` reads. Keeps what `backward` needs.
+    fn forward(&mut self, batch: &Batch, dropout: Option<&Dropout>) -> Result<()>;
+
+    /// The mean of the losses of the forwards since the last call, which it forgets.
+    /// A GPU engine sums them on the device and this is where the host waits for it,
+    /// so the trainer calls it only when it reports, not every step.
+    fn take_loss(&mut self) -> Result<f64>;
+
+    /// `forward`, then its loss (with no other forward since the last `take_loss`).
+    fn loss(&mut self, batch: &Batch, dropout: Option<&Dropout>) -> Result<f64> {
+        self.forward(batch, dropout)?;
+        self.take_loss()
+    }
 
     /// Each position's loss in the last forward, (batch, block_size) row-major.
     fn position_losses(&self) -> Result<Vec<f64>>;
@@ -33,9 +44,13 @@ pub trait Engine {
 
     fn zero_grads(&mut self) -> Result<()>;
 
-    /// Scales the gradients to a global L2 norm of at most `max_norm` (0: no clipping)
-    /// and returns the norm before.
-    fn clip_grads(&mut self, max_norm: f64) -> Result<f64>;
+    /// Scales the gradients to a global L2 norm of at most `max_norm` (0: no
+    /// clipping).
+    fn clip_grads(&mut self, max_norm: f64) -> Result<()>;
+
+    /// The global L2 norm of the gradients the last `clip_grads` measured, before it
+    /// scaled them. Waits for the device, as `take_loss` does.
+    fn grad_norm(&self) -> Result<f64>;
 
     /// The gradients summed since `zero_grads`, by parameter name (zeros where none
     /// arrived).
@@ -70,6 +85,45 @@ pub struct EngineOptions {
     pub precision: Precision,
     /// Use a fused engine where one runs on the device (`train.fused`).
     pub fused: bool,
+}
+
+/// What a host-side engine keeps for the trainer to read: the losses summed since the
+/// last read, and the gradient norm of the last clip. (The CUDA engine keeps the same
+/// on the device.)
+#[derive(Debug, Default)]
+pub(super) struct Readings {
+    loss_sum: f64,
+    forwards: usize,
+    grad_norm: Option<f64>,
+}
+
+impl Readings {
+    pub fn add_loss(&mut self, loss: f64) {
+        self.loss_sum += loss;
+        self.forwards += 1;
+    }
+
+    pub fn take_loss(&mut self) -> Result<f64> {
+        anyhow::ensure!(
+            self.forwards > 0,
+            "a loss read with no forward since the last"
+        );
+        let mean = self.loss_sum / self.forwards as f64;
+        *self = Self {
+            grad_norm: self.grad_norm,
+            ..Self::default()
+        };
+        Ok(mean)
+    }
+
+    pub fn set_grad_norm(&mut self, norm: f64) {
+        self.grad_norm = Some(norm);
+    }
+
+    pub fn grad_norm(&self) -> Result<f64> {
+        self.grad_norm
+            .ok_or_else(|| anyhow::anyhow!("a gradient norm read before any clip_grads"))
+    }
 }
 
 /// The names of AdamW's two moments of a parameter: `<param>.exp_avg` (m) and

@@ -43,7 +43,10 @@ pub fn build(
             let engine = crate::cuda::FusedCuda::emulated(spec, weights, batch, precision)?;
             Ok(Box::new(engine))
         }
-        Footprint::FusedCpu => Ok(Box::new(FusedCpu::new(spec, weights, batch, precision)?)),
+        Footprint::FusedCpu => {
+            let kernels = FusedCpu::new(spec, weights, batch, precision)?;
+            Ok(Box::new(fused_cpu::FusedCpuEngine::new(kernels)))
+        }
         #[cfg(feature = "cuda")]
         Footprint::FusedCuda => {
             let engine = crate::cuda::FusedCuda::new(spec, weights, device, batch, precision)?;

@@ -5,7 +5,7 @@
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 
-use super::interface::{check_batch, Engine, EngineOptions, MOMENT_SUFFIXES};
+use super::interface::{check_batch, Engine, EngineOptions, Readings, MOMENT_SUFFIXES};
 use crate::config::Precision;
 use crate::data::Batch;
 use crate::model::params::{flat_from_named, named_from_flat, NamedTensors, Params};
@@ -27,6 +27,9 @@ pub struct ReferenceEngine {
     grads: Vec<Option<Tensor>>,
     /// AdamW's moments (m, v) per parameter, made at the first update or load.
     moments: Option<(Vec<Tensor>, Vec<Tensor>)>,
+    /// Losses and the gradient norm for the trainer (read from the device as they
+    /// are made: the reference is the definition, not the fast path).
+    readings: Readings,
 }
 
 impl ReferenceEngine {
@@ -48,6 +51,7 @@ impl ReferenceEngine {
             loss: None,
             positions: None,
             moments: None,
+            readings: Readings::default(),
         })
     }
 
@@ -99,7 +103,7 @@ impl Engine for ReferenceEngine {
         self.model.spec()
     }
 
-    fn forward(&mut self, batch: &Batch, dropout: Option<&Dropout>) -> Result<f64> {
+    fn forward(&mut self, batch: &Batch, dropout: Option<&Dropout>) -> Result<()> {
         check_batch(self.sequences, self.model.spec().shapes.block_size, batch)?;
         let device = self.model.device();
         let shape = (batch.batch, batch.block);
@@ -111,7 +115,12 @@ impl Engine for ReferenceEngine {
         let value = loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
         self.loss = Some(loss);
         self.positions = Some(losses);
-        Ok(value)
+        self.readings.add_loss(value);
+        Ok(())
+    }
+
+    fn take_loss(&mut self) -> Result<f64> {
+        self.readings.take_loss()
     }
 
     fn position_losses(&self) -> Result<Vec<f64>> {
@@ -143,7 +152,7 @@ impl Engine for ReferenceEngine {
         Ok(())
     }
 
-    fn clip_grads(&mut self, max_norm: f64) -> Result<f64> {
+    fn clip_grads(&mut self, max_norm: f64) -> Result<()> {
         let grads = self.dense_grads()?;
         let mut sum = 0.0;
         for g in &grads {
@@ -159,7 +168,12 @@ impl Engine for ReferenceEngine {
                 *g = (&*g * scale)?;
             }
         }
-        Ok(norm)
+        self.readings.set_grad_norm(norm);
+        Ok(())
+    }
+
+    fn grad_norm(&self) -> Result<f64> {
+        self.readings.grad_norm()
     }
 
     fn grads(&self) -> Result<NamedTensors> {
@@ -332,14 +346,12 @@ mod tests {
             .map(|(_, v)| Some(v.ones_like().unwrap()))
             .collect();
         let n = e.spec().len() as f64;
-        assert!((e.clip_grads(1.0).unwrap() - n.sqrt()).abs() < 1e-4);
-        assert!(
-            (e.clip_grads(10.0).unwrap() - 1.0).abs() < 1e-4,
-            "clipped to 1"
-        );
-        assert!(
-            (e.clip_grads(0.0).unwrap() - 1.0).abs() < 1e-4,
-            "no clipping under the max"
-        );
+        let mut clip = |max_norm| {
+            e.clip_grads(max_norm).unwrap();
+            e.grad_norm().unwrap()
+        };
+        assert!((clip(1.0) - n.sqrt()).abs() < 1e-4);
+        assert!((clip(10.0) - 1.0).abs() < 1e-4, "clipped to 1");
+        assert!((clip(0.0) - 1.0).abs() < 1e-4, "no clipping under the max");
     }
 }

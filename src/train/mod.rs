@@ -14,7 +14,7 @@ use anyhow::Result;
 use candle_core::Device;
 use serde_json::json;
 
-pub use report::{EvalLog, Reporter, RunInfo, Silent, StepLog, TrainSummary};
+pub use report::{EvalLog, Measured, Reporter, RunInfo, Silent, StepLog, TrainSummary};
 use schedule::learning_rate;
 pub use start::Start;
 
@@ -57,7 +57,18 @@ pub struct Trainer {
     /// The step's micro-batches, and an evaluation batch, refilled in place.
     batches: Vec<Batch>,
     eval_batch: Batch,
+    /// The steps whose loss and gradient norm the engine holds unread.
+    unread: Unread,
     _lock: RunLock,
+}
+
+/// Steps trained since the trainer last read the engine's loss: reading waits for a
+/// GPU to finish the work queued, so it happens only where a step is reported (log,
+/// evaluation and checkpoint steps, a stop, the end), never inside a step.
+struct Unread {
+    steps: usize,
+    /// When the first of them started (tokens/s are over the whole stretch).
+    since: Instant,
 }
 
 /// The engine options a training config asks for.
@@ -112,6 +123,10 @@ impl Trainer {
         Ok(Self {
             batches: vec![batch.clone(); config.train.grad_accum],
             eval_batch: batch,
+            unread: Unread {
+                steps: 0,
+                since: Instant::now(),
+            },
             tokenizer: origin.tokenizer,
             config,
             run,
@@ -151,9 +166,12 @@ impl Trainer {
         self.engine.describe()
     }
 
-    /// One optimiser step over `grad_accum` micro-batches.
-    pub fn train_step(&mut self) -> Result<StepLog> {
-        let started = Instant::now();
+    /// One optimiser step over `grad_accum` micro-batches; reads the loss and the
+    /// gradient norm where this step is reported (`reads_at`).
+    fn train_step(&mut self) -> Result<StepLog> {
+        if self.unread.steps == 0 {
+            self.unread.since = Instant::now();
+        }
         let cfg = &self.config.train;
         let step = self.state.step;
         let lr = learning_rate(step, cfg);
@@ -162,16 +180,56 @@ impl Trainer {
             self.sampler.sample_into(&self.split.train, batch);
         }
         self.engine.zero_grads()?;
-        let mut loss_sum = 0.0;
         for (micro, batch) in self.batches.iter().enumerate() {
             let dropout =
                 Dropout::in_pass(self.config.model.dropout, self.config.run.seed, step, micro);
-            loss_sum += self.engine.forward(batch, dropout.as_ref())?;
+            self.engine.forward(batch, dropout.as_ref())?;
             // Each micro-batch contributes 1/accum of the mean gradient.
             self.engine.backward(1.0 / accum as f32)?;
         }
-        let loss = loss_sum / accum as f64;
-        let grad_norm = self.engine.clip_grads(cfg.grad_clip)?;
+        self.engine.clip_grads(cfg.grad_clip)?;
+        self.engine.adamw(&AdamWStep::new(cfg, step + 1, lr))?;
+
+        let tokens = cfg.tokens_per_step(self.config.model.block_size);
+        self.state.step += 1;
+        self.state.tokens_seen += tokens as u64;
+        self.unread.steps += 1;
+        let measured = if self.reads_at(self.state.step) {
+            self.read()?
+        } else {
+            None
+        };
+        Ok(StepLog {
+            step: self.state.step,
+            lr,
+            elapsed_s: self.elapsed_s(),
+            measured,
+        })
+    }
+
+    /// Whether the loss is read after `step`: where it is logged, evaluated (whose
+    /// forwards must not mix with the training losses the engine sums), saved, or
+    /// stopped.
+    fn reads_at(&self, step: usize) -> bool {
+        let cfg = &self.config.train;
+        [cfg.log_interval, cfg.eval_interval, cfg.checkpoint_interval]
+            .iter()
+            .any(|&every| step.is_multiple_of(every))
+            || step >= cfg.max_iters
+            || self.stop.signal().is_some()
+    }
+
+    /// The loss and gradient norm of the steps trained since the last read (none if
+    /// there are none), checked: a run whose loss or norm is not finite has diverged,
+    /// and stays so (NaN weights give NaN losses), so a check here catches it before
+    /// anything is saved.
+    fn read(&mut self) -> Result<Option<Measured>> {
+        let steps = std::mem::take(&mut self.unread.steps);
+        if steps == 0 {
+            return Ok(None);
+        }
+        let loss = self.engine.take_loss()?;
+        let grad_norm = self.engine.grad_norm()?;
         if !loss.is_finite() || !grad_norm.is_finite() {
             let what = if loss.is_finite() {
                 "gradient norm"
@@ -179,36 +237,30 @@ impl Trainer {
                 "loss"
             };
             return Err(DivergedError {
-                step: step + 1,
-                lr,
+                step: self.state.step,
+                lr: learning_rate(self.state.step - 1, &self.config.train),
                 what,
             }
             .into());
         }
-        self.engine.adamw(&AdamWStep::new(cfg, step + 1, lr))?;
-
-        let tokens = cfg.tokens_per_step(self.config.model.block_size);
-        self.state.step += 1;
-        self.state.tokens_seen += tokens as u64;
         self.state.last_train_loss = Some(loss);
-        Ok(StepLog {
-            step: self.state.step,
+        let tokens = steps
+            * self
+                .config
+                .train
+                .tokens_per_step(self.config.model.block_size);
+        Ok(Some(Measured {
+            steps,
             loss,
-            lr,
             grad_norm,
-            tokens_per_s: tokens as f64 / started.elapsed().as_secs_f64(),
-            elapsed_s: self.elapsed_s(),
-        })
+            tokens_per_s: tokens as f64 / self.unread.since.elapsed().as_secs_f64(),
+        }))
     }
 
-    /// Mean loss over `eval_iters` batches of train and of val. The batches are the same
-    /// at every evaluation (a fixed seed), so the curve shows the model change, not noise.
-    pub fn evaluate(&mut self) -> Result<EvalLog> {
-        self.evaluate_reporting(&mut Silent)
-    }
-
-    /// [`Trainer::evaluate`], reporting each batch; gives up (`Stopped`) between
-    /// batches once a stop is asked for.
+    /// Mean loss over `eval_iters` batches of train and of val, reporting each batch;
+    /// gives up (`Stopped`) between batches once a stop is asked for. The batches are
+    /// the same at every evaluation (a fixed seed), so the curve shows the model
+    /// change, not noise. Runs where the training losses were just read.
     fn evaluate_reporting(&mut self, reporter: &mut dyn Reporter) -> Result<EvalLog> {
         let (train, val) = (self.split.train.clone(), self.split.val.clone());
         let iters = self.config.train.eval_iters;
@@ -231,14 +283,13 @@ impl Trainer {
     ) -> Result<f64> {
         let iters = self.config.train.eval_iters;
         let mut sampler = BatchSampler::new(self.config.run.seed, stream);
-        let mut sum = 0.0;
         for i in 0..iters {
             self.stop.check()?;
             sampler.sample_into(tokens, &mut self.eval_batch);
-            sum += self.engine.forward(&self.eval_batch, None)?;
+            self.engine.forward(&self.eval_batch, None)?;
             progress(i + 1);
         }
-        Ok(sum / iters as f64)
+        self.engine.take_loss()
     }
 
     pub fn elapsed_s(&self) -> f64 {
@@ -311,10 +362,11 @@ impl Trainer {
             }
             let log = self.train_step().map_err(|e| self.explain(e))?;
             step = log.step;
-            if step.is_multiple_of(cfg.log_interval) || step == cfg.max_iters {
+            if let Some(m) = &log.measured {
+                // The loss and tokens/s of the steps since the last line.
                 self.run.append_metrics(&json!({
-                    "step": log.step, "loss": log.loss, "lr": log.lr, "grad_norm": log.grad_norm,
-                    "tokens_per_s": log.tokens_per_s, "elapsed_s": log.elapsed_s,
+                    "step": log.step, "loss": m.loss, "lr": log.lr, "grad_norm": m.grad_norm,
+                    "tokens_per_s": m.tokens_per_s, "elapsed_s": log.elapsed_s,
                 }))?;
             }
             reporter.step(&log);
@@ -374,6 +426,8 @@ impl Trainer {
         reporter: &mut dyn Reporter,
     ) -> Result<anyhow::Error> {
         if save {
+            // Steps the signal arrived too late to read: checked before they are kept.
+            self.read()?;
             reporter.saving();
             self.save()?;
         }

@@ -37,11 +37,25 @@ pub struct RunInfo {
 pub struct StepLog {
     /// Optimiser steps completed, this one included.
     pub step: usize,
-    pub loss: f64,
     pub lr: f64,
-    pub grad_norm: f64,
-    pub tokens_per_s: f64,
     pub elapsed_s: f64,
+    /// What the trainer read from the engine after this step, if it read: at log,
+    /// evaluation and checkpoint steps, a stop and the end (a read waits for a GPU, so
+    /// steps in between are not read).
+    pub measured: Option<Measured>,
+}
+
+/// The losses of the steps since the last reading, read after the last of them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Measured {
+    /// How many steps: those since the last reading, this one included.
+    pub steps: usize,
+    /// Their mean training loss.
+    pub loss: f64,
+    /// The global gradient norm of the last step, before clipping.
+    pub grad_norm: f64,
+    /// Their tokens over the wall time they took.
+    pub tokens_per_s: f64,
 }
 
 #[derive(Debug, Clone)]

@@ -18,11 +18,6 @@ extern "C" __global__ void add_bias(float* out, const float* b, int rows, int co
     FOR_EACH(i, (long long)rows * cols) { out[i] += b[i % cols]; }
 }
 
-// x *= s.
-extern "C" __global__ void scale_in_place(float* x, long long n, float s) {
-    FOR_EACH(i, n) { x[i] *= s; }
-}
-
 // Rotary positions on the q and k heads of qkv rows (width W), split-halves pairing
 // (dimension i turns with i + d/2), by the angle of the row's position (first + row % T);
 // sign -1 turns back (the backward). cos and sin are (T_max, d/2) tables.

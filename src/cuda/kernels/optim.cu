@@ -10,12 +10,27 @@ extern "C" __global__ void sum_squares(double* partials, const float* x, long lo
     if (threadIdx.x == 0) partials[blockIdx.x] = sum;
 }
 
-// out[0] = the sum of n f64 values (one block), f32 values when `x32` is set.
-extern "C" __global__ void sum_all(double* out, const double* x, const float* x32, int n) {
+// out[0] = the sum of n f64 values (one block), f32 values when `x32` is set; added to
+// what out[0] holds when `accumulate` is set (the loss of several forwards, summed on
+// the device until the host reads it).
+extern "C" __global__ void sum_all(double* out, const double* x, const float* x32, int n,
+                                   int accumulate) {
     double sum = 0.0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) sum += x32 != nullptr ? (double)x32[i] : x[i];
     sum = block_sum_f64(sum);
-    if (threadIdx.x == 0) out[0] = sum;
+    if (threadIdx.x == 0) out[0] = accumulate ? out[0] + sum : sum;
+}
+
+// Gradient clipping decided on the device, so the host never waits for the norm:
+// x *= max_norm / (norm + 1e-6) when the norm (sqrt of *norm_sq, from sum_squares) is
+// above max_norm, as optim::clip_scale (a NaN norm clips nothing; the host sees it when
+// it reads the norm).
+extern "C" __global__ void clip_to_norm(float* x, long long n, const double* norm_sq,
+                                        double max_norm) {
+    const double norm = sqrt(*norm_sq);
+    if (!(norm > max_norm)) return;
+    const float s = (float)(max_norm / (norm + 1e-6));
+    FOR_EACH(i, n) { x[i] *= s; }
 }
 
 // AdamW over every parameter: m, v <- moving averages of g, g^2;
