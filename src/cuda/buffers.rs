@@ -9,7 +9,7 @@ use anyhow::Context;
 use anyhow::Result;
 #[cfg(feature = "cuda")]
 use candle_core::cuda::cudarc::driver::{
-    result, CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits,
+    result, CudaEvent, CudaSlice, DevicePtr, DeviceRepr, PinnedHostSlice, ValidAsZeroBits,
 };
 
 use super::gpu::Gpu;
@@ -203,5 +203,94 @@ impl<T: Value> Buf<T> {
             _ => unreachable!("a buffer is used on the device that made it"),
         }
         Ok(())
+    }
+}
+
+/// Host memory a batch's uploads pass through. On CUDA it is pinned, so a copy from it
+/// is queued like a kernel (from ordinary memory the driver may first wait for the
+/// stream, which would make every step wait for the one before); the host waits only
+/// before refilling it, for the previous upload's copies, which ran at the start of
+/// the step queued then. Under the emulator uploads are plain copies.
+pub struct Staging {
+    #[cfg(feature = "cuda")]
+    pinned: Option<Pinned>,
+    len: usize,
+}
+
+/// Pinned host memory, and the event recorded after the copies from it were queued.
+#[cfg(feature = "cuda")]
+struct Pinned {
+    host: PinnedHostSlice<u32>,
+    copied: CudaEvent,
+}
+
+impl Staging {
+    /// Room for `len` values in all, per upload.
+    pub fn new(gpu: &Gpu, len: usize) -> Result<Self> {
+        match gpu {
+            #[cfg(feature = "cuda")]
+            Gpu::Cuda(g) => {
+                let context = g.stream.context();
+                // SAFETY: the values are written before any copy reads them.
+                let host = unsafe { context.alloc_pinned::<u32>(len.max(1)) }
+                    .with_context(|| format!("allocating {len} pinned host values"))?;
+                let copied = context.new_event(None)?;
+                Ok(Self {
+                    pinned: Some(Pinned { host, copied }),
+                    len,
+                })
+            }
+            #[cfg(feature = "cuda-emulator")]
+            Gpu::Emulated => Ok(Self {
+                #[cfg(feature = "cuda")]
+                pinned: None,
+                len,
+            }),
+        }
+    }
+
+    /// Copies each part's values to the start of its buffer, in stream order.
+    pub fn upload(&mut self, gpu: &Gpu, parts: &mut [(&mut Buf<u32>, &[u32])]) -> Result<()> {
+        let total: usize = parts.iter().map(|(_, values)| values.len()).sum();
+        assert!(
+            total <= self.len,
+            "{total} values through staging for {}",
+            self.len
+        );
+        match gpu {
+            #[cfg(feature = "cuda")]
+            Gpu::Cuda(g) => {
+                let Pinned { host, copied } = self.pinned.as_mut().expect("made on CUDA");
+                copied.synchronize()?;
+                let host = host.as_mut_slice()?;
+                let mut at = 0;
+                for (buf, values) in parts.iter_mut() {
+                    assert!(
+                        values.len() <= buf.len,
+                        "{} values into {}",
+                        values.len(),
+                        buf.len
+                    );
+                    if values.is_empty() {
+                        continue;
+                    }
+                    let region = &mut host[at..at + values.len()];
+                    region.copy_from_slice(values);
+                    at += values.len();
+                    // SAFETY: the buffer holds at least region.len() values; the region
+                    // is not written again before `copied` says this copy ran.
+                    unsafe { result::memcpy_htod_async(buf.ptr, region, g.stream.cu_stream()) }?;
+                }
+                copied.record(&g.stream)?;
+                Ok(())
+            }
+            #[cfg(feature = "cuda-emulator")]
+            Gpu::Emulated => {
+                for (buf, values) in parts.iter_mut() {
+                    buf.write(gpu, values)?;
+                }
+                Ok(())
+            }
+        }
     }
 }

@@ -20,7 +20,7 @@ use candle_core::Device;
 
 use super::blas::{linear, matmul, Matrix};
 use super::buckets::Buckets;
-use super::buffers::Buf;
+use super::buffers::{Buf, Staging};
 use super::gpu::Gpu;
 use super::kernels::{AdamBuffers, DropoutArgs, Heads, Sum};
 use super::plan::{Plan, LOSS_SUM, NORM_SQ, PARTS};
@@ -53,6 +53,8 @@ pub struct FusedCuda {
     dropout: Option<Dropout>,
     /// The last forward's rows bucketed by token (the embedding's backward).
     buckets: Buckets,
+    /// Host memory the batches are uploaded through.
+    staging: Staging,
     /// Forwards whose losses the device has summed since the host last read them.
     unread_forwards: usize,
     /// Whether a clip has measured the gradient norm.
@@ -259,6 +261,7 @@ impl FusedCuda {
             scratch,
             dropout: None,
             buckets: Buckets::default(),
+            staging: Staging::new(&gpu, Plan::for_spec(spec, batch).ids)?,
             unread_forwards: 0,
             clipped: false,
             spec: spec.clone(),
@@ -477,12 +480,17 @@ impl FusedCuda {
     /// backward (rows sorted by token, stably, so each token's rows add in order).
     fn upload_batch(&mut self, ids: &[u32], targets: &[u32]) -> Result<()> {
         self.buckets.fill(ids, self.spec.shapes.vocab_size);
-        let (gpu, a, b) = (&self.gpu, &mut self.acts, &self.buckets);
-        a.ids.write(gpu, ids)?;
-        a.targets.write(gpu, targets)?;
-        a.tokens.write(gpu, &b.tokens)?;
-        a.starts.write(gpu, &b.starts)?;
-        a.order.write(gpu, &b.order)
+        let (a, b) = (&mut self.acts, &self.buckets);
+        self.staging.upload(
+            &self.gpu,
+            &mut [
+                (&mut a.ids, ids),
+                (&mut a.targets, targets),
+                (&mut a.tokens, &b.tokens),
+                (&mut a.starts, &b.starts),
+                (&mut a.order, &b.order),
+            ],
+        )
     }
 
     /// Block `l`: res_2 = x + attention(ln_1(x)); res_3 = res_2 + mlp(ln_2(res_2)).
