@@ -108,6 +108,26 @@ fn emulated(
     Box::new(tinygpt::cuda::FusedCuda::emulated(spec, values, batch, precision).unwrap())
 }
 
+/// The emulated CUDA engine in bf16 with attention through the (T, T) weights and
+/// cuBLAS-style products, where the emulator is built.
+#[cfg(feature = "cuda-emulator")]
+fn products_path(place: &Place, cfg: &ModelConfig, batch: usize) -> Option<Box<dyn Engine>> {
+    use tinygpt::cuda::{Attention, FusedCuda};
+    let Place::EmulatedGpu = place else {
+        return None;
+    };
+    let spec = ModelSpec::new(cfg);
+    let values = spec.initial_values(5);
+    let products = Attention::Products;
+    let engine = FusedCuda::emulated_with(&spec, &values, batch, Precision::Bf16, products);
+    Some(Box::new(engine.unwrap()))
+}
+
+#[cfg(not(feature = "cuda-emulator"))]
+fn products_path(_: &Place, _: &ModelConfig, _: usize) -> Option<Box<dyn Engine>> {
+    None
+}
+
 #[cfg(not(feature = "cuda-emulator"))]
 fn emulated(_: &ModelSpec, _: &[f32], _: usize, _: Precision) -> Box<dyn Engine> {
     unreachable!("no emulator in this build")
@@ -565,6 +585,75 @@ fn reference_bf16_products_track_f32() {
             (fused_loss - bf16_loss).abs() <= 5e-4 * f32_loss,
             "fused bf16 loss {fused_loss} vs reference bf16 {bf16_loss}"
         );
+    }
+}
+
+/// Flash attention (bf16, heads of 16 to 64): the fused CUDA engine's loss and every
+/// gradient within bf16 rounding of the f32 reference, with and without dropout, with
+/// grouped K/V heads, for blocks that are not a whole number of 16-row tiles and span
+/// several 64-row thread blocks.
+#[test]
+fn flash_attention_stays_within_bf16_rounding_of_the_reference() {
+    for device in &devices() {
+        if matches!(device, Place::Device(d) if d.is_cpu()) {
+            continue; // no flash attention on the CPU
+        }
+        for (t, n_embd, n_head, kv, dropout) in [
+            (37, 64, 4, 4, 0.0), // head 16, one partial block of rows
+            (70, 64, 2, 1, 0.0), // head 32, grouped K/V, two blocks of rows
+            (70, 96, 6, 3, 0.2), // head 16, dropout
+        ] {
+            let cfg = ModelConfig {
+                n_layer: 2,
+                n_head,
+                n_kv_head: Some(kv),
+                n_embd,
+                block_size: t,
+                positions: PositionKind::Rope,
+                dropout,
+                vocab_size: 29,
+                ..ModelConfig::default()
+            };
+            let b = 2;
+            let batch = batch(b, t, 29, 3);
+            let mask = Dropout::in_pass(dropout, 7, 4, 0);
+            let [mut reference, _] = engines(device, &cfg, b, Precision::F32);
+            let [_, mut flash] = engines(device, &cfg, b, Precision::Bf16);
+            assert!(
+                flash.describe().ends_with("flash attention"),
+                "{}",
+                flash.describe()
+            );
+            let what = format!(
+                "T {t}, head {}, kv {kv}, dropout {dropout}",
+                n_embd / n_head
+            );
+            let (ref_loss, ref_grads) = loss_and_grads(reference.as_mut(), &batch, mask.as_ref());
+            let (loss, grads) = loss_and_grads(flash.as_mut(), &batch, mask.as_ref());
+            assert!(
+                (loss - ref_loss).abs() <= 2e-4 * ref_loss,
+                "{what}: loss {loss} vs {ref_loss}"
+            );
+            assert_all_close(&grads, &ref_grads, 2e-2, &what);
+            // The products path in bf16 rounds the same operands: flash stays as close to
+            // the reference as it is (measured: within 1.1x of its error, 0.5x apart).
+            if let Some(mut products) = products_path(device, &cfg, b) {
+                let (p_loss, p_grads) = loss_and_grads(products.as_mut(), &batch, mask.as_ref());
+                assert!(
+                    (loss - p_loss).abs() <= 2e-5 * p_loss,
+                    "{what}: loss {loss} vs the products path's {p_loss}"
+                );
+                for (name, want) in &ref_grads {
+                    let flash_err = rel_err(&values(&grads[name]), &values(want));
+                    let products_err = rel_err(&values(&p_grads[name]), &values(want));
+                    assert!(
+                        flash_err <= 1.5 * products_err + 1e-4,
+                        "{what}: {name} off by {flash_err:e}, the products path by {products_err:e}"
+                    );
+                }
+                assert_all_close(&grads, &p_grads, 6e-3, &format!("{what}, products path"));
+            }
+        }
     }
 }
 

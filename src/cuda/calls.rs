@@ -44,6 +44,7 @@ macro_rules! kernel_files {
             "activation",
             "elementwise",
             "attention",
+            "flash",
             "loss",
             "optim",
             "decode"
@@ -106,6 +107,10 @@ kernels! {
     MergeHeadGrads = "merge_head_grads" in "attention",
     CausalSoftmax = "causal_softmax" in "attention",
     CausalSoftmaxBackward = "causal_softmax_backward" in "attention",
+    FlashForward = "flash_forward" in "flash",
+    FlashBackwardSums = "flash_backward_sums" in "flash",
+    FlashBackwardKv = "flash_backward_kv" in "flash",
+    FlashBackwardQ = "flash_backward_q" in "flash",
     SoftmaxCrossEntropy = "softmax_cross_entropy" in "loss",
     CrossEntropyBackward = "cross_entropy_backward" in "loss",
     SumSquares = "sum_squares" in "optim",

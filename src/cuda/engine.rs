@@ -23,7 +23,7 @@ use super::buckets::Buckets;
 use super::buffers::{Buf, Staging};
 use super::gpu::Gpu;
 use super::kernels::{AdamBuffers, DropoutArgs, Heads, Sum};
-use super::plan::{Plan, LOSS_SUM, NORM_SQ, PARTS};
+use super::plan::{Attention, Plan, FLASH_MAX_HEAD, LOSS_SUM, NORM_SQ, PARTS};
 use super::tables::PositionTables;
 use crate::config::Precision;
 use crate::cpu::ops::Positions;
@@ -38,6 +38,8 @@ pub struct FusedCuda {
     precision: Precision,
     /// Where the buffers live and the kernels run.
     gpu: Gpu,
+    /// How attention is computed (flash tiles for bf16 where they apply).
+    attention: Attention,
     params: Buf<f32>,
     /// Gradients, then AdamW's moments, allocated when first needed (evaluation needs
     /// neither).
@@ -95,6 +97,8 @@ struct BlockActs {
     fc: Buf<f32>,
     /// (N, C): the block's output.
     res_3: Buf<f32>,
+    /// (B H, T): each attention row's log-sum-exp (flash attention; empty otherwise).
+    lse: Buf<f32>,
 }
 
 /// The batch and what the forward keeps outside the blocks.
@@ -145,9 +149,12 @@ struct Scratch {
     dq: Buf<f32>,
     dk: Buf<f32>,
     dv: Buf<f32>,
-    /// (B, H, T, T): the attention weights, and their gradient.
+    /// (B, H, T, T): the attention weights, and their gradient (the products path;
+    /// empty for flash attention).
     att: Buf<f32>,
     datt: Buf<f32>,
+    /// (B H, T): each attention row's dY . Y (flash attention; empty otherwise).
+    dsum: Buf<f32>,
     /// Column partial sums (PARTS rows).
     partials: Buf<f32>,
     /// f64: NORM_BLOCKS partial sums, then the squared gradient norm and the loss
@@ -167,7 +174,8 @@ impl FusedCuda {
         precision: Precision,
     ) -> Result<Self> {
         let gpu = Gpu::cuda(device, "the fused CUDA engine")?;
-        Self::on(gpu, spec, values, batch, precision)
+        let attention = Attention::choose(&spec.shapes, precision);
+        Self::on(gpu, spec, values, batch, precision, attention)
     }
 
     /// The same engine with its kernels run on the CPU by the emulator (tests).
@@ -178,7 +186,21 @@ impl FusedCuda {
         batch: usize,
         precision: Precision,
     ) -> Result<Self> {
-        Self::on(Gpu::Emulated, spec, values, batch, precision)
+        let attention = Attention::choose(&spec.shapes, precision);
+        Self::on(Gpu::Emulated, spec, values, batch, precision, attention)
+    }
+
+    /// The emulated engine with attention computed as `attention` (tests hold the two
+    /// ways to each other).
+    #[cfg(feature = "cuda-emulator")]
+    pub fn emulated_with(
+        spec: &ModelSpec,
+        values: &[f32],
+        batch: usize,
+        precision: Precision,
+        attention: Attention,
+    ) -> Result<Self> {
+        Self::on(Gpu::Emulated, spec, values, batch, precision, attention)
     }
 
     fn on(
@@ -187,13 +209,23 @@ impl FusedCuda {
         values: &[f32],
         batch: usize,
         precision: Precision,
+        attention: Attention,
     ) -> Result<Self> {
         assert_eq!(values.len(), spec.len(), "a flat buffer of the whole table");
+        ensure!(
+            attention == Attention::Products || Attention::flash_holds(&spec.shapes, precision),
+            "flash attention needs bf16 and a head of 16 to {FLASH_MAX_HEAD} in steps of 16"
+        );
         gpu.bind()?;
         let s = &spec.shapes;
         let (n, c) = (batch * s.block_size, s.n_embd);
         let zeros = |len: usize| Buf::<f32>::zeros(&gpu, len);
 
+        let rows_of_heads = batch * s.n_head * s.block_size;
+        let (lse_len, dsum_len, scores) = match attention {
+            Attention::Flash => (rows_of_heads, rows_of_heads, 0),
+            Attention::Products => (0, 0, rows_of_heads * s.block_size),
+        };
         let tables = PositionTables::new(&gpu, spec)?;
         let table = spec.params();
         let ends: Vec<u64> = table.iter().map(|p| (p.offset + p.len()) as u64).collect();
@@ -209,6 +241,7 @@ impl FusedCuda {
                     ln_2: Stats::new(&gpu, n)?,
                     fc: zeros(n * s.mlp_fc_width)?,
                     res_3: zeros(n * c)?,
+                    lse: zeros(lse_len)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -227,7 +260,6 @@ impl FusedCuda {
             row_loss: zeros(n)?,
         };
         let widest = c.max(s.qkv_width).max(s.mlp_fc_width);
-        let scores = batch * s.n_head * s.block_size * s.block_size;
         let scratch = Scratch {
             dres: zeros(n * c)?,
             ln: zeros(n * c)?,
@@ -247,6 +279,7 @@ impl FusedCuda {
             dv: zeros(n * c)?,
             att: zeros(scores)?,
             datt: zeros(scores)?,
+            dsum: zeros(dsum_len)?,
             partials: zeros(PARTS * 2 * widest)?,
             sums: Buf::zeros(&gpu, LOSS_SUM + 1)?,
         };
@@ -261,15 +294,16 @@ impl FusedCuda {
             scratch,
             dropout: None,
             buckets: Buckets::default(),
-            staging: Staging::new(&gpu, Plan::for_spec(spec, batch).ids)?,
+            staging: Staging::new(&gpu, Plan::for_spec(spec, batch, attention).ids)?,
             unread_forwards: 0,
             clipped: false,
             spec: spec.clone(),
             batch,
             precision,
+            attention,
             gpu,
         };
-        let plan = Plan::for_spec(spec, batch).bytes(s.n_layer, false);
+        let plan = Plan::for_spec(spec, batch, attention).bytes(s.n_layer, false);
         ensure!(
             engine.bytes_held() == plan,
             "the fused CUDA engine holds {} bytes, its allocation plan says {plan}",
@@ -293,6 +327,7 @@ impl FusedCuda {
                     + b.ln_2.buf.bytes()
                     + b.fc.bytes()
                     + b.res_3.bytes()
+                    + b.lse.bytes()
             })
             .sum();
         let outside = [&a.x0, &a.ln_f, &a.ln_f_stats.buf, &a.logits, &a.row_loss]
@@ -322,6 +357,7 @@ impl FusedCuda {
             &sc.dv,
             &sc.att,
             &sc.datt,
+            &sc.dsum,
             &sc.partials,
         ]
         .iter()
@@ -350,6 +386,10 @@ impl FusedCuda {
 
     pub fn precision(&self) -> Precision {
         self.precision
+    }
+
+    pub fn attention(&self) -> Attention {
+        self.attention
     }
 
     fn rows(&self) -> usize {
@@ -538,9 +578,15 @@ impl FusedCuda {
     fn attention_forward(&self, l: usize, y: u64, qkv: u64) -> Result<()> {
         let (h, sc, k) = (self.heads(), &self.scratch, &self.gpu);
         let (t, d, bh) = (h.t, h.d, h.batch * h.heads);
-        k.split_heads((sc.q.ptr(), sc.k.ptr(), sc.v.ptr()), qkv, h)?;
-        self.scores(h)?;
+        let qkv_heads = (sc.q.ptr(), sc.k.ptr(), sc.v.ptr());
+        k.split_heads(qkv_heads, qkv, h)?;
         let mask = DropoutArgs::at(self.dropout.as_ref(), Site::AttentionWeights(l));
+        if self.attention == Attention::Flash {
+            let lse = self.acts.blocks[l].lse.ptr();
+            k.flash_forward((sc.heads.ptr(), lse), qkv_heads, h, mask)?;
+            return k.merge_heads(y, sc.heads.ptr(), h);
+        }
+        self.scores(h)?;
         k.causal_softmax(sc.att.ptr(), h, mask)?;
         self.product(
             Matrix::new(sc.heads.ptr(), t, d),
@@ -792,7 +838,16 @@ impl FusedCuda {
         let mask = DropoutArgs::at(self.dropout.as_ref(), Site::AttentionWeights(l));
 
         k.split_rows(sc.heads.ptr(), dy, h)?; // dY
-        k.split_heads((sc.q.ptr(), sc.k.ptr(), sc.v.ptr()), qkv, h)?;
+        let qkv_heads = (sc.q.ptr(), sc.k.ptr(), sc.v.ptr());
+        k.split_heads(qkv_heads, qkv, h)?;
+        if self.attention == Attention::Flash {
+            let a = &self.acts.blocks[l];
+            k.flash_backward_sums(sc.dsum.ptr(), dy, a.y.ptr(), h)?;
+            let head_grads = (sc.dq.ptr(), sc.dk.ptr(), sc.dv.ptr());
+            let given = (sc.heads.ptr(), a.lse.ptr(), sc.dsum.ptr());
+            k.flash_backward(head_grads, qkv_heads, given, h, mask)?;
+            return k.merge_head_grads(dqkv, head_grads, h);
+        }
         self.scores(h)?;
         k.causal_softmax(sc.att.ptr(), h, DropoutArgs::NONE)?; // P
         let dropped = match self.dropout {

@@ -92,6 +92,19 @@ fn warp_rows(rows: usize) -> Launch {
     }
 }
 
+/// Flash attention's grid: a block of 4 warps per 64 rows (16 each) of each head.
+fn flash_grid(h: Heads) -> Launch {
+    Launch {
+        grid: (h.t.div_ceil(64) as u32, (h.batch * h.heads) as u32, 1),
+        threads: 128,
+    }
+}
+
+/// 1 / sqrt(d), the scores' scale.
+fn attention_scale(h: Heads) -> f32 {
+    1.0 / (h.d as f32).sqrt()
+}
+
 /// One thread per column, `parts` block rows.
 fn columns(cols: usize, parts: usize) -> Launch {
     Launch {
@@ -377,6 +390,45 @@ impl Gpu {
             att, int(h.batch * h.heads), int(h.t), dropout)
     }
 
+    /// out (B H, T, d) = the dropped causal attention of the heads `q, k, v` (B H, T,
+    /// d), without the (T, T) weights (kernels/flash.cu); lse (B H, T) = each row's
+    /// log-sum-exp of its scaled scores, for the backward.
+    pub fn flash_forward(
+        &self,
+        (out, lse): (u64, u64),
+        (q, k, v): (u64, u64, u64),
+        h: Heads,
+        dropout: DropoutArgs,
+    ) -> Result<()> {
+        launch!(self, FlashForward, flash_grid(h);
+            out, lse, q, k, v, int(h.t), int(h.d), attention_scale(h), dropout)
+    }
+
+    /// dsum (B H, T) = each row's dY . Y over its head, from the merged (B T, H d) dY
+    /// and Y.
+    pub fn flash_backward_sums(&self, dsum: u64, dy: u64, y: u64, h: Heads) -> Result<()> {
+        let rows = h.batch * h.heads * h.t;
+        launch!(self, FlashBackwardSums, warp_rows(rows);
+            dsum, dy, y, int(h.batch), int(h.t), int(h.heads), int(h.d))
+    }
+
+    /// dK, dV, then dQ (B H, T, d each) of flash attention, from the heads, their
+    /// output's gradient `dy` (B H, T, d), and the forward's lse and `dsum`.
+    pub fn flash_backward(
+        &self,
+        (dq, dk, dv): (u64, u64, u64),
+        (q, k, v): (u64, u64, u64),
+        (dy, lse, dsum): (u64, u64, u64),
+        h: Heads,
+        dropout: DropoutArgs,
+    ) -> Result<()> {
+        let (t, d, scale) = (int(h.t), int(h.d), attention_scale(h));
+        launch!(self, FlashBackwardKv, flash_grid(h);
+            dk, dv, q, k, v, dy, lse, dsum, t, d, scale, dropout)?;
+        launch!(self, FlashBackwardQ, flash_grid(h);
+            dq, q, k, v, dy, lse, dsum, t, d, scale, dropout)
+    }
+
     /// In place on datt: the scores' gradient, given the weights `p`.
     pub fn causal_softmax_backward(
         &self,
@@ -527,4 +579,169 @@ pub struct AdamBuffers {
     pub ends: u64,
     pub decays: u64,
     pub tensors: usize,
+}
+
+#[cfg(test)]
+#[cfg(feature = "cuda-emulator")]
+mod tests {
+    use super::super::buffers::Buf;
+    use super::*;
+
+    /// max |got - want| over max |want|.
+    fn rel_err(got: &[f32], want: &[f64]) -> f64 {
+        let scale = want.iter().fold(1e-12f64, |m, x| m.max(x.abs()));
+        let diff = got
+            .iter()
+            .zip(want)
+            .fold(0f64, |m, (g, w)| m.max((*g as f64 - w).abs()));
+        diff / scale
+    }
+
+    /// What attention computes, written out in f64 for heads (B H, T, d): the output, each
+    /// row's log-sum-exp, and dQ, dK, dV given the output's gradient `dy`.
+    struct Written {
+        out: Vec<f64>,
+        lse: Vec<f64>,
+        dq: Vec<f64>,
+        dk: Vec<f64>,
+        dv: Vec<f64>,
+    }
+
+    fn written_out(
+        (q, k, v, dy): (&[f32], &[f32], &[f32], &[f32]),
+        (bh, t, d): (usize, usize, usize),
+        mask: impl Fn(usize) -> f64,
+    ) -> Written {
+        let scale = 1.0 / (d as f64).sqrt();
+        let at = |x: &[f32], head: usize, row: usize, c: usize| x[(head * t + row) * d + c] as f64;
+        let n = bh * t * d;
+        let mut w = Written {
+            out: vec![0.0; n],
+            lse: vec![0.0; bh * t],
+            dq: vec![0.0; n],
+            dk: vec![0.0; n],
+            dv: vec![0.0; n],
+        };
+        for head in 0..bh {
+            for i in 0..t {
+                let s: Vec<f64> = (0..=i)
+                    .map(|j| {
+                        scale
+                            * (0..d)
+                                .map(|c| at(q, head, i, c) * at(k, head, j, c))
+                                .sum::<f64>()
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let lse = m + s.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+                w.lse[head * t + i] = lse;
+                let p: Vec<f64> = s.iter().map(|x| (x - lse).exp()).collect();
+                let keep: Vec<f64> = (0..=i).map(|j| mask((head * t + i) * t + j)).collect();
+                let dp: Vec<f64> = (0..=i)
+                    .map(|j| {
+                        keep[j]
+                            * (0..d)
+                                .map(|c| at(dy, head, i, c) * at(v, head, j, c))
+                                .sum::<f64>()
+                    })
+                    .collect();
+                let dsum: f64 = (0..=i).map(|j| p[j] * dp[j]).sum();
+                for j in 0..=i {
+                    let ds = p[j] * (dp[j] - dsum);
+                    for c in 0..d {
+                        let (row, col) = ((head * t + i) * d + c, (head * t + j) * d + c);
+                        w.out[row] += p[j] * keep[j] * at(v, head, j, c);
+                        w.dv[col] += p[j] * keep[j] * at(dy, head, i, c);
+                        w.dq[row] += scale * ds * at(k, head, j, c);
+                        w.dk[col] += scale * ds * at(q, head, i, c);
+                    }
+                }
+            }
+        }
+        w
+    }
+
+    /// Flash attention's kernels against attention written out in f64: the output, the
+    /// log-sum-exps and all three gradients within bf16 rounding, for blocks that are not
+    /// whole tiles, several thread blocks of rows, and dropout. Inputs of unit size make
+    /// the weights peaked, so the scores' gradients (dQ, dK) are far from negligible.
+    #[test]
+    fn flash_attention_matches_attention_written_out() {
+        let gpu = Gpu::Emulated;
+        for (batch, heads, t, d, p) in [(1, 2, 37, 16, 0.0), (2, 1, 70, 32, 0.3)] {
+            let h = Heads {
+                batch,
+                t,
+                heads,
+                kv_heads: heads,
+                d,
+            };
+            let (bh, n) = (batch * heads, batch * heads * t * d);
+            let random = |seed: u32| -> Vec<f32> {
+                (0..n as u32)
+                    .map(|i| {
+                        let x = i
+                            .wrapping_mul(2654435761)
+                            .wrapping_add(seed.wrapping_mul(40503));
+                        ((x >> 8) % 2001) as f32 / 1000.0 - 1.0
+                    })
+                    .collect()
+            };
+            let (q, k, v, dy) = (random(1), random(2), random(3), random(4));
+            let dropout = crate::model::Dropout::in_pass(p, 9, 3, 1);
+            let site = Site::AttentionWeights(1);
+            let mask = |element: usize| {
+                let mut m = [1.0f32];
+                if let Some(d) = &dropout {
+                    d.fill(site, element, &mut m);
+                }
+                m[0] as f64
+            };
+            let want = written_out((&q, &k, &v, &dy), (bh, t, d), mask);
+
+            let up = |x: &[f32]| Buf::from_host(&gpu, x).unwrap();
+            let (qb, kb, vb, dyb) = (up(&q), up(&k), up(&v), up(&dy));
+            let zeros = |len| Buf::<f32>::zeros(&gpu, len).unwrap();
+            let (out, lse, dsum) = (zeros(n), zeros(bh * t), zeros(bh * t));
+            let (dq, dk, dv) = (zeros(n), zeros(n), zeros(n));
+            let heads_in = (qb.ptr(), kb.ptr(), vb.ptr());
+            let args = DropoutArgs::at(dropout.as_ref(), site);
+            gpu.flash_forward((out.ptr(), lse.ptr()), heads_in, h, args)
+                .unwrap();
+            // dY . Y per row reads the merged (B T, H d) layouts.
+            let merged = |x: &[f32]| {
+                let mut m = vec![0f32; n];
+                for (b, hh, row, c) in (0..batch)
+                    .flat_map(|b| (0..heads).map(move |hh| (b, hh)))
+                    .flat_map(|(b, hh)| (0..t).map(move |row| (b, hh, row)))
+                    .flat_map(|(b, hh, row)| (0..d).map(move |c| (b, hh, row, c)))
+                {
+                    m[((b * t + row) * heads + hh) * d + c] =
+                        x[((b * heads + hh) * t + row) * d + c];
+                }
+                m
+            };
+            let (dy_merged, out_merged) =
+                (up(&merged(&dy)), up(&merged(&out.read(&gpu, n).unwrap())));
+            gpu.flash_backward_sums(dsum.ptr(), dy_merged.ptr(), out_merged.ptr(), h)
+                .unwrap();
+            let given = (dyb.ptr(), lse.ptr(), dsum.ptr());
+            gpu.flash_backward((dq.ptr(), dk.ptr(), dv.ptr()), heads_in, given, h, args)
+                .unwrap();
+
+            let what = format!("B {batch} H {heads} T {t} d {d} dropout {p}");
+            let read = |b: &Buf<f32>, len| b.read(&gpu, len).unwrap();
+            for (name, got, want, tol) in [
+                ("out", read(&out, n), &want.out, 1e-2),
+                ("lse", read(&lse, bh * t), &want.lse, 1e-2),
+                ("dq", read(&dq, n), &want.dq, 2e-2),
+                ("dk", read(&dk, n), &want.dk, 2e-2),
+                ("dv", read(&dv, n), &want.dv, 1e-2),
+            ] {
+                let err = rel_err(&got, want);
+                assert!(err <= tol, "{what}: {name} off by {err:e}");
+                assert!(err > 0.0, "{what}: {name} exact: not rounded to bf16?");
+            }
+        }
+    }
 }

@@ -45,4 +45,4 @@ mod tables;
 pub use decode::CudaDecoder;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 pub use engine::FusedCuda;
-pub use plan::Plan;
+pub use plan::{Attention, Plan};

@@ -3,7 +3,7 @@
 //! plan and the memory check reads its total, so the estimate is the allocation, not
 //! a fit. Plain arithmetic: it compiles and is tested without CUDA.
 
-use crate::config::PositionKind;
+use crate::config::{PositionKind, Precision};
 use crate::model::spec::{ModelSpec, Shapes};
 
 /// Block rows of the two-step column sums (bias and norm-gain gradients): each sums
@@ -18,6 +18,43 @@ pub const NORM_BLOCKS: usize = 1024;
 /// the loss summed over the forwards since the last read.
 pub const NORM_SQ: usize = NORM_BLOCKS;
 pub const LOSS_SUM: usize = NORM_BLOCKS + 1;
+
+/// How the engine computes attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Attention {
+    /// cuBLAS batched products around a causal softmax kernel, through (B, H, T, T)
+    /// weights (attention.cu): any head size, f32 or bf16.
+    Products,
+    /// Tiles of scores in shared memory on bf16 tensor cores, never the (T, T) weights
+    /// (flash.cu): bf16, heads of 16 to 64 in steps of 16.
+    Flash,
+}
+
+/// The largest head flash.cu's tiles hold (`FLASH_MAX_D`).
+pub const FLASH_MAX_HEAD: usize = 64;
+
+impl Attention {
+    /// Flash where it applies (bf16 products, a head flash.cu holds, kernels built for
+    /// sm_80 or newer), unless `TINYGPT_CUDA_ATTENTION=products` asks for the products
+    /// path (to compare the two).
+    pub fn choose(shapes: &Shapes, precision: Precision) -> Self {
+        let arch = option_env!("CUDA_COMPUTE_CAP").map_or(Some(80), |c| c.parse::<u32>().ok());
+        let bf16_cores = arch.is_some_and(|cap| cap >= 80);
+        let asked_products = std::env::var("TINYGPT_CUDA_ATTENTION")
+            .is_ok_and(|v| v.eq_ignore_ascii_case("products"));
+        if Self::flash_holds(shapes, precision) && bf16_cores && !asked_products {
+            Attention::Flash
+        } else {
+            Attention::Products
+        }
+    }
+
+    /// Whether flash attention computes this model: bf16, and a head its tiles hold.
+    pub fn flash_holds(shapes: &Shapes, precision: Precision) -> bool {
+        let d = shapes.head_dim;
+        precision == Precision::Bf16 && d.is_multiple_of(16) && d <= FLASH_MAX_HEAD
+    }
+}
 
 /// Lengths, in elements, of everything the engine holds on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,14 +83,28 @@ pub struct Plan {
 }
 
 impl Plan {
-    pub fn new(s: &Shapes, params: usize, tensors: usize, batch: usize, tables: usize) -> Self {
+    pub fn new(
+        s: &Shapes,
+        params: usize,
+        tensors: usize,
+        batch: usize,
+        tables: usize,
+        attention: Attention,
+    ) -> Self {
         let (t, c) = (s.block_size, s.n_embd);
         let n = batch * t;
         let norm_stats = 2 * n;
+        let (lse, weights) = match attention {
+            // Each row's log-sum-exp (kept per layer), and dY . Y per row (shared).
+            Attention::Flash => (batch * s.n_head * t, batch * s.n_head * t),
+            // The weights and their gradient.
+            Attention::Products => (0, 2 * batch * s.n_head * t * t),
+        };
         let per_block = 2 * norm_stats
             + n * s.qkv_width // q | k | v, positions turned in
             + 3 * n * c // the heads' output, and the residual stream after each sub-layer
-            + n * s.mlp_fc_width; // the MLP's first projection
+            + n * s.mlp_fc_width // the MLP's first projection
+            + lse;
         let outside = n * c // the embeddings entering the first block
             + n * c + norm_stats // the final norm
             + n * s.vocab_size // logits, then probabilities, then their gradient
@@ -64,7 +115,7 @@ impl Plan {
             + 2 * n * s.mlp_hidden // the activation and its gradient
             + n * s.mlp_fc_width // dfc
             + 7 * n * c // q, k, v, heads, dq, dk, dv: (B, H, T, d) each
-            + 2 * batch * s.n_head * t * t // the weights and their gradient
+            + weights
             + PARTS * 2 * widest; // column partial sums
         Self {
             rows: n,
@@ -79,15 +130,16 @@ impl Plan {
         }
     }
 
-    /// The plan of the model `spec` at `batch` sequences.
-    pub fn for_spec(spec: &ModelSpec, batch: usize) -> Self {
+    /// The plan of the model `spec` at `batch` sequences, attention computed as
+    /// `attention`.
+    pub fn for_spec(spec: &ModelSpec, batch: usize, attention: Attention) -> Self {
         let s = &spec.shapes;
         let tables = match spec.config.positions {
             PositionKind::Sinusoidal => s.block_size * s.n_embd,
             PositionKind::Rope => s.block_size * s.head_dim, // cos and sin, d/2 each
             PositionKind::Learned => 0,
         };
-        Self::new(s, spec.len(), spec.params().len(), batch, tables)
+        Self::new(s, spec.len(), spec.params().len(), batch, tables, attention)
     }
 
     /// Device bytes to evaluate (weights and activations) and, with `training`, to
@@ -122,7 +174,7 @@ mod tests {
             ..ModelConfig::default()
         };
         let spec = ModelSpec::new(&cfg);
-        let plan = Plan::for_spec(&spec, 8);
+        let plan = Plan::for_spec(&spec, 8, Attention::Products);
         assert_eq!(plan.rows, 8192);
         let logits = 4 * 8192 * 50304u64;
         let gb = plan.bytes(12, true) as f64 / 1e9;

@@ -5,7 +5,7 @@ use anyhow::Result;
 
 use super::interface::{check_batch, moments_by_name, moments_from_names, Engine};
 use crate::config::Precision;
-use crate::cuda::FusedCuda;
+use crate::cuda::{Attention, FusedCuda};
 use crate::data::Batch;
 use crate::model::params::{flat_from_named, named_from_flat, NamedTensors};
 use crate::model::{Dropout, ModelSpec};
@@ -13,11 +13,15 @@ use crate::optim::AdamWStep;
 
 impl Engine for FusedCuda {
     fn describe(&self) -> String {
-        match self.precision() {
-            Precision::F32 => "fused CUDA kernels, cuBLAS f32 products".to_string(),
+        let products = match self.precision() {
+            Precision::F32 => "fused CUDA kernels, cuBLAS f32 products",
             Precision::Bf16 => {
-                "fused CUDA kernels, bf16 tensor-core products (f32 sums and weights)".to_string()
+                "fused CUDA kernels, bf16 tensor-core products (f32 sums and weights)"
             }
+        };
+        match self.attention() {
+            Attention::Flash => format!("{products}, flash attention"),
+            Attention::Products => products.to_string(),
         }
     }
 

@@ -16,6 +16,7 @@
 #include "../kernels/decode.cu"
 #include "../kernels/elementwise.cu"
 #include "../kernels/embedding.cu"
+#include "../kernels/flash.cu"
 #include "../kernels/loss.cu"
 #include "../kernels/norm.cu"
 #include "../kernels/optim.cu"
@@ -72,6 +73,10 @@ const std::vector<Kernel>& kernels() {
         entry("merge_head_grads", merge_head_grads, false),
         entry("causal_softmax", causal_softmax, true),
         entry("causal_softmax_backward", causal_softmax_backward, true),
+        entry("flash_forward", flash_forward, true),
+        entry("flash_backward_sums", flash_backward_sums, true),
+        entry("flash_backward_kv", flash_backward_kv, true),
+        entry("flash_backward_q", flash_backward_q, true),
         entry("softmax_cross_entropy", softmax_cross_entropy, true),
         entry("cross_entropy_backward", cross_entropy_backward, false),
         entry("sum_squares", sum_squares, true),
@@ -89,13 +94,17 @@ const std::vector<Kernel>& kernels() {
 // global.
 std::mutex launches;
 
+// What a fiber is doing: ready to run, waiting at a barrier of its warp (__syncwarp, a
+// shuffle) or of its block (__syncthreads), or done.
+enum class State { Ready, AtWarpBarrier, AtBlockBarrier, Done };
+
 // The fibers of the block being run: one per thread, each on its own stack.
 constexpr size_t STACK_BYTES = 64 * 1024;
 struct Fiber {
     ucontext_t context;
     std::vector<char> stack = std::vector<char>(STACK_BYTES);
     dim3 index;
-    bool done = false;
+    State state = State::Ready;
 };
 std::vector<Fiber> fibers;
 ucontext_t scheduler;
@@ -106,19 +115,53 @@ void** kernel_args = nullptr;
 // Where every fiber starts: the kernel, for its thread.
 void fiber_main() {
     kernel->call(kernel_args);
-    running->done = true;
+    running->state = State::Done;
     swapcontext(&running->context, &scheduler);
 }
 
-// This thread has reached a meeting point: the others run to theirs. Only kernels
-// marked as meeting run as fibers (`threads_meet`); any other would have none to meet.
-void meet() {
+// This thread waits at a barrier (`at`) until the threads it meets there arrive. Only
+// kernels marked as meeting run as fibers (`threads_meet`); any other would have none
+// to meet.
+void meet(State at) {
     if (running == nullptr) std::abort();
+    running->state = at;
     swapcontext(&running->context, &scheduler);
 }
 
 dim3 thread_index(unsigned t) {
     return dim3{t % blockDim.x, (t / blockDim.x) % blockDim.y, t / (blockDim.x * blockDim.y)};
+}
+
+// Releases the barriers every thread has reached: a warp's when all its live threads
+// wait at a warp barrier, else the block's when all live threads wait at it. False
+// when none can be released (a barrier some thread never reaches: a bug in the kernel).
+bool release(unsigned n) {
+    bool released = false;
+    for (unsigned w = 0; w < n; w += 32) {
+        bool all = true, any = false;
+        for (unsigned t = w; t < n && t < w + 32; t++) {
+            const State s = fibers[t].state;
+            if (s == State::Done) continue;
+            any = true;
+            all = all && s == State::AtWarpBarrier;
+        }
+        if (!any || !all) continue;
+        for (unsigned t = w; t < n && t < w + 32; t++) {
+            if (fibers[t].state == State::AtWarpBarrier) fibers[t].state = State::Ready;
+        }
+        released = true;
+    }
+    if (released) return true;
+    bool all = true;
+    for (unsigned t = 0; t < n; t++) {
+        const State s = fibers[t].state;
+        all = all && (s == State::Done || s == State::AtBlockBarrier);
+    }
+    if (!all) return false;
+    for (unsigned t = 0; t < n; t++) {
+        if (fibers[t].state == State::AtBlockBarrier) fibers[t].state = State::Ready;
+    }
+    return true;
 }
 
 void run_block(const Kernel& k, void** args, dim3 block) {
@@ -137,25 +180,27 @@ void run_block(const Kernel& k, void** args, dim3 block) {
     for (unsigned t = 0; t < n; t++) {
         Fiber& f = fibers[t];
         f.index = thread_index(t);
-        f.done = false;
+        f.state = State::Ready;
         getcontext(&f.context);
         f.context.uc_stack.ss_sp = f.stack.data();
         f.context.uc_stack.ss_size = f.stack.size();
         f.context.uc_link = nullptr;
         makecontext(&f.context, fiber_main, 0);
     }
-    // Rounds: every live fiber runs to its next meeting point (or its end). A fiber
-    // resumes only after all the others have reached the same point.
-    for (bool live = true; live;) {
-        live = false;
+    // Every ready fiber runs to its next barrier (or its end); then the barriers all
+    // their threads have reached open, warps' before the block's, as on a GPU.
+    for (;;) {
         for (unsigned t = 0; t < n; t++) {
             Fiber& f = fibers[t];
-            if (f.done) continue;
+            if (f.state != State::Ready) continue;
             running = &f;
             threadIdx = f.index;
             swapcontext(&scheduler, &f.context);
-            live = live || !f.done;
         }
+        bool live = false;
+        for (unsigned t = 0; t < n; t++) live = live || fibers[t].state != State::Done;
+        if (!live) break;
+        if (!release(n)) std::abort();  // a barrier that can never open
     }
     running = nullptr;
 }
@@ -169,17 +214,17 @@ T shuffle_xor(T v, int lane_mask, T* slots) {
     const unsigned t = threadIdx.x;
     const unsigned partner = (t & ~31u) | ((t % 32) ^ (unsigned)lane_mask);
     slots[t] = v;
-    meet();
+    meet(State::AtWarpBarrier);
     const T other = slots[partner];
-    meet();
+    meet(State::AtWarpBarrier);
     return other;
 }
 
 }  // namespace
 
-void __syncthreads() { meet(); }
+void __syncthreads() { meet(State::AtBlockBarrier); }
 
-void __syncwarp(unsigned) { meet(); }
+void __syncwarp(unsigned) { meet(State::AtWarpBarrier); }
 
 float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     return shuffle_xor(v, lane_mask, warp_floats);

@@ -1,0 +1,345 @@
+// Causal attention without the T x T matrices (flash attention's tiling, Dao et al.
+// 2022), in bf16 on the tensor cores through WMMA with f32 sums: the attention of
+// Precision::Bf16. The products path (attention.cu + cuBLAS) writes and reads B H T^2
+// scores about fourteen times a step; these kernels keep each 16 x 16 tile of scores in
+// shared memory and recompute it where it is needed again.
+//
+// Heads are (B H, T, d) f32 in global memory (split_heads' layout), d a multiple of 16
+// up to FLASH_MAX_D; tiles are converted to bf16 as they are loaded, which rounds the
+// same operands the products path rounds (Q, K for the scores; P, V for the output;
+// dY, V; dS, K; dS, Q; P, dY in the backward). A block is FLASH_WARPS warps; each warp
+// owns 16 rows (queries, or keys in flash_backward_kv) and the block shares the tiles it
+// streams. Element (i, j) of head bh is dropped by the mask of element
+// (bh T + i) T + j of the weights, as causal_softmax drops it.
+//
+// Deterministic: every sum is taken in one order, no atomics (the backward computes dK
+// and dV over key tiles and dQ over query tiles in two kernels, each recomputing P).
+#include "common.cuh"
+
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#include <mma.h>
+#endif
+
+using namespace nvcuda;
+
+#define FLASH_WARPS 4
+#define FLASH_ROWS (16 * FLASH_WARPS)  // rows a block owns
+#define FLASH_MAX_D 64
+#define FLASH_MAX_F (FLASH_MAX_D / 16)  // 16-wide column chunks of a head
+
+// bf16 tensor cores need sm_80; built for less, the kernels trap rather than lie.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define FLASH_UNSUPPORTED 1
+#endif
+
+typedef __nv_bfloat16 bf16;
+typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> RowsA;
+typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::col_major> ColsA;
+typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> RowsB;
+typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> ColsB;
+typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> Acc;
+
+// dst (16, d) bf16 <- rows row0 .. row0 + 15 of src (T, d) f32, zeros past T; the
+// `threads` threads from `first` share the copy.
+__device__ inline void load_tile(bf16* dst, const float* src, int row0, int T, int d, int first,
+                                 int threads) {
+    for (int e = first; e < 16 * d; e += threads) {
+        const int r = row0 + e / d;
+        dst[e] = __float2bfloat16(r < T ? src[(long long)r * d + e % d] : 0.0f);
+    }
+}
+
+// s (16 x 16, f32, row-major) <- a (16, d) times b (16, d) transposed: scores of a
+// tile of queries against a tile of keys (or dY against V).
+__device__ inline void tile_product_t(float* s, const bf16* a, const bf16* b, int d) {
+    Acc acc;
+    wmma::fill_fragment(acc, 0.0f);
+    for (int f = 0; f < d / 16; f++) {
+        RowsA fa;
+        ColsB fb;
+        wmma::load_matrix_sync(fa, a + f * 16, d);
+        wmma::load_matrix_sync(fb, b + f * 16, d);
+        wmma::mma_sync(acc, fa, fb, acc);
+    }
+    wmma::store_matrix_sync(s, acc, 16, wmma::mem_row_major);
+}
+
+// Rows row0 .. row0 + 15 of dst (T, d) f32 <- acc[0 .. d/16) (16 x 16 each) times
+// `scale`, through `stage` (16 x 16 f32); one warp.
+__device__ inline void store_rows(float* dst, Acc* acc, float* stage, int row0, int T, int d,
+                                  float scale, int lane) {
+#pragma unroll
+    for (int f = 0; f < FLASH_MAX_F; f++) {
+        if (f < d / 16) {
+            wmma::store_matrix_sync(stage, acc[f], 16, wmma::mem_row_major);
+            __syncwarp();
+            for (int e = lane; e < 256; e += WARP_SIZE) {
+                const int r = row0 + e / 16;
+                if (r < T) dst[(long long)r * d + f * 16 + e % 16] = stage[e] * scale;
+            }
+            __syncwarp();
+        }
+    }
+}
+
+// out (B H, T, d) = dropped softmax(Q Kᵀ scale, causal) V, and lse (B H, T) = each row's
+// log-sum-exp of its scaled scores, which the backward needs. Grid (ceil(T / 64), B H);
+// FLASH_WARPS warps. Two passes over the keys: the rows' maxima and sums first, then P
+// exactly normalised, so the output accumulates on the tensor cores with no rescaling.
+extern "C" __global__ void flash_forward(float* out, float* lse, const float* q, const float* k,
+                                         const float* v, int T, int d, float scale,
+                                         Dropout dropout) {
+#ifdef FLASH_UNSUPPORTED
+    __trap();
+#else
+    __shared__ __align__(32) bf16 qs[FLASH_WARPS][16 * FLASH_MAX_D];
+    __shared__ __align__(32) bf16 ks[16 * FLASH_MAX_D];
+    __shared__ __align__(32) bf16 vs[16 * FLASH_MAX_D];
+    __shared__ __align__(32) float s[FLASH_WARPS][256];
+    __shared__ __align__(32) bf16 p[FLASH_WARPS][256];
+    __shared__ float row_lse[FLASH_WARPS][16];
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const long long bh = blockIdx.y;
+    const long long head = bh * T * d;
+    const int block0 = blockIdx.x * FLASH_ROWS, row0 = block0 + 16 * warp;
+    const int last = min(block0 + FLASH_ROWS, T) - 1;  // the block's last query
+    const bool active = row0 < T;
+
+    load_tile(qs[warp], q + head, row0, T, d, lane, WARP_SIZE);
+    // Pass 1: the running max and sum of each row (lanes 0..15, one row each).
+    float m = -INFINITY, l = 0.0f;
+    for (int key0 = 0; key0 <= last; key0 += 16) {
+        __syncthreads();
+        load_tile(ks, k + head, key0, T, d, threadIdx.x, blockDim.x);
+        __syncthreads();
+        if (!active || key0 > row0 + 15) continue;
+        tile_product_t(s[warp], qs[warp], ks, d);
+        __syncwarp();
+        const int i = row0 + lane;
+        if (lane < 16) {
+            for (int j = 0; j < 16 && key0 + j <= i && key0 + j < T; j++) {
+                const float x = s[warp][lane * 16 + j] * scale;
+                const float m_new = fmaxf(m, x);
+                l = l * expf(m - m_new) + expf(x - m_new);
+                m = m_new;
+            }
+        }
+        __syncwarp();
+    }
+    if (lane < 16) {
+        const float value = m + logf(l);
+        row_lse[warp][lane] = value;
+        if (active && row0 + lane < T) lse[bh * T + row0 + lane] = value;
+    }
+    __syncwarp();
+
+    // Pass 2: O = sum over key tiles of P V.
+    Acc acc[FLASH_MAX_F];
+#pragma unroll
+    for (int f = 0; f < FLASH_MAX_F; f++) wmma::fill_fragment(acc[f], 0.0f);
+    for (int key0 = 0; key0 <= last; key0 += 16) {
+        __syncthreads();
+        load_tile(ks, k + head, key0, T, d, threadIdx.x, blockDim.x);
+        load_tile(vs, v + head, key0, T, d, threadIdx.x, blockDim.x);
+        __syncthreads();
+        if (!active || key0 > row0 + 15) continue;
+        tile_product_t(s[warp], qs[warp], ks, d);
+        __syncwarp();
+        for (int e = lane; e < 256; e += WARP_SIZE) {
+            const int i = row0 + e / 16, j = key0 + e % 16;
+            float w = 0.0f;
+            if (i < T && j <= i) {
+                w = expf(s[warp][e] * scale - row_lse[warp][e / 16]) *
+                    dropout_scale(dropout, (unsigned long long)(bh * T + i) * T + j);
+            }
+            p[warp][e] = __float2bfloat16(w);
+        }
+        __syncwarp();
+#pragma unroll
+        for (int f = 0; f < FLASH_MAX_F; f++) {
+            if (f < d / 16) {
+                RowsA fp;
+                RowsB fv;
+                wmma::load_matrix_sync(fp, p[warp], 16);
+                wmma::load_matrix_sync(fv, vs + f * 16, d);
+                wmma::mma_sync(acc[f], fp, fv, acc[f]);
+            }
+        }
+        __syncwarp();
+    }
+    if (active) store_rows(out + head, acc, s[warp], row0, T, d, 1.0f, lane);
+#endif
+}
+
+// dsum (B H, T) = each row's dY . Y over its head's d columns, from the merged (B T, H d)
+// layouts: the D_i = sum_j P_ij dP_ij of the softmax's backward. One warp per row.
+extern "C" __global__ void flash_backward_sums(float* dsum, const float* dy, const float* y,
+                                               int B, int T, int H, int d) {
+    const long long row = blockIdx.x * (long long)(blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    if (row >= (long long)B * H * T) return;
+    const int t = (int)(row % T), h = (int)(row / T % H);
+    const long long b = row / T / H;
+    const long long at = (b * T + t) * H * d + (long long)h * d;
+    float sum = 0.0f;
+    for (int c = lane; c < d; c += WARP_SIZE) sum += dy[at + c] * y[at + c];
+    sum = warp_sum(sum);
+    if (lane == 0) dsum[row] = sum;
+}
+
+// The weights' tile (16 queries from query0, 16 keys from key0) of head bh from its
+// scores s (unscaled Q Kᵀ) and dP = dY Vᵀ (in ds on entry): the dropped weights P * mask
+// into pd, and dS = P (dP * mask - D) into ds, both bf16. One warp.
+__device__ inline void weights_and_grads(bf16* pd, bf16* ds, const float* s, const float* dp,
+                                         const float* row_lse, const float* row_dsum,
+                                         long long bh, int query0, int key0, int T, float scale,
+                                         const Dropout& dropout, int lane) {
+    for (int e = lane; e < 256; e += WARP_SIZE) {
+        const int i = query0 + e / 16, j = key0 + e % 16;
+        float w = 0.0f, g = 0.0f;
+        if (i < T && j <= i) {
+            const float prob = expf(s[e] * scale - row_lse[e / 16]);
+            const float keep = dropout_scale(dropout, (unsigned long long)(bh * T + i) * T + j);
+            w = prob * keep;
+            g = prob * (dp[e] * keep - row_dsum[e / 16]);
+        }
+        pd[e] = __float2bfloat16(w);
+        ds[e] = __float2bfloat16(g);
+    }
+}
+
+// dK, dV (B H, T, d) from Q, K, V, dY (the heads' output gradient), lse and dsum: each
+// warp owns 16 keys and walks the query tiles at or after them; dV = sum Pdᵀ dY,
+// dK = scale sum dSᵀ Q. Grid (ceil(T / 64), B H); FLASH_WARPS warps.
+extern "C" __global__ void flash_backward_kv(float* dk, float* dv, const float* q, const float* k,
+                                             const float* v, const float* dy, const float* lse,
+                                             const float* dsum, int T, int d, float scale,
+                                             Dropout dropout) {
+#ifdef FLASH_UNSUPPORTED
+    __trap();
+#else
+    __shared__ __align__(32) bf16 ks[FLASH_WARPS][16 * FLASH_MAX_D];
+    __shared__ __align__(32) bf16 vs[FLASH_WARPS][16 * FLASH_MAX_D];
+    __shared__ __align__(32) bf16 qs[16 * FLASH_MAX_D];
+    __shared__ __align__(32) bf16 dys[16 * FLASH_MAX_D];
+    __shared__ float tile_lse[16], tile_dsum[16];
+    __shared__ __align__(32) float s[FLASH_WARPS][256];
+    __shared__ __align__(32) float dp[FLASH_WARPS][256];
+    __shared__ __align__(32) bf16 pd[FLASH_WARPS][256];
+    __shared__ __align__(32) bf16 ds[FLASH_WARPS][256];
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const long long bh = blockIdx.y;
+    const long long head = bh * T * d;
+    const int block0 = blockIdx.x * FLASH_ROWS, key0 = block0 + 16 * warp;
+    const bool active = key0 < T;
+
+    load_tile(ks[warp], k + head, key0, T, d, lane, WARP_SIZE);
+    load_tile(vs[warp], v + head, key0, T, d, lane, WARP_SIZE);
+    Acc acc_k[FLASH_MAX_F], acc_v[FLASH_MAX_F];
+#pragma unroll
+    for (int f = 0; f < FLASH_MAX_F; f++) {
+        wmma::fill_fragment(acc_k[f], 0.0f);
+        wmma::fill_fragment(acc_v[f], 0.0f);
+    }
+    for (int query0 = block0; query0 < T; query0 += 16) {
+        __syncthreads();
+        load_tile(qs, q + head, query0, T, d, threadIdx.x, blockDim.x);
+        load_tile(dys, dy + head, query0, T, d, threadIdx.x, blockDim.x);
+        if (threadIdx.x < 16) {
+            const int i = query0 + threadIdx.x;
+            tile_lse[threadIdx.x] = i < T ? lse[bh * T + i] : 0.0f;
+            tile_dsum[threadIdx.x] = i < T ? dsum[bh * T + i] : 0.0f;
+        }
+        __syncthreads();
+        if (!active || query0 + 15 < key0) continue;
+        tile_product_t(s[warp], qs, ks[warp], d);
+        tile_product_t(dp[warp], dys, vs[warp], d);
+        __syncwarp();
+        weights_and_grads(pd[warp], ds[warp], s[warp], dp[warp], tile_lse, tile_dsum, bh, query0,
+                          key0, T, scale, dropout, lane);
+        __syncwarp();
+        ColsA fpd, fds;  // Pdᵀ and dSᵀ: (keys, queries)
+        wmma::load_matrix_sync(fpd, pd[warp], 16);
+        wmma::load_matrix_sync(fds, ds[warp], 16);
+#pragma unroll
+        for (int f = 0; f < FLASH_MAX_F; f++) {
+            if (f < d / 16) {
+                RowsB fdy, fq;
+                wmma::load_matrix_sync(fdy, dys + f * 16, d);
+                wmma::load_matrix_sync(fq, qs + f * 16, d);
+                wmma::mma_sync(acc_v[f], fpd, fdy, acc_v[f]);
+                wmma::mma_sync(acc_k[f], fds, fq, acc_k[f]);
+            }
+        }
+        __syncwarp();
+    }
+    if (active) {
+        store_rows(dk + head, acc_k, s[warp], key0, T, d, scale, lane);
+        store_rows(dv + head, acc_v, s[warp], key0, T, d, 1.0f, lane);
+    }
+#endif
+}
+
+// dQ (B H, T, d) = scale sum over key tiles of dS K: each warp owns 16 queries and walks
+// the key tiles at or before them. Grid (ceil(T / 64), B H); FLASH_WARPS warps.
+extern "C" __global__ void flash_backward_q(float* dq, const float* q, const float* k,
+                                            const float* v, const float* dy, const float* lse,
+                                            const float* dsum, int T, int d, float scale,
+                                            Dropout dropout) {
+#ifdef FLASH_UNSUPPORTED
+    __trap();
+#else
+    __shared__ __align__(32) bf16 qs[FLASH_WARPS][16 * FLASH_MAX_D];
+    __shared__ __align__(32) bf16 dys[FLASH_WARPS][16 * FLASH_MAX_D];
+    __shared__ __align__(32) bf16 ks[16 * FLASH_MAX_D];
+    __shared__ __align__(32) bf16 vs[16 * FLASH_MAX_D];
+    __shared__ float row_lse[FLASH_WARPS][16], row_dsum[FLASH_WARPS][16];
+    __shared__ __align__(32) float s[FLASH_WARPS][256];
+    __shared__ __align__(32) float dp[FLASH_WARPS][256];
+    __shared__ __align__(32) bf16 pd[FLASH_WARPS][256];
+    __shared__ __align__(32) bf16 ds[FLASH_WARPS][256];
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const long long bh = blockIdx.y;
+    const long long head = bh * T * d;
+    const int block0 = blockIdx.x * FLASH_ROWS, row0 = block0 + 16 * warp;
+    const int last = min(block0 + FLASH_ROWS, T) - 1;
+    const bool active = row0 < T;
+
+    load_tile(qs[warp], q + head, row0, T, d, lane, WARP_SIZE);
+    load_tile(dys[warp], dy + head, row0, T, d, lane, WARP_SIZE);
+    if (lane < 16) {
+        const int i = row0 + lane;
+        row_lse[warp][lane] = i < T ? lse[bh * T + i] : 0.0f;
+        row_dsum[warp][lane] = i < T ? dsum[bh * T + i] : 0.0f;
+    }
+    Acc acc[FLASH_MAX_F];
+#pragma unroll
+    for (int f = 0; f < FLASH_MAX_F; f++) wmma::fill_fragment(acc[f], 0.0f);
+    for (int key0 = 0; key0 <= last; key0 += 16) {
+        __syncthreads();
+        load_tile(ks, k + head, key0, T, d, threadIdx.x, blockDim.x);
+        load_tile(vs, v + head, key0, T, d, threadIdx.x, blockDim.x);
+        __syncthreads();
+        if (!active || key0 > row0 + 15) continue;
+        tile_product_t(s[warp], qs[warp], ks, d);
+        tile_product_t(dp[warp], dys[warp], vs, d);
+        __syncwarp();
+        weights_and_grads(pd[warp], ds[warp], s[warp], dp[warp], row_lse[warp], row_dsum[warp],
+                          bh, row0, key0, T, scale, dropout, lane);
+        __syncwarp();
+        RowsA fds;
+        wmma::load_matrix_sync(fds, ds[warp], 16);
+#pragma unroll
+        for (int f = 0; f < FLASH_MAX_F; f++) {
+            if (f < d / 16) {
+                RowsB fk;
+                wmma::load_matrix_sync(fk, ks + f * 16, d);
+                wmma::mma_sync(acc[f], fds, fk, acc[f]);
+            }
+        }
+        __syncwarp();
+    }
+    if (active) store_rows(dq + head, acc, s[warp], row0, T, d, scale, lane);
+#endif
+}
