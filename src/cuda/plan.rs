@@ -180,6 +180,12 @@ mod tests {
         let gb = plan.bytes(12, true) as f64 / 1e9;
         assert!((4.0..9.0).contains(&gb), "{gb} GB");
         assert!(plan.bytes(12, true) > logits + 16 * spec.len() as u64);
+        // Flash attention keeps 2 x 8 x 12 x 1024 values of row statistics instead of
+        // the (B, H, T, T) weights and their gradient: 805 MB less.
+        let flash = Plan::for_spec(&spec, 8, Attention::Flash);
+        let weights = 4 * 2 * 8 * 12 * 1024 * 1024u64;
+        let statistics = 4 * (12 + 1) * 8 * 12 * 1024u64;
+        assert_eq!(flash.bytes(12, true) + weights - statistics, plan.bytes(12, true));
         let optimiser = plan.bytes(12, true) - plan.bytes(12, false);
         assert_eq!(
             optimiser,
