@@ -7,6 +7,7 @@ use candle_core::Device;
 use serde_json::json;
 use tinygpt::checkpoint::Loaded;
 use tinygpt::device::parse_device;
+use tinygpt::engine::race::{fastest_device, Work};
 use tinygpt::error::user_error;
 use tinygpt::generate::choose::fastest_decoder;
 use tinygpt::generate::sample::{Sampler, SamplingParams};
@@ -175,8 +176,31 @@ pub fn eval(args: EvalArgs, stop: tinygpt::util::Stop) -> Result<()> {
         .map_err(|e| user_error(format!("cannot read --text {}: {e}", args.text.display())))?;
     let text = String::from_utf8(text)
         .map_err(|_| user_error(format!("--text {} is not UTF-8", args.text.display())))?;
-    let loaded = load(&args.ckpt)?;
+    let auto = args.ckpt.device.trim().eq_ignore_ascii_case("auto");
+    let mut loaded = Loaded::load(
+        &args.ckpt.checkpoint,
+        &if auto {
+            Device::Cpu
+        } else {
+            parse_device(&args.ckpt.device)?
+        },
+    )?;
     let ids = loaded.tokenizer.encode(&text)?;
+    if auto {
+        // Raced on the CPU copy; moved only if CUDA scores faster.
+        let spec = loaded.model.spec();
+        let options = tinygpt::eval::engine_options(ids.len(), spec.shapes.block_size);
+        let choice = fastest_device(spec, options, Work::Evaluation, |_| true)?;
+        let name = if choice.device.is_cpu() {
+            "cpu"
+        } else {
+            "cuda"
+        };
+        eprintln!("device auto: {name} ({})", choice.why);
+        if !choice.device.is_cpu() {
+            loaded = Loaded::load(&args.ckpt.checkpoint, &choice.device)?;
+        }
+    }
     let bar = tinygpt::util::bars::count_bar(0, "scoring windows");
     let r = tinygpt::eval::evaluate_until(&loaded.model, &ids, text.len(), &bar, &stop)?;
     bar.finish_and_clear();

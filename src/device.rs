@@ -56,6 +56,14 @@ pub fn is_out_of_memory(error: &anyhow::Error) -> bool {
     .any(|needle| text.contains(needle))
 }
 
+/// The first CUDA device, where the build and the machine have one.
+pub fn first_cuda() -> Option<Device> {
+    if !cfg!(feature = "cuda") || !candle_core::utils::cuda_is_available() {
+        return None;
+    }
+    Device::new_cuda(0).ok()
+}
+
 fn auto() -> Result<Device> {
     if cfg!(feature = "cuda") && candle_core::utils::cuda_is_available() {
         return cuda(0);

@@ -70,6 +70,17 @@ pub fn evaluate(model: &Gpt, ids: &[u32], bytes: usize) -> Result<EvalResult> {
 
 /// [`evaluate`], advancing `progress` over the windows and giving up (`Stopped`)
 /// between batches of windows once `stop` asks.
+/// How scoring `tokens` tokens with a model of context `block` builds its engine: as
+/// many windows a call as make about TOKENS_PER_CALL tokens.
+pub fn engine_options(tokens: usize, block: usize) -> EngineOptions {
+    let windows = windows(tokens, block).len();
+    EngineOptions {
+        batch: (TOKENS_PER_CALL / block).clamp(1, windows.max(1)),
+        precision: Precision::F32,
+        fused: true,
+    }
+}
+
 pub fn evaluate_until(
     model: &Gpt,
     ids: &[u32],
@@ -85,12 +96,8 @@ pub fn evaluate_until(
     }
     let block = model.config().block_size;
     let windows = windows(ids.len(), block);
-    let batch = (TOKENS_PER_CALL / block).clamp(1, windows.len());
-    let options = EngineOptions {
-        batch,
-        precision: Precision::F32,
-        fused: true,
-    };
+    let options = engine_options(ids.len(), block);
+    let batch = options.batch;
     let weights = model.params().to_flat()?;
     let mut engine = engine::build(model.spec(), &weights, model.device(), options)?;
     // Windows shorter than a block are padded at the end: causal attention means the

@@ -77,6 +77,8 @@ fn train_then_resume_from_the_command_line() {
             "--resume",
             "--set",
             "train.max_iters=9",
+            "--set",
+            "run.device=auto",
         ],
     );
     assert!(out.status.success(), "{}", stderr(&out));
@@ -85,6 +87,8 @@ fn train_then_resume_from_the_command_line() {
         "{}",
         stderr(&out)
     );
+    // `auto` says in the run's first line what it chose and why.
+    assert!(stderr(&out).contains(" (auto: "), "{}", stderr(&out));
     let state: serde_json::Value =
         serde_json::from_slice(&std::fs::read(run.join("state.json")).unwrap()).unwrap();
     assert_eq!(state["step"], 9);
@@ -162,6 +166,21 @@ fn generate_eval_and_info_from_a_checkpoint() {
     let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let loss = r["loss"].as_f64().unwrap();
     assert!((r["perplexity"].as_f64().unwrap() - loss.exp()).abs() < 1e-6);
+    let eval_auto = [
+        "eval",
+        "--checkpoint",
+        ck,
+        "--text",
+        "corpus.txt",
+        "--json",
+        "--device",
+        "auto",
+    ];
+    let out = tinygpt(dir.path(), &eval_auto);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("device auto: "), "{}", stderr(&out));
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!((r["loss"].as_f64().unwrap() - loss).abs() <= 1e-4 * loss);
 
     // Pictures: the loss curve was drawn at the end of training; plot and attention draw
     // on demand; attention's JSON has one T x T matrix per head, rows summing to 1.

@@ -185,7 +185,10 @@ mod tests {
         let flash = Plan::for_spec(&spec, 8, Attention::Flash);
         let weights = 4 * 2 * 8 * 12 * 1024 * 1024u64;
         let statistics = 4 * (12 + 1) * 8 * 12 * 1024u64;
-        assert_eq!(flash.bytes(12, true) + weights - statistics, plan.bytes(12, true));
+        assert_eq!(
+            flash.bytes(12, true) + weights - statistics,
+            plan.bytes(12, true)
+        );
         let optimiser = plan.bytes(12, true) - plan.bytes(12, false);
         assert_eq!(
             optimiser,

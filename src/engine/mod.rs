@@ -15,6 +15,7 @@ pub mod fused_cpu;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 pub mod fused_cuda;
 pub mod interface;
+pub mod race;
 pub mod reference;
 
 use anyhow::Result;

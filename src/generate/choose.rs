@@ -9,6 +9,7 @@ use anyhow::Result;
 use candle_core::Device;
 
 use crate::cpu::FastDecoder;
+use crate::device::first_cuda;
 use crate::model::ModelSpec;
 
 /// The chosen device, and the measurement behind it for the user.
@@ -69,7 +70,7 @@ fn tokens_per_s(decoder: &mut dyn Steps, spec: &ModelSpec, batch: usize) -> Resu
 /// Which of the CPU and the first CUDA device (where the build and the machine have
 /// one) decodes `batch` sequences of the model `spec` with `weights` faster.
 pub fn fastest_decoder(spec: &ModelSpec, weights: &[f32], batch: usize) -> Result<Choice> {
-    let gpu = cuda_device();
+    let gpu = first_cuda();
     let Some(gpu) = gpu else {
         return Ok(Choice {
             device: Device::Cpu,
@@ -98,18 +99,6 @@ pub fn fastest_decoder(spec: &ModelSpec, weights: &[f32], batch: usize) -> Resul
             if batch == 1 { "" } else { "s" }
         ),
     })
-}
-
-#[cfg(feature = "cuda")]
-fn cuda_device() -> Option<Device> {
-    candle_core::utils::cuda_is_available()
-        .then(|| Device::new_cuda(0).ok())
-        .flatten()
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_device() -> Option<Device> {
-    None
 }
 
 #[cfg(feature = "cuda")]
@@ -150,7 +139,7 @@ mod tests {
 
     #[test]
     fn without_a_gpu_the_cpu_is_chosen_and_says_why() {
-        if cuda_device().is_some() {
+        if first_cuda().is_some() {
             eprintln!("SKIPPED: this machine has a GPU; the race runs instead");
             return;
         }

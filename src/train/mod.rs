@@ -24,6 +24,7 @@ use crate::corpus::cache::CorpusCache;
 use crate::corpus::{token_files, Corpus};
 use crate::data::{Batch, BatchSampler, Split, Tokens};
 use crate::device::parse_device;
+use crate::engine::race::Work;
 use crate::engine::{self, Engine, EngineOptions};
 use crate::error::{DivergedError, InterruptedError};
 use crate::lock::RunLock;
@@ -59,6 +60,8 @@ pub struct Trainer {
     eval_batch: Batch,
     /// The steps whose loss and gradient norm the engine holds unread.
     unread: Unread,
+    /// Why `run.device = "auto"` chose the device (None when it was named).
+    device_choice: Option<String>,
     _lock: RunLock,
 }
 
@@ -95,13 +98,28 @@ impl Trainer {
     /// Builds the run as `start` says; preparing the data gives up (`Stopped`) and
     /// training stops cleanly (checkpoint, then `InterruptedError`) once `stop` asks.
     pub fn start_until(config: Config, start: Start, stop: Stop) -> Result<Self> {
-        let device = parse_device(&config.run.device)?;
+        let auto = config.run.device.trim().eq_ignore_ascii_case("auto");
+        // `auto` is raced below, once the model's vocabulary is known.
+        let device = if auto {
+            Device::Cpu
+        } else {
+            parse_device(&config.run.device)?
+        };
         let run = RunDir::new(config.run_dir());
         let corpus = Corpus::open(&config.data.corpus, &config.data.text_field)?;
         let cache = CorpusCache::new(&config.data.cache_dir, &corpus);
         let origin = start::resolve(config, &start, &run, &corpus, &cache, &stop)?;
         let (config, state) = (origin.config, origin.state);
         config.validate()?;
+        let (device, device_choice) = if auto {
+            let spec = ModelSpec::new(&config.model);
+            let fits = |d: &Device| check_memory(&config, d).is_ok();
+            let options = engine_options(&config.train);
+            let choice = engine::race::fastest_device(&spec, options, Work::Training, fits)?;
+            (choice.device, Some(choice.why))
+        } else {
+            (device, None)
+        };
         check_memory(&config, &device)?;
         // The data before the run folder: a corpus that cannot be read leaves nothing.
         let split = load_split(&config, &corpus, &cache, &origin.tokenizer, &stop)?;
@@ -127,6 +145,7 @@ impl Trainer {
                 steps: 0,
                 since: Instant::now(),
             },
+            device_choice,
             tokenizer: origin.tokenizer,
             config,
             run,
@@ -152,7 +171,10 @@ impl Trainer {
             val_tokens: self.split.val.len(),
             vocab_size: self.config.model.vocab_size,
             tokenizer: self.tokenizer.kind_name(),
-            device: format!("{:?}", self.device),
+            device: match &self.device_choice {
+                Some(why) => format!("{} (auto: {why})", device_name(&self.device)),
+                None => device_name(&self.device),
+            },
             engine: self.engine_name(),
             tokens_per_step: self
                 .config
@@ -450,6 +472,15 @@ impl Trainer {
 pub fn train(config: Config, resume: bool, reporter: &mut dyn Reporter) -> Result<TrainSummary> {
     let mut trainer = Trainer::new(config, resume)?;
     trainer.run(reporter)
+}
+
+/// "cpu", "cuda:N" or "metal:N".
+fn device_name(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
 }
 
 /// Creates (or reopens) the run folder and takes its lock. A resumed run finishes the
