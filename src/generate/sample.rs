@@ -4,6 +4,12 @@
 //! divided by the penalty if positive, multiplied if negative), temperature (0 = greedy
 //! argmax), top-k (keep the k most likely), top-p / nucleus (keep the smallest set whose
 //! probability reaches p), then one draw from a seeded RNG.
+//!
+//! Nothing sorts the whole vocabulary: with neither top-k nor top-p the draw walks the
+//! tokens in id order, and otherwise only the most likely prefix they need is selected
+//! and sorted. Measured on GPT-2's vocabulary (50,304 logits, 2 Zen 3 cores): 0.35-0.5 ms
+//! a token at the defaults (was 4.0-4.6 ms with a full sort), 0.7-0.8 ms with top-k 50
+//! (4.0), 1.2 ms with top-p 0.9 over a Zipf-like distribution (4.0).
 
 use anyhow::Result;
 use rand::{Rng, SeedableRng};
@@ -103,9 +109,16 @@ impl Sampler {
         }
         let probs = &mut self.candidates;
         softmax_into(logits, p.temperature as f32, probs);
-        // Most likely first; ties broken by id so the order is deterministic.
-        probs.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        let keep = nucleus_size(probs, p.top_k, p.top_p);
+        let limit = match p.top_k {
+            0 => probs.len(),
+            k => k.min(probs.len()),
+        };
+        if limit == probs.len() && p.top_p >= 1.0 {
+            // Every token is a candidate: a draw in id order needs no sorting (sorting
+            // GPT-2's 50,257 took ~4 ms a token, more than a GPU's whole step).
+            return draw_in_id_order(probs, self.rng.random::<f64>());
+        }
+        let keep = most_likely_prefix(probs, limit, p.top_p);
         probs.truncate(keep);
         let total: f32 = probs.iter().map(|c| c.0).sum();
         let mut r = self.rng.random::<f32>() * total;
@@ -116,6 +129,48 @@ impl Sampler {
             r -= prob;
         }
         probs.last().expect("at least one candidate").1
+    }
+}
+
+/// The token where `u` (uniform in [0, 1)) falls among the probabilities laid end to end
+/// in id order.
+fn draw_in_id_order(probs: &[(f32, u32)], u: f64) -> u32 {
+    let total: f64 = probs.iter().map(|c| c.0 as f64).sum();
+    let mut r = u * total;
+    let mut last = 0;
+    for &(prob, id) in probs {
+        if prob > 0.0 {
+            if r < prob as f64 {
+                return id;
+            }
+            r -= prob as f64;
+            last = id;
+        }
+    }
+    last // rounding left r just past the end: the last possible token
+}
+
+/// Most likely first; ties broken by id, so the order is total and deterministic.
+fn most_likely(a: &(f32, u32), b: &(f32, u32)) -> std::cmp::Ordering {
+    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
+}
+
+/// Sorts the candidates' most likely prefix (in `most_likely` order) as far as top-k
+/// (`limit`) and top-p need, and says how many they keep: the same as sorting them all
+/// and taking `nucleus_size`, without sorting the whole vocabulary. The prefix grows
+/// from 64 by fours until it holds the nucleus; selecting each is linear.
+fn most_likely_prefix(candidates: &mut [(f32, u32)], limit: usize, top_p: f64) -> usize {
+    let mut sorted = if top_p < 1.0 { limit.min(64) } else { limit };
+    loop {
+        if sorted < candidates.len() {
+            candidates.select_nth_unstable_by(sorted - 1, most_likely);
+        }
+        candidates[..sorted].sort_unstable_by(most_likely);
+        match nucleus_within(&candidates[..sorted], top_p) {
+            Some(keep) => return keep,
+            None if sorted == limit => return limit.max(1),
+            None => sorted = (4 * sorted).min(limit),
+        }
     }
 }
 
@@ -154,17 +209,25 @@ pub fn nucleus_size(sorted: &[(f32, u32)], top_k: usize, top_p: f64) -> usize {
     } else {
         top_k.min(sorted.len())
     };
+    nucleus_within(&sorted[..limit], top_p)
+        .unwrap_or(limit)
+        .max(1)
+}
+
+/// The smallest prefix of `sorted` whose probability reaches `top_p`, if one does
+/// (none for top_p 1, which keeps everything).
+fn nucleus_within(sorted: &[(f32, u32)], top_p: f64) -> Option<usize> {
     if top_p >= 1.0 {
-        return limit.max(1);
+        return None;
     }
     let mut cumulative = 0.0f64;
-    for (i, c) in sorted[..limit].iter().enumerate() {
+    for (i, c) in sorted.iter().enumerate() {
         cumulative += c.0 as f64;
         if cumulative >= top_p {
-            return i + 1;
+            return Some(i + 1);
         }
     }
-    limit.max(1)
+    None
 }
 
 #[cfg(test)]
@@ -207,6 +270,45 @@ mod tests {
             let mut s = Sampler::new(params(1.0, 0, 0.6), seed).unwrap();
             let id = s.sample(&mut LOGITS.clone(), &[]);
             assert!(id == 1 || id == 3, "token {id} is outside the nucleus");
+        }
+    }
+
+    /// The partial sort keeps exactly what sorting the whole vocabulary keeps, in the
+    /// same order (so top-k and top-p draw the same token for the same seed), also when
+    /// the nucleus needs the prefix to grow several times, and with ties.
+    #[test]
+    fn the_partial_sort_keeps_what_a_full_sort_keeps() {
+        let n = 5000u32;
+        let weights: Vec<f32> = (0..n)
+            .map(|i| 1.0 / ((i.wrapping_mul(7919) % 1000) as f32 + 1.0).powf(1.1))
+            .collect();
+        let sum: f32 = weights.iter().sum();
+        let probs: Vec<(f32, u32)> = (0..n).map(|i| (weights[i as usize] / sum, i)).collect();
+        for (top_k, top_p) in [
+            (0, 0.3),
+            (0, 0.9),
+            (0, 0.999),
+            (10, 0.9),
+            (100, 1.0),
+            (1, 1.0),
+            (6000, 0.95),
+        ] {
+            let mut full = probs.clone();
+            full.sort_unstable_by(most_likely);
+            let want = nucleus_size(&full, top_k, top_p);
+            let limit = if top_k == 0 {
+                probs.len()
+            } else {
+                top_k.min(probs.len())
+            };
+            let mut partial = probs.clone();
+            let got = most_likely_prefix(&mut partial, limit, top_p);
+            assert_eq!(got, want, "top_k {top_k} top_p {top_p}");
+            assert_eq!(
+                &partial[..got],
+                &full[..want],
+                "top_k {top_k} top_p {top_p}"
+            );
         }
     }
 
