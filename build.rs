@@ -50,6 +50,10 @@ fn main() {
     for source in &sources {
         compile(&nvcc, &cap, source, &out);
     }
+    // The architecture the PTX targets, for the engine's choices (flash attention needs
+    // sm_80's bf16 tensor cores): digits only, as nvcc took it ("90a" -> 90).
+    let digits: String = cap.chars().take_while(char::is_ascii_digit).collect();
+    println!("cargo:rustc-env=TINYGPT_PTX_ARCH={digits}");
 }
 
 fn nvcc() -> PathBuf {

@@ -68,8 +68,6 @@ pub fn evaluate(model: &Gpt, ids: &[u32], bytes: usize) -> Result<EvalResult> {
     evaluate_until(model, ids, bytes, &ProgressBar::hidden(), &Stop::new())
 }
 
-/// [`evaluate`], advancing `progress` over the windows and giving up (`Stopped`)
-/// between batches of windows once `stop` asks.
 /// How scoring `tokens` tokens with a model of context `block` builds its engine: as
 /// many windows a call as make about TOKENS_PER_CALL tokens.
 pub fn engine_options(tokens: usize, block: usize) -> EngineOptions {
@@ -81,6 +79,8 @@ pub fn engine_options(tokens: usize, block: usize) -> EngineOptions {
     }
 }
 
+/// [`evaluate`], advancing `progress` over the windows and giving up (`Stopped`)
+/// between batches of windows once `stop` asks.
 pub fn evaluate_until(
     model: &Gpt,
     ids: &[u32],

@@ -131,7 +131,7 @@ pub fn loss_curve(metrics: &Path, out: &Path, title: &str) -> Result<()> {
             light_blue.stroke_width(1),
         ))
         .map_err(plot_error(out))?
-        .label("train loss (each logged step)")
+        .label("train loss (mean since the last log line)")
         .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], light_blue));
     for (points, color, label) in [
         (&c.eval_train, blue, "train loss (eval)"),

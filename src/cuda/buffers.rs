@@ -224,6 +224,17 @@ struct Pinned {
     copied: CudaEvent,
 }
 
+impl Drop for Staging {
+    /// Waits for the last upload's copies before the pinned memory is freed (an engine
+    /// dropped after an error mid-step may have them queued still).
+    fn drop(&mut self) {
+        #[cfg(feature = "cuda")]
+        if let Some(Pinned { copied, .. }) = &self.pinned {
+            let _ = copied.synchronize();
+        }
+    }
+}
+
 impl Staging {
     /// Room for `len` values in all, per upload.
     pub fn new(gpu: &Gpu, len: usize) -> Result<Self> {

@@ -174,7 +174,7 @@ impl FusedCuda {
         precision: Precision,
     ) -> Result<Self> {
         let gpu = Gpu::cuda(device, "the fused CUDA engine")?;
-        let attention = Attention::choose(&spec.shapes, precision);
+        let attention = Attention::choose(&spec.shapes, precision, batch);
         Self::on(gpu, spec, values, batch, precision, attention)
     }
 
@@ -186,7 +186,7 @@ impl FusedCuda {
         batch: usize,
         precision: Precision,
     ) -> Result<Self> {
-        let attention = Attention::choose(&spec.shapes, precision);
+        let attention = Attention::choose(&spec.shapes, precision, batch);
         Self::on(Gpu::Emulated, spec, values, batch, precision, attention)
     }
 
@@ -213,8 +213,10 @@ impl FusedCuda {
     ) -> Result<Self> {
         assert_eq!(values.len(), spec.len(), "a flat buffer of the whole table");
         ensure!(
-            attention == Attention::Products || Attention::flash_holds(&spec.shapes, precision),
-            "flash attention needs bf16 and a head of 16 to {FLASH_MAX_HEAD} in steps of 16"
+            attention == Attention::Products
+                || Attention::flash_holds(&spec.shapes, precision, batch),
+            "flash attention needs bf16, a head of 16 to {FLASH_MAX_HEAD} in steps of 16 \
+             and at most 65,535 heads in a batch"
         );
         gpu.bind()?;
         let s = &spec.shapes;

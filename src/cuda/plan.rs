@@ -34,25 +34,29 @@ pub enum Attention {
 pub const FLASH_MAX_HEAD: usize = 64;
 
 impl Attention {
-    /// Flash where it applies (bf16 products, a head flash.cu holds, kernels built for
-    /// sm_80 or newer), unless `TINYGPT_CUDA_ATTENTION=products` asks for the products
-    /// path (to compare the two).
-    pub fn choose(shapes: &Shapes, precision: Precision) -> Self {
-        let arch = option_env!("CUDA_COMPUTE_CAP").map_or(Some(80), |c| c.parse::<u32>().ok());
+    /// Flash where it applies (`flash_holds`, kernels built for sm_80 or newer), unless
+    /// `TINYGPT_CUDA_ATTENTION=products` asks for the products path (to compare the two).
+    pub fn choose(shapes: &Shapes, precision: Precision, batch: usize) -> Self {
+        // build.rs says what the PTX targets (its default, 80, where it did not run).
+        let arch = option_env!("TINYGPT_PTX_ARCH").map_or(Some(80), |a| a.parse::<u32>().ok());
         let bf16_cores = arch.is_some_and(|cap| cap >= 80);
         let asked_products = std::env::var("TINYGPT_CUDA_ATTENTION")
             .is_ok_and(|v| v.eq_ignore_ascii_case("products"));
-        if Self::flash_holds(shapes, precision) && bf16_cores && !asked_products {
+        if Self::flash_holds(shapes, precision, batch) && bf16_cores && !asked_products {
             Attention::Flash
         } else {
             Attention::Products
         }
     }
 
-    /// Whether flash attention computes this model: bf16, and a head its tiles hold.
-    pub fn flash_holds(shapes: &Shapes, precision: Precision) -> bool {
+    /// Whether flash attention computes this model at `batch` sequences: bf16, a head
+    /// its tiles hold, and at most 65,535 heads in all (its grid's second dimension).
+    pub fn flash_holds(shapes: &Shapes, precision: Precision, batch: usize) -> bool {
         let d = shapes.head_dim;
-        precision == Precision::Bf16 && d.is_multiple_of(16) && d <= FLASH_MAX_HEAD
+        precision == Precision::Bf16
+            && d.is_multiple_of(16)
+            && d <= FLASH_MAX_HEAD
+            && batch * shapes.n_head <= 65_535
     }
 }
 

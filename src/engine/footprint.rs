@@ -37,7 +37,7 @@ pub fn training_bytes(m: &ModelConfig, t: &TrainConfig, engine: Footprint) -> f6
         Footprint::FusedCpu => (10.0, 0.12, 1.1, 21.0),
         Footprint::FusedCuda => {
             let spec = ModelSpec::new(m);
-            let attention = crate::cuda::Attention::choose(&spec.shapes, t.dtype);
+            let attention = crate::cuda::Attention::choose(&spec.shapes, t.dtype, t.batch_size);
             let plan = crate::cuda::Plan::for_spec(&spec, t.batch_size, attention);
             return plan.bytes(m.n_layer, true) as f64;
         }

@@ -28,11 +28,14 @@ using namespace nvcuda;
 #define FLASH_MAX_D 64
 #define FLASH_MAX_F (FLASH_MAX_D / 16)  // 16-wide column chunks of a head
 
-// bf16 tensor cores need sm_80; built for less, the kernels trap rather than lie.
+// bf16 tensor cores need sm_80 (mma.h declares bf16 fragments only there); built for
+// less, the kernels trap rather than lie, and the engine never chooses them
+// (plan::Attention::choose reads the architecture build.rs targeted).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define FLASH_UNSUPPORTED 1
 #endif
 
+#ifndef FLASH_UNSUPPORTED
 typedef __nv_bfloat16 bf16;
 typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> RowsA;
 typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::col_major> ColsA;
@@ -82,6 +85,8 @@ __device__ inline void store_rows(float* dst, Acc* acc, float* stage, int row0, 
         }
     }
 }
+
+#endif  // FLASH_UNSUPPORTED
 
 // out (B H, T, d) = dropped softmax(Q Kᵀ scale, causal) V, and lse (B H, T) = each row's
 // log-sum-exp of its scaled scores, which the backward needs. Grid (ceil(T / 64), B H);
@@ -188,6 +193,7 @@ extern "C" __global__ void flash_backward_sums(float* dsum, const float* dy, con
     if (lane == 0) dsum[row] = sum;
 }
 
+#ifndef FLASH_UNSUPPORTED
 // The weights' tile (16 queries from query0, 16 keys from key0) of head bh from its
 // scores s (unscaled Q Kᵀ) and dP = dY Vᵀ (in ds on entry): the dropped weights P * mask
 // into pd, and dS = P (dP * mask - D) into ds, both bf16. One warp.
@@ -208,6 +214,8 @@ __device__ inline void weights_and_grads(bf16* pd, bf16* ds, const float* s, con
         ds[e] = __float2bfloat16(g);
     }
 }
+
+#endif  // FLASH_UNSUPPORTED
 
 // dK, dV (B H, T, d) from Q, K, V, dY (the heads' output gradient), lse and dsum: each
 // warp owns 16 keys and walks the query tiles at or after them; dV = sum Pdᵀ dY,
