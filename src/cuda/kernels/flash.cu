@@ -53,6 +53,22 @@ __device__ inline void load_tile(bf16* dst, const float* src, int row0, int T, i
     }
 }
 
+// The block's next 16 keys, K (and V, when `vs` is set) into shared memory, once every
+// warp is done with the previous ones. All the block's threads call it.
+__device__ inline void next_keys(bf16* ks, bf16* vs, const float* k, const float* v, int key0,
+                                 int T, int d) {
+    __syncthreads();
+    load_tile(ks, k, key0, T, d, threadIdx.x, blockDim.x);
+    if (vs != nullptr) load_tile(vs, v, key0, T, d, threadIdx.x, blockDim.x);
+    __syncthreads();
+}
+
+// Every fragment of `acc` to zero.
+__device__ inline void zero(Acc* acc) {
+#pragma unroll
+    for (int f = 0; f < FLASH_MAX_F; f++) wmma::fill_fragment(acc[f], 0.0f);
+}
+
 // s (16 x 16, f32, row-major) <- a (16, d) times b (16, d) transposed: scores of a
 // tile of queries against a tile of keys (or dY against V).
 __device__ inline void tile_product_t(float* s, const bf16* a, const bf16* b, int d) {
@@ -115,9 +131,7 @@ extern "C" __global__ void flash_forward(float* out, float* lse, const float* q,
     // Pass 1: the running max and sum of each row (lanes 0..15, one row each).
     float m = -INFINITY, l = 0.0f;
     for (int key0 = 0; key0 <= last; key0 += 16) {
-        __syncthreads();
-        load_tile(ks, k + head, key0, T, d, threadIdx.x, blockDim.x);
-        __syncthreads();
+        next_keys(ks, nullptr, k + head, nullptr, key0, T, d);
         if (!active || key0 > row0 + 15) continue;
         tile_product_t(s[warp], qs[warp], ks, d);
         __syncwarp();
@@ -141,13 +155,9 @@ extern "C" __global__ void flash_forward(float* out, float* lse, const float* q,
 
     // Pass 2: O = sum over key tiles of P V.
     Acc acc[FLASH_MAX_F];
-#pragma unroll
-    for (int f = 0; f < FLASH_MAX_F; f++) wmma::fill_fragment(acc[f], 0.0f);
+    zero(acc);
     for (int key0 = 0; key0 <= last; key0 += 16) {
-        __syncthreads();
-        load_tile(ks, k + head, key0, T, d, threadIdx.x, blockDim.x);
-        load_tile(vs, v + head, key0, T, d, threadIdx.x, blockDim.x);
-        __syncthreads();
+        next_keys(ks, vs, k + head, v + head, key0, T, d);
         if (!active || key0 > row0 + 15) continue;
         tile_product_t(s[warp], qs[warp], ks, d);
         __syncwarp();
@@ -245,11 +255,8 @@ extern "C" __global__ void flash_backward_kv(float* dk, float* dv, const float* 
     load_tile(ks[warp], k + head, key0, T, d, lane, WARP_SIZE);
     load_tile(vs[warp], v + head, key0, T, d, lane, WARP_SIZE);
     Acc acc_k[FLASH_MAX_F], acc_v[FLASH_MAX_F];
-#pragma unroll
-    for (int f = 0; f < FLASH_MAX_F; f++) {
-        wmma::fill_fragment(acc_k[f], 0.0f);
-        wmma::fill_fragment(acc_v[f], 0.0f);
-    }
+    zero(acc_k);
+    zero(acc_v);
     for (int query0 = block0; query0 < T; query0 += 16) {
         __syncthreads();
         load_tile(qs, q + head, query0, T, d, threadIdx.x, blockDim.x);
@@ -322,13 +329,9 @@ extern "C" __global__ void flash_backward_q(float* dq, const float* q, const flo
         row_dsum[warp][lane] = i < T ? dsum[bh * T + i] : 0.0f;
     }
     Acc acc[FLASH_MAX_F];
-#pragma unroll
-    for (int f = 0; f < FLASH_MAX_F; f++) wmma::fill_fragment(acc[f], 0.0f);
+    zero(acc);
     for (int key0 = 0; key0 <= last; key0 += 16) {
-        __syncthreads();
-        load_tile(ks, k + head, key0, T, d, threadIdx.x, blockDim.x);
-        load_tile(vs, v + head, key0, T, d, threadIdx.x, blockDim.x);
-        __syncthreads();
+        next_keys(ks, vs, k + head, v + head, key0, T, d);
         if (!active || key0 > row0 + 15) continue;
         tile_product_t(s[warp], qs[warp], ks, d);
         tile_product_t(dp[warp], dys[warp], vs, d);
