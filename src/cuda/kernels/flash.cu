@@ -53,6 +53,16 @@ __device__ inline void load_tile(bf16* dst, const float* src, int row0, int T, i
     }
 }
 
+// The max and the sum over the 16 lanes of each half-warp (shuffles within a half).
+__device__ inline float half_warp_max(float v) {
+    for (int o = 8; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ inline float half_warp_sum(float v) {
+    for (int o = 8; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 // The block's next 16 keys, K (and V, when `vs` is set) into shared memory, once every
 // warp is done with the previous ones. All the block's threads call it.
 __device__ inline void next_keys(bf16* ks, bf16* vs, const float* k, const float* v, int key0,
@@ -128,28 +138,39 @@ extern "C" __global__ void flash_forward(float* out, float* lse, const float* q,
     const bool active = row0 < T;
 
     load_tile(qs[warp], q + head, row0, T, d, lane, WARP_SIZE);
-    // Pass 1: the running max and sum of each row (lanes 0..15, one row each).
-    float m = -INFINITY, l = 0.0f;
+    // Pass 1: each row's running max and sum. Lane l reads elements l + 32 r of a tile
+    // (rows 2 r + l / 16, column l % 16: consecutive lanes, consecutive words, no bank
+    // conflicts), so a row's 16 columns are one half-warp, reduced by shuffles, and
+    // lane l keeps the statistics of rows 2 r + l / 16.
+    float m[8], l[8];
+#pragma unroll
+    for (int r = 0; r < 8; r++) m[r] = -INFINITY, l[r] = 0.0f;
     for (int key0 = 0; key0 <= last; key0 += 16) {
         next_keys(ks, nullptr, k + head, nullptr, key0, T, d);
         if (!active || key0 > row0 + 15) continue;
         tile_product_t(s[warp], qs[warp], ks, d);
         __syncwarp();
-        const int i = row0 + lane;
-        if (lane < 16) {
-            for (int j = 0; j < 16 && key0 + j <= i && key0 + j < T; j++) {
-                const float x = s[warp][lane * 16 + j] * scale;
-                const float m_new = fmaxf(m, x);
-                l = l * expf(m - m_new) + expf(x - m_new);
-                m = m_new;
-            }
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const int e = lane + WARP_SIZE * r, i = row0 + e / 16, j = key0 + e % 16;
+            const float x = i < T && j <= i ? s[warp][e] * scale : -INFINITY;
+            const float m_new = fmaxf(m[r], half_warp_max(x));
+            // exp(-inf) is 0 while a row has seen no key; -inf - -inf must not become NaN.
+            const float sum = half_warp_sum(x == -INFINITY ? 0.0f : expf(x - m_new));
+            const float rescale = m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new);
+            l[r] = l[r] * rescale + sum;
+            m[r] = m_new;
         }
         __syncwarp();
     }
-    if (lane < 16) {
-        const float value = m + logf(l);
-        row_lse[warp][lane] = value;
-        if (active && row0 + lane < T) lse[bh * T + row0 + lane] = value;
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const int row = 2 * r + lane / 16, i = row0 + row;
+        if (lane % 16 == 0) {
+            const float value = m[r] + logf(l[r]);
+            row_lse[warp][row] = value;
+            if (active && i < T) lse[bh * T + i] = value;
+        }
     }
     __syncwarp();
 
