@@ -108,22 +108,31 @@ fn emulated(
     Box::new(tinygpt::cuda::FusedCuda::emulated(spec, values, batch, precision).unwrap())
 }
 
-/// The emulated CUDA engine in bf16 with attention through the (T, T) weights and
-/// cuBLAS-style products, where the emulator is built.
-#[cfg(feature = "cuda-emulator")]
+/// The CUDA engine at `place` (emulated or on a GPU) in bf16 with attention through
+/// the (T, T) weights and batched products; none on the CPU.
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 fn products_path(place: &Place, cfg: &ModelConfig, batch: usize) -> Option<Box<dyn Engine>> {
     use tinygpt::cuda::{Attention, FusedCuda};
-    let Place::EmulatedGpu = place else {
-        return None;
-    };
     let spec = ModelSpec::new(cfg);
     let values = spec.initial_values(5);
-    let products = Attention::Products;
-    let engine = FusedCuda::emulated_with(&spec, &values, batch, Precision::Bf16, products);
-    Some(Box::new(engine.unwrap()))
+    let (precision, products) = (Precision::Bf16, Attention::Products);
+    let engine = match place {
+        Place::Device(d) if d.is_cpu() => return None,
+        #[cfg(feature = "cuda")]
+        Place::Device(d) => {
+            FusedCuda::with_attention(&spec, &values, d, batch, precision, products).unwrap()
+        }
+        #[cfg(feature = "cuda-emulator")]
+        Place::EmulatedGpu => {
+            FusedCuda::emulated_with(&spec, &values, batch, precision, products).unwrap()
+        }
+        #[allow(unreachable_patterns)]
+        _ => return None,
+    };
+    Some(Box::new(engine))
 }
 
-#[cfg(not(feature = "cuda-emulator"))]
+#[cfg(not(any(feature = "cuda", feature = "cuda-emulator")))]
 fn products_path(_: &Place, _: &ModelConfig, _: usize) -> Option<Box<dyn Engine>> {
     None
 }

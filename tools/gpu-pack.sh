@@ -7,8 +7,9 @@
 #   bash .gpu/run.sh sanity baby char gpt2   # the side-by-side bench (needs torch there)
 #
 # The CUDA build toolkit comes from tools/cuda-toolkit.sh unless nvcc is on PATH. The test
-# executables (engines, cuda_decode, train, gpu_memory) call the library (no paths of this
-# machine baked in), are stripped and xz-compressed (~8 MB each: candle embeds its PTX). run.sh, torch_gpt.py and the corpus
+# executables (the unit tests, among them the kernels against math on the GPU; engines,
+# cuda_decode, train, gpu_memory) call the library (no paths of this machine baked in;
+# the two unit tests that read the source tree read the working directory's), are stripped and xz-compressed (~8 MB each: candle embeds its PTX). run.sh, torch_gpt.py and the corpus
 # come from ../shared/gpu when that folder exists beside the checkout (the team's
 # workspace); without it only the tests are packed, with a run.sh that runs them.
 #
@@ -25,13 +26,15 @@ TESTS=(engines cuda_decode train gpu_memory)
 
 cargo build --release --features cuda
 mapfile -t executables < <(
-  cargo test --release --features cuda --no-run --message-format=json "${TESTS[@]/#/--test=}" 2>/dev/null |
+  cargo test --release --features cuda --no-run --message-format=json --lib "${TESTS[@]/#/--test=}" 2>/dev/null |
     python3 -c '
 import json, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
-        print(m["target"]["name"], m["executable"])
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        kind = m["target"]["kind"]
+        name = "lib" if kind != ["test"] else m["target"]["name"]  # the unit tests: the kernels on the GPU
+        print(name, m["executable"])
 ')
 
 rm -rf .gpu && mkdir -p .gpu/tests

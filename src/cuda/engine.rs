@@ -173,8 +173,22 @@ impl FusedCuda {
         batch: usize,
         precision: Precision,
     ) -> Result<Self> {
-        let gpu = Gpu::cuda(device, "the fused CUDA engine")?;
         let attention = Attention::choose(&spec.shapes, precision, batch);
+        Self::with_attention(spec, values, device, batch, precision, attention)
+    }
+
+    /// [`FusedCuda::new`] with attention computed as `attention` (tests and benchmarks
+    /// hold the two ways to each other).
+    #[cfg(feature = "cuda")]
+    pub fn with_attention(
+        spec: &ModelSpec,
+        values: &[f32],
+        device: &Device,
+        batch: usize,
+        precision: Precision,
+        attention: Attention,
+    ) -> Result<Self> {
+        let gpu = Gpu::cuda(device, "the fused CUDA engine")?;
         Self::on(gpu, spec, values, batch, precision, attention)
     }
 

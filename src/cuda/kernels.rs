@@ -582,10 +582,25 @@ pub struct AdamBuffers {
 }
 
 #[cfg(test)]
-#[cfg(feature = "cuda-emulator")]
 mod tests {
     use super::super::buffers::Buf;
     use super::*;
+
+    /// Where the kernels can run in this build: the emulator, and the first GPU where
+    /// the build and the machine have one (said loudly when not).
+    #[allow(clippy::vec_init_then_push)] // which pushes there are depends on the features
+    fn gpus() -> Vec<(&'static str, Gpu)> {
+        #[allow(unused_mut)]
+        let mut gpus = Vec::new();
+        #[cfg(feature = "cuda-emulator")]
+        gpus.push(("emulator", Gpu::Emulated));
+        #[cfg(feature = "cuda")]
+        match candle_core::Device::new_cuda(0) {
+            Ok(device) => gpus.push(("cuda", Gpu::cuda(&device, "the kernel tests").unwrap())),
+            Err(e) => eprintln!("SKIPPED on CUDA (no CUDA device: {e})"),
+        }
+        gpus
+    }
 
     /// max |got - want| over max |want|.
     fn rel_err(got: &[f32], want: &[f64]) -> f64 {
@@ -667,7 +682,13 @@ mod tests {
     /// the weights peaked, so the scores' gradients (dQ, dK) are far from negligible.
     #[test]
     fn flash_attention_matches_attention_written_out() {
-        let gpu = Gpu::Emulated;
+        for (place, gpu) in gpus() {
+            flash_attention_on(place, &gpu);
+        }
+    }
+
+    fn flash_attention_on(place: &str, gpu: &Gpu) {
+        gpu.bind().unwrap();
         for (batch, heads, t, d, p) in [(1, 2, 37, 16, 0.0), (2, 1, 70, 32, 0.3)] {
             let h = Heads {
                 batch,
@@ -699,9 +720,9 @@ mod tests {
             };
             let want = written_out((&q, &k, &v, &dy), (bh, t, d), mask);
 
-            let up = |x: &[f32]| Buf::from_host(&gpu, x).unwrap();
+            let up = |x: &[f32]| Buf::from_host(gpu, x).unwrap();
             let (qb, kb, vb, dyb) = (up(&q), up(&k), up(&v), up(&dy));
-            let zeros = |len| Buf::<f32>::zeros(&gpu, len).unwrap();
+            let zeros = |len| Buf::<f32>::zeros(gpu, len).unwrap();
             let (out, lse, dsum) = (zeros(n), zeros(bh * t), zeros(bh * t));
             let (dq, dk, dv) = (zeros(n), zeros(n), zeros(n));
             let heads_in = (qb.ptr(), kb.ptr(), vb.ptr());
@@ -722,15 +743,15 @@ mod tests {
                 m
             };
             let (dy_merged, out_merged) =
-                (up(&merged(&dy)), up(&merged(&out.read(&gpu, n).unwrap())));
+                (up(&merged(&dy)), up(&merged(&out.read(gpu, n).unwrap())));
             gpu.flash_backward_sums(dsum.ptr(), dy_merged.ptr(), out_merged.ptr(), h)
                 .unwrap();
             let given = (dyb.ptr(), lse.ptr(), dsum.ptr());
             gpu.flash_backward((dq.ptr(), dk.ptr(), dv.ptr()), heads_in, given, h, args)
                 .unwrap();
 
-            let what = format!("B {batch} H {heads} T {t} d {d} dropout {p}");
-            let read = |b: &Buf<f32>, len| b.read(&gpu, len).unwrap();
+            let what = format!("{place}: B {batch} H {heads} T {t} d {d} dropout {p}");
+            let read = |b: &Buf<f32>, len| b.read(gpu, len).unwrap();
             for (name, got, want, tol) in [
                 ("out", read(&out, n), &want.out, 1e-2),
                 ("lse", read(&lse, bh * t), &want.lse, 1e-2),
