@@ -14,6 +14,7 @@ pub mod stop;
 use std::time::Instant;
 
 use anyhow::Result;
+use rayon::prelude::*;
 
 use crate::model::Gpt;
 use crate::tokenizer::{TextStream, Tokenizer};
@@ -89,16 +90,29 @@ pub fn generate(
     let prefill_ms = started.elapsed().as_secs_f64() * 1e3;
     let decode_start = Instant::now();
     let mut next = vec![0u32; batch];
+    let mut chosen = vec![0u32; batch];
     for step in 0..options.max_new_tokens {
         options.cancel.check()?;
+        // The rows' tokens, drawn on every core (each row has its own sampler and seed, so
+        // the draws do not depend on the threads); the rows that stopped draw nothing.
+        let windows: Vec<&[u32]> = (0..batch).map(|i| decoder.window(i)).collect();
+        logits
+            .par_chunks_mut(vocab)
+            .zip(samplers.par_iter_mut())
+            .zip(chosen.par_iter_mut())
+            .enumerate()
+            .filter(|(i, _)| rows[*i].stopped_by.is_none())
+            .for_each(|(i, ((row_logits, sampler), id))| {
+                // A vocabulary padded past the tokenizer's ids has rows no text maps to.
+                row_logits[text_vocab..].fill(f32::NEG_INFINITY);
+                *id = sampler.sample(row_logits, windows[i]);
+            });
+        drop(windows);
         for (i, row) in rows.iter_mut().enumerate() {
             if row.stopped_by.is_some() {
                 continue; // feeds its last token as filler; its output is final
             }
-            let row_logits = &mut logits[i * vocab..(i + 1) * vocab];
-            // A vocabulary padded past the tokenizer's ids has rows no text maps to.
-            row_logits[text_vocab..].fill(f32::NEG_INFINITY);
-            let id = samplers[i].sample(row_logits, decoder.window(i));
+            let id = chosen[i];
             if Some(id) == end_of_text {
                 row.stopped_by = Some("end_of_text");
                 continue;
