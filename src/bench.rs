@@ -14,7 +14,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
-use crate::config::{Config, ModelConfig, Precision, TokenizerKind};
+use crate::config::{Config, ModelConfig, TokenizerKind};
 use crate::data::Batch;
 use crate::engine;
 use crate::generate::sample::argmax;
@@ -160,7 +160,8 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         .map(|(free, total)| total.saturating_sub(free) as f64 / f64::from(1 << 20));
     // Decode with the trained weights.
     let weights = flat_from_named(spec.params(), &engine.weights()?, "", "bench")?;
-    let model = Gpt::from_flat(&spec, &weights, device, DType::F32, Precision::F32)?;
+    // Decoding computes its products as training did (train.dtype).
+    let model = Gpt::from_flat(&spec, &weights, device, DType::F32, train.dtype)?;
     let step_ms = median(total);
     let gflop = 3.0 * b as f64 * forward_flops(&cfg, t) / 1e9;
 

@@ -343,6 +343,16 @@ impl Loaded {
     /// Loads the run folder's config, tokenizer and weights onto `device`, checking that
     /// they fit together.
     pub fn load(dir: &Path, device: &Device) -> Result<Self> {
+        Self::load_with(dir, device, crate::config::Precision::F32)
+    }
+
+    /// [`Loaded::load`], the model's matrix products in `products` precision (weights
+    /// stay f32).
+    pub fn load_with(
+        dir: &Path,
+        device: &Device,
+        products: crate::config::Precision,
+    ) -> Result<Self> {
         let run = RunDir::new(dir);
         let state = run.state()?;
         let config = run.read_verified(&state, CONFIG_FILE)?;
@@ -355,6 +365,10 @@ impl Loaded {
             device,
             &dir.display().to_string(),
         )?;
+        let model = match products {
+            crate::config::Precision::F32 => model,
+            _ => model.with_products(products)?,
+        };
         Ok(Self {
             config,
             tokenizer,

@@ -6,6 +6,7 @@ use anyhow::Result;
 use candle_core::Device;
 use serde_json::json;
 use tinygpt::checkpoint::Loaded;
+use tinygpt::config::Precision;
 use tinygpt::device::parse_device;
 use tinygpt::engine::race::{fastest_device, Work};
 use tinygpt::error::user_error;
@@ -25,10 +26,10 @@ fn load(args: &CheckpointArgs) -> Result<Loaded> {
 
 /// `--device auto` for decoding: the checkpoint loads on the CPU, both decoders are
 /// timed on it, and it moves to CUDA only if CUDA decodes faster. Says which and why.
-fn load_for_decoding(dir: &std::path::Path, batch: usize) -> Result<Loaded> {
-    let on_cpu = Loaded::load(dir, &Device::Cpu)?;
+fn load_for_decoding(dir: &std::path::Path, batch: usize, products: Precision) -> Result<Loaded> {
+    let on_cpu = Loaded::load_with(dir, &Device::Cpu, products)?;
     let weights = on_cpu.model.params().to_flat()?;
-    let choice = fastest_decoder(on_cpu.model.spec(), &weights, batch)?;
+    let choice = fastest_decoder(on_cpu.model.spec(), &weights, batch, products)?;
     let name = if choice.device.is_cpu() {
         "cpu"
     } else {
@@ -38,7 +39,7 @@ fn load_for_decoding(dir: &std::path::Path, batch: usize) -> Result<Loaded> {
     if choice.device.is_cpu() {
         return Ok(on_cpu);
     }
-    Loaded::load(dir, &choice.device)
+    Loaded::load_with(dir, &choice.device, products)
 }
 
 fn read_prompt(args: &GenerateArgs) -> Result<String> {
@@ -80,11 +81,17 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
     } else {
         DecodeMode::Fast
     };
+    let products = match args.dtype.trim().to_ascii_lowercase().as_str() {
+        "f32" => Precision::F32,
+        "bf16" => Precision::Bf16,
+        other => user_bail!("--dtype {other:?}: use f32 or bf16"),
+    };
     let auto = args.ckpt.device.trim().eq_ignore_ascii_case("auto");
     let loaded = if auto && mode == DecodeMode::Fast {
-        load_for_decoding(&args.ckpt.checkpoint, args.num_samples)?
+        load_for_decoding(&args.ckpt.checkpoint, args.num_samples, products)?
     } else {
-        load(&args.ckpt)?
+        let device = parse_device(&args.ckpt.device)?;
+        Loaded::load_with(&args.ckpt.checkpoint, &device, products)?
     };
     let tk = &loaded.tokenizer;
     let (prompt, show_prompt) = if prompt_text.is_empty() {

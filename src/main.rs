@@ -233,6 +233,10 @@ struct GenerateArgs {
     /// Print one JSON object per sample instead of streaming text.
     #[arg(long)]
     json: bool,
+    /// Precision of the matrix products: f32, or bf16 (operands rounded to bf16, f32
+    /// sums: tensor cores on CUDA; the fused CPU decoder computes in f32 either way).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
 }
 
 #[derive(Args)]

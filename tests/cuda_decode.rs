@@ -4,7 +4,7 @@
 //! emulator (feature `cuda-emulator`) and on a GPU (feature `cuda`, a machine with one);
 //! says SKIPPED for each that is missing.
 
-use tinygpt::config::{MlpKind, ModelConfig, NormKind, PositionKind};
+use tinygpt::config::{MlpKind, ModelConfig, NormKind, PositionKind, Precision};
 use tinygpt::cpu::FastDecoder;
 use tinygpt::model::ModelSpec;
 
@@ -39,9 +39,18 @@ impl Decode for tinygpt::cuda::CudaDecoder {
 
 /// The CUDA decoders this build and machine can make for `spec`: (where, decoder).
 fn cuda_decoders(spec: &ModelSpec, values: &[f32], batch: usize) -> Vec<(String, Box<dyn Decode>)> {
+    cuda_decoders_in(spec, values, batch, Precision::F32)
+}
+
+/// [`cuda_decoders`] with products in `precision`.
+fn cuda_decoders_in(
+    spec: &ModelSpec,
+    values: &[f32],
+    batch: usize,
+    precision: Precision,
+) -> Vec<(String, Box<dyn Decode>)> {
     #[allow(unused_mut)]
     let mut out: Vec<(String, Box<dyn Decode>)> = Vec::new();
-    let precision = tinygpt::config::Precision::F32;
     #[cfg(feature = "cuda-emulator")]
     out.push((
         "emulated".into(),
@@ -234,5 +243,39 @@ fn long_prefills_run_in_chunks_and_prefill_starts_over() {
             err < 1e-4,
             "{place}: a step after the new prefill off by {err}"
         );
+    }
+}
+
+/// `generate --dtype bf16`: the CUDA decoder's products take bf16 operands (f32 sums).
+/// Its logits stay within bf16 rounding of the f32 CPU decoder's, after the prefill and
+/// every step fed the same tokens, and differ from them (so they really are rounded);
+/// greedy tokens may part where two logits are within that rounding.
+#[test]
+fn bf16_decoding_stays_within_bf16_rounding() {
+    let cfg = ModelConfig {
+        n_layer: 2,
+        n_head: 4,
+        n_embd: 32,
+        block_size: 12,
+        vocab_size: 29,
+        positions: PositionKind::Rope,
+        ..ModelConfig::default()
+    };
+    let spec = ModelSpec::new(&cfg);
+    let values = weights(&spec);
+    let batch = 2;
+    let windows: Vec<Vec<u32>> = (0..batch as u32)
+        .map(|b| (0..5).map(|i| (5 * i + 2 * b + 1) % 29).collect())
+        .collect();
+    for (place, mut bf16) in cuda_decoders_in(&spec, &values, batch, Precision::Bf16) {
+        let mut cpu: Box<dyn Decode> = Box::new(FastDecoder::new(&spec, &values, batch).unwrap());
+        let (mut want, mut got) = (cpu.prefill(&windows), bf16.prefill(&windows));
+        for step in 0..6 {
+            let err = rel_err(&got, &want);
+            assert!(err <= 2e-2, "{place} step {step}: off by {err:e}");
+            assert!(err > 0.0, "{place} step {step}: the f32 logits exactly");
+            let ids: Vec<u32> = want.chunks(cfg.vocab_size).map(argmax).collect();
+            (want, got) = (cpu.step(&ids), bf16.step(&ids));
+        }
     }
 }

@@ -536,6 +536,11 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "--num-samples",
         ),
         case(
+            "unknown decoding precision",
+            &format!("{g} --prompt Now --dtype f16"),
+            "--dtype \"f16\": use f32 or bf16",
+        ),
+        case(
             "attention layer out of range",
             "attention --checkpoint checkpoints/good --prompt Now --layer 9",
             "--layer 9",

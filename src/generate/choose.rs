@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use candle_core::Device;
 
+use crate::config::Precision;
 use crate::cpu::FastDecoder;
 use crate::device::first_cuda;
 use crate::model::ModelSpec;
@@ -69,7 +70,13 @@ fn tokens_per_s(decoder: &mut dyn Steps, spec: &ModelSpec, batch: usize) -> Resu
 
 /// Which of the CPU and the first CUDA device (where the build and the machine have
 /// one) decodes `batch` sequences of the model `spec` with `weights` faster.
-pub fn fastest_decoder(spec: &ModelSpec, weights: &[f32], batch: usize) -> Result<Choice> {
+/// The CUDA decoder computes its products in `precision` (the CPU one in f32).
+pub fn fastest_decoder(
+    spec: &ModelSpec,
+    weights: &[f32],
+    batch: usize,
+    precision: Precision,
+) -> Result<Choice> {
     let gpu = first_cuda();
     let Some(gpu) = gpu else {
         return Ok(Choice {
@@ -78,7 +85,7 @@ pub fn fastest_decoder(spec: &ModelSpec, weights: &[f32], batch: usize) -> Resul
         });
     };
     let cpu = tokens_per_s(&mut FastDecoder::new(spec, weights, batch)?, spec, batch)?;
-    let cuda = match cuda_tokens_per_s(spec, weights, batch, &gpu) {
+    let cuda = match cuda_tokens_per_s(spec, weights, batch, &gpu, precision) {
         Ok(cuda) => cuda,
         Err(e) => {
             return Ok(Choice {
@@ -102,14 +109,19 @@ pub fn fastest_decoder(spec: &ModelSpec, weights: &[f32], batch: usize) -> Resul
 }
 
 #[cfg(feature = "cuda")]
-fn cuda_tokens_per_s(spec: &ModelSpec, weights: &[f32], batch: usize, gpu: &Device) -> Result<f64> {
-    let precision = crate::config::Precision::F32;
+fn cuda_tokens_per_s(
+    spec: &ModelSpec,
+    weights: &[f32],
+    batch: usize,
+    gpu: &Device,
+    precision: Precision,
+) -> Result<f64> {
     let mut decoder = crate::cuda::CudaDecoder::new(spec, weights, gpu, batch, precision)?;
     tokens_per_s(&mut decoder, spec, batch)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_tokens_per_s(_: &ModelSpec, _: &[f32], _: usize, _: &Device) -> Result<f64> {
+fn cuda_tokens_per_s(_: &ModelSpec, _: &[f32], _: usize, _: &Device, _: Precision) -> Result<f64> {
     unreachable!("no CUDA device without the cuda feature")
 }
 
@@ -147,7 +159,7 @@ mod tests {
             vocab_size: 11,
             ..ModelConfig::default()
         });
-        let choice = fastest_decoder(&spec, &spec.initial_values(1), 1).unwrap();
+        let choice = fastest_decoder(&spec, &spec.initial_values(1), 1, Precision::F32).unwrap();
         assert!(choice.device.is_cpu());
         assert_eq!(choice.why, "no CUDA device");
     }

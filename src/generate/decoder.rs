@@ -57,13 +57,12 @@ impl<'m> Decoder<'m> {
             #[cfg(feature = "cuda")]
             DecodeMode::Fast if model.device().is_cuda() => {
                 let weights = model.params().to_flat()?;
-                let precision = crate::config::Precision::F32;
                 let decoder = crate::cuda::CudaDecoder::new(
                     model.spec(),
                     &weights,
                     model.device(),
                     batch,
-                    precision,
+                    model.products(),
                 )?;
                 Backend::Cuda(Box::new(decoder))
             }
