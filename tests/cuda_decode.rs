@@ -43,6 +43,7 @@ fn cuda_decoders(spec: &ModelSpec, values: &[f32], batch: usize) -> Vec<(String,
 }
 
 /// [`cuda_decoders`] with products in `precision`.
+#[allow(clippy::vec_init_then_push)] // which pushes there are depends on the features
 fn cuda_decoders_in(
     spec: &ModelSpec,
     values: &[f32],
