@@ -27,6 +27,11 @@ using namespace nvcuda;
 #define FLASH_ROWS (16 * FLASH_WARPS)  // rows a block owns
 #define FLASH_MAX_D 64
 #define FLASH_MAX_F (FLASH_MAX_D / 16)  // 16-wide column chunks of a head
+// A tile of 16 head rows in shared memory: rows TILE_LD(d) values apart, 8 more than d,
+// so the 8 rows WMMA reads at once start in 8 different banks (at d apart, 64 bf16 =
+// 128 bytes, they would all start in bank 0).
+#define TILE_LD(d) ((d) + 8)
+#define FLASH_TILE (16 * (FLASH_MAX_D + 8))
 
 // bf16 tensor cores need sm_80 (mma.h declares bf16 fragments only there); built for
 // less, the kernels trap rather than lie, and the engine never chooses them
@@ -43,13 +48,14 @@ typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> RowsB;
 typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> ColsB;
 typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> Acc;
 
-// dst (16, d) bf16 <- rows row0 .. row0 + 15 of src (T, d) f32, zeros past T; the
-// `threads` threads from `first` share the copy.
+// dst (16 rows TILE_LD(d) apart, bf16) <- rows row0 .. row0 + 15 of src (T, d) f32,
+// zeros past T; the `threads` threads from `first` share the copy.
 __device__ inline void load_tile(bf16* dst, const float* src, int row0, int T, int d, int first,
                                  int threads) {
     for (int e = first; e < 16 * d; e += threads) {
         const int r = row0 + e / d;
-        dst[e] = __float2bfloat16(r < T ? src[(long long)r * d + e % d] : 0.0f);
+        dst[(e / d) * TILE_LD(d) + e % d] =
+            __float2bfloat16(r < T ? src[(long long)r * d + e % d] : 0.0f);
     }
 }
 
@@ -79,16 +85,16 @@ __device__ inline void zero(Acc* acc) {
     for (int f = 0; f < FLASH_MAX_F; f++) wmma::fill_fragment(acc[f], 0.0f);
 }
 
-// s (16 x 16, f32, row-major) <- a (16, d) times b (16, d) transposed: scores of a
-// tile of queries against a tile of keys (or dY against V).
+// s (16 x 16, f32, row-major) <- a times b transposed, each 16 rows of d (tiles):
+// scores of a tile of queries against a tile of keys (or dY against V).
 __device__ inline void tile_product_t(float* s, const bf16* a, const bf16* b, int d) {
     Acc acc;
     wmma::fill_fragment(acc, 0.0f);
     for (int f = 0; f < d / 16; f++) {
         RowsA fa;
         ColsB fb;
-        wmma::load_matrix_sync(fa, a + f * 16, d);
-        wmma::load_matrix_sync(fb, b + f * 16, d);
+        wmma::load_matrix_sync(fa, a + f * 16, TILE_LD(d));
+        wmma::load_matrix_sync(fb, b + f * 16, TILE_LD(d));
         wmma::mma_sync(acc, fa, fb, acc);
     }
     wmma::store_matrix_sync(s, acc, 16, wmma::mem_row_major);
@@ -124,9 +130,9 @@ extern "C" __global__ void flash_forward(float* out, float* lse, const float* q,
 #ifdef FLASH_UNSUPPORTED
     __trap();
 #else
-    __shared__ __align__(32) bf16 qs[FLASH_WARPS][16 * FLASH_MAX_D];
-    __shared__ __align__(32) bf16 ks[16 * FLASH_MAX_D];
-    __shared__ __align__(32) bf16 vs[16 * FLASH_MAX_D];
+    __shared__ __align__(32) bf16 qs[FLASH_WARPS][FLASH_TILE];
+    __shared__ __align__(32) bf16 ks[FLASH_TILE];
+    __shared__ __align__(32) bf16 vs[FLASH_TILE];
     __shared__ __align__(32) float s[FLASH_WARPS][256];
     __shared__ __align__(32) bf16 p[FLASH_WARPS][256];
     __shared__ float row_lse[FLASH_WARPS][16];
@@ -198,7 +204,7 @@ extern "C" __global__ void flash_forward(float* out, float* lse, const float* q,
                 RowsA fp;
                 RowsB fv;
                 wmma::load_matrix_sync(fp, p[warp], 16);
-                wmma::load_matrix_sync(fv, vs + f * 16, d);
+                wmma::load_matrix_sync(fv, vs + f * 16, TILE_LD(d));
                 wmma::mma_sync(acc[f], fp, fv, acc[f]);
             }
         }
@@ -258,10 +264,10 @@ extern "C" __global__ void flash_backward_kv(float* dk, float* dv, const float* 
 #ifdef FLASH_UNSUPPORTED
     __trap();
 #else
-    __shared__ __align__(32) bf16 ks[FLASH_WARPS][16 * FLASH_MAX_D];
-    __shared__ __align__(32) bf16 vs[FLASH_WARPS][16 * FLASH_MAX_D];
-    __shared__ __align__(32) bf16 qs[16 * FLASH_MAX_D];
-    __shared__ __align__(32) bf16 dys[16 * FLASH_MAX_D];
+    __shared__ __align__(32) bf16 ks[FLASH_WARPS][FLASH_TILE];
+    __shared__ __align__(32) bf16 vs[FLASH_WARPS][FLASH_TILE];
+    __shared__ __align__(32) bf16 qs[FLASH_TILE];
+    __shared__ __align__(32) bf16 dys[FLASH_TILE];
     __shared__ float tile_lse[16], tile_dsum[16];
     __shared__ __align__(32) float s[FLASH_WARPS][256];
     __shared__ __align__(32) float dp[FLASH_WARPS][256];
@@ -302,8 +308,8 @@ extern "C" __global__ void flash_backward_kv(float* dk, float* dv, const float* 
         for (int f = 0; f < FLASH_MAX_F; f++) {
             if (f < d / 16) {
                 RowsB fdy, fq;
-                wmma::load_matrix_sync(fdy, dys + f * 16, d);
-                wmma::load_matrix_sync(fq, qs + f * 16, d);
+                wmma::load_matrix_sync(fdy, dys + f * 16, TILE_LD(d));
+                wmma::load_matrix_sync(fq, qs + f * 16, TILE_LD(d));
                 wmma::mma_sync(acc_v[f], fpd, fdy, acc_v[f]);
                 wmma::mma_sync(acc_k[f], fds, fq, acc_k[f]);
             }
@@ -326,10 +332,10 @@ extern "C" __global__ void flash_backward_q(float* dq, const float* q, const flo
 #ifdef FLASH_UNSUPPORTED
     __trap();
 #else
-    __shared__ __align__(32) bf16 qs[FLASH_WARPS][16 * FLASH_MAX_D];
-    __shared__ __align__(32) bf16 dys[FLASH_WARPS][16 * FLASH_MAX_D];
-    __shared__ __align__(32) bf16 ks[16 * FLASH_MAX_D];
-    __shared__ __align__(32) bf16 vs[16 * FLASH_MAX_D];
+    __shared__ __align__(32) bf16 qs[FLASH_WARPS][FLASH_TILE];
+    __shared__ __align__(32) bf16 dys[FLASH_WARPS][FLASH_TILE];
+    __shared__ __align__(32) bf16 ks[FLASH_TILE];
+    __shared__ __align__(32) bf16 vs[FLASH_TILE];
     __shared__ float row_lse[FLASH_WARPS][16], row_dsum[FLASH_WARPS][16];
     __shared__ __align__(32) float s[FLASH_WARPS][256];
     __shared__ __align__(32) float dp[FLASH_WARPS][256];
@@ -366,7 +372,7 @@ extern "C" __global__ void flash_backward_q(float* dq, const float* q, const flo
         for (int f = 0; f < FLASH_MAX_F; f++) {
             if (f < d / 16) {
                 RowsB fk;
-                wmma::load_matrix_sync(fk, ks + f * 16, d);
+                wmma::load_matrix_sync(fk, ks + f * 16, TILE_LD(d));
                 wmma::mma_sync(acc[f], fds, fk, acc[f]);
             }
         }
