@@ -362,13 +362,9 @@ impl Loaded {
             &config,
             &tokenizer,
             &weights,
-            device,
+            (device, products),
             &dir.display().to_string(),
         )?;
-        let model = match products {
-            crate::config::Precision::F32 => model,
-            _ => model.with_products(products)?,
-        };
         Ok(Self {
             config,
             tokenizer,
@@ -377,13 +373,14 @@ impl Loaded {
         })
     }
 
-    /// Builds a model from the bytes of config.toml, tokenizer.json and
-    /// model.safetensors; every way they can be wrong is a user error naming `source`.
+    /// Builds a model on `device`, its products in `products` precision, from the bytes
+    /// of config.toml, tokenizer.json and model.safetensors; every way they can be wrong
+    /// is a user error naming `source`.
     pub fn from_parts(
         config: &[u8],
         tokenizer: &[u8],
         weights: &[u8],
-        device: &Device,
+        (device, products): (&Device, crate::config::Precision),
         source: &str,
     ) -> Result<(Config, Tokenizer, crate::model::Gpt)> {
         let config = parse_config(config, &format!("{source}/{CONFIG_FILE}"))?;
@@ -410,7 +407,7 @@ impl Loaded {
         let tensors = parse_tensors(weights, &Device::Cpu, &file)?;
         let spec = crate::model::ModelSpec::new(m);
         let values = crate::model::params::weights_from_file(spec.params(), &tensors, &file)?;
-        let (dtype, products) = (candle_core::DType::F32, crate::config::Precision::F32);
+        let dtype = candle_core::DType::F32;
         let model = crate::model::Gpt::from_flat(&spec, &values, device, dtype, products)?;
         Ok((config, tokenizer, model))
     }

@@ -7,7 +7,7 @@ use candle_core::Device;
 use serde_json::json;
 use tinygpt::checkpoint::Loaded;
 use tinygpt::config::Precision;
-use tinygpt::device::parse_device;
+use tinygpt::device::{is_auto, parse_device};
 use tinygpt::engine::race::{fastest_device, Work};
 use tinygpt::error::user_error;
 use tinygpt::generate::choose::fastest_decoder;
@@ -30,12 +30,7 @@ fn load_for_decoding(dir: &std::path::Path, batch: usize, products: Precision) -
     let on_cpu = Loaded::load_with(dir, &Device::Cpu, products)?;
     let weights = on_cpu.model.params().to_flat()?;
     let choice = fastest_decoder(on_cpu.model.spec(), &weights, batch, products)?;
-    let name = if choice.device.is_cpu() {
-        "cpu"
-    } else {
-        "cuda"
-    };
-    eprintln!("device auto: {name} ({})", choice.why);
+    eprintln!("device auto: {choice}");
     if choice.device.is_cpu() {
         return Ok(on_cpu);
     }
@@ -86,7 +81,7 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
         "bf16" => Precision::Bf16,
         other => user_bail!("--dtype {other:?}: use f32 or bf16"),
     };
-    let auto = args.ckpt.device.trim().eq_ignore_ascii_case("auto");
+    let auto = is_auto(&args.ckpt.device);
     let loaded = if auto && mode == DecodeMode::Fast {
         load_for_decoding(&args.ckpt.checkpoint, args.num_samples, products)?
     } else {
@@ -183,7 +178,7 @@ pub fn eval(args: EvalArgs, stop: tinygpt::util::Stop) -> Result<()> {
         .map_err(|e| user_error(format!("cannot read --text {}: {e}", args.text.display())))?;
     let text = String::from_utf8(text)
         .map_err(|_| user_error(format!("--text {} is not UTF-8", args.text.display())))?;
-    let auto = args.ckpt.device.trim().eq_ignore_ascii_case("auto");
+    let auto = is_auto(&args.ckpt.device);
     let mut loaded = Loaded::load(
         &args.ckpt.checkpoint,
         &if auto {
@@ -198,12 +193,7 @@ pub fn eval(args: EvalArgs, stop: tinygpt::util::Stop) -> Result<()> {
         let spec = loaded.model.spec();
         let options = tinygpt::eval::engine_options(ids.len(), spec.shapes.block_size);
         let choice = fastest_device(spec, options, Work::Evaluation, |_| true)?;
-        let name = if choice.device.is_cpu() {
-            "cpu"
-        } else {
-            "cuda"
-        };
-        eprintln!("device auto: {name} ({})", choice.why);
+        eprintln!("device auto: {choice}");
         if !choice.device.is_cpu() {
             loaded = Loaded::load(&args.ckpt.checkpoint, &choice.device)?;
         }

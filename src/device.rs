@@ -56,6 +56,42 @@ pub fn is_out_of_memory(error: &anyhow::Error) -> bool {
     .any(|needle| text.contains(needle))
 }
 
+/// Whether a `--device` / `run.device` value asks for `auto` (measured where it matters).
+pub fn is_auto(name: &str) -> bool {
+    name.trim().eq_ignore_ascii_case("auto")
+}
+
+/// "cpu", "cuda:N" or "metal:N".
+pub fn name(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
+
+/// The device `auto` chose, and the measurement behind it, for the user.
+pub struct Choice {
+    pub device: Device,
+    pub why: String,
+}
+
+impl Choice {
+    pub fn new(device: Device, why: impl Into<String>) -> Self {
+        Self {
+            device,
+            why: why.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for Choice {
+    /// "cuda:0 (a training step took ...)".
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", name(&self.device), self.why)
+    }
+}
+
 /// The first CUDA device, where the build and the machine have one.
 pub fn first_cuda() -> Option<Device> {
     if !cfg!(feature = "cuda") || !candle_core::utils::cuda_is_available() {

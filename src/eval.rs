@@ -71,7 +71,11 @@ pub fn evaluate(model: &Gpt, ids: &[u32], bytes: usize) -> Result<EvalResult> {
 /// How scoring `tokens` tokens with a model of context `block` builds its engine: as
 /// many windows a call as make about TOKENS_PER_CALL tokens.
 pub fn engine_options(tokens: usize, block: usize) -> EngineOptions {
-    let windows = windows(tokens, block).len();
+    options_for(windows(tokens, block).len(), block)
+}
+
+/// The engine for `windows` windows of `block` tokens.
+fn options_for(windows: usize, block: usize) -> EngineOptions {
     EngineOptions {
         batch: (TOKENS_PER_CALL / block).clamp(1, windows.max(1)),
         precision: Precision::F32,
@@ -96,7 +100,7 @@ pub fn evaluate_until(
     }
     let block = model.config().block_size;
     let windows = windows(ids.len(), block);
-    let options = engine_options(ids.len(), block);
+    let options = options_for(windows.len(), block);
     let batch = options.batch;
     let weights = model.params().to_flat()?;
     let mut engine = engine::build(model.spec(), &weights, model.device(), options)?;

@@ -13,7 +13,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::{build, EngineOptions};
 use crate::data::Batch;
-use crate::device::first_cuda;
+use crate::device::{first_cuda, Choice};
 use crate::model::ModelSpec;
 use crate::optim::AdamWStep;
 
@@ -41,12 +41,6 @@ impl Work {
             Work::Evaluation => 2.0,
         }
     }
-}
-
-/// The chosen device, and the measurement behind it, for the user.
-pub struct Choice {
-    pub device: Device,
-    pub why: String,
 }
 
 /// A CPU core's f32 peak, generously (two AVX-512 FMA units at 3 GHz: 192 GFLOP/s), so
@@ -92,20 +86,15 @@ pub fn fastest_device(
     let cuda_ms = match step_ms(spec, &gpu, options, work) {
         Ok(ms) => ms,
         Err(e) => {
-            return Ok(Choice {
-                device: Device::Cpu,
-                why: format!("the CUDA engine failed: {e:#}"),
-            })
+            let why = format!("the CUDA engine failed: {e:#}");
+            return Ok(Choice::new(Device::Cpu, why));
         }
     };
     let floor_ms = cpu_floor_ms(spec, options.batch, work);
-    let on_cuda = decide(cuda_ms, floor_ms, work, || {
+    let (on_cuda, why) = decide(cuda_ms, floor_ms, work, || {
         step_ms(spec, &Device::Cpu, options, work)
     })?;
-    Ok(Choice {
-        device: if on_cuda.0 { gpu } else { Device::Cpu },
-        why: on_cuda.1,
-    })
+    Ok(Choice::new(if on_cuda { gpu } else { Device::Cpu }, why))
 }
 
 /// The least time the CPU can take for `work` on `batch` sequences: its matrix

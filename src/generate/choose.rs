@@ -10,14 +10,8 @@ use candle_core::Device;
 
 use crate::config::Precision;
 use crate::cpu::FastDecoder;
-use crate::device::first_cuda;
+use crate::device::{first_cuda, Choice};
 use crate::model::ModelSpec;
-
-/// The chosen device, and the measurement behind it for the user.
-pub struct Choice {
-    pub device: Device,
-    pub why: String,
-}
 
 /// A decoder to time: prefill, then one token per sequence a step.
 trait Steps {
@@ -79,19 +73,14 @@ pub fn fastest_decoder(
 ) -> Result<Choice> {
     let gpu = first_cuda();
     let Some(gpu) = gpu else {
-        return Ok(Choice {
-            device: Device::Cpu,
-            why: "no CUDA device".into(),
-        });
+        return Ok(Choice::new(Device::Cpu, "no CUDA device"));
     };
     let cpu = tokens_per_s(&mut FastDecoder::new(spec, weights, batch)?, spec, batch)?;
     let cuda = match cuda_tokens_per_s(spec, weights, batch, &gpu, precision) {
         Ok(cuda) => cuda,
         Err(e) => {
-            return Ok(Choice {
-                device: Device::Cpu,
-                why: format!("the CUDA decoder failed: {e:#}"),
-            })
+            let why = format!("the CUDA decoder failed: {e:#}");
+            return Ok(Choice::new(Device::Cpu, why));
         }
     };
     let (device, faster, slower, other) = if cpu >= cuda {
@@ -99,13 +88,11 @@ pub fn fastest_decoder(
     } else {
         (gpu, cuda, cpu, "cpu")
     };
-    Ok(Choice {
-        device,
-        why: format!(
-            "it decoded {faster:.0} tokens/s, {other} {slower:.0}, {batch} sequence{} at a time",
-            if batch == 1 { "" } else { "s" }
-        ),
-    })
+    let why = format!(
+        "it decoded {faster:.0} tokens/s, {other} {slower:.0}, {batch} sequence{} at a time",
+        if batch == 1 { "" } else { "s" }
+    );
+    Ok(Choice::new(device, why))
 }
 
 #[cfg(feature = "cuda")]

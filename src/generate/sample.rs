@@ -74,9 +74,11 @@ impl SamplingParams {
 pub struct Sampler {
     params: SamplingParams,
     rng: ChaCha8Rng,
-    /// Scratch: (probability, token id), and unnormalised weights, reused between calls.
+    /// Scratch reused between calls: (probability, token id), unnormalised weights,
+    /// and which tokens the context holds.
     candidates: Vec<(f32, u32)>,
     weights: Vec<f32>,
+    seen: Vec<bool>,
 }
 
 impl Sampler {
@@ -87,6 +89,7 @@ impl Sampler {
             rng: ChaCha8Rng::seed_from_u64(seed),
             candidates: Vec::new(),
             weights: Vec::new(),
+            seen: Vec::new(),
         })
     }
 
@@ -96,13 +99,15 @@ impl Sampler {
         let p = &self.params;
         if p.repetition_penalty != 1.0 {
             let penalty = p.repetition_penalty as f32;
-            let mut seen = vec![false; logits.len()];
+            let seen = &mut self.seen;
+            seen.clear();
+            seen.resize(logits.len(), false);
             for &id in context {
                 if let Some(s) = seen.get_mut(id as usize) {
                     *s = true;
                 }
             }
-            for (logit, _) in logits.iter_mut().zip(&seen).filter(|(_, s)| **s) {
+            for (logit, _) in logits.iter_mut().zip(seen.iter()).filter(|(_, s)| **s) {
                 *logit = if *logit > 0.0 {
                     *logit / penalty
                 } else {

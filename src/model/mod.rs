@@ -124,12 +124,6 @@ impl Gpt {
         self.products
     }
 
-    /// The same f32 weights with matrix products in `products` precision.
-    pub fn with_products(&self, products: Precision) -> Result<Self> {
-        let values = self.params.to_flat()?;
-        Self::from_flat(&self.spec, &values, self.device(), DType::F32, products)
-    }
-
     pub fn config(&self) -> &ModelConfig {
         &self.spec.config
     }

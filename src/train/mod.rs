@@ -23,7 +23,7 @@ use crate::config::{Config, TrainConfig};
 use crate::corpus::cache::CorpusCache;
 use crate::corpus::{token_files, Corpus};
 use crate::data::{Batch, BatchSampler, Split, Tokens};
-use crate::device::parse_device;
+use crate::device::{self, parse_device};
 use crate::engine::race::Work;
 use crate::engine::{self, Engine, EngineOptions};
 use crate::error::{DivergedError, InterruptedError};
@@ -98,7 +98,7 @@ impl Trainer {
     /// Builds the run as `start` says; preparing the data gives up (`Stopped`) and
     /// training stops cleanly (checkpoint, then `InterruptedError`) once `stop` asks.
     pub fn start_until(config: Config, start: Start, stop: Stop) -> Result<Self> {
-        let auto = config.run.device.trim().eq_ignore_ascii_case("auto");
+        let auto = device::is_auto(&config.run.device);
         // `auto` is raced below, once the model's vocabulary is known.
         let device = if auto {
             Device::Cpu
@@ -172,8 +172,8 @@ impl Trainer {
             vocab_size: self.config.model.vocab_size,
             tokenizer: self.tokenizer.kind_name(),
             device: match &self.device_choice {
-                Some(why) => format!("{} (auto: {why})", device_name(&self.device)),
-                None => device_name(&self.device),
+                Some(why) => format!("{} (auto: {why})", device::name(&self.device)),
+                None => device::name(&self.device),
             },
             engine: self.engine_name(),
             tokens_per_step: self
@@ -472,15 +472,6 @@ impl Trainer {
 pub fn train(config: Config, resume: bool, reporter: &mut dyn Reporter) -> Result<TrainSummary> {
     let mut trainer = Trainer::new(config, resume)?;
     trainer.run(reporter)
-}
-
-/// "cpu", "cuda:N" or "metal:N".
-fn device_name(device: &Device) -> String {
-    match device.location() {
-        candle_core::DeviceLocation::Cpu => "cpu".into(),
-        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
-        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
-    }
 }
 
 /// Creates (or reopens) the run folder and takes its lock. A resumed run finishes the
