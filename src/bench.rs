@@ -17,7 +17,7 @@ use serde::Serialize;
 use crate::config::{Config, ModelConfig, TokenizerKind};
 use crate::data::Batch;
 use crate::engine;
-use crate::generate::sample::argmax;
+use crate::generate::sample::{Sampler, SamplingParams};
 use crate::generate::{DecodeMode, Decoder};
 use crate::model::params::flat_from_named;
 use crate::model::{Dropout, Gpt, ModelSpec};
@@ -171,12 +171,21 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         .map(|_| rng.random_range(0..cfg.vocab_size as u32))
         .collect();
     let mut decoder = Decoder::new(&model, 1, opts.decode_mode)?;
+    // Greedy tokens, chosen as `generate --temperature 0` chooses them (on the GPU by the
+    // CUDA decoder).
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..SamplingParams::default()
+    };
+    let mut samplers = [Sampler::new(greedy, 0)?];
+    let vocab = cfg.vocab_size;
     // Time to first token: the median of 5 prefills after one untimed (as for steps).
     let mut prefills = Vec::new();
     let mut next = 0;
     for i in 0..6 {
         let t0 = Instant::now();
-        next = argmax(decoder.prefill(&prompt)?);
+        decoder.prefill(&prompt)?;
+        next = decoder.draw(&mut samplers, &[true], vocab)?[0];
         if i > 0 {
             prefills.push(t0.elapsed().as_secs_f64());
         }
@@ -187,7 +196,8 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         if i % 64 == 0 {
             opts.stop.check()?;
         }
-        next = argmax(decoder.push(&[next])?);
+        decoder.push(&[next])?;
+        next = decoder.draw(&mut samplers, &[true], vocab)?[0];
     }
     let decode_s = t0.elapsed().as_secs_f64();
 

@@ -43,33 +43,52 @@ fn cuda_decoders(spec: &ModelSpec, values: &[f32], batch: usize) -> Vec<(String,
 }
 
 /// [`cuda_decoders`] with products in `precision`.
-#[allow(clippy::vec_init_then_push)] // which pushes there are depends on the features
 fn cuda_decoders_in(
     spec: &ModelSpec,
     values: &[f32],
     batch: usize,
     precision: Precision,
 ) -> Vec<(String, Box<dyn Decode>)> {
+    #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+    return cuda_decoders_as_built(spec, values, batch, precision)
+        .into_iter()
+        .map(|(place, d)| (place, Box::new(d) as Box<dyn Decode>))
+        .collect();
+    #[cfg(not(any(feature = "cuda", feature = "cuda-emulator")))]
+    {
+        eprintln!("SKIPPED: the CUDA decoder (build with --features cuda-emulator or cuda)");
+        let _ = (spec, values, batch, precision);
+        Vec::new()
+    }
+}
+
+/// The CUDA decoders themselves (not behind `Decode`).
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+#[allow(clippy::vec_init_then_push)] // which pushes there are depends on the features
+fn cuda_decoders_as_built(
+    spec: &ModelSpec,
+    values: &[f32],
+    batch: usize,
+    precision: Precision,
+) -> Vec<(String, tinygpt::cuda::CudaDecoder)> {
+    use tinygpt::cuda::CudaDecoder;
     #[allow(unused_mut)]
-    let mut out: Vec<(String, Box<dyn Decode>)> = Vec::new();
+    let mut out = Vec::new();
     #[cfg(feature = "cuda-emulator")]
     out.push((
-        "emulated".into(),
-        Box::new(tinygpt::cuda::CudaDecoder::emulated(spec, values, batch, precision).unwrap()),
+        "emulated".to_string(),
+        CudaDecoder::emulated(spec, values, batch, precision).unwrap(),
     ));
     #[cfg(not(feature = "cuda-emulator"))]
     eprintln!("SKIPPED: the CUDA decoder under the emulator (build with --features cuda-emulator)");
     #[cfg(feature = "cuda")]
     match candle_core::Device::new_cuda(0) {
         Ok(gpu) => out.push((
-            "cuda".into(),
-            Box::new(
-                tinygpt::cuda::CudaDecoder::new(spec, values, &gpu, batch, precision).unwrap(),
-            ),
+            "cuda".to_string(),
+            CudaDecoder::new(spec, values, &gpu, batch, precision).unwrap(),
         )),
         Err(e) => eprintln!("SKIPPED: the CUDA decoder on a GPU (no CUDA device: {e})"),
     }
-    let _ = (spec, values, batch, precision);
     out
 }
 
@@ -277,6 +296,87 @@ fn bf16_decoding_stays_within_bf16_rounding() {
             assert!(err > 0.0, "{place} step {step}: the f32 logits exactly");
             let ids: Vec<u32> = want.chunks(cfg.vocab_size).map(argmax).collect();
             (want, got) = (cpu.step(&ids), bf16.step(&ids));
+        }
+    }
+}
+
+/// `generate` on a GPU draws each token where the logits are, with the uniform draws of
+/// each sequence's own sampler: the tokens the host's samplers draw from the same
+/// decoder's logits, step for step to the end of the context, for each setting (the
+/// repetition penalty reading each sequence's window; the vocabulary's padding never
+/// drawn).
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+#[test]
+fn drawing_on_the_device_follows_the_host_samplers() {
+    use tinygpt::cuda::SamplingArgs;
+    use tinygpt::generate::sample::{Sampler, SamplingParams};
+    let cfg = ModelConfig {
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 16,
+        block_size: 16,
+        vocab_size: 29,
+        ..ModelConfig::default()
+    };
+    let (spec, batch, text_vocab) = (ModelSpec::new(&cfg), 3, 27);
+    // Initial weights (no scaling): logits close together, so draws really vary.
+    let values = spec.initial_values(5);
+    let settings = [
+        (0.0, 0, 1.0, 1.0),
+        (1.0, 0, 1.0, 1.0),
+        (0.8, 5, 1.0, 1.3),
+        (1.2, 0, 0.9, 1.0),
+        (1.0, 10, 0.7, 2.0),
+    ];
+    for (temperature, top_k, top_p, repetition_penalty) in settings {
+        let params = SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            repetition_penalty,
+        };
+        let args = SamplingArgs::new(temperature, top_k, top_p, repetition_penalty);
+        let samplers = || -> Vec<Sampler> {
+            (0..batch as u64)
+                .map(|b| Sampler::new(params.clone(), 40 + b).unwrap())
+                .collect()
+        };
+        for (place, mut cuda) in cuda_decoders_as_built(&spec, &values, batch, Precision::F32) {
+            let what = format!("{place} {params:?}");
+            let (mut host, mut device) = (samplers(), samplers());
+            let mut windows: Vec<Vec<u32>> = vec![vec![3, 1, 4], vec![1, 5, 9], vec![2, 6, 5]];
+            cuda.run_windows(&windows).unwrap();
+            let mut drawn = std::collections::BTreeSet::new();
+            for step in 0..cfg.block_size - 3 {
+                let logits = cuda.logits().unwrap().to_vec();
+                let want: Vec<u32> = (0..batch)
+                    .map(|b| {
+                        let mut row = logits[b * 29..(b + 1) * 29].to_vec();
+                        row[text_vocab..].fill(f32::NEG_INFINITY);
+                        host[b].sample(&mut row, &windows[b])
+                    })
+                    .collect();
+                let uniforms: Vec<f64> = device
+                    .iter_mut()
+                    .map(|s| s.next_uniform(29).unwrap_or(0.0))
+                    .collect();
+                let contexts: Vec<&[u32]> = windows.iter().map(Vec::as_slice).collect();
+                let got = cuda
+                    .draw(args, &uniforms, &contexts, text_vocab)
+                    .unwrap()
+                    .to_vec();
+                assert_eq!(got, want, "{what}: step {step}");
+                drawn.extend(got.iter().copied());
+                for (w, &id) in windows.iter_mut().zip(&got) {
+                    w.push(id);
+                }
+                if step + 4 < cfg.block_size {
+                    cuda.run_step(&got).unwrap();
+                }
+            }
+            if temperature > 0.0 {
+                assert!(drawn.len() > 3, "{what}: the draws hardly vary: {drawn:?}");
+            }
         }
     }
 }

@@ -47,7 +47,8 @@ macro_rules! kernel_files {
             "flash",
             "loss",
             "optim",
-            "decode"
+            "decode",
+            "sample"
         )
     };
 }
@@ -120,6 +121,7 @@ kernels! {
     StoreKeysValues = "store_keys_values" in "decode",
     AttendCached = "attend_cached" in "decode",
     LastRows = "last_rows" in "decode",
+    SampleTokens = "sample_tokens" in "sample",
 }
 
 /// One column-major strided-batched product as cuBLAS takes it:

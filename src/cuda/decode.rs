@@ -2,8 +2,10 @@
 //! the training engine's kernels and products, plus what only decoding has: per-layer
 //! key/value caches on the device, written as rows arrive, and attention of new rows
 //! over them (kernels/decode.cu). Weights stay resident; a step uploads one id per
-//! sequence and reads back one row of logits per sequence. The prompt (and every
-//! window slide) runs through the same code with many rows at once.
+//! sequence, and either reads back each sequence's row of logits (`logits`) or draws
+//! the next tokens where the logits are and reads back only their ids (`draw`,
+//! kernels/sample.cu). The prompt (and every window slide) runs through the same code
+//! with many rows at once.
 
 use anyhow::{bail, ensure, Result};
 #[cfg(feature = "cuda")]
@@ -12,7 +14,7 @@ use candle_core::Device;
 use super::blas::linear;
 use super::buffers::Buf;
 use super::gpu::Gpu;
-use super::kernels::{DropoutArgs, Heads};
+use super::kernels::{DropoutArgs, Heads, SamplingArgs, SamplingWork};
 use super::tables::PositionTables;
 use crate::config::Precision;
 use crate::cpu::ops::Positions;
@@ -37,8 +39,24 @@ pub struct CudaDecoder {
     keys: Vec<Buf<f32>>,
     values: Vec<Buf<f32>>,
     work: Work,
-    /// The last call's logits, (batch, V), on the host.
+    /// The last call's logits, (batch, V), on the host once asked for.
     logits: Vec<f32>,
+    logits_read: bool,
+    /// Drawing on the device: made at the first draw.
+    draws: Option<Draws>,
+}
+
+/// What drawing tokens on the device holds besides the logits.
+struct Draws {
+    weights: Buf<f32>,
+    keys: Buf<u64>,
+    seen: Buf<u32>,
+    uniforms: Buf<f64>,
+    /// (batch, block_size): the windows the repetition penalty looks at.
+    context: Buf<u32>,
+    chosen: Buf<u32>,
+    /// The ids read back.
+    chosen_host: Vec<u32>,
 }
 
 /// Work space for `chunk` positions of every sequence.
@@ -149,11 +167,17 @@ impl CudaDecoder {
             values: values_cache,
             work,
             logits: Vec::new(),
+            logits_read: false,
+            draws: None,
         })
     }
 
     pub fn batch(&self) -> usize {
         self.batch
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.spec.shapes.vocab_size
     }
 
     /// Positions held in the caches.
@@ -168,6 +192,18 @@ impl CudaDecoder {
     /// Starts over: runs `windows` (one per sequence, equal lengths) from position 0.
     /// Returns the last position's logits, (batch, V).
     pub fn prefill(&mut self, windows: &[Vec<u32>]) -> Result<&[f32]> {
+        self.run_windows(windows)?;
+        self.logits()
+    }
+
+    /// Feeds one token per sequence at the next position; returns logits, (batch, V).
+    pub fn step(&mut self, ids: &[u32]) -> Result<&[f32]> {
+        self.run_step(ids)?;
+        self.logits()
+    }
+
+    /// [`Self::prefill`], leaving the logits on the device.
+    pub fn run_windows(&mut self, windows: &[Vec<u32>]) -> Result<()> {
         ensure!(windows.len() == self.batch, "one window per sequence");
         let t = windows[0].len();
         ensure!(
@@ -185,13 +221,79 @@ impl CudaDecoder {
             self.forward(&ids, len)?;
             start += len;
         }
+        Ok(())
+    }
+
+    /// [`Self::step`], leaving the logits on the device.
+    pub fn run_step(&mut self, ids: &[u32]) -> Result<()> {
+        self.forward(ids, 1)
+    }
+
+    /// The last call's logits, (batch, V), read back once.
+    pub fn logits(&mut self) -> Result<&[f32]> {
+        if !self.logits_read {
+            self.logits
+                .resize(self.batch * self.spec.shapes.vocab_size, 0.0);
+            self.work.logits.read_into(&self.gpu, 0, &mut self.logits)?;
+            self.logits_read = true;
+        }
         Ok(&self.logits)
     }
 
-    /// Feeds one token per sequence at the next position; returns logits, (batch, V).
-    pub fn step(&mut self, ids: &[u32]) -> Result<&[f32]> {
-        self.forward(ids, 1)?;
-        Ok(&self.logits)
+    /// Each sequence's next token, drawn from the last call's logits on the device as
+    /// `args` say, with the sequence's uniform draw `uniforms[b]` (the host sampler's
+    /// own, `Sampler::next_uniform`); only the ids are read back. `contexts` are the
+    /// windows the repetition penalty looks at (equal lengths). Ids from `text_vocab`
+    /// on are never drawn.
+    pub fn draw(
+        &mut self,
+        args: SamplingArgs,
+        uniforms: &[f64],
+        contexts: &[&[u32]],
+        text_vocab: usize,
+    ) -> Result<&[u32]> {
+        let (batch, s) = (self.batch, self.spec.shapes);
+        ensure!(uniforms.len() == batch, "one uniform draw per sequence");
+        ensure!(
+            (1..=s.vocab_size).contains(&text_vocab),
+            "text_vocab {text_vocab} of a vocabulary of {}",
+            s.vocab_size
+        );
+        self.gpu.bind()?;
+        if self.draws.is_none() {
+            self.draws = Some(Draws::new(&self.gpu, batch, s.vocab_size, s.block_size)?);
+        }
+        let d = self.draws.as_mut().expect("made above");
+        let context_len = if args.penalizes() {
+            ensure!(contexts.len() == batch, "one context per sequence");
+            let len = contexts[0].len();
+            ensure!(
+                len <= s.block_size && contexts.iter().all(|c| c.len() == len),
+                "contexts of equal lengths within the block"
+            );
+            let flat: Vec<u32> = contexts.iter().flat_map(|c| c.iter().copied()).collect();
+            d.context.write(&self.gpu, &flat)?;
+            len
+        } else {
+            0
+        };
+        d.uniforms.write(&self.gpu, uniforms)?;
+        let work = SamplingWork {
+            weights: d.weights.ptr(),
+            keys: d.keys.ptr(),
+            seen: d.seen.ptr(),
+        };
+        self.gpu.sample_tokens(
+            d.chosen.ptr(),
+            &work,
+            self.work.logits.ptr(),
+            (d.context.ptr(), context_len, context_len.max(1)),
+            d.uniforms.ptr(),
+            (batch, s.vocab_size, text_vocab),
+            args,
+        )?;
+        d.chosen.read_into(&self.gpu, 0, &mut d.chosen_host)?;
+        Ok(&d.chosen_host)
     }
 
     fn heads(&self) -> Heads {
@@ -306,8 +408,7 @@ impl CudaDecoder {
             d_out: s.vocab_size,
         };
         self.linear(w.logits.ptr(), normed, &output, self.batch)?;
-        self.logits.resize(self.batch * s.vocab_size, 0.0);
-        w.logits.read_into(g, 0, &mut self.logits)?;
+        self.logits_read = false;
         self.len += t;
         Ok(())
     }
@@ -329,5 +430,19 @@ impl CudaDecoder {
         let eps = cfg.norm_eps as f32;
         self.gpu
             .norm_forward(out, stats, x, weights, rows, c, eps, cfg.norm)
+    }
+}
+
+impl Draws {
+    fn new(gpu: &Gpu, batch: usize, vocab: usize, block: usize) -> Result<Self> {
+        Ok(Self {
+            weights: Buf::zeros(gpu, batch * vocab)?,
+            keys: Buf::zeros(gpu, batch * vocab.next_power_of_two())?,
+            seen: Buf::zeros(gpu, batch * vocab)?,
+            uniforms: Buf::zeros(gpu, batch)?,
+            context: Buf::zeros(gpu, batch * block)?,
+            chosen: Buf::zeros(gpu, batch)?,
+            chosen_host: vec![0; batch],
+        })
     }
 }

@@ -71,6 +71,50 @@ impl DropoutArgs {
     }
 }
 
+/// How `sample_tokens` chooses, field for field `struct Sampling` of kernels/sample.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingArgs {
+    top_p: f64,
+    inv_temperature: f32,
+    penalty: f32,
+    top_k: i32,
+    greedy: i32,
+}
+
+impl SamplingArgs {
+    /// The host sampler's settings (`generate::sample::SamplingParams`): a temperature
+    /// (below 1e-6: greedy), top-k (0: all), top-p (1: all), repetition penalty (1: none).
+    pub fn new(temperature: f64, top_k: usize, top_p: f64, repetition_penalty: f64) -> Self {
+        let greedy = temperature < 1e-6;
+        Self {
+            top_p,
+            inv_temperature: if greedy {
+                1.0
+            } else {
+                1.0 / temperature as f32
+            },
+            penalty: repetition_penalty as f32,
+            top_k: i32::try_from(top_k).unwrap_or(i32::MAX),
+            greedy: i32::from(greedy),
+        }
+    }
+
+    /// Whether the repetition penalty changes anything (the context is read).
+    pub fn penalizes(&self) -> bool {
+        self.penalty != 1.0
+    }
+}
+
+/// Work space `sample_tokens` needs beside the logits, for `batch` rows of `vocab`.
+pub struct SamplingWork {
+    pub weights: u64,
+    /// (batch, vocab rounded up to a power of two).
+    pub keys: u64,
+    /// (batch, vocab), zero.
+    pub seen: u64,
+}
+
 /// Threads per block of the element-wise kernels.
 const THREADS: u32 = 256;
 
@@ -560,6 +604,44 @@ impl Gpu {
     pub fn last_rows(&self, dst: u64, src: u64, batch: usize, t: usize, c: usize) -> Result<()> {
         launch!(self, LastRows, elements(batch * c); dst, src, int(batch), int(t), int(c))
     }
+
+    /// chosen[b] = row b's next token from logits (batch, V) and its uniform draw
+    /// uniforms[b] (f64), as the host's sampler chooses; ids from `text_vocab` on are
+    /// never chosen. The repetition penalty reads `context` (batch, `stride`) up to
+    /// `context_len`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sample_tokens(
+        &self,
+        chosen: u64,
+        work: &SamplingWork,
+        logits: u64,
+        (context, context_len, stride): (u64, usize, usize),
+        uniforms: u64,
+        (batch, vocab, text_vocab): (usize, usize, usize),
+        args: SamplingArgs,
+    ) -> Result<()> {
+        let cfg = Launch {
+            grid: (batch as u32, 1, 1),
+            threads: self.sampling_threads(),
+        };
+        launch!(self, SampleTokens, cfg;
+            chosen, work.weights, work.keys, work.seen, logits, context, int(context_len),
+            int(stride), uniforms, int(vocab), int(text_vocab), args)
+    }
+}
+
+impl Gpu {
+    /// Threads of a `sample_tokens` block: a GPU's most (1024), so each reads a few of
+    /// a row's 50k logits; 128 in the emulator, where every barrier switches between
+    /// all of a block's threads (the same kernel, each thread with more of the row).
+    fn sampling_threads(&self) -> u32 {
+        match self {
+            #[cfg(feature = "cuda")]
+            Gpu::Cuda(_) => 1024,
+            #[cfg(feature = "cuda-emulator")]
+            Gpu::Emulated => 128,
+        }
+    }
 }
 
 /// Where a one-block sum goes: over what its output holds, or added to it.
@@ -764,5 +846,261 @@ mod tests {
                 assert!(err > 0.0, "{what}: {name} exact: not rounded to bf16?");
             }
         }
+    }
+
+    /// A sampler's settings: temperature, top-k, top-p, repetition penalty.
+    type Setting = (f64, usize, f64, f64);
+
+    /// The device draws what the host's sampler (generate/sample.rs) draws from the same
+    /// logits with the same uniform draws: the same token, or, where rounding moved a
+    /// boundary (its sums run in another order), the neighbouring token, with the draw
+    /// within rounding of the boundary between the two. Greedy picks are equal. Every
+    /// setting: plain temperature, top-k (1, some, past the text's ids, all), top-p
+    /// (nuclei that make the sorted prefix grow), both, the repetition penalty (repeated
+    /// ids and padding ids in the context); ties among the logits; padding past
+    /// text_vocab never drawn.
+    #[test]
+    fn sampling_on_the_device_draws_what_the_host_draws() {
+        for (place, gpu) in gpus() {
+            let settings: &[Setting] = &[
+                (0.0, 0, 1.0, 1.0),
+                (0.0, 0, 1.0, 1.5),
+                (1.0, 0, 1.0, 1.0),
+                (0.7, 0, 1.0, 1.3),
+                (1.0, 1, 1.0, 1.0),
+                (1.0, 5, 1.0, 1.0),
+                (0.9, 50, 1.0, 1.2),
+                (1.0, 680, 1.0, 1.0),
+                (1.0, 700, 1.0, 1.0),
+                (1.0, 0, 0.3, 1.0),
+                (1.0, 0, 0.9, 1.0),
+                (1.5, 0, 0.99, 1.0),
+                (0.8, 100, 0.8, 1.4),
+            ];
+            let mismatches: usize = settings
+                .iter()
+                .enumerate()
+                .map(|(i, setting)| sampling_on(place, &gpu, i as u64, *setting))
+                .sum();
+            eprintln!("{place}: {mismatches} draws moved by rounding");
+        }
+    }
+
+    /// Draws 10 rounds of 4 rows with `setting`; returns how many differed (by rounding).
+    fn sampling_on(place: &str, gpu: &Gpu, seed: u64, setting: Setting) -> usize {
+        use crate::generate::sample::{Sampler, SamplingParams};
+        let (batch, vocab, text_vocab, block) = (4usize, 700usize, 650usize, 40usize);
+        let (temperature, top_k, top_p, repetition_penalty) = setting;
+        let params = SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            repetition_penalty,
+        };
+        let what = format!("{place} {params:?}");
+        let sampler = |b: usize| Sampler::new(params.clone(), seed * 100 + b as u64).unwrap();
+        let (mut host, mut device): (Vec<_>, Vec<_>) =
+            (0..batch).map(|b| (sampler(b), sampler(b))).unzip();
+        let args = SamplingArgs::new(temperature, top_k, top_p, repetition_penalty);
+        let (weights, keys, seen) = (
+            Buf::<f32>::zeros(gpu, batch * vocab).unwrap(),
+            Buf::<u64>::zeros(gpu, batch * vocab.next_power_of_two()).unwrap(),
+            Buf::<u32>::zeros(gpu, batch * vocab).unwrap(),
+        );
+        let work = SamplingWork {
+            weights: weights.ptr(),
+            keys: keys.ptr(),
+            seen: seen.ptr(),
+        };
+        let mut moved = 0;
+        for round in 0..10usize {
+            // Zipf-like logits in a shuffled order (the token of rank r at id
+            // (r - shift) / 7919 mod V), positive and negative, rounded to eighths (so
+            // many tie).
+            let token_of_rank = |b: usize, rank: usize| {
+                let shift = b * 31 + round * 13;
+                ((rank + vocab - shift % vocab) * inverse_mod(7919, vocab)) % vocab
+            };
+            let mut logits = vec![0f32; batch * vocab];
+            for b in 0..batch {
+                for rank in 0..vocab {
+                    let l = 3.0 - 1.1 * ((rank + 1) as f32).ln();
+                    logits[b * vocab + token_of_rank(b, rank)] = (8.0 * l).round() / 8.0;
+                }
+            }
+            // Contexts of the likeliest tokens, most of them repeated, and padding ids
+            // the penalty must not trip on.
+            let contexts: Vec<u32> = (0..batch * block)
+                .map(|i| match i % block % 5 {
+                    4 => (text_vocab + i % 40) as u32,
+                    k => token_of_rank(i / block, (i % block) / 3 + k % 2) as u32,
+                })
+                .collect();
+            let want: Vec<u32> = (0..batch)
+                .map(|b| {
+                    let mut row = logits[b * vocab..(b + 1) * vocab].to_vec();
+                    row[text_vocab..].fill(f32::NEG_INFINITY);
+                    host[b].sample(&mut row, &contexts[b * block..(b + 1) * block])
+                })
+                .collect();
+            let uniforms: Vec<f64> = device
+                .iter_mut()
+                .map(|s| s.next_uniform(vocab).unwrap_or(0.0))
+                .collect();
+            let (chosen, logits_buf) = (
+                Buf::<u32>::zeros(gpu, batch).unwrap(),
+                Buf::from_host(gpu, &logits).unwrap(),
+            );
+            let (context_buf, uniforms_buf) = (
+                Buf::from_host(gpu, &contexts).unwrap(),
+                Buf::from_host(gpu, &uniforms).unwrap(),
+            );
+            gpu.sample_tokens(
+                chosen.ptr(),
+                &work,
+                logits_buf.ptr(),
+                (context_buf.ptr(), block, block),
+                uniforms_buf.ptr(),
+                (batch, vocab, text_vocab),
+                args,
+            )
+            .unwrap();
+            let got = chosen.read(gpu, batch).unwrap();
+            chosen.fill_zeros(gpu).unwrap();
+            let marks = seen.read(gpu, batch * vocab).unwrap();
+            assert!(marks.iter().all(|&m| m == 0), "{what}: `seen` left marked");
+            for b in 0..batch {
+                let (g, w) = (got[b], want[b]);
+                assert!((g as usize) < text_vocab, "{what}: drew padding {g}");
+                if g == w {
+                    continue;
+                }
+                assert!(temperature > 0.0, "{what}: greedy picks {g}, the host {w}");
+                let row = &logits[b * vocab..(b + 1) * vocab];
+                let context = &contexts[b * block..(b + 1) * block];
+                assert!(
+                    within_rounding(row, context, text_vocab, setting, uniforms[b], (g, w)),
+                    "{what}, round {round}, row {b}: the device drew {g}, the host {w}"
+                );
+                moved += 1;
+            }
+        }
+        moved
+    }
+
+    /// x such that a x = 1 mod m (a and m coprime).
+    fn inverse_mod(a: usize, m: usize) -> usize {
+        (1..m).find(|x| a * x % m == 1).expect("coprime")
+    }
+
+    /// Worked examples where the draw lands exactly on a boundary (so only the host's
+    /// comparisons decide: a draw past a boundary takes the next token, a nucleus that
+    /// reaches p exactly stops there): four equally likely tokens, then padding.
+    #[test]
+    fn sampling_on_the_device_decides_boundaries_as_the_host() {
+        for (place, gpu) in gpus() {
+            let (vocab, text_vocab) = (6usize, 4usize);
+            let cases: &[(Setting, f64, u32)] = &[
+                // Every token a candidate: u = i / 4 falls just past token i - 1's end.
+                ((1.0, 0, 1.0, 1.0), 0.0, 0),
+                ((1.0, 0, 1.0, 1.0), 0.25, 1),
+                ((1.0, 0, 1.0, 1.0), 0.5, 2),
+                ((1.0, 0, 1.0, 1.0), 0.75, 3),
+                ((1.0, 0, 1.0, 1.0), 0.999_999, 3),
+                // top-p 0.5 keeps two tokens (0.25 + 0.25 reaches it), ids 0 and 1.
+                ((1.0, 0, 0.5, 1.0), 0.5, 1),
+                ((1.0, 0, 0.5, 1.0), 0.999_999, 1),
+                ((1.0, 0, 0.5, 1.0), 0.499_999, 0),
+                // top-k 3 keeps ids 0, 1, 2; top-k 6 keeps the padding too, never drawn.
+                ((1.0, 3, 1.0, 1.0), 0.999_999, 2),
+                ((1.0, 6, 1.0, 1.0), 0.999_999_999, 3),
+                // Greedy: the first of equal logits.
+                ((0.0, 0, 1.0, 1.0), 0.0, 0),
+            ];
+            let logits = [0.5f32, 0.5, 0.5, 0.5, 9.0, 9.0];
+            for &(setting, u, want) in cases {
+                let (t, k, p, r) = setting;
+                let args = SamplingArgs::new(t, k, p, r);
+                let (chosen, weights, keys, seen) = (
+                    Buf::<u32>::zeros(&gpu, 1).unwrap(),
+                    Buf::<f32>::zeros(&gpu, vocab).unwrap(),
+                    Buf::<u64>::zeros(&gpu, 8).unwrap(),
+                    Buf::<u32>::zeros(&gpu, vocab).unwrap(),
+                );
+                let work = SamplingWork {
+                    weights: weights.ptr(),
+                    keys: keys.ptr(),
+                    seen: seen.ptr(),
+                };
+                let (logits, uniforms) = (
+                    Buf::from_host(&gpu, &logits).unwrap(),
+                    Buf::from_host(&gpu, &[u]).unwrap(),
+                );
+                gpu.sample_tokens(
+                    chosen.ptr(),
+                    &work,
+                    logits.ptr(),
+                    (0, 0, 1),
+                    uniforms.ptr(),
+                    (1, vocab, text_vocab),
+                    args,
+                )
+                .unwrap();
+                let got = chosen.read_one(&gpu, 0).unwrap();
+                assert_eq!(got, want, "{place}: {setting:?} at u = {u}");
+            }
+        }
+    }
+
+    /// Whether tokens `a` and `b` are neighbours in the draw's order (id order, or most
+    /// likely first over the kept candidates) and the draw `u` falls within rounding
+    /// (1e-5 of the total) of the boundary between them: computed again in f64.
+    fn within_rounding(
+        logits: &[f32],
+        context: &[u32],
+        text_vocab: usize,
+        (temperature, top_k, top_p, penalty): Setting,
+        u: f64,
+        (a, b): (u32, u32),
+    ) -> bool {
+        use crate::generate::sample::nucleus_size;
+        let mut l: Vec<f32> = logits.to_vec();
+        l[text_vocab..].fill(f32::NEG_INFINITY);
+        let mut seen = vec![false; l.len()];
+        for &id in context {
+            if (id as usize) < l.len() && !std::mem::replace(&mut seen[id as usize], true) {
+                let x = l[id as usize];
+                l[id as usize] = if x > 0.0 {
+                    x / penalty as f32
+                } else {
+                    x * penalty as f32
+                };
+            }
+        }
+        let max = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let weights: Vec<(f64, u32)> = l
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| (((x - max) as f64 / temperature).exp(), i as u32))
+            .collect();
+        let mut order = weights.clone();
+        let mut kept = order.len();
+        if (top_k != 0 && top_k < l.len()) || top_p < 1.0 {
+            order.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)));
+            let total: f64 = order.iter().map(|w| w.0).sum();
+            let probs: Vec<(f32, u32)> =
+                order.iter().map(|w| ((w.0 / total) as f32, w.1)).collect();
+            kept = nucleus_size(&probs, top_k, top_p);
+        }
+        let order = &order[..kept];
+        let total: f64 = order.iter().map(|w| w.0).sum();
+        let at = |id: u32| order.iter().position(|w| w.1 == id);
+        let (Some(pa), Some(pb)) = (at(a), at(b)) else {
+            return false;
+        };
+        let (first, last) = (pa.min(pb), pa.max(pb));
+        let between = order[first + 1..last].iter().map(|w| w.0).sum::<f64>();
+        let boundary: f64 = order[..=first].iter().map(|w| w.0).sum();
+        between <= 1e-9 * total && (boundary - u * total).abs() <= 1e-5 * total
     }
 }

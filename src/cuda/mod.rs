@@ -45,4 +45,6 @@ mod tables;
 pub use decode::CudaDecoder;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 pub use engine::FusedCuda;
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+pub use kernels::SamplingArgs;
 pub use plan::{Attention, Plan};

@@ -8,10 +8,16 @@
 //! of the tokens become the new window and are prefilled again (positions restart at
 //! 0). This holds for every position kind (learned tables end at block_size; RoPE and
 //! sinusoidal positions past it were never trained). All modes see identical contexts.
+//!
+//! The next tokens are drawn where the logits are: on the host by each sequence's
+//! sampler (on every core), or on the GPU by the CUDA decoder with the same samplers'
+//! uniform draws, so only the ids cross back (`draw`).
 
 use anyhow::Result;
 use candle_core::Tensor;
+use rayon::prelude::*;
 
+use super::sample::Sampler;
 use crate::cpu::FastDecoder;
 use crate::model::{Gpt, KvCache};
 use crate::user_bail;
@@ -44,7 +50,11 @@ pub struct Decoder<'m> {
     batch: usize,
     /// Per sequence, the tokens the next logits are conditioned on.
     windows: Vec<Vec<u32>>,
+    /// The next logits (batch, V), on the host (the CUDA decoder's once asked for).
     logits: Vec<f32>,
+    /// A copy of them the samplers change (penalty, masking, temperature).
+    scratch: Vec<f32>,
+    chosen: Vec<u32>,
 }
 
 impl<'m> Decoder<'m> {
@@ -77,6 +87,8 @@ impl<'m> Decoder<'m> {
             batch,
             windows: vec![Vec::new(); batch],
             logits: Vec::new(),
+            scratch: Vec::new(),
+            chosen: vec![0; batch],
         })
     }
 
@@ -84,8 +96,8 @@ impl<'m> Decoder<'m> {
         &self.windows[row]
     }
 
-    /// Starts every sequence from `prompt` (1 ..= block_size tokens); returns the logits.
-    pub fn prefill(&mut self, prompt: &[u32]) -> Result<&[f32]> {
+    /// Starts every sequence from `prompt` (1 ..= block_size tokens).
+    pub fn prefill(&mut self, prompt: &[u32]) -> Result<()> {
         let block = self.model.config().block_size;
         if prompt.is_empty() || prompt.len() > block {
             user_bail!(
@@ -97,9 +109,8 @@ impl<'m> Decoder<'m> {
         self.refill()
     }
 
-    /// Appends one token to each sequence (sliding the windows when full); returns the
-    /// logits.
-    pub fn push(&mut self, ids: &[u32]) -> Result<&[f32]> {
+    /// Appends one token to each sequence (sliding the windows when full).
+    pub fn push(&mut self, ids: &[u32]) -> Result<()> {
         assert_eq!(ids.len(), self.batch);
         let block = self.model.config().block_size;
         if self.windows[0].len() == block {
@@ -121,11 +132,7 @@ impl<'m> Decoder<'m> {
                 self.logits.extend_from_slice(logits);
             }
             #[cfg(feature = "cuda")]
-            Backend::Cuda(cuda) => {
-                let logits = cuda.step(ids)?;
-                self.logits.clear();
-                self.logits.extend_from_slice(logits);
-            }
+            Backend::Cuda(cuda) => cuda.run_step(ids)?,
             Backend::Cached(cache) => {
                 let ids = Tensor::from_slice(ids, (self.batch, 1), self.model.device())?;
                 let out = self.model.forward(&ids, pos, Some(cache), None)?;
@@ -133,11 +140,71 @@ impl<'m> Decoder<'m> {
             }
             Backend::Uncached => return self.refill(),
         }
+        Ok(())
+    }
+
+    /// The next logits, (batch, V) row-major.
+    pub fn logits(&mut self) -> Result<&[f32]> {
+        #[cfg(feature = "cuda")]
+        if let Backend::Cuda(cuda) = &mut self.backend {
+            return cuda.logits();
+        }
         Ok(&self.logits)
     }
 
+    /// Each sequence's next token, drawn by its sampler from the next logits; the
+    /// sequences not `active` draw nothing (their samplers untouched) and get 0. Ids
+    /// from `text_vocab` on (a vocabulary padded past the tokenizer's) are never drawn.
+    pub fn draw(
+        &mut self,
+        samplers: &mut [Sampler],
+        active: &[bool],
+        text_vocab: usize,
+    ) -> Result<&[u32]> {
+        assert!(samplers.len() == self.batch && active.len() == self.batch);
+        #[cfg(feature = "cuda")]
+        if let Backend::Cuda(cuda) = &mut self.backend {
+            if let Some(args) = device_sampling(samplers) {
+                let vocab = self.model.config().vocab_size;
+                let uniforms: Vec<f64> = samplers
+                    .iter_mut()
+                    .zip(active)
+                    .map(|(s, &a)| if a { s.next_uniform(vocab) } else { None })
+                    .map(|u| u.unwrap_or(0.0))
+                    .collect();
+                let contexts: Vec<&[u32]> = self.windows.iter().map(Vec::as_slice).collect();
+                let ids = cuda.draw(args, &uniforms, &contexts, text_vocab)?;
+                for ((c, &id), &a) in self.chosen.iter_mut().zip(ids).zip(active) {
+                    *c = if a { id } else { 0 };
+                }
+                return Ok(&self.chosen);
+            }
+        }
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.clear();
+        scratch.extend_from_slice(self.logits()?);
+        let vocab = scratch.len() / self.batch;
+        let windows = &self.windows;
+        // Each sequence has its own sampler and seed, so the draws do not depend on
+        // the threads.
+        scratch
+            .par_chunks_mut(vocab)
+            .zip(samplers.par_iter_mut())
+            .zip(self.chosen.par_iter_mut())
+            .enumerate()
+            .for_each(|(i, ((row, sampler), id))| {
+                *id = 0;
+                if active[i] {
+                    row[text_vocab..].fill(f32::NEG_INFINITY);
+                    *id = sampler.sample(row, &windows[i]);
+                }
+            });
+        self.scratch = scratch;
+        Ok(&self.chosen)
+    }
+
     /// Runs the whole windows from position 0.
-    fn refill(&mut self) -> Result<&[f32]> {
+    fn refill(&mut self) -> Result<()> {
         match &mut self.backend {
             Backend::Fast(fast) => {
                 let logits = fast.prefill(&self.windows)?;
@@ -145,11 +212,7 @@ impl<'m> Decoder<'m> {
                 self.logits.extend_from_slice(logits);
             }
             #[cfg(feature = "cuda")]
-            Backend::Cuda(cuda) => {
-                let logits = cuda.prefill(&self.windows)?;
-                self.logits.clear();
-                self.logits.extend_from_slice(logits);
-            }
+            Backend::Cuda(cuda) => cuda.run_windows(&self.windows)?,
             Backend::Cached(cache) => {
                 cache.clear();
                 let ids = windows_tensor(&self.windows, self.model)?;
@@ -162,8 +225,18 @@ impl<'m> Decoder<'m> {
                 self.logits = last_logits(&out.logits)?;
             }
         }
-        Ok(&self.logits)
+        Ok(())
     }
+}
+
+/// How the CUDA decoder draws for these samplers: the same settings for every
+/// sequence (as `generate` makes them), else none (each then draws on the host).
+#[cfg(feature = "cuda")]
+fn device_sampling(samplers: &[Sampler]) -> Option<crate::cuda::SamplingArgs> {
+    let p = samplers.first()?.params();
+    samplers.iter().all(|s| s.params() == p).then(|| {
+        crate::cuda::SamplingArgs::new(p.temperature, p.top_k, p.top_p, p.repetition_penalty)
+    })
 }
 
 fn windows_tensor(windows: &[Vec<u32>], model: &Gpt) -> Result<Tensor> {

@@ -14,7 +14,6 @@ pub mod stop;
 use std::time::Instant;
 
 use anyhow::Result;
-use rayon::prelude::*;
 
 use crate::model::Gpt;
 use crate::tokenizer::{TextStream, Tokenizer};
@@ -71,8 +70,7 @@ pub fn generate(
     on_text: &mut dyn FnMut(usize, &str) -> Result<()>,
 ) -> Result<Vec<Sample>> {
     let batch = samplers.len();
-    let vocab = model.config().vocab_size;
-    let text_vocab = tokenizer.vocab_size().min(vocab);
+    let text_vocab = tokenizer.vocab_size().min(model.config().vocab_size);
     let mut decoder = Decoder::new(model, batch, options.mode)?;
     // A model trained on several documents ends one with <|endoftext|>: stop there.
     let end_of_text = tokenizer.end_of_text();
@@ -86,28 +84,19 @@ pub fn generate(
         .collect();
 
     let started = Instant::now();
-    let mut logits = decoder.prefill(prompt)?.to_vec();
+    decoder.prefill(prompt)?;
     let prefill_ms = started.elapsed().as_secs_f64() * 1e3;
     let decode_start = Instant::now();
     let mut next = vec![0u32; batch];
-    let mut chosen = vec![0u32; batch];
+    let mut active = vec![true; batch];
     for step in 0..options.max_new_tokens {
         options.cancel.check()?;
-        // The rows' tokens, drawn on every core (each row has its own sampler and seed, so
-        // the draws do not depend on the threads); the rows that stopped draw nothing.
-        let windows: Vec<&[u32]> = (0..batch).map(|i| decoder.window(i)).collect();
-        logits
-            .par_chunks_mut(vocab)
-            .zip(samplers.par_iter_mut())
-            .zip(chosen.par_iter_mut())
-            .enumerate()
-            .filter(|(i, _)| rows[*i].stopped_by.is_none())
-            .for_each(|(i, ((row_logits, sampler), id))| {
-                // A vocabulary padded past the tokenizer's ids has rows no text maps to.
-                row_logits[text_vocab..].fill(f32::NEG_INFINITY);
-                *id = sampler.sample(row_logits, windows[i]);
-            });
-        drop(windows);
+        // The rows that stopped draw nothing.
+        for (a, row) in active.iter_mut().zip(&rows) {
+            *a = row.stopped_by.is_none();
+        }
+        // A vocabulary padded past the tokenizer's ids has rows no text maps to.
+        let chosen = decoder.draw(samplers, &active, text_vocab)?;
         for (i, row) in rows.iter_mut().enumerate() {
             if row.stopped_by.is_some() {
                 continue; // feeds its last token as filler; its output is final
@@ -132,7 +121,7 @@ pub fn generate(
         if rows.iter().all(|r| r.stopped_by.is_some()) || step + 1 == options.max_new_tokens {
             break;
         }
-        logits.copy_from_slice(decoder.push(&next)?);
+        decoder.push(&next)?;
     }
     let decode_ms = decode_start.elapsed().as_secs_f64() * 1e3;
     let mut samples = Vec::with_capacity(batch);

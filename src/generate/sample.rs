@@ -93,6 +93,25 @@ impl Sampler {
         })
     }
 
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// The uniform draw in [0, 1) that the next `sample` over `vocab` logits makes, for
+    /// a device that chooses the token itself (`cuda::CudaDecoder::draw`), so a seed
+    /// gives the same draws on every device; none when greedy. f64 for a draw over every
+    /// token, f32 (widened) when top-k or top-p pick candidates, as `sample` draws.
+    pub fn next_uniform(&mut self, vocab: usize) -> Option<f64> {
+        let p = &self.params;
+        if p.is_greedy() {
+            None
+        } else if (p.top_k == 0 || p.top_k >= vocab) && p.top_p >= 1.0 {
+            Some(self.rng.random::<f64>())
+        } else {
+            Some(f64::from(self.rng.random::<f32>()))
+        }
+    }
+
     /// Picks the next token. `logits` is modified (penalty and temperature applied);
     /// `context` is the tokens the repetition penalty looks at.
     pub fn sample(&mut self, logits: &mut [f32], context: &[u32]) -> u32 {
@@ -115,9 +134,10 @@ impl Sampler {
                 };
             }
         }
-        if p.is_greedy() {
+        let Some(u) = self.next_uniform(logits.len()) else {
             return argmax(logits);
-        }
+        };
+        let p = &self.params;
         let limit = match p.top_k {
             0 => logits.len(),
             k => k.min(logits.len()),
@@ -127,7 +147,6 @@ impl Sampler {
             // GPT-2's 50,257 took ~2 ms a token, more than a GPU's whole step) and no
             // normalising.
             let inv_temperature = 1.0 / p.temperature as f32;
-            let u = self.rng.random::<f64>();
             return draw_in_id_order(logits, inv_temperature, &mut self.weights, u);
         }
         let probs = &mut self.candidates;
@@ -135,14 +154,20 @@ impl Sampler {
         let keep = most_likely_prefix(probs, limit, p.top_p);
         probs.truncate(keep);
         let total: f32 = probs.iter().map(|c| c.0).sum();
-        let mut r = self.rng.random::<f32>() * total;
+        let mut r = u as f32 * total;
         for &(prob, id) in probs.iter() {
             if r < prob {
                 return id;
             }
             r -= prob;
         }
-        probs.last().expect("at least one candidate").1
+        // Rounding left r just past the end: the last candidate that can be drawn (top-k
+        // may keep masked tokens, of probability 0).
+        let drawable = probs.iter().rev().find(|c| c.0 > 0.0);
+        drawable
+            .or(probs.first())
+            .expect("at least one candidate")
+            .1
     }
 }
 

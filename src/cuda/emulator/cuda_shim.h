@@ -45,6 +45,40 @@ float __shfl_xor_sync(unsigned mask, float v, int lane_mask);
 double __shfl_xor_sync(unsigned mask, double v, int lane_mask);
 
 inline int min(int a, int b) { return a < b ? a : b; }
+
+// Atomics: a block's threads switch only at barriers, so a plain read-modify-write is
+// atomic here. Each returns the old value, as CUDA's do.
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+    const unsigned old = *p;
+    *p = old + v;
+    return old;
+}
+inline unsigned atomicExch(unsigned* p, unsigned v) {
+    const unsigned old = *p;
+    *p = v;
+    return old;
+}
+inline int atomicMin(int* p, int v) {
+    const int old = *p;
+    *p = v < old ? v : old;
+    return old;
+}
+inline int atomicMax(int* p, int v) {
+    const int old = *p;
+    *p = v > old ? v : old;
+    return old;
+}
+
+inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    __builtin_memcpy(&u, &f, 4);
+    return u;
+}
+inline float __uint_as_float(unsigned u) {
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
 [[noreturn]] inline void __trap() { __builtin_trap(); }
 
 // bf16: the top half of an f32, rounded to nearest even (as __float2bfloat16 does).

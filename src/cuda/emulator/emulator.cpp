@@ -20,6 +20,7 @@
 #include "../kernels/loss.cu"
 #include "../kernels/norm.cu"
 #include "../kernels/optim.cu"
+#include "../kernels/sample.cu"
 
 dim3 threadIdx;
 dim3 blockIdx;
@@ -86,6 +87,7 @@ const std::vector<Kernel>& kernels() {
         entry("store_keys_values", store_keys_values, false),
         entry("attend_cached", attend_cached, true),
         entry("last_rows", last_rows, false),
+        entry("sample_tokens", sample_tokens, true),
     };
     return table;
 }
