@@ -191,6 +191,42 @@ fn cuda_decoder_matches_the_cpu_decoder() {
     }
 }
 
+/// Caches longer than one chunk of attention (64 positions): each row's chunks are
+/// combined into the softmax over all its positions: the CPU decoder's logits after a
+/// prefill across chunk boundaries and every step to the end of a 150-position context
+/// (three chunks, the last partly full), grouped K/V heads.
+#[test]
+fn attention_over_long_caches_combines_its_chunks() {
+    let cfg = ModelConfig {
+        n_layer: 1,
+        n_head: 4,
+        n_kv_head: Some(2),
+        n_embd: 16,
+        block_size: 150,
+        vocab_size: 17,
+        positions: PositionKind::Rope,
+        ..ModelConfig::default()
+    };
+    let spec = ModelSpec::new(&cfg);
+    let values = weights(&spec);
+    let batch = 2;
+    let windows: Vec<Vec<u32>> = (0..batch as u32)
+        .map(|b| (0..100).map(|i| (i * 5 + b * 3) % 17).collect())
+        .collect();
+    for (place, mut cuda) in cuda_decoders(&spec, &values, batch) {
+        let mut cpu: Box<dyn Decode> = Box::new(FastDecoder::new(&spec, &values, batch).unwrap());
+        let (want, got) = (cpu.prefill(&windows), cuda.prefill(&windows));
+        let err = rel_err(&got, &want);
+        assert!(err < 1e-4, "{place}: prefill of 100 positions off by {err}");
+        for step in 100..150u32 {
+            let ids = [step % 17, (step * 7) % 17];
+            let (want, got) = (cpu.step(&ids), cuda.step(&ids));
+            let err = rel_err(&got, &want);
+            assert!(err < 1e-4, "{place}: position {step} off by {err}");
+        }
+    }
+}
+
 /// Decoding sequences together gives each the logits it gets alone.
 #[test]
 fn batched_decoding_is_each_sequence_alone() {

@@ -119,7 +119,8 @@ kernels! {
     ClipToNorm = "clip_to_norm" in "optim",
     Adamw = "adamw" in "optim",
     StoreKeysValues = "store_keys_values" in "decode",
-    AttendCached = "attend_cached" in "decode",
+    AttendCachedPartial = "attend_cached_partial" in "decode",
+    AttendCachedCombine = "attend_cached_combine" in "decode",
     LastRows = "last_rows" in "decode",
     SampleTokens = "sample_tokens" in "sample",
 }

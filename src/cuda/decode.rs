@@ -14,7 +14,7 @@ use candle_core::Device;
 use super::blas::linear;
 use super::buffers::Buf;
 use super::gpu::Gpu;
-use super::kernels::{DropoutArgs, Heads, SamplingArgs, SamplingWork};
+use super::kernels::{cached_attention_partials, DropoutArgs, Heads, SamplingArgs, SamplingWork};
 use super::tables::PositionTables;
 use crate::config::Precision;
 use crate::cpu::ops::Positions;
@@ -71,8 +71,8 @@ struct Work {
     proj: Buf<f32>,
     fc: Buf<f32>,
     act: Buf<f32>,
-    /// (rows, H, block_size): attention scores.
-    scores: Buf<f32>,
+    /// Attention's per-chunk sums (`cached_attention_partials`).
+    partial: Buf<f32>,
     /// (batch, C): each sequence's last row, then its final norm, and its statistics.
     last: Buf<f32>,
     last_normed: Buf<f32>,
@@ -121,10 +121,11 @@ impl CudaDecoder {
         gpu.bind()?;
         let s = &spec.shapes;
         ensure!(batch > 0, "at least one sequence");
-        // Rows per call: at most MAX_ROWS, and scores (rows x H x block) of at most 2^26
+        // Rows per call: at most MAX_ROWS, and attention's work space of at most 2^26
         // values (256 MiB).
-        let by_scores = (1 << 26) / (s.n_head * s.block_size * batch);
-        let chunk = (MAX_ROWS / batch).min(by_scores).clamp(1, s.block_size);
+        let partials = |rows| cached_attention_partials(rows, s.n_head, s.head_dim, s.block_size);
+        let by_partials = (1 << 26) / partials(batch);
+        let chunk = (MAX_ROWS / batch).min(by_partials).clamp(1, s.block_size);
         let rows = batch * chunk;
         let zeros = |len: usize| Buf::<f32>::zeros(&gpu, len);
         let tables = PositionTables::new(&gpu, spec)?;
@@ -148,7 +149,7 @@ impl CudaDecoder {
             proj: zeros(rows * c)?,
             fc: zeros(rows * s.mlp_fc_width)?,
             act: zeros(rows * s.mlp_hidden)?,
-            scores: zeros(rows * s.n_head * s.block_size)?,
+            partial: zeros(partials(rows))?,
             last: zeros(batch * c)?,
             last_normed: zeros(batch * c)?,
             last_stats: zeros(2 * batch)?,
@@ -357,10 +358,10 @@ impl CudaDecoder {
             }
             let cache = (self.keys[l].ptr(), self.values[l].ptr());
             g.store_keys_values(cache, w.qkv.ptr(), rows, at, heads, s.block_size)?;
-            let (att, scores) = (w.att.ptr(), w.scores.ptr());
+            let (att, partial) = (w.att.ptr(), w.partial.ptr());
             g.attend_cached(
                 att,
-                scores,
+                partial,
                 w.qkv.ptr(),
                 cache,
                 rows,

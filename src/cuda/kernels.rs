@@ -115,6 +115,17 @@ pub struct SamplingWork {
     pub seen: u64,
 }
 
+/// Cached positions one block of `attend_cached_partial` attends over
+/// (`CACHED_CHUNK` in kernels/decode.cu).
+const CACHED_CHUNK: usize = 64;
+
+/// The work space values `attend_cached` needs for `rows` rows of `heads` query heads
+/// of width `d` over a cache of `block` positions: per row and head, each chunk's
+/// weighted values, max and sum.
+pub fn cached_attention_partials(rows: usize, heads: usize, d: usize, block: usize) -> usize {
+    rows * heads * block.div_ceil(CACHED_CHUNK) * (d + 2)
+}
+
 /// Threads per block of the element-wise kernels.
 const THREADS: u32 = 256;
 
@@ -582,12 +593,13 @@ impl Gpu {
     }
 
     /// out (rows, H d): each row's query heads attending over its sequence's cache up
-    /// to its position; `scores` is (rows, H, block) work space.
+    /// to its position, in chunks of positions (`CACHED_CHUNK`) combined after;
+    /// `partial` is work space of [`cached_attention_partials`] values.
     #[allow(clippy::too_many_arguments)]
     pub fn attend_cached(
         &self,
         out: u64,
-        scores: u64,
+        partial: u64,
         qkv: u64,
         (keys, values): (u64, u64),
         rows: usize,
@@ -595,9 +607,17 @@ impl Gpu {
         h: Heads,
         block: usize,
     ) -> Result<()> {
-        launch!(self, AttendCached, warp_rows(rows * h.heads);
-            out, scores, qkv, keys, values, int(rows), int(at.t), int(at.first),
-            int(h.heads), int(h.kv_heads), int(h.d), int(block))
+        let splits = block.div_ceil(CACHED_CHUNK);
+        let cfg = Launch {
+            grid: ((rows * h.heads) as u32, splits as u32, 1),
+            threads: 128,
+        };
+        launch!(self, AttendCachedPartial, cfg;
+            partial, qkv, keys, values, int(rows), int(at.t), int(at.first),
+            int(h.heads), int(h.kv_heads), int(h.d), int(block), int(splits))?;
+        launch!(self, AttendCachedCombine, warp_rows(rows * h.heads);
+            out, partial, int(rows), int(at.t), int(at.first), int(h.heads), int(h.d),
+            int(splits))
     }
 
     /// dst (batch, C) = each sequence's last row of src (batch T, C).
@@ -622,25 +642,11 @@ impl Gpu {
     ) -> Result<()> {
         let cfg = Launch {
             grid: (batch as u32, 1, 1),
-            threads: self.sampling_threads(),
+            threads: 1024,
         };
         launch!(self, SampleTokens, cfg;
             chosen, work.weights, work.keys, work.seen, logits, context, int(context_len),
             int(stride), uniforms, int(vocab), int(text_vocab), args)
-    }
-}
-
-impl Gpu {
-    /// Threads of a `sample_tokens` block: a GPU's most (1024), so each reads a few of
-    /// a row's 50k logits; 128 in the emulator, where every barrier switches between
-    /// all of a block's threads (the same kernel, each thread with more of the row).
-    fn sampling_threads(&self) -> u32 {
-        match self {
-            #[cfg(feature = "cuda")]
-            Gpu::Cuda(_) => 1024,
-            #[cfg(feature = "cuda-emulator")]
-            Gpu::Emulated => 128,
-        }
     }
 }
 
@@ -844,6 +850,97 @@ mod tests {
                 let err = rel_err(&got, want);
                 assert!(err <= tol, "{what}: {name} off by {err:e}");
                 assert!(err > 0.0, "{what}: {name} exact: not rounded to bf16?");
+            }
+        }
+    }
+
+    /// Attention over cached keys and values, taken in chunks of 64 positions and
+    /// combined after, against softmax(q k / sqrt(d)) v written out in f64: a batch-1
+    /// step at the cache's last position (three chunks, the last part full), prefill
+    /// rows crossing a chunk boundary, and rows that start later in the cache; grouped
+    /// K/V heads; scores spread over several units so each chunk's max differs.
+    #[test]
+    fn cached_attention_matches_attention_written_out() {
+        for (place, gpu) in gpus() {
+            gpu.bind().unwrap();
+            let (heads, kv_heads, d, block) = (4usize, 2usize, 8usize, 150usize);
+            let (w, kv) = ((heads + 2 * kv_heads) * d, kv_heads * d);
+            for (batch, t, first) in [(1usize, 1usize, 149usize), (2, 70, 0), (2, 3, 120)] {
+                let rows = batch * t;
+                let random = |n: usize, seed: u32, scale: f32| -> Vec<f32> {
+                    (0..n as u32)
+                        .map(|i| {
+                            let x = i
+                                .wrapping_mul(2654435761)
+                                .wrapping_add(seed.wrapping_mul(40503));
+                            scale * (((x >> 8) % 2001) as f32 / 1000.0 - 1.0)
+                        })
+                        .collect()
+                };
+                let qkv = random(rows * w, 1, 3.0);
+                let (keys, values) = (
+                    random(batch * block * kv, 2, 1.0),
+                    random(batch * block * kv, 3, 1.0),
+                );
+                let h = Heads {
+                    batch,
+                    t: block,
+                    heads,
+                    kv_heads,
+                    d,
+                };
+                let out = Buf::<f32>::zeros(&gpu, rows * heads * d).unwrap();
+                let partial =
+                    Buf::<f32>::zeros(&gpu, cached_attention_partials(rows, heads, d, block))
+                        .unwrap();
+                let (qkv_buf, keys_buf, values_buf) = (
+                    Buf::from_host(&gpu, &qkv).unwrap(),
+                    Buf::from_host(&gpu, &keys).unwrap(),
+                    Buf::from_host(&gpu, &values).unwrap(),
+                );
+                let at = Positions { t, first };
+                let cache = (keys_buf.ptr(), values_buf.ptr());
+                gpu.attend_cached(
+                    out.ptr(),
+                    partial.ptr(),
+                    qkv_buf.ptr(),
+                    cache,
+                    rows,
+                    at,
+                    h,
+                    block,
+                )
+                .unwrap();
+                let got = out.read(&gpu, rows * heads * d).unwrap();
+                let mut want = vec![0f64; rows * heads * d];
+                for r in 0..rows {
+                    let (b, pos) = (r / t, first + r % t);
+                    for hd in 0..heads {
+                        let g = hd / (heads / kv_heads);
+                        let at = |x: &[f32], p: usize, c: usize| {
+                            x[(b * block + p) * kv + g * d + c] as f64
+                        };
+                        let q = |c: usize| qkv[r * w + hd * d + c] as f64;
+                        let scores: Vec<f64> = (0..=pos)
+                            .map(|p| {
+                                (0..d).map(|c| q(c) * at(&keys, p, c)).sum::<f64>()
+                                    / (d as f64).sqrt()
+                            })
+                            .collect();
+                        let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                        let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                        let sum: f64 = e.iter().sum();
+                        for c in 0..d {
+                            want[(r * heads + hd) * d + c] =
+                                (0..=pos).map(|p| e[p] * at(&values, p, c)).sum::<f64>() / sum;
+                        }
+                    }
+                }
+                let err = rel_err(&got, &want);
+                assert!(
+                    err < 1e-5,
+                    "{place}: batch {batch}, {t} rows from position {first}: off by {err}"
+                );
             }
         }
     }

@@ -1,5 +1,12 @@
 // Runs the engine's CUDA kernels on the CPU (see cuda_shim.h), launched by name with
 // cuLaunchKernel's argument convention: args[i] points at parameter i's value.
+//
+// A fiber starts on its own stack through ucontext, then switches with _setjmp and
+// _longjmp: swapcontext saves and restores the signal mask, a system call at each of
+// the thousands of barriers a block meets. Fortified builds check that a long jump
+// goes up its own stack, which a switch between stacks never does: off here.
+#undef _FORTIFY_SOURCE
+#include <setjmp.h>
 #include <ucontext.h>
 
 #include <cstdlib>
@@ -85,7 +92,8 @@ const std::vector<Kernel>& kernels() {
         entry("clip_to_norm", clip_to_norm, false),
         entry("adamw", adamw, false),
         entry("store_keys_values", store_keys_values, false),
-        entry("attend_cached", attend_cached, true),
+        entry("attend_cached_partial", attend_cached_partial, true),
+        entry("attend_cached_combine", attend_cached_combine, true),
         entry("last_rows", last_rows, false),
         entry("sample_tokens", sample_tokens, true),
     };
@@ -103,13 +111,15 @@ enum class State { Ready, AtWarpBarrier, AtBlockBarrier, Done };
 // The fibers of the block being run: one per thread, each on its own stack.
 constexpr size_t STACK_BYTES = 64 * 1024;
 struct Fiber {
-    ucontext_t context;
+    ucontext_t start;  // where it starts: fiber_main on its stack
+    jmp_buf resume;    // where it waits: a barrier
+    bool started = false;
     std::vector<char> stack = std::vector<char>(STACK_BYTES);
     dim3 index;
     State state = State::Ready;
 };
 std::vector<Fiber> fibers;
-ucontext_t scheduler;
+jmp_buf scheduler;
 Fiber* running = nullptr;
 const Kernel* kernel = nullptr;
 void** kernel_args = nullptr;
@@ -118,7 +128,17 @@ void** kernel_args = nullptr;
 void fiber_main() {
     kernel->call(kernel_args);
     running->state = State::Done;
-    swapcontext(&running->context, &scheduler);
+    _longjmp(scheduler, 1);
+}
+
+// Runs fiber `f` (running) until it meets a barrier or ends.
+__attribute__((noinline)) void resume(Fiber& f) {
+    if (_setjmp(scheduler) != 0) return;
+    if (!f.started) {
+        f.started = true;
+        setcontext(&f.start);
+    }
+    _longjmp(f.resume, 1);
 }
 
 // This thread waits at a barrier (`at`) until the threads it meets there arrive. Only
@@ -127,7 +147,7 @@ void fiber_main() {
 void meet(State at) {
     if (running == nullptr) std::abort();
     running->state = at;
-    swapcontext(&running->context, &scheduler);
+    if (_setjmp(running->resume) == 0) _longjmp(scheduler, 1);
 }
 
 dim3 thread_index(unsigned t) {
@@ -183,11 +203,12 @@ void run_block(const Kernel& k, void** args, dim3 block) {
         Fiber& f = fibers[t];
         f.index = thread_index(t);
         f.state = State::Ready;
-        getcontext(&f.context);
-        f.context.uc_stack.ss_sp = f.stack.data();
-        f.context.uc_stack.ss_size = f.stack.size();
-        f.context.uc_link = nullptr;
-        makecontext(&f.context, fiber_main, 0);
+        f.started = false;
+        getcontext(&f.start);
+        f.start.uc_stack.ss_sp = f.stack.data();
+        f.start.uc_stack.ss_size = f.stack.size();
+        f.start.uc_link = nullptr;
+        makecontext(&f.start, fiber_main, 0);
     }
     // Every ready fiber runs to its next barrier (or its end); then the barriers all
     // their threads have reached open, warps' before the block's, as on a GPU.
@@ -197,7 +218,7 @@ void run_block(const Kernel& k, void** args, dim3 block) {
             if (f.state != State::Ready) continue;
             running = &f;
             threadIdx = f.index;
-            swapcontext(&scheduler, &f.context);
+            resume(f);
         }
         bool live = false;
         for (unsigned t = 0; t < n; t++) live = live || fibers[t].state != State::Done;

@@ -17,45 +17,93 @@ extern "C" __global__ void store_keys_values(float* keys, float* values, const f
     }
 }
 
-// One warp per (row, query head): the row's query attends over its sequence's cached
-// keys up to its own position (softmax(q k / sqrt(d)) v), into out (rows, H d).
-// scores: (rows, H, block) work space.
-extern "C" __global__ void attend_cached(float* out, float* scores, const float* qkv,
-                                         const float* keys, const float* values, int rows, int T,
-                                         int first, int H, int Hkv, int d, int block) {
+// Attention of each new row over its sequence's cache, split over positions as
+// flash-decoding does, so that a single row (a batch-1 step) still spreads over many
+// blocks: each block takes one (row, query head) and one chunk of CACHED_CHUNK cached
+// positions, and leaves that chunk's softmax unnormalised (its max, its sum of
+// exponentials, its weighted sum of values); attend_cached_combine rescales the
+// chunks to the row's max and divides by the total.
+#define CACHED_CHUNK 64
+
+// partial (rows H, splits, d + 2): per chunk, sum_p e^(s_p - m) v_p, then m, then
+// sum_p e^(s_p - m), with s_p = q k_p / sqrt(d). Grid (rows H, splits); chunks past the
+// row's position are skipped (the combine reads only the chunks it has).
+extern "C" __global__ void attend_cached_partial(float* partial, const float* qkv,
+                                                 const float* keys, const float* values,
+                                                 int rows, int T, int first, int H, int Hkv,
+                                                 int d, int block, int splits) {
+    const long long rh = blockIdx.x;  // (row, query head)
+    const int split = blockIdx.y;
+    const long long r = rh / H;
+    const int h = (int)(rh % H);
+    const int pos = first + (int)(r % T);  // the row's position: it sees 0 ..= pos
+    const int begin = split * CACHED_CHUNK;
+    if (r >= rows || begin > pos) return;  // the same for every thread of the block
+    const int end = min(pos + 1, begin + CACHED_CHUNK);
+    const int kv = Hkv * d;
+    const int W = (H + 2 * Hkv) * d;
+    const float* q = qkv + r * W + h * d;
+    const long long base = (r / T) * block * (long long)kv + (h / (H / Hkv)) * d;
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int warps = blockDim.x / WARP_SIZE;
+    const float scale = 1.0f / sqrtf((float)d);
+
+    // Scores: a warp a position, its lanes across the head (reads of whole rows).
+    __shared__ float w[CACHED_CHUNK];
+    for (int p = begin + warp; p < end; p += warps) {
+        const float* k = keys + base + (long long)p * kv;
+        float dot = 0.0f;
+        for (int c = lane; c < d; c += WARP_SIZE) dot += q[c] * k[c];
+        dot = warp_sum(dot);
+        if (lane == 0) w[p - begin] = dot * scale;
+    }
+    __syncthreads();
+    float m = -INFINITY;
+    for (int j = threadIdx.x; j < end - begin; j += blockDim.x) m = fmaxf(m, w[j]);
+    m = block_max(m);  // its barriers also order the scores' writes before these reads
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < end - begin; j += blockDim.x) {
+        w[j] = expf(w[j] - m);
+        sum += w[j];
+    }
+    sum = block_sum(sum);
+    float* out = partial + (rh * splits + split) * (long long)(d + 2);
+    // A thread a value of the head: reads of whole value rows.
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < end - begin; j++) acc += w[j] * values[base + (long long)(begin + j) * kv + c];
+        out[c] = acc;
+    }
+    if (threadIdx.x == 0) {
+        out[d] = m;
+        out[d + 1] = sum;
+    }
+}
+
+// out (rows, H d) = each (row, query head)'s chunks combined: one warp each.
+extern "C" __global__ void attend_cached_combine(float* out, const float* partial, int rows,
+                                                 int T, int first, int H, int d, int splits) {
     const long long warp = blockIdx.x * (long long)(blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     if (warp >= (long long)rows * H) return;
-    const long long r = warp / H;
-    const int h = (int)(warp % H);
-    const int kv_head = h / (H / Hkv);
-    const int kv = Hkv * d;
-    const int W = (H + 2 * Hkv) * d;
-    const int pos = first + (int)(r % T);  // the row's position: it sees 0 ..= pos
-    const float* q = qkv + r * W + h * d;
-    const long long base = (r / T) * block * kv + kv_head * d;
-    float* s = scores + warp * block;
-    const float scale = 1.0f / sqrtf((float)d);
+    const int pos = first + (int)((warp / H) % T);
+    const int chunks = pos / CACHED_CHUNK + 1;
+    const float* in = partial + warp * splits * (long long)(d + 2);
     float m = -INFINITY;
-    for (int p = lane; p <= pos; p += WARP_SIZE) {
-        const float* k = keys + base + (long long)p * kv;
-        float dot = 0.0f;
-        for (int c = 0; c < d; c++) dot += q[c] * k[c];
-        s[p] = dot * scale;
-        m = fmaxf(m, s[p]);
-    }
+    for (int s = lane; s < chunks; s += WARP_SIZE) m = fmaxf(m, in[s * (d + 2) + d]);
     m = warp_max(m);
-    float sum = 0.0f;
-    for (int p = lane; p <= pos; p += WARP_SIZE) {
-        s[p] = expf(s[p] - m);
-        sum += s[p];
+    float total = 0.0f;
+    for (int s = lane; s < chunks; s += WARP_SIZE) {
+        total += in[s * (d + 2) + d + 1] * expf(in[s * (d + 2) + d] - m);
     }
-    const float inv = 1.0f / warp_sum(sum);
-    __syncwarp();
-    float* o = out + r * H * d + h * d;
+    const float inv = 1.0f / warp_sum(total);
+    float* o = out + warp * d;  // row r, head h: (r H + h) d
     for (int c = lane; c < d; c += WARP_SIZE) {
         float acc = 0.0f;
-        for (int p = 0; p <= pos; p++) acc += s[p] * values[base + (long long)p * kv + c];
+        for (int s = 0; s < chunks; s++) {
+            acc += in[s * (d + 2) + c] * expf(in[s * (d + 2) + d] - m);
+        }
         o[c] = acc * inv;
     }
 }
