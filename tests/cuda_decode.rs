@@ -227,6 +227,42 @@ fn attention_over_long_caches_combines_its_chunks() {
     }
 }
 
+/// A step replayed from its recording (a CUDA graph on a GPU) computes exactly what
+/// launching its kernels one by one does, at every position: the recording reads the
+/// position from device memory, not from its fixed arguments.
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+#[test]
+fn replayed_steps_are_launched_steps() {
+    let cfg = ModelConfig {
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 16,
+        block_size: 10,
+        vocab_size: 13,
+        positions: PositionKind::Learned,
+        ..ModelConfig::default()
+    };
+    let spec = ModelSpec::new(&cfg);
+    let values = weights(&spec);
+    let windows = vec![vec![1u32, 2], vec![7, 3]];
+    let built = cuda_decoders_as_built(&spec, &values, 2, Precision::F32);
+    let again = cuda_decoders_as_built(&spec, &values, 2, Precision::F32);
+    for ((place, mut replayed), (_, mut launched)) in built.into_iter().zip(again) {
+        launched.set_replays(false);
+        let (a, b) = (
+            replayed.prefill(&windows).unwrap().to_vec(),
+            launched.prefill(&windows).unwrap().to_vec(),
+        );
+        assert_eq!(a, b, "{place}: prefill");
+        for step in 0..8u32 {
+            let ids = [step % 13, (step * 5 + 1) % 13];
+            let a = replayed.step(&ids).unwrap().to_vec();
+            let b = launched.step(&ids).unwrap().to_vec();
+            assert_eq!(a, b, "{place}: step {step}");
+        }
+    }
+}
+
 /// Decoding sequences together gives each the logits it gets alone.
 #[test]
 fn batched_decoding_is_each_sequence_alone() {

@@ -14,6 +14,9 @@ use candle_core::cuda::cudarc::driver::{
 
 use super::gpu::Gpu;
 
+/// What a copy made while recording says (a CUDA graph's capture refuses it as well).
+const RECORDED_COPY: &str = "a copy between host and device cannot be recorded for replay";
+
 /// What a buffer can hold: plain values, all-zero bits a valid zero.
 #[cfg(feature = "cuda")]
 pub trait Value: Copy + Default + DeviceRepr + ValidAsZeroBits {}
@@ -127,6 +130,7 @@ impl<T: Value> Buf<T> {
                     .memcpy_htod(values, &mut slice.slice_mut(..values.len()))?;
             }
             (Memory::Host(ptr, _), _) => {
+                anyhow::ensure!(!gpu.is_recording(), "{RECORDED_COPY}");
                 // SAFETY: the buffer holds at least values.len() values; no reference
                 // to it exists (kernels run synchronously under the emulator).
                 unsafe {
@@ -161,6 +165,7 @@ impl<T: Value> Buf<T> {
                 g.stream.synchronize()?;
             }
             (Memory::Host(ptr, _), _) => {
+                anyhow::ensure!(!gpu.is_recording(), "{RECORDED_COPY}");
                 // SAFETY: in bounds (asserted); nothing writes it meanwhile.
                 let values = unsafe {
                     std::slice::from_raw_parts(ptr.as_ptr().add(range.start), range.len())
@@ -196,6 +201,7 @@ impl<T: Value> Buf<T> {
                 unsafe { result::memset_d8_async(self.ptr, 0, bytes, g.stream.cu_stream()) }?;
             }
             (Memory::Host(ptr, _), _) => {
+                anyhow::ensure!(!gpu.is_recording(), "{RECORDED_COPY}");
                 // SAFETY: the buffer is `bytes` long; no reference to it exists.
                 unsafe { std::ptr::write_bytes(ptr.as_ptr().cast::<u8>(), 0, bytes) };
             }

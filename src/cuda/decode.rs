@@ -14,7 +14,10 @@ use candle_core::Device;
 use super::blas::linear;
 use super::buffers::Buf;
 use super::gpu::Gpu;
-use super::kernels::{cached_attention_partials, DropoutArgs, Heads, SamplingArgs, SamplingWork};
+use super::gpu::Recording;
+use super::kernels::{
+    cached_attention_partials, At, DropoutArgs, Heads, SamplingArgs, SamplingWork,
+};
 use super::tables::PositionTables;
 use crate::config::Precision;
 use crate::cpu::ops::Positions;
@@ -44,6 +47,11 @@ pub struct CudaDecoder {
     logits_read: bool,
     /// Drawing on the device: made at the first draw.
     draws: Option<Draws>,
+    /// Whether one-token steps replay a recording (`TINYGPT_CUDA_GRAPHS=0`: never).
+    replays: bool,
+    /// The recorded step, once made; it reads its position from `position`.
+    step: Option<Recording>,
+    position: Buf<i32>,
 }
 
 /// What drawing tokens on the device holds besides the logits.
@@ -155,6 +163,7 @@ impl CudaDecoder {
             last_stats: zeros(2 * batch)?,
             logits: zeros(batch * s.vocab_size)?,
         };
+        let position = Buf::zeros(&gpu, 1)?;
         Ok(Self {
             params: Buf::from_host(&gpu, values)?,
             spec: spec.clone(),
@@ -170,11 +179,23 @@ impl CudaDecoder {
             logits: Vec::new(),
             logits_read: false,
             draws: None,
+            replays: std::env::var("TINYGPT_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            step: None,
+            position,
         })
     }
 
     pub fn batch(&self) -> usize {
         self.batch
+    }
+
+    /// Whether one-token steps replay a recorded step (the default, unless
+    /// `TINYGPT_CUDA_GRAPHS=0`) or launch each kernel.
+    pub fn set_replays(&mut self, on: bool) {
+        self.replays = on;
+        if !on {
+            self.step = None;
+        }
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -330,9 +351,47 @@ impl CudaDecoder {
                 s.vocab_size
             );
         }
-        let (rows, c) = (self.batch * t, s.n_embd);
-        let at = Positions { t, first: self.len };
         self.work.ids.write(&self.gpu, ids)?;
+        if t == 1 && self.replays {
+            self.position.write(&self.gpu, &[self.len as i32])?;
+            if self.step.is_none() {
+                self.step = self.record_step();
+            }
+        }
+        match &self.step {
+            Some(step) if t == 1 => self.gpu.replay(step)?,
+            _ => self.launch(t, Positions { t, first: self.len }.into())?,
+        }
+        self.logits_read = false;
+        self.len += t;
+        Ok(())
+    }
+
+    /// A step's launches recorded once (a CUDA graph: one launch replays them all,
+    /// where a small model's step is mostly the host launching ~15 kernels a layer),
+    /// reading its position from device memory. None where recording failed: said once,
+    /// and the steps launch their kernels one by one.
+    fn record_step(&mut self) -> Option<Recording> {
+        let at = At {
+            t: 1,
+            first: 0,
+            first_at: self.position.ptr(),
+        };
+        match self.gpu.record(|| self.launch(1, at)) {
+            Ok(step) => Some(step),
+            Err(e) => {
+                eprintln!("note: decoding launches each kernel (recording a step failed: {e:#})");
+                self.replays = false;
+                None
+            }
+        }
+    }
+
+    /// The launches of a forward over `at.t` new positions a sequence, whose ids are in
+    /// the work space: embedding, the blocks, the last rows' logits.
+    fn launch(&self, t: usize, at: At) -> Result<()> {
+        let s = self.spec.shapes;
+        let (rows, c) = (self.batch * t, s.n_embd);
         let (g, w) = (&self.gpu, &self.work);
         let positions = self.tables.added(&self.spec, &self.params);
         let wte = self.params.at(self.spec[self.spec.wte].offset);
@@ -408,10 +467,7 @@ impl CudaDecoder {
             d_in: c,
             d_out: s.vocab_size,
         };
-        self.linear(w.logits.ptr(), normed, &output, self.batch)?;
-        self.logits_read = false;
-        self.len += t;
-        Ok(())
+        self.linear(w.logits.ptr(), normed, &output, self.batch)
     }
 
     fn linear(&self, out: u64, x: u64, p: &LinearParams, rows: usize) -> Result<()> {

@@ -113,3 +113,77 @@ pub unsafe fn gemm(g: &ColumnMajor, precision: Precision) {
         }
     }
 }
+
+/// Calls kept while the emulated device records (`Gpu::record`), to run when replayed:
+/// each launch with a copy of its arguments' bytes, as a CUDA graph keeps them.
+pub enum Recorded {
+    Launch {
+        name: &'static str,
+        cfg: Launch,
+        args: Vec<Vec<u8>>,
+    },
+    Gemm {
+        g: ColumnMajor,
+        precision: Precision,
+    },
+}
+
+thread_local! {
+    /// The calls recorded so far, while recording.
+    static RECORDING: std::cell::RefCell<Option<Vec<Recorded>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Starts keeping calls instead of running them.
+pub fn start_recording() -> Result<()> {
+    RECORDING.with(|r| {
+        let mut r = r.borrow_mut();
+        if r.is_some() {
+            bail!("already recording");
+        }
+        *r = Some(Vec::new());
+        Ok(())
+    })
+}
+
+/// The calls kept since `start_recording`; runs calls again from here on.
+pub fn stop_recording() -> Vec<Recorded> {
+    RECORDING.with(|r| r.borrow_mut().take().unwrap_or_default())
+}
+
+pub fn is_recording() -> bool {
+    RECORDING.with(|r| r.borrow().is_some())
+}
+
+/// Keeps `call` if recording (true), else leaves it to run (false).
+pub fn record(call: impl FnOnce() -> Recorded) -> bool {
+    RECORDING.with(|r| match r.borrow_mut().as_mut() {
+        Some(calls) => {
+            calls.push(call());
+            true
+        }
+        None => false,
+    })
+}
+
+/// Runs recorded calls in order.
+///
+/// # Safety
+/// Every address among their arguments is still into live memory of the length the
+/// call reads (the buffers recorded outlive the recording).
+pub unsafe fn replay(calls: &[Recorded]) -> Result<()> {
+    for call in calls {
+        match call {
+            Recorded::Launch { name, cfg, args } => {
+                let mut bytes = args.clone();
+                let mut ptrs: Vec<*mut c_void> =
+                    bytes.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
+                let sizes: Vec<usize> = args.iter().map(Vec::len).collect();
+                // SAFETY: as the caller promises; the bytes are the arguments as recorded.
+                unsafe { launch(name, *cfg, &mut ptrs, &sizes) }?;
+            }
+            // SAFETY: as the caller promises.
+            Recorded::Gemm { g, precision } => unsafe { gemm(g, *precision) },
+        }
+    }
+    Ok(())
+}

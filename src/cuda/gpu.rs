@@ -108,6 +108,19 @@ impl Gpu {
             }
             #[cfg(feature = "cuda-emulator")]
             Gpu::Emulated => {
+                let kept = super::emulator::record(|| super::emulator::Recorded::Launch {
+                    name: kernel.name(),
+                    cfg,
+                    args: args
+                        .iter()
+                        // SAFETY: each argument's value is `size` bytes at `ptr`.
+                        .map(|a| unsafe { std::slice::from_raw_parts(a.ptr.cast::<u8>(), a.size) })
+                        .map(<[u8]>::to_vec)
+                        .collect(),
+                });
+                if kept {
+                    return Ok(());
+                }
                 let mut sizes = [0usize; MAX_ARGS];
                 for (s, a) in sizes.iter_mut().zip(args) {
                     *s = a.size;
@@ -130,11 +143,81 @@ impl Gpu {
             Gpu::Cuda(gpu) => unsafe { cublas_gemm(&gpu.blas, g, precision) },
             #[cfg(feature = "cuda-emulator")]
             Gpu::Emulated => {
-                unsafe { super::emulator::gemm(g, precision) };
+                let g = *g;
+                if !super::emulator::record(|| super::emulator::Recorded::Gemm { g, precision }) {
+                    unsafe { super::emulator::gemm(&g, precision) };
+                }
                 Ok(())
             }
         }
     }
+
+    /// Records the launches and products `work` makes, without running them, to run
+    /// later as one (`replay`): a CUDA graph, in the emulator the calls kept with their
+    /// arguments. Nothing recorded may depend on values that change between replays
+    /// except through device memory (arguments are fixed when recorded), and `work`
+    /// copies nothing between host and device (an error in the emulator, in capture on
+    /// CUDA).
+    pub fn record(&self, work: impl FnOnce() -> Result<()>) -> Result<Recording> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Gpu::Cuda(gpu) => {
+                use candle_core::cuda::cudarc::driver::sys;
+                // Relaxed: cuBLAS may allocate its work space at its first product.
+                let relaxed = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+                gpu.stream.begin_capture(relaxed)?;
+                let worked = work();
+                // Capture ends whatever `work` did, so the stream runs work again.
+                let graph = gpu.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+                worked?;
+                let graph = graph?.context("the CUDA graph recorded nothing")?;
+                graph.upload()?;
+                Ok(Recording::Cuda(graph))
+            }
+            #[cfg(feature = "cuda-emulator")]
+            Gpu::Emulated => {
+                super::emulator::start_recording()?;
+                let worked = work();
+                let calls = super::emulator::stop_recording();
+                worked?;
+                Ok(Recording::Emulated(calls))
+            }
+        }
+    }
+
+    /// Runs what `record` recorded on this device.
+    pub fn replay(&self, recording: &Recording) -> Result<()> {
+        match (self, recording) {
+            #[cfg(feature = "cuda")]
+            (Gpu::Cuda(_), Recording::Cuda(graph)) => Ok(graph.launch()?),
+            // SAFETY: the recording's buffers belong to its owner, which replays it.
+            #[cfg(feature = "cuda-emulator")]
+            (Gpu::Emulated, Recording::Emulated(calls)) => unsafe {
+                super::emulator::replay(calls)
+            },
+            #[allow(unreachable_patterns)]
+            _ => anyhow::bail!("a recording replays on the device that recorded it"),
+        }
+    }
+
+    /// Whether calls are being recorded, not run (copies are refused then).
+    pub fn is_recording(&self) -> bool {
+        match self {
+            // The driver refuses what capture cannot hold itself.
+            #[cfg(feature = "cuda")]
+            Gpu::Cuda(_) => false,
+            #[cfg(feature = "cuda-emulator")]
+            Gpu::Emulated => super::emulator::is_recording(),
+        }
+    }
+}
+
+/// Work recorded once and replayed as one (`Gpu::record`).
+pub enum Recording {
+    #[cfg(feature = "cuda")]
+    Cuda(candle_core::cuda::cudarc::driver::CudaGraph),
+    #[cfg(feature = "cuda-emulator")]
+    Emulated(Vec<super::emulator::Recorded>),
 }
 
 /// The PTX of one kernel file, compiled by build.rs.

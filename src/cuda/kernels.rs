@@ -126,6 +126,27 @@ pub fn cached_attention_partials(rows: usize, heads: usize, d: usize, block: usi
     rows * heads * block.div_ceil(CACHED_CHUNK) * (d + 2)
 }
 
+/// Rows' positions as the kernels take them: `t` new positions a sequence from `first`,
+/// or from the i32 at device address `first_at` when that is not 0: a decoding step
+/// replayed from a graph, whose arguments are fixed when it is recorded, reads its
+/// position from device memory (`start_of` in kernels/common.cuh).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct At {
+    pub t: usize,
+    pub first: usize,
+    pub first_at: u64,
+}
+
+impl From<Positions> for At {
+    fn from(p: Positions) -> Self {
+        Self {
+            t: p.t,
+            first: p.first,
+            first_at: 0,
+        }
+    }
+}
+
 /// Threads per block of the element-wise kernels.
 const THREADS: u32 = 256;
 
@@ -212,12 +233,13 @@ impl Gpu {
         wte: u64,
         positions: u64,
         rows: usize,
-        at: Positions,
+        at: impl Into<At>,
         c: usize,
         dropout: DropoutArgs,
     ) -> Result<()> {
+        let at = at.into();
         launch!(self, EmbeddingForward, elements(rows * c);
-            x, ids, wte, positions, int(rows), int(at.t), int(at.first), int(c), dropout)
+            x, ids, wte, positions, int(rows), int(at.t), int(at.first), at.first_at, int(c), dropout)
     }
 
     /// dwte[tokens[u]] += the rows order[starts[u] .. starts[u + 1]] of dx * mask.
@@ -397,14 +419,15 @@ impl Gpu {
         qkv: u64,
         (cos, sin): (u64, u64),
         rows: usize,
-        at: Positions,
+        at: impl Into<At>,
         h: Heads,
         w: usize,
         sign: f32,
     ) -> Result<()> {
+        let at = at.into();
         let turned = h.heads + h.kv_heads;
         launch!(self, Rope, elements(rows * turned * h.d / 2);
-            qkv, cos, sin, int(rows), int(at.t), int(at.first), int(turned), int(h.d), int(w),
+            qkv, cos, sin, int(rows), int(at.t), int(at.first), at.first_at, int(turned), int(h.d), int(w),
             sign)
     }
 
@@ -581,14 +604,15 @@ impl Gpu {
         (keys, values): (u64, u64),
         qkv: u64,
         rows: usize,
-        at: Positions,
+        at: impl Into<At>,
         h: Heads,
         block: usize,
     ) -> Result<()> {
+        let at = at.into();
         let kv = h.kv_heads * h.d;
         let (c, w) = (h.heads * h.d, (h.heads + 2 * h.kv_heads) * h.d);
         launch!(self, StoreKeysValues, elements(rows * kv);
-            keys, values, qkv, int(rows), int(at.t), int(at.first), int(c), int(kv), int(w),
+            keys, values, qkv, int(rows), int(at.t), int(at.first), at.first_at, int(c), int(kv), int(w),
             int(block))
     }
 
@@ -603,20 +627,21 @@ impl Gpu {
         qkv: u64,
         (keys, values): (u64, u64),
         rows: usize,
-        at: Positions,
+        at: impl Into<At>,
         h: Heads,
         block: usize,
     ) -> Result<()> {
+        let at = at.into();
         let splits = block.div_ceil(CACHED_CHUNK);
         let cfg = Launch {
             grid: ((rows * h.heads) as u32, splits as u32, 1),
             threads: 128,
         };
         launch!(self, AttendCachedPartial, cfg;
-            partial, qkv, keys, values, int(rows), int(at.t), int(at.first),
+            partial, qkv, keys, values, int(rows), int(at.t), int(at.first), at.first_at,
             int(h.heads), int(h.kv_heads), int(h.d), int(block), int(splits))?;
         launch!(self, AttendCachedCombine, warp_rows(rows * h.heads);
-            out, partial, int(rows), int(at.t), int(at.first), int(h.heads), int(h.d),
+            out, partial, int(rows), int(at.t), int(at.first), at.first_at, int(h.heads), int(h.d),
             int(splits))
     }
 

@@ -105,6 +105,13 @@ __device__ inline float dropout_scale(const Dropout& d, unsigned long long eleme
     return (unsigned long long)word < d.threshold ? 0.0f : d.keep;
 }
 
+// Where rows' positions start: `first`, or the value `first_at` points at when given.
+// A decoding step replayed from a CUDA graph reads its position from device memory:
+// a graph's arguments are fixed when it is recorded.
+__device__ inline int start_of(int first, const int* first_at) {
+    return first_at != nullptr ? *first_at : first;
+}
+
 // A grid-stride loop over n elements.
 #define FOR_EACH(i, n) \
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (long long)(n); \

@@ -1,13 +1,15 @@
 // What only decoding has: keys and values kept per position, and attention of new rows
-// over them. Rows are `batch` sequences of T new positions, from position `first`; the
-// cache holds (batch, block, Hkv d) keys and as many values.
+// over them. Rows are `batch` sequences of T new positions, from position `first` (or
+// the value at first_at: start_of); the cache holds (batch, block, Hkv d) keys and as
+// many values.
 #include "common.cuh"
 
 // Copies each row's key and value heads out of its qkv row into its sequence's slot
 // at its position.
 extern "C" __global__ void store_keys_values(float* keys, float* values, const float* qkv,
-                                             int rows, int T, int first, int C, int kv, int W,
-                                             int block) {
+                                             int rows, int T, int first, const int* first_at,
+                                             int C, int kv, int W, int block) {
+    first = start_of(first, first_at);
     FOR_EACH(i, (long long)rows * kv) {
         const long long r = i / kv;
         const int j = (int)(i % kv);
@@ -30,8 +32,10 @@ extern "C" __global__ void store_keys_values(float* keys, float* values, const f
 // row's position are skipped (the combine reads only the chunks it has).
 extern "C" __global__ void attend_cached_partial(float* partial, const float* qkv,
                                                  const float* keys, const float* values,
-                                                 int rows, int T, int first, int H, int Hkv,
-                                                 int d, int block, int splits) {
+                                                 int rows, int T, int first,
+                                                 const int* first_at, int H, int Hkv, int d,
+                                                 int block, int splits) {
+    first = start_of(first, first_at);
     const long long rh = blockIdx.x;  // (row, query head)
     const int split = blockIdx.y;
     const long long r = rh / H;
@@ -83,7 +87,9 @@ extern "C" __global__ void attend_cached_partial(float* partial, const float* qk
 
 // out (rows, H d) = each (row, query head)'s chunks combined: one warp each.
 extern "C" __global__ void attend_cached_combine(float* out, const float* partial, int rows,
-                                                 int T, int first, int H, int d, int splits) {
+                                                 int T, int first, const int* first_at, int H,
+                                                 int d, int splits) {
+    first = start_of(first, first_at);
     const long long warp = blockIdx.x * (long long)(blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     if (warp >= (long long)rows * H) return;

@@ -22,8 +22,9 @@ extern "C" __global__ void add_bias(float* out, const float* b, int rows, int co
 // (dimension i turns with i + d/2), by the angle of the row's position (first + row % T);
 // sign -1 turns back (the backward). cos and sin are (T_max, d/2) tables.
 extern "C" __global__ void rope(float* qkv, const float* cos_table, const float* sin_table,
-                                int rows, int T, int first, int heads, int d, int W,
-                                float sign) {
+                                int rows, int T, int first, const int* first_at, int heads,
+                                int d, int W, float sign) {
+    first = start_of(first, first_at);
     const int half = d / 2;
     FOR_EACH(i, (long long)rows * heads * half) {
         const int k = (int)(i % half);

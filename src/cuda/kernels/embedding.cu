@@ -3,11 +3,12 @@
 #include "common.cuh"
 
 // x[r] = (wte[ids[r]] + positions[first + r % T]) * mask: rows are sequences of T
-// positions from position `first` (0 in training; the cached length in decoding).
-// positions may be null (RoPE).
+// positions from position `first` (0 in training; the cached length in decoding; read
+// from first_at when given: start_of). positions may be null (RoPE).
 extern "C" __global__ void embedding_forward(float* x, const uint32_t* ids, const float* wte,
                                              const float* positions, int rows, int T, int first,
-                                             int C, Dropout dropout) {
+                                             const int* first_at, int C, Dropout dropout) {
+    first = start_of(first, first_at);
     FOR_EACH(i, (long long)rows * C) {
         const long long r = i / C;
         const int c = (int)(i % C);
