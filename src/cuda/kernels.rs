@@ -1171,6 +1171,62 @@ mod tests {
                 let got = chosen.read_one(&gpu, 0).unwrap();
                 assert_eq!(got, want, "{place}: {setting:?} at u = {u}");
             }
+            // A diverged model's logits: the host's argmax never takes a NaN but at id
+            // 0, where it starts; a draw over NaN weights falls back to id 0; an id
+            // outside the vocabulary never comes back.
+            let nan = f32::NAN;
+            let rows: &[([f32; 6], Setting, u32)] = &[
+                ([0.5, nan, 2.0, 1.0, 0.0, 0.0], (0.0, 0, 1.0, 1.0), 2),
+                ([nan, 0.5, 2.0, 1.0, 0.0, 0.0], (0.0, 0, 1.0, 1.0), 0),
+                ([nan; 6], (1.0, 0, 1.0, 1.0), 0),
+                ([nan; 6], (1.0, 2, 0.9, 1.0), 0),
+            ];
+            for &(row, setting, want) in rows {
+                let (t, k, p, r) = setting;
+                let sample = |row: &[f32]| {
+                    let out = Buf::<u32>::zeros(&gpu, 1).unwrap();
+                    let (weights, keys, seen) = (
+                        Buf::<f32>::zeros(&gpu, vocab).unwrap(),
+                        Buf::<u64>::zeros(&gpu, 8).unwrap(),
+                        Buf::<u32>::zeros(&gpu, vocab).unwrap(),
+                    );
+                    let work = SamplingWork {
+                        weights: weights.ptr(),
+                        keys: keys.ptr(),
+                        seen: seen.ptr(),
+                    };
+                    let (logits, uniforms) = (
+                        Buf::from_host(&gpu, row).unwrap(),
+                        Buf::from_host(&gpu, &[0.5f64]).unwrap(),
+                    );
+                    let args = SamplingArgs::new(t, k, p, r);
+                    let shape = (1, vocab, text_vocab);
+                    gpu.sample_tokens(
+                        out.ptr(),
+                        &work,
+                        logits.ptr(),
+                        (0, 0, 1),
+                        uniforms.ptr(),
+                        shape,
+                        args,
+                    )
+                    .unwrap();
+                    out.read_one(&gpu, 0).unwrap()
+                };
+                assert_eq!(sample(&row), want, "{place}: {row:?} {setting:?}");
+                // The host's sampler, on the row as `generate` hands it over.
+                use crate::generate::sample::{Sampler, SamplingParams};
+                let params = SamplingParams {
+                    temperature: t,
+                    top_k: k,
+                    top_p: p,
+                    repetition_penalty: r,
+                };
+                let mut masked = row;
+                masked[text_vocab..].fill(f32::NEG_INFINITY);
+                let host = Sampler::new(params, 1).unwrap().sample(&mut masked, &[]);
+                assert_eq!(host, want, "the host on {row:?} {setting:?}");
+            }
         }
     }
 
