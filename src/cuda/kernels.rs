@@ -1121,7 +1121,7 @@ mod tests {
     #[test]
     fn sampling_on_the_device_decides_boundaries_as_the_host() {
         for (place, gpu) in gpus() {
-            let (vocab, text_vocab) = (6usize, 4usize);
+            let text_vocab = 4; // of 6 ids: the last two are padding
             let cases: &[(Setting, f64, u32)] = &[
                 // Every token a candidate: u = i / 4 falls just past token i - 1's end.
                 ((1.0, 0, 1.0, 1.0), 0.0, 0),
@@ -1141,34 +1141,7 @@ mod tests {
             ];
             let logits = [0.5f32, 0.5, 0.5, 0.5, 9.0, 9.0];
             for &(setting, u, want) in cases {
-                let (t, k, p, r) = setting;
-                let args = SamplingArgs::new(t, k, p, r);
-                let (chosen, weights, keys, seen) = (
-                    Buf::<u32>::zeros(&gpu, 1).unwrap(),
-                    Buf::<f32>::zeros(&gpu, vocab).unwrap(),
-                    Buf::<u64>::zeros(&gpu, 8).unwrap(),
-                    Buf::<u32>::zeros(&gpu, vocab).unwrap(),
-                );
-                let work = SamplingWork {
-                    weights: weights.ptr(),
-                    keys: keys.ptr(),
-                    seen: seen.ptr(),
-                };
-                let (logits, uniforms) = (
-                    Buf::from_host(&gpu, &logits).unwrap(),
-                    Buf::from_host(&gpu, &[u]).unwrap(),
-                );
-                gpu.sample_tokens(
-                    chosen.ptr(),
-                    &work,
-                    logits.ptr(),
-                    (0, 0, 1),
-                    uniforms.ptr(),
-                    (1, vocab, text_vocab),
-                    args,
-                )
-                .unwrap();
-                let got = chosen.read_one(&gpu, 0).unwrap();
+                let got = sample_one(&gpu, &logits, text_vocab, setting, u);
                 assert_eq!(got, want, "{place}: {setting:?} at u = {u}");
             }
             // A diverged model's logits: the host's argmax never takes a NaN but at id
@@ -1183,37 +1156,8 @@ mod tests {
             ];
             for &(row, setting, want) in rows {
                 let (t, k, p, r) = setting;
-                let sample = |row: &[f32]| {
-                    let out = Buf::<u32>::zeros(&gpu, 1).unwrap();
-                    let (weights, keys, seen) = (
-                        Buf::<f32>::zeros(&gpu, vocab).unwrap(),
-                        Buf::<u64>::zeros(&gpu, 8).unwrap(),
-                        Buf::<u32>::zeros(&gpu, vocab).unwrap(),
-                    );
-                    let work = SamplingWork {
-                        weights: weights.ptr(),
-                        keys: keys.ptr(),
-                        seen: seen.ptr(),
-                    };
-                    let (logits, uniforms) = (
-                        Buf::from_host(&gpu, row).unwrap(),
-                        Buf::from_host(&gpu, &[0.5f64]).unwrap(),
-                    );
-                    let args = SamplingArgs::new(t, k, p, r);
-                    let shape = (1, vocab, text_vocab);
-                    gpu.sample_tokens(
-                        out.ptr(),
-                        &work,
-                        logits.ptr(),
-                        (0, 0, 1),
-                        uniforms.ptr(),
-                        shape,
-                        args,
-                    )
-                    .unwrap();
-                    out.read_one(&gpu, 0).unwrap()
-                };
-                assert_eq!(sample(&row), want, "{place}: {row:?} {setting:?}");
+                let got = sample_one(&gpu, &row, text_vocab, setting, 0.5);
+                assert_eq!(got, want, "{place}: {row:?} {setting:?}");
                 // The host's sampler, on the row as `generate` hands it over.
                 use crate::generate::sample::{Sampler, SamplingParams};
                 let params = SamplingParams {
@@ -1228,6 +1172,41 @@ mod tests {
                 assert_eq!(host, want, "the host on {row:?} {setting:?}");
             }
         }
+    }
+
+    /// The token `sample_tokens` draws from one row of `logits` with `setting` and the
+    /// uniform draw `u`.
+    fn sample_one(gpu: &Gpu, logits: &[f32], text_vocab: usize, setting: Setting, u: f64) -> u32 {
+        let vocab = logits.len();
+        let (t, k, p, r) = setting;
+        let (chosen, weights, keys, seen) = (
+            Buf::<u32>::zeros(gpu, 1).unwrap(),
+            Buf::<f32>::zeros(gpu, vocab).unwrap(),
+            Buf::<u64>::zeros(gpu, vocab.next_power_of_two()).unwrap(),
+            Buf::<u32>::zeros(gpu, vocab).unwrap(),
+        );
+        let work = SamplingWork {
+            weights: weights.ptr(),
+            keys: keys.ptr(),
+            seen: seen.ptr(),
+        };
+        let (logits, uniforms) = (
+            Buf::from_host(gpu, logits).unwrap(),
+            Buf::from_host(gpu, &[u]).unwrap(),
+        );
+        let args = SamplingArgs::new(t, k, p, r);
+        let (no_context, shape) = ((0, 0, 1), (1, vocab, text_vocab));
+        gpu.sample_tokens(
+            chosen.ptr(),
+            &work,
+            logits.ptr(),
+            no_context,
+            uniforms.ptr(),
+            shape,
+            args,
+        )
+        .unwrap();
+        chosen.read_one(gpu, 0).unwrap()
     }
 
     /// Whether tokens `a` and `b` are neighbours in the draw's order (id order, or most
