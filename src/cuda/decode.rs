@@ -360,7 +360,7 @@ impl CudaDecoder {
         }
         match &self.step {
             Some(step) if t == 1 => self.gpu.replay(step)?,
-            _ => self.launch(t, Positions { t, first: self.len }.into())?,
+            _ => self.forward_kernels(Positions { t, first: self.len }.into())?,
         }
         self.logits_read = false;
         self.len += t;
@@ -377,7 +377,7 @@ impl CudaDecoder {
             first: 0,
             first_at: self.position.ptr(),
         };
-        match self.gpu.record(|| self.launch(1, at)) {
+        match self.gpu.record(|| self.forward_kernels(at)) {
             Ok(step) => Some(step),
             Err(e) => {
                 eprintln!("note: decoding launches each kernel (recording a step failed: {e:#})");
@@ -389,8 +389,8 @@ impl CudaDecoder {
 
     /// The launches of a forward over `at.t` new positions a sequence, whose ids are in
     /// the work space: embedding, the blocks, the last rows' logits.
-    fn launch(&self, t: usize, at: At) -> Result<()> {
-        let s = self.spec.shapes;
+    fn forward_kernels(&self, at: At) -> Result<()> {
+        let (s, t) = (self.spec.shapes, at.t);
         let (rows, c) = (self.batch * t, s.n_embd);
         let (g, w) = (&self.gpu, &self.work);
         let positions = self.tables.added(&self.spec, &self.params);
