@@ -31,6 +31,8 @@ pub struct BenchOptions {
     pub warmup: usize,
     pub prompt_tokens: usize,
     pub decode_tokens: usize,
+    /// Sequences decoded together (as `generate --num-samples`).
+    pub decode_batch: usize,
     pub decode_mode: DecodeMode,
     /// Benchmarking gives up (`Stopped`) between steps and tokens once this asks.
     pub stop: Stop,
@@ -69,6 +71,8 @@ pub struct BenchReport {
     pub ttft_ms: f64,
     pub prefill_tokens_per_s: f64,
     pub decode_tokens: usize,
+    /// Sequences decoded together; `decode_tokens_per_s` counts all of theirs.
+    pub decode_batch: usize,
     pub decode_tokens_per_s: f64,
     pub decode_mode: String,
     /// The engine that trained: "fused" or "reference".
@@ -170,22 +174,25 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
     let prompt: Vec<u32> = (0..prompt_len)
         .map(|_| rng.random_range(0..cfg.vocab_size as u32))
         .collect();
-    let mut decoder = Decoder::new(&model, 1, opts.decode_mode)?;
+    let rows = opts.decode_batch.max(1);
+    let mut decoder = Decoder::new(&model, rows, opts.decode_mode)?;
     // Greedy tokens, chosen as `generate --temperature 0` chooses them (on the GPU by the
     // CUDA decoder).
     let greedy = SamplingParams {
         temperature: 0.0,
         ..SamplingParams::default()
     };
-    let mut samplers = [Sampler::new(greedy, 0)?];
-    let vocab = cfg.vocab_size;
+    let mut samplers = (0..rows)
+        .map(|_| Sampler::new(greedy.clone(), 0))
+        .collect::<Result<Vec<_>>>()?;
+    let (vocab, active) = (cfg.vocab_size, vec![true; rows]);
     // Time to first token: the median of 5 prefills after one untimed (as for steps).
     let mut prefills = Vec::new();
-    let mut next = 0;
+    let mut next = Vec::new();
     for i in 0..6 {
         let t0 = Instant::now();
         decoder.prefill(&prompt)?;
-        next = decoder.draw(&mut samplers, &[true], vocab)?[0];
+        next = decoder.draw(&mut samplers, &active, vocab)?.to_vec();
         if i > 0 {
             prefills.push(t0.elapsed().as_secs_f64());
         }
@@ -196,8 +203,8 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         if i % 64 == 0 {
             opts.stop.check()?;
         }
-        decoder.push(&[next])?;
-        next = decoder.draw(&mut samplers, &[true], vocab)?[0];
+        decoder.push(&next)?;
+        next.copy_from_slice(decoder.draw(&mut samplers, &active, vocab)?);
     }
     let decode_s = t0.elapsed().as_secs_f64();
 
@@ -224,9 +231,10 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         train_engine: engine.describe(),
         prompt_tokens: prompt_len,
         ttft_ms: ttft * 1e3,
-        prefill_tokens_per_s: prompt_len as f64 / ttft,
+        prefill_tokens_per_s: (prompt_len * rows) as f64 / ttft,
         decode_tokens: opts.decode_tokens,
-        decode_tokens_per_s: opts.decode_tokens as f64 / decode_s.max(1e-9),
+        decode_batch: rows,
+        decode_tokens_per_s: (opts.decode_tokens * rows) as f64 / decode_s.max(1e-9),
         decode_mode: format!("{:?}", opts.decode_mode).to_lowercase(),
         train_path: engine.name().into(),
         train_dtype: train.dtype,

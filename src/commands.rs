@@ -278,6 +278,7 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
         warmup: args.warmup,
         prompt_tokens: args.prompt_tokens,
         decode_tokens: args.decode_tokens,
+        decode_batch: args.decode_batch.max(1),
         decode_mode: if args.reference {
             DecodeMode::Cached
         } else {
@@ -330,9 +331,13 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
     );
     println!("engine  {}", r.train_engine);
     println!(
-        "decode  {:.0} tokens/s ({}), prefill {} tokens in {:.1} ms ({:.0} tokens/s), peak RSS {}",
+        "decode  {:.0} tokens/s ({}, {}), prefill {} tokens in {:.1} ms ({:.0} tokens/s), peak RSS {}",
         r.decode_tokens_per_s,
         r.decode_mode,
+        match r.decode_batch {
+            1 => "1 sequence".to_string(),
+            n => format!("{n} sequences together"),
+        },
         r.prompt_tokens,
         r.ttft_ms,
         r.prefill_tokens_per_s,

@@ -321,3 +321,57 @@ fn padded_vocabulary_and_fine_tuning_runs() {
         "the model came from --init-from"
     );
 }
+
+/// `bench --decode-batch N` decodes N sequences together (as `generate --num-samples`)
+/// and counts all their tokens; past the context the windows slide.
+#[test]
+fn bench_decodes_several_sequences_together() {
+    let dir = setup();
+    let bench = |batch: &str| {
+        let out = tinygpt(
+            dir.path(),
+            &[
+                "bench",
+                "--config",
+                "exp.toml",
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+                "--prompt-tokens",
+                "4",
+                "--decode-tokens",
+                "20",
+                "--decode-batch",
+                batch,
+                "--json",
+            ],
+        );
+        assert!(out.status.success(), "{}", stderr(&out));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let (one, three) = (bench("1"), bench("3"));
+    assert_eq!(one["decode_batch"], 1);
+    assert_eq!(three["decode_batch"], 3);
+    for r in [&one, &three] {
+        let rate = r["decode_tokens_per_s"].as_f64().unwrap();
+        assert!(rate.is_finite() && rate > 0.0, "{r}");
+    }
+    let out = tinygpt(
+        dir.path(),
+        &[
+            "bench",
+            "--config",
+            "exp.toml",
+            "--steps",
+            "1",
+            "--decode-tokens",
+            "2",
+            "--decode-batch",
+            "2",
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("2 sequences together"), "{text}");
+}
