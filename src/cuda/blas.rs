@@ -11,7 +11,7 @@
 use anyhow::{ensure, Result};
 
 use super::buffers::Buf;
-use super::calls::ColumnMajor;
+use super::calls::{ColumnMajor, Operands};
 use super::gpu::Gpu;
 use crate::config::Precision;
 use crate::model::spec::{LinearParams, ModelSpec};
@@ -88,6 +88,21 @@ pub fn matmul(
     beta: f32,
     batch: usize,
 ) -> Result<()> {
+    let call = column_major(Operands::F32, c, a, b, (alpha, beta), batch)?;
+    // SAFETY: the addresses are into the engine's live buffers on `gpu`, sized for
+    // these shapes (shapes, row spacings and batch strides checked).
+    unsafe { gpu.gemm(&call, precision) }
+}
+
+/// C = op(A) op(B) as cuBLAS's column-major product, once the shapes agree.
+fn column_major(
+    operands: Operands,
+    c: Matrix,
+    a: Operand,
+    b: Operand,
+    (alpha, beta): (f32, f32),
+    batch: usize,
+) -> Result<ColumnMajor> {
     let ((m, k), (k2, n)) = (a.shape(), b.shape());
     ensure!(
         k == k2 && (c.rows, c.cols) == (m, n),
@@ -111,7 +126,8 @@ pub fn matmul(
         );
     }
     // Cᵀ = op(B)ᵀ op(A)ᵀ: B comes first, each operand keeps its own transposition.
-    let call = ColumnMajor {
+    Ok(ColumnMajor {
+        operands,
         transa: b.transposed,
         transb: a.transposed,
         m: n,
@@ -129,10 +145,7 @@ pub fn matmul(
         ldc: c.ld,
         stride_c: c.stride,
         batch,
-    };
-    // SAFETY: the addresses are into the engine's live buffers on `gpu`, sized for
-    // these shapes (shapes, row spacings and batch strides checked above).
-    unsafe { gpu.gemm(&call, precision) }
+    })
 }
 
 /// A linear layer forward: out (rows, d_out) = x Wᵀ (+ b), its weights read from the
@@ -155,6 +168,35 @@ pub fn linear(
         Matrix::new(w, p.d_out, p.d_in).t(),
     );
     matmul(gpu, precision, c, a, b, 1.0, 0.0, 1)?;
+    if let Some(bias) = p.bias {
+        gpu.add_bias(out, params.at(spec[bias].offset), rows, p.d_out)?;
+    }
+    Ok(())
+}
+
+/// [`linear`] over bf16 in memory: x16 (rows, d_in) already rounded to bf16, the weight
+/// read from `weights16` (the flat parameters as bf16, at the spec's offsets), f32 sums
+/// into f32 `out`; the bias added from the f32 `params`. Half the bytes a product
+/// reads from the weights: a decoding step at batch 1 is mostly that read.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_bf16(
+    gpu: &Gpu,
+    spec: &ModelSpec,
+    (weights16, params): (&Buf<u16>, &Buf<f32>),
+    out: u64,
+    x16: u64,
+    p: &LinearParams,
+    rows: usize,
+) -> Result<()> {
+    let w = weights16.at(spec[p.weight].offset);
+    let (c, a, b) = (
+        Matrix::new(out, rows, p.d_out),
+        Matrix::new(x16, rows, p.d_in).n(),
+        Matrix::new(w, p.d_out, p.d_in).t(),
+    );
+    let call = column_major(Operands::Bf16, c, a, b, (1.0, 0.0), 1)?;
+    // SAFETY: `out`, `x16` and the weights are live buffers of these shapes.
+    unsafe { gpu.gemm(&call, Precision::Bf16) }?;
     if let Some(bias) = p.bias {
         gpu.add_bias(out, params.at(spec[bias].offset), rows, p.d_out)?;
     }

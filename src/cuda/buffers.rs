@@ -23,6 +23,8 @@ pub trait Value: Copy + Default + DeviceRepr + ValidAsZeroBits {}
 #[cfg(not(feature = "cuda"))]
 pub trait Value: Copy + Default {}
 impl Value for f32 {}
+/// bf16 bits.
+impl Value for u16 {}
 impl Value for f64 {}
 impl Value for u32 {}
 impl Value for u64 {}

@@ -122,13 +122,23 @@ kernels! {
     AttendCachedPartial = "attend_cached_partial" in "decode",
     AttendCachedCombine = "attend_cached_combine" in "decode",
     LastRows = "last_rows" in "decode",
+    ToBf16 = "to_bf16" in "elementwise",
     SampleTokens = "sample_tokens" in "sample",
+}
+
+/// What a product's operands A and B are in memory (C is f32 either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Operands {
+    F32,
+    /// bf16 values (the decoder's resident weights and its rows rounded to match).
+    Bf16,
 }
 
 /// One column-major strided-batched product as cuBLAS takes it:
 /// C = alpha op(A) op(B) + beta C, op(A) m x k, op(B) k x n, for each of `batch`.
 #[derive(Debug, Clone, Copy)]
 pub struct ColumnMajor {
+    pub operands: Operands,
     pub transa: bool,
     pub transb: bool,
     pub m: usize,

@@ -11,7 +11,7 @@ use anyhow::{bail, ensure, Result};
 #[cfg(feature = "cuda")]
 use candle_core::Device;
 
-use super::blas::linear;
+use super::blas::{linear, linear_bf16};
 use super::buffers::Buf;
 use super::gpu::Gpu;
 use super::gpu::Recording;
@@ -47,11 +47,23 @@ pub struct CudaDecoder {
     logits_read: bool,
     /// Drawing on the device: made at the first draw.
     draws: Option<Draws>,
+    /// With bf16 products: the weights as bf16 and a row buffer to round inputs into.
+    bf16: Option<Bf16Copies>,
     /// Whether one-token steps replay a recording (`TINYGPT_CUDA_GRAPHS=0`: never).
     replays: bool,
     /// The recorded step, once made; it reads its position from `position`.
     step: Option<Recording>,
     position: Buf<i32>,
+}
+
+/// The weights a product reads, as bf16 (half the bytes of a step's weight reads, which
+/// are most of a batch-1 step), and the rows rounded to bf16 before each product (the
+/// rounding the tensor cores applied to f32 operands before).
+struct Bf16Copies {
+    /// The flat parameters, rounded: the spec's offsets address them.
+    weights: Buf<u16>,
+    /// (rows, the widest input of a linear layer).
+    x: Buf<u16>,
 }
 
 /// What drawing tokens on the device holds besides the logits.
@@ -164,8 +176,20 @@ impl CudaDecoder {
             logits: zeros(batch * s.vocab_size)?,
         };
         let position = Buf::zeros(&gpu, 1)?;
+        let params = Buf::from_host(&gpu, values)?;
+        let bf16 = match precision {
+            Precision::F32 => None,
+            Precision::Bf16 => {
+                let weights = Buf::<u16>::zeros(&gpu, params.len())?;
+                gpu.to_bf16(weights.ptr(), params.ptr(), params.len())?;
+                let widest = c.max(s.mlp_hidden);
+                let x = Buf::<u16>::zeros(&gpu, rows * widest)?;
+                Some(Bf16Copies { weights, x })
+            }
+        };
         Ok(Self {
-            params: Buf::from_host(&gpu, values)?,
+            params,
+            bf16,
             spec: spec.clone(),
             gpu,
             precision,
@@ -471,8 +495,14 @@ impl CudaDecoder {
     }
 
     fn linear(&self, out: u64, x: u64, p: &LinearParams, rows: usize) -> Result<()> {
-        let (spec, params) = (&self.spec, &self.params);
-        linear(&self.gpu, self.precision, spec, params, out, x, p, rows)
+        let (spec, params, g) = (&self.spec, &self.params, &self.gpu);
+        match &self.bf16 {
+            None => linear(g, self.precision, spec, params, out, x, p, rows),
+            Some(b) => {
+                g.to_bf16(b.x.ptr(), x, rows * p.d_in)?;
+                linear_bf16(g, spec, (&b.weights, params), out, b.x.ptr(), p, rows)
+            }
+        }
     }
 
     /// out = the norm of each of `rows` rows of x; `stats` holds 2 rows of statistics.

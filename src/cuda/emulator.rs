@@ -7,7 +7,7 @@ use std::ffi::{c_char, c_void, CString};
 
 use anyhow::{bail, Result};
 
-use super::calls::{ColumnMajor, Launch};
+use super::calls::{ColumnMajor, Launch, Operands};
 use crate::config::Precision;
 
 extern "C" {
@@ -67,21 +67,32 @@ pub unsafe fn launch(
 
 /// cuBLAS's strided-batched product, column-major: C = alpha op(A) op(B) + beta C
 /// (beta 0 ignores C, as cuBLAS does). Under `Precision::Bf16` each operand is rounded
-/// to bf16 first and the sums stay f32, as the tensor cores do.
+/// to bf16 first and the sums stay f32, as the tensor cores do; bf16 operands in memory
+/// (`Operands::Bf16`) are read as they are.
 ///
 /// # Safety
-/// The addresses are into live host f32 buffers holding the matrices `g` describes.
+/// The addresses are into live host buffers holding the matrices `g` describes: f32
+/// ones, or A and B of bf16 bits.
 pub unsafe fn gemm(g: &ColumnMajor, precision: Precision) {
     let round = |x: f32| match precision {
         Precision::F32 => x,
         Precision::Bf16 => crate::cpu::bf16::round_to_bf16(x),
     };
-    let at = |base: u64, i: usize| base as *mut f32 as usize + 4 * i;
+    // SAFETY (each read): in the matrices the caller describes.
+    let operand = |base: usize, i: usize| match g.operands {
+        Operands::F32 => round(unsafe { *(base as *const f32).add(i) }),
+        Operands::Bf16 => f32::from_bits(u32::from(unsafe { *(base as *const u16).add(i) }) << 16),
+    };
+    let width = match g.operands {
+        Operands::F32 => 4,
+        Operands::Bf16 => 2,
+    };
+    let at = |base: u64, i: usize, width: usize| base as usize + width * i;
     for batch in 0..g.batch {
         let (a, b, c) = (
-            at(g.a, batch * g.stride_a),
-            at(g.b, batch * g.stride_b),
-            at(g.c, batch * g.stride_c),
+            at(g.a, batch * g.stride_a, width),
+            at(g.b, batch * g.stride_b, width),
+            at(g.c, batch * g.stride_c, 4),
         );
         for col in 0..g.n {
             for row in 0..g.m {
@@ -97,10 +108,7 @@ pub unsafe fn gemm(g: &ColumnMajor, precision: Precision) {
                     } else {
                         k + col * g.ldb
                     };
-                    // SAFETY: in the matrices the caller describes.
-                    let (x, y) =
-                        unsafe { (*(a as *const f32).add(ai), *(b as *const f32).add(bi)) };
-                    sum += round(x) * round(y);
+                    sum += operand(a, ai) * operand(b, bi);
                 }
                 // SAFETY: as above.
                 let out = unsafe { &mut *(c as *mut f32).add(row + col * g.ldc) };

@@ -237,9 +237,15 @@ fn ptx(module: &str) -> &'static str {
 /// cuBLAS's strided-batched product (`Gpu::gemm` on CUDA; same safety contract).
 #[cfg(feature = "cuda")]
 unsafe fn cublas_gemm(blas: &CudaBlas, g: &ColumnMajor, precision: Precision) -> Result<()> {
-    let compute = match precision {
-        Precision::F32 => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-        Precision::Bf16 => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
+    use sys::cublasComputeType_t::{CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_16BF};
+    use sys::cudaDataType_t::{CUDA_R_16BF, CUDA_R_32F};
+    // bf16 operands in memory sum in f32; f32 ones either stay f32 or are rounded to
+    // bf16 on the tensor cores.
+    use super::calls::Operands;
+    let (operands, compute) = match (g.operands, precision) {
+        (Operands::Bf16, _) => (CUDA_R_16BF, CUBLAS_COMPUTE_32F),
+        (Operands::F32, Precision::F32) => (CUDA_R_32F, CUBLAS_COMPUTE_32F),
+        (Operands::F32, Precision::Bf16) => (CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_16BF),
     };
     let op = |t: bool| {
         if t {
@@ -248,7 +254,6 @@ unsafe fn cublas_gemm(blas: &CudaBlas, g: &ColumnMajor, precision: Precision) ->
             sys::cublasOperation_t::CUBLAS_OP_N
         }
     };
-    let f32 = sys::cudaDataType_t::CUDA_R_32F;
     let dim = |x: usize| i32::try_from(x).context("a matrix dimension over 2^31");
     // SAFETY: the addresses are as the caller promises, on the handle's stream; alpha
     // and beta are host values that outlive the call.
@@ -262,16 +267,16 @@ unsafe fn cublas_gemm(blas: &CudaBlas, g: &ColumnMajor, precision: Precision) ->
             dim(g.k)?,
             (&g.alpha) as *const f32 as *const _,
             g.a as *const _,
-            f32,
+            operands,
             dim(g.lda)?,
             g.stride_a as i64,
             g.b as *const _,
-            f32,
+            operands,
             dim(g.ldb)?,
             g.stride_b as i64,
             (&g.beta) as *const f32 as *const _,
             g.c as *mut _,
-            f32,
+            CUDA_R_32F,
             dim(g.ldc)?,
             g.stride_c as i64,
             dim(g.batch)?,

@@ -645,6 +645,11 @@ impl Gpu {
             int(splits))
     }
 
+    /// dst (n bf16 values) = src (n f32 values) rounded to nearest even.
+    pub fn to_bf16(&self, dst: u64, src: u64, n: usize) -> Result<()> {
+        launch!(self, ToBf16, elements(n); dst, src, long(n))
+    }
+
     /// dst (batch, C) = each sequence's last row of src (batch T, C).
     pub fn last_rows(&self, dst: u64, src: u64, batch: usize, t: usize, c: usize) -> Result<()> {
         launch!(self, LastRows, elements(batch * c); dst, src, int(batch), int(t), int(c))
@@ -698,6 +703,7 @@ pub struct AdamBuffers {
 mod tests {
     use super::super::buffers::Buf;
     use super::*;
+    use crate::config::Precision;
 
     /// Where the kernels can run in this build: the emulator, and the first GPU where
     /// the build and the machine have one (said loudly when not).
@@ -967,6 +973,119 @@ mod tests {
                     "{place}: batch {batch}, {t} rows from position {first}: off by {err}"
                 );
             }
+        }
+    }
+
+    /// `to_bf16` rounds as the host's `to_bf16_bits` (nearest, ties to even; NaN quiet;
+    /// infinities, subnormals and the largest finite values), bit for bit.
+    #[test]
+    fn rounding_to_bf16_is_the_hosts() {
+        let mut values = vec![
+            0.0f32,
+            -0.0,
+            1.0,
+            f32::from_bits(0x3f80_8000), // a tie: to even (down)
+            f32::from_bits(0x3f81_8000), // a tie: to even (up)
+            f32::from_bits(0x3f80_8001),
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::from_bits(0x7f80_0001), // a signalling NaN
+            f32::MAX,
+            f32::MIN_POSITIVE / 3.0,
+        ];
+        values.extend((0..500u32).map(|i| f32::from_bits(i.wrapping_mul(2654435761))));
+        for (place, gpu) in gpus() {
+            let (src, dst) = (
+                Buf::from_host(&gpu, &values).unwrap(),
+                Buf::<u16>::zeros(&gpu, values.len()).unwrap(),
+            );
+            gpu.to_bf16(dst.ptr(), src.ptr(), values.len()).unwrap();
+            let got = dst.read(&gpu, values.len()).unwrap();
+            for (x, g) in values.iter().zip(got) {
+                let want = crate::cpu::bf16::to_bf16_bits(*x);
+                assert_eq!(g, want, "{place}: {x:e} ({:#x})", x.to_bits());
+            }
+        }
+    }
+
+    /// A linear layer over bf16 in memory (the decoder's resident weights, its rows
+    /// rounded first) computes what the bf16 product over f32 data does (operands
+    /// rounded on the way in, f32 sums): the same numbers in the emulator, within
+    /// summation order on a GPU; the bias added either way.
+    #[test]
+    fn linear_layers_over_bf16_in_memory_are_bf16_products() {
+        use super::super::blas::{linear, linear_bf16};
+        use crate::config::ModelConfig;
+        use crate::model::ModelSpec;
+        let cfg = ModelConfig {
+            n_layer: 1,
+            n_head: 2,
+            n_embd: 24,
+            block_size: 4,
+            vocab_size: 7,
+            ..ModelConfig::default()
+        };
+        let spec = ModelSpec::new(&cfg);
+        let p = spec.blocks[0].mlp_fc;
+        let values: Vec<f32> = (0..spec.len() as u32)
+            .map(|i| ((i.wrapping_mul(2654435761) >> 8) % 2001) as f32 / 997.0 - 1.0)
+            .collect();
+        let rows = 5;
+        let x: Vec<f32> = (0..(rows * p.d_in) as u32)
+            .map(|i| (i as f32 * 0.37).sin())
+            .collect();
+        for (place, gpu) in gpus() {
+            let params = Buf::from_host(&gpu, &values).unwrap();
+            let weights16 = Buf::<u16>::zeros(&gpu, values.len()).unwrap();
+            gpu.to_bf16(weights16.ptr(), params.ptr(), values.len())
+                .unwrap();
+            let (x, x16) = (
+                Buf::from_host(&gpu, &x).unwrap(),
+                Buf::<u16>::zeros(&gpu, rows * p.d_in).unwrap(),
+            );
+            gpu.to_bf16(x16.ptr(), x.ptr(), rows * p.d_in).unwrap();
+            let (want, got) = (
+                Buf::<f32>::zeros(&gpu, rows * p.d_out).unwrap(),
+                Buf::<f32>::zeros(&gpu, rows * p.d_out).unwrap(),
+            );
+            let bf16 = Precision::Bf16;
+            linear(&gpu, bf16, &spec, &params, want.ptr(), x.ptr(), &p, rows).unwrap();
+            linear_bf16(
+                &gpu,
+                &spec,
+                (&weights16, &params),
+                got.ptr(),
+                x16.ptr(),
+                &p,
+                rows,
+            )
+            .unwrap();
+            let (want, got) = (
+                want.read(&gpu, rows * p.d_out).unwrap(),
+                got.read(&gpu, rows * p.d_out).unwrap(),
+            );
+            let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+            let err = rel_err(&got, &want64);
+            let tol = if place == "emulator" { 0.0 } else { 1e-5 };
+            assert!(err <= tol, "{place}: off by {err:e}");
+            let f32_products = Buf::<f32>::zeros(&gpu, rows * p.d_out).unwrap();
+            linear(
+                &gpu,
+                Precision::F32,
+                &spec,
+                &params,
+                f32_products.ptr(),
+                x.ptr(),
+                &p,
+                rows,
+            )
+            .unwrap();
+            let exact = f32_products.read(&gpu, rows * p.d_out).unwrap();
+            assert!(
+                rel_err(&exact, &want64) > 1e-4,
+                "{place}: the operands were not rounded"
+            );
         }
     }
 

@@ -75,6 +75,7 @@ const std::vector<Kernel>& kernels() {
         entry("dropout_apply", dropout_apply, false),
         entry("add_bias", add_bias, false),
         entry("rope", rope, false),
+        entry("to_bf16", to_bf16, false),
         entry("split_heads", split_heads, false),
         entry("merge_heads", merge_heads, false),
         entry("split_rows", split_rows, false),
