@@ -327,51 +327,37 @@ fn padded_vocabulary_and_fine_tuning_runs() {
 #[test]
 fn bench_decodes_several_sequences_together() {
     let dir = setup();
-    let bench = |batch: &str| {
-        let out = tinygpt(
-            dir.path(),
-            &[
-                "bench",
-                "--config",
-                "exp.toml",
-                "--steps",
-                "1",
-                "--warmup",
-                "0",
-                "--prompt-tokens",
-                "4",
-                "--decode-tokens",
-                "20",
-                "--decode-batch",
-                batch,
-                "--json",
-            ],
-        );
+    let bench = |batch: &str, json: bool| {
+        let mut args = vec![
+            "bench",
+            "--config",
+            "exp.toml",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--prompt-tokens",
+            "4",
+            "--decode-tokens",
+            "20",
+            "--decode-batch",
+            batch,
+        ];
+        if json {
+            args.push("--json");
+        }
+        let out = tinygpt(dir.path(), &args);
         assert!(out.status.success(), "{}", stderr(&out));
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+        out.stdout
     };
-    let (one, three) = (bench("1"), bench("3"));
+    let report = |batch| serde_json::from_slice::<serde_json::Value>(&bench(batch, true)).unwrap();
+    let (one, three) = (report("1"), report("3"));
     assert_eq!(one["decode_batch"], 1);
     assert_eq!(three["decode_batch"], 3);
     for r in [&one, &three] {
         let rate = r["decode_tokens_per_s"].as_f64().unwrap();
         assert!(rate.is_finite() && rate > 0.0, "{r}");
     }
-    let out = tinygpt(
-        dir.path(),
-        &[
-            "bench",
-            "--config",
-            "exp.toml",
-            "--steps",
-            "1",
-            "--decode-tokens",
-            "2",
-            "--decode-batch",
-            "2",
-        ],
-    );
-    assert!(out.status.success(), "{}", stderr(&out));
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = String::from_utf8(bench("2", false)).unwrap();
     assert!(text.contains("2 sequences together"), "{text}");
 }

@@ -148,12 +148,22 @@ fn column_major(
     })
 }
 
-/// A linear layer forward: out (rows, d_out) = x Wᵀ (+ b), its weights read from the
-/// flat parameter buffer `params` at the spec's offsets.
+/// Where a linear layer reads its weight matrix: the f32 flat parameters (products in
+/// the precision given), or their bf16 copy (the same offsets), whose input rows the
+/// caller has rounded to bf16 too: half the bytes a product reads from the weights, and
+/// a decoding step at batch 1 is mostly that read.
+#[derive(Clone, Copy)]
+pub enum Weights<'a> {
+    F32(Precision),
+    Bf16(&'a Buf<u16>),
+}
+
+/// A linear layer forward: out (rows, d_out) = x Wᵀ (+ b), its weights read at the
+/// spec's offsets (from `weights`), the bias from the flat parameter buffer `params`.
 #[allow(clippy::too_many_arguments)]
 pub fn linear(
     gpu: &Gpu,
-    precision: Precision,
+    weights: Weights,
     spec: &ModelSpec,
     params: &Buf<f32>,
     out: u64,
@@ -161,42 +171,19 @@ pub fn linear(
     p: &LinearParams,
     rows: usize,
 ) -> Result<()> {
-    let w = params.at(spec[p.weight].offset);
+    let offset = spec[p.weight].offset;
+    let (operands, w, precision) = match weights {
+        Weights::F32(precision) => (Operands::F32, params.at(offset), precision),
+        Weights::Bf16(copy) => (Operands::Bf16, copy.at(offset), Precision::Bf16),
+    };
     let (c, a, b) = (
         Matrix::new(out, rows, p.d_out),
         Matrix::new(x, rows, p.d_in).n(),
         Matrix::new(w, p.d_out, p.d_in).t(),
     );
-    matmul(gpu, precision, c, a, b, 1.0, 0.0, 1)?;
-    if let Some(bias) = p.bias {
-        gpu.add_bias(out, params.at(spec[bias].offset), rows, p.d_out)?;
-    }
-    Ok(())
-}
-
-/// [`linear`] over bf16 in memory: x16 (rows, d_in) already rounded to bf16, the weight
-/// read from `weights16` (the flat parameters as bf16, at the spec's offsets), f32 sums
-/// into f32 `out`; the bias added from the f32 `params`. Half the bytes a product
-/// reads from the weights: a decoding step at batch 1 is mostly that read.
-#[allow(clippy::too_many_arguments)]
-pub fn linear_bf16(
-    gpu: &Gpu,
-    spec: &ModelSpec,
-    (weights16, params): (&Buf<u16>, &Buf<f32>),
-    out: u64,
-    x16: u64,
-    p: &LinearParams,
-    rows: usize,
-) -> Result<()> {
-    let w = weights16.at(spec[p.weight].offset);
-    let (c, a, b) = (
-        Matrix::new(out, rows, p.d_out),
-        Matrix::new(x16, rows, p.d_in).n(),
-        Matrix::new(w, p.d_out, p.d_in).t(),
-    );
-    let call = column_major(Operands::Bf16, c, a, b, (1.0, 0.0), 1)?;
-    // SAFETY: `out`, `x16` and the weights are live buffers of these shapes.
-    unsafe { gpu.gemm(&call, Precision::Bf16) }?;
+    let call = column_major(operands, c, a, b, (1.0, 0.0), 1)?;
+    // SAFETY: `out`, `x` and the weights are live buffers of these shapes (checked).
+    unsafe { gpu.gemm(&call, precision) }?;
     if let Some(bias) = p.bias {
         gpu.add_bias(out, params.at(spec[bias].offset), rows, p.d_out)?;
     }

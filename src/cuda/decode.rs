@@ -11,7 +11,7 @@ use anyhow::{bail, ensure, Result};
 #[cfg(feature = "cuda")]
 use candle_core::Device;
 
-use super::blas::{linear, linear_bf16};
+use super::blas::{linear, Weights};
 use super::buffers::Buf;
 use super::gpu::Gpu;
 use super::gpu::Recording;
@@ -497,10 +497,20 @@ impl CudaDecoder {
     fn linear(&self, out: u64, x: u64, p: &LinearParams, rows: usize) -> Result<()> {
         let (spec, params, g) = (&self.spec, &self.params, &self.gpu);
         match &self.bf16 {
-            None => linear(g, self.precision, spec, params, out, x, p, rows),
+            None => linear(
+                g,
+                Weights::F32(self.precision),
+                spec,
+                params,
+                out,
+                x,
+                p,
+                rows,
+            ),
             Some(b) => {
                 g.to_bf16(b.x.ptr(), x, rows * p.d_in)?;
-                linear_bf16(g, spec, (&b.weights, params), out, b.x.ptr(), p, rows)
+                let weights = Weights::Bf16(&b.weights);
+                linear(g, weights, spec, params, out, b.x.ptr(), p, rows)
             }
         }
     }

@@ -18,7 +18,7 @@ use anyhow::{ensure, Context, Result};
 #[cfg(feature = "cuda")]
 use candle_core::Device;
 
-use super::blas::{linear, matmul, Matrix};
+use super::blas::{linear, matmul, Matrix, Weights};
 use super::buckets::Buckets;
 use super::buffers::{Buf, Staging};
 use super::gpu::Gpu;
@@ -646,7 +646,7 @@ impl FusedCuda {
         let (spec, params) = (&self.spec, &self.params);
         linear(
             &self.gpu,
-            self.precision,
+            Weights::F32(self.precision),
             spec,
             params,
             out,

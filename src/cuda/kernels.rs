@@ -1015,7 +1015,7 @@ mod tests {
     /// summation order on a GPU; the bias added either way.
     #[test]
     fn linear_layers_over_bf16_in_memory_are_bf16_products() {
-        use super::super::blas::{linear, linear_bf16};
+        use super::super::blas::{linear, Weights};
         use crate::config::ModelConfig;
         use crate::model::ModelSpec;
         let cfg = ModelConfig {
@@ -1049,18 +1049,11 @@ mod tests {
                 Buf::<f32>::zeros(&gpu, rows * p.d_out).unwrap(),
                 Buf::<f32>::zeros(&gpu, rows * p.d_out).unwrap(),
             );
-            let bf16 = Precision::Bf16;
-            linear(&gpu, bf16, &spec, &params, want.ptr(), x.ptr(), &p, rows).unwrap();
-            linear_bf16(
-                &gpu,
-                &spec,
-                (&weights16, &params),
-                got.ptr(),
-                x16.ptr(),
-                &p,
-                rows,
-            )
-            .unwrap();
+            let layer = |weights, out: &Buf<f32>, x: u64| {
+                linear(&gpu, weights, &spec, &params, out.ptr(), x, &p, rows).unwrap()
+            };
+            layer(Weights::F32(Precision::Bf16), &want, x.ptr());
+            layer(Weights::Bf16(&weights16), &got, x16.ptr());
             let (want, got) = (
                 want.read(&gpu, rows * p.d_out).unwrap(),
                 got.read(&gpu, rows * p.d_out).unwrap(),
@@ -1070,17 +1063,7 @@ mod tests {
             let tol = if place == "emulator" { 0.0 } else { 1e-5 };
             assert!(err <= tol, "{place}: off by {err:e}");
             let f32_products = Buf::<f32>::zeros(&gpu, rows * p.d_out).unwrap();
-            linear(
-                &gpu,
-                Precision::F32,
-                &spec,
-                &params,
-                f32_products.ptr(),
-                x.ptr(),
-                &p,
-                rows,
-            )
-            .unwrap();
+            layer(Weights::F32(Precision::F32), &f32_products, x.ptr());
             let exact = f32_products.read(&gpu, rows * p.d_out).unwrap();
             assert!(
                 rel_err(&exact, &want64) > 1e-4,
