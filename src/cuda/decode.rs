@@ -382,9 +382,16 @@ impl CudaDecoder {
                 self.step = self.record_step();
             }
         }
+        let at = Positions { t, first: self.len }.into();
         match &self.step {
-            Some(step) if t == 1 => self.gpu.replay(step)?,
-            _ => self.forward_kernels(Positions { t, first: self.len }.into())?,
+            Some(step) if t == 1 => {
+                if let Err(e) = self.gpu.replay(step) {
+                    eprintln!("note: decoding launches each kernel (a replay failed: {e:#})");
+                    self.set_replays(false);
+                    self.forward_kernels(at)?;
+                }
+            }
+            _ => self.forward_kernels(at)?,
         }
         self.logits_read = false;
         self.len += t;

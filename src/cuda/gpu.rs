@@ -166,9 +166,11 @@ impl Gpu {
                 // Relaxed: cuBLAS may allocate its work space at its first product.
                 let relaxed = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
                 gpu.stream.begin_capture(relaxed)?;
-                let worked = work();
-                // Capture ends whatever `work` did, so the stream runs work again.
+                // Capture ends whatever `work` did, even a panic, so the stream (candle's
+                // too) runs work again.
+                let worked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
                 let graph = gpu.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+                let worked = worked.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
                 worked?;
                 let graph = graph?.context("the CUDA graph recorded nothing")?;
                 graph.upload()?;

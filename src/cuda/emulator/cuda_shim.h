@@ -15,6 +15,7 @@
 #define __device__
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
+#define __launch_bounds__(...)
 
 struct dim3 {
     unsigned x, y, z;

@@ -233,7 +233,8 @@ __device__ int argmax(const float* x, int n) {
 // Ids from text_vocab on are padding no text maps to: never chosen.
 // Work space: weights (batch, V); keys (batch, V rounded up to a power of two);
 // seen (batch, V), all zero, left zero. One block of SAMPLE_THREADS per sequence.
-extern "C" __global__ void sample_tokens(unsigned* chosen, float* weights,
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_tokens(unsigned* chosen, float* weights,
                                          unsigned long long* keys, unsigned* seen,
                                          const float* logits, const unsigned* context,
                                          int context_len, int stride, const double* uniforms,
