@@ -407,7 +407,12 @@ fn drawing_on_the_device_follows_the_host_samplers() {
             top_p,
             repetition_penalty,
         };
-        let args = SamplingArgs::new(temperature, top_k, top_p, repetition_penalty);
+        let args = SamplingArgs::new(
+            (temperature > 0.0).then_some(temperature),
+            top_k,
+            top_p,
+            repetition_penalty,
+        );
         let samplers = || -> Vec<Sampler> {
             (0..batch as u64)
                 .map(|b| Sampler::new(params.clone(), 40 + b).unwrap())

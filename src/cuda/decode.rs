@@ -30,7 +30,6 @@ const MAX_ROWS: usize = 4096;
 pub struct CudaDecoder {
     spec: ModelSpec,
     gpu: Gpu,
-    precision: Precision,
     params: Buf<f32>,
     tables: PositionTables,
     batch: usize,
@@ -47,7 +46,8 @@ pub struct CudaDecoder {
     logits_read: bool,
     /// Drawing on the device: made at the first draw.
     draws: Option<Draws>,
-    /// With bf16 products: the weights as bf16 and a row buffer to round inputs into.
+    /// With bf16 products: the weights as bf16 and a row buffer to round inputs into;
+    /// none: f32 products over the f32 weights.
     bf16: Option<Bf16Copies>,
     /// Whether one-token steps replay a recording (`TINYGPT_CUDA_GRAPHS=0`: never).
     replays: bool,
@@ -77,6 +77,8 @@ struct Draws {
     chosen: Buf<u32>,
     /// The ids read back.
     chosen_host: Vec<u32>,
+    /// The contexts laid end to end, for their upload.
+    context_host: Vec<u32>,
 }
 
 /// Work space for `chunk` positions of every sequence.
@@ -192,7 +194,6 @@ impl CudaDecoder {
             bf16,
             spec: spec.clone(),
             gpu,
-            precision,
             tables,
             batch,
             chunk,
@@ -317,8 +318,10 @@ impl CudaDecoder {
                 len <= s.block_size && contexts.iter().all(|c| c.len() == len),
                 "contexts of equal lengths within the block"
             );
-            let flat: Vec<u32> = contexts.iter().flat_map(|c| c.iter().copied()).collect();
-            d.context.write(&self.gpu, &flat)?;
+            d.context_host.clear();
+            d.context_host
+                .extend(contexts.iter().flat_map(|c| c.iter().copied()));
+            d.context.write(&self.gpu, &d.context_host)?;
             len
         } else {
             0
@@ -506,7 +509,7 @@ impl CudaDecoder {
         match &self.bf16 {
             None => linear(
                 g,
-                Weights::F32(self.precision),
+                Weights::F32(Precision::F32),
                 spec,
                 params,
                 out,
@@ -547,6 +550,7 @@ impl Draws {
             context: Buf::zeros(gpu, batch * block)?,
             chosen: Buf::zeros(gpu, batch)?,
             chosen_host: vec![0; batch],
+            context_host: Vec::with_capacity(batch * block),
         })
     }
 }

@@ -83,20 +83,21 @@ pub struct SamplingArgs {
 }
 
 impl SamplingArgs {
-    /// The host sampler's settings (`generate::sample::SamplingParams`): a temperature
-    /// (below 1e-6: greedy), top-k (0: all), top-p (1: all), repetition penalty (1: none).
-    pub fn new(temperature: f64, top_k: usize, top_p: f64, repetition_penalty: f64) -> Self {
-        let greedy = temperature < 1e-6;
+    /// The host sampler's settings (`generate::sample::SamplingParams`, which decides
+    /// what is greedy): the temperature (none: greedy), top-k (0: all), top-p (1: all),
+    /// repetition penalty (1: none).
+    pub fn new(
+        temperature: Option<f64>,
+        top_k: usize,
+        top_p: f64,
+        repetition_penalty: f64,
+    ) -> Self {
         Self {
             top_p,
-            inv_temperature: if greedy {
-                1.0
-            } else {
-                1.0 / temperature as f32
-            },
+            inv_temperature: temperature.map_or(1.0, |t| 1.0 / t as f32),
             penalty: repetition_penalty as f32,
             top_k: i32::try_from(top_k).unwrap_or(i32::MAX),
-            greedy: i32::from(greedy),
+            greedy: i32::from(temperature.is_none()),
         }
     }
 
@@ -1125,7 +1126,12 @@ mod tests {
         let sampler = |b: usize| Sampler::new(params.clone(), seed * 100 + b as u64).unwrap();
         let (mut host, mut device): (Vec<_>, Vec<_>) =
             (0..batch).map(|b| (sampler(b), sampler(b))).unzip();
-        let args = SamplingArgs::new(temperature, top_k, top_p, repetition_penalty);
+        let args = SamplingArgs::new(
+            (temperature > 0.0).then_some(temperature),
+            top_k,
+            top_p,
+            repetition_penalty,
+        );
         let (weights, keys, seen) = (
             Buf::<f32>::zeros(gpu, batch * vocab).unwrap(),
             Buf::<u64>::zeros(gpu, batch * vocab.next_power_of_two()).unwrap(),
@@ -1296,7 +1302,7 @@ mod tests {
             Buf::from_host(gpu, logits).unwrap(),
             Buf::from_host(gpu, &[u]).unwrap(),
         );
-        let args = SamplingArgs::new(t, k, p, r);
+        let args = SamplingArgs::new((t > 0.0).then_some(t), k, p, r);
         let (no_context, shape) = ((0, 0, 1), (1, vocab, text_vocab));
         gpu.sample_tokens(
             chosen.ptr(),

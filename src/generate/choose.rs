@@ -41,7 +41,7 @@ impl Steps for crate::cuda::CudaDecoder {
     }
     fn step(&mut self, ids: &[u32]) -> Result<()> {
         self.run_step(ids)?;
-        let greedy = crate::cuda::SamplingArgs::new(0.0, 0, 1.0, 1.0);
+        let greedy = crate::cuda::SamplingArgs::new(None, 0, 1.0, 1.0);
         let vocab = self.vocab_size();
         self.draw(greedy, &vec![0.0; ids.len()], &[], vocab)
             .map(|_| ())

@@ -54,6 +54,9 @@ pub struct Decoder<'m> {
     logits: Vec<f32>,
     /// A copy of them the samplers change (penalty, masking, temperature).
     scratch: Vec<f32>,
+    /// The samplers' uniform draws, for the CUDA decoder to draw with.
+    #[cfg(feature = "cuda")]
+    uniforms: Vec<f64>,
     chosen: Vec<u32>,
 }
 
@@ -88,6 +91,8 @@ impl<'m> Decoder<'m> {
             windows: vec![Vec::new(); batch],
             logits: Vec::new(),
             scratch: Vec::new(),
+            #[cfg(feature = "cuda")]
+            uniforms: Vec::with_capacity(batch),
             chosen: vec![0; batch],
         })
     }
@@ -166,14 +171,14 @@ impl<'m> Decoder<'m> {
         if let Backend::Cuda(cuda) = &mut self.backend {
             if let Some(args) = device_sampling(samplers) {
                 let vocab = self.model.config().vocab_size;
-                let uniforms: Vec<f64> = samplers
-                    .iter_mut()
-                    .zip(active)
-                    .map(|(s, &a)| if a { s.next_uniform(vocab) } else { None })
-                    .map(|u| u.unwrap_or(0.0))
-                    .collect();
+                self.uniforms.clear();
+                self.uniforms
+                    .extend(samplers.iter_mut().zip(active).map(|(s, &a)| {
+                        let u = if a { s.next_uniform(vocab) } else { None };
+                        u.unwrap_or(0.0)
+                    }));
                 let contexts: Vec<&[u32]> = self.windows.iter().map(Vec::as_slice).collect();
-                let ids = cuda.draw(args, &uniforms, &contexts, text_vocab)?;
+                let ids = cuda.draw(args, &self.uniforms, &contexts, text_vocab)?;
                 for ((c, &id), &a) in self.chosen.iter_mut().zip(ids).zip(active) {
                     *c = if a { id } else { 0 };
                 }
@@ -235,7 +240,8 @@ impl<'m> Decoder<'m> {
 fn device_sampling(samplers: &[Sampler]) -> Option<crate::cuda::SamplingArgs> {
     let p = samplers.first()?.params();
     samplers.iter().all(|s| s.params() == p).then(|| {
-        crate::cuda::SamplingArgs::new(p.temperature, p.top_k, p.top_p, p.repetition_penalty)
+        let temperature = (!p.is_greedy()).then_some(p.temperature);
+        crate::cuda::SamplingArgs::new(temperature, p.top_k, p.top_p, p.repetition_penalty)
     })
 }
 
