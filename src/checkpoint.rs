@@ -73,8 +73,17 @@ pub struct TrainState {
     /// numbers cannot hold it). Dropout needs no state: its masks are a function of the
     /// step.
     pub sampler_position: String,
+    /// Processes that trained the steps before this checkpoint (data-parallel ranks);
+    /// a step is this many times train.batch_size x train.grad_accum sequences.
+    #[serde(default = "one_rank")]
+    pub ranks: usize,
     /// Size and SHA-256 of every other file of the checkpoint.
     pub files: BTreeMap<String, FileDigest>,
+}
+
+/// Checkpoints from before data-parallel training were written by one process.
+fn one_rank() -> usize {
+    1
 }
 
 /// One run's folder.

@@ -248,6 +248,16 @@ impl BatchSampler {
         out
     }
 
+    /// Draws what `sample_into(tokens, batch)` would, without copying any token: the
+    /// stream moves on as if `batch` had been refilled (a rank passing over the
+    /// micro-batches of the others).
+    pub fn skip(&mut self, tokens: &Tokens, batch: &Batch) {
+        let max_start = tokens.len() - batch.block - 1;
+        for _ in 0..batch.batch {
+            self.rng.random_range(0..=max_start);
+        }
+    }
+
     /// Refills `out` (keeping its batch and block sizes) with the next windows.
     pub fn sample_into(&mut self, tokens: &Tokens, out: &mut Batch) {
         let (batch, block) = (out.batch, out.block);
@@ -279,6 +289,18 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn skipping_a_batch_moves_the_stream_as_drawing_it_does() {
+        let tokens = Tokens::from_vec((0..1000).collect());
+        let (mut drawn, mut skipped) = (BatchSampler::new(3, 1), BatchSampler::new(3, 1));
+        let mut batch = Batch::empty(4, 16);
+        drawn.sample_into(&tokens, &mut batch);
+        let untouched = Batch::empty(4, 16);
+        skipped.skip(&tokens, &untouched);
+        assert_eq!(drawn.position(), skipped.position());
+        assert_eq!(drawn.sample(&tokens, 4, 16), skipped.sample(&tokens, 4, 16));
     }
 
     #[test]

@@ -87,3 +87,42 @@ impl fmt::Display for InterruptedError {
 }
 
 impl std::error::Error for InterruptedError {}
+
+/// Another rank of a data-parallel run failed, and said why; this one stops quietly
+/// with that rank's exit code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerFailed {
+    pub rank: usize,
+    pub code: i32,
+}
+
+impl fmt::Display for PeerFailed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "stopped: rank {} failed (exit {})", self.rank, self.code)
+    }
+}
+
+impl std::error::Error for PeerFailed {}
+
+/// The exit code for `err`: 2 for a user's mistake, 3 for divergence, 128 + signal for
+/// a stop, another rank's code when it failed, 1 for anything else.
+pub fn exit_code_of(err: &anyhow::Error) -> i32 {
+    if find_user_error(err).is_some() {
+        return exit_code::USER;
+    }
+    for cause in err.chain() {
+        if let Some(e) = cause.downcast_ref::<InterruptedError>() {
+            return 128 + e.signal;
+        }
+        if let Some(e) = cause.downcast_ref::<crate::util::Stopped>() {
+            return 128 + e.signal;
+        }
+        if let Some(e) = cause.downcast_ref::<PeerFailed>() {
+            return e.code;
+        }
+        if cause.downcast_ref::<DivergedError>().is_some() {
+            return exit_code::DIVERGED;
+        }
+    }
+    exit_code::INTERNAL
+}

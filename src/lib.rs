@@ -23,6 +23,7 @@ pub mod interop;
 pub mod lock;
 pub mod model;
 pub mod optim;
+pub mod parallel;
 pub mod plot;
 pub mod progress;
 pub mod sweep;

@@ -10,9 +10,12 @@ use std::sync::Arc;
 use clap::{Args, Parser, Subcommand};
 
 use tinygpt::config::Config;
-use tinygpt::error::{exit_code, find_user_error, DivergedError, InterruptedError};
+use tinygpt::error::{
+    exit_code, exit_code_of, find_user_error, DivergedError, InterruptedError, PeerFailed,
+};
+use tinygpt::parallel::{Launcher, World};
 use tinygpt::progress::TerminalReporter;
-use tinygpt::train::Start;
+use tinygpt::train::{Reporter, Silent, Start, Trainer};
 use tinygpt::util::{Stop, Stopped};
 
 #[derive(Parser)]
@@ -290,7 +293,7 @@ struct BenchArgs {
     json: bool,
 }
 
-fn run(cli: Cli) -> anyhow::Result<()> {
+fn run(cli: Cli, world: &World) -> anyhow::Result<()> {
     // Commands with long loops stop politely on the first Ctrl-C or SIGTERM (the loops
     // check; a second signal exits at once). The others keep the default, which ends
     // them at once: everything they write is written atomically.
@@ -308,26 +311,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Stop::new()
     };
     match cli.command {
-        Command::Train(args) => {
-            let mut overrides = args.overrides;
-            if let Some(device) = args.device {
-                overrides.push(format!("run.device={device:?}"));
-            }
-            if let Some(dir) = &args.init_from {
-                overrides.push(format!("train.init_from={:?}", dir.display().to_string()));
-            }
-            let config = Config::load(&args.config, &overrides)?;
-            // With --resume, --init-from only tells which run it is (its model section
-            // came from the other checkpoint); the weights come from this run's folder.
-            let start = match (args.resume, &config.train.init_from) {
-                (true, _) => Start::Resume,
-                (false, Some(dir)) => Start::InitFrom(dir.clone()),
-                (false, None) => Start::Fresh,
-            };
-            let mut trainer = tinygpt::train::Trainer::start_until(config, start, stop)?;
-            trainer.run(&mut TerminalReporter::new())?;
-            Ok(())
-        }
+        Command::Train(args) => train(args, stop, world),
         Command::Sweep(mut args) => {
             if let Some(device) = args.device.take() {
                 args.overrides.push(format!("run.device={device:?}"));
@@ -347,6 +331,85 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 mod commands;
+
+/// `tinygpt train`, as one process or as one rank of several. Starting is agreed among
+/// the ranks stage by stage (a rank that fails stops the others, and alone says why).
+/// In training the ranks meet at every step, so a stop or a divergence is seen by all
+/// at the same step; any other failure of one rank ends the whole job at once (MPI
+/// abort), as the others could not know and would wait for it forever.
+fn train(args: TrainArgs, stop: Stop, world: &World) -> anyhow::Result<()> {
+    let comm = std::sync::Arc::clone(&world.comm);
+    let config = tinygpt::parallel::agree(comm.as_ref(), train_config(&args));
+    let mut trainer =
+        config.and_then(|(config, start)| Trainer::start_on(config, start, stop, comm))?;
+    let mut reporter: Box<dyn Reporter> = match world.rank() {
+        0 => Box::new(TerminalReporter::new()),
+        _ => Box::new(Silent),
+    };
+    let trained = trainer.run(reporter.as_mut());
+    match trained {
+        Err(err) if world.size() > 1 && !ends_every_rank(&err) => {
+            print_error(&err, world);
+            world.comm.abort(exit_code_of(&err))
+        }
+        trained => trained.map(drop),
+    }
+}
+
+/// The config and how the run starts, from `train`'s arguments.
+fn train_config(args: &TrainArgs) -> anyhow::Result<(Config, Start)> {
+    let mut overrides = args.overrides.clone();
+    if let Some(device) = &args.device {
+        overrides.push(format!("run.device={device:?}"));
+    }
+    if let Some(dir) = &args.init_from {
+        overrides.push(format!("train.init_from={:?}", dir.display().to_string()));
+    }
+    let config = Config::load(&args.config, &overrides)?;
+    // With --resume, --init-from only tells which run it is (its model section came
+    // from the other checkpoint); the weights come from this run's folder.
+    let start = match (args.resume, &config.train.init_from) {
+        (true, _) => Start::Resume,
+        (false, Some(dir)) => Start::InitFrom(dir.clone()),
+        (false, None) => Start::Fresh,
+    };
+    Ok((config, start))
+}
+
+/// Whether every rank of a run meets `err` at the same step: a stop and a divergence
+/// are decided on what the ranks agreed (the signal, the reduced loss).
+fn ends_every_rank(err: &anyhow::Error) -> bool {
+    err.downcast_ref::<InterruptedError>().is_some()
+        || err.downcast_ref::<DivergedError>().is_some()
+        || err.downcast_ref::<PeerFailed>().is_some()
+}
+
+/// Prints `err`'s one line (on stderr). Of several ranks, rank 0 speaks for the
+/// outcomes all share; another rank speaks only of its own failure, naming itself.
+fn print_error(err: &anyhow::Error, world: &World) {
+    let rank = world.rank();
+    if world.size() > 1
+        && (err.downcast_ref::<PeerFailed>().is_some() || rank > 0 && ends_every_rank(err))
+    {
+        return;
+    }
+    let who = match world.size() {
+        1 => String::new(),
+        _ => format!("rank {rank}: "),
+    };
+    if let Some(user) = find_user_error(err) {
+        eprintln!("{who}error: {user}");
+    } else if let Some(stopped) = err.downcast_ref::<InterruptedError>() {
+        eprintln!("{stopped}");
+    } else if err.chain().any(|e| e.downcast_ref::<Stopped>().is_some()) {
+        // What was given up and what was kept, in one line.
+        eprintln!("{who}{err:#}");
+    } else if let Some(diverged) = err.downcast_ref::<DivergedError>() {
+        eprintln!("error: {diverged}");
+    } else {
+        eprintln!("{who}internal error: {err:#}");
+    }
+}
 
 /// Ctrl-C or SIGTERM asks the command to stop (training finishes its step, writes a
 /// checkpoint and stops; other work gives up within about a second). A second Ctrl-C
@@ -390,26 +453,33 @@ fn main() -> ExitCode {
         eprintln!("error: {message}");
         return ExitCode::from(exit_code::USER as u8);
     }
-    match run(cli) {
-        Ok(()) => ExitCode::SUCCESS,
+    // Only training runs as several ranks: MPI is joined for it alone, and any other
+    // command started by a launcher of several ranks is refused.
+    let world = match &cli.command {
+        Command::Train(_) => tinygpt::parallel::join(),
+        _ => match Launcher::detect().filter(|l| l.size > 1) {
+            Some(launcher) => Err(tinygpt::error::user_error(format!(
+                "started by {} as rank {} of {}: only `tinygpt train` runs as several ranks; run this command as one process",
+                launcher.name, launcher.rank, launcher.size
+            ))),
+            None => Ok(World::single()),
+        },
+    };
+    let world = match world {
+        Ok(world) => world,
         Err(err) => {
-            if let Some(user) = find_user_error(&err) {
-                eprintln!("error: {user}");
-                ExitCode::from(exit_code::USER as u8)
-            } else if let Some(stopped) = err.downcast_ref::<InterruptedError>() {
-                eprintln!("{stopped}");
-                ExitCode::from((128 + stopped.signal) as u8)
-            } else if let Some(stopped) = err.chain().find_map(|e| e.downcast_ref::<Stopped>()) {
-                // What was given up and what was kept, in one line.
-                eprintln!("{err:#}");
-                ExitCode::from((128 + stopped.signal) as u8)
-            } else if let Some(diverged) = err.downcast_ref::<DivergedError>() {
-                eprintln!("error: {diverged}");
-                ExitCode::from(exit_code::DIVERGED as u8)
-            } else {
-                eprintln!("internal error: {err:#}");
-                ExitCode::from(exit_code::INTERNAL as u8)
-            }
+            print_error(&err, &World::single());
+            return ExitCode::from(exit_code_of(&err) as u8);
         }
+    };
+    let result = run(cli, &world);
+    if let Err(err) = &result {
+        print_error(err, &world);
+    }
+    // MPI ends here (MPI_Finalize), after every rank's last collective.
+    drop(world);
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => ExitCode::from(exit_code_of(&err) as u8),
     }
 }

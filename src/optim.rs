@@ -79,6 +79,17 @@ pub struct AdamWF32 {
     pub shrink: f32,
 }
 
+/// The global gradient norm is summed in blocks of this many values: each block's
+/// squares in order, in f64, then the blocks' sums in order. The blocks are fixed, so
+/// the norm is the same number on any number of threads, and ranks that each sum the
+/// blocks of their shard (shards start at block boundaries) get it exactly too.
+pub const NORM_CHUNK: usize = 8192;
+
+/// The global L2 norm from the blocks' sums of squares, in block order.
+pub fn norm_of_partials(partials: &[f64]) -> f64 {
+    partials.iter().sum::<f64>().sqrt()
+}
+
 /// The factor that scales gradients of global L2 norm `norm` down to `max_norm`, as
 /// torch's clip_grad_norm_; `None` when no clipping applies (max_norm 0 disables it).
 pub fn clip_scale(norm: f64, max_norm: f64) -> Option<f64> {

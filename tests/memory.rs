@@ -85,7 +85,7 @@ fn the_estimate_is_within_20_percent_of_each_engines_step() {
             ..TrainConfig::default()
         };
         for (engine, fused) in [(Footprint::Reference, false), (Footprint::FusedCpu, true)] {
-            let estimate = training_bytes(&m, &t, engine);
+            let estimate = training_bytes(&m, &t, engine, 1);
             let measured = measured_bytes(&m, &t, fused);
             let ratio = estimate / measured;
             assert!(

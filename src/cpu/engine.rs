@@ -10,6 +10,8 @@
 //! layer. The reference model stays the definition: tests hold this engine's loss,
 //! gradients and updates to it within 1e-5.
 
+use std::ops::Range;
+
 use anyhow::Result;
 
 use super::layout::{BlockGrads, BlockWeights, Grads, Weights};
@@ -38,6 +40,14 @@ pub struct FusedCpu {
     /// Gradients and AdamW's moments, allocated when first needed (evaluation needs
     /// none of them).
     grads: Vec<f32>,
+    /// A micro-batch's gradient after the first since `zero_grads`, computed alone and
+    /// then added to `grads` (see `backward`).
+    micro_grads: Vec<f32>,
+    /// Whether a backward since `zero_grads` has written `grads`.
+    summing: bool,
+    /// The parameters the optimiser updates, and the range of the flat buffer its
+    /// moments cover: all of them, or one rank's shard (ZeRO-1).
+    optimized: Range<usize>,
     m: Vec<f32>,
     v: Vec<f32>,
     /// The fixed sinusoidal table, when positions are sinusoidal.
@@ -180,6 +190,9 @@ impl FusedCpu {
             precision,
             params: values.to_vec(),
             grads: Vec::new(),
+            micro_grads: Vec::new(),
+            summing: false,
+            optimized: 0..spec.len(),
             m: Vec::new(),
             v: Vec::new(),
             sinusoids,
@@ -285,19 +298,43 @@ impl FusedCpu {
 
     /// Adds d(loss * `scale`)/d(params) to the gradients, for the batch of the last
     /// forward.
+    ///
+    /// The first micro-batch since `zero_grads` writes the gradients; each later one is
+    /// computed alone and then added. So a step's gradient is each micro-batch's
+    /// gradient, added up, whether one process adds them or ranks' reduction does: two
+    /// ranks give the bits of one process with two micro-batches (a + b is b + a; more
+    /// terms may round in another order).
     pub fn backward(&mut self, scale: f32) {
         if self.grads.is_empty() {
             self.zero_grads();
         }
-        on_workers(|| self.backward_on_worker(scale))
+        if !self.summing {
+            self.summing = true;
+            return on_workers(|| self.backward_on_worker(scale, false));
+        }
+        if self.micro_grads.len() != self.grads.len() {
+            self.micro_grads = vec![0.0; self.grads.len()];
+        } else {
+            self.micro_grads.fill(0.0);
+        }
+        on_workers(|| {
+            self.backward_on_worker(scale, true);
+            zip_in_place(&mut self.grads, &self.micro_grads, |sum, g| sum + g);
+        })
     }
 
-    fn backward_on_worker(&mut self, scale: f32) {
+    /// The backward into the gradients, or into `micro_grads` (`alone`).
+    fn backward_on_worker(&mut self, scale: f32, alone: bool) {
         let n = self.rows();
         let spec = &self.spec;
         let weights = Weights::new(spec, &self.params);
         let pass = Self::pass(spec, self.rope.as_ref(), self.batch, self.precision);
-        let (a, s, g) = (&mut self.acts, &mut self.scratch, &mut self.grads);
+        let g = if alone {
+            &mut self.micro_grads
+        } else {
+            &mut self.grads
+        };
+        let (a, s) = (&mut self.acts, &mut self.scratch);
         let v = spec.shapes.vocab_size;
 
         loss::cross_entropy_backward(&mut a.logits, &a.targets, v, scale / n as f32);
@@ -327,26 +364,62 @@ impl FusedCpu {
     pub fn zero_grads(&mut self) {
         self.grads.clear();
         self.grads.resize(self.params.len(), 0.0);
+        self.summing = false;
     }
 
-    /// Scales the gradients to a global L2 norm of at most `max_norm` (0: no clipping)
-    /// and returns the norm before.
-    pub fn clip_grads(&mut self, max_norm: f64) -> f64 {
-        adamw::clip(&mut self.grads, max_norm)
+    /// Makes the optimiser update only `range` of the flat buffer (one rank's shard:
+    /// ZeRO-1), with moments for that range alone, zero until set.
+    pub fn optimize_only(&mut self, range: Range<usize>) {
+        assert!(range.end <= self.params.len(), "a range of the parameters");
+        self.optimized = range;
+        self.m = Vec::new();
+        self.v = Vec::new();
     }
 
-    /// The AdamW update `u`, in place.
+    /// The range of the flat buffer the optimiser updates.
+    pub fn optimized(&self) -> Range<usize> {
+        self.optimized.clone()
+    }
+
+    /// The gradients of the optimised range (where a rank's reduced shard goes).
+    pub fn optimized_grads_mut(&mut self) -> &mut [f32] {
+        let range = self.optimized();
+        &mut self.grads_mut()[range]
+    }
+
+    /// The optimised range's gradients' sums of squares by block of `NORM_CHUNK`: its
+    /// part of the global norm.
+    pub fn grad_squares(&self) -> Vec<f64> {
+        if self.grads.is_empty() {
+            return vec![0.0; self.optimized.len().div_ceil(crate::optim::NORM_CHUNK)];
+        }
+        on_workers(|| adamw::squares_by_chunk(&self.grads[self.optimized.clone()]))
+    }
+
+    /// Multiplies the optimised range's gradients by `factor` (clipping).
+    pub fn scale_grads(&mut self, factor: f32) {
+        let range = self.optimized();
+        let grads = &mut self.grads_mut()[range];
+        on_workers(|| adamw::scale(grads, factor))
+    }
+
+    /// The AdamW update `u` of the optimised range, in place.
     pub fn adamw(&mut self, u: &AdamWStep) {
+        let range = self.optimized();
+        if self.grads.is_empty() {
+            self.zero_grads();
+        }
         if self.m.is_empty() {
-            self.m = vec![0.0; self.params.len()];
-            self.v = vec![0.0; self.params.len()];
+            self.m = vec![0.0; range.len()];
+            self.v = vec![0.0; range.len()];
         }
         let moments = Moments {
             m: &mut self.m,
             v: &mut self.v,
         };
-        let (params, grads, table) = (&mut self.params, &self.grads, self.spec.params());
-        on_workers(|| adamw::update(u, params, grads, moments, table))
+        let params = &mut self.params[range.clone()];
+        let (grads, table) = (&self.grads[range.clone()], self.spec.params());
+        on_workers(|| adamw::update(u, params, grads, moments, table, range.start))
     }
 
     /// The weights: a flat buffer in the spec's table order.
@@ -356,6 +429,12 @@ impl FusedCpu {
 
     pub fn set_weights(&mut self, values: &[f32]) {
         self.params.copy_from_slice(values);
+    }
+
+    /// The weights, to be written in place (the ranks' shards gathered after an
+    /// update).
+    pub fn weights_mut(&mut self) -> &mut [f32] {
+        &mut self.params
     }
 
     /// The gradients of the last backward(s), laid out like the weights (empty before
@@ -371,17 +450,23 @@ impl FusedCpu {
         &mut self.grads
     }
 
-    /// AdamW's moments (m, v), laid out like the weights; zeros before the first
-    /// update.
+    /// AdamW's moments (m, v) of the optimised range, laid out like the weights there;
+    /// zeros before the first update.
     pub fn moments(&self) -> (Vec<f32>, Vec<f32>) {
         if self.m.is_empty() {
-            let zeros = vec![0.0; self.params.len()];
+            let zeros = vec![0.0; self.optimized.len()];
             return (zeros.clone(), zeros);
         }
         (self.m.clone(), self.v.clone())
     }
 
+    /// Sets the moments of the optimised range.
     pub fn set_moments(&mut self, m: &[f32], v: &[f32]) {
+        let len = self.optimized.len();
+        assert!(
+            m.len() == len && v.len() == len,
+            "moments of the optimised range"
+        );
         self.m = m.to_vec();
         self.v = v.to_vec();
     }

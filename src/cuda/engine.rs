@@ -14,6 +14,8 @@
 //! gain gradients, embedding gradients, the loss, the gradient norm) are added in a
 //! fixed order, without atomics: the same batch gives the same bits, run after run.
 
+use std::sync::Arc;
+
 use anyhow::{ensure, Context, Result};
 #[cfg(feature = "cuda")]
 use candle_core::Device;
@@ -23,13 +25,14 @@ use super::buckets::Buckets;
 use super::buffers::{Buf, Staging};
 use super::gpu::Gpu;
 use super::kernels::{AdamBuffers, DropoutArgs, Heads, Sum};
-use super::plan::{Attention, Plan, FLASH_MAX_HEAD, LOSS_SUM, NORM_SQ, PARTS};
+use super::plan::{Attention, Plan, FLASH_MAX_HEAD, LOSS_SLOTS, LOSS_SUM, NORM_SQ, PARTS};
 use super::tables::PositionTables;
 use crate::config::Precision;
 use crate::cpu::ops::Positions;
 use crate::model::spec::{LinearParams, ModelSpec, NormParams, ParamId};
 use crate::model::{Dropout, Site};
 use crate::optim::AdamWStep;
+use crate::parallel::Collective;
 
 /// A model laid out on the GPU for fused training.
 pub struct FusedCuda {
@@ -57,8 +60,11 @@ pub struct FusedCuda {
     buckets: Buckets,
     /// Host memory the batches are uploaded through.
     staging: Staging,
-    /// Forwards whose losses the device has summed since the host last read them.
+    /// Forwards whose losses the device has summed, each in its slot, since the host
+    /// last fetched them.
     unread_forwards: usize,
+    /// Losses fetched from full slots that the trainer has not yet taken.
+    fetched_losses: Vec<f64>,
     /// Whether a clip has measured the gradient norm.
     clipped: bool,
 }
@@ -312,6 +318,7 @@ impl FusedCuda {
             buckets: Buckets::default(),
             staging: Staging::new(&gpu, Plan::for_spec(spec, batch, attention).ids)?,
             unread_forwards: 0,
+            fetched_losses: Vec::new(),
             clipped: false,
             spec: spec.clone(),
             batch,
@@ -509,27 +516,33 @@ impl FusedCuda {
         let (logits, losses) = (a.logits.ptr(), a.row_loss.ptr());
         self.gpu
             .softmax_cross_entropy(logits, losses, a.targets.ptr(), n, s.vocab_size)?;
-        // Summed where they are, so the host waits for nothing until it reads them.
-        let into = if self.unread_forwards == 0 {
-            Sum::Replace
-        } else {
-            Sum::Add
-        };
-        let total = self.scratch.sums.at(LOSS_SUM);
-        self.gpu.sum_all(total, 0, losses, n, into)?;
+        // Summed where they are, each forward in its slot, so the host waits for
+        // nothing until it reads them.
+        if self.unread_forwards == LOSS_SLOTS {
+            self.fetch_losses()?;
+        }
+        let total = self.scratch.sums.at(LOSS_SUM + self.unread_forwards);
+        self.gpu.sum_all(total, 0, losses, n, Sum::Replace)?;
         self.unread_forwards += 1;
         Ok(())
     }
 
-    /// The mean loss of the forwards since the last call (waits for the device).
-    pub fn take_loss(&mut self) -> Result<f64> {
-        ensure!(
-            self.unread_forwards > 0,
-            "a loss read with no forward since the last"
-        );
-        let sum = self.scratch.sums.read_one(&self.gpu, LOSS_SUM)?;
+    /// Moves the losses in the device's slots to `fetched_losses` (waits for the
+    /// device).
+    fn fetch_losses(&mut self) -> Result<()> {
         let forwards = std::mem::take(&mut self.unread_forwards);
-        Ok(sum / (forwards * self.rows()) as f64)
+        let slots = LOSS_SUM..LOSS_SUM + forwards;
+        let sums = self.scratch.sums.read_range(&self.gpu, slots)?;
+        let rows = self.rows() as f64;
+        self.fetched_losses
+            .extend(sums.iter().map(|sum| sum / rows));
+        Ok(())
+    }
+
+    /// Each forward's mean loss since the last call, in order (waits for the device).
+    pub fn take_losses(&mut self) -> Result<Vec<f64>> {
+        self.fetch_losses()?;
+        Ok(std::mem::take(&mut self.fetched_losses))
     }
 
     /// The batch to the device, with its rows bucketed by token for the embedding's
@@ -919,6 +932,22 @@ impl FusedCuda {
                 Ok(())
             }
         }
+    }
+
+    /// The engine as one of `comm`'s ranks.
+    pub fn with_ranks(self, comm: Arc<dyn Collective>) -> Result<Self> {
+        if comm.size() > 1 {
+            crate::user_bail!(
+                "the fused CUDA engine trains in one process in this build, not {} ranks",
+                comm.size()
+            );
+        }
+        Ok(self)
+    }
+
+    /// Adds up the ranks' gradients: with one process, nothing.
+    pub fn reduce_grads(&mut self) -> Result<()> {
+        Ok(())
     }
 
     /// Scales the gradients to a global L2 norm of at most `max_norm` (0: no

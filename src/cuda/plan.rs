@@ -15,9 +15,11 @@ pub const NORM_BLOCKS: usize = 1024;
 
 /// Where, in the f64 sums after the NORM_BLOCKS partials, the engine keeps what the
 /// host reads only when it reports: the squared gradient norm of the last clip, and
-/// the loss summed over the forwards since the last read.
+/// from LOSS_SUM on each forward's summed loss since the last read (LOSS_SLOTS of them;
+/// more forwards between reads fetch the full slots first).
 pub const NORM_SQ: usize = NORM_BLOCKS;
 pub const LOSS_SUM: usize = NORM_BLOCKS + 1;
+pub const LOSS_SLOTS: usize = 256;
 
 /// How the engine computes attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -129,7 +131,7 @@ impl Plan {
             scratch,
             ids: 2 * n + 3 * n + 1, // ids, targets; tokens, starts, order
             tables,
-            sums: LOSS_SUM + 1,
+            sums: LOSS_SUM + LOSS_SLOTS,
             tensors,
         }
     }

@@ -16,9 +16,10 @@ pub enum Footprint {
     FusedCuda,
 }
 
-/// Bytes for building an engine and one training step: weights, gradients and the two
-/// AdamW moments (4 copies, f32), plus activations for one micro-batch of `tokens`
-/// (batch x block), in f32 values:
+/// Bytes for building one rank's engine (of `ranks`) and one training step: weights,
+/// gradients, a micro-batch's own gradients when several are summed, and the rank's
+/// share of AdamW's two moments (f32), plus activations for one micro-batch of
+/// `tokens` (batch x block), in f32 values:
 /// - `per_channel` per channel per token per layer (inputs of each product, norms,
 ///   the MLP's hidden layer, residuals, their gradients);
 /// - `per_score` per attention score per layer (B x H x T x T);
@@ -31,7 +32,7 @@ pub enum Footprint {
 ///
 /// The fused CUDA engine allocates everything up front from its plan: its bytes are
 /// the plan's total (cuBLAS's work space and the CUDA context come on top).
-pub fn training_bytes(m: &ModelConfig, t: &TrainConfig, engine: Footprint) -> f64 {
+pub fn training_bytes(m: &ModelConfig, t: &TrainConfig, engine: Footprint, ranks: usize) -> f64 {
     let (per_channel, per_score, per_logit, outside) = match engine {
         Footprint::Reference => (19.0, 10.5, 4.0, 72.0),
         Footprint::FusedCpu => (10.0, 0.12, 1.1, 21.0),
@@ -39,7 +40,9 @@ pub fn training_bytes(m: &ModelConfig, t: &TrainConfig, engine: Footprint) -> f6
             let spec = ModelSpec::new(m);
             let attention = crate::cuda::Attention::choose(&spec.shapes, t.dtype, t.batch_size);
             let plan = crate::cuda::Plan::for_spec(&spec, t.batch_size, attention);
-            return plan.bytes(m.n_layer, true) as f64;
+            let moments = 2 * spec.len() * std::mem::size_of::<f32>();
+            let unshared = moments - moments / ranks.max(1);
+            return (plan.bytes(m.n_layer, true) - unshared as u64) as f64;
         }
     };
     let tokens = (t.batch_size * m.block_size) as f64;
@@ -49,7 +52,9 @@ pub fn training_bytes(m: &ModelConfig, t: &TrainConfig, engine: Footprint) -> f6
         * (layers * (per_channel * width + per_score * scores)
             + per_logit * m.vocab_size as f64
             + outside * width);
-    4.0 * (4.0 * ModelSpec::new(m).len() as f64 + activations)
+    let micro_grads = if t.grad_accum > 1 { 1.0 } else { 0.0 };
+    let copies = 2.0 + micro_grads + 2.0 / ranks.max(1) as f64;
+    4.0 * (copies * ModelSpec::new(m).len() as f64 + activations)
 }
 
 #[cfg(test)]
@@ -63,13 +68,13 @@ mod tests {
             ..ModelConfig::default()
         };
         let t = TrainConfig::default();
-        assert!(training_bytes(&m, &t, Footprint::Reference) < 500e6);
+        assert!(training_bytes(&m, &t, Footprint::Reference, 1) < 500e6);
         let huge = ModelConfig {
             n_embd: 65536,
             n_head: 64,
             n_layer: 96,
             ..m
         };
-        assert!(training_bytes(&huge, &t, Footprint::FusedCpu) > 1e13);
+        assert!(training_bytes(&huge, &t, Footprint::FusedCpu, 1) > 1e13);
     }
 }

@@ -1,5 +1,9 @@
 //! The fused CPU engine (`crate::cpu::FusedCpu`) behind the engine interface: its flat
-//! buffers in and out by tensor name.
+//! buffers in and out by tensor name, and, in a data-parallel run, ZeRO-1 over the
+//! ranks: gradients reduce-scattered, each rank's shard clipped by the global norm and
+//! updated with its shard of the moments, the shards of weights gathered again.
+
+use std::sync::Arc;
 
 use anyhow::Result;
 
@@ -9,27 +13,72 @@ use crate::cpu::FusedCpu;
 use crate::data::Batch;
 use crate::model::params::{flat_from_named, named_from_flat, NamedTensors};
 use crate::model::{Dropout, ModelSpec};
-use crate::optim::AdamWStep;
+use crate::optim::{clip_scale, norm_of_partials, AdamWStep};
+use crate::parallel::{Collective, Shards, Single};
 
-/// The fused CPU kernels, and what the trainer reads of them.
+/// The fused CPU kernels, what the trainer reads of them, and the ranks they train
+/// with.
 pub struct FusedCpuEngine {
     kernels: FusedCpu,
     readings: Readings,
+    ranks: Ranks,
+}
+
+/// The ranks of a run and how the parameters are shared among them.
+struct Ranks {
+    comm: Arc<dyn Collective>,
+    shards: Shards,
+    /// A shard's values on their way in or out of a collective.
+    shard: Vec<f32>,
+}
+
+impl Ranks {
+    fn count(&self) -> usize {
+        self.comm.size()
+    }
+
+    fn counts(&self) -> Vec<usize> {
+        self.shards.counts()
+    }
 }
 
 impl FusedCpuEngine {
+    /// The kernels training in one process.
     pub fn new(kernels: FusedCpu) -> Self {
+        Self::with_ranks(kernels, Arc::new(Single))
+    }
+
+    /// The kernels as one of `comm`'s ranks: this rank updates its shard of the
+    /// parameters and keeps AdamW's moments for that shard alone.
+    pub fn with_ranks(mut kernels: FusedCpu, comm: Arc<dyn Collective>) -> Self {
+        let shards = Shards::new(kernels.spec().len(), comm.size());
+        let mine = shards.range(comm.rank());
+        kernels.optimize_only(mine.clone());
         Self {
             kernels,
             readings: Readings::default(),
+            ranks: Ranks {
+                shard: vec![0.0; if comm.size() > 1 { mine.len() } else { 0 }],
+                comm,
+                shards,
+            },
         }
+    }
+
+    /// Every rank's shard of `mine` (this rank's), end to end: all the parameters'.
+    fn gather(&self, mine: &[f32]) -> Result<Vec<f32>> {
+        let mut all = vec![0.0; self.spec().len()];
+        self.ranks
+            .comm
+            .all_gather(mine, &self.ranks.counts(), &mut all)?;
+        Ok(all)
     }
 }
 
 impl Engine for FusedCpuEngine {
     fn describe(&self) -> String {
         let kernels = format!("fused CPU kernels, {}", crate::cpu::isa::active().name());
-        match self.kernels.precision() {
+        let kernels = match self.kernels.precision() {
             Precision::F32 => kernels,
             Precision::Bf16 if crate::cpu::bf16::has_avx512_bf16() => {
                 format!("{kernels}, bf16 matrix products")
@@ -38,6 +87,10 @@ impl Engine for FusedCpuEngine {
                 "{kernels}, bf16 matrix products emulated (this CPU lacks AVX512_BF16: \
                  train.dtype = \"f32\" is faster here)"
             ),
+        };
+        match self.ranks.count() {
+            1 => kernels,
+            n => format!("{kernels}; AdamW sharded over {n} ranks (ZeRO-1)"),
         }
     }
 
@@ -56,8 +109,8 @@ impl Engine for FusedCpuEngine {
         Ok(())
     }
 
-    fn take_loss(&mut self) -> Result<f64> {
-        self.readings.take_loss()
+    fn take_losses(&mut self) -> Result<Vec<f64>> {
+        Ok(self.readings.take_losses())
     }
 
     fn position_losses(&self) -> Result<Vec<f64>> {
@@ -74,8 +127,28 @@ impl Engine for FusedCpuEngine {
         Ok(())
     }
 
+    fn reduce_grads(&mut self) -> Result<()> {
+        if self.ranks.count() == 1 {
+            return Ok(());
+        }
+        let counts = self.ranks.counts();
+        let Ranks { comm, shard, .. } = &mut self.ranks;
+        comm.reduce_scatter_sum(self.kernels.grads_mut(), &counts, shard)?;
+        self.kernels.optimized_grads_mut().copy_from_slice(shard);
+        Ok(())
+    }
+
     fn clip_grads(&mut self, max_norm: f64) -> Result<()> {
-        let norm = self.kernels.clip_grads(max_norm);
+        // Each rank's blocks of the norm, in rank order: every block in buffer order.
+        let partials = self
+            .ranks
+            .comm
+            .all_gather_lists(&self.kernels.grad_squares())?
+            .concat();
+        let norm = norm_of_partials(&partials);
+        if let Some(scale) = clip_scale(norm, max_norm) {
+            self.kernels.scale_grads(scale as f32);
+        }
         self.readings.set_grad_norm(norm);
         Ok(())
     }
@@ -104,7 +177,15 @@ impl Engine for FusedCpuEngine {
 
     fn adamw(&mut self, u: &AdamWStep) -> Result<()> {
         self.kernels.adamw(u);
-        Ok(())
+        if self.ranks.count() == 1 {
+            return Ok(());
+        }
+        // Every rank's updated shard, into every rank's weights.
+        let mine = self.kernels.optimized();
+        let counts = self.ranks.counts();
+        let Ranks { comm, shard, .. } = &mut self.ranks;
+        shard.copy_from_slice(&self.kernels.weights()[mine]);
+        comm.all_gather(shard, &counts, self.kernels.weights_mut())
     }
 
     fn weights(&self) -> Result<NamedTensors> {
@@ -119,12 +200,17 @@ impl Engine for FusedCpuEngine {
 
     fn moments(&self) -> Result<NamedTensors> {
         let (m, v) = self.kernels.moments();
+        let (m, v) = match self.ranks.count() {
+            1 => (m, v),
+            _ => (self.gather(&m)?, self.gather(&v)?),
+        };
         moments_by_name(self.spec().params(), &m, &v)
     }
 
     fn load_moments(&mut self, tensors: &NamedTensors, source: &str) -> Result<()> {
         let (m, v) = moments_from_names(self.spec().params(), tensors, source)?;
-        self.kernels.set_moments(&m, &v);
+        let mine = self.kernels.optimized();
+        self.kernels.set_moments(&m[mine.clone()], &v[mine]);
         Ok(())
     }
 }

@@ -38,8 +38,8 @@ impl Engine for FusedCuda {
         FusedCuda::forward(self, &batch.x, &batch.y, dropout)
     }
 
-    fn take_loss(&mut self) -> Result<f64> {
-        FusedCuda::take_loss(self)
+    fn take_losses(&mut self) -> Result<Vec<f64>> {
+        FusedCuda::take_losses(self)
     }
 
     fn position_losses(&self) -> Result<Vec<f64>> {
@@ -52,6 +52,10 @@ impl Engine for FusedCuda {
 
     fn zero_grads(&mut self) -> Result<()> {
         FusedCuda::zero_grads(self)
+    }
+
+    fn reduce_grads(&mut self) -> Result<()> {
+        FusedCuda::reduce_grads(self)
     }
 
     fn clip_grads(&mut self, max_norm: f64) -> Result<()> {

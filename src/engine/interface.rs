@@ -22,13 +22,24 @@ pub trait Engine {
 
     /// The mean next-token loss of `batch` (as many sequences as the engine was built
     /// for, block_size tokens each), with `dropout` when training, added to the losses
-    /// `take_loss` reads. Keeps what `backward` needs.
+    /// `take_losses` reads. Keeps what `backward` needs.
     fn forward(&mut self, batch: &Batch, dropout: Option<&Dropout>) -> Result<()>;
 
-    /// The mean of the losses of the forwards since the last call, which it forgets.
-    /// A GPU engine sums them on the device and this is where the host waits for it,
-    /// so the trainer calls it only when it reports, not every step.
-    fn take_loss(&mut self) -> Result<f64>;
+    /// Each forward's mean loss since the last call, in order, which it forgets. A GPU
+    /// engine keeps them on the device and this is where the host waits for it, so the
+    /// trainer calls it only when it reports, not every step.
+    fn take_losses(&mut self) -> Result<Vec<f64>>;
+
+    /// The mean of the losses of the forwards since the last call (summed in order),
+    /// which it forgets.
+    fn take_loss(&mut self) -> Result<f64> {
+        let losses = self.take_losses()?;
+        anyhow::ensure!(
+            !losses.is_empty(),
+            "a loss read with no forward since the last"
+        );
+        Ok(losses.iter().sum::<f64>() / losses.len() as f64)
+    }
 
     /// `forward`, then its loss (with no other forward since the last `take_loss`).
     fn loss(&mut self, batch: &Batch, dropout: Option<&Dropout>) -> Result<f64> {
@@ -43,6 +54,13 @@ pub trait Engine {
     fn backward(&mut self, scale: f32) -> Result<()>;
 
     fn zero_grads(&mut self) -> Result<()>;
+
+    /// Adds up the ranks' gradients in a data-parallel run, once a step after the last
+    /// backward: each rank then holds, for the parameters it updates (its ZeRO-1
+    /// shard), the sum of every rank's gradients. With one process there is nothing
+    /// to add. `clip_grads` and `adamw` then act on what each rank updates, and the
+    /// updated shards are gathered, so every rank ends the step with all the weights.
+    fn reduce_grads(&mut self) -> Result<()>;
 
     /// Scales the gradients to a global L2 norm of at most `max_norm` (0: no
     /// clipping).
@@ -70,9 +88,10 @@ pub trait Engine {
     fn load_weights(&mut self, tensors: &NamedTensors, source: &str) -> Result<()>;
 
     /// AdamW's moments by name (`<param>.exp_avg`, `<param>.exp_avg_sq`), zeros before
-    /// the first update.
+    /// the first update: all of them, the ranks' shards gathered (every rank calls it).
     fn moments(&self) -> Result<NamedTensors>;
 
+    /// Loads the moments of all parameters (each rank keeps its shard's).
     fn load_moments(&mut self, tensors: &NamedTensors, source: &str) -> Result<()>;
 }
 
@@ -87,33 +106,22 @@ pub struct EngineOptions {
     pub fused: bool,
 }
 
-/// What a host-side engine keeps for the trainer to read: the losses summed since the
-/// last read, and the gradient norm of the last clip. (The CUDA engine keeps the same
+/// What a host-side engine keeps for the trainer to read: the losses since the last
+/// read, and the gradient norm of the last clip. (The CUDA engine keeps the same
 /// on the device.)
 #[derive(Debug, Default)]
 pub(super) struct Readings {
-    loss_sum: f64,
-    forwards: usize,
+    losses: Vec<f64>,
     grad_norm: Option<f64>,
 }
 
 impl Readings {
     pub fn add_loss(&mut self, loss: f64) {
-        self.loss_sum += loss;
-        self.forwards += 1;
+        self.losses.push(loss);
     }
 
-    pub fn take_loss(&mut self) -> Result<f64> {
-        anyhow::ensure!(
-            self.forwards > 0,
-            "a loss read with no forward since the last"
-        );
-        let mean = self.loss_sum / self.forwards as f64;
-        *self = Self {
-            grad_norm: self.grad_norm,
-            ..Self::default()
-        };
-        Ok(mean)
+    pub fn take_losses(&mut self) -> Vec<f64> {
+        std::mem::take(&mut self.losses)
     }
 
     pub fn set_grad_norm(&mut self, norm: f64) {

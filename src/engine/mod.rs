@@ -18,11 +18,14 @@ pub mod interface;
 pub mod race;
 pub mod reference;
 
+use std::sync::Arc;
+
 use anyhow::Result;
 use candle_core::Device;
 
 use crate::cpu::FusedCpu;
 use crate::model::ModelSpec;
+use crate::parallel::{Collective, Single};
 pub use footprint::{training_bytes, Footprint};
 pub use interface::{Engine, EngineOptions, MOMENT_SUFFIXES};
 use reference::ReferenceEngine;
@@ -37,22 +40,41 @@ pub fn build(
     device: &Device,
     options: EngineOptions,
 ) -> Result<Box<dyn Engine>> {
+    build_replica(spec, weights, device, options, Arc::new(Single))
+}
+
+/// [`build`] for one rank of a data-parallel run over `comm` (every rank starting from
+/// the same `weights`): the fused engines share AdamW's work and memory over the ranks
+/// (ZeRO-1). The reference engine trains in one process only.
+pub fn build_replica(
+    spec: &ModelSpec,
+    weights: &[f32],
+    device: &Device,
+    options: EngineOptions,
+    comm: Arc<dyn Collective>,
+) -> Result<Box<dyn Engine>> {
     let (batch, precision) = (options.batch, options.precision);
+    let ranks = comm.size();
     match footprint(device, &options) {
         #[cfg(feature = "cuda-emulator")]
         Footprint::FusedCpu if emulate_cuda() => {
             let engine = crate::cuda::FusedCuda::emulated(spec, weights, batch, precision)?;
-            Ok(Box::new(engine))
+            Ok(Box::new(engine.with_ranks(comm)?))
         }
         Footprint::FusedCpu => {
             let kernels = FusedCpu::new(spec, weights, batch, precision)?;
-            Ok(Box::new(fused_cpu::FusedCpuEngine::new(kernels)))
+            Ok(Box::new(fused_cpu::FusedCpuEngine::with_ranks(
+                kernels, comm,
+            )))
         }
         #[cfg(feature = "cuda")]
         Footprint::FusedCuda => {
             let engine = crate::cuda::FusedCuda::new(spec, weights, device, batch, precision)?;
-            Ok(Box::new(engine))
+            Ok(Box::new(engine.with_ranks(comm)?))
         }
+        _ if ranks > 1 => crate::user_bail!(
+            "the reference engine trains in one process, not {ranks} ranks; set train.fused = true (the fused engines run on the CPU and on CUDA)"
+        ),
         _ => {
             let why = if !options.fused {
                 "train.fused = false"

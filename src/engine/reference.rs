@@ -119,8 +119,8 @@ impl Engine for ReferenceEngine {
         Ok(())
     }
 
-    fn take_loss(&mut self) -> Result<f64> {
-        self.readings.take_loss()
+    fn take_losses(&mut self) -> Result<Vec<f64>> {
+        Ok(self.readings.take_losses())
     }
 
     fn position_losses(&self) -> Result<Vec<f64>> {
@@ -149,6 +149,12 @@ impl Engine for ReferenceEngine {
 
     fn zero_grads(&mut self) -> Result<()> {
         self.grads.iter_mut().for_each(|g| *g = None);
+        Ok(())
+    }
+
+    /// The reference engine trains in one process (`engine::build_replica` refuses it
+    /// ranks): nothing to add.
+    fn reduce_grads(&mut self) -> Result<()> {
         Ok(())
     }
 

@@ -8,6 +8,7 @@ mod report;
 pub mod schedule;
 mod start;
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Result;
@@ -30,6 +31,8 @@ use crate::error::{DivergedError, InterruptedError};
 use crate::lock::RunLock;
 use crate::model::{Dropout, ModelSpec};
 use crate::optim::AdamWStep;
+use crate::parallel::collective::interleave;
+use crate::parallel::{agree, Collective, Single};
 use crate::tokenizer::Tokenizer;
 use crate::user_bail;
 use crate::util::{Stop, Stopped};
@@ -55,6 +58,10 @@ pub struct Trainer {
     resumed: bool,
     /// Asked through when the user wants training to stop.
     stop: Stop,
+    /// The ranks of a data-parallel run (one process: `Single`).
+    comm: Arc<dyn Collective>,
+    /// The signal every rank agreed to stop for, once one was asked.
+    stopping: Option<i32>,
     /// The step's micro-batches, and an evaluation batch, refilled in place.
     batches: Vec<Batch>,
     eval_batch: Batch,
@@ -62,7 +69,21 @@ pub struct Trainer {
     unread: Unread,
     /// Why `run.device = "auto"` chose the device (None when it was named).
     device_choice: Option<String>,
-    _lock: RunLock,
+    /// Held by rank 0, which alone writes the run folder.
+    _lock: Option<RunLock>,
+}
+
+/// What rank 0 prepares before the others start: the config resolved, the data split,
+/// and (rank 0 only) the run folder locked.
+struct Prepared {
+    config: Config,
+    tokenizer: Tokenizer,
+    state: TrainState,
+    weights: Option<Vec<f32>>,
+    split: Split,
+    device: Device,
+    device_choice: Option<String>,
+    lock: Option<RunLock>,
 }
 
 /// Steps trained since the trainer last read the engine's loss: reading waits for a
@@ -98,44 +119,60 @@ impl Trainer {
     /// Builds the run as `start` says; preparing the data gives up (`Stopped`) and
     /// training stops cleanly (checkpoint, then `InterruptedError`) once `stop` asks.
     pub fn start_until(config: Config, start: Start, stop: Stop) -> Result<Self> {
-        let auto = device::is_auto(&config.run.device);
-        // `auto` is raced below, once the model's vocabulary is known.
-        let device = if auto {
-            Device::Cpu
-        } else {
-            parse_device(&config.run.device)?
-        };
-        let run = RunDir::new(config.run_dir());
-        let corpus = Corpus::open(&config.data.corpus, &config.data.text_field)?;
-        let cache = CorpusCache::new(&config.data.cache_dir, &corpus);
-        let origin = start::resolve(config, &start, &run, &corpus, &cache, &stop)?;
-        let (config, state) = (origin.config, origin.state);
-        config.validate()?;
-        let (device, device_choice) = if auto {
-            let spec = ModelSpec::new(&config.model);
-            let fits = |d: &Device| check_memory(&config, d).is_ok();
-            let options = engine_options(&config.train);
-            let choice = engine::race::fastest_device(&spec, options, Work::Training, fits)?;
-            (choice.device, Some(choice.why))
-        } else {
-            (device, None)
-        };
-        check_memory(&config, &device)?;
-        // The data before the run folder: a corpus that cannot be read leaves nothing.
-        let split = load_split(&config, &corpus, &cache, &origin.tokenizer, &stop)?;
-        let resume = start == Start::Resume;
-        let lock = open_run_folder(&run, resume, &state)?;
+        Self::start_on(config, start, stop, Arc::new(Single))
+    }
 
+    /// [`Trainer::start_until`] as one rank of a data-parallel run over `comm`. Rank 0
+    /// prepares first (trains the tokenizer, fills the token cache, locks the run
+    /// folder) while the others wait; then they read what it prepared. Each stage ends
+    /// with the ranks agreeing that it went well, so a rank that fails takes the
+    /// others down with it instead of leaving them waiting.
+    pub fn start_on(
+        config: Config,
+        start: Start,
+        stop: Stop,
+        comm: Arc<dyn Collective>,
+    ) -> Result<Self> {
+        let resume = start == Start::Resume;
+        let prepared = if comm.rank() == 0 {
+            let prepared = prepare(config, &start, &stop, comm.as_ref()).and_then(|mut p| {
+                p.lock = Some(open_run_folder(
+                    &RunDir::new(p.config.run_dir()),
+                    resume,
+                    &p.state,
+                )?);
+                Ok(p)
+            });
+            agree(comm.as_ref(), prepared)
+        } else {
+            agree(comm.as_ref(), Ok(()))
+                .and_then(|()| prepare(config, &start, &stop, comm.as_ref()))
+        };
+        let built = prepared.and_then(|p| Self::build(p, resume, stop, Arc::clone(&comm)));
+        agree(comm.as_ref(), built)
+    }
+
+    /// The engine for what was prepared, restored to the checkpoint when resuming.
+    fn build(p: Prepared, resume: bool, stop: Stop, comm: Arc<dyn Collective>) -> Result<Self> {
+        let run = RunDir::new(p.config.run_dir());
+        let config = p.config;
         let spec = ModelSpec::new(&config.model);
-        let weights = origin
+        let weights = p
             .weights
             .unwrap_or_else(|| spec.initial_values(config.run.seed));
         let options = engine_options(&config.train);
-        let mut engine = engine::build(&spec, &weights, &device, options)?;
+        let mut engine =
+            engine::build_replica(&spec, &weights, &p.device, options, Arc::clone(&comm))?;
         drop(weights);
         let mut sampler = BatchSampler::new(config.run.seed, STREAM_TRAIN_BATCHES);
         if resume {
-            restore(&run, &state, engine.as_mut(), &mut sampler)?;
+            restore(
+                &run,
+                &p.state,
+                engine.as_mut(),
+                &mut sampler,
+                comm.rank() == 0,
+            )?;
         }
         let batch = Batch::empty(config.train.batch_size, config.model.block_size);
         Ok(Self {
@@ -145,19 +182,21 @@ impl Trainer {
                 steps: 0,
                 since: Instant::now(),
             },
-            device_choice,
-            tokenizer: origin.tokenizer,
+            device_choice: p.device_choice,
+            tokenizer: p.tokenizer,
             config,
             run,
             engine,
-            split,
+            split: p.split,
             sampler,
-            state,
-            device,
+            state: p.state,
+            device: p.device,
             session_start: Instant::now(),
             resumed: resume,
             stop,
-            _lock: lock,
+            comm,
+            stopping: None,
+            _lock: p.lock,
         })
     }
 
@@ -171,16 +210,27 @@ impl Trainer {
             val_tokens: self.split.val.len(),
             vocab_size: self.config.model.vocab_size,
             tokenizer: self.tokenizer.kind_name(),
-            device: match &self.device_choice {
-                Some(why) => format!("{} (auto: {why})", device::name(&self.device)),
-                None => device::name(&self.device),
+            device: match (&self.device_choice, self.comm.size()) {
+                (Some(why), _) => format!("{} (auto: {why})", device::name(&self.device)),
+                (None, 1) => device::name(&self.device),
+                (None, n) => format!(
+                    "{} x {n} ranks ({})",
+                    device::name(&self.device),
+                    self.comm.describe()
+                ),
             },
             engine: self.engine_name(),
-            tokens_per_step: self
+            tokens_per_step: self.tokens_per_step(),
+        }
+    }
+
+    /// Tokens in one optimiser step, over all ranks.
+    fn tokens_per_step(&self) -> usize {
+        self.comm.size()
+            * self
                 .config
                 .train
-                .tokens_per_step(self.config.model.block_size),
-        }
+                .tokens_per_step(self.config.model.block_size)
     }
 
     /// How the engine computes (for the run's first line).
@@ -197,25 +247,37 @@ impl Trainer {
         let cfg = &self.config.train;
         let step = self.state.step;
         let lr = learning_rate(step, cfg);
-        let accum = self.batches.len();
-        for batch in &mut self.batches {
-            self.sampler.sample_into(&self.split.train, batch);
+        let (rank, ranks) = (self.comm.rank(), self.comm.size());
+        // The step's micro-batches are those one process with grad_accum = ranks x
+        // accum would draw, in its order; this rank computes every ranks-th of them
+        // from its rank on, and passes over the others' draws.
+        let micro_batches = ranks * self.batches.len();
+        for m in 0..micro_batches {
+            let batch = &mut self.batches[m / ranks];
+            if m % ranks == rank {
+                self.sampler.sample_into(&self.split.train, batch);
+            } else {
+                self.sampler.skip(&self.split.train, batch);
+            }
         }
         self.engine.zero_grads()?;
-        for (micro, batch) in self.batches.iter().enumerate() {
+        for (i, batch) in self.batches.iter().enumerate() {
+            let micro = i * ranks + rank;
             let dropout =
                 Dropout::in_pass(self.config.model.dropout, self.config.run.seed, step, micro);
             self.engine.forward(batch, dropout.as_ref())?;
-            // Each micro-batch contributes 1/accum of the mean gradient.
-            self.engine.backward(1.0 / accum as f32)?;
+            // Each micro-batch contributes 1/micro_batches of the mean gradient.
+            self.engine.backward(1.0 / micro_batches as f32)?;
         }
+        self.engine.reduce_grads()?;
         self.engine.clip_grads(cfg.grad_clip)?;
         self.engine.adamw(&AdamWStep::new(cfg, step + 1, lr))?;
 
-        let tokens = cfg.tokens_per_step(self.config.model.block_size);
+        let tokens = self.tokens_per_step();
         self.state.step += 1;
         self.state.tokens_seen += tokens as u64;
         self.unread.steps += 1;
+        self.agree_on_stop()?;
         let measured = if self.reads_at(self.state.step) {
             self.read()?
         } else {
@@ -229,6 +291,42 @@ impl Trainer {
         })
     }
 
+    /// Makes a stop asked of any rank a stop of every rank, at the same step: a signal
+    /// reaches the ranks at different times (or only some of them), and a rank that
+    /// stopped alone would leave the others waiting in their next collective.
+    /// (The trainer acts on the agreed signal, never on its own flag, which may be
+    /// raised between two agreements on one rank only.)
+    fn agree_on_stop(&mut self) -> Result<Option<i32>> {
+        let mine = self.stop.signal();
+        self.stopping = if self.comm.size() > 1 {
+            let asked = self.comm.all_reduce_max(mine.unwrap_or(0).into())?;
+            (asked > 0).then_some(asked as i32)
+        } else {
+            mine
+        };
+        Ok(self.stopping)
+    }
+
+    /// `Err(Stopped)` once any rank was asked to stop.
+    fn check_stop(&mut self) -> Result<()> {
+        match self.agree_on_stop()? {
+            Some(signal) => Err(Stopped { signal }.into()),
+            None => Ok(()),
+        }
+    }
+
+    /// The mean of the losses of every rank's forwards since the last read, in the
+    /// order one process would have run them (ranks take work round-robin).
+    fn take_mean_loss(&mut self) -> Result<f64> {
+        let mine = self.engine.take_losses()?;
+        let losses = interleave(&self.comm.all_gather_lists(&mine)?);
+        anyhow::ensure!(
+            !losses.is_empty(),
+            "a loss read with no forward since the last"
+        );
+        Ok(losses.iter().sum::<f64>() / losses.len() as f64)
+    }
+
     /// Whether the loss is read after `step`: where it is logged, evaluated (whose
     /// forwards must not mix with the training losses the engine sums), saved, or
     /// stopped.
@@ -238,7 +336,7 @@ impl Trainer {
             .iter()
             .any(|&every| step.is_multiple_of(every))
             || step >= cfg.max_iters
-            || self.stop.signal().is_some()
+            || self.stopping.is_some()
     }
 
     /// The loss and gradient norm of the steps trained since the last read (none if
@@ -250,7 +348,7 @@ impl Trainer {
         if steps == 0 {
             return Ok(None);
         }
-        let loss = self.engine.take_loss()?;
+        let loss = self.take_mean_loss()?;
         let grad_norm = self.engine.grad_norm()?;
         if !loss.is_finite() || !grad_norm.is_finite() {
             let what = if loss.is_finite() {
@@ -266,11 +364,7 @@ impl Trainer {
             .into());
         }
         self.state.last_train_loss = Some(loss);
-        let tokens = steps
-            * self
-                .config
-                .train
-                .tokens_per_step(self.config.model.block_size);
+        let tokens = steps * self.tokens_per_step();
         Ok(Some(Measured {
             steps,
             loss,
@@ -304,28 +398,49 @@ impl Trainer {
         mut progress: impl FnMut(usize),
     ) -> Result<f64> {
         let iters = self.config.train.eval_iters;
+        let (rank, ranks) = (self.comm.rank(), self.comm.size());
         let mut sampler = BatchSampler::new(self.config.run.seed, stream);
+        // Batch i is rank i mod ranks's: the ranks split the batches one process
+        // would score, and their losses are put back in its order.
         for i in 0..iters {
-            self.stop.check()?;
-            sampler.sample_into(tokens, &mut self.eval_batch);
-            self.engine.forward(&self.eval_batch, None)?;
+            self.check_stop()?;
+            if i % ranks == rank {
+                sampler.sample_into(tokens, &mut self.eval_batch);
+                self.engine.forward(&self.eval_batch, None)?;
+            } else {
+                sampler.skip(tokens, &self.eval_batch);
+            }
             progress(i + 1);
         }
-        self.engine.take_loss()
+        self.take_mean_loss()
     }
 
     pub fn elapsed_s(&self) -> f64 {
         self.state.elapsed_s + self.session_start.elapsed().as_secs_f64()
     }
 
-    /// Writes a checkpoint of the current step.
+    /// Writes a checkpoint of the current step: rank 0 writes, the others hand it
+    /// their shards of AdamW's moments.
     pub fn save(&self) -> Result<()> {
+        let moments = self.engine.moments()?;
+        if self.comm.rank() != 0 {
+            return Ok(());
+        }
         let mut state = self.state.clone();
         state.elapsed_s = self.elapsed_s();
         state.sampler_position = self.sampler.position().to_string();
-        let (weights, moments) = (self.engine.weights()?, self.engine.moments()?);
+        state.ranks = self.comm.size();
+        let weights = self.engine.weights()?;
         self.run
             .save(&self.config, &self.tokenizer, &weights, &moments, &state)
+    }
+
+    /// Appends a line to metrics.jsonl (rank 0 writes the run folder).
+    fn log_metrics(&self, line: &serde_json::Value) -> Result<()> {
+        match self.comm.rank() {
+            0 => self.run.append_metrics(line),
+            _ => Ok(()),
+        }
     }
 
     /// Evaluates, records the losses in the state and metrics.jsonl, and reports.
@@ -338,7 +453,7 @@ impl Trainer {
             .best_val_loss
             .map_or(e.val_loss, |b| b.min(e.val_loss));
         self.state.best_val_loss = Some(best);
-        self.run.append_metrics(&json!({
+        self.log_metrics(&json!({
             "step": e.step, "train_loss": e.train_loss, "val_loss": e.val_loss,
             "lr": learning_rate(e.step, &self.config.train), "elapsed_s": self.elapsed_s(),
         }))?;
@@ -355,7 +470,11 @@ impl Trainer {
         let mut step = start;
         // A resumed run evaluated its first step before the checkpoint, unless a stop
         // cut that evaluation short.
-        let evaluated_start = self.resumed && self.run.has_eval_at(start);
+        // Rank 0's reading of its run folder decides for every rank.
+        let evaluated_start = self.resumed && {
+            let here = self.comm.rank() == 0 && self.run.has_eval_at(start);
+            self.comm.all_reduce_max(here.into())? == 1
+        };
         loop {
             let is_last = step >= cfg.max_iters;
             let done_already = evaluated_start && step == start;
@@ -386,20 +505,22 @@ impl Trainer {
             step = log.step;
             if let Some(m) = &log.measured {
                 // The loss and tokens/s of the steps since the last line.
-                self.run.append_metrics(&json!({
+                self.log_metrics(&json!({
                     "step": log.step, "loss": m.loss, "lr": log.lr, "grad_norm": m.grad_norm,
                     "tokens_per_s": m.tokens_per_s, "elapsed_s": log.elapsed_s,
                 }))?;
             }
             reporter.step(&log);
-            if let (Some(signal), true) = (self.stop.signal(), step < cfg.max_iters) {
+            if let (Some(signal), true) = (self.stopping, step < cfg.max_iters) {
                 // The evaluation due at this step is left to the resumed run.
                 return Err(self.interrupt(signal, true, reporter)?);
             }
         }
-        match crate::plot::run_loss_curve(self.run.path()) {
-            Ok(png) => reporter.note(&format!("loss curve: {}", png.display())),
-            Err(e) => reporter.note(&format!("no loss curve: {e:#}")),
+        if self.comm.rank() == 0 {
+            match crate::plot::run_loss_curve(self.run.path()) {
+                Ok(png) => reporter.note(&format!("loss curve: {}", png.display())),
+                Err(e) => reporter.note(&format!("no loss curve: {e:#}")),
+            }
         }
         let summary = TrainSummary {
             step: self.state.step,
@@ -496,23 +617,83 @@ fn open_run_folder(run: &RunDir, resume: bool, state: &TrainState) -> Result<Run
 
 /// Puts a resumed run back where its checkpoint left it (the engine has its weights
 /// already): AdamW moments, the batch sampler's position; metrics logged after the
-/// checkpoint are dropped.
+/// checkpoint are dropped (by the `leader`, rank 0, which writes the run folder).
 fn restore(
     run: &RunDir,
     state: &TrainState,
     engine: &mut dyn Engine,
     sampler: &mut BatchSampler,
+    leader: bool,
 ) -> Result<()> {
     let moments = run.load_tensors(state, OPTIMIZER_FILE, &Device::Cpu)?;
     engine.load_moments(&moments, &run.file(OPTIMIZER_FILE).display().to_string())?;
     sampler.set_position(parse_position(&state.sampler_position)?);
-    run.truncate_metrics(state.step)
+    if leader {
+        run.truncate_metrics(state.step)?;
+    }
+    Ok(())
 }
 
-/// Refuses a config whose training would not fit in the memory available.
-fn check_memory(config: &Config, device: &Device) -> Result<()> {
+/// What a run needs before its engine: the config resolved (a new run's tokenizer
+/// trained, a resumed run's checkpoint read), the device chosen and checked for memory,
+/// the corpus's tokens split. Nothing is written to the run folder.
+fn prepare(config: Config, start: &Start, stop: &Stop, comm: &dyn Collective) -> Result<Prepared> {
+    let ranks = comm.size();
+    let auto = device::is_auto(&config.run.device);
+    if auto && ranks > 1 {
+        user_bail!(
+            "run.device = \"auto\" times one process; with {ranks} ranks name the device: cpu, or cuda (each rank takes cuda:<its rank on the machine>)"
+        );
+    }
+    // `auto` is raced below, once the model's vocabulary is known.
+    let device = if auto {
+        Device::Cpu
+    } else {
+        parse_device(&rank_device(&config.run.device, comm))?
+    };
+    let run = RunDir::new(config.run_dir());
+    let corpus = Corpus::open(&config.data.corpus, &config.data.text_field)?;
+    let cache = CorpusCache::new(&config.data.cache_dir, &corpus);
+    let origin = start::resolve(config, start, &run, &corpus, &cache, stop)?;
+    let (config, state) = (origin.config, origin.state);
+    config.validate()?;
+    let (device, device_choice) = if auto {
+        let spec = ModelSpec::new(&config.model);
+        let fits = |d: &Device| check_memory(&config, d, 1).is_ok();
+        let options = engine_options(&config.train);
+        let choice = engine::race::fastest_device(&spec, options, Work::Training, fits)?;
+        (choice.device, Some(choice.why))
+    } else {
+        (device, None)
+    };
+    check_memory(&config, &device, ranks)?;
+    let split = load_split(&config, &corpus, &cache, &origin.tokenizer, stop)?;
+    Ok(Prepared {
+        config,
+        tokenizer: origin.tokenizer,
+        state,
+        weights: origin.weights,
+        split,
+        device,
+        device_choice,
+        lock: None,
+    })
+}
+
+/// The device a rank trains on: `cuda` means each rank's own GPU on its machine
+/// (`cuda:<local rank>`), as torchrun's LOCAL_RANK and llm.c do; a named one is kept.
+fn rank_device(device: &str, comm: &dyn Collective) -> String {
+    match (device, comm.size()) {
+        ("cuda", n) if n > 1 => format!("cuda:{}", comm.local_rank()),
+        _ => device.to_string(),
+    }
+}
+
+/// Refuses a config whose training would not fit in the memory available to one of
+/// `ranks` ranks.
+fn check_memory(config: &Config, device: &Device, ranks: usize) -> Result<()> {
     let footprint = engine::footprint(device, &engine_options(&config.train));
-    let need = engine::training_bytes(&config.model, &config.train, footprint);
+    let need = engine::training_bytes(&config.model, &config.train, footprint, ranks);
     let gib = |bytes: f64| bytes / f64::from(1 << 30);
     let what = format!(
         "{:.0}M parameters, batch {} x {} tokens",

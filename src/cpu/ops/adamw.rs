@@ -6,26 +6,28 @@ use rayon::prelude::*;
 use crate::cpu::kernels::multiversion;
 use crate::cpu::threads::share_len;
 use crate::model::spec::Param;
-use crate::optim::{clip_scale, AdamWF32, AdamWStep};
+use crate::optim::{norm_of_partials, AdamWF32, AdamWStep, NORM_CHUNK};
+
+/// The sums of squares of `grads` in blocks of `NORM_CHUNK` (`grads` starts at a
+/// block boundary), each summed in order in f64: the global norm's partial sums.
+pub fn squares_by_chunk(grads: &[f32]) -> Vec<f64> {
+    grads
+        .par_chunks(NORM_CHUNK)
+        .map(|block| block.iter().map(|&x| f64::from(x) * f64::from(x)).sum())
+        .collect()
+}
 
 /// The global L2 norm of all gradients together.
 pub fn global_norm(grads: &[f32]) -> f64 {
-    grads
-        .iter()
-        .map(|&x| (x as f64) * (x as f64))
-        .sum::<f64>()
-        .sqrt()
+    norm_of_partials(&squares_by_chunk(grads))
 }
 
-/// Scales gradients to a global norm of at most `max_norm` (0: no clipping); returns
-/// the norm before.
-pub fn clip(grads: &mut [f32], max_norm: f64) -> f64 {
-    let norm = global_norm(grads);
-    if let Some(scale) = clip_scale(norm, max_norm) {
-        let scale = scale as f32;
-        grads.iter_mut().for_each(|x| *x *= scale);
-    }
-    norm
+/// Multiplies every gradient by `scale` (clipping).
+pub fn scale(grads: &mut [f32], scale: f32) {
+    let share = share_len(grads.len());
+    grads
+        .par_chunks_mut(share)
+        .for_each(|g| g.iter_mut().for_each(|x| *x *= scale));
 }
 
 /// The moving averages of the gradients and of their squares, flat like the parameters.
@@ -34,9 +36,17 @@ pub struct Moments<'a> {
     pub v: &'a mut [f32],
 }
 
-/// The AdamW update `u` of `params` in place from `grads` and the moments, all flat
-/// buffers laid out as `table` says, each tensor decayed as the table says.
-pub fn update(u: &AdamWStep, params: &mut [f32], grads: &[f32], moments: Moments, table: &[Param]) {
+/// The AdamW update `u` of `params` in place from `grads` and the moments: the values
+/// from flat offset `first` on of buffers laid out as `table` says (all of them, or one
+/// rank's shard), each tensor decayed as the table says.
+pub fn update(
+    u: &AdamWStep,
+    params: &mut [f32],
+    grads: &[f32],
+    moments: Moments,
+    table: &[Param],
+    first: usize,
+) {
     // One share of the flat buffers per thread, each updating the parts of the tensors
     // that fall in it with that tensor's decay.
     let share = share_len(params.len());
@@ -47,7 +57,7 @@ pub fn update(u: &AdamWStep, params: &mut [f32], grads: &[f32], moments: Moments
         .zip(moments.v.par_chunks_mut(share))
         .enumerate()
         .for_each(|(i, (((p, g), m), v))| {
-            let first = i * share;
+            let first = first + i * share;
             for param in table {
                 let range = param.range();
                 let start = range.start.max(first);

@@ -1,0 +1,127 @@
+//! Who started this process, read from the environment the launchers set: Open MPI's
+//! `mpirun` (OMPI_COMM_WORLD_*), MPICH's Hydra and other PMI launchers (PMI_*), Slurm's
+//! `srun` (SLURM_STEP_NUM_TASKS, SLURM_PROCID), PMIx (PMIX_RANK) and torchrun
+//! (WORLD_SIZE, RANK). Nothing here talks to a launcher: a build without MPI reads this
+//! to refuse instead of starting N independent runs in one run folder.
+
+/// What the environment says about the ranks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Launcher {
+    /// The launcher, as users know it ("Open MPI's mpirun", "Slurm's srun", ...).
+    pub name: &'static str,
+    /// Ranks in the job (1 when the launcher does not say).
+    pub size: usize,
+    /// This process's rank.
+    pub rank: usize,
+}
+
+impl Launcher {
+    /// The launcher that started this process, if any.
+    pub fn detect() -> Option<Self> {
+        Self::from_env(|key| std::env::var(key).ok())
+    }
+
+    /// [`Launcher::detect`] over any environment (tests).
+    pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Option<Self> {
+        let number = |key: &str| var(key).and_then(|v| v.trim().parse::<usize>().ok());
+        // (name, size variable, rank variable), most specific first: Open MPI under
+        // Slurm sets both its own and Slurm's.
+        let known: [(&'static str, &str, &str); 5] = [
+            (
+                "Open MPI's mpirun",
+                "OMPI_COMM_WORLD_SIZE",
+                "OMPI_COMM_WORLD_RANK",
+            ),
+            ("an MPI launcher (PMI)", "PMI_SIZE", "PMI_RANK"),
+            ("Slurm's srun", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID"),
+            ("a PMIx launcher", "PMIX_SIZE", "PMIX_RANK"),
+            ("torchrun", "WORLD_SIZE", "RANK"),
+        ];
+        for (name, size, rank) in known {
+            if let Some(size) = number(size) {
+                let rank = number(rank).unwrap_or(0);
+                return Some(Self { name, size, rank });
+            }
+        }
+        // PMIx launchers (srun --mpi=pmix, prterun) set the rank but not always a size.
+        number("PMIX_RANK").map(|rank| Self {
+            name: "a PMIx launcher",
+            size: rank + 2,
+            rank,
+        })
+    }
+
+    /// The one line a build without MPI prints when launched as one of several ranks.
+    pub fn refusal(&self) -> String {
+        format!(
+            "started by {} as rank {} of {}, but this tinygpt was built without MPI, so each rank would train alone into the same run folder; rebuild with `cargo install --path . --features mpi` (needs an MPI library: apt install libopenmpi-dev libclang-dev), or run one process",
+            self.name,
+            self.rank,
+            if self.size > self.rank + 1 || self.name != "a PMIx launcher" {
+                self.size.to_string()
+            } else {
+                "several".to_string()
+            }
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + '_ {
+        move |key| {
+            pairs
+                .iter()
+                .find(|(k, _)| *k == key)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn each_launcher_is_recognised() {
+        assert_eq!(Launcher::from_env(env(&[])), None);
+        let ompi = Launcher::from_env(env(&[
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("SLURM_STEP_NUM_TASKS", "8"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (ompi.name, ompi.size, ompi.rank),
+            ("Open MPI's mpirun", 4, 3)
+        );
+        let hydra = Launcher::from_env(env(&[("PMI_SIZE", "2"), ("PMI_RANK", "1")])).unwrap();
+        assert_eq!((hydra.size, hydra.rank), (2, 1));
+        let srun = Launcher::from_env(env(&[
+            ("SLURM_STEP_NUM_TASKS", "16"),
+            ("SLURM_PROCID", "5"),
+        ]))
+        .unwrap();
+        assert_eq!((srun.name, srun.size, srun.rank), ("Slurm's srun", 16, 5));
+        let pmix = Launcher::from_env(env(&[("PMIX_RANK", "0")])).unwrap();
+        assert!(pmix.size > 1);
+        assert!(pmix.refusal().contains("rank 0 of several"));
+    }
+
+    #[test]
+    fn a_batch_script_alone_is_not_a_launch() {
+        // sbatch sets SLURM_NTASKS for the whole allocation; only srun's steps set
+        // SLURM_STEP_NUM_TASKS.
+        let batch = env(&[("SLURM_NTASKS", "4"), ("SLURM_PROCID", "0")]);
+        assert_eq!(Launcher::from_env(batch), None);
+    }
+
+    #[test]
+    fn the_refusal_names_the_rebuild() {
+        let l = Launcher::from_env(env(&[
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_RANK", "1"),
+        ]))
+        .unwrap();
+        let line = l.refusal();
+        assert!(line.contains("rank 1 of 2") && line.contains("--features mpi"));
+        assert!(!line.contains('\n'));
+    }
+}
