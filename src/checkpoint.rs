@@ -77,6 +77,10 @@ pub struct TrainState {
     /// a step is this many times train.batch_size x train.grad_accum sequences.
     #[serde(default = "one_rank")]
     pub ranks: usize,
+    /// Sequences in one optimiser step over all ranks (0 in checkpoints from before it
+    /// was kept).
+    #[serde(default)]
+    pub sequences_per_step: usize,
     /// Size and SHA-256 of every other file of the checkpoint.
     pub files: BTreeMap<String, FileDigest>,
 }

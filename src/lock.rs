@@ -72,7 +72,22 @@ fn process_alive(pid: u32) -> bool {
     // Signal 0 checks existence and permission without sending anything.
     // Safety: kill with signal 0 has no effect on the target.
     let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+    let exists = r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+    exists && !is_zombie(pid)
+}
+
+/// A process that has exited but was not yet waited for (a killed MPI rank whose
+/// launcher is gone, in a container whose first process reaps nothing) exists, but
+/// holds nothing.
+fn is_zombie(pid: u32) -> bool {
+    // /proc/<pid>/stat: "pid (command) state ...", the command in parentheses.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let after = &stat[stat.rfind(')')? + 1..];
+            after.split_whitespace().next().map(|state| state == "Z")
+        })
+        .unwrap_or(false)
 }
 
 #[cfg(not(unix))]
@@ -105,5 +120,21 @@ mod tests {
         );
         drop(lock);
         assert!(!dir.path().join(LOCK_FILE).exists());
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn an_exited_process_not_yet_waited_for_holds_nothing() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        // Exited but not waited for: a zombie, which kill(pid, 0) still finds.
+        let start = std::time::Instant::now();
+        while !is_zombie(pid) {
+            assert!(start.elapsed().as_secs() < 10, "`true` never exited");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(!process_alive(pid));
+        assert!(process_alive(std::process::id()));
+        child.wait().unwrap();
     }
 }

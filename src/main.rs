@@ -388,6 +388,11 @@ fn ends_every_rank(err: &anyhow::Error) -> bool {
 /// outcomes all share; another rank speaks only of its own failure, naming itself.
 fn print_error(err: &anyhow::Error, world: &World) {
     let rank = world.rank();
+    if let (Some(stopped), true) = (err.downcast_ref::<InterruptedError>(), rank > 0) {
+        // Each rank's step, so a log shows they stopped together.
+        eprintln!("rank {rank}: interrupted at step {}", stopped.step);
+        return;
+    }
     if world.size() > 1
         && (err.downcast_ref::<PeerFailed>().is_some() || rank > 0 && ends_every_rank(err))
     {

@@ -61,7 +61,7 @@ mod tests {
                 for r in 0..ranks {
                     let range = s.range(r);
                     assert_eq!(range.start, next, "contiguous, in rank order");
-                    assert!(range.is_empty() || range.start % NORM_CHUNK == 0);
+                    assert!(range.is_empty() || range.start.is_multiple_of(NORM_CHUNK));
                     assert!(range.len() <= s.largest());
                     next = range.end;
                 }

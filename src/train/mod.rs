@@ -226,11 +226,13 @@ impl Trainer {
 
     /// Tokens in one optimiser step, over all ranks.
     fn tokens_per_step(&self) -> usize {
-        self.comm.size()
-            * self
-                .config
-                .train
-                .tokens_per_step(self.config.model.block_size)
+        self.sequences_per_step() * self.config.model.block_size
+    }
+
+    /// Sequences in one optimiser step, over all ranks.
+    fn sequences_per_step(&self) -> usize {
+        let train = &self.config.train;
+        self.comm.size() * train.batch_size * train.grad_accum
     }
 
     /// How the engine computes (for the run's first line).
@@ -430,6 +432,7 @@ impl Trainer {
         state.elapsed_s = self.elapsed_s();
         state.sampler_position = self.sampler.position().to_string();
         state.ranks = self.comm.size();
+        state.sequences_per_step = self.sequences_per_step();
         let weights = self.engine.weights()?;
         self.run
             .save(&self.config, &self.tokenizer, &weights, &moments, &state)
@@ -466,6 +469,16 @@ impl Trainer {
     pub fn run(&mut self, reporter: &mut dyn Reporter) -> Result<TrainSummary> {
         let cfg = self.config.train.clone();
         reporter.started(&self.info());
+        let (before, now) = (self.state.sequences_per_step, self.sequences_per_step());
+        if self.resumed && before > 0 && before != now {
+            reporter.note(&format!(
+                "note: a step was {before} sequences ({} rank(s)) and is now {now} ({} x train.batch_size {} x train.grad_accum {}); set train.grad_accum to keep the batch",
+                self.state.ranks,
+                self.comm.size(),
+                cfg.batch_size,
+                cfg.grad_accum
+            ));
+        }
         let start = self.state.step;
         let mut step = start;
         // A resumed run evaluated its first step before the checkpoint, unless a stop

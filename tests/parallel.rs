@@ -1,0 +1,588 @@
+//! Data-parallel training under a real MPI launcher (Open MPI's or MPICH's `mpirun`),
+//! against one process: N ranks with grad_accum A train as one process with grad_accum
+//! N x A (bit for bit at 2 ranks, to 1e-6 at 3, whose ZeRO shards are unequal);
+//! checkpoints resume across world sizes; a killed rank, a SIGTERM and a rank that
+//! cannot read its data end the job, promptly, with the checkpoint intact.
+//!
+//! In a build without the `mpi` feature, the launcher guard: every rank refuses in one
+//! line and nothing is written.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_tinygpt");
+
+/// A corpus of pseudo-random words: enough structure to learn, enough noise that
+/// losses differ from batch to batch.
+fn write_corpus(dir: &Path) -> PathBuf {
+    let words = [
+        "the", "king", "and", "queen", "of", "rome", "said", "to", "his", "her", "lord", "good",
+        "night", "sweet", "prince", "what", "is", "done", "cannot", "be", "undone",
+    ];
+    let mut state = 2024u64;
+    let mut text = String::new();
+    for i in 0..6000 {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        text.push_str(words[(state >> 33) as usize % words.len()]);
+        text.push(if i % 11 == 10 { '\n' } else { ' ' });
+    }
+    let path = dir.join("corpus.txt");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// A config file in `dir`: a char model of ~59k parameters (8 norm blocks: ZeRO shards
+/// of 4 + 4 blocks over 2 ranks, 3 + 3 + 2 over 3), with dropout and clipping on, so
+/// that masks, the global norm and the sharded update all count.
+fn write_config(dir: &Path, corpus: &Path) -> PathBuf {
+    let path = dir.join("dp.toml");
+    let text = format!(
+        r#"[run]
+name = "dp"
+out_dir = "{out}"
+seed = 7
+
+[data]
+corpus = "{corpus}"
+
+[tokenizer]
+kind = "char"
+
+[model]
+n_layer = 2
+n_head = 2
+n_embd = 48
+block_size = 32
+dropout = 0.1
+
+[train]
+batch_size = 4
+max_iters = 12
+warmup_iters = 2
+lr = 3e-3
+grad_clip = 0.5
+eval_interval = 6
+eval_iters = 5
+log_interval = 1
+checkpoint_interval = 6
+"#,
+        out = dir.join("checkpoints").display(),
+        corpus = corpus.display(),
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// The `mpirun` on PATH, or None (skipped loudly by the caller).
+fn mpirun() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join("mpirun"))
+        .find(|p| p.is_file())
+}
+
+/// `mpirun -np <ranks>` with the flags a container needs (root, more ranks than cores),
+/// one thread per rank (as the single process it is compared with).
+fn launcher(mpirun: &Path, ranks: usize) -> Command {
+    let mut cmd = Command::new(mpirun);
+    cmd.args(["--allow-run-as-root", "--oversubscribe", "-np"])
+        .arg(ranks.to_string())
+        .env("RAYON_NUM_THREADS", "1")
+        // Open MPI's mpirun kills ranks 1 s after forwarding a signal unless told to
+        // wait (README: what users set for a checkpoint that takes longer).
+        ;
+    cmd
+}
+
+/// `tinygpt train` of `config` into `out` with `sets`, as one process.
+fn single(config: &Path, out: &Path, sets: &[&str]) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.env("RAYON_NUM_THREADS", "1");
+    train_args(&mut cmd, config, out, sets);
+    cmd
+}
+
+fn train_args(cmd: &mut Command, config: &Path, out: &Path, sets: &[&str]) {
+    cmd.args(["train", "--config"]).arg(config);
+    cmd.arg("--set")
+        .arg(format!("run.out_dir={:?}", out.display().to_string()));
+    for set in sets {
+        cmd.args(["--set", set]);
+    }
+}
+
+/// `tinygpt train` as `ranks` ranks.
+fn ranked(mpirun: &Path, ranks: usize, config: &Path, out: &Path, sets: &[&str]) -> Command {
+    let mut cmd = launcher(mpirun, ranks);
+    cmd.arg(BIN);
+    train_args(&mut cmd, config, out, sets);
+    cmd
+}
+
+/// Runs `cmd` to its end, failing the test if it takes more than `limit`.
+fn run_within(cmd: &mut Command, limit: Duration) -> Output {
+    let child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let id = child.id();
+    let (done, waiting) = std::sync::mpsc::channel();
+    std::thread::spawn(move || done.send(child.wait_with_output()));
+    match waiting.recv_timeout(limit) {
+        Ok(output) => output.unwrap(),
+        Err(_) => {
+            let _ = Command::new("kill").args(["-9", &id.to_string()]).status();
+            panic!("{cmd:?} did not end within {limit:?}");
+        }
+    }
+}
+
+fn succeed(cmd: &mut Command) -> Output {
+    let out = run_within(cmd, Duration::from_secs(300));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// metrics.jsonl without its timings (which differ from run to run), line by line.
+fn curve(run: &Path) -> Vec<BTreeMap<String, serde_json::Value>> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|line| {
+            let mut m: BTreeMap<String, serde_json::Value> = serde_json::from_str(line).unwrap();
+            m.remove("elapsed_s");
+            m.remove("tokens_per_s");
+            m
+        })
+        .collect()
+}
+
+fn sha256(path: &Path) -> String {
+    use sha2::Digest;
+    format!("{:x}", sha2::Sha256::digest(std::fs::read(path).unwrap()))
+}
+
+/// Every number of two curves within `rel` of each other (relative), same steps.
+fn assert_close(
+    a: &[BTreeMap<String, serde_json::Value>],
+    b: &[BTreeMap<String, serde_json::Value>],
+    rel: f64,
+) {
+    assert_eq!(a.len(), b.len(), "as many metrics lines");
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.keys().collect::<Vec<_>>(), y.keys().collect::<Vec<_>>());
+        for (key, vx) in x {
+            let (fx, fy) = (vx.as_f64().unwrap(), y[key].as_f64().unwrap());
+            assert!(
+                (fx - fy).abs() <= rel * fx.abs().max(1e-12),
+                "{key} at step {}: {fx} vs {fy}",
+                x["step"]
+            );
+        }
+    }
+}
+
+/// Weights of two checkpoints within `rel` of the model's largest weight.
+fn assert_weights_close(a: &Path, b: &Path, rel: f32) {
+    let read = |p: &Path| -> BTreeMap<String, Vec<f32>> {
+        candle_core::safetensors::load(p.join("model.safetensors"), &candle_core::Device::Cpu)
+            .unwrap()
+            .into_iter()
+            .map(|(name, t)| (name, t.flatten_all().unwrap().to_vec1().unwrap()))
+            .collect()
+    };
+    let (wa, wb) = (read(a), read(b));
+    assert_eq!(wa.keys().collect::<Vec<_>>(), wb.keys().collect::<Vec<_>>());
+    let largest = wa.values().flatten().fold(0f32, |m, v| m.max(v.abs()));
+    for (name, x) in &wa {
+        for (u, v) in x.iter().zip(&wb[name]) {
+            assert!((u - v).abs() <= rel * largest, "{name}: {u} vs {v}");
+        }
+    }
+}
+
+macro_rules! need_mpirun {
+    () => {
+        match mpirun() {
+            Some(m) => m,
+            None => {
+                eprintln!("SKIPPED: no mpirun on PATH (install openmpi-bin)");
+                return;
+            }
+        }
+    };
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn two_ranks_train_bit_for_bit_as_one_process_with_grad_accum_2() {
+    let mpirun = need_mpirun!();
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), &write_corpus(dir.path()));
+    let (one, two) = (dir.path().join("one"), dir.path().join("two"));
+    succeed(&mut single(&config, &one, &["train.grad_accum=2"]));
+    let out = succeed(&mut ranked(&mpirun, 2, &config, &two, &[]));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("x 2 ranks") && said.contains("ZeRO-1"),
+        "{said}"
+    );
+    assert_eq!(
+        said.matches("run ").count(),
+        1,
+        "rank 0 alone reports: {said}"
+    );
+
+    let (one, two) = (one.join("dp"), two.join("dp"));
+    assert_eq!(curve(&one), curve(&two), "every logged loss, norm and eval");
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        assert_eq!(sha256(&one.join(file)), sha256(&two.join(file)), "{file}");
+    }
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(two.join("state.json")).unwrap()).unwrap();
+    assert_eq!(state["ranks"], 2);
+    assert_eq!(state["sequences_per_step"], 8);
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn three_ranks_with_unequal_shards_follow_one_process_with_grad_accum_3() {
+    let mpirun = need_mpirun!();
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), &write_corpus(dir.path()));
+    let (one, three) = (dir.path().join("one"), dir.path().join("three"));
+    succeed(&mut single(&config, &one, &["train.grad_accum=3"]));
+    succeed(&mut ranked(&mpirun, 3, &config, &three, &[]));
+    let (one, three) = (one.join("dp"), three.join("dp"));
+    assert_close(&curve(&one), &curve(&three), 1e-6);
+    assert_weights_close(&one, &three, 1e-6);
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn checkpoints_resume_across_world_sizes() {
+    let mpirun = need_mpirun!();
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), &write_corpus(dir.path()));
+    let (mixed, alone) = (dir.path().join("mixed"), dir.path().join("alone"));
+    // Steps 0-6 on 2 ranks, 6-12 resumed in one process: as one process throughout.
+    succeed(&mut ranked(
+        &mpirun,
+        2,
+        &config,
+        &mixed,
+        &["train.max_iters=6"],
+    ));
+    let resumed = succeed(single(&config, &mixed, &["train.grad_accum=2"]).arg("--resume"));
+    assert!(!String::from_utf8_lossy(&resumed.stderr).contains("note: a step was"));
+    succeed(&mut single(
+        &config,
+        &alone,
+        &["train.grad_accum=2", "train.max_iters=6"],
+    ));
+    succeed(single(&config, &alone, &["train.grad_accum=2"]).arg("--resume"));
+    assert_eq!(curve(&mixed.join("dp")), curve(&alone.join("dp")));
+    let model = |d: &Path| sha256(&d.join("dp/model.safetensors"));
+    assert_eq!(model(&mixed), model(&alone));
+
+    // Steps 12-18 on 3 ranks from the one-process checkpoint, against one process
+    // with grad_accum 3 from the same checkpoint.
+    copy_dir(&mixed, &alone);
+    let steps = ["train.max_iters=18"];
+    let on_three = succeed(ranked(&mpirun, 3, &config, &mixed, &steps).arg("--resume"));
+    let said = String::from_utf8_lossy(&on_three.stderr);
+    assert!(
+        said.contains("note: a step was 8 sequences (1 rank(s)) and is now 12"),
+        "{said}"
+    );
+    succeed(
+        single(
+            &config,
+            &alone,
+            &["train.max_iters=18", "train.grad_accum=3"],
+        )
+        .arg("--resume"),
+    );
+    let (a, b) = (curve(&mixed.join("dp")), curve(&alone.join("dp")));
+    assert_eq!(a.len(), b.len());
+    assert_eq!(a.last().unwrap()["step"], 18);
+    assert_close(&a, &b, 1e-6);
+    assert_weights_close(&mixed.join("dp"), &alone.join("dp"), 1e-6);
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    let _ = std::fs::remove_dir_all(to);
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+/// The pid of `rank` of the job training into `out` (from /proc: its command line and
+/// the rank Open MPI or PMI gave it).
+#[cfg(target_os = "linux")]
+fn rank_pid(out: &Path, rank: usize) -> Option<u32> {
+    let marker = out.display().to_string();
+    let wanted = [
+        format!("OMPI_COMM_WORLD_RANK={rank}"),
+        format!("PMI_RANK={rank}"),
+    ];
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            let cmdline = String::from_utf8_lossy(&cmdline);
+            if !cmdline.starts_with(BIN) || !cmdline.contains(&marker) {
+                return None;
+            }
+            let environ = std::fs::read(entry.path().join("environ")).ok()?;
+            let environ = String::from_utf8_lossy(&environ);
+            environ
+                .split('\0')
+                .any(|var| wanted.iter().any(|w| var == w))
+                .then_some(pid)
+        })
+}
+
+/// Starts a long run of `ranks` ranks into `out`, and returns once it has trained a few
+/// steps (and written a checkpoint).
+#[cfg(target_os = "linux")]
+fn start_long_run(mpirun: &Path, ranks: usize, config: &Path, out: &Path) -> std::process::Child {
+    let sets = [
+        "train.max_iters=1000000",
+        "train.checkpoint_interval=5",
+        "train.eval_interval=1000",
+        "model.dropout=0",
+    ];
+    let child = ranked(mpirun, ranks, config, out, &sets)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let state = out.join("dp/state.json");
+    while !state.exists() || rank_pid(out, ranks - 1).is_none() {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "the run never checkpointed"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child
+}
+
+#[cfg(target_os = "linux")]
+fn signal(pid: u32, name: &str) {
+    let status = Command::new("kill")
+        .args([name, &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// Waits for `child`, failing the test after `limit`; its exit code and stderr.
+#[cfg(target_os = "linux")]
+fn wait_within(child: std::process::Child, limit: Duration) -> (Option<i32>, String) {
+    let id = child.id();
+    let (done, waiting) = std::sync::mpsc::channel();
+    std::thread::spawn(move || done.send(child.wait_with_output()));
+    match waiting.recv_timeout(limit) {
+        Ok(output) => {
+            let output = output.unwrap();
+            (
+                output.status.code(),
+                String::from_utf8_lossy(&output.stderr).into_owned(),
+            )
+        }
+        Err(_) => {
+            let _ = Command::new("kill").args(["-9", &id.to_string()]).status();
+            panic!("the job did not end within {limit:?}");
+        }
+    }
+}
+
+#[cfg(all(feature = "mpi", target_os = "linux"))]
+#[test]
+fn a_killed_rank_ends_the_job_and_the_checkpoint_stands() {
+    let mpirun = need_mpirun!();
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), &write_corpus(dir.path()));
+    let out = dir.path().join("killed");
+    let child = start_long_run(&mpirun, 2, &config, &out);
+    signal(rank_pid(&out, 1).unwrap(), "-KILL");
+    let killed = Instant::now();
+    let (code, said) = wait_within(child, Duration::from_secs(30));
+    assert!(killed.elapsed() < Duration::from_secs(30));
+    assert_ne!(code, Some(0), "{said}");
+    assert!(said.contains("rank 1"), "the lost rank is named: {said}");
+    assert!(rank_pid(&out, 0).is_none(), "no rank outlives the job");
+    // The last checkpoint loads, and training continues from it in one process.
+    let info = succeed(
+        Command::new(BIN)
+            .args(["info", "--checkpoint"])
+            .arg(out.join("dp")),
+    );
+    assert!(info.status.success());
+    let step = |state: &str| -> u64 {
+        serde_json::from_str::<serde_json::Value>(state).unwrap()["step"]
+            .as_u64()
+            .unwrap()
+    };
+    let saved = step(&std::fs::read_to_string(out.join("dp/state.json")).unwrap());
+    let more = format!("train.max_iters={}", saved + 2);
+    succeed(
+        single(
+            &config,
+            &out,
+            &[&more, "model.dropout=0", "train.grad_accum=2"],
+        )
+        .arg("--resume"),
+    );
+}
+
+#[cfg(all(feature = "mpi", target_os = "linux"))]
+#[test]
+fn sigterm_stops_every_rank_at_the_same_step() {
+    let mpirun = need_mpirun!();
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), &write_corpus(dir.path()));
+
+    // To the launcher, which forwards it to every rank.
+    let out = dir.path().join("launcher");
+    let child = start_long_run(&mpirun, 2, &config, &out);
+    signal(child.id(), "-TERM");
+    let (code, said) = wait_within(child, Duration::from_secs(60));
+    assert_ne!(code, Some(0), "{said}");
+    let stopped_at = |said: &str, prefix: &str| -> Option<u64> {
+        let line = said.lines().find(|l| l.starts_with(prefix))?;
+        line[prefix.len()..]
+            .split(|c: char| !c.is_ascii_digit())
+            .next()?
+            .parse()
+            .ok()
+    };
+    let step0 = stopped_at(&said, "interrupted at step ").expect(&said);
+    let step1 = stopped_at(&said, "rank 1: interrupted at step ").expect(&said);
+    assert_eq!(step0, step1, "{said}");
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("dp/state.json")).unwrap()).unwrap();
+    assert_eq!(
+        state["step"], step0,
+        "rank 0 saved the step they stopped at"
+    );
+
+    // To one rank alone (a signal that reached one node): the others stop with it,
+    // every rank exits 143, and so does the job.
+    let out = dir.path().join("one-rank");
+    let child = start_long_run(&mpirun, 2, &config, &out);
+    signal(rank_pid(&out, 1).unwrap(), "-TERM");
+    let (code, said) = wait_within(child, Duration::from_secs(60));
+    assert_eq!(code, Some(143), "{said}");
+    let step0 = stopped_at(&said, "interrupted at step ").expect(&said);
+    assert_eq!(
+        stopped_at(&said, "rank 1: interrupted at step "),
+        Some(step0)
+    );
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn a_rank_that_cannot_read_its_data_takes_the_job_down_with_its_message() {
+    let mpirun = need_mpirun!();
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(dir.path());
+    let config = write_config(dir.path(), &corpus);
+    let out = dir.path().join("broken");
+    let missing = dir.path().join("not-on-this-node.txt");
+    // MPMD: rank 0 reads the corpus, rank 1 is given one it cannot read.
+    let mut cmd = launcher(&mpirun, 1);
+    cmd.arg(BIN);
+    train_args(&mut cmd, &config, &out, &[]);
+    cmd.args([":", "-np", "1"]).arg(BIN);
+    let set = format!("data.corpus={:?}", missing.display().to_string());
+    train_args(&mut cmd, &config, &out, &[&set]);
+    let output = run_within(&mut cmd, Duration::from_secs(60));
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{said}");
+    let errors: Vec<&str> = said.lines().filter(|l| l.contains("error")).collect();
+    assert_eq!(errors.len(), 1, "one error line: {said}");
+    assert!(
+        errors[0].starts_with("rank 1: error:") && errors[0].contains("not-on-this-node"),
+        "{said}"
+    );
+    assert!(
+        !out.join("dp/train.lock").exists(),
+        "rank 0 let go of the run folder"
+    );
+}
+
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn a_build_without_mpi_refuses_to_run_as_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), &write_corpus(dir.path()));
+    let out = dir.path().join("refused");
+    // The environment Open MPI's mpirun gives rank 1 of 4.
+    let output = single(&config, &out, &[])
+        .env("OMPI_COMM_WORLD_SIZE", "4")
+        .env("OMPI_COMM_WORLD_RANK", "1")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{said}");
+    assert_eq!(said.lines().count(), 1, "{said}");
+    assert!(
+        said.contains("rank 1 of 4") && said.contains("--features mpi"),
+        "{said}"
+    );
+    assert!(!out.exists(), "nothing written");
+
+    // And under a real launcher, where there is one.
+    if let Some(mpirun) = mpirun() {
+        let output = run_within(
+            &mut ranked(&mpirun, 2, &config, &out, &[]),
+            Duration::from_secs(60),
+        );
+        let said = String::from_utf8_lossy(&output.stderr);
+        assert_ne!(output.status.code(), Some(0), "{said}");
+        assert!(said.contains("--features mpi"), "{said}");
+        assert!(!out.exists(), "nothing written");
+    } else {
+        eprintln!("SKIPPED the guard under mpirun: no mpirun on PATH");
+    }
+}
+
+#[test]
+fn other_commands_refuse_to_run_as_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = Command::new(BIN)
+        .args(["info", "--checkpoint"])
+        .arg(dir.path())
+        .env("PMI_SIZE", "2")
+        .env("PMI_RANK", "0")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{said}");
+    assert!(
+        said.contains("only `tinygpt train` runs as several ranks"),
+        "{said}"
+    );
+}
