@@ -462,10 +462,12 @@ fn main() -> ExitCode {
     // command started by a launcher of several ranks is refused.
     let world = match &cli.command {
         Command::Train(_) => tinygpt::parallel::join(),
-        _ => match Launcher::detect().filter(|l| l.size > 1) {
+        _ => match Launcher::detect().filter(Launcher::several) {
             Some(launcher) => Err(tinygpt::error::user_error(format!(
                 "started by {} as rank {} of {}: only `tinygpt train` runs as several ranks; run this command as one process",
-                launcher.name, launcher.rank, launcher.size
+                launcher.name,
+                launcher.rank,
+                launcher.size_name()
             ))),
             None => Ok(World::single()),
         },

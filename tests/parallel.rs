@@ -319,6 +319,44 @@ fn checkpoints_resume_across_world_sizes() {
     assert_weights_close(&mixed.join("dp"), &alone.join("dp"), 1e-6);
 }
 
+/// The fused CUDA engine's ranks under the CPU emulator (its device memory is host
+/// memory, so its blocks travel through MPI as a CUDA build without NCCL's do): 2 and 3
+/// ranks (the third's block empty) follow one emulated process with grad_accum 2 and 3.
+#[cfg(all(feature = "mpi", feature = "cuda-emulator"))]
+#[test]
+fn the_emulated_cuda_engine_trains_as_ranks() {
+    let mpirun = need_mpirun!();
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), &write_corpus(dir.path()));
+    // ~27k parameters: 4 norm blocks, 2 + 2 over 2 ranks, 2 + 2 + 0 over 3.
+    let small = [
+        "model.n_embd=32",
+        "model.block_size=16",
+        "train.max_iters=6",
+        "train.eval_iters=3",
+    ];
+    for ranks in [2, 3] {
+        let (one, many) = (
+            dir.path().join(format!("one-{ranks}")),
+            dir.path().join(format!("many-{ranks}")),
+        );
+        let accum = format!("train.grad_accum={ranks}");
+        let sets: Vec<&str> = small.iter().copied().chain([accum.as_str()]).collect();
+        succeed(single(&config, &one, &sets).env("TINYGPT_EMULATE_CUDA", "1"));
+        let out = succeed(
+            ranked(&mpirun, ranks, &config, &many, &small).env("TINYGPT_EMULATE_CUDA", "1"),
+        );
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            said.contains("fused CUDA kernels") && said.contains("ZeRO-1"),
+            "{said}"
+        );
+        let (one, many) = (one.join("dp"), many.join("dp"));
+        assert_close(&curve(&one), &curve(&many), 1e-6);
+        assert_weights_close(&one, &many, 1e-6);
+    }
+}
+
 fn copy_dir(from: &Path, to: &Path) {
     let _ = std::fs::remove_dir_all(to);
     std::fs::create_dir_all(to).unwrap();

@@ -2,7 +2,8 @@
 # The test command (README; .ci/run runs exactly this): the test suite on the CPU, with
 # the fused CUDA engine run under its CPU emulator (feature cuda-emulator: our kernels
 # compiled as C++20, so a C++ compiler is needed; without one that part is skipped,
-# loudly), then a compile check of the CUDA feature as CI keeps it: clippy with
+# loudly) and data-parallel training under mpirun (feature mpi: Open MPI installed
+# with apt-get where it is missing; skipped loudly where it cannot be), then a compile check of the CUDA feature as CI keeps it: clippy with
 # -D warnings over every target, our kernels and candle's compiled by nvcc, nothing
 # linked or run (no GPU needed).
 #
@@ -11,11 +12,32 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Data-parallel training (feature mpi) is tested under a real mpirun: Open MPI, and
+# libclang for the MPI bindings, installed here where missing (Debian's packages; as
+# root, or through sudo without a password).
+have_mpi() { command -v mpicc >/dev/null && command -v mpirun >/dev/null && ldconfig -p | grep -q 'libclang[-.0-9]*\.so'; }
+if ! have_mpi && command -v apt-get >/dev/null; then
+  as_root=""
+  [ "$(id -u)" = 0 ] || as_root="sudo -n"
+  echo "installing Open MPI and libclang (apt-get) for the data-parallel tests" >&2
+  { $as_root apt-get update -qq && DEBIAN_FRONTEND=noninteractive $as_root apt-get install -y -qq \
+      openmpi-bin libopenmpi-dev libclang-dev >/dev/null; } || true
+fi
+features=()
 if command -v c++ >/dev/null || command -v g++ >/dev/null || command -v clang++ >/dev/null; then
-  cargo test --features cuda-emulator
+  features+=(cuda-emulator)
 else
   echo "SKIPPED: the fused CUDA engine under the emulator (no C++ compiler: install g++)" >&2
-  cargo test
+fi
+if have_mpi; then
+  features+=(mpi)
+else
+  echo "SKIPPED: data-parallel training under mpirun (no MPI: apt install openmpi-bin libopenmpi-dev libclang-dev)" >&2
+fi
+cargo test --features "$(IFS=,; echo "${features[*]}")"
+if [[ " ${features[*]} " == *" mpi "* ]]; then
+  # The launcher guard lives in builds without MPI: one more build of our crate.
+  cargo test --test parallel
 fi
 
 if [ "${TINYGPT_SKIP_CUDA_CHECK:-0}" = 1 ]; then
@@ -29,9 +51,9 @@ fi
 eval "$toolkit_env"
 # Its own target folder: the CUDA build does not evict the CPU one.
 if cargo clippy --version >/dev/null 2>&1; then
-  CARGO_TARGET_DIR=target-cuda cargo clippy --features cuda,cuda-emulator --all-targets -- -D warnings
+  CARGO_TARGET_DIR=target-cuda cargo clippy --features "cuda,cuda-emulator$(have_mpi && echo ,mpi)" --all-targets -- -D warnings
 else
   echo "clippy is not installed (rustup component add clippy): type-checking only" >&2
-  CARGO_TARGET_DIR=target-cuda cargo check --features cuda,cuda-emulator --all-targets
+  CARGO_TARGET_DIR=target-cuda cargo check --features "cuda,cuda-emulator$(have_mpi && echo ,mpi)" --all-targets
 fi
 echo "CUDA compile check: clean" >&2

@@ -116,27 +116,31 @@ impl<T: Value> Buf<T> {
 
     /// Copies `values` to the start of the buffer.
     pub fn write(&mut self, gpu: &Gpu, values: &[T]) -> Result<()> {
-        assert!(
-            values.len() <= self.len,
-            "{} values into {}",
-            values.len(),
-            self.len
-        );
+        self.write_at(gpu, 0, values)
+    }
+
+    /// Copies `values` to the buffer from value `first` on.
+    pub fn write_at(&mut self, gpu: &Gpu, first: usize, values: &[T]) -> Result<()> {
+        let range = first..first + values.len();
+        assert!(range.end <= self.len, "{range:?} into {}", self.len);
         if values.is_empty() {
             return Ok(());
         }
         match (&mut self.mem, gpu) {
             #[cfg(feature = "cuda")]
             (Memory::Device(slice), Gpu::Cuda(g)) => {
-                g.stream
-                    .memcpy_htod(values, &mut slice.slice_mut(..values.len()))?;
+                g.stream.memcpy_htod(values, &mut slice.slice_mut(range))?;
             }
             (Memory::Host(ptr, _), _) => {
                 anyhow::ensure!(!gpu.is_recording(), "{RECORDED_COPY}");
-                // SAFETY: the buffer holds at least values.len() values; no reference
-                // to it exists (kernels run synchronously under the emulator).
+                // SAFETY: the buffer holds the range (asserted); no reference to it
+                // exists (kernels run synchronously under the emulator).
                 unsafe {
-                    std::ptr::copy_nonoverlapping(values.as_ptr(), ptr.as_ptr(), values.len())
+                    std::ptr::copy_nonoverlapping(
+                        values.as_ptr(),
+                        ptr.as_ptr().add(first),
+                        values.len(),
+                    )
                 };
             }
             #[allow(unreachable_patterns)]

@@ -26,6 +26,7 @@ use super::buffers::{Buf, Staging};
 use super::gpu::Gpu;
 use super::kernels::{AdamBuffers, DropoutArgs, Heads, Sum};
 use super::plan::{Attention, Plan, FLASH_MAX_HEAD, LOSS_SLOTS, LOSS_SUM, NORM_SQ, PARTS};
+use super::ranks::Ranks;
 use super::tables::PositionTables;
 use crate::config::Precision;
 use crate::cpu::ops::Positions;
@@ -67,6 +68,8 @@ pub struct FusedCuda {
     fetched_losses: Vec<f64>,
     /// Whether a clip has measured the gradient norm.
     clipped: bool,
+    /// This engine's rank in a data-parallel run (None: one process).
+    ranks: Option<Ranks>,
 }
 
 /// Per row of a norm: mean (0 for RMSNorm) then 1 / std, each `rows` long.
@@ -303,7 +306,7 @@ impl FusedCuda {
             datt: zeros(scores)?,
             dsum: zeros(dsum_len)?,
             partials: zeros(PARTS * 2 * widest)?,
-            sums: Buf::zeros(&gpu, LOSS_SUM + 1)?,
+            sums: Buf::zeros(&gpu, LOSS_SUM + LOSS_SLOTS)?,
         };
         let engine = Self {
             params: Buf::from_host(&gpu, values)?,
@@ -320,6 +323,7 @@ impl FusedCuda {
             unread_forwards: 0,
             fetched_losses: Vec::new(),
             clipped: false,
+            ranks: None,
             spec: spec.clone(),
             batch,
             precision,
@@ -928,26 +932,66 @@ impl FusedCuda {
         match &self.grads {
             Some(g) => g.fill_zeros(&self.gpu),
             None => {
-                self.grads = Some(Buf::zeros(&self.gpu, self.spec.len())?);
+                self.grads = Some(Buf::zeros(&self.gpu, self.flat_len())?);
                 Ok(())
             }
         }
     }
 
-    /// The engine as one of `comm`'s ranks.
-    pub fn with_ranks(self, comm: Arc<dyn Collective>) -> Result<Self> {
-        if comm.size() > 1 {
-            crate::user_bail!(
-                "the fused CUDA engine trains in one process in this build, not {} ranks",
-                comm.size()
-            );
+    /// The engine as one of `comm`'s ranks (every rank calls it together): its
+    /// weights and gradients padded to whole blocks, AdamW's moments for its block.
+    pub fn with_ranks(mut self, comm: Arc<dyn Collective>) -> Result<Self> {
+        if comm.size() == 1 {
+            return Ok(self);
         }
+        self.bind()?;
+        let ranks = Ranks::new(&self.gpu, &self.spec, comm)?;
+        let values = self.params.read(&self.gpu, self.spec.len())?;
+        self.params = Buf::zeros(&self.gpu, ranks.shards.padded())?;
+        self.params.write(&self.gpu, &values)?;
+        self.grads = None;
+        self.moments = None;
+        self.ranks = Some(ranks);
         Ok(self)
     }
 
-    /// Adds up the ranks' gradients: with one process, nothing.
+    /// How a data-parallel run shares the work (None: one process).
+    pub fn ranks_described(&self) -> Option<String> {
+        self.ranks.as_ref().map(Ranks::describe)
+    }
+
+    /// Values in the flat gradient and weight buffers: the table's, or whole blocks.
+    fn flat_len(&self) -> usize {
+        match &self.ranks {
+            Some(r) => r.shards.padded(),
+            None => self.spec.len(),
+        }
+    }
+
+    /// The parameters this engine updates: all, or its rank's block.
+    fn mine(&self) -> std::ops::Range<usize> {
+        match &self.ranks {
+            Some(r) => r.mine.clone(),
+            None => 0..self.spec.len(),
+        }
+    }
+
+    /// Adds up the ranks' gradients, each rank keeping the sum of its block (on the
+    /// engine's stream); with one process, nothing.
     pub fn reduce_grads(&mut self) -> Result<()> {
-        Ok(())
+        if self.ranks.is_none() {
+            return Ok(());
+        }
+        self.bind()?;
+        if self.grads.is_none() {
+            self.zero_grads()?;
+        }
+        let (ranks, grads) = (
+            self.ranks.as_ref().context("ranks")?,
+            self.grads.as_mut().context("gradients")?,
+        );
+        ranks.check()?;
+        ranks.reduce_scatter(&self.gpu, grads)
     }
 
     /// Scales the gradients to a global L2 norm of at most `max_norm` (0: no
@@ -958,14 +1002,20 @@ impl FusedCuda {
         if self.grads.is_none() {
             self.zero_grads()?;
         }
+        // The norm of what this engine updates (its rank's block), its square summed
+        // over the ranks.
+        let mine = self.mine();
         let grads = self.grads.as_ref().context("gradients")?;
         let sums = &self.scratch.sums;
         let (norm_sq, partials) = (sums.at(NORM_SQ), sums.ptr());
-        self.gpu
-            .sum_squares(norm_sq, grads.ptr(), grads.len(), partials)?;
-        if max_norm > 0.0 {
+        let first = grads.at(mine.start);
+        self.gpu.sum_squares(norm_sq, first, mine.len(), partials)?;
+        if let Some(ranks) = &self.ranks {
+            ranks.all_reduce_sum(&self.gpu, &mut self.scratch.sums, NORM_SQ)?;
+        }
+        if max_norm > 0.0 && !mine.is_empty() {
             self.gpu
-                .clip_to_norm(grads.ptr(), grads.len(), norm_sq, max_norm)?;
+                .clip_to_norm(first, mine.len(), norm_sq, max_norm)?;
         }
         self.clipped = true;
         Ok(())
@@ -983,8 +1033,9 @@ impl FusedCuda {
         if self.grads.is_none() {
             self.zero_grads()?;
         }
+        let mine = self.mine();
         if self.moments.is_none() {
-            let len = self.spec.len();
+            let len = mine.len();
             self.moments = Some([Buf::zeros(&self.gpu, len)?, Buf::zeros(&self.gpu, len)?]);
         }
         let (grads, [m, v]) = (
@@ -992,16 +1043,24 @@ impl FusedCuda {
             self.moments.as_ref().context("moments")?,
         );
         let hyper = u.in_f32(true);
+        // Over this engine's range: the tensor table's ends counted from its start.
+        let ends = self.ranks.as_ref().map_or(&self.ends, |r| &r.ends);
         let buffers = AdamBuffers {
-            params: self.params.ptr(),
-            grads: grads.ptr(),
+            params: self.params.at(mine.start),
+            grads: grads.at(mine.start),
             m: m.ptr(),
             v: v.ptr(),
-            ends: self.ends.ptr(),
+            ends: ends.ptr(),
             decays: self.decays.ptr(),
             tensors: self.ends.len(),
         };
-        self.gpu.adamw(buffers, self.spec.len(), hyper)
+        if !mine.is_empty() {
+            self.gpu.adamw(buffers, mine.len(), hyper)?;
+        }
+        match &self.ranks {
+            Some(ranks) => ranks.all_gather(&self.gpu, &mut self.params),
+            None => Ok(()),
+        }
     }
 
     /// The weights: a flat buffer in the spec's table order.
@@ -1038,27 +1097,34 @@ impl FusedCuda {
     }
 
     /// AdamW's moments (m, v), laid out like the weights; zeros before the first
-    /// update.
+    /// update. Of several ranks, every rank's blocks gathered (all call it together).
     pub fn moments(&self) -> Result<(Vec<f32>, Vec<f32>)> {
-        let len = self.spec.len();
-        match &self.moments {
-            Some([m, v]) => Ok((m.read(&self.gpu, len)?, v.read(&self.gpu, len)?)),
-            None => Ok((vec![0.0; len], vec![0.0; len])),
+        let len = self.mine().len();
+        let (m, v) = match &self.moments {
+            Some([m, v]) => (m.read(&self.gpu, len)?, v.read(&self.gpu, len)?),
+            None => (vec![0.0; len], vec![0.0; len]),
+        };
+        match &self.ranks {
+            Some(ranks) => Ok((ranks.gather_ranges(&m)?, ranks.gather_ranges(&v)?)),
+            None => Ok((m, v)),
         }
     }
 
+    /// Sets the moments from those of the whole table (a rank keeps its block's).
     pub fn set_moments(&mut self, m: &[f32], v: &[f32]) -> Result<()> {
         let len = self.spec.len();
         ensure!(
             m.len() == len && v.len() == len,
             "moments of the whole table"
         );
+        let mine = self.mine();
         if self.moments.is_none() {
+            let len = mine.len();
             self.moments = Some([Buf::zeros(&self.gpu, len)?, Buf::zeros(&self.gpu, len)?]);
         }
         let [bm, bv] = self.moments.as_mut().context("moments")?;
-        bm.write(&self.gpu, m)?;
-        bv.write(&self.gpu, v)
+        bm.write(&self.gpu, &m[mine.clone()])?;
+        bv.write(&self.gpu, &v[mine])
     }
 
     /// Each position's loss in the last forward, (batch, block_size) row-major.

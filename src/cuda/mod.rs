@@ -39,6 +39,8 @@ mod gpu;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 mod kernels;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+mod ranks;
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 mod tables;
 
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]

@@ -19,9 +19,13 @@ impl Engine for FusedCuda {
                 "fused CUDA kernels, bf16 tensor-core products (f32 sums and weights)"
             }
         };
-        match self.attention() {
+        let kernels = match self.attention() {
             Attention::Flash => format!("{products}, flash attention"),
             Attention::Products => products.to_string(),
+        };
+        match self.ranks_described() {
+            Some(ranks) => format!("{kernels}; {ranks}"),
+            None => kernels,
         }
     }
 

@@ -9,8 +9,8 @@
 pub struct Launcher {
     /// The launcher, as users know it ("Open MPI's mpirun", "Slurm's srun", ...).
     pub name: &'static str,
-    /// Ranks in the job (1 when the launcher does not say).
-    pub size: usize,
+    /// Ranks in the job, where the launcher says.
+    pub size: Option<usize>,
     /// This process's rank.
     pub rank: usize,
 }
@@ -40,15 +40,26 @@ impl Launcher {
         for (name, size, rank) in known {
             if let Some(size) = number(size) {
                 let rank = number(rank).unwrap_or(0);
+                let size = Some(size);
                 return Some(Self { name, size, rank });
             }
         }
         // PMIx launchers (srun --mpi=pmix, prterun) set the rank but not always a size.
         number("PMIX_RANK").map(|rank| Self {
             name: "a PMIx launcher",
-            size: rank + 2,
+            size: None,
             rank,
         })
+    }
+
+    /// Whether it started (or may have started) more than this one process.
+    pub fn several(&self) -> bool {
+        self.size.is_none_or(|n| n > 1)
+    }
+
+    /// "4", or "several" where the launcher does not say.
+    pub fn size_name(&self) -> String {
+        self.size.map_or("several".into(), |n| n.to_string())
     }
 
     /// The one line a build without MPI prints when launched as one of several ranks.
@@ -57,11 +68,7 @@ impl Launcher {
             "started by {} as rank {} of {}, but this tinygpt was built without MPI, so each rank would train alone into the same run folder; rebuild with `cargo install --path . --features mpi` (needs an MPI library: apt install libopenmpi-dev libclang-dev), or run one process",
             self.name,
             self.rank,
-            if self.size > self.rank + 1 || self.name != "a PMIx launcher" {
-                self.size.to_string()
-            } else {
-                "several".to_string()
-            }
+            self.size_name()
         )
     }
 }
@@ -90,18 +97,21 @@ mod tests {
         .unwrap();
         assert_eq!(
             (ompi.name, ompi.size, ompi.rank),
-            ("Open MPI's mpirun", 4, 3)
+            ("Open MPI's mpirun", Some(4), 3)
         );
         let hydra = Launcher::from_env(env(&[("PMI_SIZE", "2"), ("PMI_RANK", "1")])).unwrap();
-        assert_eq!((hydra.size, hydra.rank), (2, 1));
+        assert_eq!((hydra.size, hydra.rank), (Some(2), 1));
         let srun = Launcher::from_env(env(&[
             ("SLURM_STEP_NUM_TASKS", "16"),
             ("SLURM_PROCID", "5"),
         ]))
         .unwrap();
-        assert_eq!((srun.name, srun.size, srun.rank), ("Slurm's srun", 16, 5));
+        assert_eq!(
+            (srun.name, srun.size, srun.rank),
+            ("Slurm's srun", Some(16), 5)
+        );
         let pmix = Launcher::from_env(env(&[("PMIX_RANK", "0")])).unwrap();
-        assert!(pmix.size > 1);
+        assert!(pmix.several());
         assert!(pmix.refusal().contains("rank 0 of several"));
     }
 

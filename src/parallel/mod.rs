@@ -79,7 +79,7 @@ pub fn join() -> Result<World> {
     }
     #[cfg(not(feature = "mpi"))]
     {
-        if launcher.size > 1 {
+        if launcher.several() {
             return Err(crate::error::user_error(launcher.refusal()));
         }
         Ok(World::single())

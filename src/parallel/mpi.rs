@@ -43,10 +43,11 @@ impl Mpi {
         );
         let world = universe.world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
-        if launcher.size != size && launcher.name != "a PMIx launcher" {
+        if launcher.size.is_some_and(|n| n != size) {
             eprintln!(
                 "warning: {} says {} ranks, MPI says {size}",
-                launcher.name, launcher.size
+                launcher.name,
+                launcher.size_name()
             );
         }
         let local_rank = world.split_shared(world.rank()).rank() as usize;

@@ -46,6 +46,18 @@ impl Shards {
     pub fn largest(&self) -> usize {
         self.stride.min(self.total)
     }
+
+    /// Values per rank when every rank's block has the same length, as NCCL's
+    /// reduce-scatter and all-gather want: rank r's block starts at r x stride, and
+    /// the buffers are padded to ranks x stride.
+    pub fn stride(&self) -> usize {
+        self.stride
+    }
+
+    /// The padded length: ranks x stride.
+    pub fn padded(&self) -> usize {
+        self.stride * self.ranks
+    }
 }
 
 #[cfg(test)]

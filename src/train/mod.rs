@@ -279,7 +279,6 @@ impl Trainer {
         self.state.step += 1;
         self.state.tokens_seen += tokens as u64;
         self.unread.steps += 1;
-        self.agree_on_stop()?;
         let measured = if self.reads_at(self.state.step) {
             self.read()?
         } else {
@@ -524,7 +523,8 @@ impl Trainer {
                 }))?;
             }
             reporter.step(&log);
-            if let (Some(signal), true) = (self.stopping, step < cfg.max_iters) {
+            // A stop asked of any rank during this step (or its report) stops all here.
+            if let (Some(signal), true) = (self.agree_on_stop()?, step < cfg.max_iters) {
                 // The evaluation due at this step is left to the resumed run.
                 return Err(self.interrupt(signal, true, reporter)?);
             }
