@@ -226,7 +226,7 @@ pub fn info(args: InfoArgs) -> Result<()> {
         let record = json!({
             "checkpoint": args.ckpt.checkpoint, "config": cfg,
             "parameters": total, "parameters_without_embeddings": total - embeddings,
-            "step": st.step, "tokens_seen": st.tokens_seen,
+            "step": st.step, "tokens_seen": st.tokens_seen, "ranks": st.ranks,
             "train_loss": st.last_train_loss, "val_loss": st.last_val_loss, "best_val_loss": st.best_val_loss,
             "tokenizer": loaded.tokenizer.kind_name(), "vocab_size": loaded.tokenizer.vocab_size(),
         });
@@ -251,8 +251,12 @@ pub fn info(args: InfoArgs) -> Result<()> {
             loaded.tokenizer.vocab_size(),
             m.vocab_size
         );
+        let on = match st.ranks {
+            0 | 1 => String::new(),
+            n => format!(" (last on {n} ranks)"),
+        };
         println!(
-            "trained     {} steps, {} tokens, {:.0} s",
+            "trained     {} steps, {} tokens, {:.0} s{on}",
             st.step, st.tokens_seen, st.elapsed_s
         );
         println!(

@@ -50,6 +50,17 @@ pub struct Row {
     pub wall_s: Option<f64>,
 }
 
+/// Sequences in one optimiser step over all ranks, as the run's state.json records it
+/// (None before its first checkpoint, or in one from before it was kept).
+fn sequences_per_step(dir: &Path) -> Option<usize> {
+    let text = std::fs::read_to_string(dir.join(crate::checkpoint::STATE_FILE)).ok()?;
+    let state: serde_json::Value = serde_json::from_str(&text).ok()?;
+    state["sequences_per_step"]
+        .as_u64()
+        .filter(|&n| n > 0)
+        .map(|n| n as usize)
+}
+
 impl Run {
     /// Reads the run folder `dir`.
     pub fn read(dir: &Path) -> Result<Self> {
@@ -66,10 +77,17 @@ impl Run {
                 let config = Config::from_toml_str(&text, &[])
                     .and_then(|c| c.validate().map(|()| c))
                     .map_err(|e| user_error(format!("{}: {e:#}", config.display())))?;
+                // A step of a data-parallel run is every rank's: state.json says how
+                // many sequences (config.toml holds one rank's batch).
+                let block = config.model.block_size;
+                let tokens = match sequences_per_step(dir) {
+                    Some(sequences) => sequences * block,
+                    None => config.train.tokens_per_step(block),
+                };
                 (
                     flatten(&config),
                     Some(ModelSpec::new(&config.model).len()),
-                    Some(config.train.tokens_per_step(config.model.block_size)),
+                    Some(tokens),
                 )
             }
             // Still before its first checkpoint: only the metrics tell.

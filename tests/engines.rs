@@ -720,3 +720,72 @@ fn state_moves_between_engines_by_name() {
         );
     }
 }
+
+/// The CUDA engine's data-parallel path (ZeRO-1 blocks, padded buffers, the tensor table
+/// counted from the block; NCCL where the build has it, host memory otherwise) at world
+/// size 1 trains as the engine alone, bit for bit: the collectives of one rank are the
+/// identity. Emulated, and on a GPU (where it is the NCCL path a single GPU can run).
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+#[test]
+fn a_sharded_cuda_engine_of_one_rank_trains_as_the_engine_alone() {
+    use std::sync::Arc;
+    use tinygpt::cuda::FusedCuda;
+    use tinygpt::parallel::Single;
+
+    let cfg = cfg(PositionKind::Rope, true);
+    let spec = ModelSpec::new(&cfg);
+    let values = spec.initial_values(5);
+    let build = |place: &Place| -> Option<FusedCuda> {
+        match place {
+            #[cfg(feature = "cuda")]
+            Place::Device(d) if d.is_cuda() => {
+                Some(FusedCuda::new(&spec, &values, d, 2, Precision::F32).unwrap())
+            }
+            #[cfg(feature = "cuda-emulator")]
+            Place::EmulatedGpu => {
+                Some(FusedCuda::emulated(&spec, &values, 2, Precision::F32).unwrap())
+            }
+            _ => None,
+        }
+    };
+    let train = TrainConfig {
+        grad_clip: 0.05,
+        weight_decay: 0.1,
+        ..TrainConfig::default()
+    };
+    for place in &devices() {
+        let (Some(alone), Some(plain)) = (build(place), build(place)) else {
+            continue;
+        };
+        let sharded = plain.sharded(Arc::new(Single)).unwrap();
+        let mut engines: [Box<dyn Engine>; 2] = [Box::new(alone), Box::new(sharded)];
+        assert!(
+            engines[1].describe().contains("ZeRO-1"),
+            "{}",
+            engines[1].describe()
+        );
+        for step in 1..=3 {
+            for e in &mut engines {
+                e.zero_grads().unwrap();
+                for micro in 0..2 {
+                    e.forward(&batch(2, 7, 11, step * 10 + micro), None)
+                        .unwrap();
+                    e.backward(0.5).unwrap();
+                }
+                e.reduce_grads().unwrap();
+                e.clip_grads(train.grad_clip).unwrap();
+                e.adamw(&AdamWStep::new(&train, step as usize, 1e-2))
+                    .unwrap();
+            }
+            let [a, b] = &mut engines;
+            assert_eq!(
+                a.grad_norm().unwrap(),
+                b.grad_norm().unwrap(),
+                "{place:?} step {step}"
+            );
+            assert_eq!(a.take_losses().unwrap(), b.take_losses().unwrap());
+            assert_all_close(&a.weights().unwrap(), &b.weights().unwrap(), 0.0, "weights");
+            assert_all_close(&a.moments().unwrap(), &b.moments().unwrap(), 0.0, "moments");
+        }
+    }
+}

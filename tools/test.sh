@@ -51,9 +51,9 @@ fi
 eval "$toolkit_env"
 # Its own target folder: the CUDA build does not evict the CPU one.
 if cargo clippy --version >/dev/null 2>&1; then
-  CARGO_TARGET_DIR=target-cuda cargo clippy --features "cuda,cuda-emulator$(have_mpi && echo ,mpi)" --all-targets -- -D warnings
+  CARGO_TARGET_DIR=target-cuda cargo clippy --features "cuda,cuda-emulator,nccl$(have_mpi && echo ,mpi)" --all-targets -- -D warnings
 else
   echo "clippy is not installed (rustup component add clippy): type-checking only" >&2
-  CARGO_TARGET_DIR=target-cuda cargo check --features "cuda,cuda-emulator$(have_mpi && echo ,mpi)" --all-targets
+  CARGO_TARGET_DIR=target-cuda cargo check --features "cuda,cuda-emulator,nccl$(have_mpi && echo ,mpi)" --all-targets
 fi
 echo "CUDA compile check: clean" >&2

@@ -940,10 +940,18 @@ impl FusedCuda {
 
     /// The engine as one of `comm`'s ranks (every rank calls it together): its
     /// weights and gradients padded to whole blocks, AdamW's moments for its block.
-    pub fn with_ranks(mut self, comm: Arc<dyn Collective>) -> Result<Self> {
-        if comm.size() == 1 {
-            return Ok(self);
+    /// With one process, the engine as it is.
+    pub fn with_ranks(self, comm: Arc<dyn Collective>) -> Result<Self> {
+        match comm.size() {
+            1 => Ok(self),
+            _ => self.sharded(comm),
         }
+    }
+
+    /// [`FusedCuda::with_ranks`] even for one process: the sharded path (and NCCL,
+    /// where built) at world size 1, which must train as the engine alone does (the
+    /// test a single GPU can run).
+    pub fn sharded(mut self, comm: Arc<dyn Collective>) -> Result<Self> {
         self.bind()?;
         let ranks = Ranks::new(&self.gpu, &self.spec, comm)?;
         let values = self.params.read(&self.gpu, self.spec.len())?;

@@ -167,7 +167,7 @@ impl Ranks {
 mod nccl {
     use std::ffi::c_void;
 
-    use anyhow::{Context, Result};
+    use anyhow::Result;
     use candle_core::cuda::cudarc::nccl::{result, sys};
 
     use super::super::buffers::Buf;
@@ -185,7 +185,7 @@ mod nccl {
             gpu.bind()?;
             let mut id = Vec::new();
             if comm.rank() == 0 {
-                let unique = result::get_uniqueid().context("ncclGetUniqueId")?;
+                let unique = checked(result::get_uniqueid(), "ncclGetUniqueId")?;
                 id = unique.internal.iter().map(|&c| c as u8).collect();
             }
             comm.broadcast_bytes(0, &mut id)?;
@@ -196,17 +196,16 @@ mod nccl {
             }
             let mut raw = std::mem::MaybeUninit::uninit();
             // SAFETY: `raw` receives the communicator; the id is the one rank 0 made.
-            unsafe {
+            let joined = unsafe {
                 result::comm_init_rank(
                     raw.as_mut_ptr(),
                     comm.size() as i32,
                     sys::ncclUniqueId { internal },
                     comm.rank() as i32,
                 )
-            }
-            .with_context(|| {
-                format!("ncclCommInitRank (rank {} of {})", comm.rank(), comm.size())
-            })?;
+            };
+            let call = format!("ncclCommInitRank (rank {} of {})", comm.rank(), comm.size());
+            checked(joined, &call)?;
             // SAFETY: initialised by the successful call above.
             let comm = unsafe { raw.assume_init() };
             Ok(Self { comm })
@@ -232,7 +231,7 @@ mod nccl {
             let (all, mine) = (grads.ptr(), grads.at(rank * stride));
             // SAFETY: `grads` holds ranks x stride values (padded); in place, as NCCL
             // defines it: the receive block is this rank's block of the send buffer.
-            unsafe {
+            let done = unsafe {
                 result::reduce_scatter(
                     all as *const c_void,
                     mine as *mut c_void,
@@ -242,14 +241,14 @@ mod nccl {
                     self.comm,
                     Self::stream(gpu),
                 )
-            }
-            .context("ncclReduceScatter")?;
+            };
+            checked(done, "ncclReduceScatter")?;
             Ok(())
         }
 
         pub fn all_reduce_sum(&self, gpu: &Gpu, at: u64) -> Result<()> {
             // SAFETY: one f64 at `at`, summed in place.
-            unsafe {
+            let done = unsafe {
                 result::all_reduce(
                     at as *const c_void,
                     at as *mut c_void,
@@ -259,8 +258,8 @@ mod nccl {
                     self.comm,
                     Self::stream(gpu),
                 )
-            }
-            .context("ncclAllReduce")?;
+            };
+            checked(done, "ncclAllReduce")?;
             Ok(())
         }
 
@@ -269,7 +268,7 @@ mod nccl {
             let (all, mine) = (params.ptr(), params.at(rank * stride));
             // SAFETY: `params` holds ranks x stride values; in place: this rank's
             // block is where the receive buffer holds it.
-            unsafe {
+            let done = unsafe {
                 result::all_gather(
                     mine as *const c_void,
                     all as *mut c_void,
@@ -278,8 +277,8 @@ mod nccl {
                     self.comm,
                     Self::stream(gpu),
                 )
-            }
-            .context("ncclAllGather")?;
+            };
+            checked(done, "ncclAllGather")?;
             Ok(())
         }
 
@@ -296,10 +295,15 @@ mod nccl {
         }
     }
 
+    /// NCCL's result as ours, naming the call (its error type is not a std error).
+    fn checked<T>(done: Result<T, result::NcclError>, call: &str) -> Result<T> {
+        done.map_err(|e| anyhow::anyhow!("{call} failed: {e:?}"))
+    }
+
     /// This rank in the communicator.
     fn grads_rank(comm: sys::ncclComm_t) -> Result<usize> {
         // SAFETY: a live communicator.
-        let rank = unsafe { result::comm_user_rank(comm) }.context("ncclCommUserRank")?;
+        let rank = checked(unsafe { result::comm_user_rank(comm) }, "ncclCommUserRank")?;
         Ok(rank as usize)
     }
 
