@@ -7,7 +7,8 @@
 #   CARGO_TARGET_DIR=target-cuda cargo build --release --features cuda
 #
 # With a system CUDA toolkit (nvcc on PATH, CUDA_ROOT set) none of this is needed.
-# CUDA_TOOLKIT_DIR (default ~/.cache/tinygpt-cuda13) is where it goes; CUDA_COMPUTE_CAP
+# CUDA_TOOLKIT_DIR (default ~/.cache/tinygpt-cuda13) is where it goes; TINYGPT_TOOLKIT_NCCL=1
+# adds NCCL (for --features nccl); CUDA_COMPUTE_CAP
 # (default 90: H100/H200; 80: A100, 89: L4/RTX 40xx, 86: RTX 30xx) is the one architecture
 # candle's kernels are compiled for. Verified: the binary built this way ran on an H100
 # (driver 580, CUDA 13.0).
@@ -35,6 +36,13 @@ if [ ! -x "$DIR/root/bin/nvcc" ]; then
   if [ -z "$SYS" ]; then echo "error: cudarc's source is not in cargo's registry; run 'cargo fetch' in the project first" >&2; exit 1; fi
   grep -o "fn cu[A-Za-z0-9_]*" "$SYS" | sed 's/fn //' | sort -u | sed 's/.*/int &(void){return 999;}/' > "$DIR/stub.c"
   gcc -shared -o "$DIR/root/lib64/libcuda.so" -Wl,-soname,libcuda.so.1 "$DIR/stub.c"
+fi
+# NCCL for builds with the `nccl` feature (the CUDA ranks' collectives), on request:
+# TINYGPT_TOOLKIT_NCCL=1 (a ~300 MB wheel; compile checks need none of it).
+if [ "${TINYGPT_TOOLKIT_NCCL:-0}" = 1 ] && [ ! -e "$DIR/root/lib64/libnccl.so" ]; then
+  "$DIR/venv/bin/pip" install -q nvidia-nccl-cu13==2.28.9 >&2
+  NCCL=$(ls "$DIR"/venv/lib/python3*/site-packages/nvidia/nccl/lib/libnccl.so.* | head -1)
+  ln -sf "$NCCL" "$DIR/root/lib64/libnccl.so"
 fi
 R=$DIR/root
 echo "export CUDA_ROOT=$R CUDA_PATH=$R PATH=$R/bin:\$PATH LIBRARY_PATH=$R/lib64\${LIBRARY_PATH:+:\$LIBRARY_PATH} CUDA_COMPUTE_CAP=\${CUDA_COMPUTE_CAP:-90}"

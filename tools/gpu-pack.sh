@@ -17,16 +17,24 @@
 # H200; 80 for an A100, 89 for an RTX 4090).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v nvcc >/dev/null; then
+# TINYGPT_GPU_NCCL=1 builds with the nccl feature: the CUDA ranks' NCCL path, which
+# tests/engines.rs runs at world size 1 on one GPU. The binaries then need libnccl.so.2
+# where they run (PyTorch's CUDA wheels bring it).
+features=cuda
+if [ "${TINYGPT_GPU_NCCL:-0}" = 1 ]; then
+  features=cuda,nccl
+  export TINYGPT_TOOLKIT_NCCL=1
+fi
+if ! command -v nvcc >/dev/null || [ "${TINYGPT_GPU_NCCL:-0}" = 1 ]; then
   eval "$(tools/cuda-toolkit.sh)"
 fi
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target-cuda}
 TESTS=(engines cuda_decode train gpu_memory)
 
-cargo build --release --features cuda
+cargo build --release --features "$features"
 mapfile -t executables < <(
-  cargo test --release --features cuda --no-run --message-format=json --lib "${TESTS[@]/#/--test=}" 2>/dev/null |
+  cargo test --release --features "$features" --no-run --message-format=json --lib "${TESTS[@]/#/--test=}" 2>/dev/null |
     python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -56,7 +64,8 @@ else
 set -u
 D=$(cd "$(dirname "$0")" && pwd)
 libdirs=$(find /usr /opt -maxdepth 9 \( -name 'libcublas.so.1[2-9]*' -o -name 'libcuda.so.1' \
-  -o -name 'libcurand.so.10*' -o -name 'libnvrtc.so.1[2-9]*' -o -name 'libcublasLt.so.1[2-9]*' \) \
+  -o -name 'libcurand.so.10*' -o -name 'libnvrtc.so.1[2-9]*' -o -name 'libcublasLt.so.1[2-9]*' \
+  -o -name 'libnccl.so.2*' \) \
   2>/dev/null | xargs -r -n1 dirname | sort -u | tr '\n' ':')
 export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:-}"
 mkdir -p /tmp/tg/tests
