@@ -90,6 +90,19 @@ fn one_rank() -> usize {
     1
 }
 
+/// The run folders (those with a state.json) directly inside `dir`, sorted.
+pub fn runs_inside(dir: &Path) -> Vec<String> {
+    let mut runs: Vec<String> = fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().join(STATE_FILE).is_file())
+        .map(|e| e.path().display().to_string())
+        .collect();
+    runs.sort();
+    runs
+}
+
 /// One run's folder.
 pub struct RunDir {
     path: PathBuf,
@@ -193,11 +206,29 @@ impl RunDir {
     /// Reads state.json.
     pub fn state(&self) -> Result<TrainState> {
         let path = self.file(STATE_FILE);
+        if self.path.is_file() {
+            let folder = self.path.parent().filter(|p| !p.as_os_str().is_empty());
+            user_bail!(
+                "{} is a file; pass the run folder that holds it: {}",
+                self.path.display(),
+                folder.map_or(".".into(), |p| p.display().to_string())
+            );
+        }
         if !self.path.is_dir() {
             user_bail!(
                 "checkpoint folder {} does not exist; train one first or check the path",
                 self.path.display()
             );
+        }
+        if !path.exists() {
+            let runs = runs_inside(&self.path);
+            if !runs.is_empty() {
+                user_bail!(
+                    "{} holds run folders, not a checkpoint; pass one of them: {}",
+                    self.path.display(),
+                    runs.join(", ")
+                );
+            }
         }
         let bytes = fs::read(&path).map_err(|e| {
             user_error(format!(

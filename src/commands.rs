@@ -100,6 +100,22 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
     } else {
         (tk.encode(&prompt_text)?, true)
     };
+    // Checked before anything is printed: a refused prompt is not echoed.
+    let block = loaded.config.model.block_size;
+    let prompt = match (prompt.len() > block, args.crop) {
+        (false, _) => prompt,
+        (true, true) => {
+            eprintln!(
+                "note: the prompt is {} tokens; the model reads its last {block} (its context)",
+                prompt.len()
+            );
+            prompt[prompt.len() - block..].to_vec()
+        }
+        (true, false) => user_bail!(
+            "the prompt is {} tokens, more than the model's context of {block}; pass --crop to keep its last {block} tokens",
+            prompt.len()
+        ),
+    };
     let seed = args.seed.unwrap_or_else(rand::random);
     // Sample i has its own stream: the same text whatever --num-samples is.
     let mut samplers = (0..args.num_samples as u64)
@@ -139,7 +155,7 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
         let st = &sample.stats;
         if args.json {
             let record = json!({
-                "sample": i, "seed": seed.wrapping_add(i as u64), "prompt": prompt_text,
+                "sample": i + 1, "seed": seed.wrapping_add(i as u64), "prompt": prompt_text,
                 "text": sample.text, "token_ids": sample.token_ids, "stats": st,
             });
             writeln!(out, "{record}")?;
@@ -236,8 +252,14 @@ pub fn info(args: InfoArgs) -> Result<()> {
         let fmt = |l: Option<f64>| l.map_or("-".to_string(), |l| format!("{l:.4}"));
         println!("checkpoint  {}", args.ckpt.checkpoint.display());
         println!(
-            "model       {} layers, {} heads ({} K/V), width {}, context {}, {:?} positions, bias {}",
-            m.n_layer, m.n_head, m.kv_heads(), m.n_embd, m.block_size, m.positions, m.bias
+            "model       {}, {} ({} K/V), width {}, context {}, {} positions, {}",
+            count(m.n_layer, "layer"),
+            count(m.n_head, "head"),
+            m.kv_heads(),
+            m.n_embd,
+            m.block_size,
+            format!("{:?}", m.positions).to_lowercase(),
+            if m.bias { "biases" } else { "no biases" }
         );
         println!(
             "parameters  {total} ({:.2}M); {} ({:.2}M) without embeddings",
@@ -356,9 +378,9 @@ pub fn export(args: ExportArgs) -> Result<()> {
     let layout = tinygpt::interop::export(&loaded, &args.out)?;
     bar.finish_and_clear();
     eprintln!(
-        "wrote {} ({:?} layout): load it with transformers.AutoModelForCausalLM.from_pretrained({:?})",
+        "wrote {} ({} layout): load it with transformers.AutoModelForCausalLM.from_pretrained({:?})",
         args.out.display(),
-        layout,
+        layout.name(),
         args.out.display().to_string()
     );
     Ok(())
@@ -433,11 +455,11 @@ pub fn attention(args: AttentionArgs) -> Result<()> {
     }
     tinygpt::plot::attention_grid(&maps, &layers, &heads, &args.out)?;
     eprintln!(
-        "wrote {} ({} layers x {} heads, {} tokens)",
+        "wrote {} ({} x {}, {})",
         args.out.display(),
-        layers.len(),
-        heads.len(),
-        maps.tokens.len()
+        count(layers.len(), "layer"),
+        count(heads.len(), "head"),
+        count(maps.tokens.len(), "token")
     );
     Ok(())
 }
@@ -461,14 +483,28 @@ pub fn sweep(args: SweepArgs, stop: tinygpt::util::Stop) -> Result<()> {
                 .file_stem()
                 .map_or("sweep".into(), |s| s.to_string_lossy())
         ));
-        report_comparison(&runs, &base, args.x, args.json)?;
+        report_comparison(&runs, Some(&base), args.x, args.json)?;
     }
     result.map(|_| ())
 }
 
 pub fn compare(args: CompareArgs) -> Result<()> {
     let runs = expand_runs(&args.runs)?;
-    report_comparison(&runs, &args.out, args.x, args.json)
+    // The picture goes where asked, else beside the runs; with --json, only when asked.
+    let out = match (&args.out, args.json) {
+        (Some(out), _) => Some(out.clone()),
+        (None, true) => None,
+        (None, false) => Some(beside(&runs).join("compare.png")),
+    };
+    report_comparison(&runs, out.as_deref(), args.x, args.json)
+}
+
+/// The folder the runs are in (the first run's, where they are in several).
+fn beside(runs: &[std::path::PathBuf]) -> std::path::PathBuf {
+    runs.first()
+        .and_then(|r| r.parent())
+        .filter(|p| !p.as_os_str().is_empty())
+        .map_or_else(|| ".".into(), std::path::Path::to_path_buf)
 }
 
 /// Run folders from the arguments: folders as given, quoted globs expanded, a folder
@@ -505,16 +541,23 @@ fn expand_runs(args: &[std::path::PathBuf]) -> Result<Vec<std::path::PathBuf>> {
             }
             inside.sort();
             runs.extend(inside);
+        } else if arg.is_file() {
+            // A shell's glob brings the files beside the runs too (the pictures compare
+            // and sweep write there): they are not runs, and are passed over.
+            eprintln!("skipped {}: a file, not a run folder", arg.display());
         } else {
             runs.push(arg.clone());
         }
+    }
+    if runs.is_empty() {
+        user_bail!("no run folder among the paths given; pass folders under checkpoints/");
     }
     Ok(runs)
 }
 
 fn report_comparison(
     dirs: &[std::path::PathBuf],
-    out: &std::path::Path,
+    out: Option<&std::path::Path>,
     x: tinygpt::compare::XAxis,
     as_json: bool,
 ) -> Result<()> {
@@ -526,6 +569,9 @@ fn report_comparison(
     } else {
         print!("{}", compare::table(&rows));
     }
+    let Some(out) = out else {
+        return Ok(());
+    };
     let (series, skipped) = compare::series(&runs, &rows, x);
     for why in skipped {
         eprintln!("not plotted: {why}");
@@ -541,4 +587,12 @@ fn report_comparison(
         Err(e) => eprintln!("no plot: {e:#}"),
     }
     Ok(())
+}
+
+/// "1 layer", "4 layers".
+fn count(n: usize, thing: &str) -> String {
+    match n {
+        1 => format!("1 {thing}"),
+        n => format!("{n} {thing}s"),
+    }
 }

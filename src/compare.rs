@@ -274,22 +274,19 @@ fn median(values: &[f64]) -> Option<f64> {
     Some(v[v.len() / 2])
 }
 
-/// The rows as an aligned text table.
+/// The rows as an aligned text table. The settings that differ come last, wrapped to
+/// lines of at most `DIFFERS_WIDTH` characters under their column, so unrelated runs
+/// (which differ in many settings) keep the table readable.
 pub fn table(rows: &[Row]) -> String {
     let header = [
-        "run", "differs", "params", "steps", "best val", "at step", "tok/s", "wall",
+        "run", "params", "steps", "best val", "at step", "tok/s", "wall", "differs",
     ];
-    let cells: Vec<[String; 8]> = rows
+    let cells: Vec<[String; 7]> = rows
         .iter()
         .map(|r| {
             let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
             [
                 r.run.clone(),
-                if r.differs.is_empty() {
-                    "-".into()
-                } else {
-                    r.differs.join(" ")
-                },
                 opt(r.parameters.map(|p| format!("{:.2}M", p as f64 / 1e6))),
                 r.steps.to_string(),
                 opt(r.best_val_loss.map(|l| format!("{l:.4}"))),
@@ -299,7 +296,7 @@ pub fn table(rows: &[Row]) -> String {
             ]
         })
         .collect();
-    let widths: Vec<usize> = (0..header.len())
+    let widths: Vec<usize> = (0..7)
         .map(|i| {
             cells
                 .iter()
@@ -309,20 +306,44 @@ pub fn table(rows: &[Row]) -> String {
                 .unwrap_or(0)
         })
         .collect();
-    let line = |cells: Vec<&str>| {
-        let mut s: String = cells
+    let aligned = |cells: &[&str]| -> String {
+        cells
             .iter()
             .zip(&widths)
             .map(|(c, w)| format!("{c:<w$}  "))
-            .collect();
-        s.truncate(s.trim_end().len());
-        s + "\n"
+            .collect()
     };
-    let mut out = line(header.to_vec());
-    for c in &cells {
-        out += &line(c.iter().map(String::as_str).collect());
+    let indent = " ".repeat(widths.iter().map(|w| w + 2).sum());
+    let mut out = aligned(&header[..7]) + header[7] + "\n";
+    for (c, row) in cells.iter().zip(rows) {
+        let mut lines = wrap(&row.differs, DIFFERS_WIDTH).into_iter();
+        let first = lines.next().unwrap_or_else(|| "-".into());
+        let cells: Vec<&str> = c.iter().map(String::as_str).collect();
+        out += &format!("{}{first}\n", aligned(&cells));
+        for more in lines {
+            out += &format!("{indent}{more}\n");
+        }
     }
     out
+}
+
+/// The longest line of the differs column.
+const DIFFERS_WIDTH: usize = 60;
+
+/// `items` joined by spaces into lines of at most `width` characters (an item longer
+/// than that has a line of its own).
+fn wrap(items: &[String], width: usize) -> Vec<String> {
+    let mut lines: Vec<String> = Vec::new();
+    for item in items {
+        match lines.last_mut() {
+            Some(line) if line.chars().count() + 1 + item.chars().count() <= width => {
+                line.push(' ');
+                line.push_str(item);
+            }
+            _ => lines.push(item.clone()),
+        }
+    }
+    lines
 }
 
 /// What the comparison plot puts on its x axis.

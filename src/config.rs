@@ -379,10 +379,11 @@ impl Config {
         for item in overrides {
             apply_override(&mut table, item)?;
             Config::deserialize(table.clone())
-                .map_err(|e| anyhow::anyhow!("--set {item}: {}", e.message()))?;
+                .map_err(|e| anyhow::anyhow!("--set {item}: {}", plain_words(e.message())))?;
         }
         apply_arch_preset(&mut table)?;
-        let config = Config::deserialize(table).map_err(|e| anyhow::anyhow!("{}", e.message()))?;
+        let config = Config::deserialize(table)
+            .map_err(|e| anyhow::anyhow!("{}", plain_words(e.message())))?;
         Ok(config)
     }
 
@@ -615,7 +616,7 @@ fn apply_arch_preset(table: &mut toml::Table) -> Result<()> {
 /// toml's errors are several lines with a source excerpt; users get one:
 /// "line L, column C: message".
 fn one_line(e: &toml::de::Error, text: &str) -> String {
-    let message = e.message().trim().replace('\n', "; ");
+    let message = plain_words(e.message().trim()).replace('\n', "; ");
     match e.span() {
         Some(span) => {
             let before = &text[..span.start.min(text.len())];
@@ -627,6 +628,38 @@ fn one_line(e: &toml::de::Error, text: &str) -> String {
         }
         None => message,
     }
+}
+
+/// The `section.key` of a config key named `key` (as in `--max-iters`: `max_iters`),
+/// if exactly one section has it.
+pub fn key_named(key: &str) -> Option<String> {
+    let key = key.trim_start_matches('-').replace('-', "_");
+    let table = toml::Table::try_from(Config::default()).ok()?;
+    let mut found = table.iter().filter_map(|(section, keys)| {
+        let keys = keys.as_table()?;
+        keys.contains_key(&key).then(|| format!("{section}.{key}"))
+    });
+    match (found.next(), found.next()) {
+        (Some(one), None) => Some(one),
+        _ => None,
+    }
+}
+
+/// serde's type names in users' words: "expected usize" -> "expected a whole number".
+fn plain_words(message: &str) -> String {
+    const WORDS: [(&str, &str); 8] = [
+        ("expected usize", "expected a whole number (0 or more)"),
+        ("expected u64", "expected a whole number (0 or more)"),
+        ("expected u32", "expected a whole number (0 or more)"),
+        ("expected f64", "expected a number"),
+        ("expected f32", "expected a number"),
+        ("expected a boolean", "expected true or false"),
+        ("floating point `", "the decimal number `"),
+        ("integer `", "the whole number `"),
+    ];
+    WORDS.iter().fold(message.to_string(), |m, (serde, plain)| {
+        m.replace(serde, plain)
+    })
 }
 
 fn parse_value(raw: &str) -> toml::Value {

@@ -42,6 +42,16 @@ pub enum HfLayout {
     Llama,
 }
 
+impl HfLayout {
+    /// The family as Hugging Face names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            HfLayout::Gpt2 => "GPT-2",
+            HfLayout::Llama => "Llama",
+        }
+    }
+}
+
 /// Llama's names for one block's norms (ours: ln_1, ln_2).
 fn llama_norms(b: &BlockParams) -> [(NormParams, &'static str); 2] {
     [
@@ -130,7 +140,12 @@ fn host(t: &Tensor) -> Result<Tensor> {
 /// Writes `loaded` as a Hugging Face model folder.
 pub fn export(loaded: &Loaded, out: &Path) -> Result<HfLayout> {
     let m = &loaded.config.model;
-    let layout = layout_for(m)?;
+    // A trained model's architecture is fixed: say that only training anew helps.
+    let layout = layout_for(m).map_err(|e| {
+        crate::error::user_error(format!(
+            "{e:#}; a trained model cannot change these, so train one with them to export it"
+        ))
+    })?;
     let spec = loaded.model.spec();
     let ours = loaded.model.params().to_map();
     let get = |id: ParamId| -> Result<Tensor> { host(&ours[&spec[id].name]) };
@@ -488,7 +503,13 @@ pub fn import(from: &Path, out: &Path) -> Result<Config> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     config.run.out_dir = out.parent().map(Path::to_path_buf).unwrap_or_default();
-    config.tokenizer.kind = TokenizerKind::Bpe;
+    // The tokenizer it holds, described as a trained one would be (so `compare` and
+    // `info` agree on what it is).
+    config.tokenizer.kind = match tokenizer.kind_name() {
+        "char" => TokenizerKind::Char,
+        _ => TokenizerKind::Bpe,
+    };
+    config.tokenizer.vocab_size = tokenizer.vocab_size();
     config.model = model_cfg;
     config
         .validate()

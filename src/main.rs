@@ -173,9 +173,9 @@ struct CompareArgs {
     /// of run folders (checkpoints).
     #[arg(required = true, value_name = "RUN")]
     runs: Vec<PathBuf>,
-    /// The PNG to write.
-    #[arg(long, default_value = "compare.png")]
-    out: PathBuf,
+    /// The PNG to write (default: compare.png beside the runs; none with --json).
+    #[arg(long)]
+    out: Option<PathBuf>,
     /// Loss against optimiser steps, tokens seen, or training time.
     #[arg(long, value_enum, default_value = "steps")]
     x: tinygpt::compare::XAxis,
@@ -205,6 +205,10 @@ struct GenerateArgs {
     /// Read the prompt from this file.
     #[arg(long)]
     prompt_file: Option<PathBuf>,
+    /// Keep the last block_size tokens of a prompt longer than the model's context
+    /// (without it such a prompt is refused).
+    #[arg(long)]
+    crop: bool,
     #[arg(long, default_value_t = 500)]
     max_new_tokens: usize,
     /// 0 = greedy (always the most likely token).
@@ -442,6 +446,40 @@ fn stop_on_signals() -> anyhow::Result<Stop> {
     Ok(Stop::new())
 }
 
+/// clap's answer to a command line it cannot parse, except for a flag named like a
+/// config key (`--max-iters 10`): config values are set with `--set`, and that is said
+/// in one line.
+fn usage_error(e: clap::Error) -> ExitCode {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    let flag = match (e.kind(), e.get(ContextKind::InvalidArg)) {
+        (ErrorKind::UnknownArgument, Some(ContextValue::String(flag))) => flag.clone(),
+        _ => e.exit(),
+    };
+    let (name, inline) = match flag.split_once('=') {
+        Some((name, value)) => (name.to_string(), Some(value.to_string())),
+        None => (flag.clone(), None),
+    };
+    let Some(key) = tinygpt::config::key_named(&name) else {
+        e.exit()
+    };
+    let args: Vec<String> = std::env::args().collect();
+    let value = inline
+        .or_else(|| {
+            let at = args
+                .iter()
+                .position(|a| a.split('=').next() == Some(&name))?;
+            match args[at].split_once('=') {
+                Some((_, value)) => Some(value.to_string()),
+                None => args.get(at + 1).filter(|v| !v.starts_with("--")).cloned(),
+            }
+        })
+        .unwrap_or_else(|| "VALUE".into());
+    eprintln!(
+        "error: there is no flag {name}; config values are set with --set: --set {key}={value}"
+    );
+    ExitCode::from(exit_code::USER as u8)
+}
+
 #[global_allocator]
 static ALLOCATOR: alloc::CacheLineAligned = alloc::CacheLineAligned;
 
@@ -453,7 +491,10 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return usage_error(e),
+    };
     if let Err(message) = tinygpt::cpu::isa::cap_from_env() {
         eprintln!("error: {message}");
         return ExitCode::from(exit_code::USER as u8);

@@ -108,6 +108,7 @@ pub fn loss_curve(metrics: &Path, out: &Path, title: &str) -> Result<()> {
     chart
         .configure_mesh()
         .x_desc("step")
+        .x_label_formatter(&|v| step_label(*v))
         .y_desc("loss (nats / token)")
         .label_style(("sans-serif", 15))
         .light_line_style(RGBColor(235, 235, 235))
@@ -169,6 +170,15 @@ pub fn loss_curve(metrics: &Path, out: &Path, title: &str) -> Result<()> {
 }
 
 /// 1500 -> "1.5k", 2000000 -> "2M", 12 -> "12", 0.5 -> "0.5".
+/// A step number on an axis: whole steps only (a tick between two steps has none).
+fn step_label(v: f64) -> String {
+    if (v - v.round()).abs() < 1e-6 {
+        short_number(v.round())
+    } else {
+        String::new()
+    }
+}
+
 fn short_number(v: f64) -> String {
     let trim = |s: String| s.trim_end_matches('0').trim_end_matches('.').to_string();
     match v.abs() {

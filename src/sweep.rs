@@ -63,6 +63,20 @@ pub fn points(config_path: &Path, overrides: &[String], grids: &[Grid]) -> Resul
         );
     }
     let base = Config::load(config_path, overrides)?.run.name;
+    // Each grid's values checked alone first, so a mistake is told as the --grid it is.
+    for grid in grids {
+        for value in &grid.values {
+            let item = format!("{}={value}", grid.key);
+            let all: Vec<String> = overrides.iter().cloned().chain([item.clone()]).collect();
+            Config::load(config_path, &all).map_err(|e| {
+                let told = format!("{e:#}").replace(
+                    &format!("--set {item}"),
+                    &format!("--grid {}={}", grid.key, grid.values.join(",")),
+                );
+                crate::error::user_error(told)
+            })?;
+        }
+    }
     let mut combos: Vec<Vec<(String, String)>> = vec![vec![]];
     for grid in grids {
         combos = combos

@@ -361,3 +361,294 @@ fn bench_decodes_several_sequences_together() {
     let text = String::from_utf8(bench("2", false)).unwrap();
     assert!(text.contains("2 sequences together"), "{text}");
 }
+
+/// `compare` puts its picture where it was asked, or beside the runs, never into the
+/// working folder; `--json` prints JSON and writes nothing; files a shell glob brings
+/// (the pictures beside the runs) are passed over.
+#[test]
+fn compare_writes_beside_the_runs_and_json_alone() {
+    let dir = setup();
+    for name in ["a", "b"] {
+        let run = format!("run.name={name}");
+        let out = tinygpt(
+            dir.path(),
+            &["train", "--config", "exp.toml", "--set", &run],
+        );
+        assert!(out.status.success(), "{}", stderr(&out));
+    }
+    let out = tinygpt(dir.path(), &["compare", "checkpoints/a", "checkpoints/b"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("wrote checkpoints/compare.png"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(dir.path().join("checkpoints/compare.png").is_file());
+    assert!(
+        !dir.path().join("compare.png").exists(),
+        "nothing in the working folder"
+    );
+
+    // What `compare checkpoints/*` gives a program: the picture among the runs.
+    std::fs::remove_file(dir.path().join("checkpoints/compare.png")).unwrap();
+    std::fs::write(dir.path().join("checkpoints/sweep.png"), b"png").unwrap();
+    let glob = [
+        "compare",
+        "--json",
+        "checkpoints/a",
+        "checkpoints/b",
+        "checkpoints/sweep.png",
+    ];
+    let out = tinygpt(dir.path(), &glob);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON alone");
+    assert_eq!(rows.as_array().unwrap().len(), 2);
+    assert!(
+        stderr(&out).contains("skipped checkpoints/sweep.png"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(
+        !dir.path().join("checkpoints/compare.png").exists(),
+        "--json writes no picture"
+    );
+    assert!(!dir.path().join("compare.png").exists());
+
+    // Asked for: written there, with --json too.
+    let asked = [
+        "compare",
+        "--json",
+        "--out",
+        "mine.png",
+        "checkpoints/a",
+        "checkpoints/b",
+    ];
+    let out = tinygpt(dir.path(), &asked);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(dir.path().join("mine.png").is_file());
+}
+
+/// A prompt longer than the context is cropped to its last block_size tokens when asked
+/// (and refused otherwise: tests/mistakes.rs); samples count from 1 in JSON as on stderr.
+#[test]
+fn long_prompts_are_cropped_when_asked_and_samples_count_from_one() {
+    let dir = setup();
+    let out = tinygpt(dir.path(), &["train", "--config", "exp.toml"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let long = "To be, or not to be, ".repeat(4); // 84 characters, context 16
+    let args = [
+        "generate",
+        "--checkpoint",
+        "checkpoints/exp",
+        "--prompt",
+        &long,
+        "--crop",
+        "--max-new-tokens",
+        "4",
+        "--seed",
+        "1",
+    ];
+    let out = tinygpt(dir.path(), &args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("the prompt is 84 tokens; the model reads its last 16"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with(&long));
+
+    let args = [
+        "generate",
+        "--checkpoint",
+        "checkpoints/exp",
+        "--prompt",
+        "To be",
+        "--json",
+        "--num-samples",
+        "2",
+        "--max-new-tokens",
+        "3",
+        "--seed",
+        "1",
+    ];
+    let out = tinygpt(dir.path(), &args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let samples: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let numbers: Vec<i64> = samples
+        .iter()
+        .map(|s| s["sample"].as_i64().unwrap())
+        .collect();
+    assert_eq!(numbers, [1, 2]);
+}
+
+/// `info` and `export` in plain words; `train` says at its start that a model will not
+/// export, naming what would make it; an evaluation line logs the rate of the update
+/// before it (as that step's training line does).
+#[test]
+fn info_export_and_train_speak_plainly() {
+    let dir = setup();
+    let out = tinygpt(
+        dir.path(),
+        &[
+            "train",
+            "--config",
+            "exp.toml",
+            "--set",
+            "train.log_interval=1",
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("will refuse"), "{}", stderr(&out));
+    let info = tinygpt(dir.path(), &["info", "--checkpoint", "checkpoints/exp"]);
+    let text = String::from_utf8_lossy(&info.stdout);
+    assert!(
+        text.contains("model       1 layer, 2 heads (2 K/V)"),
+        "{text}"
+    );
+    assert!(text.contains("learned positions, no biases"), "{text}");
+    let out = tinygpt(
+        dir.path(),
+        &["export", "--checkpoint", "checkpoints/exp", "--out", "hf"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("(GPT-2 layout)"), "{}", stderr(&out));
+
+    let metrics =
+        std::fs::read_to_string(dir.path().join("checkpoints/exp/metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let lr_of = |key: &str, step: i64| {
+        lines
+            .iter()
+            .find(|l| l["step"] == step && l.get(key).is_some())
+            .map(|l| l["lr"].as_f64().unwrap())
+            .unwrap()
+    };
+    for step in [3, 6] {
+        assert_eq!(lr_of("val_loss", step), lr_of("loss", step), "step {step}");
+    }
+
+    let sinusoidal = [
+        "train",
+        "--config",
+        "exp.toml",
+        "--set",
+        "run.name=sin",
+        "--set",
+        "model.positions=sinusoidal",
+        "--set",
+        "train.max_iters=1",
+    ];
+    let out = tinygpt(dir.path(), &sinusoidal);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let log = stderr(&out);
+    let note = log
+        .lines()
+        .position(|l| l.starts_with("note: `tinygpt export` will refuse"));
+    let first_eval = log.lines().position(|l| l.starts_with("step"));
+    assert!(
+        note.is_some() && note < first_eval,
+        "said before training: {log}"
+    );
+    let out = tinygpt(
+        dir.path(),
+        &["export", "--checkpoint", "checkpoints/sin", "--out", "hf2"],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("train one with them to export it"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// Every config shipped in configs/ trains (a few steps, on a small corpus), samples and
+/// exports to Hugging Face.
+#[test]
+fn every_shipped_config_trains_samples_and_exports() {
+    let dir = tempfile::tempdir().unwrap();
+    let words = [
+        "thou",
+        "art",
+        "more",
+        "lovely",
+        "and",
+        "temperate",
+        "rough",
+        "winds",
+        "do",
+        "shake",
+        "the",
+        "darling",
+        "buds",
+        "of",
+        "may",
+        "summer's",
+        "lease",
+    ];
+    let mut state = 7u64;
+    let text: String = (0..12_000)
+        .map(|i| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let word = words[(state >> 33) as usize % words.len()];
+            if i % 9 == 8 {
+                format!("{word}\n")
+            } else {
+                format!("{word} ")
+            }
+        })
+        .collect();
+    std::fs::write(dir.path().join("corpus.txt"), text).unwrap();
+    let configs = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+    let mut names: Vec<_> = std::fs::read_dir(&configs)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .collect();
+    names.sort();
+    assert!(names.len() >= 3, "{names:?}");
+    for config in &names {
+        let name = config.file_stem().unwrap().to_string_lossy().into_owned();
+        let sets = [
+            "data.corpus=corpus.txt",
+            "train.max_iters=2",
+            "train.eval_interval=2",
+            "train.eval_iters=1",
+            "tokenizer.vocab_size=300",
+        ];
+        let mut args = vec!["train", "--config", config.to_str().unwrap()];
+        for set in &sets {
+            args.extend(["--set", set]);
+        }
+        let out = tinygpt(dir.path(), &args);
+        assert!(out.status.success(), "{name}: {}", stderr(&out));
+        assert!(
+            !stderr(&out).contains("will refuse"),
+            "{name}: {}",
+            stderr(&out)
+        );
+        let run = format!("checkpoints/{name}");
+        let sample = [
+            "generate",
+            "--checkpoint",
+            &run,
+            "--max-new-tokens",
+            "5",
+            "--seed",
+            "3",
+        ];
+        let out = tinygpt(dir.path(), &sample);
+        assert!(out.status.success(), "{name}: {}", stderr(&out));
+        let hf = format!("hf-{name}");
+        let out = tinygpt(dir.path(), &["export", "--checkpoint", &run, "--out", &hf]);
+        assert!(out.status.success(), "{name}: {}", stderr(&out));
+        assert!(dir.path().join(&hf).join("model.safetensors").is_file());
+    }
+}

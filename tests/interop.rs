@@ -7,7 +7,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use tinygpt::checkpoint::{Loaded, RunDir, TrainState};
-use tinygpt::config::{Arch, Config, MlpKind, NormKind, PositionKind};
+use tinygpt::config::{Arch, Config, MlpKind, NormKind, PositionKind, TokenizerKind};
 use tinygpt::model::Gpt;
 use tinygpt::tokenizer::Tokenizer;
 
@@ -207,6 +207,9 @@ fn known_gpt2_values_land_where_they_belong() {
     let config = tinygpt::interop::import(&hf, &out).unwrap();
     assert_eq!(config.model.arch, Arch::Gpt2);
     let loaded = Loaded::load(&out, &Device::Cpu).unwrap();
+    // Its config.toml tells the tokenizer it holds (a char vocabulary here).
+    assert_eq!(loaded.config.tokenizer.kind, TokenizerKind::Char);
+    assert_eq!(loaded.config.tokenizer.vocab_size, tk.vocab_size());
     let ours = loaded.model.params().to_map();
     let at = |name: &str, i: usize, j: usize| -> f32 {
         ours[name]

@@ -169,6 +169,16 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "model.n_layer",
         ),
         case(
+            "--set wrong type, in words",
+            &format!("{t} --set model.n_layer=two"),
+            "expected a whole number",
+        ),
+        case(
+            "wrong type in file, in words",
+            "train --config type.toml",
+            "expected a number",
+        ),
+        case(
             "--set negative count",
             &format!("{t} --set train.batch_size=-4"),
             "train.batch_size",
@@ -393,7 +403,27 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
         case(
             "--resume with another model",
             "train --config exp.toml --resume --set model.n_layer=2",
-            "[model]",
+            "model.n_layer = 2 (the checkpoint has 1)",
+        ),
+        case(
+            "a file passed as the run folder",
+            "info --checkpoint checkpoints/good/model.safetensors",
+            "pass the run folder that holds it: checkpoints/good",
+        ),
+        case(
+            "a folder of runs passed as the run folder",
+            "generate --checkpoint checkpoints --prompt Now",
+            "pass one of them: checkpoints/good",
+        ),
+        case(
+            "a config key given as a flag",
+            "train --config exp.toml --max-iters 10",
+            "--set train.max_iters=10",
+        ),
+        case(
+            "a config key given as a flag with =",
+            "train --config exp.toml --warmup-iters=5",
+            "--set train.warmup_iters=5",
         ),
         with(
             "train while another trainer holds the lock",
@@ -503,7 +533,7 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
         case(
             "prompt longer than the context",
             &format!("{g} --prompt-file long-prompt.txt"),
-            "block_size",
+            "pass --crop to keep its last 16 tokens",
         ),
         case(
             "prompt file missing",
@@ -560,6 +590,11 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "sweep grid of a wrong type",
             "sweep --config exp.toml --grid model.n_layer=1,two",
             "model.n_layer",
+        ),
+        case(
+            "sweep grid of an unknown key",
+            "sweep --config exp.toml --grid model.n_lyer=1,2",
+            "--grid model.n_lyer=1,2",
         ),
         case(
             "compare of a folder without runs",
@@ -647,6 +682,11 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
         assert!(
             !err.contains("panicked") && !err.contains("RUST_BACKTRACE"),
             "{what}: {err}"
+        );
+        assert!(
+            out.stdout.is_empty(),
+            "{what}: printed before its error: {}",
+            String::from_utf8_lossy(&out.stdout)
         );
         let after = snapshot(d);
         for (path, hash) in &before {

@@ -457,7 +457,10 @@ impl Trainer {
         self.state.best_val_loss = Some(best);
         self.log_metrics(&json!({
             "step": e.step, "train_loss": e.train_loss, "val_loss": e.val_loss,
-            "lr": learning_rate(e.step, &self.config.train), "elapsed_s": self.elapsed_s(),
+            // The rate of the update that led here, as the training line of this step
+            // logs it (at step 0, the first update's).
+            "lr": learning_rate(e.step.saturating_sub(1), &self.config.train),
+            "elapsed_s": self.elapsed_s(),
         }))?;
         reporter.eval(&e);
         Ok(())
@@ -468,6 +471,14 @@ impl Trainer {
     pub fn run(&mut self, reporter: &mut dyn Reporter) -> Result<TrainSummary> {
         let cfg = self.config.train.clone();
         reporter.started(&self.info());
+        if !self.resumed {
+            // Said before the run, not after it: only training anew changes this.
+            if let Err(e) = crate::interop::layout_for(&self.config.model) {
+                reporter.note(&format!(
+                    "note: `tinygpt export` will refuse this model: {e:#}"
+                ));
+            }
+        }
         let (before, now) = (self.state.sequences_per_step, self.sequences_per_step());
         if self.resumed && before > 0 && before != now {
             reporter.note(&format!(

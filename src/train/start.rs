@@ -9,7 +9,7 @@ use anyhow::Result;
 use candle_core::Device;
 
 use crate::checkpoint::{Loaded, RunDir, TrainState, CONFIG_FILE, MODEL_FILE};
-use crate::config::{Config, TokenizerKind};
+use crate::config::{Config, ModelConfig, TokenizerKind};
 use crate::corpus::cache::CorpusCache;
 use crate::corpus::Corpus;
 use crate::model::params::weights_from_file;
@@ -82,8 +82,9 @@ fn resume(mut config: Config, run: &RunDir) -> Result<Origin> {
     // user's [model] section.
     if saved.train.init_from.is_none() && wanted != saved.model {
         user_bail!(
-            "--resume: the [model] section differs from the checkpoint's in {}; resume with the same model settings",
-            run.path().join(CONFIG_FILE).display()
+            "--resume: the [model] section differs from the checkpoint's ({}): {}; resume with the checkpoint's settings, or start a new run under another run.name",
+            run.path().join(CONFIG_FILE).display(),
+            model_differences(&wanted, &saved.model).join(", ")
         );
     }
     config.model = saved.model;
@@ -98,6 +99,24 @@ fn resume(mut config: Config, run: &RunDir) -> Result<Origin> {
         config,
         state,
     })
+}
+
+/// Each [model] key whose value differs: "n_layer = 6 (the checkpoint has 4)".
+fn model_differences(wanted: &ModelConfig, saved: &ModelConfig) -> Vec<String> {
+    let table = |m: &ModelConfig| toml::Table::try_from(m).unwrap_or_default();
+    let (wanted, saved) = (table(wanted), table(saved));
+    let keys: std::collections::BTreeSet<&String> = wanted.keys().chain(saved.keys()).collect();
+    let shown = |v: Option<&toml::Value>| v.map_or("none".to_string(), ToString::to_string);
+    keys.into_iter()
+        .filter(|key| wanted.get(*key) != saved.get(*key))
+        .map(|key| {
+            format!(
+                "model.{key} = {} (the checkpoint has {})",
+                shown(wanted.get(key)),
+                shown(saved.get(key))
+            )
+        })
+        .collect()
 }
 
 /// The model and tokenizer of the checkpoint in `dir`; data, training and dropout from
