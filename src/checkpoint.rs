@@ -4,7 +4,7 @@
 //! checkpoints/<name>/
 //!   config.toml            the resolved experiment
 //!   tokenizer.json         Hugging Face format
-//!   model.safetensors      weights (names in the README)
+//!   model.safetensors      weights (names in docs/REFERENCE.md)
 //!   optimizer.safetensors  AdamW moments, for resume
 //!   state.json             step, losses, RNG positions, and each file's size + sha256
 //!   metrics.jsonl          one JSON object per logged step / eval

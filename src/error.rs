@@ -32,7 +32,7 @@ macro_rules! user_bail {
     };
 }
 
-/// Process exit codes, documented in the README.
+/// Process exit codes, documented in the README and docs/REFERENCE.md.
 pub mod exit_code {
     pub const INTERNAL: i32 = 1;
     pub const USER: i32 = 2;

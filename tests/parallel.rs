@@ -96,7 +96,7 @@ fn launcher(mpirun: &Path, ranks: usize) -> Command {
         .arg(ranks.to_string())
         .env("RAYON_NUM_THREADS", "1")
         // Open MPI's mpirun kills ranks 1 s after forwarding a signal unless told to
-        // wait (README: what users set for a checkpoint that takes longer).
+        // wait (docs/DATA-PARALLEL.md: what users set for a checkpoint that takes longer).
         ;
     cmd
 }
