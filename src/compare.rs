@@ -399,6 +399,37 @@ mod tests {
     }
 
     #[test]
+    fn unrelated_runs_keep_the_table_readable() {
+        let many: Vec<String> = (0..30).map(|i| format!("key{i}=value{i}")).collect();
+        let row = |run: &str, differs: Vec<String>| Row {
+            run: run.into(),
+            differs,
+            parameters: Some(800_000),
+            steps: 10,
+            best_val_loss: Some(2.0),
+            best_val_step: Some(10),
+            tokens_per_s: None,
+            wall_s: None,
+        };
+        let text = table(&[row("a", many.clone()), row("b", vec![])]);
+        let lines: Vec<&str> = text.lines().collect();
+        let first = lines[1];
+        let column = first.find("key0").expect("the differs column");
+        // Wrapped under its column, no line much wider than the column allows.
+        for line in &lines[1..lines.len() - 1] {
+            assert!(line.chars().count() <= column + DIFFERS_WIDTH, "{line}");
+        }
+        let continued = &lines[2];
+        assert!(continued[..column].trim().is_empty() && continued[column..].starts_with("key"));
+        let shown: Vec<&str> = lines[1..lines.len() - 1]
+            .iter()
+            .flat_map(|l| l[column..].split_whitespace())
+            .collect();
+        assert_eq!(shown, many.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(lines.last().unwrap().starts_with("b ") && lines.last().unwrap().ends_with('-'));
+    }
+
+    #[test]
     fn runs_are_named_by_what_differs() {
         let a = settings(&[
             ("run.name", "a"),

@@ -462,6 +462,14 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_step_axis_shows_whole_steps() {
+        assert_eq!(step_label(0.0), "0");
+        assert_eq!(step_label(5.0), "5");
+        assert_eq!(step_label(2.5), "");
+        assert_eq!(step_label(20000.0), "20k");
+    }
+
+    #[test]
     fn curves_read_both_kinds_of_lines() {
         let text = r#"{"step":0,"train_loss":4.0,"val_loss":4.1,"lr":0.0001}
 {"step":10,"loss":3.0,"lr":0.001}
