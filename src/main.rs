@@ -75,6 +75,24 @@ enum Command {
     Export(ExportArgs),
     /// Read a Hugging Face GPT-2 or Llama folder into a checkpoint folder.
     Import(ImportArgs),
+    /// Print the shell completion script for bash, zsh, fish, powershell or elvish.
+    Completions(CompletionsArgs),
+    /// Print the manual page (roff), or write one per command into a folder.
+    Man(ManArgs),
+}
+
+#[derive(Args)]
+struct CompletionsArgs {
+    /// The shell to complete for.
+    #[arg(value_enum)]
+    shell: clap_complete::Shell,
+}
+
+#[derive(Args)]
+struct ManArgs {
+    /// Write tinygpt.1 and a page per command (tinygpt-train.1, ...) into this folder.
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -331,6 +349,25 @@ fn run(cli: Cli, world: &World) -> anyhow::Result<()> {
         Command::Attention(args) => commands::attention(args),
         Command::Export(args) => commands::export(args),
         Command::Import(args) => commands::import(args),
+        Command::Completions(args) => {
+            let mut cli = <Cli as clap::CommandFactory>::command();
+            clap_complete::generate(args.shell, &mut cli, "tinygpt", &mut std::io::stdout());
+            Ok(())
+        }
+        Command::Man(args) => {
+            let cli = <Cli as clap::CommandFactory>::command();
+            match args.out {
+                Some(dir) => {
+                    std::fs::create_dir_all(&dir).map_err(|e| {
+                        tinygpt::error::user_error(format!("cannot create {}: {e}", dir.display()))
+                    })?;
+                    clap_mangen::generate_to(cli, &dir)?;
+                    eprintln!("wrote the manual pages into {}", dir.display());
+                }
+                None => clap_mangen::Man::new(cli).render(&mut std::io::stdout())?,
+            }
+            Ok(())
+        }
     }
 }
 

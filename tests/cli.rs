@@ -652,3 +652,57 @@ fn every_shipped_config_trains_samples_and_exports() {
         assert!(dir.path().join(&hf).join("model.safetensors").is_file());
     }
 }
+
+/// Completions for every shell clap knows, that bash loads; manual pages that `man`
+/// renders.
+#[test]
+fn completions_and_manual_pages() {
+    let dir = tempfile::tempdir().unwrap();
+    for shell in ["bash", "zsh", "fish", "powershell", "elvish"] {
+        let out = tinygpt(dir.path(), &["completions", shell]);
+        assert!(out.status.success(), "{shell}: {}", stderr(&out));
+        let script = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            script.contains("generate") && script.contains("checkpoint"),
+            "{shell}"
+        );
+    }
+    let bash = format!(
+        "source <({:?} completions bash) && complete -p tinygpt",
+        env!("CARGO_BIN_EXE_tinygpt")
+    );
+    match Command::new("bash").args(["-c", &bash]).output() {
+        Ok(out) => assert!(
+            String::from_utf8_lossy(&out.stdout).contains("tinygpt"),
+            "bash did not register the completion: {}",
+            stderr(&out)
+        ),
+        Err(_) => eprintln!("SKIPPED loading the completion into bash: no bash"),
+    }
+
+    let out = tinygpt(dir.path(), &["man"]);
+    let page = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        page.contains(".TH tinygpt 1") && page.contains("train"),
+        "{page}"
+    );
+    let out = tinygpt(dir.path(), &["man", "--out", "man1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let train = dir.path().join("man1/tinygpt-train.1");
+    assert!(dir.path().join("man1/tinygpt.1").is_file() && train.is_file());
+    match Command::new("man")
+        .arg("-l")
+        .arg(&train)
+        .env("MANWIDTH", "100")
+        .output()
+    {
+        Ok(out) if out.status.success() => {
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                text.contains("--init-from") && text.contains("--resume"),
+                "{text}"
+            );
+        }
+        _ => eprintln!("SKIPPED rendering the page with man: no man here"),
+    }
+}

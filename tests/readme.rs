@@ -29,7 +29,8 @@ fn repo() -> PathBuf {
 /// line is a command when it starts with one of the programs a user types, the rest of
 /// a block being output shown as an example.
 fn commands(readme: &str) -> Vec<String> {
-    const PROGRAMS: [&str; 9] = [
+    const PROGRAMS: [&str; 10] = [
+        "mkdir ",
         "tinygpt ",
         "./data/prepare.sh",
         "echo ",
@@ -215,6 +216,8 @@ fn run(dir: &Path, command: &str) -> std::process::Output {
         .args(["-c", command])
         .current_dir(dir)
         .env("PATH", path)
+        // The sandbox is the user's home too (completions and man pages go there).
+        .env("HOME", dir)
         // mpirun refuses root (CI runs as root) unless told, and two cores may be fewer
         // than a command's ranks: neither changes the command.
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
@@ -261,6 +264,9 @@ fn every_readme_command_works_as_written_in_order() {
         .is_file());
     assert!(checkpoints.join("shakespeare-char-sweep.png").is_file());
     assert!(checkpoints.join("compare.png").is_file());
+    let home = dir.path().join(".local/share");
+    assert!(home.join("bash-completion/completions/tinygpt").is_file());
+    assert!(home.join("man/man1/tinygpt-train.1").is_file());
 }
 
 #[test]
