@@ -16,8 +16,8 @@ use tinygpt::generate::{generate as sample_text, unescape, DecodeMode, GenerateO
 use tinygpt::user_bail;
 
 use crate::{
-    AttentionArgs, BenchArgs, CheckpointArgs, CompareArgs, EvalArgs, ExportArgs, GenerateArgs,
-    ImportArgs, InfoArgs, PlotArgs, SweepArgs,
+    AttentionArgs, BenchArgs, CacheAction, CacheArgs, CheckpointArgs, CompareArgs, EvalArgs,
+    ExportArgs, GenerateArgs, ImportArgs, InfoArgs, PlotArgs, SweepArgs,
 };
 
 fn load(args: &CheckpointArgs) -> Result<Loaded> {
@@ -595,4 +595,57 @@ fn count(n: usize, thing: &str) -> String {
         1 => format!("1 {thing}"),
         n => format!("{n} {thing}s"),
     }
+}
+
+pub fn cache(args: CacheArgs) -> Result<()> {
+    use tinygpt::inventory;
+    let runs = if args.runs.is_empty() {
+        vec![std::path::PathBuf::from("checkpoints")]
+    } else {
+        args.runs.clone()
+    };
+    let mut caches = args.caches.clone();
+    caches.push("data/cache".into());
+    let inv = inventory::survey(&caches, &runs)?;
+    let now = std::time::SystemTime::now();
+    match args.action.unwrap_or(CacheAction::List) {
+        CacheAction::List if args.json => println!("{}", serde_json::to_string_pretty(&inv)?),
+        CacheAction::List => print!("{}", inventory::describe(&inv, now)),
+        CacheAction::Prune { older_than, yes } => {
+            let age = older_than
+                .as_deref()
+                .map(inventory::parse_age)
+                .transpose()?;
+            let removals = inventory::removals(&inv, age, now);
+            let total: u64 = removals.iter().map(|r| r.bytes).sum();
+            if yes {
+                inventory::remove(&removals)?;
+            }
+            if args.json {
+                let record = json!({"deleted": yes, "bytes": total, "removals": removals});
+                println!("{}", serde_json::to_string_pretty(&record)?);
+                return Ok(());
+            }
+            for r in &removals {
+                println!(
+                    "{}  {}  ({})",
+                    r.path.display(),
+                    inventory::size(r.bytes),
+                    r.why
+                );
+            }
+            let verb = if yes { "deleted" } else { "would delete" };
+            let more = if yes || removals.is_empty() {
+                ""
+            } else {
+                "; --yes deletes"
+            };
+            eprintln!(
+                "{verb} {} in {} place(s){more}",
+                inventory::size(total),
+                removals.len()
+            );
+        }
+    }
+    Ok(())
 }

@@ -63,6 +63,22 @@ pub struct DataConfig {
     /// Where trained tokenizers and token ids are kept, per corpus, for every run;
     /// empty: a `cache` folder beside the corpus (data/shakespeare.txt -> data/cache).
     pub cache_dir: PathBuf,
+    /// How the cache tells that the corpus changed: `sampled` (each file's size,
+    /// modification time and 64 blocks of it) or `full` (all of its bytes).
+    pub fingerprint: FingerprintKind,
+}
+
+/// How much of a corpus its fingerprint reads (`data.fingerprint`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FingerprintKind {
+    /// Size, modification time and a hash of 64 blocks of 4 KiB spread through each
+    /// file: milliseconds for any size; a rewrite of the same size with an old
+    /// modification time is seen unless it changes no sampled block.
+    #[default]
+    Sampled,
+    /// Size, modification time and a hash of every byte: seconds a gigabyte.
+    Full,
 }
 
 impl Default for DataConfig {
@@ -72,6 +88,7 @@ impl Default for DataConfig {
             text_field: "text".into(),
             val_fraction: 0.1,
             cache_dir: PathBuf::new(),
+            fingerprint: FingerprintKind::Sampled,
         }
     }
 }

@@ -20,6 +20,7 @@ pub mod error;
 pub mod eval;
 pub mod generate;
 pub mod interop;
+pub mod inventory;
 pub mod lock;
 pub mod model;
 pub mod optim;

@@ -75,10 +75,48 @@ enum Command {
     Export(ExportArgs),
     /// Read a Hugging Face GPT-2 or Llama folder into a checkpoint folder.
     Import(ImportArgs),
+    /// List what the corpus caches hold (tokenizers, ids) and which runs use it, or
+    /// prune what none uses.
+    Cache(CacheArgs),
     /// Print the shell completion script for bash, zsh, fish, powershell or elvish.
     Completions(CompletionsArgs),
     /// Print the manual page (roff), or write one per command into a folder.
     Man(ManArgs),
+}
+
+#[derive(Args)]
+struct CacheArgs {
+    #[command(subcommand)]
+    action: Option<CacheAction>,
+    /// A folder of run folders, or a run folder, whose use of the caches counts
+    /// (repeatable; default: checkpoints).
+    #[arg(long = "runs", global = true, value_name = "DIR")]
+    runs: Vec<PathBuf>,
+    /// A cache folder to look in besides those the runs use and data/cache
+    /// (repeatable; what data.cache_dir names).
+    #[arg(long = "cache", global = true, value_name = "DIR")]
+    caches: Vec<PathBuf>,
+    /// Print JSON.
+    #[arg(long, global = true)]
+    json: bool,
+}
+
+#[derive(Subcommand)]
+enum CacheAction {
+    /// Each cache folder's tokenizers and ids, their sizes, when last used, by which
+    /// runs (the default).
+    List,
+    /// Delete what no run uses, what no run read for longer than --older-than, and the
+    /// ids old runs keep in their folders; only says what it would delete without --yes.
+    /// Never touches a run's checkpoint.
+    Prune {
+        /// Also what no run has read for this long: 90m, 12h, 30d, 2w.
+        #[arg(long, value_name = "AGE")]
+        older_than: Option<String>,
+        /// Delete (without it: a dry run).
+        #[arg(long)]
+        yes: bool,
+    },
 }
 
 #[derive(Args)]
@@ -349,6 +387,7 @@ fn run(cli: Cli, world: &World) -> anyhow::Result<()> {
         Command::Attention(args) => commands::attention(args),
         Command::Export(args) => commands::export(args),
         Command::Import(args) => commands::import(args),
+        Command::Cache(args) => commands::cache(args),
         Command::Completions(args) => {
             let mut cli = <Cli as clap::CommandFactory>::command();
             clap_complete::generate(args.shell, &mut cli, "tinygpt", &mut std::io::stdout());

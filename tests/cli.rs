@@ -706,3 +706,130 @@ fn completions_and_manual_pages() {
         _ => eprintln!("SKIPPED rendering the page with man: no man here"),
     }
 }
+
+/// `tinygpt cache` on a temp folder of runs: what each cache file is used by; `prune`
+/// lists (and with --yes deletes) exactly what no run uses, the ids old runs keep, and
+/// with --older-than what nobody read lately; every checkpoint stays as it was, and the
+/// runs still resume.
+#[test]
+fn the_cache_is_listed_and_pruned_by_use() {
+    let dir = setup();
+    let d = dir.path();
+    let other = "Another corpus entirely, with other words in it.\n".repeat(60);
+    std::fs::write(d.join("other.txt"), other).unwrap();
+    let train = |name: &str, sets: &[&str]| {
+        let run = format!("run.name={name}");
+        let mut args = vec!["train", "--config", "exp.toml", "--set", &run];
+        for set in sets {
+            args.extend(["--set", set]);
+        }
+        let out = tinygpt(d, &args);
+        assert!(out.status.success(), "{name}: {}", stderr(&out));
+    };
+    train("char", &[]);
+    train("bpe", &["tokenizer.kind=bpe", "tokenizer.vocab_size=300"]);
+    train("gone", &["tokenizer.kind=bpe", "tokenizer.vocab_size=280"]);
+    train("elsewhere", &["data.corpus=other.txt"]);
+    std::fs::remove_dir_all(d.join("checkpoints/gone")).unwrap();
+    std::fs::remove_dir_all(d.join("checkpoints/elsewhere")).unwrap();
+    // A run from before the shared cache: its ids in its own folder.
+    std::fs::write(d.join("checkpoints/char/tokens.bin"), [7u8; 1000]).unwrap();
+    std::fs::write(d.join("checkpoints/char/tokens.json"), "{}").unwrap();
+
+    let out = tinygpt(d, &["cache", "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let inv: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let caches = inv["caches"].as_array().unwrap();
+    assert_eq!(caches.len(), 2, "one folder per corpus: {inv:#}");
+    let users = |file: &str| -> Vec<String> {
+        caches
+            .iter()
+            .flat_map(|c| c["files"].as_array().unwrap())
+            .filter(|f| f["path"].as_str().unwrap().ends_with(file))
+            .flat_map(|f| f["used_by"].as_array().unwrap().clone())
+            .map(|r| r.as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(users("tokenizer-char.json"), ["checkpoints/char"]);
+    assert_eq!(
+        users("tokenizer-bpe-300-32000000.json"),
+        ["checkpoints/bpe"]
+    );
+    assert!(users("tokenizer-bpe-280-32000000.json").is_empty());
+    assert_eq!(inv["legacy"].as_array().unwrap().len(), 2);
+    let listed = String::from_utf8_lossy(&tinygpt(d, &["cache"]).stdout).into_owned();
+    assert!(
+        listed.contains("used by checkpoints/char") && listed.contains("unused"),
+        "{listed}"
+    );
+
+    let checkpoints = |d: &Path| -> Vec<(String, Vec<u8>)> {
+        let mut files = Vec::new();
+        for run in ["char", "bpe"] {
+            for name in [
+                "model.safetensors",
+                "optimizer.safetensors",
+                "state.json",
+                "tokenizer.json",
+            ] {
+                let path = d.join("checkpoints").join(run).join(name);
+                files.push((path.display().to_string(), std::fs::read(&path).unwrap()));
+            }
+        }
+        files
+    };
+    let before = checkpoints(d);
+
+    // A dry run says what and why, and deletes nothing.
+    let out = tinygpt(d, &["cache", "prune"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let plan = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        plan.contains("other-") && plan.contains("no run uses it"),
+        "{plan}"
+    );
+    assert!(
+        plan.contains("tokenizer-bpe-280") && plan.contains("checkpoints/char/tokens.bin"),
+        "{plan}"
+    );
+    assert!(
+        !plan.contains("tokenizer-char.json") && !plan.contains("tokenizer-bpe-300"),
+        "{plan}"
+    );
+    assert!(stderr(&out).contains("would delete") && stderr(&out).contains("--yes"));
+    assert!(d.join("checkpoints/char/tokens.bin").exists());
+
+    let out = tinygpt(d, &["cache", "prune", "--yes"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!d.join("checkpoints/char/tokens.bin").exists());
+    assert_eq!(checkpoints(d), before, "no checkpoint touched");
+    let out = tinygpt(d, &["cache", "prune", "--json"]);
+    let left: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(left["removals"].as_array().unwrap().len(), 0, "{left:#}");
+
+    // Read long ago: --older-than takes it, used or not; training makes it again.
+    let cache = d.join("cache");
+    let folder = std::fs::read_dir(&cache)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    std::fs::write(folder.join("used"), "1000").unwrap();
+    let out = tinygpt(d, &["cache", "prune", "--older-than", "30d", "--yes"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!folder.exists());
+    assert_eq!(checkpoints(d), before);
+    let more = [
+        "train",
+        "--config",
+        "exp.toml",
+        "--set",
+        "run.name=char",
+        "--resume",
+        "--set",
+        "train.max_iters=8",
+    ];
+    let out = tinygpt(d, &more);
+    assert!(out.status.success(), "{}", stderr(&out));
+}

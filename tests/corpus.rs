@@ -5,6 +5,7 @@
 use std::path::Path;
 
 use indicatif::ProgressBar;
+use tinygpt::config::FingerprintKind;
 use tinygpt::corpus::cache::CorpusCache;
 use tinygpt::corpus::encode::encode_in_chunks;
 use tinygpt::corpus::{token_files, Corpus};
@@ -280,7 +281,7 @@ fn the_cache_is_reused_until_the_corpus_or_tokenizer_changes() {
     let tk = bpe_for(&docs);
 
     let corpus = Corpus::open(&path, "text").unwrap();
-    let cache = CorpusCache::new(&cache_dir, &corpus);
+    let cache = CorpusCache::new(&cache_dir, &corpus, FingerprintKind::Sampled).unwrap();
     // Ids copied out: the maps are dropped before the files are damaged below.
     let first = cache.tokens(&corpus, &tk, &Stop::new()).unwrap().0.to_vec();
     assert_same(
@@ -296,7 +297,12 @@ fn the_cache_is_reused_until_the_corpus_or_tokenizer_changes() {
     let written = std::fs::metadata(&bin).unwrap().modified().unwrap();
 
     // Same corpus, same tokenizer: mapped, not written again.
-    let again = CorpusCache::new(&cache_dir, &Corpus::open(&path, "text").unwrap());
+    let again = CorpusCache::new(
+        &cache_dir,
+        &Corpus::open(&path, "text").unwrap(),
+        FingerprintKind::Sampled,
+    )
+    .unwrap();
     assert_eq!(again.dir(), cache.dir());
     assert_eq!(
         again.tokens(&corpus, &tk, &Stop::new()).unwrap().0.to_vec(),
@@ -323,7 +329,7 @@ fn the_cache_is_reused_until_the_corpus_or_tokenizer_changes() {
     // The corpus rewritten: another folder.
     std::fs::write(&path, docs[..10].concat()).unwrap();
     let changed = Corpus::open(&path, "text").unwrap();
-    let cache2 = CorpusCache::new(&cache_dir, &changed);
+    let cache2 = CorpusCache::new(&cache_dir, &changed, FingerprintKind::Sampled).unwrap();
     assert_ne!(cache2.dir(), cache.dir());
     assert_eq!(
         cache2
@@ -342,7 +348,8 @@ fn tokenizers_train_once_per_corpus_and_settings_on_a_sample() {
     let path = dir.path().join("corpus.txt");
     std::fs::write(&path, docs.concat()).unwrap();
     let corpus = Corpus::open(&path, "text").unwrap();
-    let cache = CorpusCache::new(&dir.path().join("cache"), &corpus);
+    let cache =
+        CorpusCache::new(&dir.path().join("cache"), &corpus, FingerprintKind::Sampled).unwrap();
     let mut config = tinygpt::config::TokenizerConfig {
         vocab_size: 500,
         ..Default::default()
@@ -363,8 +370,17 @@ fn tokenizers_train_once_per_corpus_and_settings_on_a_sample() {
     );
     config.vocab_size = 400;
     cache.tokenizer(&corpus, &config, &Stop::new()).unwrap();
-    let files = std::fs::read_dir(cache.dir()).unwrap().count();
-    assert_eq!(files, 3, "corpus.json and two tokenizers");
+    let mut files: Vec<String> = std::fs::read_dir(cache.dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    let tokenizers = files
+        .iter()
+        .filter(|f| f.starts_with("tokenizer-bpe-"))
+        .count();
+    assert_eq!(tokenizers, 2, "two tokenizers: {files:?}");
+    assert_eq!(files.len(), 4, "and corpus.json, used: {files:?}");
 }
 
 #[test]
@@ -376,7 +392,8 @@ fn bpe_trains_on_a_sample_of_the_configured_size() {
     let path = dir.path().join("corpus.txt");
     std::fs::write(&path, [first, second].concat()).unwrap();
     let corpus = Corpus::open(&path, "text").unwrap();
-    let cache = CorpusCache::new(&dir.path().join("cache"), &corpus);
+    let cache =
+        CorpusCache::new(&dir.path().join("cache"), &corpus, FingerprintKind::Sampled).unwrap();
     let config = |train_bytes| tinygpt::config::TokenizerConfig {
         vocab_size: 300,
         train_bytes,
@@ -411,7 +428,8 @@ fn a_failure_midway_leaves_no_cache_behind() {
     std::fs::write(docs.join("b.jsonl"), "{\"text\": \"fine\"}\n{broken\n").unwrap();
     let corpus = Corpus::open(&docs, "text").unwrap();
     let tk = Tokenizer::train_bpe("story 0123456789 fine", 280).unwrap();
-    let cache = CorpusCache::new(&dir.path().join("cache"), &corpus);
+    let cache =
+        CorpusCache::new(&dir.path().join("cache"), &corpus, FingerprintKind::Sampled).unwrap();
     let err = cache
         .tokens(&corpus, &tk, &Stop::new())
         .err()
@@ -512,4 +530,64 @@ fn training_runs_on_jsonl_and_on_nanogpt_bins_sharing_one_cache() {
         serde_json::from_slice(&std::fs::read(d.join("checkpoints/c/state.json")).unwrap())
             .unwrap();
     assert_eq!(state["step"], 2);
+}
+
+/// A corpus rewritten with the same size and its old modification time (`cp -p`,
+/// `rsync -t`) gets a cache of its own: the sampled fingerprint sees the bytes changed
+/// (in every block of the file here, and in a single byte within a sampled block), the
+/// full one any byte.
+#[test]
+fn a_same_size_rewrite_with_the_old_time_is_noticed() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("corpus.txt");
+    let text: String = documents().concat().repeat(40);
+    assert!(
+        text.len() > 64 * 4096,
+        "large enough to be sampled: {}",
+        text.len()
+    );
+    std::fs::write(&path, &text).unwrap();
+    let when = std::fs::metadata(&path).unwrap().modified().unwrap();
+    let dir_of = |how| {
+        let corpus = Corpus::open(&path, "text").unwrap();
+        CorpusCache::new(&dir.path().join("cache"), &corpus, how)
+            .unwrap()
+            .dir()
+            .to_path_buf()
+    };
+    let rewrite = |bytes: &[u8]| {
+        std::fs::write(&path, bytes).unwrap();
+        let file = std::fs::File::options().write(true).open(&path).unwrap();
+        file.set_modified(when).unwrap();
+    };
+    let (sampled, full) = (
+        dir_of(FingerprintKind::Sampled),
+        dir_of(FingerprintKind::Full),
+    );
+    assert_ne!(sampled, full, "the two kinds never share a folder");
+    assert_eq!(
+        dir_of(FingerprintKind::Sampled),
+        sampled,
+        "the same bytes, the same folder"
+    );
+
+    // Every character shifted by one: same size, same time.
+    let shifted: Vec<u8> = text
+        .bytes()
+        .map(|b| if b == b'a' { b'b' } else { b })
+        .collect();
+    rewrite(&shifted);
+    assert_eq!(std::fs::metadata(&path).unwrap().modified().unwrap(), when);
+    assert_ne!(dir_of(FingerprintKind::Sampled), sampled);
+    assert_ne!(dir_of(FingerprintKind::Full), full);
+
+    // One byte, at the start of the last sampled block.
+    rewrite(text.as_bytes());
+    assert_eq!(dir_of(FingerprintKind::Sampled), sampled);
+    let mut one = text.clone().into_bytes();
+    let at = one.len() - 4096;
+    one[at] = if one[at] == b'x' { b'y' } else { b'x' };
+    rewrite(&one);
+    assert_ne!(dir_of(FingerprintKind::Sampled), sampled);
+    assert_ne!(dir_of(FingerprintKind::Full), full);
 }

@@ -597,6 +597,11 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "--grid model.n_lyer=1,2",
         ),
         case(
+            "cache prune with an age in no unit",
+            "cache prune --older-than soon",
+            "--older-than \"soon\"",
+        ),
+        case(
             "compare of a folder without runs",
             "compare notxt",
             "neither a run folder",

@@ -2,7 +2,9 @@
 //!
 //! ```text
 //! <data.cache_dir, or cache/ beside the corpus>/<corpus name>-<fingerprint>/
-//!     corpus.json                          the files it was made from
+//!     corpus.json                          the corpus it was made from: its path, the
+//!                                          field read, its files
+//!     used                                 when a run last read it (seconds since 1970)
 //!     tokenizer-bpe-<vocab>-<sample>.json  a trained tokenizer, per settings
 //!     tokenizer-char.json
 //!     tokens-<tokenizer hash>.bin          the corpus's ids, little-endian u16
@@ -10,7 +12,8 @@
 //!     tokens-<tokenizer hash>.json         their header, written after them
 //! ```
 //!
-//! The fingerprint covers the corpus's files (see [`Corpus::fingerprint`]); the
+//! The fingerprint covers the corpus's files and samples of their bytes, or all of them
+//! (`data.fingerprint`; see [`Corpus::fingerprint`]); the
 //! tokenizer hash is the SHA-256 of its tokenizer.json, so a given `tokenizer.path` or a
 //! resumed run's tokenizer finds its ids too. Files are written whole under a temporary
 //! name and renamed; a header is trusted only when the ids file has the size it names.
@@ -27,7 +30,7 @@ use serde::{Deserialize, Serialize};
 use super::encode::encode;
 use super::train::train_tokenizer;
 use super::Corpus;
-use crate::config::{TokenizerConfig, TokenizerKind};
+use crate::config::{FingerprintKind, TokenizerConfig, TokenizerKind};
 use crate::data::{Storage, Tokens};
 use crate::tokenizer::Tokenizer;
 use crate::util::bars::{bytes_bar, finish};
@@ -50,18 +53,15 @@ struct TokensHeader {
 
 impl CorpusCache {
     /// The cache folder of `corpus` under `cache_dir`, or, when that is empty, under
-    /// `cache` beside the corpus (created when first written).
-    pub fn new(cache_dir: &Path, corpus: &Corpus) -> Self {
-        let fingerprint = corpus.fingerprint();
-        let root = if cache_dir.as_os_str().is_empty() {
-            corpus.path.parent().unwrap_or(Path::new("")).join("cache")
-        } else {
-            cache_dir.to_path_buf()
-        };
-        Self {
+    /// `cache` beside the corpus (created when first written); `how` says how much of
+    /// the corpus its fingerprint reads.
+    pub fn new(cache_dir: &Path, corpus: &Corpus, how: FingerprintKind) -> Result<Self> {
+        let fingerprint = corpus.fingerprint(how)?;
+        let root = root_for(cache_dir, &corpus.path);
+        Ok(Self {
             dir: root.join(format!("{}-{}", corpus.name(), &fingerprint[..16])),
             fingerprint,
-        }
+        })
     }
 
     pub fn dir(&self) -> &Path {
@@ -75,14 +75,29 @@ impl CorpusCache {
                 self.dir.display()
             ))
         })?;
-        let manifest = self.dir.join("corpus.json");
+        let manifest = self.dir.join(MANIFEST_FILE);
         if !manifest.exists() {
-            write_atomic(
-                &manifest,
-                serde_json::to_string_pretty(&corpus.files)?.as_bytes(),
-            )?;
+            let record = Manifest {
+                corpus: corpus.path.clone(),
+                text_field: corpus.text_field().to_string(),
+                files: corpus.files.clone(),
+            };
+            write_atomic(&manifest, serde_json::to_string_pretty(&record)?.as_bytes())?;
         }
         Ok(())
+    }
+
+    /// Notes that a run uses the cache now (what `tinygpt cache` calls last used):
+    /// called once the run has started, so a run refused as a mistake changes nothing.
+    /// A cache on a read-only disk is still read: the note is best effort.
+    pub fn note_use(&self) {
+        if !self.dir.is_dir() {
+            return;
+        }
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let _ = write_atomic(&self.dir.join(USED_FILE), now.to_string().as_bytes());
     }
 
     /// The tokenizer `config` describes, trained on `corpus` once per settings.
@@ -193,6 +208,30 @@ impl CorpusCache {
         );
         read_cache(&bin, &json, fingerprint, &tokenizer_sha256)
             .with_context(|| format!("reading back {}", bin.display()))
+    }
+}
+
+/// The cache folder's record of the corpus it was made from.
+pub const MANIFEST_FILE: &str = "corpus.json";
+/// When a run last read the cache folder.
+pub const USED_FILE: &str = "used";
+
+/// What `corpus.json` holds.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Manifest {
+    /// `data.corpus` as the run named it.
+    pub corpus: PathBuf,
+    pub text_field: String,
+    pub files: Vec<super::CorpusFile>,
+}
+
+/// Where the cache folders of the corpus at `corpus` go: `cache_dir`, or `cache`
+/// beside the corpus when that is empty.
+pub fn root_for(cache_dir: &Path, corpus: &Path) -> PathBuf {
+    if cache_dir.as_os_str().is_empty() {
+        corpus.parent().unwrap_or(Path::new("")).join("cache")
+    } else {
+        cache_dir.to_path_buf()
     }
 }
 

@@ -20,6 +20,7 @@ use std::time::UNIX_EPOCH;
 use anyhow::{Context, Result};
 use serde::Serialize;
 
+use crate::config::FingerprintKind;
 use crate::error::user_error;
 use crate::user_bail;
 use crate::util::sha256_hex;
@@ -36,7 +37,7 @@ mod train;
 /// About how much text a chunk holds.
 pub const CHUNK_BYTES: usize = 1 << 20;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Format {
     Text,
@@ -66,7 +67,7 @@ impl Format {
 }
 
 /// One file of the corpus, as it was when the corpus was opened.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct CorpusFile {
     pub path: PathBuf,
     pub format: Format,
@@ -88,6 +89,41 @@ pub struct Corpus {
 pub struct Piece {
     pub text: String,
     pub new_document: bool,
+}
+
+/// Blocks a sampled fingerprint reads of each file, and their size.
+const SAMPLED_BLOCKS: u64 = 64;
+const SAMPLE_BLOCK: u64 = 4096;
+
+/// SHA-256 of a file's bytes: all of them, or `SAMPLED_BLOCKS` blocks spread evenly from
+/// its first to its last (all of a file smaller than those blocks together).
+fn content_hash(path: &Path, bytes: u64, how: FingerprintKind) -> Result<String> {
+    use sha2::{Digest, Sha256};
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = open_file(path)?;
+    let mut hasher = Sha256::new();
+    let read_error =
+        |e: std::io::Error| user_error(format!("cannot read corpus file {}: {e}", path.display()));
+    if how == FingerprintKind::Full || bytes <= SAMPLED_BLOCKS * SAMPLE_BLOCK {
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = file.read(&mut buf).map_err(read_error)?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+        }
+    } else {
+        let mut block = vec![0u8; SAMPLE_BLOCK as usize];
+        let last = bytes - SAMPLE_BLOCK;
+        for i in 0..SAMPLED_BLOCKS {
+            let at = last * i / (SAMPLED_BLOCKS - 1);
+            file.seek(SeekFrom::Start(at)).map_err(read_error)?;
+            file.read_exact(&mut block).map_err(read_error)?;
+            hasher.update(&block);
+        }
+    }
+    Ok(format!("{:x}", hasher.finalize()))
 }
 
 /// Opens a corpus file for reading; failing is the user's to fix (a path, permissions).
@@ -203,32 +239,42 @@ impl Corpus {
         }
     }
 
-    /// SHA-256 of what identifies the corpus's contents without reading them: each
-    /// file's name, size and modification time, and the field read from jsonl/parquet.
-    /// (Rewriting a file changes its modification time; `touch` makes a rebuild.)
-    pub fn fingerprint(&self) -> String {
+    /// The jsonl field / parquet column documents are read from.
+    pub fn text_field(&self) -> &str {
+        &self.text_field
+    }
+
+    /// SHA-256 of what identifies the corpus's contents: the field read from
+    /// jsonl/parquet and, for each file, its name, size, modification time and a hash
+    /// of its bytes (`how`: sampled blocks, or all of them). A rewrite that keeps the
+    /// size and the old modification time (`cp -p`, `rsync -t`) still changes the
+    /// sampled blocks it touches.
+    pub fn fingerprint(&self, how: FingerprintKind) -> Result<String> {
         #[derive(Serialize)]
         struct Manifest<'a> {
             text_field: &'a str,
-            files: Vec<(String, u64, u128)>,
+            files: Vec<(String, u64, u128, String)>,
         }
         let files = self
             .files
             .iter()
             .map(|f| {
                 let name = f.path.file_name().unwrap_or_default();
-                (name.to_string_lossy().to_string(), f.bytes, f.modified_ns)
+                let content = content_hash(&f.path, f.bytes, how)?;
+                Ok((
+                    name.to_string_lossy().to_string(),
+                    f.bytes,
+                    f.modified_ns,
+                    content,
+                ))
             })
-            .collect();
+            .collect::<Result<Vec<_>>>()?;
         let manifest = Manifest {
             text_field: &self.text_field,
             files,
         };
-        sha256_hex(
-            serde_json::to_string(&manifest)
-                .expect("a manifest serialises")
-                .as_bytes(),
-        )
+        let text = serde_json::to_string(&manifest).expect("a manifest serialises");
+        Ok(sha256_hex(text.as_bytes()))
     }
 
     /// The text in chunks of about [`CHUNK_BYTES`], each a list of pieces in order.

@@ -84,6 +84,8 @@ struct Prepared {
     device: Device,
     device_choice: Option<String>,
     lock: Option<RunLock>,
+    /// The corpus cache the run reads (none for token files).
+    cache: Option<CorpusCache>,
 }
 
 /// Steps trained since the trainer last read the engine's loss: reading waits for a
@@ -148,8 +150,15 @@ impl Trainer {
             agree(comm.as_ref(), Ok(()))
                 .and_then(|()| prepare(config, &start, &stop, comm.as_ref()))
         };
-        let built = prepared.and_then(|p| Self::build(p, resume, stop, Arc::clone(&comm)));
-        agree(comm.as_ref(), built)
+        let built = prepared.and_then(|mut p| {
+            let cache = p.cache.take();
+            Self::build(p, resume, stop, Arc::clone(&comm)).map(|t| (t, cache))
+        });
+        let (trainer, cache) = agree(comm.as_ref(), built)?;
+        if let (Some(cache), 0) = (cache, comm.rank()) {
+            cache.note_use();
+        }
+        Ok(trainer)
     }
 
     /// The engine for what was prepared, restored to the checkpoint when resuming.
@@ -677,7 +686,7 @@ fn prepare(config: Config, start: &Start, stop: &Stop, comm: &dyn Collective) ->
     };
     let run = RunDir::new(config.run_dir());
     let corpus = Corpus::open(&config.data.corpus, &config.data.text_field)?;
-    let cache = CorpusCache::new(&config.data.cache_dir, &corpus);
+    let cache = CorpusCache::new(&config.data.cache_dir, &corpus, config.data.fingerprint)?;
     let origin = start::resolve(config, start, &run, &corpus, &cache, stop)?;
     let (config, state) = (origin.config, origin.state);
     config.validate()?;
@@ -693,6 +702,7 @@ fn prepare(config: Config, start: &Start, stop: &Stop, comm: &dyn Collective) ->
     check_memory(&config, &device, ranks)?;
     let split = load_split(&config, &corpus, &cache, &origin.tokenizer, stop)?;
     Ok(Prepared {
+        cache: (!corpus.is_tokenized()).then_some(cache),
         config,
         tokenizer: origin.tokenizer,
         state,
