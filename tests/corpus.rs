@@ -591,3 +591,67 @@ fn a_same_size_rewrite_with_the_old_time_is_noticed() {
     assert_ne!(dir_of(FingerprintKind::Sampled), sampled);
     assert_ne!(dir_of(FingerprintKind::Full), full);
 }
+
+/// Our BPE trainer (stoppable) learns what `tokenizers`' BpeTrainer learns from the same
+/// texts: the same vocabulary, ids and merges, so the same tokenizer.json.
+#[test]
+fn bpe_training_learns_what_tokenizers_learns() {
+    use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+    use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
+    use tokenizers::models::TrainerWrapper;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::{
+        AddedToken, DecoderWrapper, ModelWrapper, PreTokenizerWrapper, TokenizerImpl,
+    };
+
+    let theirs = |texts: &[String], vocab_size: usize| -> String {
+        let mut trainer = TrainerWrapper::BpeTrainer(
+            BpeTrainerBuilder::new()
+                .vocab_size(vocab_size)
+                .min_frequency(2)
+                .show_progress(false)
+                .special_tokens(vec![AddedToken::from("<|endoftext|>", true)])
+                .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+                .build(),
+        );
+        let mut tk: TokenizerImpl<
+            ModelWrapper,
+            tokenizers::NormalizerWrapper,
+            PreTokenizerWrapper,
+            tokenizers::PostProcessorWrapper,
+            DecoderWrapper,
+        > = TokenizerImpl::new(ModelWrapper::BPE(BPE::default()));
+        tk.with_pre_tokenizer(Some(PreTokenizerWrapper::ByteLevel(ByteLevel::new(
+            false, true, true,
+        ))));
+        tk.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevelDecoder::default())));
+        tk.train(&mut trainer, texts.iter()).unwrap();
+        tokenizers::Tokenizer::from(tk).to_string(true).unwrap()
+    };
+    // Shakespeare-like lines, unicode, code-like text, numbers: ties and merges of
+    // merges of every kind.
+    let mut mixed = documents();
+    let mut state = 11u64;
+    mixed.push(
+        (0..3000)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let len = 1 + (state >> 60) as usize;
+                let word: String = (0..len)
+                    .map(|k| (b'a' + ((state >> ((k * 5) % 60)) % 7) as u8) as char)
+                    .collect();
+                word + if state.is_multiple_of(5) { "\n" } else { " " }
+            })
+            .collect(),
+    );
+    for vocab_size in [280, 600, 1500] {
+        let ours = Tokenizer::train_bpe_on(mixed.iter(), vocab_size).unwrap();
+        assert_eq!(
+            ours.to_json().unwrap(),
+            theirs(&mixed, vocab_size),
+            "vocab {vocab_size}"
+        );
+    }
+}

@@ -32,7 +32,7 @@ mod jsonl;
 mod parquet;
 mod text;
 pub mod token_files;
-mod train;
+pub mod train;
 
 /// About how much text a chunk holds.
 pub const CHUNK_BYTES: usize = 1 << 20;

@@ -14,7 +14,9 @@ use indicatif::ProgressBar;
 
 use super::{Chunks, Corpus, Piece};
 use crate::config::{TokenizerConfig, TokenizerKind};
+use crate::tokenizer::bpe_train::WordCounts;
 use crate::tokenizer::Tokenizer;
+use crate::util::bars::restage;
 use crate::util::Stop;
 
 /// Trains the tokenizer `config` describes on `corpus`; gives up (`Stopped`) within a
@@ -27,25 +29,19 @@ pub fn train_tokenizer(
 ) -> Result<Tokenizer> {
     match config.kind {
         TokenizerKind::Char => train_char(corpus, progress, stop),
-        TokenizerKind::Bpe => {
-            // tokenizers' merge loop cannot be interrupted: it runs on a thread of its
-            // own, which a stop leaves behind (the process is about to end).
-            let (corpus, progress, inner) = (corpus.clone(), progress.clone(), stop.clone());
-            let (wanted, vocab_size) = (config.train_bytes, config.vocab_size);
-            let worker = std::thread::spawn(move || {
-                train_bpe(&corpus, wanted, vocab_size, &progress, &inner)
-            });
-            while !worker.is_finished() {
-                stop.check()?;
-                std::thread::sleep(std::time::Duration::from_millis(50));
-            }
-            worker
-                .join()
-                .map_err(|_| anyhow::anyhow!("the BPE trainer panicked"))?
-        }
+        TokenizerKind::Bpe => train_bpe(
+            corpus,
+            config.train_bytes,
+            config.vocab_size,
+            progress,
+            stop,
+        ),
     }
 }
 
+/// BPE on a sample of `wanted` bytes: the sample's words counted a few chunks at a
+/// time on every core, then the merges; `progress` shows both stages, and `stop` ends
+/// either (no thread of ours outlives the call).
 fn train_bpe(
     corpus: &Corpus,
     wanted: u64,
@@ -54,7 +50,7 @@ fn train_bpe(
     stop: &Stop,
 ) -> Result<Tokenizer> {
     let failure = Mutex::new(None);
-    let sample = Sample {
+    let mut sample = Sample {
         chunks: corpus.chunks(),
         total: corpus.bytes().max(1),
         wanted,
@@ -63,11 +59,28 @@ fn train_bpe(
         stop,
         failure: &failure,
     };
-    let tokenizer = Tokenizer::train_bpe_on(sample, vocab_size);
-    if let Some(e) = failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
-        return Err(e);
+    let mut counts = WordCounts::default();
+    let batch = 2 * rayon::current_num_threads();
+    loop {
+        let texts: Vec<String> = sample.by_ref().take(batch).collect();
+        if let Some(e) = failure.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            return Err(e);
+        }
+        if texts.is_empty() {
+            break;
+        }
+        counts.add(&texts)?;
     }
-    tokenizer
+    let base: u64 = 257; // the 256 bytes and <|endoftext|>
+    restage(
+        progress,
+        base,
+        (vocab_size as u64).max(base),
+        "merging BPE pairs",
+    );
+    Tokenizer::train_bpe_counts(&counts, vocab_size, stop, |tokens| {
+        progress.set_position(tokens as u64)
+    })
 }
 
 fn train_char(corpus: &Corpus, progress: &ProgressBar, stop: &Stop) -> Result<Tokenizer> {

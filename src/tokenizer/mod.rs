@@ -16,15 +16,16 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::decoders::fuse::Fuse;
-use tokenizers::models::bpe::{BpeTrainerBuilder, Vocab, BPE};
-use tokenizers::models::TrainerWrapper;
+use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, DecoderWrapper, ModelWrapper, PreTokenizerWrapper, TokenizerImpl};
 
 use crate::error::user_error;
 use crate::user_bail;
 
+pub mod bpe_train;
 mod byte_level;
+use bpe_train::{learn, WordCounts};
 use byte_level::{gpt2_byte_chars, ByteLevelBpe};
 
 /// The special token that separates documents in BPE vocabularies.
@@ -50,35 +51,61 @@ impl Tokenizer {
         Self::train_bpe_on(std::iter::once(text), vocab_size)
     }
 
-    /// Trains byte-level BPE on the texts of a stream (read in parallel as it comes;
-    /// only the counts of distinct words are kept).
+    /// Trains byte-level BPE on the texts of a stream (only the counts of distinct
+    /// words are kept).
     pub fn train_bpe_on<I, S>(texts: I, vocab_size: usize) -> Result<Self>
     where
         I: Iterator<Item = S> + Send,
         S: AsRef<str> + Send,
     {
-        let mut trainer = TrainerWrapper::BpeTrainer(
-            BpeTrainerBuilder::new()
-                .vocab_size(vocab_size)
-                .min_frequency(2)
-                .show_progress(false)
-                .special_tokens(vec![AddedToken::from(END_OF_TEXT, true)])
-                .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
-                .build(),
-        );
+        let mut counts = WordCounts::default();
+        let texts: Vec<String> = texts.map(|t| t.as_ref().to_string()).collect();
+        counts.add(&texts)?;
+        Self::train_bpe_counts(&counts, vocab_size, &crate::util::Stop::new(), |_| {})
+    }
+
+    /// Trains byte-level BPE on the words of `counts` up to `vocab_size` tokens (fewer
+    /// if the text has fewer pairs seen twice): the 256 bytes, `<|endoftext|>`, then
+    /// merges. Gives up (`Stopped`) between merges once `stop` asks; `progress` hears
+    /// the vocabulary's size.
+    pub fn train_bpe_counts(
+        counts: &WordCounts,
+        vocab_size: usize,
+        stop: &crate::util::Stop,
+        progress: impl FnMut(usize),
+    ) -> Result<Self> {
+        let alphabet = ByteLevel::alphabet().into_iter().collect::<Vec<char>>();
+        let learned = learn(
+            counts,
+            vocab_size,
+            &[END_OF_TEXT],
+            &alphabet,
+            stop,
+            progress,
+        )?;
+        let vocab: Vocab = learned
+            .tokens
+            .into_iter()
+            .enumerate()
+            .map(|(id, token)| (token, id as u32))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, learned.merges)
+            .build()
+            .map_err(|e| anyhow::anyhow!("building the BPE model: {e}"))?;
         let mut tk: TokenizerImpl<
             ModelWrapper,
             tokenizers::NormalizerWrapper,
             PreTokenizerWrapper,
             tokenizers::PostProcessorWrapper,
             DecoderWrapper,
-        > = TokenizerImpl::new(ModelWrapper::BPE(BPE::default()));
+        > = TokenizerImpl::new(ModelWrapper::BPE(bpe));
         tk.with_pre_tokenizer(Some(PreTokenizerWrapper::ByteLevel(ByteLevel::new(
             false, true, true,
         ))));
         tk.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevelDecoder::default())));
-        tk.train(&mut trainer, texts)
-            .map_err(|e| anyhow::anyhow!("training the BPE tokenizer: {e}"))?;
+        tk.add_special_tokens([AddedToken::from(END_OF_TEXT, true)])
+            .map_err(|e| anyhow::anyhow!("adding {END_OF_TEXT}: {e}"))?;
         Ok(Self::from_hf(tokenizers::Tokenizer::from(tk)))
     }
 

@@ -19,6 +19,24 @@ pub fn bytes_bar(total: u64, message: &str) -> ProgressBar {
     bar
 }
 
+/// Turns `bar` into one over `total` units of work from `done`, with `message`: the
+/// next stage of the same work (a tokenizer's merges after its sample was read).
+pub fn restage(bar: &ProgressBar, done: u64, total: u64, message: &str) {
+    bar.set_style(count_style());
+    bar.set_length(total);
+    bar.set_position(done);
+    bar.reset_eta();
+    bar.set_message(message.to_string());
+}
+
+fn count_style() -> ProgressStyle {
+    ProgressStyle::with_template(
+        "{msg} {bar:30.cyan/blue} {pos}/{len} [{elapsed_precise} < {eta_precise}]",
+    )
+    .expect("a valid template")
+    .progress_chars("=> ")
+}
+
 /// A bar over `total` units of work (windows, tensors), with ETA.
 pub fn count_bar(total: u64, message: &str) -> ProgressBar {
     let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr_with_hz(4));
