@@ -238,8 +238,8 @@ mod tests {
 
     #[test]
     fn a_merge_reports_the_pairs_around_it() {
-        // "a b a b" with (a, b) -> x: "x x"; the pair (b, a) between them is gone and
-        // (x, x) appears.
+        // "a b a b" with (a, b) -> x: "x x". Left to right: after the first merge
+        // (x, a) appears, and goes with the second; (b, a) is gone, (x, x) appears.
         let (a, b, x) = (1, 2, 9);
         let mut word = vec![a, b, a, b];
         let mut changes = merge_in(&mut word, (a, b), x);
@@ -247,7 +247,7 @@ mod tests {
         assert_eq!(word, [x, x]);
         assert_eq!(
             changes,
-            [((b, a), -1), ((x, a), -1), ((x, x), 1), ((x, x), 1)]
+            [((b, a), -1), ((x, a), -1), ((x, a), 1), ((x, x), 1)]
         );
     }
 
