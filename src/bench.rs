@@ -34,6 +34,8 @@ pub struct BenchOptions {
     /// Sequences decoded together (as `generate --num-samples`).
     pub decode_batch: usize,
     pub decode_mode: DecodeMode,
+    /// How the fused CPU decoder holds its weights.
+    pub decode_weights: crate::cpu::WeightFormat,
     /// Benchmarking gives up (`Stopped`) between steps and tokens once this asks.
     pub stop: Stop,
 }
@@ -175,7 +177,7 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         .map(|_| rng.random_range(0..cfg.vocab_size as u32))
         .collect();
     let rows = opts.decode_batch.max(1);
-    let mut decoder = Decoder::new(&model, rows, opts.decode_mode)?;
+    let mut decoder = Decoder::with_format(&model, rows, opts.decode_mode, opts.decode_weights)?;
     // Greedy tokens, chosen as `generate --temperature 0` chooses them (on the GPU by the
     // CUDA decoder).
     let greedy = SamplingParams {

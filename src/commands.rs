@@ -7,6 +7,7 @@ use candle_core::Device;
 use serde_json::json;
 use tinygpt::checkpoint::Loaded;
 use tinygpt::config::Precision;
+use tinygpt::cpu::WeightFormat;
 use tinygpt::device::{is_auto, parse_device};
 use tinygpt::engine::race::{fastest_device, Work};
 use tinygpt::error::user_error;
@@ -76,16 +77,21 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
     } else {
         DecodeMode::Fast
     };
-    let products = match args.dtype.trim().to_ascii_lowercase().as_str() {
-        "f32" => Precision::F32,
-        "bf16" => Precision::Bf16,
-        other => user_bail!("--dtype {other:?}: use f32 or bf16"),
+    let (products, weights) = match args.dtype.trim().to_ascii_lowercase().as_str() {
+        "f32" => (Precision::F32, WeightFormat::F32),
+        "bf16" => (Precision::Bf16, WeightFormat::F32),
+        "int8" => (Precision::F32, WeightFormat::Int8),
+        other => user_bail!("--dtype {other:?}: use f32, bf16 or int8"),
     };
     let auto = is_auto(&args.ckpt.device);
-    let loaded = if auto && mode == DecodeMode::Fast {
+    let loaded = if auto && mode == DecodeMode::Fast && weights == WeightFormat::F32 {
         load_for_decoding(&args.ckpt.checkpoint, args.num_samples, products)?
     } else {
-        let device = parse_device(&args.ckpt.device)?;
+        // Eight bits decode on the CPU: `auto` has nothing to race.
+        let device = match auto {
+            true => Device::Cpu,
+            false => parse_device(&args.ckpt.device)?,
+        };
         Loaded::load_with(&args.ckpt.checkpoint, &device, products)?
     };
     let tk = &loaded.tokenizer;
@@ -122,6 +128,7 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
         .map(|i| Sampler::new(params.clone(), seed.wrapping_add(i)))
         .collect::<Result<Vec<_>>>()?;
     let options = GenerateOptions {
+        weights,
         max_new_tokens: args.max_new_tokens,
         stop: args.stop.iter().map(|s| unescape(s)).collect(),
         mode,
@@ -309,6 +316,11 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
             DecodeMode::Cached
         } else {
             DecodeMode::Fast
+        },
+        decode_weights: match args.decode_dtype.trim().to_ascii_lowercase().as_str() {
+            "f32" => WeightFormat::F32,
+            "int8" => WeightFormat::Int8,
+            other => user_bail!("--decode-dtype {other:?}: use f32 or int8"),
         },
         stop,
     };

@@ -296,8 +296,9 @@ struct GenerateArgs {
     /// Print one JSON object per sample instead of streaming text.
     #[arg(long)]
     json: bool,
-    /// Precision of the matrix products: f32, or bf16 (operands rounded to bf16, f32
-    /// sums: tensor cores on CUDA; the fused CPU decoder computes in f32 either way).
+    /// Precision of the matrix products: f32; bf16 (operands rounded to bf16, f32 sums:
+    /// tensor cores on CUDA; the fused CPU decoder computes in f32); or int8 (the CPU
+    /// decoder's weights in eight bits, blocks of 32 with a scale, as llama.cpp's q8_0).
     #[arg(long, default_value = "f32")]
     dtype: String,
 }
@@ -347,6 +348,10 @@ struct BenchArgs {
     /// Decode with the reference model's KV cache instead of the fused CPU decoder.
     #[arg(long)]
     reference: bool,
+    /// How the fused CPU decoder holds its weights: f32, or int8 (as generate --dtype
+    /// int8).
+    #[arg(long, default_value = "f32")]
+    decode_dtype: String,
     #[arg(long)]
     device: Option<String>,
     #[arg(long)]

@@ -205,6 +205,7 @@ fn sample_all(
         .map(|&s| Sampler::new(params.clone(), s).unwrap())
         .collect();
     let options = GenerateOptions {
+        weights: tinygpt::cpu::WeightFormat::F32,
         max_new_tokens: n,
         stop: vec![],
         mode,
@@ -400,4 +401,55 @@ fn chunked_prefill_matches_the_reference() {
         let (a, b) = (fast.logits().unwrap().to_vec(), reference.logits().unwrap());
         assert_close(&a, b, &format!("step {step} after a chunked prefill"));
     }
+}
+
+/// The fused CPU decoder with its weights in eight bits tracks the f32 one on a trained
+/// model: logits within the quantization's error at every step (weights and the
+/// activations of each product rounded to 1/254 of their block's largest magnitude),
+/// and the same greedy token at each of 60 steps.
+#[test]
+fn int8_decoding_tracks_f32() {
+    use tinygpt::cpu::{FastDecoder, WeightFormat};
+    let dir = tempfile::tempdir().unwrap();
+    let loaded = trained_run(dir.path(), TokenizerKind::Bpe);
+    let spec = loaded.model.spec().clone();
+    let weights = loaded.model.params().to_flat().unwrap();
+    let mut f32 = FastDecoder::new(&spec, &weights, 1).unwrap();
+    let mut int8 = FastDecoder::with_format(&spec, &weights, 1, WeightFormat::Int8).unwrap();
+    let prompt = loaded.tokenizer.encode("First Citizen:").unwrap();
+    let argmax = |l: &[f32]| (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b])).unwrap() as u32;
+    let (mut a, mut b) = (
+        f32.prefill(&[prompt.clone()]).unwrap().to_vec(),
+        int8.prefill(&[prompt.clone()]).unwrap().to_vec(),
+    );
+    let (mut worst, mut agree) = (0f32, 0);
+    let block = spec.shapes.block_size;
+    for step in 0..60 {
+        let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let off = a
+            .iter()
+            .zip(&b)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        worst = worst.max(off / scale);
+        assert!(
+            off <= 0.03 * scale,
+            "step {step}: logits off by {off} (largest {scale})"
+        );
+        let next = argmax(&a);
+        agree += usize::from(next == argmax(&b));
+        if f32.len() == block {
+            // The window is full: start again from its second half, as generate does.
+            let keep: Vec<u32> = prompt.iter().copied().cycle().take(block / 2).collect();
+            a = f32.prefill(&[keep.clone()]).unwrap().to_vec();
+            b = int8.prefill(&[keep]).unwrap().to_vec();
+            continue;
+        }
+        a = f32.step(&[next]).unwrap().to_vec();
+        b = int8.step(&[next]).unwrap().to_vec();
+    }
+    eprintln!(
+        "int8 logits within {:.3}% of the largest; greedy agreed {agree}/60",
+        100.0 * worst
+    );
+    assert_eq!(agree, 60, "the same greedy token at every step");
 }

@@ -10,6 +10,10 @@
 //!
 //! The prompt (and every window slide) runs through the same code with many rows at
 //! once: the projections become GEMMs and attention rows are spread over threads.
+//!
+//! With `WeightFormat::Int8` the matrices are also held in eight bits (`cpu::q8`: blocks
+//! of 32 values and a scale) and every projection, a token's or a prompt's, reads those:
+//! a quarter of the bytes per weight.
 
 use anyhow::Result;
 use rayon::prelude::*;
@@ -23,10 +27,27 @@ use super::ops::linear::LinearWeights;
 use super::ops::norm::NormStats;
 use super::ops::rope::{Rope, Turn};
 use super::ops::{residual_in_place, Positions};
+use super::q8::{Q8Matrix, Q8Row};
 use super::threads::{on_workers, threads};
 use crate::config::PositionKind;
 use crate::model::position::sinusoidal_table;
 use crate::model::spec::{ModelSpec, Shapes};
+
+/// How the decoder holds the weights of its matrix products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightFormat {
+    F32,
+    /// Eight bits per weight in blocks of 32 with an f32 scale (llama.cpp's q8_0); the
+    /// activations of each product quantized the same way.
+    Int8,
+}
+
+/// Every projection's weights in eight bits, per layer in `BlockParams::linears` order,
+/// and the tied output layer's.
+struct Quantized {
+    blocks: Vec<[Q8Matrix; 4]>,
+    head: Q8Matrix,
+}
 
 /// A model's weights laid out for decoding, and the K/V buffers of `batch` sequences.
 pub struct FastDecoder {
@@ -45,6 +66,10 @@ pub struct FastDecoder {
     activation: Activation,
     /// Some layer's mat-vecs are split over the threads (see `splits_matvec`).
     splits_matvecs: bool,
+    /// The matrices in eight bits (`WeightFormat::Int8`).
+    quantized: Option<Quantized>,
+    /// Activation rows quantized for the eight-bit products.
+    q8_rows: Vec<Q8Row>,
 
     batch: usize,
     /// Positions per forward call that the scratch buffers hold (a prefill may need
@@ -76,15 +101,42 @@ impl FastDecoder {
     /// The model `spec` with weights `values` (flat, table order), for `batch`
     /// sequences decoded together.
     pub fn new(spec: &ModelSpec, values: &[f32], batch: usize) -> Result<Self> {
+        Self::with_format(spec, values, batch, WeightFormat::F32)
+    }
+
+    /// [`FastDecoder::new`] with the matrices' weights held as `format` says.
+    pub fn with_format(
+        spec: &ModelSpec,
+        values: &[f32],
+        batch: usize,
+        format: WeightFormat,
+    ) -> Result<Self> {
         assert_eq!(values.len(), spec.len(), "a flat buffer of the whole table");
         let cfg = &spec.config;
         let s = &spec.shapes;
         let weights = Weights::new(spec, values);
+        let quantized = (format == WeightFormat::Int8).then(|| {
+            let quantize = |l: &LinearWeights| Q8Matrix::quantize(l.w, l.d_out, l.d_in);
+            Quantized {
+                blocks: (0..s.n_layer)
+                    .map(|l| {
+                        spec.blocks[l]
+                            .linears()
+                            .map(|p| quantize(&weights.linear(&p)))
+                    })
+                    .collect(),
+                head: quantize(&weights.output()),
+            }
+        });
+        // Eight-bit products read their own copy: no transposed f32 one.
         let transposed = (0..s.n_layer)
             .map(|l| {
-                spec.blocks[l]
-                    .linears()
-                    .map(|p| transpose_if_narrow(&weights.linear(&p)))
+                spec.blocks[l].linears().map(|p| {
+                    quantized
+                        .is_none()
+                        .then(|| transpose_if_narrow(&weights.linear(&p)))
+                        .flatten()
+                })
             })
             .collect::<Vec<_>>();
         let splits_matvecs = spec
@@ -114,7 +166,12 @@ impl FastDecoder {
         let cache = || vec![0f32; batch * s.block_size * s.kv_width];
         Ok(Self {
             transposed,
-            head_transposed: transpose_if_narrow(&weights.output()),
+            head_transposed: quantized
+                .is_none()
+                .then(|| transpose_if_narrow(&weights.output()))
+                .flatten(),
+            quantized,
+            q8_rows: Vec::new(),
             sinusoids,
             rope: (cfg.positions == PositionKind::Rope).then(|| Rope::new(cfg)),
             activation: Activation::new(cfg.mlp, s),
@@ -206,6 +263,7 @@ impl FastDecoder {
         let at = Positions { t, first: pos0 };
         let weights = Weights::new(&self.spec, &self.params);
         let sc = &mut self.scratch;
+        let (quantized, q8_rows) = (self.quantized.as_ref(), &mut self.q8_rows);
         let x = &mut sc.x[..rows * c];
         weights
             .embedding(self.sinusoids.as_deref())
@@ -215,12 +273,16 @@ impl FastDecoder {
             let w = weights.block(l);
             let [qkv_t, attn_proj_t, fc_t, mlp_proj_t] =
                 transposed.each_ref().map(Option::as_deref);
+            let [qkv_8, attn_proj_8, fc_8, mlp_proj_8] = match quantized {
+                Some(q) => q.blocks[l].each_ref().map(Some),
+                None => [None; 4],
+            };
             // Attention: q, k, v for every row; positions turned in; keys and values
             // stored; each row attends over its sequence's cache.
             let (x, xn) = (&mut sc.x[..rows * c], &mut sc.xn[..rows * c]);
             w.ln_1.forward(xn, &mut sc.stats, x);
             let qkv = &mut sc.qkv[..rows * s.qkv_width];
-            project(&w.attn_qkv, qkv_t, xn, qkv);
+            project(&w.attn_qkv, (qkv_t, qkv_8, q8_rows), xn, qkv);
             if let Some(rope) = &self.rope {
                 rope.rotate(qkv, &s, at, Turn::Forward);
             }
@@ -240,16 +302,16 @@ impl FastDecoder {
                 );
             }
             let proj = &mut sc.proj[..rows * c];
-            project(&w.attn_proj, attn_proj_t, att, proj);
+            project(&w.attn_proj, (attn_proj_t, attn_proj_8, q8_rows), att, proj);
             residual_in_place(x, proj);
 
             // MLP.
             w.ln_2.forward(xn, &mut sc.stats, x);
             let fc = &mut sc.fc[..rows * s.mlp_fc_width];
-            project(&w.mlp_fc, fc_t, xn, fc);
+            project(&w.mlp_fc, (fc_t, fc_8, q8_rows), xn, fc);
             let act = &mut sc.act[..rows * s.mlp_hidden];
             self.activation.forward(act, fc);
-            project(&w.mlp_proj, mlp_proj_t, act, proj);
+            project(&w.mlp_proj, (mlp_proj_t, mlp_proj_8, q8_rows), act, proj);
             residual_in_place(x, proj);
         }
 
@@ -261,12 +323,9 @@ impl FastDecoder {
             ln_f.forward(last, &mut sc.stats, &sc.x[r * c..(r + 1) * c]);
         }
         let head = weights.output();
-        project(
-            &head,
-            self.head_transposed.as_deref(),
-            &sc.last,
-            &mut sc.logits,
-        );
+        let head_8 = quantized.map(|q| &q.head);
+        let how = (self.head_transposed.as_deref(), head_8, q8_rows);
+        project(&head, how, &sc.last, &mut sc.logits);
         self.len += t;
         Ok(&self.scratch.logits)
     }
@@ -343,9 +402,19 @@ fn transpose_if_narrow(layer: &LinearWeights) -> Option<Vec<f32>> {
     })
 }
 
-/// out = x Wᵀ + bias for the rows of x: mat-vecs for a few rows (along `transposed`, W's
-/// (in, out) copy, when there is one), a GEMM for many.
-fn project(layer: &LinearWeights, transposed: Option<&[f32]>, x: &[f32], out: &mut [f32]) {
+/// How a projection reads its weights: along W's transposed (in, out) copy where there
+/// is one, from the eight-bit copy where there is one (with room for the quantized rows
+/// of x), else from W as stored.
+type Reading<'a> = (Option<&'a [f32]>, Option<&'a Q8Matrix>, &'a mut Vec<Q8Row>);
+
+/// out = x Wᵀ + bias for the rows of x: from eight bits when the layer has them,
+/// otherwise mat-vecs for a few rows (along the transposed copy, when there is one) and
+/// a GEMM for many.
+fn project(layer: &LinearWeights, how: Reading, x: &[f32], out: &mut [f32]) {
+    let (transposed, quantized, q8_rows) = how;
+    if let Some(q) = quantized {
+        return project_q8(q, layer.b, x, out, q8_rows);
+    }
     let (d_in, d_out) = (layer.d_in, layer.d_out);
     let rows = x.len() / d_in;
     if rows > 4 {
@@ -383,6 +452,62 @@ fn project(layer: &LinearWeights, transposed: Option<&[f32]>, x: &[f32], out: &m
                 ),
             }
         });
+    }
+}
+
+/// out = x Wᵀ + bias from W in eight bits, for every row of x (each quantized once). The
+/// outputs are shared out over the threads and each thread takes every row, so a
+/// weight is read from memory once per call, whatever the number of rows.
+fn project_q8(
+    w: &Q8Matrix,
+    bias: Option<&[f32]>,
+    x: &[f32],
+    out: &mut [f32],
+    rows: &mut Vec<Q8Row>,
+) {
+    let (d_in, d_out) = (w.cols(), w.rows());
+    let n = x.len() / d_in;
+    if rows.len() < n {
+        rows.resize_with(n, Q8Row::default);
+    }
+    for (row, x) in rows.iter_mut().zip(x.chunks_exact(d_in)) {
+        w.quantize_row(x, row);
+    }
+    let rows = &rows[..n];
+    if n == 1 {
+        let share = if splits_matvec(d_out * d_in) {
+            d_out.div_ceil(threads())
+        } else {
+            d_out
+        };
+        out[..d_out]
+            .par_chunks_mut(share)
+            .enumerate()
+            .for_each(|(i, out)| {
+                let first = i * share;
+                let bias = bias.map(|b| &b[first..first + out.len()]);
+                w.matvec(first, &rows[0], bias, out);
+            });
+        return;
+    }
+    // Several rows: each share of the outputs for every row, into its own buffer (the
+    // rows' outputs for a share are not contiguous in `out`), then put in place.
+    let share = d_out.div_ceil(threads()).max(1);
+    let parts: Vec<(usize, Vec<f32>)> = (0..d_out.div_ceil(share))
+        .into_par_iter()
+        .map(|i| {
+            let (first, len) = (i * share, share.min(d_out - i * share));
+            let bias = bias.map(|b| &b[first..first + len]);
+            let mut part = vec![0f32; n * len];
+            w.matmat(first, len, rows, bias, &mut part);
+            (first, part)
+        })
+        .collect();
+    for (first, part) in parts {
+        let len = part.len() / n;
+        for (r, values) in part.chunks_exact(len).enumerate() {
+            out[r * d_out + first..r * d_out + first + len].copy_from_slice(values);
+        }
     }
 }
 

@@ -17,7 +17,8 @@ pub mod kernels;
 pub mod layout;
 pub mod matrix;
 pub mod ops;
+pub mod q8;
 pub mod threads;
 
-pub use decode::FastDecoder;
+pub use decode::{FastDecoder, WeightFormat};
 pub use engine::FusedCpu;

@@ -18,7 +18,7 @@ use candle_core::Tensor;
 use rayon::prelude::*;
 
 use super::sample::Sampler;
-use crate::cpu::FastDecoder;
+use crate::cpu::{FastDecoder, WeightFormat};
 use crate::model::{Gpt, KvCache};
 use crate::user_bail;
 
@@ -62,10 +62,27 @@ pub struct Decoder<'m> {
 
 impl<'m> Decoder<'m> {
     pub fn new(model: &'m Gpt, batch: usize, mode: DecodeMode) -> Result<Self> {
+        Self::with_format(model, batch, mode, WeightFormat::F32)
+    }
+
+    /// [`Decoder::new`], the fused CPU decoder holding its weights as `format` says
+    /// (eight bits decode on the CPU only).
+    pub fn with_format(
+        model: &'m Gpt,
+        batch: usize,
+        mode: DecodeMode,
+        format: WeightFormat,
+    ) -> Result<Self> {
+        if format == WeightFormat::Int8 && !(mode == DecodeMode::Fast && model.device().is_cpu()) {
+            user_bail!(
+                "--dtype int8 decodes with the fused CPU decoder only; use --device cpu without --reference or --no-kv-cache, or --dtype f32 / bf16"
+            );
+        }
         let backend = match mode {
             DecodeMode::Fast if model.device().is_cpu() => {
                 let weights = model.params().to_flat()?;
-                Backend::Fast(Box::new(FastDecoder::new(model.spec(), &weights, batch)?))
+                let decoder = FastDecoder::with_format(model.spec(), &weights, batch, format)?;
+                Backend::Fast(Box::new(decoder))
             }
             #[cfg(feature = "cuda")]
             DecodeMode::Fast if model.device().is_cuda() => {

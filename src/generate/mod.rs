@@ -27,6 +27,8 @@ pub struct GenerateOptions {
     pub max_new_tokens: usize,
     pub stop: Vec<String>,
     pub mode: DecodeMode,
+    /// How the fused CPU decoder holds its weights.
+    pub weights: crate::cpu::WeightFormat,
     /// Decoding gives up (`Stopped`) between tokens once this asks; the text handed to
     /// `on_text` so far stands.
     pub cancel: Stop,
@@ -71,7 +73,7 @@ pub fn generate(
 ) -> Result<Vec<Sample>> {
     let batch = samplers.len();
     let text_vocab = tokenizer.vocab_size().min(model.config().vocab_size);
-    let mut decoder = Decoder::new(model, batch, options.mode)?;
+    let mut decoder = Decoder::with_format(model, batch, options.mode, options.weights)?;
     // A model trained on several documents ends one with <|endoftext|>: stop there.
     let end_of_text = tokenizer.end_of_text();
     let mut rows: Vec<Row> = (0..batch)

@@ -1,0 +1,281 @@
+//! Weights in eight bits for decoding, in the manner of llama.cpp's `q8_0`: each row of
+//! a matrix in blocks of 32 values, each block its int8 values and one f32 scale (the
+//! block's largest magnitude / 127). A token's activations are quantized the same way
+//! before a product, so a block's dot product is 32 integer multiplications summed
+//! exactly, scaled once: a quarter of f32's bytes read per weight, which is what a
+//! decoding step spends its time on.
+//!
+//! The dot product of two blocks runs as AVX2 integer instructions where the CPU has
+//! them (`vpmaddubsw` on |x| and w with x's sign, then `vpmaddwd`), plain Rust
+//! elsewhere; both sum each block exactly in integers and differ only in the order the
+//! scaled blocks are added in f32.
+
+use rayon::prelude::*;
+
+use super::isa::{self, Isa};
+
+/// Values per block.
+pub const BLOCK: usize = 32;
+
+/// A (rows, cols) matrix in blocks of `BLOCK` along its rows (cols padded with zeros to
+/// whole blocks).
+#[derive(Debug, Clone)]
+pub struct Q8Matrix {
+    rows: usize,
+    cols: usize,
+    /// Blocks per row.
+    blocks: usize,
+    /// (rows, blocks x BLOCK) int8 values.
+    quants: Vec<i8>,
+    /// (rows, blocks) scales.
+    scales: Vec<f32>,
+}
+
+/// One row of activations quantized for products with a [`Q8Matrix`].
+#[derive(Debug, Clone, Default)]
+pub struct Q8Row {
+    quants: Vec<i8>,
+    scales: Vec<f32>,
+}
+
+/// Quantizes `values` into `quants` and `scales` (one per block of `BLOCK`; the last
+/// block's missing values are zeros).
+fn quantize_into(values: &[f32], quants: &mut [i8], scales: &mut [f32]) {
+    for (b, (q, scale)) in quants
+        .chunks_exact_mut(BLOCK)
+        .zip(scales.iter_mut())
+        .enumerate()
+    {
+        let start = (b * BLOCK).min(values.len());
+        let block = &values[start..(start + BLOCK).min(values.len())];
+        let max = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+        *scale = max / 127.0;
+        let inverse = if max > 0.0 { 127.0 / max } else { 0.0 };
+        for (i, q) in q.iter_mut().enumerate() {
+            *q = block.get(i).map_or(0, |&v| (v * inverse).round() as i8);
+        }
+    }
+}
+
+impl Q8Matrix {
+    /// `w`, (rows, cols) row-major, quantized.
+    pub fn quantize(w: &[f32], rows: usize, cols: usize) -> Self {
+        assert_eq!(w.len(), rows * cols, "a (rows, cols) matrix");
+        let blocks = cols.div_ceil(BLOCK);
+        let mut quants = vec![0i8; rows * blocks * BLOCK];
+        let mut scales = vec![0f32; rows * blocks];
+        quants
+            .par_chunks_mut(blocks * BLOCK)
+            .zip(scales.par_chunks_mut(blocks))
+            .zip(w.par_chunks(cols))
+            .for_each(|((q, s), row)| quantize_into(row, q, s));
+        Self {
+            rows,
+            cols,
+            blocks,
+            quants,
+            scales,
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes held: the int8 values and the scales.
+    pub fn bytes(&self) -> usize {
+        self.quants.len() + 4 * self.scales.len()
+    }
+
+    /// Row `r` back in f32 (each value its int8 times its block's scale).
+    pub fn row_into(&self, r: usize, out: &mut [f32]) {
+        let q = &self.quants[r * self.blocks * BLOCK..];
+        let s = &self.scales[r * self.blocks..];
+        for (i, out) in out[..self.cols].iter_mut().enumerate() {
+            *out = f32::from(q[i]) * s[i / BLOCK];
+        }
+    }
+
+    /// `x` (one row of `cols` values) quantized for products with this matrix.
+    pub fn quantize_row(&self, x: &[f32], into: &mut Q8Row) {
+        assert_eq!(x.len(), self.cols, "a row as wide as the matrix");
+        into.quants.resize(self.blocks * BLOCK, 0);
+        into.scales.resize(self.blocks, 0.0);
+        quantize_into(x, &mut into.quants, &mut into.scales);
+    }
+
+    /// out[o] = row (first + o) · x (+ bias[o]) for the outputs in `out`.
+    pub fn matvec(&self, first: usize, x: &Q8Row, bias: Option<&[f32]>, out: &mut [f32]) {
+        let width = self.blocks * BLOCK;
+        let level = isa::active();
+        for (o, out) in out.iter_mut().enumerate() {
+            let r = first + o;
+            let (wq, ws) = (
+                &self.quants[r * width..(r + 1) * width],
+                &self.scales[r * self.blocks..(r + 1) * self.blocks],
+            );
+            *out = dot(level, wq, ws, &x.quants, &x.scales) + bias.map_or(0.0, |b| b[o]);
+        }
+    }
+}
+
+impl Q8Matrix {
+    /// out[r, o] = row (first + o) · xs[r] (+ bias[o]) for `len` outputs of every row
+    /// (`out` is (rows, len)): a weight row is read once, for all the rows, while it is
+    /// in the cache.
+    pub fn matmat(
+        &self,
+        first: usize,
+        len: usize,
+        xs: &[Q8Row],
+        bias: Option<&[f32]>,
+        out: &mut [f32],
+    ) {
+        let width = self.blocks * BLOCK;
+        let level = isa::active();
+        for o in 0..len {
+            let r = first + o;
+            let (wq, ws) = (
+                &self.quants[r * width..(r + 1) * width],
+                &self.scales[r * self.blocks..(r + 1) * self.blocks],
+            );
+            let b = bias.map_or(0.0, |b| b[o]);
+            for (x, out) in xs.iter().zip(out.chunks_exact_mut(len)) {
+                out[o] = dot(level, wq, ws, &x.quants, &x.scales) + b;
+            }
+        }
+    }
+}
+
+/// Σ over blocks of (w scale x x scale) x Σ w_i x_i, at `level`.
+fn dot(level: Isa, wq: &[i8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if level >= Isa::Avx2 {
+        // Safety: the active level never exceeds what the CPU has, and AVX2 + FMA are
+        // part of every level from Avx2 up.
+        return unsafe { dot_avx2(wq, ws, xq, xs) };
+    }
+    let _ = level;
+    dot_portable(wq, ws, xq, xs)
+}
+
+/// The blocks' exact integer sums, scaled and added in block order.
+pub fn dot_portable(wq: &[i8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
+    let mut sum = 0f32;
+    for (b, (w, x)) in wq
+        .chunks_exact(BLOCK)
+        .zip(xq.chunks_exact(BLOCK))
+        .enumerate()
+    {
+        let block: i32 = w
+            .iter()
+            .zip(x)
+            .map(|(&w, &x)| i32::from(w) * i32::from(x))
+            .sum();
+        sum += ws[b] * xs[b] * block as f32;
+    }
+    sum
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_avx2(wq: &[i8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let blocks = ws.len();
+    debug_assert!(wq.len() >= blocks * BLOCK && xq.len() >= blocks * BLOCK && xs.len() >= blocks);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = _mm256_setzero_ps();
+    for b in 0..blocks {
+        // Safety: each slice holds `blocks` whole blocks (asserted above in debug, by
+        // construction in every caller).
+        let w = _mm256_loadu_si256(wq.as_ptr().add(b * BLOCK).cast());
+        let x = _mm256_loadu_si256(xq.as_ptr().add(b * BLOCK).cast());
+        // vpmaddubsw multiplies unsigned by signed bytes: |x| times w with x's sign.
+        // Values lie in -127..=127, so a pair's sum (at most 2 x 127 x 127) fits i16.
+        let magnitude = _mm256_sign_epi8(x, x);
+        let signed = _mm256_sign_epi8(w, x);
+        let pairs = _mm256_maddubs_epi16(magnitude, signed);
+        let quads = _mm256_madd_epi16(pairs, ones);
+        let scale = _mm256_set1_ps(*ws.get_unchecked(b) * *xs.get_unchecked(b));
+        acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(quads), acc);
+    }
+    let halves = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
+    let one = _mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1));
+    _mm_cvtss_f32(one)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n as u32)
+            .map(|i| ((i.wrapping_mul(2654435761) ^ seed) % 2001) as f32 / 1000.0 - 1.0)
+            .collect()
+    }
+
+    #[test]
+    fn quantizing_keeps_each_value_within_half_a_step() {
+        let (rows, cols) = (3, 70); // 3 blocks a row, the last one short
+        let w = values(rows * cols, 1);
+        let q = Q8Matrix::quantize(&w, rows, cols);
+        assert_eq!(q.bytes(), rows * 3 * BLOCK + 4 * rows * 3);
+        let mut back = vec![0f32; cols];
+        for r in 0..rows {
+            q.row_into(r, &mut back);
+            for (i, (&a, &b)) in w[r * cols..(r + 1) * cols].iter().zip(&back).enumerate() {
+                let step = q.scales[r * 3 + i / BLOCK];
+                assert!(
+                    (a - b).abs() <= 0.5 * step + 1e-7,
+                    "{a} vs {b} (step {step})"
+                );
+            }
+        }
+        // The largest magnitude of a block is exact: 127 steps.
+        let peak = Q8Matrix::quantize(&[0.0, -2.0, 1.0, 0.5], 1, 4);
+        let mut back = [0f32; 4];
+        peak.row_into(0, &mut back);
+        assert_eq!(back[1], -2.0);
+        assert_eq!(Q8Matrix::quantize(&[0.0; 4], 1, 4).scales, [0.0]);
+    }
+
+    #[test]
+    fn a_product_is_the_dequantized_product() {
+        let (rows, cols) = (9, 100);
+        let w = values(rows * cols, 2);
+        let x = values(cols, 3);
+        let q = Q8Matrix::quantize(&w, rows, cols);
+        let mut qx = Q8Row::default();
+        q.quantize_row(&x, &mut qx);
+        let bias = values(rows, 4);
+        let mut out = vec![0f32; rows];
+        q.matvec(0, &qx, Some(&bias), &mut out);
+        // The same numbers in f64: dequantized weights times dequantized inputs.
+        let xs: Vec<f64> = (0..cols)
+            .map(|i| f64::from(qx.quants[i]) * f64::from(qx.scales[i / BLOCK]))
+            .collect();
+        let mut row = vec![0f32; cols];
+        for r in 0..rows {
+            q.row_into(r, &mut row);
+            let want: f64 = row
+                .iter()
+                .zip(&xs)
+                .map(|(&w, &x)| f64::from(w) * x)
+                .sum::<f64>()
+                + f64::from(bias[r]);
+            assert!(
+                (f64::from(out[r]) - want).abs() < 1e-5,
+                "row {r}: {} vs {want}",
+                out[r]
+            );
+        }
+        // And near the f32 product: each value off by at most half a step.
+        let exact: f32 = w[..cols].iter().zip(&x).map(|(a, b)| a * b).sum::<f32>() + bias[0];
+        assert!((out[0] - exact).abs() < 0.05, "{} vs {exact}", out[0]);
+    }
+}
