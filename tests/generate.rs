@@ -419,8 +419,10 @@ fn int8_decoding_tracks_f32() {
     let prompt = loaded.tokenizer.encode("First Citizen:").unwrap();
     let argmax = |l: &[f32]| (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b])).unwrap() as u32;
     let (mut a, mut b) = (
-        f32.prefill(&[prompt.clone()]).unwrap().to_vec(),
-        int8.prefill(&[prompt.clone()]).unwrap().to_vec(),
+        f32.prefill(std::slice::from_ref(&prompt)).unwrap().to_vec(),
+        int8.prefill(std::slice::from_ref(&prompt))
+            .unwrap()
+            .to_vec(),
     );
     let (mut worst, mut agree) = (0f32, 0);
     let block = spec.shapes.block_size;
@@ -440,7 +442,7 @@ fn int8_decoding_tracks_f32() {
         if f32.len() == block {
             // The window is full: start again from its second half, as generate does.
             let keep: Vec<u32> = prompt.iter().copied().cycle().take(block / 2).collect();
-            a = f32.prefill(&[keep.clone()]).unwrap().to_vec();
+            a = f32.prefill(std::slice::from_ref(&keep)).unwrap().to_vec();
             b = int8.prefill(&[keep]).unwrap().to_vec();
             continue;
         }
