@@ -178,7 +178,7 @@ impl RunDir {
         }
     }
 
-    fn next_file(&self, name: &str) -> PathBuf {
+    pub(crate) fn next_file(&self, name: &str) -> PathBuf {
         self.file(&format!("{name}.next"))
     }
 
@@ -346,7 +346,7 @@ impl RunDir {
 }
 
 /// config.toml's bytes to a validated config; `path` names the file in errors.
-fn parse_config(bytes: &[u8], path: &str) -> Result<Config> {
+pub(crate) fn parse_config(bytes: &[u8], path: &str) -> Result<Config> {
     let text =
         std::str::from_utf8(bytes).map_err(|_| user_error(format!("{path} is not UTF-8")))?;
     let config =
@@ -355,7 +355,7 @@ fn parse_config(bytes: &[u8], path: &str) -> Result<Config> {
     Ok(config)
 }
 
-fn parse_tokenizer(bytes: &[u8], path: &str) -> Result<Tokenizer> {
+pub(crate) fn parse_tokenizer(bytes: &[u8], path: &str) -> Result<Tokenizer> {
     Tokenizer::from_json(bytes)
         .map_err(|e| user_error(format!("{path} is not a valid tokenizer.json ({e:#})")))
 }

@@ -8,12 +8,14 @@ use serde_json::json;
 use tinygpt::checkpoint::Loaded;
 use tinygpt::config::Precision;
 use tinygpt::cpu::WeightFormat;
+use tinygpt::device::{first_cuda, Choice};
 use tinygpt::device::{is_auto, parse_device};
 use tinygpt::engine::race::{fastest_device, Work};
 use tinygpt::error::user_error;
 use tinygpt::generate::choose::fastest_decoder;
 use tinygpt::generate::sample::{Sampler, SamplingParams};
-use tinygpt::generate::{generate as sample_text, unescape, DecodeMode, GenerateOptions};
+use tinygpt::generate::{generate as sample_text, unescape, DecodeMode, GenerateOptions, Model};
+use tinygpt::mapped::{open_for_decoding, ForDecoding};
 use tinygpt::user_bail;
 
 use crate::{
@@ -36,6 +38,37 @@ fn load_for_decoding(dir: &std::path::Path, batch: usize, products: Precision) -
         return Ok(on_cpu);
     }
     Loaded::load_with(dir, &choice.device, products)
+}
+
+/// A checkpoint opened for `generate`: as a candle model, or mapped for the fused CPU
+/// decoder.
+enum Opened {
+    Candle(Box<Loaded>),
+    Mapped(Box<ForDecoding>),
+}
+
+/// What `generate` reads of an opened checkpoint.
+struct Parts<'a> {
+    config: &'a tinygpt::config::Config,
+    tokenizer: &'a tinygpt::tokenizer::Tokenizer,
+    model: Model<'a>,
+}
+
+impl Opened {
+    fn parts(&self) -> Parts<'_> {
+        match self {
+            Opened::Candle(l) => Parts {
+                config: &l.config,
+                tokenizer: &l.tokenizer,
+                model: Model::Candle(&l.model),
+            },
+            Opened::Mapped(m) => Parts {
+                config: &m.config,
+                tokenizer: &m.tokenizer,
+                model: Model::Cpu(&m.weights),
+            },
+        }
+    }
 }
 
 fn read_prompt(args: &GenerateArgs) -> Result<String> {
@@ -79,21 +112,50 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
     };
     let (products, weights) = match args.dtype.trim().to_ascii_lowercase().as_str() {
         "f32" => (Precision::F32, WeightFormat::F32),
-        "bf16" => (Precision::Bf16, WeightFormat::F32),
+        "bf16" => (Precision::Bf16, WeightFormat::Bf16),
         "int8" => (Precision::F32, WeightFormat::Int8),
         other => user_bail!("--dtype {other:?}: use f32, bf16 or int8"),
     };
     let auto = is_auto(&args.ckpt.device);
-    let loaded = if auto && mode == DecodeMode::Fast && weights == WeightFormat::F32 {
-        load_for_decoding(&args.ckpt.checkpoint, args.num_samples, products)?
+    // The fused CPU decoder opens the checkpoint mapped, without a candle model: when
+    // the CPU is asked for, when `auto` has no GPU to weigh it against, and for int8
+    // (CPU only).
+    let on_cpu = mode == DecodeMode::Fast
+        && match auto {
+            true => weights == WeightFormat::Int8 || first_cuda().is_none(),
+            false => parse_device(&args.ckpt.device)?.is_cpu(),
+        };
+    let mut opened = if on_cpu {
+        if auto {
+            let why = match first_cuda() {
+                None => "no CUDA device",
+                Some(_) => "int8 decodes on the CPU",
+            };
+            eprintln!("device auto: {}", Choice::new(Device::Cpu, why));
+        }
+        Opened::Mapped(Box::new(open_for_decoding(&args.ckpt.checkpoint, weights)?))
+    } else if auto && mode == DecodeMode::Fast && weights != WeightFormat::Int8 {
+        Opened::Candle(Box::new(load_for_decoding(
+            &args.ckpt.checkpoint,
+            args.num_samples,
+            products,
+        )?))
     } else {
-        // Eight bits decode on the CPU: `auto` has nothing to race.
         let device = match auto {
             true => Device::Cpu,
             false => parse_device(&args.ckpt.device)?,
         };
-        Loaded::load_with(&args.ckpt.checkpoint, &device, products)?
+        Opened::Candle(Box::new(Loaded::load_with(
+            &args.ckpt.checkpoint,
+            &device,
+            products,
+        )?))
     };
+    // Decoding starts once the weights' hash check (run beside the loading) passed.
+    if let Opened::Mapped(m) = &mut opened {
+        m.verification.wait()?;
+    }
+    let loaded = opened.parts();
     let tk = &loaded.tokenizer;
     let (prompt, show_prompt) = if prompt_text.is_empty() {
         let start = match tk.end_of_text() {
@@ -150,7 +212,7 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
         Ok(())
     };
     let samples = sample_text(
-        &loaded.model,
+        loaded.model,
         tk,
         &prompt,
         &mut samplers,

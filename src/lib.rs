@@ -22,6 +22,7 @@ pub mod generate;
 pub mod interop;
 pub mod inventory;
 pub mod lock;
+pub mod mapped;
 pub mod model;
 pub mod optim;
 pub mod parallel;

@@ -6,6 +6,7 @@ use std::path::Path;
 use candle_core::{Device, Tensor};
 use tinygpt::checkpoint::Loaded;
 use tinygpt::config::{Config, MlpKind, ModelConfig, NormKind, PositionKind, TokenizerKind};
+use tinygpt::cpu::{FastDecoder, WeightFormat};
 use tinygpt::generate::sample::{Sampler, SamplingParams};
 use tinygpt::generate::{generate, DecodeMode, Decoder, GenerateOptions};
 use tinygpt::model::Gpt;
@@ -213,7 +214,7 @@ fn sample_all(
     };
     let mut pieces = vec![Vec::new(); seeds.len()];
     let samples = generate(
-        &loaded.model,
+        (&loaded.model).into(),
         &loaded.tokenizer,
         &prompt,
         &mut samplers,
@@ -409,18 +410,32 @@ fn chunked_prefill_matches_the_reference() {
 /// and the same greedy token at each of 60 steps.
 #[test]
 fn int8_decoding_tracks_f32() {
-    use tinygpt::cpu::{FastDecoder, WeightFormat};
+    tracks_f32(WeightFormat::Int8, 0.03);
+}
+
+/// The same with the weights in bf16 (each rounded to 8 significant bits, 1/512 of
+/// itself at most; activations and sums stay f32): a tighter bound.
+#[test]
+fn bf16_decoding_tracks_f32() {
+    tracks_f32(WeightFormat::Bf16, 0.01);
+}
+
+/// Decodes 60 greedy steps (the window sliding once) with f32 weights and with
+/// `format`, feeding both the f32 decoder's tokens: the logits stay within `tolerance`
+/// of the largest f32 logit, and the greedy token is the same at every step.
+fn tracks_f32(format: WeightFormat, tolerance: f32) {
     let dir = tempfile::tempdir().unwrap();
     let loaded = trained_run(dir.path(), TokenizerKind::Bpe);
     let spec = loaded.model.spec().clone();
     let weights = loaded.model.params().to_flat().unwrap();
     let mut f32 = FastDecoder::new(&spec, &weights, 1).unwrap();
-    let mut int8 = FastDecoder::with_format(&spec, &weights, 1, WeightFormat::Int8).unwrap();
+    let mut other = FastDecoder::with_format(&spec, &weights, 1, format).unwrap();
     let prompt = loaded.tokenizer.encode("First Citizen:").unwrap();
     let argmax = |l: &[f32]| (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b])).unwrap() as u32;
     let (mut a, mut b) = (
         f32.prefill(std::slice::from_ref(&prompt)).unwrap().to_vec(),
-        int8.prefill(std::slice::from_ref(&prompt))
+        other
+            .prefill(std::slice::from_ref(&prompt))
             .unwrap()
             .to_vec(),
     );
@@ -434,7 +449,7 @@ fn int8_decoding_tracks_f32() {
             .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
         worst = worst.max(off / scale);
         assert!(
-            off <= 0.03 * scale,
+            off <= tolerance * scale,
             "step {step}: logits off by {off} (largest {scale})"
         );
         let next = argmax(&a);
@@ -443,15 +458,57 @@ fn int8_decoding_tracks_f32() {
             // The window is full: start again from its second half, as generate does.
             let keep: Vec<u32> = prompt.iter().copied().cycle().take(block / 2).collect();
             a = f32.prefill(std::slice::from_ref(&keep)).unwrap().to_vec();
-            b = int8.prefill(&[keep]).unwrap().to_vec();
+            b = other.prefill(&[keep]).unwrap().to_vec();
             continue;
         }
         a = f32.step(&[next]).unwrap().to_vec();
-        b = int8.step(&[next]).unwrap().to_vec();
+        b = other.step(&[next]).unwrap().to_vec();
     }
     eprintln!(
-        "int8 logits within {:.3}% of the largest; greedy agreed {agree}/60",
+        "{} logits within {:.3}% of the largest; greedy agreed {agree}/60",
+        format.name(),
         100.0 * worst
     );
     assert_eq!(agree, 60, "the same greedy token at every step");
+}
+
+/// A checkpoint opened mapped (`tinygpt::mapped`, what `generate` on the CPU does)
+/// decodes exactly as the loaded model's weights copied into the decoder, in every
+/// precision; its hash check passes and is noted, so the next open skips it.
+#[test]
+fn a_mapped_checkpoint_decodes_as_the_loaded_one() {
+    use tinygpt::mapped::{open_for_decoding, VERIFIED_FILE};
+    let dir = tempfile::tempdir().unwrap();
+    let loaded = trained_run(dir.path(), TokenizerKind::Bpe);
+    let run = dir.path().join("checkpoints/run");
+    let spec = loaded.model.spec().clone();
+    let flat = loaded.model.params().to_flat().unwrap();
+    let prompt = loaded.tokenizer.encode("First Citizen:").unwrap();
+    for format in [WeightFormat::F32, WeightFormat::Bf16, WeightFormat::Int8] {
+        let mut opened = open_for_decoding(&run, format).unwrap();
+        opened.verification.wait().unwrap();
+        assert_eq!(opened.config.model, loaded.config.model);
+        let mut mapped = FastDecoder::from_weights(opened.weights.clone(), 1).unwrap();
+        let mut copied = FastDecoder::with_format(&spec, &flat, 1, format).unwrap();
+        let mut a = mapped
+            .prefill(std::slice::from_ref(&prompt))
+            .unwrap()
+            .to_vec();
+        let mut b = copied
+            .prefill(std::slice::from_ref(&prompt))
+            .unwrap()
+            .to_vec();
+        for step in 0..5 {
+            assert_eq!(a, b, "{} logits at step {step}", format.name());
+            let next = (step * 7 % 250) as u32;
+            a = mapped.step(&[next]).unwrap().to_vec();
+            b = copied.step(&[next]).unwrap().to_vec();
+        }
+    }
+    assert!(run.join(VERIFIED_FILE).is_file(), "a passed check is noted");
+    let again = open_for_decoding(&run, WeightFormat::F32).unwrap();
+    assert!(
+        again.verification.checked_before(),
+        "noted files are not hashed again"
+    );
 }

@@ -223,6 +223,49 @@ fn check_q8(level: Isa) {
     }
 }
 
+/// The products that read each weight row once for a few rows (f32 and bf16 weights),
+/// against f64 sums of the weights as stored, for every row count up to 9 (the
+/// four-row blocks and the rest), small matrices and ones split over the threads.
+fn check_weight_rows(level: Isa) {
+    use tinygpt::cpu::weight_rows::{project_rows, Bf16, Widen};
+    for (d_out, d_in) in [(1, 1), (7, 33), (40, 100), (512, 300)] {
+        let w = values(d_out * d_in, 5);
+        let bits: Vec<Bf16> = w.iter().map(|&v| Bf16::round(v)).collect();
+        let bias = values(d_out, 6);
+        for rows in 1..=9 {
+            let x = values(rows * d_in, 9 + rows as u32);
+            let mut out = vec![0f32; rows * d_out];
+            let mut out_bf16 = vec![0f32; rows * d_out];
+            project_rows(&w, Some(&bias), &x, d_in, &mut out);
+            project_rows(&bits, Some(&bias), &x, d_in, &mut out_bf16);
+            for r in 0..rows {
+                for o in 0..d_out {
+                    let xr = &x[r * d_in..(r + 1) * d_in];
+                    let want = |row: &mut dyn Iterator<Item = f32>| {
+                        row.zip(xr)
+                            .map(|(a, &b)| f64::from(a) * f64::from(b))
+                            .sum::<f64>()
+                            + f64::from(bias[o])
+                    };
+                    let exact = want(&mut w[o * d_in..(o + 1) * d_in].iter().copied());
+                    let widened =
+                        want(&mut bits[o * d_in..(o + 1) * d_in].iter().map(|b| b.widen()));
+                    let tolerance = 1e-6 * d_in as f64;
+                    let (got, got_bf16) = (out[r * d_out + o], out_bf16[r * d_out + o]);
+                    assert!(
+                        (f64::from(got) - exact).abs() <= tolerance,
+                        "{level:?} f32 ({d_out}, {d_in}) x {rows} rows, [{r}, {o}]: {got} vs {exact}"
+                    );
+                    assert!(
+                        (f64::from(got_bf16) - widened).abs() <= tolerance,
+                        "{level:?} bf16 ({d_out}, {d_in}) x {rows} rows, [{r}, {o}]: {got_bf16} vs {widened}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn every_supported_level_gives_the_same_results() {
     let levels = Isa::supported();
@@ -243,6 +286,7 @@ fn every_supported_level_gives_the_same_results() {
         }
         check_engine(level);
         check_q8(level);
+        check_weight_rows(level);
     }
     isa::force(None);
     if levels.len() < 3 {

@@ -464,6 +464,59 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
                 replace_consistently(&bad_copy(d), "model.safetensors", b"garbage, not tensors");
             },
         ),
+        // The same through generate, which maps the weights and hashes them beside
+        // the loading (src/mapped.rs): refused before any text, in every precision.
+        with(
+            "truncated safetensors, mapped by generate",
+            "generate --checkpoint checkpoints/bad --prompt Now --device cpu",
+            "truncated or was changed",
+            |d| {
+                let p = bad_copy(d).join("model.safetensors");
+                let b = std::fs::read(&p).unwrap();
+                std::fs::write(&p, &b[..b.len() - 4]).unwrap();
+            },
+        ),
+        with(
+            "one changed weight, same size, mapped by generate in int8",
+            "generate --checkpoint checkpoints/bad --prompt Now --dtype int8",
+            "truncated or was changed",
+            |d| {
+                let p = bad_copy(d).join("model.safetensors");
+                let mut b = std::fs::read(&p).unwrap();
+                let last = b.len() - 1;
+                b[last] ^= 0x40;
+                std::fs::write(&p, &b).unwrap();
+            },
+        ),
+        with(
+            "a weight changed after a good run was noted in .verified",
+            "generate --checkpoint checkpoints/bad --prompt Now --dtype bf16",
+            "truncated or was changed",
+            |d| {
+                let bad = bad_copy(d);
+                let ok = Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+                    .args(["generate", "--checkpoint"])
+                    .arg(&bad)
+                    .args(["--prompt", "Now", "--max-new-tokens", "1"])
+                    .output()
+                    .unwrap();
+                assert!(ok.status.success(), "the good copy decodes");
+                assert!(bad.join(".verified").is_file(), "a passed check is noted");
+                let p = bad.join("model.safetensors");
+                let mut b = std::fs::read(&p).unwrap();
+                let middle = b.len() / 2;
+                b[middle] ^= 0x01;
+                std::fs::write(&p, &b).unwrap();
+            },
+        ),
+        with(
+            "corrupt safetensors (hash updated), mapped by generate",
+            "generate --checkpoint checkpoints/bad --prompt Now",
+            "not a valid safetensors",
+            |d| {
+                replace_consistently(&bad_copy(d), "model.safetensors", b"garbage, not tensors");
+            },
+        ),
         with(
             "weights of the wrong shape",
             "info --checkpoint checkpoints/bad",

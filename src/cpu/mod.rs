@@ -10,6 +10,7 @@
 
 pub mod bf16;
 pub mod decode;
+pub mod decode_weights;
 pub mod engine;
 pub mod gemm;
 pub mod isa;
@@ -19,6 +20,8 @@ pub mod matrix;
 pub mod ops;
 pub mod q8;
 pub mod threads;
+pub mod weight_rows;
 
-pub use decode::{FastDecoder, WeightFormat};
+pub use decode::FastDecoder;
+pub use decode_weights::{DecodeWeights, WeightFormat};
 pub use engine::FusedCpu;

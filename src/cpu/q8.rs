@@ -61,21 +61,34 @@ impl Q8Matrix {
     /// `w`, (rows, cols) row-major, quantized.
     pub fn quantize(w: &[f32], rows: usize, cols: usize) -> Self {
         assert_eq!(w.len(), rows * cols, "a (rows, cols) matrix");
+        let mut q = Self::zeros(rows, cols);
+        q.quantize_rows(0, w);
+        q
+    }
+
+    /// A (rows, cols) matrix of zeros, to be filled by `quantize_rows`.
+    pub fn zeros(rows: usize, cols: usize) -> Self {
         let blocks = cols.div_ceil(BLOCK);
-        let mut quants = vec![0i8; rows * blocks * BLOCK];
-        let mut scales = vec![0f32; rows * blocks];
-        quants
-            .par_chunks_mut(blocks * BLOCK)
-            .zip(scales.par_chunks_mut(blocks))
-            .zip(w.par_chunks(cols))
-            .for_each(|((q, s), row)| quantize_into(row, q, s));
         Self {
             rows,
             cols,
             blocks,
-            quants,
-            scales,
+            quants: vec![0i8; rows * blocks * BLOCK],
+            scales: vec![0f32; rows * blocks],
         }
+    }
+
+    /// Rows first .. first + w.len() / cols set to `w` (row-major) quantized.
+    pub fn quantize_rows(&mut self, first: usize, w: &[f32]) {
+        let (cols, blocks) = (self.cols, self.blocks);
+        assert_eq!(w.len() % cols, 0, "whole rows");
+        let n = w.len() / cols;
+        assert!(first + n <= self.rows, "rows inside the matrix");
+        self.quants[first * blocks * BLOCK..(first + n) * blocks * BLOCK]
+            .par_chunks_mut(blocks * BLOCK)
+            .zip(self.scales[first * blocks..(first + n) * blocks].par_chunks_mut(blocks))
+            .zip(w.par_chunks(cols))
+            .for_each(|((q, s), row)| quantize_into(row, q, s));
     }
 
     pub fn rows(&self) -> usize {

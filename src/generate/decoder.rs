@@ -18,9 +18,10 @@ use candle_core::Tensor;
 use rayon::prelude::*;
 
 use super::sample::Sampler;
-use crate::cpu::{FastDecoder, WeightFormat};
+use crate::cpu::{DecodeWeights, FastDecoder, WeightFormat};
 use crate::model::{Gpt, KvCache};
 use crate::user_bail;
+use std::sync::Arc;
 
 /// How the next logits are computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,19 +35,21 @@ pub enum DecodeMode {
     Uncached,
 }
 
-enum Backend {
+enum Backend<'m> {
     Fast(Box<FastDecoder>),
     #[cfg(feature = "cuda")]
     Cuda(Box<crate::cuda::CudaDecoder>),
-    Cached(KvCache),
-    Uncached,
+    Cached(KvCache, &'m Gpt),
+    Uncached(&'m Gpt),
 }
 
 /// Steps a model through growing contexts, `batch` sequences at once, and returns
 /// next-token logits, (batch, V) row-major.
 pub struct Decoder<'m> {
-    model: &'m Gpt,
-    backend: Backend,
+    backend: Backend<'m>,
+    block_size: usize,
+    #[cfg(feature = "cuda")]
+    vocab_size: usize,
     batch: usize,
     /// Per sequence, the tokens the next logits are conditioned on.
     windows: Vec<Vec<u32>>,
@@ -66,14 +69,16 @@ impl<'m> Decoder<'m> {
     }
 
     /// [`Decoder::new`], the fused CPU decoder holding its weights as `format` says
-    /// (eight bits decode on the CPU only).
+    /// (eight bits decode on the CPU only; elsewhere bf16 is the model's own products'
+    /// precision, `Gpt::products`).
     pub fn with_format(
         model: &'m Gpt,
         batch: usize,
         mode: DecodeMode,
         format: WeightFormat,
     ) -> Result<Self> {
-        if format == WeightFormat::Int8 && !(mode == DecodeMode::Fast && model.device().is_cpu()) {
+        let fast_cpu = mode == DecodeMode::Fast && model.device().is_cpu();
+        if format == WeightFormat::Int8 && !fast_cpu {
             user_bail!(
                 "--dtype int8 decodes with the fused CPU decoder only; use --device cpu without --reference or --no-kv-cache, or --dtype f32 / bf16"
             );
@@ -97,13 +102,31 @@ impl<'m> Decoder<'m> {
                 Backend::Cuda(Box::new(decoder))
             }
             DecodeMode::Fast | DecodeMode::Cached => {
-                Backend::Cached(KvCache::new(model.config().n_layer))
+                Backend::Cached(KvCache::new(model.config().n_layer), model)
             }
-            DecodeMode::Uncached => Backend::Uncached,
+            DecodeMode::Uncached => Backend::Uncached(model),
         };
-        Ok(Self {
-            model,
+        Ok(Self::around(backend, model.config(), batch))
+    }
+
+    /// The fused CPU decoder over `weights` (shared with other decoders), `batch`
+    /// sequences.
+    pub fn fused(weights: Arc<DecodeWeights>, batch: usize) -> Result<Self> {
+        let config = weights.spec.config.clone();
+        let decoder = FastDecoder::from_weights(weights, batch)?;
+        Ok(Self::around(
+            Backend::Fast(Box::new(decoder)),
+            &config,
+            batch,
+        ))
+    }
+
+    fn around(backend: Backend<'m>, config: &crate::config::ModelConfig, batch: usize) -> Self {
+        Self {
             backend,
+            block_size: config.block_size,
+            #[cfg(feature = "cuda")]
+            vocab_size: config.vocab_size,
             batch,
             windows: vec![Vec::new(); batch],
             logits: Vec::new(),
@@ -111,7 +134,7 @@ impl<'m> Decoder<'m> {
             #[cfg(feature = "cuda")]
             uniforms: Vec::with_capacity(batch),
             chosen: vec![0; batch],
-        })
+        }
     }
 
     pub fn window(&self, row: usize) -> &[u32] {
@@ -120,7 +143,7 @@ impl<'m> Decoder<'m> {
 
     /// Starts every sequence from `prompt` (1 ..= block_size tokens).
     pub fn prefill(&mut self, prompt: &[u32]) -> Result<()> {
-        let block = self.model.config().block_size;
+        let block = self.block_size;
         if prompt.is_empty() || prompt.len() > block {
             user_bail!(
                 "the prompt is {} tokens; it must be 1 to {block} (the model's block_size)",
@@ -134,7 +157,7 @@ impl<'m> Decoder<'m> {
     /// Appends one token to each sequence (sliding the windows when full).
     pub fn push(&mut self, ids: &[u32]) -> Result<()> {
         assert_eq!(ids.len(), self.batch);
-        let block = self.model.config().block_size;
+        let block = self.block_size;
         if self.windows[0].len() == block {
             let keep = block / 2;
             for (w, &id) in self.windows.iter_mut().zip(ids) {
@@ -155,12 +178,12 @@ impl<'m> Decoder<'m> {
             }
             #[cfg(feature = "cuda")]
             Backend::Cuda(cuda) => cuda.run_step(ids)?,
-            Backend::Cached(cache) => {
-                let ids = Tensor::from_slice(ids, (self.batch, 1), self.model.device())?;
-                let out = self.model.forward(&ids, pos, Some(cache), None)?;
+            Backend::Cached(cache, model) => {
+                let ids = Tensor::from_slice(ids, (self.batch, 1), model.device())?;
+                let out = model.forward(&ids, pos, Some(cache), None)?;
                 self.logits = last_logits(&out.logits)?;
             }
-            Backend::Uncached => return self.refill(),
+            Backend::Uncached(_) => return self.refill(),
         }
         Ok(())
     }
@@ -187,7 +210,7 @@ impl<'m> Decoder<'m> {
         #[cfg(feature = "cuda")]
         if let Backend::Cuda(cuda) = &mut self.backend {
             if let Some(args) = device_sampling(samplers) {
-                let vocab = self.model.config().vocab_size;
+                let vocab = self.vocab_size;
                 self.uniforms.clear();
                 self.uniforms
                     .extend(samplers.iter_mut().zip(active).map(|(s, &a)| {
@@ -235,15 +258,15 @@ impl<'m> Decoder<'m> {
             }
             #[cfg(feature = "cuda")]
             Backend::Cuda(cuda) => cuda.run_windows(&self.windows)?,
-            Backend::Cached(cache) => {
+            Backend::Cached(cache, model) => {
                 cache.clear();
-                let ids = windows_tensor(&self.windows, self.model)?;
-                let out = self.model.forward(&ids, 0, Some(cache), None)?;
+                let ids = windows_tensor(&self.windows, model)?;
+                let out = model.forward(&ids, 0, Some(cache), None)?;
                 self.logits = last_logits(&out.logits)?;
             }
-            Backend::Uncached => {
-                let ids = windows_tensor(&self.windows, self.model)?;
-                let out = self.model.forward(&ids, 0, None, None)?;
+            Backend::Uncached(model) => {
+                let ids = windows_tensor(&self.windows, model)?;
+                let out = model.forward(&ids, 0, None, None)?;
                 self.logits = last_logits(&out.logits)?;
             }
         }

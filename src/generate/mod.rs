@@ -15,12 +15,55 @@ use std::time::Instant;
 
 use anyhow::Result;
 
+use std::sync::Arc;
+
+use crate::cpu::DecodeWeights;
 use crate::model::Gpt;
 use crate::tokenizer::{TextStream, Tokenizer};
 use crate::util::Stop;
 pub use decoder::{DecodeMode, Decoder};
 use sample::Sampler;
 pub use stop::{unescape, StopFilter};
+
+/// What decodes: a candle model (on any device, in every `DecodeMode`), or weights laid
+/// out for the fused CPU decoder alone (`crate::mapped`: a checkpoint opened without
+/// building the candle model).
+#[derive(Clone, Copy)]
+pub enum Model<'m> {
+    Candle(&'m Gpt),
+    Cpu(&'m Arc<DecodeWeights>),
+}
+
+impl<'m> Model<'m> {
+    pub fn config(&self) -> &'m crate::config::ModelConfig {
+        match self {
+            Model::Candle(gpt) => gpt.config(),
+            Model::Cpu(weights) => &weights.spec.config,
+        }
+    }
+
+    /// A decoder of `batch` sequences as `options` ask.
+    pub fn decoder(&self, batch: usize, options: &GenerateOptions) -> Result<Decoder<'m>> {
+        match *self {
+            Model::Candle(gpt) => Decoder::with_format(gpt, batch, options.mode, options.weights),
+            Model::Cpu(weights) => {
+                if options.mode != DecodeMode::Fast || options.weights != weights.format {
+                    anyhow::bail!(
+                        "weights laid out for the fused CPU decoder in {} decode in no other way",
+                        weights.format.name()
+                    );
+                }
+                Decoder::fused(Arc::clone(weights), batch)
+            }
+        }
+    }
+}
+
+impl<'m> From<&'m Gpt> for Model<'m> {
+    fn from(gpt: &'m Gpt) -> Self {
+        Model::Candle(gpt)
+    }
+}
 
 /// Everything a generation needs besides the model and the prompt.
 pub struct GenerateOptions {
@@ -64,7 +107,7 @@ struct Row<'t> {
 /// Generates one sample per sampler after `prompt`, all decoded together. `on_text`
 /// gets (sample index, text) for each piece of text as soon as it is decoded.
 pub fn generate(
-    model: &Gpt,
+    model: Model<'_>,
     tokenizer: &Tokenizer,
     prompt: &[u32],
     samplers: &mut [Sampler],
@@ -73,7 +116,7 @@ pub fn generate(
 ) -> Result<Vec<Sample>> {
     let batch = samplers.len();
     let text_vocab = tokenizer.vocab_size().min(model.config().vocab_size);
-    let mut decoder = Decoder::with_format(model, batch, options.mode, options.weights)?;
+    let mut decoder = model.decoder(batch, options)?;
     // A model trained on several documents ends one with <|endoftext|>: stop there.
     let end_of_text = tokenizer.end_of_text();
     let mut rows: Vec<Row> = (0..batch)

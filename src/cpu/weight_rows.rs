@@ -1,0 +1,211 @@
+//! Products that read each weight row once for a few rows of activations: decoding's
+//! mat-vecs (one row per sequence) and short prompts (a few rows per sequence).
+//!
+//! A GEMM packs its operands into panels before multiplying, which pays when each
+//! weight meets hundreds of rows; for a handful the packing is a second pass over
+//! every weight, and reading the weights is all the time there is. Here each weight row
+//! is loaded once, widened to f32 if it is held in bf16, and multiplied into up to four
+//! activation rows at a time while it sits in registers and L1. Sums are f32 in 16
+//! lanes, so the f32 and bf16 kernels differ only in what a weight is before widening.
+
+use rayon::prelude::*;
+
+use super::bf16::to_bf16_bits;
+use super::kernels::multiversion;
+use super::threads::threads;
+
+/// A weight as stored, widened to f32 on load.
+pub trait Widen: Copy + Send + Sync {
+    fn widen(self) -> f32;
+}
+
+impl Widen for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+/// The upper 16 bits of an f32 (bf16): widening is a shift.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+
+impl Bf16 {
+    /// The bf16 nearest to `x` (ties to even).
+    pub fn round(x: f32) -> Self {
+        Self(to_bf16_bits(x))
+    }
+}
+
+impl Widen for Bf16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from_bits(u32::from(self.0) << 16)
+    }
+}
+
+const LANES: usize = 16;
+
+/// Σ_i w[i] x_r[i] for the four rows x_r, in `LANES` partial sums each.
+#[inline(always)]
+fn dots4<W: Widen>(w: &[W], x: [&[f32]; 4]) -> [f32; 4] {
+    let n = w.len() / LANES * LANES;
+    let mut acc = [[0f32; LANES]; 4];
+    let chunks = w[..n]
+        .chunks_exact(LANES)
+        .zip(x[0][..n].chunks_exact(LANES))
+        .zip(x[1][..n].chunks_exact(LANES))
+        .zip(x[2][..n].chunks_exact(LANES))
+        .zip(x[3][..n].chunks_exact(LANES));
+    for ((((w, x0), x1), x2), x3) in chunks {
+        for k in 0..LANES {
+            let wk = w[k].widen();
+            acc[0][k] += wk * x0[k];
+            acc[1][k] += wk * x1[k];
+            acc[2][k] += wk * x2[k];
+            acc[3][k] += wk * x3[k];
+        }
+    }
+    let mut sums = [0f32; 4];
+    for (sum, (acc, x)) in sums.iter_mut().zip(acc.iter().zip(x)) {
+        for v in acc {
+            *sum += v;
+        }
+        for i in n..w.len() {
+            *sum += w[i].widen() * x[i];
+        }
+    }
+    sums
+}
+
+/// Σ_i w[i] x[i], in `LANES` partial sums.
+#[inline(always)]
+fn dot1<W: Widen>(w: &[W], x: &[f32]) -> f32 {
+    let n = w.len() / LANES * LANES;
+    let mut acc = [0f32; LANES];
+    for (w, x) in w[..n].chunks_exact(LANES).zip(x[..n].chunks_exact(LANES)) {
+        for k in 0..LANES {
+            acc[k] += w[k].widen() * x[k];
+        }
+    }
+    let mut sum = 0f32;
+    for v in acc {
+        sum += v;
+    }
+    for i in n..w.len() {
+        sum += w[i].widen() * x[i];
+    }
+    sum
+}
+
+multiversion! {
+    /// out (rows, len) = x (rows, d_in) · w (len, d_in)ᵀ (+ bias), f32 weights.
+    pub fn rows_f32(w: &[f32], bias: Option<&[f32]>, x: &[f32], d_in: usize, out: &mut [f32]) {
+        product(w, bias, x, d_in, out)
+    }
+}
+
+multiversion! {
+    /// out (rows, len) = x (rows, d_in) · w (len, d_in)ᵀ (+ bias), bf16 weights.
+    pub fn rows_bf16(w: &[Bf16], bias: Option<&[f32]>, x: &[f32], d_in: usize, out: &mut [f32]) {
+        product(w, bias, x, d_in, out)
+    }
+}
+
+/// The body of `rows_f32` and `rows_bf16`: each weight row against the rows of x four
+/// at a time, then the rest one by one.
+#[inline(always)]
+fn product<W: Widen>(w: &[W], bias: Option<&[f32]>, x: &[f32], d_in: usize, out: &mut [f32]) {
+    let len = w.len() / d_in;
+    let rows = x.len() / d_in;
+    debug_assert_eq!(out.len(), rows * len);
+    let row = |r: usize| &x[r * d_in..(r + 1) * d_in];
+    for o in 0..len {
+        let wo = &w[o * d_in..(o + 1) * d_in];
+        let b = bias.map_or(0.0, |b| b[o]);
+        let mut r = 0;
+        while r + 4 <= rows {
+            let sums = dots4(wo, [row(r), row(r + 1), row(r + 2), row(r + 3)]);
+            for (i, s) in sums.into_iter().enumerate() {
+                out[(r + i) * len + o] = s + b;
+            }
+            r += 4;
+        }
+        for r in r..rows {
+            out[r * len + o] = dot1(wo, row(r)) + b;
+        }
+    }
+}
+
+/// A weight matrix held as `W`, (d_out, d_in) row-major, multiplied into a few rows at
+/// a time.
+pub trait RowProduct: Widen {
+    fn rows_kernel(w: &[Self], bias: Option<&[f32]>, x: &[f32], d_in: usize, out: &mut [f32]);
+}
+
+impl RowProduct for f32 {
+    fn rows_kernel(w: &[f32], bias: Option<&[f32]>, x: &[f32], d_in: usize, out: &mut [f32]) {
+        rows_f32(w, bias, x, d_in, out)
+    }
+}
+
+impl RowProduct for Bf16 {
+    fn rows_kernel(w: &[Bf16], bias: Option<&[f32]>, x: &[f32], d_in: usize, out: &mut [f32]) {
+        rows_bf16(w, bias, x, d_in, out)
+    }
+}
+
+/// out (rows, d_out) = x (rows, d_in) · Wᵀ (+ bias) with W (d_out, d_in) row-major: the
+/// outputs shared out over the threads when W is large (each thread reads its share of
+/// the weights once for every row), on this thread otherwise.
+pub fn project_rows<W: RowProduct>(
+    w: &[W],
+    bias: Option<&[f32]>,
+    x: &[f32],
+    d_in: usize,
+    out: &mut [f32],
+) {
+    let d_out = w.len() / d_in;
+    let rows = x.len() / d_in;
+    debug_assert_eq!(out.len(), rows * d_out);
+    let shares = if splits(w.len()) { threads() } else { 1 };
+    if shares == 1 {
+        return W::rows_kernel(w, bias, x, d_in, out);
+    }
+    let share = d_out.div_ceil(shares);
+    if rows == 1 {
+        // One row: each share's outputs are contiguous in `out`.
+        out.par_chunks_mut(share).enumerate().for_each(|(i, out)| {
+            let first = i * share;
+            let w = &w[first * d_in..(first + out.len()) * d_in];
+            W::rows_kernel(w, bias.map(|b| &b[first..first + out.len()]), x, d_in, out);
+        });
+        return;
+    }
+    // Several rows: a share's outputs are strided in `out`; each thread fills its own
+    // (rows, share) part, then the parts are put in place.
+    let parts: Vec<(usize, Vec<f32>)> = (0..d_out.div_ceil(share))
+        .into_par_iter()
+        .map(|i| {
+            let (first, len) = (i * share, share.min(d_out - i * share));
+            let w = &w[first * d_in..(first + len) * d_in];
+            let mut part = vec![0f32; rows * len];
+            W::rows_kernel(w, bias.map(|b| &b[first..first + len]), x, d_in, &mut part);
+            (first, part)
+        })
+        .collect();
+    for (first, part) in parts {
+        let len = part.len() / rows;
+        for (r, values) in part.chunks_exact(len).enumerate() {
+            out[r * d_out + first..r * d_out + first + len].copy_from_slice(values);
+        }
+    }
+}
+
+/// Whether a product over `weights` values is split over the threads: from 128 Ki on;
+/// smaller ones (the baby model's) stay on one, where the hand-off costs more than it
+/// saves.
+pub fn splits(weights: usize) -> bool {
+    weights >= 1 << 17
+}

@@ -1,0 +1,291 @@
+//! A checkpoint opened for the CPU decoder: its weights read where they lie.
+//!
+//! `Loaded` (in `checkpoint`) builds a candle model: the file read into memory, parsed
+//! into tensors, gathered into a flat buffer, built into the model: four copies of the
+//! weights at the peak and seconds of copying before the first token. The CPU decoder
+//! needs none of that. Here model.safetensors is mapped into memory; f32 decoding uses
+//! its tensors in place (the process holds the file's pages, once), bf16 and int8
+//! convert them a slice at a time and give each slice's pages back (`DecodeWeights`).
+//!
+//! The file's SHA-256 (recorded in state.json) is still checked, for a torn or changed
+//! file must not decode, but beside the loading rather than before it: a thread hashes
+//! the mapped bytes while the weights are converted, and decoding waits for its answer
+//! before the first token. A file that passed is noted in `.verified` in the run
+//! folder (its size, modification time and inode), and is not hashed again until one
+//! of those changes.
+//!
+//! Mapping is safe against training's own checkpoints: they replace a file by renaming
+//! a new one over it, so the mapped bytes (the old file) never change underneath.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use anyhow::Result;
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::{
+    parse_config, parse_tokenizer, FileDigest, RunDir, TrainState, CONFIG_FILE, MODEL_FILE,
+    TOKENIZER_FILE,
+};
+use crate::config::Config;
+use crate::cpu::decode_weights::{DecodeWeights, Values, WeightFormat};
+use crate::model::ModelSpec;
+use crate::tokenizer::Tokenizer;
+use crate::user_bail;
+use crate::util::sha256_hex;
+
+/// The run folder's note of files whose hash was checked.
+pub const VERIFIED_FILE: &str = ".verified";
+
+/// A checkpoint ready for the CPU decoder.
+pub struct ForDecoding {
+    pub config: Config,
+    pub tokenizer: Tokenizer,
+    pub state: TrainState,
+    pub weights: Arc<DecodeWeights>,
+    /// The weights file's hash check, which may still be running.
+    pub verification: Verification,
+}
+
+/// The check of a mapped file against its recorded SHA-256.
+pub struct Verification {
+    pending: Option<JoinHandle<Result<()>>>,
+}
+
+impl Verification {
+    /// Whether nothing is left to check: `.verified` noted this very file as matching
+    /// before (no hash was started), or `wait` has returned.
+    pub fn checked_before(&self) -> bool {
+        self.pending.is_none()
+    }
+
+    /// Waits for the check; an error if the file does not match (a user error naming it).
+    pub fn wait(&mut self) -> Result<()> {
+        match self.pending.take() {
+            None => Ok(()),
+            Some(thread) => thread
+                .join()
+                .unwrap_or_else(|_| Err(anyhow::anyhow!("the hash check panicked"))),
+        }
+    }
+}
+
+/// Opens the run folder `dir` for decoding on the CPU with weights in `format`.
+pub fn open_for_decoding(dir: &Path, format: WeightFormat) -> Result<ForDecoding> {
+    let run = RunDir::new(dir);
+    let state = run.state()?;
+    let source = dir.display().to_string();
+    let config = run.read_verified(&state, CONFIG_FILE)?;
+    let config = parse_config(&config, &format!("{source}/{CONFIG_FILE}"))?;
+    let tokenizer = run.read_verified(&state, TOKENIZER_FILE)?;
+    let tokenizer = parse_tokenizer(&tokenizer, &format!("{source}/{TOKENIZER_FILE}"))?;
+    let m = &config.model;
+    if tokenizer.vocab_size() > m.vocab_size {
+        user_bail!(
+            "{source}: the tokenizer has {} tokens but the model only {}; the tokenizer.json belongs to another model",
+            tokenizer.vocab_size(),
+            m.vocab_size
+        );
+    }
+    let spec = ModelSpec::new(m);
+    let (path, digest) = model_file(&run, &state)?;
+    let file = fs::File::open(&path)
+        .map_err(|e| crate::error::user_error(format!("{}: {e}", path.display())))?;
+    // Safety: read-only; see the module docs on why the bytes do not change under us.
+    let map =
+        Arc::new(unsafe { memmap2::Mmap::map(&file) }.map_err(|e| {
+            crate::error::user_error(format!("cannot map {}: {e}", path.display()))
+        })?);
+    let mut verification = verify(&run, &path, &file, &map, digest);
+    let shown = path.display().to_string();
+    let weights = match read_weights(&spec, &map, format, &shown) {
+        Ok(weights) => weights,
+        // A torn file fails both ways; its hash names the cause better than its parse.
+        Err(e) => {
+            verification.wait()?;
+            return Err(e);
+        }
+    };
+    Ok(ForDecoding {
+        config,
+        tokenizer,
+        state,
+        weights: Arc::new(weights),
+        verification,
+    })
+}
+
+/// model.safetensors, or the `.next` copy of an unfinished commit, whichever has the
+/// size state.json records (its hash is checked later, in `verify`).
+fn model_file(run: &RunDir, state: &TrainState) -> Result<(PathBuf, FileDigest)> {
+    let Some(digest) = state.files.get(MODEL_FILE) else {
+        user_bail!(
+            "{} does not list {MODEL_FILE}; the checkpoint is incomplete",
+            run.file(crate::checkpoint::STATE_FILE).display()
+        );
+    };
+    let path = run.file(MODEL_FILE);
+    let size = |p: &Path| fs::metadata(p).map(|m| m.len()).ok();
+    match size(&path) {
+        Some(s) if s == digest.size => return Ok((path, digest.clone())),
+        _ if size(&run.next_file(MODEL_FILE)) == Some(digest.size) => {
+            return Ok((run.next_file(MODEL_FILE), digest.clone()))
+        }
+        None => user_bail!(
+            "{}: not found; the checkpoint is incomplete",
+            path.display()
+        ),
+        Some(_) => {}
+    }
+    user_bail!(
+        "{} does not match the size/sha256 recorded in state.json: the file is truncated or was changed; restore it or retrain",
+        path.display()
+    )
+}
+
+/// What `.verified` remembers of a file that matched its hash.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+struct Checked {
+    size: u64,
+    modified_ns: u128,
+    inode: u64,
+    sha256: String,
+}
+
+fn checked_now(file: &fs::File, sha256: &str) -> Option<Checked> {
+    let meta = file.metadata().ok()?;
+    let modified_ns = meta
+        .modified()
+        .ok()?
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?
+        .as_nanos();
+    #[cfg(unix)]
+    let inode = std::os::unix::fs::MetadataExt::ino(&meta);
+    #[cfg(not(unix))]
+    let inode = 0;
+    Some(Checked {
+        size: meta.len(),
+        modified_ns,
+        inode,
+        sha256: sha256.to_string(),
+    })
+}
+
+type Notes = BTreeMap<String, Checked>;
+
+fn read_notes(run: &RunDir) -> Notes {
+    fs::read(run.file(VERIFIED_FILE))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default()
+}
+
+/// Starts checking `map` (the bytes of `path`) against `digest`, unless `.verified`
+/// says this very file matched it before.
+fn verify(
+    run: &RunDir,
+    path: &Path,
+    file: &fs::File,
+    map: &Arc<memmap2::Mmap>,
+    digest: FileDigest,
+) -> Verification {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let now = checked_now(file, &digest.sha256);
+    if now.is_some() && read_notes(run).get(&name) == now.as_ref() {
+        return Verification { pending: None };
+    }
+    let (map, path, dir) = (
+        Arc::clone(map),
+        path.to_path_buf(),
+        run.path().to_path_buf(),
+    );
+    let thread = std::thread::spawn(move || {
+        if map.len() as u64 != digest.size || sha256_hex(&map) != digest.sha256 {
+            user_bail!(
+                "{} does not match the size/sha256 recorded in state.json: the file is truncated or was changed; restore it or retrain",
+                path.display()
+            );
+        }
+        // Noted for next time, if the folder can be written; nothing depends on it.
+        if let Some(now) = now {
+            let run = RunDir::new(dir);
+            let mut notes = read_notes(&run);
+            notes.insert(name, now);
+            if let Ok(json) = serde_json::to_vec_pretty(&notes) {
+                let _ = crate::util::write_atomic(&run.file(VERIFIED_FILE), &json);
+            }
+        }
+        Ok(())
+    });
+    Verification {
+        pending: Some(thread),
+    }
+}
+
+/// The weights of `spec` from the safetensors bytes `map`, which must hold exactly its
+/// tensors with its shapes; `source` names the file in errors.
+fn read_weights(
+    spec: &ModelSpec,
+    map: &Arc<memmap2::Mmap>,
+    format: WeightFormat,
+    source: &str,
+) -> Result<DecodeWeights> {
+    let file = safetensors::SafeTensors::deserialize(map).map_err(|e| {
+        crate::error::user_error(format!(
+            "{source} is not a valid safetensors file ({e}); restore it or retrain"
+        ))
+    })?;
+    let table = spec.params();
+    for (name, _) in file.iter() {
+        if !table.iter().any(|p| p.name == name) {
+            user_bail!(
+                "{source}: unexpected tensor {name}; the file does not match this model's config"
+            );
+        }
+    }
+    let base = map.as_ptr() as usize;
+    DecodeWeights::build(spec, format, |id| {
+        let p = &spec[id];
+        let Ok(view) = file.tensor(&p.name) else {
+            user_bail!(
+                "{source}: tensor {} is missing; the file does not match this model's config",
+                p.name
+            );
+        };
+        if view.shape() != p.shape.as_slice() {
+            user_bail!(
+                "{source}: tensor {} has shape {:?}, but the config needs {:?}",
+                p.name,
+                view.shape(),
+                p.shape
+            );
+        }
+        let start = view.data().as_ptr() as usize - base;
+        if view.dtype() == safetensors::Dtype::F32 {
+            if let Some(values) = Values::mapped(map, start, p.len()) {
+                return Ok(values);
+            }
+        }
+        // Another dtype (or unaligned): converted through candle, copied.
+        let dtype = candle_core::DType::try_from(view.dtype())
+            .map_err(|e| crate::error::user_error(format!("{source}: tensor {}: {e}", p.name)))?;
+        let t = candle_core::Tensor::from_raw_buffer(
+            view.data(),
+            dtype,
+            view.shape(),
+            &candle_core::Device::Cpu,
+        )?;
+        Ok(Values::Owned(
+            t.to_dtype(candle_core::DType::F32)?
+                .flatten_all()?
+                .to_vec1()?,
+        ))
+    })
+}
