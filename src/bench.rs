@@ -244,6 +244,108 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
     })
 }
 
+/// What `tinygpt bench --checkpoint` measures: a trained model decoded as `generate`
+/// decodes it on the CPU, in one precision (one per process, so the peak RSS is the
+/// precision's own).
+#[derive(Debug, Clone, Serialize)]
+pub struct DecodeReport {
+    pub checkpoint: String,
+    pub parameters: usize,
+    pub dtype: &'static str,
+    pub cpu_model: Option<String>,
+    pub cpu_features: Vec<&'static str>,
+    pub cpu_isa: crate::cpu::isa::Isa,
+    pub threads: usize,
+    /// Bytes of weights the decoder holds, in MiB.
+    pub weights_mb: f64,
+    /// Opening the checkpoint (mapping, converting) until decoding may start.
+    pub load_ms: f64,
+    /// Whether the load hashed the weights file (else `.verified` had it).
+    pub hashed: bool,
+    /// (prompt tokens, time to first token in ms: the prefill and the first draw, the
+    /// median of 5 after one untimed).
+    pub ttft_ms: Vec<(usize, f64)>,
+    pub decode_tokens: usize,
+    /// Greedy decoding after a 16-token prompt.
+    pub decode_tokens_per_s: f64,
+    pub peak_rss_mb: Option<f64>,
+}
+
+/// Decodes the run folder `dir` with weights in `format`: load time, time to first
+/// token at each of `prompts` (random tokens), and `decode_tokens` greedy tokens.
+pub fn decode_checkpoint(
+    dir: &std::path::Path,
+    format: crate::cpu::WeightFormat,
+    prompts: &[usize],
+    decode_tokens: usize,
+    stop: &Stop,
+) -> Result<DecodeReport> {
+    let t0 = Instant::now();
+    let mut opened = crate::mapped::open_for_decoding(dir, format)?;
+    let hashed = !opened.verification.checked_before();
+    opened.verification.wait()?;
+    let load_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let weights = opened.weights;
+    let spec = weights.spec.clone();
+    let (block, vocab) = (spec.shapes.block_size, spec.shapes.vocab_size);
+    let mut decoder = Decoder::fused(weights.clone(), 1)?;
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let mut prompt = |n: usize| -> Vec<u32> {
+        (0..n.clamp(1, block))
+            .map(|_| rng.random_range(0..vocab as u32))
+            .collect()
+    };
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..SamplingParams::default()
+    };
+    let mut samplers = vec![Sampler::new(greedy, 0)?];
+    let active = [true];
+    let mut ttft_ms = Vec::new();
+    for &n in prompts {
+        let ids = prompt(n);
+        let mut times = Vec::new();
+        for i in 0..6 {
+            stop.check()?;
+            let t = Instant::now();
+            decoder.prefill(&ids)?;
+            decoder.draw(&mut samplers, &active, vocab)?;
+            if i > 0 {
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        ttft_ms.push((ids.len(), median(times)));
+    }
+    decoder.prefill(&prompt(16))?;
+    let mut next = decoder.draw(&mut samplers, &active, vocab)?.to_vec();
+    let decode_tokens = decode_tokens.min(block.saturating_sub(17)).max(1);
+    let t = Instant::now();
+    for i in 0..decode_tokens {
+        if i % 64 == 0 {
+            stop.check()?;
+        }
+        decoder.push(&next)?;
+        next.copy_from_slice(decoder.draw(&mut samplers, &active, vocab)?);
+    }
+    let decode_s = t.elapsed().as_secs_f64();
+    Ok(DecodeReport {
+        checkpoint: dir.display().to_string(),
+        parameters: spec.len(),
+        dtype: format.name(),
+        cpu_model: crate::cpu::isa::cpu_model(),
+        cpu_features: crate::cpu::isa::cpu_features(),
+        cpu_isa: crate::cpu::isa::active(),
+        threads: crate::cpu::threads::threads(),
+        weights_mb: weights.bytes() as f64 / f64::from(1 << 20),
+        load_ms,
+        hashed,
+        ttft_ms,
+        decode_tokens,
+        decode_tokens_per_s: decode_tokens as f64 / decode_s.max(1e-9),
+        peak_rss_mb: peak_rss_mb(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -110,11 +110,10 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
     } else {
         DecodeMode::Fast
     };
-    let (products, weights) = match args.dtype.trim().to_ascii_lowercase().as_str() {
-        "f32" => (Precision::F32, WeightFormat::F32),
-        "bf16" => (Precision::Bf16, WeightFormat::Bf16),
-        "int8" => (Precision::F32, WeightFormat::Int8),
-        other => user_bail!("--dtype {other:?}: use f32, bf16 or int8"),
+    let weights = parse_weight_format("--dtype", &args.dtype)?;
+    let products = match weights {
+        WeightFormat::Bf16 => Precision::Bf16,
+        WeightFormat::F32 | WeightFormat::Int8 => Precision::F32,
     };
     let auto = is_auto(&args.ckpt.device);
     // The fused CPU decoder opens the checkpoint mapped, without a candle model: when
@@ -361,12 +360,28 @@ pub fn info(args: InfoArgs) -> Result<()> {
     Ok(())
 }
 
+fn parse_weight_format(flag: &str, value: &str) -> Result<WeightFormat> {
+    Ok(match value.trim().to_ascii_lowercase().as_str() {
+        "f32" => WeightFormat::F32,
+        "bf16" => WeightFormat::Bf16,
+        "int8" => WeightFormat::Int8,
+        other => user_bail!("{flag} {other:?}: use f32, bf16 or int8"),
+    })
+}
+
 pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
+    let format = parse_weight_format("--decode-dtype", &args.decode_dtype)?;
+    if let Some(dir) = &args.checkpoint {
+        return bench_checkpoint(dir, format, &args, &stop);
+    }
+    let Some(config_path) = &args.config else {
+        user_bail!("bench needs --config FILE or --checkpoint DIR");
+    };
     let mut overrides = args.overrides;
     if let Some(device) = args.device {
         overrides.push(format!("run.device={device:?}"));
     }
-    let config = tinygpt::config::Config::load(&args.config, &overrides)?;
+    let config = tinygpt::config::Config::load(config_path, &overrides)?;
     let device = parse_device(&config.run.device)?;
     let opts = tinygpt::bench::BenchOptions {
         steps: args.steps.max(1),
@@ -379,18 +394,14 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
         } else {
             DecodeMode::Fast
         },
-        decode_weights: match args.decode_dtype.trim().to_ascii_lowercase().as_str() {
-            "f32" => WeightFormat::F32,
-            "int8" => WeightFormat::Int8,
-            other => user_bail!("--decode-dtype {other:?}: use f32 or int8"),
-        },
+        decode_weights: format,
         stop,
     };
     let m = &config.model;
     if !args.json {
         eprintln!(
             "bench {}: {} layers, {} heads, width {}, context {}, batch {}, vocab {}; {} steps after {} warm-up",
-            args.config.display(),
+            config_path.display(),
             m.n_layer,
             m.n_head,
             m.n_embd,
@@ -442,6 +453,60 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
         r.ttft_ms,
         r.prefill_tokens_per_s,
         mb(r.peak_rss_after_decode_mb)
+    );
+    Ok(())
+}
+
+/// `bench --checkpoint`: one precision's load, first-token and decode figures.
+fn bench_checkpoint(
+    dir: &std::path::Path,
+    format: WeightFormat,
+    args: &BenchArgs,
+    stop: &tinygpt::util::Stop,
+) -> Result<()> {
+    if args.prompts.is_empty() || args.prompts.contains(&0) {
+        user_bail!(
+            "--prompts {:?}: give prompt lengths of 1 or more, e.g. 1,16,128,512",
+            args.prompts
+        );
+    }
+    let r =
+        tinygpt::bench::decode_checkpoint(dir, format, &args.prompts, args.decode_tokens, stop)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    println!(
+        "cpu     {} [{}], kernels at {}, {} threads",
+        r.cpu_model.as_deref().unwrap_or("unknown CPU"),
+        r.cpu_features.join(" "),
+        r.cpu_isa.name(),
+        r.threads
+    );
+    println!(
+        "load    {:.0} ms ({}), {} weights: {:.0} MiB of {} parameters",
+        r.load_ms,
+        if r.hashed {
+            "weights hashed"
+        } else {
+            "hash noted before"
+        },
+        r.dtype,
+        r.weights_mb,
+        r.parameters
+    );
+    let ttft: Vec<String> = r
+        .ttft_ms
+        .iter()
+        .map(|(n, ms)| format!("{n} tokens {ms:.1} ms"))
+        .collect();
+    println!("first   {}", ttft.join(", "));
+    println!(
+        "decode  {:.1} tokens/s ({} tokens after a 16-token prompt), peak RSS {}",
+        r.decode_tokens_per_s,
+        r.decode_tokens,
+        r.peak_rss_mb
+            .map_or("-".to_string(), |m| format!("{m:.0} MiB"))
     );
     Ok(())
 }

@@ -325,8 +325,16 @@ struct InfoArgs {
 #[derive(Args)]
 struct BenchArgs {
     /// Experiment file (TOML); only [model], [train] and run.seed matter.
-    #[arg(long, short)]
-    config: PathBuf,
+    #[arg(long, short, required_unless_present = "checkpoint")]
+    config: Option<PathBuf>,
+    /// Instead of a config: decode this run folder as `generate` does on the CPU (load
+    /// time, time to first token per --prompts length, decode speed, peak RSS), in one
+    /// --decode-dtype.
+    #[arg(long, conflicts_with = "config")]
+    checkpoint: Option<PathBuf>,
+    /// With --checkpoint: the prompt lengths whose time to first token is measured.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,128,512")]
+    prompts: Vec<usize>,
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     overrides: Vec<String>,
     /// Timed training steps (the median is reported).
@@ -348,8 +356,8 @@ struct BenchArgs {
     /// Decode with the reference model's KV cache instead of the fused CPU decoder.
     #[arg(long)]
     reference: bool,
-    /// How the fused CPU decoder holds its weights: f32, or int8 (as generate --dtype
-    /// int8).
+    /// How the fused CPU decoder holds its weights: f32, bf16 or int8 (as generate
+    /// --dtype).
     #[arg(long, default_value = "f32")]
     decode_dtype: String,
     #[arg(long)]

@@ -28,7 +28,7 @@ use super::ops::norm::NormWeights;
 use super::ops::rope::Rope;
 use super::q8::{Q8Matrix, Q8Row};
 use super::threads::threads;
-use super::weight_rows::{project_rows, splits, Bf16};
+use super::weight_rows::{project_rows, splits, Bf16, Widen};
 use crate::config::PositionKind;
 use crate::model::position::sinusoidal_table;
 use crate::model::spec::{LinearParams, ModelSpec, NormParams, ParamId};
@@ -200,7 +200,7 @@ impl Matrix {
             Stored::F32 { w, .. } => out.copy_from_slice(&w[r * d..(r + 1) * d]),
             Stored::Bf16(bits) => {
                 for (o, b) in out.iter_mut().zip(&bits[r * d..(r + 1) * d]) {
-                    *o = super::weight_rows::Widen::widen(*b);
+                    *o = b.widen();
                 }
             }
             Stored::Int8(q) => q.row_into(r, out),
@@ -215,7 +215,15 @@ impl Matrix {
         let out = &mut out[..rows * d_out];
         let bias = self.bias.as_deref();
         match &self.stored {
-            Stored::Int8(q) => project_q8(q, bias, x, out, q8_rows),
+            Stored::Int8(q) if rows <= ROWS_MAX_ROWS => project_q8(q, bias, x, out, q8_rows),
+            Stored::Int8(q) => {
+                gemm_widened(d_out, x, d_in, out, |first, panel| {
+                    for (r, row) in panel.chunks_exact_mut(d_in).enumerate() {
+                        q.row_into(first + r, row);
+                    }
+                });
+                add_bias(out, bias, d_out);
+            }
             Stored::F32 { w, transposed } => {
                 if let (Some(wt), true) = (transposed, rows <= NARROW_MAX_ROWS) {
                     project_transposed(wt, bias, x, d_in, out);
@@ -235,7 +243,12 @@ impl Matrix {
                 if rows <= ROWS_MAX_ROWS {
                     project_rows(bits, bias, x, d_in, out);
                 } else {
-                    gemm_from_bf16(bits, x, d_in, out);
+                    gemm_widened(d_out, x, d_in, out, |first, panel| {
+                        let bits = &bits[first * d_in..first * d_in + panel.len()];
+                        for (p, b) in panel.iter_mut().zip(bits) {
+                            *p = b.widen();
+                        }
+                    });
                     add_bias(out, bias, d_out);
                 }
             }
@@ -286,25 +299,30 @@ fn round_to_bf16(values: &[f32], out: &mut [Bf16]) {
         });
 }
 
-/// out = x Wᵀ for many rows with W in bf16: W widened to f32 a panel of output rows at
-/// a time (a few MiB, reused), each panel's product a GEMM at full speed.
-fn gemm_from_bf16(bits: &[Bf16], x: &[f32], d_in: usize, out: &mut [f32]) {
+/// out = x Wᵀ for many rows with W held in fewer bits: W widened to f32 a panel of
+/// output rows at a time (`widen(first row, panel)`, a few MiB reused, spread over the
+/// threads), each panel's product a GEMM at full speed. A weight is then an exact f32
+/// of its stored value, and the activations stay f32.
+fn gemm_widened(
+    d_out: usize,
+    x: &[f32],
+    d_in: usize,
+    out: &mut [f32],
+    widen: impl Fn(usize, &mut [f32]) + Sync,
+) {
     use rayon::prelude::*;
-    let d_out = bits.len() / d_in;
     let rows = x.len() / d_in;
     let panel_rows = ((1 << 20) / d_in).clamp(1, d_out);
     let mut panel = vec![0f32; panel_rows * d_in];
+    // Slices of the panel per thread, whole rows each.
+    let slice_rows = panel_rows.div_ceil(4 * threads()).max(1);
     for first in (0..d_out).step_by(panel_rows) {
         let n = panel_rows.min(d_out - first);
         let panel = &mut panel[..n * d_in];
         panel
-            .par_chunks_mut(1 << 14)
-            .zip(bits[first * d_in..(first + n) * d_in].par_chunks(1 << 14))
-            .for_each(|(p, b)| {
-                for (p, b) in p.iter_mut().zip(b) {
-                    *p = super::weight_rows::Widen::widen(*b);
-                }
-            });
+            .par_chunks_mut(slice_rows * d_in)
+            .enumerate()
+            .for_each(|(i, slice)| widen(first + i * slice_rows, slice));
         let p = Product::new(
             Strided::rows(x, d_in),
             Strided::columns(panel, d_in),

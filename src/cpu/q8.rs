@@ -13,6 +13,7 @@
 use rayon::prelude::*;
 
 use super::isa::{self, Isa};
+use super::kernels::multiversion;
 
 /// Values per block.
 pub const BLOCK: usize = 32;
@@ -38,23 +39,45 @@ pub struct Q8Row {
     scales: Vec<f32>,
 }
 
-/// Quantizes `values` into `quants` and `scales` (one per block of `BLOCK`; the last
-/// block's missing values are zeros).
-fn quantize_into(values: &[f32], quants: &mut [i8], scales: &mut [f32]) {
-    for (b, (q, scale)) in quants
-        .chunks_exact_mut(BLOCK)
-        .zip(scales.iter_mut())
-        .enumerate()
-    {
-        let start = (b * BLOCK).min(values.len());
-        let block = &values[start..(start + BLOCK).min(values.len())];
-        let max = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-        *scale = max / 127.0;
-        let inverse = if max > 0.0 { 127.0 / max } else { 0.0 };
-        for (i, q) in q.iter_mut().enumerate() {
-            *q = block.get(i).map_or(0, |&v| (v * inverse).round() as i8);
+multiversion! {
+    /// Quantizes `values` into `quants` and `scales` (one per block of `BLOCK`; the last
+    /// block's missing values are zeros). Each value is rounded to the nearest step,
+    /// ties to even.
+    pub fn quantize_into(values: &[f32], quants: &mut [i8], scales: &mut [f32]) {
+        let mut block = [0f32; BLOCK];
+        for (b, (q, scale)) in quants
+            .chunks_exact_mut(BLOCK)
+            .zip(scales.iter_mut())
+            .enumerate()
+        {
+            // A whole block, zero-padded: the loops below then vectorise.
+            let start = (b * BLOCK).min(values.len());
+            let given = &values[start..(start + BLOCK).min(values.len())];
+            block[..given.len()].copy_from_slice(given);
+            block[given.len()..].fill(0.0);
+            let mut peaks = [0f32; 8];
+            for lane in block.chunks_exact(8) {
+                for k in 0..8 {
+                    peaks[k] = peaks[k].max(lane[k].abs());
+                }
+            }
+            let max = peaks.iter().fold(0f32, |m, &p| m.max(p));
+            *scale = max / 127.0;
+            let inverse = if max > 0.0 { 127.0 / max } else { 0.0 };
+            for (q, &v) in q.iter_mut().zip(&block) {
+                *q = round_small(v * inverse);
+            }
         }
     }
+}
+
+/// `y` (|y| <= 127.5) rounded to the nearest integer, ties to even: adding 1.5 x 2^23
+/// leaves a float whose unit is 1, so the hardware's rounding does the work and the
+/// integer is read from the low mantissa bits (no call to `roundf`, and it vectorises).
+#[inline(always)]
+fn round_small(y: f32) -> i8 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 x 2^23
+    ((y + MAGIC).to_bits() as i32 - MAGIC.to_bits() as i32) as i8
 }
 
 impl Q8Matrix {

@@ -79,6 +79,50 @@ fn dots4<W: Widen>(w: &[W], x: [&[f32]; 4]) -> [f32; 4] {
     sums
 }
 
+/// Σ_i w_j[i] x_r[i] for two weight rows w_j and four rows x_r: eight sums from each
+/// six loads (two weights, four activations), which keeps the FMA units busy where
+/// one weight row at a time would wait on loads.
+#[inline(always)]
+fn dots2x4<W: Widen>(w: [&[W]; 2], x: [&[f32]; 4]) -> [[f32; 4]; 2] {
+    const L: usize = 8;
+    let n = w[0].len() / L * L;
+    let mut acc = [[[0f32; L]; 4]; 2];
+    let chunks = w[0][..n]
+        .chunks_exact(L)
+        .zip(w[1][..n].chunks_exact(L))
+        .zip(x[0][..n].chunks_exact(L))
+        .zip(x[1][..n].chunks_exact(L))
+        .zip(x[2][..n].chunks_exact(L))
+        .zip(x[3][..n].chunks_exact(L));
+    for (((((w0, w1), x0), x1), x2), x3) in chunks {
+        for k in 0..L {
+            let (a, b) = (w0[k].widen(), w1[k].widen());
+            acc[0][0][k] += a * x0[k];
+            acc[0][1][k] += a * x1[k];
+            acc[0][2][k] += a * x2[k];
+            acc[0][3][k] += a * x3[k];
+            acc[1][0][k] += b * x0[k];
+            acc[1][1][k] += b * x1[k];
+            acc[1][2][k] += b * x2[k];
+            acc[1][3][k] += b * x3[k];
+        }
+    }
+    let mut sums = [[0f32; 4]; 2];
+    for j in 0..2 {
+        for r in 0..4 {
+            let mut sum = 0f32;
+            for v in acc[j][r] {
+                sum += v;
+            }
+            for i in n..w[j].len() {
+                sum += w[j][i].widen() * x[r][i];
+            }
+            sums[j][r] = sum;
+        }
+    }
+    sums
+}
+
 /// Σ_i w[i] x[i], in `LANES` partial sums.
 #[inline(always)]
 fn dot1<W: Widen>(w: &[W], x: &[f32]) -> f32 {
@@ -121,7 +165,29 @@ fn product<W: Widen>(w: &[W], bias: Option<&[f32]>, x: &[f32], d_in: usize, out:
     let rows = x.len() / d_in;
     debug_assert_eq!(out.len(), rows * len);
     let row = |r: usize| &x[r * d_in..(r + 1) * d_in];
-    for o in 0..len {
+    // Pairs of weight rows against blocks of four rows; what is left below.
+    let (pairs, blocks) = (len / 2 * 2, rows / 4 * 4);
+    for o in (0..pairs).step_by(2) {
+        let w2 = [
+            &w[o * d_in..(o + 1) * d_in],
+            &w[(o + 1) * d_in..(o + 2) * d_in],
+        ];
+        let b = [bias.map_or(0.0, |b| b[o]), bias.map_or(0.0, |b| b[o + 1])];
+        for r in (0..blocks).step_by(4) {
+            let sums = dots2x4(w2, [row(r), row(r + 1), row(r + 2), row(r + 3)]);
+            for (j, sums) in sums.into_iter().enumerate() {
+                for (i, s) in sums.into_iter().enumerate() {
+                    out[(r + i) * len + o + j] = s + b[j];
+                }
+            }
+        }
+        for (j, wo) in w2.into_iter().enumerate() {
+            for r in blocks..rows {
+                out[r * len + o + j] = dot1(wo, row(r)) + b[j];
+            }
+        }
+    }
+    for o in pairs..len {
         let wo = &w[o * d_in..(o + 1) * d_in];
         let b = bias.map_or(0.0, |b| b[o]);
         let mut r = 0;
