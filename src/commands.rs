@@ -262,6 +262,10 @@ pub fn eval(args: EvalArgs, stop: tinygpt::util::Stop) -> Result<()> {
         .map_err(|e| user_error(format!("cannot read --text {}: {e}", args.text.display())))?;
     let text = String::from_utf8(text)
         .map_err(|_| user_error(format!("--text {} is not UTF-8", args.text.display())))?;
+    let format = parse_weight_format("--dtype", &args.dtype)?;
+    if format != WeightFormat::F32 {
+        return eval_decoding(&args, format, &text, &stop);
+    }
     let auto = is_auto(&args.ckpt.device);
     let mut loaded = Loaded::load(
         &args.ckpt.checkpoint,
@@ -285,6 +289,32 @@ pub fn eval(args: EvalArgs, stop: tinygpt::util::Stop) -> Result<()> {
     let bar = tinygpt::util::bars::count_bar(0, "scoring windows");
     let r = tinygpt::eval::evaluate_until(&loaded.model, &ids, text.len(), &bar, &stop)?;
     bar.finish_and_clear();
+    print_eval(&args, &r)
+}
+
+/// `eval --dtype bf16|int8`: the checkpoint mapped for the CPU decoder in `format`.
+fn eval_decoding(
+    args: &EvalArgs,
+    format: WeightFormat,
+    text: &str,
+    stop: &tinygpt::util::Stop,
+) -> Result<()> {
+    if !is_auto(&args.ckpt.device) && !parse_device(&args.ckpt.device)?.is_cpu() {
+        user_bail!(
+            "--dtype {} scores with the CPU decoder; use --device cpu (or auto), or --dtype f32",
+            format.name()
+        );
+    }
+    let mut opened = open_for_decoding(&args.ckpt.checkpoint, format)?;
+    opened.verification.wait()?;
+    let ids = opened.tokenizer.encode(text)?;
+    let bar = tinygpt::util::bars::count_bar(0, "scoring windows");
+    let r = tinygpt::eval::evaluate_decoding(&opened.weights, &ids, text.len(), &bar, stop)?;
+    bar.finish_and_clear();
+    print_eval(args, &r)
+}
+
+fn print_eval(args: &EvalArgs, r: &tinygpt::eval::EvalResult) -> Result<()> {
     if args.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {

@@ -141,6 +141,48 @@ pub fn evaluate_until(
     })
 }
 
+/// [`evaluate_until`] through the fused CPU decoder holding `weights` (in whatever
+/// precision they are: this measures what bf16 or int8 weights cost): the same windows,
+/// the same predictions scored.
+pub fn evaluate_decoding(
+    weights: &std::sync::Arc<crate::cpu::DecodeWeights>,
+    ids: &[u32],
+    bytes: usize,
+    progress: &ProgressBar,
+    stop: &Stop,
+) -> Result<EvalResult> {
+    if ids.len() < 2 {
+        user_bail!(
+            "the text is {} token(s); evaluation needs at least 2 (one to predict from, one to predict)",
+            ids.len()
+        );
+    }
+    let block = weights.spec.shapes.block_size;
+    let windows = windows(ids.len(), block);
+    let mut decoder = crate::cpu::FastDecoder::from_weights(weights.clone(), 1)?;
+    let mut total_nll = 0.0f64;
+    progress.set_length(windows.len() as u64);
+    for w in &windows {
+        stop.check()?;
+        let losses = decoder.next_token_losses(&ids[w.begin..w.end])?;
+        // Target k is predicted at position k - 1 - begin.
+        total_nll += losses[w.first - 1 - w.begin..w.end - 1 - w.begin]
+            .iter()
+            .sum::<f64>();
+        progress.inc(1);
+    }
+    let predictions = ids.len() - 1;
+    let loss = total_nll / predictions as f64;
+    Ok(EvalResult {
+        tokens: ids.len(),
+        predictions,
+        bytes,
+        loss,
+        perplexity: loss.exp(),
+        bits_per_byte: total_nll / std::f64::consts::LN_2 / bytes.max(1) as f64,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

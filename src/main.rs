@@ -310,6 +310,11 @@ struct EvalArgs {
     /// The text file to score.
     #[arg(long)]
     text: PathBuf,
+    /// The weights' precision: f32 (the engines), or bf16 / int8 (scored through the
+    /// CPU decoder holding its weights so, as generate --dtype decodes: what the
+    /// precision costs in loss).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
     #[arg(long)]
     json: bool,
 }

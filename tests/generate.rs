@@ -536,3 +536,49 @@ fn a_mapped_checkpoint_decodes_as_the_loaded_one() {
         "noted files are not hashed again"
     );
 }
+
+/// `eval --dtype` scores through the CPU decoder: in f32 it gives the engines' loss
+/// (same windows, same predictions; sums in another order), and in bf16 and int8 a loss
+/// near it, reported rather than assumed equal.
+#[test]
+fn scoring_through_the_decoder_matches_the_engine() {
+    use std::sync::Arc;
+    use tinygpt::cpu::DecodeWeights;
+    let dir = tempfile::tempdir().unwrap();
+    let loaded = trained_run(dir.path(), TokenizerKind::Char);
+    let long = "All: Speak, speak. First Citizen: Before we proceed any further, hear me speak. "
+        .repeat(3);
+    let ids = loaded.tokenizer.encode(&long).unwrap();
+    assert!(
+        ids.len() > 3 * loaded.config.model.block_size,
+        "several windows"
+    );
+    let engine = tinygpt::eval::evaluate(&loaded.model, &ids, long.len()).unwrap();
+    let flat = loaded.model.params().to_flat().unwrap();
+    let hidden = indicatif::ProgressBar::hidden();
+    let stop = tinygpt::util::Stop::new();
+    for (format, tolerance) in [
+        (WeightFormat::F32, 1e-5),
+        (WeightFormat::Bf16, 0.01),
+        (WeightFormat::Int8, 0.03),
+    ] {
+        let weights =
+            Arc::new(DecodeWeights::from_flat(loaded.model.spec(), &flat, format).unwrap());
+        let r =
+            tinygpt::eval::evaluate_decoding(&weights, &ids, long.len(), &hidden, &stop).unwrap();
+        assert_eq!(r.predictions, engine.predictions);
+        eprintln!(
+            "{}: loss {:.6} vs f32 engine {:.6}",
+            format.name(),
+            r.loss,
+            engine.loss
+        );
+        assert!(
+            (r.loss - engine.loss).abs() <= tolerance * engine.loss,
+            "{}: loss {} vs the engine's {}",
+            format.name(),
+            r.loss,
+            engine.loss
+        );
+    }
+}

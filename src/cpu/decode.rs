@@ -154,6 +154,51 @@ impl FastDecoder {
         Ok(&self.scratch.logits)
     }
 
+    /// Runs `window` (one sequence: the decoder's batch is 1) from position 0 and
+    /// returns the loss of each next-token prediction in it: entry k is
+    /// -ln p(window[k + 1] | window[..=k]), from the logits the decoder computes (in its
+    /// weight format), in f64 from there on. For measuring what a format costs.
+    pub fn next_token_losses(&mut self, window: &[u32]) -> Result<Vec<f64>> {
+        assert_eq!(self.batch, 1, "one sequence");
+        let mut losses = Vec::with_capacity(window.len().saturating_sub(1));
+        on_workers(|| self.losses_on_worker(window, &mut losses))?;
+        Ok(losses)
+    }
+
+    fn losses_on_worker(&mut self, window: &[u32], losses: &mut Vec<f64>) -> Result<()> {
+        /// Positions whose logits are held at once (a few MiB for a large vocabulary).
+        const GROUP: usize = 16;
+        let s = self.weights.spec.shapes;
+        let (c, v, t) = (s.n_embd, s.vocab_size, window.len());
+        let mut normed = vec![0f32; GROUP * c];
+        let mut logits = vec![0f32; GROUP * v];
+        let mut stats = NormStats::new(GROUP);
+        self.len = 0;
+        for start in (0..t).step_by(self.chunk) {
+            let len = self.chunk.min(t - start);
+            self.forward(&window[start..start + len], len)?;
+            // The chunk's final residual stream is still in the scratch rows.
+            let weights = &*self.weights;
+            let ln_f = weights.norm(&weights.ln_f);
+            for g in (0..len).step_by(GROUP) {
+                let n = GROUP.min(len - g);
+                let rows = &self.scratch.x[g * c..(g + n) * c];
+                ln_f.forward(&mut normed[..n * c], &mut stats, rows);
+                let logits = &mut logits[..n * v];
+                weights
+                    .tokens
+                    .project(&normed[..n * c], logits, &mut self.q8_rows);
+                for (r, row) in logits.chunks_exact(v).enumerate() {
+                    let position = start + g + r;
+                    if let Some(&target) = window.get(position + 1) {
+                        losses.push(cross_entropy(row, target as usize));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Feeds one token per sequence at the next position; returns logits, (batch, V).
     pub fn step(&mut self, ids: &[u32]) -> Result<&[f32]> {
         // Models that split products over the threads run on a pool thread, so those
@@ -299,6 +344,13 @@ multiversion! {
             }
         }
     }
+}
+
+/// -ln softmax(logits)[target], the log-sum-exp taken in f64.
+fn cross_entropy(logits: &[f32], target: usize) -> f64 {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    f64::from(max) + sum.ln() - f64::from(logits[target])
 }
 
 /// Rows (sequences x positions) of scratch a decoder allocates: bounds memory for long
