@@ -36,6 +36,33 @@ pub struct EvalResult {
     pub bits_per_byte: f64,
 }
 
+impl EvalResult {
+    /// The figures of `tokens` tokens (`bytes` bytes of text) whose predictions summed
+    /// to `total_nll` nats.
+    fn of(tokens: usize, bytes: usize, total_nll: f64) -> Self {
+        let predictions = tokens - 1;
+        let loss = total_nll / predictions as f64;
+        Self {
+            tokens,
+            predictions,
+            bytes,
+            loss,
+            perplexity: loss.exp(),
+            bits_per_byte: total_nll / std::f64::consts::LN_2 / bytes.max(1) as f64,
+        }
+    }
+}
+
+fn needs_two_tokens(ids: &[u32]) -> Result<()> {
+    if ids.len() < 2 {
+        user_bail!(
+            "the text is {} token(s); evaluation needs at least 2 (one to predict from, one to predict)",
+            ids.len()
+        );
+    }
+    Ok(())
+}
+
 /// One window of the text: tokens `begin .. end` go in, and the predictions of
 /// targets `first .. end` are scored (each position predicts the next token).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,12 +119,7 @@ pub fn evaluate_until(
     progress: &ProgressBar,
     stop: &Stop,
 ) -> Result<EvalResult> {
-    if ids.len() < 2 {
-        user_bail!(
-            "the text is {} token(s); evaluation needs at least 2 (one to predict from, one to predict)",
-            ids.len()
-        );
-    }
+    needs_two_tokens(ids)?;
     let block = model.config().block_size;
     let windows = windows(ids.len(), block);
     let options = options_for(windows.len(), block);
@@ -129,16 +151,7 @@ pub fn evaluate_until(
         }
         progress.inc(group.len() as u64);
     }
-    let predictions = ids.len() - 1;
-    let loss = total_nll / predictions as f64;
-    Ok(EvalResult {
-        tokens: ids.len(),
-        predictions,
-        bytes,
-        loss,
-        perplexity: loss.exp(),
-        bits_per_byte: total_nll / std::f64::consts::LN_2 / bytes.max(1) as f64,
-    })
+    Ok(EvalResult::of(ids.len(), bytes, total_nll))
 }
 
 /// [`evaluate_until`] through the fused CPU decoder holding `weights` (in whatever
@@ -151,12 +164,7 @@ pub fn evaluate_decoding(
     progress: &ProgressBar,
     stop: &Stop,
 ) -> Result<EvalResult> {
-    if ids.len() < 2 {
-        user_bail!(
-            "the text is {} token(s); evaluation needs at least 2 (one to predict from, one to predict)",
-            ids.len()
-        );
-    }
+    needs_two_tokens(ids)?;
     let block = weights.spec.shapes.block_size;
     let windows = windows(ids.len(), block);
     let mut decoder = crate::cpu::FastDecoder::from_weights(weights.clone(), 1)?;
@@ -171,16 +179,7 @@ pub fn evaluate_decoding(
             .sum::<f64>();
         progress.inc(1);
     }
-    let predictions = ids.len() - 1;
-    let loss = total_nll / predictions as f64;
-    Ok(EvalResult {
-        tokens: ids.len(),
-        predictions,
-        bytes,
-        loss,
-        perplexity: loss.exp(),
-        bits_per_byte: total_nll / std::f64::consts::LN_2 / bytes.max(1) as f64,
-    })
+    Ok(EvalResult::of(ids.len(), bytes, total_nll))
 }
 
 #[cfg(test)]

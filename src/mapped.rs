@@ -94,9 +94,16 @@ pub fn open_for_decoding(dir: &Path, format: WeightFormat) -> Result<ForDecoding
     let (path, digest) = model_file(&run, &state)?;
     let file = fs::File::open(&path)
         .map_err(|e| crate::error::user_error(format!("{}: {e}", path.display())))?;
+    // f32 weights are used where they lie: their pages are mapped in now, in one pass
+    // the kernel batches, rather than faulted in one by one inside the first token's
+    // products. Other formats read each page once while converting.
+    let mut options = memmap2::MmapOptions::new();
+    if format == WeightFormat::F32 {
+        options.populate();
+    }
     // Safety: read-only; see the module docs on why the bytes do not change under us.
     let map =
-        Arc::new(unsafe { memmap2::Mmap::map(&file) }.map_err(|e| {
+        Arc::new(unsafe { options.map(&file) }.map_err(|e| {
             crate::error::user_error(format!("cannot map {}: {e}", path.display()))
         })?);
     let mut verification = verify(&run, &path, &file, &map, digest);

