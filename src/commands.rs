@@ -331,8 +331,12 @@ fn print_eval(args: &EvalArgs, r: &tinygpt::eval::EvalResult) -> Result<()> {
 }
 
 pub fn info(args: InfoArgs) -> Result<()> {
-    let loaded = load(&args.ckpt)?;
-    let spec = loaded.model.spec();
+    parse_device(&args.ckpt.device)?;
+    // Every file is checked (sizes, hashes, tensor names and shapes), but nothing is
+    // computed with the weights: they are mapped, not built into a model.
+    let mut loaded = open_for_decoding(&args.ckpt.checkpoint, WeightFormat::F32)?;
+    loaded.verification.wait()?;
+    let spec = &loaded.weights.spec;
     let (total, embeddings) = (spec.len(), spec.embedding_len());
     let st = &loaded.state;
     let cfg = &loaded.config;
