@@ -29,15 +29,25 @@ pub enum Gpu {
     Emulated,
 }
 
-/// A CUDA device's stream (candle's, so candle's tensors and ours are ordered), its
-/// cuBLAS handle, and our kernels loaded on it.
+/// A CUDA device's stream (candle's, so candle's tensors and ours are ordered), a
+/// cuBLAS handle of ours on it with its own work space, and our kernels loaded on it.
 #[cfg(feature = "cuda")]
 pub struct CudaGpu {
     pub stream: Arc<CudaStream>,
+    /// Ours, not candle's: it gets a work space (`BLAS_WORKSPACE`) that lives exactly
+    /// as long as it (fields drop in order: the handle before its work space).
     pub blas: Arc<CudaBlas>,
+    _blas_workspace: candle_core::cuda::cudarc::driver::CudaSlice<u8>,
     /// Indexed by `Kernel as usize`.
     functions: Vec<CudaFunction>,
 }
+
+/// The work space given to our cuBLAS handle. cuBLAS documents setting one with
+/// `cublasSetWorkspace` before products are captured into a CUDA graph: otherwise it
+/// may allocate during capture, or a replayed graph may use a work space it has freed.
+/// 32 MiB is its recommendation for Hopper (4 MiB would do before).
+#[cfg(feature = "cuda")]
+const BLAS_WORKSPACE: usize = 32 << 20;
 
 impl Gpu {
     /// The candle device `device`, which must be a CUDA one, with our kernels loaded
@@ -58,9 +68,25 @@ impl Gpu {
                 Ok(func.into_cuda_function())
             })
             .collect::<Result<Vec<_>>>()?;
+        let stream = dev.cuda_stream();
+        let blas = CudaBlas::new(stream.clone()).context("creating a cuBLAS handle")?;
+        let workspace = stream
+            .alloc_zeros::<u8>(BLAS_WORKSPACE)
+            .context("allocating cuBLAS's work space")?;
+        {
+            use candle_core::cuda::cudarc::driver::DevicePtr;
+            let ptr = workspace.device_ptr(&stream).0;
+            // SAFETY: the handle is live and the work space outlives it (field order).
+            unsafe {
+                sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut c_void, BLAS_WORKSPACE)
+            }
+            .result()
+            .context("setting cuBLAS's work space")?;
+        }
         Ok(Self::Cuda(CudaGpu {
-            stream: dev.cuda_stream(),
-            blas: dev.cublas_handle(),
+            stream,
+            blas: Arc::new(blas),
+            _blas_workspace: workspace,
             functions,
         }))
     }

@@ -4,8 +4,10 @@
 // In place on logits (rows x V): their softmax; row_loss[r] = -log p[target]. Two
 // passes over the row: the max and the sum of exponentials together (online: the sum
 // is rescaled whenever the max grows), then the probabilities.
-extern "C" __global__ void softmax_cross_entropy(float* logits, float* row_loss,
-                                                 const uint32_t* targets, int rows, int V) {
+// Up to 1024 threads a block (a power of two, from the vocabulary): bounded, as sum_all.
+extern "C" __global__ void __launch_bounds__(1024)
+    softmax_cross_entropy(float* logits, float* row_loss, const uint32_t* targets, int rows,
+                          int V) {
     const int r = blockIdx.x;
     if (r >= rows) return;
     float* x = logits + (long long)r * V;

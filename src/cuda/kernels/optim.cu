@@ -12,9 +12,11 @@ extern "C" __global__ void sum_squares(double* partials, const float* x, long lo
 
 // out[0] = the sum of n f64 values (one block), f32 values when `x32` is set; added to
 // what out[0] holds when `accumulate` is set (the loss of several forwards, summed on
-// the device until the host reads it).
-extern "C" __global__ void sum_all(double* out, const double* x, const float* x32, int n,
-                                   int accumulate) {
+// the device until the host reads it). Launched with 1024 threads: the bound tells
+// nvcc, so it never spends more registers a thread than 1024 threads can have (without
+// it the launch may fail with "too many resources requested").
+extern "C" __global__ void __launch_bounds__(1024)
+    sum_all(double* out, const double* x, const float* x32, int n, int accumulate) {
     double sum = 0.0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) sum += x32 != nullptr ? (double)x32[i] : x[i];
     sum = block_sum_f64(sum);
