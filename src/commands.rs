@@ -19,8 +19,8 @@ use tinygpt::mapped::{open_for_decoding, ForDecoding};
 use tinygpt::user_bail;
 
 use crate::{
-    AttentionArgs, BenchArgs, CacheAction, CacheArgs, CheckpointArgs, CompareArgs, EvalArgs,
-    ExportArgs, GenerateArgs, ImportArgs, InfoArgs, PlotArgs, SweepArgs,
+    AttentionArgs, BenchArgs, CacheAction, CacheArgs, CheckpointArgs, CompareArgs, DoctorArgs,
+    EvalArgs, ExportArgs, GenerateArgs, ImportArgs, InfoArgs, PlotArgs, SweepArgs,
 };
 
 fn load(args: &CheckpointArgs) -> Result<Loaded> {
@@ -819,6 +819,47 @@ pub fn cache(args: CacheArgs) -> Result<()> {
                 removals.len()
             );
         }
+    }
+    Ok(())
+}
+
+pub fn doctor(args: DoctorArgs) -> Result<()> {
+    let report = tinygpt::doctor::run(&tinygpt::doctor::Faults::from_env())?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        for (place, what) in &report.devices {
+            println!("{place:<16} {what}");
+        }
+        println!();
+        println!(
+            "{:<16} {:<28} {:>10} {:>10}  result",
+            "where", "check", "error", "bound"
+        );
+        for c in &report.checks {
+            println!(
+                "{:<16} {:<28} {:>10.2e} {:>10.0e}  {}",
+                c.place,
+                c.name,
+                c.error,
+                c.bound,
+                if c.passed { "ok" } else { "FAILED" }
+            );
+        }
+    }
+    let failed: Vec<String> = report
+        .checks
+        .iter()
+        .filter(|c| !c.passed)
+        .map(|c| format!("{} on {}", c.name, c.place))
+        .collect();
+    if !failed.is_empty() {
+        anyhow::bail!(
+            "{} check{} failed ({}): this build computes wrong here; please report it with this output",
+            failed.len(),
+            if failed.len() == 1 { "" } else { "s" },
+            failed.join(", ")
+        );
     }
     Ok(())
 }

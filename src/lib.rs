@@ -15,6 +15,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod data;
 pub mod device;
+pub mod doctor;
 pub mod engine;
 pub mod error;
 pub mod eval;

@@ -78,6 +78,10 @@ enum Command {
     /// List what the corpus caches hold (tokenizers, ids) and which runs use it, or
     /// prune what none uses.
     Cache(CacheArgs),
+    /// Check that this build computes right on this machine: the kernels at each CPU
+    /// level, the fused engines and decoders against the reference, CUDA graph replay;
+    /// a table of errors and bounds, exit 1 if any check fails.
+    Doctor(DoctorArgs),
     /// Print the shell completion script for bash, zsh, fish, powershell or elvish.
     Completions(CompletionsArgs),
     /// Print the manual page (roff), or write one per command into a folder.
@@ -117,6 +121,12 @@ enum CacheAction {
         #[arg(long)]
         yes: bool,
     },
+}
+
+#[derive(Args)]
+struct DoctorArgs {
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -406,6 +416,7 @@ fn run(cli: Cli, world: &World) -> anyhow::Result<()> {
         Command::Export(args) => commands::export(args),
         Command::Import(args) => commands::import(args),
         Command::Cache(args) => commands::cache(args),
+        Command::Doctor(args) => commands::doctor(args),
         Command::Completions(args) => {
             let mut cli = <Cli as clap::CommandFactory>::command();
             clap_complete::generate(args.shell, &mut cli, "tinygpt", &mut std::io::stdout());

@@ -260,6 +260,13 @@ fn replayed_steps_are_launched_steps() {
             let b = launched.step(&ids).unwrap().to_vec();
             assert_eq!(a, b, "{place}: step {step}");
         }
+        // Else this compared launches with launches: recording or a replay failed and
+        // the decoder fell back (it says so on stderr).
+        assert!(
+            replayed.is_replaying(),
+            "{place}: the steps replayed their recording"
+        );
+        assert!(!launched.is_replaying());
     }
 }
 

@@ -223,6 +223,12 @@ impl CudaDecoder {
         }
     }
 
+    /// Whether one-token steps replay their recorded graph: false before the first
+    /// step, with `set_replays(false)`, and once recording or a replay failed.
+    pub fn is_replaying(&self) -> bool {
+        self.replays && self.step.is_some()
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.spec.shapes.vocab_size
     }

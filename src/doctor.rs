@@ -1,0 +1,440 @@
+//! `tinygpt doctor`: whether this build computes right on this machine, in seconds.
+//!
+//! The test suite holds every engine and decoder to the reference, but it runs where
+//! we build; a user's CPU (another vector level) or GPU (real cuBLAS, real graphs,
+//! another driver) is where a wrong number would first appear. So the same comparisons
+//! run here, small: per CPU level the kernels against f64 sums, then per place (the
+//! CPU, the CUDA engine under its emulator in such builds, each GPU) a few training
+//! steps of the fused engine against the reference engine (loss, every gradient, the
+//! weights after AdamW) and the fused decoder against the reference one (every step's
+//! logits), and on CUDA that one-token steps really replay their recorded graph.
+//!
+//! Each check reports its error (relative to the largest value it compares) and the
+//! bound it is held to, the same bounds the tests use.
+
+use anyhow::Result;
+use candle_core::Device;
+use serde::Serialize;
+
+use crate::config::{ModelConfig, PositionKind, Precision, TrainConfig};
+use crate::cpu::isa::{self, Isa};
+use crate::data::Batch;
+use crate::engine::{self, Engine, EngineOptions};
+use crate::model::params::NamedTensors;
+use crate::model::ModelSpec;
+use crate::optim::AdamWStep;
+
+/// One comparison: `error` against `bound`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    /// Where it ran: "cpu (avx2)", "cuda (emulated)", "cuda:0".
+    pub place: String,
+    pub name: String,
+    pub error: f64,
+    pub bound: f64,
+    pub passed: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// What each place is (CPU model and features; GPU name, compute capability,
+    /// memory, driver).
+    pub devices: Vec<(String, String)>,
+    pub checks: Vec<Check>,
+}
+
+impl Report {
+    pub fn passed(&self) -> bool {
+        self.checks.iter().all(|c| c.passed)
+    }
+
+    fn check(&mut self, place: &str, name: &str, error: f64, bound: f64) {
+        self.checks.push(Check {
+            place: place.into(),
+            name: name.into(),
+            error,
+            bound,
+            // NaN fails.
+            passed: error <= bound,
+        });
+    }
+}
+
+/// A fault to inject on purpose (for testing that a wrong result fails): the name of a
+/// check whose fused result is perturbed before it is compared.
+#[derive(Debug, Clone, Default)]
+pub struct Faults {
+    pub perturb: Option<String>,
+}
+
+impl Faults {
+    /// From `TINYGPT_DOCTOR_FAULT` (a check name, e.g. "engine gradients").
+    pub fn from_env() -> Self {
+        Self {
+            perturb: std::env::var("TINYGPT_DOCTOR_FAULT").ok(),
+        }
+    }
+
+    fn applies(&self, name: &str) -> bool {
+        self.perturb.as_deref() == Some(name)
+    }
+
+    /// `x` as computed, or off by 1% where this check is the one to break.
+    fn apply(&self, name: &str, x: f64) -> f64 {
+        if self.applies(name) {
+            x * 1.01 + 0.01
+        } else {
+            x
+        }
+    }
+}
+
+/// Runs every check this build and machine allow.
+pub fn run(faults: &Faults) -> Result<Report> {
+    let mut report = Report {
+        devices: vec![("cpu".into(), cpu_description())],
+        checks: Vec::new(),
+    };
+    let best = isa::active();
+    for level in Isa::supported() {
+        isa::force(Some(level));
+        let place = format!("cpu ({})", level.name());
+        let kernels = kernel_errors(faults);
+        isa::force(None);
+        for (name, error, bound) in kernels? {
+            report.check(&place, name, error, bound);
+        }
+    }
+    isa::force(None);
+    let place = format!("cpu ({})", best.name());
+    let cpu = Device::Cpu;
+    engine_checks(&mut report, &place, faults, &|spec, values, batch| {
+        let options = EngineOptions {
+            batch,
+            precision: Precision::F32,
+            fused: true,
+        };
+        engine::build(spec, values, &cpu, options)
+    })?;
+    cpu_decoder_check(&mut report, &place, faults)?;
+    #[cfg(feature = "cuda-emulator")]
+    cuda_checks(&mut report, "cuda (emulated)", None, faults)?;
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = crate::device::first_cuda() {
+        report
+            .devices
+            .push((crate::device::name(&gpu), gpu_description(&gpu)));
+        cuda_checks(&mut report, &crate::device::name(&gpu), Some(&gpu), faults)?;
+    }
+    Ok(report)
+}
+
+fn cpu_description() -> String {
+    format!(
+        "{} [{}], kernels at {}, {} threads",
+        isa::cpu_model().unwrap_or_else(|| "unknown CPU".into()),
+        isa::cpu_features().join(" "),
+        isa::active().name(),
+        crate::cpu::threads::threads()
+    )
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_description(gpu: &Device) -> String {
+    let Device::Cuda(dev) = gpu else {
+        return String::new();
+    };
+    let context = dev.cuda_stream().context().clone();
+    let name = context.name().unwrap_or_else(|_| "unknown GPU".into());
+    let (major, minor) = context.compute_capability().unwrap_or((0, 0));
+    let memory = context.total_mem().unwrap_or(0) as f64 / f64::from(1 << 30);
+    let mut driver = 0i32;
+    // SAFETY: writes one int.
+    let _ = unsafe { candle_core::cuda::cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
+    format!(
+        "{name}, compute capability {major}.{minor}, {memory:.1} GiB, driver CUDA {}.{}",
+        driver / 1000,
+        driver % 1000 / 10
+    )
+}
+
+/// The largest |a - b| over the largest |b| (1 where b is all zeros).
+fn relative(a: &[f32], b: &[f32]) -> f64 {
+    let scale = b.iter().fold(0f64, |m, &v| m.max(f64::from(v).abs()));
+    let off = a.iter().zip(b).fold(0f64, |m, (&x, &y)| {
+        m.max((f64::from(x) - f64::from(y)).abs())
+    });
+    if a.len() != b.len() {
+        return f64::INFINITY;
+    }
+    off / scale.max(f64::MIN_POSITIVE)
+}
+
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n as u32)
+        .map(|i| ((i.wrapping_mul(2654435761) ^ seed) % 2001) as f32 / 1000.0 - 1.0)
+        .collect()
+}
+
+/// At the active CPU level: the f32 GEMM, the eight-bit products and the few-row
+/// products, each against f64 sums of what it multiplies. (name, error, bound).
+fn kernel_errors(faults: &Faults) -> Result<Vec<(&'static str, f64, f64)>> {
+    use crate::cpu::gemm::{matmul, Precision as P};
+    use crate::cpu::matrix::{Product, Strided};
+    use crate::cpu::q8::{Q8Matrix, Q8Row};
+    use crate::cpu::weight_rows::{project_rows, Bf16, Widen};
+    let (m, n, k) = (7, 45, 70);
+    let (a, b) = (values(m * k, 1), values(n * k, 2));
+    // f64 of a (m, k) times b read as (k, n) from its (n, k) rows.
+    let exact = |a: &[f32], b: &dyn Fn(usize, usize) -> f64| -> Vec<f32> {
+        let mut out = vec![0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let s: f64 = (0..k).map(|p| f64::from(a[i * k + p]) * b(p, j)).sum();
+                out[i * n + j] = s as f32;
+            }
+        }
+        out
+    };
+    let mut checks = Vec::new();
+
+    let mut got = vec![0f32; m * n];
+    let p = Product::new(Strided::rows(&a, k), Strided::columns(&b, k), (m, n, k));
+    matmul(&mut got, n, p, P::F32);
+    got[0] = faults.apply("kernels: f32 gemm", f64::from(got[0])) as f32;
+    let want = exact(&a, &|p, j| f64::from(b[j * k + p]));
+    checks.push(("kernels: f32 gemm", relative(&got, &want), 1e-5));
+
+    let bits: Vec<Bf16> = b.iter().map(|&v| Bf16::round(v)).collect();
+    let mut got = vec![0f32; m * n];
+    project_rows(&bits, None, &a, k, &mut got);
+    got[0] = faults.apply("kernels: bf16 rows", f64::from(got[0])) as f32;
+    let want = exact(&a, &|p, j| f64::from(bits[j * k + p].widen()));
+    checks.push(("kernels: bf16 rows", relative(&got, &want), 1e-5));
+
+    let q = Q8Matrix::quantize(&b, n, k);
+    let rows: Vec<Q8Row> = a
+        .chunks_exact(k)
+        .map(|x| {
+            let mut row = Q8Row::default();
+            q.quantize_row(x, &mut row);
+            row
+        })
+        .collect();
+    let mut got = vec![0f32; m * n];
+    q.matmat(0, n, &rows, None, &mut got);
+    got[0] = faults.apply("kernels: int8 products", f64::from(got[0])) as f32;
+    // What the kernel multiplies: both sides quantized, back in f64.
+    let mut a_back = vec![0f32; m * k];
+    for (x, back) in a.chunks_exact(k).zip(a_back.chunks_exact_mut(k)) {
+        Q8Matrix::quantize(x, 1, k).row_into(0, back);
+    }
+    let mut w_back = vec![0f32; n * k];
+    for (j, row) in w_back.chunks_exact_mut(k).enumerate() {
+        q.row_into(j, row);
+    }
+    let want = exact(&a_back, &|p, j| f64::from(w_back[j * k + p]));
+    checks.push(("kernels: int8 products", relative(&got, &want), 1e-5));
+    Ok(checks)
+}
+
+/// The model the engine and decoder checks run: small, with every part (learned
+/// positions, biases, grouped K/V heads) and odd sizes.
+fn small_model() -> ModelSpec {
+    ModelSpec::new(&ModelConfig {
+        n_layer: 2,
+        n_head: 4,
+        n_kv_head: Some(2),
+        n_embd: 24,
+        block_size: 9,
+        vocab_size: 37,
+        positions: PositionKind::Learned,
+        bias: true,
+        ..ModelConfig::default()
+    })
+}
+
+type BuildEngine<'a> = dyn Fn(&ModelSpec, &[f32], usize) -> Result<Box<dyn Engine>> + 'a;
+
+/// Three training steps of the engine `build` makes against the reference engine on
+/// the CPU: the first loss, every gradient of the first step, the weights after the
+/// third (each step's update made from the reference's gradients on both).
+fn engine_checks(
+    report: &mut Report,
+    place: &str,
+    faults: &Faults,
+    build: &BuildEngine,
+) -> Result<()> {
+    let spec = small_model();
+    let init = spec.initial_values(3);
+    let batch = 3;
+    let reference_options = EngineOptions {
+        batch,
+        precision: Precision::F32,
+        fused: false,
+    };
+    let mut reference = engine::build(&spec, &init, &Device::Cpu, reference_options)?;
+    let mut fused = build(&spec, &init, batch)?;
+    let t = spec.shapes.block_size;
+    let mut data = Batch::empty(batch, t);
+    let train = TrainConfig::default();
+    let (mut loss_error, mut grad_error) = (0.0, 0.0);
+    for step in 0..3 {
+        for (i, id) in data.x.iter_mut().chain(data.y.iter_mut()).enumerate() {
+            *id = ((i * 7 + step * 3) % spec.shapes.vocab_size) as u32;
+        }
+        let mut losses = [0.0; 2];
+        for (engine, loss) in [&mut reference, &mut fused].into_iter().zip(&mut losses) {
+            engine.zero_grads()?;
+            engine.forward(&data, None)?;
+            engine.backward(1.0)?;
+            *loss = engine.take_loss()?;
+        }
+        if step == 0 {
+            let fused_loss = faults.apply("engine loss", losses[1]);
+            loss_error = (fused_loss - losses[0]).abs() / losses[0].abs();
+            grad_error = max_error(
+                &fused.grads()?,
+                &reference.grads()?,
+                faults.applies("engine gradients"),
+            )?;
+        }
+        // AdamW's first steps divide each gradient by its own magnitude, so gradients
+        // equal to rounding would update the near-zero ones differently: the update is
+        // checked from the same gradients (as tests/engines.rs does).
+        fused.set_grads(&reference.grads()?, "the reference engine")?;
+        let update = AdamWStep::new(&train, step + 1, 1e-2);
+        for engine in [&mut reference, &mut fused] {
+            engine.clip_grads(train.grad_clip)?;
+            engine.adamw(&update)?;
+        }
+    }
+    let weights_error = max_error(
+        &fused.weights()?,
+        &reference.weights()?,
+        faults.applies("engine weights after AdamW"),
+    )?;
+    let bound = if place.starts_with("cuda:") {
+        1e-4
+    } else {
+        1e-5
+    };
+    report.check(place, "engine loss", loss_error, bound);
+    report.check(place, "engine gradients", grad_error, bound);
+    report.check(place, "engine weights after AdamW", weights_error, bound);
+    Ok(())
+}
+
+/// The largest relative error over the tensors of `got` against `want` (each
+/// relative to its own largest entry); `perturb` adds 1% to the first tensor.
+fn max_error(got: &NamedTensors, want: &NamedTensors, perturb: bool) -> Result<f64> {
+    let mut worst = 0f64;
+    let mut names: Vec<&String> = want.keys().collect();
+    names.sort();
+    for (i, name) in names.into_iter().enumerate() {
+        let Some(g) = got.get(name) else {
+            return Ok(f64::INFINITY);
+        };
+        let mut g: Vec<f32> = g.flatten_all()?.to_vec1()?;
+        if perturb && i == 0 {
+            g[0] = g[0] * 1.01 + 0.01;
+        }
+        let w: Vec<f32> = want[name].flatten_all()?.to_vec1()?;
+        worst = worst.max(relative(&g, &w));
+    }
+    Ok(worst)
+}
+
+/// Prompts of two sequences and six steps after them.
+fn decode_script(spec: &ModelSpec) -> (Vec<Vec<u32>>, Vec<[u32; 2]>) {
+    let v = spec.shapes.vocab_size as u32;
+    let windows = vec![vec![1, 5, 2], vec![7, 3, 11 % v]];
+    let steps = (0..6).map(|s| [(s * 5 + 1) % v, (s * 3 + 2) % v]).collect();
+    (windows, steps)
+}
+
+/// The fused CPU decoder against the reference model's KV cache: every step's logits.
+fn cpu_decoder_check(report: &mut Report, place: &str, faults: &Faults) -> Result<()> {
+    use crate::generate::{DecodeMode, Decoder};
+    let spec = small_model();
+    let values = spec.initial_values(4);
+    let model = crate::model::Gpt::from_flat(
+        &spec,
+        &values,
+        &Device::Cpu,
+        candle_core::DType::F32,
+        Precision::F32,
+    )?;
+    let mut fast = crate::cpu::FastDecoder::new(&spec, &values, 2)?;
+    let mut reference = Decoder::new(&model, 2, DecodeMode::Cached)?;
+    let (windows, steps) = decode_script(&spec);
+    // The reference decoder takes one prompt for every sequence.
+    let prompt = windows[0].clone();
+    let same = vec![prompt.clone(); 2];
+    let mut worst = relative(fast.prefill(&same)?, {
+        reference.prefill(&prompt)?;
+        reference.logits()?
+    });
+    for ids in steps {
+        let mut a = fast.step(&ids)?.to_vec();
+        reference.push(&ids)?;
+        if faults.applies("decoder logits") {
+            a[0] = a[0] * 1.01 + 0.01;
+        }
+        worst = worst.max(relative(&a, reference.logits()?));
+    }
+    report.check(place, "decoder logits", worst, 1e-5);
+    Ok(())
+}
+
+/// The fused CUDA engine and decoder (on `gpu`, or under the emulator when `None`):
+/// the engine against the reference, the decoder against the CPU decoder, and
+/// one-token steps that really replay their recorded graph.
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+fn cuda_checks(
+    report: &mut Report,
+    place: &str,
+    gpu: Option<&Device>,
+    faults: &Faults,
+) -> Result<()> {
+    use crate::cuda::{CudaDecoder, FusedCuda};
+    let on = |spec: &ModelSpec, values: &[f32], batch: usize| -> Result<Box<dyn Engine>> {
+        Ok(Box::new(match gpu {
+            #[cfg(feature = "cuda")]
+            Some(d) => FusedCuda::new(spec, values, d, batch, Precision::F32)?,
+            #[cfg(feature = "cuda-emulator")]
+            None => FusedCuda::emulated(spec, values, batch, Precision::F32)?,
+            #[allow(unreachable_patterns)]
+            _ => anyhow::bail!("no CUDA place"),
+        }))
+    };
+    engine_checks(report, place, faults, &on)?;
+    let spec = small_model();
+    let values = spec.initial_values(4);
+    let mut decoder = match gpu {
+        #[cfg(feature = "cuda")]
+        Some(d) => CudaDecoder::new(&spec, &values, d, 2, Precision::F32)?,
+        #[cfg(feature = "cuda-emulator")]
+        None => CudaDecoder::emulated(&spec, &values, 2, Precision::F32)?,
+        #[allow(unreachable_patterns)]
+        _ => anyhow::bail!("no CUDA place"),
+    };
+    let mut cpu = crate::cpu::FastDecoder::new(&spec, &values, 2)?;
+    let (windows, steps) = decode_script(&spec);
+    let mut worst = relative(decoder.prefill(&windows)?, cpu.prefill(&windows)?);
+    for ids in steps {
+        let mut a = decoder.step(&ids)?.to_vec();
+        if faults.applies("decoder logits") {
+            a[0] = a[0] * 1.01 + 0.01;
+        }
+        worst = worst.max(relative(&a, cpu.step(&ids)?));
+    }
+    let bound = if gpu.is_some() { 1e-4 } else { 1e-5 };
+    report.check(place, "decoder logits", worst, bound);
+    // 0: the steps replayed their graph; 1: they fell back to launching kernels.
+    let fell_back = f64::from(u8::from(
+        !decoder.is_replaying() || faults.applies("graph replay"),
+    ));
+    report.check(place, "graph replay", fell_back, 0.0);
+    Ok(())
+}
