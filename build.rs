@@ -54,6 +54,18 @@ fn main() {
     // sm_80's bf16 tensor cores): digits only, as nvcc took it ("90a" -> 90).
     let digits: String = cap.chars().take_while(char::is_ascii_digit).collect();
     println!("cargo:rustc-env=TINYGPT_PTX_ARCH={digits}");
+    // The toolkit's CUDA version ("13.0"), for the message a too-old driver gets.
+    let version = Command::new(&nvcc)
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|text| {
+            let release = text.split("release ").nth(1)?;
+            Some(release.split(',').next()?.trim().to_string())
+        })
+        .unwrap_or_default();
+    println!("cargo:rustc-env=TINYGPT_NVCC_VERSION={version}");
 }
 
 fn nvcc() -> PathBuf {

@@ -789,3 +789,41 @@ fn a_sharded_cuda_engine_of_one_rank_trains_as_the_engine_alone() {
         }
     }
 }
+
+/// The fused CUDA engine and decoder are driven only by the thread that built them (their
+/// work is ordered on that thread's stream): from another thread, a clear error. They
+/// are not `Send`, so safe code cannot get there; a wrapper that claims otherwise (as a
+/// server's worker pool might) is what this catches.
+#[cfg(feature = "cuda-emulator")]
+#[test]
+fn cuda_engines_refuse_another_thread() {
+    struct Carried<T>(T);
+    // SAFETY: the emulator's buffers are host memory; the values come back to the
+    // thread that made them before they are dropped.
+    unsafe impl<T> Send for Carried<T> {}
+    let spec = ModelSpec::new(&cfg(PositionKind::Learned, false));
+    let values = spec.initial_values(1);
+    let mut engine = tinygpt::cuda::FusedCuda::emulated(&spec, &values, 2, Precision::F32).unwrap();
+    let batch = Batch::empty(2, spec.shapes.block_size);
+    Engine::forward(&mut engine, &batch, None).unwrap();
+    let mut decoder =
+        tinygpt::cuda::CudaDecoder::emulated(&spec, &values, 1, Precision::F32).unwrap();
+    decoder.prefill(&[vec![1, 2]]).unwrap();
+    let carried = Carried((engine, decoder));
+    let (carried, engine_error, decoder_error) = std::thread::spawn(move || {
+        let mut carried = carried;
+        let (engine, decoder) = &mut carried.0;
+        let engine_error = Engine::forward(engine, &batch, None)
+            .unwrap_err()
+            .to_string();
+        let decoder_error = decoder.step(&[3]).map(|_| ()).unwrap_err().to_string();
+        (carried, engine_error, decoder_error)
+    })
+    .join()
+    .unwrap();
+    assert!(engine_error.contains("built on thread"), "{engine_error}");
+    assert!(decoder_error.contains("built on thread"), "{decoder_error}");
+    // Back on its thread it works again.
+    let (mut engine, _) = carried.0;
+    Engine::forward(&mut engine, &Batch::empty(2, spec.shapes.block_size), None).unwrap();
+}

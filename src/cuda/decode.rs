@@ -30,6 +30,8 @@ const MAX_ROWS: usize = 4096;
 pub struct CudaDecoder {
     spec: ModelSpec,
     gpu: Gpu,
+    /// Only this thread may drive it.
+    owner: super::gpu::OwnerThread,
     params: Buf<f32>,
     tables: PositionTables,
     batch: usize,
@@ -194,6 +196,7 @@ impl CudaDecoder {
             bf16,
             spec: spec.clone(),
             gpu,
+            owner: super::gpu::OwnerThread::here(),
             tables,
             batch,
             chunk,
@@ -212,6 +215,13 @@ impl CudaDecoder {
 
     pub fn batch(&self) -> usize {
         self.batch
+    }
+
+    /// Binds the device's context to this thread, the one that built the decoder (its
+    /// work goes to that thread's stream).
+    fn bind(&self) -> Result<()> {
+        self.owner.check("the CUDA decoder")?;
+        self.gpu.bind()
     }
 
     /// Whether one-token steps replay a recorded step (the default, unless
@@ -312,7 +322,7 @@ impl CudaDecoder {
             "text_vocab {text_vocab} of a vocabulary of {}",
             s.vocab_size
         );
-        self.gpu.bind()?;
+        self.bind()?;
         if self.draws.is_none() {
             self.draws = Some(Draws::new(&self.gpu, batch, s.vocab_size, s.block_size)?);
         }
@@ -365,7 +375,7 @@ impl CudaDecoder {
     /// Runs `t` new tokens per sequence (`ids` is (batch, t) row-major) at positions
     /// len .. len + t, appending their keys and values.
     fn forward(&mut self, ids: &[u32], t: usize) -> Result<()> {
-        self.gpu.bind()?;
+        self.bind()?;
         let s = self.spec.shapes;
         ensure!(
             ids.len() == self.batch * t && t <= self.chunk,

@@ -42,6 +42,8 @@ pub struct FusedCuda {
     precision: Precision,
     /// Where the buffers live and the kernels run.
     gpu: Gpu,
+    /// Only this thread may drive it.
+    owner: super::gpu::OwnerThread,
     /// How attention is computed (flash tiles for bf16 where they apply).
     attention: Attention,
     params: Buf<f32>,
@@ -309,6 +311,7 @@ impl FusedCuda {
             sums: Buf::zeros(&gpu, LOSS_SUM + LOSS_SLOTS)?,
         };
         let engine = Self {
+            owner: super::gpu::OwnerThread::here(),
             params: Buf::from_host(&gpu, values)?,
             grads: None,
             moments: None,
@@ -425,8 +428,9 @@ impl FusedCuda {
 
     /// Makes the engine's CUDA context current on this thread: cuBLAS calls and raw
     /// driver calls need it (cudarc's own calls bind it themselves). The engine's work
-    /// goes to the stream of the thread that built it, so one thread drives it.
+    /// goes to the stream of the thread that built it, so only that thread may.
     fn bind(&self) -> Result<()> {
+        self.owner.check("the fused CUDA engine")?;
         self.gpu.bind()
     }
 

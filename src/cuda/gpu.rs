@@ -20,6 +20,30 @@ use candle_core::cuda::cudarc::{
 use super::calls::{Arg, ColumnMajor, Kernel, Launch, MAX_ARGS};
 use crate::config::Precision;
 
+/// The thread that built an engine or decoder. Its work goes to that thread's stream
+/// (candle's per-thread default stream on CUDA), so work sent from another thread
+/// would not be ordered after it: uploads racing kernels, buffers freed under them.
+/// Refused instead, in one line.
+#[derive(Debug, Clone, Copy)]
+pub struct OwnerThread(std::thread::ThreadId);
+
+impl OwnerThread {
+    pub fn here() -> Self {
+        Self(std::thread::current().id())
+    }
+
+    /// An error unless this is the owner's thread; `what` names the engine or decoder.
+    pub fn check(&self, what: &str) -> Result<()> {
+        let here = std::thread::current().id();
+        anyhow::ensure!(
+            here == self.0,
+            "{what} was built on thread {:?} and used on {here:?}: its CUDA work is ordered on the stream of the thread that built it, so drive it from that thread",
+            self.0
+        );
+        Ok(())
+    }
+}
+
 /// The device the engine runs on.
 pub enum Gpu {
     #[cfg(feature = "cuda")]
@@ -40,6 +64,32 @@ pub struct CudaGpu {
     _blas_workspace: candle_core::cuda::cudarc::driver::CudaSlice<u8>,
     /// Indexed by `Kernel as usize`.
     functions: Vec<CudaFunction>,
+}
+
+/// Why a kernel did not load, for the user: a driver older than the toolkit that built
+/// the PTX, or a GPU older than the architecture it targets, is one line saying what
+/// to install or how to rebuild (exit 2); anything else names the kernel.
+#[cfg(feature = "cuda")]
+fn kernel_load_error(name: &str, e: candle_core::Error) -> anyhow::Error {
+    let text = e.to_string();
+    let mismatch = [
+        "UNSUPPORTED_PTX_VERSION",
+        "NO_BINARY_FOR_GPU",
+        "INVALID_PTX",
+        "JIT_COMPILER_NOT_FOUND",
+    ];
+    if mismatch.iter().any(|code| text.contains(code)) {
+        let arch = env!("TINYGPT_PTX_ARCH");
+        let (major, minor) = arch.split_at(arch.len().saturating_sub(1));
+        let toolkit = match env!("TINYGPT_NVCC_VERSION") {
+            "" => "this build's CUDA toolkit".to_string(),
+            v => format!("CUDA {v}"),
+        };
+        return crate::error::user_error(format!(
+            "the GPU cannot load tinygpt's CUDA kernels ({text}): they are PTX for compute capability {major}.{minor} from {toolkit}; install an NVIDIA driver for {toolkit} or newer, or rebuild with the toolkit this driver supports (and CUDA_COMPUTE_CAP=<the GPU's capability> for a GPU older than {major}.{minor}); `tinygpt doctor` shows the driver"
+        ));
+    }
+    anyhow::Error::new(e).context(format!("loading the CUDA kernel {name}"))
 }
 
 /// The work space given to our cuBLAS handle. cuBLAS documents setting one with
@@ -64,7 +114,7 @@ impl Gpu {
                 let name = k.name();
                 let func = dev
                     .get_or_load_custom_func(name, &format!("tinygpt_{module}"), ptx(module))
-                    .with_context(|| format!("loading the CUDA kernel {name}"))?;
+                    .map_err(|e| kernel_load_error(name, e))?;
                 Ok(func.into_cuda_function())
             })
             .collect::<Result<Vec<_>>>()?;
