@@ -179,12 +179,27 @@ fn cuda_decoder_matches_the_cpu_decoder() {
                 let (want, got) = (cpu.step(&ids), cuda.step(&ids));
                 let err = rel_err(&got, &want);
                 assert!(err < 1e-4, "{what}: step {step} logits off by {err}");
-                let greedy = |l: &[f32]| l.chunks(cfg.vocab_size).map(argmax).collect::<Vec<_>>();
-                assert_eq!(
-                    greedy(&got),
-                    greedy(&want),
-                    "{what}: step {step} greedy tokens"
-                );
+                // The same greedy token, or (where the GPU's sums, in another order,
+                // tip a near tie) one whose CPU logit is within the logits' own bound
+                // of the CPU's choice: reported, not demanded identical.
+                for (b, (g, w)) in got
+                    .chunks(cfg.vocab_size)
+                    .zip(want.chunks(cfg.vocab_size))
+                    .enumerate()
+                {
+                    let (tg, tw) = (argmax(g) as usize, argmax(w) as usize);
+                    if tg != tw {
+                        let scale = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+                        let margin = (w[tw] - w[tg]) / scale;
+                        eprintln!(
+                            "{what}: step {step} row {b}: greedy {tg} vs {tw}, margin {margin:e}"
+                        );
+                        assert!(
+                            margin < 1e-4,
+                            "{what}: step {step} row {b}: greedy token {tg}, the CPU's {tw} is {margin:e} above it"
+                        );
+                    }
+                }
                 logits = want;
             }
         }

@@ -1,0 +1,124 @@
+#!/bin/bash
+# The GPU check, in one command, on a machine with an NVIDIA GPU (from the repository
+# root, after `tools/gpu-pack.sh` on the build machine packed .gpu/):
+#
+#   bash tools/gpu-check.sh [OUT.md]       # default: gpu-check.md (git-ignored)
+#
+# 1. `tinygpt doctor`: the GPU, its driver and compute capability; the kernels, the
+#    fused engine against the reference engine, the decoder against the CPU decoder,
+#    graph replay (exit 1 names what failed).
+# 2. The packed GPU test executables (the kernels against math, engines, cuda_decode,
+#    train, gpu_memory).
+# 3. Those tests again under compute-sanitizer (memcheck, racecheck, synccheck,
+#    initcheck), where the machine has it (CUDA toolkits ship it; it cannot be fetched
+#    there: the GPU machine has no network).
+# 4. The side-by-side bench against PyTorch (eager, bf16, compile) at the baby, char and
+#    GPT-2 shapes plus decoding, where .gpu/ holds the team's run.sh and torch_gpt.py.
+#
+# Everything goes into one Markdown file: the doctor table, pass/fail per test binary
+# and sanitizer tool, and the bench as a table (tokens/s and ratios).
+set -u
+cd "$(dirname "$0")/.."
+out=${1:-gpu-check.md}
+D=.gpu
+[ -d "$D" ] || { echo "no .gpu/: run tools/gpu-pack.sh on the build machine and carry .gpu" >&2; exit 2; }
+mkdir -p /tmp/tg/tests
+unxz_to() { xz -dc "$1" > "$2" 2>/dev/null ||
+  python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" "$1" "$2"
+  chmod +x "$2"; }
+libdirs=$(find /usr /opt -maxdepth 9 \( -name 'libcublas.so.1[2-9]*' -o -name 'libcuda.so.1' \
+  -o -name 'libcurand.so.10*' -o -name 'libnvrtc.so.1[2-9]*' -o -name 'libcublasLt.so.1[2-9]*' \
+  -o -name 'libcudart.so.1[2-9]*' -o -name 'libnccl.so.2*' \) 2>/dev/null |
+  xargs -r -n1 dirname | sort -u | tr '\n' ':')
+export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:-}"
+B=/tmp/tg/tinygpt
+unxz_to "$D/tinygpt.xz" "$B"
+
+"$B" doctor > /tmp/tg/doctor.txt 2>&1
+doctor_rc=$?
+{
+  echo "# GPU check, $(date -u +%F)"
+  echo
+  echo "## tinygpt doctor (exit $doctor_rc)"
+  echo
+  echo '```'
+  cat /tmp/tg/doctor.txt
+  echo '```'
+} > "$out"
+
+{
+  echo
+  echo '## GPU tests'
+  echo
+  echo '| test binary | result | tail |'
+  echo '|---|---|---|'
+} >> "$out"
+tests=()
+for t in "$D"/tests/*.xz; do
+  n=$(basename "${t%.xz}")
+  unxz_to "$t" "/tmp/tg/tests/$n"
+  tests+=("$n")
+  log=/tmp/tg/tests/$n.log
+  "/tmp/tg/tests/$n" --test-threads=1 > "$log" 2>&1
+  rc=$?
+  summary=$(grep -E '^test result' "$log" | tail -1)
+  echo "| $n | $([ $rc = 0 ] && echo ok || echo "FAILED (exit $rc)") | ${summary:-see $log} |" >> "$out"
+done
+
+sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+{
+  echo
+  echo '## compute-sanitizer'
+  echo
+} >> "$out"
+if [ -z "$sanitizer" ]; then
+  echo "not on this machine: skipped (install the CUDA toolkit's compute-sanitizer)" >> "$out"
+else
+  echo '| test binary | tool | result |' >> "$out"
+  echo '|---|---|---|' >> "$out"
+  for n in lib cuda_decode; do
+    [ -x "/tmp/tg/tests/$n" ] || continue
+    for tool in memcheck racecheck synccheck initcheck; do
+      log=/tmp/tg/tests/$n.$tool.log
+      "$sanitizer" --tool "$tool" --error-exitcode 99 "/tmp/tg/tests/$n" --test-threads=1 > "$log" 2>&1
+      rc=$?
+      errors=$(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log")
+      echo "| $n | $tool | $([ $rc = 0 ] && echo ok || echo "FAILED (exit $rc)") ${errors} |" >> "$out"
+    done
+  done
+fi
+
+{
+  echo
+  echo '## Against PyTorch, same GPU'
+  echo
+} >> "$out"
+if [ -f "$D/run.sh" ] && [ -f "$D/torch_gpt.py" ]; then
+  bash "$D/run.sh" baby char gpt2 decode > /tmp/tg/bench.log 2>&1
+  python3 - /tmp/tg/bench.log >> "$out" <<'PY'
+import json, re, sys
+rows = {}
+for line in open(sys.argv[1]):
+    m = re.match(r"(TINYGPT|TORCH) (\S+) rc=(\d+) wall_ms=\d+ (.*)", line.strip())
+    if not m:
+        continue
+    who, label, rc, rest = m.groups()
+    try:
+        tps = json.loads(rest).get("train_tokens_per_s") or json.loads(rest).get("tokens_per_s")
+    except ValueError:
+        tps = None
+    rows.setdefault(label, {})[who] = (int(rc), tps)
+print("| shape, dtype | tinygpt tokens/s | PyTorch tokens/s | ratio |")
+print("|---|---|---|---|")
+for label, r in rows.items():
+    t, p = r.get("TINYGPT", (None, None))[1], r.get("TORCH", (None, None))[1]
+    ratio = f"{t / p:.2f}" if t and p else "-"
+    fmt = lambda v: f"{v:,.0f}" if v else "-"
+    print(f"| {label} | {fmt(t)} | {fmt(p)} | {ratio} |")
+PY
+  echo >> "$out"
+  echo "(raw lines: /tmp/tg/bench.log)" >> "$out"
+else
+  echo "no run.sh / torch_gpt.py in .gpu/ (packed only where ../shared/gpu exists): skipped" >> "$out"
+fi
+echo "wrote $out" >&2
