@@ -11,6 +11,12 @@
 //!
 //! Each check reports its error (relative to the largest value it compares) and the
 //! bound it is held to, the same bounds the tests use.
+//!
+//! The first time the fused CUDA engine is built on a GPU (a given GPU, driver and
+//! binary), the CUDA part runs by itself (`cuda_first_use`) and its verdict is
+//! remembered in the cache folder; a failure is said in one line and the caller falls
+//! back to the reference (candle's ops), so a wrong kernel on new hardware costs speed,
+//! not a silently wrong model.
 
 use anyhow::Result;
 use candle_core::Device;
@@ -437,4 +443,107 @@ fn cuda_checks(
     ));
     report.check(place, "graph replay", fell_back, 0.0);
     Ok(())
+}
+
+/// What the first-use check of the fused CUDA engine and decoder found.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub enum FirstUse {
+    Passed,
+    /// The line to say: which check failed on which GPU, and `doctor`.
+    Failed(String),
+}
+
+/// The fused CUDA engine's and decoder's checks on `gpu` (`None`: under the emulator),
+/// run once per GPU, driver and binary and remembered in the cache folder
+/// (`TINYGPT_CACHE_DIR`, else `$XDG_CACHE_HOME/tinygpt`, else `~/.cache/tinygpt`;
+/// nothing is remembered where none can be written).
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+pub fn cuda_first_use(gpu: Option<&Device>) -> Result<FirstUse> {
+    let faults = Faults::from_env();
+    let place = match gpu {
+        #[cfg(feature = "cuda")]
+        Some(d) => crate::device::name(d),
+        _ => "cuda (emulated)".to_string(),
+    };
+    let what = match gpu {
+        #[cfg(feature = "cuda")]
+        Some(d) => gpu_description(d),
+        _ => "the CPU emulator".to_string(),
+    };
+    let key = format!(
+        "{what} | {} | fault {:?}",
+        binary_identity(),
+        faults.perturb
+    );
+    first_use_with(&key, cache_dir().as_deref(), || {
+        let mut report = Report {
+            devices: Vec::new(),
+            checks: Vec::new(),
+        };
+        cuda_checks(&mut report, &place, gpu, &faults)?;
+        Ok(report)
+    })
+}
+
+/// The verdict remembered under `key` in `dir`, or `check`'s (then remembered).
+pub fn first_use_with(
+    key: &str,
+    dir: Option<&std::path::Path>,
+    check: impl FnOnce() -> Result<Report>,
+) -> Result<FirstUse> {
+    let file = dir.map(|d| {
+        let digest = crate::util::sha256_hex(key.as_bytes());
+        d.join(format!("doctor-{}.json", &digest[..16]))
+    });
+    if let Some(verdict) = file
+        .as_ref()
+        .and_then(|f| std::fs::read(f).ok())
+        .and_then(|b| serde_json::from_slice::<FirstUse>(&b).ok())
+    {
+        return Ok(verdict);
+    }
+    let report = check()?;
+    let verdict = match report.checks.iter().find(|c| !c.passed) {
+        None => FirstUse::Passed,
+        Some(c) => FirstUse::Failed(format!(
+            "note: the fused CUDA code failed its first-use check on {} ({}: error {:.1e}, bound {:.0e}); using candle's reference ops instead (slower, right). `tinygpt doctor` shows every check: please report its output",
+            c.place, c.name, c.error, c.bound
+        )),
+    };
+    if let (Some(file), Ok(json)) = (file, serde_json::to_vec(&verdict)) {
+        if let Some(dir) = file.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let _ = crate::util::write_atomic(&file, &json);
+    }
+    Ok(verdict)
+}
+
+/// Where first-use verdicts are remembered.
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+fn cache_dir() -> Option<std::path::PathBuf> {
+    if let Some(dir) = std::env::var_os("TINYGPT_CACHE_DIR") {
+        return Some(dir.into());
+    }
+    if let Some(dir) = std::env::var_os("XDG_CACHE_HOME") {
+        return Some(std::path::Path::new(&dir).join("tinygpt"));
+    }
+    std::env::var_os("HOME").map(|home| std::path::Path::new(&home).join(".cache/tinygpt"))
+}
+
+/// This binary: its path, size and modification time (a rebuilt binary checks again).
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+fn binary_identity() -> String {
+    let exe = std::env::current_exe().ok();
+    let meta = exe.as_ref().and_then(|e| std::fs::metadata(e).ok());
+    let modified = meta
+        .as_ref()
+        .and_then(|m| m.modified().ok())
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    format!(
+        "{} {} {modified}",
+        exe.map_or(String::new(), |e| e.display().to_string()),
+        meta.map_or(0, |m| m.len())
+    )
 }

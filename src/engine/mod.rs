@@ -55,9 +55,36 @@ pub fn build_replica(
 ) -> Result<Box<dyn Engine>> {
     let (batch, precision) = (options.batch, options.precision);
     let ranks = comm.size();
+    // The fused CUDA code's first-use check (`doctor::cuda_first_use`): where it
+    // failed, the reference engine trains instead.
+    #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+    let cuda_failed = |gpu: Option<&Device>| -> Result<Option<String>> {
+        Ok(match crate::doctor::cuda_first_use(gpu)? {
+            crate::doctor::FirstUse::Passed => None,
+            crate::doctor::FirstUse::Failed(line) => Some(line),
+        })
+    };
+    let reference = |why: &'static str| -> Result<Box<dyn Engine>> {
+        if ranks > 1 {
+            crate::user_bail!(
+                "the reference engine trains in one process, not {ranks} ranks; set train.fused = true (the fused engines run on the CPU and on CUDA)"
+            );
+        }
+        let options = EngineOptions {
+            fused: false,
+            ..options
+        };
+        Ok(Box::new(ReferenceEngine::new(
+            spec, weights, device, options, why,
+        )?))
+    };
     match footprint(device, &options) {
         #[cfg(feature = "cuda-emulator")]
         Footprint::FusedCpu if emulate_cuda() => {
+            if let Some(line) = cuda_failed(None)? {
+                eprintln!("{line}");
+                return reference("the fused CUDA code failed its first-use check");
+            }
             let engine = crate::cuda::FusedCuda::emulated(spec, weights, batch, precision)?;
             Ok(Box::new(engine.with_ranks(comm)?))
         }
@@ -69,21 +96,15 @@ pub fn build_replica(
         }
         #[cfg(feature = "cuda")]
         Footprint::FusedCuda => {
+            if let Some(line) = cuda_failed(Some(device))? {
+                eprintln!("{line}");
+                return reference("the fused CUDA code failed its first-use check");
+            }
             let engine = crate::cuda::FusedCuda::new(spec, weights, device, batch, precision)?;
             Ok(Box::new(engine.with_ranks(comm)?))
         }
-        _ if ranks > 1 => crate::user_bail!(
-            "the reference engine trains in one process, not {ranks} ranks; set train.fused = true (the fused engines run on the CPU and on CUDA)"
-        ),
-        _ => {
-            let why = if !options.fused {
-                "train.fused = false"
-            } else {
-                "no fused engine for this device yet"
-            };
-            let engine = ReferenceEngine::new(spec, weights, device, options, why)?;
-            Ok(Box::new(engine))
-        }
+        _ if !options.fused => reference("train.fused = false"),
+        _ => reference("no fused engine for this device yet"),
     }
 }
 

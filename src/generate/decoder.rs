@@ -90,7 +90,7 @@ impl<'m> Decoder<'m> {
                 Backend::Fast(Box::new(decoder))
             }
             #[cfg(feature = "cuda")]
-            DecodeMode::Fast if model.device().is_cuda() => {
+            DecodeMode::Fast if model.device().is_cuda() && cuda_passed(model)? => {
                 let weights = model.params().to_flat()?;
                 let decoder = crate::cuda::CudaDecoder::new(
                     model.spec(),
@@ -272,6 +272,20 @@ impl<'m> Decoder<'m> {
         }
         Ok(())
     }
+}
+
+/// Whether the fused CUDA code passed its first-use check on the model's GPU
+/// (`doctor::cuda_first_use`); where it failed, that is said in one line and candle's
+/// KV-cache path decodes instead.
+#[cfg(feature = "cuda")]
+fn cuda_passed(model: &Gpt) -> Result<bool> {
+    Ok(match crate::doctor::cuda_first_use(Some(model.device()))? {
+        crate::doctor::FirstUse::Passed => true,
+        crate::doctor::FirstUse::Failed(line) => {
+            eprintln!("{line}");
+            false
+        }
+    })
 }
 
 /// How the CUDA decoder draws for these samplers: the same settings for every
