@@ -485,6 +485,16 @@ pub fn cuda_first_use(gpu: Option<&Device>) -> Result<FirstUse> {
     })
 }
 
+/// [`cuda_first_use`] as `engine::FirstUseCheck`: the line to say where it failed. The
+/// binary hands this to `engine::set_first_use_check`.
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+pub fn first_use_check(gpu: Option<&Device>) -> Result<Option<String>> {
+    Ok(match cuda_first_use(gpu)? {
+        FirstUse::Passed => None,
+        FirstUse::Failed(line) => Some(line),
+    })
+}
+
 /// The verdict remembered under `key` in `dir`, or `check`'s (then remembered).
 pub fn first_use_with(
     key: &str,

@@ -589,6 +589,9 @@ fn usage_error(e: clap::Error) -> ExitCode {
 static ALLOCATOR: alloc::CacheLineAligned = alloc::CacheLineAligned;
 
 fn main() -> ExitCode {
+    // The fused CUDA code checks itself before its first run on a GPU.
+    #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+    tinygpt::engine::set_first_use_check(tinygpt::doctor::first_use_check);
     // Like any Unix filter: `tinygpt generate ... | head` ends quietly when the reader
     // goes away, instead of panicking on a closed stdout.
     #[cfg(unix)]

@@ -55,15 +55,9 @@ pub fn build_replica(
 ) -> Result<Box<dyn Engine>> {
     let (batch, precision) = (options.batch, options.precision);
     let ranks = comm.size();
-    // The fused CUDA code's first-use check (`doctor::cuda_first_use`): where it
-    // failed, the reference engine trains instead.
+    // Where the fused CUDA code failed its first-use check, the reference engine trains.
     #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
-    let cuda_failed = |gpu: Option<&Device>| -> Result<Option<String>> {
-        Ok(match crate::doctor::cuda_first_use(gpu)? {
-            crate::doctor::FirstUse::Passed => None,
-            crate::doctor::FirstUse::Failed(line) => Some(line),
-        })
-    };
+    let cuda_failed = first_use_failure;
     let reference = |why: &'static str| -> Result<Box<dyn Engine>> {
         if ranks > 1 {
             crate::user_bail!(
@@ -105,6 +99,27 @@ pub fn build_replica(
         }
         _ if !options.fused => reference("train.fused = false"),
         _ => reference("no fused engine for this device yet"),
+    }
+}
+
+/// A check the fused CUDA code passes before it first runs on a GPU (`None`: under the
+/// emulator): `Some(line)` when it failed, the line to say. The binary sets it
+/// (`doctor::first_use_check`, which builds engines itself, so it cannot be called from
+/// here); unset, everything passes.
+pub type FirstUseCheck = fn(Option<&Device>) -> Result<Option<String>>;
+
+static FIRST_USE: std::sync::OnceLock<FirstUseCheck> = std::sync::OnceLock::new();
+
+/// Sets the check [`first_use_failure`] runs (once; later calls are ignored).
+pub fn set_first_use_check(check: FirstUseCheck) {
+    let _ = FIRST_USE.set(check);
+}
+
+/// The line to say where the fused CUDA code failed its first-use check on `gpu`.
+pub fn first_use_failure(gpu: Option<&Device>) -> Result<Option<String>> {
+    match FIRST_USE.get() {
+        Some(check) => check(gpu),
+        None => Ok(None),
     }
 }
 

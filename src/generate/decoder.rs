@@ -275,17 +275,19 @@ impl<'m> Decoder<'m> {
 }
 
 /// Whether the fused CUDA code passed its first-use check on the model's GPU
-/// (`doctor::cuda_first_use`); where it failed, that is said in one line and candle's
-/// KV-cache path decodes instead.
+/// (`engine::first_use_failure`); where it failed, that is said in one line and
+/// candle's KV-cache path decodes instead.
 #[cfg(feature = "cuda")]
 fn cuda_passed(model: &Gpt) -> Result<bool> {
-    Ok(match crate::doctor::cuda_first_use(Some(model.device()))? {
-        crate::doctor::FirstUse::Passed => true,
-        crate::doctor::FirstUse::Failed(line) => {
-            eprintln!("{line}");
-            false
-        }
-    })
+    Ok(
+        match crate::engine::first_use_failure(Some(model.device()))? {
+            None => true,
+            Some(line) => {
+                eprintln!("{line}");
+                false
+            }
+        },
+    )
 }
 
 /// How the CUDA decoder draws for these samplers: the same settings for every
