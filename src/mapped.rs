@@ -125,8 +125,11 @@ pub fn open_for_decoding(dir: &Path, format: WeightFormat) -> Result<ForDecoding
     })
 }
 
-/// model.safetensors, or the `.next` copy of an unfinished commit, whichever has the
-/// size state.json records (its hash is checked later, in `verify`).
+/// model.safetensors, or the `.next` copy of an unfinished commit, whichever state.json
+/// describes: by size, and where both have its size (the same model always has), by
+/// hash (only after a checkpoint was cut off between its commit and its renames; the
+/// next `train --resume` finishes them). The chosen file's hash is checked later, in
+/// `verify`.
 fn model_file(run: &RunDir, state: &TrainState) -> Result<(PathBuf, FileDigest)> {
     let Some(digest) = state.files.get(MODEL_FILE) else {
         user_bail!(
@@ -134,23 +137,28 @@ fn model_file(run: &RunDir, state: &TrainState) -> Result<(PathBuf, FileDigest)>
             run.file(crate::checkpoint::STATE_FILE).display()
         );
     };
-    let path = run.file(MODEL_FILE);
-    let size = |p: &Path| fs::metadata(p).map(|m| m.len()).ok();
-    match size(&path) {
-        Some(s) if s == digest.size => return Ok((path, digest.clone())),
-        _ if size(&run.next_file(MODEL_FILE)) == Some(digest.size) => {
-            return Ok((run.next_file(MODEL_FILE), digest.clone()))
+    let (path, next) = (run.file(MODEL_FILE), run.next_file(MODEL_FILE));
+    let sized = |p: &Path| fs::metadata(p).is_ok_and(|m| m.len() == digest.size);
+    let chosen = match (sized(&path), sized(&next)) {
+        (true, false) => path,
+        (false, true) => next,
+        (true, true) => {
+            let matches = fs::read(&path).is_ok_and(|b| sha256_hex(&b) == digest.sha256);
+            if matches {
+                path
+            } else {
+                next
+            }
         }
-        None => user_bail!(
-            "{}: not found; the checkpoint is incomplete",
+        (false, false) if !path.exists() => {
+            user_bail!("{}: not found; the checkpoint is incomplete", path.display())
+        }
+        (false, false) => user_bail!(
+            "{} does not match the size/sha256 recorded in state.json: the file is truncated or was changed; restore it or retrain",
             path.display()
         ),
-        Some(_) => {}
-    }
-    user_bail!(
-        "{} does not match the size/sha256 recorded in state.json: the file is truncated or was changed; restore it or retrain",
-        path.display()
-    )
+    };
+    Ok((chosen, digest.clone()))
 }
 
 /// What `.verified` remembers of a file that matched its hash.

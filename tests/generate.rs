@@ -582,3 +582,33 @@ fn scoring_through_the_decoder_matches_the_engine() {
         );
     }
 }
+
+/// A checkpoint cut off between its commit and its renames: state.json describes
+/// model.safetensors.next while model.safetensors is still the old file, of the same
+/// size. Opening it mapped (generate, info) takes the file state.json describes.
+#[test]
+fn a_mapped_checkpoint_cut_off_before_its_renames_opens() {
+    use tinygpt::mapped::open_for_decoding;
+    let dir = tempfile::tempdir().unwrap();
+    let loaded = trained_run(dir.path(), TokenizerKind::Char);
+    let run = dir.path().join("checkpoints/run");
+    let model = run.join("model.safetensors");
+    let bytes = std::fs::read(&model).unwrap();
+    std::fs::rename(&model, run.join("model.safetensors.next")).unwrap();
+    let mut old = bytes.clone();
+    let last = old.len() - 1;
+    old[last] ^= 0x10; // the previous weights: same size, other bytes
+    std::fs::write(&model, &old).unwrap();
+    let mut opened = open_for_decoding(&run, WeightFormat::F32).unwrap();
+    opened.verification.wait().unwrap();
+    let flat = loaded.model.params().to_flat().unwrap();
+    let spec = loaded.model.spec();
+    let prompt = vec![loaded.tokenizer.encode("Speak").unwrap()];
+    let mut mapped = FastDecoder::from_weights(opened.weights.clone(), 1).unwrap();
+    let mut copied = FastDecoder::new(spec, &flat, 1).unwrap();
+    assert_eq!(
+        mapped.prefill(&prompt).unwrap(),
+        copied.prefill(&prompt).unwrap(),
+        "the committed weights"
+    );
+}
