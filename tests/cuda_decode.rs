@@ -464,7 +464,40 @@ fn drawing_on_the_device_follows_the_host_samplers() {
                     .draw(args, &uniforms, &contexts, text_vocab)
                     .unwrap()
                     .to_vec();
-                assert_eq!(got, want, "{what}: step {step}");
+                // The same tokens, or (where the GPU's sums, in another order, move a
+                // draw across a boundary) the token the host picks for a draw within
+                // 1e-5 of this one: reported with the margin, not demanded identical.
+                for b in 0..batch {
+                    if got[b] == want[b] {
+                        continue;
+                    }
+                    let u = uniforms[b];
+                    let row = &logits[b * 29..(b + 1) * 29];
+                    let scale = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    // Greedy: a near tie; sampling: a draw within 1e-5.
+                    let tie = (row[want[b] as usize] - row[got[b] as usize]) <= 1e-4 * scale;
+                    let near = params.is_greedy() && tie
+                        || !params.is_greedy()
+                            && [u - 1e-5, u + 1e-5].into_iter().any(|v| {
+                                let mut row = logits[b * 29..(b + 1) * 29].to_vec();
+                                row[text_vocab..].fill(f32::NEG_INFINITY);
+                                let mut probe = Sampler::new(params.clone(), 0).unwrap();
+                                probe.sample_with(
+                                    &mut row,
+                                    &windows[b],
+                                    Some(v.clamp(0.0, 1.0 - 1e-12)),
+                                ) == got[b]
+                            });
+                    eprintln!(
+                        "{what}: step {step} row {b}: drew {} where the host drew {} (u = {u})",
+                        got[b], want[b]
+                    );
+                    assert!(
+                        near,
+                        "{what}: step {step} row {b}: {} is neither a near tie nor a draw within 1e-5 of u = {u}",
+                        got[b]
+                    );
+                }
                 drawn.extend(got.iter().copied());
                 for (w, &id) in windows.iter_mut().zip(&got) {
                     w.push(id);

@@ -115,6 +115,14 @@ impl Sampler {
     /// Picks the next token. `logits` is modified (penalty and temperature applied);
     /// `context` is the tokens the repetition penalty looks at.
     pub fn sample(&mut self, logits: &mut [f32], context: &[u32]) -> u32 {
+        let u = self.next_uniform(logits.len());
+        self.sample_with(logits, context, u)
+    }
+
+    /// [`Sampler::sample`] with the uniform draw given (`None`: greedy) instead of
+    /// drawn: what this sampler would pick for that draw. Tests use it to tell a token
+    /// the GPU's sums moved across a boundary from a wrong one.
+    pub fn sample_with(&mut self, logits: &mut [f32], context: &[u32], u: Option<f64>) -> u32 {
         let p = &self.params;
         if p.repetition_penalty != 1.0 {
             let penalty = p.repetition_penalty as f32;
@@ -134,7 +142,7 @@ impl Sampler {
                 };
             }
         }
-        let Some(u) = self.next_uniform(logits.len()) else {
+        let Some(u) = u else {
             return argmax(logits);
         };
         let p = &self.params;
