@@ -17,6 +17,7 @@
 #
 # Everything goes into one Markdown file: the doctor table, pass/fail per test binary
 # and sanitizer tool, and the bench as a table (tokens/s and ratios).
+# SANITIZE=0 skips step 3; BENCH="baby gpt2" picks the bench phases (default all four).
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-gpu-check.md}
@@ -63,16 +64,18 @@ for t in "$D"/tests/*.xz; do
   rc=$?
   summary=$(grep -E '^test result' "$log" | tail -1)
   echo "| $n | $([ $rc = 0 ] && echo ok || echo "FAILED (exit $rc)") | ${summary:-see $log} |" >> "$out"
+  cp "$log" "$(dirname "$out")/" 2>/dev/null
 done
 
 sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+[ "${SANITIZE:-1}" = 0 ] && sanitizer=""
 {
   echo
   echo '## compute-sanitizer'
   echo
 } >> "$out"
 if [ -z "$sanitizer" ]; then
-  echo "not on this machine: skipped (install the CUDA toolkit's compute-sanitizer)" >> "$out"
+  echo "skipped (SANITIZE=0, or none on this machine: the CUDA toolkit's compute-sanitizer)" >> "$out"
 else
   echo '| test binary | tool | result |' >> "$out"
   echo '|---|---|---|' >> "$out"
@@ -94,7 +97,8 @@ fi
   echo
 } >> "$out"
 if [ -f "$D/run.sh" ] && [ -f "$D/torch_gpt.py" ]; then
-  bash "$D/run.sh" baby char gpt2 decode > /tmp/tg/bench.log 2>&1
+  # shellcheck disable=SC2086
+  bash "$D/run.sh" ${BENCH:-baby char gpt2 decode} > /tmp/tg/bench.log 2>&1
   python3 - /tmp/tg/bench.log >> "$out" <<'PY'
 import json, re, sys
 rows = {}
@@ -118,6 +122,7 @@ for label, r in rows.items():
 PY
   echo >> "$out"
   echo "(raw lines: /tmp/tg/bench.log)" >> "$out"
+  cp /tmp/tg/bench.log "$(dirname "$out")/bench.log" 2>/dev/null
 else
   echo "no run.sh / torch_gpt.py in .gpu/ (packed only where ../shared/gpu exists): skipped" >> "$out"
 fi

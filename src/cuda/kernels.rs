@@ -1061,11 +1061,23 @@ mod tests {
             );
             let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
             let err = rel_err(&got, &want64);
-            let tol = if place == "emulator" { 0.0 } else { 1e-5 };
-            assert!(err <= tol, "{place}: off by {err:e}");
             let f32_products = Buf::<f32>::zeros(&gpu, rows * p.d_out).unwrap();
             layer(Weights::F32(Precision::F32), &f32_products, x.ptr());
             let exact = f32_products.read(&gpu, rows * p.d_out).unwrap();
+            if place == "emulator" {
+                assert!(err == 0.0, "{place}: off by {err:e}");
+            } else {
+                // CUBLAS_COMPUTE_32F_FAST_16BF allows cuBLAS to round f32 operands to
+                // bf16, it does not promise to (measured on an H200: 3.5e-3 apart): on
+                // hardware both are held to bf16 rounding of the f32 product instead.
+                let exact64: Vec<f64> = exact.iter().map(|&v| v as f64).collect();
+                let bf16_err = rel_err(&got, &exact64);
+                eprintln!("{place}: bf16 in memory vs FAST_16BF {err:e}, vs f32 {bf16_err:e}");
+                assert!(
+                    bf16_err <= 1e-2,
+                    "{place}: bf16 products off f32 by {bf16_err:e}"
+                );
+            }
             assert!(
                 rel_err(&exact, &want64) > 1e-4,
                 "{place}: the operands were not rounded"
