@@ -355,6 +355,26 @@ pub(crate) fn parse_config(bytes: &[u8], path: &str) -> Result<Config> {
     Ok(config)
 }
 
+/// The bytes of a run's config.toml and tokenizer.json, parsed and checked to belong
+/// together; `source` names the run folder in errors.
+pub(crate) fn parse_config_and_tokenizer(
+    config: &[u8],
+    tokenizer: &[u8],
+    source: &str,
+) -> Result<(Config, Tokenizer)> {
+    let config = parse_config(config, &format!("{source}/{CONFIG_FILE}"))?;
+    let tokenizer = parse_tokenizer(tokenizer, &format!("{source}/{TOKENIZER_FILE}"))?;
+    let m = &config.model;
+    if tokenizer.vocab_size() > m.vocab_size {
+        user_bail!(
+            "{source}: the tokenizer has {} tokens but the model only {}; the tokenizer.json belongs to another model",
+            tokenizer.vocab_size(),
+            m.vocab_size
+        );
+    }
+    Ok((config, tokenizer))
+}
+
 pub(crate) fn parse_tokenizer(bytes: &[u8], path: &str) -> Result<Tokenizer> {
     Tokenizer::from_json(bytes)
         .map_err(|e| user_error(format!("{path} is not a valid tokenizer.json ({e:#})")))
@@ -427,16 +447,8 @@ impl Loaded {
         (device, products): (&Device, crate::config::Precision),
         source: &str,
     ) -> Result<(Config, Tokenizer, crate::model::Gpt)> {
-        let config = parse_config(config, &format!("{source}/{CONFIG_FILE}"))?;
-        let tokenizer = parse_tokenizer(tokenizer, &format!("{source}/{TOKENIZER_FILE}"))?;
+        let (config, tokenizer) = parse_config_and_tokenizer(config, tokenizer, source)?;
         let m = &config.model;
-        if tokenizer.vocab_size() > m.vocab_size {
-            user_bail!(
-                "{source}: the tokenizer has {} tokens but the model only {}; the tokenizer.json belongs to another model",
-                tokenizer.vocab_size(),
-                m.vocab_size
-            );
-        }
         let need = 4.0 * crate::model::ModelSpec::new(m).len() as f64;
         if let Some(available) = crate::util::available_memory_bytes() {
             if need > available {

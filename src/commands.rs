@@ -453,11 +453,13 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
     }
     let mb = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0} MiB"));
     println!(
-        "cpu     {} [{}], kernels at {}, {} threads",
-        r.cpu_model.as_deref().unwrap_or("unknown CPU"),
-        r.cpu_features.join(" "),
-        r.cpu_isa.name(),
-        r.threads
+        "cpu     {}",
+        cpu_line(
+            r.cpu_model.as_deref(),
+            &r.cpu_features,
+            r.cpu_isa,
+            r.threads
+        )
     );
     println!(
         "train   {:.1} ms/step ({} {:?}: forward {:.1}, backward {:.1}, optimizer {:.1}), {:.0} tokens/s, {:.2} GFLOP/step, {:.1} GFLOP/s, peak RSS {}{}",
@@ -491,6 +493,21 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
     Ok(())
 }
 
+/// The CPU a bench ran on: model, SIMD features, our kernels' level, threads.
+fn cpu_line(
+    model: Option<&str>,
+    features: &[&str],
+    isa: tinygpt::cpu::isa::Isa,
+    threads: usize,
+) -> String {
+    format!(
+        "{} [{}], kernels at {}, {threads} threads",
+        model.unwrap_or("unknown CPU"),
+        features.join(" "),
+        isa.name()
+    )
+}
+
 /// `bench --checkpoint`: one precision's load, first-token and decode figures.
 fn bench_checkpoint(
     dir: &std::path::Path,
@@ -511,11 +528,13 @@ fn bench_checkpoint(
         return Ok(());
     }
     println!(
-        "cpu     {} [{}], kernels at {}, {} threads",
-        r.cpu_model.as_deref().unwrap_or("unknown CPU"),
-        r.cpu_features.join(" "),
-        r.cpu_isa.name(),
-        r.threads
+        "cpu     {}",
+        cpu_line(
+            r.cpu_model.as_deref(),
+            &r.cpu_features,
+            r.cpu_isa,
+            r.threads
+        )
     );
     println!(
         "load    {:.0} ms ({}), {} weights: {:.0} MiB of {} parameters",

@@ -27,7 +27,7 @@ use anyhow::Result;
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{
-    parse_config, parse_tokenizer, FileDigest, RunDir, TrainState, CONFIG_FILE, MODEL_FILE,
+    parse_config_and_tokenizer, FileDigest, RunDir, TrainState, CONFIG_FILE, MODEL_FILE,
     TOKENIZER_FILE,
 };
 use crate::config::Config;
@@ -78,18 +78,12 @@ pub fn open_for_decoding(dir: &Path, format: WeightFormat) -> Result<ForDecoding
     let run = RunDir::new(dir);
     let state = run.state()?;
     let source = dir.display().to_string();
-    let config = run.read_verified(&state, CONFIG_FILE)?;
-    let config = parse_config(&config, &format!("{source}/{CONFIG_FILE}"))?;
-    let tokenizer = run.read_verified(&state, TOKENIZER_FILE)?;
-    let tokenizer = parse_tokenizer(&tokenizer, &format!("{source}/{TOKENIZER_FILE}"))?;
+    let (config, tokenizer) = parse_config_and_tokenizer(
+        &run.read_verified(&state, CONFIG_FILE)?,
+        &run.read_verified(&state, TOKENIZER_FILE)?,
+        &source,
+    )?;
     let m = &config.model;
-    if tokenizer.vocab_size() > m.vocab_size {
-        user_bail!(
-            "{source}: the tokenizer has {} tokens but the model only {}; the tokenizer.json belongs to another model",
-            tokenizer.vocab_size(),
-            m.vocab_size
-        );
-    }
     let spec = ModelSpec::new(m);
     let (path, digest) = model_file(&run, &state)?;
     let file = fs::File::open(&path)

@@ -32,6 +32,8 @@ pub struct FastDecoder {
     weights: Arc<DecodeWeights>,
     /// Activation rows quantized for the eight-bit products.
     q8_rows: Vec<Q8Row>,
+    /// `next_token_losses`' work space: `GROUP` positions' final norms, their logits.
+    scoring: Option<(Vec<f32>, Vec<f32>, NormStats)>,
 
     batch: usize,
     /// Positions per forward call that the scratch buffers hold (a prefill may need
@@ -96,6 +98,7 @@ impl FastDecoder {
         let cache = || vec![0f32; batch * s.block_size * s.kv_width];
         Ok(Self {
             q8_rows: Vec::new(),
+            scoring: None,
             batch,
             chunk,
             len: 0,
@@ -166,13 +169,17 @@ impl FastDecoder {
     }
 
     fn losses_on_worker(&mut self, window: &[u32], losses: &mut Vec<f64>) -> Result<()> {
-        /// Positions whose logits are held at once (a few MiB for a large vocabulary).
-        const GROUP: usize = 16;
         let s = self.weights.spec.shapes;
         let (c, v, t) = (s.n_embd, s.vocab_size, window.len());
-        let mut normed = vec![0f32; GROUP * c];
-        let mut logits = vec![0f32; GROUP * v];
-        let mut stats = NormStats::new(GROUP);
+        // Kept between windows (scoring a text calls this once a window); taken out
+        // while `forward` borrows the decoder.
+        let (mut normed, mut logits, mut stats) = self.scoring.take().unwrap_or_else(|| {
+            (
+                vec![0f32; GROUP * c],
+                vec![0f32; GROUP * v],
+                NormStats::new(GROUP),
+            )
+        });
         self.len = 0;
         for start in (0..t).step_by(self.chunk) {
             let len = self.chunk.min(t - start);
@@ -196,6 +203,7 @@ impl FastDecoder {
                 }
             }
         }
+        self.scoring = Some((normed, logits, stats));
         Ok(())
     }
 
@@ -345,6 +353,10 @@ multiversion! {
         }
     }
 }
+
+/// Positions whose logits `next_token_losses` holds at once (a few MiB for a large
+/// vocabulary).
+const GROUP: usize = 16;
 
 /// -ln softmax(logits)[target], the log-sum-exp taken in f64.
 fn cross_entropy(logits: &[f32], target: usize) -> f64 {

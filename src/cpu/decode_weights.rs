@@ -28,7 +28,7 @@ use super::ops::norm::NormWeights;
 use super::ops::rope::Rope;
 use super::q8::{Q8Matrix, Q8Row};
 use super::threads::threads;
-use super::weight_rows::{project_rows, splits, Bf16, Widen};
+use super::weight_rows::{by_output_shares, project_rows, splits, Bf16, Widen};
 use crate::config::PositionKind;
 use crate::model::position::sinusoidal_table;
 use crate::model::spec::{LinearParams, ModelSpec, NormParams, ParamId};
@@ -399,24 +399,10 @@ fn project_q8(
             });
         return;
     }
-    // Several rows: each share of the outputs for every row, into its own buffer (the
-    // rows' outputs for a share are not contiguous in `out`), then put in place.
-    let parts: Vec<(usize, Vec<f32>)> = (0..d_out.div_ceil(share))
-        .into_par_iter()
-        .map(|i| {
-            let (first, len) = (i * share, share.min(d_out - i * share));
-            let bias = bias.map(|b| &b[first..first + len]);
-            let mut part = vec![0f32; n * len];
-            w.matmat(first, len, rows, bias, &mut part);
-            (first, part)
-        })
-        .collect();
-    for (first, part) in parts {
-        let len = part.len() / n;
-        for (r, values) in part.chunks_exact(len).enumerate() {
-            out[r * d_out + first..r * d_out + first + len].copy_from_slice(values);
-        }
-    }
+    // Several rows: each share of the outputs for every row.
+    by_output_shares(d_out, n, share, out, |first, len, part| {
+        w.matmat(first, len, rows, bias.map(|b| &b[first..first + len]), part);
+    });
 }
 
 /// A norm's gain and bias (always f32: they are C values each).

@@ -257,15 +257,28 @@ pub fn project_rows<W: RowProduct>(
         });
         return;
     }
-    // Several rows: a share's outputs are strided in `out`; each thread fills its own
-    // (rows, share) part, then the parts are put in place.
+    by_output_shares(d_out, rows, share, out, |first, len, part| {
+        let w = &w[first * d_in..(first + len) * d_in];
+        W::rows_kernel(w, bias.map(|b| &b[first..first + len]), x, d_in, part);
+    });
+}
+
+/// out (rows, d_out) filled by `fill(first, len, part)` for shares of `share` outputs,
+/// in parallel: a share's outputs are strided in `out`, so each thread fills its own
+/// (rows, len) part, and the parts are put in place after.
+pub fn by_output_shares(
+    d_out: usize,
+    rows: usize,
+    share: usize,
+    out: &mut [f32],
+    fill: impl Fn(usize, usize, &mut [f32]) + Sync,
+) {
     let parts: Vec<(usize, Vec<f32>)> = (0..d_out.div_ceil(share))
         .into_par_iter()
         .map(|i| {
             let (first, len) = (i * share, share.min(d_out - i * share));
-            let w = &w[first * d_in..(first + len) * d_in];
             let mut part = vec![0f32; rows * len];
-            W::rows_kernel(w, bias.map(|b| &b[first..first + len]), x, d_in, &mut part);
+            fill(first, len, &mut part);
             (first, part)
         })
         .collect();
