@@ -20,7 +20,7 @@ use tinygpt::user_bail;
 
 use crate::{
     AttentionArgs, BenchArgs, CacheAction, CacheArgs, CheckpointArgs, CompareArgs, DoctorArgs,
-    EvalArgs, ExportArgs, GenerateArgs, ImportArgs, InfoArgs, PlotArgs, SweepArgs,
+    EvalArgs, ExportArgs, GenerateArgs, ImportArgs, InfoArgs, PlotArgs, ServeArgs, SweepArgs,
 };
 
 fn load(args: &CheckpointArgs) -> Result<Loaded> {
@@ -881,4 +881,26 @@ pub fn doctor(args: DoctorArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+pub fn serve(args: ServeArgs, stop: tinygpt::util::Stop) -> Result<()> {
+    let format = parse_weight_format("--dtype", &args.dtype)?;
+    tinygpt::serve::serve(
+        tinygpt::serve::ServeOptions {
+            checkpoint: args.checkpoint,
+            host: args.host,
+            port: args.port,
+            parallel: args.parallel,
+            max_queue: args.max_queue,
+            max_tokens: args.max_tokens,
+            api_key: args.api_key.filter(|k| !k.is_empty()),
+            cors: args.cors,
+            runs: args.runs,
+            format,
+            max_body_bytes: args.max_body_bytes,
+            idle_timeout: args.idle_timeout,
+            max_connections: args.max_connections,
+        },
+        stop,
+    )
 }

@@ -29,6 +29,7 @@ pub mod optim;
 pub mod parallel;
 pub mod plot;
 pub mod progress;
+pub mod serve;
 pub mod sweep;
 
 pub mod tokenizer;

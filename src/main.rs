@@ -61,6 +61,12 @@ enum Command {
     /// window slides to its last half and is prefilled again, for every position kind
     /// (learned, RoPE, sinusoidal: none is asked about positions it was not trained on).
     Generate(GenerateArgs),
+    /// Serve a checkpoint over OpenAI's HTTP API (completions, chat, streaming), with a
+    /// web page: a playground, and a dashboard of training runs (--runs).
+    ///
+    /// Requests decode together (continuous batching): --parallel sequences at once,
+    /// the rest queued; a full queue answers 503.
+    Serve(ServeArgs),
     /// Score a text file: mean next-token loss, perplexity, bits per byte.
     Eval(EvalArgs),
     /// Show a checkpoint's config, size, step and losses.
@@ -314,6 +320,48 @@ struct GenerateArgs {
 }
 
 #[derive(Args)]
+struct ServeArgs {
+    /// The run folder (or imported model folder) to serve.
+    #[arg(long, short)]
+    checkpoint: PathBuf,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Sequences decoded at once (each choice of a request is one); the rest wait.
+    #[arg(long, default_value_t = 8)]
+    parallel: usize,
+    /// Requests that may wait for a slot; beyond them the server answers 503.
+    #[arg(long, default_value_t = 256)]
+    max_queue: usize,
+    /// The most tokens a request may ask for (max_tokens).
+    #[arg(long, default_value_t = 4096)]
+    max_tokens: usize,
+    /// Require `Authorization: Bearer KEY` on every route but /health and the page's
+    /// files (the page asks for the key).
+    #[arg(long, env = "TINYGPT_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Allow browsers on this origin (e.g. http://localhost:3000) to call the API.
+    #[arg(long, value_name = "ORIGIN")]
+    cors: Option<String>,
+    /// A folder of run folders (checkpoints/) to chart on the page, live.
+    #[arg(long, value_name = "DIR")]
+    runs: Option<PathBuf>,
+    /// The decoder's weights: f32, bf16 or int8 (as generate --dtype).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Largest request body, in bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    max_body_bytes: usize,
+    /// Seconds a connection may stay open without sending a request.
+    #[arg(long, default_value_t = 30)]
+    idle_timeout: u64,
+    /// Connections open at once; more are closed on arrival.
+    #[arg(long, default_value_t = 512)]
+    max_connections: usize,
+}
+
+#[derive(Args)]
 struct EvalArgs {
     #[command(flatten)]
     ckpt: CheckpointArgs,
@@ -390,6 +438,7 @@ fn run(cli: Cli, world: &World) -> anyhow::Result<()> {
         Command::Train(_)
             | Command::Sweep(_)
             | Command::Generate(_)
+            | Command::Serve(_)
             | Command::Eval(_)
             | Command::Bench(_)
     );
@@ -408,6 +457,7 @@ fn run(cli: Cli, world: &World) -> anyhow::Result<()> {
         }
         Command::Compare(args) => commands::compare(args),
         Command::Generate(args) => commands::generate(args, stop),
+        Command::Serve(args) => commands::serve(args, stop),
         Command::Eval(args) => commands::eval(args, stop),
         Command::Info(args) => commands::info(args),
         Command::Bench(args) => commands::bench(args, stop),

@@ -43,6 +43,17 @@ pub struct FastDecoder {
     keys: Vec<Vec<f32>>,   // per layer: (batch, block, H_kv * d)
     values: Vec<Vec<f32>>, // per layer: (batch, block, H_kv * d)
     scratch: Scratch,
+    /// The rows of the pass being run: where each goes, which give logits.
+    places: Vec<Place>,
+    outputs: Vec<usize>,
+}
+
+/// Where one row of a forward pass belongs: its sequence (a slot of the K/V buffers)
+/// and its position in that sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Place {
+    pub seq: usize,
+    pub pos: usize,
 }
 
 /// Work space for `chunk` positions of every sequence.
@@ -56,9 +67,11 @@ struct Scratch {
     fc: Vec<f32>,
     act: Vec<f32>,
     scores: Vec<f32>,
-    /// The final norm's output at each sequence's last position.
+    /// The final norm's output at each row that gives logits.
     last: Vec<f32>,
     logits: Vec<f32>,
+    /// Rows a pass can hold.
+    rows: usize,
 }
 
 impl FastDecoder {
@@ -105,6 +118,8 @@ impl FastDecoder {
             keys: (0..s.n_layer).map(|_| cache()).collect(),
             values: (0..s.n_layer).map(|_| cache()).collect(),
             scratch: Scratch::new(&s, batch, batch * chunk),
+            places: Vec::with_capacity(batch * chunk),
+            outputs: Vec::with_capacity(batch),
             weights,
         })
     }
@@ -119,6 +134,11 @@ impl FastDecoder {
 
     pub fn batch(&self) -> usize {
         self.batch
+    }
+
+    /// Rows one [`FastDecoder::run_rows`] pass can take.
+    pub fn rows_per_pass(&self) -> usize {
+        self.scratch.rows
     }
 
     /// Positions held in the K/V buffers.
@@ -219,32 +239,93 @@ impl FastDecoder {
         Ok(&self.scratch.logits)
     }
 
+    /// Runs rows of any sequences at their own positions in one pass (a server's batch:
+    /// some sequences taking their next token, others a piece of their prompt), storing
+    /// each row's keys and values at its place. A sequence's rows come in order of
+    /// position, and the positions before a sequence's first row here are already in
+    /// its buffers (from earlier passes): each row attends over positions 0 ..= its own.
+    /// Returns the logits of the rows `outputs` names, (outputs.len(), V). The
+    /// equal-length [`FastDecoder::prefill`] / [`FastDecoder::step`] API keeps its own
+    /// count of positions; this one leaves the positions to the caller.
+    pub fn run_rows(&mut self, ids: &[u32], places: &[Place], outputs: &[usize]) -> Result<&[f32]> {
+        let s = self.weights.spec.shapes;
+        let rows = ids.len();
+        if rows != places.len() || rows == 0 || rows > self.scratch.rows {
+            anyhow::bail!(
+                "{rows} rows for {} places: a pass runs 1 to {} rows",
+                places.len(),
+                self.scratch.rows
+            );
+        }
+        if let Some(p) = places
+            .iter()
+            .find(|p| p.seq >= self.batch || p.pos >= s.block_size)
+        {
+            anyhow::bail!(
+                "row at sequence {} position {} is outside the {} sequences of {} positions",
+                p.seq,
+                p.pos,
+                self.batch,
+                s.block_size
+            );
+        }
+        if outputs.len() > self.batch || outputs.iter().any(|&r| r >= rows) {
+            anyhow::bail!("logits are asked of rows {outputs:?} of a {rows}-row pass (at most {} rows)", self.batch);
+        }
+        self.places.clear();
+        self.places.extend_from_slice(places);
+        self.outputs.clear();
+        self.outputs.extend_from_slice(outputs);
+        if rows > 1 || self.weights.splits_products {
+            on_workers(|| self.forward_places(ids).map(|_| ()))?;
+        } else {
+            self.forward_places(ids)?;
+        }
+        Ok(&self.scratch.logits[..outputs.len() * s.vocab_size])
+    }
+
     /// Runs `t` new tokens per sequence (`ids` is (batch, t) row-major) at positions
     /// len .. len + t, appending their keys and values.
     fn forward(&mut self, ids: &[u32], t: usize) -> Result<&[f32]> {
         assert_eq!(ids.len(), self.batch * t);
         assert!(t <= self.chunk, "prefill chunks fit the scratch buffers");
-        let weights = &*self.weights;
-        let s = weights.spec.shapes;
+        let block_size = self.weights.spec.shapes.block_size;
         let pos0 = self.len;
-        if t == 0 || pos0 + t > s.block_size {
+        if t == 0 || pos0 + t > block_size {
             anyhow::bail!(
-                "{} positions do not fit the K/V buffers of {}: slide the window",
+                "{} positions do not fit the K/V buffers of {block_size}: slide the window",
                 pos0 + t,
-                s.block_size
             );
         }
+        let at = Positions { t, first: pos0 };
+        self.places.clear();
+        self.places.extend((0..ids.len()).map(|r| Place {
+            seq: r / t,
+            pos: at.of(r),
+        }));
+        // Only each sequence's last position needs logits.
+        self.outputs.clear();
+        self.outputs.extend((0..self.batch).map(|b| b * t + t - 1));
+        self.forward_places(ids)?;
+        self.len += t;
+        Ok(&self.scratch.logits)
+    }
+
+    /// One pass over the rows `self.places` describes; logits for `self.outputs`.
+    fn forward_places(&mut self, ids: &[u32]) -> Result<()> {
+        let weights = &*self.weights;
+        let s = weights.spec.shapes;
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= s.vocab_size) {
             anyhow::bail!(
                 "token id {id} is outside the vocabulary of {}",
                 s.vocab_size
             );
         }
-        let (rows, c) = (self.batch * t, s.n_embd);
-        let at = Positions { t, first: pos0 };
+        let (rows, c) = (ids.len(), s.n_embd);
+        let places = &self.places;
         let sc = &mut self.scratch;
         let q8_rows = &mut self.q8_rows;
-        weights.embed(&mut sc.x[..rows * c], ids, |r| at.of(r));
+        weights.embed(&mut sc.x[..rows * c], ids, |r| places[r].pos);
 
         for (l, w) in weights.layers.iter().enumerate() {
             // Attention: q, k, v for every row; positions turned in; keys and values
@@ -254,20 +335,22 @@ impl FastDecoder {
             let qkv = &mut sc.qkv[..rows * s.qkv_width];
             w.attn_qkv.project(xn, qkv, q8_rows);
             if let Some(rope) = &weights.rope {
-                rope.rotate(qkv, &s, at, Turn::Forward);
+                rope.rotate_rows(qkv, &s, |r| places[r].pos, Turn::Forward);
             }
             let (keys, values) = (&mut self.keys[l], &mut self.values[l]);
-            store_keys_and_values((keys, values), qkv, &s, at);
+            store_keys_and_values((keys, values), qkv, &s, places);
             let cache = (keys.as_slice(), values.as_slice());
             let att = &mut sc.att[..rows * c];
             if rows == 1 {
-                attend(&s, &qkv[..c], cache, (0, pos0), att, &mut sc.scores);
+                let at = (places[0].seq, places[0].pos);
+                attend(&s, &qkv[..c], cache, at, att, &mut sc.scores);
             } else {
                 att.par_chunks_mut(c).enumerate().for_each_init(
                     || vec![0f32; s.block_size],
                     |scores, (r, out)| {
                         let q = &qkv[r * s.qkv_width..r * s.qkv_width + c];
-                        attend(&s, q, cache, (r / t, at.of(r)), out, scores)
+                        let at = (places[r].seq, places[r].pos);
+                        attend(&s, q, cache, at, out, scores)
                     },
                 );
             }
@@ -285,16 +368,17 @@ impl FastDecoder {
             residual_in_place(x, proj);
         }
 
-        // Only each sequence's last position needs logits.
+        // Only the rows asked for need logits.
         let ln_f = weights.norm(&weights.ln_f);
-        for b in 0..self.batch {
-            let r = b * t + t - 1;
-            let last = &mut sc.last[b * c..(b + 1) * c];
+        let n = self.outputs.len();
+        for (i, &r) in self.outputs.iter().enumerate() {
+            let last = &mut sc.last[i * c..(i + 1) * c];
             ln_f.forward(last, &mut sc.stats, &sc.x[r * c..(r + 1) * c]);
         }
-        weights.tokens.project(&sc.last, &mut sc.logits, q8_rows);
-        self.len += t;
-        Ok(&self.scratch.logits)
+        weights
+            .tokens
+            .project(&sc.last[..n * c], &mut sc.logits, q8_rows);
+        Ok(())
     }
 }
 
@@ -313,16 +397,17 @@ impl Scratch {
             scores: vec![0.0; s.block_size],
             last: vec![0.0; batch * c],
             logits: vec![0.0; batch * s.vocab_size],
+            rows,
         }
     }
 }
 
-/// Copies each row's key and value heads (rows are sequences of `at.t` positions) into
-/// its sequence's slot of `keys` and `values` (batch, block, kv width) at its position.
-fn store_keys_and_values(cache: (&mut [f32], &mut [f32]), qkv: &[f32], s: &Shapes, at: Positions) {
+/// Copies each row's key and value heads into its sequence's slot of `keys` and
+/// `values` (batch, block, kv width) at its position.
+fn store_keys_and_values(cache: (&mut [f32], &mut [f32]), qkv: &[f32], s: &Shapes, places: &[Place]) {
     let (c, kv) = (s.n_embd, s.kv_width);
-    for (r, row) in qkv.chunks_exact(s.qkv_width).enumerate() {
-        let slot = ((r / at.t) * s.block_size + at.of(r)) * kv;
+    for (row, at) in qkv.chunks_exact(s.qkv_width).zip(places) {
+        let slot = (at.seq * s.block_size + at.pos) * kv;
         cache.0[slot..slot + kv].copy_from_slice(&row[c..c + kv]);
         cache.1[slot..slot + kv].copy_from_slice(&row[c + kv..]);
     }

@@ -22,6 +22,6 @@ pub mod q8;
 pub mod threads;
 pub mod weight_rows;
 
-pub use decode::FastDecoder;
+pub use decode::{FastDecoder, Place};
 pub use decode_weights::{DecodeWeights, WeightFormat};
 pub use engine::FusedCpu;

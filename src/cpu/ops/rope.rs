@@ -29,6 +29,18 @@ impl Rope {
     /// Rotates the query and key heads of every qkv row in place, each by the angles of
     /// its row's position.
     pub fn rotate(&self, qkv: &mut [f32], s: &Shapes, at: Positions, turn: Turn) {
+        self.rotate_rows(qkv, s, |r| at.of(r), turn);
+    }
+
+    /// [`Rope::rotate`] with each row's position given by `position(row)` (rows of
+    /// different sequences at different positions, as a server's batch holds them).
+    pub fn rotate_rows(
+        &self,
+        qkv: &mut [f32],
+        s: &Shapes,
+        position: impl Fn(usize) -> usize,
+        turn: Turn,
+    ) {
         let (d, half) = (s.head_dim, s.head_dim / 2);
         let rotated = s.n_embd + s.kv_width; // q heads, then k heads
         let sign = match turn {
@@ -36,7 +48,7 @@ impl Rope {
             Turn::Back => -1.0,
         };
         for (r, row) in qkv.chunks_exact_mut(s.qkv_width).enumerate() {
-            let p = at.of(r);
+            let p = position(r);
             let cos = &self.cos[p * half..(p + 1) * half];
             let sin = &self.sin[p * half..(p + 1) * half];
             for head in row[..rotated].chunks_exact_mut(d) {

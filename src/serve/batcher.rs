@@ -1,0 +1,564 @@
+//! Continuous batching: one thread owns the model and decodes every request's
+//! sequences together, one pass per token.
+//!
+//! A request brings a prompt and one sampler per choice (`n`); each choice is a
+//! sequence in a slot of the decoder's K/V buffers. Each pass runs, for every sequence,
+//! the tokens it has not run yet: one for a sequence that is generating (the token it
+//! drew last pass), a piece of its prompt for one that joined. Sequences join when
+//! slots are free and leave when they finish, when their client goes away, or when the
+//! server stops, all at token boundaries: nobody waits for the batch to drain.
+//!
+//! A joining prompt is run in pieces while others generate (chunked prefill): beside
+//! `g` generating sequences a pass takes at most `max(g, PREFILL_ROWS)` prompt
+//! positions, so a long prompt slows the others' next token by about one pass, not by
+//! its whole length. With nobody generating, a prompt runs whole, as `generate` runs it.
+//!
+//! Every sequence draws from its own seeded sampler over its own window, and the
+//! window slides as `generate::Decoder`'s does (the last half kept and run again), so
+//! a request decoded alone gives `tinygpt generate`'s text for the same seed.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use rayon::prelude::*;
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::metrics::Metrics;
+use crate::cpu::{FastDecoder, Place};
+use crate::generate::sample::Sampler;
+use crate::generate::StopFilter;
+use crate::tokenizer::{TextStream, Tokenizer};
+use crate::util::Stop;
+
+/// Prompt positions a pass takes beside the generating sequences' tokens (more when
+/// more sequences generate: a pass then costs at most about two plain passes).
+const PREFILL_ROWS: usize = 32;
+
+/// One request, as the HTTP side hands it over: validated, tokenized.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    /// One per choice; choice i draws with `samplers[i]`.
+    pub samplers: Vec<Sampler>,
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    /// How many most likely tokens to report beside each drawn one (`logprobs`).
+    pub logprobs: Option<usize>,
+    pub events: UnboundedSender<Event>,
+}
+
+/// What a request hears back, choice by choice, as it decodes.
+#[derive(Debug)]
+pub enum Event {
+    /// Text to show (never part of a stop string, never half a character), with the
+    /// tokens it came from when logprobs were asked for.
+    Text {
+        choice: usize,
+        text: String,
+        tokens: Vec<TokenLogprob>,
+    },
+    /// The choice is finished.
+    Done {
+        choice: usize,
+        finish: Finish,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+    /// The request cannot go on (it had already begun, or the server is stopping).
+    Failed { status: u16, message: String },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// A stop string or the end-of-text token.
+    Stop,
+    /// max_tokens reached, or the server stopping cut it short.
+    Length,
+}
+
+impl Finish {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        }
+    }
+}
+
+/// A drawn token's log-probability under the model (before temperature and
+/// truncation), and the most likely alternatives'.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub top: Vec<(String, f32)>,
+}
+
+/// What a decoder must do for the batcher: run rows of sequences at their own positions
+/// (`FastDecoder::run_rows`).
+pub trait RowModel {
+    /// Sequences it holds at once.
+    fn slots(&self) -> usize;
+    /// Rows one pass can take.
+    fn max_rows(&self) -> usize;
+    fn block_size(&self) -> usize;
+    fn vocab_size(&self) -> usize;
+    /// Logits of the rows `outputs` names, (outputs.len(), V).
+    fn run(&mut self, ids: &[u32], places: &[Place], outputs: &[usize]) -> Result<&[f32]>;
+}
+
+impl RowModel for FastDecoder {
+    fn slots(&self) -> usize {
+        self.batch()
+    }
+    fn max_rows(&self) -> usize {
+        self.rows_per_pass()
+    }
+    fn block_size(&self) -> usize {
+        self.spec().config.block_size
+    }
+    fn vocab_size(&self) -> usize {
+        self.spec().config.vocab_size
+    }
+    fn run(&mut self, ids: &[u32], places: &[Place], outputs: &[usize]) -> Result<&[f32]> {
+        self.run_rows(ids, places, outputs)
+    }
+}
+
+/// A request being decoded.
+struct Active {
+    job: Job,
+    /// Choices not finished yet.
+    running: usize,
+}
+
+/// One choice of one request, in its slot.
+struct Sequence<'t> {
+    request: usize,
+    choice: usize,
+    sampler: Sampler,
+    logprobs: Option<usize>,
+    max_tokens: usize,
+    /// The tokens the next logits are conditioned on; the first `cached` are in the
+    /// slot's K/V buffers, the rest run in the next pass.
+    window: Vec<u32>,
+    cached: usize,
+    stream: TextStream<'t>,
+    stops: StopFilter,
+    generated: usize,
+    /// Drawn tokens' log-probabilities not yet sent with text.
+    unsent: Vec<TokenLogprob>,
+}
+
+/// The decoding loop: runs until `stop` is asked (or every sender is gone), then ends
+/// every request (running ones cut with finish "length", queued ones told the server
+/// is stopping) and returns.
+pub fn run(
+    model: &mut dyn RowModel,
+    tokenizer: &Tokenizer,
+    jobs: Receiver<Job>,
+    metrics: &Metrics,
+    stop: &Stop,
+) {
+    let mut batcher = Batcher::new(model, tokenizer, metrics);
+    let mut queue: VecDeque<Job> = VecDeque::new();
+    loop {
+        // Idle: wait for work, waking now and then to see a stop.
+        if batcher.is_idle() && queue.is_empty() {
+            match jobs.recv_timeout(Duration::from_millis(50)) {
+                Ok(job) => queue.push_back(job),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        }
+        queue.extend(jobs.try_iter());
+        if stop.signal().is_some() {
+            batcher.cut_all();
+            for job in queue.drain(..) {
+                metrics.queued.fetch_sub(1, Ordering::Relaxed);
+                let _ = job.events.send(Event::Failed {
+                    status: 503,
+                    message: "the server is stopping".into(),
+                });
+            }
+            return;
+        }
+        // Clients that went away free their place in the queue, or their slots.
+        queue.retain(|job| {
+            let gone = job.events.is_closed();
+            if gone {
+                metrics.queued.fetch_sub(1, Ordering::Relaxed);
+                metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+            }
+            !gone
+        });
+        batcher.drop_abandoned();
+        // First come, first served: a request waits for slots for all its choices.
+        while queue
+            .front()
+            .is_some_and(|job| job.samplers.len() <= batcher.free_slots())
+        {
+            let job = queue.pop_front().expect("a front");
+            metrics.queued.fetch_sub(1, Ordering::Relaxed);
+            batcher.admit(job);
+        }
+        if batcher.is_idle() {
+            continue;
+        }
+        if let Err(e) = batcher.pass() {
+            // A failed pass leaves the K/V buffers unknown: end everything running.
+            batcher.fail_all(&format!("decoding failed: {e:#}"));
+        }
+    }
+}
+
+struct Batcher<'m, 't> {
+    model: &'m mut dyn RowModel,
+    tokenizer: &'t Tokenizer,
+    metrics: &'m Metrics,
+    /// Requests by id (a slab: finished ones leave `None`).
+    requests: Vec<Option<Active>>,
+    /// Sequences by slot.
+    slots: Vec<Option<Sequence<'t>>>,
+    text_vocab: usize,
+    end_of_text: Option<u32>,
+    // A pass's rows, kept between passes.
+    ids: Vec<u32>,
+    places: Vec<Place>,
+    outputs: Vec<usize>,
+    /// The slot each output row's logits belong to (ascending).
+    output_slots: Vec<usize>,
+    scratch: Vec<f32>,
+    chosen: Vec<(u32, Option<TokenLogprob>)>,
+}
+
+impl<'m, 't> Batcher<'m, 't> {
+    fn new(model: &'m mut dyn RowModel, tokenizer: &'t Tokenizer, metrics: &'m Metrics) -> Self {
+        let slots = model.slots();
+        let text_vocab = tokenizer.vocab_size().min(model.vocab_size());
+        Self {
+            model,
+            tokenizer,
+            metrics,
+            requests: Vec::new(),
+            slots: (0..slots).map(|_| None).collect(),
+            text_vocab,
+            end_of_text: tokenizer.end_of_text(),
+            ids: Vec::new(),
+            places: Vec::new(),
+            outputs: Vec::new(),
+            output_slots: Vec::new(),
+            scratch: Vec::new(),
+            chosen: Vec::new(),
+        }
+    }
+
+    fn is_idle(&self) -> bool {
+        self.slots.iter().all(Option::is_none)
+    }
+
+    fn free_slots(&self) -> usize {
+        self.slots.iter().filter(|s| s.is_none()).count()
+    }
+
+    fn admit(&mut self, mut job: Job) {
+        let id = match self.requests.iter().position(Option::is_none) {
+            Some(free) => free,
+            None => {
+                self.requests.push(None);
+                self.requests.len() - 1
+            }
+        };
+        let samplers = std::mem::take(&mut job.samplers);
+        let running = samplers.len();
+        let free: Vec<usize> = (0..self.slots.len())
+            .filter(|&s| self.slots[s].is_none())
+            .take(running)
+            .collect();
+        for (choice, (sampler, slot)) in samplers.into_iter().zip(free).enumerate() {
+            self.slots[slot] = Some(Sequence {
+                request: id,
+                choice,
+                sampler,
+                logprobs: job.logprobs,
+                max_tokens: job.max_tokens,
+                window: job.prompt.clone(),
+                cached: 0,
+                stream: self.tokenizer.text_stream(),
+                stops: StopFilter::new(job.stop.clone()),
+                generated: 0,
+                unsent: Vec::new(),
+            });
+        }
+        self.metrics.running.fetch_add(1, Ordering::Relaxed);
+        self.metrics
+            .prompt_tokens
+            .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+        self.requests[id] = Some(Active { job, running });
+    }
+
+    /// One pass: every sequence's pending tokens (prompts in pieces, within the
+    /// budget), then a token drawn for each sequence whose last pending token ran.
+    fn pass(&mut self) -> Result<()> {
+        let started = Instant::now();
+        self.ids.clear();
+        self.places.clear();
+        self.outputs.clear();
+        self.output_slots.clear();
+        let generating = self
+            .slots
+            .iter()
+            .flatten()
+            .filter(|s| s.window.len() - s.cached == 1)
+            .count();
+        let max_rows = self.model.max_rows();
+        let mut prompt_budget = match generating {
+            0 => max_rows,
+            g => g.max(PREFILL_ROWS).min(max_rows - g),
+        };
+        for (slot, seq) in self.slots.iter().enumerate() {
+            let Some(seq) = seq else { continue };
+            let pending = seq.window.len() - seq.cached;
+            let take = match pending {
+                1 => 1,
+                _ => {
+                    let take = pending.min(prompt_budget);
+                    prompt_budget -= take;
+                    take
+                }
+            };
+            for pos in seq.cached..seq.cached + take {
+                self.ids.push(seq.window[pos]);
+                self.places.push(Place { seq: slot, pos });
+            }
+            if take > 0 && take == pending {
+                self.outputs.push(self.ids.len() - 1);
+                self.output_slots.push(slot);
+            }
+        }
+        let logits = self.model.run(&self.ids, &self.places, &self.outputs)?;
+        for place in &self.places {
+            if let Some(seq) = &mut self.slots[place.seq] {
+                seq.cached = seq.cached.max(place.pos + 1);
+            }
+        }
+        if self.outputs.is_empty() {
+            return Ok(()); // prompt pieces only
+        }
+        let vocab = logits.len() / self.outputs.len();
+
+        // Draw: each sequence with its own sampler, so threads cannot change a draw.
+        self.scratch.clear();
+        self.scratch.extend_from_slice(logits);
+        let (text_vocab, tokenizer) = (self.text_vocab, self.tokenizer);
+        let mut wanted = self.output_slots.iter().peekable();
+        let drawing: Vec<&mut Sequence> = self
+            .slots
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(slot, seq)| {
+                let hit = wanted.next_if_eq(&&slot).is_some();
+                seq.as_mut().filter(|_| hit)
+            })
+            .collect();
+        self.chosen.clear();
+        self.chosen.resize(drawing.len(), (0, None));
+        drawing
+            .into_par_iter()
+            .zip(self.scratch.par_chunks_mut(vocab))
+            .zip(self.chosen.par_iter_mut())
+            .for_each(|((seq, row), chosen)| {
+                row[text_vocab..].fill(f32::NEG_INFINITY);
+                // Log-probabilities are the model's own, before the sampler's changes.
+                let scores = seq.logprobs.map(|k| LogSoftmax::of(row, k));
+                let id = seq.sampler.sample(row, &seq.window);
+                *chosen = (id, scores.map(|s| s.report(id, tokenizer)));
+            });
+
+        let chosen = std::mem::take(&mut self.chosen);
+        let slots = std::mem::take(&mut self.output_slots);
+        for (&slot, (id, logprob)) in slots.iter().zip(&chosen) {
+            if let Err(e) = self.take_token(slot, *id, logprob.clone()) {
+                let request = self.slots[slot].as_ref().map(|s| s.request);
+                if let Some(request) = request {
+                    self.fail_request(request, 500, &format!("{e:#}"));
+                }
+            }
+        }
+        self.chosen = chosen;
+        self.output_slots = slots;
+        self.metrics.record_pass(self.ids.len(), started.elapsed());
+        Ok(())
+    }
+
+    /// A drawn token: ends the choice (end of text, a stop string, max_tokens) or
+    /// becomes its next pending row, and its text goes out.
+    fn take_token(&mut self, slot: usize, id: u32, logprob: Option<TokenLogprob>) -> Result<()> {
+        let block = self.model.block_size();
+        let seq = self.slots[slot].as_mut().expect("a drawing sequence");
+        if Some(id) == self.end_of_text {
+            self.finish(slot, Finish::Stop);
+            return Ok(());
+        }
+        seq.generated += 1;
+        self.metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);
+        // A full window slides as `generate::Decoder`'s: its last half runs again.
+        if seq.window.len() == block {
+            seq.window.drain(..block - block / 2);
+            seq.cached = 0;
+        }
+        seq.window.push(id);
+        seq.unsent.extend(logprob);
+        if let Some(piece) = seq.stream.push(id)? {
+            let shown = seq.stops.push(&piece);
+            if !shown.is_empty() {
+                let tokens = std::mem::take(&mut seq.unsent);
+                let events = &self.requests[seq.request].as_ref().expect("its request").job.events;
+                let _ = events.send(Event::Text {
+                    choice: seq.choice,
+                    text: shown,
+                    tokens,
+                });
+            }
+            if seq.stops.stopped() {
+                self.finish(slot, Finish::Stop);
+                return Ok(());
+            }
+        }
+        if seq.generated == seq.max_tokens {
+            self.finish(slot, Finish::Length);
+        }
+        Ok(())
+    }
+
+    /// Ends the choice in `slot`: what its filters held back goes out, then `Done`.
+    fn finish(&mut self, slot: usize, finish: Finish) {
+        let Some(mut seq) = self.slots[slot].take() else {
+            return;
+        };
+        let mut text = String::new();
+        if let Some(tail) = seq.stream.finish() {
+            text.push_str(&seq.stops.push(&tail));
+        }
+        text.push_str(&seq.stops.finish());
+        let request = self.requests[seq.request].as_mut().expect("its request");
+        let events = &request.job.events;
+        if !text.is_empty() || !seq.unsent.is_empty() {
+            let _ = events.send(Event::Text {
+                choice: seq.choice,
+                text,
+                tokens: std::mem::take(&mut seq.unsent),
+            });
+        }
+        let _ = events.send(Event::Done {
+            choice: seq.choice,
+            finish,
+            prompt_tokens: request.job.prompt.len(),
+            completion_tokens: seq.generated,
+        });
+        request.running -= 1;
+        if request.running == 0 {
+            self.requests[seq.request] = None;
+            self.metrics.running.fetch_sub(1, Ordering::Relaxed);
+            self.metrics.completed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Frees the slots of requests whose client has gone.
+    fn drop_abandoned(&mut self) {
+        for id in 0..self.requests.len() {
+            let gone = self.requests[id]
+                .as_ref()
+                .is_some_and(|r| r.job.events.is_closed());
+            if gone {
+                self.remove(id);
+                self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn fail_request(&mut self, id: usize, status: u16, message: &str) {
+        if let Some(active) = &self.requests[id] {
+            let _ = active.job.events.send(Event::Failed {
+                status,
+                message: message.to_string(),
+            });
+            self.remove(id);
+            self.metrics.failed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn remove(&mut self, id: usize) {
+        for slot in &mut self.slots {
+            if slot.as_ref().is_some_and(|s| s.request == id) {
+                *slot = None;
+            }
+        }
+        if self.requests[id].take().is_some() {
+            self.metrics.running.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The server is stopping: every running choice ends here, with what it has.
+    fn cut_all(&mut self) {
+        for slot in 0..self.slots.len() {
+            self.finish(slot, Finish::Length);
+        }
+    }
+
+    fn fail_all(&mut self, message: &str) {
+        for id in 0..self.requests.len() {
+            self.fail_request(id, 500, message);
+        }
+    }
+}
+
+/// A row's log-softmax, and its `k` most likely tokens.
+struct LogSoftmax {
+    log_z: f32,
+    row_of_chosen: Vec<f32>,
+    top: Vec<(u32, f32)>,
+}
+
+impl LogSoftmax {
+    fn of(row: &[f32], k: usize) -> Self {
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let sum: f64 = row.iter().map(|&x| f64::from(x - max).exp()).sum();
+        let log_z = max + sum.ln() as f32;
+        let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+        for (id, &x) in row.iter().enumerate() {
+            if top.len() < k || top.last().is_some_and(|&(_, y)| x > y) {
+                let at = top.partition_point(|&(_, y)| y >= x);
+                top.insert(at, (id as u32, x));
+                top.truncate(k);
+            }
+        }
+        Self {
+            log_z,
+            row_of_chosen: row.to_vec(),
+            top: top.into_iter().map(|(id, x)| (id, x - log_z)).collect(),
+        }
+    }
+
+    fn report(self, id: u32, tokenizer: &Tokenizer) -> TokenLogprob {
+        TokenLogprob {
+            token: token_string(tokenizer, id),
+            logprob: self.row_of_chosen[id as usize] - self.log_z,
+            top: self
+                .top
+                .into_iter()
+                .map(|(t, lp)| (token_string(tokenizer, t), lp))
+                .collect(),
+        }
+    }
+}
+
+/// A token as text for logprobs (its bytes, lossily: half a character shows as U+FFFD).
+fn token_string(tokenizer: &Tokenizer, id: u32) -> String {
+    match tokenizer.token_bytes(id) {
+        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        Err(_) => String::new(),
+    }
+}

@@ -1,0 +1,253 @@
+//! `tinygpt serve`: a trained model behind OpenAI's HTTP API, and a web page.
+//!
+//! Two halves meet at a channel. The HTTP side (axum on tokio: `routes`) checks each
+//! request (`openai`, `chat`), tokenizes it and hands a [`batcher::Job`] over; errors
+//! are 4xx with OpenAI's error JSON (`error`), decided before any stream opens. The
+//! decoding side (`batcher`) is one thread that owns the model and decodes every
+//! running request together, token by token (continuous batching), sending each
+//! request its text as it is decoded. `metrics` counts for `/metrics`; `runs` reads
+//! run folders for the page's dashboard; `page` is the page itself.
+//!
+//! The listener binds before the model loads (`/health` says 503 until it is ready);
+//! the address is printed once requests can be served. Ctrl-C or SIGTERM: accepting
+//! stops, running requests end at the next token (finish "length"), queued ones get
+//! 503, and the process exits 130 / 143.
+
+pub mod batcher;
+pub mod chat;
+pub mod error;
+pub mod metrics;
+pub mod openai;
+mod page;
+mod routes;
+pub mod runs;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use anyhow::Result;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+
+use crate::cpu::{FastDecoder, WeightFormat};
+use crate::tokenizer::Tokenizer;
+use crate::util::Stop;
+use metrics::Metrics;
+
+/// How the server is set up (`tinygpt serve`'s flags).
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub checkpoint: PathBuf,
+    pub host: String,
+    pub port: u16,
+    /// Sequences decoded at once.
+    pub parallel: usize,
+    /// Requests waiting for slots before new ones get 503.
+    pub max_queue: usize,
+    pub max_tokens: usize,
+    pub api_key: Option<String>,
+    pub cors: Option<String>,
+    pub runs: Option<PathBuf>,
+    pub format: WeightFormat,
+    pub max_body_bytes: usize,
+    /// Seconds a connection may sit without sending a request.
+    pub idle_timeout: u64,
+    pub max_connections: usize,
+}
+
+/// What the handlers share.
+pub struct AppState {
+    pub options: ServeOptions,
+    /// The id `/v1/models` lists: the run folder's name.
+    pub model_id: String,
+    pub created: u64,
+    pub metrics: Arc<Metrics>,
+    /// Set once the model is loaded.
+    pub ready: OnceLock<Ready>,
+    pub stop: Stop,
+}
+
+/// The loaded model, as the handlers see it.
+pub struct Ready {
+    pub tokenizer: Arc<Tokenizer>,
+    pub block_size: usize,
+    pub vocab_size: usize,
+    pub parameters: usize,
+    pub jobs: std::sync::mpsc::Sender<batcher::Job>,
+}
+
+/// Serves until a signal asks to stop; returns the stop as an error (exit 128 + signal),
+/// or a load failure.
+pub fn serve(options: ServeOptions, stop: Stop) -> Result<()> {
+    if options.parallel == 0 || options.parallel > 1024 {
+        crate::user_bail!("--parallel {} must be 1 to 1024", options.parallel);
+    }
+    if !options.checkpoint.is_dir() {
+        crate::user_bail!(
+            "--checkpoint {}: no such run folder; pass one under checkpoints/ (tinygpt train writes them)",
+            options.checkpoint.display()
+        );
+    }
+    if let Some(runs) = &options.runs {
+        if !runs.is_dir() {
+            crate::user_bail!(
+                "--runs {}: no such folder; pass the folder that holds run folders (checkpoints/)",
+                runs.display()
+            );
+        }
+    }
+    let address = format!("{}:{}", options.host, options.port);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind(&address))
+        .map_err(|e| {
+            crate::error::user_error(format!(
+                "cannot listen on {address}: {e}; pick another --port or --host"
+            ))
+        })?;
+    let bound = listener.local_addr()?;
+    let model_id = options
+        .checkpoint
+        .canonicalize()
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "tinygpt".into());
+    let state = Arc::new(AppState {
+        model_id,
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        metrics: Arc::new(Metrics::default()),
+        ready: OnceLock::new(),
+        stop: stop.clone(),
+        options,
+    });
+
+    // The model loads and decodes on its own thread; the HTTP side answers meanwhile.
+    let (loaded_tx, loaded_rx) = std::sync::mpsc::channel::<Result<()>>();
+    let decoding = {
+        let state = Arc::clone(&state);
+        std::thread::Builder::new()
+            .name("decoding".into())
+            .spawn(move || decode_thread(&state, loaded_tx))?
+    };
+    let app = routes::router(Arc::clone(&state));
+    let server = runtime.spawn(accept(listener, app, Arc::clone(&state)));
+
+    match loaded_rx.recv() {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            stop.request(15);
+            let _ = runtime.block_on(server);
+            return Err(e);
+        }
+        // The thread ended before saying (a stop during loading).
+        Err(_) => {}
+    }
+    if let Some(ready) = state.ready.get() {
+        eprintln!(
+            "serving {} ({:.2}M parameters, {} sequences at once) at http://{bound}/  (OpenAI API under /v1; Ctrl-C stops)",
+            state.model_id,
+            ready.parameters as f64 / 1e6,
+            state.options.parallel,
+        );
+    }
+    let _ = runtime.block_on(server);
+    let _ = decoding.join();
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    let signal = stop.signal().unwrap_or(15);
+    Err(crate::util::Stopped { signal }.into())
+}
+
+/// Loads the model, says so, then runs the decoding loop until the stop.
+fn decode_thread(state: &AppState, loaded: std::sync::mpsc::Sender<Result<()>>) {
+    let options = &state.options;
+    let opened = match open(options) {
+        Ok(opened) => opened,
+        Err(e) => {
+            let _ = loaded.send(Err(e));
+            return;
+        }
+    };
+    let (mut decoder, tokenizer) = opened;
+    let (jobs_tx, jobs_rx) = std::sync::mpsc::channel();
+    let spec = decoder.spec().clone();
+    let _ = state.ready.set(Ready {
+        tokenizer: Arc::clone(&tokenizer),
+        block_size: spec.config.block_size,
+        vocab_size: spec.config.vocab_size,
+        parameters: spec.len(),
+        jobs: jobs_tx,
+    });
+    let _ = loaded.send(Ok(()));
+    batcher::run(
+        &mut decoder,
+        &tokenizer,
+        jobs_rx,
+        &state.metrics,
+        &state.stop,
+    );
+}
+
+/// The checkpoint opened mapped for the fused CPU decoder, its weights checked.
+fn open(options: &ServeOptions) -> Result<(FastDecoder, Arc<Tokenizer>)> {
+    let mut opened = crate::mapped::open_for_decoding(&options.checkpoint, options.format)?;
+    opened.verification.wait()?;
+    let decoder = FastDecoder::from_weights(Arc::clone(&opened.weights), options.parallel)?;
+    Ok((decoder, Arc::new(opened.tokenizer)))
+}
+
+/// Accepts connections until the stop, then lets the open ones finish (a few seconds
+/// at most: running requests end at their next token).
+async fn accept(listener: tokio::net::TcpListener, app: axum::Router, state: Arc<AppState>) {
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let permits = Arc::new(tokio::sync::Semaphore::new(state.options.max_connections));
+    let idle = Duration::from_secs(state.options.idle_timeout);
+    let stopped = {
+        let stop = state.stop.clone();
+        async move {
+            while stop.signal().is_none() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    tokio::pin!(stopped);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let Ok((stream, _)): std::io::Result<(tokio::net::TcpStream, SocketAddr)> = accepted else {
+                    // Out of file descriptors and the like: breathe, then go on.
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                };
+                // Over the connection limit: closed at once.
+                let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
+                    continue;
+                };
+                let _ = stream.set_nodelay(true);
+                let service = TowerToHyperService::new(app.clone());
+                let connection = hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    // Also bounds how long an idle kept-alive connection stays open.
+                    .header_read_timeout(idle)
+                    .serve_connection(TokioIo::new(stream), service);
+                let connection = graceful.watch(connection);
+                tokio::spawn(async move {
+                    let _ = connection.await;
+                    drop(permit);
+                });
+            }
+            () = &mut stopped => break,
+        }
+    }
+    drop(listener);
+    tokio::select! {
+        () = graceful.shutdown() => {}
+        () = tokio::time::sleep(Duration::from_secs(5)) => {}
+    }
+}

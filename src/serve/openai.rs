@@ -1,0 +1,257 @@
+//! OpenAI's request and response shapes for completions and chat completions, and
+//! the checks that turn a request into decoding settings (or a 400 naming the field).
+//!
+//! Fields OpenAI's clients send that change nothing here (`user`, zero penalties) are
+//! accepted; fields that would change the output but are not supported are refused.
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::batcher::{Finish, TokenLogprob};
+use super::error::ApiError;
+use crate::generate::sample::SamplingParams;
+
+/// The sampling fields both endpoints share.
+#[derive(Debug, Default, Deserialize)]
+pub struct SamplingFields {
+    pub model: Option<String>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    /// Not OpenAI's, but llama.cpp's and vLLM's.
+    pub top_k: Option<i64>,
+    pub repetition_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub presence_penalty: Option<f64>,
+    pub n: Option<i64>,
+    pub stop: Option<StopField>,
+    pub seed: Option<i64>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: Option<Prompt>,
+    pub echo: Option<bool>,
+    pub logprobs: Option<i64>,
+    pub suffix: Option<String>,
+    pub best_of: Option<i64>,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+/// A prompt as OpenAI allows it: text, or token ids, one or a list of one.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<Message>,
+    pub logprobs: Option<bool>,
+    pub tools: Option<Value>,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: Option<Content>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Part {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+/// What the server allows and assumes where a request is silent.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Choices per request: at most the decoder's slots.
+    pub max_n: usize,
+    pub max_tokens: usize,
+    /// Where a request gives no max_tokens.
+    pub default_max_tokens: usize,
+}
+
+/// A request's decoding settings, checked.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub params: SamplingParams,
+    pub n: usize,
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    pub seed: u64,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+impl SamplingFields {
+    pub fn settings(&self, served: &str, limits: &Limits) -> Result<Settings, ApiError> {
+        if let Some(model) = &self.model {
+            if model != served {
+                return Err(ApiError::new(
+                    axum::http::StatusCode::NOT_FOUND,
+                    format!("the model `{model}` does not exist here; this server has `{served}` (GET /v1/models)"),
+                )
+                .with_code("model_not_found"));
+            }
+        }
+        let max_tokens = match self.max_completion_tokens.or(self.max_tokens) {
+            None => limits.default_max_tokens.min(limits.max_tokens),
+            Some(m) if m >= 1 && m as u64 <= limits.max_tokens as u64 => m as usize,
+            Some(m) => {
+                return Err(ApiError::invalid(format!(
+                    "max_tokens {m} must be 1 to {} (the server's --max-tokens)",
+                    limits.max_tokens
+                )))
+            }
+        };
+        let n = match self.n {
+            None => 1,
+            Some(n) if n >= 1 && n as u64 <= limits.max_n as u64 => n as usize,
+            Some(n) => {
+                return Err(ApiError::invalid(format!(
+                    "n {n} must be 1 to {} (the server decodes {} sequences at once: --parallel)",
+                    limits.max_n, limits.max_n
+                )))
+            }
+        };
+        let temperature = self.temperature.unwrap_or(1.0);
+        if !(0.0..=2.0).contains(&temperature) {
+            return Err(ApiError::invalid(format!(
+                "temperature {temperature} must be 0 to 2 (0 is greedy)"
+            )));
+        }
+        let top_p = self.top_p.unwrap_or(1.0);
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(ApiError::invalid(format!("top_p {top_p} must be in (0, 1]")));
+        }
+        let top_k = match self.top_k {
+            None | Some(-1) => 0,
+            Some(k) if k >= 0 => k as usize,
+            Some(k) => {
+                return Err(ApiError::invalid(format!(
+                    "top_k {k} must be 0 (or -1) for all tokens, or a positive count"
+                )))
+            }
+        };
+        let repetition_penalty = self.repetition_penalty.unwrap_or(1.0);
+        if !(repetition_penalty.is_finite() && repetition_penalty > 0.0) {
+            return Err(ApiError::invalid(format!(
+                "repetition_penalty {repetition_penalty} must be positive (1 disables it)"
+            )));
+        }
+        for (name, value) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
+            if value.is_some_and(|v| v != 0.0) {
+                return Err(ApiError::invalid(format!(
+                    "{name} is not supported; use repetition_penalty (1.1 is a mild one)"
+                )));
+            }
+        }
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(StopField::One(s)) => vec![s.clone()],
+            Some(StopField::Many(list)) => list.clone(),
+        };
+        if stop.len() > 16 || stop.iter().any(|s| s.len() > 256) {
+            return Err(ApiError::invalid(
+                "stop takes at most 16 strings of at most 256 bytes",
+            ));
+        }
+        let stream = self.stream.unwrap_or(false);
+        let include_usage = self
+            .stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
+        if self.stream_options.is_some() && !stream {
+            return Err(ApiError::invalid(
+                "stream_options is only allowed when stream is true",
+            ));
+        }
+        Ok(Settings {
+            params: SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+                repetition_penalty,
+            },
+            n,
+            max_tokens,
+            stop,
+            // `generate --seed S`: sample i draws with seed S + i.
+            seed: self.seed.map_or_else(rand::random, |s| s as u64),
+            stream,
+            include_usage,
+        })
+    }
+}
+
+/// `{prompt_tokens, completion_tokens, total_tokens}`.
+pub fn usage(prompt: usize, completion: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    })
+}
+
+/// One choice's result, gathered from its events.
+#[derive(Debug, Default, Clone)]
+pub struct ChoiceResult {
+    pub text: String,
+    pub tokens: Vec<TokenLogprob>,
+    pub finish: Option<Finish>,
+    pub completion_tokens: usize,
+}
+
+/// Completions' `logprobs` object for `tokens`, offsets counted from `offset` (the text
+/// before them).
+pub fn completion_logprobs(tokens: &[TokenLogprob], mut offset: usize) -> Value {
+    let mut text_offset = Vec::with_capacity(tokens.len());
+    for t in tokens {
+        text_offset.push(offset);
+        offset += t.token.len();
+    }
+    json!({
+        "tokens": tokens.iter().map(|t| t.token.clone()).collect::<Vec<_>>(),
+        "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+        "top_logprobs": tokens.iter().map(|t| {
+            t.top.iter().map(|(s, lp)| (s.clone(), json!(lp))).collect::<serde_json::Map<_, _>>()
+        }).collect::<Vec<_>>(),
+        "text_offset": text_offset,
+    })
+}

@@ -1,0 +1,735 @@
+//! The HTTP routes: OpenAI's completions and chat completions (streamed as server-sent
+//! events or whole), models, tokenize / detokenize, health, metrics, and the page's
+//! own (`runs`, `page`). Every route but `/health` and the page's files asks for the
+//! API key when the server has one.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
+use axum::http::{header, HeaderValue, Method, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as Sse, KeepAlive};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::stream::{self, Stream, StreamExt};
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use subtle::ConstantTimeEq;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use super::batcher::{Event, Job};
+use super::error::ApiError;
+use super::openai::{
+    completion_logprobs, usage, ChatRequest, ChoiceResult, CompletionRequest, Limits, Prompt,
+    Settings,
+};
+use super::{chat, page, runs, AppState, Ready};
+use crate::generate::sample::Sampler;
+
+pub type Shared = Arc<AppState>;
+
+pub fn router(state: Shared) -> Router {
+    let api = Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/chat/template", get(chat_template))
+        .route("/props", get(props))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/metrics", get(metrics))
+        .route("/api/runs", get(runs::list))
+        .route("/api/runs/{name}/metrics", get(runs::metrics))
+        .route("/api/runs/{name}/sample", post(runs::sample))
+        .route_layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            require_key,
+        ));
+    let open = Router::new()
+        .route("/health", get(health))
+        .merge(page::routes());
+    let mut app = api
+        .merge(open)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(state.options.max_body_bytes))
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            count_refusals,
+        ))
+        .with_state(Arc::clone(&state));
+    if let Some(origin) = &state.options.cors {
+        let origin = HeaderValue::from_str(origin).unwrap_or(HeaderValue::from_static("null"));
+        app = app.layer(
+            tower_http::cors::CorsLayer::new()
+                .allow_origin(origin)
+                .allow_methods([Method::GET, Method::POST])
+                .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE]),
+        );
+    }
+    app
+}
+
+/// `Json`, its rejections (bad JSON, wrong types, too large, wrong content type) as
+/// OpenAI-shaped 4xx errors.
+pub struct ApiJson<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(value)) => Ok(ApiJson(value)),
+            // OpenAI answers a body of the wrong shape with 400, as any bad request.
+            Err(rejection) => {
+                let status = match rejection.status() {
+                    StatusCode::UNPROCESSABLE_ENTITY => StatusCode::BAD_REQUEST,
+                    other => other,
+                };
+                Err(ApiError::new(status, rejection.body_text()))
+            }
+        }
+    }
+}
+
+async fn require_key(State(state): State<Shared>, request: Request, next: Next) -> Response {
+    if let Some(key) = &state.options.api_key {
+        let given = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        // Compared in constant time: the answer's timing says nothing of the key.
+        let matches = given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(key.as_bytes())));
+        if !matches {
+            return ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "missing or wrong API key: send the header Authorization: Bearer <key>",
+            )
+            .with_code("invalid_api_key")
+            .into_response();
+        }
+    }
+    next.run(request).await
+}
+
+/// Counts the requests answered with an error status, whoever refused them.
+async fn count_refusals(State(state): State<Shared>, request: Request, next: Next) -> Response {
+    let response = next.run(request).await;
+    if response.status().is_client_error() || response.status().is_server_error() {
+        state
+            .metrics
+            .requests_rejected
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    response
+}
+
+async fn not_found(request: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!(
+            "no route {} {}: the API is under /v1 (completions, chat/completions, models)",
+            request.method(),
+            request.uri().path()
+        ),
+    )
+}
+
+async fn method_not_allowed(request: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!(
+            "{} is not allowed on {}",
+            request.method(),
+            request.uri().path()
+        ),
+    )
+}
+
+impl AppState {
+    /// The loaded model, or 503 while it loads.
+    pub fn ready(&self) -> Result<&Ready, ApiError> {
+        self.ready.get().ok_or_else(|| {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the model is loading")
+        })
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            max_n: self.options.parallel,
+            max_tokens: self.options.max_tokens,
+            default_max_tokens: 16,
+        }
+    }
+}
+
+async fn health(State(state): State<Shared>) -> Response {
+    match state.ready() {
+        Ok(_) => Json(json!({"status": "ok"})).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn models(State(state): State<Shared>) -> Result<Json<Value>, ApiError> {
+    let ready = state.ready()?;
+    Ok(Json(json!({
+        "object": "list",
+        "data": [{
+            "id": state.model_id,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "tinygpt",
+            "meta": {
+                "parameters": ready.parameters,
+                "context_length": ready.block_size,
+                "vocab_size": ready.vocab_size,
+            },
+        }],
+    })))
+}
+
+async fn props(State(state): State<Shared>) -> Result<Json<Value>, ApiError> {
+    let ready = state.ready()?;
+    Ok(Json(json!({
+        "model": state.model_id,
+        "parameters": ready.parameters,
+        "context_length": ready.block_size,
+        "vocab_size": ready.vocab_size,
+        "slots": state.options.parallel,
+        "max_tokens": state.options.max_tokens,
+        "chat_template": chat::DESCRIPTION,
+        "runs": state.options.runs.is_some(),
+    })))
+}
+
+async fn chat_template(State(state): State<Shared>) -> Result<Json<Value>, ApiError> {
+    state.ready()?;
+    let example = chat::render(&serde_json::from_value::<Vec<super::openai::Message>>(json!([
+        {"role": "system", "content": "You are a poet."},
+        {"role": "user", "content": "Speak of the sea."},
+    ]))
+    .expect("a valid example"))?;
+    Ok(Json(json!({
+        "template": chat::DESCRIPTION,
+        "stop": chat::STOPS,
+        "example": example,
+    })))
+}
+
+async fn metrics(State(state): State<Shared>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(state.options.parallel),
+    )
+        .into_response()
+}
+
+#[derive(Deserialize)]
+struct TokenizeRequest {
+    content: String,
+    #[serde(default)]
+    with_pieces: bool,
+}
+
+async fn tokenize(
+    State(state): State<Shared>,
+    ApiJson(request): ApiJson<TokenizeRequest>,
+) -> Result<Json<Value>, ApiError> {
+    let ready = state.ready()?;
+    let ids = ready
+        .tokenizer
+        .encode(&request.content)
+        .map_err(|e| ApiError::invalid(format!("content cannot be tokenized: {e:#}")))?;
+    if request.with_pieces {
+        let pieces: Vec<Value> = ids
+            .iter()
+            .map(|&id| {
+                let bytes = ready.tokenizer.token_bytes(id).unwrap_or_default();
+                json!({"id": id, "piece": String::from_utf8_lossy(&bytes)})
+            })
+            .collect();
+        return Ok(Json(json!({ "tokens": pieces })));
+    }
+    Ok(Json(json!({ "tokens": ids })))
+}
+
+#[derive(Deserialize)]
+struct DetokenizeRequest {
+    tokens: Vec<u32>,
+}
+
+async fn detokenize(
+    State(state): State<Shared>,
+    ApiJson(request): ApiJson<DetokenizeRequest>,
+) -> Result<Json<Value>, ApiError> {
+    let ready = state.ready()?;
+    check_ids(ready, &request.tokens)?;
+    let content = ready
+        .tokenizer
+        .decode(&request.tokens)
+        .map_err(|e| ApiError::invalid(format!("{e:#}")))?;
+    Ok(Json(json!({ "content": content })))
+}
+
+fn check_ids(ready: &Ready, ids: &[u32]) -> Result<(), ApiError> {
+    let vocab = ready.tokenizer.vocab_size().min(ready.vocab_size);
+    match ids.iter().find(|&&id| id as usize >= vocab) {
+        Some(id) => Err(ApiError::invalid(format!(
+            "token id {id} is outside the vocabulary of {vocab}"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// A prompt's tokens, as `tinygpt generate` makes them: an empty prompt starts from
+/// the end-of-text token (or a newline); longer than the context is refused.
+fn prompt_tokens(ready: &Ready, text: &str) -> Result<Vec<u32>, ApiError> {
+    let tokenizer = &ready.tokenizer;
+    let ids = if text.is_empty() {
+        match tokenizer.end_of_text() {
+            Some(id) => vec![id],
+            None => tokenizer.encode("\n").unwrap_or_default(),
+        }
+    } else {
+        tokenizer
+            .encode(text)
+            .map_err(|e| ApiError::invalid(format!("the prompt cannot be tokenized: {e:#}")))?
+    };
+    if ids.is_empty() {
+        return Err(ApiError::invalid(
+            "the prompt is empty and this vocabulary has no token to start from: give a prompt",
+        ));
+    }
+    check_length(ready, ids.len())?;
+    Ok(ids)
+}
+
+fn check_length(ready: &Ready, tokens: usize) -> Result<(), ApiError> {
+    if tokens > ready.block_size {
+        return Err(ApiError::invalid(format!(
+            "the prompt is {tokens} tokens, more than the model's context of {}; shorten it",
+            ready.block_size
+        ))
+        .with_code("context_length_exceeded"));
+    }
+    Ok(())
+}
+
+/// Hands the request to the decoding loop; 503 when the queue is full.
+fn submit(
+    state: &AppState,
+    ready: &Ready,
+    prompt: Vec<u32>,
+    settings: &Settings,
+    logprobs: Option<usize>,
+) -> Result<UnboundedReceiver<Event>, ApiError> {
+    let samplers = (0..settings.n as u64)
+        .map(|i| Sampler::new(settings.params.clone(), settings.seed.wrapping_add(i)))
+        .collect::<anyhow::Result<Vec<_>>>()
+        .map_err(|e| ApiError::invalid(format!("{e:#}")))?;
+    let metrics = &state.metrics;
+    let waiting = metrics
+        .queued
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    if waiting >= state.options.max_queue {
+        metrics
+            .queued
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the server is busy ({waiting} requests wait for a slot); try again shortly"),
+        ));
+    }
+    let (events, received) = unbounded_channel();
+    let job = Job {
+        prompt,
+        samplers,
+        max_tokens: settings.max_tokens,
+        stop: settings.stop.clone(),
+        logprobs,
+        events,
+    };
+    if ready.jobs.send(job).is_err() {
+        metrics
+            .queued
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the server is stopping",
+        ));
+    }
+    Ok(received)
+}
+
+/// Which endpoint a response is shaped for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+async fn completions(
+    State(state): State<Shared>,
+    ApiJson(request): ApiJson<CompletionRequest>,
+) -> Response {
+    match completion(&state, request).await {
+        Ok(response) => response,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn completion(state: &Shared, request: CompletionRequest) -> Result<Response, ApiError> {
+    let ready = state.ready()?;
+    let settings = request
+        .sampling
+        .settings(&state.model_id, &state.limits())?;
+    if request.best_of.is_some_and(|b| b as usize != settings.n) {
+        return Err(ApiError::invalid("best_of is not supported (leave it out, or equal to n)"));
+    }
+    if request.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::invalid("suffix is not supported: this model only continues text"));
+    }
+    let logprobs = match request.logprobs {
+        None => None,
+        Some(k @ 0..=5) => Some(k as usize),
+        Some(k) => return Err(ApiError::invalid(format!("logprobs {k} must be 0 to 5"))),
+    };
+    let (text, prompt) = match request.prompt {
+        None => (String::new(), prompt_tokens(ready, "")?),
+        Some(Prompt::Text(text)) => {
+            let ids = prompt_tokens(ready, &text)?;
+            (text, ids)
+        }
+        Some(Prompt::Texts(texts)) if texts.len() == 1 => {
+            let ids = prompt_tokens(ready, &texts[0])?;
+            (texts[0].clone(), ids)
+        }
+        Some(Prompt::Tokens(ids)) => tokens_prompt(ready, ids)?,
+        Some(Prompt::TokenLists(mut lists)) if lists.len() == 1 => {
+            tokens_prompt(ready, lists.remove(0))?
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "send one prompt per request (a list of several is not supported)",
+            ))
+        }
+    };
+    let echo = request.echo.unwrap_or(false).then_some(text);
+    let prompt_len = prompt.len();
+    let events = submit(state, ready, prompt, &settings, logprobs)?;
+    let reply = Reply::new(state, Kind::Completion, &settings, prompt_len, echo, events);
+    Ok(reply.respond(settings.stream).await)
+}
+
+fn tokens_prompt(ready: &Ready, ids: Vec<u32>) -> Result<(String, Vec<u32>), ApiError> {
+    if ids.is_empty() {
+        return Err(ApiError::invalid("the prompt is an empty list of tokens"));
+    }
+    check_ids(ready, &ids)?;
+    check_length(ready, ids.len())?;
+    let text = ready.tokenizer.decode(&ids).unwrap_or_default();
+    Ok((text, ids))
+}
+
+async fn chat_completions(
+    State(state): State<Shared>,
+    ApiJson(request): ApiJson<ChatRequest>,
+) -> Response {
+    match chat_completion(&state, request).await {
+        Ok(response) => response,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat_completion(state: &Shared, request: ChatRequest) -> Result<Response, ApiError> {
+    let ready = state.ready()?;
+    let mut limits = state.limits();
+    // A chat reply runs to the end of the assistant's turn.
+    limits.default_max_tokens = 256;
+    let mut settings = request.sampling.settings(&state.model_id, &limits)?;
+    if request.logprobs == Some(true) {
+        return Err(ApiError::invalid(
+            "logprobs are given by /v1/completions only",
+        ));
+    }
+    if request.tools.is_some() {
+        return Err(ApiError::invalid("tools are not supported by a base model"));
+    }
+    let prompt_text = chat::render(&request.messages)?;
+    let prompt = prompt_tokens(ready, &prompt_text)?;
+    settings.stop.extend(chat::STOPS.map(String::from));
+    let prompt_len = prompt.len();
+    let events = submit(state, ready, prompt, &settings, None)?;
+    let reply = Reply::new(state, Kind::Chat, &settings, prompt_len, None, events);
+    Ok(reply.respond(settings.stream).await)
+}
+
+/// A request's answer being put together from its events.
+struct Reply {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+    prompt_tokens: usize,
+    echo: Option<String>,
+    choices: Vec<ChoiceResult>,
+    events: UnboundedReceiver<Event>,
+    /// Whether the stream's last chunk has gone out.
+    ended: bool,
+}
+
+impl Reply {
+    fn new(
+        state: &AppState,
+        kind: Kind,
+        settings: &Settings,
+        prompt_tokens: usize,
+        echo: Option<String>,
+        events: UnboundedReceiver<Event>,
+    ) -> Self {
+        let prefix = match kind {
+            Kind::Completion => "cmpl",
+            Kind::Chat => "chatcmpl",
+        };
+        Self {
+            kind,
+            id: format!("{prefix}-{:016x}", rand::random::<u64>()),
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            model: state.model_id.clone(),
+            include_usage: settings.include_usage,
+            prompt_tokens,
+            echo,
+            choices: vec![ChoiceResult::default(); settings.n],
+            events,
+            ended: false,
+        }
+    }
+
+    async fn respond(self, stream: bool) -> Response {
+        if stream {
+            return axum::response::sse::Sse::new(self.into_stream())
+                .keep_alive(KeepAlive::default())
+                .into_response();
+        }
+        match self.whole().await {
+            Ok(body) => Json(body).into_response(),
+            Err(e) => e.into_response(),
+        }
+    }
+
+    fn completion_tokens(&self) -> usize {
+        self.choices.iter().map(|c| c.completion_tokens).sum()
+    }
+
+    fn all_done(&self) -> bool {
+        self.choices.iter().all(|c| c.finish.is_some())
+    }
+
+    /// Waits for every choice, then the whole response.
+    async fn whole(mut self) -> Result<Value, ApiError> {
+        while !self.all_done() {
+            match self.events.recv().await {
+                Some(Event::Text {
+                    choice,
+                    text,
+                    tokens,
+                }) => {
+                    let c = &mut self.choices[choice];
+                    c.text.push_str(&text);
+                    c.tokens.extend(tokens);
+                    if self.kind == Kind::Chat {
+                        c.text = c.text.trim_start().to_string();
+                    }
+                }
+                Some(Event::Done {
+                    choice,
+                    finish,
+                    completion_tokens,
+                    ..
+                }) => {
+                    let c = &mut self.choices[choice];
+                    c.finish = Some(finish);
+                    c.completion_tokens = completion_tokens;
+                }
+                Some(Event::Failed { status, message }) => {
+                    let status =
+                        StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+                    return Err(ApiError::new(status, message));
+                }
+                None => {
+                    return Err(ApiError::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "the server is stopping",
+                    ))
+                }
+            }
+        }
+        let echo = self.echo.clone().unwrap_or_default();
+        let choices: Vec<Value> = self
+            .choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let finish = c.finish.map(|f| f.as_str());
+                match self.kind {
+                    Kind::Completion => json!({
+                        "index": i,
+                        "text": format!("{echo}{}", c.text),
+                        "logprobs": if c.tokens.is_empty() { Value::Null } else { completion_logprobs(&c.tokens, echo.len()) },
+                        "finish_reason": finish,
+                    }),
+                    Kind::Chat => json!({
+                        "index": i,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": Value::Null,
+                        "finish_reason": finish,
+                    }),
+                }
+            })
+            .collect();
+        Ok(json!({
+            "id": self.id,
+            "object": match self.kind { Kind::Completion => "text_completion", Kind::Chat => "chat.completion" },
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage(self.prompt_tokens, self.completion_tokens()),
+        }))
+    }
+
+    /// A chunk with these choices (`usage: null` on each when usage comes last).
+    fn chunk(&self, choices: Vec<Value>) -> Sse {
+        let mut chunk = json!({
+            "id": self.id,
+            "object": match self.kind { Kind::Completion => "text_completion", Kind::Chat => "chat.completion.chunk" },
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        });
+        if self.include_usage {
+            chunk["usage"] = Value::Null;
+        }
+        Sse::default().data(chunk.to_string())
+    }
+
+    /// A choice's text chunk (None: nothing to show yet).
+    fn text_choice(&mut self, choice: usize, text: &str, tokens: &[super::batcher::TokenLogprob]) -> Option<Value> {
+        Some(match self.kind {
+            Kind::Completion => {
+                let c = &mut self.choices[choice];
+                let offset = c.text.len();
+                c.text.push_str(text);
+                let logprobs = if tokens.is_empty() {
+                    Value::Null
+                } else {
+                    completion_logprobs(tokens, offset)
+                };
+                json!({"index": choice, "text": text, "logprobs": logprobs, "finish_reason": Value::Null})
+            }
+            Kind::Chat => {
+                // The template ends at "Assistant:"; the reply's first space is not content.
+                let c = &mut self.choices[choice];
+                let text = if c.text.is_empty() { text.trim_start() } else { text };
+                if text.is_empty() {
+                    return None;
+                }
+                c.text.push_str(text);
+                json!({"index": choice, "delta": {"content": text}, "logprobs": Value::Null, "finish_reason": Value::Null})
+            }
+        })
+    }
+
+    /// The chunks for one event; the stream ends after the last.
+    fn on_event(&mut self, event: Option<Event>) -> Vec<Sse> {
+        let mut out = Vec::new();
+        match event {
+            Some(Event::Text {
+                choice,
+                text,
+                tokens,
+            }) => {
+                if let Some(c) = self.text_choice(choice, &text, &tokens) {
+                    out.push(self.chunk(vec![c]));
+                }
+            }
+            Some(Event::Done {
+                choice,
+                finish,
+                completion_tokens,
+                ..
+            }) => {
+                self.choices[choice].finish = Some(finish);
+                self.choices[choice].completion_tokens = completion_tokens;
+                let c = match self.kind {
+                    Kind::Completion => {
+                        json!({"index": choice, "text": "", "logprobs": Value::Null, "finish_reason": finish.as_str()})
+                    }
+                    Kind::Chat => {
+                        json!({"index": choice, "delta": {}, "logprobs": Value::Null, "finish_reason": finish.as_str()})
+                    }
+                };
+                out.push(self.chunk(vec![c]));
+                if self.all_done() {
+                    if self.include_usage {
+                        let mut last = json!({
+                            "id": self.id,
+                            "object": match self.kind { Kind::Completion => "text_completion", Kind::Chat => "chat.completion.chunk" },
+                            "created": self.created,
+                            "model": self.model,
+                            "choices": [],
+                        });
+                        last["usage"] = usage(self.prompt_tokens, self.completion_tokens());
+                        out.push(Sse::default().data(last.to_string()));
+                    }
+                    out.push(Sse::default().data("[DONE]"));
+                    self.ended = true;
+                }
+            }
+            Some(Event::Failed { status, message }) => {
+                let status = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+                out.push(Sse::default().data(ApiError::new(status, message).body().to_string()));
+                self.ended = true;
+            }
+            None => {
+                let error = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping");
+                out.push(Sse::default().data(error.body().to_string()));
+                self.ended = true;
+            }
+        }
+        out
+    }
+
+    /// The first chunks: chat's role, completions' echoed prompt.
+    fn opening(&mut self) -> Vec<Sse> {
+        let mut chunks = Vec::new();
+        for i in 0..self.choices.len() {
+            let choice = match (self.kind, self.echo.clone()) {
+                (Kind::Chat, _) => Some(json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": Value::Null, "finish_reason": Value::Null})),
+                (Kind::Completion, Some(echo)) if !echo.is_empty() => self.text_choice(i, &echo, &[]),
+                _ => None,
+            };
+            chunks.extend(choice.map(|c| self.chunk(vec![c])));
+        }
+        chunks
+    }
+
+    fn into_stream(mut self) -> impl Stream<Item = Result<Sse, Infallible>> {
+        let opening = self.opening();
+        let rest = stream::unfold(Some(self), |reply| async move {
+            let mut reply = reply?;
+            let event = reply.events.recv().await;
+            let chunks = reply.on_event(event);
+            let next = (!reply.ended).then_some(reply);
+            Some((stream::iter(chunks), next))
+        })
+        .flatten();
+        stream::iter(opening).chain(rest).map(Ok)
+    }
+}
