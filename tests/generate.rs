@@ -612,3 +612,57 @@ fn a_mapped_checkpoint_cut_off_before_its_renames_opens() {
         "the committed weights"
     );
 }
+
+/// A server's pass: rows of different sequences at different positions (one taking
+/// its next token, another a piece of its prompt, a third starting) give each the
+/// logits it gets decoded alone, and keep its keys and values for later passes.
+#[test]
+fn rows_at_their_own_positions_decode_as_each_sequence_alone() {
+    use tinygpt::cpu::Place;
+    for positions in [PositionKind::Learned, PositionKind::Rope] {
+        let model = model(positions, Some(2));
+        let values = model.params().to_flat().unwrap();
+        let spec = model.spec();
+        let a: Vec<u32> = vec![3, 1, 4, 1, 5, 9];
+        let b: Vec<u32> = vec![2, 7, 1, 8];
+        let c: Vec<u32> = vec![6, 6];
+        let alone = |window: &[u32]| full_forward_last(&model, window);
+
+        let mut rows = FastDecoder::new(spec, &values, 3).unwrap();
+        // Pass 1: a's first four positions, b's first one.
+        let ids = [a[0], a[1], a[2], a[3], b[0]];
+        let places: Vec<Place> = (0..4)
+            .map(|pos| Place { seq: 0, pos })
+            .chain([Place { seq: 1, pos: 0 }])
+            .collect();
+        let logits = rows.run_rows(&ids, &places, &[3, 4]).unwrap().to_vec();
+        let v = logits.len() / 2;
+        assert_close(&logits[..v], &alone(&a[..4]), "a after 4");
+        assert_close(&logits[v..], &alone(&b[..1]), "b after 1");
+        // Pass 2: a's next token, b's next three, c from the start (its sequence slot
+        // comes first in the rows, out of slot order).
+        let ids = [c[0], c[1], a[4], b[1], b[2], b[3]];
+        let places = [
+            Place { seq: 2, pos: 0 },
+            Place { seq: 2, pos: 1 },
+            Place { seq: 0, pos: 4 },
+            Place { seq: 1, pos: 1 },
+            Place { seq: 1, pos: 2 },
+            Place { seq: 1, pos: 3 },
+        ];
+        let logits = rows.run_rows(&ids, &places, &[1, 2, 5]).unwrap().to_vec();
+        assert_close(&logits[..v], &alone(&c), "c after 2");
+        assert_close(&logits[v..2 * v], &alone(&a[..5]), "a after 5");
+        assert_close(&logits[2 * v..], &alone(&b), "b after 4");
+        // Pass 3: one row.
+        let logits = rows
+            .run_rows(&[a[5]], &[Place { seq: 0, pos: 5 }], &[0])
+            .unwrap()
+            .to_vec();
+        assert_close(&logits, &alone(&a), "a after 6");
+        // Places outside the buffers are refused, not written.
+        assert!(rows.run_rows(&[1], &[Place { seq: 3, pos: 0 }], &[0]).is_err());
+        assert!(rows.run_rows(&[1], &[Place { seq: 0, pos: 8 }], &[0]).is_err());
+        assert!(rows.run_rows(&[1], &[Place { seq: 0, pos: 0 }], &[1]).is_err());
+    }
+}

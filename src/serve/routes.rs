@@ -460,7 +460,15 @@ async fn chat_completion(state: &Shared, request: ChatRequest) -> Result<Respons
         return Err(ApiError::invalid("tools are not supported by a base model"));
     }
     let prompt_text = chat::render(&request.messages)?;
-    let prompt = prompt_tokens(ready, &prompt_text)?;
+    let prompt = prompt_tokens(ready, &prompt_text).map_err(|mut e| {
+        if e.code.is_none() {
+            e.message = format!(
+                "{}; a char-level model reads only the characters it was trained on, the chat template's \"User:\" and \"Assistant:\" included (GET /v1/chat/template): use /v1/completions with a prompt of your own",
+                e.message
+            );
+        }
+        e
+    })?;
     settings.stop.extend(chat::STOPS.map(String::from));
     let prompt_len = prompt.len();
     let events = submit(state, ready, prompt, &settings, None)?;

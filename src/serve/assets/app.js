@@ -1,0 +1,329 @@
+// tinygpt's page: a playground that streams /v1/completions, and a dashboard of the
+// runs under --runs (curves that grow while `tinygpt train` writes metrics.jsonl).
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const COLORS = ["#3461d1", "#d1495b", "#2a9d8f", "#e9a23b", "#7b4bb7", "#3d8a3d", "#c0577d", "#5c6b80"];
+
+// --- API access (with the key the server may ask for) -----------------------------
+
+const keyInput = $("api-key");
+keyInput.value = localStorage.getItem("tinygpt-api-key") || "";
+keyInput.addEventListener("change", () => {
+  localStorage.setItem("tinygpt-api-key", keyInput.value);
+  start();
+});
+
+async function api(path, options = {}) {
+  const headers = { ...(options.headers || {}) };
+  if (keyInput.value) headers["Authorization"] = "Bearer " + keyInput.value;
+  if (options.body) headers["Content-Type"] = "application/json";
+  const response = await fetch(path, { ...options, headers });
+  if (response.status === 401) {
+    keyInput.hidden = false;
+    keyInput.focus();
+  }
+  return response;
+}
+
+async function errorText(response) {
+  try {
+    const body = await response.json();
+    return (body.error && body.error.message) || response.statusText;
+  } catch (_) {
+    return response.status + " " + response.statusText;
+  }
+}
+
+// --- Tabs --------------------------------------------------------------------------
+
+for (const tab of document.querySelectorAll(".tab")) {
+  tab.addEventListener("click", () => {
+    for (const t of document.querySelectorAll(".tab")) t.classList.toggle("active", t === tab);
+    for (const p of document.querySelectorAll(".panel")) p.classList.toggle("active", p.id === tab.dataset.tab);
+    if (tab.dataset.tab === "runs") charts.resize();
+  });
+}
+
+// --- Playground ----------------------------------------------------------------------
+
+for (const [input, shown] of [["temperature", "temperature-value"], ["top-p", "top-p-value"]]) {
+  $(input).addEventListener("input", () => { $(shown).textContent = $(input).value; });
+}
+
+let streaming = null; // the AbortController of the stream in flight
+
+function unescapeStop(s) {
+  return s.replace(/\\n/g, "\n").replace(/\\t/g, "\t");
+}
+
+async function generate() {
+  const output = $("output");
+  const prompt = $("prompt").value;
+  output.textContent = "";
+  const promptSpan = document.createElement("span");
+  promptSpan.className = "prompt-text";
+  promptSpan.textContent = prompt;
+  const textSpan = document.createElement("span");
+  output.append(promptSpan, textSpan);
+
+  const body = {
+    prompt,
+    max_tokens: Number($("max-tokens").value) || 200,
+    temperature: Number($("temperature").value),
+    top_p: Number($("top-p").value),
+    top_k: Number($("top-k").value) || 0,
+    stream: true,
+    stream_options: { include_usage: true },
+  };
+  if ($("seed").value !== "") body.seed = Number($("seed").value);
+  if ($("stop-strings").value !== "") body.stop = [unescapeStop($("stop-strings").value)];
+
+  streaming = new AbortController();
+  $("generate").disabled = true;
+  $("stop").disabled = false;
+  const started = performance.now();
+  let first = null;
+  let tokens = 0;
+  const stats = $("stats");
+  stats.textContent = "waiting…";
+  try {
+    const response = await api("/v1/completions", {
+      method: "POST", body: JSON.stringify(body), signal: streaming.signal,
+    });
+    if (!response.ok) throw new Error(await errorText(response));
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    let finish = null;
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, { stream: true });
+      let cut;
+      while ((cut = buffer.indexOf("\n\n")) >= 0) {
+        const event = buffer.slice(0, cut);
+        buffer = buffer.slice(cut + 2);
+        for (const line of event.split("\n")) {
+          if (!line.startsWith("data: ")) continue;
+          const data = line.slice(6);
+          if (data === "[DONE]") continue;
+          const chunk = JSON.parse(data);
+          if (chunk.error) throw new Error(chunk.error.message);
+          if (chunk.usage) tokens = chunk.usage.completion_tokens;
+          for (const choice of chunk.choices) {
+            if (choice.text) {
+              if (first === null) first = performance.now();
+              textSpan.textContent += choice.text;
+              tokens += 1;
+            }
+            if (choice.finish_reason) finish = choice.finish_reason;
+          }
+          const seconds = (performance.now() - (first || started)) / 1000;
+          stats.textContent = `${tokens} tokens · ${(tokens / Math.max(seconds, 1e-3)).toFixed(0)} tokens/s`;
+        }
+      }
+    }
+    const total = (performance.now() - started) / 1000;
+    const ttft = first === null ? "-" : ((first - started)).toFixed(0) + " ms";
+    const rate = first === null ? 0 : tokens / Math.max((performance.now() - first) / 1000, 1e-3);
+    stats.textContent = `${tokens} tokens in ${total.toFixed(2)} s · first token ${ttft} · ${rate.toFixed(0)} tokens/s · ${finish || "stopped"}`;
+  } catch (err) {
+    if (err.name !== "AbortError") {
+      const e = document.createElement("div");
+      e.className = "error";
+      e.textContent = String(err.message || err);
+      output.append(e);
+      stats.textContent = "";
+    } else {
+      stats.textContent += " · stopped";
+    }
+  } finally {
+    streaming = null;
+    $("generate").disabled = false;
+    $("stop").disabled = true;
+  }
+}
+
+$("generate").addEventListener("click", generate);
+$("stop").addEventListener("click", () => streaming && streaming.abort());
+$("prompt").addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) generate();
+});
+
+// --- Runs dashboard ------------------------------------------------------------------
+
+const runs = new Map(); // name -> { row, color, shown, next, records }
+
+function chartSeries(field, dashed) {
+  return [...runs.values()].filter((r) => r.shown).map((r) => ({
+    label: r.row.label + (dashed ? " (val)" : ""),
+    points: r.records.filter((m) => typeof m[field] === "number").map((m) => [m.step, m[field]]),
+    stroke: r.color,
+    dash: dashed ? [6, 4] : undefined,
+  }));
+}
+
+class Charts {
+  constructor() { this.plots = {}; }
+
+  draw(id, series, log) {
+    const el = $(id);
+    const width = Math.max(el.clientWidth, 200);
+    const height = id === "chart-loss" ? 420 : 170;
+    const nonEmpty = series.filter((s) => s.points.length > 0);
+    if (this.plots[id]) { this.plots[id].destroy(); delete this.plots[id]; }
+    el.textContent = "";
+    if (nonEmpty.length === 0) {
+      el.innerHTML = '<p class="hint">No points yet.</p>';
+      return;
+    }
+    const tables = nonEmpty.map((s) => [s.points.map((p) => p[0]), s.points.map((p) => p[1])]);
+    const data = uPlot.join(tables);
+    const opts = {
+      width, height,
+      legend: { show: id === "chart-loss" },
+      scales: { x: { time: false }, y: log ? { distr: 3 } : {} },
+      axes: [{ label: "step" }, { size: 60 }],
+      series: [{ label: "step" }, ...nonEmpty.map((s) => ({
+        label: s.label, stroke: s.stroke, width: 2, dash: s.dash, spanGaps: true,
+        points: { show: s.points.length < 30 },
+      }))],
+    };
+    this.plots[id] = new uPlot(opts, data, el);
+    el.dataset.points = String(nonEmpty.reduce((n, s) => n + s.points.length, 0));
+  }
+
+  redraw() {
+    this.draw("chart-loss", [...chartSeries("loss", false), ...chartSeries("val_loss", true)], false);
+    this.draw("chart-lr", chartSeries("lr", false), false);
+    this.draw("chart-speed", chartSeries("tokens_per_s", false), false);
+  }
+
+  resize() {
+    for (const [id, plot] of Object.entries(this.plots)) {
+      const el = $(id);
+      plot.setSize({ width: Math.max(el.clientWidth, 200), height: plot.height });
+    }
+  }
+}
+const charts = new Charts();
+window.addEventListener("resize", () => charts.resize());
+
+function fmt(x, digits) {
+  return typeof x === "number" ? x.toFixed(digits) : "–";
+}
+
+function renderTable() {
+  const body = document.querySelector("#runs-table tbody");
+  body.textContent = "";
+  for (const [name, run] of runs) {
+    const tr = document.createElement("tr");
+    const box = document.createElement("input");
+    box.type = "checkbox";
+    box.checked = run.shown;
+    box.addEventListener("change", () => { run.shown = box.checked; charts.redraw(); });
+    const swatch = `<span class="swatch" style="background:${run.color}"></span>`;
+    const cells = [
+      "", `${swatch} ${escapeHtml(name)}`, escapeHtml((run.row.differs || []).join(" ")) || "–",
+      String(run.row.steps), fmt(run.row.best_val_loss, 4), fmt(run.row.tokens_per_s, 0),
+    ];
+    cells.forEach((html, i) => {
+      const td = document.createElement("td");
+      if (i === 0) td.append(box); else td.innerHTML = html;
+      if (i >= 3) td.className = "num";
+      tr.append(td);
+    });
+    body.append(tr);
+  }
+  const select = $("sample-run");
+  const chosen = select.value;
+  select.textContent = "";
+  for (const [name, run] of runs) {
+    if (!run.row.checkpoint) continue;
+    const option = document.createElement("option");
+    option.value = option.textContent = name;
+    select.append(option);
+  }
+  if (chosen) select.value = chosen;
+}
+
+function escapeHtml(s) {
+  return s.replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[c]));
+}
+
+async function refreshRuns() {
+  const response = await api("/api/runs");
+  if (response.status === 404) {
+    $("runs-missing").hidden = false;
+    $("runs-body").hidden = true;
+    return false;
+  }
+  if (!response.ok) return true;
+  const listed = await response.json();
+  for (const row of listed.runs) {
+    const known = runs.get(row.run);
+    if (known) known.row = row;
+    else runs.set(row.run, { row, color: COLORS[runs.size % COLORS.length], shown: true, next: 0, records: [] });
+  }
+  renderTable();
+  return true;
+}
+
+async function pollMetrics() {
+  let grew = false;
+  for (const [name, run] of runs) {
+    const response = await api(`/api/runs/${encodeURIComponent(name)}/metrics?from=${run.next}`);
+    if (!response.ok) continue;
+    const got = await response.json();
+    if (got.next < run.next) run.records = []; // the run started over
+    if (got.records.length > 0) { run.records.push(...got.records); grew = true; }
+    run.next = got.next;
+  }
+  if (grew) charts.redraw();
+}
+
+let polling = null;
+async function watchRuns() {
+  if (polling) return;
+  if (!(await refreshRuns())) return;
+  await pollMetrics();
+  charts.redraw();
+  let ticks = 0;
+  polling = setInterval(async () => {
+    ticks += 1;
+    if (ticks % 5 === 0) await refreshRuns();
+    await pollMetrics();
+  }, 1000);
+}
+
+$("sample-go").addEventListener("click", async () => {
+  const name = $("sample-run").value;
+  const out = $("sample-text");
+  if (!name) { out.textContent = "No run has a checkpoint yet."; return; }
+  out.textContent = "sampling…";
+  const prompt = $("sample-prompt").value;
+  const response = await api(`/api/runs/${encodeURIComponent(name)}/sample`, {
+    method: "POST", body: JSON.stringify({ prompt, max_tokens: 300 }),
+  });
+  if (!response.ok) { out.textContent = await errorText(response); return; }
+  const sample = await response.json();
+  out.textContent = prompt + sample.text;
+});
+
+// --- Start ---------------------------------------------------------------------------
+
+async function start() {
+  const response = await api("/props");
+  if (!response.ok) {
+    $("model").textContent = await errorText(response);
+    if (response.status === 503) setTimeout(start, 1000);
+    return;
+  }
+  const props = await response.json();
+  const millions = (props.parameters / 1e6).toFixed(2);
+  $("model").textContent = `${props.model} · ${millions}M parameters · context ${props.context_length} · ${props.slots} slots`;
+  $("max-tokens").max = props.max_tokens;
+  watchRuns();
+}
+start();

@@ -1,0 +1,522 @@
+//! `tinygpt serve` over real HTTP: the real binary on a tiny checkpoint, a real HTTP
+//! client (ureq), real signals. The openai Python client and a headless browser are
+//! driven by tools/serve-clients.sh.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+fn tinygpt(dir: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("the binary runs")
+}
+
+/// A folder with a tiny trained char model in checkpoints/exp.
+fn trained() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let text = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\nThe slings and arrows of outrageous fortune,\nUser: Who is there?\n\nAssistant: Nay, answer me.\n\n".repeat(60);
+    std::fs::write(dir.path().join("corpus.txt"), text).unwrap();
+    std::fs::write(
+        dir.path().join("exp.toml"),
+        "[data]\ncorpus = \"corpus.txt\"\n[tokenizer]\nkind = \"char\"\n\
+         [model]\nn_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32\n\
+         [train]\nbatch_size = 8\nmax_iters = 40\nwarmup_iters = 2\neval_interval = 20\neval_iters = 1\ncheckpoint_interval = 20\n",
+    )
+    .unwrap();
+    let out = tinygpt(dir.path(), &["train", "--config", "exp.toml"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    dir
+}
+
+/// The server, started on a free port; killed when dropped.
+struct Server {
+    child: Child,
+    base: String,
+    log: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl Server {
+    fn start(dir: &Path, extra: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+            .args(["serve", "--checkpoint", "checkpoints/exp", "--port", "0"])
+            .args(extra)
+            .current_dir(dir)
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let log_w = std::sync::Arc::clone(&log);
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(at) = line.find("at http://") {
+                    let url = line[at + 3..].split_whitespace().next().unwrap();
+                    let _ = tx.send(url.trim_end_matches('/').to_string());
+                }
+                log_w.lock().unwrap().push_str(&(line + "\n"));
+            }
+        });
+        let base = rx
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| panic!("the server said where it listens: {}", log.lock().unwrap()));
+        Server { child, base, log }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    fn signal(&self, signal: i32) {
+        // Safety: sends a signal to our own child process.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+
+    /// Waits for the exit; its code (128 + signal for a polite stop).
+    fn wait(&mut self, limit: Duration) -> Option<i32> {
+        let started = Instant::now();
+        while started.elapsed() < limit {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.code();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::new_with_config(
+        ureq::config::Config::builder()
+            .http_status_as_error(false)
+            .build(),
+    )
+}
+
+/// POSTs JSON text; (status, body as JSON).
+fn post(url: &str, body: &str) -> (u16, Value) {
+    post_with(url, body, &[])
+}
+
+fn post_with(url: &str, body: &str, headers: &[(&str, &str)]) -> (u16, Value) {
+    let mut request = agent().post(url).header("content-type", "application/json");
+    for (k, v) in headers {
+        request = request.header(*k, *v);
+    }
+    let mut response = request.send(body).unwrap();
+    let status = response.status().as_u16();
+    let text = response.body_mut().read_to_string().unwrap();
+    (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+}
+
+fn get(url: &str, headers: &[(&str, &str)]) -> (u16, String) {
+    let mut request = agent().get(url);
+    for (k, v) in headers {
+        request = request.header(*k, *v);
+    }
+    let mut response = request.call().unwrap();
+    let status = response.status().as_u16();
+    (status, response.body_mut().read_to_string().unwrap())
+}
+
+/// A streamed request's `data:` payloads, in order.
+fn stream(url: &str, body: &Value) -> Vec<String> {
+    let mut response = agent()
+        .post(url)
+        .header("content-type", "application/json")
+        .send(body.to_string())
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let content_type = response.headers()["content-type"].to_str().unwrap().to_string();
+    assert!(content_type.starts_with("text/event-stream"), "{content_type}");
+    let mut text = String::new();
+    response.body_mut().as_reader().read_to_string(&mut text).unwrap();
+    text.split("\n\n")
+        .filter_map(|event| event.lines().find_map(|l| l.strip_prefix("data: ")))
+        .map(String::from)
+        .collect()
+}
+
+/// Streamed completion text per choice, the finish reasons, and the usage chunk.
+fn streamed_text(events: &[String], n: usize) -> (Vec<String>, Vec<String>, Option<Value>) {
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{events:?}");
+    let mut texts = vec![String::new(); n];
+    let mut finishes = vec![String::new(); n];
+    let mut usage = None;
+    for event in &events[..events.len() - 1] {
+        let chunk: Value = serde_json::from_str(event).unwrap();
+        if !chunk["usage"].is_null() {
+            usage = Some(chunk["usage"].clone());
+        }
+        for choice in chunk["choices"].as_array().unwrap() {
+            let i = choice["index"].as_u64().unwrap() as usize;
+            if let Some(t) = choice["text"].as_str() {
+                texts[i].push_str(t);
+            }
+            if let Some(t) = choice["delta"]["content"].as_str() {
+                texts[i].push_str(t);
+            }
+            if let Some(f) = choice["finish_reason"].as_str() {
+                finishes[i] = f.to_string();
+            }
+        }
+    }
+    (texts, finishes, usage)
+}
+
+fn generate_json(dir: &Path, prompt: &str, seed: u64, samples: usize, tokens: usize) -> Vec<String> {
+    let out = tinygpt(
+        dir,
+        &[
+            "generate",
+            "--checkpoint",
+            "checkpoints/exp",
+            "--json",
+            "--prompt",
+            prompt,
+            "--seed",
+            &seed.to_string(),
+            "--num-samples",
+            &samples.to_string(),
+            "--max-new-tokens",
+            &tokens.to_string(),
+            "--temperature",
+            "0.9",
+            "--top-k",
+            "20",
+        ],
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["text"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn completions_match_generate_stream_and_stop_across_tokens() {
+    let dir = trained();
+    let server = Server::start(dir.path(), &["--parallel", "4"]);
+    let completions = server.url("/v1/completions");
+
+    // Same seed and settings as `generate`: the same text, for every choice.
+    let expected = generate_json(dir.path(), "To be", 7, 2, 60);
+    let request = json!({"prompt": "To be", "seed": 7, "n": 2, "max_tokens": 60, "temperature": 0.9, "top_k": 20});
+    let (status, body) = post(&completions, &request.to_string());
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["object"], "text_completion");
+    let texts: Vec<&str> = body["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(texts, expected, "the server's choices are generate's samples");
+    assert_eq!(body["usage"]["prompt_tokens"], 5);
+    assert_eq!(body["usage"]["completion_tokens"], 120);
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+
+    // Streamed: the chunks add up to the same text, then usage, then [DONE].
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let events = stream(&completions, &streamed);
+    let (chunks, finishes, usage) = streamed_text(&events, 2);
+    assert_eq!(chunks, expected);
+    assert_eq!(finishes, ["length", "length"]);
+    assert_eq!(usage.unwrap()["completion_tokens"], 120);
+
+    // A stop string of several characters (several tokens of this char model) cuts the
+    // text before it, and no chunk ever shows a piece of it.
+    let text = &expected[0];
+    let cut = text.char_indices().nth(20).map_or(0, |(i, _)| i);
+    let stop: String = text[cut..].chars().take(3).collect();
+    let before = &text[..text.find(&stop).unwrap()];
+    let mut stopped = json!({"prompt": "To be", "seed": 7, "max_tokens": 60, "temperature": 0.9, "top_k": 20, "stop": [stop.clone()]});
+    let (_, body) = post(&completions, &stopped.to_string());
+    assert_eq!(body["choices"][0]["text"], *before);
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    stopped["stream"] = json!(true);
+    let events = stream(&completions, &stopped);
+    let (chunks, finishes, _) = streamed_text(&events, 1);
+    assert_eq!(chunks[0], *before);
+    assert_eq!(finishes[0], "stop");
+    assert!(events.iter().all(|e| !e.contains(&stop)), "a chunk showed the stop string");
+
+    // Logprobs: one per generated token, each <= 0, the top alternatives ordered.
+    let (_, body) = post(
+        &completions,
+        &json!({"prompt": "To be", "seed": 1, "max_tokens": 12, "logprobs": 3}).to_string(),
+    );
+    let lp = &body["choices"][0]["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(tokens.concat(), body["choices"][0]["text"].as_str().unwrap());
+    for (i, top) in lp["top_logprobs"].as_array().unwrap().iter().enumerate() {
+        let chosen = lp["token_logprobs"][i].as_f64().unwrap();
+        assert!(chosen <= 0.0);
+        let values: Vec<f64> = top.as_object().unwrap().values().map(|v| v.as_f64().unwrap()).collect();
+        assert!(!values.is_empty() && values.len() <= 3);
+        let best = values.iter().cloned().fold(f64::MIN, f64::max);
+        assert!(chosen <= best + 1e-6, "the drawn token is not likelier than the top");
+    }
+
+    // Chat: the template's prompt, the reply as a message; streamed as deltas.
+    let chat = json!({"messages": [{"role": "user", "content": "Who is there?"}], "seed": 3, "max_tokens": 20});
+    let (status, body) = post(&server.url("/v1/chat/completions"), &chat.to_string());
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["object"], "chat.completion");
+    let reply = body["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let mut chat_stream = chat.clone();
+    chat_stream["stream"] = json!(true);
+    let events = stream(&server.url("/v1/chat/completions"), &chat_stream);
+    let first: Value = serde_json::from_str(&events[0]).unwrap();
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(first["object"], "chat.completion.chunk");
+    let (deltas, _, _) = streamed_text(&events, 1);
+    assert_eq!(deltas[0], reply);
+
+    // Tokenize and detokenize round-trip; models lists the run.
+    let (_, tokens) = post(&server.url("/tokenize"), r#"{"content": "To be"}"#);
+    assert_eq!(tokens["tokens"].as_array().unwrap().len(), 5);
+    let (_, back) = post(&server.url("/detokenize"), &json!({"tokens": tokens["tokens"]}).to_string());
+    assert_eq!(back["content"], "To be");
+    let (status, models) = get(&server.url("/v1/models"), &[]);
+    assert_eq!(status, 200);
+    assert!(models.contains("\"id\":\"exp\""), "{models}");
+    let (status, metrics) = get(&server.url("/metrics"), &[]);
+    assert_eq!(status, 200);
+    assert!(metrics.contains("tinygpt_generated_tokens_total "), "{metrics}");
+}
+
+/// A request that joins while another generates does not change either's text: the
+/// batch is cached-vs-batched equal to each decoded alone.
+#[test]
+fn requests_joining_midway_decode_as_if_alone() {
+    let dir = trained();
+    let server = Server::start(dir.path(), &["--parallel", "4"]);
+    let url = server.url("/v1/completions");
+    let body = |seed: u64, tokens: usize| {
+        json!({"prompt": "Whe", "seed": seed, "max_tokens": tokens, "temperature": 1.0}).to_string()
+    };
+    let alone_a = post(&url, &body(11, 400)).1["choices"][0]["text"].clone();
+    let alone_b = post(&url, &body(12, 40)).1["choices"][0]["text"].clone();
+    let long = {
+        let url = url.clone();
+        let body = body(11, 400);
+        std::thread::spawn(move || post(&url, &body).1["choices"][0]["text"].clone())
+    };
+    // Join while the long one runs (its 400 tokens take well over this).
+    std::thread::sleep(Duration::from_millis(30));
+    let joined_b = post(&url, &body(12, 40)).1["choices"][0]["text"].clone();
+    let joined_a = long.join().unwrap();
+    assert_eq!(joined_a, alone_a);
+    assert_eq!(joined_b, alone_b);
+}
+
+#[test]
+fn bad_requests_are_4xx_with_openai_errors() {
+    let dir = trained();
+    let server = Server::start(dir.path(), &["--parallel", "2", "--max-body-bytes", "2000"]);
+    let url = server.url("/v1/completions");
+    let long_prompt = "a".repeat(40);
+    let cases: Vec<(String, u16, &str)> = vec![
+        ("{not json".into(), 400, "invalid_request_error"),
+        (r#"{"prompt": 3.5}"#.into(), 400, "invalid_request_error"),
+        (r#"{"prompt": "T", "model": "gpt-4"}"#.into(), 404, "not_found_error"),
+        (json!({"prompt": long_prompt}).to_string(), 400, "invalid_request_error"),
+        (r#"{"prompt": "T", "max_tokens": 0}"#.into(), 400, "invalid_request_error"),
+        (r#"{"prompt": "T", "n": 3}"#.into(), 400, "invalid_request_error"),
+        (r#"{"prompt": "T", "temperature": -1}"#.into(), 400, "invalid_request_error"),
+        (r#"{"prompt": "T", "top_p": 0}"#.into(), 400, "invalid_request_error"),
+        (r#"{"prompt": "T", "logprobs": 9}"#.into(), 400, "invalid_request_error"),
+        (r#"{"prompt": [1, 2, 999]}"#.into(), 400, "invalid_request_error"),
+        (r#"{"prompt": ["a", "b"]}"#.into(), 400, "invalid_request_error"),
+        (json!({"prompt": "x".repeat(3000)}).to_string(), 413, "invalid_request_error"),
+    ];
+    for (body, status, kind) in cases {
+        let (got, error) = post(&url, &body);
+        assert_eq!(got, status, "{body:.80}: {error}");
+        assert_eq!(error["error"]["type"], kind, "{body:.80}: {error}");
+        assert!(error["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+    }
+    let (status, error) = post(&server.url("/v1/chat/completions"), r#"{"messages": []}"#);
+    assert_eq!(status, 400, "{error}");
+    let (status, error) = post(
+        &server.url("/v1/chat/completions"),
+        r#"{"messages": [{"role": "wizard", "content": "hi"}]}"#,
+    );
+    assert_eq!(status, 400, "{error}");
+    let (status, body) = get(&server.url("/v1/nothing"), &[]);
+    assert_eq!(status, 404, "{body}");
+    assert!(body.contains("\"error\""));
+    let mut response = agent().put(&url).send("{}").unwrap();
+    assert_eq!(response.status().as_u16(), 405);
+    assert!(response.body_mut().read_to_string().unwrap().contains("\"error\""));
+    // Without a JSON content type.
+    let mut response = agent().post(&url).send(r#"{"prompt": "x"}"#).unwrap();
+    assert_eq!(response.status().as_u16(), 415);
+    assert!(response.body_mut().read_to_string().unwrap().contains("\"error\""));
+    // The server is still there.
+    let (status, _) = get(&server.url("/health"), &[]);
+    assert_eq!(status, 200);
+}
+
+#[test]
+fn the_api_key_guards_every_route_but_health() {
+    let dir = trained();
+    let server = Server::start(dir.path(), &["--api-key", "s3cret"]);
+    let (status, body) = get(&server.url("/v1/models"), &[]);
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("authentication_error"), "{body}");
+    let (status, _) = get(&server.url("/v1/models"), &[("authorization", "Bearer wrong")]);
+    assert_eq!(status, 401);
+    let (status, _) = get(&server.url("/v1/models"), &[("authorization", "Bearer s3cret")]);
+    assert_eq!(status, 200);
+    let (status, _) = post(&server.url("/v1/completions"), r#"{"prompt": "To", "max_tokens": 2}"#);
+    assert_eq!(status, 401);
+    let (status, _) = post_with(
+        &server.url("/v1/completions"),
+        r#"{"prompt": "To", "max_tokens": 2}"#,
+        &[("authorization", "Bearer s3cret")],
+    );
+    assert_eq!(status, 200);
+    for open in ["/health", "/", "/app.js"] {
+        let (status, _) = get(&server.url(open), &[]);
+        assert_eq!(status, 200, "{open}");
+    }
+    // No CORS unless asked for.
+    let response = agent()
+        .get(&server.url("/health"))
+        .header("origin", "http://elsewhere.example")
+        .call()
+        .unwrap();
+    assert!(response.headers().get("access-control-allow-origin").is_none());
+}
+
+#[test]
+fn a_full_queue_answers_503_and_a_disconnect_frees_the_slot() {
+    let dir = trained();
+    let server = Server::start(
+        dir.path(),
+        &["--parallel", "1", "--max-queue", "1", "--max-tokens", "1000000"],
+    );
+    let url = server.url("/v1/completions");
+    // A holds the only slot: a stream that would run for minutes.
+    let mut a = agent()
+        .post(&url)
+        .header("content-type", "application/json")
+        .send(json!({"prompt": "To", "max_tokens": 1000000, "stream": true}).to_string())
+        .unwrap();
+    let mut reader = BufReader::new(a.body_mut().as_reader());
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    assert!(line.starts_with("data: "), "{line}");
+    // B waits in the queue.
+    let b = {
+        let url = url.clone();
+        std::thread::spawn(move || post(&url, r#"{"prompt": "To", "max_tokens": 5}"#))
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !get(&server.url("/metrics"), &[]).1.contains("tinygpt_requests_queued 1") {
+        assert!(Instant::now() < deadline, "B never queued");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // C finds the queue full.
+    let mut response = agent()
+        .post(&url)
+        .header("content-type", "application/json")
+        .send(r#"{"prompt": "To", "max_tokens": 5}"#)
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 503);
+    assert_eq!(response.headers()["retry-after"], "1");
+    let error: Value = serde_json::from_str(&response.body_mut().read_to_string().unwrap()).unwrap();
+    assert_eq!(error["error"]["type"], "unavailable_error");
+    // A's client goes away: B gets the slot and finishes.
+    drop(reader);
+    drop(a);
+    let started = Instant::now();
+    let (status, body) = b.join().unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["usage"]["completion_tokens"], 5);
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let (_, metrics) = get(&server.url("/metrics"), &[]);
+    assert!(metrics.contains("tinygpt_requests_cancelled_total 1"), "{metrics}");
+    assert!(metrics.contains("tinygpt_requests_running 0"), "{metrics}");
+}
+
+#[test]
+fn sigterm_ends_streams_with_a_finish_reason_and_exits_143() {
+    let dir = trained();
+    let mut server = Server::start(dir.path(), &["--max-tokens", "1000000"]);
+    let url = server.url("/v1/completions");
+    let streaming = std::thread::spawn(move || {
+        stream(&url, &json!({"prompt": "To", "max_tokens": 1000000, "stream": true}))
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !get(&server.url("/metrics"), &[]).1.contains("tinygpt_requests_running 1") {
+        assert!(Instant::now() < deadline, "the stream never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let signalled = Instant::now();
+    server.signal(libc::SIGTERM);
+    let events = streaming.join().unwrap();
+    let (_, finishes, _) = streamed_text(&events, 1);
+    assert_eq!(finishes[0], "length");
+    let code = server.wait(Duration::from_secs(10));
+    assert_eq!(code, Some(143), "{}", server.log.lock().unwrap());
+    assert!(signalled.elapsed() < Duration::from_secs(5), "{:?}", signalled.elapsed());
+}
+
+#[test]
+fn the_dashboard_reads_runs_as_they_grow() {
+    let dir = trained();
+    let server = Server::start(dir.path(), &["--runs", "checkpoints"]);
+    let (status, body) = get(&server.url("/api/runs"), &[]);
+    assert_eq!(status, 200, "{body}");
+    let runs: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(runs["runs"][0]["run"], "exp");
+    assert_eq!(runs["runs"][0]["checkpoint"], true);
+    let (_, body) = get(&server.url("/api/runs/exp/metrics?from=0"), &[]);
+    let first: Value = serde_json::from_str(&body).unwrap();
+    let records = first["records"].as_array().unwrap().len();
+    assert!(records > 0);
+    // A line appended (half of it first) appears once whole, and only then.
+    let metrics = dir.path().join("checkpoints/exp/metrics.jsonl");
+    let mut file = std::fs::OpenOptions::new().append(true).open(&metrics).unwrap();
+    use std::io::Write;
+    file.write_all(br#"{"step": 99, "loss": 1.5, "#).unwrap();
+    let next = first["next"].as_u64().unwrap();
+    let (_, body) = get(&server.url(&format!("/api/runs/exp/metrics?from={next}")), &[]);
+    let partial: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(partial["records"].as_array().unwrap().len(), 0);
+    assert_eq!(partial["next"], next);
+    file.write_all(b"\"lr\": 0.001}\n").unwrap();
+    let (_, body) = get(&server.url(&format!("/api/runs/exp/metrics?from={next}")), &[]);
+    let grown: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(grown["records"][0]["step"], 99);
+    // Paths outside the runs folder are not runs.
+    let (status, _) = get(&server.url("/api/runs/..%2F..%2Fetc/metrics"), &[]);
+    assert_eq!(status, 404);
+    let (status, sample) = post(&server.url("/api/runs/exp/sample"), r#"{"prompt": "To", "max_tokens": 10, "seed": 1}"#);
+    assert_eq!(status, 200, "{sample}");
+    assert_eq!(sample["text"].as_str().unwrap().chars().count(), 10);
+}
