@@ -661,8 +661,14 @@ fn rows_at_their_own_positions_decode_as_each_sequence_alone() {
             .to_vec();
         assert_close(&logits, &alone(&a), "a after 6");
         // Places outside the buffers are refused, not written.
-        assert!(rows.run_rows(&[1], &[Place { seq: 3, pos: 0 }], &[0]).is_err());
-        assert!(rows.run_rows(&[1], &[Place { seq: 0, pos: 8 }], &[0]).is_err());
-        assert!(rows.run_rows(&[1], &[Place { seq: 0, pos: 0 }], &[1]).is_err());
+        assert!(rows
+            .run_rows(&[1], &[Place { seq: 3, pos: 0 }], &[0])
+            .is_err());
+        assert!(rows
+            .run_rows(&[1], &[Place { seq: 0, pos: 8 }], &[0])
+            .is_err());
+        assert!(rows
+            .run_rows(&[1], &[Place { seq: 0, pos: 0 }], &[1])
+            .is_err());
     }
 }

@@ -70,7 +70,9 @@ impl Server {
         });
         let base = rx
             .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|_| panic!("the server said where it listens: {}", log.lock().unwrap()));
+            .unwrap_or_else(|_| {
+                panic!("the server said where it listens: {}", log.lock().unwrap())
+            });
         Server { child, base, log }
     }
 
@@ -124,7 +126,10 @@ fn post_with(url: &str, body: &str, headers: &[(&str, &str)]) -> (u16, Value) {
     let mut response = request.send(body).unwrap();
     let status = response.status().as_u16();
     let text = response.body_mut().read_to_string().unwrap();
-    (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
 }
 
 fn get(url: &str, headers: &[(&str, &str)]) -> (u16, String) {
@@ -145,10 +150,20 @@ fn stream(url: &str, body: &Value) -> Vec<String> {
         .send(body.to_string())
         .unwrap();
     assert_eq!(response.status().as_u16(), 200);
-    let content_type = response.headers()["content-type"].to_str().unwrap().to_string();
-    assert!(content_type.starts_with("text/event-stream"), "{content_type}");
+    let content_type = response.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        content_type.starts_with("text/event-stream"),
+        "{content_type}"
+    );
     let mut text = String::new();
-    response.body_mut().as_reader().read_to_string(&mut text).unwrap();
+    response
+        .body_mut()
+        .as_reader()
+        .read_to_string(&mut text)
+        .unwrap();
     text.split("\n\n")
         .filter_map(|event| event.lines().find_map(|l| l.strip_prefix("data: ")))
         .map(String::from)
@@ -157,7 +172,11 @@ fn stream(url: &str, body: &Value) -> Vec<String> {
 
 /// Streamed completion text per choice, the finish reasons, and the usage chunk.
 fn streamed_text(events: &[String], n: usize) -> (Vec<String>, Vec<String>, Option<Value>) {
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{events:?}");
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
     let mut texts = vec![String::new(); n];
     let mut finishes = vec![String::new(); n];
     let mut usage = None;
@@ -182,7 +201,13 @@ fn streamed_text(events: &[String], n: usize) -> (Vec<String>, Vec<String>, Opti
     (texts, finishes, usage)
 }
 
-fn generate_json(dir: &Path, prompt: &str, seed: u64, samples: usize, tokens: usize) -> Vec<String> {
+fn generate_json(
+    dir: &Path,
+    prompt: &str,
+    seed: u64,
+    samples: usize,
+    tokens: usize,
+) -> Vec<String> {
     let out = tinygpt(
         dir,
         &[
@@ -204,11 +229,20 @@ fn generate_json(dir: &Path, prompt: &str, seed: u64, samples: usize, tokens: us
             "20",
         ],
     );
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout)
         .unwrap()
         .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap()["text"].as_str().unwrap().to_string())
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
         .collect()
 }
 
@@ -230,7 +264,10 @@ fn completions_match_generate_stream_and_stop_across_tokens() {
         .iter()
         .map(|c| c["text"].as_str().unwrap())
         .collect();
-    assert_eq!(texts, expected, "the server's choices are generate's samples");
+    assert_eq!(
+        texts, expected,
+        "the server's choices are generate's samples"
+    );
     assert_eq!(body["usage"]["prompt_tokens"], 5);
     assert_eq!(body["usage"]["completion_tokens"], 120);
     assert_eq!(body["choices"][0]["finish_reason"], "length");
@@ -260,7 +297,10 @@ fn completions_match_generate_stream_and_stop_across_tokens() {
     let (chunks, finishes, _) = streamed_text(&events, 1);
     assert_eq!(chunks[0], *before);
     assert_eq!(finishes[0], "stop");
-    assert!(events.iter().all(|e| !e.contains(&stop)), "a chunk showed the stop string");
+    assert!(
+        events.iter().all(|e| !e.contains(&stop)),
+        "a chunk showed the stop string"
+    );
 
     // Logprobs: one per generated token, each <= 0, the top alternatives ordered.
     let (_, body) = post(
@@ -268,15 +308,31 @@ fn completions_match_generate_stream_and_stop_across_tokens() {
         &json!({"prompt": "To be", "seed": 1, "max_tokens": 12, "logprobs": 3}).to_string(),
     );
     let lp = &body["choices"][0]["logprobs"];
-    let tokens: Vec<&str> = lp["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
-    assert_eq!(tokens.concat(), body["choices"][0]["text"].as_str().unwrap());
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        tokens.concat(),
+        body["choices"][0]["text"].as_str().unwrap()
+    );
     for (i, top) in lp["top_logprobs"].as_array().unwrap().iter().enumerate() {
         let chosen = lp["token_logprobs"][i].as_f64().unwrap();
         assert!(chosen <= 0.0);
-        let values: Vec<f64> = top.as_object().unwrap().values().map(|v| v.as_f64().unwrap()).collect();
+        let values: Vec<f64> = top
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
         assert!(!values.is_empty() && values.len() <= 3);
         let best = values.iter().cloned().fold(f64::MIN, f64::max);
-        assert!(chosen <= best + 1e-6, "the drawn token is not likelier than the top");
+        assert!(
+            chosen <= best + 1e-6,
+            "the drawn token is not likelier than the top"
+        );
     }
 
     // Chat: the template's prompt, the reply as a message; streamed as deltas.
@@ -284,7 +340,10 @@ fn completions_match_generate_stream_and_stop_across_tokens() {
     let (status, body) = post(&server.url("/v1/chat/completions"), &chat.to_string());
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["object"], "chat.completion");
-    let reply = body["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let reply = body["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let mut chat_stream = chat.clone();
     chat_stream["stream"] = json!(true);
     let events = stream(&server.url("/v1/chat/completions"), &chat_stream);
@@ -297,14 +356,20 @@ fn completions_match_generate_stream_and_stop_across_tokens() {
     // Tokenize and detokenize round-trip; models lists the run.
     let (_, tokens) = post(&server.url("/tokenize"), r#"{"content": "To be"}"#);
     assert_eq!(tokens["tokens"].as_array().unwrap().len(), 5);
-    let (_, back) = post(&server.url("/detokenize"), &json!({"tokens": tokens["tokens"]}).to_string());
+    let (_, back) = post(
+        &server.url("/detokenize"),
+        &json!({"tokens": tokens["tokens"]}).to_string(),
+    );
     assert_eq!(back["content"], "To be");
     let (status, models) = get(&server.url("/v1/models"), &[]);
     assert_eq!(status, 200);
     assert!(models.contains("\"id\":\"exp\""), "{models}");
     let (status, metrics) = get(&server.url("/metrics"), &[]);
     assert_eq!(status, 200);
-    assert!(metrics.contains("tinygpt_generated_tokens_total "), "{metrics}");
+    assert!(
+        metrics.contains("tinygpt_generated_tokens_total "),
+        "{metrics}"
+    );
 }
 
 /// A request that joins while another generates does not change either's text: the
@@ -341,22 +406,64 @@ fn bad_requests_are_4xx_with_openai_errors() {
     let cases: Vec<(String, u16, &str)> = vec![
         ("{not json".into(), 400, "invalid_request_error"),
         (r#"{"prompt": 3.5}"#.into(), 400, "invalid_request_error"),
-        (r#"{"prompt": "T", "model": "gpt-4"}"#.into(), 404, "not_found_error"),
-        (json!({"prompt": long_prompt}).to_string(), 400, "invalid_request_error"),
-        (r#"{"prompt": "T", "max_tokens": 0}"#.into(), 400, "invalid_request_error"),
-        (r#"{"prompt": "T", "n": 3}"#.into(), 400, "invalid_request_error"),
-        (r#"{"prompt": "T", "temperature": -1}"#.into(), 400, "invalid_request_error"),
-        (r#"{"prompt": "T", "top_p": 0}"#.into(), 400, "invalid_request_error"),
-        (r#"{"prompt": "T", "logprobs": 9}"#.into(), 400, "invalid_request_error"),
-        (r#"{"prompt": [1, 2, 999]}"#.into(), 400, "invalid_request_error"),
-        (r#"{"prompt": ["a", "b"]}"#.into(), 400, "invalid_request_error"),
-        (json!({"prompt": "x".repeat(3000)}).to_string(), 413, "invalid_request_error"),
+        (
+            r#"{"prompt": "T", "model": "gpt-4"}"#.into(),
+            404,
+            "not_found_error",
+        ),
+        (
+            json!({"prompt": long_prompt}).to_string(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            r#"{"prompt": "T", "max_tokens": 0}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            r#"{"prompt": "T", "n": 3}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            r#"{"prompt": "T", "temperature": -1}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            r#"{"prompt": "T", "top_p": 0}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            r#"{"prompt": "T", "logprobs": 9}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            r#"{"prompt": [1, 2, 999]}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            r#"{"prompt": ["a", "b"]}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            json!({"prompt": "x".repeat(3000)}).to_string(),
+            413,
+            "invalid_request_error",
+        ),
     ];
     for (body, status, kind) in cases {
         let (got, error) = post(&url, &body);
         assert_eq!(got, status, "{body:.80}: {error}");
         assert_eq!(error["error"]["type"], kind, "{body:.80}: {error}");
-        assert!(error["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+        assert!(error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()));
     }
     let (status, error) = post(&server.url("/v1/chat/completions"), r#"{"messages": []}"#);
     assert_eq!(status, 400, "{error}");
@@ -370,11 +477,19 @@ fn bad_requests_are_4xx_with_openai_errors() {
     assert!(body.contains("\"error\""));
     let mut response = agent().put(&url).send("{}").unwrap();
     assert_eq!(response.status().as_u16(), 405);
-    assert!(response.body_mut().read_to_string().unwrap().contains("\"error\""));
+    assert!(response
+        .body_mut()
+        .read_to_string()
+        .unwrap()
+        .contains("\"error\""));
     // Without a JSON content type.
     let mut response = agent().post(&url).send(r#"{"prompt": "x"}"#).unwrap();
     assert_eq!(response.status().as_u16(), 415);
-    assert!(response.body_mut().read_to_string().unwrap().contains("\"error\""));
+    assert!(response
+        .body_mut()
+        .read_to_string()
+        .unwrap()
+        .contains("\"error\""));
     // The server is still there.
     let (status, _) = get(&server.url("/health"), &[]);
     assert_eq!(status, 200);
@@ -387,11 +502,20 @@ fn the_api_key_guards_every_route_but_health() {
     let (status, body) = get(&server.url("/v1/models"), &[]);
     assert_eq!(status, 401, "{body}");
     assert!(body.contains("authentication_error"), "{body}");
-    let (status, _) = get(&server.url("/v1/models"), &[("authorization", "Bearer wrong")]);
+    let (status, _) = get(
+        &server.url("/v1/models"),
+        &[("authorization", "Bearer wrong")],
+    );
     assert_eq!(status, 401);
-    let (status, _) = get(&server.url("/v1/models"), &[("authorization", "Bearer s3cret")]);
+    let (status, _) = get(
+        &server.url("/v1/models"),
+        &[("authorization", "Bearer s3cret")],
+    );
     assert_eq!(status, 200);
-    let (status, _) = post(&server.url("/v1/completions"), r#"{"prompt": "To", "max_tokens": 2}"#);
+    let (status, _) = post(
+        &server.url("/v1/completions"),
+        r#"{"prompt": "To", "max_tokens": 2}"#,
+    );
     assert_eq!(status, 401);
     let (status, _) = post_with(
         &server.url("/v1/completions"),
@@ -409,7 +533,10 @@ fn the_api_key_guards_every_route_but_health() {
         .header("origin", "http://elsewhere.example")
         .call()
         .unwrap();
-    assert!(response.headers().get("access-control-allow-origin").is_none());
+    assert!(response
+        .headers()
+        .get("access-control-allow-origin")
+        .is_none());
 }
 
 #[test]
@@ -417,7 +544,14 @@ fn a_full_queue_answers_503_and_a_disconnect_frees_the_slot() {
     let dir = trained();
     let server = Server::start(
         dir.path(),
-        &["--parallel", "1", "--max-queue", "1", "--max-tokens", "1000000"],
+        &[
+            "--parallel",
+            "1",
+            "--max-queue",
+            "1",
+            "--max-tokens",
+            "1000000",
+        ],
     );
     let url = server.url("/v1/completions");
     // A holds the only slot: a stream that would run for minutes.
@@ -436,7 +570,10 @@ fn a_full_queue_answers_503_and_a_disconnect_frees_the_slot() {
         std::thread::spawn(move || post(&url, r#"{"prompt": "To", "max_tokens": 5}"#))
     };
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !get(&server.url("/metrics"), &[]).1.contains("tinygpt_requests_queued 1") {
+    while !get(&server.url("/metrics"), &[])
+        .1
+        .contains("tinygpt_requests_queued 1")
+    {
         assert!(Instant::now() < deadline, "B never queued");
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -448,7 +585,8 @@ fn a_full_queue_answers_503_and_a_disconnect_frees_the_slot() {
         .unwrap();
     assert_eq!(response.status().as_u16(), 503);
     assert_eq!(response.headers()["retry-after"], "1");
-    let error: Value = serde_json::from_str(&response.body_mut().read_to_string().unwrap()).unwrap();
+    let error: Value =
+        serde_json::from_str(&response.body_mut().read_to_string().unwrap()).unwrap();
     assert_eq!(error["error"]["type"], "unavailable_error");
     // A's client goes away: B gets the slot and finishes.
     drop(reader);
@@ -459,7 +597,10 @@ fn a_full_queue_answers_503_and_a_disconnect_frees_the_slot() {
     assert_eq!(body["usage"]["completion_tokens"], 5);
     assert!(started.elapsed() < Duration::from_secs(10));
     let (_, metrics) = get(&server.url("/metrics"), &[]);
-    assert!(metrics.contains("tinygpt_requests_cancelled_total 1"), "{metrics}");
+    assert!(
+        metrics.contains("tinygpt_requests_cancelled_total 1"),
+        "{metrics}"
+    );
     assert!(metrics.contains("tinygpt_requests_running 0"), "{metrics}");
 }
 
@@ -469,10 +610,16 @@ fn sigterm_ends_streams_with_a_finish_reason_and_exits_143() {
     let mut server = Server::start(dir.path(), &["--max-tokens", "1000000"]);
     let url = server.url("/v1/completions");
     let streaming = std::thread::spawn(move || {
-        stream(&url, &json!({"prompt": "To", "max_tokens": 1000000, "stream": true}))
+        stream(
+            &url,
+            &json!({"prompt": "To", "max_tokens": 1000000, "stream": true}),
+        )
     });
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !get(&server.url("/metrics"), &[]).1.contains("tinygpt_requests_running 1") {
+    while !get(&server.url("/metrics"), &[])
+        .1
+        .contains("tinygpt_requests_running 1")
+    {
         assert!(Instant::now() < deadline, "the stream never started");
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -483,7 +630,11 @@ fn sigterm_ends_streams_with_a_finish_reason_and_exits_143() {
     assert_eq!(finishes[0], "length");
     let code = server.wait(Duration::from_secs(10));
     assert_eq!(code, Some(143), "{}", server.log.lock().unwrap());
-    assert!(signalled.elapsed() < Duration::from_secs(5), "{:?}", signalled.elapsed());
+    assert!(
+        signalled.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        signalled.elapsed()
+    );
 }
 
 #[test]
@@ -501,22 +652,34 @@ fn the_dashboard_reads_runs_as_they_grow() {
     assert!(records > 0);
     // A line appended (half of it first) appears once whole, and only then.
     let metrics = dir.path().join("checkpoints/exp/metrics.jsonl");
-    let mut file = std::fs::OpenOptions::new().append(true).open(&metrics).unwrap();
+    let mut file = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&metrics)
+        .unwrap();
     use std::io::Write;
     file.write_all(br#"{"step": 99, "loss": 1.5, "#).unwrap();
     let next = first["next"].as_u64().unwrap();
-    let (_, body) = get(&server.url(&format!("/api/runs/exp/metrics?from={next}")), &[]);
+    let (_, body) = get(
+        &server.url(&format!("/api/runs/exp/metrics?from={next}")),
+        &[],
+    );
     let partial: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(partial["records"].as_array().unwrap().len(), 0);
     assert_eq!(partial["next"], next);
     file.write_all(b"\"lr\": 0.001}\n").unwrap();
-    let (_, body) = get(&server.url(&format!("/api/runs/exp/metrics?from={next}")), &[]);
+    let (_, body) = get(
+        &server.url(&format!("/api/runs/exp/metrics?from={next}")),
+        &[],
+    );
     let grown: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(grown["records"][0]["step"], 99);
     // Paths outside the runs folder are not runs.
     let (status, _) = get(&server.url("/api/runs/..%2F..%2Fetc/metrics"), &[]);
     assert_eq!(status, 404);
-    let (status, sample) = post(&server.url("/api/runs/exp/sample"), r#"{"prompt": "To", "max_tokens": 10, "seed": 1}"#);
+    let (status, sample) = post(
+        &server.url("/api/runs/exp/sample"),
+        r#"{"prompt": "To", "max_tokens": 10, "seed": 1}"#,
+    );
     assert_eq!(status, 200, "{sample}");
     assert_eq!(sample["text"].as_str().unwrap().chars().count(), 10);
 }

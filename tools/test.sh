@@ -5,7 +5,8 @@
 # loudly) and data-parallel training under mpirun (feature mpi: Open MPI installed
 # with apt-get where it is missing; skipped loudly where it cannot be), then a compile check of the CUDA feature as CI keeps it: clippy with
 # -D warnings over every target, our kernels and candle's compiled by nvcc, nothing
-# linked or run (no GPU needed).
+# linked or run (no GPU needed). Between the two: `tinygpt serve` against the official
+# openai Python client and its page in headless Chromium (tools/serve-clients.sh).
 #
 #   tools/test.sh                             # both; the CUDA check installs its toolkit once
 #   TINYGPT_SKIP_CUDA_CHECK=1 tools/test.sh   # the test suite only
@@ -39,6 +40,10 @@ if [[ " ${features[*]} " == *" mpi "* ]]; then
   # The launcher guard lives in builds without MPI: one more build of our crate.
   cargo test --test parallel
 fi
+# The server against real clients: the openai Python client, the page in headless
+# Chromium (installs a venv and chromium where missing).
+cargo build --features "$(IFS=,; echo "${features[*]}")"
+tools/serve-clients.sh target/debug/tinygpt
 
 if [ "${TINYGPT_SKIP_CUDA_CHECK:-0}" = 1 ]; then
   echo "SKIPPED: the CUDA compile check (TINYGPT_SKIP_CUDA_CHECK=1)" >&2

@@ -270,7 +270,10 @@ impl FastDecoder {
             );
         }
         if outputs.len() > self.batch || outputs.iter().any(|&r| r >= rows) {
-            anyhow::bail!("logits are asked of rows {outputs:?} of a {rows}-row pass (at most {} rows)", self.batch);
+            anyhow::bail!(
+                "logits are asked of rows {outputs:?} of a {rows}-row pass (at most {} rows)",
+                self.batch
+            );
         }
         self.places.clear();
         self.places.extend_from_slice(places);
@@ -404,7 +407,12 @@ impl Scratch {
 
 /// Copies each row's key and value heads into its sequence's slot of `keys` and
 /// `values` (batch, block, kv width) at its position.
-fn store_keys_and_values(cache: (&mut [f32], &mut [f32]), qkv: &[f32], s: &Shapes, places: &[Place]) {
+fn store_keys_and_values(
+    cache: (&mut [f32], &mut [f32]),
+    qkv: &[f32],
+    s: &Shapes,
+    places: &[Place],
+) {
     let (c, kv) = (s.n_embd, s.kv_width);
     for (row, at) in qkv.chunks_exact(s.qkv_width).zip(places) {
         let slot = (at.seq * s.block_size + at.pos) * kv;

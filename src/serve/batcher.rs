@@ -403,7 +403,9 @@ impl<'m, 't> Batcher<'m, 't> {
             return Ok(());
         }
         seq.generated += 1;
-        self.metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);
+        self.metrics
+            .generated_tokens
+            .fetch_add(1, Ordering::Relaxed);
         // A full window slides as `generate::Decoder`'s: its last half runs again.
         if seq.window.len() == block {
             seq.window.drain(..block - block / 2);
@@ -415,7 +417,11 @@ impl<'m, 't> Batcher<'m, 't> {
             let shown = seq.stops.push(&piece);
             if !shown.is_empty() {
                 let tokens = std::mem::take(&mut seq.unsent);
-                let events = &self.requests[seq.request].as_ref().expect("its request").job.events;
+                let events = &self.requests[seq.request]
+                    .as_ref()
+                    .expect("its request")
+                    .job
+                    .events;
                 let _ = events.send(Event::Text {
                     choice: seq.choice,
                     text: shown,

@@ -31,9 +31,8 @@ pub fn render(messages: &[Message]) -> Result<String, ApiError> {
     }
     let mut prompt = String::new();
     for (i, message) in messages.iter().enumerate() {
-        let content = text_of(message.content.as_ref()).map_err(|why| {
-            ApiError::invalid(format!("messages[{i}].content: {why}"))
-        })?;
+        let content = text_of(message.content.as_ref())
+            .map_err(|why| ApiError::invalid(format!("messages[{i}].content: {why}")))?;
         match message.role.as_str() {
             "system" | "developer" => prompt.push_str(&content),
             "user" => {
@@ -99,6 +98,10 @@ mod tests {
         );
         assert!(render(&[]).is_err());
         let err = render(&[message("tool", "x")]).unwrap_err();
-        assert!(err.message.contains("messages[0].role `tool`"), "{}", err.message);
+        assert!(
+            err.message.contains("messages[0].role `tool`"),
+            "{}",
+            err.message
+        );
     }
 }

@@ -154,7 +154,9 @@ impl SamplingFields {
         }
         let top_p = self.top_p.unwrap_or(1.0);
         if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(ApiError::invalid(format!("top_p {top_p} must be in (0, 1]")));
+            return Err(ApiError::invalid(format!(
+                "top_p {top_p} must be in (0, 1]"
+            )));
         }
         let top_k = match self.top_k {
             None | Some(-1) => 0,

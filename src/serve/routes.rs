@@ -153,9 +153,9 @@ async fn method_not_allowed(request: Request) -> ApiError {
 impl AppState {
     /// The loaded model, or 503 while it loads.
     pub fn ready(&self) -> Result<&Ready, ApiError> {
-        self.ready.get().ok_or_else(|| {
-            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the model is loading")
-        })
+        self.ready
+            .get()
+            .ok_or_else(|| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the model is loading"))
     }
 
     fn limits(&self) -> Limits {
@@ -208,11 +208,13 @@ async fn props(State(state): State<Shared>) -> Result<Json<Value>, ApiError> {
 
 async fn chat_template(State(state): State<Shared>) -> Result<Json<Value>, ApiError> {
     state.ready()?;
-    let example = chat::render(&serde_json::from_value::<Vec<super::openai::Message>>(json!([
-        {"role": "system", "content": "You are a poet."},
-        {"role": "user", "content": "Speak of the sea."},
-    ]))
-    .expect("a valid example"))?;
+    let example = chat::render(
+        &serde_json::from_value::<Vec<super::openai::Message>>(json!([
+            {"role": "system", "content": "You are a poet."},
+            {"role": "user", "content": "Speak of the sea."},
+        ]))
+        .expect("a valid example"),
+    )?;
     Ok(Json(json!({
         "template": chat::DESCRIPTION,
         "stop": chat::STOPS,
@@ -388,10 +390,14 @@ async fn completion(state: &Shared, request: CompletionRequest) -> Result<Respon
         .sampling
         .settings(&state.model_id, &state.limits())?;
     if request.best_of.is_some_and(|b| b as usize != settings.n) {
-        return Err(ApiError::invalid("best_of is not supported (leave it out, or equal to n)"));
+        return Err(ApiError::invalid(
+            "best_of is not supported (leave it out, or equal to n)",
+        ));
     }
     if request.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
-        return Err(ApiError::invalid("suffix is not supported: this model only continues text"));
+        return Err(ApiError::invalid(
+            "suffix is not supported: this model only continues text",
+        ));
     }
     let logprobs = match request.logprobs {
         None => None,
@@ -628,7 +634,12 @@ impl Reply {
     }
 
     /// A choice's text chunk (None: nothing to show yet).
-    fn text_choice(&mut self, choice: usize, text: &str, tokens: &[super::batcher::TokenLogprob]) -> Option<Value> {
+    fn text_choice(
+        &mut self,
+        choice: usize,
+        text: &str,
+        tokens: &[super::batcher::TokenLogprob],
+    ) -> Option<Value> {
         Some(match self.kind {
             Kind::Completion => {
                 let c = &mut self.choices[choice];
@@ -644,7 +655,11 @@ impl Reply {
             Kind::Chat => {
                 // The template ends at "Assistant:"; the reply's first space is not content.
                 let c = &mut self.choices[choice];
-                let text = if c.text.is_empty() { text.trim_start() } else { text };
+                let text = if c.text.is_empty() {
+                    text.trim_start()
+                } else {
+                    text
+                };
                 if text.is_empty() {
                     return None;
                 }
@@ -701,12 +716,14 @@ impl Reply {
                 }
             }
             Some(Event::Failed { status, message }) => {
-                let status = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+                let status =
+                    StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
                 out.push(Sse::default().data(ApiError::new(status, message).body().to_string()));
                 self.ended = true;
             }
             None => {
-                let error = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping");
+                let error =
+                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping");
                 out.push(Sse::default().data(error.body().to_string()));
                 self.ended = true;
             }
@@ -719,8 +736,12 @@ impl Reply {
         let mut chunks = Vec::new();
         for i in 0..self.choices.len() {
             let choice = match (self.kind, self.echo.clone()) {
-                (Kind::Chat, _) => Some(json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": Value::Null, "finish_reason": Value::Null})),
-                (Kind::Completion, Some(echo)) if !echo.is_empty() => self.text_choice(i, &echo, &[]),
+                (Kind::Chat, _) => Some(
+                    json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": Value::Null, "finish_reason": Value::Null}),
+                ),
+                (Kind::Completion, Some(echo)) if !echo.is_empty() => {
+                    self.text_choice(i, &echo, &[])
+                }
                 _ => None,
             };
             chunks.extend(choice.map(|c| self.chunk(vec![c])));

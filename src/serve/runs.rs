@@ -91,11 +91,7 @@ pub async fn list(State(state): State<Shared>) -> Result<Json<Value>, ApiError> 
             .map(|(row, run)| {
                 let mut value = serde_json::to_value(row).unwrap_or(Value::Null);
                 value["label"] = compare::label(row).into();
-                value["checkpoint"] = run
-                    .dir
-                    .join(crate::checkpoint::STATE_FILE)
-                    .exists()
-                    .into();
+                value["checkpoint"] = run.dir.join(crate::checkpoint::STATE_FILE).exists().into();
                 value
             })
             .collect();
@@ -142,7 +138,12 @@ pub async fn metrics(
     })
     .await
     .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}")))?
-    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("reading {name}'s metrics: {e}")))?;
+    .map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("reading {name}'s metrics: {e}"),
+        )
+    })?;
     Ok(Json(json!({ "next": read.0, "records": read.1 })))
 }
 
@@ -218,7 +219,11 @@ pub async fn sample(
             &options,
             &mut |_, _| Ok(()),
         )?;
-        Ok(samples.into_iter().next().map(|s| s.text).unwrap_or_default())
+        Ok(samples
+            .into_iter()
+            .next()
+            .map(|s| s.text)
+            .unwrap_or_default())
     })
     .await
     .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}")))?

@@ -156,8 +156,8 @@ $("prompt").addEventListener("keydown", (e) => {
 const runs = new Map(); // name -> { row, color, shown, next, records }
 
 function chartSeries(field, dashed) {
-  return [...runs.values()].filter((r) => r.shown).map((r) => ({
-    label: r.row.label + (dashed ? " (val)" : ""),
+  return [...runs.entries()].filter(([, r]) => r.shown).map(([name, r]) => ({
+    label: name + (dashed ? " val" : " train"),
     points: r.records.filter((m) => typeof m[field] === "number").map((m) => [m.step, m[field]]),
     stroke: r.color,
     dash: dashed ? [6, 4] : undefined,
@@ -167,7 +167,14 @@ function chartSeries(field, dashed) {
 class Charts {
   constructor() { this.plots = {}; }
 
-  draw(id, series, log) {
+  // Axis numbers people read at a glance: 1.2e-4 for rates, 52k for speeds.
+  static tick(kind) {
+    if (kind === "small") return (u, values) => values.map((v) => v === 0 ? "0" : v.toExponential(1));
+    if (kind === "large") return (u, values) => values.map((v) => Math.abs(v) >= 1000 ? (v / 1000).toFixed(0) + "k" : String(v));
+    return undefined;
+  }
+
+  draw(id, series, ticks) {
     const el = $(id);
     const width = Math.max(el.clientWidth, 200);
     const height = id === "chart-loss" ? 420 : 170;
@@ -183,8 +190,8 @@ class Charts {
     const opts = {
       width, height,
       legend: { show: id === "chart-loss" },
-      scales: { x: { time: false }, y: log ? { distr: 3 } : {} },
-      axes: [{ label: "step" }, { size: 60 }],
+      scales: { x: { time: false } },
+      axes: [{ label: "step" }, { size: 64, values: Charts.tick(ticks) }],
       series: [{ label: "step" }, ...nonEmpty.map((s) => ({
         label: s.label, stroke: s.stroke, width: 2, dash: s.dash, spanGaps: true,
         points: { show: s.points.length < 30 },
@@ -195,9 +202,9 @@ class Charts {
   }
 
   redraw() {
-    this.draw("chart-loss", [...chartSeries("loss", false), ...chartSeries("val_loss", true)], false);
-    this.draw("chart-lr", chartSeries("lr", false), false);
-    this.draw("chart-speed", chartSeries("tokens_per_s", false), false);
+    this.draw("chart-loss", [...chartSeries("loss", false), ...chartSeries("val_loss", true)]);
+    this.draw("chart-lr", chartSeries("lr", false), "small");
+    this.draw("chart-speed", chartSeries("tokens_per_s", false), "large");
   }
 
   resize() {

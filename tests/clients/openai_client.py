@@ -1,0 +1,79 @@
+"""The official openai Python client against `tinygpt serve`: completions and chat,
+streamed and not, n, stop, seed, usage, and errors raised as the client's own.
+
+    python tests/clients/openai_client.py http://127.0.0.1:PORT MODEL_ID
+"""
+import sys
+
+import openai
+
+base, model = sys.argv[1], sys.argv[2]
+client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+# Models.
+ids = [m.id for m in client.models.list().data]
+assert ids == [model], ids
+
+# Completions, whole: two choices, seeded, usage counted.
+whole = client.completions.create(model=model, prompt="To be", max_tokens=30, n=2, seed=5, temperature=0.9)
+assert len(whole.choices) == 2, whole
+assert all(c.finish_reason == "length" for c in whole.choices), whole
+assert whole.usage.completion_tokens == 60 and whole.usage.prompt_tokens == 5, whole.usage
+again = client.completions.create(model=model, prompt="To be", max_tokens=30, n=2, seed=5, temperature=0.9)
+assert [c.text for c in again.choices] == [c.text for c in whole.choices], "same seed, same text"
+
+# Completions, streamed: the chunks add up to the whole text; usage comes last.
+texts = ["", ""]
+finishes = [None, None]
+usage = None
+for chunk in client.completions.create(
+    model=model, prompt="To be", max_tokens=30, n=2, seed=5, temperature=0.9,
+    stream=True, stream_options={"include_usage": True},
+):
+    if chunk.usage is not None:
+        usage = chunk.usage
+    for c in chunk.choices:
+        texts[c.index] += c.text
+        if c.finish_reason:
+            finishes[c.index] = c.finish_reason
+assert texts == [c.text for c in whole.choices], (texts, whole.choices)
+assert finishes == ["length", "length"], finishes
+assert usage is not None and usage.completion_tokens == 60, usage
+
+# A stop string across tokens.
+text = whole.choices[0].text
+stop = text[10:13]
+cut = client.completions.create(model=model, prompt="To be", max_tokens=30, seed=5, temperature=0.9, stop=[stop])
+assert cut.choices[0].text == text[: text.find(stop)], (cut.choices[0].text, stop)
+assert cut.choices[0].finish_reason == "stop"
+
+# Chat, whole and streamed.
+messages = [{"role": "user", "content": "Who is there?"}]
+reply = client.chat.completions.create(model=model, messages=messages, max_tokens=20, seed=2)
+assert reply.object == "chat.completion"
+assert reply.choices[0].message.role == "assistant"
+content = reply.choices[0].message.content
+streamed = ""
+roles = []
+for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=20, seed=2, stream=True):
+    assert chunk.object == "chat.completion.chunk"
+    for c in chunk.choices:
+        if c.delta.role:
+            roles.append(c.delta.role)
+        streamed += c.delta.content or ""
+assert roles == ["assistant"], roles
+assert streamed == content, (streamed, content)
+
+# Errors: the client raises its own exceptions with the server's message.
+try:
+    client.completions.create(model=model, prompt="To be", max_tokens=0)
+    raise AssertionError("max_tokens 0 was accepted")
+except openai.BadRequestError as e:
+    assert "max_tokens" in str(e), e
+try:
+    client.completions.create(model="gpt-4", prompt="To be", max_tokens=3)
+    raise AssertionError("an unknown model was accepted")
+except openai.NotFoundError as e:
+    assert "gpt-4" in str(e), e
+
+print(f"openai client {openai.__version__}: completions, chat, streaming, n, stop, seed, usage, errors: ok")
