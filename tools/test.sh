@@ -41,8 +41,7 @@ if [[ " ${features[*]} " == *" mpi "* ]]; then
   cargo test --test parallel
 fi
 # The server against real clients: the openai Python client, the page in headless
-# Chromium (installs a venv and chromium where missing).
-cargo build --features "$(IFS=,; echo "${features[*]}")"
+# Chromium (installs a venv and chromium where missing), with the binary the tests built.
 tools/serve-clients.sh target/debug/tinygpt
 
 if [ "${TINYGPT_SKIP_CUDA_CHECK:-0}" = 1 ]; then
