@@ -242,9 +242,17 @@ fn every_readme_command_works_as_written_in_order() {
     let dir = tempfile::tempdir().unwrap();
     sandbox(dir.path());
     let mut ran = 0;
+    // `tinygpt serve` runs as the user leaves it: in the background, for the commands
+    // (and the Python) that talk to it.
+    let mut server: Option<Background> = None;
     for command in &commands {
         if let Some(why) = skipped(command) {
             eprintln!("SKIPPED `{command}`: {why}");
+            continue;
+        }
+        if command.starts_with("tinygpt serve ") {
+            server = Some(Background::serve(dir.path(), command));
+            ran += 1;
             continue;
         }
         let out = run(dir.path(), command);
@@ -257,6 +265,31 @@ fn every_readme_command_works_as_written_in_order() {
         ran += 1;
     }
     assert!(ran >= 20, "{ran} commands ran");
+    // The README's Python (the openai client) against the server it started.
+    let snippets = python_snippets(&readme);
+    assert!(!snippets.is_empty(), "the README shows the openai client");
+    match python_with_openai() {
+        None => eprintln!(
+            "SKIPPED the README's Python: no Python with the openai package (tools/serve-clients.sh --install makes target/clients-venv)"
+        ),
+        Some(python) => {
+            assert!(server.is_some(), "the Python needs the README's `tinygpt serve`");
+            for snippet in &snippets {
+                let out = Command::new(&python)
+                    .args(["-c", snippet])
+                    .current_dir(dir.path())
+                    .output()
+                    .unwrap();
+                assert!(
+                    out.status.success(),
+                    "the README's Python failed:\n{snippet}\n{}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                assert!(!out.stdout.is_empty(), "the README's Python printed nothing");
+            }
+        }
+    }
+    drop(server);
     // What they left: the quick start's run, the sweep's picture beside its runs.
     let checkpoints = dir.path().join("checkpoints");
     assert!(checkpoints
@@ -267,6 +300,83 @@ fn every_readme_command_works_as_written_in_order() {
     let home = dir.path().join(".local/share");
     assert!(home.join("bash-completion/completions/tinygpt").is_file());
     assert!(home.join("man/man1/tinygpt-train.1").is_file());
+}
+
+/// A command left running (the README's `tinygpt serve`), stopped when dropped.
+struct Background(std::process::Child);
+
+impl Background {
+    /// Starts the command and waits until the server says where it listens.
+    fn serve(dir: &Path, command: &str) -> Self {
+        use std::io::BufRead;
+        let path = format!(
+            "{}:{}",
+            dir.join("bin").display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let mut child = Command::new("sh")
+            .args(["-c", &format!("exec {command}")])
+            .current_dir(dir)
+            .env("PATH", path)
+            .env("HOME", dir)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let mut said = String::new();
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            said.push_str(&line);
+            said.push('\n');
+            if line.contains("at http://") {
+                return Self(child);
+            }
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("the README's `{command}` did not start serving:\n{said}");
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The README's Python: indented blocks that begin with `from openai import`.
+fn python_snippets(readme: &str) -> Vec<String> {
+    let mut snippets: Vec<String> = Vec::new();
+    let mut inside = false;
+    for line in readme.lines() {
+        match line.strip_prefix("    ") {
+            Some(code) if inside => {
+                let last = snippets.last_mut().expect("a snippet");
+                last.push_str(code);
+                last.push('\n');
+            }
+            Some(code) if code.starts_with("from openai import") => {
+                inside = true;
+                snippets.push(format!("{code}\n"));
+            }
+            _ => inside = false,
+        }
+    }
+    snippets
+}
+
+/// A Python that has the openai package: the clients' venv, else the system's.
+fn python_with_openai() -> Option<PathBuf> {
+    let venv = repo().join("target/clients-venv/bin/python");
+    [venv, PathBuf::from("python3")].into_iter().find(|python| {
+        Command::new(python)
+            .args(["-c", "import openai"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    })
 }
 
 #[test]

@@ -7,17 +7,18 @@
 # Screenshots go to target/screenshots/ (not committed).
 #
 #   tools/serve-clients.sh [BINARY]      # default: target/debug/tinygpt
+#   tools/serve-clients.sh --install     # only the venv and chromium (the README test
+#                                        # runs its openai example with that venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-bin=$(realpath "${1:-target/debug/tinygpt}")
 venv=$root/target/clients-venv
 shots=$root/target/screenshots
 
-if ! "$venv/bin/python" -c "import openai, playwright" 2>/dev/null; then
+if ! "$venv/bin/python" -c "import openai, playwright, httpx" 2>/dev/null; then
   echo "installing the openai client and playwright into $venv (pip)" >&2
   python3 -m venv "$venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check openai playwright
+  "$venv/bin/pip" install -q --disable-pip-version-check openai playwright httpx
 fi
 chromium=${CHROMIUM:-$(command -v chromium || true)}
 if [ -z "$chromium" ] && command -v apt-get >/dev/null; then
@@ -27,6 +28,8 @@ if [ -z "$chromium" ] && command -v apt-get >/dev/null; then
   { $as_root apt-get update -qq && DEBIAN_FRONTEND=noninteractive $as_root apt-get install -y -qq chromium >/dev/null; } || true
   chromium=$(command -v chromium || true)
 fi
+[ "${1:-}" = --install ] && exit 0
+bin=$(realpath "${1:-target/debug/tinygpt}")
 
 work=$(mktemp -d)
 pids=()

@@ -35,6 +35,8 @@ if have_mpi; then
 else
   echo "SKIPPED: data-parallel training under mpirun (no MPI: apt install openmpi-bin libopenmpi-dev libclang-dev)" >&2
 fi
+# The openai client's venv and chromium first: the README test runs its Python example.
+tools/serve-clients.sh --install || echo "the serve clients could not be installed (see above)" >&2
 cargo test --features "$(IFS=,; echo "${features[*]}")"
 if [[ " ${features[*]} " == *" mpi "* ]]; then
   # The launcher guard lives in builds without MPI: one more build of our crate.
