@@ -607,14 +607,13 @@ fn a_full_queue_answers_503_and_a_disconnect_frees_the_slot() {
 #[test]
 fn sigterm_ends_streams_with_a_finish_reason_and_exits_143() {
     let dir = trained();
-    let mut server = Server::start(dir.path(), &["--max-tokens", "1000000"]);
+    let mut server = Server::start(dir.path(), &["--max-tokens", "1000000", "--parallel", "1"]);
     let url = server.url("/v1/completions");
-    let streaming = std::thread::spawn(move || {
-        stream(
-            &url,
-            &json!({"prompt": "To", "max_tokens": 1000000, "stream": true}),
-        )
-    });
+    let long = json!({"prompt": "To", "max_tokens": 1000000, "stream": true});
+    let running = {
+        let (url, long) = (url.clone(), long.clone());
+        std::thread::spawn(move || stream(&url, &long))
+    };
     let deadline = Instant::now() + Duration::from_secs(10);
     while !get(&server.url("/metrics"), &[])
         .1
@@ -623,10 +622,24 @@ fn sigterm_ends_streams_with_a_finish_reason_and_exits_143() {
         assert!(Instant::now() < deadline, "the stream never started");
         std::thread::sleep(Duration::from_millis(10));
     }
+    // A second stream waits for the only slot: its response (200, an event stream) has
+    // begun, so the stop reaches it as an error chunk.
+    let queued = std::thread::spawn(move || stream(&url, &long));
+    while !get(&server.url("/metrics"), &[])
+        .1
+        .contains("tinygpt_requests_queued 1")
+    {
+        assert!(Instant::now() < deadline, "the second stream never queued");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let signalled = Instant::now();
     server.signal(libc::SIGTERM);
-    let events = streaming.join().unwrap();
+    let events = running.join().unwrap();
     let (_, finishes, _) = streamed_text(&events, 1);
+    let queued_events = queued.join().unwrap();
+    assert_eq!(queued_events.len(), 1, "{queued_events:?}");
+    let error: Value = serde_json::from_str(&queued_events[0]).unwrap();
+    assert_eq!(error["error"]["type"], "unavailable_error", "{error}");
     assert_eq!(finishes[0], "length");
     let code = server.wait(Duration::from_secs(10));
     assert_eq!(code, Some(143), "{}", server.log.lock().unwrap());
@@ -682,4 +695,53 @@ fn the_dashboard_reads_runs_as_they_grow() {
     );
     assert_eq!(status, 200, "{sample}");
     assert_eq!(sample["text"].as_str().unwrap().chars().count(), 10);
+}
+
+/// A connection that sends nothing is closed after --idle-timeout; one that keeps
+/// sending requests is not.
+#[test]
+fn idle_connections_are_closed() {
+    use std::io::Write;
+    let dir = trained();
+    let server = Server::start(dir.path(), &["--idle-timeout", "1"]);
+    let address = server.base.trim_start_matches("http://").to_string();
+    let mut idle = std::net::TcpStream::connect(&address).unwrap();
+    idle.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let started = Instant::now();
+    let mut buffer = [0u8; 64];
+    let read = idle.read(&mut buffer).unwrap_or(0);
+    assert_eq!(
+        read, 0,
+        "the server answered a connection that sent nothing"
+    );
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(900) && waited < Duration::from_secs(5),
+        "{waited:?}"
+    );
+    // Kept alive and busy: three requests on one connection.
+    let mut busy = std::net::TcpStream::connect(&address).unwrap();
+    busy.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    for _ in 0..3 {
+        busy.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut answer = Vec::new();
+        while !answer.ends_with(br#"{"status":"ok"}"#) {
+            let n = busy.read(&mut buffer).unwrap();
+            assert!(
+                n > 0,
+                "closed while busy: {}",
+                String::from_utf8_lossy(&answer)
+            );
+            answer.extend_from_slice(&buffer[..n]);
+        }
+        assert!(
+            answer.starts_with(b"HTTP/1.1 200"),
+            "{}",
+            String::from_utf8_lossy(&answer)
+        );
+        std::thread::sleep(Duration::from_millis(600));
+    }
 }
