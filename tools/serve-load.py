@@ -85,6 +85,32 @@ async def phase(base, clients, concurrent, max_tokens, prompt, deadline):
     }
 
 
+async def stall(base, streams, max_tokens, long_prompt):
+    """Streams run; a request with a long prompt joins. How long the running streams
+    wait for a token while it is prefilled, against their usual wait."""
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=streams + 2), timeout=120) as client:
+        running = [asyncio.create_task(timed(client, base, s, max_tokens, "ROMEO:")) for s in range(streams)]
+        await asyncio.sleep(1.0)
+        joined = time.perf_counter()
+        tokens, first, _ = await one(client, base, 999, 1, long_prompt)
+        answered = joined + first
+        arrivals = await asyncio.gather(*running)
+    gaps = [b - a for times in arrivals for a, b in zip(times, times[1:])]
+    during = [b - a for times in arrivals for a, b in zip(times, times[1:]) if b >= joined and a <= answered]
+    return {"usual_gap_ms_p50": 1e3 * percentile(gaps, 50), "worst_gap_while_prefilling_ms": 1e3 * max(during or [0]),
+            "long_prompt_first_token_ms": 1e3 * first}
+
+
+async def timed(client, base, seed, max_tokens, prompt):
+    body = {"prompt": prompt, "max_tokens": max_tokens, "seed": seed, "stream": True}
+    times = []
+    async with client.stream("POST", base + "/v1/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                times.append(time.perf_counter())
+    return times
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("base")
@@ -93,9 +119,16 @@ def main():
     ap.add_argument("--prompt", default="ROMEO:")
     ap.add_argument("--time-limit", type=float, default=300, help="seconds for both phases together")
     ap.add_argument("--concurrent-only", action="store_true", help="skip the one-at-a-time phase")
+    ap.add_argument("--stall", type=int, metavar="CHARS", help="instead: streams run while a prompt of CHARS characters joins; report their longest wait")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     deadline = time.time() + args.time_limit
+    if args.stall:
+        prompt = ("ROMEO: " * args.stall)[: args.stall]
+        r = asyncio.run(stall(args.base, args.clients, args.max_tokens, prompt))
+        print(f"{args.clients} streams, a {args.stall}-character prompt joins: their usual wait {r['usual_gap_ms_p50']:.1f} ms, "
+              f"the longest while it was prefilled {r['worst_gap_while_prefilling_ms']:.1f} ms; its first token after {r['long_prompt_first_token_ms']:.1f} ms")
+        return
     batched = asyncio.run(phase(args.base, args.clients, args.clients, args.max_tokens, args.prompt, deadline))
     if args.concurrent_only:
         r = batched

@@ -33,9 +33,13 @@ use crate::generate::StopFilter;
 use crate::tokenizer::{TextStream, Tokenizer};
 use crate::util::Stop;
 
-/// Prompt positions a pass takes beside the generating sequences' tokens (more when
-/// more sequences generate: a pass then costs at most about two plain passes).
-const PREFILL_ROWS: usize = 32;
+/// Prompt positions a pass takes beside the generating sequences' tokens, at least (as
+/// many as there are generating sequences, when more). A pass reads every weight once
+/// whatever its rows, so a few rows more cost little, and at most twice the rows cost
+/// at most about two plain passes: the others' next token is late by about one pass.
+/// Measured (6 layers of 384, 2 cores): 16 streams wait 16 ms a token, at most 29-34
+/// ms while a 256-token prompt joins.
+const PREFILL_ROWS: usize = 4;
 
 /// One request, as the HTTP side hands it over: validated, tokenized.
 pub struct Job {
