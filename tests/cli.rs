@@ -2,34 +2,20 @@
 //! eval, info. (Mistakes are in tests/mistakes.rs.)
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Command;
 
-fn tinygpt(dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tinygpt"))
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("the binary runs")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+mod common;
+use common::{stderr, tinygpt};
 
 fn setup() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
     let text =
         "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
             .repeat(40);
-    std::fs::write(dir.path().join("corpus.txt"), text).unwrap();
-    std::fs::write(
-        dir.path().join("exp.toml"),
-        "[data]\ncorpus = \"corpus.txt\"\n[tokenizer]\nkind = \"char\"\n\
-         [model]\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\n\
-         [train]\nbatch_size = 4\nmax_iters = 6\nwarmup_iters = 1\neval_interval = 3\neval_iters = 1\ncheckpoint_interval = 3\n",
+    common::char_experiment(
+        &text,
+        "n_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16",
+        "batch_size = 4\nmax_iters = 6\nwarmup_iters = 1\neval_interval = 3\neval_iters = 1\ncheckpoint_interval = 3",
     )
-    .unwrap();
-    dir
 }
 
 #[test]

@@ -9,32 +9,19 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-fn tinygpt(dir: &Path, args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_tinygpt"))
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("the binary runs")
-}
+mod common;
+use common::{stderr, tinygpt};
 
 /// A folder with a tiny trained char model in checkpoints/exp.
 fn trained() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
     let text = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\nThe slings and arrows of outrageous fortune,\nUser: Who is there?\n\nAssistant: Nay, answer me.\n\n".repeat(60);
-    std::fs::write(dir.path().join("corpus.txt"), text).unwrap();
-    std::fs::write(
-        dir.path().join("exp.toml"),
-        "[data]\ncorpus = \"corpus.txt\"\n[tokenizer]\nkind = \"char\"\n\
-         [model]\nn_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32\n\
-         [train]\nbatch_size = 8\nmax_iters = 40\nwarmup_iters = 2\neval_interval = 20\neval_iters = 1\ncheckpoint_interval = 20\n",
-    )
-    .unwrap();
-    let out = tinygpt(dir.path(), &["train", "--config", "exp.toml"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let dir = common::char_experiment(
+        &text,
+        "n_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32",
+        "batch_size = 8\nmax_iters = 40\nwarmup_iters = 2\neval_interval = 20\neval_iters = 1\ncheckpoint_interval = 20",
     );
+    let out = tinygpt(dir.path(), &["train", "--config", "exp.toml"]);
+    assert!(out.status.success(), "{}", stderr(&out));
     dir
 }
 
@@ -402,69 +389,35 @@ fn bad_requests_are_4xx_with_openai_errors() {
     let dir = trained();
     let server = Server::start(dir.path(), &["--parallel", "2", "--max-body-bytes", "2000"]);
     let url = server.url("/v1/completions");
-    let long_prompt = "a".repeat(40);
-    let cases: Vec<(String, u16, &str)> = vec![
-        ("{not json".into(), 400, "invalid_request_error"),
-        (r#"{"prompt": 3.5}"#.into(), 400, "invalid_request_error"),
-        (
-            r#"{"prompt": "T", "model": "gpt-4"}"#.into(),
-            404,
-            "not_found_error",
-        ),
-        (
-            json!({"prompt": long_prompt}).to_string(),
-            400,
-            "invalid_request_error",
-        ),
-        (
-            r#"{"prompt": "T", "max_tokens": 0}"#.into(),
-            400,
-            "invalid_request_error",
-        ),
-        (
-            r#"{"prompt": "T", "n": 3}"#.into(),
-            400,
-            "invalid_request_error",
-        ),
-        (
-            r#"{"prompt": "T", "temperature": -1}"#.into(),
-            400,
-            "invalid_request_error",
-        ),
-        (
-            r#"{"prompt": "T", "top_p": 0}"#.into(),
-            400,
-            "invalid_request_error",
-        ),
-        (
-            r#"{"prompt": "T", "logprobs": 9}"#.into(),
-            400,
-            "invalid_request_error",
-        ),
-        (
-            r#"{"prompt": [1, 2, 999]}"#.into(),
-            400,
-            "invalid_request_error",
-        ),
-        (
-            r#"{"prompt": ["a", "b"]}"#.into(),
-            400,
-            "invalid_request_error",
-        ),
-        (
-            json!({"prompt": "x".repeat(3000)}).to_string(),
-            413,
-            "invalid_request_error",
-        ),
-    ];
-    for (body, status, kind) in cases {
-        let (got, error) = post(&url, &body);
+    let refused = |body: &str, status: u16, kind: &str| {
+        let (got, error) = post(&url, body);
         assert_eq!(got, status, "{body:.80}: {error}");
         assert_eq!(error["error"]["type"], kind, "{body:.80}: {error}");
         assert!(error["error"]["message"]
             .as_str()
             .is_some_and(|m| !m.is_empty()));
+    };
+    for body in [
+        "{not json",
+        r#"{"prompt": 3.5}"#,
+        r#"{"prompt": "T", "max_tokens": 0}"#,
+        r#"{"prompt": "T", "n": 3}"#,
+        r#"{"prompt": "T", "temperature": -1}"#,
+        r#"{"prompt": "T", "top_p": 0}"#,
+        r#"{"prompt": "T", "logprobs": 9}"#,
+        r#"{"prompt": [1, 2, 999]}"#,
+        r#"{"prompt": ["a", "b"]}"#,
+        &json!({"prompt": "a".repeat(40)}).to_string(),
+    ] {
+        refused(body, 400, "invalid_request_error");
     }
+    refused(
+        r#"{"prompt": "T", "model": "gpt-4"}"#,
+        404,
+        "not_found_error",
+    );
+    let too_large = json!({"prompt": "x".repeat(3000)}).to_string();
+    refused(&too_large, 413, "invalid_request_error");
     let (status, error) = post(&server.url("/v1/chat/completions"), r#"{"messages": []}"#);
     assert_eq!(status, 400, "{error}");
     let (status, error) = post(
