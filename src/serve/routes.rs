@@ -495,6 +495,8 @@ struct Reply {
     events: UnboundedReceiver<Event>,
     /// Whether the stream's last chunk has gone out.
     ended: bool,
+    /// An event read while gathering text, not yet answered.
+    held: Option<Event>,
 }
 
 impl Reply {
@@ -523,6 +525,7 @@ impl Reply {
             choices: vec![ChoiceResult::default(); settings.n],
             events,
             ended: false,
+            held: None,
         }
     }
 
@@ -754,7 +757,44 @@ impl Reply {
         let rest = stream::unfold(Some(self), |reply| async move {
             let mut reply = reply?;
             let event = reply.events.recv().await;
-            let chunks = reply.on_event(event);
+            // Text that piled up while the client read (a busy server outruns its
+            // clients) goes out as one chunk per choice: fewer events to write and parse.
+            let event = match event {
+                Some(Event::Text {
+                    choice,
+                    mut text,
+                    mut tokens,
+                }) => {
+                    while let Ok(next) = reply.events.try_recv() {
+                        match next {
+                            Event::Text {
+                                choice: c,
+                                text: more,
+                                tokens: t,
+                            } if c == choice => {
+                                text.push_str(&more);
+                                tokens.extend(t);
+                            }
+                            other => {
+                                reply.held = Some(other);
+                                break;
+                            }
+                        }
+                    }
+                    Some(Event::Text {
+                        choice,
+                        text,
+                        tokens,
+                    })
+                }
+                other => other,
+            };
+            let mut chunks = reply.on_event(event);
+            if let Some(held) = reply.held.take() {
+                if !reply.ended {
+                    chunks.extend(reply.on_event(Some(held)));
+                }
+            }
             let next = (!reply.ended).then_some(reply);
             Some((stream::iter(chunks), next))
         })
