@@ -349,7 +349,9 @@ impl<'m, 't> Batcher<'m, 't> {
             }
         }
         if self.outputs.is_empty() {
-            return Ok(()); // prompt pieces only
+            // Prompt pieces only: nothing to draw yet.
+            self.metrics.record_pass(self.ids.len(), started.elapsed());
+            return Ok(());
         }
         let vocab = logits.len() / self.outputs.len();
 
@@ -384,6 +386,10 @@ impl<'m, 't> Batcher<'m, 't> {
         let chosen = std::mem::take(&mut self.chosen);
         let slots = std::mem::take(&mut self.output_slots);
         for (&slot, (id, logprob)) in slots.iter().zip(&chosen) {
+            // A request that failed on an earlier choice of this pass has left.
+            if self.slots[slot].is_none() {
+                continue;
+            }
             if let Err(e) = self.take_token(slot, *id, logprob.clone()) {
                 let request = self.slots[slot].as_ref().map(|s| s.request);
                 if let Some(request) = request {

@@ -1,9 +1,11 @@
 //! Errors as OpenAI's clients expect them: `{"error": {"message", "type", "code"}}` with
 //! a 4xx status for anything the request got wrong, decided before a stream opens.
 
+use axum::extract::{FromRequest, Request};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use serde::de::DeserializeOwned;
 
 #[derive(Debug)]
 pub struct ApiError {
@@ -72,5 +74,27 @@ impl IntoResponse for ApiError {
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         response
+    }
+}
+
+/// `Json`, its rejections (bad JSON, wrong types, too large, wrong content type) as
+/// OpenAI-shaped 4xx errors.
+pub struct ApiJson<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(value)) => Ok(ApiJson(value)),
+            // OpenAI answers a body of the wrong shape with 400, as any bad request.
+            Err(rejection) => {
+                let status = match rejection.status() {
+                    StatusCode::UNPROCESSABLE_ENTITY => StatusCode::BAD_REQUEST,
+                    other => other,
+                };
+                Err(ApiError::new(status, rejection.body_text()))
+            }
+        }
     }
 }

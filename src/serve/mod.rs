@@ -58,6 +58,8 @@ pub struct ServeOptions {
 }
 
 /// What the handlers share.
+pub type Shared = Arc<AppState>;
+
 pub struct AppState {
     pub options: ServeOptions,
     /// The id `/v1/models` lists: the run folder's name.

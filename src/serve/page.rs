@@ -7,7 +7,7 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
 
-use super::routes::Shared;
+use super::Shared;
 
 fn file(content_type: &'static str, body: &'static str) -> impl IntoResponse + Clone {
     (

@@ -6,7 +6,7 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 
-use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as Sse, KeepAlive};
@@ -14,22 +14,19 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::stream::{self, Stream, StreamExt};
-use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use subtle::ConstantTimeEq;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::batcher::{Event, Job};
-use super::error::ApiError;
+use super::error::{ApiError, ApiJson};
 use super::openai::{
     completion_logprobs, usage, ChatRequest, ChoiceResult, CompletionRequest, Limits, Prompt,
     Settings,
 };
-use super::{chat, page, runs, AppState, Ready};
+use super::{chat, page, runs, AppState, Ready, Shared};
 use crate::generate::sample::Sampler;
-
-pub type Shared = Arc<AppState>;
 
 pub fn router(state: Shared) -> Router {
     let api = Router::new()
@@ -71,28 +68,6 @@ pub fn router(state: Shared) -> Router {
         );
     }
     app
-}
-
-/// `Json`, its rejections (bad JSON, wrong types, too large, wrong content type) as
-/// OpenAI-shaped 4xx errors.
-pub struct ApiJson<T>(pub T);
-
-impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
-    type Rejection = ApiError;
-
-    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        match Json::<T>::from_request(req, state).await {
-            Ok(Json(value)) => Ok(ApiJson(value)),
-            // OpenAI answers a body of the wrong shape with 400, as any bad request.
-            Err(rejection) => {
-                let status = match rejection.status() {
-                    StatusCode::UNPROCESSABLE_ENTITY => StatusCode::BAD_REQUEST,
-                    other => other,
-                };
-                Err(ApiError::new(status, rejection.body_text()))
-            }
-        }
-    }
 }
 
 async fn require_key(State(state): State<Shared>, request: Request, next: Next) -> Response {

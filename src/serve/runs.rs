@@ -13,7 +13,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::error::ApiError;
-use super::routes::{ApiJson, Shared};
+use super::error::ApiJson;
+use super::Shared;
 use crate::compare;
 use crate::cpu::WeightFormat;
 use crate::generate::sample::{Sampler, SamplingParams};
