@@ -366,21 +366,41 @@ fn requests_joining_midway_decode_as_if_alone() {
     let dir = trained();
     let server = Server::start(dir.path(), &["--parallel", "4"]);
     let url = server.url("/v1/completions");
-    let body = |seed: u64, tokens: usize| {
-        json!({"prompt": "Whe", "seed": seed, "max_tokens": tokens, "temperature": 1.0}).to_string()
-    };
-    let alone_a = post(&url, &body(11, 400)).1["choices"][0]["text"].clone();
-    let alone_b = post(&url, &body(12, 40)).1["choices"][0]["text"].clone();
-    let long = {
-        let url = url.clone();
-        let body = body(11, 400);
-        std::thread::spawn(move || post(&url, &body).1["choices"][0]["text"].clone())
-    };
-    // Join while the long one runs (its 400 tokens take well over this).
-    std::thread::sleep(Duration::from_millis(30));
-    let joined_b = post(&url, &body(12, 40)).1["choices"][0]["text"].clone();
-    let joined_a = long.join().unwrap();
-    assert_eq!(joined_a, alone_a);
+    let body = |seed: u64, tokens: usize| json!({"prompt": "Whe", "seed": seed, "max_tokens": tokens, "temperature": 1.0});
+    let text = |body: &Value| post(&url, &body.to_string()).1["choices"][0]["text"].clone();
+    let alone_a = text(&body(11, 3000));
+    let alone_b = text(&body(12, 40));
+    // A streams; B is sent once A's first tokens have arrived and finishes long before
+    // A's 3,000 (the two certainly share passes: the metrics say so below).
+    let mut streamed = body(11, 3000);
+    streamed["stream"] = json!(true);
+    let mut a = agent()
+        .post(&url)
+        .header("content-type", "application/json")
+        .send(streamed.to_string())
+        .unwrap();
+    let mut reader = BufReader::new(a.body_mut().as_reader());
+    let mut events = Vec::new();
+    let mut line = String::new();
+    while events.len() < 5 {
+        line.clear();
+        reader.read_line(&mut line).unwrap();
+        if let Some(data) = line.trim_end().strip_prefix("data: ") {
+            events.push(data.to_string());
+        }
+    }
+    let running = get(&server.url("/metrics"), &[]).1;
+    let joined_b = text(&body(12, 40));
+    assert!(running.contains("tinygpt_requests_running 1"), "{running}");
+    let mut rest = String::new();
+    reader.read_to_string(&mut rest).unwrap();
+    events.extend(
+        rest.split("\n\n")
+            .filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: ")))
+            .map(String::from),
+    );
+    let (joined_a, _, _) = streamed_text(&events, 1);
+    assert_eq!(joined_a[0], alone_a.as_str().unwrap());
     assert_eq!(joined_b, alone_b);
 }
 
