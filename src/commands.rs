@@ -896,6 +896,7 @@ pub fn serve(args: ServeArgs, stop: tinygpt::util::Stop) -> Result<()> {
             api_key: args.api_key.filter(|k| !k.is_empty()),
             cors: args.cors,
             runs: args.runs,
+            device: args.device,
             format,
             max_body_bytes: args.max_body_bytes,
             idle_timeout: args.idle_timeout,

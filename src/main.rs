@@ -347,9 +347,13 @@ struct ServeArgs {
     /// A folder of run folders (checkpoints/) to chart on the page, live.
     #[arg(long, value_name = "DIR")]
     runs: Option<PathBuf>,
-    /// The decoder's weights: f32, bf16 or int8 (as generate --dtype).
+    /// The decoder's weights: f32, bf16 or int8 (as generate --dtype; int8 on the CPU).
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// Where to decode: cpu, cuda[:N], or auto (a CUDA GPU where the build and machine
+    /// have one, else the CPU).
+    #[arg(long, default_value = "auto")]
+    device: String,
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = 1 << 20)]
     max_body_bytes: usize,

@@ -512,3 +512,65 @@ fn drawing_on_the_device_follows_the_host_samplers() {
         }
     }
 }
+
+/// A server's pass on the CUDA decoder: rows of several sequences at their own
+/// positions (a generating row, prompt pieces, a sequence starting, out of slot
+/// order) give the CPU decoder's logits for the same passes, for learned and RoPE
+/// positions and grouped K/V heads.
+#[test]
+fn rows_at_their_own_positions_match_the_cpu_decoder() {
+    use tinygpt::cpu::Place;
+    for positions in [PositionKind::Learned, PositionKind::Rope] {
+        let cfg = ModelConfig {
+            n_layer: 2,
+            n_head: 4,
+            n_kv_head: Some(2),
+            n_embd: 16,
+            block_size: 9,
+            vocab_size: 13,
+            positions,
+            ..ModelConfig::default()
+        };
+        let spec = ModelSpec::new(&cfg);
+        let values = weights(&spec);
+        let place = |seq, pos| Place { seq, pos };
+        let passes: Vec<(Vec<u32>, Vec<Place>, Vec<usize>)> = vec![
+            (
+                vec![3, 1, 4, 1, 2],
+                (0..4).map(|p| place(0, p)).chain([place(1, 0)]).collect(),
+                vec![3, 4],
+            ),
+            (
+                vec![6, 6, 5, 7, 1, 8],
+                vec![
+                    place(2, 0),
+                    place(2, 1),
+                    place(0, 4),
+                    place(1, 1),
+                    place(1, 2),
+                    place(1, 3),
+                ],
+                vec![1, 2, 5],
+            ),
+            (vec![9, 2], vec![place(1, 4), place(2, 2)], vec![]),
+            (vec![9], vec![place(0, 5)], vec![0]),
+        ];
+        let mut cpu = FastDecoder::new(&spec, &values, 3).unwrap();
+        #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+        for (where_, mut gpu) in cuda_decoders_as_built(&spec, &values, 3, Precision::F32) {
+            for (i, (ids, places, outputs)) in passes.iter().enumerate() {
+                let want = cpu.run_rows(ids, places, outputs).unwrap().to_vec();
+                let got = gpu.run_rows(ids, places, outputs).unwrap().to_vec();
+                assert_eq!(got.len(), want.len(), "{where_}: pass {i}");
+                if !want.is_empty() {
+                    let err = rel_err(&got, &want);
+                    assert!(err < 1e-4, "{where_} {positions:?}: pass {i} off by {err}");
+                }
+            }
+            assert!(gpu.run_rows(&[1], &[place(3, 0)], &[0]).is_err());
+            assert!(gpu.run_rows(&[1], &[place(0, 9)], &[0]).is_err());
+            cpu = FastDecoder::new(&spec, &values, 3).unwrap();
+        }
+        let _ = (&mut cpu, &passes);
+    }
+}

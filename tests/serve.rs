@@ -34,9 +34,14 @@ struct Server {
 
 impl Server {
     fn start(dir: &Path, extra: &[&str]) -> Server {
+        Self::start_with(dir, extra, &[])
+    }
+
+    fn start_with(dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_tinygpt"))
             .args(["serve", "--checkpoint", "checkpoints/exp", "--port", "0"])
             .args(extra)
+            .envs(env.iter().copied())
             .current_dir(dir)
             .stderr(Stdio::piped())
             .stdout(Stdio::null())
@@ -48,11 +53,11 @@ impl Server {
         let log_w = std::sync::Arc::clone(&log);
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                log_w.lock().unwrap().push_str(&format!("{line}\n"));
                 if let Some(at) = line.find("at http://") {
                     let url = line[at + 3..].split_whitespace().next().unwrap();
                     let _ = tx.send(url.trim_end_matches('/').to_string());
                 }
-                log_w.lock().unwrap().push_str(&(line + "\n"));
             }
         });
         let base = rx
@@ -717,4 +722,42 @@ fn idle_connections_are_closed() {
         );
         std::thread::sleep(Duration::from_millis(600));
     }
+}
+
+/// The CUDA decoder serves too: its passes of rows at their own positions run under the
+/// CPU emulator here (on a GPU with `--device cuda`), with `generate`'s text.
+#[test]
+fn the_cuda_decoder_serves_under_the_emulator() {
+    if !cfg!(feature = "cuda-emulator") {
+        eprintln!(
+            "SKIPPED: serving on the emulated CUDA decoder (build with --features cuda-emulator)"
+        );
+        return;
+    }
+    let dir = trained();
+    let server = Server::start_with(
+        dir.path(),
+        &["--parallel", "4"],
+        &[("TINYGPT_EMULATE_CUDA", "1")],
+    );
+    assert!(
+        server
+            .log
+            .lock()
+            .unwrap()
+            .contains("CUDA decoder under the CPU emulator"),
+        "{}",
+        server.log.lock().unwrap()
+    );
+    let expected = generate_json(dir.path(), "To be", 7, 2, 60);
+    let request = json!({"prompt": "To be", "seed": 7, "n": 2, "max_tokens": 60, "temperature": 0.9, "top_k": 20});
+    let (status, body) = post(&server.url("/v1/completions"), &request.to_string());
+    assert_eq!(status, 200, "{body}");
+    let texts: Vec<&str> = body["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(texts, expected);
 }

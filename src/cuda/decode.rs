@@ -21,6 +21,7 @@ use super::kernels::{
 use super::tables::PositionTables;
 use crate::config::Precision;
 use crate::cpu::ops::Positions;
+use crate::cpu::Place;
 use crate::model::spec::{LinearParams, ModelSpec, NormParams};
 
 /// Rows one forward call holds at most: longer prefills run in chunks of positions.
@@ -86,6 +87,9 @@ struct Draws {
 /// Work space for `chunk` positions of every sequence.
 struct Work {
     ids: Buf<u32>,
+    /// A server's pass: (sequence, position) per row, and the rows that give logits.
+    places: Buf<i32>,
+    picks: Buf<i32>,
     x: Buf<f32>,
     xn: Buf<f32>,
     /// A norm's mean and rstd per row.
@@ -165,6 +169,8 @@ impl CudaDecoder {
         let c = s.n_embd;
         let work = Work {
             ids: Buf::zeros(&gpu, rows)?,
+            places: Buf::zeros(&gpu, 2 * rows)?,
+            picks: Buf::zeros(&gpu, batch)?,
             x: zeros(rows * c)?,
             xn: zeros(rows * c)?,
             stats: zeros(2 * rows)?,
@@ -215,6 +221,15 @@ impl CudaDecoder {
 
     pub fn batch(&self) -> usize {
         self.batch
+    }
+
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// Rows one [`Self::run_rows`] pass can take.
+    pub fn rows_per_pass(&self) -> usize {
+        self.batch * self.chunk
     }
 
     /// Binds the device's context to this thread, the one that built the decoder (its
@@ -290,6 +305,74 @@ impl CudaDecoder {
     /// [`Self::step`], leaving the logits on the device.
     pub fn run_step(&mut self, ids: &[u32]) -> Result<()> {
         self.forward(ids, 1)
+    }
+
+    /// Rows of any sequences at their own positions in one pass, as
+    /// [`crate::cpu::FastDecoder::run_rows`] runs them (a server's batch: some
+    /// sequences taking their next token, others a piece of their prompt); returns the
+    /// logits of the rows `outputs` names, (outputs.len(), V). The positions are the
+    /// caller's to keep; the equal-length API's count is left as it was.
+    pub fn run_rows(&mut self, ids: &[u32], places: &[Place], outputs: &[usize]) -> Result<&[f32]> {
+        self.bind()?;
+        let s = self.spec.shapes;
+        let (rows, capacity) = (ids.len(), self.batch * self.chunk);
+        ensure!(
+            rows == places.len() && (1..=capacity).contains(&rows),
+            "{rows} rows for {} places: a pass runs 1 to {capacity} rows",
+            places.len()
+        );
+        if let Some(p) = places
+            .iter()
+            .find(|p| p.seq >= self.batch || p.pos >= s.block_size)
+        {
+            bail!(
+                "row at sequence {} position {} is outside the {} sequences of {} positions",
+                p.seq,
+                p.pos,
+                self.batch,
+                s.block_size
+            );
+        }
+        ensure!(
+            outputs.len() <= self.batch && outputs.iter().all(|&r| r < rows),
+            "logits are asked of rows {outputs:?} of a {rows}-row pass (at most {} rows)",
+            self.batch
+        );
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= s.vocab_size) {
+            bail!(
+                "token id {id} is outside the vocabulary of {}",
+                s.vocab_size
+            );
+        }
+        let pairs: Vec<i32> = places
+            .iter()
+            .flat_map(|p| [p.seq as i32, p.pos as i32])
+            .collect();
+        // A pass of prompt pieces only still computes one row's logits (row 0's,
+        // unread): the launches stay the same shape.
+        let picks: Vec<i32> = match outputs {
+            [] => vec![0],
+            _ => outputs.iter().map(|&r| r as i32).collect(),
+        };
+        self.work.ids.write_at(&self.gpu, 0, ids)?;
+        self.work.places.write_at(&self.gpu, 0, &pairs)?;
+        self.work.picks.write_at(&self.gpu, 0, &picks)?;
+        let n = outputs.len();
+        let at = At {
+            t: 1,
+            first: 0,
+            first_at: 0,
+            places: self.work.places.ptr(),
+        };
+        self.forward_kernels(rows, at, Some((self.work.picks.ptr(), picks.len())))?;
+        // The (batch, V) logits `logits()` reads are not these.
+        self.logits_read = false;
+        let v = s.vocab_size;
+        self.logits.resize(n * v, 0.0);
+        self.work
+            .logits
+            .read_into(&self.gpu, 0, &mut self.logits[..n * v])?;
+        Ok(&self.logits[..n * v])
     }
 
     /// The last call's logits, (batch, V), read back once.
@@ -407,10 +490,10 @@ impl CudaDecoder {
                 if let Err(e) = self.gpu.replay(step) {
                     eprintln!("note: decoding launches each kernel (a replay failed: {e:#})");
                     self.set_replays(false);
-                    self.forward_kernels(at)?;
+                    self.forward_kernels(self.batch * t, at, None)?;
                 }
             }
-            _ => self.forward_kernels(at)?,
+            _ => self.forward_kernels(self.batch * t, at, None)?,
         }
         self.logits_read = false;
         self.len += t;
@@ -426,8 +509,12 @@ impl CudaDecoder {
             t: 1,
             first: 0,
             first_at: self.position.ptr(),
+            places: 0,
         };
-        match self.gpu.record(|| self.forward_kernels(at)) {
+        match self
+            .gpu
+            .record(|| self.forward_kernels(self.batch, at, None))
+        {
             Ok(step) => Some(step),
             Err(e) => {
                 eprintln!("note: decoding launches each kernel (recording a step failed: {e:#})");
@@ -437,11 +524,13 @@ impl CudaDecoder {
         }
     }
 
-    /// The launches of a forward over `at.t` new positions a sequence, whose ids are in
-    /// the work space: embedding, the blocks, the last rows' logits.
-    fn forward_kernels(&self, at: At) -> Result<()> {
+    /// The launches of a forward over `rows` rows whose ids are in the work space
+    /// (`at.t` new positions a sequence, or rows at the places `at.places` gives):
+    /// embedding, the blocks, then logits of each sequence's last row, or of the `n`
+    /// rows `picks` (a device address) names.
+    fn forward_kernels(&self, rows: usize, at: At, picks: Option<(u64, usize)>) -> Result<()> {
         let (s, t) = (self.spec.shapes, at.t);
-        let (rows, c) = (self.batch * t, s.n_embd);
+        let c = s.n_embd;
         let (g, w) = (&self.gpu, &self.work);
         let positions = self.tables.added(&self.spec, &self.params);
         let wte = self.params.at(self.spec[self.spec.wte].offset);
@@ -501,23 +590,26 @@ impl CudaDecoder {
             )?;
         }
 
-        // Only each sequence's last position needs logits.
-        g.last_rows(w.last.ptr(), w.x.ptr(), self.batch, t, c)?;
+        // Only each sequence's last position (or the picked rows) needs logits.
+        let n = match picks {
+            Some((picks, n)) => {
+                g.pick_rows(w.last.ptr(), w.x.ptr(), picks, n, c)?;
+                n
+            }
+            None => {
+                g.last_rows(w.last.ptr(), w.x.ptr(), self.batch, t, c)?;
+                self.batch
+            }
+        };
         let (last, normed) = (w.last.ptr(), w.last_normed.ptr());
-        self.norm(
-            normed,
-            w.last_stats.ptr(),
-            last,
-            &self.spec.ln_f,
-            self.batch,
-        )?;
+        self.norm(normed, w.last_stats.ptr(), last, &self.spec.ln_f, n)?;
         let output = LinearParams {
             weight: self.spec.wte,
             bias: None,
             d_in: c,
             d_out: s.vocab_size,
         };
-        self.linear(w.logits.ptr(), normed, &output, self.batch)
+        self.linear(w.logits.ptr(), normed, &output, n)
     }
 
     fn linear(&self, out: u64, x: u64, p: &LinearParams, rows: usize) -> Result<()> {

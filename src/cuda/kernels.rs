@@ -130,12 +130,16 @@ pub fn cached_attention_partials(rows: usize, heads: usize, d: usize, block: usi
 /// Rows' positions as the kernels take them: `t` new positions a sequence from `first`,
 /// or from the i32 at device address `first_at` when that is not 0: a decoding step
 /// replayed from a graph, whose arguments are fixed when it is recorded, reads its
-/// position from device memory (`start_of` in kernels/common.cuh).
+/// position from device memory (`start_of` in kernels/common.cuh). Where `places` is
+/// not 0 it is the device address of (sequence, position) i32 pairs, one per row, and
+/// they say where each row goes instead (`sequence_of`, `position_of`): a server's
+/// pass of many sequences at their own positions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct At {
     pub t: usize,
     pub first: usize,
     pub first_at: u64,
+    pub places: u64,
 }
 
 impl From<Positions> for At {
@@ -144,6 +148,7 @@ impl From<Positions> for At {
             t: p.t,
             first: p.first,
             first_at: 0,
+            places: 0,
         }
     }
 }
@@ -240,7 +245,8 @@ impl Gpu {
     ) -> Result<()> {
         let at = at.into();
         launch!(self, EmbeddingForward, elements(rows * c);
-            x, ids, wte, positions, int(rows), int(at.t), int(at.first), at.first_at, int(c), dropout)
+            x, ids, wte, positions, int(rows), int(at.t), int(at.first), at.first_at, at.places, int(c),
+            dropout)
     }
 
     /// dwte[tokens[u]] += the rows order[starts[u] .. starts[u + 1]] of dx * mask.
@@ -428,8 +434,8 @@ impl Gpu {
         let at = at.into();
         let turned = h.heads + h.kv_heads;
         launch!(self, Rope, elements(rows * turned * h.d / 2);
-            qkv, cos, sin, int(rows), int(at.t), int(at.first), at.first_at, int(turned), int(h.d), int(w),
-            sign)
+            qkv, cos, sin, int(rows), int(at.t), int(at.first), at.first_at, at.places, int(turned),
+            int(h.d), int(w), sign)
     }
 
     /// q, k, v (B, H, T, d) from qkv rows.
@@ -613,8 +619,8 @@ impl Gpu {
         let kv = h.kv_heads * h.d;
         let (c, w) = (h.heads * h.d, (h.heads + 2 * h.kv_heads) * h.d);
         launch!(self, StoreKeysValues, elements(rows * kv);
-            keys, values, qkv, int(rows), int(at.t), int(at.first), at.first_at, int(c), int(kv), int(w),
-            int(block))
+            keys, values, qkv, int(rows), int(at.t), int(at.first), at.first_at, at.places, int(c),
+            int(kv), int(w), int(block))
     }
 
     /// out (rows, H d): each row's query heads attending over its sequence's cache up
@@ -639,11 +645,11 @@ impl Gpu {
             threads: 128,
         };
         launch!(self, AttendCachedPartial, cfg;
-            partial, qkv, keys, values, int(rows), int(at.t), int(at.first), at.first_at,
+            partial, qkv, keys, values, int(rows), int(at.t), int(at.first), at.first_at, at.places,
             int(h.heads), int(h.kv_heads), int(h.d), int(block), int(splits))?;
         launch!(self, AttendCachedCombine, warp_rows(rows * h.heads);
-            out, partial, int(rows), int(at.t), int(at.first), at.first_at, int(h.heads), int(h.d),
-            int(splits))
+            out, partial, int(rows), int(at.t), int(at.first), at.first_at, at.places, int(h.heads),
+            int(h.d), int(splits))
     }
 
     /// dst (n bf16 values) = src (n f32 values) rounded to nearest even.
@@ -653,7 +659,12 @@ impl Gpu {
 
     /// dst (batch, C) = each sequence's last row of src (batch T, C).
     pub fn last_rows(&self, dst: u64, src: u64, batch: usize, t: usize, c: usize) -> Result<()> {
-        launch!(self, LastRows, elements(batch * c); dst, src, int(batch), int(t), int(c))
+        launch!(self, LastRows, elements(batch * c); dst, src, int(batch), int(t), int(c), 0u64)
+    }
+
+    /// dst (n, C) = the rows of src that `picks` (n i32 row indices, on the device) names.
+    pub fn pick_rows(&self, dst: u64, src: u64, picks: u64, n: usize, c: usize) -> Result<()> {
+        launch!(self, LastRows, elements(n * c); dst, src, int(n), int(1), int(c), picks)
     }
 
     /// chosen[b] = row b's next token from logits (batch, V) and its uniform draw

@@ -131,6 +131,25 @@ impl RowModel for FastDecoder {
     }
 }
 
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+impl RowModel for crate::cuda::CudaDecoder {
+    fn slots(&self) -> usize {
+        self.batch()
+    }
+    fn max_rows(&self) -> usize {
+        self.rows_per_pass()
+    }
+    fn block_size(&self) -> usize {
+        self.spec().config.block_size
+    }
+    fn vocab_size(&self) -> usize {
+        self.spec().config.vocab_size
+    }
+    fn run(&mut self, ids: &[u32], places: &[Place], outputs: &[usize]) -> Result<&[f32]> {
+        self.run_rows(ids, places, outputs)
+    }
+}
+
 /// A request being decoded.
 struct Active {
     job: Job,

@@ -50,6 +50,8 @@ pub struct ServeOptions {
     pub api_key: Option<String>,
     pub cors: Option<String>,
     pub runs: Option<PathBuf>,
+    /// cpu, cuda[:N] or auto (a GPU where the build and machine have one).
+    pub device: String,
     pub format: WeightFormat,
     pub max_body_bytes: usize,
     /// Seconds a connection may sit without sending a request.
@@ -77,6 +79,8 @@ pub struct Ready {
     pub block_size: usize,
     pub vocab_size: usize,
     pub parameters: usize,
+    /// Where it decodes, in words.
+    pub place: String,
     pub jobs: std::sync::mpsc::Sender<batcher::Job>,
 }
 
@@ -153,10 +157,11 @@ pub fn serve(options: ServeOptions, stop: Stop) -> Result<()> {
     }
     if let Some(ready) = state.ready.get() {
         eprintln!(
-            "serving {} ({:.2}M parameters, {} sequences at once) at http://{bound}/  (OpenAI API under /v1; Ctrl-C stops)",
+            "serving {} ({:.2}M parameters, {} sequences at once, {}) at http://{bound}/  (OpenAI API under /v1; Ctrl-C stops)",
             state.model_id,
             ready.parameters as f64 / 1e6,
             state.options.parallel,
+            ready.place,
         );
     }
     let _ = runtime.block_on(server);
@@ -176,19 +181,24 @@ fn decode_thread(state: &AppState, loaded: std::sync::mpsc::Sender<Result<()>>) 
             return;
         }
     };
-    let (mut decoder, tokenizer) = opened;
+    let Opened {
+        mut decoder,
+        tokenizer,
+        spec,
+        place,
+    } = opened;
     let (jobs_tx, jobs_rx) = std::sync::mpsc::channel();
-    let spec = decoder.spec().clone();
     let _ = state.ready.set(Ready {
         tokenizer: Arc::clone(&tokenizer),
         block_size: spec.config.block_size,
         vocab_size: spec.config.vocab_size,
         parameters: spec.len(),
+        place,
         jobs: jobs_tx,
     });
     let _ = loaded.send(Ok(()));
     batcher::run(
-        &mut decoder,
+        &mut *decoder,
         &tokenizer,
         jobs_rx,
         &state.metrics,
@@ -196,12 +206,102 @@ fn decode_thread(state: &AppState, loaded: std::sync::mpsc::Sender<Result<()>>) 
     );
 }
 
-/// The checkpoint opened mapped for the fused CPU decoder, its weights checked.
-fn open(options: &ServeOptions) -> Result<(FastDecoder, Arc<Tokenizer>)> {
+/// The model, ready to decode on the thread that opened it.
+struct Opened {
+    decoder: Box<dyn batcher::RowModel>,
+    tokenizer: Arc<Tokenizer>,
+    spec: crate::model::ModelSpec,
+    place: String,
+}
+
+/// Opens the checkpoint for the decoder `--device` asks for: the CUDA decoder on a GPU
+/// (where the build and machine have one and its first-use check passes), else the
+/// fused CPU decoder over the mapped checkpoint.
+fn open(options: &ServeOptions) -> Result<Opened> {
+    let auto = crate::device::is_auto(&options.device);
+    if options.format == WeightFormat::Int8 && !auto && !options.device.eq_ignore_ascii_case("cpu")
+    {
+        crate::user_bail!(
+            "--dtype int8 decodes on the CPU only; use --device cpu, or --dtype f32 / bf16 on a GPU"
+        );
+    }
+    #[cfg(feature = "cuda-emulator")]
+    if std::env::var_os("TINYGPT_EMULATE_CUDA").is_some_and(|v| v == "1") {
+        return open_cuda(
+            options,
+            "the CUDA decoder under the CPU emulator",
+            |spec, values, batch, precision| {
+                crate::cuda::CudaDecoder::emulated(spec, values, batch, precision)
+            },
+        );
+    }
+    let gpu = match auto {
+        true if options.format != WeightFormat::Int8 => crate::device::first_cuda(),
+        true => None,
+        false => Some(crate::device::parse_device(&options.device)?).filter(|d| !d.is_cpu()),
+    };
+    if let Some(device) = gpu {
+        if !device.is_cuda() {
+            crate::user_bail!(
+                "--device {}: serve decodes on the CPU or a CUDA GPU",
+                options.device
+            );
+        }
+        // Where the fused CUDA code failed its first-use check, that is said in one
+        // line and the CPU decodes.
+        #[cfg(feature = "cuda")]
+        match crate::engine::first_use_failure(Some(&device))? {
+            Some(line) => eprintln!("{line}"),
+            None => {
+                let place = format!("CUDA {}", crate::device::name(&device));
+                return open_cuda(options, &place, |spec, values, batch, precision| {
+                    crate::cuda::CudaDecoder::new(spec, values, &device, batch, precision)
+                });
+            }
+        }
+    }
     let mut opened = crate::mapped::open_for_decoding(&options.checkpoint, options.format)?;
     opened.verification.wait()?;
     let decoder = FastDecoder::from_weights(Arc::clone(&opened.weights), options.parallel)?;
-    Ok((decoder, Arc::new(opened.tokenizer)))
+    Ok(Opened {
+        spec: decoder.spec().clone(),
+        decoder: Box::new(decoder),
+        tokenizer: Arc::new(opened.tokenizer),
+        place: format!("the CPU, {}", options.format.name()),
+    })
+}
+
+/// The checkpoint loaded and laid out for a CUDA decoder that `make` builds.
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+fn open_cuda(
+    options: &ServeOptions,
+    place: &str,
+    make: impl FnOnce(
+        &crate::model::ModelSpec,
+        &[f32],
+        usize,
+        crate::config::Precision,
+    ) -> Result<crate::cuda::CudaDecoder>,
+) -> Result<Opened> {
+    use crate::config::Precision;
+    let precision = match options.format {
+        WeightFormat::Bf16 => Precision::Bf16,
+        _ => Precision::F32,
+    };
+    let loaded = crate::checkpoint::Loaded::load_with(
+        &options.checkpoint,
+        &candle_core::Device::Cpu,
+        Precision::F32,
+    )?;
+    let values = loaded.model.params().to_flat()?;
+    let spec = loaded.model.spec().clone();
+    let decoder = make(&spec, &values, options.parallel, precision)?;
+    Ok(Opened {
+        decoder: Box::new(decoder),
+        tokenizer: Arc::new(loaded.tokenizer),
+        spec,
+        place: format!("{place}, {}", options.format.name()),
+    })
 }
 
 /// Accepts connections until the stop, then lets the open ones finish (a few seconds

@@ -112,6 +112,17 @@ __device__ inline int start_of(int first, const int* first_at) {
     return first_at != nullptr ? *first_at : first;
 }
 
+// Row r's sequence and position. Rows are sequences of T positions from `first`; or,
+// where `places` is given, each row says its own: places[2 r] its sequence,
+// places[2 r + 1] its position (a server's pass: rows of many sequences, each at its
+// own position).
+__device__ inline long long sequence_of(long long r, int T, const int* places) {
+    return places != nullptr ? places[2 * r] : r / T;
+}
+__device__ inline int position_of(long long r, int T, int first, const int* places) {
+    return places != nullptr ? places[2 * r + 1] : first + (int)(r % T);
+}
+
 // A grid-stride loop over n elements.
 #define FOR_EACH(i, n) \
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (long long)(n); \

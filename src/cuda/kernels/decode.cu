@@ -1,6 +1,7 @@
 // What only decoding has: keys and values kept per position, and attention of new rows
 // over them. Rows are `batch` sequences of T new positions, from position `first` (or
-// the value at first_at: start_of); the cache holds (batch, block, Hkv d) keys and as
+// the value at first_at: start_of), or rows that each say their sequence and position
+// (places: sequence_of, position_of); the cache holds (batch, block, Hkv d) keys and as
 // many values.
 #include "common.cuh"
 
@@ -8,12 +9,13 @@
 // at its position.
 extern "C" __global__ void store_keys_values(float* keys, float* values, const float* qkv,
                                              int rows, int T, int first, const int* first_at,
-                                             int C, int kv, int W, int block) {
+                                             const int* places, int C, int kv, int W, int block) {
     first = start_of(first, first_at);
     FOR_EACH(i, (long long)rows * kv) {
         const long long r = i / kv;
         const int j = (int)(i % kv);
-        const long long slot = ((r / T) * block + first + r % T) * kv + j;
+        const long long slot =
+            (sequence_of(r, T, places) * block + position_of(r, T, first, places)) * kv + j;
         keys[slot] = qkv[r * W + C + j];
         values[slot] = qkv[r * W + C + kv + j];
     }
@@ -33,21 +35,21 @@ extern "C" __global__ void store_keys_values(float* keys, float* values, const f
 extern "C" __global__ void attend_cached_partial(float* partial, const float* qkv,
                                                  const float* keys, const float* values,
                                                  int rows, int T, int first,
-                                                 const int* first_at, int H, int Hkv, int d,
-                                                 int block, int splits) {
+                                                 const int* first_at, const int* places, int H,
+                                                 int Hkv, int d, int block, int splits) {
     first = start_of(first, first_at);
     const long long rh = blockIdx.x;  // (row, query head)
     const int split = blockIdx.y;
     const long long r = rh / H;
     const int h = (int)(rh % H);
-    const int pos = first + (int)(r % T);  // the row's position: it sees 0 ..= pos
+    const int pos = position_of(r, T, first, places);  // the row sees 0 ..= pos
     const int begin = split * CACHED_CHUNK;
     if (r >= rows || begin > pos) return;  // the same for every thread of the block
     const int end = min(pos + 1, begin + CACHED_CHUNK);
     const int kv = Hkv * d;
     const int W = (H + 2 * Hkv) * d;
     const float* q = qkv + r * W + h * d;
-    const long long base = (r / T) * block * (long long)kv + (h / (H / Hkv)) * d;
+    const long long base = sequence_of(r, T, places) * block * (long long)kv + (h / (H / Hkv)) * d;
     const int lane = threadIdx.x % WARP_SIZE;
     const int warp = threadIdx.x / WARP_SIZE;
     const int warps = blockDim.x / WARP_SIZE;
@@ -87,13 +89,13 @@ extern "C" __global__ void attend_cached_partial(float* partial, const float* qk
 
 // out (rows, H d) = each (row, query head)'s chunks combined: one warp each.
 extern "C" __global__ void attend_cached_combine(float* out, const float* partial, int rows,
-                                                 int T, int first, const int* first_at, int H,
-                                                 int d, int splits) {
+                                                 int T, int first, const int* first_at,
+                                                 const int* places, int H, int d, int splits) {
     first = start_of(first, first_at);
     const long long warp = blockIdx.x * (long long)(blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     if (warp >= (long long)rows * H) return;
-    const int pos = first + (int)((warp / H) % T);
+    const int pos = position_of(warp / H, T, first, places);
     const int chunks = pos / CACHED_CHUNK + 1;
     const float* in = partial + warp * splits * (long long)(d + 2);
     float m = -INFINITY;
@@ -114,11 +116,14 @@ extern "C" __global__ void attend_cached_combine(float* out, const float* partia
     }
 }
 
-// dst[b] = src[b T + T - 1]: each sequence's last row (width C).
-extern "C" __global__ void last_rows(float* dst, const float* src, int batch, int T, int C) {
+// dst[b] = src[b T + T - 1]: each sequence's last row (width C); or, where `picks` is
+// given, src[picks[b]]: the rows a server's pass wants logits of.
+extern "C" __global__ void last_rows(float* dst, const float* src, int batch, int T, int C,
+                                     const int* picks) {
     FOR_EACH(i, (long long)batch * C) {
         const long long b = i / C;
         const int c = (int)(i % C);
-        dst[i] = src[(b * T + T - 1) * C + c];
+        const long long row = picks != nullptr ? picks[b] : b * T + T - 1;
+        dst[i] = src[row * C + c];
     }
 }

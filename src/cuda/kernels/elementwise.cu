@@ -32,8 +32,8 @@ extern "C" __global__ void to_bf16(uint16_t* dst, const float* src, long long n)
 }
 
 extern "C" __global__ void rope(float* qkv, const float* cos_table, const float* sin_table,
-                                int rows, int T, int first, const int* first_at, int heads,
-                                int d, int W, float sign) {
+                                int rows, int T, int first, const int* first_at,
+                                const int* places, int heads, int d, int W, float sign) {
     first = start_of(first, first_at);
     const int half = d / 2;
     FOR_EACH(i, (long long)rows * heads * half) {
@@ -41,7 +41,7 @@ extern "C" __global__ void rope(float* qkv, const float* cos_table, const float*
         const long long rh = i / half;
         const int head = (int)(rh % heads);
         const long long row = rh / heads;
-        const long long p = first + row % T;
+        const long long p = position_of(row, T, first, places);
         float* h = qkv + row * W + (long long)head * d;
         const float c = cos_table[p * half + k], s = sign * sin_table[p * half + k];
         const float x = h[k], y = h[k + half];

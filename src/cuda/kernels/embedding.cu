@@ -4,16 +4,18 @@
 
 // x[r] = (wte[ids[r]] + positions[first + r % T]) * mask: rows are sequences of T
 // positions from position `first` (0 in training; the cached length in decoding; read
-// from first_at when given: start_of). positions may be null (RoPE).
+// from first_at when given: start_of; or each row's own: position_of). positions may be
+// null (RoPE).
 extern "C" __global__ void embedding_forward(float* x, const uint32_t* ids, const float* wte,
                                              const float* positions, int rows, int T, int first,
-                                             const int* first_at, int C, Dropout dropout) {
+                                             const int* first_at, const int* places, int C,
+                                             Dropout dropout) {
     first = start_of(first, first_at);
     FOR_EACH(i, (long long)rows * C) {
         const long long r = i / C;
         const int c = (int)(i % C);
         float v = wte[(long long)ids[r] * C + c];
-        if (positions != nullptr) v += positions[(first + r % T) * C + c];
+        if (positions != nullptr) v += positions[(long long)position_of(r, T, first, places) * C + c];
         x[i] = v * dropout_scale(dropout, i);
     }
 }
