@@ -238,18 +238,13 @@ fn generate_json(
         .collect()
 }
 
-#[test]
-fn completions_match_generate_stream_and_stop_across_tokens() {
-    let dir = trained();
-    let server = Server::start(dir.path(), &["--parallel", "4"]);
-    let completions = server.url("/v1/completions");
-
-    // Same seed and settings as `generate`: the same text, for every choice.
-    let expected = generate_json(dir.path(), "To be", 7, 2, 60);
+/// Two choices of a seeded request against `generate --num-samples 2` with the same
+/// seed and settings: the same texts. (generate's texts, the request, the response.)
+fn same_as_generate(dir: &Path, completions: &str) -> (Vec<String>, Value, Value) {
+    let expected = generate_json(dir, "To be", 7, 2, 60);
     let request = json!({"prompt": "To be", "seed": 7, "n": 2, "max_tokens": 60, "temperature": 0.9, "top_k": 20});
-    let (status, body) = post(&completions, &request.to_string());
+    let (status, body) = post(completions, &request.to_string());
     assert_eq!(status, 200, "{body}");
-    assert_eq!(body["object"], "text_completion");
     let texts: Vec<&str> = body["choices"]
         .as_array()
         .unwrap()
@@ -260,6 +255,18 @@ fn completions_match_generate_stream_and_stop_across_tokens() {
         texts, expected,
         "the server's choices are generate's samples"
     );
+    (expected, request, body)
+}
+
+#[test]
+fn completions_match_generate_stream_and_stop_across_tokens() {
+    let dir = trained();
+    let server = Server::start(dir.path(), &["--parallel", "4"]);
+    let completions = server.url("/v1/completions");
+
+    // Same seed and settings as `generate`: the same text, for every choice.
+    let (expected, request, body) = same_as_generate(dir.path(), &completions);
+    assert_eq!(body["object"], "text_completion");
     assert_eq!(body["usage"]["prompt_tokens"], 5);
     assert_eq!(body["usage"]["completion_tokens"], 120);
     assert_eq!(body["choices"][0]["finish_reason"], "length");
@@ -749,15 +756,5 @@ fn the_cuda_decoder_serves_under_the_emulator() {
         "{}",
         server.log.lock().unwrap()
     );
-    let expected = generate_json(dir.path(), "To be", 7, 2, 60);
-    let request = json!({"prompt": "To be", "seed": 7, "n": 2, "max_tokens": 60, "temperature": 0.9, "top_k": 20});
-    let (status, body) = post(&server.url("/v1/completions"), &request.to_string());
-    assert_eq!(status, 200, "{body}");
-    let texts: Vec<&str> = body["choices"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["text"].as_str().unwrap())
-        .collect();
-    assert_eq!(texts, expected);
+    same_as_generate(dir.path(), &server.url("/v1/completions"));
 }

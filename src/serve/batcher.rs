@@ -113,42 +113,32 @@ pub trait RowModel {
     fn run(&mut self, ids: &[u32], places: &[Place], outputs: &[usize]) -> Result<&[f32]>;
 }
 
-impl RowModel for FastDecoder {
-    fn slots(&self) -> usize {
-        self.batch()
-    }
-    fn max_rows(&self) -> usize {
-        self.rows_per_pass()
-    }
-    fn block_size(&self) -> usize {
-        self.spec().config.block_size
-    }
-    fn vocab_size(&self) -> usize {
-        self.spec().config.vocab_size
-    }
-    fn run(&mut self, ids: &[u32], places: &[Place], outputs: &[usize]) -> Result<&[f32]> {
-        self.run_rows(ids, places, outputs)
-    }
+/// Both decoders hold their sequences in slots and run rows at their own places alike.
+macro_rules! row_model {
+    ($decoder:ty) => {
+        impl RowModel for $decoder {
+            fn slots(&self) -> usize {
+                self.batch()
+            }
+            fn max_rows(&self) -> usize {
+                self.rows_per_pass()
+            }
+            fn block_size(&self) -> usize {
+                self.spec().config.block_size
+            }
+            fn vocab_size(&self) -> usize {
+                self.spec().config.vocab_size
+            }
+            fn run(&mut self, ids: &[u32], places: &[Place], outputs: &[usize]) -> Result<&[f32]> {
+                self.run_rows(ids, places, outputs)
+            }
+        }
+    };
 }
 
+row_model!(FastDecoder);
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
-impl RowModel for crate::cuda::CudaDecoder {
-    fn slots(&self) -> usize {
-        self.batch()
-    }
-    fn max_rows(&self) -> usize {
-        self.rows_per_pass()
-    }
-    fn block_size(&self) -> usize {
-        self.spec().config.block_size
-    }
-    fn vocab_size(&self) -> usize {
-        self.spec().config.vocab_size
-    }
-    fn run(&mut self, ids: &[u32], places: &[Place], outputs: &[usize]) -> Result<&[f32]> {
-        self.run_rows(ids, places, outputs)
-    }
-}
+row_model!(crate::cuda::CudaDecoder);
 
 /// A request being decoded.
 struct Active {
