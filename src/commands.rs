@@ -157,12 +157,9 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
     let loaded = opened.parts();
     let tk = &loaded.tokenizer;
     let (prompt, show_prompt) = if prompt_text.is_empty() {
-        let start = match tk.end_of_text() {
-            Some(eot) => vec![eot],
-            None => tk.encode("\n").map_err(|_| {
-                user_error("the prompt is empty and this char vocabulary has no newline to start from; give --prompt")
-            })?,
-        };
+        let start = tk.empty_prompt().ok_or_else(|| {
+            user_error("the prompt is empty and this char vocabulary has no newline to start from; give --prompt")
+        })?;
         (start, false)
     } else {
         (tk.encode(&prompt_text)?, true)

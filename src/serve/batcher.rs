@@ -383,13 +383,17 @@ impl<'m, 't> Batcher<'m, 't> {
         drawing
             .into_par_iter()
             .zip(self.scratch.par_chunks_mut(vocab))
+            .zip(logits.par_chunks(vocab))
             .zip(self.chosen.par_iter_mut())
-            .for_each(|((seq, row), chosen)| {
+            .for_each(|(((seq, row), raw), chosen)| {
                 row[text_vocab..].fill(f32::NEG_INFINITY);
-                // Log-probabilities are the model's own, before the sampler's changes.
-                let scores = seq.logprobs.map(|k| LogSoftmax::of(row, k));
                 let id = seq.sampler.sample(row, &seq.window);
-                *chosen = (id, scores.map(|s| s.report(id, tokenizer)));
+                // Log-probabilities are the model's own (the logits before the
+                // sampler's changes), over the tokens text has.
+                let logprob = seq
+                    .logprobs
+                    .map(|k| LogSoftmax::of(&raw[..text_vocab], k).report(raw, id, tokenizer));
+                *chosen = (id, logprob);
             });
 
         let chosen = std::mem::take(&mut self.chosen);
@@ -540,10 +544,9 @@ impl<'m, 't> Batcher<'m, 't> {
     }
 }
 
-/// A row's log-softmax, and its `k` most likely tokens.
+/// A row's log-softmax normaliser, and its `k` most likely tokens.
 struct LogSoftmax {
     log_z: f32,
-    row_of_chosen: Vec<f32>,
     top: Vec<(u32, f32)>,
 }
 
@@ -562,15 +565,15 @@ impl LogSoftmax {
         }
         Self {
             log_z,
-            row_of_chosen: row.to_vec(),
             top: top.into_iter().map(|(id, x)| (id, x - log_z)).collect(),
         }
     }
 
-    fn report(self, id: u32, tokenizer: &Tokenizer) -> TokenLogprob {
+    /// Token `id`'s entry, `row` being the logits the normaliser was taken of.
+    fn report(self, row: &[f32], id: u32, tokenizer: &Tokenizer) -> TokenLogprob {
         TokenLogprob {
             token: token_string(tokenizer, id),
-            logprob: self.row_of_chosen[id as usize] - self.log_z,
+            logprob: row[id as usize] - self.log_z,
             top: self
                 .top
                 .into_iter()

@@ -267,10 +267,7 @@ fn check_ids(ready: &Ready, ids: &[u32]) -> Result<(), ApiError> {
 fn prompt_tokens(ready: &Ready, text: &str) -> Result<Vec<u32>, ApiError> {
     let tokenizer = &ready.tokenizer;
     let ids = if text.is_empty() {
-        match tokenizer.end_of_text() {
-            Some(id) => vec![id],
-            None => tokenizer.encode("\n").unwrap_or_default(),
-        }
+        tokenizer.empty_prompt().unwrap_or_default()
     } else {
         tokenizer
             .encode(text)

@@ -193,10 +193,11 @@ pub async fn sample(
         let tokenizer = &opened.tokenizer;
         let block = opened.config.model.block_size;
         let mut prompt = if request.prompt.is_empty() {
-            match tokenizer.end_of_text() {
-                Some(id) => vec![id],
-                None => tokenizer.encode("\n")?,
-            }
+            tokenizer.empty_prompt().ok_or_else(|| {
+                anyhow::anyhow!(
+                    "the prompt is empty and this vocabulary has no token to start from"
+                )
+            })?
         } else {
             tokenizer.encode(&request.prompt)?
         };

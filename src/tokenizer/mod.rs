@@ -210,6 +210,15 @@ impl Tokenizer {
         self.hf.token_to_id(END_OF_TEXT)
     }
 
+    /// Where a sample with no prompt starts: the end-of-text token (a document
+    /// boundary), else a newline; None where the vocabulary has neither.
+    pub fn empty_prompt(&self) -> Option<Vec<u32>> {
+        match self.end_of_text() {
+            Some(eot) => Some(vec![eot]),
+            None => self.encode("\n").ok().filter(|ids| !ids.is_empty()),
+        }
+    }
+
     /// Encodes text; special tokens written in the text (like `<|endoftext|>`) are
     /// recognised. A character a char-level vocabulary lacks is a user error.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
