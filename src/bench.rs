@@ -40,6 +40,42 @@ pub struct BenchOptions {
     pub stop: Stop,
 }
 
+/// The CPU a bench ran on, given with every CPU figure: its model name and SIMD
+/// features, the vector level our kernels ran at (the CPU's best, capped by
+/// TINYGPT_CPU_ISA), and the threads they had.
+#[derive(Debug, Clone, Serialize)]
+pub struct CpuInfo {
+    pub cpu_model: Option<String>,
+    pub cpu_features: Vec<&'static str>,
+    pub cpu_isa: crate::cpu::isa::Isa,
+    pub threads: usize,
+}
+
+impl CpuInfo {
+    fn with_threads(threads: usize) -> Self {
+        Self {
+            cpu_model: crate::cpu::isa::cpu_model(),
+            cpu_features: crate::cpu::isa::cpu_features(),
+            cpu_isa: crate::cpu::isa::active(),
+            threads,
+        }
+    }
+}
+
+impl std::fmt::Display for CpuInfo {
+    /// "MODEL [FEATURES], kernels at ISA, N threads".
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} [{}], kernels at {}, {} threads",
+            self.cpu_model.as_deref().unwrap_or("unknown CPU"),
+            self.cpu_features.join(" "),
+            self.cpu_isa.name(),
+            self.threads
+        )
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchReport {
     pub model: ModelConfig,
@@ -47,12 +83,8 @@ pub struct BenchReport {
     pub tokens_per_step: usize,
     pub parameters: usize,
     pub device: String,
-    /// The CPU's model name, and the vector level the CPU kernels ran at (the CPU's
-    /// best, capped by TINYGPT_CPU_ISA).
-    pub cpu_model: Option<String>,
-    pub cpu_features: Vec<&'static str>,
-    pub cpu_isa: crate::cpu::isa::Isa,
-    pub threads: usize,
+    #[serde(flatten)]
+    pub cpu: CpuInfo,
     pub steps: usize,
     pub train_ms_per_step: f64,
     pub train_tokens_per_s: f64,
@@ -216,10 +248,7 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         tokens_per_step: b * t,
         parameters: engine.spec().len(),
         device: format!("{device:?}"),
-        cpu_model: crate::cpu::isa::cpu_model(),
-        cpu_features: crate::cpu::isa::cpu_features(),
-        cpu_isa: crate::cpu::isa::active(),
-        threads: candle_core::utils::get_num_threads(),
+        cpu: CpuInfo::with_threads(candle_core::utils::get_num_threads()),
         steps: opts.steps,
         train_ms_per_step: step_ms,
         train_tokens_per_s: (b * t) as f64 / (step_ms / 1e3),
@@ -252,10 +281,8 @@ pub struct DecodeReport {
     pub checkpoint: String,
     pub parameters: usize,
     pub dtype: &'static str,
-    pub cpu_model: Option<String>,
-    pub cpu_features: Vec<&'static str>,
-    pub cpu_isa: crate::cpu::isa::Isa,
-    pub threads: usize,
+    #[serde(flatten)]
+    pub cpu: CpuInfo,
     /// Bytes of weights the decoder holds, in MiB.
     pub weights_mb: f64,
     /// Opening the checkpoint (mapping, converting) until decoding may start.
@@ -332,10 +359,7 @@ pub fn decode_checkpoint(
         checkpoint: dir.display().to_string(),
         parameters: spec.len(),
         dtype: format.name(),
-        cpu_model: crate::cpu::isa::cpu_model(),
-        cpu_features: crate::cpu::isa::cpu_features(),
-        cpu_isa: crate::cpu::isa::active(),
-        threads: crate::cpu::threads::threads(),
+        cpu: CpuInfo::with_threads(crate::cpu::threads::threads()),
         weights_mb: weights.bytes() as f64 / f64::from(1 << 20),
         load_ms,
         hashed,

@@ -449,15 +449,7 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
         return Ok(());
     }
     let mb = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0} MiB"));
-    println!(
-        "cpu     {}",
-        cpu_line(
-            r.cpu_model.as_deref(),
-            &r.cpu_features,
-            r.cpu_isa,
-            r.threads
-        )
-    );
+    println!("cpu     {}", r.cpu);
     println!(
         "train   {:.1} ms/step ({} {:?}: forward {:.1}, backward {:.1}, optimizer {:.1}), {:.0} tokens/s, {:.2} GFLOP/step, {:.1} GFLOP/s, peak RSS {}{}",
         r.train_ms_per_step,
@@ -490,21 +482,6 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
     Ok(())
 }
 
-/// The CPU a bench ran on: model, SIMD features, our kernels' level, threads.
-fn cpu_line(
-    model: Option<&str>,
-    features: &[&str],
-    isa: tinygpt::cpu::isa::Isa,
-    threads: usize,
-) -> String {
-    format!(
-        "{} [{}], kernels at {}, {threads} threads",
-        model.unwrap_or("unknown CPU"),
-        features.join(" "),
-        isa.name()
-    )
-}
-
 /// `bench --checkpoint`: one precision's load, first-token and decode figures.
 fn bench_checkpoint(
     dir: &std::path::Path,
@@ -524,15 +501,7 @@ fn bench_checkpoint(
         println!("{}", serde_json::to_string(&r)?);
         return Ok(());
     }
-    println!(
-        "cpu     {}",
-        cpu_line(
-            r.cpu_model.as_deref(),
-            &r.cpu_features,
-            r.cpu_isa,
-            r.threads
-        )
-    );
+    println!("cpu     {}", r.cpu);
     println!(
         "load    {:.0} ms ({}), {} weights: {:.0} MiB of {} parameters",
         r.load_ms,

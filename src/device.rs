@@ -129,6 +129,39 @@ fn metal(ordinal: usize) -> Result<Device> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{ModelConfig, Precision};
+    use crate::engine::{race::Work, EngineOptions};
+    use crate::model::ModelSpec;
+
+    /// `--device auto` races the CPU against a GPU; without one it takes the CPU for
+    /// training and for decoding, saying why, and times nothing.
+    #[test]
+    fn without_a_gpu_the_cpu_is_chosen_and_says_why() {
+        if first_cuda().is_some() {
+            eprintln!("SKIPPED: this machine has a GPU; the race runs instead");
+            return;
+        }
+        let spec = ModelSpec::new(&ModelConfig {
+            vocab_size: 11,
+            ..ModelConfig::default()
+        });
+        let options = EngineOptions::f32(2, true);
+        let training =
+            crate::engine::race::fastest_device(&spec, options, Work::Training, |_| true).unwrap();
+        let decoding = crate::generate::choose::fastest_decoder(
+            &spec,
+            &spec.initial_values(1),
+            1,
+            Precision::F32,
+        )
+        .unwrap();
+        for choice in [training, decoding] {
+            if !cfg!(feature = "metal") {
+                assert!(choice.device.is_cpu());
+            }
+            assert_eq!(choice.why, "no CUDA device");
+        }
+    }
 
     #[test]
     fn out_of_memory_is_recognised_in_a_chain() {

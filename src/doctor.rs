@@ -115,11 +115,7 @@ pub fn run(faults: &Faults) -> Result<Report> {
     let place = format!("cpu ({})", best.name());
     let cpu = Device::Cpu;
     engine_checks(&mut report, &place, faults, &|spec, values, batch| {
-        let options = EngineOptions {
-            batch,
-            precision: Precision::F32,
-            fused: true,
-        };
+        let options = EngineOptions::f32(batch, true);
         engine::build(spec, values, &cpu, options)
     })?;
     cpu_decoder_check(&mut report, &place, faults)?;
@@ -274,11 +270,7 @@ fn engine_checks(
     let spec = small_model();
     let init = spec.initial_values(3);
     let batch = 3;
-    let reference_options = EngineOptions {
-        batch,
-        precision: Precision::F32,
-        fused: false,
-    };
+    let reference_options = EngineOptions::f32(batch, false);
     let mut reference = engine::build(&spec, &init, &Device::Cpu, reference_options)?;
     let mut fused = build(&spec, &init, batch)?;
     let t = spec.shapes.block_size;

@@ -11,7 +11,6 @@
 use anyhow::Result;
 use indicatif::ProgressBar;
 
-use crate::config::Precision;
 use crate::data::Batch;
 use crate::engine::{self, EngineOptions};
 use crate::model::Gpt;
@@ -72,6 +71,14 @@ struct Window {
     end: usize,
 }
 
+impl Window {
+    /// The window's positions whose predictions are scored: target k is predicted at
+    /// position k - 1 - begin.
+    fn scored(&self) -> std::ops::Range<usize> {
+        self.first - 1 - self.begin..self.end - 1 - self.begin
+    }
+}
+
 /// Windows of `block` tokens advancing by half a block over `n` tokens, each scoring
 /// the targets the previous one did not: every target from 1 on exactly once.
 fn windows(n: usize, block: usize) -> Vec<Window> {
@@ -98,16 +105,8 @@ pub fn evaluate(model: &Gpt, ids: &[u32], bytes: usize) -> Result<EvalResult> {
 /// How scoring `tokens` tokens with a model of context `block` builds its engine: as
 /// many windows a call as make about TOKENS_PER_CALL tokens.
 pub fn engine_options(tokens: usize, block: usize) -> EngineOptions {
-    options_for(windows(tokens, block).len(), block)
-}
-
-/// The engine for `windows` windows of `block` tokens.
-fn options_for(windows: usize, block: usize) -> EngineOptions {
-    EngineOptions {
-        batch: (TOKENS_PER_CALL / block).clamp(1, windows.max(1)),
-        precision: Precision::F32,
-        fused: true,
-    }
+    let batch = (TOKENS_PER_CALL / block).clamp(1, windows(tokens, block).len());
+    EngineOptions::f32(batch, true)
 }
 
 /// [`evaluate`], advancing `progress` over the windows and giving up (`Stopped`)
@@ -119,20 +118,14 @@ pub fn evaluate_until(
     progress: &ProgressBar,
     stop: &Stop,
 ) -> Result<EvalResult> {
-    needs_two_tokens(ids)?;
     let block = model.config().block_size;
-    let windows = windows(ids.len(), block);
-    let options = options_for(windows.len(), block);
-    let batch = options.batch;
+    let options = engine_options(ids.len(), block);
     let weights = model.params().to_flat()?;
     let mut engine = engine::build(model.spec(), &weights, model.device(), options)?;
     // Windows shorter than a block are padded at the end: causal attention means the
     // padding changes no earlier position. Rows past the last window are padding too.
-    let mut input = Batch::empty(batch, block);
-    let mut total_nll = 0.0f64;
-    progress.set_length(windows.len() as u64);
-    for group in windows.chunks(batch) {
-        stop.check()?;
+    let mut input = Batch::empty(options.batch, block);
+    let score = |group: &[Window]| -> Result<f64> {
         input.x.fill(0);
         input.y.fill(0);
         for (row, w) in group.iter().enumerate() {
@@ -144,19 +137,23 @@ pub fn evaluate_until(
         }
         engine.forward(&input, None)?;
         let losses = engine.position_losses()?;
-        for (row, w) in group.iter().enumerate() {
-            // Target k is predicted at position k - 1 - begin.
-            let scored = row * block + w.first - 1 - w.begin..row * block + w.end - 1 - w.begin;
-            total_nll += losses[scored].iter().sum::<f64>();
-        }
-        progress.inc(group.len() as u64);
-    }
-    Ok(EvalResult::of(ids.len(), bytes, total_nll))
+        Ok(group
+            .iter()
+            .enumerate()
+            .map(|(row, w)| {
+                let scored = w.scored();
+                losses[row * block + scored.start..row * block + scored.end]
+                    .iter()
+                    .sum::<f64>()
+            })
+            .sum())
+    };
+    score_windows(ids, bytes, (block, options.batch), (progress, stop), score)
 }
 
 /// [`evaluate_until`] through the fused CPU decoder holding `weights` (in whatever
 /// precision they are: this measures what bf16 or int8 weights cost): the same windows,
-/// the same predictions scored.
+/// the same predictions scored, a window at a time.
 pub fn evaluate_decoding(
     weights: &std::sync::Arc<crate::cpu::DecodeWeights>,
     ids: &[u32],
@@ -164,20 +161,38 @@ pub fn evaluate_decoding(
     progress: &ProgressBar,
     stop: &Stop,
 ) -> Result<EvalResult> {
-    needs_two_tokens(ids)?;
     let block = weights.spec.shapes.block_size;
-    let windows = windows(ids.len(), block);
     let mut decoder = crate::cpu::FastDecoder::from_weights(weights.clone(), 1)?;
-    let mut total_nll = 0.0f64;
+    let score = |group: &[Window]| -> Result<f64> {
+        let mut nll = 0.0;
+        for w in group {
+            let losses = decoder.next_token_losses(&ids[w.begin..w.end])?;
+            nll += losses[w.scored()].iter().sum::<f64>();
+        }
+        Ok(nll)
+    };
+    score_windows(ids, bytes, (block, 1), (progress, stop), score)
+}
+
+/// Sums what `score` gives for the windows of `block` tokens over `ids` (the tokens of
+/// `bytes` bytes of text), `batch` windows a call: the total negative log-likelihood of
+/// their scored targets; `progress` advances a window at a time and `stop` is heeded
+/// between calls.
+fn score_windows(
+    ids: &[u32],
+    bytes: usize,
+    (block, batch): (usize, usize),
+    (progress, stop): (&ProgressBar, &Stop),
+    mut score: impl FnMut(&[Window]) -> Result<f64>,
+) -> Result<EvalResult> {
+    needs_two_tokens(ids)?;
+    let windows = windows(ids.len(), block);
     progress.set_length(windows.len() as u64);
-    for w in &windows {
+    let mut total_nll = 0.0f64;
+    for group in windows.chunks(batch) {
         stop.check()?;
-        let losses = decoder.next_token_losses(&ids[w.begin..w.end])?;
-        // Target k is predicted at position k - 1 - begin.
-        total_nll += losses[w.first - 1 - w.begin..w.end - 1 - w.begin]
-            .iter()
-            .sum::<f64>();
-        progress.inc(1);
+        total_nll += score(group)?;
+        progress.inc(group.len() as u64);
     }
     Ok(EvalResult::of(ids.len(), bytes, total_nll))
 }

@@ -7,6 +7,8 @@ use std::path::Path;
 use std::sync::Once;
 
 use anyhow::{Context, Result};
+use plotters::coord::types::RangedCoordf64;
+use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use plotters::style::FontStyle;
@@ -23,6 +25,70 @@ fn register_font() {
 
 fn plot_error<E: std::fmt::Display>(path: &Path) -> impl FnOnce(E) -> anyhow::Error + '_ {
     move |e| anyhow::anyhow!("drawing {}: {e}", path.display())
+}
+
+/// A white picture of `size` pixels, to be written to `out`.
+fn canvas(out: &Path, size: (u32, u32)) -> Result<DrawingArea<BitMapBackend<'_>, Shift>> {
+    let root = BitMapBackend::new(out, size).into_drawing_area();
+    root.fill(&WHITE).map_err(plot_error(out))?;
+    Ok(root)
+}
+
+/// A chart of losses filling `root`, titled `title`, with room for the axes' labels.
+fn loss_chart<'a, 'b>(
+    root: &'a DrawingArea<BitMapBackend<'b>, Shift>,
+    title: &str,
+) -> ChartBuilder<'a, 'b, BitMapBackend<'b>> {
+    let mut builder = ChartBuilder::on(root);
+    builder
+        .caption(title, ("sans-serif", 26))
+        .margin(18)
+        .x_label_area_size(45)
+        .y_label_area_size(60);
+    builder
+}
+
+/// A chart in a PNG with both axes in f64.
+type Chart<'a> = ChartContext<'a, BitMapBackend<'a>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// Evaluations: a thick line through `points` with a dot of `radius` at each (they are
+/// readings, not a continuous curve), named `label` in the legend.
+fn draw_readings(
+    chart: &mut Chart<'_>,
+    points: &[(f64, f64)],
+    (color, radius): (RGBColor, i32),
+    label: &str,
+    out: &Path,
+) -> Result<()> {
+    chart
+        .draw_series(LineSeries::new(
+            points.iter().copied(),
+            color.stroke_width(3),
+        ))
+        .map_err(plot_error(out))?
+        .label(label)
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
+    chart
+        .draw_series(
+            points
+                .iter()
+                .map(|&p| Circle::new(p, radius, color.filled())),
+        )
+        .map_err(plot_error(out))?;
+    Ok(())
+}
+
+/// The legend, top right over a light background.
+fn draw_legend(chart: &mut Chart<'_>, out: &Path) -> Result<()> {
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .label_font(("sans-serif", 15))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(plot_error(out))?;
+    Ok(())
 }
 
 /// The points of a run's metrics.jsonl.
@@ -94,13 +160,8 @@ pub fn loss_curve(metrics: &Path, out: &Path, title: &str) -> Result<()> {
     let lr_max = c.lr.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-12) * 1.1;
 
     let err = plot_error(out);
-    let root = BitMapBackend::new(out, (1100, 650)).into_drawing_area();
-    root.fill(&WHITE).map_err(plot_error(out))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 26))
-        .margin(18)
-        .x_label_area_size(45)
-        .y_label_area_size(60)
+    let root = canvas(out, (1100, 650))?;
+    let mut chart = loss_chart(&root, title)
         .right_y_label_area_size(75)
         .build_cartesian_2d(0f64..last_step, lo..hi)
         .map_err(plot_error(out))?
@@ -138,33 +199,14 @@ pub fn loss_curve(metrics: &Path, out: &Path, title: &str) -> Result<()> {
         (&c.eval_train, blue, "train loss (eval)"),
         (&c.eval_val, orange, "val loss (eval)"),
     ] {
-        chart
-            .draw_series(LineSeries::new(
-                points.iter().copied(),
-                color.stroke_width(3),
-            ))
-            .map_err(plot_error(out))?
-            .label(label)
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3))
-            });
-        chart
-            .draw_series(points.iter().map(|&p| Circle::new(p, 4, color.filled())))
-            .map_err(plot_error(out))?;
+        draw_readings(&mut chart, points, (color, 4), label, out)?;
     }
     chart
         .draw_secondary_series(LineSeries::new(c.lr.iter().copied(), gray.stroke_width(1)))
         .map_err(plot_error(out))?
         .label("learning rate (right axis)")
         .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], gray));
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .label_font(("sans-serif", 15))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(plot_error(out))?;
+    draw_legend(&mut chart, out)?;
     root.present().map_err(err)?;
     Ok(())
 }
@@ -235,13 +277,8 @@ pub fn comparison(
     hi += pad;
     let x_max = points().map(|p| p.0).fold(0.0, f64::max).max(1e-9);
 
-    let root = BitMapBackend::new(out, (1100, 650)).into_drawing_area();
-    root.fill(&WHITE).map_err(plot_error(out))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 26))
-        .margin(18)
-        .x_label_area_size(45)
-        .y_label_area_size(60)
+    let root = canvas(out, (1100, 650))?;
+    let mut chart = loss_chart(&root, title)
         .build_cartesian_2d(0f64..x_max, lo..hi)
         .map_err(plot_error(out))?;
     chart
@@ -262,25 +299,9 @@ pub fn comparison(
                 color.mix(0.35).stroke_width(1),
             ))
             .map_err(plot_error(out))?;
-        chart
-            .draw_series(LineSeries::new(val.iter().copied(), color.stroke_width(3)))
-            .map_err(plot_error(out))?
-            .label(label.as_str())
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3))
-            });
-        chart
-            .draw_series(val.iter().map(|&p| Circle::new(p, 3, color.filled())))
-            .map_err(plot_error(out))?;
+        draw_readings(&mut chart, val, (color, 3), label, out)?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .label_font(("sans-serif", 15))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(plot_error(out))?;
+    draw_legend(&mut chart, out)?;
     root.present().map_err(plot_error(out))?;
     Ok(())
 }
@@ -356,8 +377,7 @@ pub fn attention_grid(
     let panel_h = cell * t + label_room + 40;
     let width = (panel_w * cols).max(300) as u32;
     let height = (panel_h * rows + 50) as u32;
-    let root = BitMapBackend::new(out, (width, height)).into_drawing_area();
-    root.fill(&WHITE).map_err(plot_error(out))?;
+    let root = canvas(out, (width, height))?;
     let root = root
         .titled(
             "attention weights: queries (rows) attend to keys (columns)",

@@ -6,6 +6,9 @@ use indicatif::ProgressBar;
 use tinygpt::corpus::Corpus;
 use tinygpt::util::{Stop, Stopped};
 
+mod common;
+use common::random_words;
+
 /// A stop during BPE's merges ends them: the call returns Stopped at once, and leaves
 /// no thread behind (the last trainer left tokenizers' merge loop running to its end).
 #[cfg(target_os = "linux")]
@@ -16,19 +19,7 @@ fn a_stop_during_bpe_merges_leaves_no_thread_running() {
     let threads = || std::fs::read_dir("/proc/self/task").unwrap().count();
     let dir = tempfile::tempdir().unwrap();
     // Words of random letters: pairs enough for many thousands of merges.
-    let mut state = 5u64;
-    let text: String = (0..400_000)
-        .map(|_| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            let len = 2 + (state >> 61) as usize;
-            let word: String = (0..len)
-                .map(|k| (b'a' + ((state >> (k * 5)) % 26) as u8) as char)
-                .collect();
-            word + " "
-        })
-        .collect();
+    let text = random_words(5, 400_000, 26);
     std::fs::write(dir.path().join("corpus.txt"), text).unwrap();
     let corpus = Corpus::open(&dir.path().join("corpus.txt"), "text").unwrap();
     let config = TokenizerConfig {

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::process::Command;
 
 mod common;
-use common::{stderr, tinygpt};
+use common::{stderr, succeeds, tinygpt, train_args};
 
 fn setup() -> tempfile::TempDir {
     let text =
@@ -21,19 +21,10 @@ fn setup() -> tempfile::TempDir {
 #[test]
 fn train_then_resume_from_the_command_line() {
     let dir = setup();
-    let out = tinygpt(
+    let out = succeeds(
         dir.path(),
-        &[
-            "train",
-            "--config",
-            "exp.toml",
-            "--set",
-            "tokenizer.kind=bpe",
-            "--set",
-            "tokenizer.vocab_size=300",
-        ],
+        &train_args(&[], &["tokenizer.kind=bpe", "tokenizer.vocab_size=300"]),
     );
-    assert!(out.status.success(), "{}", stderr(&out));
     let log = stderr(&out);
     assert!(log.contains("val loss"), "{log}");
     let run = dir.path().join("checkpoints/exp");
@@ -54,20 +45,10 @@ fn train_then_resume_from_the_command_line() {
     );
 
     // Resume to more steps.
-    let out = tinygpt(
+    let out = succeeds(
         dir.path(),
-        &[
-            "train",
-            "--config",
-            "exp.toml",
-            "--resume",
-            "--set",
-            "train.max_iters=9",
-            "--set",
-            "run.device=auto",
-        ],
+        &train_args(&["--resume"], &["train.max_iters=9", "run.device=auto"]),
     );
-    assert!(out.status.success(), "{}", stderr(&out));
     assert!(
         stderr(&out).contains("resuming at step 6"),
         "{}",
@@ -83,8 +64,7 @@ fn train_then_resume_from_the_command_line() {
 #[test]
 fn generate_eval_and_info_from_a_checkpoint() {
     let dir = setup();
-    let out = tinygpt(dir.path(), &["train", "--config", "exp.toml"]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    succeeds(dir.path(), &["train", "--config", "exp.toml"]);
     let ck = "checkpoints/exp";
 
     // Streamed text starts with the prompt; stats on stderr.
@@ -99,8 +79,7 @@ fn generate_eval_and_info_from_a_checkpoint() {
         "--seed",
         "3",
     ];
-    let out = tinygpt(dir.path(), &generate);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let out = succeeds(dir.path(), &generate);
     let text = String::from_utf8(out.stdout.clone()).unwrap();
     assert!(text.starts_with("To be"), "{text}");
     assert!(stderr(&out).contains("decode") && stderr(&out).contains("tokens/s"));
@@ -144,11 +123,10 @@ fn generate_eval_and_info_from_a_checkpoint() {
     );
     assert!(lines[0]["stats"]["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
 
-    let out = tinygpt(
+    let out = succeeds(
         dir.path(),
         &["eval", "--checkpoint", ck, "--text", "corpus.txt", "--json"],
     );
-    assert!(out.status.success(), "{}", stderr(&out));
     let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let loss = r["loss"].as_f64().unwrap();
     assert!((r["perplexity"].as_f64().unwrap() - loss.exp()).abs() < 1e-6);
@@ -162,8 +140,7 @@ fn generate_eval_and_info_from_a_checkpoint() {
         "--device",
         "auto",
     ];
-    let out = tinygpt(dir.path(), &eval_auto);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let out = succeeds(dir.path(), &eval_auto);
     assert!(stderr(&out).contains("device auto: "), "{}", stderr(&out));
     let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!((r["loss"].as_f64().unwrap() - loss).abs() <= 1e-4 * loss);
@@ -171,42 +148,19 @@ fn generate_eval_and_info_from_a_checkpoint() {
     // Pictures: the loss curve was drawn at the end of training; plot and attention draw
     // on demand; attention's JSON has one T x T matrix per head, rows summing to 1.
     assert!(dir.path().join(ck).join("loss.png").is_file());
-    let out = tinygpt(
+    succeeds(
         dir.path(),
         &["plot", "--checkpoint", ck, "--out", "curve.png"],
     );
-    assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(
         &std::fs::read(dir.path().join("curve.png")).unwrap()[1..4],
         b"PNG"
     );
-    let out = tinygpt(
-        dir.path(),
-        &[
-            "attention",
-            "--checkpoint",
-            ck,
-            "--prompt",
-            "To be",
-            "--out",
-            "a.png",
-        ],
-    );
-    assert!(out.status.success(), "{}", stderr(&out));
+    let attention = ["attention", "--checkpoint", ck, "--prompt", "To be"];
+    succeeds(dir.path(), &[&attention[..], &["--out", "a.png"]].concat());
     assert!(dir.path().join("a.png").is_file());
-    let out = tinygpt(
-        dir.path(),
-        &[
-            "attention",
-            "--checkpoint",
-            ck,
-            "--prompt",
-            "To be",
-            "--layer",
-            "0",
-            "--json",
-        ],
-    );
+    let json = [&attention[..], &["--layer", "0", "--json"]].concat();
+    let out = succeeds(dir.path(), &json);
     let maps: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(maps["tokens"].as_array().unwrap().len(), 5);
     let head0 = &maps["weights"][0][0];
@@ -224,8 +178,7 @@ fn generate_eval_and_info_from_a_checkpoint() {
         );
     }
 
-    let out = tinygpt(dir.path(), &["info", "--checkpoint", ck, "--json"]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let out = succeeds(dir.path(), &["info", "--checkpoint", ck, "--json"]);
     let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(info["step"], 6);
     assert_eq!(info["tokenizer"], "char");
@@ -239,20 +192,11 @@ fn generate_eval_and_info_from_a_checkpoint() {
 fn padded_vocabulary_and_fine_tuning_runs() {
     let dir = setup();
     // A model vocabulary larger than the tokenizer's: sampling never picks a padding id.
-    let out = tinygpt(
+    succeeds(
         dir.path(),
-        &[
-            "train",
-            "--config",
-            "exp.toml",
-            "--set",
-            "model.vocab_size=128",
-            "--set",
-            "run.name=padded",
-        ],
+        &train_args(&[], &["model.vocab_size=128", "run.name=padded"]),
     );
-    assert!(out.status.success(), "{}", stderr(&out));
-    let out = tinygpt(
+    let out = succeeds(
         dir.path(),
         &[
             "generate",
@@ -269,7 +213,6 @@ fn padded_vocabulary_and_fine_tuning_runs() {
             "1",
         ],
     );
-    assert!(out.status.success(), "{}", stderr(&out));
     let sample: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let distinct_chars = 30; // fewer than the 128 model ids
     assert!(sample["token_ids"]
@@ -279,23 +222,14 @@ fn padded_vocabulary_and_fine_tuning_runs() {
         .all(|id| id.as_u64().unwrap() < distinct_chars + 10));
 
     // Fine-tune from it, then resume the fine-tuning run with the same command.
-    let ft = [
-        "train",
-        "--config",
-        "exp.toml",
-        "--init-from",
-        "checkpoints/padded",
-        "--set",
-        "run.name=ft",
-        "--set",
-        "model.n_layer=3",
-    ];
-    let out = tinygpt(dir.path(), &ft);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let ft = train_args(
+        &["--init-from", "checkpoints/padded"],
+        &["run.name=ft", "model.n_layer=3"],
+    );
+    succeeds(dir.path(), &ft);
     let mut resume = ft.to_vec();
     resume.extend(["--resume", "--set", "train.max_iters=8"]);
-    let out = tinygpt(dir.path(), &resume);
-    assert!(out.status.success(), "{}", stderr(&out));
+    succeeds(dir.path(), &resume);
     let info = tinygpt(
         dir.path(),
         &["info", "--checkpoint", "checkpoints/ft", "--json"],
@@ -332,8 +266,7 @@ fn bench_decodes_several_sequences_together() {
         if json {
             args.push("--json");
         }
-        let out = tinygpt(dir.path(), &args);
-        assert!(out.status.success(), "{}", stderr(&out));
+        let out = succeeds(dir.path(), &args);
         out.stdout
     };
     let report = |batch| serde_json::from_slice::<serde_json::Value>(&bench(batch, true)).unwrap();
@@ -356,14 +289,9 @@ fn compare_writes_beside_the_runs_and_json_alone() {
     let dir = setup();
     for name in ["a", "b"] {
         let run = format!("run.name={name}");
-        let out = tinygpt(
-            dir.path(),
-            &["train", "--config", "exp.toml", "--set", &run],
-        );
-        assert!(out.status.success(), "{}", stderr(&out));
+        succeeds(dir.path(), &train_args(&[], &[&run]));
     }
-    let out = tinygpt(dir.path(), &["compare", "checkpoints/a", "checkpoints/b"]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let out = succeeds(dir.path(), &["compare", "checkpoints/a", "checkpoints/b"]);
     assert!(
         stderr(&out).contains("wrote checkpoints/compare.png"),
         "{}",
@@ -385,8 +313,7 @@ fn compare_writes_beside_the_runs_and_json_alone() {
         "checkpoints/b",
         "checkpoints/sweep.png",
     ];
-    let out = tinygpt(dir.path(), &glob);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let out = succeeds(dir.path(), &glob);
     let rows: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON alone");
     assert_eq!(rows.as_array().unwrap().len(), 2);
     assert!(
@@ -409,8 +336,7 @@ fn compare_writes_beside_the_runs_and_json_alone() {
         "checkpoints/a",
         "checkpoints/b",
     ];
-    let out = tinygpt(dir.path(), &asked);
-    assert!(out.status.success(), "{}", stderr(&out));
+    succeeds(dir.path(), &asked);
     assert!(dir.path().join("mine.png").is_file());
 }
 
@@ -419,8 +345,7 @@ fn compare_writes_beside_the_runs_and_json_alone() {
 #[test]
 fn long_prompts_are_cropped_when_asked_and_samples_count_from_one() {
     let dir = setup();
-    let out = tinygpt(dir.path(), &["train", "--config", "exp.toml"]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    succeeds(dir.path(), &["train", "--config", "exp.toml"]);
     let long = "To be, or not to be, ".repeat(4); // 84 characters, context 16
     let args = [
         "generate",
@@ -434,8 +359,7 @@ fn long_prompts_are_cropped_when_asked_and_samples_count_from_one() {
         "--seed",
         "1",
     ];
-    let out = tinygpt(dir.path(), &args);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let out = succeeds(dir.path(), &args);
     assert!(
         stderr(&out).contains("the prompt is 84 tokens; the model reads its last 16"),
         "{}",
@@ -457,8 +381,7 @@ fn long_prompts_are_cropped_when_asked_and_samples_count_from_one() {
         "--seed",
         "1",
     ];
-    let out = tinygpt(dir.path(), &args);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let out = succeeds(dir.path(), &args);
     let samples: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -476,17 +399,7 @@ fn long_prompts_are_cropped_when_asked_and_samples_count_from_one() {
 #[test]
 fn info_export_and_train_speak_plainly() {
     let dir = setup();
-    let out = tinygpt(
-        dir.path(),
-        &[
-            "train",
-            "--config",
-            "exp.toml",
-            "--set",
-            "train.log_interval=1",
-        ],
-    );
-    assert!(out.status.success(), "{}", stderr(&out));
+    let out = succeeds(dir.path(), &train_args(&[], &["train.log_interval=1"]));
     assert!(!stderr(&out).contains("will refuse"), "{}", stderr(&out));
     let info = tinygpt(dir.path(), &["info", "--checkpoint", "checkpoints/exp"]);
     let text = String::from_utf8_lossy(&info.stdout);
@@ -495,11 +408,10 @@ fn info_export_and_train_speak_plainly() {
         "{text}"
     );
     assert!(text.contains("learned positions, no biases"), "{text}");
-    let out = tinygpt(
+    let out = succeeds(
         dir.path(),
         &["export", "--checkpoint", "checkpoints/exp", "--out", "hf"],
     );
-    assert!(out.status.success(), "{}", stderr(&out));
     assert!(stderr(&out).contains("(GPT-2 layout)"), "{}", stderr(&out));
 
     let metrics =
@@ -519,19 +431,15 @@ fn info_export_and_train_speak_plainly() {
         assert_eq!(lr_of("val_loss", step), lr_of("loss", step), "step {step}");
     }
 
-    let sinusoidal = [
-        "train",
-        "--config",
-        "exp.toml",
-        "--set",
-        "run.name=sin",
-        "--set",
-        "model.positions=sinusoidal",
-        "--set",
-        "train.max_iters=1",
-    ];
-    let out = tinygpt(dir.path(), &sinusoidal);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let sinusoidal = train_args(
+        &[],
+        &[
+            "run.name=sin",
+            "model.positions=sinusoidal",
+            "train.max_iters=1",
+        ],
+    );
+    let out = succeeds(dir.path(), &sinusoidal);
     let log = stderr(&out);
     let note = log
         .lines()
@@ -672,8 +580,7 @@ fn completions_and_manual_pages() {
         page.contains(".TH tinygpt 1") && page.contains("train"),
         "{page}"
     );
-    let out = tinygpt(dir.path(), &["man", "--out", "man1"]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    succeeds(dir.path(), &["man", "--out", "man1"]);
     let train = dir.path().join("man1/tinygpt-train.1");
     assert!(dir.path().join("man1/tinygpt.1").is_file() && train.is_file());
     match Command::new("man")
@@ -705,7 +612,7 @@ fn the_cache_is_listed_and_pruned_by_use() {
     std::fs::write(d.join("other.txt"), other).unwrap();
     let train = |name: &str, sets: &[&str]| {
         let run = format!("run.name={name}");
-        let mut args = vec!["train", "--config", "exp.toml", "--set", &run];
+        let mut args = train_args(&[], &[&run]);
         for set in sets {
             args.extend(["--set", set]);
         }
@@ -722,8 +629,7 @@ fn the_cache_is_listed_and_pruned_by_use() {
     std::fs::write(d.join("checkpoints/char/tokens.bin"), [7u8; 1000]).unwrap();
     std::fs::write(d.join("checkpoints/char/tokens.json"), "{}").unwrap();
 
-    let out = tinygpt(d, &["cache", "--json"]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let out = succeeds(d, &["cache", "--json"]);
     let inv: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let caches = inv["caches"].as_array().unwrap();
     assert_eq!(caches.len(), 2, "one folder per corpus: {inv:#}");
@@ -767,8 +673,7 @@ fn the_cache_is_listed_and_pruned_by_use() {
     let before = checkpoints(d);
 
     // A dry run says what and why, and deletes nothing.
-    let out = tinygpt(d, &["cache", "prune"]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let out = succeeds(d, &["cache", "prune"]);
     let plan = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         plan.contains("other-") && plan.contains("no run uses it"),
@@ -785,8 +690,7 @@ fn the_cache_is_listed_and_pruned_by_use() {
     assert!(stderr(&out).contains("would delete") && stderr(&out).contains("--yes"));
     assert!(d.join("checkpoints/char/tokens.bin").exists());
 
-    let out = tinygpt(d, &["cache", "prune", "--yes"]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    succeeds(d, &["cache", "prune", "--yes"]);
     assert!(!d.join("checkpoints/char/tokens.bin").exists());
     assert_eq!(checkpoints(d), before, "no checkpoint touched");
     let out = tinygpt(d, &["cache", "prune", "--json"]);
@@ -802,20 +706,9 @@ fn the_cache_is_listed_and_pruned_by_use() {
         .unwrap()
         .path();
     std::fs::write(folder.join("used"), "1000").unwrap();
-    let out = tinygpt(d, &["cache", "prune", "--older-than", "30d", "--yes"]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    succeeds(d, &["cache", "prune", "--older-than", "30d", "--yes"]);
     assert!(!folder.exists());
     assert_eq!(checkpoints(d), before);
-    let more = [
-        "train",
-        "--config",
-        "exp.toml",
-        "--set",
-        "run.name=char",
-        "--resume",
-        "--set",
-        "train.max_iters=8",
-    ];
-    let out = tinygpt(d, &more);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let more = train_args(&["--resume"], &["run.name=char", "train.max_iters=8"]);
+    succeeds(d, &more);
 }

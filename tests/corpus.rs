@@ -12,6 +12,9 @@ use tinygpt::corpus::{token_files, Corpus};
 use tinygpt::tokenizer::Tokenizer;
 use tinygpt::util::Stop;
 
+mod common;
+use common::random_words;
+
 /// Documents with everything that could go wrong at a cut: runs of spaces and newlines,
 /// tabs, non-ASCII letters and spaces, digits, contractions, emoji, the end-of-text
 /// text inside a document, long lines, and an empty document.
@@ -600,9 +603,7 @@ fn bpe_training_learns_what_tokenizers_learns() {
     use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
     use tokenizers::models::TrainerWrapper;
     use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-    use tokenizers::{
-        AddedToken, DecoderWrapper, ModelWrapper, PreTokenizerWrapper, TokenizerImpl,
-    };
+    use tokenizers::{AddedToken, DecoderWrapper, ModelWrapper, PreTokenizerWrapper};
 
     let theirs = |texts: &[String], vocab_size: usize| -> String {
         let mut trainer = TrainerWrapper::BpeTrainer(
@@ -614,38 +615,18 @@ fn bpe_training_learns_what_tokenizers_learns() {
                 .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
                 .build(),
         );
-        let mut tk: TokenizerImpl<
-            ModelWrapper,
-            tokenizers::NormalizerWrapper,
-            PreTokenizerWrapper,
-            tokenizers::PostProcessorWrapper,
-            DecoderWrapper,
-        > = TokenizerImpl::new(ModelWrapper::BPE(BPE::default()));
+        let mut tk = tokenizers::Tokenizer::new(ModelWrapper::BPE(BPE::default()));
         tk.with_pre_tokenizer(Some(PreTokenizerWrapper::ByteLevel(ByteLevel::new(
             false, true, true,
         ))));
         tk.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevelDecoder::default())));
         tk.train(&mut trainer, texts.iter()).unwrap();
-        tokenizers::Tokenizer::from(tk).to_string(true).unwrap()
+        tk.to_string(true).unwrap()
     };
     // Shakespeare-like lines, unicode, code-like text, numbers: ties and merges of
     // merges of every kind.
     let mut mixed = documents();
-    let mut state = 11u64;
-    mixed.push(
-        (0..3000)
-            .map(|_| {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                let len = 1 + (state >> 60) as usize;
-                let word: String = (0..len)
-                    .map(|k| (b'a' + ((state >> ((k * 5) % 60)) % 7) as u8) as char)
-                    .collect();
-                word + if state.is_multiple_of(5) { "\n" } else { " " }
-            })
-            .collect(),
-    );
+    mixed.push(random_words(11, 3000, 7));
     for vocab_size in [280, 600, 1500] {
         let ours = Tokenizer::train_bpe_on(mixed.iter(), vocab_size).unwrap();
         assert_eq!(

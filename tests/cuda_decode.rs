@@ -8,6 +8,9 @@ use tinygpt::config::{MlpKind, ModelConfig, NormKind, PositionKind, Precision};
 use tinygpt::cpu::FastDecoder;
 use tinygpt::model::ModelSpec;
 
+mod common;
+use common::model;
+
 /// A decoder under test: prefill and step, logits (batch, V) back.
 trait Decode {
     fn prefill(&mut self, windows: &[Vec<u32>]) -> Vec<f32>;
@@ -37,13 +40,9 @@ impl Decode for tinygpt::cuda::CudaDecoder {
     }
 }
 
-/// The CUDA decoders this build and machine can make for `spec`: (where, decoder).
-fn cuda_decoders(spec: &ModelSpec, values: &[f32], batch: usize) -> Vec<(String, Box<dyn Decode>)> {
-    cuda_decoders_in(spec, values, batch, Precision::F32)
-}
-
-/// [`cuda_decoders`] with products in `precision`.
-fn cuda_decoders_in(
+/// The CUDA decoders this build and machine can make for `spec`, products in
+/// `precision`: (where, decoder).
+fn cuda_decoders(
     spec: &ModelSpec,
     values: &[f32],
     batch: usize,
@@ -117,6 +116,31 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
 }
 
+/// Asserts the logits `got` are within `tol` of `want` (relative to the largest |want|).
+fn assert_close(got: &[f32], want: &[f32], tol: f32, what: impl std::fmt::Display) {
+    let err = rel_err(got, want);
+    assert!(err < tol, "{what}: logits off by {err:e}");
+}
+
+type Boxed = Box<dyn Decode>;
+
+/// Each CUDA decoder this build and machine can make for `spec`, beside a CPU decoder
+/// of the same model: (where, cpu, cuda).
+fn beside_the_cpu(
+    spec: &ModelSpec,
+    values: &[f32],
+    batch: usize,
+    precision: Precision,
+) -> Vec<(String, Boxed, Boxed)> {
+    cuda_decoders(spec, values, batch, precision)
+        .into_iter()
+        .map(|(place, cuda)| {
+            let cpu: Boxed = Box::new(FastDecoder::new(spec, values, batch).unwrap());
+            (place, cpu, cuda)
+        })
+        .collect()
+}
+
 #[test]
 fn cuda_decoder_matches_the_cpu_decoder() {
     let variants = [
@@ -144,17 +168,12 @@ fn cuda_decoder_matches_the_cpu_decoder() {
     ];
     for (positions, bias, kv, norm, mlp) in variants {
         let cfg = ModelConfig {
-            n_layer: 2,
-            n_head: 4,
             n_kv_head: Some(kv),
-            n_embd: 32,
-            block_size: 12,
-            vocab_size: 29,
             positions,
             bias,
             norm,
             mlp,
-            ..ModelConfig::default()
+            ..model(2, 4, 32, 12, 29)
         };
         let spec = ModelSpec::new(&cfg);
         let values = weights(&spec);
@@ -162,23 +181,16 @@ fn cuda_decoder_matches_the_cpu_decoder() {
         let windows: Vec<Vec<u32>> = (0..batch as u32)
             .map(|b| (0..5).map(|i| (7 * i + 3 * b + 1) % 29).collect())
             .collect();
-        for (place, mut cuda) in cuda_decoders(&spec, &values, batch) {
+        for (place, mut cpu, mut cuda) in beside_the_cpu(&spec, &values, batch, Precision::F32) {
             let what = format!("{place} {positions:?} kv={kv} {norm:?} {mlp:?}");
-            let mut cpu: Box<dyn Decode> =
-                Box::new(FastDecoder::new(&spec, &values, batch).unwrap());
             let (want, got) = (cpu.prefill(&windows), cuda.prefill(&windows));
-            assert!(
-                rel_err(&got, &want) < 1e-4,
-                "{what}: prefill logits off by {}",
-                rel_err(&got, &want)
-            );
+            assert_close(&got, &want, 1e-4, format!("{what}: prefill"));
             let mut logits = want;
             // Greedy to the end of the context: positions 5 .. 11.
             for step in 0..cfg.block_size - windows[0].len() {
                 let ids: Vec<u32> = logits.chunks(cfg.vocab_size).map(argmax).collect();
                 let (want, got) = (cpu.step(&ids), cuda.step(&ids));
-                let err = rel_err(&got, &want);
-                assert!(err < 1e-4, "{what}: step {step} logits off by {err}");
+                assert_close(&got, &want, 1e-4, format!("{what}: step {step}"));
                 // The same greedy token, or (where the GPU's sums, in another order,
                 // tip a near tie) one whose CPU logit is within the logits' own bound
                 // of the CPU's choice: reported, not demanded identical.
@@ -213,14 +225,9 @@ fn cuda_decoder_matches_the_cpu_decoder() {
 #[test]
 fn attention_over_long_caches_combines_its_chunks() {
     let cfg = ModelConfig {
-        n_layer: 1,
-        n_head: 4,
         n_kv_head: Some(2),
-        n_embd: 16,
-        block_size: 150,
-        vocab_size: 17,
         positions: PositionKind::Rope,
-        ..ModelConfig::default()
+        ..model(1, 4, 16, 150, 17)
     };
     let spec = ModelSpec::new(&cfg);
     let values = weights(&spec);
@@ -228,16 +235,13 @@ fn attention_over_long_caches_combines_its_chunks() {
     let windows: Vec<Vec<u32>> = (0..batch as u32)
         .map(|b| (0..100).map(|i| (i * 5 + b * 3) % 17).collect())
         .collect();
-    for (place, mut cuda) in cuda_decoders(&spec, &values, batch) {
-        let mut cpu: Box<dyn Decode> = Box::new(FastDecoder::new(&spec, &values, batch).unwrap());
+    for (place, mut cpu, mut cuda) in beside_the_cpu(&spec, &values, batch, Precision::F32) {
         let (want, got) = (cpu.prefill(&windows), cuda.prefill(&windows));
-        let err = rel_err(&got, &want);
-        assert!(err < 1e-4, "{place}: prefill of 100 positions off by {err}");
+        assert_close(&got, &want, 1e-4, format!("{place}: prefill of 100"));
         for step in 100..150u32 {
             let ids = [step % 17, (step * 7) % 17];
             let (want, got) = (cpu.step(&ids), cuda.step(&ids));
-            let err = rel_err(&got, &want);
-            assert!(err < 1e-4, "{place}: position {step} off by {err}");
+            assert_close(&got, &want, 1e-4, format!("{place}: position {step}"));
         }
     }
 }
@@ -248,15 +252,7 @@ fn attention_over_long_caches_combines_its_chunks() {
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 #[test]
 fn replayed_steps_are_launched_steps() {
-    let cfg = ModelConfig {
-        n_layer: 2,
-        n_head: 2,
-        n_embd: 16,
-        block_size: 10,
-        vocab_size: 13,
-        positions: PositionKind::Learned,
-        ..ModelConfig::default()
-    };
+    let cfg = model(2, 2, 16, 10, 13);
     let spec = ModelSpec::new(&cfg);
     let values = weights(&spec);
     let windows = vec![vec![1u32, 2], vec![7, 3]];
@@ -289,24 +285,19 @@ fn replayed_steps_are_launched_steps() {
 #[test]
 fn batched_decoding_is_each_sequence_alone() {
     let cfg = ModelConfig {
-        n_layer: 2,
-        n_head: 2,
-        n_embd: 16,
-        block_size: 9,
-        vocab_size: 13,
         positions: PositionKind::Rope,
-        ..ModelConfig::default()
+        ..model(2, 2, 16, 9, 13)
     };
     let spec = ModelSpec::new(&cfg);
     let values = weights(&spec);
     let windows: Vec<Vec<u32>> = vec![vec![1, 2, 3], vec![4, 0, 7], vec![12, 12, 5]];
     let steps: Vec<Vec<u32>> = vec![vec![3, 9, 1], vec![0, 2, 11], vec![6, 6, 6]];
-    let mut together = cuda_decoders(&spec, &values, 3);
+    let mut together = cuda_decoders(&spec, &values, 3, Precision::F32);
     for (place, batched) in together.iter_mut() {
         let mut logits = vec![batched.prefill(&windows)];
         logits.extend(steps.iter().map(|ids| batched.step(ids)));
         for (b, window) in windows.iter().enumerate() {
-            let (_, alone) = &mut cuda_decoders(&spec, &values, 1)
+            let (_, alone) = &mut cuda_decoders(&spec, &values, 1, Precision::F32)
                 .into_iter()
                 .find(|(p, _)| p == place)
                 .expect("the same place again");
@@ -327,14 +318,7 @@ fn batched_decoding_is_each_sequence_alone() {
 /// of 12: chunks of 11 and 1), and prefilling again starts over (a window slide).
 #[test]
 fn long_prefills_run_in_chunks_and_prefill_starts_over() {
-    let cfg = ModelConfig {
-        n_layer: 1,
-        n_head: 2,
-        n_embd: 8,
-        block_size: 12,
-        vocab_size: 13,
-        ..ModelConfig::default()
-    };
+    let cfg = model(1, 2, 8, 12, 13);
     let spec = ModelSpec::new(&cfg);
     let values = weights(&spec);
     let batch = 350;
@@ -342,21 +326,14 @@ fn long_prefills_run_in_chunks_and_prefill_starts_over() {
         .map(|b| (0..12).map(|i| (b * 7 + i * 3) % 13).collect())
         .collect();
     let short: Vec<Vec<u32>> = windows.iter().map(|w| w[..4].to_vec()).collect();
-    for (place, mut cuda) in cuda_decoders(&spec, &values, batch) {
-        let mut cpu: Box<dyn Decode> = Box::new(FastDecoder::new(&spec, &values, batch).unwrap());
+    for (place, mut cpu, mut cuda) in beside_the_cpu(&spec, &values, batch, Precision::F32) {
         let (want, got) = (cpu.prefill(&windows), cuda.prefill(&windows));
-        let err = rel_err(&got, &want);
-        assert!(err < 1e-4, "{place}: a chunked prefill off by {err}");
+        assert_close(&got, &want, 1e-4, format!("{place}: a chunked prefill"));
         let (want, got) = (cpu.prefill(&short), cuda.prefill(&short));
-        let err = rel_err(&got, &want);
-        assert!(err < 1e-4, "{place}: prefill again off by {err}");
+        assert_close(&got, &want, 1e-4, format!("{place}: prefill again"));
         let ids = vec![5; batch];
         let (want, got) = (cpu.step(&ids), cuda.step(&ids));
-        let err = rel_err(&got, &want);
-        assert!(
-            err < 1e-4,
-            "{place}: a step after the new prefill off by {err}"
-        );
+        assert_close(&got, &want, 1e-4, format!("{place}: a step after it"));
     }
 }
 
@@ -367,13 +344,8 @@ fn long_prefills_run_in_chunks_and_prefill_starts_over() {
 #[test]
 fn bf16_decoding_stays_within_bf16_rounding() {
     let cfg = ModelConfig {
-        n_layer: 2,
-        n_head: 4,
-        n_embd: 32,
-        block_size: 12,
-        vocab_size: 29,
         positions: PositionKind::Rope,
-        ..ModelConfig::default()
+        ..model(2, 4, 32, 12, 29)
     };
     let spec = ModelSpec::new(&cfg);
     let values = weights(&spec);
@@ -381,8 +353,7 @@ fn bf16_decoding_stays_within_bf16_rounding() {
     let windows: Vec<Vec<u32>> = (0..batch as u32)
         .map(|b| (0..5).map(|i| (5 * i + 2 * b + 1) % 29).collect())
         .collect();
-    for (place, mut bf16) in cuda_decoders_in(&spec, &values, batch, Precision::Bf16) {
-        let mut cpu: Box<dyn Decode> = Box::new(FastDecoder::new(&spec, &values, batch).unwrap());
+    for (place, mut cpu, mut bf16) in beside_the_cpu(&spec, &values, batch, Precision::Bf16) {
         let (mut want, mut got) = (cpu.prefill(&windows), bf16.prefill(&windows));
         for step in 0..6 {
             let err = rel_err(&got, &want);
@@ -404,14 +375,7 @@ fn bf16_decoding_stays_within_bf16_rounding() {
 fn drawing_on_the_device_follows_the_host_samplers() {
     use tinygpt::cuda::SamplingArgs;
     use tinygpt::generate::sample::{Sampler, SamplingParams};
-    let cfg = ModelConfig {
-        n_layer: 2,
-        n_head: 2,
-        n_embd: 16,
-        block_size: 16,
-        vocab_size: 29,
-        ..ModelConfig::default()
-    };
+    let cfg = model(2, 2, 16, 16, 29);
     let (spec, batch, text_vocab) = (ModelSpec::new(&cfg), 3, 27);
     // Initial weights (no scaling): logits close together, so draws really vary.
     let values = spec.initial_values(5);
@@ -522,14 +486,9 @@ fn rows_at_their_own_positions_match_the_cpu_decoder() {
     use tinygpt::cpu::Place;
     for positions in [PositionKind::Learned, PositionKind::Rope] {
         let cfg = ModelConfig {
-            n_layer: 2,
-            n_head: 4,
             n_kv_head: Some(2),
-            n_embd: 16,
-            block_size: 9,
-            vocab_size: 13,
             positions,
-            ..ModelConfig::default()
+            ..model(2, 4, 16, 9, 13)
         };
         let spec = ModelSpec::new(&cfg);
         let values = weights(&spec);

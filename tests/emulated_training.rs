@@ -7,17 +7,10 @@
 use std::path::Path;
 
 use tinygpt::config::{Config, TokenizerKind};
-use tinygpt::train::{Reporter, StepLog, Trainer};
+use tinygpt::train::Trainer;
 
-#[derive(Default)]
-struct Losses(Vec<(usize, f64)>);
-impl Reporter for Losses {
-    fn step(&mut self, log: &StepLog) {
-        if let Some(m) = &log.measured {
-            self.0.push((log.step, m.loss));
-        }
-    }
-}
+mod common;
+use common::Losses;
 
 fn emulated() -> bool {
     if !cfg!(feature = "cuda-emulator") {

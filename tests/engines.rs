@@ -16,6 +16,9 @@ use tinygpt::model::params::NamedTensors;
 use tinygpt::model::{Dropout, ModelSpec};
 use tinygpt::optim::AdamWStep;
 
+mod common;
+use common::gpt2_and_llama;
+
 fn cfg(positions: PositionKind, bias: bool) -> ModelConfig {
     ModelConfig {
         n_layer: 2,
@@ -112,24 +115,21 @@ fn emulated(
 /// the (T, T) weights and batched products; none on the CPU.
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 fn products_path(place: &Place, cfg: &ModelConfig, batch: usize) -> Option<Box<dyn Engine>> {
-    use tinygpt::cuda::{Attention, FusedCuda};
+    use tinygpt::cuda::{Attention, FusedCuda, Gpu};
     let spec = ModelSpec::new(cfg);
     let values = spec.initial_values(5);
     let (precision, products) = (Precision::Bf16, Attention::Products);
-    let engine = match place {
+    let gpu = match place {
         Place::Device(d) if d.is_cpu() => return None,
         #[cfg(feature = "cuda")]
-        Place::Device(d) => {
-            FusedCuda::with_attention(&spec, &values, d, batch, precision, products).unwrap()
-        }
+        Place::Device(d) => Gpu::cuda(d, "the products path").unwrap(),
         #[cfg(feature = "cuda-emulator")]
-        Place::EmulatedGpu => {
-            FusedCuda::emulated_with(&spec, &values, batch, precision, products).unwrap()
-        }
+        Place::EmulatedGpu => Gpu::Emulated,
         #[allow(unreachable_patterns)]
         _ => return None,
     };
-    Some(Box::new(engine))
+    let engine = FusedCuda::with_attention(gpu, &spec, &values, batch, precision, products);
+    Some(Box::new(engine.unwrap()))
 }
 
 #[cfg(not(any(feature = "cuda", feature = "cuda-emulator")))]
@@ -486,29 +486,14 @@ fn dropout_masks_are_the_same_in_every_engine() {
 fn bf16_products_stay_within_bf16_rounding_of_the_reference() {
     for device in &devices() {
         let (b, t) = (3, 37);
-        for (positions, kv, norm, mlp) in [
-            (PositionKind::Learned, 4, NormKind::LayerNorm, MlpKind::Gelu),
-            (PositionKind::Rope, 2, NormKind::RmsNorm, MlpKind::Swiglu),
-        ] {
-            let cfg = ModelConfig {
-                n_layer: 2,
-                n_head: 4,
-                n_kv_head: Some(kv),
-                n_embd: 72, // head size 18
-                block_size: t,
-                positions,
-                norm,
-                mlp,
-                vocab_size: 67,
-                ..ModelConfig::default()
-            };
+        for cfg in gpt2_and_llama(t) {
             let batch = batch(b, t, 67, 1);
             let [mut reference, mut f32_fused] = engines(device, &cfg, b, Precision::F32);
             let [_, mut bf16_fused] = engines(device, &cfg, b, Precision::Bf16);
             let (ref_loss, ref_grads) = loss_and_grads(reference.as_mut(), &batch, None);
             let (f32_loss, f32_grads) = loss_and_grads(f32_fused.as_mut(), &batch, None);
             let (bf16_loss, bf16_grads) = loss_and_grads(bf16_fused.as_mut(), &batch, None);
-            let what = format!("{positions:?} kv={kv}");
+            let what = format!("{:?} kv={:?}", cfg.positions, cfg.n_kv_head);
             assert!(
                 (bf16_loss - ref_loss).abs() <= 2e-4 * ref_loss,
                 "{what}: bf16 loss {bf16_loss} vs {ref_loss}"

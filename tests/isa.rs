@@ -9,7 +9,7 @@
 use std::process::Command;
 
 use candle_core::Device;
-use tinygpt::config::{MlpKind, ModelConfig, NormKind, PositionKind, Precision};
+use tinygpt::config::{MlpKind, ModelConfig, NormKind, Precision};
 use tinygpt::cpu::gemm::{matmul, matmul_serial};
 use tinygpt::cpu::isa::{self, Isa};
 use tinygpt::cpu::matrix::{Product, Strided};
@@ -20,6 +20,9 @@ use tinygpt::data::Batch;
 use tinygpt::engine::{self, EngineOptions};
 use tinygpt::model::spec::Shapes;
 use tinygpt::model::ModelSpec;
+
+mod common;
+use common::gpt2_and_llama;
 
 fn values(n: usize, seed: u32) -> Vec<f32> {
     (0..n as u32)
@@ -107,22 +110,10 @@ fn kernel_outputs() -> Vec<Vec<f32>> {
 
 /// The fused engine's loss and gradients at `level` against the reference engine's.
 fn check_engine(level: Isa) {
-    for (positions, kv, norm, mlp) in [
-        (PositionKind::Learned, 4, NormKind::LayerNorm, MlpKind::Gelu),
-        (PositionKind::Rope, 2, NormKind::RmsNorm, MlpKind::Swiglu),
-    ] {
+    for cfg in gpt2_and_llama(37) {
         let cfg = ModelConfig {
-            n_layer: 2,
-            n_head: 4,
-            n_kv_head: Some(kv),
-            n_embd: 72,
-            block_size: 37,
-            positions,
-            norm,
-            mlp,
             dropout: 0.1,
-            vocab_size: 67,
-            ..ModelConfig::default()
+            ..cfg
         };
         let spec = ModelSpec::new(&cfg);
         let weights = spec.initial_values(3);
@@ -140,11 +131,7 @@ fn check_engine(level: Isa) {
         };
         let dropout = tinygpt::model::Dropout::in_pass(0.1, 1, 2, 0);
         let run = |fused| {
-            let options = EngineOptions {
-                batch: 3,
-                precision: Precision::F32,
-                fused,
-            };
+            let options = EngineOptions::f32(3, fused);
             let mut e = engine::build(&spec, &weights, &Device::Cpu, options).unwrap();
             let loss = e.loss(&batch, dropout.as_ref()).unwrap();
             e.backward(1.0).unwrap();
@@ -152,7 +139,7 @@ fn check_engine(level: Isa) {
         };
         let (ref_loss, ref_grads) = run(false);
         let (loss, grads) = run(true);
-        let what = format!("{level:?} {positions:?} {norm:?} {mlp:?}");
+        let what = format!("{level:?} {:?} {:?} {:?}", cfg.positions, cfg.norm, cfg.mlp);
         assert!(
             (loss - ref_loss).abs() <= 1e-5 * ref_loss,
             "{what}: {loss} vs {ref_loss}"

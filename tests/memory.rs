@@ -6,12 +6,15 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle_core::Device;
-use tinygpt::config::{ModelConfig, Precision, TrainConfig};
+use tinygpt::config::{ModelConfig, TrainConfig};
 use tinygpt::data::Batch;
 use tinygpt::engine::{self, EngineOptions};
 use tinygpt::engine::{training_bytes, Footprint};
 use tinygpt::model::ModelSpec;
 use tinygpt::optim::AdamWStep;
+
+mod common;
+use common::model;
 
 struct Counting;
 
@@ -41,11 +44,7 @@ fn measured_bytes(m: &ModelConfig, t: &TrainConfig, fused: bool) -> f64 {
     PEAK.store(start, Ordering::SeqCst);
     {
         let weights = spec.initial_values(1);
-        let options = EngineOptions {
-            batch: t.batch_size,
-            precision: Precision::F32,
-            fused,
-        };
+        let options = EngineOptions::f32(t.batch_size, fused);
         let mut engine = engine::build(&spec, &weights, &Device::Cpu, options).unwrap();
         drop(weights);
         let mut batch = Batch::empty(t.batch_size, m.block_size);
@@ -72,14 +71,7 @@ fn the_estimate_is_within_20_percent_of_each_engines_step() {
         (3, 2, 384, 32, 4096, 8),
     ];
     for (n_layer, n_head, n_embd, block_size, vocab_size, batch_size) in shapes {
-        let m = ModelConfig {
-            n_layer,
-            n_head,
-            n_embd,
-            block_size,
-            vocab_size,
-            ..ModelConfig::default()
-        };
+        let m = model(n_layer, n_head, n_embd, block_size, vocab_size);
         let t = TrainConfig {
             batch_size,
             ..TrainConfig::default()

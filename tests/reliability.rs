@@ -7,6 +7,9 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+use common::train_args;
+
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_tinygpt"))
 }
@@ -108,14 +111,7 @@ fn sigkill_at_random_moments_never_loses_the_checkpoint() {
     // And the run still continues (the dead trainer's lock is stale, taken over).
     let out = run(
         dir.path(),
-        &[
-            "train",
-            "--config",
-            "exp.toml",
-            "--resume",
-            "--set",
-            "train.max_iters=1",
-        ],
+        &train_args(&["--resume"], &["train.max_iters=1"]),
     );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() || err.contains("resuming"), "{err}");
@@ -125,16 +121,7 @@ fn sigkill_at_random_moments_never_loses_the_checkpoint() {
 fn ctrl_c_checkpoints_and_resume_continues_the_exact_curve() {
     let dir = setup(150);
     // The uninterrupted run, in its own folder.
-    let straight = run(
-        dir.path(),
-        &[
-            "train",
-            "--config",
-            "exp.toml",
-            "--set",
-            "run.name=straight",
-        ],
-    );
+    let straight = run(dir.path(), &train_args(&[], &["run.name=straight"]));
     assert!(straight.status.success());
 
     let child = train(dir.path(), &[]);
@@ -195,19 +182,15 @@ fn divergence_stops_with_exit_3_and_keeps_the_last_checkpoint() {
     let dir = setup(200);
     let out = run(
         dir.path(),
-        &[
-            "train",
-            "--config",
-            "exp.toml",
-            "--set",
-            "train.lr=1e6",
-            "--set",
-            "train.min_lr=1e6",
-            "--set",
-            "train.grad_clip=0",
-            "--set",
-            "train.warmup_iters=0",
-        ],
+        &train_args(
+            &[],
+            &[
+                "train.lr=1e6",
+                "train.min_lr=1e6",
+                "train.grad_clip=0",
+                "train.warmup_iters=0",
+            ],
+        ),
     );
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(3), "{err}");

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 mod common;
-use common::{stderr, tinygpt};
+use common::{succeeds, tinygpt};
 
 /// A folder with a tiny trained char model in checkpoints/exp.
 fn trained() -> tempfile::TempDir {
@@ -20,8 +20,7 @@ fn trained() -> tempfile::TempDir {
         "n_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32",
         "batch_size = 8\nmax_iters = 40\nwarmup_iters = 2\neval_interval = 20\neval_iters = 1\ncheckpoint_interval = 20",
     );
-    let out = tinygpt(dir.path(), &["train", "--config", "exp.toml"]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    succeeds(dir.path(), &["train", "--config", "exp.toml"]);
     dir
 }
 

@@ -6,6 +6,9 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+use common::train_args;
+
 fn tinygpt(dir: &Path, args: &[&str]) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_tinygpt"));
     command.args(args).current_dir(dir);
@@ -85,18 +88,14 @@ fn stop_a_long_evaluation(signal: i32, code: i32) {
     let d = dir.path();
     experiment(d);
     let run = d.join("checkpoints/r");
-    let long = [
-        "train",
-        "--config",
-        "exp.toml",
-        "--resume",
-        "--set",
-        "train.max_iters=6",
-        "--set",
-        "train.eval_interval=3",
-        "--set",
-        "train.eval_iters=100000000",
-    ];
+    let long = train_args(
+        &["--resume"],
+        &[
+            "train.max_iters=6",
+            "train.eval_interval=3",
+            "train.eval_iters=100000000",
+        ],
+    );
     let mut child = tinygpt(d, &long).stderr(Stdio::piped()).spawn().unwrap();
     wait_for("step 3", &mut child, || metrics_has(&run, 3, "loss"));
     std::thread::sleep(Duration::from_millis(300)); // well into the evaluation
@@ -138,21 +137,16 @@ fn sigterm_stops_corpus_encoding_leaving_no_partial_cache() {
     let line = "Now is the winter of our discontent made glorious summer by this sun of York\n";
     let big = line.repeat(120_000_000 / line.len());
     std::fs::write(d.join("big.txt"), big).unwrap();
-    let args = [
-        "train",
-        "--config",
-        "exp.toml",
-        "--set",
-        "run.name=big",
-        "--set",
-        "data.corpus=big.txt",
-        "--set",
-        "tokenizer.kind=bpe",
-        "--set",
-        "tokenizer.vocab_size=300",
-        "--set",
-        "tokenizer.train_bytes=1000000",
-    ];
+    let args = train_args(
+        &[],
+        &[
+            "run.name=big",
+            "data.corpus=big.txt",
+            "tokenizer.kind=bpe",
+            "tokenizer.vocab_size=300",
+            "tokenizer.train_bytes=1000000",
+        ],
+    );
     let mut child = tinygpt(d, &args).stderr(Stdio::piped()).spawn().unwrap();
     let cache = d.join("cache");
     let tokenizer_done = || {
@@ -221,25 +215,18 @@ fn sigint_stops_generation_between_tokens() {
 /// saved after every step, so a signal lands in a write more often than not.
 fn big_checkpoints(dir: &Path) -> Vec<&'static str> {
     experiment(dir);
-    vec![
-        "train",
-        "--config",
-        "exp.toml",
-        "--set",
-        "run.name=big",
-        "--set",
-        "model.n_layer=6",
-        "--set",
-        "model.n_embd=384",
-        "--set",
-        "model.n_head=6",
-        "--set",
-        "train.max_iters=100000",
-        "--set",
-        "train.checkpoint_interval=1",
-        "--set",
-        "train.eval_interval=100000",
-    ]
+    train_args(
+        &[],
+        &[
+            "run.name=big",
+            "model.n_layer=6",
+            "model.n_embd=384",
+            "model.n_head=6",
+            "train.max_iters=100000",
+            "train.checkpoint_interval=1",
+            "train.eval_interval=100000",
+        ],
+    )
 }
 
 #[test]

@@ -14,6 +14,9 @@ use tinygpt::model::ModelSpec;
 use tinygpt::optim::AdamWStep;
 use tinygpt::train::{Measured, Reporter, Silent, StepLog, Trainer};
 
+mod common;
+use common::Losses;
+
 /// A corpus with structure: a fixed pseudo-random "sentence" of 48 characters repeated.
 fn write_corpus(dir: &Path, repeats: usize) -> std::path::PathBuf {
     let alphabet: Vec<char> = "abcdefghij klmnop,.\n".chars().collect();
@@ -62,17 +65,6 @@ fn devices() -> Vec<&'static str> {
         }
     }
     devices
-}
-
-/// Collects every reading's loss (every step's where train.log_interval is 1).
-#[derive(Default)]
-struct Losses(Vec<(usize, f64)>);
-impl Reporter for Losses {
-    fn step(&mut self, log: &StepLog) {
-        if let Some(m) = &log.measured {
-            self.0.push((log.step, m.loss));
-        }
-    }
 }
 
 /// In both engines and for every position kind: every parameter gets a finite,

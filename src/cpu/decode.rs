@@ -56,6 +56,30 @@ pub struct Place {
     pub pos: usize,
 }
 
+/// A prefill of `windows` (one per sequence of `batch`, of equal length) as a decoder
+/// runs it: pieces of at most `chunk` positions of every window, each piece's ids
+/// sequence-major, with its length.
+pub(crate) fn prefill_chunks(
+    windows: &[Vec<u32>],
+    batch: usize,
+    chunk: usize,
+) -> Result<impl Iterator<Item = (Vec<u32>, usize)> + '_> {
+    anyhow::ensure!(windows.len() == batch, "one window per sequence");
+    let t = windows[0].len();
+    anyhow::ensure!(
+        windows.iter().all(|w| w.len() == t),
+        "windows of equal length"
+    );
+    Ok((0..t).step_by(chunk.max(1)).map(move |start| {
+        let len = chunk.min(t - start);
+        let ids = windows
+            .iter()
+            .flat_map(|w| w[start..start + len].iter().copied())
+            .collect();
+        (ids, len)
+    }))
+}
+
 /// Work space for `chunk` positions of every sequence.
 struct Scratch {
     x: Vec<f32>,
@@ -159,20 +183,10 @@ impl FastDecoder {
     }
 
     fn prefill_on_worker(&mut self, windows: &[Vec<u32>]) -> Result<&[f32]> {
-        assert_eq!(windows.len(), self.batch);
-        let t = windows[0].len();
-        assert!(windows.iter().all(|w| w.len() == t));
         self.len = 0;
-        // Position chunks that fit the scratch buffers; each appends to the K/V buffers.
-        let mut start = 0;
-        while start < t {
-            let len = self.chunk.min(t - start);
-            let ids: Vec<u32> = windows
-                .iter()
-                .flat_map(|w| w[start..start + len].iter().copied())
-                .collect();
+        // Chunks that fit the scratch buffers; each appends to the K/V buffers.
+        for (ids, len) in prefill_chunks(windows, self.batch, self.chunk)? {
             self.forward(&ids, len)?;
-            start += len;
         }
         Ok(&self.scratch.logits)
     }

@@ -16,7 +16,8 @@ use super::buffers::Buf;
 use super::gpu::Gpu;
 use super::gpu::Recording;
 use super::kernels::{
-    cached_attention_partials, At, DropoutArgs, Heads, SamplingArgs, SamplingWork,
+    cached_attention_partials, At, CachedRows, DropoutArgs, Heads, NormRows, SamplingArgs,
+    SamplingWork,
 };
 use super::tables::PositionTables;
 use crate::config::Precision;
@@ -282,22 +283,9 @@ impl CudaDecoder {
 
     /// [`Self::prefill`], leaving the logits on the device.
     pub fn run_windows(&mut self, windows: &[Vec<u32>]) -> Result<()> {
-        ensure!(windows.len() == self.batch, "one window per sequence");
-        let t = windows[0].len();
-        ensure!(
-            windows.iter().all(|w| w.len() == t),
-            "windows of equal length"
-        );
         self.len = 0;
-        let mut start = 0;
-        while start < t {
-            let len = self.chunk.min(t - start);
-            let ids: Vec<u32> = windows
-                .iter()
-                .flat_map(|w| w[start..start + len].iter().copied())
-                .collect();
+        for (ids, len) in crate::cpu::decode::prefill_chunks(windows, self.batch, self.chunk)? {
             self.forward(&ids, len)?;
-            start += len;
         }
         Ok(())
     }
@@ -546,6 +534,16 @@ impl CudaDecoder {
         )?;
         let heads = self.heads();
         let kind = self.spec.config.mlp;
+        // x += a sub-layer's output (left in `proj`).
+        let add_branch = || {
+            g.residual(
+                w.x.ptr(),
+                w.x.ptr(),
+                w.proj.ptr(),
+                rows * c,
+                DropoutArgs::NONE,
+            )
+        };
         for (l, p) in self.spec.blocks.iter().enumerate() {
             // Attention: q, k, v for every row; positions turned in; keys and values
             // cached; each row attends over its sequence's cache.
@@ -554,40 +552,26 @@ impl CudaDecoder {
             if let Some(tables) = self.tables.rope() {
                 g.rope(w.qkv.ptr(), tables, rows, at, heads, s.qkv_width, 1.0)?;
             }
-            let cache = (self.keys[l].ptr(), self.values[l].ptr());
-            g.store_keys_values(cache, w.qkv.ptr(), rows, at, heads, s.block_size)?;
-            let (att, partial) = (w.att.ptr(), w.partial.ptr());
-            g.attend_cached(
-                att,
-                partial,
-                w.qkv.ptr(),
-                cache,
+            let cached = CachedRows {
+                qkv: w.qkv.ptr(),
                 rows,
                 at,
-                heads,
-                s.block_size,
-            )?;
+                h: heads,
+                keys: self.keys[l].ptr(),
+                values: self.values[l].ptr(),
+                block: s.block_size,
+            };
+            g.store_keys_values(cached)?;
+            g.attend_cached((w.att.ptr(), w.partial.ptr()), cached)?;
             self.linear(w.proj.ptr(), w.att.ptr(), &p.attn_proj, rows)?;
-            g.residual(
-                w.x.ptr(),
-                w.x.ptr(),
-                w.proj.ptr(),
-                rows * c,
-                DropoutArgs::NONE,
-            )?;
+            add_branch()?;
 
             // MLP.
             self.norm(w.xn.ptr(), w.stats.ptr(), w.x.ptr(), &p.ln_2, rows)?;
             self.linear(w.fc.ptr(), w.xn.ptr(), &p.mlp_fc, rows)?;
             g.activation_forward(w.act.ptr(), w.fc.ptr(), rows, s.mlp_hidden, kind)?;
             self.linear(w.proj.ptr(), w.act.ptr(), &p.mlp_proj, rows)?;
-            g.residual(
-                w.x.ptr(),
-                w.x.ptr(),
-                w.proj.ptr(),
-                rows * c,
-                DropoutArgs::NONE,
-            )?;
+            add_branch()?;
         }
 
         // Only each sequence's last position (or the picked rows) needs logits.
@@ -636,15 +620,16 @@ impl CudaDecoder {
     /// out = the norm of each of `rows` rows of x; `stats` holds 2 rows of statistics.
     fn norm(&self, out: u64, stats: u64, x: u64, p: &NormParams, rows: usize) -> Result<()> {
         let cfg = &self.spec.config;
-        let weights = (
-            self.params.at(self.spec[p.weight].offset),
-            p.bias.map_or(0, |b| self.params.at(self.spec[b].offset)),
-        );
-        let stats = (stats, stats + 4 * rows as u64);
-        let c = self.spec.shapes.n_embd;
-        let eps = cfg.norm_eps as f32;
-        self.gpu
-            .norm_forward(out, stats, x, weights, rows, c, eps, cfg.norm)
+        let n = NormRows {
+            kind: cfg.norm,
+            weight: self.params.at(self.spec[p.weight].offset),
+            bias: p.bias.map_or(0, |b| self.params.at(self.spec[b].offset)),
+            mean: stats,
+            rstd: stats + 4 * rows as u64,
+            rows,
+            c: self.spec.shapes.n_embd,
+        };
+        self.gpu.norm_forward(out, x, n, cfg.norm_eps as f32)
     }
 }
 

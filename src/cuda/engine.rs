@@ -24,7 +24,7 @@ use super::blas::{linear, matmul, Matrix, Weights};
 use super::buckets::Buckets;
 use super::buffers::{Buf, Staging};
 use super::gpu::Gpu;
-use super::kernels::{AdamBuffers, DropoutArgs, Heads, Sum};
+use super::kernels::{AdamBuffers, DropoutArgs, Heads, NormRows, Sum};
 use super::plan::{Attention, Plan, FLASH_MAX_HEAD, LOSS_SLOTS, LOSS_SUM, NORM_SQ, PARTS};
 use super::ranks::Ranks;
 use super::tables::PositionTables;
@@ -184,23 +184,9 @@ impl FusedCuda {
         batch: usize,
         precision: Precision,
     ) -> Result<Self> {
-        let attention = Attention::choose(&spec.shapes, precision, batch);
-        Self::with_attention(spec, values, device, batch, precision, attention)
-    }
-
-    /// [`FusedCuda::new`] with attention computed as `attention` (tests and benchmarks
-    /// hold the two ways to each other).
-    #[cfg(feature = "cuda")]
-    pub fn with_attention(
-        spec: &ModelSpec,
-        values: &[f32],
-        device: &Device,
-        batch: usize,
-        precision: Precision,
-        attention: Attention,
-    ) -> Result<Self> {
         let gpu = Gpu::cuda(device, "the fused CUDA engine")?;
-        Self::on(gpu, spec, values, batch, precision, attention)
+        let attention = Attention::choose(&spec.shapes, precision, batch);
+        Self::with_attention(gpu, spec, values, batch, precision, attention)
     }
 
     /// The same engine with its kernels run on the CPU by the emulator (tests).
@@ -212,23 +198,12 @@ impl FusedCuda {
         precision: Precision,
     ) -> Result<Self> {
         let attention = Attention::choose(&spec.shapes, precision, batch);
-        Self::on(Gpu::Emulated, spec, values, batch, precision, attention)
+        Self::with_attention(Gpu::Emulated, spec, values, batch, precision, attention)
     }
 
-    /// The emulated engine with attention computed as `attention` (tests hold the two
+    /// The engine on `gpu` with attention computed as `attention` (tests hold the two
     /// ways to each other).
-    #[cfg(feature = "cuda-emulator")]
-    pub fn emulated_with(
-        spec: &ModelSpec,
-        values: &[f32],
-        batch: usize,
-        precision: Precision,
-        attention: Attention,
-    ) -> Result<Self> {
-        Self::on(Gpu::Emulated, spec, values, batch, precision, attention)
-    }
-
-    fn on(
+    pub fn with_attention(
         gpu: Gpu,
         spec: &ModelSpec,
         values: &[f32],
@@ -715,27 +690,28 @@ impl FusedCuda {
         Ok(())
     }
 
+    /// The norm `p` over this engine's rows, its statistics kept in `stats`.
+    fn norm_rows(&self, stats: &Stats, p: &NormParams) -> NormRows {
+        let (mean, rstd) = stats.ptrs();
+        NormRows {
+            kind: self.spec.config.norm,
+            weight: self.w(p.weight),
+            bias: self.w_opt(p.bias),
+            mean,
+            rstd,
+            rows: self.rows(),
+            c: self.spec.shapes.n_embd,
+        }
+    }
+
     fn norm_forward(&self, out: u64, stats: &Stats, x: u64, p: &NormParams) -> Result<()> {
-        let cfg = &self.spec.config;
-        let weights = (self.w(p.weight), self.w_opt(p.bias));
-        let (n, c) = (self.rows(), self.spec.shapes.n_embd);
-        self.gpu.norm_forward(
-            out,
-            stats.ptrs(),
-            x,
-            weights,
-            n,
-            c,
-            cfg.norm_eps as f32,
-            cfg.norm,
-        )
+        let eps = self.spec.config.norm_eps as f32;
+        self.gpu.norm_forward(out, x, self.norm_rows(stats, p), eps)
     }
 
     /// out = the norm's output again, from x and the kept statistics.
     fn norm_apply(&self, out: u64, stats: &Stats, x: u64, p: &NormParams) -> Result<()> {
-        let weights = (self.w(p.weight), self.w_opt(p.bias));
-        let (n, c) = (self.rows(), self.spec.shapes.n_embd);
-        self.gpu.norm_apply(out, x, weights, stats.ptrs(), n, c)
+        self.gpu.norm_apply(out, x, self.norm_rows(stats, p))
     }
 
     /// dx += d(norm)/dx . dout; the gain's (and bias's) gradients += theirs.
@@ -748,12 +724,9 @@ impl FusedCuda {
         p: &NormParams,
     ) -> Result<()> {
         let grads = (self.g(p.weight), self.g_opt(p.bias));
-        let (n, c) = (self.rows(), self.spec.shapes.n_embd);
         let partials = self.scratch.partials.ptr();
-        let kind = self.spec.config.norm;
-        let w = self.w(p.weight);
-        self.gpu
-            .norm_backward(dx, grads, dout, x, w, stats.ptrs(), n, c, kind, partials)
+        let n = self.norm_rows(stats, p);
+        self.gpu.norm_backward((dx, dout, x), n, grads, partials)
     }
 
     /// Adds d(loss * `scale`)/d(params) to the gradients, for the batch of the last
@@ -894,41 +867,17 @@ impl FusedCuda {
             }
             None => sc.att.ptr(),
         };
-        let (dy, heads) = (Matrix::new(sc.heads.ptr(), t, d), |ptr| {
-            Matrix::new(ptr, t, d)
-        });
+        let heads = |ptr| Matrix::new(ptr, t, d);
         let weights = |ptr| Matrix::new(ptr, t, t);
-        self.product(
-            heads(sc.dv.ptr()),
-            weights(dropped).t(),
-            dy.n(),
-            (1.0, 0.0),
-            bh,
-        )?;
-        // dPd overwrites Pd (in datt), which dV has used.
-        self.product(
-            weights(sc.datt.ptr()),
-            dy.n(),
-            heads(sc.v.ptr()).t(),
-            (1.0, 0.0),
-            bh,
-        )?;
+        let dy = heads(sc.heads.ptr());
+        let product = |c, a, b, alpha| self.product(c, a, b, (alpha, 0.0), bh);
+        // dV, then dPd, which overwrites Pd (in datt) once dV has used it.
+        product(heads(sc.dv.ptr()), weights(dropped).t(), dy.n(), 1.0)?;
+        product(weights(sc.datt.ptr()), dy.n(), heads(sc.v.ptr()).t(), 1.0)?;
         k.causal_softmax_backward(sc.datt.ptr(), sc.att.ptr(), h, mask)?;
         let ds = weights(sc.datt.ptr());
-        self.product(
-            heads(sc.dq.ptr()),
-            ds.n(),
-            heads(sc.k.ptr()).n(),
-            (scale, 0.0),
-            bh,
-        )?;
-        self.product(
-            heads(sc.dk.ptr()),
-            ds.t(),
-            heads(sc.q.ptr()).n(),
-            (scale, 0.0),
-            bh,
-        )?;
+        product(heads(sc.dq.ptr()), ds.n(), heads(sc.k.ptr()).n(), scale)?;
+        product(heads(sc.dk.ptr()), ds.t(), heads(sc.q.ptr()).n(), scale)?;
         k.merge_head_grads(dqkv, (sc.dq.ptr(), sc.dk.ptr(), sc.dv.ptr()), h)
     }
 

@@ -212,6 +212,40 @@ fn activation_kind(kind: MlpKind) -> i32 {
     }
 }
 
+/// A norm over `rows` rows of width `c`: its kind, its gain and bias (0 for none), and
+/// where each row's mean (0 under RMSNorm) and 1 / std are kept.
+#[derive(Debug, Clone, Copy)]
+pub struct NormRows {
+    pub kind: NormKind,
+    pub weight: u64,
+    pub bias: u64,
+    pub mean: u64,
+    pub rstd: u64,
+    pub rows: usize,
+    pub c: usize,
+}
+
+impl NormRows {
+    /// The kernels' switch: 1 for RMSNorm.
+    fn rms(&self) -> i32 {
+        i32::from(self.kind == NormKind::RmsNorm)
+    }
+}
+
+/// A layer's new rows in a decoding pass and the K/V cache they join: the rows' q, k, v
+/// heads side by side in `qkv` (rows, qkv width), at the positions `at`; the cache's
+/// keys and values, (batch, block, kv width) each.
+#[derive(Debug, Clone, Copy)]
+pub struct CachedRows {
+    pub qkv: u64,
+    pub rows: usize,
+    pub at: At,
+    pub h: Heads,
+    pub keys: u64,
+    pub values: u64,
+    pub block: usize,
+}
+
 /// Sizes of a batch of heads: (B, H, T, d), grouped K/V heads Hkv.
 #[derive(Debug, Clone, Copy)]
 pub struct Heads {
@@ -282,60 +316,33 @@ impl Gpu {
             dwpe, dx, int(b), int(t), int(c), dropout)
     }
 
-    /// out = norm(x) per row of C, keeping each row's mean and rstd; `b` 0 for none.
-    #[allow(clippy::too_many_arguments)]
-    pub fn norm_forward(
-        &self,
-        out: u64,
-        (mean, rstd): (u64, u64),
-        x: u64,
-        (w, b): (u64, u64),
-        rows: usize,
-        c: usize,
-        eps: f32,
-        kind: NormKind,
-    ) -> Result<()> {
-        let rms = i32::from(kind == NormKind::RmsNorm);
-        launch!(self, NormForward, warp_rows(rows);
-            out, mean, rstd, x, w, b, int(rows), int(c), eps, rms)
+    /// out = the norm of each row of x, keeping each row's mean and rstd.
+    pub fn norm_forward(&self, out: u64, x: u64, n: NormRows, eps: f32) -> Result<()> {
+        launch!(self, NormForward, warp_rows(n.rows);
+            out, n.mean, n.rstd, x, n.weight, n.bias, int(n.rows), int(n.c), eps, n.rms())
     }
 
     /// The forward's output again from the kept statistics.
-    pub fn norm_apply(
-        &self,
-        out: u64,
-        x: u64,
-        (w, b): (u64, u64),
-        (mean, rstd): (u64, u64),
-        rows: usize,
-        c: usize,
-    ) -> Result<()> {
-        launch!(self, NormApply, elements(rows * c);
-            out, x, w, b, mean, rstd, int(rows), int(c))
+    pub fn norm_apply(&self, out: u64, x: u64, n: NormRows) -> Result<()> {
+        launch!(self, NormApply, elements(n.rows * n.c);
+            out, x, n.weight, n.bias, n.mean, n.rstd, int(n.rows), int(n.c))
     }
 
-    /// dx += d(norm)/dx . dout; then the gain's (and bias's) gradients += theirs, via
-    /// `partials` (PARTS x 2C).
-    #[allow(clippy::too_many_arguments)]
+    /// dx += d(norm)/dx . dout; then the gain's (and bias's) gradients `dw` (`db`, 0
+    /// for none) += theirs, via `partials` (PARTS x 2C).
     pub fn norm_backward(
         &self,
-        dx: u64,
+        (dx, dout, x): (u64, u64, u64),
+        n: NormRows,
         (dw, db): (u64, u64),
-        dout: u64,
-        x: u64,
-        w: u64,
-        (mean, rstd): (u64, u64),
-        rows: usize,
-        c: usize,
-        kind: NormKind,
         partials: u64,
     ) -> Result<()> {
-        let rms = i32::from(kind == NormKind::RmsNorm);
+        let (rows, c) = (n.rows, n.c);
         launch!(self, NormBackwardInput, warp_rows(rows);
-            dx, dout, x, w, mean, rstd, int(rows), int(c), rms)?;
+            dx, dout, x, n.weight, n.mean, n.rstd, int(rows), int(c), n.rms())?;
         let parts = super::plan::PARTS.min(rows);
         launch!(self, NormBackwardParams, columns(c, parts);
-            partials, dout, x, mean, rstd, int(rows), int(c))?;
+            partials, dout, x, n.mean, n.rstd, int(rows), int(c))?;
         self.add_column_sums(dw, partials, parts, 2 * c, c)?;
         if db != 0 {
             self.add_column_sums(db, partials + 4 * c as u64, parts, 2 * c, c)?;
@@ -603,50 +610,29 @@ impl Gpu {
             p.b1, p.b2, p.inv_bc1, p.inv_bc2, p.lr, p.eps, p.shrink)
     }
 
-    /// Each row's key and value heads into its sequence's cache slot (batch, block,
-    /// kv width) at its position.
-    #[allow(clippy::too_many_arguments)]
-    pub fn store_keys_values(
-        &self,
-        (keys, values): (u64, u64),
-        qkv: u64,
-        rows: usize,
-        at: impl Into<At>,
-        h: Heads,
-        block: usize,
-    ) -> Result<()> {
-        let at = at.into();
+    /// Each row's key and value heads into its sequence's cache slot at its position.
+    pub fn store_keys_values(&self, r: CachedRows) -> Result<()> {
+        let (h, at) = (r.h, r.at);
         let kv = h.kv_heads * h.d;
         let (c, w) = (h.heads * h.d, (h.heads + 2 * h.kv_heads) * h.d);
-        launch!(self, StoreKeysValues, elements(rows * kv);
-            keys, values, qkv, int(rows), int(at.t), int(at.first), at.first_at, at.places, int(c),
-            int(kv), int(w), int(block))
+        launch!(self, StoreKeysValues, elements(r.rows * kv);
+            r.keys, r.values, r.qkv, int(r.rows), int(at.t), int(at.first), at.first_at,
+            at.places, int(c), int(kv), int(w), int(r.block))
     }
 
     /// out (rows, H d): each row's query heads attending over its sequence's cache up
     /// to its position, in chunks of positions (`CACHED_CHUNK`) combined after;
     /// `partial` is work space of [`cached_attention_partials`] values.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attend_cached(
-        &self,
-        out: u64,
-        partial: u64,
-        qkv: u64,
-        (keys, values): (u64, u64),
-        rows: usize,
-        at: impl Into<At>,
-        h: Heads,
-        block: usize,
-    ) -> Result<()> {
-        let at = at.into();
-        let splits = block.div_ceil(CACHED_CHUNK);
+    pub fn attend_cached(&self, (out, partial): (u64, u64), r: CachedRows) -> Result<()> {
+        let (h, at, rows) = (r.h, r.at, r.rows);
+        let splits = r.block.div_ceil(CACHED_CHUNK);
         let cfg = Launch {
             grid: ((rows * h.heads) as u32, splits as u32, 1),
             threads: 128,
         };
         launch!(self, AttendCachedPartial, cfg;
-            partial, qkv, keys, values, int(rows), int(at.t), int(at.first), at.first_at, at.places,
-            int(h.heads), int(h.kv_heads), int(h.d), int(block), int(splits))?;
+            partial, r.qkv, r.keys, r.values, int(rows), int(at.t), int(at.first), at.first_at,
+            at.places, int(h.heads), int(h.kv_heads), int(h.d), int(r.block), int(splits))?;
         launch!(self, AttendCachedCombine, warp_rows(rows * h.heads);
             out, partial, int(rows), int(at.t), int(at.first), at.first_at, at.places, int(h.heads),
             int(h.d), int(splits))
@@ -942,18 +928,17 @@ mod tests {
                     Buf::from_host(&gpu, &values).unwrap(),
                 );
                 let at = Positions { t, first };
-                let cache = (keys_buf.ptr(), values_buf.ptr());
-                gpu.attend_cached(
-                    out.ptr(),
-                    partial.ptr(),
-                    qkv_buf.ptr(),
-                    cache,
+                let cached = CachedRows {
+                    qkv: qkv_buf.ptr(),
                     rows,
-                    at,
+                    at: at.into(),
                     h,
+                    keys: keys_buf.ptr(),
+                    values: values_buf.ptr(),
                     block,
-                )
-                .unwrap();
+                };
+                gpu.attend_cached((out.ptr(), partial.ptr()), cached)
+                    .unwrap();
                 let got = out.read(&gpu, rows * heads * d).unwrap();
                 let mut want = vec![0f64; rows * heads * d];
                 for r in 0..rows {

@@ -48,5 +48,7 @@ pub use decode::CudaDecoder;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 pub use engine::FusedCuda;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+pub use gpu::Gpu;
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 pub use kernels::SamplingArgs;
 pub use plan::{Attention, Plan};

@@ -106,6 +106,18 @@ pub struct EngineOptions {
     pub fused: bool,
 }
 
+impl EngineOptions {
+    /// `batch` sequences a forward, f32 products, the fused engine where the device has
+    /// one if `fused`: what scoring and the checks build.
+    pub fn f32(batch: usize, fused: bool) -> Self {
+        Self {
+            batch,
+            precision: Precision::F32,
+            fused,
+        }
+    }
+}
+
 /// What a host-side engine keeps for the trainer to read: the losses since the last
 /// read, and the gradient norm of the last clip. (The CUDA engine keeps the same
 /// on the device.)

@@ -172,7 +172,7 @@ fn step_ms(spec: &ModelSpec, device: &Device, options: EngineOptions, work: Work
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{ModelConfig, Precision};
+    use crate::config::ModelConfig;
 
     #[test]
     fn the_cpu_is_timed_only_when_it_might_win() {
@@ -200,11 +200,7 @@ mod tests {
             vocab_size: 11,
             ..ModelConfig::default()
         });
-        let options = EngineOptions {
-            batch: 2,
-            precision: Precision::F32,
-            fused: true,
-        };
+        let options = EngineOptions::f32(2, true);
         for work in [Work::Training, Work::Evaluation] {
             let ms = step_ms(&spec, &Device::Cpu, options, work).unwrap();
             assert!(ms > 0.0 && ms.is_finite(), "{work:?}: {ms}");
@@ -219,27 +215,5 @@ mod tests {
             floor(2, Work::Training),
             3.0 * floor(2, Work::Evaluation)
         ));
-    }
-
-    #[test]
-    fn without_a_gpu_the_cpu_is_chosen_and_says_why() {
-        if first_cuda().is_some() {
-            eprintln!("SKIPPED: this machine has a GPU; the race runs instead");
-            return;
-        }
-        let spec = ModelSpec::new(&ModelConfig {
-            vocab_size: 11,
-            ..ModelConfig::default()
-        });
-        let options = EngineOptions {
-            batch: 2,
-            precision: Precision::F32,
-            fused: true,
-        };
-        let choice = fastest_device(&spec, options, Work::Training, |_| true).unwrap();
-        if !cfg!(feature = "metal") {
-            assert!(choice.device.is_cpu());
-        }
-        assert_eq!(choice.why, "no CUDA device");
     }
 }

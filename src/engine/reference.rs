@@ -290,11 +290,7 @@ mod tests {
             vocab_size: 3,
             ..Default::default()
         };
-        let options = EngineOptions {
-            batch: 1,
-            precision: Precision::F32,
-            fused: false,
-        };
+        let options = EngineOptions::f32(1, false);
         let spec = ModelSpec::new(&cfg);
         let weights = spec.initial_values(0);
         ReferenceEngine::new(&spec, &weights, &Device::Cpu, options, "test").unwrap()

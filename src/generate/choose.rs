@@ -145,19 +145,4 @@ mod tests {
         assert!(tps > 0.0 && tps.is_finite(), "{tps}");
         assert_eq!(decoder.len(), 6);
     }
-
-    #[test]
-    fn without_a_gpu_the_cpu_is_chosen_and_says_why() {
-        if first_cuda().is_some() {
-            eprintln!("SKIPPED: this machine has a GPU; the race runs instead");
-            return;
-        }
-        let spec = ModelSpec::new(&ModelConfig {
-            vocab_size: 11,
-            ..ModelConfig::default()
-        });
-        let choice = fastest_decoder(&spec, &spec.initial_values(1), 1, Precision::F32).unwrap();
-        assert!(choice.device.is_cpu());
-        assert_eq!(choice.why, "no CUDA device");
-    }
 }

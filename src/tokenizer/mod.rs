@@ -18,7 +18,7 @@ use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::decoders::fuse::Fuse;
 use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::{AddedToken, DecoderWrapper, ModelWrapper, PreTokenizerWrapper, TokenizerImpl};
+use tokenizers::{AddedToken, DecoderWrapper, ModelWrapper, PreTokenizerWrapper};
 
 use crate::error::user_error;
 use crate::user_bail;
@@ -93,20 +93,14 @@ impl Tokenizer {
             .vocab_and_merges(vocab, learned.merges)
             .build()
             .map_err(|e| anyhow::anyhow!("building the BPE model: {e}"))?;
-        let mut tk: TokenizerImpl<
-            ModelWrapper,
-            tokenizers::NormalizerWrapper,
-            PreTokenizerWrapper,
-            tokenizers::PostProcessorWrapper,
-            DecoderWrapper,
-        > = TokenizerImpl::new(ModelWrapper::BPE(bpe));
+        let mut tk = tokenizers::Tokenizer::new(ModelWrapper::BPE(bpe));
         tk.with_pre_tokenizer(Some(PreTokenizerWrapper::ByteLevel(ByteLevel::new(
             false, true, true,
         ))));
         tk.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevelDecoder::default())));
         tk.add_special_tokens([AddedToken::from(END_OF_TEXT, true)])
             .map_err(|e| anyhow::anyhow!("adding {END_OF_TEXT}: {e}"))?;
-        Ok(Self::from_hf(tokenizers::Tokenizer::from(tk)))
+        Ok(Self::from_hf(tk))
     }
 
     /// One token per distinct character of `text`, in sorted order.

@@ -49,25 +49,23 @@ inline int min(int a, int b) { return a < b ? a : b; }
 
 // Atomics: a block's threads switch only at barriers, so a plain read-modify-write is
 // atomic here. Each returns the old value, as CUDA's do.
-inline unsigned atomicAdd(unsigned* p, unsigned v) {
-    const unsigned old = *p;
-    *p = old + v;
+template <typename T, typename F>
+inline T atomic_update(T* p, F next) {
+    const T old = *p;
+    *p = next(old);
     return old;
+}
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+    return atomic_update(p, [v](unsigned old) { return old + v; });
 }
 inline unsigned atomicExch(unsigned* p, unsigned v) {
-    const unsigned old = *p;
-    *p = v;
-    return old;
+    return atomic_update(p, [v](unsigned) { return v; });
 }
 inline int atomicMin(int* p, int v) {
-    const int old = *p;
-    *p = v < old ? v : old;
-    return old;
+    return atomic_update(p, [v](int old) { return v < old ? v : old; });
 }
 inline int atomicMax(int* p, int v) {
-    const int old = *p;
-    *p = v > old ? v : old;
-    return old;
+    return atomic_update(p, [v](int old) { return v > old ? v : old; });
 }
 
 inline unsigned __float_as_uint(float f) {

@@ -6,68 +6,46 @@
 #define WARP_SIZE 32
 #define FULL_MASK 0xffffffffu
 
-__device__ inline float warp_sum(float v) {
+struct Add {
+    template <typename T>
+    __device__ T operator()(T a, T b) const { return a + b; }
+};
+struct Max {
+    __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+// `op` over the warp's 32 values of `v` (a butterfly), returned to every lane.
+template <typename T, typename Op>
+__device__ inline T warp_reduce(T v, Op op) {
     for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
-        v += __shfl_xor_sync(FULL_MASK, v, offset);
+        v = op(v, __shfl_xor_sync(FULL_MASK, v, offset));
     }
     return v;
 }
 
-__device__ inline double warp_sum_f64(double v) {
-    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
-        v += __shfl_xor_sync(FULL_MASK, v, offset);
-    }
-    return v;
-}
-
-__device__ inline float warp_max(float v) {
-    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
-        v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, offset));
-    }
-    return v;
-}
-
-// The sum of `v` over the block (blockDim.x a multiple of 32), returned to every
-// thread. The partial sums are added in a fixed order: the result does not depend
-// on timing.
-__device__ inline float block_sum(float v) {
-    __shared__ float partial[32];
+// `op` over the block's values of `v` (blockDim.x a multiple of 32), returned to every
+// thread; `identity` stands in for the warps the block lacks. The warps' partials are
+// combined in a fixed order: the result does not depend on timing.
+template <typename T, typename Op>
+__device__ inline T block_reduce(T v, Op op, T identity) {
+    __shared__ T partial[32];
     const int lane = threadIdx.x % WARP_SIZE;
     const int warp = threadIdx.x / WARP_SIZE;
     const int warps = blockDim.x / WARP_SIZE;
-    v = warp_sum(v);
+    v = warp_reduce(v, op);
     __syncthreads();  // an earlier call may still be reading `partial`
     if (lane == 0) partial[warp] = v;
     __syncthreads();
-    v = lane < warps ? partial[lane] : 0.0f;
-    return warp_sum(v);
+    v = lane < warps ? partial[lane] : identity;
+    return warp_reduce(v, op);
 }
 
-__device__ inline double block_sum_f64(double v) {
-    __shared__ double partial[32];
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int warp = threadIdx.x / WARP_SIZE;
-    const int warps = blockDim.x / WARP_SIZE;
-    v = warp_sum_f64(v);
-    __syncthreads();
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    v = lane < warps ? partial[lane] : 0.0;
-    return warp_sum_f64(v);
-}
-
-__device__ inline float block_max(float v) {
-    __shared__ float partial[32];
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int warp = threadIdx.x / WARP_SIZE;
-    const int warps = blockDim.x / WARP_SIZE;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    v = lane < warps ? partial[lane] : -INFINITY;
-    return warp_max(v);
-}
+__device__ inline float warp_sum(float v) { return warp_reduce(v, Add()); }
+__device__ inline double warp_sum_f64(double v) { return warp_reduce(v, Add()); }
+__device__ inline float warp_max(float v) { return warp_reduce(v, Max()); }
+__device__ inline float block_sum(float v) { return block_reduce(v, Add(), 0.0f); }
+__device__ inline double block_sum_f64(double v) { return block_reduce(v, Add(), 0.0); }
+__device__ inline float block_max(float v) { return block_reduce(v, Max(), -INFINITY); }
 
 // Philox-4x32-10 (Salmon et al., SC'11), as `philox4x32_10` in src/model/dropout.rs.
 __device__ inline uint4 philox4x32_10(uint4 c, uint2 k) {

@@ -231,25 +231,39 @@ extern "C" __global__ void flash_backward_sums(float* dsum, const float* dy, con
 }
 
 #ifndef FLASH_UNSUPPORTED
-// The weights' tile (16 queries from query0, 16 keys from key0) of head bh from its
-// scores s (unscaled Q Kᵀ) and dP = dY Vᵀ (in ds on entry): the dropped weights P * mask
-// into pd, and dS = P (dP * mask - D) into ds, both bf16. One warp.
-__device__ inline void weights_and_grads(bf16* pd, bf16* ds, const float* s, const float* dp,
-                                         const float* row_lse, const float* row_dsum,
-                                         long long bh, int query0, int key0, int T, float scale,
-                                         const Dropout& dropout, int lane) {
+// A warp's 16 x 16 tiles in the backward: the scores S = Q Kᵀ (unscaled) and
+// dP = dY Vᵀ in f32, then the dropped weights Pd = P * mask and dS = P (dP * mask - D)
+// in bf16 for the tensor cores.
+struct BackwardTiles {
+    __align__(32) float s[256];
+    __align__(32) float dp[256];
+    __align__(32) bf16 pd[256];
+    __align__(32) bf16 ds[256];
+};
+
+// The tiles of head bh for 16 queries from query0 (qs, dys) against 16 keys from key0
+// (ks, vs), each query's lse and D in row_lse, row_dsum. One warp.
+__device__ inline void backward_tiles(BackwardTiles& t, const bf16* qs, const bf16* dys,
+                                      const bf16* ks, const bf16* vs, const float* row_lse,
+                                      const float* row_dsum, long long bh, int query0,
+                                      int key0, int T, int d, float scale,
+                                      const Dropout& dropout, int lane) {
+    tile_product_t(t.s, qs, ks, d);
+    tile_product_t(t.dp, dys, vs, d);
+    __syncwarp();
     for (int e = lane; e < 256; e += WARP_SIZE) {
         const int i = query0 + e / 16, j = key0 + e % 16;
         float w = 0.0f, g = 0.0f;
         if (i < T && j <= i) {
-            const float prob = expf(s[e] * scale - row_lse[e / 16]);
+            const float prob = expf(t.s[e] * scale - row_lse[e / 16]);
             const float keep = dropout_scale(dropout, (unsigned long long)(bh * T + i) * T + j);
             w = prob * keep;
-            g = prob * (dp[e] * keep - row_dsum[e / 16]);
+            g = prob * (t.dp[e] * keep - row_dsum[e / 16]);
         }
-        pd[e] = __float2bfloat16(w);
-        ds[e] = __float2bfloat16(g);
+        t.pd[e] = __float2bfloat16(w);
+        t.ds[e] = __float2bfloat16(g);
     }
+    __syncwarp();
 }
 
 #endif  // FLASH_UNSUPPORTED
@@ -269,10 +283,7 @@ extern "C" __global__ void flash_backward_kv(float* dk, float* dv, const float* 
     __shared__ __align__(32) bf16 qs[FLASH_TILE];
     __shared__ __align__(32) bf16 dys[FLASH_TILE];
     __shared__ float tile_lse[16], tile_dsum[16];
-    __shared__ __align__(32) float s[FLASH_WARPS][256];
-    __shared__ __align__(32) float dp[FLASH_WARPS][256];
-    __shared__ __align__(32) bf16 pd[FLASH_WARPS][256];
-    __shared__ __align__(32) bf16 ds[FLASH_WARPS][256];
+    __shared__ BackwardTiles tiles[FLASH_WARPS];
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const long long bh = blockIdx.y;
     const long long head = bh * T * d;
@@ -295,15 +306,12 @@ extern "C" __global__ void flash_backward_kv(float* dk, float* dv, const float* 
         }
         __syncthreads();
         if (!active || query0 + 15 < key0) continue;
-        tile_product_t(s[warp], qs, ks[warp], d);
-        tile_product_t(dp[warp], dys, vs[warp], d);
-        __syncwarp();
-        weights_and_grads(pd[warp], ds[warp], s[warp], dp[warp], tile_lse, tile_dsum, bh, query0,
-                          key0, T, scale, dropout, lane);
-        __syncwarp();
+        BackwardTiles& t = tiles[warp];
+        backward_tiles(t, qs, dys, ks[warp], vs[warp], tile_lse, tile_dsum, bh, query0, key0, T, d,
+                       scale, dropout, lane);
         ColsA fpd, fds;  // Pdᵀ and dSᵀ: (keys, queries)
-        wmma::load_matrix_sync(fpd, pd[warp], 16);
-        wmma::load_matrix_sync(fds, ds[warp], 16);
+        wmma::load_matrix_sync(fpd, t.pd, 16);
+        wmma::load_matrix_sync(fds, t.ds, 16);
 #pragma unroll
         for (int f = 0; f < FLASH_MAX_F; f++) {
             if (f < d / 16) {
@@ -317,8 +325,8 @@ extern "C" __global__ void flash_backward_kv(float* dk, float* dv, const float* 
         __syncwarp();
     }
     if (active) {
-        store_rows(dk + head, acc_k, s[warp], key0, T, d, scale, lane);
-        store_rows(dv + head, acc_v, s[warp], key0, T, d, 1.0f, lane);
+        store_rows(dk + head, acc_k, tiles[warp].s, key0, T, d, scale, lane);
+        store_rows(dv + head, acc_v, tiles[warp].s, key0, T, d, 1.0f, lane);
     }
 #endif
 }
@@ -337,10 +345,7 @@ extern "C" __global__ void flash_backward_q(float* dq, const float* q, const flo
     __shared__ __align__(32) bf16 ks[FLASH_TILE];
     __shared__ __align__(32) bf16 vs[FLASH_TILE];
     __shared__ float row_lse[FLASH_WARPS][16], row_dsum[FLASH_WARPS][16];
-    __shared__ __align__(32) float s[FLASH_WARPS][256];
-    __shared__ __align__(32) float dp[FLASH_WARPS][256];
-    __shared__ __align__(32) bf16 pd[FLASH_WARPS][256];
-    __shared__ __align__(32) bf16 ds[FLASH_WARPS][256];
+    __shared__ BackwardTiles tiles[FLASH_WARPS];
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const long long bh = blockIdx.y;
     const long long head = bh * T * d;
@@ -360,14 +365,11 @@ extern "C" __global__ void flash_backward_q(float* dq, const float* q, const flo
     for (int key0 = 0; key0 <= last; key0 += 16) {
         next_keys(ks, vs, k + head, v + head, key0, T, d);
         if (!active || key0 > row0 + 15) continue;
-        tile_product_t(s[warp], qs[warp], ks, d);
-        tile_product_t(dp[warp], dys[warp], vs, d);
-        __syncwarp();
-        weights_and_grads(pd[warp], ds[warp], s[warp], dp[warp], row_lse[warp], row_dsum[warp],
-                          bh, row0, key0, T, scale, dropout, lane);
-        __syncwarp();
+        BackwardTiles& t = tiles[warp];
+        backward_tiles(t, qs[warp], dys[warp], ks, vs, row_lse[warp], row_dsum[warp], bh, row0,
+                       key0, T, d, scale, dropout, lane);
         RowsA fds;
-        wmma::load_matrix_sync(fds, ds[warp], 16);
+        wmma::load_matrix_sync(fds, t.ds, 16);
 #pragma unroll
         for (int f = 0; f < FLASH_MAX_F; f++) {
             if (f < d / 16) {
@@ -378,6 +380,6 @@ extern "C" __global__ void flash_backward_q(float* dq, const float* q, const flo
         }
         __syncwarp();
     }
-    if (active) store_rows(dq + head, acc, s[warp], row0, T, d, scale, lane);
+    if (active) store_rows(dq + head, acc, tiles[warp].s, row0, T, d, scale, lane);
 #endif
 }
