@@ -118,6 +118,7 @@ pub fn evaluate_until(
     progress: &ProgressBar,
     stop: &Stop,
 ) -> Result<EvalResult> {
+    needs_two_tokens(ids)?; // before building an engine (seconds on a GPU)
     let block = model.config().block_size;
     let options = engine_options(ids.len(), block);
     let weights = model.params().to_flat()?;
@@ -176,8 +177,7 @@ pub fn evaluate_decoding(
 
 /// Sums what `score` gives for the windows of `block` tokens over `ids` (the tokens of
 /// `bytes` bytes of text), `batch` windows a call: the total negative log-likelihood of
-/// their scored targets; `progress` advances a window at a time and `stop` is heeded
-/// between calls.
+/// their scored targets. `progress` counts windows; `stop` is heeded between calls.
 fn score_windows(
     ids: &[u32],
     bytes: usize,

@@ -34,8 +34,8 @@ fn canvas(out: &Path, size: (u32, u32)) -> Result<DrawingArea<BitMapBackend<'_>,
     Ok(root)
 }
 
-/// A chart of losses filling `root`, titled `title`, with room for the axes' labels.
-fn loss_chart<'a, 'b>(
+/// A chart filling `root` to be built, titled `title`, with room for the axes' labels.
+fn chart_builder<'a, 'b>(
     root: &'a DrawingArea<BitMapBackend<'b>, Shift>,
     title: &str,
 ) -> ChartBuilder<'a, 'b, BitMapBackend<'b>> {
@@ -161,7 +161,7 @@ pub fn loss_curve(metrics: &Path, out: &Path, title: &str) -> Result<()> {
 
     let err = plot_error(out);
     let root = canvas(out, (1100, 650))?;
-    let mut chart = loss_chart(&root, title)
+    let mut chart = chart_builder(&root, title)
         .right_y_label_area_size(75)
         .build_cartesian_2d(0f64..last_step, lo..hi)
         .map_err(plot_error(out))?
@@ -278,7 +278,7 @@ pub fn comparison(
     let x_max = points().map(|p| p.0).fold(0.0, f64::max).max(1e-9);
 
     let root = canvas(out, (1100, 650))?;
-    let mut chart = loss_chart(&root, title)
+    let mut chart = chart_builder(&root, title)
         .build_cartesian_2d(0f64..x_max, lo..hi)
         .map_err(plot_error(out))?;
     chart

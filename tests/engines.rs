@@ -493,7 +493,7 @@ fn bf16_products_stay_within_bf16_rounding_of_the_reference() {
             let (ref_loss, ref_grads) = loss_and_grads(reference.as_mut(), &batch, None);
             let (f32_loss, f32_grads) = loss_and_grads(f32_fused.as_mut(), &batch, None);
             let (bf16_loss, bf16_grads) = loss_and_grads(bf16_fused.as_mut(), &batch, None);
-            let what = format!("{:?} kv={:?}", cfg.positions, cfg.n_kv_head);
+            let what = format!("{:?} kv={}", cfg.positions, cfg.kv_heads());
             assert!(
                 (bf16_loss - ref_loss).abs() <= 2e-4 * ref_loss,
                 "{what}: bf16 loss {bf16_loss} vs {ref_loss}"

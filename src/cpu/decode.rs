@@ -64,13 +64,14 @@ pub(crate) fn prefill_chunks(
     batch: usize,
     chunk: usize,
 ) -> Result<impl Iterator<Item = (Vec<u32>, usize)> + '_> {
+    anyhow::ensure!(chunk > 0, "chunks of at least one position");
     anyhow::ensure!(windows.len() == batch, "one window per sequence");
     let t = windows[0].len();
     anyhow::ensure!(
         windows.iter().all(|w| w.len() == t),
         "windows of equal length"
     );
-    Ok((0..t).step_by(chunk.max(1)).map(move |start| {
+    Ok((0..t).step_by(chunk).map(move |start| {
         let len = chunk.min(t - start);
         let ids = windows
             .iter()
@@ -183,9 +184,10 @@ impl FastDecoder {
     }
 
     fn prefill_on_worker(&mut self, windows: &[Vec<u32>]) -> Result<&[f32]> {
-        self.len = 0;
         // Chunks that fit the scratch buffers; each appends to the K/V buffers.
-        for (ids, len) in prefill_chunks(windows, self.batch, self.chunk)? {
+        let chunks = prefill_chunks(windows, self.batch, self.chunk)?;
+        self.len = 0;
+        for (ids, len) in chunks {
             self.forward(&ids, len)?;
         }
         Ok(&self.scratch.logits)

@@ -283,8 +283,9 @@ impl CudaDecoder {
 
     /// [`Self::prefill`], leaving the logits on the device.
     pub fn run_windows(&mut self, windows: &[Vec<u32>]) -> Result<()> {
+        let chunks = crate::cpu::decode::prefill_chunks(windows, self.batch, self.chunk)?;
         self.len = 0;
-        for (ids, len) in crate::cpu::decode::prefill_chunks(windows, self.batch, self.chunk)? {
+        for (ids, len) in chunks {
             self.forward(&ids, len)?;
         }
         Ok(())

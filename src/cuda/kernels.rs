@@ -212,7 +212,7 @@ fn activation_kind(kind: MlpKind) -> i32 {
     }
 }
 
-/// A norm over `rows` rows of width `c`: its kind, its gain and bias (0 for none), and
+/// A norm over `rows` rows of width `c`: its kind, its gain, its bias (0 for none), and
 /// where each row's mean (0 under RMSNorm) and 1 / std are kept.
 #[derive(Debug, Clone, Copy)]
 pub struct NormRows {

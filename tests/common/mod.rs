@@ -84,9 +84,9 @@ pub fn gpt2_and_llama(block: usize) -> [ModelConfig; 2] {
     ]
 }
 
-/// `count` words of 1 to 8 letters from the first `letters` of the alphabet, each
-/// followed by a space or now and then a newline: text with pairs for many merges,
-/// the same for the same `seed` (Knuth's MMIX generator).
+/// `count` words of 1 to 16 letters from the first `letters` of the alphabet, each
+/// followed by a space or now and then a newline: text with pairs for many merges and
+/// merges of merges, the same for the same `seed` (Knuth's MMIX generator).
 pub fn random_words(seed: u64, count: usize, letters: u64) -> String {
     let mut state = seed;
     (0..count)
@@ -94,9 +94,9 @@ pub fn random_words(seed: u64, count: usize, letters: u64) -> String {
             state = state
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
-            let len = 1 + (state >> 61) as usize;
+            let len = 1 + (state >> 60) as usize;
             let word: String = (0..len)
-                .map(|k| (b'a' + ((state >> (k * 5)) % letters) as u8) as char)
+                .map(|k| (b'a' + ((state >> ((k * 5) % 60)) % letters) as u8) as char)
                 .collect();
             word + if state.is_multiple_of(5) { "\n" } else { " " }
         })

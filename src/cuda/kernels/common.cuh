@@ -12,6 +12,7 @@ struct Add {
 };
 struct Max {
     __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+    __device__ double operator()(double a, double b) const { return fmax(a, b); }
 };
 
 // `op` over the warp's 32 values of `v` (a butterfly), returned to every lane.
