@@ -437,7 +437,10 @@ fn bad_requests_are_4xx_with_openai_errors() {
         r#"{"prompt": "T", "top_p": 0}"#,
         r#"{"prompt": "T", "logprobs": 9}"#,
         r#"{"prompt": [1, 2, 999]}"#,
-        r#"{"prompt": ["a", "b"]}"#,
+        r#"{"prompt": ["a", "b", "c"]}"#,
+        r#"{"prompt": ["a", "b"], "n": 2}"#,
+        r#"{"prompt": []}"#,
+        r#"{"prompt": "T", "echo": true, "logprobs": 1, "stream": true}"#,
         &json!({"prompt": "a".repeat(40)}).to_string(),
     ] {
         refused(body, 400, "invalid_request_error");
@@ -477,6 +480,167 @@ fn bad_requests_are_4xx_with_openai_errors() {
     // The server is still there.
     let (status, _) = get(&server.url("/health"), &[]);
     assert_eq!(status, 200);
+}
+
+/// lm-evaluation-harness's `local-completions` against the server, request for request:
+/// it finds the server's tokenizer (`/tokenizer_info`, then `/tokenize` with vLLM's
+/// fields), then scores contexts and continuations given as token lists, several a
+/// request, with `echo` and `logprobs` (max_tokens 1). Each prompt token's logprob is the
+/// model's: their sum is minus what `tinygpt eval` (the training engine's forward, not
+/// the decoder) sums for the same text. A list of prompts decodes each as it decodes
+/// alone; `max_tokens` 0 with `echo` scores the prompt and draws nothing.
+#[test]
+fn evaluation_harnesses_score_prompts_as_eval_does() {
+    let dir = trained();
+    let server = Server::start(dir.path(), &["--parallel", "4"]);
+
+    let (status, info) = get(&server.url("/tokenizer_info"), &[]);
+    assert_eq!(status, 200, "{info}");
+    let info: Value = serde_json::from_str(&info).unwrap();
+    assert!(
+        info.as_object().unwrap().contains_key("eos_token"),
+        "{info}"
+    );
+    assert_eq!(info["model_max_length"], 32, "{info}");
+    let text = "To be, or not to be, that is th"; // 31 tokens of a context of 32
+    let (status, tokens) = post(
+        &server.url("/tokenize"),
+        &json!({"prompt": text, "add_special_tokens": false}).to_string(),
+    );
+    assert_eq!(status, 200, "{tokens}");
+    let ids: Vec<u64> = tokens["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 31);
+    let (status, back) = post(
+        &server.url("/detokenize"),
+        &json!({ "tokens": ids }).to_string(),
+    );
+    assert_eq!(
+        (status, back["prompt"].as_str()),
+        (200, Some(text)),
+        "{back}"
+    );
+
+    // The loglikelihood request, two prompts in one: the text, and its first 10 tokens.
+    let short = ids[..10].to_vec();
+    let (status, scored) = post(
+        &server.url("/v1/completions"),
+        &json!({"model": "exp", "prompt": [ids, short], "temperature": 0, "max_tokens": 1,
+                "logprobs": 1, "seed": 1234, "echo": true})
+        .to_string(),
+    );
+    assert_eq!(status, 200, "{scored}");
+    let choices = scored["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    for (choice, prompt) in choices.iter().zip([&ids, &short]) {
+        let logprobs = &choice["logprobs"];
+        let token_logprobs = logprobs["token_logprobs"].as_array().unwrap();
+        let top = logprobs["top_logprobs"].as_array().unwrap();
+        // The prompt's tokens, then the one drawn.
+        assert_eq!(token_logprobs.len(), prompt.len() + 1, "{choice}");
+        assert_eq!(top.len(), prompt.len() + 1);
+        assert!(token_logprobs[0].is_null() && top[0].is_null(), "{choice}");
+        assert_eq!(logprobs["text_offset"][0], 0);
+        assert!(choice["text"]
+            .as_str()
+            .unwrap()
+            .starts_with(&text[..prompt.len()]));
+        for (lp, best) in token_logprobs[1..].iter().zip(&top[1..]) {
+            // lm-eval's greedy test: the token's logprob against the best one's.
+            let best = best.as_object().unwrap();
+            assert_eq!(best.len(), 1, "{best:?}");
+            let (lp, best) = (lp.as_f64().unwrap(), best.values().next().unwrap());
+            assert!(lp <= 0.0 && lp <= best.as_f64().unwrap() + 1e-6);
+        }
+    }
+    let prompt_sum: f64 = choices[0]["logprobs"]["token_logprobs"].as_array().unwrap()[1..=30]
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .sum();
+    std::fs::write(dir.path().join("text.txt"), text).unwrap();
+    let eval = succeeds(
+        dir.path(),
+        &[
+            "eval",
+            "--checkpoint",
+            "checkpoints/exp",
+            "--text",
+            "text.txt",
+            "--json",
+        ],
+    );
+    let eval: Value = serde_json::from_slice(&eval.stdout).unwrap();
+    assert_eq!(eval["predictions"], 30, "{eval}");
+    let total = eval["loss"].as_f64().unwrap() * 30.0;
+    assert!(
+        (prompt_sum + total).abs() <= 1e-4 * total,
+        "the prompt's logprobs sum to {prompt_sum}, eval's losses to {total}"
+    );
+
+    // max_tokens 0: the prompt scored, nothing drawn.
+    let (status, alone) = post(
+        &server.url("/v1/completions"),
+        &json!({"prompt": text, "max_tokens": 0, "logprobs": 0, "echo": true}).to_string(),
+    );
+    assert_eq!(status, 200, "{alone}");
+    let choice = &alone["choices"][0];
+    assert_eq!(choice["text"], text);
+    assert_eq!(choice["finish_reason"], "length");
+    assert_eq!(alone["usage"]["completion_tokens"], 0);
+    let lps = choice["logprobs"]["token_logprobs"].as_array().unwrap();
+    assert_eq!(lps.len(), 31);
+    let again: f64 = lps[1..].iter().map(|v| v.as_f64().unwrap()).sum();
+    assert!((again - prompt_sum).abs() < 1e-5, "{again} vs {prompt_sum}");
+    // And scored in pieces beside two streams that generate: the same.
+    let url = server.url("/v1/completions");
+    let busy = json!({"prompt": "To", "n": 2, "max_tokens": 3000, "stream": true});
+    let busy = std::thread::spawn(move || stream(&url, &busy));
+    std::thread::sleep(Duration::from_millis(30));
+    let (status, beside) = post(
+        &server.url("/v1/completions"),
+        &json!({"prompt": text, "max_tokens": 0, "logprobs": 0, "echo": true}).to_string(),
+    );
+    assert_eq!(status, 200, "{beside}");
+    assert!(!busy.is_finished(), "scored while the streams generate");
+    let lps = beside["choices"][0]["logprobs"]["token_logprobs"]
+        .as_array()
+        .unwrap();
+    let beside: f64 = lps[1..].iter().map(|v| v.as_f64().unwrap()).sum();
+    assert!(
+        (beside - prompt_sum).abs() < 1e-4 * total,
+        "{beside} vs {prompt_sum}"
+    );
+    assert!(
+        busy.join().unwrap().len() > 100,
+        "the streams ran beside it"
+    );
+
+    // A list of prompts with n = 2: choice i continues prompt i / 2, as that prompt
+    // alone with the same seed does.
+    let ask = |prompt: Value, n: usize| {
+        let body = json!({"prompt": prompt, "n": n, "max_tokens": 8, "seed": 7});
+        let (status, body) = post(&server.url("/v1/completions"), &body.to_string());
+        assert_eq!(status, 200, "{body}");
+        let texts: Vec<String> = body["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                assert_eq!(c["index"], i);
+                c["text"].as_str().unwrap().to_string()
+            })
+            .collect();
+        (texts, body["usage"]["prompt_tokens"].clone())
+    };
+    let (both, usage) = ask(json!(["To be", "Whether"]), 2);
+    assert_eq!(usage, 5 + 7);
+    assert_eq!(both[..2], ask(json!("To be"), 2).0[..]);
+    assert_eq!(both[2..], ask(json!("Whether"), 2).0[..]);
 }
 
 #[test]

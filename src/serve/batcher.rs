@@ -43,13 +43,19 @@ const PREFILL_ROWS: usize = 4;
 
 /// One request, as the HTTP side hands it over: validated, tokenized.
 pub struct Job {
-    pub prompt: Vec<u32>,
+    /// One or more prompts, each continued `samplers.len() / prompts.len()` times:
+    /// choice i continues prompt i / n (OpenAI's numbering of a list of prompts).
+    pub prompts: Vec<Vec<u32>>,
     /// One per choice; choice i draws with `samplers[i]`.
     pub samplers: Vec<Sampler>,
+    /// 0 only with `score_prompt`: the prompt scored, nothing drawn.
     pub max_tokens: usize,
     pub stop: Vec<String>,
     /// How many most likely tokens to report beside each drawn one (`logprobs`).
     pub logprobs: Option<usize>,
+    /// Report the prompt's own tokens' log-probabilities too, each under the tokens
+    /// before it (`echo` with `logprobs`): the first has none.
+    pub score_prompt: bool,
     pub events: UnboundedSender<Event>,
 }
 
@@ -91,13 +97,25 @@ impl Finish {
     }
 }
 
-/// A drawn token's log-probability under the model (before temperature and
-/// truncation), and the most likely alternatives'.
+/// A token's log-probability under the model (before temperature and truncation), and
+/// the most likely alternatives' at its place; none for a prompt's first token, which
+/// nothing predicts.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct TokenLogprob {
     pub token: String,
-    pub logprob: f32,
+    pub logprob: Option<f32>,
     pub top: Vec<(String, f32)>,
+}
+
+impl TokenLogprob {
+    /// A prompt's first token `id`: nothing predicts it.
+    fn unpredicted(id: u32, tokenizer: &Tokenizer) -> Self {
+        Self {
+            token: token_string(tokenizer, id),
+            logprob: None,
+            top: Vec::new(),
+        }
+    }
 }
 
 /// What a decoder must do for the batcher: run rows of sequences at their own positions
@@ -153,6 +171,9 @@ struct Sequence<'t> {
     choice: usize,
     sampler: Sampler,
     logprobs: Option<usize>,
+    /// Prompt positions still to be scored (`Job::score_prompt`): those below it.
+    scoring: usize,
+    prompt_tokens: usize,
     max_tokens: usize,
     /// The tokens the next logits are conditioned on; the first `cached` are in the
     /// slot's K/V buffers, the rest run in the next pass.
@@ -227,6 +248,15 @@ pub fn run(
     }
 }
 
+/// What a row's logits are for.
+#[derive(Debug, Clone, Copy)]
+enum Use {
+    /// Scoring a prompt: the log-probability of `target`, the prompt's next token.
+    Score { slot: usize, target: u32 },
+    /// Drawing the sequence's next token.
+    Draw(usize),
+}
+
 struct Batcher<'m, 't> {
     model: &'m mut dyn RowModel,
     tokenizer: &'t Tokenizer,
@@ -241,8 +271,11 @@ struct Batcher<'m, 't> {
     ids: Vec<u32>,
     places: Vec<Place>,
     outputs: Vec<usize>,
-    /// The slot each output row's logits belong to (ascending).
+    /// What each output row's logits are for.
+    uses: Vec<Use>,
+    /// The slot each drawing row belongs to (ascending), and its logits.
     output_slots: Vec<usize>,
+    raw: Vec<f32>,
     scratch: Vec<f32>,
     chosen: Vec<(u32, Option<TokenLogprob>)>,
 }
@@ -262,7 +295,9 @@ impl<'m, 't> Batcher<'m, 't> {
             ids: Vec::new(),
             places: Vec::new(),
             outputs: Vec::new(),
+            uses: Vec::new(),
             output_slots: Vec::new(),
+            raw: Vec::new(),
             scratch: Vec::new(),
             chosen: Vec::new(),
         }
@@ -286,18 +321,31 @@ impl<'m, 't> Batcher<'m, 't> {
         };
         let samplers = std::mem::take(&mut job.samplers);
         let running = samplers.len();
+        let per_prompt = running / job.prompts.len();
         let free: Vec<usize> = (0..self.slots.len())
             .filter(|&s| self.slots[s].is_none())
             .take(running)
             .collect();
         for (choice, (sampler, slot)) in samplers.into_iter().zip(free).enumerate() {
+            let prompt = &job.prompts[choice / per_prompt];
+            if job.score_prompt {
+                // The first token: nothing before it to predict it.
+                let first = TokenLogprob::unpredicted(prompt[0], self.tokenizer);
+                self.send(&job, choice, String::new(), vec![first]);
+            }
             self.slots[slot] = Some(Sequence {
                 request: id,
                 choice,
                 sampler,
                 logprobs: job.logprobs,
+                scoring: if job.score_prompt {
+                    prompt.len() - 1
+                } else {
+                    0
+                },
+                prompt_tokens: prompt.len(),
                 max_tokens: job.max_tokens,
-                window: job.prompt.clone(),
+                window: prompt.clone(),
                 cached: 0,
                 stream: self.tokenizer.text_stream(),
                 stops: StopFilter::new(job.stop.clone()),
@@ -306,10 +354,19 @@ impl<'m, 't> Batcher<'m, 't> {
             });
         }
         self.metrics.running.fetch_add(1, Ordering::Relaxed);
+        let prompt_tokens: usize = job.prompts.iter().map(Vec::len).sum();
         self.metrics
             .prompt_tokens
-            .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+            .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
         self.requests[id] = Some(Active { job, running });
+    }
+
+    fn send(&self, job: &Job, choice: usize, text: String, tokens: Vec<TokenLogprob>) {
+        let _ = job.events.send(Event::Text {
+            choice,
+            text,
+            tokens,
+        });
     }
 
     /// One pass: every sequence's pending tokens (prompts in pieces, within the
@@ -319,7 +376,7 @@ impl<'m, 't> Batcher<'m, 't> {
         self.ids.clear();
         self.places.clear();
         self.outputs.clear();
-        self.output_slots.clear();
+        self.uses.clear();
         let generating = self
             .slots
             .iter()
@@ -331,13 +388,24 @@ impl<'m, 't> Batcher<'m, 't> {
             0 => max_rows,
             g => g.max(PREFILL_ROWS).min(max_rows - g),
         };
+        // A pass gives logits for as many rows as there are slots: one for each
+        // generating sequence, the rest for prompts that end or are scored here.
+        let mut spare_outputs = self.slots.len() - generating;
         for (slot, seq) in self.slots.iter().enumerate() {
             let Some(seq) = seq else { continue };
             let pending = seq.window.len() - seq.cached;
             let take = match pending {
                 1 => 1,
                 _ => {
-                    let take = pending.min(prompt_budget);
+                    let outputs = |take: usize| {
+                        let scored = (seq.cached + take).min(seq.scoring);
+                        scored.saturating_sub(seq.cached) + usize::from(take == pending)
+                    };
+                    let mut take = pending.min(prompt_budget);
+                    while take > 0 && outputs(take) > spare_outputs {
+                        take -= 1;
+                    }
+                    spare_outputs -= outputs(take);
                     prompt_budget -= take;
                     take
                 }
@@ -345,16 +413,28 @@ impl<'m, 't> Batcher<'m, 't> {
             for pos in seq.cached..seq.cached + take {
                 self.ids.push(seq.window[pos]);
                 self.places.push(Place { seq: slot, pos });
+                // A scored prompt needs each row's logits: they predict the next token.
+                if pos < seq.scoring {
+                    self.outputs.push(self.ids.len() - 1);
+                    self.uses.push(Use::Score {
+                        slot,
+                        target: seq.window[pos + 1],
+                    });
+                }
             }
             if take > 0 && take == pending {
                 self.outputs.push(self.ids.len() - 1);
-                self.output_slots.push(slot);
+                self.uses.push(Use::Draw(slot));
             }
         }
         let logits = self.model.run(&self.ids, &self.places, &self.outputs)?;
         for place in &self.places {
             if let Some(seq) = &mut self.slots[place.seq] {
                 seq.cached = seq.cached.max(place.pos + 1);
+                if seq.cached >= seq.scoring {
+                    // Scored once: a window slid later runs these positions again.
+                    seq.scoring = 0;
+                }
             }
         }
         if self.outputs.is_empty() {
@@ -364,9 +444,33 @@ impl<'m, 't> Batcher<'m, 't> {
         }
         let vocab = logits.len() / self.outputs.len();
 
+        // The scored prompt rows' log-probabilities go out ahead of what is drawn; the
+        // drawing rows' logits, in slot order, are what the samplers read.
+        self.raw.clear();
+        self.output_slots.clear();
+        for (row, &use_) in logits.chunks(vocab).zip(&self.uses) {
+            match use_ {
+                Use::Score { slot, target } => {
+                    let seq = self.slots[slot].as_mut().expect("a scoring sequence");
+                    let k = seq.logprobs.unwrap_or(0);
+                    let text = &row[..self.text_vocab];
+                    let scored = LogSoftmax::of(text, k).report(row, target, self.tokenizer);
+                    seq.unsent.push(scored);
+                }
+                Use::Draw(slot) => {
+                    self.raw.extend_from_slice(row);
+                    self.output_slots.push(slot);
+                }
+            }
+        }
+        if self.output_slots.is_empty() {
+            self.metrics.record_pass(self.ids.len(), started.elapsed());
+            return Ok(());
+        }
+
         // Draw: each sequence with its own sampler, so threads cannot change a draw.
         self.scratch.clear();
-        self.scratch.extend_from_slice(logits);
+        self.scratch.extend_from_slice(&self.raw);
         let (text_vocab, tokenizer) = (self.text_vocab, self.tokenizer);
         let mut wanted = self.output_slots.iter().peekable();
         let drawing: Vec<&mut Sequence> = self
@@ -383,9 +487,12 @@ impl<'m, 't> Batcher<'m, 't> {
         drawing
             .into_par_iter()
             .zip(self.scratch.par_chunks_mut(vocab))
-            .zip(logits.par_chunks(vocab))
+            .zip(self.raw.par_chunks(vocab))
             .zip(self.chosen.par_iter_mut())
             .for_each(|(((seq, row), raw), chosen)| {
+                if seq.max_tokens == 0 {
+                    return; // the prompt scored, nothing to draw
+                }
                 row[text_vocab..].fill(f32::NEG_INFINITY);
                 let id = seq.sampler.sample(row, &seq.window);
                 // Log-probabilities are the model's own (the logits before the
@@ -400,7 +507,11 @@ impl<'m, 't> Batcher<'m, 't> {
         let slots = std::mem::take(&mut self.output_slots);
         for (&slot, (id, logprob)) in slots.iter().zip(&chosen) {
             // A request that failed on an earlier choice of this pass has left.
-            if self.slots[slot].is_none() {
+            let Some(seq) = &self.slots[slot] else {
+                continue;
+            };
+            if seq.max_tokens == 0 {
+                self.finish(slot, Finish::Length);
                 continue;
             }
             if let Err(e) = self.take_token(slot, *id, logprob.clone()) {
@@ -484,7 +595,7 @@ impl<'m, 't> Batcher<'m, 't> {
         let _ = events.send(Event::Done {
             choice: seq.choice,
             finish,
-            prompt_tokens: request.job.prompt.len(),
+            prompt_tokens: seq.prompt_tokens,
             completion_tokens: seq.generated,
         });
         request.running -= 1;
@@ -573,7 +684,7 @@ impl LogSoftmax {
     fn report(self, row: &[f32], id: u32, tokenizer: &Tokenizer) -> TokenLogprob {
         TokenLogprob {
             token: token_string(tokenizer, id),
-            logprob: row[id as usize] - self.log_z,
+            logprob: Some(row[id as usize] - self.log_z),
             top: self
                 .top
                 .into_iter()

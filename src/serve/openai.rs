@@ -54,7 +54,7 @@ pub struct CompletionRequest {
     pub sampling: SamplingFields,
 }
 
-/// A prompt as OpenAI allows it: text, or token ids, one or a list of one.
+/// A prompt as OpenAI allows it: text or token ids, one or a list.
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
 pub enum Prompt {
@@ -99,6 +99,8 @@ pub struct Limits {
     /// Choices per request: at most the decoder's slots.
     pub max_n: usize,
     pub max_tokens: usize,
+    /// The fewest a request may ask for: 0 where the prompt alone is wanted (echo).
+    pub min_tokens: usize,
     /// Where a request gives no max_tokens.
     pub default_max_tokens: usize,
 }
@@ -128,11 +130,19 @@ impl SamplingFields {
         }
         let max_tokens = match self.max_completion_tokens.or(self.max_tokens) {
             None => limits.default_max_tokens.min(limits.max_tokens),
-            Some(m) if m >= 1 && m as u64 <= limits.max_tokens as u64 => m as usize,
+            Some(m) if m >= limits.min_tokens as i64 && m as u64 <= limits.max_tokens as u64 => {
+                m as usize
+            }
             Some(m) => {
                 return Err(ApiError::invalid(format!(
-                    "max_tokens {m} must be 1 to {} (the server's --max-tokens)",
-                    limits.max_tokens
+                    "max_tokens {m} must be {} to {} (the server's --max-tokens){}",
+                    limits.min_tokens,
+                    limits.max_tokens,
+                    if limits.min_tokens == 0 {
+                        ""
+                    } else {
+                        "; 0 only with echo"
+                    }
                 )))
             }
         };
@@ -251,8 +261,10 @@ pub fn completion_logprobs(tokens: &[TokenLogprob], mut offset: usize) -> Value 
     json!({
         "tokens": tokens.iter().map(|t| t.token.clone()).collect::<Vec<_>>(),
         "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
-        "top_logprobs": tokens.iter().map(|t| {
-            t.top.iter().map(|(s, lp)| (s.clone(), json!(lp))).collect::<serde_json::Map<_, _>>()
+        // A prompt's first token has neither (nothing predicts it).
+        "top_logprobs": tokens.iter().map(|t| match t.logprob {
+            None => Value::Null,
+            Some(_) => t.top.iter().map(|(s, lp)| (s.clone(), json!(lp))).collect::<serde_json::Map<_, _>>().into(),
         }).collect::<Vec<_>>(),
         "text_offset": text_offset,
     })

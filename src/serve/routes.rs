@@ -37,6 +37,7 @@ pub fn router(state: Shared) -> Router {
         .route("/props", get(props))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route("/tokenizer_info", get(tokenizer_info))
         .route("/metrics", get(metrics))
         .route("/api/runs", get(runs::list))
         .route("/api/runs/{name}/metrics", get(runs::metrics))
@@ -137,6 +138,7 @@ impl AppState {
         Limits {
             max_n: self.options.parallel,
             max_tokens: self.options.max_tokens,
+            min_tokens: 1,
             default_max_tokens: 16,
         }
     }
@@ -205,8 +207,11 @@ async fn metrics(State(state): State<Shared>) -> Response {
         .into_response()
 }
 
+/// llama.cpp's `content` or vLLM's `prompt` (whose `add_special_tokens` changes
+/// nothing here: no token is added to a prompt).
 #[derive(Deserialize)]
 struct TokenizeRequest {
+    #[serde(alias = "prompt")]
     content: String,
     #[serde(default)]
     with_pieces: bool,
@@ -249,7 +254,26 @@ async fn detokenize(
         .tokenizer
         .decode(&request.tokens)
         .map_err(|e| ApiError::invalid(format!("{e:#}")))?;
-    Ok(Json(json!({ "content": content })))
+    // llama.cpp's name for the text, and vLLM's.
+    Ok(Json(json!({ "content": content, "prompt": content })))
+}
+
+/// What a client tokenizing on the server needs to know (vLLM's `/tokenizer_info`, which
+/// lm-evaluation-harness reads): the special tokens and the context.
+async fn tokenizer_info(State(state): State<Shared>) -> Result<Json<Value>, ApiError> {
+    let ready = state.ready()?;
+    let tokenizer = &ready.tokenizer;
+    let end_of_text = tokenizer
+        .end_of_text()
+        .and_then(|id| tokenizer.token_text(id));
+    Ok(Json(json!({
+        "tokenizer_class": "tinygpt",
+        "eos_token": end_of_text,
+        "bos_token": null,
+        "pad_token": null,
+        "model_max_length": ready.block_size,
+        "vocab_size": tokenizer.vocab_size(),
+    })))
 }
 
 fn check_ids(ready: &Ready, ids: &[u32]) -> Result<(), ApiError> {
@@ -293,16 +317,36 @@ fn check_length(ready: &Ready, tokens: usize) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// What a request asks of the decoding loop besides its settings.
+struct Ask {
+    /// One or more prompts, each continued `n` times.
+    prompts: Vec<Vec<u32>>,
+    logprobs: Option<usize>,
+    score_prompt: bool,
+}
+
 /// Hands the request to the decoding loop; 503 when the queue is full.
 fn submit(
     state: &AppState,
     ready: &Ready,
-    prompt: Vec<u32>,
+    ask: Ask,
     settings: &Settings,
-    logprobs: Option<usize>,
 ) -> Result<UnboundedReceiver<Event>, ApiError> {
-    let samplers = (0..settings.n as u64)
-        .map(|i| Sampler::new(settings.params.clone(), settings.seed.wrapping_add(i)))
+    let choices = ask.prompts.len() * settings.n;
+    if choices > state.options.parallel {
+        return Err(ApiError::invalid(format!(
+            "{} prompts of {} choices each make {choices} sequences; this server decodes at most {} at once (--parallel)",
+            ask.prompts.len(),
+            settings.n,
+            state.options.parallel
+        )));
+    }
+    // Each prompt's choice j draws with seed + j, as that prompt alone would.
+    let samplers = (0..choices)
+        .map(|i| {
+            let seed = settings.seed.wrapping_add((i % settings.n) as u64);
+            Sampler::new(settings.params.clone(), seed)
+        })
         .collect::<anyhow::Result<Vec<_>>>()
         .map_err(|e| ApiError::invalid(format!("{e:#}")))?;
     let metrics = &state.metrics;
@@ -320,11 +364,12 @@ fn submit(
     }
     let (events, received) = unbounded_channel();
     let job = Job {
-        prompt,
+        prompts: ask.prompts,
         samplers,
         max_tokens: settings.max_tokens,
         stop: settings.stop.clone(),
-        logprobs,
+        logprobs: ask.logprobs,
+        score_prompt: ask.score_prompt,
         events,
     };
     if ready.jobs.send(job).is_err() {
@@ -358,9 +403,13 @@ async fn completions(
 
 async fn completion(state: &Shared, request: CompletionRequest) -> Result<Response, ApiError> {
     let ready = state.ready()?;
-    let settings = request
-        .sampling
-        .settings(&state.model_id, &state.limits())?;
+    let echo = request.echo.unwrap_or(false);
+    let mut limits = state.limits();
+    if echo {
+        // The prompt alone, scored: what evaluation harnesses ask for.
+        limits.min_tokens = 0;
+    }
+    let settings = request.sampling.settings(&state.model_id, &limits)?;
     if request.best_of.is_some_and(|b| b as usize != settings.n) {
         return Err(ApiError::invalid(
             "best_of is not supported (leave it out, or equal to n)",
@@ -376,31 +425,48 @@ async fn completion(state: &Shared, request: CompletionRequest) -> Result<Respon
         Some(k @ 0..=5) => Some(k as usize),
         Some(k) => return Err(ApiError::invalid(format!("logprobs {k} must be 0 to 5"))),
     };
-    let (text, prompt) = match request.prompt {
-        None => (String::new(), prompt_tokens(ready, "")?),
-        Some(Prompt::Text(text)) => {
-            let ids = prompt_tokens(ready, &text)?;
-            (text, ids)
-        }
-        Some(Prompt::Texts(texts)) if texts.len() == 1 => {
-            let ids = prompt_tokens(ready, &texts[0])?;
-            (texts[0].clone(), ids)
-        }
-        Some(Prompt::Tokens(ids)) => tokens_prompt(ready, ids)?,
-        Some(Prompt::TokenLists(mut lists)) if lists.len() == 1 => {
-            tokens_prompt(ready, lists.remove(0))?
-        }
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "send one prompt per request (a list of several is not supported)",
-            ))
-        }
+    let score_prompt = echo && logprobs.is_some();
+    if score_prompt && settings.stream {
+        return Err(ApiError::invalid(
+            "echo with logprobs is answered whole: leave out stream",
+        ));
+    }
+    let prompts: Vec<(String, Vec<u32>)> = match request.prompt {
+        None => vec![(String::new(), prompt_tokens(ready, "")?)],
+        Some(Prompt::Text(text)) => vec![text_prompt(ready, text)?],
+        Some(Prompt::Texts(texts)) => texts
+            .into_iter()
+            .map(|text| text_prompt(ready, text))
+            .collect::<Result<_, _>>()?,
+        Some(Prompt::Tokens(ids)) => vec![tokens_prompt(ready, ids)?],
+        Some(Prompt::TokenLists(lists)) => lists
+            .into_iter()
+            .map(|ids| tokens_prompt(ready, ids))
+            .collect::<Result<_, _>>()?,
     };
-    let echo = request.echo.unwrap_or(false).then_some(text);
-    let prompt_len = prompt.len();
-    let events = submit(state, ready, prompt, &settings, logprobs)?;
-    let reply = Reply::new(state, Kind::Completion, &settings, prompt_len, echo, events);
+    if prompts.is_empty() {
+        return Err(ApiError::invalid(
+            "prompt is an empty list: give one or more",
+        ));
+    }
+    let (texts, prompts): (Vec<String>, Vec<Vec<u32>>) = prompts.into_iter().unzip();
+    let lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    let ask = Ask {
+        prompts,
+        logprobs,
+        score_prompt,
+    };
+    let events = submit(state, ready, ask, &settings)?;
+    let mut reply = Reply::new(state, Kind::Completion, &settings, &lengths, events);
+    if echo {
+        reply.echo(texts, score_prompt);
+    }
     Ok(reply.respond(settings.stream).await)
+}
+
+fn text_prompt(ready: &Ready, text: String) -> Result<(String, Vec<u32>), ApiError> {
+    let ids = prompt_tokens(ready, &text)?;
+    Ok((text, ids))
 }
 
 fn tokens_prompt(ready: &Ready, ids: Vec<u32>) -> Result<(String, Vec<u32>), ApiError> {
@@ -449,8 +515,13 @@ async fn chat_completion(state: &Shared, request: ChatRequest) -> Result<Respons
     })?;
     settings.stop.extend(chat::STOPS.map(String::from));
     let prompt_len = prompt.len();
-    let events = submit(state, ready, prompt, &settings, None)?;
-    let reply = Reply::new(state, Kind::Chat, &settings, prompt_len, None, events);
+    let ask = Ask {
+        prompts: vec![prompt],
+        logprobs: None,
+        score_prompt: false,
+    };
+    let events = submit(state, ready, ask, &settings)?;
+    let reply = Reply::new(state, Kind::Chat, &settings, &[prompt_len], events);
     Ok(reply.respond(settings.stream).await)
 }
 
@@ -462,7 +533,12 @@ struct Reply {
     model: String,
     include_usage: bool,
     prompt_tokens: usize,
-    echo: Option<String>,
+    /// Each prompt's text, shown before its choices' (`echo`); none without echo.
+    echoes: Vec<String>,
+    /// Choices per prompt: choice i continues prompt i / n.
+    n: usize,
+    /// Whether the choices' logprobs begin with the prompt's tokens'.
+    scored: bool,
     choices: Vec<ChoiceResult>,
     events: UnboundedReceiver<Event>,
     /// Whether the stream's last chunk has gone out.
@@ -472,12 +548,12 @@ struct Reply {
 }
 
 impl Reply {
+    /// The reply to `prompts.len()` prompts of these lengths, `settings.n` choices each.
     fn new(
         state: &AppState,
         kind: Kind,
         settings: &Settings,
-        prompt_tokens: usize,
-        echo: Option<String>,
+        prompts: &[usize],
         events: UnboundedReceiver<Event>,
     ) -> Self {
         let prefix = match kind {
@@ -492,13 +568,27 @@ impl Reply {
                 .map_or(0, |d| d.as_secs()),
             model: state.model_id.clone(),
             include_usage: settings.include_usage,
-            prompt_tokens,
-            echo,
-            choices: vec![ChoiceResult::default(); settings.n],
+            prompt_tokens: prompts.iter().sum(),
+            echoes: Vec::new(),
+            n: settings.n,
+            scored: false,
+            choices: vec![ChoiceResult::default(); prompts.len() * settings.n],
             events,
             ended: false,
             held: None,
         }
+    }
+
+    /// Shows each prompt's text before its choices'; `scored`: their logprobs begin
+    /// with the prompt's tokens'.
+    fn echo(&mut self, texts: Vec<String>, scored: bool) {
+        self.echoes = texts;
+        self.scored = scored;
+    }
+
+    /// The text shown before choice `i`'s.
+    fn echo_of(&self, i: usize) -> &str {
+        self.echoes.get(i / self.n).map_or("", String::as_str)
     }
 
     async fn respond(self, stream: bool) -> Response {
@@ -560,18 +650,20 @@ impl Reply {
                 }
             }
         }
-        let echo = self.echo.clone().unwrap_or_default();
         let choices: Vec<Value> = self
             .choices
             .iter()
             .enumerate()
             .map(|(i, c)| {
                 let finish = c.finish.map(|f| f.as_str());
+                let echo = self.echo_of(i);
+                // Scored prompt tokens come first: their offsets count from the start.
+                let offset = if self.scored { 0 } else { echo.len() };
                 match self.kind {
                     Kind::Completion => json!({
                         "index": i,
                         "text": format!("{echo}{}", c.text),
-                        "logprobs": if c.tokens.is_empty() { Value::Null } else { completion_logprobs(&c.tokens, echo.len()) },
+                        "logprobs": if c.tokens.is_empty() { Value::Null } else { completion_logprobs(&c.tokens, offset) },
                         "finish_reason": finish,
                     }),
                     Kind::Chat => json!({
@@ -710,14 +802,13 @@ impl Reply {
     fn opening(&mut self) -> Vec<Sse> {
         let mut chunks = Vec::new();
         for i in 0..self.choices.len() {
-            let choice = match (self.kind, self.echo.clone()) {
-                (Kind::Chat, _) => Some(
+            let echo = self.echo_of(i).to_string();
+            let choice = match self.kind {
+                Kind::Chat => Some(
                     json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": Value::Null, "finish_reason": Value::Null}),
                 ),
-                (Kind::Completion, Some(echo)) if !echo.is_empty() => {
-                    self.text_choice(i, &echo, &[])
-                }
-                _ => None,
+                Kind::Completion if !echo.is_empty() => self.text_choice(i, &echo, &[]),
+                Kind::Completion => None,
             };
             chunks.extend(choice.map(|c| self.chunk(vec![c])));
         }

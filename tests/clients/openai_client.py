@@ -47,6 +47,17 @@ cut = client.completions.create(model=model, prompt="To be", max_tokens=30, seed
 assert cut.choices[0].text == text[: text.find(stop)], (cut.choices[0].text, stop)
 assert cut.choices[0].finish_reason == "stop"
 
+# A list of prompts, and prompts scored as evaluation harnesses score them (echo with
+# logprobs; max_tokens 0 draws nothing): choice i continues prompt i / n.
+listed = client.completions.create(model=model, prompt=["To be", "Whether"], max_tokens=5, n=2, seed=5)
+assert [c.index for c in listed.choices] == [0, 1, 2, 3], listed
+assert listed.usage.prompt_tokens == 12, listed.usage
+scored = client.completions.create(model=model, prompt=["To be", "Whether"], max_tokens=0, echo=True, logprobs=1)
+assert [c.text for c in scored.choices] == ["To be", "Whether"], scored
+for c, length in zip(scored.choices, [5, 7]):
+    assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.token_logprobs) == length, c.logprobs
+    assert all(lp <= 0 for lp in c.logprobs.token_logprobs[1:]), c.logprobs
+
 # Chat, whole and streamed.
 messages = [{"role": "user", "content": "Who is there?"}]
 reply = client.chat.completions.create(model=model, messages=messages, max_tokens=20, seed=2)
@@ -76,4 +87,4 @@ try:
 except openai.NotFoundError as e:
     assert "gpt-4" in str(e), e
 
-print(f"openai client {openai.__version__}: completions, chat, streaming, n, stop, seed, usage, errors: ok")
+print(f"openai client {openai.__version__}: completions, chat, streaming, n, stop, seed, usage, prompt lists, scored prompts, errors: ok")
