@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Real clients against the real server (issue 27): the official openai Python client
-# (completions, chat, streaming) and the page in headless Chromium driven by Playwright
+# (completions, chat, streaming), lm-evaluation-harness scoring a multiple-choice task
+# (its log-likelihoods held to `tinygpt eval`'s), and the page in headless Chromium driven by Playwright
 # (the playground streams, the dashboard's loss curve grows while a real `tinygpt
 # train` logs in another process, no console errors). Installs what it needs where
-# missing: a venv with openai and playwright (PyPI), Debian's chromium (apt-get).
+# missing: a venv with openai, playwright and lm-eval (PyPI), Debian's chromium (apt-get).
 # Screenshots go to target/screenshots/ (not committed).
 #
 #   tools/serve-clients.sh [BINARY]      # default: target/debug/tinygpt
@@ -15,10 +16,10 @@ root=$PWD
 venv=$root/target/clients-venv
 shots=$root/target/screenshots
 
-if ! "$venv/bin/python" -c "import openai, playwright, httpx" 2>/dev/null; then
-  echo "installing the openai client and playwright into $venv (pip)" >&2
+if ! "$venv/bin/python" -c "import openai, playwright, httpx, lm_eval" 2>/dev/null; then
+  echo "installing the openai client, playwright and lm-evaluation-harness into $venv (pip)" >&2
   python3 -m venv "$venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check openai playwright httpx
+  "$venv/bin/pip" install -q --disable-pip-version-check openai playwright httpx "lm-eval[api]==0.4.13"
 fi
 chromium=${CHROMIUM:-$(command -v chromium || true)}
 if [ -z "$chromium" ] && command -v apt-get >/dev/null; then
@@ -69,6 +70,7 @@ base=$(grep -o "http://[0-9.:]*" serve.log | head -1)
 [ -n "$base" ] || { cat serve.log >&2; echo "the server did not start" >&2; exit 1; }
 
 "$venv/bin/python" "$root/tests/clients/openai_client.py" "$base" exp
+"$venv/bin/python" "$root/tests/clients/lm_eval_client.py" "$base" exp "$bin" checkpoints/exp 32
 
 if [ -n "$chromium" ]; then
   # A run that logs while the page watches.
