@@ -459,6 +459,13 @@ fn bad_requests_are_4xx_with_openai_errors() {
         r#"{"messages": [{"role": "wizard", "content": "hi"}]}"#,
     );
     assert_eq!(status, 400, "{error}");
+    for body in [
+        r#"{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}"#,
+        r#"{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}"#,
+    ] {
+        let (status, error) = post(&server.url("/v1/chat/completions"), body);
+        assert_eq!(status, 400, "{body}: {error}");
+    }
     let (status, body) = get(&server.url("/v1/nothing"), &[]);
     assert_eq!(status, 404, "{body}");
     assert!(body.contains("\"error\""));

@@ -100,18 +100,36 @@ impl Finish {
 /// A token's log-probability under the model (before temperature and truncation), and
 /// the most likely alternatives' at its place; none for a prompt's first token, which
 /// nothing predicts.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone)]
 pub struct TokenLogprob {
-    pub token: String,
+    pub token: Piece,
     pub logprob: Option<f32>,
-    pub top: Vec<(String, f32)>,
+    pub top: Vec<(Piece, f32)>,
+}
+
+/// A token as text (lossily: half a character shows as U+FFFD) and as the bytes it
+/// stands for (chat's logprobs give both).
+#[derive(Debug, Clone)]
+pub struct Piece {
+    pub text: String,
+    pub bytes: Vec<u8>,
+}
+
+impl Piece {
+    fn of(tokenizer: &Tokenizer, id: u32) -> Self {
+        let bytes = tokenizer.token_bytes(id).unwrap_or_default();
+        Self {
+            text: String::from_utf8_lossy(&bytes).into_owned(),
+            bytes,
+        }
+    }
 }
 
 impl TokenLogprob {
     /// A prompt's first token `id`: nothing predicts it.
     fn unpredicted(id: u32, tokenizer: &Tokenizer) -> Self {
         Self {
-            token: token_string(tokenizer, id),
+            token: Piece::of(tokenizer, id),
             logprob: None,
             top: Vec::new(),
         }
@@ -683,21 +701,13 @@ impl LogSoftmax {
     /// Token `id`'s entry, `row` being the logits the normaliser was taken of.
     fn report(self, row: &[f32], id: u32, tokenizer: &Tokenizer) -> TokenLogprob {
         TokenLogprob {
-            token: token_string(tokenizer, id),
+            token: Piece::of(tokenizer, id),
             logprob: Some(row[id as usize] - self.log_z),
             top: self
                 .top
                 .into_iter()
-                .map(|(t, lp)| (token_string(tokenizer, t), lp))
+                .map(|(t, lp)| (Piece::of(tokenizer, t), lp))
                 .collect(),
         }
-    }
-}
-
-/// A token as text for logprobs (its bytes, lossily: half a character shows as U+FFFD).
-fn token_string(tokenizer: &Tokenizer, id: u32) -> String {
-    match tokenizer.token_bytes(id) {
-        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
-        Err(_) => String::new(),
     }
 }

@@ -68,6 +68,7 @@ pub enum Prompt {
 pub struct ChatRequest {
     pub messages: Vec<Message>,
     pub logprobs: Option<bool>,
+    pub top_logprobs: Option<i64>,
     pub tools: Option<Value>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
@@ -256,16 +257,31 @@ pub fn completion_logprobs(tokens: &[TokenLogprob], mut offset: usize) -> Value 
     let mut text_offset = Vec::with_capacity(tokens.len());
     for t in tokens {
         text_offset.push(offset);
-        offset += t.token.len();
+        offset += t.token.text.len();
     }
     json!({
-        "tokens": tokens.iter().map(|t| t.token.clone()).collect::<Vec<_>>(),
+        "tokens": tokens.iter().map(|t| t.token.text.clone()).collect::<Vec<_>>(),
         "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
         // A prompt's first token has neither (nothing predicts it).
         "top_logprobs": tokens.iter().map(|t| match t.logprob {
             None => Value::Null,
-            Some(_) => t.top.iter().map(|(s, lp)| (s.clone(), json!(lp))).collect::<serde_json::Map<_, _>>().into(),
+            Some(_) => t.top.iter().map(|(p, lp)| (p.text.clone(), json!(lp))).collect::<serde_json::Map<_, _>>().into(),
         }).collect::<Vec<_>>(),
         "text_offset": text_offset,
     })
+}
+
+/// Chat's `logprobs` object for `tokens`: each token's text, bytes and log-probability,
+/// with the most likely alternatives'.
+pub fn chat_logprobs(tokens: &[TokenLogprob]) -> Value {
+    let entry = |piece: &super::batcher::Piece, logprob: Option<f32>| json!({"token": piece.text, "logprob": logprob, "bytes": piece.bytes});
+    let content: Vec<Value> = tokens
+        .iter()
+        .map(|t| {
+            let mut e = entry(&t.token, t.logprob);
+            e["top_logprobs"] = t.top.iter().map(|(p, lp)| entry(p, Some(*lp))).collect();
+            e
+        })
+        .collect();
+    json!({ "content": content, "refusal": null })
 }

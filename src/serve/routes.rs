@@ -22,8 +22,8 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use super::batcher::{Event, Job};
 use super::error::{ApiError, ApiJson};
 use super::openai::{
-    completion_logprobs, usage, ChatRequest, ChoiceResult, CompletionRequest, Limits, Prompt,
-    Settings,
+    chat_logprobs, completion_logprobs, usage, ChatRequest, ChoiceResult, CompletionRequest,
+    Limits, Prompt, Settings,
 };
 use super::{chat, page, runs, AppState, Ready, Shared};
 use crate::generate::sample::Sampler;
@@ -495,11 +495,17 @@ async fn chat_completion(state: &Shared, request: ChatRequest) -> Result<Respons
     // A chat reply runs to the end of the assistant's turn.
     limits.default_max_tokens = 256;
     let mut settings = request.sampling.settings(&state.model_id, &limits)?;
-    if request.logprobs == Some(true) {
-        return Err(ApiError::invalid(
-            "logprobs are given by /v1/completions only",
-        ));
-    }
+    let logprobs = match (request.logprobs.unwrap_or(false), request.top_logprobs) {
+        (false, None) => None,
+        (false, Some(_)) => return Err(ApiError::invalid("top_logprobs needs logprobs: true")),
+        (true, None) => Some(0),
+        (true, Some(k @ 0..=20)) => Some(k as usize),
+        (true, Some(k)) => {
+            return Err(ApiError::invalid(format!(
+                "top_logprobs {k} must be 0 to 20"
+            )))
+        }
+    };
     if request.tools.is_some() {
         return Err(ApiError::invalid("tools are not supported by a base model"));
     }
@@ -517,7 +523,7 @@ async fn chat_completion(state: &Shared, request: ChatRequest) -> Result<Respons
     let prompt_len = prompt.len();
     let ask = Ask {
         prompts: vec![prompt],
-        logprobs: None,
+        logprobs,
         score_prompt: false,
     };
     let events = submit(state, ready, ask, &settings)?;
@@ -669,7 +675,7 @@ impl Reply {
                     Kind::Chat => json!({
                         "index": i,
                         "message": {"role": "assistant", "content": c.text},
-                        "logprobs": Value::Null,
+                        "logprobs": if c.tokens.is_empty() { Value::Null } else { chat_logprobs(&c.tokens) },
                         "finish_reason": finish,
                     }),
                 }
@@ -727,11 +733,16 @@ impl Reply {
                 } else {
                     text
                 };
-                if text.is_empty() {
+                if text.is_empty() && tokens.is_empty() {
                     return None;
                 }
                 c.text.push_str(text);
-                json!({"index": choice, "delta": {"content": text}, "logprobs": Value::Null, "finish_reason": Value::Null})
+                let logprobs = if tokens.is_empty() {
+                    Value::Null
+                } else {
+                    chat_logprobs(tokens)
+                };
+                json!({"index": choice, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": Value::Null})
             }
         })
     }

@@ -75,6 +75,22 @@ for chunk in client.chat.completions.create(model=model, messages=messages, max_
 assert roles == ["assistant"], roles
 assert streamed == content, (streamed, content)
 
+# Chat logprobs: each drawn token's, with its two most likely alternatives; the tokens
+# spell the reply (its first space aside, which the template's "Assistant:" leaves; a
+# stop string's tokens after it).
+scored = client.chat.completions.create(model=model, messages=messages, max_tokens=20, seed=2, logprobs=True, top_logprobs=2)
+entries = scored.choices[0].logprobs.content
+assert "".join(e.token for e in entries).lstrip().startswith(scored.choices[0].message.content), entries
+for e in entries:
+    assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob - 1e-6, e
+    assert bytes(e.bytes).decode() == e.token, e
+streamed_entries = []
+for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=20, seed=2, logprobs=True, top_logprobs=2, stream=True):
+    for c in chunk.choices:
+        if c.logprobs and c.logprobs.content:
+            streamed_entries += c.logprobs.content
+assert [(e.token, e.logprob) for e in streamed_entries] == [(e.token, e.logprob) for e in entries], "streamed = whole"
+
 # Errors: the client raises its own exceptions with the server's message.
 try:
     client.completions.create(model=model, prompt="To be", max_tokens=0)
@@ -87,4 +103,4 @@ try:
 except openai.NotFoundError as e:
     assert "gpt-4" in str(e), e
 
-print(f"openai client {openai.__version__}: completions, chat, streaming, n, stop, seed, usage, prompt lists, scored prompts, errors: ok")
+print(f"openai client {openai.__version__}: completions, chat, streaming, n, stop, seed, usage, prompt lists, scored prompts, chat logprobs, errors: ok")
