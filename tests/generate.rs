@@ -660,6 +660,17 @@ fn rows_at_their_own_positions_decode_as_each_sequence_alone() {
             .unwrap()
             .to_vec();
         assert_close(&logits, &alone(&a), "a after 6");
+        // Pass 4: a prompt scored at every position (a server's echo with logprobs):
+        // more rows of logits than sequences, each its prefix's.
+        let d: Vec<u32> = vec![5, 3, 2, 7, 1];
+        let places: Vec<Place> = (0..5).map(|pos| Place { seq: 2, pos }).collect();
+        let logits = rows
+            .run_rows(&d, &places, &[0, 1, 2, 3, 4])
+            .unwrap()
+            .to_vec();
+        for (k, row) in logits.chunks(v).enumerate() {
+            assert_close(row, &alone(&d[..=k]), &format!("d after {}", k + 1));
+        }
         // Places outside the buffers are refused, not written.
         assert!(rows
             .run_rows(&[1], &[Place { seq: 3, pos: 0 }], &[0])

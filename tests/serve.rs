@@ -927,4 +927,27 @@ fn the_cuda_decoder_serves_under_the_emulator() {
         server.log.lock().unwrap()
     );
     same_as_generate(dir.path(), &server.url("/v1/completions"));
+    // A prompt scored at every position: on CUDA a pass gives logits of one row per
+    // slot, so its 31 rows run in pieces; the same log-probabilities as the CPU's.
+    let cpu = Server::start(dir.path(), &["--parallel", "4"]);
+    let scored = |server: &Server| -> Vec<f64> {
+        let body = json!({"prompt": "To be, or not to be, that is th", "max_tokens": 0,
+                          "echo": true, "logprobs": 2});
+        let (status, body) = post(&server.url("/v1/completions"), &body.to_string());
+        assert_eq!(status, 200, "{body}");
+        body["choices"][0]["logprobs"]["token_logprobs"]
+            .as_array()
+            .unwrap()[1..]
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect()
+    };
+    let (emulated, want) = (scored(&server), scored(&cpu));
+    assert_eq!(emulated.len(), 30);
+    for (k, (a, b)) in emulated.iter().zip(&want).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+            "token {k}: {a} vs {b}"
+        );
+    }
 }

@@ -166,6 +166,13 @@ impl FastDecoder {
         self.scratch.rows
     }
 
+    /// Rows one [`FastDecoder::run_rows`] pass can give logits of: a sequence each, and
+    /// more for a prompt whose every position is scored (a server's `echo` with
+    /// `logprobs`), up to [`OUTPUT_ROWS`] (the logits' buffer grows when first needed).
+    pub fn outputs_per_pass(&self) -> usize {
+        self.batch.max(OUTPUT_ROWS).min(self.scratch.rows)
+    }
+
     /// Positions held in the K/V buffers.
     pub fn len(&self) -> usize {
         self.len
@@ -285,11 +292,16 @@ impl FastDecoder {
                 s.block_size
             );
         }
-        if outputs.len() > self.batch || outputs.iter().any(|&r| r >= rows) {
+        if outputs.len() > self.outputs_per_pass() || outputs.iter().any(|&r| r >= rows) {
             anyhow::bail!(
                 "logits are asked of rows {outputs:?} of a {rows}-row pass (at most {} rows)",
-                self.batch
+                self.outputs_per_pass()
             );
+        }
+        let (c, v) = (s.n_embd, s.vocab_size);
+        if self.scratch.logits.len() < outputs.len() * v {
+            self.scratch.last.resize(outputs.len() * c, 0.0);
+            self.scratch.logits.resize(outputs.len() * v, 0.0);
         }
         self.places.clear();
         self.places.extend_from_slice(places);
@@ -473,6 +485,10 @@ fn cross_entropy(logits: &[f32], target: usize) -> f64 {
     let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
     f64::from(max) + sum.ln() - f64::from(logits[target])
 }
+
+/// Rows of logits a pass may give beyond one per sequence (for a prompt scored at every
+/// position): 128 rows of GPT-2's vocabulary are 26 MB.
+pub const OUTPUT_ROWS: usize = 128;
 
 /// Rows (sequences x positions) of scratch a decoder allocates: bounds memory for long
 /// contexts and many samples; a longer prefill runs in chunks.

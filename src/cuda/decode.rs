@@ -233,6 +233,11 @@ impl CudaDecoder {
         self.batch * self.chunk
     }
 
+    /// Rows one [`CudaDecoder::run_rows`] pass can give logits of: one per sequence.
+    pub fn outputs_per_pass(&self) -> usize {
+        self.batch
+    }
+
     /// Binds the device's context to this thread, the one that built the decoder (its
     /// work goes to that thread's stream).
     fn bind(&self) -> Result<()> {

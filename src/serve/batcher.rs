@@ -143,6 +143,8 @@ pub trait RowModel {
     fn slots(&self) -> usize;
     /// Rows one pass can take.
     fn max_rows(&self) -> usize;
+    /// Rows one pass can give logits of (at least one per slot).
+    fn max_outputs(&self) -> usize;
     fn block_size(&self) -> usize;
     fn vocab_size(&self) -> usize;
     /// Logits of the rows `outputs` names, (outputs.len(), V).
@@ -158,6 +160,9 @@ macro_rules! row_model {
             }
             fn max_rows(&self) -> usize {
                 self.rows_per_pass()
+            }
+            fn max_outputs(&self) -> usize {
+                self.outputs_per_pass()
             }
             fn block_size(&self) -> usize {
                 self.spec().config.block_size
@@ -406,9 +411,9 @@ impl<'m, 't> Batcher<'m, 't> {
             0 => max_rows,
             g => g.max(PREFILL_ROWS).min(max_rows - g),
         };
-        // A pass gives logits for as many rows as there are slots: one for each
-        // generating sequence, the rest for prompts that end or are scored here.
-        let mut spare_outputs = self.slots.len() - generating;
+        // A pass gives logits of a bounded number of rows: one for each generating
+        // sequence, the rest for prompts that end or are scored here.
+        let mut spare_outputs = self.model.max_outputs() - generating;
         for (slot, seq) in self.slots.iter().enumerate() {
             let Some(seq) = seq else { continue };
             let pending = seq.window.len() - seq.cached;
