@@ -187,7 +187,7 @@ impl FastDecoder {
     pub fn prefill(&mut self, windows: &[Vec<u32>]) -> Result<&[f32]> {
         // On a pool thread: the many small parallel passes fork and join inside it.
         on_workers(|| self.prefill_on_worker(windows).map(|_| ()))?;
-        Ok(&self.scratch.logits)
+        Ok(&self.scratch.logits[..self.batch * self.weights.spec.shapes.vocab_size])
     }
 
     fn prefill_on_worker(&mut self, windows: &[Vec<u32>]) -> Result<&[f32]> {
@@ -197,7 +197,7 @@ impl FastDecoder {
         for (ids, len) in chunks {
             self.forward(&ids, len)?;
         }
-        Ok(&self.scratch.logits)
+        Ok(&self.scratch.logits[..self.batch * self.weights.spec.shapes.vocab_size])
     }
 
     /// Runs `window` (one sequence: the decoder's batch is 1) from position 0 and
@@ -259,7 +259,7 @@ impl FastDecoder {
         } else {
             self.forward(ids, 1)?;
         }
-        Ok(&self.scratch.logits)
+        Ok(&self.scratch.logits[..self.batch * self.weights.spec.shapes.vocab_size])
     }
 
     /// Runs rows of any sequences at their own positions in one pass (a server's batch:
@@ -339,7 +339,7 @@ impl FastDecoder {
         self.outputs.extend((0..self.batch).map(|b| b * t + t - 1));
         self.forward_places(ids)?;
         self.len += t;
-        Ok(&self.scratch.logits)
+        Ok(&self.scratch.logits[..self.batch * self.weights.spec.shapes.vocab_size])
     }
 
     /// One pass over the rows `self.places` describes; logits for `self.outputs`.

@@ -48,7 +48,7 @@ pub struct Job {
     pub prompts: Vec<Vec<u32>>,
     /// One per choice; choice i draws with `samplers[i]`.
     pub samplers: Vec<Sampler>,
-    /// 0 only with `score_prompt`: the prompt scored, nothing drawn.
+    /// 0 where only the prompt is wanted (`echo`): nothing drawn.
     pub max_tokens: usize,
     pub stop: Vec<String>,
     /// How many most likely tokens to report beside each drawn one (`logprobs`).
@@ -190,6 +190,8 @@ struct Active {
 
 /// One choice of one request, in its slot.
 struct Sequence<'t> {
+    /// When it was admitted: prompts take a pass's rows first come, first served.
+    admitted: u64,
     request: usize,
     choice: usize,
     sampler: Sampler,
@@ -296,6 +298,12 @@ struct Batcher<'m, 't> {
     outputs: Vec<usize>,
     /// What each output row's logits are for.
     uses: Vec<Use>,
+    /// Requests admitted so far (each sequence's `admitted`).
+    admissions: u64,
+    /// Slots in the order their sequences were admitted.
+    order: Vec<usize>,
+    /// A pass's drawing rows: (slot, index among the output rows).
+    draws: Vec<(usize, usize)>,
     /// The slot each drawing row belongs to (ascending), and its logits.
     output_slots: Vec<usize>,
     raw: Vec<f32>,
@@ -319,6 +327,9 @@ impl<'m, 't> Batcher<'m, 't> {
             places: Vec::new(),
             outputs: Vec::new(),
             uses: Vec::new(),
+            admissions: 0,
+            order: Vec::new(),
+            draws: Vec::new(),
             output_slots: Vec::new(),
             raw: Vec::new(),
             scratch: Vec::new(),
@@ -357,6 +368,7 @@ impl<'m, 't> Batcher<'m, 't> {
                 self.send(&job, choice, String::new(), vec![first]);
             }
             self.slots[slot] = Some(Sequence {
+                admitted: self.admissions,
                 request: id,
                 choice,
                 sampler,
@@ -376,6 +388,7 @@ impl<'m, 't> Batcher<'m, 't> {
                 unsent: Vec::new(),
             });
         }
+        self.admissions += 1;
         self.metrics.running.fetch_add(1, Ordering::Relaxed);
         let prompt_tokens: usize = job.prompts.iter().map(Vec::len).sum();
         self.metrics
@@ -414,8 +427,16 @@ impl<'m, 't> Batcher<'m, 't> {
         // A pass gives logits of a bounded number of rows: one for each generating
         // sequence, the rest for prompts that end or are scored here.
         let mut spare_outputs = self.model.max_outputs() - generating;
-        for (slot, seq) in self.slots.iter().enumerate() {
-            let Some(seq) = seq else { continue };
+        self.order.clear();
+        self.order
+            .extend((0..self.slots.len()).filter(|&s| self.slots[s].is_some()));
+        let slots = &self.slots;
+        self.order
+            .sort_by_key(|&s| slots[s].as_ref().map(|seq| seq.admitted));
+        for &slot in &self.order {
+            let Some(seq) = &self.slots[slot] else {
+                continue;
+            };
             let pending = seq.window.len() - seq.cached;
             let take = match pending {
                 1 => 1,
@@ -469,22 +490,43 @@ impl<'m, 't> Batcher<'m, 't> {
 
         // The scored prompt rows' log-probabilities go out ahead of what is drawn; the
         // drawing rows' logits, in slot order, are what the samplers read.
+        let (text_vocab, tokenizer) = (self.text_vocab, self.tokenizer);
+        let rows: Vec<&[f32]> = logits.chunks(vocab).collect();
+        let scored: Vec<(usize, TokenLogprob)> = self
+            .uses
+            .par_iter()
+            .zip(&rows)
+            .filter_map(|(use_, row)| match *use_ {
+                Use::Score { slot, target } => {
+                    let k = self.slots[slot].as_ref().and_then(|s| s.logprobs);
+                    let text = &row[..text_vocab];
+                    let entry = LogSoftmax::of(text, k.unwrap_or(0)).report(row, target, tokenizer);
+                    Some((slot, entry))
+                }
+                Use::Draw(_) => None,
+            })
+            .collect();
+        for (slot, entry) in scored {
+            if let Some(seq) = &mut self.slots[slot] {
+                seq.unsent.push(entry);
+            }
+        }
+        self.draws.clear();
+        self.draws.extend(
+            self.uses
+                .iter()
+                .enumerate()
+                .filter_map(|(k, use_)| match *use_ {
+                    Use::Draw(slot) => Some((slot, k)),
+                    Use::Score { .. } => None,
+                }),
+        );
+        self.draws.sort_unstable();
         self.raw.clear();
         self.output_slots.clear();
-        for (row, &use_) in logits.chunks(vocab).zip(&self.uses) {
-            match use_ {
-                Use::Score { slot, target } => {
-                    let seq = self.slots[slot].as_mut().expect("a scoring sequence");
-                    let k = seq.logprobs.unwrap_or(0);
-                    let text = &row[..self.text_vocab];
-                    let scored = LogSoftmax::of(text, k).report(row, target, self.tokenizer);
-                    seq.unsent.push(scored);
-                }
-                Use::Draw(slot) => {
-                    self.raw.extend_from_slice(row);
-                    self.output_slots.push(slot);
-                }
-            }
+        for &(slot, k) in &self.draws {
+            self.raw.extend_from_slice(rows[k]);
+            self.output_slots.push(slot);
         }
         if self.output_slots.is_empty() {
             self.metrics.record_pass(self.ids.len(), started.elapsed());
@@ -494,7 +536,6 @@ impl<'m, 't> Batcher<'m, 't> {
         // Draw: each sequence with its own sampler, so threads cannot change a draw.
         self.scratch.clear();
         self.scratch.extend_from_slice(&self.raw);
-        let (text_vocab, tokenizer) = (self.text_vocab, self.tokenizer);
         let mut wanted = self.output_slots.iter().peekable();
         let drawing: Vec<&mut Sequence> = self
             .slots
@@ -555,6 +596,9 @@ impl<'m, 't> Batcher<'m, 't> {
     fn take_token(&mut self, slot: usize, id: u32, logprob: Option<TokenLogprob>) -> Result<()> {
         let block = self.model.block_size();
         let seq = self.slots[slot].as_mut().expect("a drawing sequence");
+        // Every drawn token's logprob is reported, end of text included: a harness
+        // reading all entries but the last (the drawn one) relies on it.
+        seq.unsent.extend(logprob);
         if Some(id) == self.end_of_text {
             self.finish(slot, Finish::Stop);
             return Ok(());
@@ -569,7 +613,6 @@ impl<'m, 't> Batcher<'m, 't> {
             seq.cached = 0;
         }
         seq.window.push(id);
-        seq.unsent.extend(logprob);
         if let Some(piece) = seq.stream.push(id)? {
             let shown = seq.stops.push(&piece);
             if !shown.is_empty() {
@@ -714,5 +757,113 @@ impl LogSoftmax {
                 .map(|(t, lp)| (Piece::of(tokenizer, t), lp))
                 .collect(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generate::sample::SamplingParams;
+
+    /// A model whose every row predicts end-of-text, by a margin `MARGIN` over every
+    /// other token: what the batcher reports is then known exactly.
+    struct EndsAtOnce {
+        vocab: usize,
+        end_of_text: u32,
+        logits: Vec<f32>,
+    }
+
+    const MARGIN: f32 = 3.0;
+
+    impl RowModel for EndsAtOnce {
+        fn slots(&self) -> usize {
+            2
+        }
+        fn max_rows(&self) -> usize {
+            64
+        }
+        fn max_outputs(&self) -> usize {
+            2
+        }
+        fn block_size(&self) -> usize {
+            16
+        }
+        fn vocab_size(&self) -> usize {
+            self.vocab
+        }
+        fn run(&mut self, _: &[u32], _: &[Place], outputs: &[usize]) -> Result<&[f32]> {
+            self.logits = vec![0.0; outputs.len() * self.vocab];
+            for row in self.logits.chunks_mut(self.vocab) {
+                row[self.end_of_text as usize] = MARGIN;
+            }
+            Ok(&self.logits)
+        }
+    }
+
+    /// A scored prompt (echo with logprobs) whose drawn token is end-of-text: every
+    /// prompt token's entry (the first without a logprob), then the drawn end-of-text's,
+    /// each the model's log-softmax; scored in pieces (two rows of logits a pass).
+    #[test]
+    fn a_scored_prompt_reports_every_token_end_of_text_included() {
+        let tokenizer = Tokenizer::train_bpe_on(["to be or not to be"].iter(), 300).unwrap();
+        let end_of_text = tokenizer.end_of_text().unwrap();
+        let vocab = tokenizer.vocab_size();
+        let mut model = EndsAtOnce {
+            vocab,
+            end_of_text,
+            logits: Vec::new(),
+        };
+        let metrics = Metrics::default();
+        let prompt = tokenizer.encode("to be or not").unwrap();
+        let (events, mut received) = tokio::sync::mpsc::unbounded_channel();
+        let greedy = SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        };
+        let job = Job {
+            prompts: vec![prompt.clone()],
+            samplers: vec![Sampler::new(greedy, 1).unwrap()],
+            max_tokens: 5,
+            stop: Vec::new(),
+            logprobs: Some(1),
+            score_prompt: true,
+            events,
+        };
+        let mut batcher = Batcher::new(&mut model, &tokenizer, &metrics);
+        batcher.admit(job);
+        let mut passes = 0;
+        while !batcher.is_idle() {
+            batcher.pass().unwrap();
+            passes += 1;
+        }
+        assert!(
+            passes >= prompt.len() / 2,
+            "scored two rows a pass: {passes}"
+        );
+        let mut tokens = Vec::new();
+        let mut finish = None;
+        while let Ok(event) = received.try_recv() {
+            match event {
+                Event::Text { tokens: t, .. } => tokens.extend(t),
+                Event::Done { finish: f, .. } => finish = Some(f),
+                Event::Failed { message, .. } => panic!("{message}"),
+            }
+        }
+        assert_eq!(finish, Some(Finish::Stop));
+        assert_eq!(tokens.len(), prompt.len() + 1, "the prompt's and the drawn");
+        assert_eq!(tokens[0].logprob, None);
+        let log_z = (MARGIN.exp() + (vocab - 1) as f32).ln();
+        for (t, &id) in tokens[1..]
+            .iter()
+            .zip(prompt[1..].iter().chain([&end_of_text]))
+        {
+            let want = if id == end_of_text { MARGIN } else { 0.0 } - log_z;
+            assert!(
+                (t.logprob.unwrap() - want).abs() < 1e-5,
+                "{t:?}: want {want}"
+            );
+            assert_eq!(t.top[0].0.text, "<|endoftext|>");
+        }
+        assert_eq!(tokens.last().unwrap().token.text, "<|endoftext|>");
     }
 }

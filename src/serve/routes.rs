@@ -444,11 +444,6 @@ async fn completion(state: &Shared, request: CompletionRequest) -> Result<Respon
             .map(|ids| tokens_prompt(ready, ids))
             .collect::<Result<_, _>>()?,
     };
-    if prompts.is_empty() {
-        return Err(ApiError::invalid(
-            "prompt is an empty list: give one or more",
-        ));
-    }
     let (texts, prompts): (Vec<String>, Vec<Vec<u32>>) = prompts.into_iter().unzip();
     let lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
     let ask = Ask {
