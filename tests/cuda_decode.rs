@@ -479,8 +479,8 @@ fn drawing_on_the_device_follows_the_host_samplers() {
 
 /// A server's pass on the CUDA decoder: rows of several sequences at their own
 /// positions (a generating row, prompt pieces, a sequence starting, out of slot
-/// order) give the CPU decoder's logits for the same passes, for learned and RoPE
-/// positions and grouped K/V heads.
+/// order, a prompt scored at every row) give the CPU decoder's logits for the same
+/// passes, for learned and RoPE positions and grouped K/V heads.
 #[test]
 fn rows_at_their_own_positions_match_the_cpu_decoder() {
     use tinygpt::cpu::Place;
@@ -513,6 +513,12 @@ fn rows_at_their_own_positions_match_the_cpu_decoder() {
             ),
             (vec![9, 2], vec![place(1, 4), place(2, 2)], vec![]),
             (vec![9], vec![place(0, 5)], vec![0]),
+            // A prompt scored at every row: more rows of logits than sequences.
+            (
+                vec![5, 3, 2, 7, 1],
+                (3..8).map(|p| place(2, p)).collect(),
+                vec![0, 1, 2, 3, 4],
+            ),
         ];
         let mut cpu = FastDecoder::new(&spec, &values, 3).unwrap();
         #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]

@@ -944,8 +944,8 @@ fn the_cuda_decoder_serves_under_the_emulator() {
         server.log.lock().unwrap()
     );
     same_as_generate(dir.path(), &server.url("/v1/completions"));
-    // A prompt scored at every position: on CUDA a pass gives logits of one row per
-    // slot, so its 31 rows run in pieces; the same log-probabilities as the CPU's.
+    // A prompt scored at every position (its 31 rows' logits in one pass): the same
+    // log-probabilities as the CPU's.
     let cpu = Server::start(dir.path(), &["--parallel", "4"]);
     let scored = |server: &Server| -> Vec<f64> {
         let body = json!({"prompt": "To be, or not to be, that is th", "max_tokens": 0,

@@ -102,11 +102,12 @@ struct Work {
     act: Buf<f32>,
     /// Attention's per-chunk sums (`cached_attention_partials`).
     partial: Buf<f32>,
-    /// (batch, C): each sequence's last row, then its final norm, and its statistics.
+    /// (outputs, C): each sequence's last row (or a pass's picked rows), then its final
+    /// norm, and its statistics.
     last: Buf<f32>,
     last_normed: Buf<f32>,
     last_stats: Buf<f32>,
-    /// (batch, V).
+    /// (outputs, V); the first batch rows are a step's.
     logits: Buf<f32>,
 }
 
@@ -156,6 +157,8 @@ impl CudaDecoder {
         let by_partials = (1 << 26) / partials(batch);
         let chunk = (MAX_ROWS / batch).min(by_partials).clamp(1, s.block_size);
         let rows = batch * chunk;
+        // Rows of logits a pass can give: one per sequence, more for a scored prompt.
+        let outputs = batch.max(crate::cpu::decode::OUTPUT_ROWS).min(rows);
         let zeros = |len: usize| Buf::<f32>::zeros(&gpu, len);
         let tables = PositionTables::new(&gpu, spec)?;
         let cache = batch * s.block_size * s.kv_width;
@@ -171,7 +174,7 @@ impl CudaDecoder {
         let work = Work {
             ids: Buf::zeros(&gpu, rows)?,
             places: Buf::zeros(&gpu, 2 * rows)?,
-            picks: Buf::zeros(&gpu, batch)?,
+            picks: Buf::zeros(&gpu, outputs)?,
             x: zeros(rows * c)?,
             xn: zeros(rows * c)?,
             stats: zeros(2 * rows)?,
@@ -181,10 +184,10 @@ impl CudaDecoder {
             fc: zeros(rows * s.mlp_fc_width)?,
             act: zeros(rows * s.mlp_hidden)?,
             partial: zeros(partials(rows))?,
-            last: zeros(batch * c)?,
-            last_normed: zeros(batch * c)?,
-            last_stats: zeros(2 * batch)?,
-            logits: zeros(batch * s.vocab_size)?,
+            last: zeros(outputs * c)?,
+            last_normed: zeros(outputs * c)?,
+            last_stats: zeros(2 * outputs)?,
+            logits: zeros(outputs * s.vocab_size)?,
         };
         let position = Buf::zeros(&gpu, 1)?;
         let params = Buf::from_host(&gpu, values)?;
@@ -233,9 +236,10 @@ impl CudaDecoder {
         self.batch * self.chunk
     }
 
-    /// Rows one [`CudaDecoder::run_rows`] pass can give logits of: one per sequence.
+    /// Rows one [`CudaDecoder::run_rows`] pass can give logits of: a sequence each, and
+    /// more for a prompt whose every position is scored (as the CPU decoder's).
     pub fn outputs_per_pass(&self) -> usize {
-        self.batch
+        self.work.picks.len()
     }
 
     /// Binds the device's context to this thread, the one that built the decoder (its
@@ -328,9 +332,9 @@ impl CudaDecoder {
             );
         }
         ensure!(
-            outputs.len() <= self.batch && outputs.iter().all(|&r| r < rows),
+            outputs.len() <= self.outputs_per_pass() && outputs.iter().all(|&r| r < rows),
             "logits are asked of rows {outputs:?} of a {rows}-row pass (at most {} rows)",
-            self.batch
+            self.outputs_per_pass()
         );
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= s.vocab_size) {
             bail!(
