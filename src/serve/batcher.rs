@@ -304,9 +304,8 @@ struct Batcher<'m, 't> {
     order: Vec<usize>,
     /// A pass's drawing rows: (slot, index among the output rows).
     draws: Vec<(usize, usize)>,
-    /// The slot each drawing row belongs to (ascending), and its logits.
+    /// The slot each drawing row belongs to (ascending).
     output_slots: Vec<usize>,
-    raw: Vec<f32>,
     scratch: Vec<f32>,
     chosen: Vec<(u32, Option<TokenLogprob>)>,
 }
@@ -331,7 +330,6 @@ impl<'m, 't> Batcher<'m, 't> {
             order: Vec::new(),
             draws: Vec::new(),
             output_slots: Vec::new(),
-            raw: Vec::new(),
             scratch: Vec::new(),
             chosen: Vec::new(),
         }
@@ -364,8 +362,11 @@ impl<'m, 't> Batcher<'m, 't> {
             let prompt = &job.prompts[choice / per_prompt];
             if job.score_prompt {
                 // The first token: nothing before it to predict it.
-                let first = TokenLogprob::unpredicted(prompt[0], self.tokenizer);
-                self.send(&job, choice, String::new(), vec![first]);
+                let _ = job.events.send(Event::Text {
+                    choice,
+                    text: String::new(),
+                    tokens: vec![TokenLogprob::unpredicted(prompt[0], self.tokenizer)],
+                });
             }
             self.slots[slot] = Some(Sequence {
                 admitted: self.admissions,
@@ -397,18 +398,25 @@ impl<'m, 't> Batcher<'m, 't> {
         self.requests[id] = Some(Active { job, running });
     }
 
-    fn send(&self, job: &Job, choice: usize, text: String, tokens: Vec<TokenLogprob>) {
-        let _ = job.events.send(Event::Text {
-            choice,
-            text,
-            tokens,
-        });
+    /// One pass: every sequence's pending tokens (prompts in pieces, within the
+    /// budget), then a token drawn for each sequence whose last pending token ran; a
+    /// prompt wanted alone (max_tokens 0) ends once its last row has run.
+    fn pass(&mut self) -> Result<()> {
+        self.run_and_draw()?;
+        for slot in 0..self.slots.len() {
+            let scored_alone = self.slots[slot]
+                .as_ref()
+                .is_some_and(|s| s.max_tokens == 0 && s.cached == s.window.len());
+            if scored_alone {
+                self.finish(slot, Finish::Length);
+            }
+        }
+        Ok(())
     }
 
-    /// One pass: every sequence's pending tokens (prompts in pieces, within the
-    /// budget), then a token drawn for each sequence whose last pending token ran.
-    fn pass(&mut self) -> Result<()> {
+    fn run_and_draw(&mut self) -> Result<()> {
         let started = Instant::now();
+        let vocab = self.model.vocab_size();
         self.ids.clear();
         self.places.clear();
         self.outputs.clear();
@@ -441,9 +449,10 @@ impl<'m, 't> Batcher<'m, 't> {
             let take = match pending {
                 1 => 1,
                 _ => {
+                    let draws = |take: usize| take == pending && seq.max_tokens > 0;
                     let outputs = |take: usize| {
                         let scored = (seq.cached + take).min(seq.scoring);
-                        scored.saturating_sub(seq.cached) + usize::from(take == pending)
+                        scored.saturating_sub(seq.cached) + usize::from(draws(take))
                     };
                     let mut take = pending.min(prompt_budget);
                     while take > 0 && outputs(take) > spare_outputs {
@@ -466,7 +475,8 @@ impl<'m, 't> Batcher<'m, 't> {
                     });
                 }
             }
-            if take > 0 && take == pending {
+            // A prompt wanted alone (max_tokens 0) draws nothing: it ends once scored.
+            if take > 0 && take == pending && seq.max_tokens > 0 {
                 self.outputs.push(self.ids.len() - 1);
                 self.uses.push(Use::Draw(slot));
             }
@@ -481,15 +491,7 @@ impl<'m, 't> Batcher<'m, 't> {
                 }
             }
         }
-        if self.outputs.is_empty() {
-            // Prompt pieces only: nothing to draw yet.
-            self.metrics.record_pass(self.ids.len(), started.elapsed());
-            return Ok(());
-        }
-        let vocab = logits.len() / self.outputs.len();
-
-        // The scored prompt rows' log-probabilities go out ahead of what is drawn; the
-        // drawing rows' logits, in slot order, are what the samplers read.
+        // The scored prompt rows' log-probabilities go out ahead of what is drawn.
         let (text_vocab, tokenizer) = (self.text_vocab, self.tokenizer);
         let rows: Vec<&[f32]> = logits.chunks(vocab).collect();
         let scored: Vec<(usize, TokenLogprob)> = self
@@ -511,6 +513,7 @@ impl<'m, 't> Batcher<'m, 't> {
                 seq.unsent.push(entry);
             }
         }
+        // The drawing rows' logits, in slot order, are what the samplers read.
         self.draws.clear();
         self.draws.extend(
             self.uses
@@ -522,20 +525,19 @@ impl<'m, 't> Batcher<'m, 't> {
                 }),
         );
         self.draws.sort_unstable();
-        self.raw.clear();
-        self.output_slots.clear();
-        for &(slot, k) in &self.draws {
-            self.raw.extend_from_slice(rows[k]);
-            self.output_slots.push(slot);
-        }
-        if self.output_slots.is_empty() {
+        if self.draws.is_empty() {
             self.metrics.record_pass(self.ids.len(), started.elapsed());
             return Ok(());
         }
+        let raw: Vec<&[f32]> = self.draws.iter().map(|&(_, k)| rows[k]).collect();
+        self.output_slots.clear();
+        self.output_slots
+            .extend(self.draws.iter().map(|&(slot, _)| slot));
 
         // Draw: each sequence with its own sampler, so threads cannot change a draw.
         self.scratch.clear();
-        self.scratch.extend_from_slice(&self.raw);
+        raw.iter()
+            .for_each(|row| self.scratch.extend_from_slice(row));
         let mut wanted = self.output_slots.iter().peekable();
         let drawing: Vec<&mut Sequence> = self
             .slots
@@ -551,12 +553,9 @@ impl<'m, 't> Batcher<'m, 't> {
         drawing
             .into_par_iter()
             .zip(self.scratch.par_chunks_mut(vocab))
-            .zip(self.raw.par_chunks(vocab))
+            .zip(raw.par_iter())
             .zip(self.chosen.par_iter_mut())
             .for_each(|(((seq, row), raw), chosen)| {
-                if seq.max_tokens == 0 {
-                    return; // the prompt scored, nothing to draw
-                }
                 row[text_vocab..].fill(f32::NEG_INFINITY);
                 let id = seq.sampler.sample(row, &seq.window);
                 // Log-probabilities are the model's own (the logits before the
@@ -571,11 +570,7 @@ impl<'m, 't> Batcher<'m, 't> {
         let slots = std::mem::take(&mut self.output_slots);
         for (&slot, (id, logprob)) in slots.iter().zip(&chosen) {
             // A request that failed on an earlier choice of this pass has left.
-            let Some(seq) = &self.slots[slot] else {
-                continue;
-            };
-            if seq.max_tokens == 0 {
-                self.finish(slot, Finish::Length);
+            if self.slots[slot].is_none() {
                 continue;
             }
             if let Err(e) = self.take_token(slot, *id, logprob.clone()) {

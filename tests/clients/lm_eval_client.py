@@ -9,6 +9,7 @@ prompt (batch 1) and of a list (batch 4) must agree.
 
     python tests/clients/lm_eval_client.py http://127.0.0.1:PORT MODEL_ID TINYGPT CHECKPOINT CONTEXT
 """
+import functools
 import glob
 import json
 import os
@@ -70,6 +71,7 @@ def run(batch):
     return scores, results["results"]["tinygpt_choice"]["acc,none"]
 
 
+@functools.cache
 def eval_total(text):
     """`tinygpt eval`'s summed next-token losses over `text` (nats)."""
     path = os.path.join(work, "text.txt")
