@@ -5,6 +5,10 @@
 //! optimiser (clip + AdamW). Decoding: prefill a prompt of random tokens (time to
 //! first token), then greedy-decode new tokens through the same path `generate` uses.
 //! FLOPs count matmuls only, training = 3x forward, as is usual.
+//!
+//! With a profile (`--profile`), a few more steps are run with every piece of the
+//! engine's work recorded (`crate::profile`): each phase's groups, their time, share,
+//! achieved rates and floor on the device's peak, the gaps between them, and MFU.
 
 use std::time::Instant;
 
@@ -22,6 +26,7 @@ use crate::generate::{DecodeMode, Decoder};
 use crate::model::params::flat_from_named;
 use crate::model::{Dropout, Gpt, ModelSpec};
 use crate::optim::AdamWStep;
+use crate::profile::{self, Phase, Profile, Profiled};
 use crate::train::engine_options;
 use crate::util::peak_rss_mb;
 use crate::util::Stop;
@@ -36,9 +41,14 @@ pub struct BenchOptions {
     pub decode_mode: DecodeMode,
     /// How the fused CPU decoder holds its weights.
     pub decode_weights: crate::cpu::WeightFormat,
+    /// Profile a few more training steps after the timed ones.
+    pub profile: bool,
     /// Benchmarking gives up (`Stopped`) between steps and tokens once this asks.
     pub stop: Stop,
 }
+
+/// Steps a profile records (at most; no more than the timed steps).
+const PROFILE_STEPS: usize = 5;
 
 /// The CPU a bench ran on, given with every CPU figure: its model name and SIMD
 /// features, the vector level our kernels ran at (the CPU's best, capped by
@@ -114,6 +124,10 @@ pub struct BenchReport {
     /// Precision of the training step's matrix products (train.dtype).
     pub train_dtype: crate::config::Precision,
     pub peak_rss_after_decode_mb: Option<f64>,
+    /// Where the training step's time goes (`--profile`; None without it, and for the
+    /// reference engine, whose work is candle's and not recorded).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub profile: Option<Profile>,
 }
 
 /// Forward FLOPs of one sequence of `t` tokens: 2 per multiply-add in every matmul,
@@ -164,8 +178,8 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut batch = Batch::empty(b, t);
 
-    let (mut fwd, mut bwd, mut opt, mut total) = (vec![], vec![], vec![], vec![]);
-    for step in 0..opts.warmup + opts.steps {
+    // One training step on random tokens: when each phase ended on the device.
+    let mut step_at = |engine: &mut dyn engine::Engine, step: usize| -> Result<[Instant; 4]> {
         opts.stop.check()?;
         for id in batch.x.iter_mut().chain(batch.y.iter_mut()) {
             *id = rng.random_range(0..cfg.vocab_size as u32);
@@ -173,18 +187,26 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         let dropout = Dropout::in_pass(cfg.dropout, seed, step, 0);
         // Each phase ends when the device has finished it.
         let t0 = Instant::now();
+        profile::set_phase(Phase::Forward);
         engine.zero_grads()?;
         engine.forward(&batch, dropout.as_ref())?;
         device.synchronize()?;
         let t1 = Instant::now();
+        profile::set_phase(Phase::Backward);
         engine.backward(1.0)?;
         device.synchronize()?;
         let t2 = Instant::now();
+        profile::set_phase(Phase::Optimizer);
         engine.clip_grads(train.grad_clip)?;
         engine.adamw(&AdamWStep::new(train, step + 1, train.lr))?;
         device.synchronize()?;
         let t3 = Instant::now();
         engine.take_loss()?; // read outside the timing, so the losses do not pile up
+        Ok([t0, t1, t2, t3])
+    };
+    let (mut fwd, mut bwd, mut opt, mut total) = (vec![], vec![], vec![], vec![]);
+    for step in 0..opts.warmup + opts.steps {
+        let [t0, t1, t2, t3] = step_at(&mut *engine, step)?;
         if step >= opts.warmup {
             let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
             fwd.push(ms(t0, t1));
@@ -193,6 +215,26 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
             total.push(ms(t0, t3));
         }
     }
+    let step_ms = median(total);
+    let gflop = 3.0 * b as f64 * forward_flops(&cfg, t) / 1e9;
+    // The profile's steps come after the timed ones, so its timers cost them nothing.
+    let profile = match opts.profile {
+        true => match engine.profiled()? {
+            Some(profiled) => {
+                let recording = profile::Recording::start();
+                let first = opts.warmup + opts.steps;
+                for step in first..first + opts.steps.min(PROFILE_STEPS) {
+                    step_at(&mut *engine, step)?;
+                    profile::end_step()?;
+                }
+                let recorded = recording.finish();
+                let Profiled { timing, peak } = profiled;
+                Some(Profile::new(&recorded, timing, peak, step_ms, gflop * 1e9))
+            }
+            None => None,
+        },
+        false => None,
+    };
     let peak_train = peak_rss_mb();
     let gpu_memory_mb = crate::device::gpu_memory(device)
         .map(|(free, total)| total.saturating_sub(free) as f64 / f64::from(1 << 20));
@@ -200,8 +242,6 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
     let weights = flat_from_named(spec.params(), &engine.weights()?, "", "bench")?;
     // Decoding computes its products as training did (train.dtype).
     let model = Gpt::from_flat(&spec, &weights, device, DType::F32, train.dtype)?;
-    let step_ms = median(total);
-    let gflop = 3.0 * b as f64 * forward_flops(&cfg, t) / 1e9;
 
     // Decoding.
     let prompt_len = opts.prompt_tokens.clamp(1, t);
@@ -270,6 +310,7 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         train_path: engine.name().into(),
         train_dtype: train.dtype,
         peak_rss_after_decode_mb: peak_rss_mb(),
+        profile,
     })
 }
 

@@ -426,6 +426,7 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
             DecodeMode::Fast
         },
         decode_weights: format,
+        profile: args.profile,
         stop,
     };
     let m = &config.model;
@@ -466,6 +467,13 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
             .map_or(String::new(), |m| format!(", GPU memory in use {m:.0} MiB"))
     );
     println!("engine  {}", r.train_engine);
+    match &r.profile {
+        Some(profile) => println!("{profile}"),
+        None if args.profile => println!(
+            "profile not recorded: the reference engine's work is candle's ops (train.fused = true profiles the fused engines)"
+        ),
+        None => {}
+    }
     println!(
         "decode  {:.0} tokens/s ({}, {}), prefill {} tokens in {:.1} ms ({:.0} tokens/s), peak RSS {}",
         r.decode_tokens_per_s,

@@ -28,6 +28,7 @@ pub mod model;
 pub mod optim;
 pub mod parallel;
 pub mod plot;
+pub mod profile;
 pub mod progress;
 pub mod serve;
 pub mod sweep;

@@ -429,6 +429,13 @@ struct BenchArgs {
     decode_dtype: String,
     #[arg(long)]
     device: Option<String>,
+    /// After the timed steps, profile up to 5 more: per phase and group of work
+    /// (products by layer, attention, norms, ...) the time a step, its share, the
+    /// TFLOP/s or GB/s achieved, the floor on the device's peak, the gaps, and MFU.
+    /// On CUDA timed by events; under the emulator (TINYGPT_EMULATE_CUDA=1) untimed,
+    /// with the floor on an H100.
+    #[arg(long)]
+    profile: bool,
     #[arg(long)]
     json: bool,
 }

@@ -70,6 +70,7 @@ impl<'a> Weights<'a> {
             b: p.bias.map(|b| self.param(b)),
             d_in: p.d_in,
             d_out: p.d_out,
+            role: p.role,
         }
     }
 
@@ -101,13 +102,7 @@ impl<'a> Weights<'a> {
 
     /// The tied output layer: the token embedding read as a (V, C) linear layer.
     pub fn output(&self) -> LinearWeights<'a> {
-        let s = &self.spec.shapes;
-        LinearWeights {
-            w: self.param(self.spec.wte),
-            b: None,
-            d_in: s.n_embd,
-            d_out: s.vocab_size,
-        }
+        self.linear(&self.spec.output_layer())
     }
 }
 

@@ -18,6 +18,7 @@ pub mod kernels;
 pub mod layout;
 pub mod matrix;
 pub mod ops;
+pub mod peak;
 pub mod q8;
 pub mod threads;
 pub mod weight_rows;

@@ -15,6 +15,7 @@ use super::calls::{ColumnMajor, Operands};
 use super::gpu::Gpu;
 use crate::config::Precision;
 use crate::model::spec::{LinearParams, ModelSpec};
+use crate::profile::Group;
 
 /// A row-major matrix on the device: `rows x cols` as stored, consecutive rows `ld`
 /// elements apart, a batch of them `stride` elements apart.
@@ -76,11 +77,12 @@ impl Operand {
 
 /// C = alpha op(A) op(B) + beta C for each of `batch` matrices. `precision` picks the
 /// products' arithmetic: f32 throughout, or operands rounded to bf16 with f32 sums
-/// on the tensor cores (cuBLAS's 32F_FAST_16BF; the data stays f32 in memory).
+/// on the tensor cores (cuBLAS's 32F_FAST_16BF; the data stays f32 in memory). A
+/// profile counts it in `group`.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
     gpu: &Gpu,
-    precision: Precision,
+    (precision, group): (Precision, Group),
     c: Matrix,
     a: Operand,
     b: Operand,
@@ -91,7 +93,7 @@ pub fn matmul(
     let call = column_major(Operands::F32, c, a, b, (alpha, beta), batch)?;
     // SAFETY: the addresses are into the engine's live buffers on `gpu`, sized for
     // these shapes (shapes, row spacings and batch strides checked).
-    unsafe { gpu.gemm(&call, precision) }
+    unsafe { gpu.gemm(&call, precision, group) }
 }
 
 /// C = op(A) op(B) as cuBLAS's column-major product, once the shapes agree.
@@ -183,7 +185,7 @@ pub fn linear(
     );
     let call = column_major(operands, c, a, b, (1.0, 0.0), 1)?;
     // SAFETY: `out`, `x` and the weights are live buffers of these shapes (checked).
-    unsafe { gpu.gemm(&call, precision) }?;
+    unsafe { gpu.gemm(&call, precision, Group::Product(p.role)) }?;
     if let Some(bias) = p.bias {
         gpu.add_bias(out, params.at(spec[bias].offset), rows, p.d_out)?;
     }

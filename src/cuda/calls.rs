@@ -2,6 +2,8 @@
 //! grid) and a column-major matrix product as cuBLAS takes it. `gpu` carries them out
 //! on CUDA or in the emulator.
 
+use crate::profile::Group;
+
 /// Grid and block of a launch (one dimension of threads; no dynamic shared memory).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Launch {
@@ -55,9 +57,10 @@ macro_rules! kernel_files {
 #[cfg(feature = "cuda")]
 pub(crate) use kernel_files;
 
-/// Names every kernel: its variant, its function name and the file it is in.
+/// Names every kernel: its variant, its function name, the file it is in, and the
+/// group a profile counts it in.
 macro_rules! kernels {
-    ($($variant:ident = $name:literal in $module:literal,)*) => {
+    ($($variant:ident = $name:literal in $module:literal as $group:ident,)*) => {
         /// Every kernel of kernels/*.cu.
         #[derive(Debug, Clone, Copy, PartialEq, Eq)]
         pub enum Kernel {
@@ -82,48 +85,55 @@ macro_rules! kernels {
                     $(Kernel::$variant => $module,)*
                 }
             }
+
+            /// What a profile counts its time as.
+            pub fn group(self) -> Group {
+                match self {
+                    $(Kernel::$variant => Group::$group,)*
+                }
+            }
         }
     };
 }
 
 kernels! {
-    EmbeddingForward = "embedding_forward" in "embedding",
-    EmbeddingBackwardTokens = "embedding_backward_tokens" in "embedding",
-    EmbeddingBackwardPositions = "embedding_backward_positions" in "embedding",
-    NormForward = "norm_forward" in "norm",
-    NormApply = "norm_apply" in "norm",
-    NormBackwardInput = "norm_backward_input" in "norm",
-    NormBackwardParams = "norm_backward_params" in "norm",
-    ColumnPartials = "column_partials" in "norm",
-    AddColumnSums = "add_column_sums" in "norm",
-    ActivationForward = "activation_forward" in "activation",
-    ActivationBackward = "activation_backward" in "activation",
-    ResidualForward = "residual_forward" in "elementwise",
-    DropoutApply = "dropout_apply" in "elementwise",
-    AddBias = "add_bias" in "elementwise",
-    Rope = "rope" in "elementwise",
-    SplitHeads = "split_heads" in "attention",
-    MergeHeads = "merge_heads" in "attention",
-    SplitRows = "split_rows" in "attention",
-    MergeHeadGrads = "merge_head_grads" in "attention",
-    CausalSoftmax = "causal_softmax" in "attention",
-    CausalSoftmaxBackward = "causal_softmax_backward" in "attention",
-    FlashForward = "flash_forward" in "flash",
-    FlashBackwardSums = "flash_backward_sums" in "flash",
-    FlashBackwardKv = "flash_backward_kv" in "flash",
-    FlashBackwardQ = "flash_backward_q" in "flash",
-    SoftmaxCrossEntropy = "softmax_cross_entropy" in "loss",
-    CrossEntropyBackward = "cross_entropy_backward" in "loss",
-    SumSquares = "sum_squares" in "optim",
-    SumAll = "sum_all" in "optim",
-    ClipToNorm = "clip_to_norm" in "optim",
-    Adamw = "adamw" in "optim",
-    StoreKeysValues = "store_keys_values" in "decode",
-    AttendCachedPartial = "attend_cached_partial" in "decode",
-    AttendCachedCombine = "attend_cached_combine" in "decode",
-    LastRows = "last_rows" in "decode",
-    ToBf16 = "to_bf16" in "elementwise",
-    SampleTokens = "sample_tokens" in "sample",
+    EmbeddingForward = "embedding_forward" in "embedding" as Embedding,
+    EmbeddingBackwardTokens = "embedding_backward_tokens" in "embedding" as Embedding,
+    EmbeddingBackwardPositions = "embedding_backward_positions" in "embedding" as Embedding,
+    NormForward = "norm_forward" in "norm" as Norm,
+    NormApply = "norm_apply" in "norm" as Norm,
+    NormBackwardInput = "norm_backward_input" in "norm" as Norm,
+    NormBackwardParams = "norm_backward_params" in "norm" as Norm,
+    ColumnPartials = "column_partials" in "norm" as Elementwise,
+    AddColumnSums = "add_column_sums" in "norm" as Norm,
+    ActivationForward = "activation_forward" in "activation" as Activation,
+    ActivationBackward = "activation_backward" in "activation" as Activation,
+    ResidualForward = "residual_forward" in "elementwise" as Elementwise,
+    DropoutApply = "dropout_apply" in "elementwise" as Elementwise,
+    AddBias = "add_bias" in "elementwise" as Elementwise,
+    Rope = "rope" in "elementwise" as Elementwise,
+    SplitHeads = "split_heads" in "attention" as Copy,
+    MergeHeads = "merge_heads" in "attention" as Copy,
+    SplitRows = "split_rows" in "attention" as Copy,
+    MergeHeadGrads = "merge_head_grads" in "attention" as Copy,
+    CausalSoftmax = "causal_softmax" in "attention" as Attention,
+    CausalSoftmaxBackward = "causal_softmax_backward" in "attention" as Attention,
+    FlashForward = "flash_forward" in "flash" as Attention,
+    FlashBackwardSums = "flash_backward_sums" in "flash" as Attention,
+    FlashBackwardKv = "flash_backward_kv" in "flash" as Attention,
+    FlashBackwardQ = "flash_backward_q" in "flash" as Attention,
+    SoftmaxCrossEntropy = "softmax_cross_entropy" in "loss" as Classifier,
+    CrossEntropyBackward = "cross_entropy_backward" in "loss" as Classifier,
+    SumSquares = "sum_squares" in "optim" as Optimizer,
+    SumAll = "sum_all" in "optim" as Optimizer,
+    ClipToNorm = "clip_to_norm" in "optim" as Optimizer,
+    Adamw = "adamw" in "optim" as Optimizer,
+    StoreKeysValues = "store_keys_values" in "decode" as Copy,
+    AttendCachedPartial = "attend_cached_partial" in "decode" as Attention,
+    AttendCachedCombine = "attend_cached_combine" in "decode" as Attention,
+    LastRows = "last_rows" in "decode" as Copy,
+    ToBf16 = "to_bf16" in "elementwise" as Copy,
+    SampleTokens = "sample_tokens" in "sample" as Classifier,
 }
 
 /// What a product's operands A and B are in memory (C is f32 either way).
@@ -156,6 +166,22 @@ pub struct ColumnMajor {
     pub ldc: usize,
     pub stride_c: usize,
     pub batch: usize,
+}
+
+impl ColumnMajor {
+    /// What a profile counts it as doing: 2 m n k FLOPs per matrix; A, B and C read
+    /// once (C only with beta), C written, at their sizes in memory.
+    pub fn cost(&self) -> crate::profile::Cost {
+        let per = (self.m * self.n * self.k * self.batch) as f64;
+        let operand = match self.operands {
+            Operands::F32 => 4.0,
+            Operands::Bf16 => 2.0,
+        };
+        let c_passes = if self.beta == 0.0 { 1.0 } else { 2.0 };
+        let (a, b, c) = (self.m * self.k, self.k * self.n, self.m * self.n);
+        let bytes = self.batch as f64 * (operand * (a + b) as f64 + 4.0 * c_passes * c as f64);
+        crate::profile::Cost::new(2.0 * per, bytes)
+    }
 }
 
 #[cfg(test)]

@@ -597,13 +597,7 @@ impl CudaDecoder {
         };
         let (last, normed) = (w.last.ptr(), w.last_normed.ptr());
         self.norm(normed, w.last_stats.ptr(), last, &self.spec.ln_f, n)?;
-        let output = LinearParams {
-            weight: self.spec.wte,
-            bias: None,
-            d_in: c,
-            d_out: s.vocab_size,
-        };
-        self.linear(w.logits.ptr(), normed, &output, n)
+        self.linear(w.logits.ptr(), normed, &self.spec.output_layer(), n)
     }
 
     fn linear(&self, out: u64, x: u64, p: &LinearParams, rows: usize) -> Result<()> {

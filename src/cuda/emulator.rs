@@ -21,6 +21,14 @@ extern "C" {
     ) -> i32;
 }
 
+/// Whether `TINYGPT_EMULATE_CUDA=costs` asks the emulator to count what the launches
+/// and products would do (a profile) without running them: for the cost of shapes too
+/// large to emulate (GPT-2's step), whose results are then meaningless.
+pub fn costs_only() -> bool {
+    static ONLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ONLY.get_or_init(|| std::env::var_os("TINYGPT_EMULATE_CUDA").is_some_and(|v| v == "costs"))
+}
+
 /// Runs kernel `name` over `cfg`'s grid, block after block, once the number of
 /// arguments and each one's size (`sizes`) match the kernel's parameters.
 ///

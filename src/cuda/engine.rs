@@ -24,7 +24,7 @@ use super::blas::{linear, matmul, Matrix, Weights};
 use super::buckets::Buckets;
 use super::buffers::{Buf, Staging};
 use super::gpu::Gpu;
-use super::kernels::{AdamBuffers, DropoutArgs, Heads, NormRows, Sum};
+use super::kernels::{AdamBuffers, DropoutArgs, Heads, NormRows};
 use super::plan::{Attention, Plan, FLASH_MAX_HEAD, LOSS_SLOTS, LOSS_SUM, NORM_SQ, PARTS};
 use super::ranks::Ranks;
 use super::tables::PositionTables;
@@ -34,6 +34,7 @@ use crate::model::spec::{LinearParams, ModelSpec, NormParams, ParamId};
 use crate::model::{Dropout, Site};
 use crate::optim::AdamWStep;
 use crate::parallel::Collective;
+use crate::profile::Group;
 
 /// A model laid out on the GPU for fused training.
 pub struct FusedCuda {
@@ -397,6 +398,12 @@ impl FusedCuda {
         self.attention
     }
 
+    /// How a profile times this engine's work and the peak it is held to.
+    pub fn profiled(&self) -> Result<crate::profile::Profiled> {
+        self.bind()?;
+        super::peak::profiled(&self.gpu, self.precision)
+    }
+
     fn rows(&self) -> usize {
         self.batch * self.spec.shapes.block_size
     }
@@ -439,17 +446,6 @@ impl FusedCuda {
 
     fn g_opt(&self, id: Option<ParamId>) -> u64 {
         id.map_or(0, |id| self.g(id))
-    }
-
-    /// The tied output layer: the token embedding read as a (V, C) linear layer.
-    fn output_layer(&self) -> LinearParams {
-        let s = &self.spec.shapes;
-        LinearParams {
-            weight: self.spec.wte,
-            bias: None,
-            d_in: s.n_embd,
-            d_out: s.vocab_size,
-        }
     }
 
     /// Mean cross-entropy of `targets` given `ids`, both (batch, block_size) row-major,
@@ -495,7 +491,7 @@ impl FusedCuda {
         let a = &self.acts;
         let last = a.blocks.last().expect("at least one layer").res_3.ptr();
         self.norm_forward(a.ln_f.ptr(), &a.ln_f_stats, last, &self.spec.ln_f)?;
-        self.linear_forward(a.logits.ptr(), a.ln_f.ptr(), &self.output_layer())?;
+        self.linear_forward(a.logits.ptr(), a.ln_f.ptr(), &self.spec.output_layer())?;
         let (logits, losses) = (a.logits.ptr(), a.row_loss.ptr());
         self.gpu
             .softmax_cross_entropy(logits, losses, a.targets.ptr(), n, s.vocab_size)?;
@@ -505,7 +501,7 @@ impl FusedCuda {
             self.fetch_losses()?;
         }
         let total = self.scratch.sums.at(LOSS_SUM + self.unread_forwards);
-        self.gpu.sum_all(total, 0, losses, n, Sum::Replace)?;
+        self.gpu.sum_losses(total, losses, n)?;
         self.unread_forwards += 1;
         Ok(())
     }
@@ -601,6 +597,7 @@ impl FusedCuda {
         self.scores(h)?;
         k.causal_softmax(sc.att.ptr(), h, mask)?;
         self.product(
+            Group::Attention,
             Matrix::new(sc.heads.ptr(), t, d),
             Matrix::new(sc.att.ptr(), t, t).n(),
             Matrix::new(sc.v.ptr(), t, d).n(),
@@ -616,6 +613,7 @@ impl FusedCuda {
         let (t, d) = (h.t, h.d);
         let scale = 1.0 / (d as f32).sqrt();
         self.product(
+            Group::Attention,
             Matrix::new(sc.att.ptr(), t, t),
             Matrix::new(sc.q.ptr(), t, d).n(),
             Matrix::new(sc.k.ptr(), t, d).t(),
@@ -625,16 +623,18 @@ impl FusedCuda {
     }
 
     /// One matrix product (a batch of `batch`) in the engine's precision:
-    /// c = alpha a b + beta c.
+    /// c = alpha a b + beta c, for `group` (a profile's).
     fn product(
         &self,
+        group: Group,
         c: Matrix,
         a: super::blas::Operand,
         b: super::blas::Operand,
         (alpha, beta): (f32, f32),
         batch: usize,
     ) -> Result<()> {
-        matmul(&self.gpu, self.precision, c, a, b, alpha, beta, batch)
+        let how = (self.precision, group);
+        matmul(&self.gpu, how, c, a, b, alpha, beta, batch)
     }
 
     /// out (N, d_out) = x Wᵀ (+ b).
@@ -668,7 +668,9 @@ impl FusedCuda {
             "a scaled gradient into a bias"
         );
         let n = self.rows();
+        let group = Group::Product(p.role);
         self.product(
+            group,
             Matrix::new(dx, n, p.d_in),
             Matrix::new(dout, n, p.d_out).n(),
             Matrix::new(self.w(p.weight), p.d_out, p.d_in).n(),
@@ -676,6 +678,7 @@ impl FusedCuda {
             1,
         )?;
         self.product(
+            group,
             Matrix::new(self.g(p.weight), p.d_out, p.d_in),
             Matrix::new(dout, n, p.d_out).t(),
             Matrix::new(x, n, p.d_in).n(),
@@ -744,7 +747,7 @@ impl FusedCuda {
         // d(loss)/d(logits) = (p - onehot) * scale / N: the subtraction in place, the
         // factor carried by the output layer's two products.
         k.cross_entropy_backward(dlogits, a.targets.ptr(), n, s.vocab_size)?;
-        let output = self.output_layer();
+        let output = self.spec.output_layer();
         let factor = scale / n as f32;
         self.linear_backward(sc.dln.ptr(), dlogits, a.ln_f.ptr(), &output, factor)?;
         let last = a.blocks.last().expect("at least one layer").res_3.ptr();
@@ -870,7 +873,7 @@ impl FusedCuda {
         let heads = |ptr| Matrix::new(ptr, t, d);
         let weights = |ptr| Matrix::new(ptr, t, t);
         let dy = heads(sc.heads.ptr());
-        let product = |c, a, b, alpha| self.product(c, a, b, (alpha, 0.0), bh);
+        let product = |c, a, b, alpha| self.product(Group::Attention, c, a, b, (alpha, 0.0), bh);
         // dV, then dPd, which overwrites Pd (in datt) once dV has used it.
         product(heads(sc.dv.ptr()), weights(dropped).t(), dy.n(), 1.0)?;
         product(weights(sc.datt.ptr()), dy.n(), heads(sc.v.ptr()).t(), 1.0)?;

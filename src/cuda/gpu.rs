@@ -19,6 +19,7 @@ use candle_core::cuda::cudarc::{
 
 use super::calls::{Arg, ColumnMajor, Kernel, Launch, MAX_ARGS};
 use crate::config::Precision;
+use crate::profile::{self, Cost, Group};
 
 /// The thread that built an engine or decoder. Its work goes to that thread's stream
 /// (candle's per-thread default stream on CUDA), so work sent from another thread
@@ -154,13 +155,19 @@ impl Gpu {
     }
 
     /// Launches `kernel` with `args` in cuLaunchKernel's convention (each the address
-    /// of parameter i's value).
+    /// of parameter i's value); a profile counts it in `group` as doing `cost`.
     ///
     /// # Safety
     /// The arguments must match the kernel's parameters in number, order and type, and
     /// every pointer among them must address live memory of this device as long as the
     /// kernel reads it.
-    pub unsafe fn launch(&self, kernel: Kernel, cfg: Launch, args: &[Arg]) -> Result<()> {
+    pub unsafe fn launch(
+        &self,
+        kernel: Kernel,
+        cfg: Launch,
+        (group, cost): (Group, Cost),
+        args: &[Arg],
+    ) -> Result<()> {
         anyhow::ensure!(
             args.len() <= MAX_ARGS,
             "{}: too many arguments",
@@ -176,11 +183,20 @@ impl Gpu {
             Gpu::Cuda(gpu) => {
                 let func = gpu.functions[kernel as usize].cu_function();
                 let block = (cfg.threads, 1, 1);
-                // SAFETY: as the caller promises; the stream is the engine's.
-                unsafe {
-                    result::launch_kernel(func, cfg.grid, block, 0, gpu.stream.cu_stream(), ptrs)
-                }
-                .with_context(|| format!("launching {}", kernel.name()))
+                gpu.timed(group, cost, || {
+                    // SAFETY: as the caller promises; the stream is the engine's.
+                    unsafe {
+                        result::launch_kernel(
+                            func,
+                            cfg.grid,
+                            block,
+                            0,
+                            gpu.stream.cu_stream(),
+                            ptrs,
+                        )
+                    }
+                    .with_context(|| format!("launching {}", kernel.name()))
+                })
             }
             #[cfg(feature = "cuda-emulator")]
             Gpu::Emulated => {
@@ -197,6 +213,10 @@ impl Gpu {
                 if kept {
                     return Ok(());
                 }
+                profile::record(group, cost, None);
+                if super::emulator::costs_only() {
+                    return Ok(());
+                }
                 let mut sizes = [0usize; MAX_ARGS];
                 for (s, a) in sizes.iter_mut().zip(args) {
                     *s = a.size;
@@ -208,20 +228,26 @@ impl Gpu {
     }
 
     /// The column-major product `g`, f32, or with operands rounded to bf16 on the
-    /// tensor cores (cuBLAS's 32F_FAST_16BF; f32 sums, data f32 in memory).
+    /// tensor cores (cuBLAS's 32F_FAST_16BF; f32 sums, data f32 in memory); a profile
+    /// counts it in `group`.
     ///
     /// # Safety
     /// Its addresses are into live buffers of this device holding the matrices it
     /// describes.
-    pub unsafe fn gemm(&self, g: &ColumnMajor, precision: Precision) -> Result<()> {
+    pub unsafe fn gemm(&self, g: &ColumnMajor, precision: Precision, group: Group) -> Result<()> {
         match self {
             #[cfg(feature = "cuda")]
-            Gpu::Cuda(gpu) => unsafe { cublas_gemm(&gpu.blas, g, precision) },
+            Gpu::Cuda(gpu) => gpu.timed(group, g.cost(), || unsafe {
+                cublas_gemm(&gpu.blas, g, precision)
+            }),
             #[cfg(feature = "cuda-emulator")]
             Gpu::Emulated => {
                 let g = *g;
                 if !super::emulator::record(|| super::emulator::Recorded::Gemm { g, precision }) {
-                    unsafe { super::emulator::gemm(&g, precision) };
+                    profile::record(group, g.cost(), None);
+                    if !super::emulator::costs_only() {
+                        unsafe { super::emulator::gemm(&g, precision) };
+                    }
                 }
                 Ok(())
             }
@@ -287,6 +313,46 @@ impl Gpu {
             #[cfg(feature = "cuda-emulator")]
             Gpu::Emulated => super::emulator::is_recording(),
         }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl CudaGpu {
+    /// Runs `work` (queued on the stream), between two events when a profile is on:
+    /// their interval is its time on the GPU, read once the step has run.
+    fn timed(&self, group: Group, cost: Cost, work: impl FnOnce() -> Result<()>) -> Result<()> {
+        if !profile::is_on() {
+            return work();
+        }
+        use candle_core::cuda::cudarc::driver::sys::CUevent_flags;
+        let event = || {
+            self.stream
+                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .context("recording a profile's CUDA event")
+        };
+        let start = event()?;
+        work()?;
+        let end = event()?;
+        profile::record_later(group, cost, Box::new(EventPair { start, end }));
+        Ok(())
+    }
+}
+
+/// A piece of work's start and end on a stream.
+#[cfg(feature = "cuda")]
+struct EventPair {
+    start: candle_core::cuda::cudarc::driver::CudaEvent,
+    end: candle_core::cuda::cudarc::driver::CudaEvent,
+}
+
+#[cfg(feature = "cuda")]
+impl profile::Elapsed for EventPair {
+    fn seconds(&self) -> Result<f64> {
+        let ms = self
+            .start
+            .elapsed_ms(&self.end)
+            .context("reading a profile's CUDA events")?;
+        Ok(f64::from(ms) / 1e3)
     }
 }
 

@@ -14,17 +14,25 @@ use crate::config::{MlpKind, NormKind};
 use crate::cpu::ops::Positions;
 use crate::model::{Dropout, Site};
 use crate::optim::AdamWF32;
+use crate::profile::{Cost, Group};
 
 /// Launches kernel `$kernel` on `$gpu` with `$cfg` and the arguments in order, each
 /// passed by address as cuLaunchKernel takes them, with its size (the emulator checks
 /// every size against the kernel's parameter). The temporaries live until the launch
-/// returns.
+/// returns. `$cost` is what a profile counts the launch as doing: its FLOPs (as the
+/// kernel computes them; attention over the causal half) and the bytes it must move
+/// at least (each value read or written once).
 macro_rules! launch {
-    ($gpu:expr, $kernel:ident, $cfg:expr; $($arg:expr),* $(,)?) => {
+    ($gpu:expr, $kernel:ident, $cfg:expr, $cost:expr; $($arg:expr),* $(,)?) => {
+        launch!($gpu, $kernel as (Kernel::$kernel.group()), $cfg, $cost; $($arg),*)
+    };
+    ($gpu:expr, $kernel:ident as $group:expr, $cfg:expr, $cost:expr; $($arg:expr),* $(,)?) => {
         // SAFETY: the arguments match the kernel's parameters in number, order and
         // type (each kernel's signature is beside its wrapper's in kernels/*.cu), and
         // every pointer is into a live buffer of the length the kernel reads.
-        unsafe { $gpu.launch(Kernel::$kernel, $cfg, &[$(Arg::of(&mut { $arg })),*]) }
+        unsafe {
+            $gpu.launch(Kernel::$kernel, $cfg, ($group, $cost), &[$(Arg::of(&mut { $arg })),*])
+        }
     };
 }
 
@@ -257,8 +265,38 @@ pub struct Heads {
 }
 
 impl Heads {
+    /// Values of the query heads (B, H, T, d).
     fn len(&self) -> usize {
         self.batch * self.heads * self.t * self.d
+    }
+
+    /// Values of the key (or value) heads (B, Hkv, T, d).
+    fn kv_len(&self) -> usize {
+        self.batch * self.kv_heads * self.t * self.d
+    }
+
+    /// Rows of all query heads (B H T).
+    fn rows(&self) -> usize {
+        self.batch * self.heads * self.t
+    }
+
+    /// The (T, T) scores of every head.
+    fn scores(&self) -> usize {
+        self.rows() * self.t
+    }
+
+    /// FLOPs of one (T x d) by (d x T) product per head over the causal half.
+    fn causal_product(&self) -> usize {
+        self.scores() * self.d
+    }
+}
+
+/// The width of fc, the MLP's first projection, for `hidden` units (gate | up for
+/// SwiGLU).
+fn fc_width(hidden: usize, kind: MlpKind) -> usize {
+    match kind {
+        MlpKind::Swiglu => 2 * hidden,
+        MlpKind::Gelu | MlpKind::GeluTanh => hidden,
     }
 }
 
@@ -278,7 +316,7 @@ impl Gpu {
         dropout: DropoutArgs,
     ) -> Result<()> {
         let at = at.into();
-        launch!(self, EmbeddingForward, elements(rows * c);
+        launch!(self, EmbeddingForward, elements(rows * c), Cost::f32s(rows * c * (2 + usize::from(positions != 0)));
             x, ids, wte, positions, int(rows), int(at.t), int(at.first), at.first_at, at.places, int(c),
             dropout)
     }
@@ -300,7 +338,7 @@ impl Gpu {
             grid: (distinct as u32, c.div_ceil(THREADS as usize) as u32, 1),
             threads: THREADS,
         };
-        launch!(self, EmbeddingBackwardTokens, cfg;
+        launch!(self, EmbeddingBackwardTokens, cfg, Cost::f32s(3 * distinct * c);
             dwte, dx, tokens, starts, order, int(distinct), int(c), dropout)
     }
 
@@ -312,19 +350,19 @@ impl Gpu {
         (b, t, c): (usize, usize, usize),
         dropout: DropoutArgs,
     ) -> Result<()> {
-        launch!(self, EmbeddingBackwardPositions, elements(t * c);
+        launch!(self, EmbeddingBackwardPositions, elements(t * c), Cost::f32s((b + 2) * t * c);
             dwpe, dx, int(b), int(t), int(c), dropout)
     }
 
     /// out = the norm of each row of x, keeping each row's mean and rstd.
     pub fn norm_forward(&self, out: u64, x: u64, n: NormRows, eps: f32) -> Result<()> {
-        launch!(self, NormForward, warp_rows(n.rows);
+        launch!(self, NormForward, warp_rows(n.rows), Cost::f32s_and_flops(2 * n.rows * (n.c + 1), 8 * n.rows * n.c);
             out, n.mean, n.rstd, x, n.weight, n.bias, int(n.rows), int(n.c), eps, n.rms())
     }
 
     /// The forward's output again from the kept statistics.
     pub fn norm_apply(&self, out: u64, x: u64, n: NormRows) -> Result<()> {
-        launch!(self, NormApply, elements(n.rows * n.c);
+        launch!(self, NormApply, elements(n.rows * n.c), Cost::f32s_and_flops(2 * n.rows * n.c, 4 * n.rows * n.c);
             out, x, n.weight, n.bias, n.mean, n.rstd, int(n.rows), int(n.c))
     }
 
@@ -338,10 +376,10 @@ impl Gpu {
         partials: u64,
     ) -> Result<()> {
         let (rows, c) = (n.rows, n.c);
-        launch!(self, NormBackwardInput, warp_rows(rows);
+        launch!(self, NormBackwardInput, warp_rows(rows), Cost::f32s_and_flops(4 * rows * c, 12 * rows * c);
             dx, dout, x, n.weight, n.mean, n.rstd, int(rows), int(c), n.rms())?;
         let parts = super::plan::PARTS.min(rows);
-        launch!(self, NormBackwardParams, columns(c, parts);
+        launch!(self, NormBackwardParams, columns(c, parts), Cost::f32s_and_flops(2 * rows * c, 4 * rows * c);
             partials, dout, x, n.mean, n.rstd, int(rows), int(c))?;
         self.add_column_sums(dw, partials, parts, 2 * c, c)?;
         if db != 0 {
@@ -360,7 +398,7 @@ impl Gpu {
         partials: u64,
     ) -> Result<()> {
         let parts = super::plan::PARTS.min(rows);
-        launch!(self, ColumnPartials, columns(cols, parts);
+        launch!(self, ColumnPartials, columns(cols, parts), Cost::f32s_and_flops(rows * cols, rows * cols);
             partials, x, int(rows), int(cols))?;
         self.add_column_sums(db, partials, parts, cols, cols)
     }
@@ -373,7 +411,7 @@ impl Gpu {
         stride: usize,
         count: usize,
     ) -> Result<()> {
-        launch!(self, AddColumnSums, columns(count, 1);
+        launch!(self, AddColumnSums, columns(count, 1), Cost::f32s_and_flops((parts + 2) * count, parts * count);
             dst, partials, int(parts), int(stride), int(count))
     }
 
@@ -386,7 +424,7 @@ impl Gpu {
         hidden: usize,
         kind: MlpKind,
     ) -> Result<()> {
-        launch!(self, ActivationForward, elements(rows * hidden);
+        launch!(self, ActivationForward, elements(rows * hidden), Cost::f32s_and_flops(rows * (fc_width(hidden, kind) + hidden), 10 * rows * hidden);
             out, fc, int(rows), int(hidden), activation_kind(kind))
     }
 
@@ -399,7 +437,7 @@ impl Gpu {
         (rows, hidden): (usize, usize),
         kind: MlpKind,
     ) -> Result<()> {
-        launch!(self, ActivationBackward, elements(rows * hidden);
+        launch!(self, ActivationBackward, elements(rows * hidden), Cost::f32s_and_flops(rows * (2 * fc_width(hidden, kind) + hidden), 20 * rows * hidden);
             dfc, fc, dout, int(rows), int(hidden), activation_kind(kind))
     }
 
@@ -412,17 +450,17 @@ impl Gpu {
         n: usize,
         dropout: DropoutArgs,
     ) -> Result<()> {
-        launch!(self, ResidualForward, elements(n); out, x, branch, long(n), dropout)
+        launch!(self, ResidualForward, elements(n), Cost::f32s_and_flops(3 * n, n); out, x, branch, long(n), dropout)
     }
 
     /// out = x * mask.
     pub fn dropout(&self, out: u64, x: u64, n: usize, dropout: DropoutArgs) -> Result<()> {
-        launch!(self, DropoutApply, elements(n); out, x, long(n), dropout)
+        launch!(self, DropoutApply, elements(n), Cost::f32s_and_flops(2 * n, n); out, x, long(n), dropout)
     }
 
     /// out[r] += b, rows of `cols`.
     pub fn add_bias(&self, out: u64, b: u64, rows: usize, cols: usize) -> Result<()> {
-        launch!(self, AddBias, elements(rows * cols); out, b, int(rows), int(cols))
+        launch!(self, AddBias, elements(rows * cols), Cost::f32s_and_flops(2 * rows * cols, rows * cols); out, b, int(rows), int(cols))
     }
 
     /// Turns the q and k heads of qkv rows (width `w`) by their positions' angles;
@@ -440,26 +478,26 @@ impl Gpu {
     ) -> Result<()> {
         let at = at.into();
         let turned = h.heads + h.kv_heads;
-        launch!(self, Rope, elements(rows * turned * h.d / 2);
+        launch!(self, Rope, elements(rows * turned * h.d / 2), Cost::f32s_and_flops(2 * rows * turned * h.d, 3 * rows * turned * h.d);
             qkv, cos, sin, int(rows), int(at.t), int(at.first), at.first_at, at.places, int(turned),
             int(h.d), int(w), sign)
     }
 
     /// q, k, v (B, H, T, d) from qkv rows.
     pub fn split_heads(&self, (q, k, v): (u64, u64, u64), qkv: u64, h: Heads) -> Result<()> {
-        launch!(self, SplitHeads, elements(h.len());
+        launch!(self, SplitHeads, elements(h.len()), Cost::f32s(2 * (h.len() + 2 * h.kv_len()));
             q, k, v, qkv, int(h.batch), int(h.t), int(h.heads), int(h.kv_heads), int(h.d))
     }
 
     /// Rows (B T, H d) from heads (B, H, T, d).
     pub fn merge_heads(&self, y: u64, heads: u64, h: Heads) -> Result<()> {
-        launch!(self, MergeHeads, elements(h.len());
+        launch!(self, MergeHeads, elements(h.len()), Cost::f32s(2 * h.len());
             y, heads, int(h.batch), int(h.t), int(h.heads), int(h.d))
     }
 
     /// Heads (B, H, T, d) from rows (B T, H d).
     pub fn split_rows(&self, heads: u64, y: u64, h: Heads) -> Result<()> {
-        launch!(self, SplitRows, elements(h.len());
+        launch!(self, SplitRows, elements(h.len()), Cost::f32s(2 * h.len());
             heads, y, int(h.batch), int(h.t), int(h.heads), int(h.d))
     }
 
@@ -471,14 +509,14 @@ impl Gpu {
         h: Heads,
     ) -> Result<()> {
         let w = (h.heads + 2 * h.kv_heads) * h.d;
-        launch!(self, MergeHeadGrads, elements(h.batch * h.t * w);
+        launch!(self, MergeHeadGrads, elements(h.batch * h.t * w), Cost::f32s(2 * h.batch * h.t * w);
             dqkv, dq, dk, dv, int(h.batch), int(h.t), int(h.heads), int(h.kv_heads), int(h.d))
     }
 
     /// In place on (B H, T, T) scores: the causal softmax of each row, times the mask.
     pub fn causal_softmax(&self, att: u64, h: Heads, dropout: DropoutArgs) -> Result<()> {
         let rows = h.batch * h.heads * h.t;
-        launch!(self, CausalSoftmax, warp_rows(rows);
+        launch!(self, CausalSoftmax, warp_rows(rows), Cost::f32s_and_flops(2 * h.scores(), 4 * h.scores());
             att, int(h.batch * h.heads), int(h.t), dropout)
     }
 
@@ -492,7 +530,7 @@ impl Gpu {
         h: Heads,
         dropout: DropoutArgs,
     ) -> Result<()> {
-        launch!(self, FlashForward, flash_grid(h);
+        launch!(self, FlashForward, flash_grid(h), Cost::f32s_and_flops(4 * h.len() + h.rows(), 3 * h.causal_product());
             out, lse, q, k, v, int(h.t), int(h.d), attention_scale(h), dropout)
     }
 
@@ -500,7 +538,7 @@ impl Gpu {
     /// and Y.
     pub fn flash_backward_sums(&self, dsum: u64, dy: u64, y: u64, h: Heads) -> Result<()> {
         let rows = h.batch * h.heads * h.t;
-        launch!(self, FlashBackwardSums, warp_rows(rows);
+        launch!(self, FlashBackwardSums, warp_rows(rows), Cost::f32s_and_flops(2 * h.len() + h.rows(), 2 * h.len());
             dsum, dy, y, int(h.batch), int(h.t), int(h.heads), int(h.d))
     }
 
@@ -515,9 +553,9 @@ impl Gpu {
         dropout: DropoutArgs,
     ) -> Result<()> {
         let (t, d, scale) = (int(h.t), int(h.d), attention_scale(h));
-        launch!(self, FlashBackwardKv, flash_grid(h);
+        launch!(self, FlashBackwardKv, flash_grid(h), Cost::f32s_and_flops(6 * h.len() + 2 * h.rows(), 4 * h.causal_product());
             dk, dv, q, k, v, dy, lse, dsum, t, d, scale, dropout)?;
-        launch!(self, FlashBackwardQ, flash_grid(h);
+        launch!(self, FlashBackwardQ, flash_grid(h), Cost::f32s_and_flops(5 * h.len() + 2 * h.rows(), 3 * h.causal_product());
             dq, q, k, v, dy, lse, dsum, t, d, scale, dropout)
     }
 
@@ -530,7 +568,7 @@ impl Gpu {
         dropout: DropoutArgs,
     ) -> Result<()> {
         let rows = h.batch * h.heads * h.t;
-        launch!(self, CausalSoftmaxBackward, warp_rows(rows);
+        launch!(self, CausalSoftmaxBackward, warp_rows(rows), Cost::f32s_and_flops(3 * h.scores(), 4 * h.scores());
             datt, p, int(h.batch * h.heads), int(h.t), dropout)
     }
 
@@ -547,7 +585,7 @@ impl Gpu {
             grid: (rows as u32, 1, 1),
             threads: v.next_power_of_two().clamp(32, 1024) as u32,
         };
-        launch!(self, SoftmaxCrossEntropy, cfg; logits, row_loss, targets, int(rows), int(v))
+        launch!(self, SoftmaxCrossEntropy, cfg, Cost::f32s_and_flops(3 * rows * v, 4 * rows * v); logits, row_loss, targets, int(rows), int(v))
     }
 
     /// In place on probabilities: p - onehot(target) (unscaled).
@@ -558,7 +596,7 @@ impl Gpu {
         rows: usize,
         v: usize,
     ) -> Result<()> {
-        launch!(self, CrossEntropyBackward, elements(rows); probs, targets, int(rows), int(v))
+        launch!(self, CrossEntropyBackward, elements(rows), Cost::f32s(2 * rows); probs, targets, int(rows), int(v))
     }
 
     /// out[0] = sum of x^2 over n f32 values, in f64, through `partials` (at most
@@ -571,8 +609,18 @@ impl Gpu {
             grid: (blocks as u32, 1, 1),
             threads: THREADS,
         };
-        launch!(self, SumSquares, cfg; partials, x, long(n))?;
+        launch!(self, SumSquares, cfg, Cost::f32s_and_flops(n, 2 * n); partials, x, long(n))?;
         self.sum_all(out, partials, 0, blocks, Sum::Replace)
+    }
+
+    /// out[0] = the sum of n f32 losses `x32`: the classifier's, for a profile.
+    pub fn sum_losses(&self, out: u64, x32: u64, n: usize) -> Result<()> {
+        let cfg = Launch {
+            grid: (1, 1, 1),
+            threads: 1024,
+        };
+        launch!(self, SumAll as Group::Classifier, cfg, Cost::f32s_and_flops(n, n);
+            out, 0u64, x32, int(n), i32::from(false))
     }
 
     /// out[0] = the sum of n f64 values `x`, or of n f32 values `x32` when not 0;
@@ -583,14 +631,14 @@ impl Gpu {
             threads: 1024,
         };
         let accumulate = i32::from(into == Sum::Add);
-        launch!(self, SumAll, cfg; out, x, x32, int(n), accumulate)
+        launch!(self, SumAll, cfg, Cost::f32s_and_flops(if x32 != 0 { n } else { 2 * n }, n); out, x, x32, int(n), accumulate)
     }
 
     /// Scales n f32 values `x` to an L2 norm of `max_norm` where the norm they have
     /// (the square root of the f64 at `norm_sq`) is larger: clipping decided on the
     /// device, as `optim::clip_scale` decides it on the host.
     pub fn clip_to_norm(&self, x: u64, n: usize, norm_sq: u64, max_norm: f64) -> Result<()> {
-        launch!(self, ClipToNorm, elements(n); x, long(n), norm_sq, max_norm)
+        launch!(self, ClipToNorm, elements(n), Cost::f32s_and_flops(2 * n, n); x, long(n), norm_sq, max_norm)
     }
 
     /// AdamW over n parameters in one launch, with the numbers of a decaying tensor
@@ -605,7 +653,7 @@ impl Gpu {
             decays,
             tensors,
         } = buffers;
-        launch!(self, Adamw, elements(n);
+        launch!(self, Adamw, elements(n), Cost::f32s_and_flops(7 * n, 12 * n);
             params, grads, m, v, long(n), ends, decays, int(tensors),
             p.b1, p.b2, p.inv_bc1, p.inv_bc2, p.lr, p.eps, p.shrink)
     }
@@ -615,7 +663,7 @@ impl Gpu {
         let (h, at) = (r.h, r.at);
         let kv = h.kv_heads * h.d;
         let (c, w) = (h.heads * h.d, (h.heads + 2 * h.kv_heads) * h.d);
-        launch!(self, StoreKeysValues, elements(r.rows * kv);
+        launch!(self, StoreKeysValues, elements(r.rows * kv), Cost::f32s(4 * r.rows * kv);
             r.keys, r.values, r.qkv, int(r.rows), int(at.t), int(at.first), at.first_at,
             at.places, int(c), int(kv), int(w), int(r.block))
     }
@@ -630,27 +678,27 @@ impl Gpu {
             grid: ((rows * h.heads) as u32, splits as u32, 1),
             threads: 128,
         };
-        launch!(self, AttendCachedPartial, cfg;
+        launch!(self, AttendCachedPartial, cfg, Cost::f32s_and_flops(rows * h.heads * h.d + 2 * rows * h.kv_heads * r.block * h.d, 4 * rows * h.heads * r.block * h.d);
             partial, r.qkv, r.keys, r.values, int(rows), int(at.t), int(at.first), at.first_at,
             at.places, int(h.heads), int(h.kv_heads), int(h.d), int(r.block), int(splits))?;
-        launch!(self, AttendCachedCombine, warp_rows(rows * h.heads);
+        launch!(self, AttendCachedCombine, warp_rows(rows * h.heads), Cost::f32s(rows * h.heads * (splits * (h.d + 2) + h.d));
             out, partial, int(rows), int(at.t), int(at.first), at.first_at, at.places, int(h.heads),
             int(h.d), int(splits))
     }
 
     /// dst (n bf16 values) = src (n f32 values) rounded to nearest even.
     pub fn to_bf16(&self, dst: u64, src: u64, n: usize) -> Result<()> {
-        launch!(self, ToBf16, elements(n); dst, src, long(n))
+        launch!(self, ToBf16, elements(n), Cost::new(0.0, 6.0 * n as f64); dst, src, long(n))
     }
 
     /// dst (batch, C) = each sequence's last row of src (batch T, C).
     pub fn last_rows(&self, dst: u64, src: u64, batch: usize, t: usize, c: usize) -> Result<()> {
-        launch!(self, LastRows, elements(batch * c); dst, src, int(batch), int(t), int(c), 0u64)
+        launch!(self, LastRows, elements(batch * c), Cost::f32s(2 * batch * c); dst, src, int(batch), int(t), int(c), 0u64)
     }
 
     /// dst (n, C) = the rows of src that `picks` (n i32 row indices, on the device) names.
     pub fn pick_rows(&self, dst: u64, src: u64, picks: u64, n: usize, c: usize) -> Result<()> {
-        launch!(self, LastRows, elements(n * c); dst, src, int(n), int(1), int(c), picks)
+        launch!(self, LastRows, elements(n * c), Cost::f32s(2 * n * c); dst, src, int(n), int(1), int(c), picks)
     }
 
     /// chosen[b] = row b's next token from logits (batch, V) and its uniform draw
@@ -672,7 +720,7 @@ impl Gpu {
             grid: (batch as u32, 1, 1),
             threads: 1024,
         };
-        launch!(self, SampleTokens, cfg;
+        launch!(self, SampleTokens, cfg, Cost::f32s(3 * batch * vocab);
             chosen, work.weights, work.keys, work.seen, logits, context, int(context_len),
             int(stride), uniforms, int(vocab), int(text_vocab), args)
     }

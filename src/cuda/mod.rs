@@ -13,6 +13,7 @@
 //! - `buffers`: buffers with their addresses; `tables`: the position tables.
 //! - `engine`: `FusedCuda`, the forward and backward walk.
 //! - `decode`: `CudaDecoder`, decoding with per-layer K/V caches on the device.
+//! - `peak`: what a profile holds the engine's work to (the GPU's peak, measured).
 //! - `emulator` (feature `cuda-emulator`): the same kernels compiled as C++ and run on
 //!   the CPU, and cuBLAS's product written out, so `tests/engines.rs` holds the whole
 //!   engine to the reference on machines without a GPU (CI's). What it cannot catch:
@@ -39,6 +40,8 @@ mod gpu;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 mod kernels;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+mod peak;
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 mod ranks;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 mod tables;
@@ -52,3 +55,12 @@ pub use gpu::Gpu;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 pub use kernels::SamplingArgs;
 pub use plan::{Attention, Plan};
+
+/// Whether the emulator only counts the engine's work (`TINYGPT_EMULATE_CUDA=costs`):
+/// never in builds without it.
+pub fn emulator_counts_only() -> bool {
+    #[cfg(feature = "cuda-emulator")]
+    return emulator::costs_only();
+    #[cfg(not(feature = "cuda-emulator"))]
+    false
+}

@@ -15,6 +15,7 @@ use crate::model::params::{flat_from_named, named_from_flat, NamedTensors};
 use crate::model::{Dropout, ModelSpec};
 use crate::optim::{clip_scale, norm_of_partials, AdamWStep};
 use crate::parallel::{Collective, Shards, Single};
+use crate::profile::{Peak, Profiled, Timing};
 
 /// The fused CPU kernels, what the trainer reads of them, and the ranks they train
 /// with.
@@ -76,6 +77,16 @@ impl FusedCpuEngine {
 }
 
 impl Engine for FusedCpuEngine {
+    fn profiled(&self) -> Result<Option<Profiled>> {
+        let cpu = crate::cpu::isa::cpu_model().unwrap_or_else(|| "this CPU".into());
+        let device = format!("{cpu} ({} threads)", crate::cpu::threads::threads());
+        let measured = crate::cpu::peak::measure(self.kernels.precision());
+        Ok(Some(Profiled {
+            timing: Timing::CpuTimers,
+            peak: Peak::measured(device, measured),
+        }))
+    }
+
     fn describe(&self) -> String {
         let kernels = format!("fused CPU kernels, {}", crate::cpu::isa::active().name());
         let kernels = match self.kernels.precision() {

@@ -10,8 +10,13 @@ use crate::data::Batch;
 use crate::model::params::{flat_from_named, named_from_flat, NamedTensors};
 use crate::model::{Dropout, ModelSpec};
 use crate::optim::AdamWStep;
+use crate::profile::Profiled;
 
 impl Engine for FusedCuda {
+    fn profiled(&self) -> Result<Option<Profiled>> {
+        FusedCuda::profiled(self).map(Some)
+    }
+
     fn describe(&self) -> String {
         let products = match self.precision() {
             Precision::F32 => "fused CUDA kernels, cuBLAS f32 products",
@@ -22,6 +27,12 @@ impl Engine for FusedCuda {
         let kernels = match self.attention() {
             Attention::Flash => format!("{products}, flash attention"),
             Attention::Products => products.to_string(),
+        };
+        let kernels = match crate::cuda::emulator_counts_only() {
+            true => format!(
+                "{kernels}; emulated, counting its work only (TINYGPT_EMULATE_CUDA=costs): its times and losses mean nothing"
+            ),
+            false => kernels,
         };
         match self.ranks_described() {
             Some(ranks) => format!("{kernels}; {ranks}"),

@@ -9,6 +9,7 @@ use crate::model::params::{flat_from_named, named_from_flat, NamedTensors};
 use crate::model::spec::Param;
 use crate::model::{Dropout, ModelSpec};
 use crate::optim::AdamWStep;
+use crate::profile::Profiled;
 
 /// A model that trains: loss, gradients, updates, and its state in and out.
 pub trait Engine {
@@ -93,6 +94,13 @@ pub trait Engine {
 
     /// Loads the moments of all parameters (each rank keeps its shard's).
     fn load_moments(&mut self, tensors: &NamedTensors, source: &str) -> Result<()>;
+
+    /// How a profile (`bench --profile`) times this engine's work, and the peak of the
+    /// device it runs on (measured there where it can be: this takes a second or so).
+    /// None where its work is not recorded (the reference engine: candle's ops).
+    fn profiled(&self) -> Result<Option<Profiled>> {
+        Ok(None)
+    }
 }
 
 /// How to build an engine.

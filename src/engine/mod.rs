@@ -75,7 +75,9 @@ pub fn build_replica(
     match footprint(device, &options) {
         #[cfg(feature = "cuda-emulator")]
         Footprint::FusedCpu if emulate_cuda() => {
-            if let Some(line) = cuda_failed(None)? {
+            // Counting the work (`TINYGPT_EMULATE_CUDA=costs`) runs nothing to check.
+            let check = !crate::cuda::emulator_counts_only();
+            if let Some(line) = check.then(|| cuda_failed(None)).transpose()?.flatten() {
                 eprintln!("{line}");
                 return reference("the fused CUDA code failed its first-use check");
             }
@@ -127,9 +129,12 @@ pub fn first_use_failure(gpu: Option<&Device>) -> Result<Option<String>> {
 /// the fused CPU engine would run, run the fused CUDA engine under the CPU emulator
 /// instead. A developer's switch (train, eval, bench with the CUDA engine's code on a
 /// machine without a GPU, slowly) and the trainer tests' (tests/emulated_training.rs).
+/// `TINYGPT_EMULATE_CUDA=costs` builds the same engine but runs none of its kernels and
+/// products, only counting them for `bench --profile`: the cost of shapes too large to
+/// emulate, whose numbers are then meaningless.
 #[cfg(feature = "cuda-emulator")]
 fn emulate_cuda() -> bool {
-    std::env::var_os("TINYGPT_EMULATE_CUDA").is_some_and(|v| v == "1")
+    std::env::var_os("TINYGPT_EMULATE_CUDA").is_some_and(|v| v == "1" || v == "costs")
 }
 
 /// The engine [`build`] chooses for `device` and `options`, as the footprint to

@@ -133,6 +133,23 @@ pub struct LinearParams {
     pub bias: Option<ParamId>,
     pub d_in: usize,
     pub d_out: usize,
+    /// Which of the model's projections it is (profiles group products by it).
+    pub role: Projection,
+}
+
+/// The model's linear layers, by what they do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Projection {
+    /// C -> q | k | v heads.
+    Qkv,
+    /// The heads' outputs back to the residual stream.
+    AttentionOut,
+    /// C -> the MLP's hidden layer.
+    MlpUp,
+    /// The MLP's hidden layer back to C.
+    MlpDown,
+    /// The tied output layer: the token embedding read as (V, C).
+    Output,
 }
 
 /// A norm's gain (and, for LayerNorm with biases, its bias).
@@ -198,11 +215,30 @@ impl ModelSpec {
                 let at = |layer: &str| format!("h.{i}.{layer}");
                 BlockParams {
                     ln_1: t.norm(&at("ln_1"), c, norm_bias),
-                    attn_qkv: t.linear(&at("attn.c_attn"), [c, shapes.qkv_width], bias, 0.02),
-                    attn_proj: t.linear(&at("attn.c_proj"), [c, c], bias, residual_std),
+                    attn_qkv: t.linear(
+                        Projection::Qkv,
+                        &at("attn.c_attn"),
+                        [c, shapes.qkv_width],
+                        bias,
+                        0.02,
+                    ),
+                    attn_proj: t.linear(
+                        Projection::AttentionOut,
+                        &at("attn.c_proj"),
+                        [c, c],
+                        bias,
+                        residual_std,
+                    ),
                     ln_2: t.norm(&at("ln_2"), c, norm_bias),
-                    mlp_fc: t.linear(&at("mlp.c_fc"), [c, shapes.mlp_fc_width], bias, 0.02),
+                    mlp_fc: t.linear(
+                        Projection::MlpUp,
+                        &at("mlp.c_fc"),
+                        [c, shapes.mlp_fc_width],
+                        bias,
+                        0.02,
+                    ),
                     mlp_proj: t.linear(
+                        Projection::MlpDown,
                         &at("mlp.c_proj"),
                         [shapes.mlp_hidden, c],
                         bias,
@@ -220,6 +256,17 @@ impl ModelSpec {
             wpe,
             blocks,
             ln_f,
+        }
+    }
+
+    /// The tied output layer: the token embedding read as a (V, C) linear layer.
+    pub fn output_layer(&self) -> LinearParams {
+        LinearParams {
+            weight: self.wte,
+            bias: None,
+            d_in: self.shapes.n_embd,
+            d_out: self.shapes.vocab_size,
+            role: Projection::Output,
         }
     }
 
@@ -317,6 +364,7 @@ impl Table {
     /// `{prefix}.weight` as (d_out, d_in), and `{prefix}.bias` (d_out) when `bias`.
     fn linear(
         &mut self,
+        role: Projection,
         prefix: &str,
         [d_in, d_out]: [usize; 2],
         bias: bool,
@@ -327,6 +375,7 @@ impl Table {
             bias: bias.then(|| self.push(format!("{prefix}.bias"), vec![d_out], Init::Zeros)),
             d_in,
             d_out,
+            role,
         }
     }
 

@@ -7,6 +7,7 @@ use crate::config::MlpKind;
 use crate::cpu::kernels::{erf_approx, exp_approx, gelu, gelu_tanh, multiversion};
 use crate::cpu::threads::{share_len, share_rows};
 use crate::model::spec::Shapes;
+use crate::profile::{self, Cost, Group};
 
 /// The non-linearity between the MLP's c_fc (`fc_width` wide rows) and c_proj
 /// (`hidden` wide rows).
@@ -31,6 +32,9 @@ impl Activation {
     pub fn forward(&self, out: &mut [f32], fc: &[f32]) {
         let (hidden, fc_width) = (self.hidden, self.fc_width);
         let rows = fc.len() / fc_width;
+        let _span = profile::span(Group::Activation, || {
+            Cost::f32s_and_flops(rows * (fc_width + hidden), 10 * rows * hidden)
+        });
         let share = share_rows(rows, fc_width);
         out[..rows * hidden]
             .par_chunks_mut(share * hidden)
@@ -48,6 +52,9 @@ impl Activation {
     pub fn recompute(&self, out: &mut [f32], slope: &mut [f32], fc: &[f32]) -> bool {
         match self.kind {
             MlpKind::Gelu => {
+                let _span = profile::span(Group::Activation, || {
+                    Cost::f32s_and_flops(3 * out.len(), 20 * out.len())
+                });
                 let share = share_len(out.len());
                 out.par_chunks_mut(share)
                     .zip(slope.par_chunks_mut(share))
@@ -65,6 +72,9 @@ impl Activation {
     /// dfc (N, fc_width) = the gradient at fc, from dout (N, hidden); overwritten.
     pub fn backward(&self, dfc: &mut [f32], fc: &[f32], dout: &[f32]) {
         let (hidden, fc_width) = (self.hidden, self.fc_width);
+        let _span = profile::span(Group::Activation, || {
+            Cost::f32s_and_flops(2 * dfc.len() + dout.len(), 20 * dout.len())
+        });
         let share = share_rows(dout.len() / hidden, fc_width);
         dfc.par_chunks_mut(share * fc_width)
             .zip(fc.par_chunks(share * fc_width))

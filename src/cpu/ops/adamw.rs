@@ -7,10 +7,14 @@ use crate::cpu::kernels::multiversion;
 use crate::cpu::threads::share_len;
 use crate::model::spec::Param;
 use crate::optim::{norm_of_partials, AdamWF32, AdamWStep, NORM_CHUNK};
+use crate::profile::{self, Cost, Group};
 
 /// The sums of squares of `grads` in blocks of `NORM_CHUNK` (`grads` starts at a
 /// block boundary), each summed in order in f64: the global norm's partial sums.
 pub fn squares_by_chunk(grads: &[f32]) -> Vec<f64> {
+    let _span = profile::span(Group::Optimizer, || {
+        Cost::f32s_and_flops(grads.len(), 2 * grads.len())
+    });
     grads
         .par_chunks(NORM_CHUNK)
         .map(|block| block.iter().map(|&x| f64::from(x) * f64::from(x)).sum())
@@ -24,6 +28,9 @@ pub fn global_norm(grads: &[f32]) -> f64 {
 
 /// Multiplies every gradient by `scale` (clipping).
 pub fn scale(grads: &mut [f32], scale: f32) {
+    let _span = profile::span(Group::Optimizer, || {
+        Cost::f32s_and_flops(2 * grads.len(), grads.len())
+    });
     let share = share_len(grads.len());
     grads
         .par_chunks_mut(share)
@@ -47,6 +54,10 @@ pub fn update(
     table: &[Param],
     first: usize,
 ) {
+    // p, g, m, v read; p, m, v written.
+    let _span = profile::span(Group::Optimizer, || {
+        Cost::f32s_and_flops(7 * params.len(), 12 * params.len())
+    });
     // One share of the flat buffers per thread, each updating the parts of the tensors
     // that fall in it with that tensor's decay.
     let share = share_len(params.len());

@@ -14,6 +14,7 @@ use crate::cpu::kernels::{dot_lanes, exp_approx, multiversion, sum_lanes};
 use crate::cpu::matrix::{Causal, Product, Strided};
 use crate::cpu::threads::threads;
 use crate::model::spec::Shapes;
+use crate::profile::{self, Cost, Group};
 
 /// One attention call: `batch` sequences of `t` positions, the model's heads, products
 /// in `precision`.
@@ -94,6 +95,14 @@ impl Attention {
     pub fn forward(&self, y: &mut [f32], qkv: &[f32], mask: Option<&[f32]>, scratch: &mut [f32]) {
         let s = &self.shapes;
         let heads = s.n_head * self.t;
+        // Q Kᵀ and P V over the causal half: 2 t² d a head and sequence.
+        let rows = qkv.len() / s.qkv_width;
+        let _span = profile::span(Group::Attention, || {
+            Cost::f32s_and_flops(
+                rows * (s.qkv_width + s.n_embd),
+                2 * rows * self.t * s.n_embd,
+            )
+        });
         self.per_sequence(y, s.n_embd, scratch, |b, y, work| {
             let qkv = self.sequence(qkv, s.qkv_width, b);
             let mask = mask.map(|m| self.sequence(m, heads, b));
@@ -150,6 +159,14 @@ impl Attention {
     ) {
         let s = &self.shapes;
         let heads = s.n_head * self.t;
+        // Five products over the causal half: S again, dPd, dQ, dK, dV.
+        let rows = qkv.len() / s.qkv_width;
+        let _span = profile::span(Group::Attention, || {
+            Cost::f32s_and_flops(
+                rows * (s.n_embd + 3 * s.qkv_width),
+                5 * rows * self.t * s.n_embd,
+            )
+        });
         self.per_sequence(dqkv, s.qkv_width, scratch, |b, dqkv, work| {
             let rows = (
                 self.sequence(dy, s.n_embd, b),

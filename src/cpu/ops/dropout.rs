@@ -7,9 +7,13 @@ use rayon::prelude::*;
 use crate::cpu::kernels::multiversion;
 use crate::cpu::threads::{share_len, zip_in_place, zip_map};
 use crate::model::dropout::{group, philox4x32_10, Dropout, Site};
+use crate::profile::{self, Cost, Group};
 
 /// Fills `mask` (the whole mask of `site`) with `dropout`'s values: 0 or 1 / (1 - p).
 pub fn fill(dropout: &Dropout, site: Site, mask: &mut [f32]) {
+    let _span = profile::span(Group::Elementwise, || {
+        Cost::f32s_and_flops(mask.len(), 10 * mask.len())
+    });
     // Shares of whole groups of four, so each Philox call serves one share.
     let share = share_len(mask.len()).next_multiple_of(4);
     mask.par_chunks_mut(share)
@@ -104,11 +108,17 @@ fn philox_lanes(first: [u32; LANES], counter: [u32; 4], key: [u32; 2]) -> [[u32;
 
 /// x *= mask, elementwise.
 pub fn apply(x: &mut [f32], mask: &[f32]) {
+    let _span = profile::span(Group::Elementwise, || {
+        Cost::f32s_and_flops(3 * x.len(), x.len())
+    });
     zip_in_place(x, mask, |a, m| a * m);
 }
 
 /// out = x * mask; returns out.
 pub fn masked<'o>(out: &'o mut [f32], x: &[f32], mask: &[f32]) -> &'o [f32] {
+    let _span = profile::span(Group::Elementwise, || {
+        Cost::f32s_and_flops(3 * out.len(), out.len())
+    });
     zip_map(out, x, mask, |a, m| a * m);
     out
 }

@@ -3,6 +3,7 @@
 
 use super::Positions;
 use crate::cpu::kernels::axpy;
+use crate::profile::{self, Cost, Group};
 
 /// The tables the embedding reads: tokens (V, C), and position vectors (block_size, C)
 /// when positions are added here.
@@ -22,6 +23,8 @@ impl EmbeddingWeights<'_> {
     /// x[r] = wte[ids[r]] (+ positions[position of row r]), rows of width C.
     pub fn forward(&self, x: &mut [f32], ids: &[u32], at: Positions) {
         let c = x.len() / ids.len();
+        let tables = 1 + usize::from(self.positions.is_some());
+        let _span = profile::span(Group::Embedding, || Cost::f32s((tables + 1) * x.len()));
         for (r, (row, &id)) in x.chunks_exact_mut(c).zip(ids).enumerate() {
             let id = id as usize;
             row.copy_from_slice(&self.wte[id * c..(id + 1) * c]);
@@ -37,6 +40,8 @@ impl EmbeddingGrads<'_> {
     /// dwte[ids[r]] += dx[r]; dwpe[position of r] += dx[r] (learned positions).
     pub fn backward(self, dx: &[f32], ids: &[u32], at: Positions) {
         let c = dx.len() / ids.len();
+        let tables = 1 + usize::from(self.wpe.is_some());
+        let _span = profile::span(Group::Embedding, || Cost::f32s((2 * tables + 1) * dx.len()));
         for (row, &id) in dx.chunks_exact(c).zip(ids) {
             let id = id as usize;
             axpy(&mut self.wte[id * c..(id + 1) * c], 1.0, row);

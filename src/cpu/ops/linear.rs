@@ -5,6 +5,8 @@ use crate::config::Precision;
 use crate::cpu::gemm::matmul;
 use crate::cpu::kernels::axpy;
 use crate::cpu::matrix::{Product, Strided};
+use crate::model::spec::Projection;
+use crate::profile::{self, Cost, Group};
 
 /// A layer's weight (and bias) in the flat parameter buffer.
 #[derive(Clone, Copy)]
@@ -13,6 +15,7 @@ pub struct LinearWeights<'a> {
     pub b: Option<&'a [f32]>,
     pub d_in: usize,
     pub d_out: usize,
+    pub role: Projection,
 }
 
 /// The gradients of a layer's weight (and bias).
@@ -26,6 +29,9 @@ impl LinearWeights<'_> {
     pub fn forward(&self, out: &mut [f32], x: &[f32], precision: Precision) {
         let (d_in, d_out) = (self.d_in, self.d_out);
         let n = x.len() / d_in;
+        let _span = profile::span(Group::Product(self.role), || {
+            Cost::f32s_and_flops(n * d_in + d_in * d_out + n * d_out, 2 * n * d_in * d_out)
+        });
         let wt = Strided::columns(self.w, d_in);
         let p = Product::new(Strided::rows(x, d_in), wt, (n, d_out, d_in));
         matmul(out, d_out, p, precision);
@@ -48,6 +54,11 @@ impl LinearWeights<'_> {
     ) {
         let (d_in, d_out) = (self.d_in, self.d_out);
         let n = x.len() / d_in;
+        // dx: dout and W read, dx written; dW: dout and x read, dW read and written.
+        let _span = profile::span(Group::Product(self.role), || {
+            let values = 2 * n * d_out + 2 * n * d_in + 3 * d_in * d_out;
+            Cost::f32s_and_flops(values, 4 * n * d_in * d_out)
+        });
         let dout = &dout[..n * d_out];
         let p = Product::new(
             Strided::rows(dout, d_out),
@@ -85,7 +96,14 @@ mod tests {
         let loss = |x: &[f32], w: &[f32], b: &[f32]| -> f64 {
             let mut out = vec![0.0; n * d_out];
             let b = Some(b);
-            LinearWeights { w, b, d_in, d_out }.forward(&mut out, x, Precision::F32);
+            LinearWeights {
+                w,
+                b,
+                d_in,
+                d_out,
+                role: Projection::MlpUp,
+            }
+            .forward(&mut out, x, Precision::F32);
             probe_loss(&out, &probe)
         };
         let (mut dx, mut dw, mut db) = (
@@ -98,6 +116,7 @@ mod tests {
             b: Some(&mut db),
         };
         let layer = LinearWeights {
+            role: Projection::MlpUp,
             w: &w,
             b: Some(&b),
             d_in,

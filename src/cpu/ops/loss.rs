@@ -3,6 +3,8 @@
 
 use rayon::prelude::*;
 
+use crate::profile::{self, Cost, Group};
+
 /// Turns each row of `logits` (N, V) into probabilities in place and returns the summed
 /// loss -log p[target]. Rows run in parallel, each writing its loss to `row_loss` (N);
 /// the sum runs in row order, so the result does not depend on thread timing.
@@ -12,6 +14,10 @@ pub fn softmax_cross_entropy(
     v: usize,
     row_loss: &mut [f64],
 ) -> f64 {
+    // Each row read twice (its max, its exponentials) and written once.
+    let _span = profile::span(Group::Classifier, || {
+        Cost::f32s_and_flops(3 * logits.len(), 4 * logits.len())
+    });
     logits
         .par_chunks_mut(v)
         .zip(targets.par_iter())
@@ -37,6 +43,9 @@ pub fn softmax_cross_entropy(
 
 /// probs -> dlogits in place: (p - onehot(target)) * scale.
 pub fn cross_entropy_backward(probs: &mut [f32], targets: &[u32], v: usize, scale: f32) {
+    let _span = profile::span(Group::Classifier, || {
+        Cost::f32s_and_flops(2 * probs.len(), probs.len())
+    });
     for (row, &target) in probs.chunks_exact_mut(v).zip(targets) {
         row[target as usize] -= 1.0;
         for x in row.iter_mut() {

@@ -19,6 +19,7 @@ pub mod norm;
 pub mod rope;
 
 use super::threads::{zip_in_place, zip_map};
+use crate::profile::{self, Cost, Group};
 
 /// Where each row sits: rows are sequences of `t` positions, the first at position
 /// `first` (0 in training; the number of cached positions in decoding).
@@ -42,6 +43,9 @@ impl Positions {
 
 /// A residual connection: out = x + branch.
 pub fn residual(out: &mut [f32], x: &[f32], branch: &[f32]) {
+    let _span = profile::span(Group::Elementwise, || {
+        Cost::f32s_and_flops(3 * out.len(), out.len())
+    });
     zip_map(out, x, branch, |x, y| x + y);
 }
 

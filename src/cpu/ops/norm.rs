@@ -10,6 +10,7 @@ use rayon::prelude::*;
 use crate::config::NormKind;
 use crate::cpu::kernels::{axpy, multiversion, sum_lanes, sum_lanes3};
 use crate::cpu::threads::{share_rows, with_partials};
+use crate::profile::{self, Cost, Group};
 
 /// A norm's gain (and bias), with its kind and epsilon.
 #[derive(Clone, Copy)]
@@ -48,6 +49,9 @@ impl NormWeights<'_> {
     pub fn forward(&self, out: &mut [f32], stats: &mut NormStats, x: &[f32]) {
         let c = self.w.len();
         let rows = x.len() / c;
+        let _span = profile::span(Group::Norm, || {
+            Cost::f32s_and_flops(2 * rows * c, 8 * rows * c)
+        });
         let share = share_rows(rows, c);
         let (w, b, eps) = (self.w, self.b, self.eps);
         out[..rows * c]
@@ -65,6 +69,9 @@ impl NormWeights<'_> {
     pub fn apply(&self, out: &mut [f32], x: &[f32], stats: &NormStats) {
         let c = self.w.len();
         let rows = x.len() / c;
+        let _span = profile::span(Group::Norm, || {
+            Cost::f32s_and_flops(2 * rows * c, 4 * rows * c)
+        });
         let share = share_rows(rows, c);
         let (w, b) = (self.w, self.b);
         out[..rows * c]
@@ -92,6 +99,10 @@ impl NormWeights<'_> {
         // thread timing.
         let c = self.w.len();
         let rows = x.len() / c;
+        // dout and x read, dx read and written.
+        let _span = profile::span(Group::Norm, || {
+            Cost::f32s_and_flops(4 * rows * c, 12 * rows * c)
+        });
         let share = share_rows(rows, c);
         let has_bias = grads.b.is_some();
         let w = self.w;

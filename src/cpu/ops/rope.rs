@@ -5,6 +5,7 @@ use super::Positions;
 use crate::config::ModelConfig;
 use crate::model::position::rope_tables;
 use crate::model::spec::Shapes;
+use crate::profile::{self, Cost, Group};
 
 /// Which way to turn: forward, or back (the backward: a rotation's transpose is its
 /// inverse).
@@ -43,6 +44,10 @@ impl Rope {
     ) {
         let (d, half) = (s.head_dim, s.head_dim / 2);
         let rotated = s.n_embd + s.kv_width; // q heads, then k heads
+        let rows = qkv.len() / s.qkv_width;
+        let _span = profile::span(Group::Elementwise, || {
+            Cost::f32s_and_flops(2 * rows * rotated, 3 * rows * rotated)
+        });
         let sign = match turn {
             Turn::Forward => 1.0,
             Turn::Back => -1.0,

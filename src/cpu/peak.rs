@@ -1,0 +1,47 @@
+//! What this CPU does at best, the measure a profile's floor and MFU are taken
+//! against: one large matrix product in the run's precision on the kernels' threads,
+//! and one large streaming pass (a residual add), each the best of three after one
+//! untimed.
+
+use std::time::{Duration, Instant};
+
+use crate::config::Precision;
+use crate::cpu::gemm::matmul;
+use crate::cpu::matrix::{Product, Strided};
+use crate::cpu::threads::{on_workers, zip_map};
+use crate::profile::Measured;
+
+/// The side of the square product timed (2 GFLOP).
+const SIDE: usize = 1024;
+/// Values in each of the streaming pass's three buffers (64 MiB each: beyond caches).
+const STREAM: usize = 1 << 24;
+
+/// Times the product and the pass on this CPU (about a second on two cores).
+pub fn measure(precision: Precision) -> Measured {
+    let n = SIDE;
+    let (a, b) = (vec![1.0f32; n * n], vec![0.5f32; n * n]);
+    let mut out = vec![0.0f32; n * n];
+    let product = best_of_three(|| {
+        let p = Product::new(Strided::rows(&a, n), Strided::rows(&b, n), (n, n, n));
+        on_workers(|| matmul(&mut out, n, p, precision));
+    });
+    let (x, y) = (vec![1.0f32; STREAM], vec![2.0f32; STREAM]);
+    let mut sum = vec![0.0f32; STREAM];
+    let stream = best_of_three(|| on_workers(|| zip_map(&mut sum, &x, &y, |x, y| x + y)));
+    Measured {
+        matrix_tflops: 2.0 * (n * n * n) as f64 / product.as_secs_f64() / 1e12,
+        bandwidth_gbs: (3 * 4 * STREAM) as f64 / stream.as_secs_f64() / 1e9,
+    }
+}
+
+fn best_of_three(mut work: impl FnMut()) -> Duration {
+    work();
+    (0..3)
+        .map(|_| {
+            let t = Instant::now();
+            work();
+            t.elapsed()
+        })
+        .min()
+        .expect("three runs")
+}
