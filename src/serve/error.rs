@@ -1,11 +1,13 @@
 //! Errors as OpenAI's clients expect them: `{"error": {"message", "type", "code"}}` with
 //! a 4xx status for anything the request got wrong, decided before a stream opens.
 
-use axum::extract::{FromRequest, Request};
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::request::Parts;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::de::DeserializeOwned;
+use serde_json::Value;
 
 #[derive(Debug)]
 pub struct ApiError {
@@ -13,6 +15,8 @@ pub struct ApiError {
     pub message: String,
     /// OpenAI's `code` (`model_not_found`, `context_length_exceeded`, ...).
     pub code: Option<&'static str>,
+    /// OpenAI's `param`: the request field at fault.
+    pub param: Option<String>,
 }
 
 impl ApiError {
@@ -21,6 +25,7 @@ impl ApiError {
             status,
             message: message.into(),
             code: None,
+            param: None,
         }
     }
 
@@ -31,6 +36,11 @@ impl ApiError {
 
     pub fn with_code(mut self, code: &'static str) -> Self {
         self.code = Some(code);
+        self
+    }
+
+    pub fn with_param(mut self, param: &str) -> Self {
+        self.param = Some(param.to_string());
         self
     }
 
@@ -53,6 +63,7 @@ impl ApiError {
             "error": {
                 "message": self.message,
                 "type": Self::kind(self.status),
+                "param": self.param,
                 "code": self.code.map_or(serde_json::Value::Null, Into::into),
             }
         })
@@ -77,24 +88,174 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// `Json`, its rejections (bad JSON, wrong types, too large, wrong content type) as
-/// OpenAI-shaped 4xx errors.
+/// The fields a request body may hold, besides those every route lets pass
+/// ([`HARMLESS`]) and those refused unless neutral ([`UNSUPPORTED`]).
+pub trait Fields {
+    const FIELDS: &'static [&'static str];
+}
+
+/// Fields OpenAI's clients and harnesses send that change nothing here: accepted and
+/// ignored. (`add_special_tokens`: no token is ever added to a prompt here.)
+pub const HARMLESS: [&str; 6] = [
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "add_special_tokens",
+    "parallel_tool_calls",
+];
+
+/// Whether a field's value changes nothing.
+pub type Neutral = fn(&Value) -> bool;
+
+/// Fields other servers take that would change the output here, each with the value
+/// that changes nothing (sent by some clients as a default): accepted with that value
+/// (or null), else a 400 naming the field.
+pub const UNSUPPORTED: [(&str, Neutral); 20] = [
+    ("logit_bias", |v| {
+        v.as_object().is_some_and(|o| o.is_empty())
+    }),
+    ("min_tokens", |v| v.as_u64() == Some(0)),
+    ("ignore_eos", |v| v.as_bool() == Some(false)),
+    ("min_p", |v| v.as_f64() == Some(0.0)),
+    ("typical_p", |v| v.as_f64() == Some(1.0)),
+    ("tfs_z", |v| v.as_f64() == Some(1.0)),
+    ("mirostat", |v| v.as_u64() == Some(0)),
+    ("length_penalty", |v| v.as_f64() == Some(1.0)),
+    ("response_format", |v| v["type"] == "text"),
+    ("stop_token_ids", |v| {
+        v.as_array().is_some_and(Vec::is_empty)
+    }),
+    ("bad_words", |v| v.as_array().is_some_and(Vec::is_empty)),
+    ("allowed_token_ids", |_| false),
+    ("include_stop_str_in_output", |v| v.as_bool() == Some(false)),
+    ("use_beam_search", |v| v.as_bool() == Some(false)),
+    ("prompt_logprobs", |_| false),
+    ("guided_json", |_| false),
+    ("guided_regex", |_| false),
+    ("guided_choice", |_| false),
+    ("grammar", |v| v.as_str() == Some("")),
+    ("tool_choice", |v| v == "none" || v == "auto"),
+];
+
+/// The first field of `body` that is neither one of `allowed` nor harmless: a 400
+/// naming it (and the likeliest intended field, for a misspelling).
+pub fn check_fields(body: &Value, allowed: &[&str]) -> Result<(), ApiError> {
+    let Some(fields) = body.as_object() else {
+        return Ok(());
+    };
+    for (key, value) in fields {
+        if allowed.contains(&key.as_str()) || HARMLESS.contains(&key.as_str()) {
+            continue;
+        }
+        if let Some((_, neutral)) = UNSUPPORTED.iter().find(|(name, _)| name == key) {
+            if value.is_null() || neutral(value) {
+                continue;
+            }
+            return Err(ApiError::invalid(format!(
+                "{key} is not supported by this server (it would change the output); leave it out"
+            ))
+            .with_param(key));
+        }
+        let hint = allowed
+            .iter()
+            .map(|name| (edit_distance(key, name), name))
+            .filter(|&(d, name)| d <= 2.max(name.len() / 3))
+            .min()
+            .map_or(String::new(), |(_, name)| {
+                format!("; did you mean `{name}`?")
+            });
+        return Err(ApiError::invalid(format!("unknown field `{key}`{hint}")).with_param(key));
+    }
+    Ok(())
+}
+
+/// Levenshtein's distance between two field names.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let above = row[j + 1];
+            row[j + 1] = (above + 1)
+                .min(row[j] + 1)
+                .min(diagonal + usize::from(ca != cb));
+            diagonal = above;
+        }
+    }
+    row[b.len()]
+}
+
+/// `Json`, its rejections (bad JSON, wrong types, too large, wrong content type, a
+/// body that came too slowly) as OpenAI-shaped 4xx errors, and its fields checked
+/// against `T`'s ([`check_fields`]).
 pub struct ApiJson<T>(pub T);
 
-impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
+impl<S: Send + Sync, T: DeserializeOwned + Fields> FromRequest<S> for ApiJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        match Json::<T>::from_request(req, state).await {
-            Ok(Json(value)) => Ok(ApiJson(value)),
+        let value = match Json::<Value>::from_request(req, state).await {
+            Ok(Json(value)) => value,
             // OpenAI answers a body of the wrong shape with 400, as any bad request.
             Err(rejection) => {
+                // A body that missed its deadlines (serve::conn): 408, and the
+                // connection closes (its body was not read to the end).
+                if let Some(late) = late_body(&rejection) {
+                    return Err(ApiError::new(StatusCode::REQUEST_TIMEOUT, late));
+                }
                 let status = match rejection.status() {
                     StatusCode::UNPROCESSABLE_ENTITY => StatusCode::BAD_REQUEST,
                     other => other,
                 };
-                Err(ApiError::new(status, rejection.body_text()))
+                return Err(ApiError::new(status, rejection.body_text()));
             }
+        };
+        check_fields(&value, T::FIELDS)?;
+        serde_json::from_value(value)
+            .map(ApiJson)
+            .map_err(|e| ApiError::invalid(format!("the request body does not fit: {e}")))
+    }
+}
+
+/// `Path`, its rejections (a segment that is not UTF-8, ...) as OpenAI-shaped 400s.
+pub struct ApiPath<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for ApiPath<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(value)) => Ok(ApiPath(value)),
+            Err(rejection) => Err(ApiError::invalid(rejection.body_text())),
         }
     }
+}
+
+/// `Query`, its rejections (`?from=abc`) as OpenAI-shaped 400s.
+pub struct ApiQuery<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        match axum::extract::Query::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Query(value)) => Ok(ApiQuery(value)),
+            Err(rejection) => Err(ApiError::invalid(rejection.body_text())),
+        }
+    }
+}
+
+/// The deadline a body missed, if that is why it could not be read.
+fn late_body(error: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if let Some(late) = e.downcast_ref::<super::conn::BodyTimeout>() {
+            return Some(late.0.clone());
+        }
+        next = e.source();
+    }
+    None
 }

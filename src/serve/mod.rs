@@ -15,6 +15,7 @@
 
 pub mod batcher;
 pub mod chat;
+mod conn;
 pub mod error;
 pub mod metrics;
 pub mod openai;
@@ -29,7 +30,6 @@ use std::time::Duration;
 
 use anyhow::Result;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::service::TowerToHyperService;
 
 use crate::cpu::{FastDecoder, WeightFormat};
 use crate::tokenizer::Tokenizer;
@@ -71,6 +71,8 @@ pub struct AppState {
     /// Set once the model is loaded.
     pub ready: OnceLock<Ready>,
     pub stop: Stop,
+    /// The dashboard's run summaries, kept between calls.
+    pub dashboard: runs::Dashboard,
 }
 
 /// The loaded model, as the handlers see it.
@@ -131,6 +133,7 @@ pub fn serve(options: ServeOptions, stop: Stop) -> Result<()> {
         metrics: Arc::new(Metrics::default()),
         ready: OnceLock::new(),
         stop: stop.clone(),
+        dashboard: runs::Dashboard::default(),
         options,
     });
 
@@ -204,6 +207,16 @@ fn decode_thread(state: &AppState, loaded: std::sync::mpsc::Sender<Result<()>>) 
         &state.metrics,
         &state.stop,
     );
+}
+
+/// Hands freed memory back to the system after a large request (glibc keeps what a
+/// request's many small allocations freed; elsewhere nothing is done).
+pub(crate) fn give_back_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // Safety: malloc_trim only releases free memory; it may be called at any time.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// The model, ready to decode on the thread that opened it.
@@ -305,11 +318,13 @@ fn open_cuda(
 }
 
 /// Accepts connections until the stop, then lets the open ones finish (a few seconds
-/// at most: running requests end at their next token).
+/// at most: running requests end at their next token; connections that only wait on
+/// their clients are closed at once).
 async fn accept(listener: tokio::net::TcpListener, app: axum::Router, state: Arc<AppState>) {
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let permits = Arc::new(tokio::sync::Semaphore::new(state.options.max_connections));
+    let connections = conn::Connections::new(state.options.max_connections);
     let idle = Duration::from_secs(state.options.idle_timeout);
+    let deadlines = conn::Deadlines::new(idle);
     let stopped = {
         let stop = state.stop.clone();
         async move {
@@ -327,12 +342,13 @@ async fn accept(listener: tokio::net::TcpListener, app: axum::Router, state: Arc
                     tokio::time::sleep(Duration::from_millis(20)).await;
                     continue;
                 };
-                // Over the connection limit: closed at once.
-                let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
+                // Over the connection limit with every connection being answered:
+                // closed at once.
+                let Some(admitted) = connections.admit() else {
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
-                let service = TowerToHyperService::new(app.clone());
+                let service = conn::service(app.clone(), Arc::clone(&admitted.conn), deadlines);
                 let connection = hyper::server::conn::http1::Builder::new()
                     .timer(TokioTimer::new())
                     // Also bounds how long an idle kept-alive connection stays open.
@@ -340,16 +356,26 @@ async fn accept(listener: tokio::net::TcpListener, app: axum::Router, state: Arc
                     .serve_connection(TokioIo::new(stream), service);
                 let connection = graceful.watch(connection);
                 tokio::spawn(async move {
-                    let _ = connection.await;
-                    drop(permit);
+                    tokio::select! {
+                        _ = connection => {}
+                        () = admitted.conn.closed() => {}
+                    }
+                    drop(admitted);
                 });
             }
             () = &mut stopped => break,
         }
     }
     drop(listener);
+    let waiting = async {
+        loop {
+            connections.close_waiting();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
     tokio::select! {
         () = graceful.shutdown() => {}
+        _ = waiting => {}
         () = tokio::time::sleep(Duration::from_secs(5)) => {}
     }
 }

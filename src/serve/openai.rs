@@ -2,13 +2,15 @@
 //! the checks that turn a request into decoding settings (or a 400 naming the field).
 //!
 //! Fields OpenAI's clients send that change nothing here (`user`, zero penalties) are
-//! accepted; fields that would change the output but are not supported are refused.
+//! accepted; fields that would change the output but are not supported, and fields
+//! not known at all (a misspelling: `temprature`), are refused with a 400 naming them
+//! (`error::check_fields`).
 
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::batcher::{Finish, TokenLogprob};
-use super::error::ApiError;
+use super::error::{ApiError, Fields};
 use crate::generate::sample::SamplingParams;
 
 /// The sampling fields both endpoints share.
@@ -54,6 +56,30 @@ pub struct CompletionRequest {
     pub sampling: SamplingFields,
 }
 
+impl Fields for CompletionRequest {
+    const FIELDS: &'static [&'static str] = &[
+        "model",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+        "n",
+        "stop",
+        "seed",
+        "stream",
+        "stream_options",
+        "prompt",
+        "echo",
+        "logprobs",
+        "suffix",
+        "best_of",
+    ];
+}
+
 /// A prompt as OpenAI allows it: text or token ids, one or a list.
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
@@ -72,6 +98,29 @@ pub struct ChatRequest {
     pub tools: Option<Value>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
+}
+
+impl Fields for ChatRequest {
+    const FIELDS: &'static [&'static str] = &[
+        "model",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+        "n",
+        "stop",
+        "seed",
+        "stream",
+        "stream_options",
+        "messages",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+    ];
 }
 
 #[derive(Debug, Deserialize)]

@@ -42,6 +42,11 @@ const FILES: [(&str, &str, &str); 6] = [
     ),
 ];
 
+/// Whether `path` is one of the page's files.
+pub fn is_page(path: &str) -> bool {
+    FILES.iter().any(|(p, _, _)| *p == path)
+}
+
 pub fn routes() -> Router<Shared> {
     FILES
         .into_iter()

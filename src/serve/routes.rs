@@ -1,7 +1,7 @@
 //! The HTTP routes: OpenAI's completions and chat completions (streamed as server-sent
 //! events or whole), models, tokenize / detokenize, health, metrics, and the page's
 //! own (`runs`, `page`). Every route but `/health` and the page's files asks for the
-//! API key when the server has one.
+//! API key when the server has one, unknown routes too (401 before 404 or 405).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -20,7 +20,7 @@ use subtle::ConstantTimeEq;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::batcher::{Event, Job};
-use super::error::{ApiError, ApiJson};
+use super::error::{ApiError, ApiJson, Fields};
 use super::openai::{
     chat_logprobs, completion_logprobs, usage, ChatRequest, ChoiceResult, CompletionRequest,
     Limits, Prompt, Settings,
@@ -41,11 +41,7 @@ pub fn router(state: Shared) -> Router {
         .route("/metrics", get(metrics))
         .route("/api/runs", get(runs::list))
         .route("/api/runs/{name}/metrics", get(runs::metrics))
-        .route("/api/runs/{name}/sample", post(runs::sample))
-        .route_layer(middleware::from_fn_with_state(
-            Arc::clone(&state),
-            require_key,
-        ));
+        .route("/api/runs/{name}/sample", post(runs::sample));
     let open = Router::new()
         .route("/health", get(health))
         .merge(page::routes());
@@ -54,6 +50,12 @@ pub fn router(state: Shared) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.options.max_body_bytes))
+        // Over every route, unknown ones too: without the key, 401 before 404 or 405
+        // (which would tell what exists).
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            require_key,
+        ))
         .layer(middleware::from_fn_with_state(
             Arc::clone(&state),
             count_refusals,
@@ -71,8 +73,20 @@ pub fn router(state: Shared) -> Router {
     app
 }
 
+/// Whether a request may pass without the key: `GET /health` and the page's files.
+fn open_route(request: &Request) -> bool {
+    let path = request.uri().path();
+    matches!(*request.method(), Method::GET | Method::HEAD)
+        && (path == "/health" || page::is_page(path))
+}
+
 async fn require_key(State(state): State<Shared>, request: Request, next: Next) -> Response {
-    if let Some(key) = &state.options.api_key {
+    if let Some(key) = state
+        .options
+        .api_key
+        .as_ref()
+        .filter(|_| !open_route(&request))
+    {
         let given = request
             .headers()
             .get(header::AUTHORIZATION)
@@ -207,6 +221,13 @@ async fn metrics(State(state): State<Shared>) -> Response {
         .into_response()
 }
 
+/// The most text `/tokenize` takes, in bytes.
+pub const TOKENIZE_MAX_BYTES: usize = 1 << 20;
+/// The most tokens `/tokenize` returns (ids or pieces).
+pub const TOKENIZE_MAX_TOKENS: usize = 1 << 17;
+/// Texts tokenized at once (each on a blocking thread, not a request thread).
+static TOKENIZING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
+
 /// llama.cpp's `content` or vLLM's `prompt` (whose `add_special_tokens` changes
 /// nothing here: no token is added to a prompt).
 #[derive(Deserialize)]
@@ -217,31 +238,82 @@ struct TokenizeRequest {
     with_pieces: bool,
 }
 
+/// Tokenizes on a blocking thread (a long text must not hold up `/health`), at most
+/// two texts at once, and writes the answer as one string (no JSON value per token):
+/// memory for a 1 MiB text is a few times its size, given back after.
+impl Fields for TokenizeRequest {
+    const FIELDS: &'static [&'static str] = &["content", "prompt", "with_pieces"];
+}
+
 async fn tokenize(
     State(state): State<Shared>,
     ApiJson(request): ApiJson<TokenizeRequest>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let ready = state.ready()?;
-    let ids = ready
-        .tokenizer
-        .encode(&request.content)
-        .map_err(|e| ApiError::invalid(format!("content cannot be tokenized: {e:#}")))?;
-    if request.with_pieces {
-        let pieces: Vec<Value> = ids
-            .iter()
-            .map(|&id| {
-                let bytes = ready.tokenizer.token_bytes(id).unwrap_or_default();
-                json!({"id": id, "piece": String::from_utf8_lossy(&bytes)})
-            })
-            .collect();
-        return Ok(Json(json!({ "tokens": pieces })));
+    let TokenizeRequest {
+        content,
+        with_pieces,
+    } = request;
+    if content.len() > TOKENIZE_MAX_BYTES {
+        return Err(ApiError::invalid(format!(
+            "content is {} bytes; /tokenize takes at most {TOKENIZE_MAX_BYTES}: send it in parts",
+            content.len()
+        )));
     }
-    Ok(Json(json!({ "tokens": ids })))
+    let _turn = TOKENIZING
+        .acquire()
+        .await
+        .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping"))?;
+    let tokenizer = Arc::clone(&ready.tokenizer);
+    let large = content.len() > 1 << 16;
+    let body = tokio::task::spawn_blocking(move || -> Result<String, ApiError> {
+        let ids = tokenizer
+            .encode(&content)
+            .map_err(|e| ApiError::invalid(format!("content cannot be tokenized: {e:#}")))?;
+        drop(content);
+        if ids.len() > TOKENIZE_MAX_TOKENS {
+            return Err(ApiError::invalid(format!(
+                "content is {} tokens; /tokenize returns at most {TOKENIZE_MAX_TOKENS}: send it in parts",
+                ids.len()
+            )));
+        }
+        let body = if with_pieces {
+            let mut out = String::with_capacity(16 + ids.len() * 24);
+            out.push_str("{\"tokens\":[");
+            for (i, &id) in ids.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                let bytes = tokenizer.token_bytes(id).unwrap_or_default();
+                let piece = serde_json::to_string(&String::from_utf8_lossy(&bytes))
+                    .unwrap_or_else(|_| "\"\"".into());
+                out.push_str(&format!("{{\"id\":{id},\"piece\":{piece}}}"));
+            }
+            out.push_str("]}");
+            out
+        } else {
+            format!(
+                "{{\"tokens\":{}}}",
+                serde_json::to_string(&ids).unwrap_or_else(|_| "[]".into())
+            )
+        };
+        Ok(body)
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}")))??;
+    if large {
+        super::give_back_memory();
+    }
+    Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
 }
 
 #[derive(Deserialize)]
 struct DetokenizeRequest {
     tokens: Vec<u32>,
+}
+
+impl Fields for DetokenizeRequest {
+    const FIELDS: &'static [&'static str] = &["tokens"];
 }
 
 async fn detokenize(

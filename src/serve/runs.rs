@@ -1,27 +1,51 @@
 //! The dashboard's data: the run folders under `--runs`, compared as `tinygpt compare`
 //! compares them, their metrics.jsonl read incrementally while `train` appends to it,
 //! and samples from any of their checkpoints.
+//!
+//! Bounded however large the files grow: each run's summary (`tinygpt compare`'s row)
+//! is kept between calls and only the bytes appended since are read; a poll of the
+//! feed reads at most [`LINE_MAX`] bytes; a line longer than that is skipped and
+//! counted (the feed moves past it); at most [`READS_AT_ONCE`] reads run at once, on
+//! blocking threads. Only what lies under `--runs` is read: folders starting with `.`
+//! are not runs, and links that lead out of `--runs` are refused.
 
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
-use std::path::PathBuf;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::error::ApiError;
-use super::error::ApiJson;
+use super::error::{ApiError, ApiJson, ApiPath, ApiQuery, Fields};
+use super::openai::{Limits, SamplingFields};
 use super::Shared;
+use crate::checkpoint::{CONFIG_FILE, METRICS_FILE, MODEL_FILE, STATE_FILE, TOKENIZER_FILE};
 use crate::compare;
 use crate::cpu::WeightFormat;
-use crate::generate::sample::{Sampler, SamplingParams};
+use crate::generate::sample::Sampler;
 use crate::generate::{generate, DecodeMode, GenerateOptions, Model};
 
-/// Metrics bytes one poll returns at most (the page asks again for the rest).
-const METRICS_CHUNK: u64 = 4 << 20;
+/// The longest metrics line read (longer ones are skipped and counted), and the most
+/// one poll of a run's feed reads.
+pub const LINE_MAX: usize = 4 << 20;
+/// Dashboard reads (the list, a feed's poll) running at once; the rest wait.
+pub const READS_AT_ONCE: usize = 2;
+static READING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(READS_AT_ONCE);
+/// Throughput readings a summary keeps for its median (evenly spaced over the run).
+const RATES_KEPT: usize = 4096;
+/// The largest config.toml read.
+const CONFIG_MAX: u64 = 1 << 20;
+
+/// What the dashboard keeps between calls: each run's summary so far.
+#[derive(Default)]
+pub struct Dashboard {
+    summaries: Mutex<HashMap<PathBuf, Summary>>,
+}
 
 fn runs_dir(state: &Shared) -> Result<&PathBuf, ApiError> {
     state.options.runs.as_ref().ok_or_else(|| {
@@ -32,70 +56,374 @@ fn runs_dir(state: &Shared) -> Result<&PathBuf, ApiError> {
     })
 }
 
-/// The run folder `name` names (one folder under --runs, nothing else).
-fn run_dir(state: &Shared, name: &str) -> Result<PathBuf, ApiError> {
-    let root = runs_dir(state)?;
-    let plain = !name.is_empty()
-        && name != "."
-        && name != ".."
-        && !name.contains(['/', '\\'])
-        && !name.starts_with('.');
-    let dir = root.join(name);
-    if !plain || !dir.is_dir() {
-        return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!("no run `{name}` under {}", root.display()),
-        ));
-    }
-    Ok(dir)
+/// `path` followed through its links, if it lies under `root` (canonical); None if
+/// it does not exist or leads elsewhere.
+fn within(root: &Path, path: &Path) -> Option<PathBuf> {
+    let real = path.canonicalize().ok()?;
+    real.starts_with(root).then_some(real)
 }
 
-/// Folders under --runs that hold a run (metrics.jsonl or config.toml).
-fn run_folders(root: &std::path::Path) -> Vec<PathBuf> {
+/// Whether `path` exists (as itself: a link counts, wherever it leads).
+fn present(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok()
+}
+
+/// --runs, canonical: what every path read must lie under.
+fn root_of(state: &Shared) -> Result<(PathBuf, PathBuf), ApiError> {
+    let root = runs_dir(state)?.clone();
+    let real = root.canonicalize().map_err(|_| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "the --runs folder is gone; restart the server with another",
+        )
+    })?;
+    Ok((root, real))
+}
+
+/// `message` without the server's --runs path (a client need not learn where it is).
+fn hide_root(message: &str, root: &Path, real: &Path) -> String {
+    let mut message = message.replace(&real.display().to_string(), "--runs");
+    if root.is_absolute() {
+        message = message.replace(&root.display().to_string(), "--runs");
+    }
+    message
+}
+
+/// The run folder `name` names (one folder under --runs, not hidden, not a link out).
+fn run_dir(state: &Shared, name: &str) -> Result<(PathBuf, PathBuf), ApiError> {
+    let (root, real) = root_of(state)?;
+    let plain = !name.is_empty() && !name.contains(['/', '\\']) && !name.starts_with('.');
+    let dir = root.join(name);
+    if !plain || !within(&real, &dir).is_some_and(|d| d.is_dir()) {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("no run `{name}` (the runs are the folders under --runs: GET /api/runs)"),
+        ));
+    }
+    Ok((dir, real))
+}
+
+/// Folders under --runs that hold a run (metrics.jsonl or config.toml): not hidden,
+/// not leading out of it.
+fn run_folders(root: &Path, real: &Path) -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(root)
         .into_iter()
         .flatten()
         .flatten()
+        .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
         .map(|e| e.path())
         .filter(|p| {
-            p.is_dir()
-                && (p.join(crate::checkpoint::METRICS_FILE).exists()
-                    || p.join(crate::checkpoint::CONFIG_FILE).exists())
+            within(real, p).is_some_and(|d| d.is_dir())
+                && (present(&p.join(METRICS_FILE)) || present(&p.join(CONFIG_FILE)))
         })
         .collect();
     dirs.sort();
     dirs
 }
 
+/// Where a read of whole lines stopped.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct Lines {
+    /// Where the next read begins.
+    pub next: u64,
+    /// Lines longer than [`LINE_MAX`], skipped.
+    pub skipped: u64,
+    /// Whether `next` is inside such a line (the rest of it is skipped too).
+    pub skipping: bool,
+}
+
+/// Reads whole lines of `file` from byte `from` (inside a skipped line if `skipping`),
+/// at most `budget` bytes, and hands each to `each`; a line longer than [`LINE_MAX`]
+/// is skipped and counted. A line not yet ended is left for the next read.
+pub fn read_lines(
+    file: &mut File,
+    from: u64,
+    budget: u64,
+    mut skipping: bool,
+    mut each: impl FnMut(&[u8]),
+) -> std::io::Result<Lines> {
+    let len = file.metadata()?.len();
+    let mut lines = Lines {
+        next: from,
+        skipped: 0,
+        skipping,
+    };
+    if len <= from {
+        return Ok(lines);
+    }
+    file.seek(SeekFrom::Start(from))?;
+    // Zeroed pages cost nothing until read into.
+    let size = LINE_MAX.min(usize::try_from(len - from).unwrap_or(LINE_MAX));
+    let mut buffer = vec![0u8; size.max(1)];
+    let (mut filled, mut read) = (0usize, 0u64);
+    while read < budget {
+        let want =
+            (buffer.len() - filled).min(usize::try_from(budget - read).unwrap_or(usize::MAX));
+        let n = file.read(&mut buffer[filled..filled + want])?;
+        if n == 0 {
+            break;
+        }
+        read += n as u64;
+        filled += n;
+        let mut start = 0;
+        while let Some(end) = buffer[start..filled].iter().position(|&b| b == b'\n') {
+            if skipping {
+                skipping = false;
+            } else {
+                each(&buffer[start..start + end]);
+            }
+            start += end + 1;
+        }
+        lines.next += start as u64;
+        buffer.copy_within(start..filled, 0);
+        filled -= start;
+        if filled == LINE_MAX {
+            // A line longer than the buffer: dropped, and the rest of it after.
+            if !skipping {
+                lines.skipped += 1;
+                skipping = true;
+            }
+            lines.next += filled as u64;
+            filled = 0;
+        }
+        if filled == buffer.len() {
+            // The buffer was sized to the file, which grew meanwhile: the rest waits.
+            break;
+        }
+    }
+    lines.skipping = skipping;
+    Ok(lines)
+}
+
+/// A run's `tinygpt compare` row, kept as its metrics.jsonl grows.
+#[derive(Default)]
+struct Summary {
+    /// The file read (device, inode), and how far.
+    file: Option<(u64, u64)>,
+    lines: Lines,
+    steps: usize,
+    /// (step, loss) of the best validation loss (the first of equals).
+    best_val: Option<(f64, f64)>,
+    /// (step, seconds) of the last step logged with its time.
+    wall: Option<(f64, f64)>,
+    /// Every `stride`-th throughput reading, for the median.
+    rates: Vec<f64>,
+    stride: usize,
+    seen: usize,
+}
+
+impl Summary {
+    /// Takes one record in, as `compare::Run::read` and `rows` do for the whole file.
+    fn add(&mut self, record: &Value) {
+        let Some(step) = record["step"].as_f64() else {
+            return;
+        };
+        if record["loss"].as_f64().is_some() {
+            self.steps = self.steps.max(step as usize);
+        }
+        if let (Some(_), Some(val)) = (record["train_loss"].as_f64(), record["val_loss"].as_f64()) {
+            self.steps = self.steps.max(step as usize);
+            if self
+                .best_val
+                .is_none_or(|(_, best)| val.total_cmp(&best).is_lt())
+            {
+                self.best_val = Some((step, val));
+            }
+        }
+        let Some(seconds) = record["elapsed_s"].as_f64() else {
+            return;
+        };
+        if self.wall.is_none_or(|(last, _)| step >= last) {
+            self.wall = Some((step, seconds));
+        }
+        if let Some(rate) = record["tokens_per_s"].as_f64() {
+            self.stride = self.stride.max(1);
+            if self.seen.is_multiple_of(self.stride) {
+                self.rates.push(rate);
+                if self.rates.len() > RATES_KEPT {
+                    let mut i = 0;
+                    self.rates.retain(|_| {
+                        i += 1;
+                        i % 2 == 1
+                    });
+                    self.stride *= 2;
+                }
+            }
+            self.seen += 1;
+        }
+    }
+
+    /// Reads what was appended to `path` since the last call (all of it if the file
+    /// was replaced or shrank); the bytes read.
+    fn update(&mut self, path: &Path) -> u64 {
+        let Ok(mut file) = File::open(path) else {
+            *self = Self::default();
+            return 0;
+        };
+        let Ok(meta) = file.metadata() else { return 0 };
+        if !meta.is_file() {
+            *self = Self::default();
+            return 0;
+        }
+        #[cfg(unix)]
+        let identity = {
+            use std::os::unix::fs::MetadataExt;
+            (meta.dev(), meta.ino())
+        };
+        #[cfg(not(unix))]
+        let identity = (0, 0);
+        if self.file != Some(identity) || meta.len() < self.lines.next {
+            *self = Self {
+                file: Some(identity),
+                ..Self::default()
+            };
+        }
+        let Lines {
+            next,
+            skipped,
+            skipping,
+        } = self.lines;
+        let read = read_lines(&mut file, next, u64::MAX, skipping, |line| {
+            if let Ok(record) = serde_json::from_str::<Value>(&String::from_utf8_lossy(line)) {
+                self.add(&record);
+            }
+        });
+        if let Ok(lines) = read {
+            self.lines = Lines {
+                skipped: skipped + lines.skipped,
+                ..lines
+            };
+        }
+        self.lines.next.saturating_sub(next)
+    }
+
+    fn median_rate(&self) -> Option<f64> {
+        let mut v: Vec<f64> = self
+            .rates
+            .iter()
+            .copied()
+            .filter(|x| x.is_finite())
+            .collect();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        Some(v[v.len() / 2])
+    }
+}
+
+/// A run's settings and parameter count from its config.toml (none before its first
+/// checkpoint); an error names the file only by its name.
+fn read_settings(
+    dir: &Path,
+    real: &Path,
+) -> Result<(BTreeMap<String, String>, Option<usize>), String> {
+    let path = dir.join(CONFIG_FILE);
+    let Some(path) = within(real, &path).filter(|p| p.is_file()) else {
+        if present(&path) && within(real, &path).is_none() {
+            return Err(format!("{CONFIG_FILE} leads out of --runs; refused"));
+        }
+        return Ok((BTreeMap::new(), None));
+    };
+    let mut text = String::new();
+    let read = File::open(&path).and_then(|f| f.take(CONFIG_MAX).read_to_string(&mut text));
+    if read.is_err() {
+        return Ok((BTreeMap::new(), None));
+    }
+    let config = crate::config::Config::from_toml_str(&text, &[])
+        .and_then(|c| c.validate().map(|()| c))
+        .map_err(|e| format!("{CONFIG_FILE}: {e:#}"))?;
+    let parameters = crate::model::ModelSpec::new(&config.model).len();
+    Ok((compare::flatten(&config), Some(parameters)))
+}
+
 /// `GET /api/runs`: each run's row of `tinygpt compare` (what differs, steps, best
 /// validation loss, speed), and whether it has a checkpoint to sample.
 pub async fn list(State(state): State<Shared>) -> Result<Json<Value>, ApiError> {
-    let root = runs_dir(&state)?.clone();
+    let (root, real) = root_of(&state)?;
+    let _turn = READING
+        .acquire()
+        .await
+        .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping"))?;
+    let shared = Arc::clone(&state);
     let listed = tokio::task::spawn_blocking(move || {
-        let dirs = run_folders(&root);
+        let dirs = run_folders(&root, &real);
+        let mut summaries = shared
+            .dashboard
+            .summaries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        summaries.retain(|dir, _| dirs.contains(dir));
         // A folder that cannot be read (being written, broken) is listed as such.
         let mut runs = Vec::new();
         let mut unreadable = Vec::new();
+        let mut read = 0;
         for dir in &dirs {
-            match compare::Run::read(dir) {
-                Ok(run) => runs.push(run),
-                Err(e) => unreadable.push(json!({
-                    "run": dir.file_name().map(|n| n.to_string_lossy().into_owned()),
-                    "error": format!("{e:#}"),
-                })),
+            let name = dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let settings = match read_settings(dir, &real) {
+                Ok(settings) => settings,
+                Err(e) => {
+                    unreadable.push(json!({"run": name, "error": hide_root(&e, &root, &real)}));
+                    continue;
+                }
+            };
+            let summary = summaries.entry(dir.clone()).or_default();
+            let metrics = dir.join(METRICS_FILE);
+            match within(&real, &metrics) {
+                Some(path) => read += summary.update(&path),
+                None if present(&metrics) => {
+                    unreadable.push(json!({"run": name, "error": format!("{METRICS_FILE} leads out of --runs; refused")}));
+                    continue;
+                }
+                None => *summary = Summary::default(),
             }
+            let checkpoint = within(&real, &dir.join(STATE_FILE)).is_some();
+            let summed = (
+                summary.steps,
+                summary.best_val,
+                summary.median_rate(),
+                summary.wall,
+                summary.lines.skipped,
+            );
+            runs.push((name, settings, checkpoint, summed));
         }
-        let rows = compare::rows(&runs);
-        let rows: Vec<Value> = rows
+        let with_config: Vec<BTreeMap<String, String>> = runs
             .iter()
-            .zip(&runs)
-            .map(|(row, run)| {
-                let mut value = serde_json::to_value(row).unwrap_or(Value::Null);
-                value["label"] = compare::label(row).into();
-                value["checkpoint"] = run.dir.join(crate::checkpoint::STATE_FILE).exists().into();
+            .filter(|r| !r.1 .0.is_empty())
+            .map(|r| r.1 .0.clone())
+            .collect();
+        let differing = compare::differing_keys(&with_config);
+        let rows: Vec<Value> = runs
+            .iter()
+            .map(|(name, (settings, parameters), checkpoint, summed)| {
+                let (steps, best_val, rate, wall, skipped) = *summed;
+                let row = compare::Row {
+                    run: name.clone(),
+                    differs: if settings.is_empty() {
+                        Vec::new()
+                    } else {
+                        compare::describe(settings, &differing)
+                    },
+                    parameters: *parameters,
+                    steps,
+                    best_val_loss: best_val.map(|b| b.1),
+                    best_val_step: best_val.map(|b| b.0 as usize),
+                    tokens_per_s: rate,
+                    wall_s: wall.map(|w| w.1),
+                };
+                let mut value = serde_json::to_value(&row).unwrap_or(Value::Null);
+                value["label"] = compare::label(&row).into();
+                value["checkpoint"] = (*checkpoint).into();
+                value["skipped_lines"] = skipped.into();
                 value
             })
             .collect();
+        if read > 1 << 20 {
+            super::give_back_memory();
+        }
         json!({ "runs": rows, "unreadable": unreadable })
     })
     .await
@@ -110,104 +438,182 @@ pub struct From {
 }
 
 /// `GET /api/runs/{name}/metrics?from=BYTES`: the records appended since byte `from`,
-/// and where to ask from next. Only whole lines are read, so a record being written is
-/// read next time.
+/// where to ask from next, and how many lines were skipped (longer than [`LINE_MAX`]).
+/// Only whole lines are read, so a record being written is read next time; a run
+/// whose metrics.jsonl is missing or not a file has none yet.
 pub async fn metrics(
     State(state): State<Shared>,
-    Path(name): Path<String>,
-    Query(from): Query<From>,
+    ApiPath(name): ApiPath<String>,
+    ApiQuery(from): ApiQuery<From>,
 ) -> Result<Json<Value>, ApiError> {
-    let path = run_dir(&state, &name)?.join(crate::checkpoint::METRICS_FILE);
-    let read = tokio::task::spawn_blocking(move || -> std::io::Result<(u64, Vec<Value>)> {
-        let mut file = match std::fs::File::open(&path) {
+    let (dir, real) = run_dir(&state, &name)?;
+    let path = dir.join(METRICS_FILE);
+    let path = match within(&real, &path) {
+        Some(path) => path,
+        None if present(&path) => {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!("run `{name}`'s {METRICS_FILE} leads out of --runs; refused"),
+            ))
+        }
+        None => return Ok(Json(json!({ "next": 0, "records": [], "skipped": 0 }))),
+    };
+    let _turn = READING
+        .acquire()
+        .await
+        .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping"))?;
+    let read = tokio::task::spawn_blocking(move || -> std::io::Result<(Lines, Vec<Value>)> {
+        let mut file = match File::open(&path) {
             Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((0, Vec::new())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok((Lines::default(), Vec::new()))
+            }
             Err(e) => return Err(e),
         };
-        let len = file.metadata()?.len();
+        let meta = file.metadata()?;
+        if !meta.is_file() {
+            return Ok((Lines::default(), Vec::new()));
+        }
         // A run started over (the file shrank): read it from the start.
-        let from = if from.from > len { 0 } else { from.from };
-        file.seek(SeekFrom::Start(from))?;
-        let mut bytes = Vec::new();
-        file.take(METRICS_CHUNK).read_to_end(&mut bytes)?;
-        let whole = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
-        let records = String::from_utf8_lossy(&bytes[..whole])
-            .lines()
-            .filter_map(|l| serde_json::from_str(l).ok())
-            .collect();
-        Ok((from + whole as u64, records))
+        let from = if from.from > meta.len() { 0 } else { from.from };
+        // Inside a line (after one too long to read): the rest of it is skipped.
+        let mut inside = false;
+        if from > 0 {
+            let mut byte = [0u8];
+            file.seek(SeekFrom::Start(from - 1))?;
+            file.read_exact(&mut byte)?;
+            inside = byte[0] != b'\n';
+        }
+        let mut records = Vec::new();
+        let lines = read_lines(&mut file, from, LINE_MAX as u64, inside, |line| {
+            if let Ok(record) = serde_json::from_str(&String::from_utf8_lossy(line)) {
+                records.push(record);
+            }
+        })?;
+        Ok((lines, records))
     })
     .await
     .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}")))?
     .map_err(|e| {
         ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("reading {name}'s metrics: {e}"),
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "run `{name}`'s {METRICS_FILE} cannot be read now ({}); try again",
+                e.kind()
+            ),
         )
     })?;
-    Ok(Json(json!({ "next": read.0, "records": read.1 })))
+    Ok(Json(
+        json!({ "next": read.0.next, "records": read.1, "skipped": read.0.skipped }),
+    ))
 }
 
+/// A sample's prompt, and completions' sampling fields (checked as completions
+/// checks them: the same bounds; `model`, if given, is the run's name).
 #[derive(Deserialize)]
 pub struct SampleRequest {
     #[serde(default)]
     prompt: String,
-    max_tokens: Option<usize>,
-    temperature: Option<f64>,
-    seed: Option<u64>,
+    #[serde(flatten)]
+    sampling: SamplingFields,
 }
 
+impl Fields for SampleRequest {
+    const FIELDS: &'static [&'static str] = &[
+        "prompt",
+        "model",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+        "n",
+        "stop",
+        "seed",
+    ];
+}
+
+/// The most tokens a dashboard sample draws (it decodes on its own, beside the batcher).
+pub const SAMPLE_MAX_TOKENS: usize = 1000;
+
 /// `POST /api/runs/{name}/sample`: a short sample from the run's latest checkpoint
-/// (opened mapped for this request; one at a time beside the served model).
+/// (opened for this request, its hash checked as `generate` checks it; one at a time
+/// beside the served model).
 pub async fn sample(
     State(state): State<Shared>,
-    Path(name): Path<String>,
-    ApiJson(request): ApiJson<SampleRequest>,
+    ApiPath(name): ApiPath<String>,
+    ApiJson(mut request): ApiJson<SampleRequest>,
 ) -> Result<Json<Value>, ApiError> {
-    let dir = run_dir(&state, &name)?;
-    if !dir.join(crate::checkpoint::STATE_FILE).exists() {
+    let (dir, real) = run_dir(&state, &name)?;
+    if !present(&dir.join(STATE_FILE)) {
         return Err(ApiError::invalid(format!(
             "run `{name}` has no checkpoint yet (it writes one every checkpoint_interval steps)"
         )));
     }
-    let max_tokens = request.max_tokens.unwrap_or(200);
-    if !(1..=1000).contains(&max_tokens) {
-        return Err(ApiError::invalid("max_tokens must be 1 to 1000"));
+    let run = crate::checkpoint::RunDir::new(&dir);
+    for file in [
+        run.file(STATE_FILE),
+        run.file(CONFIG_FILE),
+        run.file(TOKENIZER_FILE),
+        run.file(MODEL_FILE),
+        run.next_file(MODEL_FILE),
+    ] {
+        if present(&file) && within(&real, &file).is_none() {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "run `{name}`'s {} leads out of --runs; refused",
+                    file.file_name().unwrap_or_default().to_string_lossy()
+                ),
+            ));
+        }
     }
-    let params = SamplingParams {
-        temperature: request.temperature.unwrap_or(0.8),
-        ..SamplingParams::default()
+    let limits = Limits {
+        max_n: 1,
+        max_tokens: SAMPLE_MAX_TOKENS.min(state.options.max_tokens),
+        min_tokens: 1,
+        default_max_tokens: 200,
     };
-    params
-        .validate()
-        .map_err(|e| ApiError::invalid(format!("{e:#}")))?;
+    request.sampling.temperature = request.sampling.temperature.or(Some(0.8));
+    let settings = request.sampling.settings(&name, &limits)?;
+    if settings.stream {
+        return Err(ApiError::invalid(
+            "stream is not supported here: a sample is answered whole",
+        ));
+    }
     static ONE_AT_A_TIME: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
     let _turn = ONE_AT_A_TIME
         .acquire()
         .await
         .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping"))?;
     let stop = state.stop.clone();
-    let seed = request.seed.unwrap_or_else(rand::random);
+    let (seed, prompt_text) = (settings.seed, request.prompt);
+    let root = runs_dir(&state)?.clone();
     let text = tokio::task::spawn_blocking(move || -> anyhow::Result<String> {
-        let opened = crate::mapped::open_for_decoding(&dir, WeightFormat::F32)?;
+        let mut opened = crate::mapped::open_for_decoding(&dir, WeightFormat::F32)?;
+        // As generate: a checkpoint whose bytes do not match state.json's hash is refused.
+        opened.verification.wait()?;
         let tokenizer = &opened.tokenizer;
         let block = opened.config.model.block_size;
-        let mut prompt = if request.prompt.is_empty() {
+        let mut prompt = if prompt_text.is_empty() {
             tokenizer.empty_prompt().ok_or_else(|| {
                 anyhow::anyhow!(
                     "the prompt is empty and this vocabulary has no token to start from"
                 )
             })?
         } else {
-            tokenizer.encode(&request.prompt)?
+            tokenizer.encode(&prompt_text)?
         };
         if prompt.len() > block {
             prompt.drain(..prompt.len() - block);
         }
-        let mut samplers = [Sampler::new(params, seed)?];
+        let mut samplers = [Sampler::new(settings.params, seed)?];
         let options = GenerateOptions {
-            max_new_tokens: max_tokens,
-            stop: Vec::new(),
+            max_new_tokens: settings.max_tokens,
+            stop: settings.stop,
             mode: DecodeMode::Fast,
             weights: WeightFormat::F32,
             cancel: stop,
@@ -229,6 +635,6 @@ pub async fn sample(
     })
     .await
     .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}")))?
-    .map_err(|e| ApiError::invalid(format!("sampling {name}: {e:#}")))?;
+    .map_err(|e| ApiError::invalid(hide_root(&format!("sampling {name}: {e:#}"), &root, &real)))?;
     Ok(Json(json!({ "run": name, "seed": seed, "text": text })))
 }
