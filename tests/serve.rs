@@ -4,134 +4,15 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
 mod common;
 use common::{succeeds, tinygpt};
-
-/// A folder with a tiny trained char model in checkpoints/exp.
-fn trained() -> tempfile::TempDir {
-    let text = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\nThe slings and arrows of outrageous fortune,\nUser: Who is there?\n\nAssistant: Nay, answer me.\n\n".repeat(60);
-    let dir = common::char_experiment(
-        &text,
-        "n_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32",
-        "batch_size = 8\nmax_iters = 40\nwarmup_iters = 2\neval_interval = 20\neval_iters = 1\ncheckpoint_interval = 20",
-    );
-    succeeds(dir.path(), &["train", "--config", "exp.toml"]);
-    dir
-}
-
-/// The server, started on a free port; killed when dropped.
-struct Server {
-    child: Child,
-    base: String,
-    log: std::sync::Arc<std::sync::Mutex<String>>,
-}
-
-impl Server {
-    fn start(dir: &Path, extra: &[&str]) -> Server {
-        Self::start_with(dir, extra, &[])
-    }
-
-    fn start_with(dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tinygpt"))
-            .args(["serve", "--checkpoint", "checkpoints/exp", "--port", "0"])
-            .args(extra)
-            .envs(env.iter().copied())
-            .current_dir(dir)
-            .stderr(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
-        let stderr = child.stderr.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-        let log_w = std::sync::Arc::clone(&log);
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                log_w.lock().unwrap().push_str(&format!("{line}\n"));
-                if let Some(at) = line.find("at http://") {
-                    let url = line[at + 3..].split_whitespace().next().unwrap();
-                    let _ = tx.send(url.trim_end_matches('/').to_string());
-                }
-            }
-        });
-        let base = rx
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|_| {
-                panic!("the server said where it listens: {}", log.lock().unwrap())
-            });
-        Server { child, base, log }
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-
-    fn signal(&self, signal: i32) {
-        // Safety: sends a signal to our own child process.
-        unsafe { libc::kill(self.child.id() as i32, signal) };
-    }
-
-    /// Waits for the exit; its code (128 + signal for a polite stop).
-    fn wait(&mut self, limit: Duration) -> Option<i32> {
-        let started = Instant::now();
-        while started.elapsed() < limit {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status.code();
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn agent() -> ureq::Agent {
-    ureq::Agent::new_with_config(
-        ureq::config::Config::builder()
-            .http_status_as_error(false)
-            .build(),
-    )
-}
-
-/// POSTs JSON text; (status, body as JSON).
-fn post(url: &str, body: &str) -> (u16, Value) {
-    post_with(url, body, &[])
-}
-
-fn post_with(url: &str, body: &str, headers: &[(&str, &str)]) -> (u16, Value) {
-    let mut request = agent().post(url).header("content-type", "application/json");
-    for (k, v) in headers {
-        request = request.header(*k, *v);
-    }
-    let mut response = request.send(body).unwrap();
-    let status = response.status().as_u16();
-    let text = response.body_mut().read_to_string().unwrap();
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-    )
-}
-
-fn get(url: &str, headers: &[(&str, &str)]) -> (u16, String) {
-    let mut request = agent().get(url);
-    for (k, v) in headers {
-        request = request.header(*k, *v);
-    }
-    let mut response = request.call().unwrap();
-    let status = response.status().as_u16();
-    (status, response.body_mut().read_to_string().unwrap())
-}
+#[path = "common/server.rs"]
+mod server;
+use server::{agent, get, post, post_with, trained, Server};
 
 /// A streamed request's `data:` payloads, in order.
 fn stream(url: &str, body: &Value) -> Vec<String> {
