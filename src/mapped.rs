@@ -16,6 +16,9 @@
 //!
 //! Mapping is safe against training's own checkpoints: they replace a file by renaming
 //! a new one over it, so the mapped bytes (the old file) never change underneath.
+//! Another process that truncates the file in place takes the mapped pages away; the
+//! next read of them raises SIGBUS, which [`sigbus`] turns into a one-line error naming
+//! the file (exit 2) instead of a crash.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -100,6 +103,8 @@ pub fn open_for_decoding(dir: &Path, format: WeightFormat) -> Result<ForDecoding
         Arc::new(unsafe { options.map(&file) }.map_err(|e| {
             crate::error::user_error(format!("cannot map {}: {e}", path.display()))
         })?);
+    #[cfg(unix)]
+    sigbus::watch(map.as_ptr() as usize, map.len(), &path);
     let mut verification = verify(&run, &path, &file, &map, digest);
     let shown = path.display().to_string();
     let weights = match read_weights(&spec, &map, format, &shown) {
@@ -297,4 +302,95 @@ fn read_weights(
                 .to_vec1()?,
         ))
     })
+}
+
+/// A mapped checkpoint truncated underneath: SIGBUS on the next read of the pages it
+/// lost. The handler knows the mapped ranges (the last [`sigbus::SLOTS`] mapped) and,
+/// for a fault inside one, writes one line naming its file and exits 2; a fault
+/// elsewhere goes to the handler that was there before (Rust's own, or the default).
+#[cfg(unix)]
+pub mod sigbus {
+    use std::path::Path;
+    use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+    use std::sync::OnceLock;
+
+    /// Mapped ranges remembered.
+    pub const SLOTS: usize = 16;
+    const MESSAGE: usize = 640;
+
+    static STARTS: [AtomicUsize; SLOTS] = [const { AtomicUsize::new(0) }; SLOTS];
+    static LENS: [AtomicUsize; SLOTS] = [const { AtomicUsize::new(0) }; SLOTS];
+    static MESSAGE_LENS: [AtomicUsize; SLOTS] = [const { AtomicUsize::new(0) }; SLOTS];
+    static MESSAGES: [[AtomicU8; MESSAGE]; SLOTS] =
+        [const { [const { AtomicU8::new(0) }; MESSAGE] }; SLOTS];
+    static REGISTERED: AtomicUsize = AtomicUsize::new(0);
+    /// The handler before ours (zeroed: none was read).
+    static PREVIOUS: OnceLock<libc::sigaction> = OnceLock::new();
+
+    /// Remembers `len` bytes at `start` as the mapping of `path`, and installs the
+    /// handler (once).
+    pub fn watch(start: usize, len: usize, path: &Path) {
+        install();
+        let line = format!(
+            "error: {} was truncated or rewritten in place while in use (by another process; training replaces a checkpoint by renaming a new file over it, which is safe); run again once the file is whole\n",
+            path.display()
+        );
+        let bytes = line.as_bytes();
+        let bytes = &bytes[..bytes.len().min(MESSAGE)];
+        let slot = REGISTERED.fetch_add(1, Ordering::AcqRel) % SLOTS;
+        LENS[slot].store(0, Ordering::Release);
+        for (cell, &b) in MESSAGES[slot].iter().zip(bytes) {
+            cell.store(b, Ordering::Relaxed);
+        }
+        MESSAGE_LENS[slot].store(bytes.len(), Ordering::Relaxed);
+        STARTS[slot].store(start, Ordering::Relaxed);
+        LENS[slot].store(len, Ordering::Release);
+    }
+
+    fn install() {
+        PREVIOUS.get_or_init(|| {
+            // Safety: sigaction with a handler that only reads atomics, writes to
+            // stderr and exits, or restores the previous action.
+            unsafe {
+                let mut action: libc::sigaction = std::mem::zeroed();
+                action.sa_sigaction = handler as *const () as usize;
+                action.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+                libc::sigemptyset(&mut action.sa_mask);
+                let mut previous: libc::sigaction = std::mem::zeroed();
+                libc::sigaction(libc::SIGBUS, &action, &mut previous);
+                previous
+            }
+        });
+    }
+
+    extern "C" fn handler(_: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
+        // Safety: the kernel hands a valid siginfo_t to an SA_SIGINFO handler.
+        let address = unsafe { (*info).si_addr() } as usize;
+        let registered = REGISTERED.load(Ordering::Acquire);
+        // The newest mapping first: an old range may have been unmapped and reused.
+        for k in 0..registered.min(SLOTS) {
+            let slot = (registered - 1 - k) % SLOTS;
+            let len = LENS[slot].load(Ordering::Acquire);
+            let start = STARTS[slot].load(Ordering::Relaxed);
+            if len == 0 || address < start || address - start >= len {
+                continue;
+            }
+            let mut line = [0u8; MESSAGE];
+            let n = MESSAGE_LENS[slot].load(Ordering::Relaxed).min(MESSAGE);
+            for (out, cell) in line.iter_mut().zip(&MESSAGES[slot]).take(n) {
+                *out = cell.load(Ordering::Relaxed);
+            }
+            // Safety: write(2) and _exit(2) are async-signal-safe.
+            unsafe {
+                libc::write(2, line.as_ptr().cast(), n);
+                libc::_exit(crate::error::exit_code::USER);
+            }
+        }
+        // Not a mapped checkpoint: the previous handler takes the fault when the
+        // access repeats.
+        if let Some(previous) = PREVIOUS.get() {
+            // Safety: restores the action that was installed before ours.
+            unsafe { libc::sigaction(libc::SIGBUS, previous, std::ptr::null_mut()) };
+        }
+    }
 }

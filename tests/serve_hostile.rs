@@ -481,3 +481,91 @@ fn unknown_and_unsupported_fields_are_refused_by_name() {
     let (status, _) = get(&server.url("/health"), &[]);
     assert_eq!(status, 200);
 }
+
+/// A checkpoint truncated in place by another process while mapped (generate's and
+/// serve's CPU decoders read the weights where they lie): a one-line error naming the
+/// file and exit 2, where the process died of SIGBUS before.
+#[test]
+fn a_checkpoint_truncated_while_mapped_is_a_one_line_error() {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    let dir = trained();
+    let model = dir.path().join("checkpoints/exp/model.safetensors");
+    let whole = std::fs::read(&model).unwrap();
+    let truncate = || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&model)
+            .unwrap()
+            .set_len(0)
+            .unwrap()
+    };
+    let one_line = |stderr: &str| {
+        let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+        assert_eq!(errors.len(), 1, "{stderr}");
+        assert!(
+            errors[0].contains("model.safetensors was truncated"),
+            "{stderr}"
+        );
+        assert!(
+            !stderr.contains("panicked") && !stderr.contains("SIGBUS"),
+            "{stderr}"
+        );
+    };
+
+    let mut generate = Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+        .args([
+            "generate",
+            "--checkpoint",
+            "checkpoints/exp",
+            "--prompt",
+            "To",
+        ])
+        .args(["--max-new-tokens", "100000000", "--seed", "1"])
+        .current_dir(dir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Truncated once it is generating.
+    let mut stdout = std::io::BufReader::new(generate.stdout.take().unwrap());
+    let mut first = Vec::new();
+    stdout.read_until(b' ', &mut first).unwrap();
+    truncate();
+    let reader = std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = generate.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(20) {
+            let _ = generate.kill();
+            panic!("generate went on after its checkpoint was truncated");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let _ = reader.join();
+    let mut stderr = String::new();
+    generate
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    assert_eq!(status.code(), Some(2), "{status:?}: {stderr}");
+    one_line(&stderr);
+
+    // The served model, truncated under the server: the same line, exit 2.
+    std::fs::write(&model, &whole).unwrap();
+    let mut server = Server::start(dir.path(), &["--device", "cpu"]);
+    let unloaded = completion_time(&server);
+    assert!(unloaded < Duration::from_secs(5));
+    truncate();
+    let _ = server::agent()
+        .post(&server.url("/v1/completions"))
+        .header("content-type", "application/json")
+        .send(r#"{"prompt": "To", "max_tokens": 5}"#);
+    assert_eq!(server.wait(Duration::from_secs(20)), Some(2));
+    let log = server.log.lock().unwrap().clone();
+    one_line(&log);
+}
