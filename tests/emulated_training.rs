@@ -89,3 +89,47 @@ fn the_emulated_cuda_engine_trains_and_resumes_exactly() {
     let (start, end) = (straight.0[0].1, straight.0[11].1);
     assert!(end < start, "it learns: {start} -> {end}");
 }
+
+/// bf16 products read bf16 copies of their operands (the weights' copy rounded again
+/// after each update, each product's inputs rounded first): the same numbers as
+/// products that round f32 operands on the fly (`TINYGPT_CUDA_BF16_OPERANDS=0`), so
+/// the two runs agree bit for bit, losses and weights.
+#[test]
+fn bf16_operand_copies_train_as_rounding_on_the_fly() {
+    if !emulated() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let run = |name: &str, copies: &str| {
+        std::env::set_var("TINYGPT_CUDA_BF16_OPERANDS", copies);
+        let mut cfg = config(dir.path());
+        cfg.run.name = name.into();
+        cfg.train.dtype = tinygpt::config::Precision::Bf16;
+        let trainer = Trainer::new(cfg.clone(), false).unwrap();
+        let engine = trainer.engine_name().to_string();
+        drop(trainer);
+        let mut losses = Losses::default();
+        tinygpt::train::train(cfg, false, &mut losses).unwrap();
+        let weights = std::fs::read(
+            dir.path()
+                .join("checkpoints")
+                .join(name)
+                .join("model.safetensors"),
+        );
+        (engine, losses.0, weights.unwrap())
+    };
+    let (copies_engine, copies, copies_weights) = run("copies", "1");
+    let (fly_engine, fly, fly_weights) = run("on-the-fly", "0");
+    std::env::remove_var("TINYGPT_CUDA_BF16_OPERANDS");
+    assert!(
+        copies_engine.contains("bf16 operand copies"),
+        "{copies_engine}"
+    );
+    assert!(fly_engine.contains("rounded by cuBLAS"), "{fly_engine}");
+    assert_eq!(copies.len(), 12);
+    assert_eq!(copies, fly, "the same losses, bit for bit");
+    assert!(
+        copies_weights == fly_weights,
+        "the same weights, bit for bit"
+    );
+}

@@ -75,14 +75,14 @@ impl Operand {
     }
 }
 
-/// C = alpha op(A) op(B) + beta C for each of `batch` matrices. `precision` picks the
-/// products' arithmetic: f32 throughout, or operands rounded to bf16 with f32 sums
-/// on the tensor cores (cuBLAS's 32F_FAST_16BF; the data stays f32 in memory). A
-/// profile counts it in `group`.
+/// C = alpha op(A) op(B) + beta C for each of `batch` matrices, A and B `operands` in
+/// memory (C f32). `precision` picks the arithmetic of f32 operands: f32 throughout,
+/// or rounded to bf16 with f32 sums on the tensor cores (cuBLAS's 32F_FAST_16BF);
+/// bf16 operands sum in f32. A profile counts it in `group`.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
     gpu: &Gpu,
-    (precision, group): (Precision, Group),
+    (operands, precision, group): (Operands, Precision, Group),
     c: Matrix,
     a: Operand,
     b: Operand,
@@ -90,9 +90,9 @@ pub fn matmul(
     beta: f32,
     batch: usize,
 ) -> Result<()> {
-    let call = column_major(Operands::F32, c, a, b, (alpha, beta), batch)?;
+    let call = column_major(operands, c, a, b, (alpha, beta), batch)?;
     // SAFETY: the addresses are into the engine's live buffers on `gpu`, sized for
-    // these shapes (shapes, row spacings and batch strides checked).
+    // these shapes (shapes, row spacings and batch strides checked), of `operands`.
     unsafe { gpu.gemm(&call, precision, group) }
 }
 

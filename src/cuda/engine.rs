@@ -23,6 +23,7 @@ use candle_core::Device;
 use super::blas::{linear, matmul, Matrix, Weights};
 use super::buckets::Buckets;
 use super::buffers::{Buf, Staging};
+use super::calls::Operands;
 use super::gpu::Gpu;
 use super::kernels::{AdamBuffers, DropoutArgs, Heads, NormRows};
 use super::plan::{Attention, Plan, FLASH_MAX_HEAD, LOSS_SLOTS, LOSS_SUM, NORM_SQ, PARTS};
@@ -48,6 +49,8 @@ pub struct FusedCuda {
     /// How attention is computed (flash tiles for bf16 where they apply).
     attention: Attention,
     params: Buf<f32>,
+    /// With bf16 products, what they read instead of f32 data (None with f32).
+    bf16: Option<Bf16Operands>,
     /// Gradients, then AdamW's moments, allocated when first needed (evaluation needs
     /// neither).
     grads: Option<Buf<f32>>,
@@ -73,6 +76,42 @@ pub struct FusedCuda {
     clipped: bool,
     /// This engine's rank in a data-parallel run (None: one process).
     ranks: Option<Ranks>,
+}
+
+/// What bf16 products read: the weights rounded to bf16 (the flat buffer's layout, so
+/// the spec's offsets address it), rounded again before a forward whenever the f32
+/// weights changed, and two buffers each product's f32 operands are rounded into
+/// first. cuBLAS then runs its bf16 kernels on bf16 data, where f32 data with bf16
+/// arithmetic (32F_FAST_16BF) reads twice the bytes and, on Hopper, cannot use its
+/// bf16 loads; the numbers are the same (operands rounded to nearest even, f32 sums).
+struct Bf16Operands {
+    weights: Buf<u16>,
+    /// The f32 weights changed since `weights` was rounded from them.
+    stale: std::cell::Cell<bool>,
+    /// A layer's input rows (N x its widest input).
+    inputs: Buf<u16>,
+    /// A layer's output's gradient rows (N x its widest output: the logits').
+    outputs: Buf<u16>,
+}
+
+impl Bf16Operands {
+    /// Sized as `plan` says, with bf16 products; None with f32 ones.
+    fn new(gpu: &Gpu, plan: &Plan) -> Result<Option<Self>> {
+        let sizes = plan.bf16;
+        if sizes.weights == 0 {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            weights: Buf::zeros(gpu, sizes.weights)?,
+            stale: std::cell::Cell::new(true),
+            inputs: Buf::zeros(gpu, sizes.inputs)?,
+            outputs: Buf::zeros(gpu, sizes.outputs)?,
+        }))
+    }
+
+    fn bytes(&self) -> u64 {
+        self.weights.bytes() + self.inputs.bytes() + self.outputs.bytes()
+    }
 }
 
 /// Per row of a norm: mean (0 for RMSNorm) then 1 / std, each `rows` long.
@@ -286,9 +325,11 @@ impl FusedCuda {
             partials: zeros(PARTS * 2 * widest)?,
             sums: Buf::zeros(&gpu, LOSS_SUM + LOSS_SLOTS)?,
         };
+        let plan = Plan::for_spec(spec, batch, attention, precision);
         let engine = Self {
             owner: super::gpu::OwnerThread::here(),
             params: Buf::from_host(&gpu, values)?,
+            bf16: Bf16Operands::new(&gpu, &plan)?,
             grads: None,
             moments: None,
             ends: Buf::from_host(&gpu, &ends)?,
@@ -298,7 +339,7 @@ impl FusedCuda {
             scratch,
             dropout: None,
             buckets: Buckets::default(),
-            staging: Staging::new(&gpu, Plan::for_spec(spec, batch, attention).ids)?,
+            staging: Staging::new(&gpu, plan.ids)?,
             unread_forwards: 0,
             fetched_losses: Vec::new(),
             clipped: false,
@@ -309,7 +350,7 @@ impl FusedCuda {
             attention,
             gpu,
         };
-        let plan = Plan::for_spec(spec, batch, attention).bytes(s.n_layer, false);
+        let plan = plan.bytes(s.n_layer, false);
         ensure!(
             engine.bytes_held() == plan,
             "the fused CUDA engine holds {} bytes, its allocation plan says {plan}",
@@ -380,6 +421,7 @@ impl FusedCuda {
             + sc.sums.bytes()
             + self.ends.bytes()
             + self.decays.bytes()
+            + self.bf16.as_ref().map_or(0, Bf16Operands::bytes)
     }
 
     pub fn spec(&self) -> &ModelSpec {
@@ -396,6 +438,11 @@ impl FusedCuda {
 
     pub fn attention(&self) -> Attention {
         self.attention
+    }
+
+    /// Whether its bf16 products read bf16 copies of their operands.
+    pub fn bf16_operands(&self) -> bool {
+        self.bf16.is_some()
     }
 
     /// How a profile times this engine's work and the peak it is held to.
@@ -469,6 +516,7 @@ impl FusedCuda {
             "a token id beyond the vocabulary of {v}"
         );
         self.upload_batch(ids, targets)?;
+        self.round_weights()?;
         self.dropout = dropout.copied();
         let s = self.spec.shapes;
         let (t, c) = (s.block_size, s.n_embd);
@@ -597,7 +645,7 @@ impl FusedCuda {
         self.scores(h)?;
         k.causal_softmax(sc.att.ptr(), h, mask)?;
         self.product(
-            Group::Attention,
+            (Operands::F32, Group::Attention),
             Matrix::new(sc.heads.ptr(), t, d),
             Matrix::new(sc.att.ptr(), t, t).n(),
             Matrix::new(sc.v.ptr(), t, d).n(),
@@ -613,7 +661,7 @@ impl FusedCuda {
         let (t, d) = (h.t, h.d);
         let scale = 1.0 / (d as f32).sqrt();
         self.product(
-            Group::Attention,
+            (Operands::F32, Group::Attention),
             Matrix::new(sc.att.ptr(), t, t),
             Matrix::new(sc.q.ptr(), t, d).n(),
             Matrix::new(sc.k.ptr(), t, d).t(),
@@ -623,33 +671,33 @@ impl FusedCuda {
     }
 
     /// One matrix product (a batch of `batch`) in the engine's precision:
-    /// c = alpha a b + beta c, for `group` (a profile's).
+    /// c = alpha a b + beta c, its operands `operands` in memory, for `group` (a
+    /// profile's).
     fn product(
         &self,
-        group: Group,
+        (operands, group): (Operands, Group),
         c: Matrix,
         a: super::blas::Operand,
         b: super::blas::Operand,
         (alpha, beta): (f32, f32),
         batch: usize,
     ) -> Result<()> {
-        let how = (self.precision, group);
+        let how = (operands, self.precision, group);
         matmul(&self.gpu, how, c, a, b, alpha, beta, batch)
     }
 
-    /// out (N, d_out) = x Wᵀ (+ b).
+    /// out (N, d_out) = x Wᵀ (+ b): with bf16 products, x rounded to bf16 first and
+    /// the weights' bf16 copy read.
     fn linear_forward(&self, out: u64, x: u64, p: &LinearParams) -> Result<()> {
-        let (spec, params) = (&self.spec, &self.params);
-        linear(
-            &self.gpu,
-            Weights::F32(self.precision),
-            spec,
-            params,
-            out,
-            x,
-            p,
-            self.rows(),
-        )
+        let (spec, params, n) = (&self.spec, &self.params, self.rows());
+        let (weights, x) = match &self.bf16 {
+            Some(b) => {
+                self.gpu.to_bf16(b.inputs.ptr(), x, n * p.d_in)?;
+                (Weights::Bf16(&b.weights), b.inputs.ptr())
+            }
+            None => (Weights::F32(self.precision), x),
+        };
+        linear(&self.gpu, weights, spec, params, out, x, p, n)
     }
 
     /// With the output's gradient `factor` dout: dx = factor dout W (written);
@@ -668,20 +716,30 @@ impl FusedCuda {
             "a scaled gradient into a bias"
         );
         let n = self.rows();
-        let group = Group::Product(p.role);
+        // With bf16 products: dout and x rounded to bf16, the weights' bf16 copy read.
+        let (operands, dout16, x16, w) = match &self.bf16 {
+            Some(b) => {
+                self.gpu.to_bf16(b.outputs.ptr(), dout, n * p.d_out)?;
+                self.gpu.to_bf16(b.inputs.ptr(), x, n * p.d_in)?;
+                let w = b.weights.at(self.spec[p.weight].offset);
+                (Operands::Bf16, b.outputs.ptr(), b.inputs.ptr(), w)
+            }
+            None => (Operands::F32, dout, x, self.w(p.weight)),
+        };
+        let how = (operands, Group::Product(p.role));
         self.product(
-            group,
+            how,
             Matrix::new(dx, n, p.d_in),
-            Matrix::new(dout, n, p.d_out).n(),
-            Matrix::new(self.w(p.weight), p.d_out, p.d_in).n(),
+            Matrix::new(dout16, n, p.d_out).n(),
+            Matrix::new(w, p.d_out, p.d_in).n(),
             (factor, 0.0),
             1,
         )?;
         self.product(
-            group,
+            how,
             Matrix::new(self.g(p.weight), p.d_out, p.d_in),
-            Matrix::new(dout, n, p.d_out).t(),
-            Matrix::new(x, n, p.d_in).n(),
+            Matrix::new(dout16, n, p.d_out).t(),
+            Matrix::new(x16, n, p.d_in).n(),
             (factor, 1.0),
             1,
         )?;
@@ -873,7 +931,8 @@ impl FusedCuda {
         let heads = |ptr| Matrix::new(ptr, t, d);
         let weights = |ptr| Matrix::new(ptr, t, t);
         let dy = heads(sc.heads.ptr());
-        let product = |c, a, b, alpha| self.product(Group::Attention, c, a, b, (alpha, 0.0), bh);
+        let how = (Operands::F32, Group::Attention);
+        let product = |c, a, b, alpha| self.product(how, c, a, b, (alpha, 0.0), bh);
         // dV, then dPd, which overwrites Pd (in datt) once dV has used it.
         product(heads(sc.dv.ptr()), weights(dropped).t(), dy.n(), 1.0)?;
         product(weights(sc.datt.ptr()), dy.n(), heads(sc.v.ptr()).t(), 1.0)?;
@@ -1021,6 +1080,7 @@ impl FusedCuda {
         if !mine.is_empty() {
             self.gpu.adamw(buffers, mine.len(), hyper)?;
         }
+        self.weights_changed();
         match &self.ranks {
             Some(ranks) => ranks.all_gather(&self.gpu, &mut self.params),
             None => Ok(()),
@@ -1037,7 +1097,30 @@ impl FusedCuda {
             values.len() == self.spec.len(),
             "a flat buffer of the whole table"
         );
-        self.params.write(&self.gpu, values)
+        self.params.write(&self.gpu, values)?;
+        self.weights_changed();
+        Ok(())
+    }
+
+    /// The f32 weights changed: bf16 products round them again before they next read
+    /// them.
+    fn weights_changed(&self) {
+        if let Some(b) = &self.bf16 {
+            b.stale.set(true);
+        }
+    }
+
+    /// Rounds the weights to their bf16 copy if they changed since it was made.
+    fn round_weights(&self) -> Result<()> {
+        match &self.bf16 {
+            Some(b) if b.stale.get() => {
+                let n = self.spec.len();
+                self.gpu.to_bf16(b.weights.ptr(), self.params.ptr(), n)?;
+                b.stale.set(false);
+                Ok(())
+            }
+            _ => Ok(()),
+        }
     }
 
     /// The gradients, laid out like the weights (zeros before the first backward).

@@ -86,16 +86,42 @@ pub struct Plan {
     /// Tensors in the parameter table: AdamW reads where each ends (u64) and whether
     /// it decays (i32).
     pub tensors: usize,
+    /// What bf16 products read, in bf16 values (all 0 with f32 products): the
+    /// weights' copy, and the buffers each product's operands are rounded into: a
+    /// layer's input rows (N x its widest input) and its output's gradient rows (N x
+    /// its widest output, the logits' among them).
+    pub bf16: Bf16Plan,
+}
+
+/// The bf16 buffers' lengths (`Plan::bf16`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Bf16Plan {
+    pub weights: usize,
+    pub inputs: usize,
+    pub outputs: usize,
+}
+
+impl Bf16Plan {
+    fn values(&self) -> usize {
+        self.weights + self.inputs + self.outputs
+    }
+}
+
+/// Whether bf16 products read bf16 copies of their operands (the default), or, with
+/// `TINYGPT_CUDA_BF16_OPERANDS=0`, f32 data that cuBLAS rounds on the fly
+/// (32F_FAST_16BF): the same numbers, so a GPU check can time the two in one run.
+pub fn bf16_operands(precision: Precision) -> bool {
+    precision == Precision::Bf16
+        && std::env::var("TINYGPT_CUDA_BF16_OPERANDS").map_or(true, |v| v != "0")
 }
 
 impl Plan {
     pub fn new(
         s: &Shapes,
-        params: usize,
-        tensors: usize,
+        (params, tensors): (usize, usize),
         batch: usize,
         tables: usize,
-        attention: Attention,
+        (attention, precision): (Attention, Precision),
     ) -> Self {
         let (t, c) = (s.block_size, s.n_embd);
         let n = batch * t;
@@ -123,7 +149,16 @@ impl Plan {
             + 7 * n * c // q, k, v, heads, dq, dk, dv: (B, H, T, d) each
             + weights
             + PARTS * 2 * widest; // column partial sums
+        let bf16 = match bf16_operands(precision) {
+            false => Bf16Plan::default(),
+            true => Bf16Plan {
+                weights: params,
+                inputs: n * c.max(s.mlp_hidden),
+                outputs: n * c.max(s.qkv_width).max(s.mlp_fc_width).max(s.vocab_size),
+            },
+        };
         Self {
+            bf16,
             rows: n,
             params,
             per_block,
@@ -137,15 +172,21 @@ impl Plan {
     }
 
     /// The plan of the model `spec` at `batch` sequences, attention computed as
-    /// `attention`.
-    pub fn for_spec(spec: &ModelSpec, batch: usize, attention: Attention) -> Self {
+    /// `attention`, products in `precision`.
+    pub fn for_spec(
+        spec: &ModelSpec,
+        batch: usize,
+        attention: Attention,
+        precision: Precision,
+    ) -> Self {
         let s = &spec.shapes;
         let tables = match spec.config.positions {
             PositionKind::Sinusoidal => s.block_size * s.n_embd,
             PositionKind::Rope => s.block_size * s.head_dim, // cos and sin, d/2 each
             PositionKind::Learned => 0,
         };
-        Self::new(s, spec.len(), spec.params().len(), batch, tables, attention)
+        let table = (spec.len(), spec.params().len());
+        Self::new(s, table, batch, tables, (attention, precision))
     }
 
     /// Device bytes to evaluate (weights and activations) and, with `training`, to
@@ -157,7 +198,10 @@ impl Plan {
             + self.outside
             + self.scratch
             + self.tables;
-        4 * (f32s + self.ids) as u64 + 8 * self.sums as u64 + 12 * self.tensors as u64
+        4 * (f32s + self.ids) as u64
+            + 8 * self.sums as u64
+            + 12 * self.tensors as u64
+            + 2 * self.bf16.values() as u64
     }
 }
 
@@ -180,7 +224,7 @@ mod tests {
             ..ModelConfig::default()
         };
         let spec = ModelSpec::new(&cfg);
-        let plan = Plan::for_spec(&spec, 8, Attention::Products);
+        let plan = Plan::for_spec(&spec, 8, Attention::Products, Precision::F32);
         assert_eq!(plan.rows, 8192);
         let logits = 4 * 8192 * 50304u64;
         let gb = plan.bytes(12, true) as f64 / 1e9;
@@ -188,12 +232,20 @@ mod tests {
         assert!(plan.bytes(12, true) > logits + 16 * spec.len() as u64);
         // Flash attention keeps 2 x 8 x 12 x 1024 values of row statistics instead of
         // the (B, H, T, T) weights and their gradient: 805 MB less.
-        let flash = Plan::for_spec(&spec, 8, Attention::Flash);
+        let flash = Plan::for_spec(&spec, 8, Attention::Flash, Precision::F32);
         let weights = 4 * 2 * 8 * 12 * 1024 * 1024u64;
         let statistics = 4 * (12 + 1) * 8 * 12 * 1024u64;
         assert_eq!(
             flash.bytes(12, true) + weights - statistics,
             plan.bytes(12, true)
+        );
+        // bf16 products add the weights' bf16 copy and two operand buffers: 8192 rows
+        // of the widest input (the MLP's 3072) and of the widest output (the logits').
+        let bf16 = Plan::for_spec(&spec, 8, Attention::Flash, Precision::Bf16);
+        let operands = 8192 * (3072 + 50304) as u64;
+        assert_eq!(
+            bf16.bytes(12, true) - flash.bytes(12, true),
+            2 * (spec.len() as u64 + operands)
         );
         let optimiser = plan.bytes(12, true) - plan.bytes(12, false);
         assert_eq!(

@@ -39,7 +39,7 @@ pub fn training_bytes(m: &ModelConfig, t: &TrainConfig, engine: Footprint, ranks
         Footprint::FusedCuda => {
             let spec = ModelSpec::new(m);
             let attention = crate::cuda::Attention::choose(&spec.shapes, t.dtype, t.batch_size);
-            let plan = crate::cuda::Plan::for_spec(&spec, t.batch_size, attention);
+            let plan = crate::cuda::Plan::for_spec(&spec, t.batch_size, attention, t.dtype);
             let moments = 2 * spec.len() * std::mem::size_of::<f32>();
             let unshared = moments - moments / ranks.max(1);
             return (plan.bytes(m.n_layer, true) - unshared as u64) as f64;

@@ -18,10 +18,13 @@ impl Engine for FusedCuda {
     }
 
     fn describe(&self) -> String {
-        let products = match self.precision() {
-            Precision::F32 => "fused CUDA kernels, cuBLAS f32 products",
-            Precision::Bf16 => {
-                "fused CUDA kernels, bf16 tensor-core products (f32 sums and weights)"
+        let products = match (self.precision(), self.bf16_operands()) {
+            (Precision::F32, _) => "fused CUDA kernels, cuBLAS f32 products",
+            (Precision::Bf16, true) => {
+                "fused CUDA kernels, bf16 tensor-core products of bf16 operand copies (f32 sums and weights)"
+            }
+            (Precision::Bf16, false) => {
+                "fused CUDA kernels, bf16 tensor-core products of f32 operands rounded by cuBLAS (f32 sums and weights)"
             }
         };
         let kernels = match self.attention() {
