@@ -154,8 +154,15 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// The vocabulary size a bench uses when the config leaves it to the tokenizer.
+/// The vocabulary size a bench uses when the config leaves it to the tokenizer: that
+/// tokenizer's where it is there already (tokenizer.path, or trained on data.corpus),
+/// else a guess.
 pub fn bench_vocab(config: &Config) -> usize {
+    if config.model.vocab_size == 0 {
+        if let Some(known) = crate::corpus::cache::known_vocab(config) {
+            return known;
+        }
+    }
     match (config.model.vocab_size, config.tokenizer.kind) {
         (0, TokenizerKind::Bpe) => config.tokenizer.vocab_size,
         (0, TokenizerKind::Char) => 65, // tinyshakespeare's characters

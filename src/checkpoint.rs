@@ -103,6 +103,56 @@ pub fn runs_inside(dir: &Path) -> Vec<String> {
     runs
 }
 
+/// Why the file `path` is not a run folder, and what to pass instead: the folder
+/// that holds it where that is a run (or a Hugging Face folder: how to import it), the
+/// run folder of an experiment file, else what a run folder is.
+fn not_a_run_folder(path: &Path) -> String {
+    let shown = path.display();
+    let folder = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if folder.join(STATE_FILE).is_file() {
+        return format!(
+            "{shown} is a file; pass the run folder that holds it: {}",
+            folder.display()
+        );
+    }
+    if is_hugging_face_folder(folder) {
+        return format!(
+            "{shown} is a file of the Hugging Face model folder {}, not a run folder; import it first: tinygpt import --from {} --out checkpoints/{}",
+            folder.display(),
+            folder.display(),
+            folder
+                .file_name()
+                .map_or("imported".into(), |n| n.to_string_lossy())
+        );
+    }
+    if path.extension().is_some_and(|e| e == "toml") {
+        if let Ok(config) = Config::load(path, &[]) {
+            let run = config.run_dir();
+            let when = match run.join(STATE_FILE).is_file() {
+                true => String::new(),
+                false => format!(" (once `tinygpt train --config {shown}` has written it)"),
+            };
+            return format!(
+                "{shown} is an experiment file, not a run folder; pass the run folder it trains: {}{when}",
+                run.display()
+            );
+        }
+    }
+    format!(
+        "{shown} is a file, not a run folder; pass a folder that `tinygpt train` or `tinygpt import` wrote (one holding state.json), e.g. checkpoints/<run.name>"
+    )
+}
+
+/// Whether `dir` is a Hugging Face model folder: a config.json and weights, no run.
+fn is_hugging_face_folder(dir: &Path) -> bool {
+    !dir.join(STATE_FILE).exists()
+        && dir.join("config.json").is_file()
+        && (dir.join(MODEL_FILE).is_file() || dir.join("model.safetensors.index.json").is_file())
+}
+
 /// One run's folder.
 pub struct RunDir {
     path: PathBuf,
@@ -207,12 +257,7 @@ impl RunDir {
     pub fn state(&self) -> Result<TrainState> {
         let path = self.file(STATE_FILE);
         if self.path.is_file() {
-            let folder = self.path.parent().filter(|p| !p.as_os_str().is_empty());
-            user_bail!(
-                "{} is a file; pass the run folder that holds it: {}",
-                self.path.display(),
-                folder.map_or(".".into(), |p| p.display().to_string())
-            );
+            return Err(user_error(not_a_run_folder(&self.path)));
         }
         if !self.path.is_dir() {
             user_bail!(
@@ -227,6 +272,17 @@ impl RunDir {
                     "{} holds run folders, not a checkpoint; pass one of them: {}",
                     self.path.display(),
                     runs.join(", ")
+                );
+            }
+            if is_hugging_face_folder(&self.path) {
+                let name = self
+                    .path
+                    .file_name()
+                    .map_or("imported".into(), |n| n.to_string_lossy().into_owned());
+                user_bail!(
+                    "{} is a Hugging Face model folder (config.json), not a run folder; import it first: tinygpt import --from {} --out checkpoints/{name}",
+                    self.path.display(),
+                    self.path.display()
                 );
             }
         }

@@ -88,7 +88,34 @@ fn read_prompt(args: &GenerateArgs) -> Result<String> {
         .lock()
         .read_to_string(&mut text)
         .map_err(|e| user_error(format!("cannot read the prompt from stdin: {e}")))?;
+    // `echo "To be" | tinygpt generate`: the newline is echo's, not the prompt's (as a
+    // shell's $(...) drops it).
+    if text.ends_with('\n') {
+        text.pop();
+        if text.ends_with('\r') {
+            text.pop();
+        }
+    }
     Ok(text)
+}
+
+/// Text for a terminal: the control characters a model may write (an undertrained one
+/// does: escape sequences would drive the terminal) shown as `\x1b`-style escapes;
+/// newlines, tabs and carriage returns kept. (Bytes that are not UTF-8 reach here as
+/// U+FFFD, as every decoder shows them.)
+fn for_terminal(text: &str) -> std::borrow::Cow<'_, str> {
+    let hidden = |c: char| c.is_control() && !matches!(c, '\n' | '\t' | '\r');
+    if !text.chars().any(hidden) {
+        return text.into();
+    }
+    text.chars()
+        .map(|c| match hidden(c) {
+            true if (c as u32) < 0x100 => format!("\\x{:02x}", c as u32),
+            true => format!("\\u{{{:x}}}", c as u32),
+            false => c.to_string(),
+        })
+        .collect::<String>()
+        .into()
 }
 
 pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
@@ -194,6 +221,13 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
     };
     let stream = args.num_samples == 1 && !args.json;
     let stdout = std::io::stdout();
+    let terminal = stdout.is_terminal();
+    let shown = |text: &str| -> String {
+        match terminal {
+            true => for_terminal(text).into_owned(),
+            false => text.to_string(),
+        }
+    };
     if stream && show_prompt {
         let mut out = stdout.lock();
         write!(out, "{prompt_text}")?;
@@ -202,7 +236,7 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
     let mut print = |_: usize, piece: &str| -> Result<()> {
         if stream {
             let mut out = stdout.lock();
-            out.write_all(piece.as_bytes())?;
+            out.write_all(shown(piece).as_bytes())?;
             out.flush()?;
         }
         Ok(())
@@ -234,7 +268,7 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
                 out,
                 "{}{}",
                 if show_prompt { &prompt_text } else { "" },
-                sample.text
+                shown(&sample.text)
             )?;
         }
         writeln!(out)?;
@@ -284,7 +318,9 @@ pub fn eval(args: EvalArgs, stop: tinygpt::util::Stop) -> Result<()> {
         }
     }
     let bar = tinygpt::util::bars::count_bar(0, "scoring windows");
+    let ticker = Ticker::start(&bar);
     let r = tinygpt::eval::evaluate_until(&loaded.model, &ids, text.len(), &bar, &stop)?;
+    drop(ticker);
     bar.finish_and_clear();
     print_eval(&args, &r)
 }
@@ -306,9 +342,61 @@ fn eval_decoding(
     opened.verification.wait()?;
     let ids = opened.tokenizer.encode(text)?;
     let bar = tinygpt::util::bars::count_bar(0, "scoring windows");
+    let ticker = Ticker::start(&bar);
     let r = tinygpt::eval::evaluate_decoding(&opened.weights, &ids, text.len(), &bar, stop)?;
+    drop(ticker);
     bar.finish_and_clear();
     print_eval(args, &r)
+}
+
+/// Where stderr is no terminal (the bar is not drawn: piped, in a log), `eval` says how
+/// far it is: a line after 5 s, then every 30 s, until dropped.
+struct Ticker {
+    done: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Ticker {
+    fn start(bar: &indicatif::ProgressBar) -> Self {
+        if std::io::stderr().is_terminal() {
+            return Self {
+                done: None,
+                thread: None,
+            };
+        }
+        let (done, wait) = std::sync::mpsc::channel::<()>();
+        let bar = bar.clone();
+        let started = std::time::Instant::now();
+        let thread = std::thread::spawn(move || {
+            let mut every = std::time::Duration::from_secs(5);
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = wait.recv_timeout(every) {
+                every = std::time::Duration::from_secs(30);
+                let (scored, total) = (bar.position(), bar.length().unwrap_or(0));
+                if total == 0 {
+                    continue;
+                }
+                let spent = started.elapsed().as_secs_f64();
+                let left = spent * total.saturating_sub(scored) as f64 / scored.max(1) as f64;
+                eprintln!(
+                    "eval: {scored} of {total} windows scored ({}%) in {spent:.0} s, about {left:.0} s left",
+                    100 * scored / total
+                );
+            }
+        });
+        Self {
+            done: Some(done),
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Ticker {
+    fn drop(&mut self) {
+        drop(self.done.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 fn print_eval(args: &EvalArgs, r: &tinygpt::eval::EvalResult) -> Result<()> {
@@ -386,7 +474,12 @@ pub fn info(args: InfoArgs) -> Result<()> {
             fmt(st.last_val_loss),
             fmt(st.best_val_loss)
         );
-        println!("corpus      {}", cfg.data.corpus.display());
+        // Step 0 is an imported model's (training saves no step-0 checkpoint).
+        if cfg.data.corpus.as_os_str().is_empty() || st.step == 0 {
+            println!("corpus      none: imported (tinygpt import), not trained here");
+        } else {
+            println!("corpus      {}", cfg.data.corpus.display());
+        }
     }
     Ok(())
 }
@@ -431,8 +524,9 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
     };
     let m = &config.model;
     if !args.json {
+        let guessed = m.vocab_size == 0 && tinygpt::corpus::cache::known_vocab(&config).is_none();
         eprintln!(
-            "bench {}: {} layers, {} heads, width {}, context {}, batch {}, vocab {}; {} steps after {} warm-up",
+            "bench {}: {} layers, {} heads, width {}, context {}, batch {}, vocab {}{}; {} steps after {} warm-up",
             config_path.display(),
             m.n_layer,
             m.n_head,
@@ -440,6 +534,10 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
             m.block_size,
             config.train.batch_size,
             tinygpt::bench::bench_vocab(&config),
+            match guessed {
+                true => " (a guess: no tokenizer trained on data.corpus yet)",
+                false => "",
+            },
             opts.steps,
             opts.warmup
         );
@@ -539,6 +637,7 @@ fn bench_checkpoint(
 }
 
 pub fn export(args: ExportArgs) -> Result<()> {
+    tinygpt::interop::check_export_folder(&args.out)?;
     let bar = tinygpt::util::bars::spinner(&format!("exporting to {}", args.out.display()));
     let loaded = load(&args.ckpt)?;
     let layout = tinygpt::interop::export(&loaded, &args.out)?;
@@ -643,11 +742,12 @@ pub fn sweep(args: SweepArgs, stop: tinygpt::util::Stop) -> Result<()> {
     // What exists is compared, finished or not, before an interruption is reported.
     let runs = sweep::existing_runs(&points);
     if !runs.is_empty() {
+        // sweep-<config>.png: a glob of the runs (<config>-*) passes it by.
         let base = points[0].config.run.out_dir.join(format!(
-            "{}-sweep.png",
+            "sweep-{}.png",
             args.config
                 .file_stem()
-                .map_or("sweep".into(), |s| s.to_string_lossy())
+                .map_or("runs".into(), |s| s.to_string_lossy())
         ));
         report_comparison(&runs, Some(&base), args.x, args.json)?;
     }
@@ -859,6 +959,24 @@ pub fn doctor(args: DoctorArgs) -> Result<()> {
 
 pub fn serve(args: ServeArgs, stop: tinygpt::util::Stop) -> Result<()> {
     let format = parse_weight_format("--dtype", &args.dtype)?;
+    // Told before the server starts, in the words generate uses: a file, a folder of
+    // runs or a Hugging Face folder passed as the run folder.
+    tinygpt::checkpoint::RunDir::new(&args.checkpoint).state()?;
+    if let Some(runs) = &args.runs {
+        // A run folder is not the folder of runs the dashboard lists.
+        if runs.join(tinygpt::checkpoint::STATE_FILE).is_file()
+            || runs.join(tinygpt::checkpoint::METRICS_FILE).is_file()
+        {
+            let parent = runs
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .map_or(".".into(), |p| p.display().to_string());
+            user_bail!(
+                "--runs {} is a run folder; pass the folder that holds run folders: --runs {parent}",
+                runs.display()
+            );
+        }
+    }
     tinygpt::serve::serve(
         tinygpt::serve::ServeOptions {
             checkpoint: args.checkpoint,
@@ -878,4 +996,16 @@ pub fn serve(args: ServeArgs, stop: tinygpt::util::Stop) -> Result<()> {
         },
         stop,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::for_terminal;
+
+    #[test]
+    fn a_terminal_sees_control_characters_escaped() {
+        assert_eq!(for_terminal("ROMEO.\n\tsoft"), "ROMEO.\n\tsoft");
+        assert_eq!(for_terminal("a\u{1b}[2Jb\u{7}"), "a\\x1b[2Jb\\x07");
+        assert_eq!(for_terminal("\u{85}\u{fffd}"), "\\x85\u{fffd}");
+    }
 }

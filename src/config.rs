@@ -395,8 +395,20 @@ impl Config {
             toml::from_str(text).map_err(|e| anyhow::anyhow!("{}", one_line(&e, text)))?;
         for item in overrides {
             apply_override(&mut table, item)?;
-            Config::deserialize(table.clone())
-                .map_err(|e| anyhow::anyhow!("--set {item}: {}", plain_words(e.message())))?;
+            Config::deserialize(table.clone()).map_err(|e| {
+                let mut told = format!("--set {item}: {}", plain_words(e.message()));
+                // Several values for one key: a sweep's grid, not a setting.
+                if let Some((key, values)) = item.split_once('=') {
+                    if values.contains(',') && !values.trim_start().starts_with('[') {
+                        told.push_str(&format!(
+                            "; --set takes one value; to train at each of several, use `tinygpt sweep --grid {}={}`",
+                            key.trim(),
+                            values.trim()
+                        ));
+                    }
+                }
+                anyhow::anyhow!("{told}")
+            })?;
         }
         apply_arch_preset(&mut table)?;
         let config = Config::deserialize(table)

@@ -112,7 +112,7 @@ fn auto() -> Result<Device> {
 
 fn cuda(ordinal: usize) -> Result<Device> {
     if !cfg!(feature = "cuda") {
-        user_bail!("this tinygpt was built without CUDA; rebuild with `cargo build --release --features cuda`, or use --device cpu");
+        user_bail!("this tinygpt was built without CUDA; install the CUDA build with `cargo install --path . --features cuda` (needs a CUDA toolkit), or use --device cpu");
     }
     Device::new_cuda(ordinal)
         .map_err(|e| crate::error::user_error(format!("cannot open CUDA device {ordinal}: {e}")))
@@ -120,7 +120,7 @@ fn cuda(ordinal: usize) -> Result<Device> {
 
 fn metal(ordinal: usize) -> Result<Device> {
     if !cfg!(feature = "metal") {
-        user_bail!("this tinygpt was built without Metal; rebuild with `cargo build --release --features metal`, or use --device cpu");
+        user_bail!("this tinygpt was built without Metal; install the Metal build with `cargo install --path . --features metal`, or use --device cpu");
     }
     Device::new_metal(ordinal)
         .map_err(|e| crate::error::user_error(format!("cannot open Metal device {ordinal}: {e}")))

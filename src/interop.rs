@@ -137,8 +137,63 @@ fn host(t: &Tensor) -> Result<Tensor> {
     Ok(t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)
 }
 
+/// The files `export` writes.
+const EXPORT_FILES: [&str; 4] = [
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+];
+
+/// Refuses an `--out` that holds anything but an earlier export (only the files export
+/// writes, with a config.json of the classes it writes), so no file of the user's is
+/// overwritten.
+pub fn check_export_folder(out: &Path) -> Result<()> {
+    if out.is_file() {
+        user_bail!(
+            "--out {} is a file; pass a folder to create (e.g. hf/<name>)",
+            out.display()
+        );
+    }
+    let Ok(entries) = std::fs::read_dir(out) else {
+        return Ok(());
+    };
+    let names: Vec<String> = entries
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    if names.is_empty() {
+        return Ok(());
+    }
+    let others: Vec<&String> = names
+        .iter()
+        .filter(|n| !EXPORT_FILES.contains(&n.as_str()))
+        .collect();
+    let ours = std::fs::read(out.join("config.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+        .is_some_and(|c| {
+            c["architectures"] == json!(["GPT2LMHeadModel"])
+                || c["architectures"] == json!(["LlamaForCausalLM"])
+        });
+    if others.is_empty() && ours && out.join("model.safetensors").is_file() {
+        return Ok(());
+    }
+    let shown: Vec<&str> = match others.is_empty() {
+        true => names.iter().map(String::as_str).take(4).collect(),
+        false => others.iter().map(|n| n.as_str()).take(4).collect(),
+    };
+    user_bail!(
+        "--out {} holds files that are not an earlier export ({}); pass a new or empty folder, e.g. --out {}-hf",
+        out.display(),
+        shown.join(", "),
+        out.display().to_string().trim_end_matches('/')
+    )
+}
+
 /// Writes `loaded` as a Hugging Face model folder.
 pub fn export(loaded: &Loaded, out: &Path) -> Result<HfLayout> {
+    check_export_folder(out)?;
     let m = &loaded.config.model;
     // A trained model's architecture is fixed: say that only training anew helps.
     let layout = layout_for(m).map_err(|e| {
@@ -503,6 +558,8 @@ pub fn import(from: &Path, out: &Path) -> Result<Config> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     config.run.out_dir = out.parent().map(Path::to_path_buf).unwrap_or_default();
+    // Trained elsewhere: no corpus of ours (`info` says so; `cache` counts no use).
+    config.data.corpus = std::path::PathBuf::new();
     // The tokenizer it holds, described as a trained one would be (so `compare` and
     // `info` agree on what it is).
     config.tokenizer.kind = match tokenizer.kind_name() {

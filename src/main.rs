@@ -516,7 +516,9 @@ fn train(args: TrainArgs, stop: Stop, world: &World) -> anyhow::Result<()> {
         0 => Box::new(TerminalReporter::new()),
         _ => Box::new(Silent),
     };
-    let trained = trainer.run(reporter.as_mut());
+    let trained = trainer
+        .run(reporter.as_mut())
+        .map_err(|e| with_resume_command(e, world.size()));
     match trained {
         Err(err) if world.size() > 1 && !ends_every_rank(&err) => {
             print_error(&err, world);
@@ -544,6 +546,39 @@ fn train_config(args: &TrainArgs) -> anyhow::Result<(Config, Start)> {
         (false, None) => Start::Fresh,
     };
     Ok((config, start))
+}
+
+/// A stopped run that kept a checkpoint says the command that continues it: this
+/// one's, with `--resume`.
+fn with_resume_command(err: anyhow::Error, ranks: usize) -> anyhow::Error {
+    match err.downcast::<InterruptedError>() {
+        Ok(mut stopped) if stopped.continue_with.ends_with("--resume") => {
+            let mut args: Vec<String> = std::env::args().skip(1).collect();
+            if !args.iter().any(|a| a == "--resume") {
+                args.push("--resume".into());
+            }
+            let line: Vec<String> = std::iter::once("tinygpt".to_string())
+                .chain(args.iter().map(|a| shell_quoted(a)))
+                .collect();
+            stopped.continue_with = match ranks {
+                1 => line.join(" "),
+                n => format!("{} (under the same launcher, {n} ranks)", line.join(" ")),
+            };
+            stopped.into()
+        }
+        Ok(stopped) => stopped.into(),
+        Err(err) => err,
+    }
+}
+
+/// `arg` as a POSIX shell reads it back: bare where it is plain, else in single quotes.
+fn shell_quoted(arg: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c);
+    if !arg.is_empty() && arg.chars().all(plain) {
+        arg.to_string()
+    } else {
+        format!("'{}'", arg.replace('\'', "'\\''"))
+    }
 }
 
 /// Whether every rank of a run meets `err` at the same step: a stop and a divergence
@@ -612,23 +647,35 @@ fn stop_on_signals() -> anyhow::Result<Stop> {
     Ok(Stop::new())
 }
 
-/// clap's answer to a command line it cannot parse, except for a flag named like a
-/// config key (`--max-iters 10`): config values are set with `--set`, and that is said
-/// in one line.
+/// clap's answer to a command line it cannot parse, in one line (its tips and the
+/// command's usage folded in, `--help` named); a flag named like a config key
+/// (`--max-iters 10`) is told to use `--set`, and a negative count says what is taken.
 fn usage_error(e: clap::Error) -> ExitCode {
-    use clap::error::{ContextKind, ContextValue, ErrorKind};
-    let flag = match (e.kind(), e.get(ContextKind::InvalidArg)) {
-        (ErrorKind::UnknownArgument, Some(ContextValue::String(flag))) => flag.clone(),
-        _ => e.exit(),
-    };
+    use clap::error::ErrorKind;
+    if matches!(
+        e.kind(),
+        ErrorKind::DisplayHelp
+            | ErrorKind::DisplayVersion
+            | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+    ) {
+        e.exit()
+    }
+    let args: Vec<String> = std::env::args().collect();
+    let line = config_key_flag(&e, &args)
+        .or_else(|| negative_count(&e, &args))
+        .unwrap_or_else(|| one_line(&e, &args));
+    eprintln!("error: {line}");
+    ExitCode::from(exit_code::USER as u8)
+}
+
+/// `--max-iters 10`: there is no such flag, the config key is set with `--set`.
+fn config_key_flag(e: &clap::Error, args: &[String]) -> Option<String> {
+    let flag = unknown_argument(e)?;
     let (name, inline) = match flag.split_once('=') {
         Some((name, value)) => (name.to_string(), Some(value.to_string())),
         None => (flag.clone(), None),
     };
-    let Some(key) = tinygpt::config::key_named(&name) else {
-        e.exit()
-    };
-    let args: Vec<String> = std::env::args().collect();
+    let key = tinygpt::config::key_named(&name)?;
     let value = inline
         .or_else(|| {
             let at = args
@@ -640,10 +687,58 @@ fn usage_error(e: clap::Error) -> ExitCode {
             }
         })
         .unwrap_or_else(|| "VALUE".into());
-    eprintln!(
-        "error: there is no flag {name}; config values are set with --set: --set {key}={value}"
-    );
-    ExitCode::from(exit_code::USER as u8)
+    Some(format!(
+        "there is no flag {name}; config values are set with --set: --set {key}={value}"
+    ))
+}
+
+/// `--max-new-tokens -5`: clap takes `-5` for a flag; the flag before it takes a count.
+fn negative_count(e: &clap::Error, args: &[String]) -> Option<String> {
+    let value = unknown_argument(e)?;
+    value.parse::<f64>().ok()?;
+    let at = args.iter().position(|a| *a == value)?;
+    let flag = args[..at].last().filter(|f| f.starts_with("--"))?;
+    Some(format!(
+        "{flag} {value}: a negative number is not taken here; give {flag} 0 or more (`{} --help` lists the flags)",
+        command_of(args)
+    ))
+}
+
+fn unknown_argument(e: &clap::Error) -> Option<String> {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    match (e.kind(), e.get(ContextKind::InvalidArg)) {
+        (ErrorKind::UnknownArgument, Some(ContextValue::String(arg))) => Some(arg.clone()),
+        _ => None,
+    }
+}
+
+/// `tinygpt generate` when the arguments name a subcommand, else `tinygpt`.
+fn command_of(args: &[String]) -> String {
+    let cli = <Cli as clap::CommandFactory>::command();
+    match args.get(1) {
+        Some(sub) if cli.find_subcommand(sub).is_some() => format!("tinygpt {sub}"),
+        _ => "tinygpt".into(),
+    }
+}
+
+/// clap's message (several lines: the error, a tip, possible values, the usage) as one.
+fn one_line(e: &clap::Error, args: &[String]) -> String {
+    let text = e.render().to_string();
+    let mut line = String::new();
+    for part in text.lines().map(str::trim) {
+        if part.is_empty() || part.starts_with("For more information") || part.starts_with("Usage:")
+        {
+            continue;
+        }
+        let part = part.strip_prefix("error: ").unwrap_or(part);
+        let part = part.strip_prefix("tip: ").unwrap_or(part);
+        let part = part.trim_start_matches('[').trim_end_matches(']');
+        if !line.is_empty() {
+            line.push_str(if line.ends_with(':') { " " } else { "; " });
+        }
+        line.push_str(part);
+    }
+    format!("{line}; `{} --help` lists what it takes", command_of(args))
 }
 
 #[global_allocator]

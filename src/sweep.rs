@@ -55,7 +55,8 @@ impl Point {
 
 /// Every combination of `grids` (the first grid varies slowest), each point's config
 /// loaded from `config_path` with `overrides` and then the point's values, and named
-/// `<run.name>-<key>=<value>...`.
+/// `<run.name>-<key>-<value>...` (a sweep from before names without `=` keeps its
+/// folders: a point whose `<key>=<value>` folder holds a run continues there).
 pub fn points(config_path: &Path, overrides: &[String], grids: &[Grid]) -> Result<Vec<Point>> {
     if grids.is_empty() {
         user_bail!(
@@ -96,22 +97,39 @@ pub fn points(config_path: &Path, overrides: &[String], grids: &[Grid]) -> Resul
         .map(|values| {
             let mut all = overrides.to_vec();
             all.extend(values.iter().map(|(k, v)| format!("{k}={v}")));
-            all.push(format!("run.name={:?}", run_name(&base, &keys, &values)));
-            let config = Config::load(config_path, &all)?;
+            let mut named = all.clone();
+            named.push(format!("run.name={:?}", run_name(&base, &keys, &values)));
+            let mut config = Config::load(config_path, &named)?;
+            let legacy = legacy_run_name(&base, &keys, &values);
+            let old = config.run.out_dir.join(&legacy);
+            if !config.run_dir().exists() && old.join(crate::checkpoint::METRICS_FILE).exists() {
+                all.push(format!("run.name={legacy:?}"));
+                config = Config::load(config_path, &all)?;
+            }
             Ok(Point { values, config })
         })
         .collect()
 }
 
-/// `<base>-n_layer=2-lr=1e-3`: keys by their last part unless two grids share it;
-/// characters a file name cannot hold become `_`.
+/// `<base>-n_layer-2-lr-1e-3`: keys by their last part unless two grids share it;
+/// characters a file name cannot hold (or a shell or `make` reads apart: `=`) become
+/// `_`.
 pub fn run_name(base: &str, keys: &[&str], values: &[(String, String)]) -> String {
+    named(base, keys, values, "-").replace('=', "_")
+}
+
+/// The names sweeps gave before: `<base>-n_layer=2-lr=1e-3`.
+fn legacy_run_name(base: &str, keys: &[&str], values: &[(String, String)]) -> String {
+    named(base, keys, values, "=")
+}
+
+fn named(base: &str, keys: &[&str], values: &[(String, String)], between: &str) -> String {
     let short = |k: &str| k.rsplit('.').next().unwrap_or(k).to_string();
     let mut name = base.to_string();
     for (key, value) in values {
         let clash = keys.iter().filter(|k| short(k) == short(key)).count() > 1;
         let key = if clash { key.clone() } else { short(key) };
-        name.push_str(&format!("-{key}={value}"));
+        name.push_str(&format!("-{key}{between}{value}"));
     }
     name.chars()
         .map(|c| {
@@ -244,6 +262,10 @@ mod tests {
         ];
         assert_eq!(
             run_name("exp", &["model.n_layer", "train.lr"], &values),
+            "exp-n_layer-2-lr-1e-3"
+        );
+        assert_eq!(
+            legacy_run_name("exp", &["model.n_layer", "train.lr"], &values),
             "exp-n_layer=2-lr=1e-3"
         );
         let clash = [
@@ -252,7 +274,7 @@ mod tests {
         ];
         assert_eq!(
             run_name("x", &["model.dropout", "train.dropout"], &clash),
-            "x-model.dropout=0.1-train.dropout=a_b"
+            "x-model.dropout-0.1-train.dropout-a_b"
         );
     }
 }

@@ -10,7 +10,11 @@ fn root() -> PathBuf {
 
 /// The markdown files users read.
 fn documents() -> Vec<PathBuf> {
-    let mut docs = vec![root().join("README.md")];
+    // checkpoints/README.md is what a user finds beside their runs.
+    let mut docs = vec![
+        root().join("README.md"),
+        root().join("checkpoints/README.md"),
+    ];
     let mut more: Vec<PathBuf> = std::fs::read_dir(root().join("docs"))
         .unwrap()
         .map(|e| e.unwrap().path())

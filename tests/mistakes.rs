@@ -365,7 +365,7 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
         ),
         // Tokenizer.
         case(
-            "BPE vocabulary larger than the corpus allows",
+            "BPE vocabulary larger than the corpus allows (and no short tokenizer cached under its name)",
             &format!("{t} --set tokenizer.kind=bpe --set tokenizer.vocab_size=5000"),
             "tokenizer.vocab_size",
         ),
@@ -427,7 +427,7 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
         ),
         with(
             "train while another trainer holds the lock",
-            "train --config exp.toml --resume",
+            "train --config exp.toml --resume --set train.max_iters=6",
             "pid 1",
             |d| {
                 std::fs::write(d.join(CK).join("train.lock"), "1\n").unwrap();
@@ -565,7 +565,7 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
         ),
         with(
             "resume from a damaged checkpoint",
-            "train --config exp.toml --set run.name=bad --resume",
+            "train --config exp.toml --set run.name=bad --resume --set train.max_iters=6",
             "sha256",
             |d| {
                 let p = bad_copy(d).join("optimizer.safetensors");
@@ -692,20 +692,105 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "ordinal",
         ),
         case(
-            "CUDA in a CPU-only build",
+            "CUDA in a CPU-only build (the README's install line)",
             &format!("{t} --device cuda"),
-            "--features cuda",
+            "cargo install --path . --features cuda",
         ),
         case(
             "Metal in a CPU-only build",
             "info --checkpoint checkpoints/good --device metal",
             "--features metal",
         ),
+        // Issue 41: what passed silently, or was answered with the wrong fix.
+        case(
+            "resume of a run already at train.max_iters",
+            "train --config exp.toml --resume",
+            "finished at step 3 (train.max_iters = 3); to train on, raise it: --set train.max_iters=6",
+        ),
+        case(
+            "resume of a run past train.max_iters",
+            "train --config exp.toml --resume --set train.max_iters=2",
+            "--set train.max_iters=6",
+        ),
+        case(
+            "serve --runs given a run folder",
+            "serve --checkpoint checkpoints/good --runs checkpoints/good --port 0",
+            "pass the folder that holds run folders: --runs checkpoints",
+        ),
+        with(
+            "export into a folder of the user's files",
+            "export --checkpoint checkpoints/good --out mine",
+            "--out mine holds files that are not an earlier export (config.json)",
+            |d| {
+                std::fs::create_dir_all(d.join("mine")).unwrap();
+                std::fs::write(d.join("mine/config.json"), "{\"mine\": true}").unwrap();
+            },
+        ),
+        case(
+            "an experiment file passed as the run folder",
+            "generate --checkpoint exp.toml --prompt Now",
+            "pass the run folder it trains: checkpoints/good",
+        ),
+        case(
+            "a file that is no checkpoint's passed as the run folder",
+            "info --checkpoint corpus.txt",
+            "is a file, not a run folder",
+        ),
+        with(
+            "an exported Hugging Face folder passed as the run folder",
+            "generate --checkpoint hf/good --prompt Now",
+            "import it first: tinygpt import --from hf/good --out checkpoints/good",
+            |d| {
+                if !d.join("hf/good").exists() {
+                    let out = Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+                        .args(["export", "--checkpoint", CK, "--out", "hf/good"])
+                        .current_dir(d)
+                        .output()
+                        .unwrap();
+                    assert!(out.status.success(), "the export for the case");
+                }
+            },
+        ),
+        case(
+            "a file of a Hugging Face folder passed to serve",
+            "serve --checkpoint hf/good/model.safetensors --port 0",
+            "not a run folder; import it first",
+        ),
+        case(
+            "a checkpoint file passed to serve",
+            "serve --checkpoint checkpoints/good/model.safetensors --port 0",
+            "pass the run folder that holds it: checkpoints/good",
+        ),
+        case(
+            "several values given to --set",
+            &format!("{t} --set train.lr=3e-4,1e-3"),
+            "use `tinygpt sweep --grid train.lr=3e-4,1e-3`",
+        ),
+        case(
+            "a negative count",
+            &format!("{g} --prompt Now --max-new-tokens -5"),
+            "--max-new-tokens -5: a negative number is not taken here; give --max-new-tokens 0 or more",
+        ),
+        case(
+            "a mistyped flag",
+            &format!("{g} --prompt Now --tempreature 1"),
+            "a similar argument exists: '--temperature'",
+        ),
+        case(
+            "a mistyped subcommand",
+            "genrate --checkpoint checkpoints/good",
+            "a similar subcommand exists: 'generate'",
+        ),
+        case(
+            "a required flag left out",
+            "train",
+            "--config <CONFIG>; `tinygpt train --help`",
+        ),
     ];
     assert!(cases.len() >= 40, "{} cases", cases.len());
 
     for c in &cases {
-        if (c.needle.contains("features cuda") && cfg!(feature = "cuda"))
+        if (c.needle.contains("--features cuda") && cfg!(feature = "cuda"))
             || (c.needle.contains("features metal") && cfg!(feature = "metal"))
         {
             continue;
@@ -747,6 +832,16 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             String::from_utf8_lossy(&out.stdout)
         );
         let after = snapshot(d);
+        let added: Vec<&PathBuf> = after.keys().filter(|p| !before.contains_key(*p)).collect();
+        // Nothing new either, but for a corpus found too short once tokenized: its
+        // cache (tokenizer and ids) is what any run on it makes, and is kept; and the
+        // note that a checkpoint's hashes were checked (.verified), which they were.
+        let added: Vec<&&PathBuf> = added
+            .iter()
+            .filter(|p| !(what == "corpus shorter than a block" && p.starts_with(d.join("cache"))))
+            .filter(|p| !p.ends_with(".verified"))
+            .collect();
+        assert!(added.is_empty(), "{what}: wrote {added:?}");
         for (path, hash) in &before {
             assert_eq!(
                 after.get(path),

@@ -53,7 +53,7 @@ fn a_sweep_runs_each_point_once_and_resumes_after_an_interruption() {
     let grids = [Grid::parse("model.n_layer=1,2").unwrap()];
     let points = sweep::points(&exp, &[], &grids).unwrap();
     let names: Vec<String> = points.iter().map(|p| p.config.run.name.clone()).collect();
-    assert_eq!(names, ["exp-n_layer=1", "exp-n_layer=2"]);
+    assert_eq!(names, ["exp-n_layer-1", "exp-n_layer-2"]);
 
     // Interrupted at step 4 (of 6) of the first point.
     let stop = Stop::new();
@@ -293,4 +293,19 @@ fn compare_on_the_command_line_writes_a_table_and_a_picture() {
     let table = run(&["compare", "runs/lr-*", "--x", "time", "--out", "t.png"]);
     assert_eq!(table.lines().count(), 3, "{table}");
     assert!(dir.path().join("t.png").exists());
+}
+
+#[test]
+fn a_sweep_named_before_dashes_goes_on_in_its_folders() {
+    let dir = tempfile::tempdir().unwrap();
+    let exp = tiny_experiment(dir.path());
+    let grids = [Grid::parse("model.n_layer=1,2").unwrap()];
+    let first = sweep::points(&exp, &[], &grids).unwrap();
+    // A run the sweep started under the old name, `<key>=<value>`.
+    let old = first[0].config.run.out_dir.join("exp-n_layer=1");
+    std::fs::create_dir_all(&old).unwrap();
+    std::fs::write(old.join("metrics.jsonl"), "").unwrap();
+    let points = sweep::points(&exp, &[], &grids).unwrap();
+    let names: Vec<&str> = points.iter().map(|p| p.config.run.name.as_str()).collect();
+    assert_eq!(names, ["exp-n_layer=1", "exp-n_layer-2"]);
 }

@@ -100,6 +100,23 @@ impl CorpusCache {
         let _ = write_atomic(&self.dir.join(USED_FILE), now.to_string().as_bytes());
     }
 
+    /// The file the tokenizer `config` describes is kept in.
+    fn tokenizer_file(&self, config: &TokenizerConfig) -> PathBuf {
+        self.dir.join(match config.kind {
+            TokenizerKind::Bpe => format!(
+                "tokenizer-bpe-{}-{}.json",
+                config.vocab_size, config.train_bytes
+            ),
+            TokenizerKind::Char => "tokenizer-char.json".to_string(),
+        })
+    }
+
+    /// The tokenizer `config` describes if one was trained on this corpus already
+    /// (nothing is trained or written).
+    pub fn trained_tokenizer(&self, config: &TokenizerConfig) -> Option<Tokenizer> {
+        Tokenizer::from_file(&self.tokenizer_file(config)).ok()
+    }
+
     /// The tokenizer `config` describes, trained on `corpus` once per settings.
     pub fn tokenizer(
         &self,
@@ -107,13 +124,7 @@ impl CorpusCache {
         config: &TokenizerConfig,
         stop: &Stop,
     ) -> Result<Tokenizer> {
-        let file = self.dir.join(match config.kind {
-            TokenizerKind::Bpe => format!(
-                "tokenizer-bpe-{}-{}.json",
-                config.vocab_size, config.train_bytes
-            ),
-            TokenizerKind::Char => "tokenizer-char.json".to_string(),
-        });
+        let file = self.tokenizer_file(config);
         // A damaged file is trained again, not trusted.
         if let Ok(tokenizer) = Tokenizer::from_file(&file) {
             return Ok(tokenizer);
@@ -126,6 +137,17 @@ impl CorpusCache {
         let bar = bytes_bar(corpus.bytes(), &what);
         let tokenizer = train_tokenizer(corpus, config, &bar, stop)
             .context("training the tokenizer; nothing was kept")?;
+        // A BPE that ran out of pairs is not the tokenizer asked for: refused, and not
+        // kept under the name of the one asked for (a refused run changes no file).
+        let have = tokenizer.vocab_size();
+        if config.kind == TokenizerKind::Bpe && have < config.vocab_size {
+            bar.finish_and_clear();
+            crate::user_bail!(
+                "tokenizer.vocab_size = {} is more than corpus {} supports: BPE ran out of pairs seen twice at {have} tokens; set tokenizer.vocab_size to at most {have} or use a larger corpus",
+                config.vocab_size,
+                corpus.path.display()
+            );
+        }
         self.create(corpus)?;
         write_atomic(&file, tokenizer.to_json()?.as_bytes())?;
         finish(
@@ -227,6 +249,21 @@ pub struct Manifest {
 
 /// Where the cache folders of the corpus at `corpus` go: `cache_dir`, or `cache`
 /// beside the corpus when that is empty.
+/// The vocabulary of the tokenizer a run of `config` would use, where it needs no
+/// training: `tokenizer.path`'s, or the one trained on `data.corpus` already (None when
+/// neither is there). Reads, never writes.
+pub fn known_vocab(config: &crate::config::Config) -> Option<usize> {
+    if let Some(path) = &config.tokenizer.path {
+        return Tokenizer::from_file(path).ok().map(|t| t.vocab_size());
+    }
+    let data = &config.data;
+    let corpus = Corpus::open(&data.corpus, &data.text_field).ok()?;
+    let cache = CorpusCache::new(&data.cache_dir, &corpus, data.fingerprint).ok()?;
+    cache
+        .trained_tokenizer(&config.tokenizer)
+        .map(|t| t.vocab_size())
+}
+
 pub fn root_for(cache_dir: &Path, corpus: &Path) -> PathBuf {
     if cache_dir.as_os_str().is_empty() {
         corpus.parent().unwrap_or(Path::new("")).join("cache")

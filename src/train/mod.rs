@@ -69,6 +69,8 @@ pub struct Trainer {
     unread: Unread,
     /// Why `run.device = "auto"` chose the device (None when it was named).
     device_choice: Option<String>,
+    /// A resumed run's training settings as its checkpoint saved them.
+    saved_train: Option<TrainConfig>,
     /// Held by rank 0, which alone writes the run folder.
     _lock: Option<RunLock>,
 }
@@ -86,6 +88,8 @@ struct Prepared {
     lock: Option<RunLock>,
     /// The corpus cache the run reads (none for token files).
     cache: Option<CorpusCache>,
+    /// A resumed run's training settings as saved (the schedule it followed).
+    saved_train: Option<TrainConfig>,
 }
 
 /// Steps trained since the trainer last read the engine's loss: reading waits for a
@@ -205,6 +209,7 @@ impl Trainer {
             stop,
             comm,
             stopping: None,
+            saved_train: p.saved_train,
             _lock: p.lock,
         })
     }
@@ -499,6 +504,9 @@ impl Trainer {
             ));
         }
         let start = self.state.step;
+        if self.resumed && start < cfg.max_iters {
+            reporter.note(&self.resumed_rate());
+        }
         let mut step = start;
         // A resumed run evaluated its first step before the checkpoint, unless a stop
         // cut that evaluation short.
@@ -568,6 +576,27 @@ impl Trainer {
 }
 
 impl Trainer {
+    /// What a resumed run says of its learning rate: the rate of its first step, and,
+    /// where a changed schedule (a longer train.max_iters, say) makes it rise above the
+    /// rate the checkpoint's last step had, that it does and why.
+    fn resumed_rate(&self) -> String {
+        let (cfg, step) = (&self.config.train, self.state.step);
+        let now = learning_rate(step, cfg);
+        let mut line = format!("learning rate {now:.3e} at step {step}");
+        let before = self
+            .saved_train
+            .as_ref()
+            .filter(|_| step > 0)
+            .map(|saved| learning_rate(step - 1, saved));
+        if let Some(before) = before.filter(|&b| now > b * 1.01) {
+            line.push_str(&format!(
+                ", up from {before:.3e} at the checkpoint: the cosine decay now runs to step {} (train.lr_decay_iters, default train.max_iters), so the rate rises again and the loss may too before it falls",
+                cfg.lr_decay_iters()
+            ));
+        }
+        line
+    }
+
     /// A device that ran out of memory mid-run is a one-line user error (the batch is
     /// too big for it), not the device library's internals; other errors pass.
     fn explain(&self, error: anyhow::Error) -> anyhow::Error {
@@ -707,6 +736,7 @@ fn prepare(config: Config, start: &Start, stop: &Stop, comm: &dyn Collective) ->
         tokenizer: origin.tokenizer,
         state,
         weights: origin.weights,
+        saved_train: origin.saved_train,
         split,
         device,
         device_choice,

@@ -9,7 +9,7 @@ use anyhow::Result;
 use candle_core::Device;
 
 use crate::checkpoint::{Loaded, RunDir, TrainState, CONFIG_FILE, MODEL_FILE};
-use crate::config::{Config, ModelConfig, TokenizerKind};
+use crate::config::{Config, ModelConfig, TokenizerKind, TrainConfig};
 use crate::corpus::cache::CorpusCache;
 use crate::corpus::Corpus;
 use crate::model::params::weights_from_file;
@@ -41,6 +41,9 @@ pub struct Origin {
     /// run, the other checkpoint's for fine-tuning; `None` for a new run (the seed's,
     /// drawn once the model is known to fit in memory).
     pub weights: Option<Vec<f32>>,
+    /// A resumed run's training settings as its checkpoint saved them (the schedule
+    /// its last steps followed).
+    pub saved_train: Option<TrainConfig>,
 }
 
 /// Resolves `start` for the run folder `run`, whose corpus is `corpus`.
@@ -87,6 +90,18 @@ fn resume(mut config: Config, run: &RunDir) -> Result<Origin> {
             model_differences(&wanted, &saved.model).join(", ")
         );
     }
+    // Finished: trained to train.max_iters (or past it) and evaluated there. (A stop in
+    // the final evaluation leaves the last step saved but not evaluated: that resumes.)
+    let max = config.train.max_iters;
+    if state.step > max || (state.step == max && run.has_eval_at(state.step)) {
+        user_bail!(
+            "--resume: {} is finished at step {} (train.max_iters = {max}); to train on, raise it: --set train.max_iters={}",
+            run.path().display(),
+            state.step,
+            (state.step * 2).max(state.step + 1)
+        );
+    }
+    let saved_train = Some(saved.train.clone());
     config.model = saved.model;
     config.tokenizer = saved.tokenizer;
     config.train.init_from = saved.train.init_from;
@@ -98,6 +113,7 @@ fn resume(mut config: Config, run: &RunDir) -> Result<Origin> {
         tokenizer: run.load_tokenizer(&state)?,
         config,
         state,
+        saved_train,
     })
 }
 
@@ -132,6 +148,7 @@ fn init_from(mut config: Config, dir: &Path) -> Result<Origin> {
         weights: Some(loaded.model.params().to_flat()?),
         tokenizer: loaded.tokenizer,
         state: TrainState::default(),
+        saved_train: None,
     })
 }
 
@@ -169,5 +186,6 @@ fn fresh(mut config: Config, corpus: &Corpus, cache: &CorpusCache, stop: &Stop) 
         tokenizer,
         state: TrainState::default(),
         weights: None,
+        saved_train: None,
     })
 }
