@@ -4,6 +4,9 @@
 #
 #   bash tools/gpu-check.sh [OUT.md]       # default: gpu-check.md (git-ignored)
 #
+# 0. The profile first (tools/gpu-profile.sh; PROFILE=0 skips it): `bench --profile` of
+#    the GPT-2 shape in f32 and bf16, Nsight tables of tinygpt and PyTorch where Nsight is
+#    there, written beside OUT.md as gpu-profile-<GPU>.md (commit it under docs/).
 # 1. `tinygpt doctor`: the GPU, its driver and compute capability; the kernels, the
 #    fused engine against the reference engine, the decoder against the CPU decoder,
 #    graph replay (exit 1 names what failed).
@@ -34,6 +37,9 @@ libdirs=$(find /usr /opt -maxdepth 9 \( -name 'libcublas.so.1[2-9]*' -o -name 'l
 export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:-}"
 B=/tmp/tg/tinygpt
 unxz_to "$D/tinygpt.xz" "$B"
+if [ "${PROFILE:-1}" != 0 ]; then
+  bash tools/gpu-profile.sh "$(dirname "$out")"
+fi
 
 "$B" doctor > /tmp/tg/doctor.txt 2>&1
 doctor_rc=$?

@@ -1,0 +1,117 @@
+#!/bin/bash
+# Where a GPU training step's time goes, on a machine with an NVIDIA GPU, from the
+# repository root after `tools/gpu-pack.sh` packed .gpu/ (tools/gpu-check.sh runs it
+# first; it also runs alone, in about 3 minutes):
+#
+#   bash tools/gpu-profile.sh [OUT.md | DIR]   # default: gpu-profile-<GPU>.md (in DIR)
+#
+# 1. `tinygpt bench --profile` at the GPT-2 shape (12L/12H/768, T1024, B8, vocab 50,304):
+#    f32, bf16, and bf16 with TINYGPT_CUDA_BF16_OPERANDS=0 (products rounding f32 data on
+#    the fly, as before bf16 operand copies): per phase and group the time a step from
+#    CUDA events, TFLOP/s or GB/s, the floor on the GPU's peak, gaps, MFU.
+# 2. Nsight Systems' kernel table (cuda_gpu_kern_sum) of the bf16 step and of
+#    torch_gpt.py --bf16 at the same shape, where nsys is on the machine (CUDA toolkits
+#    ship it; the GPU machine has no network to fetch it).
+# 3. Nsight Compute's speed-of-light section on the bf16 step's heaviest kernels, where
+#    ncu is on the machine.
+# Commit what it writes as docs/gpu-profile-<GPU>.md: later work starts from it.
+set -u
+cd "$(dirname "$0")/.."
+D=.gpu
+[ -d "$D" ] || { echo "no .gpu/: run tools/gpu-pack.sh on the build machine and carry .gpu" >&2; exit 2; }
+mkdir -p /tmp/tg
+unxz_to() { xz -dc "$1" > "$2" 2>/dev/null ||
+  python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" "$1" "$2"
+  chmod +x "$2"; }
+libdirs=$(find /usr /opt -maxdepth 9 \( -name 'libcublas.so.1[2-9]*' -o -name 'libcuda.so.1' \
+  -o -name 'libcurand.so.10*' -o -name 'libnvrtc.so.1[2-9]*' -o -name 'libcublasLt.so.1[2-9]*' \
+  -o -name 'libcudart.so.1[2-9]*' -o -name 'libnccl.so.2*' \) 2>/dev/null |
+  xargs -r -n1 dirname | sort -u | tr '\n' ':')
+export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:-}"
+B=/tmp/tg/tinygpt
+[ -x "$B" ] || unxz_to "$D/tinygpt.xz" "$B"
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr -c 'A-Za-z0-9\n' '-' | sed 's/-*$//')
+out=${1:-.}
+[ -d "$out" ] && out="$out/gpu-profile-${gpu:-GPU}.md"
+
+# The GPT-2 shape, on random tokens (bench reads no corpus but the config names one).
+printf 'To be, or not to be.\n' > /tmp/tg/corpus.txt
+cat > /tmp/tg/gpt2.toml <<TOML
+[data]
+corpus = "/tmp/tg/corpus.txt"
+[tokenizer]
+kind = "char"
+[model]
+n_layer = 12
+n_head = 12
+n_embd = 768
+block_size = 1024
+vocab_size = 50304
+positions = "learned"
+bias = false
+[train]
+batch_size = 8
+TOML
+bench=("$B" bench --config /tmp/tg/gpt2.toml --device cuda --warmup 3 --decode-tokens 16 --prompt-tokens 16)
+
+{
+  echo "# GPU profile, $(date -u +%F): ${gpu:-unknown GPU}"
+  echo
+  echo '```'
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
+  git log -1 --format='tinygpt %h %s' 2>/dev/null | cut -c1-100
+  echo '```'
+  echo
+  echo "## bench --profile, GPT-2 124M (12L/768, T1024, B8, vocab 50,304)"
+} > "$out"
+for run in "f32|train.dtype=f32|" "bf16|train.dtype=bf16|" "bf16, f32 operands rounded by cuBLAS|train.dtype=bf16|TINYGPT_CUDA_BF16_OPERANDS=0"; do
+  IFS='|' read -r label set env <<<"$run"
+  {
+    echo
+    echo "### $label"
+    echo
+    echo '```'
+    env $env timeout 300 "${bench[@]}" --steps 10 --profile --set "$set" 2>&1 | grep -v '^decode'
+    echo '```'
+  } >> "$out"
+done
+
+{
+  echo
+  echo "## Nsight Systems: kernels of 5 bf16 steps"
+} >> "$out"
+nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys 2>/dev/null | head -1)
+if [ -z "$nsys" ]; then
+  echo "skipped: no nsys on this machine" >> "$out"
+else
+  kernels() { # LABEL COMMAND...
+    local label=$1; shift
+    timeout 300 "$nsys" profile -o "/tmp/tg/nsys-$label" --force-overwrite true -t cuda "$@" > /dev/null 2>&1
+    { echo; echo "### $label"; echo; echo '```'
+      "$nsys" stats -q --report cuda_gpu_kern_sum "/tmp/tg/nsys-$label.nsys-rep" 2>&1 | head -40
+      echo '```'; } >> "$out"
+  }
+  kernels tinygpt "${bench[@]}" --steps 5 --set train.dtype=bf16
+  if [ -f "$D/torch_gpt.py" ]; then
+    kernels pytorch python3 "$D/torch_gpt.py" train --corpus /tmp/tg/corpus.txt --device cuda \
+      --iters 5 --warmup 2 --n-layer 12 --n-head 12 --n-embd 768 --block-size 1024 --batch-size 8 \
+      --vocab-size 50304 --bf16
+  fi
+fi
+
+{
+  echo
+  echo "## Nsight Compute: speed of light of the heaviest kernels (bf16 step)"
+  echo
+} >> "$out"
+ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
+if [ -z "$ncu" ]; then
+  echo "skipped: no ncu on this machine" >> "$out"
+else
+  echo '```' >> "$out"
+  timeout 400 "$ncu" --section SpeedOfLight -k 'regex:flash|norm|activation|adamw|softmax|residual|to_bf16|split|merge' \
+    -c 12 "${bench[@]}" --steps 1 --warmup 1 --set train.dtype=bf16 2>&1 |
+    grep -E '^  [a-z_]+|Duration|Memory Throughput|Compute \(SM\) Throughput|DRAM Throughput' | head -80 >> "$out"
+  echo '```' >> "$out"
+fi
+echo "wrote $out" >&2
