@@ -623,13 +623,24 @@ fn bench_checkpoint(
     let ttft: Vec<String> = r
         .ttft_ms
         .iter()
-        .map(|(n, ms)| format!("{n} tokens {ms:.1} ms"))
+        .map(|(n, ms)| format!("{} {ms:.1} ms", count(*n, "token")))
         .collect();
-    println!("first   {}", ttft.join(", "));
+    // Asked lengths past the model's context were cut to it (and timed once).
+    let beyond: Vec<String> = args
+        .prompts
+        .iter()
+        .filter(|&&n| r.ttft_ms.iter().all(|&(len, _)| len != n))
+        .map(ToString::to_string)
+        .collect();
+    let cut = match beyond.is_empty() {
+        true => String::new(),
+        false => format!(" ({}: past the model's context)", beyond.join(", ")),
+    };
+    println!("first   {}{cut}", ttft.join(", "));
     println!(
-        "decode  {:.1} tokens/s ({} tokens after a 16-token prompt), peak RSS {}",
+        "decode  {:.1} tokens/s ({} after a 16-token prompt), peak RSS {}",
         r.decode_tokens_per_s,
-        r.decode_tokens,
+        count(r.decode_tokens, "token"),
         r.peak_rss_mb
             .map_or("-".to_string(), |m| format!("{m:.0} MiB"))
     );

@@ -102,7 +102,9 @@ fn stop_a_long_evaluation(signal: i32, code: i32) {
     let (exit, err) = signal_and_wait(child, signal, Duration::from_secs(5));
     assert_eq!(exit, code, "{err}");
     assert!(err.contains("interrupted at step 3"), "{err}");
-    assert!(err.contains("--resume"), "{err}");
+    // The command that continues, to paste: this one (which has --resume already).
+    let again = format!("continue with tinygpt {}", long.join(" "));
+    assert!(err.contains(&again), "expected {again:?} in: {err}");
 
     // The step trained before the stop was saved whole; its evaluation was not logged.
     let loaded = tinygpt::checkpoint::Loaded::load(&run, &candle_core::Device::Cpu).unwrap();
