@@ -54,6 +54,13 @@ fn train_then_resume_from_the_command_line() {
         "{}",
         stderr(&out)
     );
+    // A longer schedule: the rate it starts at, above the checkpoint's, and why.
+    assert!(
+        stderr(&out).contains("learning rate ")
+            && stderr(&out).contains("at the checkpoint: the cosine decay now runs to step 9"),
+        "{}",
+        stderr(&out)
+    );
     // `auto` says in the run's first line what it chose and why.
     assert!(stderr(&out).contains(" (auto: "), "{}", stderr(&out));
     let state: serde_json::Value =
@@ -106,7 +113,8 @@ fn generate_eval_and_info_from_a_checkpoint() {
         .spawn()
         .unwrap();
     use std::io::Write;
-    child.stdin.take().unwrap().write_all(b"Whether").unwrap();
+    // As `echo Whether |` sends it: the newline is echo's, not the prompt's.
+    child.stdin.take().unwrap().write_all(b"Whether\n").unwrap();
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success());
     let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
@@ -413,6 +421,23 @@ fn info_export_and_train_speak_plainly() {
         &["export", "--checkpoint", "checkpoints/exp", "--out", "hf"],
     );
     assert!(stderr(&out).contains("(GPT-2 layout)"), "{}", stderr(&out));
+    // Over an earlier export: written again (only other files are refused).
+    succeeds(
+        dir.path(),
+        &["export", "--checkpoint", "checkpoints/exp", "--out", "hf"],
+    );
+    // Imported, the model has no corpus of ours, and info says so.
+    let imported = ["--from", "hf", "--out", "checkpoints/imported"];
+    succeeds(dir.path(), &[&["import"][..], &imported].concat());
+    let info = succeeds(
+        dir.path(),
+        &["info", "--checkpoint", "checkpoints/imported"],
+    );
+    let text = String::from_utf8_lossy(&info.stdout);
+    assert!(
+        text.contains("corpus      none: imported (tinygpt import), not trained here"),
+        "{text}"
+    );
 
     let metrics =
         std::fs::read_to_string(dir.path().join("checkpoints/exp/metrics.jsonl")).unwrap();
