@@ -108,13 +108,17 @@ fn sigkill_at_random_moments_never_loses_the_checkpoint() {
         loaded += 1;
     }
     assert_eq!(loaded, 24);
-    // And the run still continues (the dead trainer's lock is stale, taken over).
+    // And the run still continues (the dead trainer's lock is stale, taken over), for a
+    // step past its checkpoint (one already at train.max_iters is finished, refused).
     let out = run(
         dir.path(),
-        &train_args(&["--resume"], &["train.max_iters=1"]),
+        &["info", "--checkpoint", "checkpoints/exp", "--json"],
     );
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let next = format!("train.max_iters={}", info["step"].as_u64().unwrap() + 1);
+    let out = run(dir.path(), &train_args(&["--resume"], &[next.as_str()]));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success() || err.contains("resuming"), "{err}");
+    assert!(out.status.success() && err.contains("resuming"), "{err}");
 }
 
 #[test]
