@@ -222,7 +222,7 @@ struct SweepArgs {
     #[arg(long, short)]
     config: PathBuf,
     /// A setting and its values: --grid model.n_layer=2,4,6 (repeatable; every
-    /// combination runs, named <run.name>-n_layer=2-...).
+    /// combination runs, named <run.name>-n_layer-2-...).
     #[arg(long = "grid", value_name = "SECTION.KEY=V1,V2,...", required = true)]
     grids: Vec<String>,
     /// Override a config value for every run: --set train.max_iters=500 (repeatable).
