@@ -16,7 +16,7 @@ use super::buffers::Buf;
 use super::gpu::Gpu;
 use super::gpu::Recording;
 use super::kernels::{
-    cached_attention_partials, At, CachedRows, DropoutArgs, Heads, NormRows, SamplingArgs,
+    cached_attention_partials, At, CachedRows, DropoutArgs, Heads, NormRows, Out, SamplingArgs,
     SamplingWork,
 };
 use super::tables::PositionTables;
@@ -579,7 +579,7 @@ impl CudaDecoder {
             // MLP.
             self.norm(w.xn.ptr(), w.stats.ptr(), w.x.ptr(), &p.ln_2, rows)?;
             self.linear(w.fc.ptr(), w.xn.ptr(), &p.mlp_fc, rows)?;
-            g.activation_forward(w.act.ptr(), w.fc.ptr(), rows, s.mlp_hidden, kind)?;
+            g.activation_forward(Out::f32(w.act.ptr()), w.fc.ptr(), rows, s.mlp_hidden, kind)?;
             self.linear(w.proj.ptr(), w.act.ptr(), &p.mlp_proj, rows)?;
             add_branch()?;
         }
@@ -633,7 +633,8 @@ impl CudaDecoder {
             rows,
             c: self.spec.shapes.n_embd,
         };
-        self.gpu.norm_forward(out, x, n, cfg.norm_eps as f32)
+        self.gpu
+            .norm_forward(Out::f32(out), x, n, cfg.norm_eps as f32)
     }
 }
 

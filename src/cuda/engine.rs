@@ -25,7 +25,7 @@ use super::buckets::Buckets;
 use super::buffers::{Buf, Staging};
 use super::calls::Operands;
 use super::gpu::Gpu;
-use super::kernels::{AdamBuffers, DropoutArgs, Heads, NormRows};
+use super::kernels::{AdamBuffers, DropoutArgs, Heads, NormRows, Out};
 use super::plan::{Attention, Plan, FLASH_MAX_HEAD, LOSS_SLOTS, LOSS_SUM, NORM_SQ, PARTS};
 use super::ranks::Ranks;
 use super::tables::PositionTables;
@@ -111,6 +111,21 @@ impl Bf16Operands {
 
     fn bytes(&self) -> u64 {
         self.weights.bytes() + self.inputs.bytes() + self.outputs.bytes()
+    }
+}
+
+/// Rows a product reads (a layer's input, or its output's gradient): f32 values,
+/// rounded into their bf16 buffer first where products are bf16; or rows the kernel
+/// that made them already wrote there, rounded.
+#[derive(Debug, Clone, Copy)]
+enum Rows {
+    F32(u64),
+    Rounded,
+}
+
+impl From<u64> for Rows {
+    fn from(f32: u64) -> Self {
+        Rows::F32(f32)
     }
 }
 
@@ -538,9 +553,16 @@ impl FusedCuda {
         }
         let a = &self.acts;
         let last = a.blocks.last().expect("at least one layer").res_3.ptr();
-        self.norm_forward(a.ln_f.ptr(), &a.ln_f_stats, last, &self.spec.ln_f)?;
-        self.linear_forward(a.logits.ptr(), a.ln_f.ptr(), &self.spec.output_layer())?;
-        let (logits, losses) = (a.logits.ptr(), a.row_loss.ptr());
+        // The final norm's output is kept in f32 for the backward, and rounded for the
+        // output layer's product where products are bf16.
+        let (mut ln_f, input) = self.product_input(a.ln_f.ptr());
+        ln_f.f32 = a.ln_f.ptr();
+        self.norm_forward(ln_f, &a.ln_f_stats, last, &self.spec.ln_f)?;
+        self.linear_forward(a.logits.ptr(), input, &self.spec.output_layer())?;
+        // With bf16 products the loss's gradient at the logits goes, rounded, straight
+        // into the buffer the output layer's backward products read.
+        let grad16 = self.bf16.as_ref().map_or(0, |b| b.outputs.ptr());
+        let (logits, losses) = ((a.logits.ptr(), grad16), a.row_loss.ptr());
         self.gpu
             .softmax_cross_entropy(logits, losses, a.targets.ptr(), n, s.vocab_size)?;
         // Summed where they are, each forward in its slot, so the host waits for
@@ -600,23 +622,25 @@ impl FusedCuda {
 
         // Attention: q | k | v of the normed input, positions turned in, heads attend,
         // their outputs projected back into the residual stream.
-        self.norm_forward(sc.ln.ptr(), &a.ln_1, x, &p.ln_1)?;
-        self.linear_forward(a.qkv.ptr(), sc.ln.ptr(), &p.attn_qkv)?;
+        let (ln, normed) = self.product_input(sc.ln.ptr());
+        self.norm_forward(ln, &a.ln_1, x, &p.ln_1)?;
+        self.linear_forward(a.qkv.ptr(), normed, &p.attn_qkv)?;
         if let Some(tables) = self.tables.rope() {
             let at = Positions::from_start(s.block_size);
             k.rope(a.qkv.ptr(), tables, n, at, self.heads(), s.qkv_width, 1.0)?;
         }
         self.attention_forward(l, a.y.ptr(), a.qkv.ptr())?;
-        self.linear_forward(sc.branch.ptr(), a.y.ptr(), &p.attn_proj)?;
+        self.linear_forward(sc.branch.ptr(), Rows::F32(a.y.ptr()), &p.attn_proj)?;
         let mask = DropoutArgs::at(dropout, Site::AttentionOutput(l));
         k.residual(a.res_2.ptr(), x, sc.branch.ptr(), n * c, mask)?;
 
         // MLP: expand, non-linearity, project back.
-        self.norm_forward(sc.ln.ptr(), &a.ln_2, a.res_2.ptr(), &p.ln_2)?;
-        self.linear_forward(a.fc.ptr(), sc.ln.ptr(), &p.mlp_fc)?;
+        self.norm_forward(ln, &a.ln_2, a.res_2.ptr(), &p.ln_2)?;
+        self.linear_forward(a.fc.ptr(), normed, &p.mlp_fc)?;
         let kind = self.spec.config.mlp;
-        k.activation_forward(sc.act.ptr(), a.fc.ptr(), n, s.mlp_hidden, kind)?;
-        self.linear_forward(sc.branch.ptr(), sc.act.ptr(), &p.mlp_proj)?;
+        let (act, activated) = self.product_input(sc.act.ptr());
+        k.activation_forward(act, a.fc.ptr(), n, s.mlp_hidden, kind)?;
+        self.linear_forward(sc.branch.ptr(), activated, &p.mlp_proj)?;
         let mask = DropoutArgs::at(dropout, Site::MlpOutput(l));
         k.residual(a.res_3.ptr(), a.res_2.ptr(), sc.branch.ptr(), n * c, mask)
     }
@@ -686,16 +710,60 @@ impl FusedCuda {
         matmul(&self.gpu, how, c, a, b, alpha, beta, batch)
     }
 
-    /// out (N, d_out) = x Wᵀ (+ b): with bf16 products, x rounded to bf16 first and
-    /// the weights' bf16 copy read.
-    fn linear_forward(&self, out: u64, x: u64, p: &LinearParams) -> Result<()> {
+    /// Where a kernel writes rows a product reads next, and how the product finds
+    /// them: `f32` itself with f32 products; with bf16 products only the bf16 input
+    /// buffer, rounded as they are written (the f32 values are never read).
+    fn product_input(&self, f32: u64) -> (Out, Rows) {
+        match &self.bf16 {
+            Some(b) => (
+                Out {
+                    f32: 0,
+                    bf16: b.inputs.ptr(),
+                },
+                Rows::Rounded,
+            ),
+            None => (Out::f32(f32), Rows::F32(f32)),
+        }
+    }
+
+    /// Where a kernel writes the gradient at layer `p`'s output, which its backward
+    /// products read next: `f32` itself with f32 products, or with a bias (its
+    /// gradient sums the f32 rows); otherwise only the bf16 gradient buffer, rounded as
+    /// it is written.
+    fn product_gradient(&self, f32: u64, p: &LinearParams) -> (Out, Rows) {
+        match (&self.bf16, p.bias) {
+            (Some(b), None) => (
+                Out {
+                    f32: 0,
+                    bf16: b.outputs.ptr(),
+                },
+                Rows::Rounded,
+            ),
+            _ => (Out::f32(f32), Rows::F32(f32)),
+        }
+    }
+
+    /// A product's input rows in bf16 (`d_in` wide): `x` rounded into the input
+    /// buffer, or already there.
+    fn rounded(&self, x: Rows, d_in: usize) -> Result<u64> {
+        let b = self
+            .bf16
+            .as_ref()
+            .context("bf16 operands with f32 products")?;
+        if let Rows::F32(x) = x {
+            self.gpu.to_bf16(b.inputs.ptr(), x, self.rows() * d_in)?;
+        }
+        Ok(b.inputs.ptr())
+    }
+
+    /// out (N, d_out) = x Wᵀ (+ b): with bf16 products, x in bf16 and the weights'
+    /// bf16 copy read.
+    fn linear_forward(&self, out: u64, x: Rows, p: &LinearParams) -> Result<()> {
         let (spec, params, n) = (&self.spec, &self.params, self.rows());
-        let (weights, x) = match &self.bf16 {
-            Some(b) => {
-                self.gpu.to_bf16(b.inputs.ptr(), x, n * p.d_in)?;
-                (Weights::Bf16(&b.weights), b.inputs.ptr())
-            }
-            None => (Weights::F32(self.precision), x),
+        let (weights, x) = match (&self.bf16, x) {
+            (Some(b), x) => (Weights::Bf16(&b.weights), self.rounded(x, p.d_in)?),
+            (None, Rows::F32(x)) => (Weights::F32(self.precision), x),
+            (None, Rows::Rounded) => anyhow::bail!("rounded rows with f32 products"),
         };
         linear(&self.gpu, weights, spec, params, out, x, p, n)
     }
@@ -706,25 +774,29 @@ impl FusedCuda {
     fn linear_backward(
         &self,
         dx: u64,
-        dout: u64,
-        x: u64,
+        dout: impl Into<Rows>,
+        x: Rows,
         p: &LinearParams,
         factor: f32,
     ) -> Result<()> {
+        let dout = dout.into();
         ensure!(
             p.bias.is_none() || factor == 1.0,
             "a scaled gradient into a bias"
         );
         let n = self.rows();
         // With bf16 products: dout and x rounded to bf16, the weights' bf16 copy read.
-        let (operands, dout16, x16, w) = match &self.bf16 {
-            Some(b) => {
-                self.gpu.to_bf16(b.outputs.ptr(), dout, n * p.d_out)?;
-                self.gpu.to_bf16(b.inputs.ptr(), x, n * p.d_in)?;
+        let (operands, dout16, x16, w) = match (&self.bf16, dout, x) {
+            (Some(b), dout, x) => {
+                if let Rows::F32(dout) = dout {
+                    self.gpu.to_bf16(b.outputs.ptr(), dout, n * p.d_out)?;
+                }
+                let x = self.rounded(x, p.d_in)?;
                 let w = b.weights.at(self.spec[p.weight].offset);
-                (Operands::Bf16, b.outputs.ptr(), b.inputs.ptr(), w)
+                (Operands::Bf16, b.outputs.ptr(), x, w)
             }
-            None => (Operands::F32, dout, x, self.w(p.weight)),
+            (None, Rows::F32(dout), Rows::F32(x)) => (Operands::F32, dout, x, self.w(p.weight)),
+            (None, _, _) => anyhow::bail!("rounded rows with f32 products"),
         };
         let how = (operands, Group::Product(p.role));
         self.product(
@@ -744,6 +816,9 @@ impl FusedCuda {
             1,
         )?;
         if let Some(b) = p.bias {
+            let Rows::F32(dout) = dout else {
+                anyhow::bail!("a bias gradient from rounded rows")
+            };
             let partials = self.scratch.partials.ptr();
             self.gpu
                 .bias_backward(self.g(b), dout, n, p.d_out, partials)?;
@@ -765,13 +840,13 @@ impl FusedCuda {
         }
     }
 
-    fn norm_forward(&self, out: u64, stats: &Stats, x: u64, p: &NormParams) -> Result<()> {
+    fn norm_forward(&self, out: Out, stats: &Stats, x: u64, p: &NormParams) -> Result<()> {
         let eps = self.spec.config.norm_eps as f32;
         self.gpu.norm_forward(out, x, self.norm_rows(stats, p), eps)
     }
 
     /// out = the norm's output again, from x and the kept statistics.
-    fn norm_apply(&self, out: u64, stats: &Stats, x: u64, p: &NormParams) -> Result<()> {
+    fn norm_apply(&self, out: Out, stats: &Stats, x: u64, p: &NormParams) -> Result<()> {
         self.gpu.norm_apply(out, x, self.norm_rows(stats, p))
     }
 
@@ -801,13 +876,26 @@ impl FusedCuda {
         let s = self.spec.shapes;
         let (k, a, sc) = (&self.gpu, &self.acts, &self.scratch);
 
-        let dlogits = a.logits.ptr();
-        // d(loss)/d(logits) = (p - onehot) * scale / N: the subtraction in place, the
-        // factor carried by the output layer's two products.
-        k.cross_entropy_backward(dlogits, a.targets.ptr(), n, s.vocab_size)?;
+        // d(loss)/d(logits) = (p - onehot) * scale / N: the subtraction in place on the
+        // probabilities (with bf16 products the forward wrote it, rounded), the factor
+        // carried by the output layer's two products.
+        let dlogits = match self.bf16 {
+            Some(_) => Rows::Rounded,
+            None => {
+                let probs = a.logits.ptr();
+                k.cross_entropy_backward(probs, a.targets.ptr(), n, s.vocab_size)?;
+                Rows::F32(probs)
+            }
+        };
         let output = self.spec.output_layer();
         let factor = scale / n as f32;
-        self.linear_backward(sc.dln.ptr(), dlogits, a.ln_f.ptr(), &output, factor)?;
+        self.linear_backward(
+            sc.dln.ptr(),
+            dlogits,
+            Rows::F32(a.ln_f.ptr()),
+            &output,
+            factor,
+        )?;
         let last = a.blocks.last().expect("at least one layer").res_3.ptr();
         sc.dres.fill_zeros(&self.gpu)?;
         self.norm_backward(
@@ -855,18 +943,27 @@ impl FusedCuda {
         // res_3 = res_2 + mlp(ln_2(res_2)): dres reaches both terms. The non-linearity's
         // output is recomputed.
         let kind = self.spec.config.mlp;
-        k.activation_forward(sc.act.ptr(), a.fc.ptr(), n, s.mlp_hidden, kind)?;
+        let (act, activated) = self.product_input(sc.act.ptr());
+        k.activation_forward(act, a.fc.ptr(), n, s.mlp_hidden, kind)?;
         let dbranch = self.branch_gradient(dres, Site::MlpOutput(l))?;
-        self.linear_backward(sc.dact.ptr(), dbranch, sc.act.ptr(), &p.mlp_proj, 1.0)?;
+        self.linear_backward(sc.dact.ptr(), dbranch, activated, &p.mlp_proj, 1.0)?;
         let dims = (n, s.mlp_hidden);
-        k.activation_backward(sc.dfc.ptr(), a.fc.ptr(), sc.dact.ptr(), dims, kind)?;
-        self.norm_apply(sc.ln.ptr(), &a.ln_2, a.res_2.ptr(), &p.ln_2)?;
-        self.linear_backward(sc.dln.ptr(), sc.dfc.ptr(), sc.ln.ptr(), &p.mlp_fc, 1.0)?;
+        let (dfc_out, dfc) = self.product_gradient(sc.dfc.ptr(), &p.mlp_fc);
+        k.activation_backward(dfc_out, a.fc.ptr(), sc.dact.ptr(), dims, kind)?;
+        let (ln, normed) = self.product_input(sc.ln.ptr());
+        self.norm_apply(ln, &a.ln_2, a.res_2.ptr(), &p.ln_2)?;
+        self.linear_backward(sc.dln.ptr(), dfc, normed, &p.mlp_fc, 1.0)?;
         self.norm_backward(dres, sc.dln.ptr(), a.res_2.ptr(), &a.ln_2, &p.ln_2)?;
 
         // res_2 = x + proj(attention(qkv(ln_1(x)))).
         let dbranch = self.branch_gradient(dres, Site::AttentionOutput(l))?;
-        self.linear_backward(sc.dy.ptr(), dbranch, a.y.ptr(), &p.attn_proj, 1.0)?;
+        self.linear_backward(
+            sc.dy.ptr(),
+            dbranch,
+            Rows::F32(a.y.ptr()),
+            &p.attn_proj,
+            1.0,
+        )?;
         self.attention_backward(l, sc.dqkv.ptr(), sc.dy.ptr(), a.qkv.ptr())?;
         if let Some(tables) = self.tables.rope() {
             // q and k were turned after the projection: turn their gradients back.
@@ -881,8 +978,8 @@ impl FusedCuda {
                 -1.0,
             )?;
         }
-        self.norm_apply(sc.ln.ptr(), &a.ln_1, x, &p.ln_1)?;
-        self.linear_backward(sc.dln.ptr(), sc.dqkv.ptr(), sc.ln.ptr(), &p.attn_qkv, 1.0)?;
+        self.norm_apply(ln, &a.ln_1, x, &p.ln_1)?;
+        self.linear_backward(sc.dln.ptr(), sc.dqkv.ptr(), normed, &p.attn_qkv, 1.0)?;
         self.norm_backward(dres, sc.dln.ptr(), x, &a.ln_1, &p.ln_1)
     }
 

@@ -254,6 +254,27 @@ pub struct CachedRows {
     pub block: usize,
 }
 
+/// Where a kernel writes an output: as f32, rounded to bf16 for a product that reads
+/// it, or both (an address of 0 is not written).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Out {
+    pub f32: u64,
+    pub bf16: u64,
+}
+
+impl Out {
+    /// f32 values at `f32`.
+    pub fn f32(f32: u64) -> Self {
+        Self { f32, bf16: 0 }
+    }
+
+    /// Bytes written for `values` values.
+    fn bytes(&self, values: usize) -> f64 {
+        let per = 4 * usize::from(self.f32 != 0) + 2 * usize::from(self.bf16 != 0);
+        (per * values) as f64
+    }
+}
+
 /// Sizes of a batch of heads: (B, H, T, d), grouped K/V heads Hkv.
 #[derive(Debug, Clone, Copy)]
 pub struct Heads {
@@ -355,15 +376,22 @@ impl Gpu {
     }
 
     /// out = the norm of each row of x, keeping each row's mean and rstd.
-    pub fn norm_forward(&self, out: u64, x: u64, n: NormRows, eps: f32) -> Result<()> {
-        launch!(self, NormForward, warp_rows(n.rows), Cost::f32s_and_flops(2 * n.rows * (n.c + 1), 8 * n.rows * n.c);
-            out, n.mean, n.rstd, x, n.weight, n.bias, int(n.rows), int(n.c), eps, n.rms())
+    pub fn norm_forward(&self, out: Out, x: u64, n: NormRows, eps: f32) -> Result<()> {
+        let values = n.rows * n.c;
+        let cost = Cost::new(
+            (8 * values) as f64,
+            4.0 * (values + 2 * n.rows) as f64 + out.bytes(values),
+        );
+        launch!(self, NormForward, warp_rows(n.rows), cost;
+            out.f32, out.bf16, n.mean, n.rstd, x, n.weight, n.bias, int(n.rows), int(n.c), eps, n.rms())
     }
 
     /// The forward's output again from the kept statistics.
-    pub fn norm_apply(&self, out: u64, x: u64, n: NormRows) -> Result<()> {
-        launch!(self, NormApply, elements(n.rows * n.c), Cost::f32s_and_flops(2 * n.rows * n.c, 4 * n.rows * n.c);
-            out, x, n.weight, n.bias, n.mean, n.rstd, int(n.rows), int(n.c))
+    pub fn norm_apply(&self, out: Out, x: u64, n: NormRows) -> Result<()> {
+        let values = n.rows * n.c;
+        let cost = Cost::new((4 * values) as f64, 4.0 * values as f64 + out.bytes(values));
+        launch!(self, NormApply, elements(values), cost;
+            out.f32, out.bf16, x, n.weight, n.bias, n.mean, n.rstd, int(n.rows), int(n.c))
     }
 
     /// dx += d(norm)/dx . dout; then the gain's (and bias's) gradients `dw` (`db`, 0
@@ -418,27 +446,33 @@ impl Gpu {
     /// out (rows x hidden) = the MLP's non-linearity of fc.
     pub fn activation_forward(
         &self,
-        out: u64,
+        out: Out,
         fc: u64,
         rows: usize,
         hidden: usize,
         kind: MlpKind,
     ) -> Result<()> {
-        launch!(self, ActivationForward, elements(rows * hidden), Cost::f32s_and_flops(rows * (fc_width(hidden, kind) + hidden), 10 * rows * hidden);
-            out, fc, int(rows), int(hidden), activation_kind(kind))
+        let values = rows * hidden;
+        let read = 4.0 * (rows * fc_width(hidden, kind)) as f64;
+        let cost = Cost::new((10 * values) as f64, read + out.bytes(values));
+        launch!(self, ActivationForward, elements(values), cost;
+            out.f32, out.bf16, fc, int(rows), int(hidden), activation_kind(kind))
     }
 
     /// dfc = the non-linearity's backward of dout (written).
     pub fn activation_backward(
         &self,
-        dfc: u64,
+        dfc: Out,
         fc: u64,
         dout: u64,
         (rows, hidden): (usize, usize),
         kind: MlpKind,
     ) -> Result<()> {
-        launch!(self, ActivationBackward, elements(rows * hidden), Cost::f32s_and_flops(rows * (2 * fc_width(hidden, kind) + hidden), 20 * rows * hidden);
-            dfc, fc, dout, int(rows), int(hidden), activation_kind(kind))
+        let fc_values = rows * fc_width(hidden, kind);
+        let read = 4.0 * (fc_values + rows * hidden) as f64;
+        let cost = Cost::new((20 * rows * hidden) as f64, read + dfc.bytes(fc_values));
+        launch!(self, ActivationBackward, elements(rows * hidden), cost;
+            dfc.f32, dfc.bf16, fc, dout, int(rows), int(hidden), activation_kind(kind))
     }
 
     /// out = x + branch * mask.
@@ -572,10 +606,12 @@ impl Gpu {
             datt, p, int(h.batch * h.heads), int(h.t), dropout)
     }
 
-    /// In place on logits (rows x V): probabilities; row_loss = -log p[target].
+    /// row_loss = -log p[target] per row of logits (rows x V), and in place on the
+    /// logits their probabilities; or, with `grad16` (not 0), the loss's gradient at
+    /// them, p - onehot(target) unscaled, in bf16 there instead.
     pub fn softmax_cross_entropy(
         &self,
-        logits: u64,
+        (logits, grad16): (u64, u64),
         row_loss: u64,
         targets: u64,
         rows: usize,
@@ -585,7 +621,10 @@ impl Gpu {
             grid: (rows as u32, 1, 1),
             threads: v.next_power_of_two().clamp(32, 1024) as u32,
         };
-        launch!(self, SoftmaxCrossEntropy, cfg, Cost::f32s_and_flops(3 * rows * v, 4 * rows * v); logits, row_loss, targets, int(rows), int(v))
+        let written = if grad16 == 0 { 4.0 } else { 2.0 };
+        let cost = Cost::new((4 * rows * v) as f64, (8.0 + written) * (rows * v) as f64);
+        launch!(self, SoftmaxCrossEntropy, cfg, cost;
+            logits, grad16, row_loss, targets, int(rows), int(v))
     }
 
     /// In place on probabilities: p - onehot(target) (unscaled).

@@ -79,6 +79,8 @@ inline float __uint_as_float(unsigned u) {
     return f;
 }
 [[noreturn]] inline void __trap() { __builtin_trap(); }
+// A product never fused into a following add (x86-64's baseline has no FMA to fuse into).
+inline float __fmul_rn(float a, float b) { return a * b; }
 
 // bf16: the top half of an f32, rounded to nearest even (as __float2bfloat16 does).
 struct __nv_bfloat16 {

@@ -102,6 +102,21 @@ __device__ inline int position_of(long long r, int T, int first, const int* plac
     return places != nullptr ? places[2 * r + 1] : first + (int)(r % T);
 }
 
+// x rounded to the nearest bf16 (ties to even; NaN stays NaN), as bits: what
+// `__float2bfloat16` gives, written out so any architecture compiles it.
+__device__ inline uint16_t bf16_bits(float x) {
+    const uint32_t u = __float_as_uint(x);
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u)
+                                           : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Element i of an output kept as f32 (`out`), rounded to bf16 for a product that reads
+// it (`out16`), or both: either may be null.
+__device__ inline void store(float* out, uint16_t* out16, long long i, float v) {
+    if (out != nullptr) out[i] = v;
+    if (out16 != nullptr) out16[i] = bf16_bits(v);
+}
+
 // A grid-stride loop over n elements.
 #define FOR_EACH(i, n) \
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (long long)(n); \

@@ -21,14 +21,9 @@ extern "C" __global__ void add_bias(float* out, const float* b, int rows, int co
 // Rotary positions on the q and k heads of qkv rows (width W), split-halves pairing
 // (dimension i turns with i + d/2), by the angle of the row's position (first + row % T);
 // sign -1 turns back (the backward). cos and sin are (T_max, d/2) tables.
-// dst = src rounded to the nearest bf16 (ties to even; NaN stays NaN), as bits: what
-// `__float2bfloat16` gives, written out so any architecture compiles it.
+// dst = src rounded to the nearest bf16 (`bf16_bits`).
 extern "C" __global__ void to_bf16(uint16_t* dst, const float* src, long long n) {
-    FOR_EACH(i, n) {
-        const uint32_t u = __float_as_uint(src[i]);
-        dst[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u)
-                                                 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    }
+    FOR_EACH(i, n) { dst[i] = bf16_bits(src[i]); }
 }
 
 extern "C" __global__ void rope(float* qkv, const float* cos_table, const float* sin_table,

@@ -3,10 +3,11 @@
 // (src/cpu/ops/norm.rs has the same formulas). `rms` picks RMSNorm; mean is then 0.
 #include "common.cuh"
 
-// out = norm(x) per row; keeps each row's mean and rstd. b may be null.
-extern "C" __global__ void norm_forward(float* out, float* mean, float* rstd, const float* x,
-                                        const float* w, const float* b, int rows, int C,
-                                        float eps, int rms) {
+// out = norm(x) per row, as f32 (`out`), rounded to bf16 for a product (`out16`), or
+// both (`store`); keeps each row's mean and rstd. b may be null.
+extern "C" __global__ void norm_forward(float* out, uint16_t* out16, float* mean, float* rstd,
+                                        const float* x, const float* w, const float* b, int rows,
+                                        int C, float eps, int rms) {
     const int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     if (row >= rows) return;
@@ -23,9 +24,9 @@ extern "C" __global__ void norm_forward(float* out, float* mean, float* rstd, co
         var += d * d;
     }
     const float s = 1.0f / sqrtf(warp_sum(var) / C + eps);
-    float* o = out + (long long)row * C;
+    const long long at = (long long)row * C;
     for (int i = lane; i < C; i += WARP_SIZE) {
-        o[i] = (xr[i] - m) * s * w[i] + (b != nullptr ? b[i] : 0.0f);
+        store(out, out16, at + i, (xr[i] - m) * s * w[i] + (b != nullptr ? b[i] : 0.0f));
     }
     if (lane == 0) {
         mean[row] = m;
@@ -34,13 +35,14 @@ extern "C" __global__ void norm_forward(float* out, float* mean, float* rstd, co
 }
 
 // The forward's output again from the kept statistics (for the backward of the
-// product that reads it).
-extern "C" __global__ void norm_apply(float* out, const float* x, const float* w, const float* b,
-                                      const float* mean, const float* rstd, int rows, int C) {
+// product that reads it), as f32, bf16 or both.
+extern "C" __global__ void norm_apply(float* out, uint16_t* out16, const float* x, const float* w,
+                                      const float* b, const float* mean, const float* rstd,
+                                      int rows, int C) {
     FOR_EACH(i, (long long)rows * C) {
         const long long r = i / C;
         const int c = (int)(i % C);
-        out[i] = (x[i] - mean[r]) * rstd[r] * w[c] + (b != nullptr ? b[c] : 0.0f);
+        store(out, out16, i, (x[i] - mean[r]) * rstd[r] * w[c] + (b != nullptr ? b[c] : 0.0f));
     }
 }
 
