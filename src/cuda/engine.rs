@@ -25,7 +25,7 @@ use super::buckets::Buckets;
 use super::buffers::{Buf, Staging};
 use super::calls::Operands;
 use super::gpu::Gpu;
-use super::kernels::{AdamBuffers, DropoutArgs, Heads, NormRows, Out};
+use super::kernels::{AdamBuffers, DropoutArgs, HeadView, Heads, NormRows, Out};
 use super::plan::{Attention, Plan, FLASH_MAX_HEAD, LOSS_SLOTS, LOSS_SUM, NORM_SQ, PARTS};
 use super::ranks::Ranks;
 use super::tables::PositionTables;
@@ -658,14 +658,15 @@ impl FusedCuda {
     fn attention_forward(&self, l: usize, y: u64, qkv: u64) -> Result<()> {
         let (h, sc, k) = (self.heads(), &self.scratch, &self.gpu);
         let (t, d, bh) = (h.t, h.d, h.batch * h.heads);
-        let qkv_heads = (sc.q.ptr(), sc.k.ptr(), sc.v.ptr());
-        k.split_heads(qkv_heads, qkv, h)?;
         let mask = DropoutArgs::at(self.dropout.as_ref(), Site::AttentionWeights(l));
         if self.attention == Attention::Flash {
+            // Q, K, V read in place from the qkv rows, y written in place as rows.
             let lse = self.acts.blocks[l].lse.ptr();
-            k.flash_forward((sc.heads.ptr(), lse), qkv_heads, h, mask)?;
-            return k.merge_heads(y, sc.heads.ptr(), h);
+            let out = HeadView::in_rows(y, 0, h.heads * d, h, 1);
+            return k.flash_forward((out, lse), HeadView::qkv(qkv, h), h, mask);
         }
+        let qkv_heads = (sc.q.ptr(), sc.k.ptr(), sc.v.ptr());
+        k.split_heads(qkv_heads, qkv, h)?;
         self.scores(h)?;
         k.causal_softmax(sc.att.ptr(), h, mask)?;
         self.product(
@@ -1005,17 +1006,27 @@ impl FusedCuda {
         let scale = 1.0 / (d as f32).sqrt();
         let mask = DropoutArgs::at(self.dropout.as_ref(), Site::AttentionWeights(l));
 
+        if self.attention == Attention::Flash {
+            // Read in place from the qkv and dY rows; the gradients written in place
+            // into the dqkv rows, or, where K/V heads serve several query heads, per
+            // query head and summed into them after.
+            let a = &self.acts.blocks[l];
+            k.flash_backward_sums(sc.dsum.ptr(), dy, a.y.ptr(), h)?;
+            let dy_rows = HeadView::in_rows(dy, 0, h.heads * d, h, 1);
+            let given = (dy_rows, a.lse.ptr(), sc.dsum.ptr());
+            if h.kv_heads == h.heads {
+                let grads = HeadView::qkv(dqkv, h);
+                return k.flash_backward(grads, HeadView::qkv(qkv, h), given, h, mask);
+            }
+            let head_grads = (sc.dq.ptr(), sc.dk.ptr(), sc.dv.ptr());
+            let split = |ptr| HeadView::split(ptr, h);
+            let grads = [split(sc.dq.ptr()), split(sc.dk.ptr()), split(sc.dv.ptr())];
+            k.flash_backward(grads, HeadView::qkv(qkv, h), given, h, mask)?;
+            return k.merge_head_grads(dqkv, head_grads, h);
+        }
         k.split_rows(sc.heads.ptr(), dy, h)?; // dY
         let qkv_heads = (sc.q.ptr(), sc.k.ptr(), sc.v.ptr());
         k.split_heads(qkv_heads, qkv, h)?;
-        if self.attention == Attention::Flash {
-            let a = &self.acts.blocks[l];
-            k.flash_backward_sums(sc.dsum.ptr(), dy, a.y.ptr(), h)?;
-            let head_grads = (sc.dq.ptr(), sc.dk.ptr(), sc.dv.ptr());
-            let given = (sc.heads.ptr(), a.lse.ptr(), sc.dsum.ptr());
-            k.flash_backward(head_grads, qkv_heads, given, h, mask)?;
-            return k.merge_head_grads(dqkv, head_grads, h);
-        }
         self.scores(h)?;
         k.causal_softmax(sc.att.ptr(), h, DropoutArgs::NONE)?; // P
         let dropped = match self.dropout {

@@ -254,6 +254,55 @@ pub struct CachedRows {
     pub block: usize,
 }
 
+/// Where a tensor's heads are, field for field `struct HeadView` of kernels/flash.cu:
+/// row t, column c of head h of sequence b at
+/// `base + 4 (b batch_stride + (h / group) head_stride + t ld + c)`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadView {
+    base: u64,
+    batch_stride: i64,
+    head_stride: i64,
+    ld: i32,
+    group: i32,
+}
+
+impl HeadView {
+    /// Heads side by side in rows `width` values wide (B T rows), from column `first`:
+    /// the qkv projection's output (each K/V head serving `group` query heads), the
+    /// attention output, their gradients.
+    pub fn in_rows(base: u64, first: usize, width: usize, h: Heads, group: usize) -> Self {
+        Self {
+            base: base + 4 * first as u64,
+            batch_stride: (h.t * width) as i64,
+            head_stride: h.d as i64,
+            ld: int(width),
+            group: int(group),
+        }
+    }
+
+    /// Heads split out as (B, H, T, d), one per query head (`split_heads`' layout).
+    pub fn split(base: u64, h: Heads) -> Self {
+        Self {
+            base,
+            batch_stride: (h.heads * h.t * h.d) as i64,
+            head_stride: (h.t * h.d) as i64,
+            ld: int(h.d),
+            group: 1,
+        }
+    }
+
+    /// The q, k and v heads of qkv rows (B T, (H + 2 Hkv) d), read in place.
+    pub fn qkv(qkv: u64, h: Heads) -> [Self; 3] {
+        let (width, group) = ((h.heads + 2 * h.kv_heads) * h.d, h.heads / h.kv_heads);
+        [
+            Self::in_rows(qkv, 0, width, h, 1),
+            Self::in_rows(qkv, h.heads * h.d, width, h, group),
+            Self::in_rows(qkv, (h.heads + h.kv_heads) * h.d, width, h, group),
+        ]
+    }
+}
+
 /// Where a kernel writes an output: as f32, rounded to bf16 for a product that reads
 /// it, or both (an address of 0 is not written).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -554,18 +603,22 @@ impl Gpu {
             att, int(h.batch * h.heads), int(h.t), dropout)
     }
 
-    /// out (B H, T, d) = the dropped causal attention of the heads `q, k, v` (B H, T,
-    /// d), without the (T, T) weights (kernels/flash.cu); lse (B H, T) = each row's
-    /// log-sum-exp of its scaled scores, for the backward.
+    /// out = the dropped causal attention of the heads `q, k, v`, read and written
+    /// where their views say, without the (T, T) weights (kernels/flash.cu); lse (B H,
+    /// T) = each row's log-sum-exp of its scaled scores, for the backward.
     pub fn flash_forward(
         &self,
-        (out, lse): (u64, u64),
-        (q, k, v): (u64, u64, u64),
+        (out, lse): (HeadView, u64),
+        [q, k, v]: [HeadView; 3],
         h: Heads,
         dropout: DropoutArgs,
     ) -> Result<()> {
-        launch!(self, FlashForward, flash_grid(h), Cost::f32s_and_flops(4 * h.len() + h.rows(), 3 * h.causal_product());
-            out, lse, q, k, v, int(h.t), int(h.d), attention_scale(h), dropout)
+        let cost = Cost::f32s_and_flops(
+            2 * (h.len() + h.kv_len()) + h.rows(),
+            3 * h.causal_product(),
+        );
+        launch!(self, FlashForward, flash_grid(h), cost;
+            out, lse, q, k, v, int(h.t), int(h.d), int(h.heads), attention_scale(h), dropout)
     }
 
     /// dsum (B H, T) = each row's dY . Y over its head, from the merged (B T, H d) dY
@@ -576,21 +629,24 @@ impl Gpu {
             dsum, dy, y, int(h.batch), int(h.t), int(h.heads), int(h.d))
     }
 
-    /// dK, dV, then dQ (B H, T, d each) of flash attention, from the heads, their
-    /// output's gradient `dy` (B H, T, d), and the forward's lse and `dsum`.
+    /// dK, dV (per query head), then dQ of flash attention, written where their
+    /// views say, from the heads, their output's gradient `dy`, and the forward's lse
+    /// and `dsum`.
     pub fn flash_backward(
         &self,
-        (dq, dk, dv): (u64, u64, u64),
-        (q, k, v): (u64, u64, u64),
-        (dy, lse, dsum): (u64, u64, u64),
+        [dq, dk, dv]: [HeadView; 3],
+        [q, k, v]: [HeadView; 3],
+        (dy, lse, dsum): (HeadView, u64, u64),
         h: Heads,
         dropout: DropoutArgs,
     ) -> Result<()> {
-        let (t, d, scale) = (int(h.t), int(h.d), attention_scale(h));
-        launch!(self, FlashBackwardKv, flash_grid(h), Cost::f32s_and_flops(6 * h.len() + 2 * h.rows(), 4 * h.causal_product());
-            dk, dv, q, k, v, dy, lse, dsum, t, d, scale, dropout)?;
-        launch!(self, FlashBackwardQ, flash_grid(h), Cost::f32s_and_flops(5 * h.len() + 2 * h.rows(), 3 * h.causal_product());
-            dq, q, k, v, dy, lse, dsum, t, d, scale, dropout)
+        let (t, d, heads, scale) = (int(h.t), int(h.d), int(h.heads), attention_scale(h));
+        let kv_cost = Cost::f32s_and_flops(6 * h.len() + 2 * h.rows(), 4 * h.causal_product());
+        launch!(self, FlashBackwardKv, flash_grid(h), kv_cost;
+            dk, dv, q, k, v, dy, lse, dsum, t, d, heads, scale, dropout)?;
+        let q_cost = Cost::f32s_and_flops(5 * h.len() + 2 * h.rows(), 3 * h.causal_product());
+        launch!(self, FlashBackwardQ, flash_grid(h), q_cost;
+            dq, q, k, v, dy, lse, dsum, t, d, heads, scale, dropout)
     }
 
     /// In place on datt: the scores' gradient, given the weights `p`.
@@ -929,9 +985,10 @@ mod tests {
             let zeros = |len| Buf::<f32>::zeros(gpu, len).unwrap();
             let (out, lse, dsum) = (zeros(n), zeros(bh * t), zeros(bh * t));
             let (dq, dk, dv) = (zeros(n), zeros(n), zeros(n));
-            let heads_in = (qb.ptr(), kb.ptr(), vb.ptr());
+            let split = |b: &Buf<f32>| HeadView::split(b.ptr(), h);
+            let heads_in = [split(&qb), split(&kb), split(&vb)];
             let args = DropoutArgs::at(dropout.as_ref(), site);
-            gpu.flash_forward((out.ptr(), lse.ptr()), heads_in, h, args)
+            gpu.flash_forward((split(&out), lse.ptr()), heads_in, h, args)
                 .unwrap();
             // dY . Y per row reads the merged (B T, H d) layouts.
             let merged = |x: &[f32]| {
@@ -950,9 +1007,15 @@ mod tests {
                 (up(&merged(&dy)), up(&merged(&out.read(gpu, n).unwrap())));
             gpu.flash_backward_sums(dsum.ptr(), dy_merged.ptr(), out_merged.ptr(), h)
                 .unwrap();
-            let given = (dyb.ptr(), lse.ptr(), dsum.ptr());
-            gpu.flash_backward((dq.ptr(), dk.ptr(), dv.ptr()), heads_in, given, h, args)
-                .unwrap();
+            let given = (split(&dyb), lse.ptr(), dsum.ptr());
+            gpu.flash_backward(
+                [split(&dq), split(&dk), split(&dv)],
+                heads_in,
+                given,
+                h,
+                args,
+            )
+            .unwrap();
 
             let what = format!("{place}: B {batch} H {heads} T {t} d {d} dropout {p}");
             let read = |b: &Buf<f32>, len| b.read(gpu, len).unwrap();

@@ -4,8 +4,10 @@
 // scores about fourteen times a step; these kernels keep each 16 x 16 tile of scores in
 // shared memory and recompute it where it is needed again.
 //
-// Heads are (B H, T, d) f32 in global memory (split_heads' layout), d a multiple of 16
-// up to FLASH_MAX_D; tiles are converted to bf16 as they are loaded, which rounds the
+// Heads are f32 in global memory, read and written where they are (`HeadView`): in the
+// rows the qkv projection writes and the output projection reads (B T rows, heads side
+// by side), or split out as (B H, T, d); d a multiple of 16 up to FLASH_MAX_D. Tiles
+// are converted to bf16 as they are loaded, which rounds the
 // same operands the products path rounds (Q, K for the scores; P, V for the output;
 // dY, V; dS, K; dS, Q; P, dY in the backward). A block is FLASH_WARPS warps; each warp
 // owns 16 rows (queries, or keys in flash_backward_kv) and the block shares the tiles it
@@ -33,6 +35,25 @@ using namespace nvcuda;
 #define TILE_LD(d) ((d) + 8)
 #define FLASH_TILE (16 * (FLASH_MAX_D + 8))
 
+// Where the heads of a tensor are (`HeadView` in src/cuda/kernels.rs, field for field):
+// row t, column c of head h of sequence b at
+//   base + b batch_stride + (h / group) head_stride + t ld + c,
+// so the qkv rows' q heads are (T W, d, W, 1), their K/V heads the same from their
+// columns with the query heads' group, the attention output's rows (T C, d, C, 1), and
+// split heads (H T d, T d, d, 1).
+struct HeadView {
+    float* base;
+    long long batch_stride, head_stride;
+    int ld, group;
+};
+
+// Head bh's (= b H + h) first row.
+__device__ inline float* head_rows(const HeadView& v, long long bh, int H) {
+    const long long b = bh / H;
+    const int h = (int)(bh % H);
+    return v.base + b * v.batch_stride + (long long)(h / v.group) * v.head_stride;
+}
+
 // bf16 tensor cores need sm_80 (mma.h declares bf16 fragments only there); built for
 // less, the kernels trap rather than lie, and the engine never chooses them
 // (plan::Attention::choose reads the architecture build.rs targeted).
@@ -48,14 +69,14 @@ typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> RowsB;
 typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> ColsB;
 typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> Acc;
 
-// dst (16 rows TILE_LD(d) apart, bf16) <- rows row0 .. row0 + 15 of src (T, d) f32,
-// zeros past T; the `threads` threads from `first` share the copy.
-__device__ inline void load_tile(bf16* dst, const float* src, int row0, int T, int d, int first,
-                                 int threads) {
+// dst (16 rows TILE_LD(d) apart, bf16) <- rows row0 .. row0 + 15 of src (T rows of d,
+// `ld` apart) f32, zeros past T; the `threads` threads from `first` share the copy.
+__device__ inline void load_tile(bf16* dst, const float* src, int ld, int row0, int T, int d,
+                                 int first, int threads) {
     for (int e = first; e < 16 * d; e += threads) {
         const int r = row0 + e / d;
         dst[(e / d) * TILE_LD(d) + e % d] =
-            __float2bfloat16(r < T ? src[(long long)r * d + e % d] : 0.0f);
+            __float2bfloat16(r < T ? src[(long long)r * ld + e % d] : 0.0f);
     }
 }
 
@@ -71,11 +92,11 @@ __device__ inline float half_warp_sum(float v) {
 
 // The block's next 16 keys, K (and V, when `vs` is set) into shared memory, once every
 // warp is done with the previous ones. All the block's threads call it.
-__device__ inline void next_keys(bf16* ks, bf16* vs, const float* k, const float* v, int key0,
-                                 int T, int d) {
+__device__ inline void next_keys(bf16* ks, bf16* vs, const float* k, int ldk, const float* v,
+                                 int ldv, int key0, int T, int d) {
     __syncthreads();
-    load_tile(ks, k, key0, T, d, threadIdx.x, blockDim.x);
-    if (vs != nullptr) load_tile(vs, v, key0, T, d, threadIdx.x, blockDim.x);
+    load_tile(ks, k, ldk, key0, T, d, threadIdx.x, blockDim.x);
+    if (vs != nullptr) load_tile(vs, v, ldv, key0, T, d, threadIdx.x, blockDim.x);
     __syncthreads();
 }
 
@@ -100,10 +121,10 @@ __device__ inline void tile_product_t(float* s, const bf16* a, const bf16* b, in
     wmma::store_matrix_sync(s, acc, 16, wmma::mem_row_major);
 }
 
-// Rows row0 .. row0 + 15 of dst (T, d) f32 <- acc[0 .. d/16) (16 x 16 each) times
-// `scale`, through `stage` (16 x 16 f32); one warp.
-__device__ inline void store_rows(float* dst, Acc* acc, float* stage, int row0, int T, int d,
-                                  float scale, int lane) {
+// Rows row0 .. row0 + 15 of dst (T rows of d, `ld` apart) f32 <- acc[0 .. d/16) (16 x
+// 16 each) times `scale`, through `stage` (16 x 16 f32); one warp.
+__device__ inline void store_rows(float* dst, int ld, Acc* acc, float* stage, int row0, int T,
+                                  int d, float scale, int lane) {
 #pragma unroll
     for (int f = 0; f < FLASH_MAX_F; f++) {
         if (f < d / 16) {
@@ -111,7 +132,7 @@ __device__ inline void store_rows(float* dst, Acc* acc, float* stage, int row0, 
             __syncwarp();
             for (int e = lane; e < 256; e += WARP_SIZE) {
                 const int r = row0 + e / 16;
-                if (r < T) dst[(long long)r * d + f * 16 + e % 16] = stage[e] * scale;
+                if (r < T) dst[(long long)r * ld + f * 16 + e % 16] = stage[e] * scale;
             }
             __syncwarp();
         }
@@ -120,12 +141,13 @@ __device__ inline void store_rows(float* dst, Acc* acc, float* stage, int row0, 
 
 #endif  // FLASH_UNSUPPORTED
 
-// out (B H, T, d) = dropped softmax(Q Kᵀ scale, causal) V, and lse (B H, T) = each row's
-// log-sum-exp of its scaled scores, which the backward needs. Grid (ceil(T / 64), B H);
-// FLASH_WARPS warps. Two passes over the keys: the rows' maxima and sums first, then P
-// exactly normalised, so the output accumulates on the tensor cores with no rescaling.
-extern "C" __global__ void flash_forward(float* out, float* lse, const float* q, const float* k,
-                                         const float* v, int T, int d, float scale,
+// out = dropped softmax(Q Kᵀ scale, causal) V per head (H query heads a sequence), and
+// lse (B H, T) = each row's log-sum-exp of its scaled scores, which the backward needs.
+// Grid (ceil(T / 64), B H); FLASH_WARPS warps. Two passes over the keys: the rows'
+// maxima and sums first, then P exactly normalised, so the output accumulates on the
+// tensor cores with no rescaling.
+extern "C" __global__ void flash_forward(HeadView out, float* lse, HeadView q, HeadView k,
+                                         HeadView v, int T, int d, int H, float scale,
                                          Dropout dropout) {
 #ifdef FLASH_UNSUPPORTED
     __trap();
@@ -138,12 +160,12 @@ extern "C" __global__ void flash_forward(float* out, float* lse, const float* q,
     __shared__ float row_lse[FLASH_WARPS][16];
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const long long bh = blockIdx.y;
-    const long long head = bh * T * d;
+    const float *qh = head_rows(q, bh, H), *kh = head_rows(k, bh, H), *vh = head_rows(v, bh, H);
     const int block0 = blockIdx.x * FLASH_ROWS, row0 = block0 + 16 * warp;
     const int last = min(block0 + FLASH_ROWS, T) - 1;  // the block's last query
     const bool active = row0 < T;
 
-    load_tile(qs[warp], q + head, row0, T, d, lane, WARP_SIZE);
+    load_tile(qs[warp], qh, q.ld, row0, T, d, lane, WARP_SIZE);
     // Pass 1: each row's running max and sum. Lane l reads elements l + 32 r of a tile
     // (rows 2 r + l / 16, column l % 16: consecutive lanes, consecutive words, no bank
     // conflicts), so a row's 16 columns are one half-warp, reduced by shuffles, and
@@ -152,7 +174,7 @@ extern "C" __global__ void flash_forward(float* out, float* lse, const float* q,
 #pragma unroll
     for (int r = 0; r < 8; r++) m[r] = -INFINITY, l[r] = 0.0f;
     for (int key0 = 0; key0 <= last; key0 += 16) {
-        next_keys(ks, nullptr, k + head, nullptr, key0, T, d);
+        next_keys(ks, nullptr, kh, k.ld, nullptr, 0, key0, T, d);
         if (!active || key0 > row0 + 15) continue;
         tile_product_t(s[warp], qs[warp], ks, d);
         __syncwarp();
@@ -184,7 +206,7 @@ extern "C" __global__ void flash_forward(float* out, float* lse, const float* q,
     Acc acc[FLASH_MAX_F];
     zero(acc);
     for (int key0 = 0; key0 <= last; key0 += 16) {
-        next_keys(ks, vs, k + head, v + head, key0, T, d);
+        next_keys(ks, vs, kh, k.ld, vh, v.ld, key0, T, d);
         if (!active || key0 > row0 + 15) continue;
         tile_product_t(s[warp], qs[warp], ks, d);
         __syncwarp();
@@ -210,7 +232,7 @@ extern "C" __global__ void flash_forward(float* out, float* lse, const float* q,
         }
         __syncwarp();
     }
-    if (active) store_rows(out + head, acc, s[warp], row0, T, d, 1.0f, lane);
+    if (active) store_rows(head_rows(out, bh, H), out.ld, acc, s[warp], row0, T, d, 1.0f, lane);
 #endif
 }
 
@@ -268,12 +290,13 @@ __device__ inline void backward_tiles(BackwardTiles& t, const bf16* qs, const bf
 
 #endif  // FLASH_UNSUPPORTED
 
-// dK, dV (B H, T, d) from Q, K, V, dY (the heads' output gradient), lse and dsum: each
-// warp owns 16 keys and walks the query tiles at or after them; dV = sum Pdᵀ dY,
-// dK = scale sum dSᵀ Q. Grid (ceil(T / 64), B H); FLASH_WARPS warps.
-extern "C" __global__ void flash_backward_kv(float* dk, float* dv, const float* q, const float* k,
-                                             const float* v, const float* dy, const float* lse,
-                                             const float* dsum, int T, int d, float scale,
+// dK, dV per query head (their group's sum is the caller's) from Q, K, V, dY (the heads'
+// output gradient), lse and dsum: each warp owns 16 keys and walks the query tiles at or
+// after them; dV = sum Pdᵀ dY, dK = scale sum dSᵀ Q. Grid (ceil(T / 64), B H);
+// FLASH_WARPS warps.
+extern "C" __global__ void flash_backward_kv(HeadView dk, HeadView dv, HeadView q, HeadView k,
+                                             HeadView v, HeadView dy, const float* lse,
+                                             const float* dsum, int T, int d, int H, float scale,
                                              Dropout dropout) {
 #ifdef FLASH_UNSUPPORTED
     __trap();
@@ -286,19 +309,20 @@ extern "C" __global__ void flash_backward_kv(float* dk, float* dv, const float* 
     __shared__ BackwardTiles tiles[FLASH_WARPS];
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const long long bh = blockIdx.y;
-    const long long head = bh * T * d;
+    const float *qh = head_rows(q, bh, H), *kh = head_rows(k, bh, H), *vh = head_rows(v, bh, H);
+    const float* dyh = head_rows(dy, bh, H);
     const int block0 = blockIdx.x * FLASH_ROWS, key0 = block0 + 16 * warp;
     const bool active = key0 < T;
 
-    load_tile(ks[warp], k + head, key0, T, d, lane, WARP_SIZE);
-    load_tile(vs[warp], v + head, key0, T, d, lane, WARP_SIZE);
+    load_tile(ks[warp], kh, k.ld, key0, T, d, lane, WARP_SIZE);
+    load_tile(vs[warp], vh, v.ld, key0, T, d, lane, WARP_SIZE);
     Acc acc_k[FLASH_MAX_F], acc_v[FLASH_MAX_F];
     zero(acc_k);
     zero(acc_v);
     for (int query0 = block0; query0 < T; query0 += 16) {
         __syncthreads();
-        load_tile(qs, q + head, query0, T, d, threadIdx.x, blockDim.x);
-        load_tile(dys, dy + head, query0, T, d, threadIdx.x, blockDim.x);
+        load_tile(qs, qh, q.ld, query0, T, d, threadIdx.x, blockDim.x);
+        load_tile(dys, dyh, dy.ld, query0, T, d, threadIdx.x, blockDim.x);
         if (threadIdx.x < 16) {
             const int i = query0 + threadIdx.x;
             tile_lse[threadIdx.x] = i < T ? lse[bh * T + i] : 0.0f;
@@ -325,18 +349,17 @@ extern "C" __global__ void flash_backward_kv(float* dk, float* dv, const float* 
         __syncwarp();
     }
     if (active) {
-        store_rows(dk + head, acc_k, tiles[warp].s, key0, T, d, scale, lane);
-        store_rows(dv + head, acc_v, tiles[warp].s, key0, T, d, 1.0f, lane);
+        store_rows(head_rows(dk, bh, H), dk.ld, acc_k, tiles[warp].s, key0, T, d, scale, lane);
+        store_rows(head_rows(dv, bh, H), dv.ld, acc_v, tiles[warp].s, key0, T, d, 1.0f, lane);
     }
 #endif
 }
 
-// dQ (B H, T, d) = scale sum over key tiles of dS K: each warp owns 16 queries and walks
-// the key tiles at or before them. Grid (ceil(T / 64), B H); FLASH_WARPS warps.
-extern "C" __global__ void flash_backward_q(float* dq, const float* q, const float* k,
-                                            const float* v, const float* dy, const float* lse,
-                                            const float* dsum, int T, int d, float scale,
-                                            Dropout dropout) {
+// dQ = scale sum over key tiles of dS K: each warp owns 16 queries and walks the key
+// tiles at or before them. Grid (ceil(T / 64), B H); FLASH_WARPS warps.
+extern "C" __global__ void flash_backward_q(HeadView dq, HeadView q, HeadView k, HeadView v,
+                                            HeadView dy, const float* lse, const float* dsum,
+                                            int T, int d, int H, float scale, Dropout dropout) {
 #ifdef FLASH_UNSUPPORTED
     __trap();
 #else
@@ -348,13 +371,13 @@ extern "C" __global__ void flash_backward_q(float* dq, const float* q, const flo
     __shared__ BackwardTiles tiles[FLASH_WARPS];
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const long long bh = blockIdx.y;
-    const long long head = bh * T * d;
+    const float *qh = head_rows(q, bh, H), *kh = head_rows(k, bh, H), *vh = head_rows(v, bh, H);
     const int block0 = blockIdx.x * FLASH_ROWS, row0 = block0 + 16 * warp;
     const int last = min(block0 + FLASH_ROWS, T) - 1;
     const bool active = row0 < T;
 
-    load_tile(qs[warp], q + head, row0, T, d, lane, WARP_SIZE);
-    load_tile(dys[warp], dy + head, row0, T, d, lane, WARP_SIZE);
+    load_tile(qs[warp], qh, q.ld, row0, T, d, lane, WARP_SIZE);
+    load_tile(dys[warp], head_rows(dy, bh, H), dy.ld, row0, T, d, lane, WARP_SIZE);
     if (lane < 16) {
         const int i = row0 + lane;
         row_lse[warp][lane] = i < T ? lse[bh * T + i] : 0.0f;
@@ -363,7 +386,7 @@ extern "C" __global__ void flash_backward_q(float* dq, const float* q, const flo
     Acc acc[FLASH_MAX_F];
     zero(acc);
     for (int key0 = 0; key0 <= last; key0 += 16) {
-        next_keys(ks, vs, k + head, v + head, key0, T, d);
+        next_keys(ks, vs, kh, k.ld, vh, v.ld, key0, T, d);
         if (!active || key0 > row0 + 15) continue;
         BackwardTiles& t = tiles[warp];
         backward_tiles(t, qs[warp], dys[warp], ks, vs, row_lse[warp], row_dsum[warp], bh, row0,
@@ -380,6 +403,6 @@ extern "C" __global__ void flash_backward_q(float* dq, const float* q, const flo
         }
         __syncwarp();
     }
-    if (active) store_rows(dq + head, acc, tiles[warp].s, row0, T, d, scale, lane);
+    if (active) store_rows(head_rows(dq, bh, H), dq.ld, acc, tiles[warp].s, row0, T, d, scale, lane);
 #endif
 }
