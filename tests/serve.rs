@@ -849,3 +849,90 @@ fn the_cuda_decoder_serves_under_the_emulator() {
         );
     }
 }
+
+/// Each request writes one stderr line when its answer is over: method, path, status,
+/// tokens in+out where the route decodes, milliseconds; a stream when it ends. No
+/// body is logged.
+#[test]
+fn each_request_logs_one_line() {
+    let dir = trained();
+    let server = Server::start(dir.path(), &[]);
+    // The line for `head` (method, path, status and what follows up to " ms").
+    let line_for = |head: &str| -> String {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let log = server.log.lock().unwrap().clone();
+            if let Some(line) = log.lines().find(|l| l.starts_with(head)) {
+                return line.to_string();
+            }
+            assert!(Instant::now() < deadline, "no line `{head}...` in:\n{log}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let ms = |line: &str| -> u64 {
+        let rest = line.strip_suffix(" ms").unwrap_or_else(|| panic!("{line}"));
+        rest.rsplit(' ').next().unwrap().parse().expect(line)
+    };
+
+    let (status, body) = post(
+        &server.url("/v1/completions"),
+        r#"{"prompt": "To be", "max_tokens": 6, "seed": 1}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    let (p, c) = (
+        body["usage"]["prompt_tokens"].as_u64().unwrap(),
+        body["usage"]["completion_tokens"].as_u64().unwrap(),
+    );
+    let line = line_for("POST /v1/completions 200 ");
+    assert!(
+        line.starts_with(&format!("POST /v1/completions 200 {p}+{c} tokens ")),
+        "{line}"
+    );
+    ms(&line);
+
+    // A refusal: the status, no tokens, not the body.
+    let (status, error) = post(
+        &server.url("/v1/completions"),
+        r#"{"prompt": "secret words", "temprature": 0.5}"#,
+    );
+    assert_eq!(status, 400, "{error}");
+    let line = line_for("POST /v1/completions 400 ");
+    assert!(!line.contains("tokens"), "{line}");
+    ms(&line);
+    let (status, _) = get(&server.url("/v1/nothing"), &[]);
+    assert_eq!(status, 404);
+    ms(&line_for("GET /v1/nothing 404 "));
+
+    // A stream logs when it ends, with the tokens the usage chunk gives.
+    let events = stream(
+        &server.url("/v1/chat/completions"),
+        &json!({"messages": [{"role": "user", "content": "Who is there?"}], "max_tokens": 5,
+                "stream": true, "stream_options": {"include_usage": true}}),
+    );
+    let usage: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    let usage = &usage["usage"];
+    let line = line_for("POST /v1/chat/completions 200 ");
+    assert!(
+        line.starts_with(&format!(
+            "POST /v1/chat/completions 200 {}+{} tokens ",
+            usage["prompt_tokens"], usage["completion_tokens"]
+        )),
+        "{line}: {usage}"
+    );
+    ms(&line);
+
+    let log = server.log.lock().unwrap().clone();
+    assert!(!log.contains("secret"), "{log}");
+    // One line each, nothing for requests not made.
+    for head in [
+        "POST /v1/completions 200",
+        "POST /v1/completions 400",
+        "GET /v1/nothing",
+    ] {
+        assert_eq!(
+            log.lines().filter(|l| l.starts_with(head)).count(),
+            1,
+            "{log}"
+        );
+    }
+}

@@ -6,7 +6,8 @@
 //! decoding side (`batcher`) is one thread that owns the model and decodes every
 //! running request together, token by token (continuous batching), sending each
 //! request its text as it is decoded. `metrics` counts for `/metrics`; `runs` reads
-//! run folders for the page's dashboard; `page` is the page itself.
+//! run folders for the page's dashboard; `page` is the page itself; `log` writes one
+//! stderr line per request.
 //!
 //! The listener binds before the model loads (`/health` says 503 until it is ready);
 //! the address is printed once requests can be served. Ctrl-C or SIGTERM: accepting
@@ -17,6 +18,7 @@ pub mod batcher;
 pub mod chat;
 mod conn;
 pub mod error;
+mod log;
 pub mod metrics;
 pub mod openai;
 mod page;

@@ -21,11 +21,12 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::batcher::{Event, Job};
 use super::error::{ApiError, ApiJson, Fields};
+use super::log::{Logged, Tokens};
 use super::openai::{
     chat_logprobs, completion_logprobs, usage, ChatRequest, ChoiceResult, CompletionRequest,
     Limits, Prompt, Settings,
 };
-use super::{chat, page, runs, AppState, Ready, Shared};
+use super::{chat, log, page, runs, AppState, Ready, Shared};
 use crate::generate::sample::Sampler;
 
 pub fn router(state: Shared) -> Router {
@@ -70,7 +71,8 @@ pub fn router(state: Shared) -> Router {
                 .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE]),
         );
     }
-    app
+    // Outermost: every request is logged, CORS preflights and refusals too.
+    app.layer(middleware::from_fn(log::requests))
 }
 
 /// Whether a request may pass without the key: `GET /health` and the page's files.
@@ -618,6 +620,8 @@ struct Reply {
     ended: bool,
     /// An event read while gathering text, not yet answered.
     held: Option<Event>,
+    /// The tokens in and out, for the request's log line.
+    logged: Arc<Tokens>,
 }
 
 impl Reply {
@@ -649,6 +653,7 @@ impl Reply {
             events,
             ended: false,
             held: None,
+            logged: Tokens::new(prompts.iter().sum()),
         }
     }
 
@@ -665,15 +670,19 @@ impl Reply {
     }
 
     async fn respond(self, stream: bool) -> Response {
-        if stream {
-            return axum::response::sse::Sse::new(self.into_stream())
+        let logged = Logged(Arc::clone(&self.logged));
+        let mut response = if stream {
+            axum::response::sse::Sse::new(self.into_stream())
                 .keep_alive(KeepAlive::default())
-                .into_response();
-        }
-        match self.whole().await {
-            Ok(body) => Json(body).into_response(),
-            Err(e) => e.into_response(),
-        }
+                .into_response()
+        } else {
+            match self.whole().await {
+                Ok(body) => Json(body).into_response(),
+                Err(e) => e.into_response(),
+            }
+        };
+        response.extensions_mut().insert(logged);
+        response
     }
 
     fn completion_tokens(&self) -> usize {
@@ -709,6 +718,7 @@ impl Reply {
                     let c = &mut self.choices[choice];
                     c.finish = Some(finish);
                     c.completion_tokens = completion_tokens;
+                    self.logged.set_completion(self.completion_tokens());
                 }
                 Some(Event::Failed { status, message }) => {
                     let status =
@@ -835,6 +845,7 @@ impl Reply {
             }) => {
                 self.choices[choice].finish = Some(finish);
                 self.choices[choice].completion_tokens = completion_tokens;
+                self.logged.set_completion(self.completion_tokens());
                 let c = match self.kind {
                     Kind::Completion => {
                         json!({"index": choice, "text": "", "logprobs": Value::Null, "finish_reason": finish.as_str()})
