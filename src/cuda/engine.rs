@@ -25,7 +25,7 @@ use super::buckets::Buckets;
 use super::buffers::{Buf, Staging};
 use super::calls::Operands;
 use super::gpu::Gpu;
-use super::kernels::{AdamBuffers, DropoutArgs, HeadView, Heads, NormRows, Out};
+use super::kernels::{adamw_chunks, AdamBuffers, DropoutArgs, HeadView, Heads, NormRows, Out};
 use super::plan::{Attention, Plan, FLASH_MAX_HEAD, LOSS_SLOTS, LOSS_SUM, NORM_SQ, PARTS};
 use super::ranks::Ranks;
 use super::tables::PositionTables;
@@ -55,9 +55,8 @@ pub struct FusedCuda {
     /// neither).
     grads: Option<Buf<f32>>,
     moments: Option<[Buf<f32>; 2]>,
-    /// Where each tensor of the table ends, and whether it decays (AdamW's launch).
-    ends: Buf<u64>,
-    decays: Buf<i32>,
+    /// AdamW's chunks over the whole table (`kernels::adamw_chunks`).
+    adam_chunks: Buf<u64>,
     tables: PositionTables,
     acts: Activations,
     scratch: Scratch,
@@ -285,8 +284,7 @@ impl FusedCuda {
         };
         let tables = PositionTables::new(&gpu, spec)?;
         let table = spec.params();
-        let ends: Vec<u64> = table.iter().map(|p| (p.offset + p.len()) as u64).collect();
-        let decays: Vec<i32> = table.iter().map(|p| i32::from(p.decay)).collect();
+        let chunks = adamw_chunks(table, 0..spec.len());
 
         let blocks = (0..s.n_layer)
             .map(|_| {
@@ -347,8 +345,7 @@ impl FusedCuda {
             bf16: Bf16Operands::new(&gpu, &plan)?,
             grads: None,
             moments: None,
-            ends: Buf::from_host(&gpu, &ends)?,
-            decays: Buf::from_host(&gpu, &decays)?,
+            adam_chunks: Buf::from_host(&gpu, &chunks)?,
             tables,
             acts,
             scratch,
@@ -434,8 +431,7 @@ impl FusedCuda {
             + flat.map(|b| b.bytes()).sum::<u64>()
             + t.bytes()
             + sc.sums.bytes()
-            + self.ends.bytes()
-            + self.decays.bytes()
+            + self.adam_chunks.bytes()
             + self.bf16.as_ref().map_or(0, Bf16Operands::bytes)
     }
 
@@ -1174,23 +1170,30 @@ impl FusedCuda {
             self.moments.as_ref().context("moments")?,
         );
         let hyper = u.in_f32(true);
-        // Over this engine's range: the tensor table's ends counted from its start.
-        let ends = self.ranks.as_ref().map_or(&self.ends, |r| &r.ends);
+        // Over this engine's range, in chunks counted from its start; the bf16 copy
+        // written as the weights are.
+        let chunks = self
+            .ranks
+            .as_ref()
+            .map_or(&self.adam_chunks, |r| &r.adam_chunks);
         let buffers = AdamBuffers {
             params: self.params.at(mine.start),
+            copy16: self.bf16.as_ref().map_or(0, |b| b.weights.at(mine.start)),
             grads: grads.at(mine.start),
             m: m.ptr(),
             v: v.ptr(),
-            ends: ends.ptr(),
-            decays: self.decays.ptr(),
-            tensors: self.ends.len(),
+            chunks: chunks.ptr(),
+            blocks: chunks.len() / 2,
         };
         if !mine.is_empty() {
             self.gpu.adamw(buffers, mine.len(), hyper)?;
         }
-        self.weights_changed();
         match &self.ranks {
-            Some(ranks) => ranks.all_gather(&self.gpu, &mut self.params),
+            Some(ranks) => {
+                // The other ranks' blocks arrive in f32: round them again.
+                self.weights_changed();
+                ranks.all_gather(&self.gpu, &mut self.params)
+            }
             None => Ok(()),
         }
     }

@@ -736,20 +736,27 @@ impl Gpu {
         launch!(self, ClipToNorm, elements(n), Cost::f32s_and_flops(2 * n, n); x, long(n), norm_sq, max_norm)
     }
 
-    /// AdamW over n parameters in one launch, with the numbers of a decaying tensor
-    /// (`p.shrink` applies only to the tensors the table marks as decaying).
+    /// AdamW over n parameters in one launch, a block per chunk of `chunks` (from
+    /// [`adamw_chunks`]), with the numbers of a decaying tensor (`p.shrink` applies
+    /// only to the chunks of decaying tensors); the bf16 copy written where given.
     pub fn adamw(&self, buffers: AdamBuffers, n: usize, p: AdamWF32) -> Result<()> {
         let AdamBuffers {
             params,
+            copy16,
             grads,
             m,
             v,
-            ends,
-            decays,
-            tensors,
+            chunks,
+            blocks,
         } = buffers;
-        launch!(self, Adamw, elements(n), Cost::f32s_and_flops(7 * n, 12 * n);
-            params, grads, m, v, long(n), ends, decays, int(tensors),
+        let cfg = Launch {
+            grid: (u32::try_from(blocks).expect("chunks under 2^32"), 1, 1),
+            threads: THREADS,
+        };
+        let written = if copy16 == 0 { 0.0 } else { 2.0 * n as f64 };
+        let cost = Cost::new((12 * n) as f64, (28 * n) as f64 + written);
+        launch!(self, Adamw, cfg, cost;
+            params, copy16, grads, m, v, chunks,
             p.b1, p.b2, p.inv_bc1, p.inv_bc2, p.lr, p.eps, p.shrink)
     }
 
@@ -828,16 +835,44 @@ pub enum Sum {
     Add,
 }
 
-/// The flat buffers AdamW updates, and the table of tensors: where each ends, and
-/// whether it decays.
+/// The flat buffers AdamW updates (from the first value it updates), the bf16 copy to
+/// write (0: none), and its chunks (`blocks` of them, from [`adamw_chunks`]).
 pub struct AdamBuffers {
     pub params: u64,
+    pub copy16: u64,
     pub grads: u64,
     pub m: u64,
     pub v: u64,
-    pub ends: u64,
-    pub decays: u64,
-    pub tensors: usize,
+    pub chunks: u64,
+    pub blocks: usize,
+}
+
+/// Values of one tensor a block of `adamw` updates, at most.
+pub const ADAMW_CHUNK: usize = 4096;
+
+/// AdamW's chunks over the values `range` of flat buffers laid out as `table`: each
+/// tensor's part of the range cut into pieces of at most [`ADAMW_CHUNK`], as pairs
+/// (first value counted from `range.start`, length | 1 << 32 where the tensor decays),
+/// in order, covering the range once.
+pub fn adamw_chunks(
+    table: &[crate::model::spec::Param],
+    range: std::ops::Range<usize>,
+) -> Vec<u64> {
+    let mut chunks = Vec::new();
+    for p in table {
+        let (start, end) = (
+            p.offset.max(range.start),
+            (p.offset + p.len()).min(range.end),
+        );
+        let mut first = start;
+        while first < end {
+            let len = ADAMW_CHUNK.min(end - first);
+            chunks.push((first - range.start) as u64);
+            chunks.push(len as u64 | u64::from(p.decay) << 32);
+            first += len;
+        }
+    }
+    chunks
 }
 
 #[cfg(test)]
@@ -940,6 +975,49 @@ mod tests {
     /// log-sum-exps and all three gradients within bf16 rounding, for blocks that are not
     /// whole tiles, several thread blocks of rows, and dropout. Inputs of unit size make
     /// the weights peaked, so the scores' gradients (dQ, dK) are far from negligible.
+    /// AdamW's chunks cover a range once, in order, each within one tensor and at most
+    /// ADAMW_CHUNK long, marked as their tensor decays; a rank's range cuts tensors.
+    #[test]
+    fn adamw_chunks_cover_the_range_by_tensor() {
+        let cfg = crate::config::ModelConfig {
+            n_layer: 1,
+            n_head: 2,
+            n_embd: 96,
+            block_size: 8,
+            vocab_size: 50,
+            ..crate::config::ModelConfig::default()
+        };
+        let spec = crate::model::ModelSpec::new(&cfg);
+        let table = spec.params();
+        for range in [0..spec.len(), 1000..spec.len() - 77, 5..6] {
+            let chunks = adamw_chunks(table, range.clone());
+            let mut next = range.start;
+            for pair in chunks.chunks(2) {
+                let (first, len) = (
+                    range.start + pair[0] as usize,
+                    (pair[1] & 0xffff_ffff) as usize,
+                );
+                assert_eq!(first, next, "in order, no gap or overlap");
+                assert!((1..=ADAMW_CHUNK).contains(&len));
+                let tensor = table.iter().find(|p| p.range().contains(&first)).unwrap();
+                assert!(
+                    first + len <= tensor.offset + tensor.len(),
+                    "within {}",
+                    tensor.name
+                );
+                assert_eq!(pair[1] >> 32 == 1, tensor.decay, "{}", tensor.name);
+                next = first + len;
+            }
+            assert_eq!(next, range.end);
+        }
+        // The token embedding (50 x 96 = 4,800 values) takes two chunks.
+        let whole = adamw_chunks(table, 0..spec.len());
+        assert_eq!(
+            (whole[1] & 0xffff_ffff, whole[3] & 0xffff_ffff),
+            (4096, 704)
+        );
+    }
+
     #[test]
     fn flash_attention_matches_attention_written_out() {
         for (place, gpu) in gpus() {

@@ -83,9 +83,8 @@ pub struct Plan {
     pub tables: usize,
     /// f64 partial sums of the gradient norm, then the norm and the loss summed.
     pub sums: usize,
-    /// Tensors in the parameter table: AdamW reads where each ends (u64) and whether
-    /// it decays (i32).
-    pub tensors: usize,
+    /// AdamW's chunks (`kernels::adamw_chunks`): two u64 each.
+    pub adam_chunks: usize,
     /// What bf16 products read, in bf16 values (all 0 with f32 products): the
     /// weights' copy, and the buffers each product's operands are rounded into: a
     /// layer's input rows (N x its widest input) and its output's gradient rows (N x
@@ -118,7 +117,7 @@ pub fn bf16_operands(precision: Precision) -> bool {
 impl Plan {
     pub fn new(
         s: &Shapes,
-        (params, tensors): (usize, usize),
+        (params, adam_chunks): (usize, usize),
         batch: usize,
         tables: usize,
         (attention, precision): (Attention, Precision),
@@ -167,7 +166,7 @@ impl Plan {
             ids: 2 * n + 3 * n + 1, // ids, targets; tokens, starts, order
             tables,
             sums: LOSS_SUM + LOSS_SLOTS,
-            tensors,
+            adam_chunks,
         }
     }
 
@@ -185,7 +184,10 @@ impl Plan {
             PositionKind::Rope => s.block_size * s.head_dim, // cos and sin, d/2 each
             PositionKind::Learned => 0,
         };
-        let table = (spec.len(), spec.params().len());
+        // AdamW's chunks: each tensor in pieces of at most ADAMW_CHUNK (kernels.rs).
+        const CHUNK: usize = 4096;
+        let chunks = spec.params().iter().map(|p| p.len().div_ceil(CHUNK)).sum();
+        let table = (spec.len(), chunks);
         Self::new(s, table, batch, tables, (attention, precision))
     }
 
@@ -200,7 +202,7 @@ impl Plan {
             + self.tables;
         4 * (f32s + self.ids) as u64
             + 8 * self.sums as u64
-            + 12 * self.tensors as u64
+            + 16 * self.adam_chunks as u64
             + 2 * self.bf16.values() as u64
     }
 }

@@ -28,9 +28,8 @@ pub struct Ranks {
     pub shards: Shards,
     /// The parameters this rank updates (its block, less any padding).
     pub mine: Range<usize>,
-    /// The table's tensor ends counted from `mine.start`: AdamW's launch over the
-    /// block finds each value's tensor (and its decay) as over the whole buffer.
-    pub ends: Buf<u64>,
+    /// AdamW's chunks over `mine`, counted from its start (`kernels::adamw_chunks`).
+    pub adam_chunks: Buf<u64>,
     carrier: Carrier,
 }
 
@@ -48,11 +47,7 @@ impl Ranks {
     pub fn new(gpu: &Gpu, spec: &ModelSpec, comm: Arc<dyn Collective>) -> Result<Self> {
         let shards = Shards::new(spec.len(), comm.size());
         let mine = shards.range(comm.rank());
-        let ends: Vec<u64> = spec
-            .params()
-            .iter()
-            .map(|p| ((p.offset + p.len()).saturating_sub(mine.start)) as u64)
-            .collect();
+        let chunks = super::kernels::adamw_chunks(spec.params(), mine.clone());
         let carrier = match gpu {
             #[cfg(all(feature = "cuda", feature = "nccl"))]
             Gpu::Cuda(_) => Carrier::Nccl(nccl::Nccl::new(gpu, comm.as_ref())?),
@@ -60,7 +55,7 @@ impl Ranks {
             _ => Carrier::Host,
         };
         Ok(Self {
-            ends: Buf::from_host(gpu, &ends)?,
+            adam_chunks: Buf::from_host(gpu, &chunks)?,
             comm,
             shards,
             mine,

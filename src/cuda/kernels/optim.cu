@@ -35,27 +35,29 @@ extern "C" __global__ void clip_to_norm(float* x, long long n, const double* nor
     FOR_EACH(i, n) { x[i] *= s; }
 }
 
-// AdamW over every parameter: m, v <- moving averages of g, g^2;
+// AdamW over the parameters: m, v <- moving averages of g, g^2;
 // p <- p * shrink - lr * m_hat / (sqrt(v_hat) + eps), where shrink applies only to the
-// tensors that decay. Tensor k ends at ends[k] (exclusive); decays[k] says whether it
-// decays.
-extern "C" __global__ void adamw(float* params, const float* grads, float* m, float* v,
-                                 long long n, const unsigned long long* ends, const int* decays,
-                                 int tensors, float b1, float b2, float inv_bc1, float inv_bc2,
-                                 float lr, float eps, float shrink) {
-    FOR_EACH(i, n) {
-        // The tensor holding i: the first whose end is past it.
-        int lo = 0, hi = tensors - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi) / 2;
-            if (ends[mid] > (unsigned long long)i) hi = mid; else lo = mid + 1;
-        }
+// tensors that decay; and, where `copy16` is given, p rounded to bf16 there too (the
+// copy bf16 products read). A block per chunk of one tensor (`adamw_chunks` in
+// src/cuda/kernels.rs): chunks[2 b] is block b's first value, chunks[2 b + 1] its
+// length with bit 32 set where its tensor decays, so no value looks its tensor up.
+extern "C" __global__ void adamw(float* params, uint16_t* copy16, const float* grads, float* m,
+                                 float* v, const unsigned long long* chunks, float b1, float b2,
+                                 float inv_bc1, float inv_bc2, float lr, float eps,
+                                 float shrink) {
+    const unsigned long long first = chunks[2 * blockIdx.x];
+    const unsigned long long info = chunks[2 * blockIdx.x + 1];
+    const int len = (int)(info & 0xffffffffu);
+    const float s = (info >> 32) != 0 ? shrink : 1.0f;
+    for (int e = threadIdx.x; e < len; e += blockDim.x) {
+        const unsigned long long i = first + e;
         const float g = grads[i];
         const float mi = b1 * m[i] + (1.0f - b1) * g;
         const float vi = b2 * v[i] + (1.0f - b2) * g * g;
         m[i] = mi;
         v[i] = vi;
-        const float s = decays[lo] ? shrink : 1.0f;
-        params[i] = params[i] * s - lr * (mi * inv_bc1) / (sqrtf(vi * inv_bc2) + eps);
+        const float p = params[i] * s - lr * (mi * inv_bc1) / (sqrtf(vi * inv_bc2) + eps);
+        params[i] = p;
+        if (copy16 != nullptr) copy16[i] = bf16_bits(p);
     }
 }
