@@ -3,7 +3,8 @@
 # (completions, chat, streaming), lm-evaluation-harness scoring a multiple-choice task
 # (its log-likelihoods held to `tinygpt eval`'s), and the page in headless Chromium driven by Playwright
 # (the playground streams, the dashboard's loss curve grows while a real `tinygpt
-# train` logs in another process, no console errors). Installs what it needs where
+# train` logs in another process, /#runs opens the runs tab and a reload keeps it, the
+# header fits a 400 px window, no console errors). Installs what it needs where
 # missing: a venv with openai, playwright and lm-eval (PyPI), Debian's chromium (apt-get).
 # Screenshots go to target/screenshots/ (not committed).
 #

@@ -1,6 +1,8 @@
 """The page in headless Chromium (Playwright, Debian's chromium): the playground
 streams text into the page, the dashboard draws a loss curve that grows while
-`tinygpt train` writes metrics.jsonl, no console errors; screenshots saved.
+`tinygpt train` writes metrics.jsonl, each tab has its URL (/#runs opens the runs,
+a reload keeps the tab), the header fits a 400 px wide window, no console errors;
+screenshots saved.
 
     python tests/clients/page.py http://127.0.0.1:PORT SCREENSHOT_DIR
 """
@@ -13,6 +15,15 @@ from playwright.sync_api import sync_playwright
 base, shots = sys.argv[1], sys.argv[2]
 os.makedirs(shots, exist_ok=True)
 errors = []
+
+
+def visible_tab(page):
+    """The tab whose panel shows, checked against the highlighted tab."""
+    shown = page.evaluate("[...document.querySelectorAll('.panel')].filter((p) => p.offsetParent !== null).map((p) => p.dataset.tab)")
+    active = page.evaluate("[...document.querySelectorAll('.tab.active')].map((t) => t.dataset.tab)")
+    assert len(shown) == 1 and shown == active, (shown, active)
+    return shown[0]
+
 
 with sync_playwright() as p:
     browser = p.chromium.launch(
@@ -41,7 +52,8 @@ with sync_playwright() as p:
 
     # Runs: the table lists the runs, the loss chart has points and grows as the
     # training run in the other process logs more.
-    page.click("button[data-tab=runs]")
+    page.click(".tab[data-tab=runs]")
+    assert page.evaluate("location.hash") == "#runs", page.evaluate("location.hash")
     page.wait_for_selector("#runs-table tbody tr")
     page.wait_for_function("Number(document.getElementById('chart-loss').dataset.points || 0) > 0")
     before = int(page.get_attribute("#chart-loss", "data-points"))
@@ -57,7 +69,39 @@ with sync_playwright() as p:
     page.fill("#sample-prompt", "To")
     page.click("#sample-go")
     page.wait_for_function("document.getElementById('sample-text').textContent.length > 10 && !document.getElementById('sample-text').textContent.startsWith('sampling')", timeout=60000)
+
+    # A reload keeps the tab; Playground's tab has its URL too.
+    page.reload()
+    page.wait_for_selector("#runs-table tbody tr")
+    assert visible_tab(page) == "runs", visible_tab(page)
+    page.click(".tab[data-tab=playground]")
+    assert page.evaluate("location.hash") == "#playground"
+    assert visible_tab(page) == "playground", visible_tab(page)
+
+    # A shared link to the runs, opened in a phone-sized window: the runs tab shows,
+    # and the header (and the page) fit 400 px without scrolling sideways.
+    narrow = browser.new_page(viewport={"width": 400, "height": 800})
+    narrow.on("console", lambda m: m.type == "error" and errors.append(m.text))
+    narrow.on("pageerror", lambda e: errors.append(str(e)))
+    narrow.goto(base + "/#runs")
+    narrow.wait_for_selector("#runs-table tbody tr")
+    narrow.wait_for_function("document.getElementById('model').textContent.includes('parameters')")
+    assert visible_tab(narrow) == "runs", visible_tab(narrow)
+    assert narrow.evaluate("window.scrollY") == 0, "following #runs scrolled the page"
+    header = narrow.evaluate("(() => { const h = document.querySelector('header'); return [h.scrollWidth, h.clientWidth]; })()")
+    assert header[0] <= header[1], f"the header overflows at 400 px: scrollWidth {header[0]} > clientWidth {header[1]}"
+    for item in narrow.evaluate("[...document.querySelectorAll('header > *:not([hidden])')].map((e) => e.getBoundingClientRect().right)"):
+        assert item <= 400, f"a header item ends at {item} px, past 400"
+    width = narrow.evaluate("[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+    assert width[0] <= width[1], f"the runs tab scrolls sideways at 400 px: {width}"
+    narrow.screenshot(path=os.path.join(shots, "runs-400px.png"), full_page=True)
+    narrow.goto(base + "/")
+    narrow.wait_for_function("document.getElementById('model').textContent.includes('parameters')")
+    assert visible_tab(narrow) == "playground", visible_tab(narrow)
+    width = narrow.evaluate("[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+    assert width[0] <= width[1], f"the playground scrolls sideways at 400 px: {width}"
+    narrow.screenshot(path=os.path.join(shots, "playground-400px.png"), full_page=True)
     browser.close()
 
 assert not errors, errors
-print(f"page: playground streamed {len(final)} characters; loss curve grew {before} -> {after} points; no console errors; screenshots in {shots}")
+print(f"page: playground streamed {len(final)} characters; loss curve grew {before} -> {after} points; tabs have URLs; the header fits 400 px; no console errors; screenshots in {shots}")

@@ -36,14 +36,22 @@ async function errorText(response) {
 }
 
 // --- Tabs --------------------------------------------------------------------------
+// Each tab has a URL (#playground, #runs): a reload or a shared link opens the same
+// tab, and the browser's back button goes to the tab before. The panels' ids are not
+// the hashes, so following one does not scroll the page.
 
-for (const tab of document.querySelectorAll(".tab")) {
-  tab.addEventListener("click", () => {
-    for (const t of document.querySelectorAll(".tab")) t.classList.toggle("active", t === tab);
-    for (const p of document.querySelectorAll(".panel")) p.classList.toggle("active", p.id === tab.dataset.tab);
-    if (tab.dataset.tab === "runs") charts.resize();
-  });
+function showTab(name) {
+  const tabs = [...document.querySelectorAll(".tab")];
+  if (!tabs.some((t) => t.dataset.tab === name)) name = tabs[0].dataset.tab;
+  for (const t of tabs) {
+    t.classList.toggle("active", t.dataset.tab === name);
+    if (t.dataset.tab === name) t.setAttribute("aria-current", "page");
+    else t.removeAttribute("aria-current");
+  }
+  for (const p of document.querySelectorAll(".panel")) p.classList.toggle("active", p.dataset.tab === name);
+  if (name === "runs") charts.resize();
 }
+window.addEventListener("hashchange", () => showTab(location.hash.slice(1)));
 
 // --- Playground ----------------------------------------------------------------------
 
@@ -333,4 +341,5 @@ async function start() {
   $("max-tokens").max = props.max_tokens;
   watchRuns();
 }
+showTab(location.hash.slice(1));
 start();
