@@ -323,6 +323,55 @@ fn engine_checks(
     Ok(())
 }
 
+/// The bf16 path of the engine `build` makes (bf16 operands; flash attention reading
+/// q, k, v where the qkv projection wrote them, on heads of 16, grouped and not)
+/// against the f32 reference engine on the CPU: one step's loss and every gradient,
+/// within what rounding the products' operands to bf16 moves them (tests/engines.rs's
+/// bounds).
+fn bf16_checks(
+    report: &mut Report,
+    place: &str,
+    faults: &Faults,
+    build: &BuildEngine,
+) -> Result<()> {
+    let (mut loss_error, mut grad_error) = (0f64, 0f64);
+    for kv in [2, 1] {
+        let spec = ModelSpec::new(&ModelConfig {
+            n_layer: 2,
+            n_head: 2,
+            n_kv_head: Some(kv),
+            n_embd: 32,
+            block_size: 20,
+            vocab_size: 37,
+            positions: PositionKind::Rope,
+            ..ModelConfig::default()
+        });
+        let init = spec.initial_values(5);
+        let batch = 2;
+        let options = EngineOptions::f32(batch, false);
+        let mut reference = engine::build(&spec, &init, &Device::Cpu, options)?;
+        let mut fused = build(&spec, &init, batch)?;
+        let mut data = Batch::empty(batch, spec.shapes.block_size);
+        for (i, id) in data.x.iter_mut().chain(data.y.iter_mut()).enumerate() {
+            *id = ((i * 11 + 5) % spec.shapes.vocab_size) as u32;
+        }
+        let mut losses = [0.0; 2];
+        for (engine, loss) in [&mut reference, &mut fused].into_iter().zip(&mut losses) {
+            engine.zero_grads()?;
+            engine.forward(&data, None)?;
+            engine.backward(1.0)?;
+            *loss = engine.take_loss()?;
+        }
+        let fused_loss = faults.apply("engine bf16 loss", losses[1]);
+        loss_error = loss_error.max((fused_loss - losses[0]).abs() / losses[0].abs());
+        let perturb = faults.applies("engine bf16 gradients");
+        grad_error = grad_error.max(max_error(&fused.grads()?, &reference.grads()?, perturb)?);
+    }
+    report.check(place, "engine bf16 loss", loss_error, 2e-3);
+    report.check(place, "engine bf16 gradients", grad_error, 2e-2);
+    Ok(())
+}
+
 /// The largest relative error over the tensors of `got` against `want` (each
 /// relative to its own largest entry); `perturb` adds 1% to the first tensor.
 fn max_error(got: &NamedTensors, want: &NamedTensors, perturb: bool) -> Result<f64> {
@@ -396,17 +445,20 @@ fn cuda_checks(
     faults: &Faults,
 ) -> Result<()> {
     use crate::cuda::{CudaDecoder, FusedCuda};
-    let on = |spec: &ModelSpec, values: &[f32], batch: usize| -> Result<Box<dyn Engine>> {
-        Ok(Box::new(match gpu {
-            #[cfg(feature = "cuda")]
-            Some(d) => FusedCuda::new(spec, values, d, batch, Precision::F32)?,
-            #[cfg(feature = "cuda-emulator")]
-            None => FusedCuda::emulated(spec, values, batch, Precision::F32)?,
-            #[allow(unreachable_patterns)]
-            _ => anyhow::bail!("no CUDA place"),
-        }))
+    let in_precision = |precision: Precision| {
+        move |spec: &ModelSpec, values: &[f32], batch: usize| -> Result<Box<dyn Engine>> {
+            Ok(Box::new(match gpu {
+                #[cfg(feature = "cuda")]
+                Some(d) => FusedCuda::new(spec, values, d, batch, precision)?,
+                #[cfg(feature = "cuda-emulator")]
+                None => FusedCuda::emulated(spec, values, batch, precision)?,
+                #[allow(unreachable_patterns)]
+                _ => anyhow::bail!("no CUDA place"),
+            }))
+        }
     };
-    engine_checks(report, place, faults, &on)?;
+    engine_checks(report, place, faults, &in_precision(Precision::F32))?;
+    bf16_checks(report, place, faults, &in_precision(Precision::Bf16))?;
     let spec = small_model();
     let values = spec.initial_values(4);
     let mut decoder = match gpu {

@@ -57,7 +57,9 @@ fn every_check_passes_here_and_fails_when_made_wrong() {
     }
     if cfg!(feature = "cuda-emulator") {
         assert!(places.contains("cuda (emulated)"), "{places:?}");
-        assert!(names.contains("graph replay"));
+        for name in ["graph replay", "engine bf16 loss", "engine bf16 gradients"] {
+            assert!(names.contains(name), "{name} is checked: {names:?}");
+        }
     }
     for c in &all {
         let (error, bound) = (c["error"].as_f64().unwrap(), c["bound"].as_f64().unwrap());
