@@ -88,10 +88,20 @@ with sync_playwright() as p:
     narrow.wait_for_function("document.getElementById('model').textContent.includes('parameters')")
     assert visible_tab(narrow) == "runs", visible_tab(narrow)
     assert narrow.evaluate("window.scrollY") == 0, "following #runs scrolled the page"
-    header = narrow.evaluate("(() => { const h = document.querySelector('header'); return [h.scrollWidth, h.clientWidth]; })()")
-    assert header[0] <= header[1], f"the header overflows at 400 px: scrollWidth {header[0]} > clientWidth {header[1]}"
-    for item in narrow.evaluate("[...document.querySelectorAll('header > *:not([hidden])')].map((e) => e.getBoundingClientRect().right)"):
-        assert item <= 400, f"a header item ends at {item} px, past 400"
+    def header_fits(case):
+        header = narrow.evaluate("(() => { const h = document.querySelector('header'); return [h.scrollWidth, h.clientWidth]; })()")
+        assert header[0] <= header[1], f"the header overflows at 400 px ({case}): scrollWidth {header[0]} > clientWidth {header[1]}"
+        for item in narrow.evaluate("[...document.querySelectorAll('header > *:not([hidden])')].map((e) => e.getBoundingClientRect().right)"):
+            assert item <= 400, f"a header item ends at {item} px, past 400 ({case})"
+    header_fits("as served")
+    # The widest header the page makes: the API key field shown (a server with
+    # --api-key) beside a long run name.
+    narrow.evaluate("document.getElementById('api-key').hidden = false")
+    narrow.evaluate("document.getElementById('model').textContent = 'shakespeare-bpe-n_layer-4-n_embd-256-block_size-256 · 3.21M parameters · context 256 · 8 slots'")
+    header_fits("with the key field and a long run name")
+    narrow.screenshot(path=os.path.join(shots, "header-400px.png"))
+    narrow.reload()
+    narrow.wait_for_selector("#runs-table tbody tr")
     width = narrow.evaluate("[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
     assert width[0] <= width[1], f"the runs tab scrolls sideways at 400 px: {width}"
     narrow.screenshot(path=os.path.join(shots, "runs-400px.png"), full_page=True)
