@@ -655,6 +655,23 @@ fn a_full_queue_answers_503_and_a_disconnect_frees_the_slot() {
         "{metrics}"
     );
     assert!(metrics.contains("tinygpt_requests_running 0"), "{metrics}");
+    // The log: A's stream, cut by its client, with its tokens out unknown; C's 503.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let log = server.log.lock().unwrap().clone();
+        let left = log.lines().any(|l| {
+            l.starts_with("POST /v1/completions 200 2+? tokens ")
+                && l.ends_with(" ms (client left)")
+        });
+        let full = log
+            .lines()
+            .any(|l| l.starts_with("POST /v1/completions 503 "));
+        if left && full {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{log}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[test]

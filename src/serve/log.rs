@@ -23,12 +23,14 @@ use hyper::body::{Frame, SizeHint};
 const MAX_PATH: usize = 200;
 
 /// A request's tokens, filled in by the route that decodes it (completions, chat) as
-/// it learns them; the log reads it when the answer ends.
+/// it learns them; the log reads it when the answer ends. Tokens out are counted when
+/// every choice has finished; before (a client that left, a failure), `?`.
 #[derive(Default)]
 pub struct Tokens {
     known: AtomicBool,
     prompt: AtomicUsize,
     completion: AtomicUsize,
+    finished: AtomicBool,
 }
 
 impl Tokens {
@@ -39,8 +41,10 @@ impl Tokens {
         tokens
     }
 
-    pub fn set_completion(&self, completion: usize) {
+    /// The tokens drawn so far; `finished`: every choice has finished.
+    pub fn set_completion(&self, completion: usize, finished: bool) {
         self.completion.store(completion, Ordering::Relaxed);
+        self.finished.store(finished, Ordering::Relaxed);
     }
 }
 
@@ -102,12 +106,13 @@ impl Line {
             .as_ref()
             .filter(|t| t.known.load(Ordering::Relaxed))
         {
-            let _ = write!(
-                line,
-                " {}+{} tokens",
-                tokens.prompt.load(Ordering::Relaxed),
-                tokens.completion.load(Ordering::Relaxed)
-            );
+            let _ = write!(line, " {}+", tokens.prompt.load(Ordering::Relaxed));
+            if tokens.finished.load(Ordering::Relaxed) {
+                let _ = write!(line, "{}", tokens.completion.load(Ordering::Relaxed));
+            } else {
+                line.push('?');
+            }
+            line.push_str(" tokens");
         }
         let _ = write!(line, " {} ms", self.started.elapsed().as_millis());
         if self.stream && !self.ended {

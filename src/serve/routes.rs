@@ -718,7 +718,8 @@ impl Reply {
                     let c = &mut self.choices[choice];
                     c.finish = Some(finish);
                     c.completion_tokens = completion_tokens;
-                    self.logged.set_completion(self.completion_tokens());
+                    self.logged
+                        .set_completion(self.completion_tokens(), self.all_done());
                 }
                 Some(Event::Failed { status, message }) => {
                     let status =
@@ -845,7 +846,8 @@ impl Reply {
             }) => {
                 self.choices[choice].finish = Some(finish);
                 self.choices[choice].completion_tokens = completion_tokens;
-                self.logged.set_completion(self.completion_tokens());
+                self.logged
+                    .set_completion(self.completion_tokens(), self.all_done());
                 let c = match self.kind {
                     Kind::Completion => {
                         json!({"index": choice, "text": "", "logprobs": Value::Null, "finish_reason": finish.as_str()})
