@@ -185,35 +185,41 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut batch = Batch::empty(b, t);
 
-    // One training step on random tokens: when each phase ended on the device.
-    let mut step_at = |engine: &mut dyn engine::Engine, step: usize| -> Result<[Instant; 4]> {
-        opts.stop.check()?;
-        for id in batch.x.iter_mut().chain(batch.y.iter_mut()) {
-            *id = rng.random_range(0..cfg.vocab_size as u32);
-        }
-        let dropout = Dropout::in_pass(cfg.dropout, seed, step, 0);
-        // Each phase ends when the device has finished it.
-        let t0 = Instant::now();
-        profile::set_phase(Phase::Forward);
-        engine.zero_grads()?;
-        engine.forward(&batch, dropout.as_ref())?;
-        device.synchronize()?;
-        let t1 = Instant::now();
-        profile::set_phase(Phase::Backward);
-        engine.backward(1.0)?;
-        device.synchronize()?;
-        let t2 = Instant::now();
-        profile::set_phase(Phase::Optimizer);
-        engine.clip_grads(train.grad_clip)?;
-        engine.adamw(&AdamWStep::new(train, step + 1, train.lr))?;
-        device.synchronize()?;
-        let t3 = Instant::now();
-        engine.take_loss()?; // read outside the timing, so the losses do not pile up
-        Ok([t0, t1, t2, t3])
-    };
+    // One training step on random tokens: when each phase ended on the device (with
+    // `phases`; else only the step's end waits for it, as the trainer's steps do).
+    let mut step_at =
+        |engine: &mut dyn engine::Engine, step: usize, phases: bool| -> Result<[Instant; 4]> {
+            let sync = |done: bool| match done || phases {
+                true => device.synchronize(),
+                false => Ok(()),
+            };
+            opts.stop.check()?;
+            for id in batch.x.iter_mut().chain(batch.y.iter_mut()) {
+                *id = rng.random_range(0..cfg.vocab_size as u32);
+            }
+            let dropout = Dropout::in_pass(cfg.dropout, seed, step, 0);
+            // Each phase ends when the device has finished it.
+            let t0 = Instant::now();
+            profile::set_phase(Phase::Forward);
+            engine.zero_grads()?;
+            engine.forward(&batch, dropout.as_ref())?;
+            sync(false)?;
+            let t1 = Instant::now();
+            profile::set_phase(Phase::Backward);
+            engine.backward(1.0)?;
+            sync(false)?;
+            let t2 = Instant::now();
+            profile::set_phase(Phase::Optimizer);
+            engine.clip_grads(train.grad_clip)?;
+            engine.adamw(&AdamWStep::new(train, step + 1, train.lr))?;
+            sync(true)?;
+            let t3 = Instant::now();
+            engine.take_loss()?; // read outside the timing, so the losses do not pile up
+            Ok([t0, t1, t2, t3])
+        };
     let (mut fwd, mut bwd, mut opt, mut total) = (vec![], vec![], vec![], vec![]);
     for step in 0..opts.warmup + opts.steps {
-        let [t0, t1, t2, t3] = step_at(&mut *engine, step)?;
+        let [t0, t1, t2, t3] = step_at(&mut *engine, step, true)?;
         if step >= opts.warmup {
             let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
             fwd.push(ms(t0, t1));
@@ -224,19 +230,25 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
     }
     let step_ms = median(total);
     let gflop = 3.0 * b as f64 * forward_flops(&cfg, t) / 1e9;
-    // The profile's steps come after the timed ones, so its timers cost them nothing.
+    // The profile's steps come after the timed ones, so its timers cost them nothing;
+    // they wait for the device only at their end, so the host stays ahead of it (the
+    // gaps are then the device waiting for the host), and their own time is what the
+    // groups' times are shares of.
     let profile = match opts.profile {
         true => match engine.profiled()? {
             Some(profiled) => {
                 let recording = profile::Recording::start();
                 let first = opts.warmup + opts.steps;
+                let mut walls = Vec::new();
                 for step in first..first + opts.steps.min(PROFILE_STEPS) {
-                    step_at(&mut *engine, step)?;
+                    let [t0, .., t3] = step_at(&mut *engine, step, false)?;
+                    walls.push((t3 - t0).as_secs_f64() * 1e3);
                     profile::end_step()?;
                 }
                 let recorded = recording.finish();
                 let Profiled { timing, peak } = profiled;
-                Some(Profile::new(&recorded, timing, peak, step_ms, gflop * 1e9))
+                let steps = (step_ms, median(walls));
+                Some(Profile::new(&recorded, timing, peak, steps, gflop * 1e9))
             }
             None => None,
         },

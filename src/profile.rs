@@ -420,11 +420,15 @@ pub enum Timing {
 pub struct Profile {
     pub timing: Timing,
     pub peak: Peak,
-    /// The bench's median step, measured without the profile's timers.
+    /// The bench's median step, measured without the profile's timers (MFU's).
     pub step_ms: f64,
+    /// The median profiled step (its timers included): what the groups' shares and
+    /// the gaps are of.
+    pub profiled_step_ms: f64,
     /// The groups' times added up (None untimed).
     pub work_ms: Option<f64>,
-    /// The step less its work: the device waiting for the host, the host's own work.
+    /// The profiled step less its work: the device waiting for the host, the host's own
+    /// work.
     pub gaps_ms: Option<f64>,
     /// The least time the step's work could take on the peak device, group by group.
     pub floor_ms: f64,
@@ -441,7 +445,7 @@ pub struct GroupRow {
     pub group: &'static str,
     pub calls: f64,
     pub ms: Option<f64>,
-    /// Of the step's time.
+    /// Of the profiled step's time.
     pub share: Option<f64>,
     pub gflop: f64,
     pub mbytes: f64,
@@ -451,13 +455,13 @@ pub struct GroupRow {
 }
 
 impl Profile {
-    /// The report of `recorded`, for a step that took `step_ms` (unprofiled) and does
-    /// `model_flops` as bench counts them.
+    /// The report of `recorded`, for a step that took `step_ms` unprofiled and
+    /// `profiled_step_ms` profiled, and does `model_flops` as bench counts them.
     pub fn new(
         recorded: &[Recorded],
         timing: Timing,
         peak: Peak,
-        step_ms: f64,
+        (step_ms, profiled_step_ms): (f64, f64),
         model_flops: f64,
     ) -> Self {
         let timed = timing != Timing::Untimed;
@@ -470,7 +474,7 @@ impl Profile {
                     group: r.group.name(),
                     calls: r.calls,
                     ms: seconds.map(|s| s * 1e3),
-                    share: seconds.map(|s| s * 1e3 / step_ms),
+                    share: seconds.map(|s| s * 1e3 / profiled_step_ms),
                     gflop: r.flops / 1e9,
                     mbytes: r.bytes / 1e6,
                     tflops: seconds.filter(|&s| s > 0.0).map(|s| r.flops / s / 1e12),
@@ -483,8 +487,9 @@ impl Profile {
         Self {
             timing,
             step_ms,
+            profiled_step_ms,
             work_ms,
-            gaps_ms: work_ms.map(|w| step_ms - w),
+            gaps_ms: work_ms.map(|w| profiled_step_ms - w),
             floor_ms: groups.iter().map(|g| g.floor_ms).sum(),
             mfu: timed.then(|| model_flops / (step_ms / 1e3) / (peak.matrix_tflops * 1e12)),
             peak,
@@ -543,7 +548,10 @@ impl std::fmt::Display for Profile {
             )?;
         }
         let work = match (self.work_ms, self.gaps_ms) {
-            (Some(w), Some(gaps)) => format!("work {w:.2} ms, gaps {gaps:.2} ms, "),
+            (Some(w), Some(gaps)) => format!(
+                "profiled {:.2} ms: work {w:.2} ms, gaps {gaps:.2} ms; ",
+                self.profiled_step_ms
+            ),
             _ => String::new(),
         };
         let mfu = self
@@ -624,7 +632,7 @@ mod tests {
                 bytes: 5e8,
             },
         ];
-        let p = Profile::new(&recorded, Timing::CudaEvents, peak(), 10.0, 5e11);
+        let p = Profile::new(&recorded, Timing::CudaEvents, peak(), (10.0, 10.0), 5e11);
         assert_eq!(p.work_ms, Some(5.0));
         assert_eq!(p.gaps_ms, Some(5.0));
         let qkv = &p.groups[0];
@@ -636,7 +644,7 @@ mod tests {
         // 5e11 in 10 ms is 50 TFLOP/s of 100.
         assert!((p.mfu.unwrap() - 0.5).abs() < 1e-12);
         // Untimed (the emulator): no times, shares, rates or MFU; the floor stays.
-        let untimed = Profile::new(&recorded, Timing::Untimed, peak(), 10.0, 5e11);
+        let untimed = Profile::new(&recorded, Timing::Untimed, peak(), (10.0, 20.0), 5e11);
         assert!(untimed
             .groups
             .iter()

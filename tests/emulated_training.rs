@@ -93,7 +93,8 @@ fn the_emulated_cuda_engine_trains_and_resumes_exactly() {
 /// bf16 products read bf16 copies of their operands (the weights' copy rounded again
 /// after each update, each product's inputs rounded first): the same numbers as
 /// products that round f32 operands on the fly (`TINYGPT_CUDA_BF16_OPERANDS=0`), so
-/// the two runs agree bit for bit, losses and weights.
+/// the two runs agree bit for bit, losses and weights (in the emulator, whose product
+/// is one written-out loop: on a GPU cuBLAS may sum the two in another order).
 #[test]
 fn bf16_operand_copies_train_as_rounding_on_the_fly() {
     if !emulated() {

@@ -82,7 +82,8 @@ pub struct FusedCuda {
 /// weights changed, and two buffers each product's f32 operands are rounded into
 /// first. cuBLAS then runs its bf16 kernels on bf16 data, where f32 data with bf16
 /// arithmetic (32F_FAST_16BF) reads twice the bytes and, on Hopper, cannot use its
-/// bf16 loads; the numbers are the same (operands rounded to nearest even, f32 sums).
+/// bf16 loads; the same operands (rounded to nearest even) and f32 sums, up to the order
+/// cuBLAS sums in.
 struct Bf16Operands {
     weights: Buf<u16>,
     /// The f32 weights changed since `weights` was rounded from them.
@@ -1178,7 +1179,11 @@ impl FusedCuda {
             .map_or(&self.adam_chunks, |r| &r.adam_chunks);
         let buffers = AdamBuffers {
             params: self.params.at(mine.start),
-            copy16: self.bf16.as_ref().map_or(0, |b| b.weights.at(mine.start)),
+            // Ranks round the gathered weights again after (`weights_changed`).
+            copy16: match self.ranks {
+                Some(_) => 0,
+                None => self.bf16.as_ref().map_or(0, |b| b.weights.at(mine.start)),
+            },
             grads: grads.at(mine.start),
             m: m.ptr(),
             v: v.ptr(),

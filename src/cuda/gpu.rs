@@ -65,6 +65,9 @@ pub struct CudaGpu {
     _blas_workspace: candle_core::cuda::cudarc::driver::CudaSlice<u8>,
     /// Indexed by `Kernel as usize`.
     functions: Vec<CudaFunction>,
+    /// Timing events a profile has finished with, reused (creating two a launch would
+    /// add its cost to what is timed).
+    events: Arc<std::sync::Mutex<Vec<candle_core::cuda::cudarc::driver::CudaEvent>>>,
 }
 
 /// Why a kernel did not load, for the user: a driver older than the toolkit that built
@@ -139,6 +142,7 @@ impl Gpu {
             blas: Arc::new(blas),
             _blas_workspace: workspace,
             functions,
+            events: Arc::default(),
         }))
     }
 
@@ -325,32 +329,59 @@ impl CudaGpu {
             return work();
         }
         use candle_core::cuda::cudarc::driver::sys::CUevent_flags;
-        let event = || {
-            self.stream
-                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .context("recording a profile's CUDA event")
+        let event = || -> Result<_> {
+            let reused = self.events.lock().ok().and_then(|mut free| free.pop());
+            let event = match reused {
+                Some(event) => event,
+                None => self
+                    .stream
+                    .context()
+                    .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
+            };
+            event
+                .record(&self.stream)
+                .context("recording a profile's CUDA event")?;
+            Ok(event)
         };
         let start = event()?;
         work()?;
         let end = event()?;
-        profile::record_later(group, cost, Box::new(EventPair { start, end }));
+        let pool = self.events.clone();
+        let pair = EventPair {
+            events: Some((start, end)),
+            pool,
+        };
+        profile::record_later(group, cost, Box::new(pair));
         Ok(())
     }
 }
 
-/// A piece of work's start and end on a stream.
+/// A piece of work's start and end on a stream, given back to the pool once read.
 #[cfg(feature = "cuda")]
 struct EventPair {
-    start: candle_core::cuda::cudarc::driver::CudaEvent,
-    end: candle_core::cuda::cudarc::driver::CudaEvent,
+    /// (start, end); taken back into the pool when dropped.
+    events: Option<(
+        candle_core::cuda::cudarc::driver::CudaEvent,
+        candle_core::cuda::cudarc::driver::CudaEvent,
+    )>,
+    pool: Arc<std::sync::Mutex<Vec<candle_core::cuda::cudarc::driver::CudaEvent>>>,
+}
+
+#[cfg(feature = "cuda")]
+impl Drop for EventPair {
+    fn drop(&mut self) {
+        if let (Some((start, end)), Ok(mut free)) = (self.events.take(), self.pool.lock()) {
+            free.extend([start, end]);
+        }
+    }
 }
 
 #[cfg(feature = "cuda")]
 impl profile::Elapsed for EventPair {
     fn seconds(&self) -> Result<f64> {
-        let ms = self
-            .start
-            .elapsed_ms(&self.end)
+        let (start, end) = self.events.as_ref().context("events already given back")?;
+        let ms = start
+            .elapsed_ms(end)
             .context("reading a profile's CUDA events")?;
         Ok(f64::from(ms) / 1e3)
     }

@@ -267,6 +267,15 @@ pub struct HeadView {
     group: i32,
 }
 
+// The kernels' structs, field for field: sizes and offsets as C lays them out.
+const _: () = {
+    use std::mem::{align_of, offset_of, size_of};
+    assert!(size_of::<HeadView>() == 32 && align_of::<HeadView>() == 8);
+    assert!(offset_of!(HeadView, batch_stride) == 8 && offset_of!(HeadView, ld) == 24);
+    assert!(size_of::<DropoutArgs>() == 40 && offset_of!(DropoutArgs, threshold) == 24);
+    assert!(offset_of!(DropoutArgs, keep) == 32);
+};
+
 impl HeadView {
     /// Heads side by side in rows `width` values wide (B T rows), from column `first`:
     /// the qkv projection's output (each K/V head serving `group` query heads), the
@@ -847,8 +856,7 @@ pub struct AdamBuffers {
     pub blocks: usize,
 }
 
-/// Values of one tensor a block of `adamw` updates, at most.
-pub const ADAMW_CHUNK: usize = 4096;
+pub use super::plan::ADAMW_CHUNK;
 
 /// AdamW's chunks over the values `range` of flat buffers laid out as `table`: each
 /// tensor's part of the range cut into pieces of at most [`ADAMW_CHUNK`], as pairs

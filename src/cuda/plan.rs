@@ -10,6 +10,9 @@ use crate::model::spec::{ModelSpec, Shapes};
 /// every PARTS-th row, then one pass adds the PARTS partial sums in order.
 pub const PARTS: usize = 64;
 
+/// Values of one tensor a block of AdamW updates, at most (`kernels::adamw_chunks`).
+pub const ADAMW_CHUNK: usize = 4096;
+
 /// Blocks of the first step of the gradient norm (partial sums of squares in f64).
 pub const NORM_BLOCKS: usize = 1024;
 
@@ -108,7 +111,8 @@ impl Bf16Plan {
 
 /// Whether bf16 products read bf16 copies of their operands (the default), or, with
 /// `TINYGPT_CUDA_BF16_OPERANDS=0`, f32 data that cuBLAS rounds on the fly
-/// (32F_FAST_16BF): the same numbers, so a GPU check can time the two in one run.
+/// (32F_FAST_16BF): the same operands and f32 sums (up to the order cuBLAS sums in), so a
+/// GPU check can time the two in one run.
 pub fn bf16_operands(precision: Precision) -> bool {
     precision == Precision::Bf16
         && std::env::var("TINYGPT_CUDA_BF16_OPERANDS").map_or(true, |v| v != "0")
@@ -184,9 +188,11 @@ impl Plan {
             PositionKind::Rope => s.block_size * s.head_dim, // cos and sin, d/2 each
             PositionKind::Learned => 0,
         };
-        // AdamW's chunks: each tensor in pieces of at most ADAMW_CHUNK (kernels.rs).
-        const CHUNK: usize = 4096;
-        let chunks = spec.params().iter().map(|p| p.len().div_ceil(CHUNK)).sum();
+        let chunks = spec
+            .params()
+            .iter()
+            .map(|p| p.len().div_ceil(ADAMW_CHUNK))
+            .sum();
         let table = (spec.len(), chunks);
         Self::new(s, table, batch, tables, (attention, precision))
     }
