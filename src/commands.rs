@@ -648,6 +648,30 @@ fn bench_checkpoint(
 }
 
 pub fn export(args: ExportArgs) -> Result<()> {
+    if args.format == "gguf" {
+        let dtype = tinygpt::gguf::GgufDtype::parse(args.dtype.as_deref().unwrap_or("f32"))?;
+        tinygpt::gguf::check_export_file(&args.out)?;
+        let loaded = load(&args.ckpt)?;
+        let done = tinygpt::gguf::export(&loaded, &args.out, dtype)?;
+        let fallbacks = match done.fallbacks.len() {
+            0 => String::new(),
+            n => format!(
+                " ({n} matrices whose rows do not fill its blocks in {}, as llama.cpp's quantizer does)",
+                done.fallbacks[0].1
+            ),
+        };
+        eprintln!(
+            "wrote {} ({}, {:.1} MiB){fallbacks}: run it with llama-cli -m {}",
+            args.out.display(),
+            done.arch.name(),
+            done.bytes as f64 / (1 << 20) as f64,
+            args.out.display()
+        );
+        return Ok(());
+    }
+    if args.dtype.is_some() {
+        user_bail!("--dtype applies to --format gguf; a Hugging Face export is f32");
+    }
     tinygpt::interop::check_export_folder(&args.out)?;
     let bar = tinygpt::util::bars::spinner(&format!("exporting to {}", args.out.display()));
     let loaded = load(&args.ckpt)?;
@@ -664,7 +688,10 @@ pub fn export(args: ExportArgs) -> Result<()> {
 
 pub fn import(args: ImportArgs) -> Result<()> {
     let bar = tinygpt::util::bars::spinner(&format!("importing {}", args.from.display()));
-    let config = tinygpt::interop::import(&args.from, &args.out)?;
+    let config = match args.from.is_file() {
+        true => tinygpt::gguf::import(&args.from, &args.out)?,
+        false => tinygpt::interop::import(&args.from, &args.out)?,
+    };
     bar.finish_and_clear();
     let m = &config.model;
     eprintln!(

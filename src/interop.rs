@@ -552,6 +552,18 @@ pub fn import(from: &Path, out: &Path) -> Result<Config> {
     let (model_cfg, tensors) = read_hf(from)?;
     let tk_path = from.join("tokenizer.json");
     let tokenizer = Tokenizer::from_file(&tk_path)?;
+    save_imported(from, out, model_cfg, &tensors, tokenizer)
+}
+
+/// Writes a model read from `from` (a Hugging Face folder or a GGUF file) as a run
+/// folder at `out`: step 0, no optimiser state, no corpus.
+pub fn save_imported(
+    from: &Path,
+    out: &Path,
+    model_cfg: ModelConfig,
+    tensors: &HashMap<String, Tensor>,
+    tokenizer: Tokenizer,
+) -> Result<Config> {
     let mut config = Config::default();
     config.run.name = out
         .file_name()
@@ -573,14 +585,14 @@ pub fn import(from: &Path, out: &Path) -> Result<Config> {
         .map_err(|e| user_error(format!("{}: {e:#}", from.display())))?;
     if tokenizer.vocab_size() > config.model.vocab_size {
         user_bail!(
-            "{}: tokenizer.json has {} tokens but the model only {}",
+            "{}: the tokenizer has {} tokens but the model only {}",
             from.display(),
             tokenizer.vocab_size(),
             config.model.vocab_size
         );
     }
     let model = Gpt::new(&config.model, 0, &Device::Cpu)?;
-    model.params().load(&tensors, &from.display().to_string())?;
+    model.params().load(tensors, &from.display().to_string())?;
     let run = RunDir::new(out);
     if run.has_checkpoint() {
         user_bail!(

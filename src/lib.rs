@@ -20,6 +20,7 @@ pub mod engine;
 pub mod error;
 pub mod eval;
 pub mod generate;
+pub mod gguf;
 pub mod interop;
 pub mod inventory;
 pub mod lock;

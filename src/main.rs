@@ -77,9 +77,11 @@ enum Command {
     Plot(PlotArgs),
     /// Draw the attention weights of every layer and head over a prompt to a PNG.
     Attention(AttentionArgs),
-    /// Write a checkpoint as a Hugging Face model folder (GPT-2 or Llama layout).
+    /// Write a checkpoint as a Hugging Face model folder (GPT-2 or Llama layout), or as
+    /// one GGUF file for llama.cpp, Ollama and LM Studio (--format gguf).
     Export(ExportArgs),
-    /// Read a Hugging Face GPT-2 or Llama folder into a checkpoint folder.
+    /// Read a Hugging Face GPT-2 or Llama folder, or a GPT-2 or Llama GGUF file, into a
+    /// checkpoint folder.
     Import(ImportArgs),
     /// List what the corpus caches hold (tokenizers, ids) and which runs use it, or
     /// prune what none uses.
@@ -182,14 +184,22 @@ struct AttentionArgs {
 struct ExportArgs {
     #[command(flatten)]
     ckpt: CheckpointArgs,
-    /// Output folder: config.json, model.safetensors, tokenizer.json.
+    /// Output: a folder (config.json, model.safetensors, tokenizer.json) for hf, a file
+    /// (e.g. model.gguf) for gguf.
     #[arg(long)]
     out: PathBuf,
+    /// hf: a Hugging Face model folder; gguf: one GGUF file (llama.cpp's gpt2 or llama).
+    #[arg(long, default_value = "hf", value_parser = ["hf", "gguf"])]
+    format: String,
+    /// GGUF only: the matrices' format (norms and biases stay f32).
+    #[arg(long, value_parser = tinygpt::gguf::GgufDtype::NAMES)]
+    dtype: Option<String>,
 }
 
 #[derive(Args)]
 struct ImportArgs {
-    /// A Hugging Face model folder (config.json, model.safetensors or shards, tokenizer.json).
+    /// A Hugging Face model folder (config.json, model.safetensors or shards,
+    /// tokenizer.json), or a GGUF file.
     #[arg(long = "from")]
     from: PathBuf,
     /// The checkpoint folder to create, e.g. checkpoints/gpt2.

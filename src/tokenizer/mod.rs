@@ -26,7 +26,8 @@ use crate::user_bail;
 pub mod bpe_train;
 mod byte_level;
 use bpe_train::{learn, WordCounts};
-use byte_level::{gpt2_byte_chars, ByteLevelBpe};
+pub use byte_level::gpt2_byte_chars;
+use byte_level::ByteLevelBpe;
 
 /// The special token that separates documents in BPE vocabularies.
 pub const END_OF_TEXT: &str = "<|endoftext|>";
