@@ -602,3 +602,120 @@ fn the_cli_round_trip_generates_the_same_text() {
         }
     }
 }
+
+/// Reads a file with the `gguf` package llama.cpp maintains (gguf-py, from PyPI) and
+/// checks what it sees against `expect` (JSON: arch, keys, tensors as GGUF shapes).
+const GGUF_PY_CHECK: &str = r#"
+import json, sys
+import gguf
+expect = json.loads(sys.argv[1])
+r = gguf.GGUFReader(expect["path"])
+def value(key):
+    f = r.fields[key]
+    if hasattr(f, "contents"):
+        return f.contents()
+    return bytes(f.parts[f.data[0]]).decode()
+assert value("general.architecture") == expect["arch"], value("general.architecture")
+missing = [k for k in expect["keys"] if k not in r.fields]
+assert not missing, f"missing keys {missing}"
+assert value("tokenizer.ggml.model") == "gpt2"
+assert len(r.fields["tokenizer.ggml.tokens"].data) == expect["vocab"]
+seen = {t.name: [int(x) for x in t.shape] for t in r.tensors}
+assert seen == expect["tensors"], f"{seen} != {expect['tensors']}"
+print("gguf-py read", len(seen), "tensors", len(r.fields), "keys")
+"#;
+
+/// A Python with the `gguf` package: target/gguf-venv, made here with pip if missing.
+fn gguf_python() -> Option<PathBuf> {
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/gguf-venv");
+    let python = venv.join("bin/python");
+    let ready = |p: &Path| {
+        std::process::Command::new(p)
+            .args(["-c", "import gguf"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if !ready(&python) {
+        let made = std::process::Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()
+            .is_ok_and(|s| s.success())
+            && std::process::Command::new(venv.join("bin/pip"))
+                .args(["install", "-q", "--disable-pip-version-check", "gguf"])
+                .status()
+                .is_ok_and(|s| s.success());
+        if !made {
+            return None;
+        }
+    }
+    ready(&python).then_some(python)
+}
+
+#[test]
+fn the_gguf_package_from_pypi_reads_the_files() {
+    let Some(python) = gguf_python() else {
+        eprintln!("SKIPPED: no python3 with pip to make target/gguf-venv (pip install gguf)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let bpe = Tokenizer::train_bpe(&common::random_words(1, 2000, 6), 300).unwrap();
+    let cases: [(&str, Edit, GgufDtype); 2] = [
+        ("gpt2", gpt2, GgufDtype::Q8_0),
+        ("llama", llama, GgufDtype::F16),
+    ];
+    for (name, edit, dtype) in cases {
+        let run = run_folder(dir.path(), name, 32, &bpe, edit);
+        let loaded = Loaded::load(&run, &Device::Cpu).unwrap();
+        let file = dir.path().join(format!("{name}.gguf"));
+        tinygpt::gguf::export(&loaded, &file, dtype).unwrap();
+        let (content, _) = read_gguf(&file);
+        // GGUF's order: innermost first.
+        let tensors: serde_json::Map<String, serde_json::Value> = content
+            .tensor_infos
+            .iter()
+            .map(|(n, i)| {
+                let ne: Vec<usize> = i.shape.dims().iter().rev().copied().collect();
+                (n.clone(), serde_json::json!(ne))
+            })
+            .collect();
+        assert_eq!(tensors["token_embd.weight"], serde_json::json!([32, 300]));
+        let a = name;
+        let mut keys = vec![
+            "general.architecture".to_string(),
+            "general.file_type".into(),
+            "tokenizer.ggml.pre".into(),
+            "tokenizer.ggml.tokens".into(),
+            "tokenizer.ggml.token_type".into(),
+            "tokenizer.ggml.merges".into(),
+            "tokenizer.ggml.eos_token_id".into(),
+        ];
+        for k in [
+            "context_length",
+            "embedding_length",
+            "block_count",
+            "feed_forward_length",
+            "attention.head_count",
+            "attention.head_count_kv",
+        ] {
+            keys.push(format!("{a}.{k}"));
+        }
+        keys.push(match name {
+            "gpt2" => "gpt2.attention.layer_norm_epsilon".into(),
+            _ => "llama.attention.layer_norm_rms_epsilon".into(),
+        });
+        let expect = serde_json::json!({
+            "path": file, "arch": name, "keys": keys, "vocab": 300, "tensors": tensors,
+        });
+        let out = std::process::Command::new(&python)
+            .args(["-c", GGUF_PY_CHECK, &expect.to_string()])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        eprintln!("{name}: {}", String::from_utf8_lossy(&out.stdout).trim());
+    }
+}
