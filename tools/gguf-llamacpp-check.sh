@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# GGUF export against llama.cpp itself (issue 39 part 4; too slow for every CI run):
+# builds llama.cpp once from the llama-cpp-python source package on PyPI (it vendors
+# llama.cpp) into $LLAMACPP_DIR (default ~/.cache/tinygpt-llamacpp, outside the
+# repository), then for each run folder given (default: the quick start's char model
+# and the BPE model, trained by the configs in configs/ if missing):
+#   - exports f32 and q8_0 GGUF,
+#   - compares llama-cli's greedy continuation of a prompt with
+#     `tinygpt generate --temperature 0` (f32: must be equal),
+#   - prints llama-perplexity's figure next to `tinygpt eval`'s on the validation text
+#     (llama-perplexity scores the second half of each context-long chunk, so its
+#     figure is compared by eye / to ~1e-3, not asserted).
+# Char models have no end-of-text token (llama.cpp then takes token 11 as its end), so
+# llama-cli runs with --ignore-eos.
+#
+#   tools/gguf-llamacpp-check.sh [BINARY] [RUN...]    # BINARY default target/release/tinygpt
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin=$(realpath "${1:-target/release/tinygpt}")
+shift || true
+runs=("$@")
+[ ${#runs[@]} -gt 0 ] || runs=(checkpoints/shakespeare-char checkpoints/shakespeare-bpe)
+dir=${LLAMACPP_DIR:-$HOME/.cache/tinygpt-llamacpp}
+prompt=${PROMPT:-ROMEO:}
+n=${TOKENS:-64}
+
+if [ ! -x "$dir/build/bin/llama-cli" ]; then
+  echo "building llama.cpp from the llama-cpp-python sdist into $dir (once; minutes)" >&2
+  mkdir -p "$dir"
+  python3 -m pip download -q --no-deps --no-binary :all: llama-cpp-python -d "$dir/sdist"
+  tar -xzf "$dir"/sdist/llama_cpp_python-*.tar.gz -C "$dir"
+  src=$(ls -d "$dir"/llama_cpp_python-*/vendor/llama.cpp | head -1)
+  cmake -S "$src" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF >/dev/null
+  cmake --build "$dir/build" -j"$(nproc)" --target llama-cli llama-perplexity >/dev/null
+fi
+cli=$dir/build/bin/llama-cli
+ppl=$dir/build/bin/llama-perplexity
+
+for run in "${runs[@]}"; do
+  if [ ! -d "$run" ]; then
+    config=configs/$(basename "$run").toml
+    echo "training $run ($config)" >&2
+    "$bin" train --config "$config"
+  fi
+  work=$(mktemp -d)
+  ours=$("$bin" generate --checkpoint "$run" --prompt "$prompt" --temperature 0 --max-new-tokens "$n")
+  for dtype in f32 q8_0; do
+    "$bin" export --format gguf --dtype "$dtype" --checkpoint "$run" --out "$work/$dtype.gguf"
+    theirs=$("$cli" -m "$work/$dtype.gguf" -p "$prompt" -n "$n" --temp 0 --ignore-eos \
+      -no-cnv --no-display-prompt 2>/dev/null || true)
+    if [ "$prompt$theirs" = "$ours" ] || [ "$theirs" = "$ours" ]; then
+      echo "$run $dtype: greedy text equal ($n tokens)"
+    else
+      echo "$run $dtype: greedy text DIFFERS"
+      echo "  tinygpt:   ${ours:0:200}"
+      echo "  llama.cpp: ${theirs:0:200}"
+      [ "$dtype" = f32 ] && status=1
+    fi
+  done
+  val=${VAL_TEXT:-}
+  if [ -n "$val" ]; then
+    echo "$run tinygpt eval:"; "$bin" eval --checkpoint "$run" --text "$val" | tail -3
+    ctx=$("$bin" info --checkpoint "$run" | awk '/context/ {print $2; exit}')
+    for dtype in f32 q8_0; do
+      echo "$run llama-perplexity $dtype:"
+      "$ppl" -m "$work/$dtype.gguf" -f "$val" -c "${ctx:-64}" 2>&1 | grep -E "Final estimate" || true
+    done
+  fi
+  rm -rf "$work"
+done
+exit "${status:-0}"
