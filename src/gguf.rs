@@ -923,7 +923,8 @@ pub fn read(path: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>, Tokeni
     // A separate output layer is read only where it is the token embedding (tied).
     if g.has("output.weight") {
         let head = g.tensor("output.weight", &[vocab_size, n_embd])?;
-        let wte = &ours["wte.weight"];
+        let spec = ModelSpec::new(&m);
+        let wte = &ours[&spec[spec.wte].name];
         if (head - wte)?.abs()?.max_all()?.to_scalar::<f32>()? != 0.0 {
             user_bail!(
                 "{}: output.weight differs from token_embd.weight; only tied output layers are supported",

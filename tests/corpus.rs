@@ -398,13 +398,27 @@ fn bpe_trains_on_a_sample_of_the_configured_size() {
     let cache =
         CorpusCache::new(&dir.path().join("cache"), &corpus, FingerprintKind::Sampled).unwrap();
     let config = |train_bytes| tinygpt::config::TokenizerConfig {
-        vocab_size: 300,
+        vocab_size: 270,
         train_bytes,
         ..Default::default()
     };
     let whole = cache
         .tokenizer(&corpus, &config(1 << 30), &Stop::new())
         .unwrap();
+    // More tokens than the sample's pairs allow is refused, naming the sample's size.
+    let refused = cache
+        .tokenizer(
+            &corpus,
+            &tinygpt::config::TokenizerConfig {
+                vocab_size: 300,
+                ..config(1)
+            },
+            &Stop::new(),
+        )
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(refused.contains("raise tokenizer.train_bytes"), "{refused}");
     // The smallest sample is one chunk (1 MiB), from the start.
     let sampled = cache.tokenizer(&corpus, &config(1), &Stop::new()).unwrap();
     let gamma = "gamma delta gammadelta deltoid\n";

@@ -142,8 +142,17 @@ impl CorpusCache {
         let have = tokenizer.vocab_size();
         if config.kind == TokenizerKind::Bpe && have < config.vocab_size {
             bar.finish_and_clear();
+            // Trained on a sample of the corpus, more of it may hold more pairs.
+            let more = match config.train_bytes < corpus.bytes() {
+                true => format!(
+                    "raise tokenizer.train_bytes (it trained on a sample: tokenizer.train_bytes = {} of the corpus's {} bytes)",
+                    config.train_bytes,
+                    corpus.bytes()
+                ),
+                false => "use a larger corpus".to_string(),
+            };
             crate::user_bail!(
-                "tokenizer.vocab_size = {} is more than corpus {} supports: BPE ran out of pairs seen twice at {have} tokens; set tokenizer.vocab_size to at most {have} or use a larger corpus",
+                "tokenizer.vocab_size = {} is more than corpus {} supports: BPE ran out of pairs seen twice at {have} tokens; set tokenizer.vocab_size to at most {have} or {more}",
                 config.vocab_size,
                 corpus.path.display()
             );
