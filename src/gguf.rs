@@ -347,6 +347,14 @@ fn gguf_vocab(tk: &Tokenizer, vocab: usize) -> Result<GgufVocab> {
             }
             tokens.push(bytes[c as usize].to_string());
         }
+        // llama.cpp reads `tokenizer.ggml.merges` as an array of strings and refuses
+        // any other type, and candle's writer types an empty array as u32: so a char
+        // vocabulary carries one merge whose result is no token of it (two of its first
+        // token). llama.cpp spells a merged symbol that is not in its vocabulary as its
+        // bytes' tokens, so the merge never changes a tokenization.
+        if let Some(first) = tokens.first() {
+            merges.push(format!("{first} {first}"));
+        }
     } else {
         let model = &json["model"];
         let byte_level = model["type"] == "BPE"

@@ -129,10 +129,21 @@ fn f32_export_then_import_is_the_identity() {
     ];
     for (name, edit) in cases {
         let run = run_folder(dir.path(), name, 32, &char_tk(), edit);
-        let (a, b, _) = round_trip(dir.path(), &run, GgufDtype::F32, name);
+        let (a, b, file) = round_trip(dir.path(), &run, GgufDtype::F32, name);
         assert_eq!(
             a.config.model, b.config.model,
             "{name}: the same model config"
+        );
+        // llama.cpp refuses merges that are not an array of strings (an empty array is
+        // written typed u32): a char vocabulary carries one merge that is no token.
+        let (content, _) = read_gguf(&file);
+        let merges = content.metadata["tokenizer.ggml.merges"].to_vec().unwrap();
+        let merged = merges[0].to_string().unwrap().replace(' ', "");
+        assert_eq!(merges.len(), 1, "{name}");
+        let tokens = content.metadata["tokenizer.ggml.tokens"].to_vec().unwrap();
+        assert!(
+            tokens.iter().all(|t| t.to_string().unwrap() != &merged),
+            "{name}: {merged} is a token"
         );
         let (wa, wb) = (a.model.params().to_map(), b.model.params().to_map());
         assert_eq!(wa.len(), wb.len(), "{name}");

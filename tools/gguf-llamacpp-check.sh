@@ -22,7 +22,8 @@ runs=("$@")
 [ ${#runs[@]} -gt 0 ] || runs=(checkpoints/shakespeare-char checkpoints/shakespeare-bpe)
 dir=${LLAMACPP_DIR:-$HOME/.cache/tinygpt-llamacpp}
 prompt=${PROMPT:-ROMEO:}
-n=${TOKENS:-64}
+n=${TOKENS:-50}  # prompt + new tokens within the quick start's context of 64: llama.cpp's
+                 # gpt2 does not slide its window past the learned positions
 
 if [ ! -x "$dir/build/bin/llama-cli" ]; then
   echo "building llama.cpp from the llama-cpp-python sdist into $dir (once; minutes)" >&2
@@ -31,9 +32,10 @@ if [ ! -x "$dir/build/bin/llama-cli" ]; then
   tar -xzf "$dir"/sdist/llama_cpp_python-*.tar.gz -C "$dir"
   src=$(ls -d "$dir"/llama_cpp_python-*/vendor/llama.cpp | head -1)
   cmake -S "$src" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF >/dev/null
-  cmake --build "$dir/build" -j"$(nproc)" --target llama-cli llama-perplexity >/dev/null
+  cmake --build "$dir/build" -j"$(nproc)" --target llama-completion llama-perplexity >/dev/null
 fi
-cli=$dir/build/bin/llama-cli
+# llama-cli is a chat now; llama-completion continues a prompt.
+cli=$dir/build/bin/llama-completion
 ppl=$dir/build/bin/llama-perplexity
 
 for run in "${runs[@]}"; do
