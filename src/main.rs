@@ -769,6 +769,16 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return usage_error(e),
     };
+    // A server keeps serving when whoever reads its log goes away (`tinygpt serve 2>&1 |
+    // head`, a supervisor restarted): its log writes then fail, and are let go, instead
+    // of the signal ending the process and every request with it.
+    #[cfg(unix)]
+    if matches!(cli.command, Command::Serve(_)) {
+        // Safety: set before any thread starts, as above.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+        }
+    }
     if let Err(message) = tinygpt::cpu::isa::cap_from_env() {
         eprintln!("error: {message}");
         return ExitCode::from(exit_code::USER as u8);

@@ -569,3 +569,44 @@ fn a_checkpoint_truncated_while_mapped_is_a_one_line_error() {
     let log = server.log.lock().unwrap().clone();
     one_line(&log);
 }
+
+/// Whoever reads the server's log goes away (`tinygpt serve 2>&1 | head -1`, a
+/// supervisor restarted): its log lines then have nowhere to go, and the server keeps
+/// answering (it died of SIGPIPE on its first request log line).
+#[test]
+fn the_server_outlives_the_reader_of_its_log() {
+    use std::io::{BufRead, BufReader};
+    let dir = trained();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+        .args(["serve", "--checkpoint", "checkpoints/exp", "--port", "0"])
+        .current_dir(dir.path())
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut base = None;
+    for line in BufReader::new(child.stderr.take().unwrap())
+        .lines()
+        .map_while(Result::ok)
+    {
+        if let Some(at) = line.find("at http://") {
+            let url = line[at + 3..].split_whitespace().next().unwrap();
+            base = Some(url.trim_end_matches('/').to_string());
+            break;
+        }
+    } // the reader, and the pipe's read end, dropped here
+    let base = base.expect("the server said where it listens");
+    let body = json!({"model": "exp", "prompt": "To be", "max_tokens": 8}).to_string();
+    for _ in 0..3 {
+        let (status, reply) = post(&format!("{base}/v1/completions"), &body);
+        assert_eq!(status, 200, "{reply}");
+    }
+    let (status, _) = get(&format!("{base}/health"), &[]);
+    assert_eq!(status, 200);
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the server is still running"
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+}
