@@ -31,7 +31,10 @@ if [ ! -x "$dir/build/bin/llama-cli" ]; then
   python3 -m pip download -q --no-deps --no-binary :all: llama-cpp-python -d "$dir/sdist"
   tar -xzf "$dir"/sdist/llama_cpp_python-*.tar.gz -C "$dir"
   src=$(ls -d "$dir"/llama_cpp_python-*/vendor/llama.cpp | head -1)
-  cmake -S "$src" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF >/dev/null
+  # Not -march=native: on a CPU with AMX, a VM that grants no AMX tile state kills
+  # llama.cpp's native q8_0 kernels with SIGILL (seen on a Sapphire Rapids VM).
+  cmake -S "$src" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+    -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON >/dev/null
   cmake --build "$dir/build" -j"$(nproc)" --target llama-completion llama-perplexity >/dev/null
 fi
 # llama-cli is a chat now; llama-completion continues a prompt.
