@@ -504,10 +504,10 @@ impl std::fmt::Display for Profile {
         let p = &self.peak;
         writeln!(
             f,
-            "profile {} (products {:.1} TFLOP/s, other {:.1} TFLOP/s, {:.0} GB/s: {}), {}",
+            "profile {} (products {} TFLOP/s, other {} TFLOP/s, {:.0} GB/s: {}), {}",
             p.device,
-            p.matrix_tflops,
-            p.vector_tflops,
+            significant(p.matrix_tflops),
+            significant(p.vector_tflops),
             p.bandwidth_gbs,
             p.source,
             match self.timing {
@@ -519,8 +519,9 @@ impl std::fmt::Display for Profile {
         if let Some(m) = &p.measured {
             writeln!(
                 f,
-                "  measured here: a large product at {:.1} TFLOP/s, a streaming pass at {:.0} GB/s",
-                m.matrix_tflops, m.bandwidth_gbs
+                "  measured here: a large product at {} TFLOP/s, a streaming pass at {:.0} GB/s",
+                significant(m.matrix_tflops),
+                m.bandwidth_gbs
             )?;
         }
         writeln!(
@@ -542,7 +543,7 @@ impl std::fmt::Display for Profile {
                     .map_or("-".to_string(), |s| format!("{:.1}%", s * 100.0)),
                 g.gflop,
                 g.mbytes,
-                opt(g.tflops, 2),
+                g.tflops.map_or("-".to_string(), significant),
                 opt(g.gbs, 0),
                 g.floor_ms,
             )?;
@@ -566,6 +567,16 @@ impl std::fmt::Display for Profile {
             100.0 * self.floor_ms / self.step_ms
         )
     }
+}
+
+/// `v` to three significant digits (a CPU's 0.0412 TFLOP/s, a GPU's 412).
+fn significant(v: f64) -> String {
+    let digits = if v == 0.0 || !v.is_finite() {
+        1
+    } else {
+        (2 - v.abs().log10().floor() as i32).clamp(0, 6) as usize
+    };
+    format!("{v:.digits$}")
 }
 
 #[cfg(test)]
@@ -653,6 +664,14 @@ mod tests {
         assert!((untimed.floor_ms - 2.5).abs() < 1e-9);
         let table = untimed.to_string();
         assert!(table.contains("products: qkv") && table.contains("floor 2.50 ms"));
+    }
+
+    #[test]
+    fn rates_show_three_significant_digits() {
+        assert_eq!(significant(0.04123), "0.0412");
+        assert_eq!(significant(989.4), "989");
+        assert_eq!(significant(66.9), "66.9");
+        assert_eq!(significant(0.0), "0.0");
     }
 
     #[test]
