@@ -435,6 +435,10 @@ pub struct Profile {
     /// The model's FLOPs a step (matrix products, 3x the forward's, as bench counts
     /// them) over the step's time, against the products' peak (None untimed).
     pub mfu: Option<f64>,
+    /// The linear layers' products' share of the work's time, and their rate together
+    /// (None untimed): what is left outside them is the rest of the step's work.
+    pub products_share: Option<f64>,
+    pub products_tflops: Option<f64>,
     pub groups: Vec<GroupRow>,
 }
 
@@ -484,7 +488,18 @@ impl Profile {
             })
             .collect();
         let work_ms = timed.then(|| groups.iter().filter_map(|g| g.ms).sum::<f64>());
+        let products = recorded
+            .iter()
+            .filter(|r| matches!(r.group, Group::Product(_)));
+        let (products_s, products_flops) = products
+            .filter_map(|r| r.seconds.map(|s| (s, r.flops)))
+            .fold((0.0, 0.0), |(s, f), (rs, rf)| (s + rs, f + rf));
+        let products_share = work_ms.filter(|&w| w > 0.0).map(|w| products_s * 1e3 / w);
+        let products_tflops =
+            (timed && products_s > 0.0).then(|| products_flops / products_s / 1e12);
         Self {
+            products_share,
+            products_tflops,
             timing,
             step_ms,
             profiled_step_ms,
@@ -555,6 +570,16 @@ impl std::fmt::Display for Profile {
             ),
             _ => String::new(),
         };
+        if let (Some(share), Some(tflops)) = (self.products_share, self.products_tflops) {
+            writeln!(
+                f,
+                "  the layers' products: {:.1}% of the work at {} TFLOP/s ({:.0}% of the peak); the rest {:.1}%",
+                share * 100.0,
+                significant(tflops),
+                100.0 * tflops / p.matrix_tflops,
+                100.0 - share * 100.0
+            )?;
+        }
         let mfu = self
             .mfu
             .map_or(String::new(), |m| format!(", MFU {:.1}%", m * 100.0));
@@ -654,6 +679,9 @@ mod tests {
         assert!((p.floor_ms - 2.5).abs() < 1e-9);
         // 5e11 in 10 ms is 50 TFLOP/s of 100.
         assert!((p.mfu.unwrap() - 0.5).abs() < 1e-12);
+        // The qkv products: 4 of the 5 ms of work, 2e11 in 4 ms = 50 TFLOP/s.
+        assert!((p.products_share.unwrap() - 0.8).abs() < 1e-12);
+        assert!((p.products_tflops.unwrap() - 50.0).abs() < 1e-9);
         // Untimed (the emulator): no times, shares, rates or MFU; the floor stays.
         let untimed = Profile::new(&recorded, Timing::Untimed, peak(), (10.0, 20.0), 5e11);
         assert!(untimed
@@ -661,6 +689,10 @@ mod tests {
             .iter()
             .all(|g| g.ms.is_none() && g.tflops.is_none()));
         assert_eq!((untimed.work_ms, untimed.mfu), (None, None));
+        assert_eq!(
+            (untimed.products_share, untimed.products_tflops),
+            (None, None)
+        );
         assert!((untimed.floor_ms - 2.5).abs() < 1e-9);
         let table = untimed.to_string();
         assert!(table.contains("products: qkv") && table.contains("floor 2.50 ms"));
