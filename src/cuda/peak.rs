@@ -19,7 +19,7 @@ pub fn profiled(gpu: &Gpu, precision: Precision) -> Result<Profiled> {
             let name = g.stream.context().name()?;
             // Measured beside the engine's buffers: where memory is too short for the
             // few hundred MB it takes, the published figures stand alone.
-            let measured = measure(gpu, precision);
+            let measured = measure(gpu, g, precision);
             let peak = match (published_gpu_peak(&name, bf16), measured) {
                 (Some(published), measured) => Peak {
                     measured: measured.ok(),
@@ -50,15 +50,16 @@ pub fn profiled(gpu: &Gpu, precision: Precision) -> Result<Profiled> {
 /// streaming passes (a residual add over 16M values: 192 MB moved each), each the best
 /// of five after one untimed: about 320 MB beside the engine.
 #[cfg(feature = "cuda")]
-fn measure(gpu: &Gpu, precision: Precision) -> Result<crate::profile::Measured> {
+fn measure(
+    gpu: &Gpu,
+    g: &super::gpu::CudaGpu,
+    precision: Precision,
+) -> Result<crate::profile::Measured> {
     use super::buffers::Buf;
     use super::calls::{ColumnMajor, Operands};
     use super::kernels::DropoutArgs;
     use crate::profile::Group;
 
-    let Gpu::Cuda(g) = gpu else {
-        unreachable!("measured on CUDA only")
-    };
     const REPEATS: usize = 10;
     // Seconds of one `work`: the best of five rounds of REPEATS.
     let best_of_five = |work: &dyn Fn() -> Result<()>| -> Result<f64> {
