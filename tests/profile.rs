@@ -88,6 +88,24 @@ fn bench_profile(dir: &std::path::Path, env: &[(&str, &str)]) -> Value {
     report["profile"].clone()
 }
 
+/// One step's `bench --profile` as printed, with `extra` arguments.
+fn bench_text(dir: &std::path::Path, extra: &[&str]) -> String {
+    let mut args = vec![
+        "bench",
+        "--config",
+        "exp.toml",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--decode-tokens",
+        "2",
+        "--profile",
+    ];
+    args.extend_from_slice(extra);
+    String::from_utf8(succeeds(dir, &args).stdout).unwrap()
+}
+
 /// The sum of `field` over the profile's groups in `phase` whose name starts with
 /// `prefix`.
 fn total(profile: &Value, phase: &str, prefix: &str, field: &str) -> f64 {
@@ -174,22 +192,7 @@ fn the_cpu_profile_times_every_group_and_counts_its_work() {
             > 0.0
     );
 
-    let text = succeeds(
-        dir.path(),
-        &[
-            "bench",
-            "--config",
-            "exp.toml",
-            "--steps",
-            "1",
-            "--warmup",
-            "0",
-            "--decode-tokens",
-            "2",
-            "--profile",
-        ],
-    );
-    let text = String::from_utf8(text.stdout).unwrap();
+    let text = bench_text(dir.path(), &[]);
     for line in [
         "timed by CPU timers",
         "products: mlp up",
@@ -224,23 +227,6 @@ fn the_emulated_cuda_profile_counts_work_and_its_floor_on_an_h100() {
 #[test]
 fn the_reference_engine_says_it_is_not_profiled() {
     let dir = experiment();
-    let out = succeeds(
-        dir.path(),
-        &[
-            "bench",
-            "--config",
-            "exp.toml",
-            "--steps",
-            "1",
-            "--warmup",
-            "0",
-            "--decode-tokens",
-            "2",
-            "--profile",
-            "--set",
-            "train.fused=false",
-        ],
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = bench_text(dir.path(), &["--set", "train.fused=false"]);
     assert!(text.contains("profile not recorded"), "{text}");
 }

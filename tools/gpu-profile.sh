@@ -17,19 +17,7 @@
 # Commit what it writes as docs/gpu-profile-<GPU>.md: later work starts from it.
 set -u
 cd "$(dirname "$0")/.."
-D=.gpu
-[ -d "$D" ] || { echo "no .gpu/: run tools/gpu-pack.sh on the build machine and carry .gpu" >&2; exit 2; }
-mkdir -p /tmp/tg
-unxz_to() { xz -dc "$1" > "$2" 2>/dev/null ||
-  python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" "$1" "$2"
-  chmod +x "$2"; }
-libdirs=$(find /usr /opt -maxdepth 9 \( -name 'libcublas.so.1[2-9]*' -o -name 'libcuda.so.1' \
-  -o -name 'libcurand.so.10*' -o -name 'libnvrtc.so.1[2-9]*' -o -name 'libcublasLt.so.1[2-9]*' \
-  -o -name 'libcudart.so.1[2-9]*' -o -name 'libnccl.so.2*' \) 2>/dev/null |
-  xargs -r -n1 dirname | sort -u | tr '\n' ':')
-export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:-}"
-B=/tmp/tg/tinygpt
-[ -x "$B" ] || unxz_to "$D/tinygpt.xz" "$B"
+. tools/gpu-env.sh
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr -c 'A-Za-z0-9\n' '-' | sed 's/-*$//')
 out=${1:-.}
 [ -d "$out" ] && out="$out/gpu-profile-${gpu:-GPU}.md"

@@ -88,10 +88,10 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// The fields a request body may hold, besides those every route lets pass
-/// ([`HARMLESS`]) and those refused unless neutral ([`UNSUPPORTED`]).
+/// The fields a request body may hold (lists of them), besides those every route lets
+/// pass ([`HARMLESS`]) and those refused unless neutral ([`UNSUPPORTED`]).
 pub trait Fields {
-    const FIELDS: &'static [&'static str];
+    const FIELDS: &'static [&'static [&'static str]];
 }
 
 /// Fields OpenAI's clients and harnesses send that change nothing here: accepted and
@@ -140,10 +140,11 @@ pub const UNSUPPORTED: [(&str, Neutral); 20] = [
 
 /// The first field of `body` that is neither one of `allowed` nor harmless: a 400
 /// naming it (and the likeliest intended field, for a misspelling).
-pub fn check_fields(body: &Value, allowed: &[&str]) -> Result<(), ApiError> {
+pub fn check_fields(body: &Value, lists: &[&[&str]]) -> Result<(), ApiError> {
     let Some(fields) = body.as_object() else {
         return Ok(());
     };
+    let allowed: Vec<&str> = lists.iter().flat_map(|list| list.iter().copied()).collect();
     for (key, value) in fields {
         if allowed.contains(&key.as_str()) || HARMLESS.contains(&key.as_str()) {
             continue;

@@ -33,6 +33,27 @@ pub struct SamplingFields {
     pub stream_options: Option<StreamOptions>,
 }
 
+impl SamplingFields {
+    /// Its fields that say how to draw: what completions, chat and the dashboard's
+    /// sample take.
+    pub const DRAWING: &'static [&'static str] = &[
+        "model",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+        "n",
+        "stop",
+        "seed",
+    ];
+    /// Its streaming fields: completions and chat take them, the sample does not.
+    pub const STREAMING: &'static [&'static str] = &["stream", "stream_options"];
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
 pub enum StopField {
@@ -57,26 +78,10 @@ pub struct CompletionRequest {
 }
 
 impl Fields for CompletionRequest {
-    const FIELDS: &'static [&'static str] = &[
-        "model",
-        "max_tokens",
-        "max_completion_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "repetition_penalty",
-        "frequency_penalty",
-        "presence_penalty",
-        "n",
-        "stop",
-        "seed",
-        "stream",
-        "stream_options",
-        "prompt",
-        "echo",
-        "logprobs",
-        "suffix",
-        "best_of",
+    const FIELDS: &'static [&'static [&'static str]] = &[
+        SamplingFields::DRAWING,
+        SamplingFields::STREAMING,
+        &["prompt", "echo", "logprobs", "suffix", "best_of"],
     ];
 }
 
@@ -101,25 +106,10 @@ pub struct ChatRequest {
 }
 
 impl Fields for ChatRequest {
-    const FIELDS: &'static [&'static str] = &[
-        "model",
-        "max_tokens",
-        "max_completion_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "repetition_penalty",
-        "frequency_penalty",
-        "presence_penalty",
-        "n",
-        "stop",
-        "seed",
-        "stream",
-        "stream_options",
-        "messages",
-        "logprobs",
-        "top_logprobs",
-        "tools",
+    const FIELDS: &'static [&'static [&'static str]] = &[
+        SamplingFields::DRAWING,
+        SamplingFields::STREAMING,
+        &["messages", "logprobs", "top_logprobs", "tools"],
     ];
 }
 

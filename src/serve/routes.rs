@@ -244,7 +244,7 @@ struct TokenizeRequest {
 /// two texts at once, and writes the answer as one string (no JSON value per token):
 /// memory for a 1 MiB text is a few times its size, given back after.
 impl Fields for TokenizeRequest {
-    const FIELDS: &'static [&'static str] = &["content", "prompt", "with_pieces"];
+    const FIELDS: &'static [&'static [&'static str]] = &[&["content", "prompt", "with_pieces"]];
 }
 
 async fn tokenize(
@@ -315,7 +315,7 @@ struct DetokenizeRequest {
 }
 
 impl Fields for DetokenizeRequest {
-    const FIELDS: &'static [&'static str] = &["tokens"];
+    const FIELDS: &'static [&'static [&'static str]] = &[&["tokens"]];
 }
 
 async fn detokenize(

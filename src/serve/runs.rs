@@ -519,21 +519,7 @@ pub struct SampleRequest {
 }
 
 impl Fields for SampleRequest {
-    const FIELDS: &'static [&'static str] = &[
-        "prompt",
-        "model",
-        "max_tokens",
-        "max_completion_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "repetition_penalty",
-        "frequency_penalty",
-        "presence_penalty",
-        "n",
-        "stop",
-        "seed",
-    ];
+    const FIELDS: &'static [&'static [&'static str]] = &[&["prompt"], SamplingFields::DRAWING];
 }
 
 /// The most tokens a dashboard sample draws (it decodes on its own, beside the batcher).
