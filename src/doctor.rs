@@ -328,6 +328,7 @@ fn engine_checks(
 /// against the f32 reference engine on the CPU: one step's loss and every gradient,
 /// within what rounding the products' operands to bf16 moves them (tests/engines.rs's
 /// bounds).
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 fn bf16_checks(
     report: &mut Report,
     place: &str,

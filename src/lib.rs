@@ -6,6 +6,9 @@
 //! [`train::Reporter`] it is given, and prints only the progress of preparing a corpus
 //! (bars on stderr, one closing line each: see [`util::bars`]).
 
+#[cfg(all(feature = "accelerate", not(target_os = "macos")))]
+compile_error!("the `accelerate` feature is Apple's Accelerate framework: macOS only (build without it elsewhere)");
+
 pub mod bench;
 pub mod checkpoint;
 pub mod compare;

@@ -79,6 +79,7 @@ fn process_alive(pid: u32) -> bool {
 /// A process that has exited but was not yet waited for (a killed MPI rank whose
 /// launcher is gone, in a container whose first process reaps nothing) exists, but
 /// holds nothing.
+#[cfg(unix)]
 fn is_zombie(pid: u32) -> bool {
     // /proc/<pid>/stat: "pid (command) state ...", the command in parentheses.
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -90,8 +91,32 @@ fn is_zombie(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
-#[cfg(not(unix))]
+#[cfg(windows)]
+fn process_alive(pid: u32) -> bool {
+    use windows_sys::Win32::Foundation::{CloseHandle, GetLastError, ERROR_ACCESS_DENIED};
+    use windows_sys::Win32::System::Threading::{
+        GetExitCodeProcess, OpenProcess, PROCESS_QUERY_LIMITED_INFORMATION,
+    };
+    // STILL_ACTIVE: the exit code of a process that has not exited.
+    const STILL_ACTIVE: u32 = 259;
+    // Safety: a handle opened here is closed here; a failed open returns null.
+    unsafe {
+        let handle = OpenProcess(PROCESS_QUERY_LIMITED_INFORMATION, 0, pid);
+        if handle.is_null() {
+            // Another user's process exists but may not be opened: it holds the lock.
+            return GetLastError() == ERROR_ACCESS_DENIED;
+        }
+        let mut code = 0u32;
+        let ok = GetExitCodeProcess(handle, &mut code) != 0;
+        CloseHandle(handle);
+        !ok || code == STILL_ACTIVE
+    }
+}
+
+#[cfg(not(any(unix, windows)))]
 fn process_alive(_pid: u32) -> bool {
+    // No way to ask on this platform: assume the holder lives (a stale lock is removed
+    // by hand, as the refusal says).
     true
 }
 

@@ -633,8 +633,8 @@ fn print_error(err: &anyhow::Error, world: &World) {
 
 /// Ctrl-C or SIGTERM asks the command to stop (training finishes its step, writes a
 /// checkpoint and stops; other work gives up within about a second). A second Ctrl-C
-/// exits at once, writing nothing.
-#[cfg(unix)]
+/// exits at once, writing nothing. On Windows the same through its C runtime's SIGINT
+/// (Ctrl-C in a console) and SIGTERM.
 fn stop_on_signals() -> anyhow::Result<Stop> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let flag = Arc::new(AtomicI32::new(0));
@@ -650,11 +650,6 @@ fn stop_on_signals() -> anyhow::Result<Stop> {
         }
     }
     Ok(Stop::from_flag(flag))
-}
-
-#[cfg(not(unix))]
-fn stop_on_signals() -> anyhow::Result<Stop> {
-    Ok(Stop::new())
 }
 
 /// clap's answer to a command line it cannot parse, in one line (its tips and the

@@ -1,6 +1,7 @@
 //! A stop during BPE's merges ends them, in the library as on the command line: the
 //! call returns `Stopped` at once and no thread of ours runs on. (Alone in its test
-//! binary: the threads of the process are counted.)
+//! binary: the threads of the process are counted, from Linux's /proc.)
+#![cfg(target_os = "linux")]
 
 use indicatif::ProgressBar;
 use tinygpt::corpus::Corpus;
@@ -11,7 +12,6 @@ use common::random_words;
 
 /// A stop during BPE's merges ends them: the call returns Stopped at once, and leaves
 /// no thread behind (the last trainer left tokenizers' merge loop running to its end).
-#[cfg(target_os = "linux")]
 #[test]
 fn a_stop_during_bpe_merges_leaves_no_thread_running() {
     use tinygpt::config::{TokenizerConfig, TokenizerKind};

@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const BIN: &str = env!("CARGO_BIN_EXE_tinygpt");
 
@@ -417,7 +417,7 @@ fn start_long_run(mpirun: &Path, ranks: usize, config: &Path, out: &Path) -> std
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let start = Instant::now();
+    let start = std::time::Instant::now();
     let state = out.join("dp/state.json");
     while !state.exists() || rank_pid(out, ranks - 1).is_none() {
         assert!(
@@ -468,7 +468,7 @@ fn a_killed_rank_ends_the_job_and_the_checkpoint_stands() {
     let out = dir.path().join("killed");
     let child = start_long_run(&mpirun, 2, &config, &out);
     signal(rank_pid(&out, 1).unwrap(), "-KILL");
-    let killed = Instant::now();
+    let killed = std::time::Instant::now();
     let (code, said) = wait_within(child, Duration::from_secs(30));
     assert!(killed.elapsed() < Duration::from_secs(30));
     assert_ne!(code, Some(0), "{said}");

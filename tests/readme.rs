@@ -14,6 +14,9 @@
 //! it; ours are training logs whose figures change with the machine, so every output
 //! would be a wildcard, and a sandbox of tiny configs is needed either way. What the
 //! contract asks is that each command works as written: its exit status, here.
+//!
+//! Unix only: the README's commands are a POSIX shell's (bash runs them).
+#![cfg(unix)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -179,7 +182,6 @@ fn sandbox(dir: &Path) {
         write_parquet(&dir.join(format!("fineweb/part-{part}.parquet")), &rows);
     }
     std::fs::create_dir_all(dir.join("bin")).unwrap();
-    #[cfg(unix)]
     std::os::unix::fs::symlink(BIN, dir.join("bin/tinygpt")).unwrap();
 }
 
@@ -233,7 +235,6 @@ fn run(dir: &Path, command: &str) -> std::process::Output {
     out
 }
 
-#[cfg(unix)]
 #[test]
 fn every_readme_command_works_as_written_in_order() {
     let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();

@@ -674,6 +674,7 @@ fn a_full_queue_answers_503_and_a_disconnect_frees_the_slot() {
     }
 }
 
+#[cfg(unix)]
 #[test]
 fn sigterm_ends_streams_with_a_finish_reason_and_exits_143() {
     let dir = trained();

@@ -2,6 +2,10 @@
 //! real sockets, loopback only, every case bounded in connections and time. After each
 //! case the server must still answer `/health` within a second and a 20-token
 //! completion within 2 s of its unloaded time, with its resident memory bounded.
+//!
+//! Unix only: it stops the server with SIGTERM, links folders out of `--runs` and reads
+//! the server's resident memory from /proc.
+#![cfg(unix)]
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

@@ -6,10 +6,13 @@
 # with apt-get where it is missing; skipped loudly where it cannot be), then a compile check of the CUDA feature as CI keeps it: clippy with
 # -D warnings over every target, our kernels and candle's compiled by nvcc, nothing
 # linked or run (no GPU needed). Between the two: `tinygpt serve` against the official
-# openai Python client and its page in headless Chromium (tools/serve-clients.sh).
+# openai Python client and its page in headless Chromium (tools/serve-clients.sh),
+# and the other platforms (tools/cross-check.sh: macOS and Windows compiled, the CPU
+# tests run as ARM code under qemu).
 #
 #   tools/test.sh                             # both; the CUDA check installs its toolkit once
-#   TINYGPT_SKIP_CUDA_CHECK=1 tools/test.sh   # the test suite only
+#   TINYGPT_SKIP_CUDA_CHECK=1 tools/test.sh   # without the CUDA compile check
+#   TINYGPT_SKIP_CROSS_CHECK=1 tools/test.sh  # without the other platforms
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,6 +48,14 @@ fi
 # The server against real clients: the openai Python client, the page in headless
 # Chromium (installs a venv and chromium where missing), with the binary the tests built.
 tools/serve-clients.sh target/debug/tinygpt
+
+# The other platforms: macOS (Metal, Accelerate) and Windows compiled with clippy clean,
+# the CPU's numeric core run as ARM code under qemu-aarch64 (tools/cross-check.sh).
+if [ "${TINYGPT_SKIP_CROSS_CHECK:-0}" = 1 ]; then
+  echo "SKIPPED: the macOS, Windows and ARM checks (TINYGPT_SKIP_CROSS_CHECK=1)" >&2
+else
+  tools/cross-check.sh
+fi
 
 if [ "${TINYGPT_SKIP_CUDA_CHECK:-0}" = 1 ]; then
   echo "SKIPPED: the CUDA compile check (TINYGPT_SKIP_CUDA_CHECK=1)" >&2

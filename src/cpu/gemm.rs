@@ -3,7 +3,10 @@
 //!
 //! The `gemm` crate picks its micro-kernels once, by CPU detection alone. We call its
 //! generic driver with the micro-kernels of the active level instead (`cpu::isa`), so
-//! `TINYGPT_CPU_ISA` caps the products too.
+//! `TINYGPT_CPU_ISA` caps the products too. On aarch64 the portable level's micro-kernels
+//! are the crate's NEON ones (NEON is that architecture's baseline). With the
+//! `accelerate` feature on macOS, Apple's `cblas_sgemm` takes the f32 products instead
+//! (`accelerate`).
 
 use gemm_common::Parallelism;
 
@@ -75,11 +78,19 @@ pub fn matmul_serial(dst: &mut [f32], dst_row: usize, p: Product, precision: Pre
 /// and the micro-kernels of the active level.
 fn gemm_f32(dst: &mut [f32], dst_row: usize, p: Product, threads: Parallelism) {
     p.check_bounds(dst, dst_row);
+    #[cfg(all(feature = "accelerate", target_os = "macos"))]
+    if super::accelerate::sgemm(dst, dst_row, p) {
+        return;
+    }
     let kernel: GemmF32 = match isa::active() {
         #[cfg(target_arch = "x86_64")]
         isa::Isa::Avx512 => avx512::gemm,
         #[cfg(target_arch = "x86_64")]
         isa::Isa::Avx2 => avx2::gemm,
+        // NEON is aarch64's baseline: its micro-kernels are the portable level there.
+        #[cfg(target_arch = "aarch64")]
+        _ => neon::gemm,
+        #[cfg(not(target_arch = "aarch64"))]
         _ => scalar::gemm,
     };
     // The micro-kernels prefer a column-major destination: a row-major one (ours) is
@@ -217,7 +228,11 @@ macro_rules! level_gemm {
     };
 }
 
+#[cfg(not(target_arch = "aarch64"))]
 level_gemm!(scalar, scalar, Scalar, 1);
+// The crate's own aarch64 choice: NEON micro-kernels of 4 f32 lanes, scalar glue.
+#[cfg(target_arch = "aarch64")]
+level_gemm!(neon, neon, Scalar, 4);
 #[cfg(target_arch = "x86_64")]
 level_gemm!(avx2, fma, V3, 8);
 #[cfg(target_arch = "x86_64")]

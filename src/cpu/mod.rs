@@ -8,6 +8,9 @@
 //! (typed views of the flat buffers), `engine` (the training step) and `decode`
 //! (decoding with a K/V cache).
 
+// Compiled for its tests everywhere; it calls Apple's BLAS on macOS alone.
+#[cfg(any(test, all(feature = "accelerate", target_os = "macos")))]
+mod accelerate;
 pub mod bf16;
 pub mod decode;
 pub mod decode_weights;

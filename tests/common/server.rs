@@ -88,6 +88,7 @@ impl Server {
         format!("{}{path}", self.base)
     }
 
+    #[cfg(unix)]
     pub fn signal(&self, signal: i32) {
         // Safety: sends a signal to our own child process.
         unsafe { libc::kill(self.child.id() as i32, signal) };
