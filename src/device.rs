@@ -15,7 +15,14 @@ pub fn parse_device(name: &str) -> Result<Device> {
         "metal" => metal(0),
         "cuda" => cuda(0),
         other => {
-            if let Some(n) = other.strip_prefix("cuda:") {
+            if let Some(n) = other.strip_prefix("metal:") {
+                match n.parse::<usize>() {
+                    Ok(ordinal) => metal(ordinal),
+                    Err(_) => user_bail!(
+                        "device {other:?}: the Metal ordinal must be a number, e.g. metal:0"
+                    ),
+                }
+            } else if let Some(n) = other.strip_prefix("cuda:") {
                 match n.parse::<usize>() {
                     Ok(ordinal) => cuda(ordinal),
                     Err(_) => user_bail!(
@@ -30,13 +37,21 @@ pub fn parse_device(name: &str) -> Result<Device> {
 }
 
 /// The device's (free, total) memory in bytes, as its driver counts them: CUDA's
-/// cuMemGetInfo. `None` for the CPU (see `util::available_memory_bytes`) and Metal.
+/// cuMemGetInfo; Metal's recommended working set, less what this process holds of it.
+/// `None` for the CPU (see `util::available_memory_bytes`).
 pub fn gpu_memory(device: &Device) -> Option<(u64, u64)> {
     match device {
         #[cfg(feature = "cuda")]
         Device::Cuda(cuda) => {
             let (free, total) = cuda.cuda_stream().context().mem_get_info().ok()?;
             Some((free as u64, total as u64))
+        }
+        #[cfg(feature = "metal")]
+        Device::Metal(metal) => {
+            let gpu = metal.device();
+            let total = gpu.recommended_max_working_set_size() as u64;
+            let used = gpu.current_allocated_size() as u64;
+            Some((total.saturating_sub(used), total))
         }
         _ => None,
     }
@@ -51,6 +66,8 @@ pub fn is_out_of_memory(error: &anyhow::Error) -> bool {
         "out of memory",
         "alloc_failed",
         "outofmemory",
+        // Metal: a buffer the device would not make (past its largest or its memory).
+        "failed to create metal resource",
     ]
     .iter()
     .any(|needle| text.contains(needle))
@@ -100,14 +117,19 @@ pub fn first_cuda() -> Option<Device> {
     Device::new_cuda(0).ok()
 }
 
+/// The first Metal device, where the build and the Mac have one that candle can open.
+pub fn first_metal() -> Option<Device> {
+    if !cfg!(feature = "metal") {
+        return None;
+    }
+    metal(0).ok()
+}
+
 fn auto() -> Result<Device> {
     if cfg!(feature = "cuda") && candle_core::utils::cuda_is_available() {
         return cuda(0);
     }
-    if cfg!(feature = "metal") && candle_core::utils::metal_is_available() {
-        return metal(0);
-    }
-    Ok(Device::Cpu)
+    Ok(first_metal().unwrap_or(Device::Cpu))
 }
 
 fn cuda(ordinal: usize) -> Result<Device> {
@@ -122,8 +144,91 @@ fn metal(ordinal: usize) -> Result<Device> {
     if !cfg!(feature = "metal") {
         user_bail!("this tinygpt was built without Metal; install the Metal build with `cargo install --path . --features metal`, or use --device cpu");
     }
-    Device::new_metal(ordinal)
-        .map_err(|e| crate::error::user_error(format!("cannot open Metal device {ordinal}: {e}")))
+    if let Some(version) = macos_version().filter(|v| v.0 < METAL_MACOS.0) {
+        user_bail!(
+            "Metal in this build needs macOS {}.0 or later (candle's Metal backend asks for its residency sets); this Mac runs {}.{}: use --device cpu, or update macOS",
+            METAL_MACOS.0,
+            version.0,
+            version.1
+        );
+    }
+    // candle's Metal backend panics, rather than failing, where the machine has no
+    // Metal device or its Metal lacks a class it uses: said here as an error.
+    let quiet = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let opened = std::panic::catch_unwind(|| Device::new_metal(ordinal));
+    std::panic::set_hook(quiet);
+    let opened = opened.unwrap_or_else(|panic| {
+        let why = panic
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| panic.downcast_ref::<&str>().copied())
+            .unwrap_or("candle's Metal backend panicked");
+        Err(candle_core::Error::Msg(why.to_string()))
+    });
+    opened.map_err(|e| {
+        crate::error::user_error(format!(
+            "cannot open Metal device {ordinal}: {e}; use --device cpu"
+        ))
+    })
+}
+
+/// Refuses bf16 on a Metal device whose candle kernels lack it, in one line: candle
+/// compiles its bf16 kernels only where the Metal language has `bfloat` (macOS 14 on,
+/// the binary built for it: `.cargo/config.toml` sets MACOSX_DEPLOYMENT_TARGET).
+pub fn require_metal_bf16(device: &Device) -> Result<()> {
+    use candle_core::{DType, Tensor};
+    let probe = || -> candle_core::Result<Vec<f32>> {
+        let a = Tensor::new(&[[1.5f32, -2.0], [0.25, 4.0]], device)?.to_dtype(DType::BF16)?;
+        a.matmul(&a)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1()
+    };
+    match probe() {
+        // [[1.5, -2], [0.25, 4]]² = [[1.75, -11], [1.375, 15.5]], exact in bf16.
+        Ok(v) if v == [1.75, -11.0, 1.375, 15.5] => Ok(()),
+        Ok(v) => user_bail!(
+            "bf16 on {} computes wrong ({v:?} for a worked 2x2 product); use f32 (train.dtype = \"f32\", --dtype f32) or --device cpu",
+            name(device)
+        ),
+        Err(e) => user_bail!(
+            "bf16 on {} is not available ({e}); use f32 (train.dtype = \"f32\", --dtype f32) or --device cpu",
+            name(device)
+        ),
+    }
+}
+
+/// The oldest macOS whose Metal candle's backend runs on: it makes
+/// MTLResidencySetDescriptor objects, which came with macOS 15.
+const METAL_MACOS: (u32, u32) = (15, 0);
+
+/// This Mac's macOS version (sysctl kern.osproductversion), `None` elsewhere.
+pub fn macos_version() -> Option<(u32, u32)> {
+    #[cfg(target_os = "macos")]
+    {
+        let mut buf = [0u8; 32];
+        let mut len = buf.len();
+        // Safety: the name is NUL-terminated; sysctl writes at most `len` bytes to buf.
+        let status = unsafe {
+            libc::sysctlbyname(
+                c"kern.osproductversion".as_ptr(),
+                buf.as_mut_ptr().cast(),
+                &mut len,
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        if status != 0 {
+            return None;
+        }
+        let text = std::str::from_utf8(&buf[..len])
+            .ok()?
+            .trim_end_matches('\0');
+        let mut parts = text.split('.').map(|p| p.parse::<u32>().ok());
+        let major = parts.next()??;
+        let minor = parts.next().flatten().unwrap_or(0);
+        Some((major, minor))
+    }
+    #[cfg(not(target_os = "macos"))]
+    None
 }
 
 #[cfg(test)]
@@ -161,7 +266,8 @@ mod tests {
         }
         assert!(decoding.device.is_cpu());
         for choice in [training, decoding] {
-            assert_eq!(choice.why, "no CUDA device");
+            // A Metal build on a Mac adds why it took Metal.
+            assert!(choice.why.starts_with("no CUDA device"), "{}", choice.why);
         }
     }
 
@@ -184,6 +290,12 @@ mod tests {
         assert!(parse_device("CPU").unwrap().is_cpu());
         assert!(parse_device("gpu").is_err());
         assert!(parse_device("cuda:x").is_err());
+        let e = parse_device("metal:x").unwrap_err();
+        assert!(format!("{e}").contains("metal:0"), "{e}");
+        if !cfg!(feature = "metal") {
+            let e = parse_device("metal:1").unwrap_err();
+            assert!(format!("{e}").contains("--features metal"), "{e}");
+        }
         if !cfg!(feature = "cuda") {
             let e = parse_device("cuda").unwrap_err();
             assert!(format!("{e}").contains("--features cuda"));

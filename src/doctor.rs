@@ -128,6 +128,13 @@ pub fn run(faults: &Faults) -> Result<Report> {
             .push((crate::device::name(&gpu), gpu_description(&gpu)));
         cuda_checks(&mut report, &crate::device::name(&gpu), Some(&gpu), faults)?;
     }
+    #[cfg(feature = "metal")]
+    if let Some(gpu) = crate::device::first_metal() {
+        report
+            .devices
+            .push((crate::device::name(&gpu), metal_description(&gpu)));
+        metal_checks(&mut report, &crate::device::name(&gpu), &gpu, faults)?;
+    }
     Ok(report)
 }
 
@@ -158,6 +165,17 @@ fn gpu_description(gpu: &Device) -> String {
         driver / 1000,
         driver % 1000 / 10
     )
+}
+
+#[cfg(feature = "metal")]
+fn metal_description(gpu: &Device) -> String {
+    let Device::Metal(dev) = gpu else {
+        return String::new();
+    };
+    let architecture = dev.device().architecture_name();
+    let memory = dev.device().recommended_max_working_set_size() as f64 / f64::from(1 << 30);
+    let macos = crate::device::macos_version().map_or("?".into(), |(a, b)| format!("{a}.{b}"));
+    format!("Apple GPU {architecture}, macOS {macos}, {memory:.1} GiB working set")
 }
 
 /// The largest |a - b| over the largest |b| (1 where b is all zeros).
@@ -312,15 +330,17 @@ fn engine_checks(
         &reference.weights()?,
         faults.applies("engine weights after AdamW"),
     )?;
-    let bound = if place.starts_with("cuda:") {
-        1e-4
-    } else {
-        1e-5
-    };
+    let bound = if on_gpu(place) { 1e-4 } else { 1e-5 };
     report.check(place, "engine loss", loss_error, bound);
     report.check(place, "engine gradients", grad_error, bound);
     report.check(place, "engine weights after AdamW", weights_error, bound);
     Ok(())
+}
+
+/// Whether a place is a real GPU: its products sum in other orders (cuBLAS, Metal's
+/// fast math), so it is held to 1e-4 where the CPU and the emulator are held to 1e-5.
+fn on_gpu(place: &str) -> bool {
+    place.starts_with("cuda:") || place.starts_with("metal")
 }
 
 /// The bf16 path of the engine `build` makes (bf16 operands; flash attention reading
@@ -328,7 +348,7 @@ fn engine_checks(
 /// against the f32 reference engine on the CPU: one step's loss and every gradient,
 /// within what rounding the products' operands to bf16 moves them (tests/engines.rs's
 /// bounds).
-#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+#[cfg(any(feature = "cuda", feature = "cuda-emulator", feature = "metal"))]
 fn bf16_checks(
     report: &mut Report,
     place: &str,
@@ -490,6 +510,75 @@ fn cuda_checks(
     Ok(())
 }
 
+/// candle's ops on Metal (the reference engine and its K/V-cache decoder, what Metal
+/// runs): the engine against the reference on the CPU (f32, and bf16 where this
+/// Metal has bf16 kernels), the decoder against the fused CPU decoder, every step's
+/// logits (one-row products: Metal's matrix-vector kernels).
+#[cfg(feature = "metal")]
+fn metal_checks(report: &mut Report, place: &str, gpu: &Device, faults: &Faults) -> Result<()> {
+    // Not fused: the reference engine on Metal, built without the first-use check
+    // (which is this).
+    let reference_on = |precision: Precision| {
+        move |spec: &ModelSpec, values: &[f32], batch: usize| -> Result<Box<dyn Engine>> {
+            let options = EngineOptions {
+                precision,
+                ..EngineOptions::f32(batch, false)
+            };
+            engine::build(spec, values, gpu, options)
+        }
+    };
+    engine_checks(report, place, faults, &reference_on(Precision::F32))?;
+    match crate::device::require_metal_bf16(gpu) {
+        Ok(()) => bf16_checks(report, place, faults, &reference_on(Precision::Bf16))?,
+        // Refused where asked for, in one line: not a wrong number.
+        Err(e) => eprintln!("note: {place}: no bf16 ({e:#})"),
+    }
+    let spec = small_model();
+    let values = spec.initial_values(4);
+    let model =
+        crate::model::Gpt::from_flat(&spec, &values, gpu, candle_core::DType::F32, Precision::F32)?;
+    let mut decoder =
+        crate::generate::Decoder::new(&model, 2, crate::generate::DecodeMode::Cached)?;
+    let mut cpu = crate::cpu::FastDecoder::new(&spec, &values, 2)?;
+    let (windows, steps) = decode_script(&spec);
+    // The reference decoder takes one prompt for every sequence.
+    let prompt = windows[0].clone();
+    decoder.prefill(&prompt)?;
+    let mut worst = relative(decoder.logits()?, cpu.prefill(&vec![prompt.clone(); 2])?);
+    for ids in steps {
+        decoder.push(&ids)?;
+        let mut a = decoder.logits()?.to_vec();
+        if faults.applies("decoder logits") {
+            a[0] = a[0] * 1.01 + 0.01;
+        }
+        worst = worst.max(relative(&a, cpu.step(&ids)?));
+    }
+    report.check(place, "decoder logits", worst, 1e-4);
+    Ok(())
+}
+
+/// candle's Metal ops' checks on `gpu`, once per Mac, macOS and binary, remembered as
+/// [`cuda_first_use`]'s are.
+#[cfg(feature = "metal")]
+pub fn metal_first_use(gpu: &Device) -> Result<FirstUse> {
+    let faults = Faults::from_env();
+    let place = crate::device::name(gpu);
+    let key = format!(
+        "{} | {} | fault {:?}",
+        metal_description(gpu),
+        binary_identity(),
+        faults.perturb
+    );
+    first_use_with(&key, cache_dir().as_deref(), || {
+        let mut report = Report {
+            devices: Vec::new(),
+            checks: Vec::new(),
+        };
+        metal_checks(&mut report, &place, gpu, &faults)?;
+        Ok(report)
+    })
+}
+
 /// What the first-use check of the fused CUDA engine and decoder found.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub enum FirstUse {
@@ -530,14 +619,35 @@ pub fn cuda_first_use(gpu: Option<&Device>) -> Result<FirstUse> {
     })
 }
 
-/// [`cuda_first_use`] as `engine::FirstUseCheck`: the line to say where it failed. The
-/// binary hands this to `engine::set_first_use_check`.
-#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+/// [`cuda_first_use`] (or [`metal_first_use`] on a Metal device) as
+/// `engine::FirstUseCheck`: the line to say where it failed. The binary hands this to
+/// `engine::set_first_use_check`.
+#[cfg(any(feature = "cuda", feature = "cuda-emulator", feature = "metal"))]
 pub fn first_use_check(gpu: Option<&Device>) -> Result<Option<String>> {
-    Ok(match cuda_first_use(gpu)? {
+    #[cfg(feature = "metal")]
+    let verdict = match gpu {
+        Some(metal) if metal.is_metal() => metal_first_use(metal)?,
+        _ => cuda_first_use_or_pass(gpu)?,
+    };
+    #[cfg(not(feature = "metal"))]
+    let verdict = cuda_first_use_or_pass(gpu)?;
+    Ok(match verdict {
         FirstUse::Passed => None,
         FirstUse::Failed(line) => Some(line),
     })
+}
+
+/// [`cuda_first_use`] in builds with CUDA code; passed in the others (nothing of
+/// ours to check).
+#[cfg(any(feature = "cuda", feature = "cuda-emulator", feature = "metal"))]
+fn cuda_first_use_or_pass(gpu: Option<&Device>) -> Result<FirstUse> {
+    #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+    return cuda_first_use(gpu);
+    #[cfg(not(any(feature = "cuda", feature = "cuda-emulator")))]
+    {
+        let _ = gpu;
+        Ok(FirstUse::Passed)
+    }
 }
 
 /// The verdict remembered under `key` in `dir`, or `check`'s (then remembered).
@@ -560,10 +670,23 @@ pub fn first_use_with(
     let report = check()?;
     let verdict = match report.checks.iter().find(|c| !c.passed) {
         None => FirstUse::Passed,
-        Some(c) => FirstUse::Failed(format!(
-            "note: the fused CUDA code failed its first-use check on {} ({}: error {:.1e}, bound {:.0e}); using candle's reference ops instead (slower, right). `tinygpt doctor` shows every check: please report its output",
-            c.place, c.name, c.error, c.bound
-        )),
+        Some(c) => {
+            let (code, instead) = if c.place.starts_with("metal") {
+                (
+                    "candle's Metal ops",
+                    "training and decoding on the CPU instead (right, maybe slower)",
+                )
+            } else {
+                (
+                    "the fused CUDA code",
+                    "using candle's reference ops instead (slower, right)",
+                )
+            };
+            FirstUse::Failed(format!(
+                "note: {code} failed its first-use check on {} ({}: error {:.1e}, bound {:.0e}); {instead}. `tinygpt doctor` shows every check: please report its output",
+                c.place, c.name, c.error, c.bound
+            ))
+        }
     };
     if let (Some(file), Ok(json)) = (file, serde_json::to_vec(&verdict)) {
         if let Some(dir) = file.parent() {
@@ -575,7 +698,7 @@ pub fn first_use_with(
 }
 
 /// Where first-use verdicts are remembered.
-#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+#[cfg(any(feature = "cuda", feature = "cuda-emulator", feature = "metal"))]
 fn cache_dir() -> Option<std::path::PathBuf> {
     if let Some(dir) = std::env::var_os("TINYGPT_CACHE_DIR") {
         return Some(dir.into());
@@ -587,7 +710,7 @@ fn cache_dir() -> Option<std::path::PathBuf> {
 }
 
 /// This binary: its path, size and modification time (a rebuilt binary checks again).
-#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+#[cfg(any(feature = "cuda", feature = "cuda-emulator", feature = "metal"))]
 fn binary_identity() -> String {
     let exe = std::env::current_exe().ok();
     let meta = exe.as_ref().and_then(|e| std::fs::metadata(e).ok());

@@ -750,8 +750,9 @@ fn one_line(e: &clap::Error, args: &[String]) -> String {
 static ALLOCATOR: alloc::CacheLineAligned = alloc::CacheLineAligned;
 
 fn main() -> ExitCode {
-    // The fused CUDA code checks itself before its first run on a GPU.
-    #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+    // The fused CUDA code, and candle's Metal ops, check themselves before their first
+    // run on a GPU.
+    #[cfg(any(feature = "cuda", feature = "cuda-emulator", feature = "metal"))]
     tinygpt::engine::set_first_use_check(tinygpt::doctor::first_use_check);
     // Like any Unix filter: `tinygpt generate ... | head` ends quietly when the reader
     // goes away, instead of panicking on a closed stdout.

@@ -100,6 +100,19 @@ pub fn build_replica(
             Ok(Box::new(engine.with_ranks(comm)?))
         }
         _ if !options.fused => reference("train.fused = false"),
+        // Where candle's Metal ops fail their first-use check, the fused CPU engine
+        // trains: a wrong GPU costs speed, not a wrong model.
+        #[cfg(feature = "metal")]
+        _ if device.is_metal() => {
+            if let Some(line) = first_use_failure(Some(device))? {
+                eprintln!("{line}");
+                let kernels = FusedCpu::new(spec, weights, batch, precision)?;
+                return Ok(Box::new(fused_cpu::FusedCpuEngine::with_ranks(
+                    kernels, comm,
+                )));
+            }
+            reference("no fused engine for Metal: candle's ops")
+        }
         _ => reference("no fused engine for this device yet"),
     }
 }

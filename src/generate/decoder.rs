@@ -90,7 +90,7 @@ impl<'m> Decoder<'m> {
                 Backend::Fast(Box::new(decoder))
             }
             #[cfg(feature = "cuda")]
-            DecodeMode::Fast if model.device().is_cuda() && cuda_passed(model)? => {
+            DecodeMode::Fast if model.device().is_cuda() && gpu_passed(model)? => {
                 let weights = model.params().to_flat()?;
                 let decoder = crate::cuda::CudaDecoder::new(
                     model.spec(),
@@ -100,6 +100,13 @@ impl<'m> Decoder<'m> {
                     model.products(),
                 )?;
                 Backend::Cuda(Box::new(decoder))
+            }
+            // candle's Metal ops failed their first-use check: the CPU decodes.
+            #[cfg(feature = "metal")]
+            DecodeMode::Fast if model.device().is_metal() && !gpu_passed(model)? => {
+                let weights = model.params().to_flat()?;
+                let decoder = FastDecoder::with_format(model.spec(), &weights, batch, format)?;
+                Backend::Fast(Box::new(decoder))
             }
             DecodeMode::Fast | DecodeMode::Cached => {
                 Backend::Cached(KvCache::new(model.config().n_layer), model)
@@ -274,11 +281,12 @@ impl<'m> Decoder<'m> {
     }
 }
 
-/// Whether the fused CUDA code passed its first-use check on the model's GPU
-/// (`engine::first_use_failure`); where it failed, that is said in one line and
-/// candle's KV-cache path decodes instead.
-#[cfg(feature = "cuda")]
-fn cuda_passed(model: &Gpt) -> Result<bool> {
+/// Whether the GPU code passed its first-use check on the model's GPU
+/// (`engine::first_use_failure`): where the fused CUDA code failed, candle's KV-cache
+/// path decodes instead; where candle's Metal ops failed, the fused CPU decoder. The
+/// failure is said in one line.
+#[cfg(any(feature = "cuda", feature = "metal"))]
+fn gpu_passed(model: &Gpt) -> Result<bool> {
     Ok(
         match crate::engine::first_use_failure(Some(model.device()))? {
             None => true,

@@ -88,6 +88,9 @@ impl Gpt {
                 "model.vocab_size must be set (from the tokenizer) before building the model"
             );
         }
+        if device.is_metal() && (dtype == DType::BF16 || products == Precision::Bf16) {
+            crate::device::require_metal_bf16(device)?;
+        }
         let spec = spec.clone();
         let params = Params::from_flat(&spec, values, device, dtype)?;
         let rope = match cfg.positions {
