@@ -140,27 +140,27 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
     let weights = parse_weight_format("--dtype", &args.dtype)?;
     let products = match weights {
         WeightFormat::Bf16 => Precision::Bf16,
-        WeightFormat::F32 | WeightFormat::Int8 => Precision::F32,
+        WeightFormat::F32 | WeightFormat::Int8 | WeightFormat::Int4 => Precision::F32,
     };
     let auto = is_auto(&args.ckpt.device);
     // The fused CPU decoder opens the checkpoint mapped, without a candle model: when
-    // the CPU is asked for, when `auto` has no GPU to weigh it against, and for int8
-    // (CPU only).
+    // the CPU is asked for, when `auto` has no GPU to weigh it against, and for int8 and
+    // int4 (CPU only).
     let on_cpu = mode == DecodeMode::Fast
         && match auto {
-            true => weights == WeightFormat::Int8 || first_cuda().is_none(),
+            true => weights.is_integer() || first_cuda().is_none(),
             false => parse_device(&args.ckpt.device)?.is_cpu(),
         };
     let mut opened = if on_cpu {
         if auto {
             let why = match first_cuda() {
                 None => "no CUDA device",
-                Some(_) => "int8 decodes on the CPU",
+                Some(_) => "integer weights decode on the CPU",
             };
             eprintln!("device auto: {}", Choice::new(Device::Cpu, why));
         }
         Opened::Mapped(Box::new(open_for_decoding(&args.ckpt.checkpoint, weights)?))
-    } else if auto && mode == DecodeMode::Fast && weights != WeightFormat::Int8 {
+    } else if auto && mode == DecodeMode::Fast && !weights.is_integer() {
         Opened::Candle(Box::new(load_for_decoding(
             &args.ckpt.checkpoint,
             args.num_samples,
@@ -489,7 +489,8 @@ fn parse_weight_format(flag: &str, value: &str) -> Result<WeightFormat> {
         "f32" => WeightFormat::F32,
         "bf16" => WeightFormat::Bf16,
         "int8" => WeightFormat::Int8,
-        other => user_bail!("{flag} {other:?}: use f32, bf16 or int8"),
+        "int4" => WeightFormat::Int4,
+        other => user_bail!("{flag} {other:?}: use f32, bf16, int8 or int4"),
     })
 }
 

@@ -232,29 +232,35 @@ fn kernel_errors(faults: &Faults) -> Result<Vec<(&'static str, f64, f64)>> {
     let want = exact(&a, &|p, j| f64::from(bits[j * k + p].widen()));
     checks.push(("kernels: bf16 rows", relative(&got, &want), 1e-5));
 
-    let q = Q8Matrix::quantize(&b, n, k);
-    let rows: Vec<Q8Row> = a
-        .chunks_exact(k)
-        .map(|x| {
-            let mut row = Q8Row::default();
-            q.quantize_row(x, &mut row);
-            row
-        })
-        .collect();
-    let mut got = vec![0f32; m * n];
-    q.matmat(0, n, &rows, None, &mut got);
-    got[0] = faults.apply("kernels: int8 products", f64::from(got[0])) as f32;
-    // What the kernel multiplies: both sides quantized, back in f64.
-    let mut a_back = vec![0f32; m * k];
-    for (x, back) in a.chunks_exact(k).zip(a_back.chunks_exact_mut(k)) {
-        Q8Matrix::quantize(x, 1, k).row_into(0, back);
+    // Eight and four bits: both sides quantized, back in f64, is what the kernel sums.
+    macro_rules! blocks {
+        ($matrix:ty, $name:expr) => {{
+            let q = <$matrix>::quantize(&b, n, k);
+            let rows: Vec<Q8Row> = a
+                .chunks_exact(k)
+                .map(|x| {
+                    let mut row = Q8Row::default();
+                    q.quantize_row(x, &mut row);
+                    row
+                })
+                .collect();
+            let mut got = vec![0f32; m * n];
+            q.matmat(0, n, &rows, None, &mut got);
+            got[0] = faults.apply($name, f64::from(got[0])) as f32;
+            let mut a_back = vec![0f32; m * k];
+            for (x, back) in a.chunks_exact(k).zip(a_back.chunks_exact_mut(k)) {
+                Q8Matrix::quantize(x, 1, k).row_into(0, back);
+            }
+            let mut w_back = vec![0f32; n * k];
+            for (j, row) in w_back.chunks_exact_mut(k).enumerate() {
+                q.row_into(j, row);
+            }
+            let want = exact(&a_back, &|p, j| f64::from(w_back[j * k + p]));
+            checks.push(($name, relative(&got, &want), 1e-5));
+        }};
     }
-    let mut w_back = vec![0f32; n * k];
-    for (j, row) in w_back.chunks_exact_mut(k).enumerate() {
-        q.row_into(j, row);
-    }
-    let want = exact(&a_back, &|p, j| f64::from(w_back[j * k + p]));
-    checks.push(("kernels: int8 products", relative(&got, &want), 1e-5));
+    blocks!(Q8Matrix, "kernels: int8 products");
+    blocks!(crate::cpu::q4::Q4Matrix, "kernels: int4 products");
     Ok(checks)
 }
 

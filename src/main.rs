@@ -323,8 +323,9 @@ struct GenerateArgs {
     #[arg(long)]
     json: bool,
     /// Precision of the matrix products: f32; bf16 (operands rounded to bf16, f32 sums:
-    /// tensor cores on CUDA; the fused CPU decoder computes in f32); or int8 (the CPU
-    /// decoder's weights in eight bits, blocks of 32 with a scale, as llama.cpp's q8_0).
+    /// tensor cores on CUDA; the fused CPU decoder computes in f32); int8 or int4 (the
+    /// CPU decoder's weights in eight or four bits, blocks of 32 with a scale, as
+    /// llama.cpp's q8_0 and q4_0).
     #[arg(long, default_value = "f32")]
     dtype: String,
 }
@@ -357,7 +358,8 @@ struct ServeArgs {
     /// A folder of run folders (checkpoints/) to chart on the page, live.
     #[arg(long, value_name = "DIR")]
     runs: Option<PathBuf>,
-    /// The decoder's weights: f32, bf16 or int8 (as generate --dtype; int8 on the CPU).
+    /// The decoder's weights: f32, bf16, int8 or int4 (as generate --dtype; int8 and
+    /// int4 on the CPU).
     #[arg(long, default_value = "f32")]
     dtype: String,
     /// Where to decode: cpu, cuda[:N], or auto (a CUDA GPU where the build and machine
@@ -382,7 +384,7 @@ struct EvalArgs {
     /// The text file to score.
     #[arg(long)]
     text: PathBuf,
-    /// The weights' precision: f32 (the engines), or bf16 / int8 (scored through the
+    /// The weights' precision: f32 (the engines), or bf16 / int8 / int4 (scored through the
     /// CPU decoder holding its weights so, as generate --dtype decodes: what the
     /// precision costs in loss).
     #[arg(long, default_value = "f32")]
@@ -433,7 +435,7 @@ struct BenchArgs {
     /// Decode with the reference model's KV cache instead of the fused CPU decoder.
     #[arg(long)]
     reference: bool,
-    /// How the fused CPU decoder holds its weights: f32, bf16 or int8 (as generate
+    /// How the fused CPU decoder holds its weights: f32, bf16, int8 or int4 (as generate
     /// --dtype).
     #[arg(long, default_value = "f32")]
     decode_dtype: String,

@@ -48,6 +48,7 @@ fn every_check_passes_here_and_fails_when_made_wrong() {
         "kernels: f32 gemm",
         "kernels: bf16 rows",
         "kernels: int8 products",
+        "kernels: int4 products",
         "engine loss",
         "engine gradients",
         "engine weights after AdamW",

@@ -410,20 +410,34 @@ fn chunked_prefill_matches_the_reference() {
 /// and the same greedy token at each of 60 steps.
 #[test]
 fn int8_decoding_tracks_f32() {
-    tracks_f32(WeightFormat::Int8, 0.03);
+    tracks_f32(WeightFormat::Int8, 0.03, 60);
 }
 
 /// The same with the weights in bf16 (each rounded to 8 significant bits, 1/512 of
 /// itself at most; activations and sums stay f32): a tighter bound.
 #[test]
 fn bf16_decoding_tracks_f32() {
-    tracks_f32(WeightFormat::Bf16, 0.01);
+    tracks_f32(WeightFormat::Bf16, 0.01, 60);
 }
+
+/// The same with the weights in four bits (llama.cpp's q4_0: each weight within 1/16
+/// of its block's largest magnitude, 1/8 where capped at +7 steps): a looser bound,
+/// and the greedy token may differ where the f32 model's top two are close.
+#[test]
+fn int4_decoding_tracks_f32() {
+    tracks_f32(WeightFormat::Int4, INT4_LOGITS, INT4_GREEDY);
+}
+
+/// int4's bound on the logits (relative to the largest) and the greedy steps of 60 it
+/// must agree on, measured on the test's trained model with margin.
+const INT4_LOGITS: f32 = 0.15;
+const INT4_GREEDY: usize = 54;
 
 /// Decodes 60 greedy steps (the window sliding once) with f32 weights and with
 /// `format`, feeding both the f32 decoder's tokens: the logits stay within `tolerance`
-/// of the largest f32 logit, and the greedy token is the same at every step.
-fn tracks_f32(format: WeightFormat, tolerance: f32) {
+/// of the largest f32 logit, and the greedy token is the same at `agreeing` steps at
+/// least.
+fn tracks_f32(format: WeightFormat, tolerance: f32, agreeing: usize) {
     let dir = tempfile::tempdir().unwrap();
     let loaded = trained_run(dir.path(), TokenizerKind::Bpe);
     let spec = loaded.model.spec().clone();
@@ -469,7 +483,10 @@ fn tracks_f32(format: WeightFormat, tolerance: f32) {
         format.name(),
         100.0 * worst
     );
-    assert_eq!(agree, 60, "the same greedy token at every step");
+    assert!(
+        agree >= agreeing,
+        "the same greedy token at {agree} of 60 steps"
+    );
 
     // Many rows at once (8 full windows: 128 rows, past the few-row products): the
     // GEMM over weights widened from `format` keeps the same bound.
@@ -492,7 +509,9 @@ fn tracks_f32(format: WeightFormat, tolerance: f32) {
             "window {row} prefilled with {} rows: off by {off} (largest {scale})",
             8 * block
         );
-        assert_eq!(argmax(a), argmax(b), "window {row}: the same greedy token");
+        if agreeing == 60 {
+            assert_eq!(argmax(a), argmax(b), "window {row}: the same greedy token");
+        }
     }
 }
 
@@ -508,7 +527,12 @@ fn a_mapped_checkpoint_decodes_as_the_loaded_one() {
     let spec = loaded.model.spec().clone();
     let flat = loaded.model.params().to_flat().unwrap();
     let prompt = loaded.tokenizer.encode("First Citizen:").unwrap();
-    for format in [WeightFormat::F32, WeightFormat::Bf16, WeightFormat::Int8] {
+    for format in [
+        WeightFormat::F32,
+        WeightFormat::Bf16,
+        WeightFormat::Int8,
+        WeightFormat::Int4,
+    ] {
         let mut opened = open_for_decoding(&run, format).unwrap();
         opened.verification.wait().unwrap();
         assert_eq!(opened.config.model, loaded.config.model);
@@ -561,6 +585,7 @@ fn scoring_through_the_decoder_matches_the_engine() {
         (WeightFormat::F32, 1e-5),
         (WeightFormat::Bf16, 0.01),
         (WeightFormat::Int8, 0.03),
+        (WeightFormat::Int4, 0.15),
     ] {
         let weights =
             Arc::new(DecodeWeights::from_flat(loaded.model.spec(), &flat, format).unwrap());

@@ -158,57 +158,69 @@ fn check_engine(level: Isa) {
     }
 }
 
-/// Eight-bit products (one row and many) against the same dequantized numbers in f64:
-/// each block's integer sum is exact at every level, only the f32 adds of the scaled
-/// blocks round. Widths of whole and partial blocks, values at the ends of the range.
+/// Eight- and four-bit products (one row and many) against the same dequantized
+/// numbers in f64: each block's integer sum is exact at every level, only the f32 adds
+/// of the scaled blocks round. Widths of whole and partial blocks, values at the ends
+/// of the range.
 fn check_q8(level: Isa) {
-    use tinygpt::cpu::q8::{Q8Matrix, Q8Row, BLOCK};
-    for (rows, cols, n) in [(1, 1, 1), (5, 32, 3), (17, 100, 2), (64, 768, 5)] {
-        let mut w = values(rows * cols, 7);
-        w[0] = -1.0; // the block's largest magnitude, on the negative side
-        let xs: Vec<Vec<f32>> = (0..n).map(|r| values(cols, 11 + r as u32)).collect();
-        let q = Q8Matrix::quantize(&w, rows, cols);
-        let quantized: Vec<Q8Row> = xs
-            .iter()
-            .map(|x| {
-                let mut row = Q8Row::default();
-                q.quantize_row(x, &mut row);
-                row
-            })
-            .collect();
-        let bias = values(rows, 3);
-        let mut many = vec![0f32; n * rows];
-        q.matmat(0, rows, &quantized, Some(&bias), &mut many);
-        let mut wrow = vec![0f32; cols];
-        for (r, x) in xs.iter().enumerate() {
-            let mut one = vec![0f32; rows];
-            q.matvec(0, &quantized[r], Some(&bias), &mut one);
-            assert_eq!(
-                one,
-                many[r * rows..(r + 1) * rows],
-                "{level:?}: one row = many"
-            );
-            // x as the kernel sees it: quantized and back.
-            let mut x_back = vec![0f32; cols];
-            Q8Matrix::quantize(x, 1, cols).row_into(0, &mut x_back);
-            for o in 0..rows {
-                q.row_into(o, &mut wrow);
-                let want: f64 = wrow
-                    .iter()
-                    .zip(&x_back)
-                    .map(|(&a, &b)| f64::from(a) * f64::from(b))
-                    .sum::<f64>()
-                    + f64::from(bias[o]);
-                let blocks = cols.div_ceil(BLOCK) as f64;
-                assert!(
-                    (f64::from(one[o]) - want).abs() <= 1e-6 * blocks * (1.0 + want.abs()),
-                    "{level:?} ({rows}, {cols}) output {o}: {} vs {want}",
-                    one[o]
+    check_blocks!(level, tinygpt::cpu::q8::Q8Matrix);
+    check_blocks!(level, tinygpt::cpu::q4::Q4Matrix);
+}
+
+/// The block-quantized matrix type `$matrix` at `level` (see `check_q8`).
+macro_rules! check_blocks {
+    ($level:expr, $matrix:ty) => {{
+        use tinygpt::cpu::q8::{Q8Matrix, Q8Row, BLOCK};
+        let level = $level;
+        let kind = stringify!($matrix);
+        for (rows, cols, n) in [(1, 1, 1), (5, 32, 3), (17, 100, 2), (64, 768, 5)] {
+            let mut w = values(rows * cols, 7);
+            w[0] = -1.0; // the block's largest magnitude, on the negative side
+            let xs: Vec<Vec<f32>> = (0..n).map(|r| values(cols, 11 + r as u32)).collect();
+            let q = <$matrix>::quantize(&w, rows, cols);
+            let quantized: Vec<Q8Row> = xs
+                .iter()
+                .map(|x| {
+                    let mut row = Q8Row::default();
+                    q.quantize_row(x, &mut row);
+                    row
+                })
+                .collect();
+            let bias = values(rows, 3);
+            let mut many = vec![0f32; n * rows];
+            q.matmat(0, rows, &quantized, Some(&bias), &mut many);
+            let mut wrow = vec![0f32; cols];
+            for (r, x) in xs.iter().enumerate() {
+                let mut one = vec![0f32; rows];
+                q.matvec(0, &quantized[r], Some(&bias), &mut one);
+                assert_eq!(
+                    one,
+                    many[r * rows..(r + 1) * rows],
+                    "{kind} {level:?}: one row = many"
                 );
+                // x as the kernel sees it: quantized and back.
+                let mut x_back = vec![0f32; cols];
+                Q8Matrix::quantize(x, 1, cols).row_into(0, &mut x_back);
+                for o in 0..rows {
+                    q.row_into(o, &mut wrow);
+                    let want: f64 = wrow
+                        .iter()
+                        .zip(&x_back)
+                        .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                        .sum::<f64>()
+                        + f64::from(bias[o]);
+                    let blocks = cols.div_ceil(BLOCK) as f64;
+                    assert!(
+                        (f64::from(one[o]) - want).abs() <= 1e-6 * blocks * (1.0 + want.abs()),
+                        "{kind} {level:?} ({rows}, {cols}) output {o}: {} vs {want}",
+                        one[o]
+                    );
+                }
             }
         }
-    }
+    }};
 }
+use check_blocks;
 
 /// The products that read each weight row once for a few rows (f32 and bf16 weights),
 /// against f64 sums of the weights as stored, for every row count up to 9 (the

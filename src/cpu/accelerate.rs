@@ -73,7 +73,7 @@ fn call(p: &Product, dst_row: usize) -> Option<Call> {
     })
 }
 
-#[cfg(target_os = "macos")]
+#[cfg(all(feature = "accelerate", target_os = "macos"))]
 #[link(name = "Accelerate", kind = "framework")]
 extern "C" {
     fn cblas_sgemm(
@@ -96,7 +96,7 @@ extern "C" {
 
 /// dst = dst (if accumulating) + beta * a · b through `cblas_sgemm`; false (nothing
 /// done) where BLAS cannot take the operands or the sizes, for the caller to do it.
-#[cfg(target_os = "macos")]
+#[cfg(all(feature = "accelerate", target_os = "macos"))]
 pub fn sgemm(dst: &mut [f32], dst_row: usize, p: Product) -> bool {
     const ROW_MAJOR: c_int = 101;
     let Some(c) = call(&p, dst_row) else {

@@ -2,7 +2,8 @@
 //!
 //! Decoding one token reads every weight once, so its speed is the speed of reading
 //! them: the matrices may be held in bf16 (half the bytes, each weight widened to f32
-//! as it is read) or in eight bits (`cpu::q8`, a quarter), everything else (norms,
+//! as it is read), in eight bits (`cpu::q8`, a quarter) or in four (`cpu::q4`, under a
+//! sixth), everything else (norms,
 //! biases, position tables) stays f32. The token embedding is the tied output layer, a
 //! matrix like the others: a token's input vector is its row read back in f32.
 //!
@@ -26,6 +27,7 @@ use super::matrix::{Product, Strided};
 use super::ops::activation::Activation;
 use super::ops::norm::NormWeights;
 use super::ops::rope::Rope;
+use super::q4::Q4Matrix;
 use super::q8::{Q8Matrix, Q8Row};
 use super::threads::threads;
 use super::weight_rows::{by_output_shares, project_rows, splits, Bf16, Widen};
@@ -43,14 +45,24 @@ pub enum WeightFormat {
     /// Eight bits per weight in blocks of 32 with an f32 scale (llama.cpp's q8_0); the
     /// activations of each product quantized the same way.
     Int8,
+    /// Four bits per weight in blocks of 32 with an f16 scale (llama.cpp's q4_0); the
+    /// activations of each product in eight bits, as for `Int8`.
+    Int4,
 }
 
 impl WeightFormat {
+    /// Whether the weights are in blocks of integers (int8, int4): the fused CPU
+    /// decoder's alone.
+    pub fn is_integer(self) -> bool {
+        matches!(self, Self::Int8 | Self::Int4)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Self::F32 => "f32",
             Self::Bf16 => "bf16",
             Self::Int8 => "int8",
+            Self::Int4 => "int4",
         }
     }
 }
@@ -127,6 +139,7 @@ enum Stored {
     },
     Bf16(Vec<Bf16>),
     Int8(Q8Matrix),
+    Int4(Q4Matrix),
 }
 
 /// One projection (or the tied output layer): out = x Wᵀ + b.
@@ -164,13 +177,13 @@ impl Matrix {
             }
             WeightFormat::Int8 => {
                 let mut q = Q8Matrix::zeros(d_out, d_in);
-                for first in (0..d_out).step_by(CONVERT_ROWS) {
-                    let rows = first..(first + CONVERT_ROWS).min(d_out);
-                    let values = rows.start * d_in..rows.end * d_in;
-                    q.quantize_rows(first, &w[values.clone()]);
-                    w.release(values);
-                }
+                convert_rows(&w, d_out, d_in, |first, rows| q.quantize_rows(first, rows));
                 Stored::Int8(q)
+            }
+            WeightFormat::Int4 => {
+                let mut q = Q4Matrix::zeros(d_out, d_in);
+                convert_rows(&w, d_out, d_in, |first, rows| q.quantize_rows(first, rows));
+                Stored::Int4(q)
             }
         };
         Self {
@@ -190,6 +203,7 @@ impl Matrix {
             }
             Stored::Bf16(bits) => 2 * bits.len(),
             Stored::Int8(q) => q.bytes(),
+            Stored::Int4(q) => q.bytes(),
         }
     }
 
@@ -204,22 +218,24 @@ impl Matrix {
                 }
             }
             Stored::Int8(q) => q.row_into(r, out),
+            Stored::Int4(q) => q.row_into(r, out),
         }
     }
 
     /// out = x Wᵀ + b for every row of x. `q8_rows` holds the quantized rows of x for
-    /// the eight-bit format.
+    /// the eight- and four-bit formats.
     pub fn project(&self, x: &[f32], out: &mut [f32], q8_rows: &mut Vec<Q8Row>) {
         let (d_in, d_out) = (self.d_in, self.d_out);
         let rows = x.len() / d_in;
         let out = &mut out[..rows * d_out];
         let bias = self.bias.as_deref();
         match &self.stored {
-            Stored::Int8(q) if rows <= ROWS_MAX_ROWS => project_q8(q, bias, x, out, q8_rows),
-            Stored::Int8(q) => {
+            Stored::Int8(q) if rows <= ROWS_MAX_ROWS => project_quantized(q, bias, x, out, q8_rows),
+            Stored::Int4(q) if rows <= ROWS_MAX_ROWS => project_quantized(q, bias, x, out, q8_rows),
+            Stored::Int8(_) | Stored::Int4(_) => {
                 gemm_widened(d_out, x, d_in, out, |first, panel| {
                     for (r, row) in panel.chunks_exact_mut(d_in).enumerate() {
-                        q.row_into(first + r, row);
+                        self.row_into(first + r, row);
                     }
                 });
                 add_bias(out, bias, d_out);
@@ -366,11 +382,62 @@ multiversion! {
     }
 }
 
-/// out = x Wᵀ + bias from W in eight bits, for every row of x (each quantized once). The
-/// outputs are shared out over the threads and each thread takes every row, so a
-/// weight is read from memory once per call, whatever the number of rows.
-fn project_q8(
-    w: &Q8Matrix,
+/// f32 rows of `w` converted into a matrix `CONVERT_ROWS` at a time (`convert(first
+/// row, their values)`), each slice's file pages released once read.
+fn convert_rows(w: &Values, d_out: usize, d_in: usize, mut convert: impl FnMut(usize, &[f32])) {
+    for first in (0..d_out).step_by(CONVERT_ROWS) {
+        let rows = first..(first + CONVERT_ROWS).min(d_out);
+        let values = rows.start * d_in..rows.end * d_in;
+        convert(first, &w[values.clone()]);
+        w.release(values);
+    }
+}
+
+/// A matrix in blocks whose products take the activations in eight bits (`Q8Row`).
+trait Quantized: Sync {
+    fn rows(&self) -> usize;
+    fn cols(&self) -> usize;
+    fn quantize_row(&self, x: &[f32], into: &mut Q8Row);
+    fn matvec(&self, first: usize, x: &Q8Row, bias: Option<&[f32]>, out: &mut [f32]);
+    fn matmat(&self, first: usize, len: usize, xs: &[Q8Row], bias: Option<&[f32]>, out: &mut [f32]);
+}
+
+macro_rules! quantized {
+    ($matrix:ty) => {
+        impl Quantized for $matrix {
+            fn rows(&self) -> usize {
+                <$matrix>::rows(self)
+            }
+            fn cols(&self) -> usize {
+                <$matrix>::cols(self)
+            }
+            fn quantize_row(&self, x: &[f32], into: &mut Q8Row) {
+                <$matrix>::quantize_row(self, x, into)
+            }
+            fn matvec(&self, first: usize, x: &Q8Row, bias: Option<&[f32]>, out: &mut [f32]) {
+                <$matrix>::matvec(self, first, x, bias, out)
+            }
+            fn matmat(
+                &self,
+                first: usize,
+                len: usize,
+                xs: &[Q8Row],
+                bias: Option<&[f32]>,
+                out: &mut [f32],
+            ) {
+                <$matrix>::matmat(self, first, len, xs, bias, out)
+            }
+        }
+    };
+}
+quantized!(Q8Matrix);
+quantized!(Q4Matrix);
+
+/// out = x Wᵀ + bias from W in eight or four bits, for every row of x (each quantized
+/// once). The outputs are shared out over the threads and each thread takes every row,
+/// so a weight is read from memory once per call, whatever the number of rows.
+fn project_quantized(
+    w: &impl Quantized,
     bias: Option<&[f32]>,
     x: &[f32],
     out: &mut [f32],

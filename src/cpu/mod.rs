@@ -22,6 +22,7 @@ pub mod layout;
 pub mod matrix;
 pub mod ops;
 pub mod peak;
+pub mod q4;
 pub mod q8;
 pub mod threads;
 pub mod weight_rows;

@@ -139,27 +139,15 @@ impl Q8Matrix {
     /// `x` (one row of `cols` values) quantized for products with this matrix.
     pub fn quantize_row(&self, x: &[f32], into: &mut Q8Row) {
         assert_eq!(x.len(), self.cols, "a row as wide as the matrix");
-        into.quants.resize(self.blocks * BLOCK, 0);
-        into.scales.resize(self.blocks, 0.0);
-        quantize_into(x, &mut into.quants, &mut into.scales);
+        into.quantize(x);
     }
 
     /// out[o] = row (first + o) · x (+ bias[o]) for the outputs in `out`.
     pub fn matvec(&self, first: usize, x: &Q8Row, bias: Option<&[f32]>, out: &mut [f32]) {
-        let width = self.blocks * BLOCK;
         let level = isa::active();
-        for (o, out) in out.iter_mut().enumerate() {
-            let r = first + o;
-            let (wq, ws) = (
-                &self.quants[r * width..(r + 1) * width],
-                &self.scales[r * self.blocks..(r + 1) * self.blocks],
-            );
-            *out = dot(level, wq, ws, &x.quants, &x.scales) + bias.map_or(0.0, |b| b[o]);
-        }
+        matvec_by(first, x, bias, out, |r, x| self.dot_row(level, r, x));
     }
-}
 
-impl Q8Matrix {
     /// out[r, o] = row (first + o) · xs[r] (+ bias[o]) for `len` outputs of every row
     /// (`out` is (rows, len)): a weight row is read once, for all the rows, while it is
     /// in the cache.
@@ -171,18 +159,65 @@ impl Q8Matrix {
         bias: Option<&[f32]>,
         out: &mut [f32],
     ) {
-        let width = self.blocks * BLOCK;
         let level = isa::active();
-        for o in 0..len {
-            let r = first + o;
-            let (wq, ws) = (
-                &self.quants[r * width..(r + 1) * width],
-                &self.scales[r * self.blocks..(r + 1) * self.blocks],
-            );
-            let b = bias.map_or(0.0, |b| b[o]);
-            for (x, out) in xs.iter().zip(out.chunks_exact_mut(len)) {
-                out[o] = dot(level, wq, ws, &x.quants, &x.scales) + b;
-            }
+        matmat_by(first, len, xs, bias, out, |r, x| self.dot_row(level, r, x));
+    }
+
+    /// Row `r` · x.
+    fn dot_row(&self, level: Isa, r: usize, x: &Q8Row) -> f32 {
+        let width = self.blocks * BLOCK;
+        let (wq, ws) = (
+            &self.quants[r * width..(r + 1) * width],
+            &self.scales[r * self.blocks..(r + 1) * self.blocks],
+        );
+        dot(level, wq, ws, &x.quants, &x.scales)
+    }
+}
+
+impl Q8Row {
+    /// `x` quantized in blocks of [`BLOCK`] (the last one zero-padded), as every
+    /// block-quantized matrix of `x.len()` columns takes it.
+    pub fn quantize(&mut self, x: &[f32]) {
+        let blocks = x.len().div_ceil(BLOCK);
+        self.quants.resize(blocks * BLOCK, 0);
+        self.scales.resize(blocks, 0.0);
+        quantize_into(x, &mut self.quants, &mut self.scales);
+    }
+
+    /// The int8 values (whole blocks) and each block's scale.
+    pub fn parts(&self) -> (&[i8], &[f32]) {
+        (&self.quants, &self.scales)
+    }
+}
+
+/// out[o] = dot(first + o, x) (+ bias[o]): a matrix-vector product for any
+/// block-quantized matrix, given its row dot product.
+pub(crate) fn matvec_by(
+    first: usize,
+    x: &Q8Row,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    dot: impl Fn(usize, &Q8Row) -> f32,
+) {
+    for (o, out) in out.iter_mut().enumerate() {
+        *out = dot(first + o, x) + bias.map_or(0.0, |b| b[o]);
+    }
+}
+
+/// out[r, o] = dot(first + o, xs[r]) (+ bias[o]) for `len` outputs of every row, each
+/// weight row taken once for all the rows.
+pub(crate) fn matmat_by(
+    first: usize,
+    len: usize,
+    xs: &[Q8Row],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    dot: impl Fn(usize, &Q8Row) -> f32,
+) {
+    for o in 0..len {
+        let b = bias.map_or(0.0, |b| b[o]);
+        for (x, out) in xs.iter().zip(out.chunks_exact_mut(len)) {
+            out[o] = dot(first + o, x) + b;
         }
     }
 }

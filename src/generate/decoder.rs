@@ -78,9 +78,10 @@ impl<'m> Decoder<'m> {
         format: WeightFormat,
     ) -> Result<Self> {
         let fast_cpu = mode == DecodeMode::Fast && model.device().is_cpu();
-        if format == WeightFormat::Int8 && !fast_cpu {
+        if format.is_integer() && !fast_cpu {
             user_bail!(
-                "--dtype int8 decodes with the fused CPU decoder only; use --device cpu without --reference or --no-kv-cache, or --dtype f32 / bf16"
+                "--dtype {} decodes with the fused CPU decoder only; use --device cpu without --reference or --no-kv-cache, or --dtype f32 / bf16",
+                format.name()
             );
         }
         let backend = match mode {

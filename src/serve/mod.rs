@@ -234,10 +234,10 @@ struct Opened {
 /// fused CPU decoder over the mapped checkpoint.
 fn open(options: &ServeOptions) -> Result<Opened> {
     let auto = crate::device::is_auto(&options.device);
-    if options.format == WeightFormat::Int8 && !auto && !options.device.eq_ignore_ascii_case("cpu")
-    {
+    if options.format.is_integer() && !auto && !options.device.eq_ignore_ascii_case("cpu") {
         crate::user_bail!(
-            "--dtype int8 decodes on the CPU only; use --device cpu, or --dtype f32 / bf16 on a GPU"
+            "--dtype {} decodes on the CPU only; use --device cpu, or --dtype f32 / bf16 on a GPU",
+            options.format.name()
         );
     }
     #[cfg(feature = "cuda-emulator")]
@@ -251,7 +251,7 @@ fn open(options: &ServeOptions) -> Result<Opened> {
         );
     }
     let gpu = match auto {
-        true if options.format != WeightFormat::Int8 => crate::device::first_cuda(),
+        true if !options.format.is_integer() => crate::device::first_cuda(),
         true => None,
         false => Some(crate::device::parse_device(&options.device)?).filter(|d| !d.is_cpu()),
     };

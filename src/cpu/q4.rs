@@ -1,0 +1,322 @@
+//! Weights in four bits for decoding, as llama.cpp's `q4_0`: each row of a matrix in
+//! blocks of 32 values, each block 16 bytes of 4-bit values (the block's first 16 in
+//! the low halves, its last 16 in the high halves) and one scale, the block's value of
+//! largest magnitude / -8 rounded to f16. A weight is (q - 8) x scale, q in 0..=15:
+//! the same numbers llama.cpp's q4_0 holds, bit for bit (tested against candle's port
+//! of its quantizer). The scale is kept as the f32 of that f16: two bytes more a block
+//! than llama.cpp's 18, for no conversion in the product.
+//!
+//! A product takes the activations quantized to eight bits as `q8` does (`Q8Row`), so
+//! a block's dot product is 32 integer multiplications summed exactly and scaled once:
+//! AVX2 integer instructions where the CPU has them, plain Rust elsewhere, both exact
+//! per block and differing only in the order the scaled blocks are added.
+
+use half::f16;
+use rayon::prelude::*;
+
+use super::isa::{self, Isa};
+use super::q8::{matmat_by, matvec_by, Q8Row, BLOCK};
+
+/// Bytes of 4-bit values a block.
+const HALF: usize = BLOCK / 2;
+
+/// A (rows, cols) matrix in blocks of `BLOCK` along its rows (cols padded with zeros to
+/// whole blocks).
+#[derive(Debug, Clone)]
+pub struct Q4Matrix {
+    rows: usize,
+    cols: usize,
+    /// Blocks per row.
+    blocks: usize,
+    /// (rows, blocks x 16) bytes, two 4-bit values each.
+    nibbles: Vec<u8>,
+    /// (rows, blocks) scales, each an f16's value.
+    scales: Vec<f32>,
+}
+
+/// One block of `values` (zero-padded to `BLOCK`) in llama.cpp's q4_0: its 16 bytes and
+/// its scale. The quantizer's own arithmetic: the scale divides in f32 before it is
+/// rounded to f16, and each value truncates x / scale + 8.5, capped at 15.
+fn quantize_block(values: &[f32], nibbles: &mut [u8], scale: &mut f32) {
+    let mut block = [0f32; BLOCK];
+    block[..values.len()].copy_from_slice(values);
+    let (mut amax, mut max) = (0f32, 0f32);
+    for &x in &block {
+        if amax < x.abs() {
+            amax = x.abs();
+            max = x;
+        }
+    }
+    let d = max / -8.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    *scale = f16::from_f32(d).to_f32();
+    for (j, byte) in nibbles.iter_mut().enumerate() {
+        // `as u8` saturates: a value past -8 steps (never, but for rounding) is 0.
+        let low = ((block[j] * id + 8.5) as u8).min(15);
+        let high = ((block[HALF + j] * id + 8.5) as u8).min(15);
+        *byte = low | (high << 4);
+    }
+}
+
+impl Q4Matrix {
+    /// `w`, (rows, cols) row-major, quantized.
+    pub fn quantize(w: &[f32], rows: usize, cols: usize) -> Self {
+        assert_eq!(w.len(), rows * cols, "a (rows, cols) matrix");
+        let mut q = Self::zeros(rows, cols);
+        q.quantize_rows(0, w);
+        q
+    }
+
+    /// A (rows, cols) matrix of zeros, to be filled by `quantize_rows`.
+    pub fn zeros(rows: usize, cols: usize) -> Self {
+        let blocks = cols.div_ceil(BLOCK);
+        Self {
+            rows,
+            cols,
+            blocks,
+            // 0x88: both values 8, which is 0 whatever the scale.
+            nibbles: vec![0x88; rows * blocks * HALF],
+            scales: vec![0f32; rows * blocks],
+        }
+    }
+
+    /// Rows first .. first + w.len() / cols set to `w` (row-major) quantized.
+    pub fn quantize_rows(&mut self, first: usize, w: &[f32]) {
+        let (cols, blocks) = (self.cols, self.blocks);
+        assert_eq!(w.len() % cols, 0, "whole rows");
+        let n = w.len() / cols;
+        assert!(first + n <= self.rows, "rows inside the matrix");
+        self.nibbles[first * blocks * HALF..(first + n) * blocks * HALF]
+            .par_chunks_mut(blocks * HALF)
+            .zip(self.scales[first * blocks..(first + n) * blocks].par_chunks_mut(blocks))
+            .zip(w.par_chunks(cols))
+            .for_each(|((nibbles, scales), row)| {
+                for (b, (nibbles, scale)) in nibbles.chunks_exact_mut(HALF).zip(scales).enumerate()
+                {
+                    let values = &row[(b * BLOCK).min(cols)..((b + 1) * BLOCK).min(cols)];
+                    quantize_block(values, nibbles, scale);
+                }
+            });
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes held: the 4-bit values and the scales.
+    pub fn bytes(&self) -> usize {
+        self.nibbles.len() + 4 * self.scales.len()
+    }
+
+    /// Row `r` back in f32 (each value (q - 8) times its block's scale).
+    pub fn row_into(&self, r: usize, out: &mut [f32]) {
+        let nibbles = &self.nibbles[r * self.blocks * HALF..(r + 1) * self.blocks * HALF];
+        let scales = &self.scales[r * self.blocks..(r + 1) * self.blocks];
+        for (i, out) in out[..self.cols].iter_mut().enumerate() {
+            let (b, j) = (i / BLOCK, i % BLOCK);
+            let byte = nibbles[b * HALF + j % HALF];
+            let q = if j < HALF { byte & 0x0F } else { byte >> 4 };
+            *out = f32::from(q as i8 - 8) * scales[b];
+        }
+    }
+
+    /// `x` (one row of `cols` values) quantized for products with this matrix.
+    pub fn quantize_row(&self, x: &[f32], into: &mut Q8Row) {
+        assert_eq!(x.len(), self.cols, "a row as wide as the matrix");
+        into.quantize(x);
+    }
+
+    /// out[o] = row (first + o) · x (+ bias[o]) for the outputs in `out`.
+    pub fn matvec(&self, first: usize, x: &Q8Row, bias: Option<&[f32]>, out: &mut [f32]) {
+        let level = isa::active();
+        matvec_by(first, x, bias, out, |r, x| self.dot_row(level, r, x));
+    }
+
+    /// out[r, o] = row (first + o) · xs[r] (+ bias[o]) for `len` outputs of every row
+    /// (`out` is (rows, len)), each weight row read once for all the rows.
+    pub fn matmat(
+        &self,
+        first: usize,
+        len: usize,
+        xs: &[Q8Row],
+        bias: Option<&[f32]>,
+        out: &mut [f32],
+    ) {
+        let level = isa::active();
+        matmat_by(first, len, xs, bias, out, |r, x| self.dot_row(level, r, x));
+    }
+
+    /// Row `r` · x.
+    fn dot_row(&self, level: Isa, r: usize, x: &Q8Row) -> f32 {
+        let nibbles = &self.nibbles[r * self.blocks * HALF..(r + 1) * self.blocks * HALF];
+        let scales = &self.scales[r * self.blocks..(r + 1) * self.blocks];
+        let (xq, xs) = x.parts();
+        dot(level, nibbles, scales, xq, xs)
+    }
+}
+
+/// Σ over blocks of (w scale x x scale) x Σ (q_i - 8) x_i, at `level`.
+fn dot(level: Isa, nibbles: &[u8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if level >= Isa::Avx2 {
+        // Safety: the active level never exceeds what the CPU has, and AVX2 + FMA are
+        // part of every level from Avx2 up.
+        return unsafe { dot_avx2(nibbles, ws, xq, xs) };
+    }
+    let _ = level;
+    dot_portable(nibbles, ws, xq, xs)
+}
+
+/// The blocks' exact integer sums, scaled and added in block order.
+pub fn dot_portable(nibbles: &[u8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
+    let mut sum = 0f32;
+    for (b, (w, x)) in nibbles
+        .chunks_exact(HALF)
+        .zip(xq.chunks_exact(BLOCK))
+        .enumerate()
+    {
+        let block: i32 = w
+            .iter()
+            .enumerate()
+            .map(|(j, &byte)| {
+                let low = i32::from(byte & 0x0F) - 8;
+                let high = i32::from(byte >> 4) - 8;
+                low * i32::from(x[j]) + high * i32::from(x[HALF + j])
+            })
+            .sum();
+        sum += ws[b] * xs[b] * block as f32;
+    }
+    sum
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_avx2(nibbles: &[u8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let blocks = ws.len();
+    debug_assert!(
+        nibbles.len() >= blocks * HALF && xq.len() >= blocks * BLOCK && xs.len() >= blocks
+    );
+    let low_bits = _mm256_set1_epi8(0x0F);
+    let eight = _mm256_set1_epi8(8);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = _mm256_setzero_ps();
+    for b in 0..blocks {
+        // Safety: each slice holds `blocks` whole blocks (asserted above in debug, by
+        // construction in every caller).
+        let packed = _mm_loadu_si128(nibbles.as_ptr().add(b * HALF).cast());
+        // Bytes 0..16 the low halves (values 0..16), 16..32 the high ones (16..32).
+        let both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+        let w = _mm256_sub_epi8(_mm256_and_si256(both, low_bits), eight);
+        let x = _mm256_loadu_si256(xq.as_ptr().add(b * BLOCK).cast());
+        // As in q8: |x| times w with x's sign; w in -8..=7, x in -127..=127, so a
+        // pair's sum fits i16.
+        let magnitude = _mm256_sign_epi8(x, x);
+        let signed = _mm256_sign_epi8(w, x);
+        let pairs = _mm256_maddubs_epi16(magnitude, signed);
+        let quads = _mm256_madd_epi16(pairs, ones);
+        let scale = _mm256_set1_ps(*ws.get_unchecked(b) * *xs.get_unchecked(b));
+        acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(quads), acc);
+    }
+    let halves = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
+    let one = _mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1));
+    _mm_cvtss_f32(one)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::k_quants::{BlockQ4_0, GgmlType};
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n as u32)
+            .map(|i| ((i.wrapping_mul(2654435761) ^ seed) % 2001) as f32 / 1000.0 - 1.0)
+            .collect()
+    }
+
+    /// The same numbers as llama.cpp's q4_0 (candle's port of its quantizer and
+    /// dequantizer), bit for bit, and each within half a step (a block's largest
+    /// magnitude is -8 steps: exact up to f16's rounding of the scale).
+    #[test]
+    fn quantizing_gives_llama_cpp_q4_0_values() {
+        let (rows, cols) = (5, 96);
+        let mut w = values(rows * cols, 7);
+        w[40] = 3.0; // a block whose largest magnitude is positive
+        w[100] = -2.5; // and one whose is negative
+        let q = Q4Matrix::quantize(&w, rows, cols);
+        assert_eq!(q.bytes(), rows * 3 * (HALF + 4));
+        let mut ours = vec![0f32; cols];
+        let mut blocks = vec![BlockQ4_0::zeros(); cols / BLOCK];
+        let mut theirs = vec![0f32; cols];
+        for r in 0..rows {
+            let row = &w[r * cols..(r + 1) * cols];
+            q.row_into(r, &mut ours);
+            BlockQ4_0::from_float(row, &mut blocks);
+            BlockQ4_0::to_float(&blocks, &mut theirs);
+            assert_eq!(ours, theirs, "row {r}");
+            for (i, (&a, &b)) in row.iter().zip(&ours).enumerate() {
+                // Half a step, but for values capped at +7 steps (q4_0 has -8..=7).
+                let scale = q.scales[r * 3 + i / BLOCK];
+                let capped = b == 7.0 * scale;
+                let bound = if capped { 1.0 } else { 0.5 } * scale.abs() * 1.01 + 1e-6;
+                assert!((a - b).abs() <= bound, "{a} vs {b} (step {scale})");
+            }
+        }
+        // A short last block is zero-padded; zeros quantize to zero.
+        let short = Q4Matrix::quantize(&[0.5, -1.0, 0.25], 1, 3);
+        let mut back = [0f32; 3];
+        short.row_into(0, &mut back);
+        assert_eq!(back, [0.5, -1.0, 0.25]);
+        assert_eq!(Q4Matrix::quantize(&[0.0; 4], 1, 4).scales, [0.0]);
+    }
+
+    #[test]
+    fn a_product_is_the_dequantized_product() {
+        let (rows, cols) = (9, 100);
+        let w = values(rows * cols, 2);
+        let x = values(cols, 3);
+        let q = Q4Matrix::quantize(&w, rows, cols);
+        let mut qx = Q8Row::default();
+        q.quantize_row(&x, &mut qx);
+        let (xq, xs) = qx.parts();
+        let x_back: Vec<f64> = (0..cols)
+            .map(|i| f64::from(xq[i]) * f64::from(xs[i / BLOCK]))
+            .collect();
+        let bias = values(rows, 4);
+        let mut out = vec![0f32; rows];
+        q.matvec(0, &qx, Some(&bias), &mut out);
+        let mut both = vec![0f32; 2 * 4];
+        q.matmat(3, 4, &[qx.clone(), qx.clone()], None, &mut both);
+        let mut row = vec![0f32; cols];
+        for r in 0..rows {
+            q.row_into(r, &mut row);
+            let want: f64 = row
+                .iter()
+                .zip(&x_back)
+                .map(|(&w, &x)| f64::from(w) * x)
+                .sum();
+            let got = f64::from(out[r]) - f64::from(bias[r]);
+            assert!((got - want).abs() < 1e-5, "row {r}: {got} vs {want}");
+            if (3..7).contains(&r) {
+                assert_eq!(both[r - 3], both[4 + r - 3]);
+                assert!((f64::from(both[r - 3]) - want).abs() < 1e-5);
+            }
+        }
+        // Every level the CPU has sums each block exactly: the same to f32 rounding.
+        for level in Isa::supported() {
+            let (a, b) = (
+                dot(level, &q.nibbles[..4 * HALF], &q.scales[..4], xq, xs),
+                dot_portable(&q.nibbles[..4 * HALF], &q.scales[..4], xq, xs),
+            );
+            assert!(
+                (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                "{level:?}: {a} vs {b}"
+            );
+        }
+    }
+}
