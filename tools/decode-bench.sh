@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CPU decoding of a GPT-2-124M-shaped model in f32, bf16 and int8, one process each (so
+# CPU decoding of a GPT-2-124M-shaped model in f32, bf16, int8 and int4, one process each (so
 # each peak RSS is its own): load time, time to first token at 1/16/128/512 prompt
 # tokens, decode tokens/s, peak RSS. Prints a Markdown table (docs/PERFORMANCE.md's).
 #
@@ -38,7 +38,7 @@ fi
 "$bin" bench --checkpoint "$run" --prompts 1 --decode-tokens 1 >/dev/null
 echo "| weights | load | first token: 1 / 16 / 128 / 512 tokens | decode | peak RSS |"
 echo "|---|---|---|---|---|"
-for dtype in f32 bf16 int8; do
+for dtype in f32 bf16 int8 int4; do
   "$bin" bench --checkpoint "$run" --decode-dtype "$dtype" --decode-tokens 256 --json |
     python3 -c '
 import json, sys

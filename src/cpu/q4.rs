@@ -8,8 +8,9 @@
 //!
 //! A product takes the activations quantized to eight bits as `q8` does (`Q8Row`), so
 //! a block's dot product is 32 integer multiplications summed exactly and scaled once:
-//! AVX2 integer instructions where the CPU has them, plain Rust elsewhere, both exact
-//! per block and differing only in the order the scaled blocks are added.
+//! AVX2 integer instructions two blocks at a time where the CPU has them, plain Rust
+//! elsewhere, both exact in integers and differing only in the order the scaled sums
+//! are added.
 
 use half::f16;
 use rayon::prelude::*;
@@ -162,6 +163,11 @@ impl Q4Matrix {
 /// Σ over blocks of (w scale x x scale) x Σ (q_i - 8) x_i, at `level`.
 fn dot(level: Isa, nibbles: &[u8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
+    if level >= Isa::Avx512 {
+        // Safety: the active level never exceeds what the CPU has.
+        return unsafe { dot_avx512(nibbles, ws, xq, xs) };
+    }
+    #[cfg(target_arch = "x86_64")]
     if level >= Isa::Avx2 {
         // Safety: the active level never exceeds what the CPU has, and AVX2 + FMA are
         // part of every level from Avx2 up.
@@ -169,6 +175,65 @@ fn dot(level: Isa, nibbles: &[u8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
     }
     let _ = level;
     dot_portable(nibbles, ws, xq, xs)
+}
+
+/// [`dot_avx2`]'s sums four blocks a step in 512-bit registers: lane group k (four
+/// i32 lanes) holds block k's; x's halves are gathered to match by one shuffle each.
+/// The blocks left over (up to three) go to `dot_avx2`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn dot_avx512(nibbles: &[u8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let blocks = ws.len();
+    debug_assert!(
+        nibbles.len() >= blocks * HALF && xq.len() >= blocks * BLOCK && xs.len() >= blocks
+    );
+    let low_bits = _mm512_set1_epi8(0x0F);
+    let eight = _mm512_set1_epi8(8);
+    let ones = _mm512_set1_epi16(1);
+    // Lane i takes the scale of block i / 4.
+    let spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    let mut acc = _mm512_setzero_ps();
+    let whole = blocks & !3;
+    for b in (0..whole).step_by(4) {
+        // Safety: each slice holds `blocks` whole blocks; b + 3 < blocks.
+        let packed = _mm512_loadu_si512(nibbles.as_ptr().add(b * HALF).cast());
+        let low = _mm512_and_si512(packed, low_bits);
+        let high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_bits);
+        let x = xq.as_ptr().add(b * BLOCK);
+        // Blocks b, b+1 and b+2, b+3 as they lie: [lo16, hi16] of each.
+        let (first, second) = (
+            _mm512_loadu_si512(x.cast()),
+            _mm512_loadu_si512(x.add(2 * BLOCK).cast()),
+        );
+        let x_low = _mm512_shuffle_i64x2(first, second, 0b10_00_10_00);
+        let x_high = _mm512_shuffle_i64x2(first, second, 0b11_01_11_01);
+        let products = _mm512_add_epi16(
+            _mm512_maddubs_epi16(low, x_low),
+            _mm512_maddubs_epi16(high, x_high),
+        );
+        let offsets = _mm512_add_epi16(
+            _mm512_maddubs_epi16(eight, x_low),
+            _mm512_maddubs_epi16(eight, x_high),
+        );
+        let sums = _mm512_madd_epi16(_mm512_sub_epi16(products, offsets), ones);
+        let scales = _mm_mul_ps(
+            _mm_loadu_ps(ws.as_ptr().add(b)),
+            _mm_loadu_ps(xs.as_ptr().add(b)),
+        );
+        let scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scales));
+        acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), acc);
+    }
+    let mut sum = _mm512_reduce_add_ps(acc);
+    if whole < blocks {
+        sum += dot_avx2(
+            &nibbles[whole * HALF..blocks * HALF],
+            &ws[whole..],
+            &xq[whole * BLOCK..blocks * BLOCK],
+            &xs[whole..],
+        );
+    }
+    sum
 }
 
 /// The blocks' exact integer sums, scaled and added in block order.
@@ -193,6 +258,12 @@ pub fn dot_portable(nibbles: &[u8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
     sum
 }
 
+/// Two blocks a step: their 32 bytes of 4-bit values split into the low halves (both
+/// blocks' values 0..16) and the high ones (16..32), each multiplied with the matching
+/// halves of x by `vpmaddubsw` (4-bit values are unsigned bytes as they lie), less 8
+/// times x's pair sums: Σ (q - 8) x, exact in 16 bits (at most 4 x 15 x 127 a lane).
+/// Lanes 0..4 then hold the first block's sums, 4..8 the second's, each scaled by its
+/// block's scales. An odd last block is summed by the portable code.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_avx2(nibbles: &[u8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
@@ -205,27 +276,44 @@ unsafe fn dot_avx2(nibbles: &[u8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
     let eight = _mm256_set1_epi8(8);
     let ones = _mm256_set1_epi16(1);
     let mut acc = _mm256_setzero_ps();
-    for b in 0..blocks {
+    for b in (0..blocks & !1).step_by(2) {
         // Safety: each slice holds `blocks` whole blocks (asserted above in debug, by
-        // construction in every caller).
-        let packed = _mm_loadu_si128(nibbles.as_ptr().add(b * HALF).cast());
-        // Bytes 0..16 the low halves (values 0..16), 16..32 the high ones (16..32).
-        let both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-        let w = _mm256_sub_epi8(_mm256_and_si256(both, low_bits), eight);
-        let x = _mm256_loadu_si256(xq.as_ptr().add(b * BLOCK).cast());
-        // As in q8: |x| times w with x's sign; w in -8..=7, x in -127..=127, so a
-        // pair's sum fits i16.
-        let magnitude = _mm256_sign_epi8(x, x);
-        let signed = _mm256_sign_epi8(w, x);
-        let pairs = _mm256_maddubs_epi16(magnitude, signed);
-        let quads = _mm256_madd_epi16(pairs, ones);
-        let scale = _mm256_set1_ps(*ws.get_unchecked(b) * *xs.get_unchecked(b));
-        acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(quads), acc);
+        // construction in every caller); b + 1 < blocks.
+        let packed = _mm256_loadu_si256(nibbles.as_ptr().add(b * HALF).cast());
+        let low = _mm256_and_si256(packed, low_bits);
+        let high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_bits);
+        let x = xq.as_ptr().add(b * BLOCK);
+        let x_low = _mm256_loadu2_m128i(x.add(BLOCK).cast(), x.cast());
+        let x_high = _mm256_loadu2_m128i(x.add(BLOCK + HALF).cast(), x.add(HALF).cast());
+        let products = _mm256_add_epi16(
+            _mm256_maddubs_epi16(low, x_low),
+            _mm256_maddubs_epi16(high, x_high),
+        );
+        let offsets = _mm256_add_epi16(
+            _mm256_maddubs_epi16(eight, x_low),
+            _mm256_maddubs_epi16(eight, x_high),
+        );
+        let sums = _mm256_madd_epi16(_mm256_sub_epi16(products, offsets), ones);
+        let scale = _mm256_set_m128(
+            _mm_set1_ps(*ws.get_unchecked(b + 1) * *xs.get_unchecked(b + 1)),
+            _mm_set1_ps(*ws.get_unchecked(b) * *xs.get_unchecked(b)),
+        );
+        acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), acc);
     }
     let halves = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
     let one = _mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1));
-    _mm_cvtss_f32(one)
+    let mut sum = _mm_cvtss_f32(one);
+    if blocks % 2 == 1 {
+        let last = blocks - 1;
+        sum += dot_portable(
+            &nibbles[last * HALF..blocks * HALF],
+            &ws[last..],
+            &xq[last * BLOCK..blocks * BLOCK],
+            &xs[last..],
+        );
+    }
+    sum
 }
 
 #[cfg(test)]
@@ -307,12 +395,21 @@ mod tests {
                 assert!((f64::from(both[r - 3]) - want).abs() < 1e-5);
             }
         }
-        // Every level the CPU has sums each block exactly: the same to f32 rounding.
-        for level in Isa::supported() {
-            let (a, b) = (
-                dot(level, &q.nibbles[..4 * HALF], &q.scales[..4], xq, xs),
-                dot_portable(&q.nibbles[..4 * HALF], &q.scales[..4], xq, xs),
-            );
+        // Every level the CPU has sums each block exactly: the same to f32 rounding,
+        // over whole groups of blocks and with some left over.
+        let (rows, cols) = (2, 7 * BLOCK + 5);
+        let w = values(rows * cols, 5);
+        let q = Q4Matrix::quantize(&w, rows, cols);
+        let mut qx = Q8Row::default();
+        q.quantize_row(&values(cols, 6), &mut qx);
+        let (xq, xs) = qx.parts();
+        let sizes = [1, 2, 3, 4, 5, 8];
+        for (level, blocks) in Isa::supported()
+            .into_iter()
+            .flat_map(|l| sizes.map(|b| (l, b)))
+        {
+            let (w, s) = (&q.nibbles[..blocks * HALF], &q.scales[..blocks]);
+            let (a, b) = (dot(level, w, s, xq, xs), dot_portable(w, s, xq, xs));
             assert!(
                 (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
                 "{level:?}: {a} vs {b}"
