@@ -173,7 +173,13 @@ macro_rules! check_blocks {
         use tinygpt::cpu::q8::{Q8Matrix, Q8Row, BLOCK};
         let level = $level;
         let kind = stringify!($matrix);
-        for (rows, cols, n) in [(1, 1, 1), (5, 32, 3), (17, 100, 2), (64, 768, 5)] {
+        for (rows, cols, n) in [
+            (1, 1, 1),
+            (5, 32, 3),
+            (3, 70, 2),
+            (17, 100, 2),
+            (64, 768, 5),
+        ] {
             let mut w = values(rows * cols, 7);
             w[0] = -1.0; // the block's largest magnitude, on the negative side
             let xs: Vec<Vec<f32>> = (0..n).map(|r| values(cols, 11 + r as u32)).collect();
