@@ -153,7 +153,7 @@ pub fn evaluate_until(
 }
 
 /// [`evaluate_until`] through the fused CPU decoder holding `weights` (in whatever
-/// precision they are: this measures what bf16 or int8 weights cost): the same windows,
+/// precision they are: this measures what bf16, int8 or int4 weights cost): the same windows,
 /// the same predictions scored, a window at a time.
 pub fn evaluate_decoding(
     weights: &std::sync::Arc<crate::cpu::DecodeWeights>,

@@ -621,7 +621,7 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
         case(
             "unknown decoding precision",
             &format!("{g} --prompt Now --dtype f16"),
-            "--dtype \"f16\": use f32, bf16 or int8",
+            "--dtype \"f16\": use f32, bf16, int8 or int4",
         ),
         case(
             "attention layer out of range",

@@ -9,7 +9,7 @@
 //!
 //! Where the weights come from is `Values`: copies in memory, or the f32 tensors of a
 //! checkpoint file mapped into memory and used where they lie (`crate::mapped`). A
-//! matrix converted to bf16 or int8 is converted a slice of rows at a time, each slice's
+//! matrix converted to bf16, int8 or int4 is converted a slice of rows at a time, each slice's
 //! pages of the file released once read, so the f32 file is never resident as a whole:
 //! the process holds about the converted model, not the model twice.
 //!
