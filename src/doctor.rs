@@ -201,7 +201,7 @@ fn values(n: usize, seed: u32) -> Vec<f32> {
 fn kernel_errors(faults: &Faults) -> Result<Vec<(&'static str, f64, f64)>> {
     use crate::cpu::gemm::{matmul, Precision as P};
     use crate::cpu::matrix::{Product, Strided};
-    use crate::cpu::q8::{Q8Matrix, Q8Row};
+    use crate::cpu::q8::{BlockMatrix, Q8Matrix, Q8Row};
     use crate::cpu::weight_rows::{project_rows, Bf16, Widen};
     let (m, n, k) = (7, 45, 70);
     let (a, b) = (values(m * k, 1), values(n * k, 2));
@@ -567,21 +567,9 @@ fn metal_checks(report: &mut Report, place: &str, gpu: &Device, faults: &Faults)
 /// [`cuda_first_use`]'s are.
 #[cfg(feature = "metal")]
 pub fn metal_first_use(gpu: &Device) -> Result<FirstUse> {
-    let faults = Faults::from_env();
     let place = crate::device::name(gpu);
-    let key = format!(
-        "{} | {} | fault {:?}",
-        metal_description(gpu),
-        binary_identity(),
-        faults.perturb
-    );
-    first_use_with(&key, cache_dir().as_deref(), || {
-        let mut report = Report {
-            devices: Vec::new(),
-            checks: Vec::new(),
-        };
-        metal_checks(&mut report, &place, gpu, &faults)?;
-        Ok(report)
+    remembered(&metal_description(gpu), |report, faults| {
+        metal_checks(report, &place, gpu, faults)
     })
 }
 
@@ -599,7 +587,6 @@ pub enum FirstUse {
 /// nothing is remembered where none can be written).
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 pub fn cuda_first_use(gpu: Option<&Device>) -> Result<FirstUse> {
-    let faults = Faults::from_env();
     let place = match gpu {
         #[cfg(feature = "cuda")]
         Some(d) => crate::device::name(d),
@@ -610,6 +597,19 @@ pub fn cuda_first_use(gpu: Option<&Device>) -> Result<FirstUse> {
         Some(d) => gpu_description(d),
         _ => "the CPU emulator".to_string(),
     };
+    remembered(&what, |report, faults| {
+        cuda_checks(report, &place, gpu, faults)
+    })
+}
+
+/// The first-use verdict of the checks `run` makes on the device `what` describes,
+/// remembered per device, binary and injected fault (`first_use_with`).
+#[cfg(any(feature = "cuda", feature = "cuda-emulator", feature = "metal"))]
+fn remembered(
+    what: &str,
+    run: impl FnOnce(&mut Report, &Faults) -> Result<()>,
+) -> Result<FirstUse> {
+    let faults = Faults::from_env();
     let key = format!(
         "{what} | {} | fault {:?}",
         binary_identity(),
@@ -620,7 +620,7 @@ pub fn cuda_first_use(gpu: Option<&Device>) -> Result<FirstUse> {
             devices: Vec::new(),
             checks: Vec::new(),
         };
-        cuda_checks(&mut report, &place, gpu, &faults)?;
+        run(&mut report, &faults)?;
         Ok(report)
     })
 }

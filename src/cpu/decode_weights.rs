@@ -28,7 +28,7 @@ use super::ops::activation::Activation;
 use super::ops::norm::NormWeights;
 use super::ops::rope::Rope;
 use super::q4::Q4Matrix;
-use super::q8::{Q8Matrix, Q8Row};
+use super::q8::{BlockMatrix, Q8Matrix, Q8Row};
 use super::threads::threads;
 use super::weight_rows::{by_output_shares, project_rows, splits, Bf16, Widen};
 use crate::config::PositionKind;
@@ -393,51 +393,11 @@ fn convert_rows(w: &Values, d_out: usize, d_in: usize, mut convert: impl FnMut(u
     }
 }
 
-/// A matrix in blocks whose products take the activations in eight bits (`Q8Row`).
-trait Quantized: Sync {
-    fn rows(&self) -> usize;
-    fn cols(&self) -> usize;
-    fn quantize_row(&self, x: &[f32], into: &mut Q8Row);
-    fn matvec(&self, first: usize, x: &Q8Row, bias: Option<&[f32]>, out: &mut [f32]);
-    fn matmat(&self, first: usize, len: usize, xs: &[Q8Row], bias: Option<&[f32]>, out: &mut [f32]);
-}
-
-macro_rules! quantized {
-    ($matrix:ty) => {
-        impl Quantized for $matrix {
-            fn rows(&self) -> usize {
-                <$matrix>::rows(self)
-            }
-            fn cols(&self) -> usize {
-                <$matrix>::cols(self)
-            }
-            fn quantize_row(&self, x: &[f32], into: &mut Q8Row) {
-                <$matrix>::quantize_row(self, x, into)
-            }
-            fn matvec(&self, first: usize, x: &Q8Row, bias: Option<&[f32]>, out: &mut [f32]) {
-                <$matrix>::matvec(self, first, x, bias, out)
-            }
-            fn matmat(
-                &self,
-                first: usize,
-                len: usize,
-                xs: &[Q8Row],
-                bias: Option<&[f32]>,
-                out: &mut [f32],
-            ) {
-                <$matrix>::matmat(self, first, len, xs, bias, out)
-            }
-        }
-    };
-}
-quantized!(Q8Matrix);
-quantized!(Q4Matrix);
-
 /// out = x Wᵀ + bias from W in eight or four bits, for every row of x (each quantized
 /// once). The outputs are shared out over the threads and each thread takes every row,
 /// so a weight is read from memory once per call, whatever the number of rows.
 fn project_quantized(
-    w: &impl Quantized,
+    w: &impl BlockMatrix,
     bias: Option<&[f32]>,
     x: &[f32],
     out: &mut [f32],

@@ -15,8 +15,8 @@
 use half::f16;
 use rayon::prelude::*;
 
-use super::isa::{self, Isa};
-use super::q8::{matmat_by, matvec_by, Q8Row, BLOCK};
+use super::isa::Isa;
+use super::q8::{BlockMatrix, Q8Row, BLOCK};
 
 /// Bytes of 4-bit values a block.
 const HALF: usize = BLOCK / 2;
@@ -100,14 +100,6 @@ impl Q4Matrix {
             });
     }
 
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    pub fn cols(&self) -> usize {
-        self.cols
-    }
-
     /// Bytes held: the 4-bit values and the scales.
     pub fn bytes(&self) -> usize {
         self.nibbles.len() + 4 * self.scales.len()
@@ -124,34 +116,17 @@ impl Q4Matrix {
             *out = f32::from(q as i8 - 8) * scales[b];
         }
     }
+}
 
-    /// `x` (one row of `cols` values) quantized for products with this matrix.
-    pub fn quantize_row(&self, x: &[f32], into: &mut Q8Row) {
-        assert_eq!(x.len(), self.cols, "a row as wide as the matrix");
-        into.quantize(x);
+impl BlockMatrix for Q4Matrix {
+    fn rows(&self) -> usize {
+        self.rows
     }
 
-    /// out[o] = row (first + o) · x (+ bias[o]) for the outputs in `out`.
-    pub fn matvec(&self, first: usize, x: &Q8Row, bias: Option<&[f32]>, out: &mut [f32]) {
-        let level = isa::active();
-        matvec_by(first, x, bias, out, |r, x| self.dot_row(level, r, x));
+    fn cols(&self) -> usize {
+        self.cols
     }
 
-    /// out[r, o] = row (first + o) · xs[r] (+ bias[o]) for `len` outputs of every row
-    /// (`out` is (rows, len)), each weight row read once for all the rows.
-    pub fn matmat(
-        &self,
-        first: usize,
-        len: usize,
-        xs: &[Q8Row],
-        bias: Option<&[f32]>,
-        out: &mut [f32],
-    ) {
-        let level = isa::active();
-        matmat_by(first, len, xs, bias, out, |r, x| self.dot_row(level, r, x));
-    }
-
-    /// Row `r` · x.
     fn dot_row(&self, level: Isa, r: usize, x: &Q8Row) -> f32 {
         let nibbles = &self.nibbles[r * self.blocks * HALF..(r + 1) * self.blocks * HALF];
         let scales = &self.scales[r * self.blocks..(r + 1) * self.blocks];

@@ -114,14 +114,6 @@ impl Q8Matrix {
             .for_each(|((q, s), row)| quantize_into(row, q, s));
     }
 
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    pub fn cols(&self) -> usize {
-        self.cols
-    }
-
     /// Bytes held: the int8 values and the scales.
     pub fn bytes(&self) -> usize {
         self.quants.len() + 4 * self.scales.len()
@@ -135,35 +127,17 @@ impl Q8Matrix {
             *out = f32::from(q[i]) * s[i / BLOCK];
         }
     }
+}
 
-    /// `x` (one row of `cols` values) quantized for products with this matrix.
-    pub fn quantize_row(&self, x: &[f32], into: &mut Q8Row) {
-        assert_eq!(x.len(), self.cols, "a row as wide as the matrix");
-        into.quantize(x);
+impl BlockMatrix for Q8Matrix {
+    fn rows(&self) -> usize {
+        self.rows
     }
 
-    /// out[o] = row (first + o) · x (+ bias[o]) for the outputs in `out`.
-    pub fn matvec(&self, first: usize, x: &Q8Row, bias: Option<&[f32]>, out: &mut [f32]) {
-        let level = isa::active();
-        matvec_by(first, x, bias, out, |r, x| self.dot_row(level, r, x));
+    fn cols(&self) -> usize {
+        self.cols
     }
 
-    /// out[r, o] = row (first + o) · xs[r] (+ bias[o]) for `len` outputs of every row
-    /// (`out` is (rows, len)): a weight row is read once, for all the rows, while it is
-    /// in the cache.
-    pub fn matmat(
-        &self,
-        first: usize,
-        len: usize,
-        xs: &[Q8Row],
-        bias: Option<&[f32]>,
-        out: &mut [f32],
-    ) {
-        let level = isa::active();
-        matmat_by(first, len, xs, bias, out, |r, x| self.dot_row(level, r, x));
-    }
-
-    /// Row `r` · x.
     fn dot_row(&self, level: Isa, r: usize, x: &Q8Row) -> f32 {
         let width = self.blocks * BLOCK;
         let (wq, ws) = (
@@ -190,34 +164,46 @@ impl Q8Row {
     }
 }
 
-/// out[o] = dot(first + o, x) (+ bias[o]): a matrix-vector product for any
-/// block-quantized matrix, given its row dot product.
-pub(crate) fn matvec_by(
-    first: usize,
-    x: &Q8Row,
-    bias: Option<&[f32]>,
-    out: &mut [f32],
-    dot: impl Fn(usize, &Q8Row) -> f32,
-) {
-    for (o, out) in out.iter_mut().enumerate() {
-        *out = dot(first + o, x) + bias.map_or(0.0, |b| b[o]);
-    }
-}
+/// A matrix in blocks of [`BLOCK`] whose products take the activations in eight bits
+/// ([`Q8Row`]): this module's and `q4`'s. Each gives its row dot product; the products
+/// over many outputs and rows are written once, here.
+pub trait BlockMatrix: Sync {
+    fn rows(&self) -> usize;
+    fn cols(&self) -> usize;
+    /// Row `r` · x at `level`.
+    fn dot_row(&self, level: Isa, r: usize, x: &Q8Row) -> f32;
 
-/// out[r, o] = dot(first + o, xs[r]) (+ bias[o]) for `len` outputs of every row, each
-/// weight row taken once for all the rows.
-pub(crate) fn matmat_by(
-    first: usize,
-    len: usize,
-    xs: &[Q8Row],
-    bias: Option<&[f32]>,
-    out: &mut [f32],
-    dot: impl Fn(usize, &Q8Row) -> f32,
-) {
-    for o in 0..len {
-        let b = bias.map_or(0.0, |b| b[o]);
-        for (x, out) in xs.iter().zip(out.chunks_exact_mut(len)) {
-            out[o] = dot(first + o, x) + b;
+    /// `x` (one row of `cols` values) quantized for products with this matrix.
+    fn quantize_row(&self, x: &[f32], into: &mut Q8Row) {
+        assert_eq!(x.len(), self.cols(), "a row as wide as the matrix");
+        into.quantize(x);
+    }
+
+    /// out[o] = row (first + o) · x (+ bias[o]) for the outputs in `out`.
+    fn matvec(&self, first: usize, x: &Q8Row, bias: Option<&[f32]>, out: &mut [f32]) {
+        let level = isa::active();
+        for (o, out) in out.iter_mut().enumerate() {
+            *out = self.dot_row(level, first + o, x) + bias.map_or(0.0, |b| b[o]);
+        }
+    }
+
+    /// out[r, o] = row (first + o) · xs[r] (+ bias[o]) for `len` outputs of every row
+    /// (`out` is (rows, len)): a weight row is read once, for all the rows, while it is
+    /// in the cache.
+    fn matmat(
+        &self,
+        first: usize,
+        len: usize,
+        xs: &[Q8Row],
+        bias: Option<&[f32]>,
+        out: &mut [f32],
+    ) {
+        let level = isa::active();
+        for o in 0..len {
+            let b = bias.map_or(0.0, |b| b[o]);
+            for (x, out) in xs.iter().zip(out.chunks_exact_mut(len)) {
+                out[o] = self.dot_row(level, first + o, x) + b;
+            }
         }
     }
 }
