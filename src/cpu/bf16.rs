@@ -186,6 +186,10 @@ impl Problem<'_> {
     /// rows and cols must lie inside the bounds checked by `matmul`, and no other
     /// thread may touch this block of dst meanwhile.
     unsafe fn run(&self, rows: std::ops::Range<usize>, cols: std::ops::Range<usize>) {
+        #[cfg(target_arch = "x86_64")]
+        if super::isa::active() == super::isa::Isa::Amx {
+            return super::amx::multiply(self.dst, self.dst_row, &self.p, rows, cols);
+        }
         self.run_with(pick_kernel(), rows, cols)
     }
 
@@ -527,7 +531,7 @@ fn pick_kernel() -> Kernel {
 pub fn has_avx512_bf16() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        super::isa::active() == super::isa::Isa::Avx512
+        super::isa::active() >= super::isa::Isa::Avx512
             && std::arch::is_x86_feature_detected!("avx512bf16")
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -811,6 +815,33 @@ mod tests {
         check("portable", run);
     }
 
+    /// The AMX tiles (`amx`), called directly whatever the active level, on CPUs that
+    /// have them; named as skipped elsewhere.
+    #[test]
+    fn the_amx_tiles_match_too() {
+        #[cfg(target_arch = "x86_64")]
+        if super::super::amx::ready() {
+            fn run(
+                dst: &mut [f32],
+                dst_row: usize,
+                a: Strided,
+                b: Strided,
+                (m, n, k): (usize, usize, usize),
+                acc: bool,
+                beta: f32,
+            ) {
+                let p = product(a, b, (m, n, k), acc, beta);
+                p.check_bounds(dst, dst_row);
+                // Safety: AMX is ready; the whole (m, n) block of a buffer sized for it,
+                // on this thread.
+                unsafe { super::super::amx::multiply(dst.as_mut_ptr(), dst_row, &p, 0..m, 0..n) }
+            }
+            check("amx", run);
+            return;
+        }
+        eprintln!("SKIPPED: this CPU (or OS) has no AMX tiles with bf16 products");
+    }
+
     #[test]
     fn big_products_split_over_threads_agree_with_one_thread() {
         let (m, n, k) = (300, 200, 100);
@@ -832,6 +863,30 @@ mod tests {
             one, many,
             "each element is summed in the same order either way"
         );
+    }
+
+    /// `p` on one thread into copies of `start` (rows `dst_row` apart), once by each
+    /// kernel this CPU has: the vector one and, where there are tiles, AMX.
+    fn every_kernel(start: &[f32], dst_row: usize, p: Product) -> Vec<(&'static str, Vec<f32>)> {
+        let mut out = Vec::new();
+        let mut got = start.to_vec();
+        p.check_bounds(&got, dst_row);
+        let problem = Problem {
+            dst: got.as_mut_ptr(),
+            dst_row,
+            p,
+        };
+        // Safety: bounds checked above, on this thread; the picked kernel is one the CPU has.
+        unsafe { problem.run_with(pick_kernel(), 0..p.m, 0..p.n) };
+        out.push(("vector", got));
+        #[cfg(target_arch = "x86_64")]
+        if super::super::amx::ready() {
+            let mut got = start.to_vec();
+            // Safety: AMX is ready; bounds checked above, on this thread.
+            unsafe { super::super::amx::multiply(got.as_mut_ptr(), dst_row, &p, 0..p.m, 0..p.n) };
+            out.push(("amx", got));
+        }
+        out
     }
 
     /// Causal attention products (T x T operands, both layouts of A) against the
@@ -878,21 +933,22 @@ mod tests {
                     };
                     for accumulate in [false, true] {
                         let start = values(m * n, 9);
-                        let (mut got, mut want) = (start.clone(), start.clone());
+                        let mut want = start.clone();
                         let run = (m, n, k);
-                        let p = product(a(&a_data), b, run, accumulate, 0.5);
-                        matmul_serial(&mut got, n, p.causal(causal));
+                        let p = product(a(&a_data), b, run, accumulate, 0.5).causal(causal);
                         oracle(&mut want, n, &a(&a_data), &b, run, accumulate, 0.5);
-                        for i in 0..m {
-                            for j in 0..n {
-                                if causal == Causal::LowerDst && j > i {
-                                    continue;
+                        for (kernel, got) in every_kernel(&start, n, p) {
+                            for i in 0..m {
+                                for j in 0..n {
+                                    if causal == Causal::LowerDst && j > i {
+                                        continue;
+                                    }
+                                    let (g, w) = (got[i * n + j], want[i * n + j]);
+                                    assert!(
+                                        (g - w).abs() <= 1e-5 * (1.0 + k as f32).sqrt(),
+                                        "{kernel} {causal:?} t={t} a_t={a_t} acc={accumulate} ({i},{j}): {g} vs {w}"
+                                    );
                                 }
-                                let (g, w) = (got[i * n + j], want[i * n + j]);
-                                assert!(
-                                    (g - w).abs() <= 1e-5 * (1.0 + k as f32).sqrt(),
-                                    "{causal:?} t={t} a_t={a_t} acc={accumulate} ({i},{j}): {g} vs {w}"
-                                );
                             }
                         }
                     }

@@ -84,7 +84,7 @@ fn gemm_f32(dst: &mut [f32], dst_row: usize, p: Product, threads: Parallelism) {
     }
     let kernel: GemmF32 = match isa::active() {
         #[cfg(target_arch = "x86_64")]
-        isa::Isa::Avx512 => avx512::gemm,
+        isa::Isa::Avx512 | isa::Isa::Amx => avx512::gemm,
         #[cfg(target_arch = "x86_64")]
         isa::Isa::Avx2 => avx2::gemm,
         // NEON is aarch64's baseline: its micro-kernels are the portable level there.

@@ -1,5 +1,5 @@
 //! Which vector instructions the CPU kernels use: the best the CPU has, capped by the
-//! environment variable `TINYGPT_CPU_ISA` (`avx512`, `avx2` or `scalar`), as oneDNN's
+//! environment variable `TINYGPT_CPU_ISA` (`amx`, `avx512`, `avx2` or `scalar`), as oneDNN's
 //! `ONEDNN_MAX_CPU_ISA` caps oneDNN. So any machine can run, measure and test the path a
 //! laptop without AVX-512 takes. Every kernel we dispatch reads [`active`]: our
 //! multiversioned loops, the f32 GEMM (the `gemm` crate's micro-kernels, chosen here
@@ -25,16 +25,20 @@ pub enum Isa {
     Avx2,
     /// AVX-512 F/BW/DQ/VL (x86-64-v4).
     Avx512,
+    /// AVX-512 and AMX tiles with bf16 products (Intel Xeon from Sapphire Rapids on,
+    /// where the OS grants them): bf16 training's products run on the tiles.
+    Amx,
 }
 
 impl Isa {
-    pub const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Avx512];
+    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Amx];
 
     pub fn name(self) -> &'static str {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
+            Isa::Amx => "amx",
         }
     }
 
@@ -52,6 +56,9 @@ impl Isa {
             {
                 use std::arch::is_x86_feature_detected as has;
                 if has!("avx512f") && has!("avx512bw") && has!("avx512dq") && has!("avx512vl") {
+                    if super::amx::ready() {
+                        return Isa::Amx;
+                    }
                     return Isa::Avx512;
                 }
                 if has!("avx2") && has!("fma") {
@@ -78,7 +85,9 @@ pub fn cap_from_env() -> Result<Option<Isa>, String> {
         Err(_) => Ok(None),
         Ok(value) if value.trim().is_empty() => Ok(None),
         Ok(value) => Isa::parse(&value).map(Some).ok_or_else(|| {
-            format!("{ENV}={value:?} is not a CPU level; use avx512, avx2 or scalar (or unset it)")
+            format!(
+                "{ENV}={value:?} is not a CPU level; use amx, avx512, avx2 or scalar (or unset it)"
+            )
         }),
     }
 }
@@ -174,7 +183,7 @@ mod tests {
         assert_eq!(Isa::parse("AVX2"), Some(Isa::Avx2));
         assert_eq!(Isa::parse(" scalar "), Some(Isa::Scalar));
         assert_eq!(Isa::parse("sse4"), None);
-        assert!(Isa::Scalar < Isa::Avx2 && Isa::Avx2 < Isa::Avx512);
+        assert!(Isa::Scalar < Isa::Avx2 && Isa::Avx2 < Isa::Avx512 && Isa::Avx512 < Isa::Amx);
         for isa in Isa::ALL {
             assert_eq!(Isa::parse(isa.name()), Some(isa));
         }

@@ -22,7 +22,7 @@ macro_rules! multiversion {
                 unsafe fn v3($($arg: $ty),*) $(-> $ret)? { portable($($arg),*) }
                 match $crate::cpu::isa::active() {
                     // Safety: the active level never exceeds what the CPU has.
-                    $crate::cpu::isa::Isa::Avx512 => return unsafe { v4($($arg),*) },
+                    $crate::cpu::isa::Isa::Avx512 | $crate::cpu::isa::Isa::Amx => return unsafe { v4($($arg),*) },
                     $crate::cpu::isa::Isa::Avx2 => return unsafe { v3($($arg),*) },
                     $crate::cpu::isa::Isa::Scalar => {}
                 }

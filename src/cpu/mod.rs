@@ -11,6 +11,8 @@
 // Compiled for its tests everywhere; it calls Apple's BLAS on macOS alone.
 #[cfg(any(test, all(feature = "accelerate", target_os = "macos")))]
 mod accelerate;
+#[cfg(target_arch = "x86_64")]
+pub mod amx;
 pub mod bf16;
 pub mod decode;
 pub mod decode_weights;
