@@ -18,7 +18,6 @@
 use std::cell::RefCell;
 use std::ops::Range;
 
-use super::bf16::to_bf16_bits;
 use super::matrix::{Causal, Product, Strided};
 
 /// Rows and columns of one block of dst (2 x 2 tiles).
@@ -41,7 +40,10 @@ pub fn ready() -> bool {
             // CPUID leaf 7: EDX bit 22 is AMX-BF16, bit 24 AMX-TILE.
             // Safety: leaf 7 exists on every x86-64 CPU that has AVX2.
             let leaf = std::arch::x86_64::__cpuid_count(7, 0);
-            if leaf.edx & (1 << 22) == 0 || leaf.edx & (1 << 24) == 0 {
+            // The packers convert with AVX-512 BF16 (every CPU with AMX has it).
+            let bf16 = std::arch::is_x86_feature_detected!("avx512bf16")
+                && std::arch::is_x86_feature_detected!("avx512bw");
+            if !bf16 || leaf.edx & (1 << 22) == 0 || leaf.edx & (1 << 24) == 0 {
                 return false;
             }
             const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
@@ -58,6 +60,13 @@ pub fn ready() -> bool {
         #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
         false
     })
+}
+
+/// Whether `multiply` takes `p`: each operand has rows or columns next to each other
+/// in memory (the packers read along one or the other).
+pub fn takes(p: &Product) -> bool {
+    let unit = |s: &Strided| s.row == 1 || s.col == 1;
+    unit(&p.a) && unit(&p.b)
 }
 
 /// Pack buffers, one set per thread, grown on first use and then reused.
@@ -78,7 +87,7 @@ thread_local! {
 /// # Safety
 /// [`ready`] must have returned true; `dst` (rows `dst_row` apart) must hold the block,
 /// which no other thread touches meanwhile, and `p`'s operands every element it reads
-/// (`Product::check_bounds`).
+/// (`Product::check_bounds`); [`takes`] must accept `p`.
 pub unsafe fn multiply(
     dst: *mut f32,
     dst_row: usize,
@@ -86,6 +95,7 @@ pub unsafe fn multiply(
     rows: Range<usize>,
     cols: Range<usize>,
 ) {
+    debug_assert!(takes(p));
     if rows.is_empty() || cols.is_empty() {
         return;
     }
@@ -144,13 +154,8 @@ pub unsafe fn multiply(
                             height,
                             width,
                         };
-                        tiles.block(
-                            &a_rows[from..],
-                            pairs,
-                            &panel[from * BLOCK..],
-                            (to - from) / TILE_PAIRS,
-                            target,
-                        );
+                        let (a, b) = (&a_rows[from * BLOCK..], &panel[from * BLOCK..]);
+                        tiles.block(a, b, (to - from) / TILE_PAIRS, target);
                     }
                 }
             }
@@ -173,144 +178,299 @@ fn scratch(buffer: &mut Vec<u32>, len: usize) -> &mut [u32] {
     &mut buffer[skip..skip + len]
 }
 
-super::kernels::multiversion! {
-    /// Rows i0..i0+mc, k k0..k0+kc of `a` as pair words, row after row, `pairs` words a
-    /// row: word (i, p) at i * pairs + p. Rows past mc (to a multiple of 32) and pairs
-    /// past kc are zeros, and so are the elements `causal` says are zero (`LowerA`,
-    /// `UpperA`): whole tiles straddle the diagonal, and memory there may be stale.
-    #[allow(clippy::too_many_arguments)]
-    pub fn pack_a(
-        out: &mut [u32],
-        a: &Strided,
-        i0: usize,
-        mc: usize,
-        k0: usize,
-        kc: usize,
-        pairs: usize,
-        causal: Causal,
-    ) {
-        let used = kc.div_ceil(2);
-        let (real, padding) = out.split_at_mut(mc * pairs);
-        padding.fill(0);
-        if a.row == 1 && a.col != 1 {
-            // A's columns (fixed k) run along memory: zip pairs of them, all rows at once.
-            for p in 0..used {
-                let even = &a.data[(k0 + 2 * p) * a.col + i0..][..mc];
-                let odd_k = k0 + 2 * p + 1;
-                for (i, &e) in even.iter().enumerate() {
-                    let o = if 2 * p + 1 < kc { a.data[odd_k * a.col + i0 + i] } else { 0.0 };
-                    real[i * pairs + p] = pair(e, o);
-                }
+/// Where word (line, p) of a packed block lies: the block is 32 lines (rows of A,
+/// columns of B) by `pairs` k pairs, stored tile after tile so that each tile the
+/// kernel loads is 1 KiB of contiguous memory: step s (pairs 16s..16s+16) holds the
+/// tile of lines 0-15, then that of lines 16-31. Within A's tiles a row is 16 pairs
+/// (word (r, q) at r * 16 + q); within B's a row is a pair of 16 columns (q * 16 + r).
+#[inline(always)]
+fn tile_base(line: usize, p: usize) -> usize {
+    (p / TILE_PAIRS) * 2 * TILE_WORDS + (line / 16) * TILE_WORDS
+}
+
+/// Words in one tile (16 rows of 64 bytes).
+const TILE_WORDS: usize = 256;
+
+/// Rows i0..i0+mc, k k0..k0+kc of `a` as 32-row blocks of pair words (`tile_base`; a
+/// row's 16 pairs of a step side by side). Rows past mc (to a multiple of 32) and
+/// pairs past kc are zeros, and so are the elements `causal` says are zero (`LowerA`,
+/// `UpperA`): whole tiles straddle the diagonal, and nothing else guarantees zeros there.
+#[allow(clippy::too_many_arguments)]
+fn pack_a(
+    out: &mut [u32],
+    a: &Strided,
+    i0: usize,
+    mc: usize,
+    k0: usize,
+    kc: usize,
+    pairs: usize,
+    causal: Causal,
+) {
+    let used = kc.div_ceil(2);
+    let block = BLOCK * pairs;
+    let row_start = |i: usize| (i / BLOCK) * block + tile_base(i % BLOCK, 0) + (i % 16) * 16;
+    if a.col == 1 {
+        // Rows past mc: the last block's, zeroed first.
+        if !mc.is_multiple_of(BLOCK) {
+            out[mc / BLOCK * block..].fill(0);
+        }
+        for i in 0..mc {
+            let start = (i0 + i) * a.row + k0;
+            // Safety: `ready` checked AVX-512 BF16; `out` holds the row's steps.
+            unsafe {
+                convert::row_steps(&a.data[start..start + kc], &mut out[row_start(i)..], pairs)
+            };
+        }
+    } else {
+        // A's columns (fixed k) run along memory: each k pair zipped for sixteen rows at
+        // a time, scattered down their tile.
+        out.fill(0);
+        let column = |k: usize| (k < kc).then(|| &a.data[(k0 + k) * a.col + i0..][..mc]);
+        for p in 0..used {
+            let even = column(2 * p).expect("p < used");
+            let odd = column(2 * p + 1);
+            for i in (0..mc).step_by(16) {
+                let len = (mc - i).min(16);
+                let at = (i / BLOCK) * block + tile_base(i % BLOCK, p) + p % TILE_PAIRS;
+                // Safety: as above; the 16 words at stride 16 from `at` lie in one tile.
+                unsafe {
+                    convert::zip_scatter(
+                        &even[i..i + len],
+                        odd.map(|o| &o[i..i + len]),
+                        &mut out[at..],
+                        16,
+                    )
+                };
             }
-            for row in real.chunks_exact_mut(pairs) {
-                row[used..].fill(0);
+        }
+    }
+    if !matches!(causal, Causal::LowerA | Causal::UpperA) {
+        return;
+    }
+    // Zero what the structure says is zero, sixteen words (one step of a row) at a time.
+    for i in 0..mc {
+        let row = row_start(i);
+        for s in 0..pairs / TILE_PAIRS {
+            let words = &mut out[row + s * 2 * TILE_WORDS..][..TILE_PAIRS];
+            for (q, w) in words.iter_mut().enumerate() {
+                let k = k0 + 2 * (s * TILE_PAIRS + q);
+                let (even, odd) = (causal.zero_in_a(i0 + i, k), causal.zero_in_a(i0 + i, k + 1));
+                *w &= if even { 0 } else { 0xffff } | if odd { 0 } else { 0xffff_0000 };
+            }
+        }
+    }
+}
+
+/// k k0..k0+kc, columns first_col..first_col+n of `b` as 32-column panels of pair words
+/// (`tile_base`; a pair's 16 columns of a tile side by side). Columns past n and pairs
+/// past kc are zeros. `column` is scratch for one column's words.
+#[allow(clippy::too_many_arguments)]
+fn pack_b(
+    out: &mut [u32],
+    column: &mut [u32],
+    b: &Strided,
+    k0: usize,
+    kc: usize,
+    pairs: usize,
+    first_col: usize,
+    n: usize,
+) {
+    let used = kc.div_ceil(2);
+    for (panel, out) in out.chunks_exact_mut(BLOCK * pairs).enumerate() {
+        let c0 = first_col + panel * BLOCK;
+        let width = BLOCK.min(n - panel * BLOCK);
+        if b.col == 1 {
+            // B's rows (fixed k) run along memory: zip pairs of them, 16 columns at a time.
+            let row = |k: usize| (k < kc).then(|| &b.data[(k0 + k) * b.row + c0..][..width]);
+            for p in 0..pairs {
+                for half in 0..2 {
+                    let words = &mut out[tile_base(16 * half, p) + (p % TILE_PAIRS) * 16..][..16];
+                    let (from, to) = ((16 * half).min(width), (16 * half + 16).min(width));
+                    match row(2 * p) {
+                        Some(even) if from < to => {
+                            let odd = row(2 * p + 1).map(|o| &o[from..to]);
+                            // Safety: `ready` checked AVX-512 BF16; 16 words >= to - from.
+                            unsafe { convert::zip(&even[from..to], odd, words) }
+                        }
+                        _ => words.fill(0),
+                    }
+                }
             }
         } else {
-            for (i, row) in real.chunks_exact_mut(pairs).enumerate() {
-                let start = (i0 + i) * a.row + k0 * a.col;
-                let (words, rest) = row.split_at_mut(used);
-                if a.col == 1 {
-                    convert_pairs(&a.data[start..start + kc], words);
-                } else {
-                    let at = |kk: usize| if kk < kc { a.data[start + kk * a.col] } else { 0.0 };
-                    for (p, w) in words.iter_mut().enumerate() {
-                        *w = pair(at(2 * p), at(2 * p + 1));
-                    }
-                }
-                rest.fill(0);
-            }
-        }
-        if matches!(causal, Causal::LowerA | Causal::UpperA) {
-            for (i, row) in real.chunks_exact_mut(pairs).enumerate() {
-                for (p, w) in row[..used].iter_mut().enumerate() {
-                    let k = k0 + 2 * p;
-                    let (even, odd) = (causal.zero_in_a(i0 + i, k), causal.zero_in_a(i0 + i, k + 1));
-                    *w &= if even { 0 } else { 0xffff } | if odd { 0 } else { 0xffff_0000 };
+            // Each column (fixed j) along k: its words, scattered down its tiles.
+            out.fill(0);
+            let column = &mut column[..used];
+            for j in 0..width {
+                let start = (c0 + j) * b.col + k0;
+                // Safety: as above; column holds kc.div_ceil(2) words.
+                unsafe { convert::pairs(&b.data[start..start + kc], column) };
+                for (s, words) in column.chunks(TILE_PAIRS).enumerate() {
+                    let at = tile_base(j, s * TILE_PAIRS) + j % 16;
+                    // Safety: as above; 16 words at stride 16 from `at` lie in one tile.
+                    unsafe { convert::scatter(words, &mut out[at..], 16) };
                 }
             }
         }
     }
 }
 
-super::kernels::multiversion! {
-    /// k k0..k0+kc, columns first_col..first_col+n of `b` as 32-column panels of `pairs`
-    /// pair-rows: word (p, j) of a panel at p * 32 + j. Columns past n and pairs past kc
-    /// are zeros. `column` is scratch for one column's words.
-    pub fn pack_b(
-        out: &mut [u32],
-        column: &mut [u32],
-        b: &Strided,
-        k0: usize,
-        kc: usize,
-        pairs: usize,
-        first_col: usize,
-        n: usize,
-    ) {
-        let used = kc.div_ceil(2);
-        for (panel, out) in out.chunks_exact_mut(BLOCK * pairs).enumerate() {
-            let c0 = first_col + panel * BLOCK;
-            let width = BLOCK.min(n - panel * BLOCK);
-            if b.col == 1 {
-                // B's rows (fixed k) run along memory: zip pairs of them.
-                for (p, words) in out.chunks_exact_mut(BLOCK).enumerate() {
-                    if p >= used {
-                        words.fill(0);
-                        continue;
-                    }
-                    let even = &b.data[(k0 + 2 * p) * b.row + c0..][..width];
-                    let (real, padding) = words.split_at_mut(width);
-                    if 2 * p + 1 < kc {
-                        let odd = &b.data[(k0 + 2 * p + 1) * b.row + c0..][..width];
-                        for ((w, &e), &o) in real.iter_mut().zip(even).zip(odd) {
-                            *w = pair(e, o);
-                        }
-                    } else {
-                        for (w, &e) in real.iter_mut().zip(even) {
-                            *w = pair(e, 0.0);
-                        }
-                    }
-                    padding.fill(0);
-                }
+/// f32 to bf16 pair words sixteen at a time with `vcvtne2ps2bf16`: to nearest, ties to
+/// even, as `bf16::to_bf16_bits`. It reads subnormal inputs as zero, as the tiles do
+/// with subnormal bf16, so the products come out the same.
+mod convert {
+    use std::arch::x86_64::*;
+
+    /// vpermw indices: word j of the result is lane j of the low 16 bf16 (low half)
+    /// and lane j of the high 16 (high half).
+    const INTERLEAVE: [u16; 32] = {
+        let mut idx = [0u16; 32];
+        let mut j = 0;
+        while j < 16 {
+            idx[2 * j] = j as u16;
+            idx[2 * j + 1] = 16 + j as u16;
+            j += 1;
+        }
+        idx
+    };
+
+    /// The first `count` (at most 16) lanes.
+    #[inline(always)]
+    fn lanes(count: usize) -> __mmask16 {
+        ((1u32 << count.min(16)) - 1) as __mmask16
+    }
+
+    /// out[p] = pair(src[2p], src[2p + 1]), the last odd element paired with zero.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW and BF16; out.len() == src.len().div_ceil(2).
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn pairs(src: &[f32], out: &mut [u32]) {
+        debug_assert_eq!(out.len(), src.len().div_ceil(2));
+        let (n, from, to) = (src.len(), src.as_ptr(), out.as_mut_ptr());
+        let mut i = 0;
+        while i + 32 <= n {
+            let (lo, hi) = (
+                _mm512_loadu_ps(from.add(i)),
+                _mm512_loadu_ps(from.add(i + 16)),
+            );
+            let words: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_storeu_si512(to.add(i / 2).cast(), words);
+            i += 32;
+        }
+        if i < n {
+            let left = n - i;
+            let lo = _mm512_maskz_loadu_ps(lanes(left), from.add(i));
+            let hi = if left > 16 {
+                _mm512_maskz_loadu_ps(lanes(left - 16), from.add(i + 16))
             } else {
-                // Each column (fixed j) along k: its words, then spread down the panel.
-                let column = &mut column[..used];
-                for j in 0..width {
-                    let start = (c0 + j) * b.col + k0 * b.row;
-                    if b.row == 1 {
-                        convert_pairs(&b.data[start..start + kc], column);
-                    } else {
-                        let at = |kk: usize| if kk < kc { b.data[start + kk * b.row] } else { 0.0 };
-                        for (p, w) in column.iter_mut().enumerate() {
-                            *w = pair(at(2 * p), at(2 * p + 1));
-                        }
-                    }
-                    for (p, &w) in column.iter().enumerate() {
-                        out[p * BLOCK + j] = w;
-                    }
-                }
-                for (p, words) in out.chunks_exact_mut(BLOCK).enumerate() {
-                    let from = if p < used { width } else { 0 };
-                    words[from..].fill(0);
-                }
-            }
+                _mm512_setzero_ps()
+            };
+            let words: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_mask_storeu_epi32(to.add(i / 2).cast(), lanes(left.div_ceil(2)), words);
         }
     }
-}
 
-/// One 32-bit word of a packed operand: `even` (k = 2p) low, `odd` (k = 2p + 1) high.
-#[inline(always)]
-fn pair(even: f32, odd: f32) -> u32 {
-    to_bf16_bits(even) as u32 | (to_bf16_bits(odd) as u32) << 16
-}
-
-/// out[p] = pair(src[2p], src[2p + 1]), the last odd element paired with zero.
-#[inline(always)]
-fn convert_pairs(src: &[f32], out: &mut [u32]) {
-    for (w, two) in out.iter_mut().zip(src.chunks_exact(2)) {
-        *w = pair(two[0], two[1]);
+    /// `len` (1 to 16) words pair(even[j], odd[j]), zeros after; no odd: zeros.
+    #[inline(always)]
+    unsafe fn zip16(even: *const f32, odd: Option<*const f32>, len: usize) -> __m512i {
+        let e = _mm512_maskz_loadu_ps(lanes(len), even);
+        let o = odd.map_or(_mm512_setzero_ps(), |odd| {
+            _mm512_maskz_loadu_ps(lanes(len), odd)
+        });
+        let both: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(o, e));
+        _mm512_permutexvar_epi16(_mm512_loadu_si512(INTERLEAVE.as_ptr().cast()), both)
     }
-    if src.len() % 2 == 1 {
-        out[src.len() / 2] = pair(src[src.len() - 1], 0.0);
+
+    /// out[j] = pair(even[j], odd[j]) for j < even.len() (<= out.len()), zeros after;
+    /// `odd` of `None` reads as zeros.
+    ///
+    /// # Safety
+    /// As for `pairs`; `odd`, if any, as long as `even`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn zip(even: &[f32], odd: Option<&[f32]>, out: &mut [u32]) {
+        let n = even.len();
+        debug_assert!(out.len() >= n && odd.is_none_or(|o| o.len() == n));
+        let mut j = 0;
+        while j < out.len() {
+            let len = n.saturating_sub(j).min(16);
+            let words = if len == 0 {
+                _mm512_setzero_si512()
+            } else {
+                zip16(even.as_ptr().add(j), odd.map(|o| o.as_ptr().add(j)), len)
+            };
+            _mm512_mask_storeu_epi32(out.as_mut_ptr().add(j).cast(), lanes(out.len() - j), words);
+            j += 16;
+        }
+    }
+
+    /// out[r * stride] = pair(even[r], odd[r]) for r < even.len() (<= 16).
+    ///
+    /// # Safety
+    /// As for `zip`; out must reach (even.len() - 1) * stride + 1 words.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn zip_scatter(even: &[f32], odd: Option<&[f32]>, out: &mut [u32], stride: usize) {
+        let len = even.len();
+        debug_assert!((1..=16).contains(&len) && out.len() > (len - 1) * stride);
+        let words = zip16(even.as_ptr(), odd.map(|o| o.as_ptr()), len);
+        scatter_vector(words, len, out, stride);
+    }
+
+    /// out[r * stride] = words[r] for r < words.len() (<= 16).
+    ///
+    /// # Safety
+    /// As for `pairs`; out must reach (words.len() - 1) * stride + 1 words.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn scatter(words: &[u32], out: &mut [u32], stride: usize) {
+        let len = words.len();
+        debug_assert!((1..=16).contains(&len) && out.len() > (len - 1) * stride);
+        let v = _mm512_maskz_loadu_epi32(lanes(len), words.as_ptr().cast());
+        scatter_vector(v, len, out, stride);
+    }
+
+    #[inline(always)]
+    unsafe fn scatter_vector(words: __m512i, len: usize, out: &mut [u32], stride: usize) {
+        let offsets = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(stride as i32),
+        );
+        _mm512_mask_i32scatter_epi32::<4>(out.as_mut_ptr().cast(), lanes(len), offsets, words);
+    }
+
+    /// One row of A into its steps: for each s < pairs / 16, the 16 words
+    /// pair(src[2p], src[2p + 1]) of p = 16s.. at out[s * 512..], zeros past src's end.
+    ///
+    /// # Safety
+    /// As for `pairs`; out must reach the last step's 16 words.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn row_steps(src: &[f32], out: &mut [u32], pairs: usize) {
+        let steps = pairs / 16;
+        debug_assert!(steps == 0 || out.len() >= (steps - 1) * 512 + 16);
+        debug_assert!(src.len() <= 32 * steps);
+        let (n, from) = (src.len(), src.as_ptr());
+        for s in 0..steps {
+            let i = 32 * s;
+            let (lo, hi) = if i + 32 <= n {
+                (
+                    _mm512_loadu_ps(from.add(i)),
+                    _mm512_loadu_ps(from.add(i + 16)),
+                )
+            } else {
+                let left = n.saturating_sub(i);
+                let lo = if left > 0 {
+                    _mm512_maskz_loadu_ps(lanes(left), from.add(i))
+                } else {
+                    _mm512_setzero_ps()
+                };
+                let hi = if left > 16 {
+                    _mm512_maskz_loadu_ps(lanes(left - 16), from.add(i + 16))
+                } else {
+                    _mm512_setzero_ps()
+                };
+                (lo, hi)
+            };
+            let words: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_storeu_si512(out.as_mut_ptr().add(s * 512).cast(), words);
+        }
     }
 }
 
@@ -366,16 +526,14 @@ impl Tiles {
         }
     }
 
-    /// One 32 x 32 block of dst (`target`): over `steps` x 16 k pairs of the 32 packed
-    /// rows `a` (word (i, p) at i * a_row + p) and the 32-column panel `b` (word (p, j)
-    /// at p * 32 + j).
+    /// One 32 x 32 block of dst (`target`): over `steps` x 16 k pairs of a packed block
+    /// of A's rows `a` and a panel of B's columns `b` (`tile_base`'s layout).
     ///
     /// # Safety
     /// `a` and `b` must hold what those steps read; the block of dst must be writable.
     #[inline(always)]
-    unsafe fn block(&self, a: &[u32], a_row: usize, b: &[u32], steps: usize, target: Target) {
-        debug_assert!(steps == 0 || a.len() >= (BLOCK - 1) * a_row + steps * TILE_PAIRS);
-        debug_assert!(b.len() >= steps * TILE_PAIRS * BLOCK);
+    unsafe fn block(&self, a: &[u32], b: &[u32], steps: usize, target: Target) {
+        debug_assert!(a.len() >= steps * 2 * TILE_WORDS && b.len() >= steps * 2 * TILE_WORDS);
         let Target {
             c,
             row: c_row,
@@ -409,29 +567,26 @@ impl Tiles {
                     options(nostack, nomem)
                 );
             }
-            // A's tile rows are `a_row` words apart; B's 32 words. Each step takes 16
-            // pairs: 64 bytes along A's rows, 16 pair-rows (2 KiB) down B's panel.
+            // Each step: the two tiles of A's rows (1 KiB each, rows 64 bytes apart),
+            // then B's, 2 KiB on for the next 16 pairs.
             if steps > 0 {
                 asm!(
                     "2:",
-                    "tileloadd tmm4, [{a} + {a_stride}*1]",
-                    "tileloadd tmm6, [{b} + {b_stride}*1]",
-                    "tileloadd tmm5, [{a2} + {a_stride}*1]",
-                    "tileloadd tmm7, [{b} + {b_stride}*1 + 64]",
+                    "tileloadd tmm4, [{a} + {row}*1]",
+                    "tileloadd tmm6, [{b} + {row}*1]",
+                    "tileloadd tmm5, [{a} + {row}*1 + 1024]",
+                    "tileloadd tmm7, [{b} + {row}*1 + 1024]",
                     "tdpbf16ps tmm0, tmm4, tmm6",
                     "tdpbf16ps tmm1, tmm4, tmm7",
                     "tdpbf16ps tmm2, tmm5, tmm6",
                     "tdpbf16ps tmm3, tmm5, tmm7",
-                    "add {a}, 64",
-                    "add {a2}, 64",
+                    "add {a}, 2048",
                     "add {b}, 2048",
                     "dec {steps}",
                     "jnz 2b",
                     a = inout(reg) a.as_ptr() => _,
-                    a2 = inout(reg) a.as_ptr().add(16 * a_row) => _,
                     b = inout(reg) b.as_ptr() => _,
-                    a_stride = in(reg) a_row * 4,
-                    b_stride = in(reg) BLOCK * 4,
+                    row = in(reg) 64usize,
                     steps = inout(reg) steps => _,
                     options(nostack, readonly),
                 );

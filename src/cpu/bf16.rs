@@ -186,8 +186,10 @@ impl Problem<'_> {
     /// rows and cols must lie inside the bounds checked by `matmul`, and no other
     /// thread may touch this block of dst meanwhile.
     unsafe fn run(&self, rows: std::ops::Range<usize>, cols: std::ops::Range<usize>) {
+        // The AMX tiles where the level allows them, for operands with a unit stride
+        // (every product the engine makes).
         #[cfg(target_arch = "x86_64")]
-        if super::isa::active() == super::isa::Isa::Amx {
+        if super::isa::active() == super::isa::Isa::Amx && super::amx::takes(&self.p) {
             return super::amx::multiply(self.dst, self.dst_row, &self.p, rows, cols);
         }
         self.run_with(pick_kernel(), rows, cols)
