@@ -327,6 +327,8 @@ pub struct Peak {
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct Measured {
     pub matrix_tflops: f64,
+    /// The same product on one thread (CPUs): how the threads scale.
+    pub one_thread_tflops: Option<f64>,
     pub bandwidth_gbs: f64,
 }
 
@@ -532,9 +534,13 @@ impl std::fmt::Display for Profile {
             }
         )?;
         if let Some(m) = &p.measured {
+            let one_thread = m
+                .one_thread_tflops
+                .map(|t| format!(" ({} on one thread)", significant(t)))
+                .unwrap_or_default();
             writeln!(
                 f,
-                "  measured here: a large product at {} TFLOP/s, a streaming pass at {:.0} GB/s",
+                "  measured here: a large product at {} TFLOP/s{one_thread}, a streaming pass at {:.0} GB/s",
                 significant(m.matrix_tflops),
                 m.bandwidth_gbs
             )?;

@@ -1,5 +1,5 @@
-//! Every CPU level this machine supports (AVX-512, AVX2, scalar: `TINYGPT_CPU_ISA`'s
-//! values) gives the same results: the f32 GEMM against an f64 oracle, vector kernels
+//! Every CPU level this machine supports (AMX, AVX-512, AVX2, scalar: `TINYGPT_CPU_ISA`'s
+//! values) gives the same results: the f32 and bf16 GEMMs against an f64 oracle, vector kernels
 //! against the scalar level, and the whole fused engine against the reference engine.
 //! So the AVX2 paths are tested on AVX-512 machines too.
 //!
@@ -66,6 +66,57 @@ fn check_gemm(level: Isa) {
                         (*g as f64 - w).abs() <= tol,
                         "{level:?} {what} {m}x{n}x{k} a_t={a_t} [{i}]: {g} vs {w}"
                     );
+                }
+            }
+        }
+    }
+}
+
+/// bf16 products (bf16 training's: the AMX tiles at the `amx` level, `vdpbf16ps` or
+/// portable Rust below it) at odd sizes past the tiles' edges and past one k block,
+/// every layout of both operands, against the rounded operands summed in f64.
+fn check_bf16_gemm(level: Isa) {
+    use tinygpt::cpu::bf16::round_to_bf16;
+    for (m, n, k) in [
+        (1, 1, 1),
+        (7, 19, 5),
+        (33, 17, 70),
+        (96, 130, 257),
+        (70, 40, 1100),
+    ] {
+        let (a, b) = (values(m * k, 3), values(k * n, 4));
+        let want: Vec<f64> = (0..m * n)
+            .map(|i| {
+                (0..k)
+                    .map(|p| {
+                        round_to_bf16(a[(i / n) * k + p]) as f64
+                            * round_to_bf16(b[p * n + i % n]) as f64
+                    })
+                    .sum()
+            })
+            .collect();
+        let at: Vec<f32> = (0..m * k).map(|i| a[(i % m) * k + i / m]).collect(); // (k x m)
+        let bt: Vec<f32> = (0..k * n).map(|i| b[(i % k) * n + i / k]).collect(); // (n x k)
+        for (sa, a_t) in [
+            (Strided::rows(&a, k), false),
+            (Strided::columns(&at, m), true),
+        ] {
+            for (sb, b_t) in [
+                (Strided::rows(&b, n), false),
+                (Strided::columns(&bt, k), true),
+            ] {
+                let p = Product::new(sa, sb, (m, n, k));
+                let (mut par, mut serial) = (vec![0f32; m * n], vec![0f32; m * n]);
+                matmul(&mut par, n, p, Precision::Bf16);
+                matmul_serial(&mut serial, n, p, Precision::Bf16);
+                for (got, what) in [(&par, "matmul"), (&serial, "serial")] {
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        let tol = 1e-5 * (1.0 + k as f64).sqrt() * (1.0 + w.abs());
+                        assert!(
+                            (*g as f64 - w).abs() <= tol,
+                            "{level:?} bf16 {what} {m}x{n}x{k} a_t={a_t} b_t={b_t} [{i}]: {g} vs {w}"
+                        );
+                    }
                 }
             }
         }
@@ -281,6 +332,7 @@ fn every_supported_level_gives_the_same_results() {
         isa::force(Some(level));
         assert_eq!(isa::active(), level);
         check_gemm(level);
+        check_bf16_gemm(level);
         for (got, want) in kernel_outputs().iter().zip(&scalar) {
             for (g, w) in got.iter().zip(want) {
                 assert!(
@@ -294,7 +346,7 @@ fn every_supported_level_gives_the_same_results() {
         check_weight_rows(level);
     }
     isa::force(None);
-    if levels.len() < 3 {
+    if levels.len() < Isa::ALL.len() {
         eprintln!(
             "note: this CPU lacks {:?}; those levels were not run",
             &Isa::ALL[levels.len()..]

@@ -141,6 +141,8 @@ pub fn cpu_features() -> Vec<&'static str> {
             ("avx512vl", has!("avx512vl")),
             ("avx512dq", has!("avx512dq")),
             ("avx512bf16", has!("avx512bf16")),
+            // Tiles the OS granted this process, not only the CPUID bits.
+            ("amx-bf16", super::amx::ready()),
         ];
         out.extend(
             features

@@ -1,12 +1,12 @@
 //! What this CPU does at best, the measure a profile's floor and MFU are taken
-//! against: one large matrix product in the run's precision on the kernels' threads,
-//! and one large streaming pass (a residual add), each the best of three after one
-//! untimed.
+//! against: one large matrix product in the run's precision on the kernels' threads
+//! (and, for how they scale, on one), and one large streaming pass (a residual add),
+//! each the best of three after one untimed.
 
 use std::time::{Duration, Instant};
 
 use crate::config::Precision;
-use crate::cpu::gemm::matmul;
+use crate::cpu::gemm::{matmul, matmul_serial};
 use crate::cpu::matrix::{Product, Strided};
 use crate::cpu::threads::{on_workers, zip_map};
 use crate::profile::Measured;
@@ -25,11 +25,16 @@ pub fn measure(precision: Precision) -> Measured {
         let p = Product::new(Strided::rows(&a, n), Strided::rows(&b, n), (n, n, n));
         on_workers(|| matmul(&mut out, n, p, precision));
     });
+    let one_thread = best_of_three(|| {
+        let p = Product::new(Strided::rows(&a, n), Strided::rows(&b, n), (n, n, n));
+        matmul_serial(&mut out, n, p, precision);
+    });
     let (x, y) = (vec![1.0f32; STREAM], vec![2.0f32; STREAM]);
     let mut sum = vec![0.0f32; STREAM];
     let stream = best_of_three(|| on_workers(|| zip_map(&mut sum, &x, &y, |x, y| x + y)));
     Measured {
         matrix_tflops: 2.0 * (n * n * n) as f64 / product.as_secs_f64() / 1e12,
+        one_thread_tflops: Some(2.0 * (n * n * n) as f64 / one_thread.as_secs_f64() / 1e12),
         bandwidth_gbs: (3 * 4 * STREAM) as f64 / stream.as_secs_f64() / 1e9,
     }
 }

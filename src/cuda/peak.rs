@@ -131,6 +131,7 @@ fn measure(
         best_of_five(&|| gpu.residual(out.ptr(), x.ptr(), y.ptr(), len, DropoutArgs::NONE))?;
     Ok(crate::profile::Measured {
         matrix_tflops,
+        one_thread_tflops: None,
         bandwidth_gbs: 12.0 * len as f64 / seconds / 1e9,
     })
 }
