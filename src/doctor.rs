@@ -196,8 +196,8 @@ fn values(n: usize, seed: u32) -> Vec<f32> {
         .collect()
 }
 
-/// At the active CPU level: the f32 GEMM, the eight-bit products and the few-row
-/// products, each against f64 sums of what it multiplies. (name, error, bound).
+/// At the active CPU level: the f32 and bf16 GEMMs, the eight- and four-bit products
+/// and the few-row products, each against f64 sums of what it multiplies. (name, error, bound).
 fn kernel_errors(faults: &Faults) -> Result<Vec<(&'static str, f64, f64)>> {
     use crate::cpu::gemm::{matmul, Precision as P};
     use crate::cpu::matrix::{Product, Strided};
@@ -224,6 +224,15 @@ fn kernel_errors(faults: &Faults) -> Result<Vec<(&'static str, f64, f64)>> {
     got[0] = faults.apply("kernels: f32 gemm", f64::from(got[0])) as f32;
     let want = exact(&a, &|p, j| f64::from(b[j * k + p]));
     checks.push(("kernels: f32 gemm", relative(&got, &want), 1e-5));
+
+    // bf16 training's products (AMX tiles at `amx`): rounded operands, f32 sums.
+    let mut got = vec![0f32; m * n];
+    matmul(&mut got, n, p, P::Bf16);
+    got[0] = faults.apply("kernels: bf16 gemm", f64::from(got[0])) as f32;
+    let round = crate::cpu::bf16::round_to_bf16;
+    let a_bf16: Vec<f32> = a.iter().map(|&v| round(v)).collect();
+    let want = exact(&a_bf16, &|p, j| f64::from(round(b[j * k + p])));
+    checks.push(("kernels: bf16 gemm", relative(&got, &want), 1e-5));
 
     let bits: Vec<Bf16> = b.iter().map(|&v| Bf16::round(v)).collect();
     let mut got = vec![0f32; m * n];

@@ -46,6 +46,7 @@ fn every_check_passes_here_and_fails_when_made_wrong() {
     }
     for name in [
         "kernels: f32 gemm",
+        "kernels: bf16 gemm",
         "kernels: bf16 rows",
         "kernels: int8 products",
         "kernels: int4 products",
