@@ -247,15 +247,35 @@ fn pack_a(
     if !matches!(causal, Causal::LowerA | Causal::UpperA) {
         return;
     }
-    // Zero what the structure says is zero, sixteen words (one step of a row) at a time.
+    // Zero what the structure says is zero: each row's stretch past (LowerA) or before
+    // (UpperA) its diagonal, sixteen words (one step of the row) at a time.
     for i in 0..mc {
         let row = row_start(i);
+        // Local k of the first element kept (UpperA) or zeroed (LowerA).
+        let edge = match causal {
+            Causal::LowerA => (i0 + i + 1).saturating_sub(k0),
+            _ => (i0 + i).saturating_sub(k0),
+        };
         for s in 0..pairs / TILE_PAIRS {
+            let (first_k, last_k) = (2 * s * TILE_PAIRS, 2 * (s + 1) * TILE_PAIRS);
+            let zero_all = match causal {
+                Causal::LowerA => first_k >= edge,
+                _ => last_k <= edge,
+            };
+            let keep_all = match causal {
+                Causal::LowerA => last_k <= edge,
+                _ => first_k >= edge,
+            };
             let words = &mut out[row + s * 2 * TILE_WORDS..][..TILE_PAIRS];
-            for (q, w) in words.iter_mut().enumerate() {
-                let k = k0 + 2 * (s * TILE_PAIRS + q);
-                let (even, odd) = (causal.zero_in_a(i0 + i, k), causal.zero_in_a(i0 + i, k + 1));
-                *w &= if even { 0 } else { 0xffff } | if odd { 0 } else { 0xffff_0000 };
+            if zero_all {
+                words.fill(0);
+            } else if !keep_all {
+                for (q, w) in words.iter_mut().enumerate() {
+                    let k = k0 + 2 * (s * TILE_PAIRS + q);
+                    let (even, odd) =
+                        (causal.zero_in_a(i0 + i, k), causal.zero_in_a(i0 + i, k + 1));
+                    *w &= if even { 0 } else { 0xffff } | if odd { 0 } else { 0xffff_0000 };
+                }
             }
         }
     }
