@@ -3,7 +3,7 @@
 //!
 //! Read in this order: `isa` (which vector instructions run), `threads` (how work is
 //! split), `matrix` (how a product is
-//! described), `kernels` (vector building blocks, compiled per CPU), `gemm` and `bf16`
+//! described), `kernels` (vector building blocks, compiled per CPU), `gemm`, `bf16` and `amx`
 //! (matrix products), `ops/` (each layer's forward and backward side by side), `layout`
 //! (typed views of the flat buffers), `engine` (the training step) and `decode`
 //! (decoding with a K/V cache).
