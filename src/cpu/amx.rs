@@ -38,7 +38,6 @@ pub fn ready() -> bool {
         #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
         {
             // CPUID leaf 7: EDX bit 22 is AMX-BF16, bit 24 AMX-TILE.
-            // Safety: leaf 7 exists on every x86-64 CPU that has AVX2.
             let leaf = std::arch::x86_64::__cpuid_count(7, 0);
             // The packers convert with AVX-512 BF16 (every CPU with AMX has it).
             let bf16 = std::arch::is_x86_feature_detected!("avx512bf16")
@@ -81,8 +80,9 @@ thread_local! {
     static PANELS: RefCell<Panels> = RefCell::new(Panels::default());
 }
 
-/// dst block (rows, cols) of the plain product `p`, on this thread: dst = (dst if
-/// `p.accumulate`) + `p.beta` · round(a) · round(b).
+/// dst block (rows, cols) of the product `p`, on this thread: dst = (dst if
+/// `p.accumulate`) + `p.beta` · round(a) · round(b), skipping what `p.causal` allows in
+/// whole blocks of 32 rows and steps of 16 k pairs.
 ///
 /// # Safety
 /// [`ready`] must have returned true; `dst` (rows `dst_row` apart) must hold the block,
