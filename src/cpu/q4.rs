@@ -311,6 +311,11 @@ mod tests {
         let mut w = values(rows * cols, 7);
         w[40] = 3.0; // a block whose largest magnitude is positive
         w[100] = -2.5; // and one whose is negative
+        w[200] = 2.25; // ties: the first of the largest magnitude sets the sign
+        w[201] = -2.25;
+        w[230] = -2.75;
+        w[231] = 2.75;
+        w[384..416].fill(0.0); // an all-zero block
         let q = Q4Matrix::quantize(&w, rows, cols);
         assert_eq!(q.bytes(), rows * 3 * (HALF + 4));
         let mut ours = vec![0f32; cols];
