@@ -15,8 +15,9 @@
 //! stable AMX intrinsics, so the instructions are inline assembly on fixed tile
 //! registers, which the compiler never uses.
 
-use std::cell::RefCell;
 use std::ops::Range;
+
+use super::bf16::{scratch, PANELS};
 
 use super::matrix::{Causal, Product, Strided};
 
@@ -66,18 +67,6 @@ pub fn ready() -> bool {
 pub fn takes(p: &Product) -> bool {
     let unit = |s: &Strided| s.row == 1 || s.col == 1;
     unit(&p.a) && unit(&p.b)
-}
-
-/// Pack buffers, one set per thread, grown on first use and then reused.
-#[derive(Default)]
-struct Panels {
-    a: Vec<u32>,
-    b: Vec<u32>,
-    column: Vec<u32>,
-}
-
-thread_local! {
-    static PANELS: RefCell<Panels> = RefCell::new(Panels::default());
 }
 
 /// dst block (rows, cols) of the product `p`, on this thread: dst = (dst if
@@ -165,17 +154,6 @@ pub unsafe fn multiply(
             }
         }
     })
-}
-
-/// The first `len` words of `buffer`, 64-byte aligned (tile rows then never straddle
-/// cache lines), grown if needed; stale contents are left for the packers to overwrite.
-fn scratch(buffer: &mut Vec<u32>, len: usize) -> &mut [u32] {
-    const SLACK: usize = 64 / 4;
-    if buffer.len() < len + SLACK {
-        buffer.resize(len + SLACK, 0);
-    }
-    let skip = buffer.as_ptr().align_offset(64).min(SLACK);
-    &mut buffer[skip..skip + len]
 }
 
 /// Where word (line, p) of a packed block lies: the block is 32 lines (rows of A,
@@ -566,7 +544,6 @@ impl Tiles {
         #[cfg(target_arch = "x86_64")]
         {
             use std::arch::asm;
-            let c_stride = c_row * 4;
             if whole && load {
                 asm!(
                     "tileloadd tmm0, [{c} + {s}*1]",
@@ -575,7 +552,7 @@ impl Tiles {
                     "tileloadd tmm3, [{c2} + {s}*1 + 64]",
                     c = in(reg) c,
                     c2 = in(reg) c.add(16 * c_row),
-                    s = in(reg) c_stride,
+                    s = in(reg) c_row * 4,
                     options(nostack, readonly),
                 );
             } else {
@@ -611,31 +588,27 @@ impl Tiles {
                     options(nostack, readonly),
                 );
             }
-            if whole {
-                asm!(
-                    "tilestored [{c} + {s}*1], tmm0",
-                    "tilestored [{c} + {s}*1 + 64], tmm1",
-                    "tilestored [{c2} + {s}*1], tmm2",
-                    "tilestored [{c2} + {s}*1 + 64], tmm3",
-                    c = in(reg) c,
-                    c2 = in(reg) c.add(16 * c_row),
-                    s = in(reg) c_stride,
-                    options(nostack),
-                );
-                return;
-            }
-            let mut block = [0f32; BLOCK * BLOCK];
-            let out = block.as_mut_ptr();
+            // The sums to dst itself, or to a scratch block combined into dst after.
+            // (Left uninitialised: the four stores write all of it.)
+            let mut block = std::mem::MaybeUninit::<[f32; BLOCK * BLOCK]>::uninit();
+            let (out, out_row) = match whole {
+                true => (c, c_row),
+                false => (block.as_mut_ptr().cast::<f32>(), BLOCK),
+            };
             asm!(
                 "tilestored [{c} + {s}*1], tmm0",
                 "tilestored [{c} + {s}*1 + 64], tmm1",
                 "tilestored [{c2} + {s}*1], tmm2",
                 "tilestored [{c2} + {s}*1 + 64], tmm3",
                 c = in(reg) out,
-                c2 = in(reg) out.add(16 * BLOCK),
-                s = in(reg) BLOCK * 4,
+                c2 = in(reg) out.add(16 * out_row),
+                s = in(reg) out_row * 4,
                 options(nostack),
             );
+            if whole {
+                return;
+            }
+            let block = block.assume_init();
             for (i, sums) in block.chunks_exact(BLOCK).take(height).enumerate() {
                 let row = std::slice::from_raw_parts_mut(c.add(i * c_row), width);
                 for (d, s) in row.iter_mut().zip(sums) {

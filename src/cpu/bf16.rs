@@ -61,17 +61,18 @@ fn pair(even: f32, odd: f32) -> u32 {
     to_bf16_bits(even) as u32 | (to_bf16_bits(odd) as u32) << 16
 }
 
-/// Pack buffers, one set per thread, grown on first use and then reused.
+/// Pack buffers, one set per thread, grown on first use and then reused (by this
+/// file's kernels and by `amx`'s, which a thread never runs at once).
 #[derive(Default)]
-struct Panels {
-    a: Vec<u32>,
-    b: Vec<u32>,
-    column: Vec<u32>,
+pub(super) struct Panels {
+    pub a: Vec<u32>,
+    pub b: Vec<u32>,
+    pub column: Vec<u32>,
 }
 
 thread_local! {
     /// Borrowed only while packing and multiplying, which never wait on other jobs.
-    static PANELS: RefCell<Panels> = RefCell::new(Panels::default());
+    pub(super) static PANELS: RefCell<Panels> = RefCell::new(Panels::default());
 }
 
 /// dst (rows `dst_row` apart) = the product `p`, with its operands rounded to bf16 and
@@ -335,7 +336,7 @@ fn pack_a<'d>(
 /// packers overwrite every word the kernel reads.
 /// The slice starts on a 64-byte boundary, so the kernel's 64-byte panel loads never
 /// straddle two cache lines.
-fn scratch(buffer: &mut Vec<u32>, len: usize) -> &mut [u32] {
+pub(super) fn scratch(buffer: &mut Vec<u32>, len: usize) -> &mut [u32] {
     const SLACK: usize = 64 / 4;
     if buffer.len() < len + SLACK {
         buffer.resize(len + SLACK, 0);
