@@ -11,13 +11,13 @@
 //! Operands are packed with zeros to whole tiles (rows to 32, columns to 32, k pairs to
 //! 16), so the kernel never meets an edge; edge blocks of dst go through a small
 //! scratch block. Linux hands out the tiles' register state only on request
-//! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`): [`ready`] asks once per process. Rust has no
+//! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`): [`super::isa::amx_ready`] asks once per process. Rust has no
 //! stable AMX intrinsics, so the instructions are inline assembly on fixed tile
 //! registers, which the compiler never uses.
 
 use std::ops::Range;
 
-use super::bf16::{scratch, PANELS};
+use super::panels::{scratch, PANELS};
 
 use super::matrix::{Causal, Product, Strided};
 
@@ -31,37 +31,6 @@ const KC: usize = 512;
 /// Rows of A packed at a time (128 rows x 256 pairs, 128 KiB: in L2).
 const MC: usize = 128;
 
-/// Whether this CPU has AMX tiles with bf16 products and the kernel granted this
-/// process their register state. Asked once; safe to call from any thread.
-pub fn ready() -> bool {
-    static READY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *READY.get_or_init(|| {
-        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-        {
-            // CPUID leaf 7: EDX bit 22 is AMX-BF16, bit 24 AMX-TILE.
-            let leaf = std::arch::x86_64::__cpuid_count(7, 0);
-            // The packers convert with AVX-512 BF16 (every CPU with AMX has it).
-            let bf16 = std::arch::is_x86_feature_detected!("avx512bf16")
-                && std::arch::is_x86_feature_detected!("avx512bw");
-            if !bf16 || leaf.edx & (1 << 22) == 0 || leaf.edx & (1 << 24) == 0 {
-                return false;
-            }
-            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
-            const XFEATURE_XTILEDATA: libc::c_long = 18;
-            // Safety: a plain system call; it fails cleanly on kernels without AMX.
-            unsafe {
-                libc::syscall(
-                    libc::SYS_arch_prctl,
-                    ARCH_REQ_XCOMP_PERM,
-                    XFEATURE_XTILEDATA,
-                ) == 0
-            }
-        }
-        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-        false
-    })
-}
-
 /// Whether `multiply` takes `p`: each operand has rows or columns next to each other
 /// in memory (the packers read along one or the other).
 pub fn takes(p: &Product) -> bool {
@@ -74,7 +43,7 @@ pub fn takes(p: &Product) -> bool {
 /// whole blocks of 32 rows and steps of 16 k pairs.
 ///
 /// # Safety
-/// [`ready`] must have returned true; `dst` (rows `dst_row` apart) must hold the block,
+/// [`super::isa::amx_ready`] must have returned true; `dst` (rows `dst_row` apart) must hold the block,
 /// which no other thread touches meanwhile, and `p`'s operands every element it reads
 /// (`Product::check_bounds`); [`takes`] must accept `p`.
 pub unsafe fn multiply(
@@ -194,7 +163,7 @@ fn pack_a(
         }
         for i in 0..mc {
             let start = (i0 + i) * a.row + k0;
-            // Safety: `ready` checked AVX-512 BF16; `out` holds the row's steps.
+            // Safety: `amx_ready` checked AVX-512 BF16; `out` holds the row's steps.
             unsafe {
                 convert::row_steps(&a.data[start..start + kc], &mut out[row_start(i)..], pairs)
             };
@@ -287,7 +256,7 @@ fn pack_b(
                     match row(2 * p) {
                         Some(even) if from < to => {
                             let odd = row(2 * p + 1).map(|o| &o[from..to]);
-                            // Safety: `ready` checked AVX-512 BF16; 16 words >= to - from.
+                            // Safety: `amx_ready` checked AVX-512 BF16; 16 words >= to - from.
                             unsafe { convert::zip(&even[from..to], odd, words) }
                         }
                         _ => words.fill(0),
@@ -504,7 +473,7 @@ struct TileConfig {
 
 impl Tiles {
     /// # Safety
-    /// [`ready`] must have returned true.
+    /// [`super::isa::amx_ready`] must have returned true.
     unsafe fn configure() -> Tiles {
         let mut config = TileConfig {
             palette: 1,

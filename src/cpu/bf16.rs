@@ -19,9 +19,8 @@
 //! are split over threads by rows or columns, weight gradients (long k) by k; the
 //! products inside causal attention skip what the mask makes zero (`Causal`).
 
-use std::cell::RefCell;
-
 use super::matrix::{Causal, Product, Strided, PARALLEL_MIN_MACS};
+use super::panels::{scratch, PANELS};
 use super::threads::{threads, with_partials};
 
 const MR: usize = 6;
@@ -59,20 +58,6 @@ pub fn round_to_bf16(x: f32) -> f32 {
 #[inline(always)]
 fn pair(even: f32, odd: f32) -> u32 {
     to_bf16_bits(even) as u32 | (to_bf16_bits(odd) as u32) << 16
-}
-
-/// Pack buffers, one set per thread, grown on first use and then reused (by this
-/// file's kernels and by `amx`'s, which a thread never runs at once).
-#[derive(Default)]
-pub(super) struct Panels {
-    pub a: Vec<u32>,
-    pub b: Vec<u32>,
-    pub column: Vec<u32>,
-}
-
-thread_local! {
-    /// Borrowed only while packing and multiplying, which never wait on other jobs.
-    pub(super) static PANELS: RefCell<Panels> = RefCell::new(Panels::default());
 }
 
 /// dst (rows `dst_row` apart) = the product `p`, with its operands rounded to bf16 and
@@ -330,19 +315,6 @@ fn pack_a<'d>(
         row,
         pair,
     }
-}
-
-/// The first `len` words of `buffer`, grown if needed. Stale contents are left: the
-/// packers overwrite every word the kernel reads.
-/// The slice starts on a 64-byte boundary, so the kernel's 64-byte panel loads never
-/// straddle two cache lines.
-pub(super) fn scratch(buffer: &mut Vec<u32>, len: usize) -> &mut [u32] {
-    const SLACK: usize = 64 / 4;
-    if buffer.len() < len + SLACK {
-        buffer.resize(len + SLACK, 0);
-    }
-    let skip = buffer.as_ptr().align_offset(64).min(SLACK);
-    &mut buffer[skip..skip + len]
 }
 
 super::kernels::multiversion! {
@@ -823,7 +795,7 @@ mod tests {
     #[test]
     fn the_amx_tiles_match_too() {
         #[cfg(target_arch = "x86_64")]
-        if super::super::amx::ready() {
+        if super::super::isa::amx_ready() {
             fn run(
                 dst: &mut [f32],
                 dst_row: usize,
@@ -883,7 +855,7 @@ mod tests {
         unsafe { problem.run_with(pick_kernel(), 0..p.m, 0..p.n) };
         out.push(("vector", got));
         #[cfg(target_arch = "x86_64")]
-        if super::super::amx::ready() {
+        if super::super::isa::amx_ready() {
             let mut got = start.to_vec();
             // Safety: AMX is ready; bounds checked above, on this thread.
             unsafe { super::super::amx::multiply(got.as_mut_ptr(), dst_row, &p, 0..p.m, 0..p.n) };

@@ -56,7 +56,7 @@ impl Isa {
             {
                 use std::arch::is_x86_feature_detected as has;
                 if has!("avx512f") && has!("avx512bw") && has!("avx512dq") && has!("avx512vl") {
-                    if super::amx::ready() {
+                    if amx_ready() {
                         return Isa::Amx;
                     }
                     return Isa::Avx512;
@@ -142,7 +142,7 @@ pub fn cpu_features() -> Vec<&'static str> {
             ("avx512dq", has!("avx512dq")),
             ("avx512bf16", has!("avx512bf16")),
             // Tiles the OS granted this process, not only the CPUID bits.
-            ("amx-bf16", super::amx::ready()),
+            ("amx-bf16", amx_ready()),
         ];
         out.extend(
             features
@@ -174,6 +174,37 @@ pub fn cpu_model() -> Option<String> {
     let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("model name"))?;
     Some(line.split_once(':')?.1.trim().to_string())
+}
+
+/// Whether this CPU has AMX tiles with bf16 products and the kernel granted this
+/// process their register state. Asked once; safe to call from any thread.
+pub fn amx_ready() -> bool {
+    static READY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *READY.get_or_init(|| {
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        {
+            // CPUID leaf 7: EDX bit 22 is AMX-BF16, bit 24 AMX-TILE.
+            let leaf = std::arch::x86_64::__cpuid_count(7, 0);
+            // The packers convert with AVX-512 BF16 (every CPU with AMX has it).
+            let bf16 = std::arch::is_x86_feature_detected!("avx512bf16")
+                && std::arch::is_x86_feature_detected!("avx512bw");
+            if !bf16 || leaf.edx & (1 << 22) == 0 || leaf.edx & (1 << 24) == 0 {
+                return false;
+            }
+            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+            const XFEATURE_XTILEDATA: libc::c_long = 18;
+            // Safety: a plain system call; it fails cleanly on kernels without AMX.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_arch_prctl,
+                    ARCH_REQ_XCOMP_PERM,
+                    XFEATURE_XTILEDATA,
+                ) == 0
+            }
+        }
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        false
+    })
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 //! Read in this order: `isa` (which vector instructions run), `threads` (how work is
 //! split), `matrix` (how a product is
 //! described), `kernels` (vector building blocks, compiled per CPU), `gemm`, `bf16` and `amx`
-//! (matrix products), `ops/` (each layer's forward and backward side by side), `layout`
+//! (matrix products; `panels` holds the bf16 pack buffers), `ops/` (each layer's forward and backward side by side), `layout`
 //! (typed views of the flat buffers), `engine` (the training step) and `decode`
 //! (decoding with a K/V cache).
 
@@ -23,6 +23,7 @@ pub mod kernels;
 pub mod layout;
 pub mod matrix;
 pub mod ops;
+mod panels;
 pub mod peak;
 pub mod q4;
 pub mod q8;

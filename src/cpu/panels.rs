@@ -1,0 +1,32 @@
+//! Per-thread buffers for packed bf16 operands, shared by the vector kernels
+//! (`bf16`) and the AMX tiles (`amx`): one set per thread, reused product after
+//! product, so packing never allocates in a training step.
+
+use std::cell::RefCell;
+
+/// Pack buffers, one set per thread, grown on first use and then reused (by
+/// `bf16`'s kernels and by `amx`'s, which a thread never runs at once).
+#[derive(Default)]
+pub(super) struct Panels {
+    pub a: Vec<u32>,
+    pub b: Vec<u32>,
+    pub column: Vec<u32>,
+}
+
+thread_local! {
+    /// Borrowed only while packing and multiplying, which never wait on other jobs.
+    pub(super) static PANELS: RefCell<Panels> = RefCell::new(Panels::default());
+}
+
+/// The first `len` words of `buffer`, grown if needed. Stale contents are left: the
+/// packers overwrite every word the kernel reads.
+/// The slice starts on a 64-byte boundary, so the kernel's 64-byte panel loads never
+/// straddle two cache lines.
+pub(super) fn scratch(buffer: &mut Vec<u32>, len: usize) -> &mut [u32] {
+    const SLACK: usize = 64 / 4;
+    if buffer.len() < len + SLACK {
+        buffer.resize(len + SLACK, 0);
+    }
+    let skip = buffer.as_ptr().align_offset(64).min(SLACK);
+    &mut buffer[skip..skip + len]
+}
