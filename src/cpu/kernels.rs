@@ -101,17 +101,6 @@ pub fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
     }
 }
 
-multiversion! {
-    /// out[o] = dot(w[o, :], x) (+ bias[o]) for a row-major w of shape (out.len(), x.len()).
-    pub fn matvec(w: &[f32], bias: Option<&[f32]>, x: &[f32], out: &mut [f32]) {
-        let n = x.len();
-        debug_assert_eq!(w.len(), out.len() * n);
-        for (o, y) in out.iter_mut().enumerate() {
-            *y = dot_lanes(&w[o * n..(o + 1) * n], x) + bias.map_or(0.0, |b| b[o]);
-        }
-    }
-}
-
 /// e^x for x <= 88, branch-free so loops over it vectorise (Cephes' expf: range
 /// reduction by ln 2, a degree-6 polynomial, 2^n from the exponent bits). Relative error
 /// ~1e-7; inputs below -87 give ~1e-38 instead of 0; NaN stays NaN.
