@@ -101,6 +101,37 @@ pub fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
     }
 }
 
+/// How far ahead of its reads a mat-vec asks for the weights' cache lines. Decoding
+/// one token reads every weight once, straight from memory: rows read side by side
+/// plus these requests keep more lines in flight than the hardware prefetcher does
+/// alone (`weight_rows` ; measured on an Intel Xeon, AVX-512, 2 threads, f32: one
+/// row at a time 16 GB/s, four side by side 19-20, with lines asked 16 KiB ahead 21-23).
+pub const AHEAD_BYTES: usize = 16 << 10;
+
+/// Asks for the cache line holding `p` without waiting for it; a hint only, so an
+/// address past the end of its buffer is harmless (nothing is read from it).
+#[inline(always)]
+pub fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // Safety: prefetching never faults and reads nothing into the program.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>(p.cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// Asks for every cache line of `values` (see [`prefetch`]).
+#[inline(always)]
+pub fn prefetch_all<T>(values: &[T]) {
+    let bytes = std::mem::size_of_val(values);
+    let start = values.as_ptr().cast::<u8>();
+    for offset in (0..bytes).step_by(64) {
+        prefetch(start.wrapping_add(offset));
+    }
+}
+
 /// e^x for x <= 88, branch-free so loops over it vectorise (Cephes' expf: range
 /// reduction by ln 2, a degree-6 polynomial, 2^n from the exponent bits). Relative error
 /// ~1e-7; inputs below -87 give ~1e-38 instead of 0; NaN stays NaN.

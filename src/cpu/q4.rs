@@ -16,6 +16,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::isa::Isa;
+use super::kernels::prefetch_all;
 use super::q8::{BlockMatrix, Q8Row, BLOCK};
 
 /// Bytes of 4-bit values a block.
@@ -125,6 +126,15 @@ impl BlockMatrix for Q4Matrix {
 
     fn cols(&self) -> usize {
         self.cols
+    }
+
+    fn prefetch_row(&self, r: usize) {
+        prefetch_all(&self.nibbles[r * self.blocks * HALF..(r + 1) * self.blocks * HALF]);
+        prefetch_all(&self.scales[r * self.blocks..(r + 1) * self.blocks]);
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.blocks * (HALF + 4)
     }
 
     fn dot_row(&self, level: Isa, r: usize, x: &Q8Row) -> f32 {

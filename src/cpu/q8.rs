@@ -13,7 +13,7 @@
 use rayon::prelude::*;
 
 use super::isa::{self, Isa};
-use super::kernels::multiversion;
+use super::kernels::{multiversion, prefetch_all, AHEAD_BYTES};
 
 /// Values per block.
 pub const BLOCK: usize = 32;
@@ -138,6 +138,16 @@ impl BlockMatrix for Q8Matrix {
         self.cols
     }
 
+    fn prefetch_row(&self, r: usize) {
+        let width = self.blocks * BLOCK;
+        prefetch_all(&self.quants[r * width..(r + 1) * width]);
+        prefetch_all(&self.scales[r * self.blocks..(r + 1) * self.blocks]);
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.blocks * (BLOCK + 4)
+    }
+
     fn dot_row(&self, level: Isa, r: usize, x: &Q8Row) -> f32 {
         let width = self.blocks * BLOCK;
         let (wq, ws) = (
@@ -172,6 +182,10 @@ pub trait BlockMatrix: Sync {
     fn cols(&self) -> usize;
     /// Row `r` · x at `level`.
     fn dot_row(&self, level: Isa, r: usize, x: &Q8Row) -> f32;
+    /// Asks for row `r`'s values and scales ahead of their use (`kernels::prefetch`).
+    fn prefetch_row(&self, r: usize);
+    /// The bytes of one row, scales included.
+    fn row_bytes(&self) -> usize;
 
     /// `x` (one row of `cols` values) quantized for products with this matrix.
     fn quantize_row(&self, x: &[f32], into: &mut Q8Row) {
@@ -180,9 +194,19 @@ pub trait BlockMatrix: Sync {
     }
 
     /// out[o] = row (first + o) · x (+ bias[o]) for the outputs in `out`.
+    /// One row at a time, each asked for [`AHEAD_BYTES`] ahead: a row's dot product
+    /// then reads from the cache, where one waiting on memory was most of the time.
     fn matvec(&self, first: usize, x: &Q8Row, bias: Option<&[f32]>, out: &mut [f32]) {
         let level = isa::active();
+        let ahead = (AHEAD_BYTES / self.row_bytes()).max(1);
+        let end = first + out.len();
+        for r in first..(first + ahead).min(end) {
+            self.prefetch_row(r);
+        }
         for (o, out) in out.iter_mut().enumerate() {
+            if first + o + ahead < end {
+                self.prefetch_row(first + o + ahead);
+            }
             *out = self.dot_row(level, first + o, x) + bias.map_or(0.0, |b| b[o]);
         }
     }

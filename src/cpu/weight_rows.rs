@@ -11,7 +11,7 @@
 use rayon::prelude::*;
 
 use super::bf16::to_bf16_bits;
-use super::kernels::multiversion;
+use super::kernels::{multiversion, prefetch, AHEAD_BYTES};
 use super::threads::threads;
 
 /// A weight as stored, widened to f32 on load.
@@ -191,27 +191,6 @@ fn dot1<W: Widen>(w: &[W], x: &[f32]) -> f32 {
         sum += w[i].widen() * x[i];
     }
     sum
-}
-
-/// How far ahead of its reads a one-row product asks for each weight row's lines.
-/// Decoding one token reads every weight once, straight from memory: four rows read
-/// side by side plus these requests keep more lines in flight than the hardware
-/// prefetcher does alone (measured on an Intel Xeon, AVX-512, 2 threads: one row at a
-/// time 16 GB/s, four side by side 19-20, with lines asked 16 KiB ahead 21-23).
-const AHEAD_BYTES: usize = 16 << 10;
-
-/// Asks for the cache line holding `p` without waiting for it; a hint only, so an
-/// address past the end of its buffer is harmless (nothing is read from it).
-#[inline(always)]
-fn prefetch<T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    // Safety: prefetching never faults and reads nothing into the program.
-    unsafe {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        _mm_prefetch::<_MM_HINT_T0>(p.cast());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
 }
 
 /// The sum of 16 lanes as a tree of halves (which vectorises; a running sum would be
