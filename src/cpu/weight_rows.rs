@@ -23,12 +23,26 @@ pub trait Widen: Copy + Send + Sync {
     fn dots4x1(w: [&[Self]; 4], x: &[f32]) -> [f32; 4] {
         dots4x1(w, x)
     }
+
+    /// 16 weights from `p`, widened, in one AVX-512 register.
+    ///
+    /// # Safety
+    /// `p` must point at 16 weights; the CPU must have AVX-512 F.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
 }
 
 impl Widen for f32 {
     #[inline(always)]
     fn widen(self) -> f32 {
         self
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        std::arch::x86_64::_mm512_loadu_ps(p)
     }
 }
 
@@ -48,6 +62,15 @@ impl Widen for Bf16 {
     #[inline(always)]
     fn widen(self) -> f32 {
         f32::from_bits(u32::from(self.0) << 16)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16(p: *const Bf16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        let bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits))
     }
 
     /// Two weights a 32-bit word: the odd one is already an f32 once the even one's
@@ -121,6 +144,47 @@ fn dots4<W: Widen>(w: &[W], x: [&[f32]; 4]) -> [f32; 4] {
         }
         for i in n..w.len() {
             *sum += w[i].widen() * x[i];
+        }
+    }
+    sums
+}
+
+/// Σ_i w_j[i] x_r[i] for four weight rows w_j and four rows x_r in AVX-512 registers:
+/// sixteen sums, each step four weight loads and four activation loads for sixteen
+/// fused multiply-adds. A prompt's rows meet each weight many times, so this is
+/// bound by the FMA units; the portable [`dots2x4`] compiles to separate multiplies
+/// and adds in half-width registers there (a 16-token prompt on GPT-2 124M: 66 ms).
+///
+/// # Safety
+/// The CPU must have AVX-512 F; the rows must be of equal length.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn dots4x4_avx512<W: Widen>(w: [&[W]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
+    use std::arch::x86_64::*;
+    let len = x[0].len();
+    debug_assert!(w.iter().all(|w| w.len() == len) && x.iter().all(|x| x.len() == len));
+    let n = len / 16 * 16;
+    let ahead = AHEAD_BYTES / std::mem::size_of::<W>();
+    let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+    for i in (0..n).step_by(16) {
+        // Safety: i + 16 <= n <= each row's length.
+        let xs = [0, 1, 2, 3].map(|r| _mm512_loadu_ps(x[r].as_ptr().add(i)));
+        for j in 0..4 {
+            prefetch(w[j].as_ptr().wrapping_add(i + ahead));
+            let wj = W::load16(w[j].as_ptr().add(i));
+            for r in 0..4 {
+                acc[j][r] = _mm512_fmadd_ps(wj, xs[r], acc[j][r]);
+            }
+        }
+    }
+    let mut sums = [[0f32; 4]; 4];
+    for j in 0..4 {
+        for r in 0..4 {
+            let mut sum = _mm512_reduce_add_ps(acc[j][r]);
+            for i in n..len {
+                sum += w[j][i].widen() * x[r][i];
+            }
+            sums[j][r] = sum;
         }
     }
     sums
@@ -260,8 +324,24 @@ fn product<W: Widen>(w: &[W], bias: Option<&[f32]>, x: &[f32], d_in: usize, out:
     let weights = |o: usize| &w[o * d_in..(o + 1) * d_in];
     let bias = |o: usize| bias.map_or(0.0, |b| b[o]);
     let (quads, blocks) = (len / 4 * 4, rows / 4 * 4);
+    // The blocks of rows in AVX-512 registers where the CPU has them.
+    let avx512 = cfg!(target_arch = "x86_64") && super::isa::active() >= super::isa::Isa::Avx512;
     for o in (0..quads).step_by(4) {
-        for o in [o, o + 2] {
+        #[cfg(target_arch = "x86_64")]
+        if avx512 {
+            let four = [weights(o), weights(o + 1), weights(o + 2), weights(o + 3)];
+            for r in (0..blocks).step_by(4) {
+                // Safety: checked just above that the CPU has AVX-512; equal rows.
+                let sums =
+                    unsafe { dots4x4_avx512(four, [row(r), row(r + 1), row(r + 2), row(r + 3)]) };
+                for (j, sums) in sums.into_iter().enumerate() {
+                    for (i, s) in sums.into_iter().enumerate() {
+                        out[(r + i) * len + o + j] = s + bias(o + j);
+                    }
+                }
+            }
+        }
+        for o in [o, o + 2].into_iter().filter(|_| !avx512) {
             for r in (0..blocks).step_by(4) {
                 let sums = dots2x4(
                     [weights(o), weights(o + 1)],
