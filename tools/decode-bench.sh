@@ -5,6 +5,16 @@
 #
 #   tools/decode-bench.sh                 # makes the model once (one training step, ~1 min)
 #   tools/decode-bench.sh RUN_FOLDER      # any trained run instead
+#   LLAMACPP=1 tools/decode-bench.sh      # then llama.cpp side by side, one stream each
+#
+# With LLAMACPP=1, llama.cpp is built once from the llama-cpp-python source package on
+# PyPI (it vendors llama.cpp) into $LLAMACPP_DIR (default ~/.cache/tinygpt-llamacpp,
+# outside the repository), for this CPU's AVX-512 / VNNI / AVX512_BF16 where it has
+# them (its AMX path off: a VM that grants no AMX tile state kills it), and the model
+# is exported to GGUF in f32, f16, q8_0 and q4_0. Each pair then runs interleaved,
+# ROUNDS times (default 2): `tinygpt bench --decode-tokens 160` (16-token prompt)
+# against llama-completion's eval rate (-t threads, --temp 0, 128 tokens after a
+# 20-token prompt), and its prompt rate beside our first token of 16.
 #
 # The model: 12 layers, 12 heads, 768 wide, context 1024, vocabulary 50304 (GPT-2's,
 # padded), trained one step on the repository's corpus so it is a real checkpoint.
@@ -38,7 +48,7 @@ fi
 "$bin" bench --checkpoint "$run" --prompts 1 --decode-tokens 1 >/dev/null
 echo "| weights | load | first token: 1 / 16 / 128 / 512 tokens | decode | peak RSS |"
 echo "|---|---|---|---|---|"
-for dtype in f32 bf16 int8 int4; do
+for dtype in ${DTYPES:-f32 bf16 int8 int4}; do
   "$bin" bench --checkpoint "$run" --decode-dtype "$dtype" --decode-tokens 256 --json |
     python3 -c '
 import json, sys
@@ -48,4 +58,63 @@ print("| %s (%.0f MiB) | %.0f ms | %s ms | %.1f tokens/s | %.0f MiB |" % (
     r["dtype"], r["weights_mb"], r["load_ms"], ttft, r["decode_tokens_per_s"], r["peak_rss_mb"]))
 '
 done
-"$bin" bench --checkpoint "$run" --prompts 1 --decode-tokens 1 | head -1 | sed 's/^cpu */machine: /'
+# Not `| head -1`: under pipefail the bench's SIGPIPE would end the script here.
+report=$("$bin" bench --checkpoint "$run" --prompts 1 --decode-tokens 1)
+echo "machine: $(echo "${report%%$'\n'*}" | sed 's/^cpu *//')"
+
+[ "${LLAMACPP:-0}" = 1 ] || exit 0
+dir=${LLAMACPP_DIR:-$HOME/.cache/tinygpt-llamacpp}
+has() { grep -qw "$1" /proc/cpuinfo; }
+flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
+build=$dir/build-portable
+if has avx512f && has avx512bw; then
+  build=$dir/build-avx512
+  flags+=(-DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+  has avx512_vnni && flags+=(-DGGML_AVX512_VNNI=ON)
+  has avx512_bf16 && flags+=(-DGGML_AVX512_BF16=ON)
+fi
+if [ ! -x "$build/bin/llama-completion" ]; then
+  echo "building llama.cpp from the llama-cpp-python sdist into $build (once; minutes)" >&2
+  mkdir -p "$dir"
+  ls "$dir"/sdist/llama_cpp_python-*.tar.gz >/dev/null 2>&1 ||
+    python3 -m pip download -q --no-deps --no-binary :all: llama-cpp-python -d "$dir/sdist"
+  src=$(ls -d "$dir"/llama_cpp_python-*/vendor/llama.cpp 2>/dev/null | head -1)
+  if [ -z "$src" ]; then
+    tar -xzf "$dir"/sdist/llama_cpp_python-*.tar.gz -C "$dir"
+    src=$(ls -d "$dir"/llama_cpp_python-*/vendor/llama.cpp | head -1)
+  fi
+  cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF "${flags[@]}" >/dev/null
+  cmake --build "$build" -j"$(nproc)" --target llama-completion >/dev/null
+fi
+threads=${RAYON_NUM_THREADS:-$(nproc)}
+ggufs=$(dirname "$run")/gguf
+mkdir -p "$ggufs"
+for g in f32 f16 q8_0 q4_0; do
+  [ -f "$ggufs/$g.gguf" ] || "$bin" export --checkpoint "$run" --format gguf --dtype "$g" --out "$ggufs/$g.gguf" >&2
+done
+prompt="Now is the winter of"
+echo
+echo "| one stream, $threads threads | tinygpt decode | llama.cpp eval | ratio | tinygpt first token (16) | llama.cpp prompt eval |"
+echo "|---|---|---|---|---|---|"
+for _ in $(seq "${ROUNDS:-2}"); do
+  for pair in "f32 f32" "bf16 f16" "int8 q8_0" "int4 q4_0"; do
+    set -- $pair
+    ours=$("$bin" bench --checkpoint "$run" --decode-dtype "$1" --prompts 16,16,16 --decode-tokens 160 --json)
+    theirs=$("$build/bin/llama-completion" -m "$ggufs/$2.gguf" -t "$threads" --temp 0 -n 128 \
+      -p "$prompt" -no-cnv 2>&1 >/dev/null | grep -E "(prompt eval|  eval) time")
+    OURS=$ours THEIRS=$theirs python3 -c '
+import json, os, re, sys
+r = json.loads(os.environ["OURS"])
+found = re.findall(r"(prompt eval|  eval) time =\s*([0-9.]+) ms /\s*(\d+)", os.environ["THEIRS"])
+rates = {k.strip(): (float(ms), int(n)) for k, ms, n in found}
+ms, n = rates["eval"]
+theirs = n / ms * 1e3
+pms, pn = rates["prompt eval"]
+ours = r["decode_tokens_per_s"]
+first = min(t for p, t in r["ttft_ms"] if p == 16)
+print("| %s / %s | %.1f tokens/s | %.1f tokens/s | %.2fx | %.0f ms | %.0f ms for %d tokens |" % (
+    sys.argv[1], sys.argv[2], ours, theirs, ours / theirs, first, pms, pn))
+' "$1" "$2"
+  done
+done
+
