@@ -192,8 +192,8 @@ macro_rules! check_blocks {
         for (rows, cols, n) in [
             (1, 1, 1),
             (5, 32, 3),
-            (3, 70, 2),
-            (17, 100, 2),
+            (3, 70, 6),
+            (17, 100, 4),
             (64, 768, 5),
         ] {
             let mut w = values(rows * cols, 7);

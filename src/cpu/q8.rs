@@ -149,12 +149,62 @@ impl BlockMatrix for Q8Matrix {
     }
 
     fn dot_row(&self, level: Isa, r: usize, x: &Q8Row) -> f32 {
+        let (wq, ws) = self.row(r);
+        dot(level, wq, ws, &x.quants, &x.scales)
+    }
+
+    /// On AVX-512, each weight row against four rows of x at once ([`dots_1x4`]): the
+    /// weights and their scales are loaded once for the four, and the sums are
+    /// `dot_row`'s to the bit (the same integer sums, scaled and added in the same
+    /// order), so a sequence's logits do not depend on the rows beside it.
+    fn matmat(
+        &self,
+        first: usize,
+        len: usize,
+        xs: &[Q8Row],
+        bias: Option<&[f32]>,
+        out: &mut [f32],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if isa::active() >= Isa::Avx512 && xs.len() >= 4 {
+            let blocks = xs.len() / 4 * 4;
+            let level = isa::active();
+            let prepared: Vec<Prepared> = xs[..blocks].iter().map(Prepared::new).collect();
+            for o in 0..len {
+                let (wq, ws) = self.row(first + o);
+                let b = bias.map_or(0.0, |b| b[o]);
+                for r in (0..blocks).step_by(4) {
+                    let four = [
+                        &prepared[r],
+                        &prepared[r + 1],
+                        &prepared[r + 2],
+                        &prepared[r + 3],
+                    ];
+                    // Safety: the active level never exceeds what the CPU has; the rows
+                    // of x hold as many blocks as the weight row.
+                    let sums = unsafe { dots_1x4(wq, ws, four) };
+                    for (i, s) in sums.into_iter().enumerate() {
+                        out[(r + i) * len + o] = s + b;
+                    }
+                }
+                for r in blocks..xs.len() {
+                    out[r * len + o] = dot(level, wq, ws, &xs[r].quants, &xs[r].scales) + b;
+                }
+            }
+            return;
+        }
+        matmat_by_dots(self, first, len, xs, bias, out)
+    }
+}
+
+impl Q8Matrix {
+    /// Row `r`'s int8 values and block scales.
+    fn row(&self, r: usize) -> (&[i8], &[f32]) {
         let width = self.blocks * BLOCK;
-        let (wq, ws) = (
+        (
             &self.quants[r * width..(r + 1) * width],
             &self.scales[r * self.blocks..(r + 1) * self.blocks],
-        );
-        dot(level, wq, ws, &x.quants, &x.scales)
+        )
     }
 }
 
@@ -222,12 +272,24 @@ pub trait BlockMatrix: Sync {
         bias: Option<&[f32]>,
         out: &mut [f32],
     ) {
-        let level = isa::active();
-        for o in 0..len {
-            let b = bias.map_or(0.0, |b| b[o]);
-            for (x, out) in xs.iter().zip(out.chunks_exact_mut(len)) {
-                out[o] = self.dot_row(level, first + o, x) + b;
-            }
+        matmat_by_dots(self, first, len, xs, bias, out)
+    }
+}
+
+/// [`BlockMatrix::matmat`] one row dot product at a time.
+fn matmat_by_dots(
+    w: &(impl BlockMatrix + ?Sized),
+    first: usize,
+    len: usize,
+    xs: &[Q8Row],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) {
+    let level = isa::active();
+    for o in 0..len {
+        let b = bias.map_or(0.0, |b| b[o]);
+        for (x, out) in xs.iter().zip(out.chunks_exact_mut(len)) {
+            out[o] = w.dot_row(level, first + o, x) + b;
         }
     }
 }
@@ -289,6 +351,130 @@ unsafe fn dot_avx512(wq: &[i8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
         );
     }
     sum
+}
+
+/// A row of x as [`dots_1x4`] reads it against many weight rows: what depends on x
+/// alone worked out once (its magnitudes, its signs, its scales spread to lanes), not
+/// once per weight row.
+#[cfg(target_arch = "x86_64")]
+struct Prepared<'a> {
+    row: &'a Q8Row,
+    /// |x| per value (x lies in -127..=127, so it fits a byte).
+    magnitude: Vec<u8>,
+    /// Bit i of word p: value 64 p + i is negative.
+    negative: Vec<u64>,
+    /// Per pair of blocks: the first's scale in 8 lanes, then the second's.
+    scales: Vec<f32>,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<'a> Prepared<'a> {
+    fn new(row: &'a Q8Row) -> Self {
+        let magnitude = row.quants.iter().map(|q| q.unsigned_abs()).collect();
+        let negative = row
+            .quants
+            .chunks(64)
+            .map(|c| {
+                c.iter()
+                    .enumerate()
+                    .fold(0u64, |m, (i, &q)| m | u64::from(q < 0) << i)
+            })
+            .collect();
+        let scales = row
+            .scales
+            .chunks_exact(2)
+            .flat_map(|s| [[s[0]; 8], [s[1]; 8]].into_iter().flatten())
+            .collect();
+        Self {
+            row,
+            magnitude,
+            negative,
+            scales,
+        }
+    }
+}
+
+/// [`dot_avx512`] of one weight row against four rows of x: the weights and their
+/// scales loaded once for the four, x's side prepared once for all the weight rows.
+/// With AVX-512 VNNI, `vpdpbusd` forms the sums of four byte products that
+/// `vpmaddubsw` + `vpmaddwd` form without it (the same integers: a pair's sum fits
+/// i16 either way), and the scale products are dot_avx512's (w scale x x scale, each
+/// an f32 product): the sums are its sums to the bit.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW/DQ; each row of x holds `ws.len()` blocks.
+#[cfg(target_arch = "x86_64")]
+unsafe fn dots_1x4(wq: &[i8], ws: &[f32], xs: [&Prepared; 4]) -> [f32; 4] {
+    static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *VNNI.get_or_init(|| std::arch::is_x86_feature_detected!("avx512vnni")) {
+        dots_1x4_vnni(wq, ws, xs)
+    } else {
+        dots_1x4_bw(wq, ws, xs)
+    }
+}
+
+/// The body of [`dots_1x4`]; `$quads` sums a block pair's byte products in fours.
+#[cfg(target_arch = "x86_64")]
+macro_rules! dots_1x4_body {
+    ($wq:ident, $ws:ident, $xs:ident, |$magnitude:ident, $signed:ident| $quads:expr) => {{
+        use std::arch::x86_64::*;
+        let blocks = $ws.len();
+        debug_assert!($wq.len() >= blocks * BLOCK);
+        debug_assert!($xs.iter().all(|x| x.magnitude.len() >= blocks * BLOCK));
+        let zero = _mm512_setzero_si512();
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let whole = blocks & !1;
+        for b in (0..whole).step_by(2) {
+            // Safety: every slice holds `blocks` whole blocks; b + 1 < blocks.
+            let w = _mm512_loadu_si512($wq.as_ptr().add(b * BLOCK).cast());
+            let w_scales = _mm512_insertf32x8(
+                _mm512_set1_ps(*$ws.get_unchecked(b)),
+                _mm256_set1_ps(*$ws.get_unchecked(b + 1)),
+                1,
+            );
+            for (acc, x) in acc.iter_mut().zip($xs) {
+                // |x| times w with x's sign, as in dot_avx512.
+                let $magnitude = _mm512_loadu_si512(x.magnitude.as_ptr().add(b * BLOCK).cast());
+                let negative = *x.negative.get_unchecked(b / 2);
+                let $signed = _mm512_mask_sub_epi8(w, negative, zero, w);
+                let quads = $quads;
+                let scale = _mm512_mul_ps(w_scales, _mm512_loadu_ps(x.scales.as_ptr().add(8 * b)));
+                *acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(quads), *acc);
+            }
+        }
+        let mut sums = [0f32; 4];
+        for ((sum, acc), x) in sums.iter_mut().zip(acc).zip($xs) {
+            *sum = _mm512_reduce_add_ps(acc);
+            if whole < blocks {
+                *sum += dot_avx2(
+                    &$wq[whole * BLOCK..blocks * BLOCK],
+                    &$ws[whole..],
+                    &x.row.quants[whole * BLOCK..blocks * BLOCK],
+                    &x.row.scales[whole..blocks],
+                );
+            }
+        }
+        sums
+    }};
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma")]
+unsafe fn dots_1x4_vnni(wq: &[i8], ws: &[f32], xs: [&Prepared; 4]) -> [f32; 4] {
+    dots_1x4_body!(wq, ws, xs, |magnitude, signed| _mm512_dpbusd_epi32(
+        _mm512_setzero_si512(),
+        magnitude,
+        signed
+    ))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2,fma")]
+unsafe fn dots_1x4_bw(wq: &[i8], ws: &[f32], xs: [&Prepared; 4]) -> [f32; 4] {
+    dots_1x4_body!(wq, ws, xs, |magnitude, signed| _mm512_madd_epi16(
+        _mm512_maddubs_epi16(magnitude, signed),
+        _mm512_set1_epi16(1)
+    ))
 }
 
 /// The blocks' exact integer sums, scaled and added in block order.
@@ -370,6 +556,43 @@ mod tests {
         peak.row_into(0, &mut back);
         assert_eq!(back[1], -2.0);
         assert_eq!(Q8Matrix::quantize(&[0.0; 4], 1, 4).scales, [0.0]);
+    }
+
+    /// Both four-row kernels (with and without VNNI, where the CPU has them) give
+    /// `dot_avx512`'s sums to the bit, with an odd last block.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn four_rows_at_once_give_each_rows_own_sums() {
+        use std::arch::is_x86_feature_detected as has;
+        if !(has!("avx512f") && has!("avx512bw") && has!("avx512dq")) {
+            eprintln!("SKIPPED: the AVX-512 four-row int8 kernels (no AVX-512 here)");
+            return;
+        }
+        let cols = 7 * BLOCK;
+        let q = Q8Matrix::quantize(&values(2 * cols, 5), 2, cols);
+        let xs: Vec<Q8Row> = (0..4)
+            .map(|r| {
+                let mut row = Q8Row::default();
+                row.quantize(&values(cols, 20 + r));
+                row
+            })
+            .collect();
+        let prepared: Vec<Prepared> = xs.iter().map(Prepared::new).collect();
+        let four = [&prepared[0], &prepared[1], &prepared[2], &prepared[3]];
+        for o in 0..2 {
+            let (wq, ws) = q.row(o);
+            // Safety: AVX-512 F/BW/DQ checked above; whole blocks throughout.
+            let want: Vec<f32> = xs
+                .iter()
+                .map(|x| unsafe { dot_avx512(wq, ws, &x.quants, &x.scales) })
+                .collect();
+            assert_eq!(unsafe { dots_1x4_bw(wq, ws, four) }.to_vec(), want);
+            if has!("avx512vnni") {
+                assert_eq!(unsafe { dots_1x4_vnni(wq, ws, four) }.to_vec(), want);
+            } else {
+                eprintln!("SKIPPED: the VNNI four-row int8 kernel (no AVX-512 VNNI here)");
+            }
+        }
     }
 
     #[test]
