@@ -170,7 +170,11 @@ impl BlockMatrix for Q8Matrix {
             let blocks = xs.len() / 4 * 4;
             let level = isa::active();
             let prepared: Vec<Prepared> = xs[..blocks].iter().map(Prepared::new).collect();
+            let ahead = (AHEAD_BYTES / self.row_bytes()).max(1);
             for o in 0..len {
+                if o + ahead < len {
+                    self.prefetch_row(first + o + ahead);
+                }
                 let (wq, ws) = self.row(first + o);
                 let b = bias.map_or(0.0, |b| b[o]);
                 for r in (0..blocks).step_by(4) {
