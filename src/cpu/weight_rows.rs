@@ -3,10 +3,13 @@
 //!
 //! A GEMM packs its operands into panels before multiplying, which pays when each
 //! weight meets hundreds of rows; for a handful the packing is a second pass over
-//! every weight, and reading the weights is all the time there is. Here each weight row
-//! is loaded once, widened to f32 if it is held in bf16, and multiplied into up to four
-//! activation rows at a time while it sits in registers and L1. Sums are f32 in 16
-//! lanes, so the f32 and bf16 kernels differ only in what a weight is before widening.
+//! every weight, and reading the weights is all the time there is. Here weight rows
+//! are read four at a time, widened to f32 if held in bf16, and multiplied into the
+//! activation rows while they sit in registers and L1: one activation row against four
+//! weight rows streamed side by side and asked for ahead (decoding, bound by memory),
+//! blocks of four activation rows against them (prompts, bound by the FMA units: in
+//! AVX-512 registers where the CPU has them). Sums are f32 in 16 lanes a row; a weight
+//! is the same f32 whichever kernel widens it.
 
 use rayon::prelude::*;
 
