@@ -365,6 +365,8 @@ struct Prepared<'a> {
     row: &'a Q8Row,
     /// |x| per value (x lies in -127..=127, so it fits a byte).
     magnitude: Vec<u8>,
+    /// x + 128 per value (0..=255): unsigned, as `vpdpbusd` takes its first operand.
+    biased: Vec<u8>,
     /// Bit i of word p: value 64 p + i is negative.
     negative: Vec<u64>,
     /// Per pair of blocks: the first's scale in 8 lanes, then the second's.
@@ -375,6 +377,11 @@ struct Prepared<'a> {
 impl<'a> Prepared<'a> {
     fn new(row: &'a Q8Row) -> Self {
         let magnitude = row.quants.iter().map(|q| q.unsigned_abs()).collect();
+        let biased = row
+            .quants
+            .iter()
+            .map(|&q| (i16::from(q) + 128) as u8)
+            .collect();
         let negative = row
             .quants
             .chunks(64)
@@ -392,6 +399,7 @@ impl<'a> Prepared<'a> {
         Self {
             row,
             magnitude,
+            biased,
             negative,
             scales,
         }
@@ -400,10 +408,10 @@ impl<'a> Prepared<'a> {
 
 /// [`dot_avx512`] of one weight row against four rows of x: the weights and their
 /// scales loaded once for the four, x's side prepared once for all the weight rows.
-/// With AVX-512 VNNI, `vpdpbusd` forms the sums of four byte products that
-/// `vpmaddubsw` + `vpmaddwd` form without it (the same integers: a pair's sum fits
-/// i16 either way), and the scale products are dot_avx512's (w scale x x scale, each
-/// an f32 product): the sums are its sums to the bit.
+/// Each lane's sum of four byte products is the same integer in both kernels (VNNI's
+/// `vpdpbusd` on x + 128, or the sign trick's `vpmaddubsw` + `vpmaddwd`: a pair's sum
+/// fits i16), and the scale products are dot_avx512's (w scale x x scale, each an f32
+/// product): the sums are its sums to the bit.
 ///
 /// # Safety
 /// The CPU must have AVX-512 F/BW/DQ; each row of x holds `ws.len()` blocks.
@@ -417,68 +425,97 @@ unsafe fn dots_1x4(wq: &[i8], ws: &[f32], xs: [&Prepared; 4]) -> [f32; 4] {
     }
 }
 
-/// The body of [`dots_1x4`]; `$quads` sums a block pair's byte products in fours.
+/// The four sums of [`dots_1x4`]: each accumulator's lanes added as `dot_avx512` adds
+/// them, and an odd last block through `dot_avx2`, as there.
 #[cfg(target_arch = "x86_64")]
-macro_rules! dots_1x4_body {
-    ($wq:ident, $ws:ident, $xs:ident, |$magnitude:ident, $signed:ident| $quads:expr) => {{
-        use std::arch::x86_64::*;
-        let blocks = $ws.len();
-        debug_assert!($wq.len() >= blocks * BLOCK);
-        debug_assert!($xs.iter().all(|x| x.magnitude.len() >= blocks * BLOCK));
-        let zero = _mm512_setzero_si512();
-        let mut acc = [_mm512_setzero_ps(); 4];
-        let whole = blocks & !1;
-        for b in (0..whole).step_by(2) {
-            // Safety: every slice holds `blocks` whole blocks; b + 1 < blocks.
-            let w = _mm512_loadu_si512($wq.as_ptr().add(b * BLOCK).cast());
-            let w_scales = _mm512_insertf32x8(
-                _mm512_set1_ps(*$ws.get_unchecked(b)),
-                _mm256_set1_ps(*$ws.get_unchecked(b + 1)),
-                1,
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2,fma")]
+unsafe fn finish_1x4(
+    wq: &[i8],
+    ws: &[f32],
+    xs: [&Prepared; 4],
+    acc: [std::arch::x86_64::__m512; 4],
+    whole: usize,
+) -> [f32; 4] {
+    let blocks = ws.len();
+    let mut sums = [0f32; 4];
+    for ((sum, acc), x) in sums.iter_mut().zip(acc).zip(xs) {
+        *sum = std::arch::x86_64::_mm512_reduce_add_ps(acc);
+        if whole < blocks {
+            *sum += dot_avx2(
+                &wq[whole * BLOCK..blocks * BLOCK],
+                &ws[whole..],
+                &x.row.quants[whole * BLOCK..blocks * BLOCK],
+                &x.row.scales[whole..blocks],
             );
-            for (acc, x) in acc.iter_mut().zip($xs) {
-                // |x| times w with x's sign, as in dot_avx512.
-                let $magnitude = _mm512_loadu_si512(x.magnitude.as_ptr().add(b * BLOCK).cast());
-                let negative = *x.negative.get_unchecked(b / 2);
-                let $signed = _mm512_mask_sub_epi8(w, negative, zero, w);
-                let quads = $quads;
-                let scale = _mm512_mul_ps(w_scales, _mm512_loadu_ps(x.scales.as_ptr().add(8 * b)));
-                *acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(quads), *acc);
-            }
         }
-        let mut sums = [0f32; 4];
-        for ((sum, acc), x) in sums.iter_mut().zip(acc).zip($xs) {
-            *sum = _mm512_reduce_add_ps(acc);
-            if whole < blocks {
-                *sum += dot_avx2(
-                    &$wq[whole * BLOCK..blocks * BLOCK],
-                    &$ws[whole..],
-                    &x.row.quants[whole * BLOCK..blocks * BLOCK],
-                    &x.row.scales[whole..blocks],
-                );
-            }
-        }
-        sums
-    }};
+    }
+    sums
 }
 
+/// [`dots_1x4`] with VNNI: `vpdpbusd` multiplies unsigned by signed bytes, so x goes
+/// in as x + 128 and each lane starts from -128 x (its four weights' sum), worked out
+/// once per weight block pair: Σ (x + 128) w - 128 Σ w = Σ x w, the same integers as
+/// the sign trick, with no per-row sign work.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma")]
 unsafe fn dots_1x4_vnni(wq: &[i8], ws: &[f32], xs: [&Prepared; 4]) -> [f32; 4] {
-    dots_1x4_body!(wq, ws, xs, |magnitude, signed| _mm512_dpbusd_epi32(
-        _mm512_setzero_si512(),
-        magnitude,
-        signed
-    ))
+    use std::arch::x86_64::*;
+    let blocks = ws.len();
+    debug_assert!(wq.len() >= blocks * BLOCK);
+    debug_assert!(xs.iter().all(|x| x.biased.len() >= blocks * BLOCK));
+    let bias = _mm512_set1_epi8(-128); // the byte 0x80: 128 as vpdpbusd's unsigned operand
+    let zero = _mm512_setzero_si512();
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let whole = blocks & !1;
+    for b in (0..whole).step_by(2) {
+        // Safety: every slice holds `blocks` whole blocks; b + 1 < blocks.
+        let w = _mm512_loadu_si512(wq.as_ptr().add(b * BLOCK).cast());
+        let start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, w));
+        let w_scales = _mm512_insertf32x8(
+            _mm512_set1_ps(*ws.get_unchecked(b)),
+            _mm256_set1_ps(*ws.get_unchecked(b + 1)),
+            1,
+        );
+        for (acc, x) in acc.iter_mut().zip(xs) {
+            let biased = _mm512_loadu_si512(x.biased.as_ptr().add(b * BLOCK).cast());
+            let quads = _mm512_dpbusd_epi32(start, biased, w);
+            let scale = _mm512_mul_ps(w_scales, _mm512_loadu_ps(x.scales.as_ptr().add(8 * b)));
+            *acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(quads), *acc);
+        }
+    }
+    finish_1x4(wq, ws, xs, acc, whole)
 }
 
+/// [`dots_1x4`] without VNNI: |x| times w with x's sign (as in `dot_avx512`), the
+/// byte products summed in pairs by `vpmaddubsw` and in fours by `vpmaddwd`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2,fma")]
 unsafe fn dots_1x4_bw(wq: &[i8], ws: &[f32], xs: [&Prepared; 4]) -> [f32; 4] {
-    dots_1x4_body!(wq, ws, xs, |magnitude, signed| _mm512_madd_epi16(
-        _mm512_maddubs_epi16(magnitude, signed),
-        _mm512_set1_epi16(1)
-    ))
+    use std::arch::x86_64::*;
+    let blocks = ws.len();
+    debug_assert!(wq.len() >= blocks * BLOCK);
+    debug_assert!(xs.iter().all(|x| x.magnitude.len() >= blocks * BLOCK));
+    let (zero, ones) = (_mm512_setzero_si512(), _mm512_set1_epi16(1));
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let whole = blocks & !1;
+    for b in (0..whole).step_by(2) {
+        // Safety: every slice holds `blocks` whole blocks; b + 1 < blocks.
+        let w = _mm512_loadu_si512(wq.as_ptr().add(b * BLOCK).cast());
+        let w_scales = _mm512_insertf32x8(
+            _mm512_set1_ps(*ws.get_unchecked(b)),
+            _mm256_set1_ps(*ws.get_unchecked(b + 1)),
+            1,
+        );
+        for (acc, x) in acc.iter_mut().zip(xs) {
+            let magnitude = _mm512_loadu_si512(x.magnitude.as_ptr().add(b * BLOCK).cast());
+            let negative = *x.negative.get_unchecked(b / 2);
+            let signed = _mm512_mask_sub_epi8(w, negative, zero, w);
+            let quads = _mm512_madd_epi16(_mm512_maddubs_epi16(magnitude, signed), ones);
+            let scale = _mm512_mul_ps(w_scales, _mm512_loadu_ps(x.scales.as_ptr().add(8 * b)));
+            *acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(quads), *acc);
+        }
+    }
+    finish_1x4(wq, ws, xs, acc, whole)
 }
 
 /// The blocks' exact integer sums, scaled and added in block order.
