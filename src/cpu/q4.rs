@@ -17,7 +17,7 @@ use rayon::prelude::*;
 
 use super::isa::Isa;
 use super::kernels::prefetch_all;
-use super::q8::{BlockMatrix, Q8Row, BLOCK};
+use super::q8::{matmat_by_dots, matmat_in_fours, BlockMatrix, Q8Row, BLOCK};
 
 /// Bytes of 4-bit values a block.
 const HALF: usize = BLOCK / 2;
@@ -138,11 +138,202 @@ impl BlockMatrix for Q4Matrix {
     }
 
     fn dot_row(&self, level: Isa, r: usize, x: &Q8Row) -> f32 {
-        let nibbles = &self.nibbles[r * self.blocks * HALF..(r + 1) * self.blocks * HALF];
-        let scales = &self.scales[r * self.blocks..(r + 1) * self.blocks];
+        let (nibbles, scales) = self.row(r);
         let (xq, xs) = x.parts();
         dot(level, nibbles, scales, xq, xs)
     }
+
+    /// On AVX-512, each weight row's nibbles unpacked once for four rows of x, x's
+    /// side of `dot_avx512` prepared once for all the weight rows ([`dots_1x4`]); the
+    /// sums are `dot_avx512`'s to the bit.
+    fn matmat(
+        &self,
+        first: usize,
+        len: usize,
+        xs: &[Q8Row],
+        bias: Option<&[f32]>,
+        out: &mut [f32],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if super::isa::active() >= Isa::Avx512 && xs.len() >= 4 {
+            // Safety (both closures): the active level never exceeds what the CPU has;
+            // the rows of x hold as many blocks as the weight rows.
+            let prepare = |x| unsafe { Prepared::new(x) };
+            let outputs = first..first + len;
+            return matmat_in_fours(self, outputs, xs, bias, out, prepare, |o, four| {
+                let (nibbles, ws) = self.row(o);
+                unsafe { dots_1x4(nibbles, ws, four) }
+            });
+        }
+        matmat_by_dots(self, first, len, xs, bias, out)
+    }
+}
+
+impl Q4Matrix {
+    /// Row `r`'s packed values and block scales.
+    fn row(&self, r: usize) -> (&[u8], &[f32]) {
+        (
+            &self.nibbles[r * self.blocks * HALF..(r + 1) * self.blocks * HALF],
+            &self.scales[r * self.blocks..(r + 1) * self.blocks],
+        )
+    }
+}
+
+/// A row of x as [`dots_1x4`] reads it, per step of four blocks: what `dot_avx512`
+/// works out from x alone (its halves paired with the low and high nibbles, their
+/// offsets, its scales spread to lanes), once for every weight row.
+#[cfg(target_arch = "x86_64")]
+struct Prepared<'a> {
+    row: &'a Q8Row,
+    /// Per step: x's bytes that meet the low nibbles (64), then the high ones (64).
+    halves: Vec<i8>,
+    /// Per step: 8 x summed in pairs, as `dot_avx512`'s `offsets` (32 i16), for the
+    /// sign trick; and in fours, negated (16 i32), to start VNNI's sums from.
+    offsets: Vec<i16>,
+    negative_offsets: Vec<i32>,
+    /// Per step: block i's scale in lanes 4i .. 4i + 4.
+    scales: Vec<f32>,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<'a> Prepared<'a> {
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW.
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+    unsafe fn new(row: &'a Q8Row) -> Self {
+        use std::arch::x86_64::*;
+        let (xq, xs) = row.parts();
+        let steps = xs.len() / 4;
+        let mut prepared = Self {
+            row,
+            halves: vec![0; steps * 128],
+            offsets: vec![0; steps * 32],
+            negative_offsets: vec![0; steps * 16],
+            scales: vec![0.0; steps * 16],
+        };
+        let eight = _mm512_set1_epi8(8);
+        let ones = _mm512_set1_epi16(1);
+        let spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        for step in 0..steps {
+            let b = 4 * step;
+            // As dot_avx512 pairs them: blocks b, b+1 and b+2, b+3 as [lo16, hi16] each.
+            let x = xq.as_ptr().add(b * BLOCK);
+            let (first, second) = (
+                _mm512_loadu_si512(x.cast()),
+                _mm512_loadu_si512(x.add(2 * BLOCK).cast()),
+            );
+            let x_low = _mm512_shuffle_i64x2(first, second, 0b10_00_10_00);
+            let x_high = _mm512_shuffle_i64x2(first, second, 0b11_01_11_01);
+            let halves = prepared.halves.as_mut_ptr().add(step * 128);
+            _mm512_storeu_si512(halves.cast(), x_low);
+            _mm512_storeu_si512(halves.add(64).cast(), x_high);
+            let offsets = _mm512_add_epi16(
+                _mm512_maddubs_epi16(eight, x_low),
+                _mm512_maddubs_epi16(eight, x_high),
+            );
+            _mm512_storeu_si512(prepared.offsets.as_mut_ptr().add(step * 32).cast(), offsets);
+            let fours = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_madd_epi16(offsets, ones));
+            _mm512_storeu_si512(
+                prepared.negative_offsets.as_mut_ptr().add(step * 16).cast(),
+                fours,
+            );
+            let scales = _mm512_permutexvar_ps(
+                spread,
+                _mm512_castps128_ps512(_mm_loadu_ps(xs.as_ptr().add(b))),
+            );
+            _mm512_storeu_ps(prepared.scales.as_mut_ptr().add(step * 16), scales);
+        }
+        prepared
+    }
+}
+
+/// [`dot_avx512`] of one weight row against four rows of x: the nibbles unpacked and
+/// the weight scales spread once for the four. The integers are dot_avx512's (the
+/// sums of (q - 8) x in fours, whether by `vpmaddubsw` + `vpmaddwd` less the offsets
+/// or, with VNNI, by `vpdpbusd` from the negated offsets: no i16 sum overflows), the
+/// scale of a lane is the same f32 product: the sums are its sums to the bit.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW; each row of x holds `ws.len()` blocks.
+#[cfg(target_arch = "x86_64")]
+unsafe fn dots_1x4(nibbles: &[u8], ws: &[f32], xs: [&Prepared; 4]) -> [f32; 4] {
+    static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *VNNI.get_or_init(|| std::arch::is_x86_feature_detected!("avx512vnni")) {
+        dots_1x4_vnni(nibbles, ws, xs)
+    } else {
+        dots_1x4_bw(nibbles, ws, xs)
+    }
+}
+
+/// The body of [`dots_1x4`]: `$sums(low, high, x, step)` gives a step's sums in fours.
+#[cfg(target_arch = "x86_64")]
+macro_rules! dots_1x4_body {
+    ($nibbles:ident, $ws:ident, $xs:ident, $sums:expr) => {{
+        use std::arch::x86_64::*;
+        let blocks = $ws.len();
+        debug_assert!($nibbles.len() >= blocks * HALF);
+        let low_bits = _mm512_set1_epi8(0x0F);
+        let spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let whole = blocks & !3;
+        for b in (0..whole).step_by(4) {
+            let step = b / 4;
+            // Safety: each slice holds `blocks` whole blocks; b + 3 < blocks.
+            let packed = _mm512_loadu_si512($nibbles.as_ptr().add(b * HALF).cast());
+            let low = _mm512_and_si512(packed, low_bits);
+            let high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_bits);
+            let w_scales = _mm512_permutexvar_ps(
+                spread,
+                _mm512_castps128_ps512(_mm_loadu_ps($ws.as_ptr().add(b))),
+            );
+            for (acc, x) in acc.iter_mut().zip($xs) {
+                let sums = $sums(low, high, x, step);
+                let scale =
+                    _mm512_mul_ps(w_scales, _mm512_loadu_ps(x.scales.as_ptr().add(step * 16)));
+                *acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), *acc);
+            }
+        }
+        let mut sums = [0f32; 4];
+        for ((sum, acc), x) in sums.iter_mut().zip(acc).zip($xs) {
+            *sum = _mm512_reduce_add_ps(acc);
+            if whole < blocks {
+                let (xq, xs) = x.row.parts();
+                *sum += dot_avx2(
+                    &$nibbles[whole * HALF..blocks * HALF],
+                    &$ws[whole..],
+                    &xq[whole * BLOCK..blocks * BLOCK],
+                    &xs[whole..blocks],
+                );
+            }
+        }
+        sums
+    }};
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+unsafe fn dots_1x4_vnni(nibbles: &[u8], ws: &[f32], xs: [&Prepared; 4]) -> [f32; 4] {
+    dots_1x4_body!(nibbles, ws, xs, |low, high, x: &Prepared, step: usize| {
+        let halves = x.halves.as_ptr().add(step * 128);
+        let start = _mm512_loadu_si512(x.negative_offsets.as_ptr().add(step * 16).cast());
+        let with_low = _mm512_dpbusd_epi32(start, low, _mm512_loadu_si512(halves.cast()));
+        _mm512_dpbusd_epi32(with_low, high, _mm512_loadu_si512(halves.add(64).cast()))
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn dots_1x4_bw(nibbles: &[u8], ws: &[f32], xs: [&Prepared; 4]) -> [f32; 4] {
+    let ones = std::arch::x86_64::_mm512_set1_epi16(1);
+    dots_1x4_body!(nibbles, ws, xs, |low, high, x: &Prepared, step: usize| {
+        let halves = x.halves.as_ptr().add(step * 128);
+        let products = _mm512_add_epi16(
+            _mm512_maddubs_epi16(low, _mm512_loadu_si512(halves.cast())),
+            _mm512_maddubs_epi16(high, _mm512_loadu_si512(halves.add(64).cast())),
+        );
+        let offsets = _mm512_loadu_si512(x.offsets.as_ptr().add(step * 32).cast());
+        _mm512_madd_epi16(_mm512_sub_epi16(products, offsets), ones)
+    })
 }
 
 /// Σ over blocks of (w scale x x scale) x Σ (q_i - 8) x_i, at `level`.
@@ -315,6 +506,43 @@ mod tests {
     /// The same numbers as llama.cpp's q4_0 (candle's port of its quantizer and
     /// dequantizer), bit for bit, and each within half a step (a block's largest
     /// magnitude is -8 steps: exact up to f16's rounding of the scale).
+    /// Both four-row kernels (with and without VNNI, where the CPU has them) give
+    /// `dot_avx512`'s sums to the bit, with a last step of fewer than four blocks.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn four_rows_at_once_give_each_rows_own_sums() {
+        use std::arch::is_x86_feature_detected as has;
+        if !(has!("avx512f") && has!("avx512bw")) {
+            eprintln!("SKIPPED: the AVX-512 four-row int4 kernels (no AVX-512 here)");
+            return;
+        }
+        let cols = 11 * BLOCK;
+        let q = Q4Matrix::quantize(&values(2 * cols, 5), 2, cols);
+        let xs: Vec<Q8Row> = (0..4)
+            .map(|r| {
+                let mut row = Q8Row::default();
+                q.quantize_row(&values(cols, 20 + r), &mut row);
+                row
+            })
+            .collect();
+        // Safety: AVX-512 F/BW checked above; whole blocks throughout.
+        let prepared: Vec<Prepared> = xs.iter().map(|x| unsafe { Prepared::new(x) }).collect();
+        let four = [&prepared[0], &prepared[1], &prepared[2], &prepared[3]];
+        for o in 0..2 {
+            let (nibbles, ws) = q.row(o);
+            let want: Vec<f32> = xs
+                .iter()
+                .map(|x| unsafe { dot_avx512(nibbles, ws, x.parts().0, x.parts().1) })
+                .collect();
+            assert_eq!(unsafe { dots_1x4_bw(nibbles, ws, four) }.to_vec(), want);
+            if has!("avx512vnni") {
+                assert_eq!(unsafe { dots_1x4_vnni(nibbles, ws, four) }.to_vec(), want);
+            } else {
+                eprintln!("SKIPPED: the VNNI four-row int4 kernel (no AVX-512 VNNI here)");
+            }
+        }
+    }
+
     #[test]
     fn quantizing_gives_llama_cpp_q4_0_values() {
         let (rows, cols) = (5, 96);

@@ -167,35 +167,13 @@ impl BlockMatrix for Q8Matrix {
     ) {
         #[cfg(target_arch = "x86_64")]
         if isa::active() >= Isa::Avx512 && xs.len() >= 4 {
-            let blocks = xs.len() / 4 * 4;
-            let level = isa::active();
-            let prepared: Vec<Prepared> = xs[..blocks].iter().map(Prepared::new).collect();
-            let ahead = (AHEAD_BYTES / self.row_bytes()).max(1);
-            for o in 0..len {
-                if o + ahead < len {
-                    self.prefetch_row(first + o + ahead);
-                }
-                let (wq, ws) = self.row(first + o);
-                let b = bias.map_or(0.0, |b| b[o]);
-                for r in (0..blocks).step_by(4) {
-                    let four = [
-                        &prepared[r],
-                        &prepared[r + 1],
-                        &prepared[r + 2],
-                        &prepared[r + 3],
-                    ];
-                    // Safety: the active level never exceeds what the CPU has; the rows
-                    // of x hold as many blocks as the weight row.
-                    let sums = unsafe { dots_1x4(wq, ws, four) };
-                    for (i, s) in sums.into_iter().enumerate() {
-                        out[(r + i) * len + o] = s + b;
-                    }
-                }
-                for r in blocks..xs.len() {
-                    out[r * len + o] = dot(level, wq, ws, &xs[r].quants, &xs[r].scales) + b;
-                }
-            }
-            return;
+            let outputs = first..first + len;
+            return matmat_in_fours(self, outputs, xs, bias, out, Prepared::new, |o, four| {
+                let (wq, ws) = self.row(o);
+                // Safety: the active level never exceeds what the CPU has; the rows of
+                // x hold as many blocks as the weight row.
+                unsafe { dots_1x4(wq, ws, four) }
+            });
         }
         matmat_by_dots(self, first, len, xs, bias, out)
     }
@@ -280,8 +258,50 @@ pub trait BlockMatrix: Sync {
     }
 }
 
+/// [`BlockMatrix::matmat`] for the weight rows `outputs`, each against four rows of x
+/// at once:
+/// `prepare` works out once what a kernel needs of a row of x, `four(o, rows)` gives
+/// weight row o against four prepared rows, to the bit what `dot_row` gives for each
+/// (so a sequence's logits do not depend on the rows beside it); the last rows (fewer
+/// than four) go through `dot_row`. Weight rows are asked for ahead.
+pub(super) fn matmat_in_fours<'x, P>(
+    w: &impl BlockMatrix,
+    outputs: std::ops::Range<usize>,
+    xs: &'x [Q8Row],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    prepare: impl Fn(&'x Q8Row) -> P,
+    four: impl Fn(usize, [&P; 4]) -> [f32; 4],
+) {
+    let (first, len) = (outputs.start, outputs.len());
+    let blocks = xs.len() / 4 * 4;
+    let level = isa::active();
+    let prepared: Vec<P> = xs[..blocks].iter().map(prepare).collect();
+    let ahead = (AHEAD_BYTES / w.row_bytes()).max(1);
+    for o in 0..len {
+        if o + ahead < len {
+            w.prefetch_row(first + o + ahead);
+        }
+        let b = bias.map_or(0.0, |b| b[o]);
+        for r in (0..blocks).step_by(4) {
+            let rows = [
+                &prepared[r],
+                &prepared[r + 1],
+                &prepared[r + 2],
+                &prepared[r + 3],
+            ];
+            for (i, s) in four(first + o, rows).into_iter().enumerate() {
+                out[(r + i) * len + o] = s + b;
+            }
+        }
+        for r in blocks..xs.len() {
+            out[r * len + o] = w.dot_row(level, first + o, &xs[r]) + b;
+        }
+    }
+}
+
 /// [`BlockMatrix::matmat`] one row dot product at a time.
-fn matmat_by_dots(
+pub(super) fn matmat_by_dots(
     w: &(impl BlockMatrix + ?Sized),
     first: usize,
     len: usize,
