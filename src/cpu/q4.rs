@@ -17,7 +17,9 @@ use rayon::prelude::*;
 
 use super::isa::Isa;
 use super::kernels::prefetch_all;
-use super::q8::{matmat_by_dots, matmat_in_fours, BlockMatrix, Q8Row, BLOCK};
+#[cfg(target_arch = "x86_64")]
+use super::q8::matmat_in_fours;
+use super::q8::{matmat_by_dots, BlockMatrix, Q8Row, BLOCK};
 
 /// Bytes of 4-bit values a block.
 const HALF: usize = BLOCK / 2;

@@ -263,7 +263,9 @@ pub trait BlockMatrix: Sync {
 /// `prepare` works out once what a kernel needs of a row of x, `four(o, rows)` gives
 /// weight row o against four prepared rows, to the bit what `dot_row` gives for each
 /// (so a sequence's logits do not depend on the rows beside it); the last rows (fewer
-/// than four) go through `dot_row`. Weight rows are asked for ahead.
+/// than four) go through `dot_row`. Weight rows are asked for ahead. (The four-row
+/// kernels are AVX-512's alone so far.)
+#[cfg(target_arch = "x86_64")]
 pub(super) fn matmat_in_fours<'x, P>(
     w: &impl BlockMatrix,
     outputs: std::ops::Range<usize>,
