@@ -176,6 +176,14 @@ pub fn cpu_model() -> Option<String> {
     Some(line.split_once(':')?.1.trim().to_string())
 }
 
+/// Whether this CPU has AVX-512 VNNI (`vpdpbusd`), for the integer products that
+/// use it beside the `avx512` level. Asked once.
+#[cfg(target_arch = "x86_64")]
+pub fn has_avx512_vnni() -> bool {
+    static VNNI: OnceLock<bool> = OnceLock::new();
+    *VNNI.get_or_init(|| std::arch::is_x86_feature_detected!("avx512vnni"))
+}
+
 /// Whether this CPU has AMX tiles with bf16 products and the kernel granted this
 /// process their register state. Asked once; safe to call from any thread.
 pub fn amx_ready() -> bool {

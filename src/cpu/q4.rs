@@ -218,14 +218,7 @@ impl<'a> Prepared<'a> {
         let spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
         for step in 0..steps {
             let b = 4 * step;
-            // As dot_avx512 pairs them: blocks b, b+1 and b+2, b+3 as [lo16, hi16] each.
-            let x = xq.as_ptr().add(b * BLOCK);
-            let (first, second) = (
-                _mm512_loadu_si512(x.cast()),
-                _mm512_loadu_si512(x.add(2 * BLOCK).cast()),
-            );
-            let x_low = _mm512_shuffle_i64x2(first, second, 0b10_00_10_00);
-            let x_high = _mm512_shuffle_i64x2(first, second, 0b11_01_11_01);
+            let (x_low, x_high) = x_halves(xq.as_ptr().add(b * BLOCK));
             let halves = prepared.halves.as_mut_ptr().add(step * 128);
             _mm512_storeu_si512(halves.cast(), x_low);
             _mm512_storeu_si512(halves.add(64).cast(), x_high);
@@ -259,8 +252,7 @@ impl<'a> Prepared<'a> {
 /// The CPU must have AVX-512 F/BW; each row of x holds `ws.len()` blocks.
 #[cfg(target_arch = "x86_64")]
 unsafe fn dots_1x4(nibbles: &[u8], ws: &[f32], xs: [&Prepared; 4]) -> [f32; 4] {
-    static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *VNNI.get_or_init(|| std::arch::is_x86_feature_detected!("avx512vnni")) {
+    if super::isa::has_avx512_vnni() {
         dots_1x4_vnni(nibbles, ws, xs)
     } else {
         dots_1x4_bw(nibbles, ws, xs)
@@ -355,6 +347,27 @@ fn dot(level: Isa, nibbles: &[u8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
     dot_portable(nibbles, ws, xq, xs)
 }
 
+/// Four blocks of x from `x` as the nibbles meet them: blocks b, b+1 and b+2, b+3 lie
+/// as [lo16, hi16] each; the first of the pair holds every block's first 16 values
+/// (against the low nibbles), the second its last 16 (against the high ones).
+///
+/// # Safety
+/// `x` must point at four blocks; the CPU must have AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn x_halves(x: *const i8) -> (std::arch::x86_64::__m512i, std::arch::x86_64::__m512i) {
+    use std::arch::x86_64::*;
+    let (first, second) = (
+        _mm512_loadu_si512(x.cast()),
+        _mm512_loadu_si512(x.add(2 * BLOCK).cast()),
+    );
+    (
+        _mm512_shuffle_i64x2(first, second, 0b10_00_10_00),
+        _mm512_shuffle_i64x2(first, second, 0b11_01_11_01),
+    )
+}
+
 /// [`dot_avx2`]'s sums four blocks a step in 512-bit registers: lane group k (four
 /// i32 lanes) holds block k's; x's halves are gathered to match by one shuffle each.
 /// The blocks left over (up to three) go to `dot_avx2`.
@@ -378,14 +391,7 @@ unsafe fn dot_avx512(nibbles: &[u8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
         let packed = _mm512_loadu_si512(nibbles.as_ptr().add(b * HALF).cast());
         let low = _mm512_and_si512(packed, low_bits);
         let high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_bits);
-        let x = xq.as_ptr().add(b * BLOCK);
-        // Blocks b, b+1 and b+2, b+3 as they lie: [lo16, hi16] of each.
-        let (first, second) = (
-            _mm512_loadu_si512(x.cast()),
-            _mm512_loadu_si512(x.add(2 * BLOCK).cast()),
-        );
-        let x_low = _mm512_shuffle_i64x2(first, second, 0b10_00_10_00);
-        let x_high = _mm512_shuffle_i64x2(first, second, 0b11_01_11_01);
+        let (x_low, x_high) = x_halves(xq.as_ptr().add(b * BLOCK));
         let products = _mm512_add_epi16(
             _mm512_maddubs_epi16(low, x_low),
             _mm512_maddubs_epi16(high, x_high),

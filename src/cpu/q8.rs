@@ -439,8 +439,7 @@ impl<'a> Prepared<'a> {
 /// The CPU must have AVX-512 F/BW/DQ; each row of x holds `ws.len()` blocks.
 #[cfg(target_arch = "x86_64")]
 unsafe fn dots_1x4(wq: &[i8], ws: &[f32], xs: [&Prepared; 4]) -> [f32; 4] {
-    static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *VNNI.get_or_init(|| std::arch::is_x86_feature_detected!("avx512vnni")) {
+    if super::isa::has_avx512_vnni() {
         dots_1x4_vnni(wq, ws, xs)
     } else {
         dots_1x4_bw(wq, ws, xs)
