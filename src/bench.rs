@@ -353,18 +353,22 @@ pub struct DecodeReport {
     /// median of 5 after one untimed).
     pub ttft_ms: Vec<(usize, f64)>,
     pub decode_tokens: usize,
-    /// Greedy decoding after a 16-token prompt.
+    /// Sequences decoded together (each `decode_tokens` long), as a server's batch or
+    /// `generate --num-samples` decodes them.
+    pub decode_batch: usize,
+    /// Greedy decoding after a 16-token prompt: tokens of all the sequences a second.
     pub decode_tokens_per_s: f64,
     pub peak_rss_mb: Option<f64>,
 }
 
 /// Decodes the run folder `dir` with weights in `format`: load time, time to first
-/// token at each of `prompts` (random tokens), and `decode_tokens` greedy tokens.
+/// token at each of `prompts` (random tokens, one sequence), and `decode_tokens` greedy
+/// tokens in each of `batch` sequences decoded together.
 pub fn decode_checkpoint(
     dir: &std::path::Path,
     format: crate::cpu::WeightFormat,
     prompts: &[usize],
-    decode_tokens: usize,
+    (decode_tokens, batch): (usize, usize),
     stop: &Stop,
 ) -> Result<DecodeReport> {
     let t0 = Instant::now();
@@ -386,7 +390,7 @@ pub fn decode_checkpoint(
         temperature: 0.0,
         ..SamplingParams::default()
     };
-    let mut samplers = vec![Sampler::new(greedy, 0)?];
+    let mut samplers = vec![Sampler::new(greedy.clone(), 0)?];
     let active = [true];
     let mut ttft_ms = Vec::new();
     for &n in prompts {
@@ -407,6 +411,16 @@ pub fn decode_checkpoint(
         }
         ttft_ms.push((ids.len(), median(times)));
     }
+    // The decode: `batch` sequences from one 16-token prompt, each its own sampler (all
+    // greedy, so they stay in step: every pass carries `batch` rows).
+    let batch = batch.max(1);
+    if batch > 1 {
+        decoder = Decoder::fused(weights.clone(), batch)?;
+        samplers = (0..batch)
+            .map(|_| Sampler::new(greedy.clone(), 0))
+            .collect::<Result<_>>()?;
+    }
+    let active = vec![true; batch];
     decoder.prefill(&prompt(16))?;
     let mut next = decoder.draw(&mut samplers, &active, vocab)?.to_vec();
     let decode_tokens = decode_tokens.min(block.saturating_sub(17)).max(1);
@@ -429,7 +443,8 @@ pub fn decode_checkpoint(
         hashed,
         ttft_ms,
         decode_tokens,
-        decode_tokens_per_s: decode_tokens as f64 / decode_s.max(1e-9),
+        decode_batch: batch,
+        decode_tokens_per_s: (decode_tokens * batch) as f64 / decode_s.max(1e-9),
         peak_rss_mb: peak_rss_mb(),
     })
 }

@@ -602,8 +602,8 @@ fn bench_checkpoint(
             args.prompts
         );
     }
-    let r =
-        tinygpt::bench::decode_checkpoint(dir, format, &args.prompts, args.decode_tokens, stop)?;
+    let decode = (args.decode_tokens, args.decode_batch);
+    let r = tinygpt::bench::decode_checkpoint(dir, format, &args.prompts, decode, stop)?;
     if args.json {
         println!("{}", serde_json::to_string(&r)?);
         return Ok(());
@@ -638,8 +638,12 @@ fn bench_checkpoint(
         false => format!(" ({}: past the model's context)", beyond.join(", ")),
     };
     println!("first   {}{cut}", ttft.join(", "));
+    let together = match r.decode_batch {
+        1 => String::new(),
+        n => format!(" in each of {n} sequences together"),
+    };
     println!(
-        "decode  {:.1} tokens/s ({} after a 16-token prompt), peak RSS {}",
+        "decode  {:.1} tokens/s ({}{together} after a 16-token prompt), peak RSS {}",
         r.decode_tokens_per_s,
         count(r.decode_tokens, "token"),
         r.peak_rss_mb

@@ -428,8 +428,9 @@ struct BenchArgs {
     /// New tokens to decode.
     #[arg(long, default_value_t = 500)]
     decode_tokens: usize,
-    /// Sequences decoded together, as `generate --num-samples` decodes them; the
-    /// decode tokens/s counts all of theirs.
+    /// Sequences decoded together, as `generate --num-samples` or a server's batch
+    /// decodes them (with a config or --checkpoint); the decode tokens/s counts all of
+    /// theirs.
     #[arg(long, default_value_t = 1)]
     decode_batch: usize,
     /// Decode with the reference model's KV cache instead of the fused CPU decoder.

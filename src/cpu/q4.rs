@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use super::isa::Isa;
 use super::kernels::prefetch_all;
 #[cfg(target_arch = "x86_64")]
-use super::q8::matmat_in_fours;
+use super::q8::matmat_in_tiles;
 use super::q8::{matmat_by_dots, BlockMatrix, Q8Row, BLOCK};
 
 /// Bytes of 4-bit values a block.
@@ -162,10 +162,12 @@ impl BlockMatrix for Q4Matrix {
             // the rows of x hold as many blocks as the weight rows.
             let prepare = |x| unsafe { Prepared::new(x) };
             let outputs = first..first + len;
-            return matmat_in_fours(self, outputs, xs, bias, out, prepare, |o, four| {
+            let four = |o: usize, xs: [&Prepared; 4]| {
                 let (nibbles, ws) = self.row(o);
-                unsafe { dots_1x4(nibbles, ws, four) }
-            });
+                unsafe { dots_1x4(nibbles, ws, xs) }
+            };
+            let tile = |o: usize, xs: [&Prepared; 4]| [0, 1, 2, 3].map(|j| four(o + j, xs));
+            return matmat_in_tiles(self, outputs, xs, bias, out, prepare, (tile, four));
         }
         matmat_by_dots(self, first, len, xs, bias, out)
     }

@@ -168,12 +168,17 @@ impl BlockMatrix for Q8Matrix {
         #[cfg(target_arch = "x86_64")]
         if isa::active() >= Isa::Avx512 && xs.len() >= 4 {
             let outputs = first..first + len;
-            return matmat_in_fours(self, outputs, xs, bias, out, Prepared::new, |o, four| {
+            // Safety (both kernels): the active level never exceeds what the CPU has;
+            // the rows of x hold as many blocks as the weight rows.
+            let four = |o: usize, xs: [&Prepared; 4]| {
                 let (wq, ws) = self.row(o);
-                // Safety: the active level never exceeds what the CPU has; the rows of
-                // x hold as many blocks as the weight row.
-                unsafe { dots_1x4(wq, ws, four) }
-            });
+                unsafe { dots_1x4(wq, ws, xs) }
+            };
+            let tile = |o: usize, xs: [&Prepared; 4]| match isa::has_avx512_vnni() {
+                true => unsafe { dots_4x4_vnni([0, 1, 2, 3].map(|j| self.row(o + j)), xs) },
+                false => [0, 1, 2, 3].map(|j| four(o + j, xs)),
+            };
+            return matmat_in_tiles(self, outputs, xs, bias, out, Prepared::new, (tile, four));
         }
         matmat_by_dots(self, first, len, xs, bias, out)
     }
@@ -258,46 +263,67 @@ pub trait BlockMatrix: Sync {
     }
 }
 
-/// [`BlockMatrix::matmat`] for the weight rows `outputs`, each against four rows of x
-/// at once:
-/// `prepare` works out once what a kernel needs of a row of x, `four(o, rows)` gives
-/// weight row o against four prepared rows, to the bit what `dot_row` gives for each
-/// (so a sequence's logits do not depend on the rows beside it); the last rows (fewer
-/// than four) go through `dot_row`. Weight rows are asked for ahead. (The four-row
-/// kernels are AVX-512's alone so far.)
+/// [`BlockMatrix::matmat`] for the weight rows `outputs`, in tiles of weight rows
+/// against four rows of x at once: `prepare` works out once what a kernel needs of a
+/// row of x; `tile(o, rows)` gives weight rows o..o+4 against four prepared rows
+/// (`[j][i]`: weight row o + j, x row i) and `four(o, rows)` weight row o alone against
+/// them, each sum to the bit what `dot_row` gives (so a sequence's logits do not
+/// depend on the rows beside it). The last rows of x (fewer than four) go through
+/// `dot_row`, the last weight rows through `four`. Weight rows are asked for ahead.
+/// (The tiled kernels are AVX-512's alone so far.)
 #[cfg(target_arch = "x86_64")]
-pub(super) fn matmat_in_fours<'x, P>(
+pub(super) fn matmat_in_tiles<'x, P>(
     w: &impl BlockMatrix,
     outputs: std::ops::Range<usize>,
     xs: &'x [Q8Row],
     bias: Option<&[f32]>,
     out: &mut [f32],
     prepare: impl Fn(&'x Q8Row) -> P,
-    four: impl Fn(usize, [&P; 4]) -> [f32; 4],
+    (tile, four): (
+        impl Fn(usize, [&P; 4]) -> [[f32; 4]; 4],
+        impl Fn(usize, [&P; 4]) -> [f32; 4],
+    ),
 ) {
     let (first, len) = (outputs.start, outputs.len());
     let blocks = xs.len() / 4 * 4;
     let level = isa::active();
     let prepared: Vec<P> = xs[..blocks].iter().map(prepare).collect();
+    let quads = |r: usize| {
+        [
+            &prepared[r],
+            &prepared[r + 1],
+            &prepared[r + 2],
+            &prepared[r + 3],
+        ]
+    };
     let ahead = (AHEAD_BYTES / w.row_bytes()).max(1);
-    for o in 0..len {
-        if o + ahead < len {
-            w.prefetch_row(first + o + ahead);
+    let bias = |o: usize| bias.map_or(0.0, |b| b[o]);
+    let tiled = len / 4 * 4;
+    for o in (0..tiled).step_by(4) {
+        for a in o + ahead..(o + 4 + ahead).min(len) {
+            w.prefetch_row(first + a);
         }
-        let b = bias.map_or(0.0, |b| b[o]);
         for r in (0..blocks).step_by(4) {
-            let rows = [
-                &prepared[r],
-                &prepared[r + 1],
-                &prepared[r + 2],
-                &prepared[r + 3],
-            ];
-            for (i, s) in four(first + o, rows).into_iter().enumerate() {
-                out[(r + i) * len + o] = s + b;
+            for (j, sums) in tile(first + o, quads(r)).into_iter().enumerate() {
+                for (i, s) in sums.into_iter().enumerate() {
+                    out[(r + i) * len + o + j] = s + bias(o + j);
+                }
+            }
+        }
+        for o in o..o + 4 {
+            for r in blocks..xs.len() {
+                out[r * len + o] = w.dot_row(level, first + o, &xs[r]) + bias(o);
+            }
+        }
+    }
+    for o in tiled..len {
+        for r in (0..blocks).step_by(4) {
+            for (i, s) in four(first + o, quads(r)).into_iter().enumerate() {
+                out[(r + i) * len + o] = s + bias(o);
             }
         }
         for r in blocks..xs.len() {
-            out[r * len + o] = w.dot_row(level, first + o, &xs[r]) + b;
+            out[r * len + o] = w.dot_row(level, first + o, &xs[r]) + bias(o);
         }
     }
 }
@@ -387,7 +413,8 @@ struct Prepared<'a> {
     row: &'a Q8Row,
     /// |x| per value (x lies in -127..=127, so it fits a byte).
     magnitude: Vec<u8>,
-    /// x + 128 per value (0..=255): unsigned, as `vpdpbusd` takes its first operand.
+    /// x + 128 per value (0..=255): unsigned, as `vpdpbusd` takes its first operand
+    /// (the sign bit flipped: -128..=127 to 0..=255).
     biased: Vec<u8>,
     /// Bit i of word p: value 64 p + i is negative.
     negative: Vec<u64>,
@@ -397,27 +424,32 @@ struct Prepared<'a> {
 
 #[cfg(target_arch = "x86_64")]
 impl<'a> Prepared<'a> {
+    /// What the kernel of this CPU reads.
     fn new(row: &'a Q8Row) -> Self {
-        let magnitude = row.quants.iter().map(|q| q.unsigned_abs()).collect();
-        let biased = row
-            .quants
-            .iter()
-            .map(|&q| (i16::from(q) + 128) as u8)
-            .collect();
-        let negative = row
-            .quants
-            .chunks(64)
-            .map(|c| {
-                c.iter()
-                    .enumerate()
-                    .fold(0u64, |m, (i, &q)| m | u64::from(q < 0) << i)
-            })
-            .collect();
-        let scales = row
-            .scales
-            .chunks_exact(2)
-            .flat_map(|s| [[s[0]; 8], [s[1]; 8]].into_iter().flatten())
-            .collect();
+        Self::for_kernel(row, isa::has_avx512_vnni())
+    }
+
+    /// What the `vnni` kernels read (x + 128), or the others (magnitudes and signs).
+    fn for_kernel(row: &'a Q8Row, vnni: bool) -> Self {
+        let (mut magnitude, mut biased, mut negative) = (Vec::new(), Vec::new(), Vec::new());
+        if vnni {
+            biased = row.quants.iter().map(|&q| (q as u8) ^ 0x80).collect();
+        } else {
+            magnitude = row.quants.iter().map(|q| q.unsigned_abs()).collect();
+            negative = row
+                .quants
+                .chunks(64)
+                .map(|c| {
+                    c.iter()
+                        .enumerate()
+                        .fold(0u64, |m, (i, &q)| m | u64::from(q < 0) << i)
+                })
+                .collect();
+        }
+        let mut scales = Vec::with_capacity(8 * row.scales.len());
+        for &s in &row.scales {
+            scales.extend_from_slice(&[s; 8]);
+        }
         Self {
             row,
             magnitude,
@@ -505,6 +537,49 @@ unsafe fn dots_1x4_vnni(wq: &[i8], ws: &[f32], xs: [&Prepared; 4]) -> [f32; 4] {
         }
     }
     finish_1x4(wq, ws, xs, acc, whole)
+}
+
+/// [`dots_1x4_vnni`] for four weight rows at once (`[j][i]`: weight row j, x row i):
+/// each row of x and its scales loaded once for the four weight rows, each weight
+/// row's start and scales worked out once for the four rows of x. Every lane takes
+/// the same steps as in `dots_1x4_vnni`, so the sums are its sums to the bit.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma")]
+unsafe fn dots_4x4_vnni(w: [(&[i8], &[f32]); 4], xs: [&Prepared; 4]) -> [[f32; 4]; 4] {
+    use std::arch::x86_64::*;
+    let blocks = w[0].1.len();
+    debug_assert!(w
+        .iter()
+        .all(|(q, s)| s.len() == blocks && q.len() >= blocks * BLOCK));
+    debug_assert!(xs.iter().all(|x| x.biased.len() >= blocks * BLOCK));
+    let bias = _mm512_set1_epi8(-128);
+    let zero = _mm512_setzero_si512();
+    let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+    let whole = blocks & !1;
+    for b in (0..whole).step_by(2) {
+        // Safety: every slice holds `blocks` whole blocks; b + 1 < blocks.
+        let biased = xs.map(|x| _mm512_loadu_si512(x.biased.as_ptr().add(b * BLOCK).cast()));
+        let x_scales = xs.map(|x| _mm512_loadu_ps(x.scales.as_ptr().add(8 * b)));
+        for (acc, (wq, ws)) in acc.iter_mut().zip(w) {
+            let w = _mm512_loadu_si512(wq.as_ptr().add(b * BLOCK).cast());
+            let start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, w));
+            let w_scales = _mm512_insertf32x8(
+                _mm512_set1_ps(*ws.get_unchecked(b)),
+                _mm256_set1_ps(*ws.get_unchecked(b + 1)),
+                1,
+            );
+            for ((acc, biased), x_scales) in acc.iter_mut().zip(biased).zip(x_scales) {
+                let quads = _mm512_dpbusd_epi32(start, biased, w);
+                let scale = _mm512_mul_ps(w_scales, x_scales);
+                *acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(quads), *acc);
+            }
+        }
+    }
+    let mut sums = [[0f32; 4]; 4];
+    for ((sums, acc), (wq, ws)) in sums.iter_mut().zip(acc).zip(w) {
+        *sums = finish_1x4(wq, ws, xs, acc, whole);
+    }
+    sums
 }
 
 /// [`dots_1x4`] without VNNI: |x| times w with x's sign (as in `dot_avx512`), the
@@ -621,7 +696,8 @@ mod tests {
     }
 
     /// Both four-row kernels (with and without VNNI, where the CPU has them) give
-    /// `dot_avx512`'s sums to the bit, with an odd last block.
+    /// `dot_avx512`'s sums to the bit, with an odd last block; four weight rows at
+    /// once too.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn four_rows_at_once_give_each_rows_own_sums() {
@@ -631,7 +707,7 @@ mod tests {
             return;
         }
         let cols = 7 * BLOCK;
-        let q = Q8Matrix::quantize(&values(2 * cols, 5), 2, cols);
+        let q = Q8Matrix::quantize(&values(4 * cols, 5), 4, cols);
         let xs: Vec<Q8Row> = (0..4)
             .map(|r| {
                 let mut row = Q8Row::default();
@@ -639,22 +715,43 @@ mod tests {
                 row
             })
             .collect();
-        let prepared: Vec<Prepared> = xs.iter().map(Prepared::new).collect();
-        let four = [&prepared[0], &prepared[1], &prepared[2], &prepared[3]];
-        for o in 0..2 {
+        let prepare =
+            |vnni| -> Vec<Prepared> { xs.iter().map(|x| Prepared::for_kernel(x, vnni)).collect() };
+        let (bw, vnni) = (prepare(false), prepare(true));
+        // Safety: AVX-512 F/BW/DQ checked above; whole blocks throughout.
+        let want: Vec<Vec<f32>> = (0..4)
+            .map(|o| {
+                let (wq, ws) = q.row(o);
+                xs.iter()
+                    .map(|x| unsafe { dot_avx512(wq, ws, &x.quants, &x.scales) })
+                    .collect()
+            })
+            .collect();
+        for (o, want) in want.iter().enumerate() {
             let (wq, ws) = q.row(o);
-            // Safety: AVX-512 F/BW/DQ checked above; whole blocks throughout.
-            let want: Vec<f32> = xs
-                .iter()
-                .map(|x| unsafe { dot_avx512(wq, ws, &x.quants, &x.scales) })
-                .collect();
-            assert_eq!(unsafe { dots_1x4_bw(wq, ws, four) }.to_vec(), want);
-            if has!("avx512vnni") {
-                assert_eq!(unsafe { dots_1x4_vnni(wq, ws, four) }.to_vec(), want);
-            } else {
-                eprintln!("SKIPPED: the VNNI four-row int8 kernel (no AVX-512 VNNI here)");
-            }
+            assert_eq!(unsafe { dots_1x4_bw(wq, ws, quads(&bw)) }.to_vec(), *want);
         }
+        if !has!("avx512vnni") {
+            eprintln!("SKIPPED: the VNNI four-row int8 kernels (no AVX-512 VNNI here)");
+            return;
+        }
+        for (o, want) in want.iter().enumerate() {
+            let (wq, ws) = q.row(o);
+            assert_eq!(
+                unsafe { dots_1x4_vnni(wq, ws, quads(&vnni)) }.to_vec(),
+                *want
+            );
+        }
+        let tile = unsafe { dots_4x4_vnni([0, 1, 2, 3].map(|o| q.row(o)), quads(&vnni)) };
+        for (got, want) in tile.iter().zip(&want) {
+            assert_eq!(got.to_vec(), *want, "the 4 x 4 tile");
+        }
+    }
+
+    /// The first four of `rows`, as the four-row kernels take them.
+    #[cfg(target_arch = "x86_64")]
+    fn quads<'p, 'x>(rows: &'p [Prepared<'x>]) -> [&'p Prepared<'x>; 4] {
+        [&rows[0], &rows[1], &rows[2], &rows[3]]
     }
 
     #[test]
