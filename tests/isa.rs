@@ -246,14 +246,15 @@ use check_blocks;
 
 /// The products that read each weight row once for a few rows (f32 and bf16 weights),
 /// against f64 sums of the weights as stored, for every row count up to 9 (the
-/// four-row blocks and the rest), small matrices and ones split over the threads.
+/// four-row blocks and the rest) and 16, 17 and 33 (AVX-512's sixteen-row groups,
+/// whole tiles of outputs and the rest), small matrices and ones split over the threads.
 fn check_weight_rows(level: Isa) {
     use tinygpt::cpu::weight_rows::{project_rows, Bf16, Widen};
     for (d_out, d_in) in [(1, 1), (7, 33), (13, 64), (40, 100), (512, 300)] {
         let w = values(d_out * d_in, 5);
         let bits: Vec<Bf16> = w.iter().map(|&v| Bf16::round(v)).collect();
         let bias = values(d_out, 6);
-        for rows in 1..=9 {
+        for rows in (1..=9).chain([16, 17, 33]) {
             let x = values(rows * d_in, 9 + rows as u32);
             let mut out = vec![0f32; rows * d_out];
             let mut out_bf16 = vec![0f32; rows * d_out];

@@ -377,7 +377,7 @@ impl FastDecoder {
                 attend(&s, &qkv[..c], cache, at, att, &mut sc.scores);
             } else {
                 att.par_chunks_mut(c).enumerate().for_each_init(
-                    || vec![0f32; s.block_size],
+                    || vec![0f32; s.n_head * s.block_size],
                     |scores, (r, out)| {
                         let q = &qkv[r * s.qkv_width..r * s.qkv_width + c];
                         let at = (places[r].seq, places[r].pos);
@@ -425,7 +425,7 @@ impl Scratch {
             proj: vec![0.0; rows * c],
             fc: vec![0.0; rows * s.mlp_fc_width],
             act: vec![0.0; rows * s.mlp_hidden],
-            scores: vec![0.0; s.block_size],
+            scores: vec![0.0; s.n_head * s.block_size],
             last: vec![0.0; batch * c],
             logits: vec![0.0; batch * s.vocab_size],
             rows,
@@ -452,24 +452,35 @@ fn store_keys_and_values(
 multiversion! {
     /// One position's attention output, all heads: `q` holds its query heads; it sees
     /// the keys and values (`cache`) of sequence `at.0` up to position `at.1`.
+    /// `scores` holds (head, position) for every head. Positions go in the outer loop:
+    /// each key and value row is read once, whole and in order, for all the heads
+    /// (head by head, a row's heads were read a head's width at a time, a row apart),
+    /// and the heads' dot products, independent, overlap.
     pub fn attend(s: &Shapes, q: &[f32], cache: (&[f32], &[f32]), at: (usize, usize), out: &mut [f32], scores: &mut [f32]) {
         let (b, pos) = at;
         let (d, kv_width) = (s.head_dim, s.kv_width);
         let scale = 1.0 / (d as f32).sqrt();
         let keys = &cache.0[b * s.block_size * kv_width..];
         let values = &cache.1[b * s.block_size * kv_width..];
-        out.fill(0.0);
-        for head in 0..s.n_head {
-            let g = head / s.group(); // the K/V head this query head shares
-            let q = &q[head * d..(head + 1) * d];
-            let scores = &mut scores[..=pos];
-            for (p, score) in scores.iter_mut().enumerate() {
-                *score = dot_lanes(q, &keys[p * kv_width + g * d..p * kv_width + (g + 1) * d]) * scale;
+        let seen = pos + 1;
+        let scores = &mut scores[..s.n_head * seen];
+        // The K/V head query head h shares, in a key or value row.
+        fn kv<'r>(row: &'r [f32], h: usize, s: &Shapes) -> &'r [f32] {
+            let g = h / s.group();
+            &row[g * s.head_dim..(g + 1) * s.head_dim]
+        }
+        for (p, key) in keys.chunks_exact(kv_width).take(seen).enumerate() {
+            for (h, q) in q.chunks_exact(d).take(s.n_head).enumerate() {
+                scores[h * seen + p] = dot_lanes(q, kv(key, h, s)) * scale;
             }
-            softmax_inline(scores);
-            let out = &mut out[head * d..(head + 1) * d];
-            for (p, &weight) in scores.iter().enumerate() {
-                axpy(out, weight, &values[p * kv_width + g * d..p * kv_width + (g + 1) * d]);
+        }
+        for head in scores.chunks_exact_mut(seen) {
+            softmax_inline(head);
+        }
+        out.fill(0.0);
+        for (p, value) in values.chunks_exact(kv_width).take(seen).enumerate() {
+            for (h, out) in out.chunks_exact_mut(d).take(s.n_head).enumerate() {
+                axpy(out, scores[h * seen + p], kv(value, h, s));
             }
         }
     }

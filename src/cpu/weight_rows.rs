@@ -118,6 +118,9 @@ impl Widen for Bf16 {
     }
 }
 
+/// Partial sums a row of the portable kernels keeps (the compiler holds them in vector
+/// registers); also the rows of x [`sixteen_rows_avx512`] takes at once: an AVX-512
+/// vector's lanes.
 const LANES: usize = 16;
 
 /// Σ_i w[i] x_r[i] for the four rows x_r, in `LANES` partial sums each.
@@ -387,7 +390,220 @@ pub trait RowProduct: Widen {
 
 impl RowProduct for f32 {
     fn rows_kernel(w: &[f32], bias: Option<&[f32]>, x: &[f32], d_in: usize, out: &mut [f32]) {
-        rows_f32(w, bias, x, d_in, out)
+        // Whole groups of sixteen rows by broadcasts where the CPU has AVX-512; the
+        // rest (and every row elsewhere) four weight rows at a time.
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        if super::isa::active() >= super::isa::Isa::Avx512 {
+            let len = w.len() / d_in;
+            done = x.len() / d_in / LANES * LANES;
+            for (x, out) in x[..done * d_in]
+                .chunks_exact(LANES * d_in)
+                .zip(out.chunks_exact_mut(LANES * len))
+            {
+                // Safety: the CPU has AVX-512 (checked just above); the shapes agree.
+                unsafe { sixteen_rows_avx512(w, bias, x, d_in, out) };
+            }
+        }
+        let len = w.len() / d_in;
+        rows_f32(w, bias, &x[done * d_in..], d_in, &mut out[done * len..])
+    }
+}
+
+/// Weight rows (outputs) [`sixteen_rows_avx512`] keeps in registers at once: twelve
+/// vectors of sixteen sums, addressed from four base registers and the row stride
+/// ([`twelve_rows`]).
+#[cfg(target_arch = "x86_64")]
+const TILE: usize = 12;
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// x transposed for [`sixteen_rows_avx512`], kept between calls.
+    static TRANSPOSED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// out (16, len) = x (16, d_in) · w (len, d_in)ᵀ (+ bias), f32 weights, for sixteen
+/// rows at once (a server's batch): x transposed so that one vector holds the sixteen
+/// rows' values at one k, and each weight broadcast against it into a vector of
+/// sixteen sums. No horizontal sums, and the broadcast folds into the FMA's load: each
+/// k costs one load of x and one FMA per weight row, where four by four dot products
+/// (`dots4x4_avx512`) pay two loads per four FMAs and a reduction per sum. Weight
+/// rows go TILE at a time, the next TILE asked for meanwhile. Each sum runs along k in
+/// one lane (a different order from the dot products' lanes: f32 rounding differs
+/// between the two, within the same bound).
+///
+/// # Safety
+/// The CPU must have AVX-512 F; x holds 16 rows of d_in, out 16 rows of len.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn sixteen_rows_avx512(
+    w: &[f32],
+    bias: Option<&[f32]>,
+    x: &[f32],
+    d_in: usize,
+    out: &mut [f32],
+) {
+    let len = w.len() / d_in;
+    debug_assert!(x.len() == LANES * d_in && out.len() == LANES * len);
+    TRANSPOSED.with(|xt| {
+        let xt = &mut *xt.borrow_mut();
+        xt.clear();
+        xt.resize(LANES * d_in, 0.0);
+        for (r, row) in x.chunks_exact(d_in).enumerate() {
+            for (k, &v) in row.iter().enumerate() {
+                xt[k * LANES + r] = v;
+            }
+        }
+        let tiled = len / TILE * TILE;
+        for o in (0..tiled).step_by(TILE) {
+            let sums = tile_avx512(w, o, d_in, xt, o + TILE < tiled);
+            put(out, len, o, &sums, bias);
+        }
+        for (o, row) in w.chunks_exact(d_in).enumerate().skip(tiled) {
+            put(out, len, o, &[row_avx512(row, xt)], bias);
+        }
+    })
+}
+
+/// Weight rows o..o+TILE against the sixteen rows of x transposed (`xt`): TILE
+/// vectors of sixteen sums (lane r: row r of x). With `ahead`, the next TILE rows are
+/// asked for meanwhile, a cache line of each every sixteen k.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_avx512(
+    w: &[f32],
+    o: usize,
+    d_in: usize,
+    xt: &[f32],
+    ahead: bool,
+) -> [std::arch::x86_64::__m512; TILE] {
+    use std::arch::x86_64::*;
+    debug_assert!((o + TILE) * d_in <= w.len() && xt.len() == LANES * d_in);
+    let first = w.as_ptr().add(o * d_in);
+    let mut acc = [_mm512_setzero_ps(); TILE];
+    for k0 in (0..d_in).step_by(16) {
+        if ahead {
+            for j in TILE..2 * TILE {
+                prefetch(first.wrapping_add(j * d_in + k0));
+            }
+        }
+        // Safety: the rows hold d_in values from `first` on, xt d_in vectors.
+        let steps = 16.min(d_in - k0);
+        twelve_rows(
+            first.add(k0),
+            4 * d_in,
+            xt.as_ptr().add(k0 * LANES),
+            steps,
+            &mut acc,
+        );
+    }
+    acc
+}
+
+/// One weight row against the sixteen rows of x transposed: a vector of sixteen sums,
+/// each in the order `tile_avx512` adds them.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn row_avx512(w: &[f32], xt: &[f32]) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    debug_assert_eq!(xt.len(), LANES * w.len());
+    let mut acc = _mm512_setzero_ps();
+    for (k, &v) in w.iter().enumerate() {
+        // Safety: xt holds a vector for each k.
+        acc = _mm512_fmadd_ps(
+            _mm512_loadu_ps(xt.as_ptr().add(k * LANES)),
+            _mm512_set1_ps(v),
+            acc,
+        );
+    }
+    acc
+}
+
+/// `steps` k of twelve weight rows (the first at `w`, the others `stride` bytes
+/// apart) against x transposed (`x`: a vector of sixteen rows a k) into `acc`. In
+/// assembly because each FMA's broadcast must take its address straight from a few
+/// base registers and the stride (rows 0-2, 4, 8 from the first; 3, 5, 7, 11 and 6, 10
+/// and 9 from three more): compiled from intrinsics, the twelve addresses came from a
+/// chain of additions, one after another, slower than the FMAs.
+///
+/// # Safety
+/// AVX-512 F; each of the twelve rows holds `steps` values from `w` on, x `steps`
+/// vectors; steps >= 1.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn twelve_rows(
+    w: *const f32,
+    stride: usize,
+    x: *const f32,
+    steps: usize,
+    acc: &mut [std::arch::x86_64::__m512; TILE],
+) {
+    debug_assert!(steps >= 1);
+    let [a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11] = acc;
+    std::arch::asm!(
+        "2:",
+        "vmovups {x}, zmmword ptr [{xp}]",
+        "vfmadd231ps {a0}, {x}, dword ptr [{b0}]{{1to16}}",
+        "vfmadd231ps {a1}, {x}, dword ptr [{b0} + {s}]{{1to16}}",
+        "vfmadd231ps {a2}, {x}, dword ptr [{b0} + {s}*2]{{1to16}}",
+        "vfmadd231ps {a4}, {x}, dword ptr [{b0} + {s}*4]{{1to16}}",
+        "vfmadd231ps {a8}, {x}, dword ptr [{b0} + {s}*8]{{1to16}}",
+        "vfmadd231ps {a3}, {x}, dword ptr [{b3}]{{1to16}}",
+        "vfmadd231ps {a5}, {x}, dword ptr [{b3} + {s}*2]{{1to16}}",
+        "vfmadd231ps {a7}, {x}, dword ptr [{b3} + {s}*4]{{1to16}}",
+        "vfmadd231ps {a11}, {x}, dword ptr [{b3} + {s}*8]{{1to16}}",
+        "vfmadd231ps {a6}, {x}, dword ptr [{b6}]{{1to16}}",
+        "vfmadd231ps {a10}, {x}, dword ptr [{b6} + {s}*4]{{1to16}}",
+        "vfmadd231ps {a9}, {x}, dword ptr [{b9}]{{1to16}}",
+        "add {b0}, 4",
+        "add {b3}, 4",
+        "add {b6}, 4",
+        "add {b9}, 4",
+        "add {xp}, 64",
+        "dec {n}",
+        "jnz 2b",
+        a0 = inout(zmm_reg) *a0,
+        a1 = inout(zmm_reg) *a1,
+        a2 = inout(zmm_reg) *a2,
+        a3 = inout(zmm_reg) *a3,
+        a4 = inout(zmm_reg) *a4,
+        a5 = inout(zmm_reg) *a5,
+        a6 = inout(zmm_reg) *a6,
+        a7 = inout(zmm_reg) *a7,
+        a8 = inout(zmm_reg) *a8,
+        a9 = inout(zmm_reg) *a9,
+        a10 = inout(zmm_reg) *a10,
+        a11 = inout(zmm_reg) *a11,
+        x = out(zmm_reg) _,
+        xp = inout(reg) x => _,
+        b0 = inout(reg) w => _,
+        b3 = inout(reg) w.byte_add(3 * stride) => _,
+        b6 = inout(reg) w.byte_add(6 * stride) => _,
+        b9 = inout(reg) w.byte_add(9 * stride) => _,
+        s = in(reg) stride,
+        n = inout(reg) steps => _,
+        options(nostack, readonly),
+    );
+}
+
+/// Writes a tile's sums (vector j: output o + j, lane r: row r) into out (rows of
+/// len), with the bias.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn put<const N: usize>(
+    out: &mut [f32],
+    len: usize,
+    o: usize,
+    sums: &[std::arch::x86_64::__m512; N],
+    bias: Option<&[f32]>,
+) {
+    for (j, &v) in sums.iter().enumerate() {
+        let lanes: [f32; LANES] = std::mem::transmute(v);
+        let b = bias.map_or(0.0, |b| b[o + j]);
+        for (r, s) in lanes.into_iter().enumerate() {
+            out[r * len + o + j] = s + b;
+        }
     }
 }
 
