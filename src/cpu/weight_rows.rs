@@ -392,22 +392,38 @@ impl RowProduct for f32 {
     fn rows_kernel(w: &[f32], bias: Option<&[f32]>, x: &[f32], d_in: usize, out: &mut [f32]) {
         // Whole groups of sixteen rows by broadcasts where the CPU has AVX-512; the
         // rest (and every row elsewhere) four weight rows at a time.
-        let mut done = 0;
         #[cfg(target_arch = "x86_64")]
-        if super::isa::active() >= super::isa::Isa::Avx512 {
-            let len = w.len() / d_in;
-            done = x.len() / d_in / LANES * LANES;
-            for (x, out) in x[..done * d_in]
-                .chunks_exact(LANES * d_in)
-                .zip(out.chunks_exact_mut(LANES * len))
-            {
-                // Safety: the CPU has AVX-512 (checked just above); the shapes agree.
-                unsafe { sixteen_rows_avx512(w, bias, x, d_in, out) };
-            }
-        }
+        let done = sixteen_row_groups(w, bias, x, d_in, out);
+        #[cfg(not(target_arch = "x86_64"))]
+        let done = 0;
         let len = w.len() / d_in;
         rows_f32(w, bias, &x[done * d_in..], d_in, &mut out[done * len..])
     }
+}
+
+/// The whole groups of sixteen rows of x through [`sixteen_rows_avx512`] where the
+/// CPU has AVX-512; the rows done.
+#[cfg(target_arch = "x86_64")]
+fn sixteen_row_groups(
+    w: &[f32],
+    bias: Option<&[f32]>,
+    x: &[f32],
+    d_in: usize,
+    out: &mut [f32],
+) -> usize {
+    if super::isa::active() < super::isa::Isa::Avx512 {
+        return 0;
+    }
+    let len = w.len() / d_in;
+    let done = x.len() / d_in / LANES * LANES;
+    for (x, out) in x[..done * d_in]
+        .chunks_exact(LANES * d_in)
+        .zip(out.chunks_exact_mut(LANES * len))
+    {
+        // Safety: the CPU has AVX-512 (checked just above); the shapes agree.
+        unsafe { sixteen_rows_avx512(w, bias, x, d_in, out) };
+    }
+    done
 }
 
 /// Weight rows (outputs) [`sixteen_rows_avx512`] keeps in registers at once: twelve
