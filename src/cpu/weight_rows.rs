@@ -119,8 +119,8 @@ impl Widen for Bf16 {
 }
 
 /// Partial sums a row of the portable kernels keeps (the compiler holds them in vector
-/// registers); also the rows of x [`sixteen_rows_avx512`] takes at once: an AVX-512
-/// vector's lanes.
+/// registers); also the rows of x [`sixteen_rows`] takes at once: an AVX-512
+/// vector's lanes, two AVX2 vectors'.
 const LANES: usize = 16;
 
 /// Σ_i w[i] x_r[i] for the four rows x_r, in `LANES` partial sums each.
@@ -390,8 +390,8 @@ pub trait RowProduct: Widen {
 
 impl RowProduct for f32 {
     fn rows_kernel(w: &[f32], bias: Option<&[f32]>, x: &[f32], d_in: usize, out: &mut [f32]) {
-        // Whole groups of sixteen rows by broadcasts where the CPU has AVX-512; the
-        // rest (and every row elsewhere) four weight rows at a time.
+        // Whole groups of sixteen rows by broadcasts where the CPU has AVX2 or AVX-512;
+        // the rest (and every row elsewhere) four weight rows at a time.
         #[cfg(target_arch = "x86_64")]
         let done = sixteen_row_groups(w, bias, x, d_in, out);
         #[cfg(not(target_arch = "x86_64"))]
@@ -401,8 +401,8 @@ impl RowProduct for f32 {
     }
 }
 
-/// The whole groups of sixteen rows of x through [`sixteen_rows_avx512`] where the
-/// CPU has AVX-512; the rows done.
+/// The whole groups of sixteen rows of x through [`sixteen_rows`] where the CPU has
+/// AVX2 or AVX-512; the rows done.
 #[cfg(target_arch = "x86_64")]
 fn sixteen_row_groups(
     w: &[f32],
@@ -411,7 +411,8 @@ fn sixteen_row_groups(
     d_in: usize,
     out: &mut [f32],
 ) -> usize {
-    if super::isa::active() < super::isa::Isa::Avx512 {
+    let level = super::isa::active();
+    if level < super::isa::Isa::Avx2 {
         return 0;
     }
     let len = w.len() / d_in;
@@ -420,39 +421,42 @@ fn sixteen_row_groups(
         .chunks_exact(LANES * d_in)
         .zip(out.chunks_exact_mut(LANES * len))
     {
-        // Safety: the CPU has AVX-512 (checked just above); the shapes agree.
-        unsafe { sixteen_rows_avx512(w, bias, x, d_in, out) };
+        // Safety: the CPU has the level (checked just above); the shapes agree.
+        unsafe { sixteen_rows(level, w, bias, x, d_in, out) };
     }
     done
 }
 
-/// Weight rows (outputs) [`sixteen_rows_avx512`] keeps in registers at once: twelve
-/// vectors of sixteen sums, addressed from four base registers and the row stride
-/// ([`twelve_rows`]).
+/// Weight rows (outputs) a tile of [`sixteen_rows`] keeps in registers at once: on
+/// AVX-512 twelve vectors of sixteen sums, addressed from four base registers and the
+/// row stride ([`twelve_rows`]); on AVX2 six pairs of eight ([`six_rows`]).
 #[cfg(target_arch = "x86_64")]
 const TILE: usize = 12;
+#[cfg(target_arch = "x86_64")]
+const TILE_AVX2: usize = 6;
 
 #[cfg(target_arch = "x86_64")]
 thread_local! {
-    /// x transposed for [`sixteen_rows_avx512`], kept between calls.
+    /// x transposed for [`sixteen_rows`], kept between calls.
     static TRANSPOSED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// out (16, len) = x (16, d_in) · w (len, d_in)ᵀ (+ bias), f32 weights, for sixteen
-/// rows at once (a server's batch): x transposed so that one vector holds the sixteen
-/// rows' values at one k, and each weight broadcast against it into a vector of
-/// sixteen sums. No horizontal sums, and the broadcast folds into the FMA's load: each
-/// k costs one load of x and one FMA per weight row, where four by four dot products
-/// (`dots4x4_avx512`) pay two loads per four FMAs and a reduction per sum. Weight
-/// rows go TILE at a time, the next TILE asked for meanwhile. Each sum runs along k in
-/// one lane (a different order from the dot products' lanes: f32 rounding differs
-/// between the two, within the same bound).
+/// rows at once (a server's batch): x transposed so that a vector holds the sixteen
+/// rows' values at one k (one AVX-512 vector, two AVX2 ones), and each weight broadcast
+/// against it into a vector of sixteen sums. No horizontal sums, and on AVX-512 the
+/// broadcast folds into the FMA's load: each k costs one load of x and one FMA per
+/// weight row, where four by four dot products (`dots4x4_avx512`) pay two loads per
+/// four FMAs and a reduction per sum. Weight rows go a tile at a time, the next tile
+/// asked for meanwhile. Each sum runs along k in one lane (a different order from the
+/// dot products' lanes: f32 rounding differs between the two, within the same bound).
 ///
 /// # Safety
-/// The CPU must have AVX-512 F; x holds 16 rows of d_in, out 16 rows of len.
+/// The CPU must have `level` (AVX2 or above); x holds 16 rows of d_in, out 16 rows of
+/// len.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,fma")]
-unsafe fn sixteen_rows_avx512(
+unsafe fn sixteen_rows(
+    level: super::isa::Isa,
     w: &[f32],
     bias: Option<&[f32]>,
     x: &[f32],
@@ -470,15 +474,47 @@ unsafe fn sixteen_rows_avx512(
                 xt[k * LANES + r] = v;
             }
         }
-        let tiled = len / TILE * TILE;
-        for o in (0..tiled).step_by(TILE) {
-            let sums = tile_avx512(w, o, d_in, xt, o + TILE < tiled);
-            put(out, len, o, &sums, bias);
-        }
-        for (o, row) in w.chunks_exact(d_in).enumerate().skip(tiled) {
-            put(out, len, o, &[row_avx512(row, xt)], bias);
+        let xt = &*xt;
+        let row = |o: usize| &w[o * d_in..(o + 1) * d_in];
+        // Safety (all four kernels): the level is the CPU's; the rows and xt hold
+        // d_in values or vectors. The vectors are reinterpreted as their lanes.
+        if level >= super::isa::Isa::Avx512 {
+            by_tiles::<TILE>(
+                out,
+                len,
+                bias,
+                |o, ahead| std::mem::transmute(tile_avx512(w, o, d_in, xt, ahead)),
+                |o| std::mem::transmute(row_avx512(row(o), xt)),
+            );
+        } else {
+            by_tiles::<TILE_AVX2>(
+                out,
+                len,
+                bias,
+                |o, ahead| std::mem::transmute(tile_avx2(w, o, d_in, xt, ahead)),
+                |o| std::mem::transmute(row_avx2(row(o), xt)),
+            );
         }
     })
+}
+
+/// The outputs of [`sixteen_rows`] N at a time through `tile(o, ask for the next)`,
+/// the last few through `one(o)`, written into out (rows of len) with the bias.
+#[cfg(target_arch = "x86_64")]
+fn by_tiles<const N: usize>(
+    out: &mut [f32],
+    len: usize,
+    bias: Option<&[f32]>,
+    tile: impl Fn(usize, bool) -> [[f32; LANES]; N],
+    one: impl Fn(usize) -> [f32; LANES],
+) {
+    let tiled = len / N * N;
+    for o in (0..tiled).step_by(N) {
+        put(out, len, o, &tile(o, o + N < tiled), bias);
+    }
+    for o in tiled..len {
+        put(out, len, o, &[one(o)], bias);
+    }
 }
 
 /// Weight rows o..o+TILE against the sixteen rows of x transposed (`xt`): TILE
@@ -603,21 +639,135 @@ unsafe fn twelve_rows(
     );
 }
 
-/// Writes a tile's sums (vector j: output o + j, lane r: row r) into out (rows of
+/// [`tile_avx512`] on AVX2: weight rows o..o+6 against the sixteen rows of x
+/// transposed, six pairs of vectors of eight sums (lane r of pair j: row r of x).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_avx2(
+    w: &[f32],
+    o: usize,
+    d_in: usize,
+    xt: &[f32],
+    ahead: bool,
+) -> [[std::arch::x86_64::__m256; 2]; TILE_AVX2] {
+    use std::arch::x86_64::*;
+    debug_assert!((o + TILE_AVX2) * d_in <= w.len() && xt.len() == LANES * d_in);
+    let first = w.as_ptr().add(o * d_in);
+    let mut acc = [[_mm256_setzero_ps(); 2]; TILE_AVX2];
+    for k0 in (0..d_in).step_by(16) {
+        if ahead {
+            for j in TILE_AVX2..2 * TILE_AVX2 {
+                prefetch(first.wrapping_add(j * d_in + k0));
+            }
+        }
+        // Safety: the rows hold d_in values from `first` on, xt d_in vectors.
+        let steps = 16.min(d_in - k0);
+        six_rows(
+            first.add(k0),
+            4 * d_in,
+            xt.as_ptr().add(k0 * LANES),
+            steps,
+            &mut acc,
+        );
+    }
+    acc
+}
+
+/// [`row_avx512`] on AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn row_avx2(w: &[f32], xt: &[f32]) -> [std::arch::x86_64::__m256; 2] {
+    use std::arch::x86_64::*;
+    debug_assert_eq!(xt.len(), LANES * w.len());
+    let mut acc = [_mm256_setzero_ps(); 2];
+    for (k, &v) in w.iter().enumerate() {
+        let v = _mm256_set1_ps(v);
+        for (h, acc) in acc.iter_mut().enumerate() {
+            // Safety: xt holds sixteen values for each k.
+            let x = _mm256_loadu_ps(xt.as_ptr().add(k * LANES + 8 * h));
+            *acc = _mm256_fmadd_ps(x, v, *acc);
+        }
+    }
+    acc
+}
+
+/// [`twelve_rows`] on AVX2: `steps` k of six weight rows (rows 0-2 and 4 from `w`, 3
+/// and 5 from a second base) against the two vectors of x a k, into six pairs of sums.
+/// AVX2 has no broadcast inside the FMA: each weight is broadcast once for both halves.
+///
+/// # Safety
+/// AVX2 and FMA; each of the six rows holds `steps` values from `w` on, x `steps`
+/// pairs of vectors; steps >= 1.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn six_rows(
+    w: *const f32,
+    stride: usize,
+    x: *const f32,
+    steps: usize,
+    acc: &mut [[std::arch::x86_64::__m256; 2]; TILE_AVX2],
+) {
+    debug_assert!(steps >= 1);
+    let [[a0, c0], [a1, c1], [a2, c2], [a3, c3], [a4, c4], [a5, c5]] = acc;
+    std::arch::asm!(
+        "2:",
+        "vmovups {x0}, ymmword ptr [{xp}]",
+        "vmovups {x1}, ymmword ptr [{xp} + 32]",
+        "vbroadcastss {t}, dword ptr [{b0}]",
+        "vfmadd231ps {a0}, {x0}, {t}",
+        "vfmadd231ps {c0}, {x1}, {t}",
+        "vbroadcastss {t}, dword ptr [{b0} + {s}]",
+        "vfmadd231ps {a1}, {x0}, {t}",
+        "vfmadd231ps {c1}, {x1}, {t}",
+        "vbroadcastss {t}, dword ptr [{b0} + {s}*2]",
+        "vfmadd231ps {a2}, {x0}, {t}",
+        "vfmadd231ps {c2}, {x1}, {t}",
+        "vbroadcastss {t}, dword ptr [{b3}]",
+        "vfmadd231ps {a3}, {x0}, {t}",
+        "vfmadd231ps {c3}, {x1}, {t}",
+        "vbroadcastss {t}, dword ptr [{b0} + {s}*4]",
+        "vfmadd231ps {a4}, {x0}, {t}",
+        "vfmadd231ps {c4}, {x1}, {t}",
+        "vbroadcastss {t}, dword ptr [{b3} + {s}*2]",
+        "vfmadd231ps {a5}, {x0}, {t}",
+        "vfmadd231ps {c5}, {x1}, {t}",
+        "add {b0}, 4",
+        "add {b3}, 4",
+        "add {xp}, 64",
+        "dec {n}",
+        "jnz 2b",
+        a0 = inout(ymm_reg) *a0,
+        a1 = inout(ymm_reg) *a1,
+        a2 = inout(ymm_reg) *a2,
+        a3 = inout(ymm_reg) *a3,
+        a4 = inout(ymm_reg) *a4,
+        a5 = inout(ymm_reg) *a5,
+        c0 = inout(ymm_reg) *c0,
+        c1 = inout(ymm_reg) *c1,
+        c2 = inout(ymm_reg) *c2,
+        c3 = inout(ymm_reg) *c3,
+        c4 = inout(ymm_reg) *c4,
+        c5 = inout(ymm_reg) *c5,
+        x0 = out(ymm_reg) _,
+        x1 = out(ymm_reg) _,
+        t = out(ymm_reg) _,
+        xp = inout(reg) x => _,
+        b0 = inout(reg) w => _,
+        b3 = inout(reg) w.byte_add(3 * stride) => _,
+        s = in(reg) stride,
+        n = inout(reg) steps => _,
+        options(nostack, readonly),
+    );
+}
+
+/// Writes a tile's sums (`sums[j]`: output o + j, lane r: row r) into out (rows of
 /// len), with the bias.
 #[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn put<const N: usize>(
-    out: &mut [f32],
-    len: usize,
-    o: usize,
-    sums: &[std::arch::x86_64::__m512; N],
-    bias: Option<&[f32]>,
-) {
-    for (j, &v) in sums.iter().enumerate() {
-        let lanes: [f32; LANES] = std::mem::transmute(v);
+fn put(out: &mut [f32], len: usize, o: usize, sums: &[[f32; LANES]], bias: Option<&[f32]>) {
+    for (j, lanes) in sums.iter().enumerate() {
         let b = bias.map_or(0.0, |b| b[o + j]);
-        for (r, s) in lanes.into_iter().enumerate() {
+        for (r, s) in lanes.iter().enumerate() {
             out[r * len + o + j] = s + b;
         }
     }
