@@ -8,8 +8,11 @@
 //! activation rows while they sit in registers and L1: one activation row against four
 //! weight rows streamed side by side and asked for ahead (decoding, bound by memory),
 //! blocks of four activation rows against them (prompts, bound by the FMA units: in
-//! AVX-512 registers where the CPU has them). Sums are f32 in 16 lanes a row; a weight
-//! is the same f32 whichever kernel widens it.
+//! AVX-512 registers where the CPU has them). Whole groups of sixteen rows (a server's
+//! batch) with f32 weights go the other way round on AVX2 and AVX-512: x transposed
+//! into vectors of the sixteen rows' values at one k, each weight broadcast against
+//! them, no horizontal sums. Sums are f32 in 16 lanes a row; a weight is the same f32
+//! whichever kernel widens it.
 
 use rayon::prelude::*;
 
