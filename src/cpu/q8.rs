@@ -174,11 +174,14 @@ impl BlockMatrix for Q8Matrix {
                 let (wq, ws) = self.row(o);
                 unsafe { dots_1x4(wq, ws, xs) }
             };
-            let tile = |o: usize, xs: [&Prepared; 4]| match isa::has_avx512_vnni() {
+            // Which kernels is asked once: the rows of x are prepared for them.
+            let vnni = isa::has_avx512_vnni();
+            let tile = |o: usize, xs: [&Prepared; 4]| match vnni {
                 true => unsafe { dots_4x4_vnni([0, 1, 2, 3].map(|j| self.row(o + j)), xs) },
                 false => [0, 1, 2, 3].map(|j| four(o + j, xs)),
             };
-            return matmat_in_tiles(self, outputs, xs, bias, out, Prepared::new, (tile, four));
+            let prepare = |x| Prepared::new(x, vnni);
+            return matmat_in_tiles(self, outputs, xs, bias, out, prepare, (tile, four));
         }
         matmat_by_dots(self, first, len, xs, bias, out)
     }
@@ -424,13 +427,8 @@ struct Prepared<'a> {
 
 #[cfg(target_arch = "x86_64")]
 impl<'a> Prepared<'a> {
-    /// What the kernel of this CPU reads.
-    fn new(row: &'a Q8Row) -> Self {
-        Self::for_kernel(row, isa::has_avx512_vnni())
-    }
-
     /// What the `vnni` kernels read (x + 128), or the others (magnitudes and signs).
-    fn for_kernel(row: &'a Q8Row, vnni: bool) -> Self {
+    fn new(row: &'a Q8Row, vnni: bool) -> Self {
         let (mut magnitude, mut biased, mut negative) = (Vec::new(), Vec::new(), Vec::new());
         if vnni {
             biased = row.quants.iter().map(|&q| (q as u8) ^ 0x80).collect();
@@ -716,7 +714,7 @@ mod tests {
             })
             .collect();
         let prepare =
-            |vnni| -> Vec<Prepared> { xs.iter().map(|x| Prepared::for_kernel(x, vnni)).collect() };
+            |vnni| -> Vec<Prepared> { xs.iter().map(|x| Prepared::new(x, vnni)).collect() };
         let (bw, vnni) = (prepare(false), prepare(true));
         // Safety: AVX-512 F/BW/DQ checked above; whole blocks throughout.
         let want: Vec<Vec<f32>> = (0..4)

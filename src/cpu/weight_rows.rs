@@ -536,23 +536,34 @@ unsafe fn tile_avx512(
     debug_assert!((o + TILE) * d_in <= w.len() && xt.len() == LANES * d_in);
     let first = w.as_ptr().add(o * d_in);
     let mut acc = [_mm512_setzero_ps(); TILE];
+    by_lines(first, TILE, d_in, ahead, |k0, steps| {
+        // Safety: the rows hold d_in values from `first` on, xt d_in vectors.
+        let x = xt.as_ptr().add(k0 * LANES);
+        twelve_rows(first.add(k0), 4 * d_in, x, steps, &mut acc)
+    });
+    acc
+}
+
+/// The k loop of a tile of `n` weight rows from `first` (rows d_in apart):
+/// `step(k0, steps)` for each stretch of 16 k (a cache line of each row), the next `n`
+/// rows' lines asked for first when `ahead`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn by_lines(
+    first: *const f32,
+    n: usize,
+    d_in: usize,
+    ahead: bool,
+    mut step: impl FnMut(usize, usize),
+) {
     for k0 in (0..d_in).step_by(16) {
         if ahead {
-            for j in TILE..2 * TILE {
+            for j in n..2 * n {
                 prefetch(first.wrapping_add(j * d_in + k0));
             }
         }
-        // Safety: the rows hold d_in values from `first` on, xt d_in vectors.
-        let steps = 16.min(d_in - k0);
-        twelve_rows(
-            first.add(k0),
-            4 * d_in,
-            xt.as_ptr().add(k0 * LANES),
-            steps,
-            &mut acc,
-        );
+        step(k0, 16.min(d_in - k0));
     }
-    acc
 }
 
 /// One weight row against the sixteen rows of x transposed: a vector of sixteen sums,
@@ -657,22 +668,11 @@ unsafe fn tile_avx2(
     debug_assert!((o + TILE_AVX2) * d_in <= w.len() && xt.len() == LANES * d_in);
     let first = w.as_ptr().add(o * d_in);
     let mut acc = [[_mm256_setzero_ps(); 2]; TILE_AVX2];
-    for k0 in (0..d_in).step_by(16) {
-        if ahead {
-            for j in TILE_AVX2..2 * TILE_AVX2 {
-                prefetch(first.wrapping_add(j * d_in + k0));
-            }
-        }
+    by_lines(first, TILE_AVX2, d_in, ahead, |k0, steps| {
         // Safety: the rows hold d_in values from `first` on, xt d_in vectors.
-        let steps = 16.min(d_in - k0);
-        six_rows(
-            first.add(k0),
-            4 * d_in,
-            xt.as_ptr().add(k0 * LANES),
-            steps,
-            &mut acc,
-        );
-    }
+        let x = xt.as_ptr().add(k0 * LANES);
+        six_rows(first.add(k0), 4 * d_in, x, steps, &mut acc)
+    });
     acc
 }
 
