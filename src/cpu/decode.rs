@@ -377,16 +377,10 @@ impl FastDecoder {
                 attend(&s, &qkv[..c], cache, at, att, &mut sc.scores);
             } else {
                 att.par_chunks_mut(c).enumerate().for_each_init(
-                    // Each split of the rows grows its scores to the longest
-                    // context it meets (n_head x positions), not to n_head x block.
-                    Vec::new,
+                    || vec![0f32; s.n_head * s.block_size],
                     |scores, (r, out)| {
                         let q = &qkv[r * s.qkv_width..r * s.qkv_width + c];
                         let at = (places[r].seq, places[r].pos);
-                        let need = s.n_head * (at.1 + 1);
-                        if scores.len() < need {
-                            scores.resize(need, 0.0);
-                        }
                         attend(&s, q, cache, at, out, scores)
                     },
                 );
