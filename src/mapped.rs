@@ -4,12 +4,13 @@
 //! into tensors, gathered into a flat buffer, built into the model: four copies of the
 //! weights at the peak and seconds of copying before the first token. The CPU decoder
 //! needs none of that. Here model.safetensors is mapped into memory; f32 decoding uses
-//! its tensors in place (the process holds the file's pages, once), bf16 and int8
-//! convert them a slice at a time and give each slice's pages back (`DecodeWeights`).
+//! its tensors in place (the process holds the file's pages, once); bf16, int8 and
+//! int4 convert them a slice at a time and give each slice's pages back
+//! (`DecodeWeights`), copy the small tensors, and the file is unmapped once converted.
 //!
 //! The file's SHA-256 (recorded in state.json) is still checked, for a torn or changed
 //! file must not decode, but beside the loading rather than before it: a thread hashes
-//! the mapped bytes while the weights are converted, and decoding waits for its answer
+//! the file (read, not through the mapping) while the weights are converted, and decoding waits for its answer
 //! before the first token. A file that passed is noted in `.verified` in the run
 //! folder (its size, modification time and inode), and is not hashed again until one
 //! of those changes.
@@ -38,7 +39,7 @@ use crate::cpu::decode_weights::{DecodeWeights, Values, WeightFormat};
 use crate::model::ModelSpec;
 use crate::tokenizer::Tokenizer;
 use crate::user_bail;
-use crate::util::sha256_hex;
+use crate::util::sha256_hex_of_reader;
 
 /// The run folder's note of files whose hash was checked.
 pub const VERIFIED_FILE: &str = ".verified";
@@ -105,7 +106,7 @@ pub fn open_for_decoding(dir: &Path, format: WeightFormat) -> Result<ForDecoding
         })?);
     #[cfg(unix)]
     sigbus::watch(map.as_ptr() as usize, map.len(), &path);
-    let mut verification = verify(&run, &path, &file, &map, digest);
+    let mut verification = verify(&run, &path, &file, digest);
     let shown = path.display().to_string();
     let weights = match read_weights(&spec, &map, format, &shown) {
         Ok(weights) => weights,
@@ -142,7 +143,9 @@ fn model_file(run: &RunDir, state: &TrainState) -> Result<(PathBuf, FileDigest)>
         (true, false) => path,
         (false, true) => next,
         (true, true) => {
-            let matches = fs::read(&path).is_ok_and(|b| sha256_hex(&b) == digest.sha256);
+            let matches = fs::File::open(&path)
+                .and_then(sha256_hex_of_reader)
+                .is_ok_and(|(sha256, _)| sha256 == digest.sha256);
             if matches {
                 path
             } else {
@@ -198,15 +201,11 @@ fn read_notes(run: &RunDir) -> Notes {
         .unwrap_or_default()
 }
 
-/// Starts checking `map` (the bytes of `path`) against `digest`, unless `.verified`
-/// says this very file matched it before.
-fn verify(
-    run: &RunDir,
-    path: &Path,
-    file: &fs::File,
-    map: &Arc<memmap2::Mmap>,
-    digest: FileDigest,
-) -> Verification {
+/// Starts checking `file` (open at `path`, and mapped) against `digest`, unless
+/// `.verified` says this very file matched it before. The check reads the file rather
+/// than the mapping: hashing through the mapping would bring every page of it into
+/// this process (a converted model's peak RSS would hold the f32 file too).
+fn verify(run: &RunDir, path: &Path, file: &fs::File, digest: FileDigest) -> Verification {
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -215,13 +214,14 @@ fn verify(
     if now.is_some() && read_notes(run).get(&name) == now.as_ref() {
         return Verification { pending: None };
     }
-    let (map, path, dir) = (
-        Arc::clone(map),
-        path.to_path_buf(),
-        run.path().to_path_buf(),
-    );
+    // The very file that is mapped, even if `path` is renamed over meanwhile.
+    let reader = file.try_clone();
+    let (path, dir) = (path.to_path_buf(), run.path().to_path_buf());
     let thread = std::thread::spawn(move || {
-        if map.len() as u64 != digest.size || sha256_hex(&map) != digest.sha256 {
+        let (sha256, size) = reader.and_then(sha256_hex_of_reader).map_err(|e| {
+            crate::error::user_error(format!("cannot read {}: {e}", path.display()))
+        })?;
+        if size != digest.size || sha256 != digest.sha256 {
             user_bail!(
                 "{} does not match the size/sha256 recorded in state.json: the file is truncated or was changed; restore it or retrain",
                 path.display()

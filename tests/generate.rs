@@ -517,7 +517,9 @@ fn tracks_f32(format: WeightFormat, tolerance: f32, agreeing: usize) {
 
 /// A checkpoint opened mapped (`tinygpt::mapped`, what `generate` on the CPU does)
 /// decodes exactly as the loaded model's weights copied into the decoder, in every
-/// precision; its hash check passes and is noted, so the next open skips it.
+/// precision; its hash check passes and is noted, so the next open skips it. A
+/// converted model (bf16, int8, int4) keeps nothing of the f32 file mapped: its pages
+/// would count in the process's memory beside the converted copy.
 #[test]
 fn a_mapped_checkpoint_decodes_as_the_loaded_one() {
     use tinygpt::mapped::{open_for_decoding, VERIFIED_FILE};
@@ -536,6 +538,18 @@ fn a_mapped_checkpoint_decodes_as_the_loaded_one() {
         let mut opened = open_for_decoding(&run, format).unwrap();
         opened.verification.wait().unwrap();
         assert_eq!(opened.config.model, loaded.config.model);
+        #[cfg(target_os = "linux")]
+        {
+            let file = run.join("model.safetensors").canonicalize().unwrap();
+            let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+            let is_mapped = maps.contains(&*file.to_string_lossy());
+            assert_eq!(
+                is_mapped,
+                format == WeightFormat::F32,
+                "{}: the file is mapped only where its f32 values are the weights",
+                format.name()
+            );
+        }
         let mut mapped = FastDecoder::from_weights(opened.weights.clone(), 1).unwrap();
         let mut copied = FastDecoder::with_format(&spec, &flat, 1, format).unwrap();
         let mut a = mapped

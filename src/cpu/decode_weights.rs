@@ -96,6 +96,18 @@ impl Values {
         })
     }
 
+    /// The values copied into memory: a converted model's small tensors (norms, biases,
+    /// position tables) are, so that nothing stays mapped once its matrices are
+    /// converted. A mapped norm read later would map in the file's whole large page
+    /// around it (2 MiB where the page cache holds the file in large folios), the
+    /// released rows of the matrices beside it included: 22 MiB for GPT-2 124M.
+    fn into_owned(self) -> Self {
+        match self {
+            Values::Mapped(_) => Values::Owned(self.to_vec()),
+            owned => owned,
+        }
+    }
+
     /// Gives the pages of values `range` back to the file: they leave this process's
     /// memory and are read from the page cache again if touched. Copies keep theirs.
     fn release(&self, range: std::ops::Range<usize>) {
@@ -483,10 +495,16 @@ impl DecodeWeights {
     ) -> Result<Self> {
         let cfg = &spec.config;
         let s = &spec.shapes;
+        // f32 weights are read where they lie; a converted model holds its own copy of
+        // the small tensors (`Values::into_owned`).
+        let small = |values: Values| match format {
+            WeightFormat::F32 => values,
+            _ => values.into_owned(),
+        };
         let mut norm = |p: &NormParams| -> Result<Norm> {
             Ok(Norm {
-                w: fetch(p.weight)?,
-                b: p.bias.map(&mut fetch).transpose()?,
+                w: small(fetch(p.weight)?),
+                b: p.bias.map(&mut fetch).transpose()?.map(small),
             })
         };
         // Norms first, then matrices: `fetch` is one closure, borrowed in turn.
@@ -498,7 +516,7 @@ impl DecodeWeights {
         let ln_f = norm(&spec.ln_f)?;
         let mut matrix = |p: &LinearParams| -> Result<Matrix> {
             let w = fetch(p.weight)?;
-            let bias = p.bias.map(&mut fetch).transpose()?;
+            let bias = p.bias.map(&mut fetch).transpose()?.map(small);
             Ok(Matrix::new(w, bias, (p.d_out, p.d_in), format))
         };
         let mut layers = Vec::with_capacity(s.n_layer);
@@ -516,7 +534,7 @@ impl DecodeWeights {
         }
         let tokens = Matrix::new(fetch(spec.wte)?, None, (s.vocab_size, s.n_embd), format);
         let positions = match (spec.wpe, cfg.positions) {
-            (Some(id), _) => Some(fetch(id)?),
+            (Some(id), _) => Some(small(fetch(id)?)),
             (None, PositionKind::Sinusoidal) => {
                 let table = sinusoidal_table(s.block_size, s.n_embd, &candle_core::Device::Cpu)?;
                 Some(Values::Owned(table.flatten_all()?.to_vec1()?))

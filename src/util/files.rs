@@ -85,17 +85,36 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     sha256_hex_of([bytes])
 }
 
+/// The SHA-256 of everything `reader` yields, and its length, read a MiB at a time.
+pub fn sha256_hex_of_reader(mut reader: impl std::io::Read) -> std::io::Result<(String, u64)> {
+    let mut hasher = Sha256::new();
+    let mut buffer = vec![0u8; 1 << 20];
+    let mut len = 0u64;
+    loop {
+        match reader.read(&mut buffer) {
+            Ok(0) => break,
+            Ok(n) => {
+                hasher.update(&buffer[..n]);
+                len += n as u64;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok((hex(&hasher.finalize()), len))
+}
+
 /// The SHA-256 of `parts` one after another, as 64 lowercase hex digits.
 pub fn sha256_hex_of<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> String {
     let mut hasher = Sha256::new();
     for part in parts {
         hasher.update(part);
     }
-    hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    hex(&hasher.finalize())
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]
@@ -111,6 +130,14 @@ mod tests {
         assert_eq!(fs::read(&p).unwrap(), b"second");
         let leftovers: Vec<_> = fs::read_dir(dir.path()).unwrap().collect();
         assert_eq!(leftovers.len(), 1, "no temp files left behind");
+    }
+
+    #[test]
+    fn sha256_of_a_reader_is_that_of_its_bytes() {
+        // Longer than one read, so the chunks are joined.
+        let bytes: Vec<u8> = (0..(3 << 19) + 7).map(|i| (i * 31 % 251) as u8).collect();
+        let (hash, len) = sha256_hex_of_reader(bytes.as_slice()).unwrap();
+        assert_eq!((hash, len), (sha256_hex(&bytes), bytes.len() as u64));
     }
 
     #[test]

@@ -7,6 +7,6 @@ mod files;
 pub mod stop;
 mod system;
 
-pub use files::{sha256_hex, sha256_hex_of, write_atomic, AtomicFile};
+pub use files::{sha256_hex, sha256_hex_of, sha256_hex_of_reader, write_atomic, AtomicFile};
 pub use stop::{Stop, Stopped};
 pub use system::{available_memory_bytes, peak_rss_mb};
