@@ -325,7 +325,8 @@ struct GenerateArgs {
     /// Precision of the matrix products: f32; bf16 (operands rounded to bf16, f32 sums:
     /// tensor cores on CUDA; the fused CPU decoder computes in f32); int8 or int4 (the
     /// CPU decoder's weights in eight or four bits, blocks of 32 with a scale, as
-    /// llama.cpp's q8_0 and q4_0).
+    /// llama.cpp's q8_0 and q4_0). With bf16, int8 or int4 the CPU decoder keeps its
+    /// keys and values in bf16 too (half the memory); with f32, in f32.
     #[arg(long, default_value = "f32")]
     dtype: String,
 }

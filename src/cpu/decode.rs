@@ -19,11 +19,13 @@ use rayon::prelude::*;
 
 use super::decode_weights::{DecodeWeights, WeightFormat};
 use super::kernels::{axpy, dot_lanes, multiversion, softmax_inline};
+use super::kv_cache::{KvCache, KvPrecision, LayerKv};
 use super::ops::norm::NormStats;
 use super::ops::rope::Turn;
 use super::ops::{residual_in_place, Positions};
 use super::q8::Q8Row;
 use super::threads::on_workers;
+use super::weight_rows::Widen;
 use crate::model::spec::{ModelSpec, Shapes};
 
 /// A model's weights laid out for decoding (shared), and the K/V buffers of `batch`
@@ -40,8 +42,7 @@ pub struct FastDecoder {
     /// several calls).
     chunk: usize,
     len: usize,
-    keys: Vec<Vec<f32>>,   // per layer: (batch, block, H_kv * d)
-    values: Vec<Vec<f32>>, // per layer: (batch, block, H_kv * d)
+    cache: KvCache,
     scratch: Scratch,
     /// The rows of the pass being run: where each goes, which give logits.
     places: Vec<Place>,
@@ -120,28 +121,28 @@ impl FastDecoder {
     /// A decoder of `batch` sequences reading `weights` (which other decoders may share).
     pub fn from_weights(weights: Arc<DecodeWeights>, batch: usize) -> Result<Self> {
         let s = weights.spec.shapes;
-        let kv_bytes = 2.0 * 4.0 * (s.n_layer * batch * s.block_size * s.kv_width) as f64;
+        let precision = KvPrecision::for_weights(weights.format);
+        let kv_bytes = KvCache::full_bytes(&s, batch, precision);
         if let Some(available) = crate::util::available_memory_bytes() {
             if kv_bytes > available {
                 crate::user_bail!(
-                    "{batch} samples of {} positions need {:.1} GiB of keys and values, more than the {:.1} GiB available; use fewer --num-samples",
+                    "{batch} samples of {} positions need {:.1} GiB of keys and values ({}), more than the {:.1} GiB available; use fewer --num-samples",
                     s.block_size,
                     kv_bytes / f64::from(1 << 30),
+                    precision.name(),
                     available / f64::from(1 << 30)
                 );
             }
         }
         // Scratch for at most MAX_ROWS rows: longer prefills run in chunks of positions.
         let chunk = (MAX_ROWS / batch).clamp(1, s.block_size);
-        let cache = || vec![0f32; batch * s.block_size * s.kv_width];
         Ok(Self {
             q8_rows: Vec::new(),
             scoring: None,
             batch,
             chunk,
             len: 0,
-            keys: (0..s.n_layer).map(|_| cache()).collect(),
-            values: (0..s.n_layer).map(|_| cache()).collect(),
+            cache: KvCache::new(&s, batch, precision),
             scratch: Scratch::new(&s, batch, batch * chunk),
             places: Vec::with_capacity(batch * chunk),
             outputs: Vec::with_capacity(batch),
@@ -368,9 +369,8 @@ impl FastDecoder {
             if let Some(rope) = &weights.rope {
                 rope.rotate_rows(qkv, &s, |r| places[r].pos, Turn::Forward);
             }
-            let (keys, values) = (&mut self.keys[l], &mut self.values[l]);
-            store_keys_and_values((keys, values), qkv, &s, places);
-            let cache = (keys.as_slice(), values.as_slice());
+            self.cache.store(l, qkv, &s, places);
+            let cache = self.cache.layer(l);
             let att = &mut sc.att[..rows * c];
             if rows == 1 {
                 let at = (places[0].seq, places[0].pos);
@@ -433,55 +433,55 @@ impl Scratch {
     }
 }
 
-/// Copies each row's key and value heads into its sequence's slot of `keys` and
-/// `values` (batch, block, kv width) at its position.
-fn store_keys_and_values(
-    cache: (&mut [f32], &mut [f32]),
-    qkv: &[f32],
-    s: &Shapes,
-    places: &[Place],
-) {
-    let (c, kv) = (s.n_embd, s.kv_width);
-    for (row, at) in qkv.chunks_exact(s.qkv_width).zip(places) {
-        let slot = (at.seq * s.block_size + at.pos) * kv;
-        cache.0[slot..slot + kv].copy_from_slice(&row[c..c + kv]);
-        cache.1[slot..slot + kv].copy_from_slice(&row[c + kv..]);
-    }
-}
-
 multiversion! {
     /// One position's attention output, all heads: `q` holds its query heads; it sees
     /// the keys and values (`cache`) of sequence `at.0` up to position `at.1`.
-    /// `scores` holds (head, position) for every head. Positions go in the outer loop:
-    /// each key and value row is read once, whole and in order, for all the heads
-    /// (head by head, a row's heads were read a head's width at a time, a row apart),
-    /// and the heads' dot products, independent, overlap.
-    pub fn attend(s: &Shapes, q: &[f32], cache: (&[f32], &[f32]), at: (usize, usize), out: &mut [f32], scores: &mut [f32]) {
-        let (b, pos) = at;
-        let (d, kv_width) = (s.head_dim, s.kv_width);
-        let scale = 1.0 / (d as f32).sqrt();
-        let keys = &cache.0[b * s.block_size * kv_width..];
-        let values = &cache.1[b * s.block_size * kv_width..];
-        let seen = pos + 1;
-        let scores = &mut scores[..s.n_head * seen];
-        // The K/V head query head h shares, in a key or value row.
-        fn kv<'r>(row: &'r [f32], h: usize, s: &Shapes) -> &'r [f32] {
-            let g = h / s.group();
-            &row[g * s.head_dim..(g + 1) * s.head_dim]
+    /// `scores` holds (head, position) for every head.
+    pub fn attend(s: &Shapes, q: &[f32], cache: LayerKv, at: (usize, usize), out: &mut [f32], scores: &mut [f32]) {
+        match cache {
+            LayerKv::F32(keys, values) => attend_in(s, q, (keys, values), at, out, scores),
+            LayerKv::Bf16(keys, values) => attend_in(s, q, (keys, values), at, out, scores),
         }
-        for (p, key) in keys.chunks_exact(kv_width).take(seen).enumerate() {
-            for (h, q) in q.chunks_exact(d).take(s.n_head).enumerate() {
-                scores[h * seen + p] = dot_lanes(q, kv(key, h, s)) * scale;
-            }
+    }
+}
+
+/// [`attend`] over keys and values held as `T`. Positions go in the outer loop: each
+/// key and value row is read once, whole and in order, for all the heads (head by
+/// head, a row's heads were read a head's width at a time, a row apart), and the
+/// heads' dot products, independent, overlap.
+#[inline(always)]
+fn attend_in<T: Widen>(
+    s: &Shapes,
+    q: &[f32],
+    cache: (&[T], &[T]),
+    at: (usize, usize),
+    out: &mut [f32],
+    scores: &mut [f32],
+) {
+    let (b, pos) = at;
+    let (d, kv_width) = (s.head_dim, s.kv_width);
+    let scale = 1.0 / (d as f32).sqrt();
+    let keys = &cache.0[b * s.block_size * kv_width..];
+    let values = &cache.1[b * s.block_size * kv_width..];
+    let seen = pos + 1;
+    let scores = &mut scores[..s.n_head * seen];
+    // The K/V head query head h shares, in a key or value row.
+    fn kv<'r, T>(row: &'r [T], h: usize, s: &Shapes) -> &'r [T] {
+        let g = h / s.group();
+        &row[g * s.head_dim..(g + 1) * s.head_dim]
+    }
+    for (p, key) in keys.chunks_exact(kv_width).take(seen).enumerate() {
+        for (h, q) in q.chunks_exact(d).take(s.n_head).enumerate() {
+            scores[h * seen + p] = dot_lanes(q, kv(key, h, s)) * scale;
         }
-        for head in scores.chunks_exact_mut(seen) {
-            softmax_inline(head);
-        }
-        out.fill(0.0);
-        for (p, value) in values.chunks_exact(kv_width).take(seen).enumerate() {
-            for (h, out) in out.chunks_exact_mut(d).take(s.n_head).enumerate() {
-                axpy(out, scores[h * seen + p], kv(value, h, s));
-            }
+    }
+    for head in scores.chunks_exact_mut(seen) {
+        softmax_inline(head);
+    }
+    out.fill(0.0);
+    for (p, value) in values.chunks_exact(kv_width).take(seen).enumerate() {
+        for (h, out) in out.chunks_exact_mut(d).take(s.n_head).enumerate() {
+            axpy(out, scores[h * seen + p], kv(value, h, s));
         }
     }
 }

@@ -34,17 +34,20 @@ macro_rules! multiversion {
 
 pub(crate) use multiversion;
 
-/// sum_i a[i] * b[i], with 32 partial sums the compiler keeps in vector registers
-/// (two AVX-512 or four AVX2 registers). Inlined into the multiversioned kernels below.
+use super::weight_rows::Widen;
+
+/// sum_i a[i] * b[i] (b f32, or bf16 widened as it is read), with 32 partial sums the
+/// compiler keeps in vector registers (two AVX-512 or four AVX2 registers). Inlined
+/// into the multiversioned kernels below.
 #[inline(always)]
-pub fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
+pub fn dot_lanes<T: Widen>(a: &[f32], b: &[T]) -> f32 {
     const LANES: usize = 32;
     debug_assert_eq!(a.len(), b.len());
     let n = a.len() / LANES * LANES;
     let mut acc = [0f32; LANES];
     for (ca, cb) in a[..n].chunks_exact(LANES).zip(b[..n].chunks_exact(LANES)) {
         for k in 0..LANES {
-            acc[k] += ca[k] * cb[k];
+            acc[k] += ca[k] * cb[k].widen();
         }
     }
     let mut sum = 0.0;
@@ -52,7 +55,7 @@ pub fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
         sum += v;
     }
     for i in n..a.len() {
-        sum += a[i] * b[i];
+        sum += a[i] * b[i].widen();
     }
     sum
 }
@@ -92,12 +95,12 @@ pub fn sum_lanes(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
     sum_lanes3(x, x, x, |v, _, _| f(v))
 }
 
-/// y += alpha * x.
+/// y += alpha * x (x f32, or bf16 widened as it is read).
 #[inline(always)]
-pub fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
+pub fn axpy<T: Widen>(y: &mut [f32], alpha: f32, x: &[T]) {
     debug_assert_eq!(y.len(), x.len());
     for (yi, xi) in y.iter_mut().zip(x) {
-        *yi += alpha * xi;
+        *yi += alpha * xi.widen();
     }
 }
 

@@ -20,6 +20,7 @@ pub mod engine;
 pub mod gemm;
 pub mod isa;
 pub mod kernels;
+pub mod kv_cache;
 pub mod layout;
 pub mod matrix;
 pub mod ops;
