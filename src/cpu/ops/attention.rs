@@ -10,7 +10,7 @@ use rayon::prelude::*;
 
 use crate::config::Precision;
 use crate::cpu::gemm::matmul_serial;
-use crate::cpu::kernels::{dot_lanes, exp_approx, multiversion, sum_lanes};
+use crate::cpu::kernels::{exp_approx, multiversion, sum_lanes};
 use crate::cpu::matrix::{Causal, Product, Strided};
 use crate::cpu::threads::threads;
 use crate::model::spec::Shapes;
@@ -291,16 +291,43 @@ fn softmax_in_place(x: &mut [f32]) {
 multiversion! {
     /// dP -> dS in place, row by row: ds_j = p_j (dp_j - sum_k p_k dp_k) * scale for
     /// j <= i; zero above the diagonal (where p is zero and dP need not be set).
+    ///
+    /// Rows go in whole vectors of 16 as in [`causal_softmax_rows`], columns past the
+    /// diagonal masked out (dP there is stale).
     pub fn causal_softmax_rows_backward(ds: &mut [f32], p: &[f32], t: usize, scale: f32) {
         for (i, (row, p)) in ds.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
-            let (seen, above) = row.split_at_mut(i + 1);
-            let weighted = dot_lanes(seen, &p[..=i]);
-            for (a, &pj) in seen.iter_mut().zip(p) {
-                *a = pj * (*a - weighted) * scale;
+            let seen = i + 1;
+            let whole = seen.next_multiple_of(LANES).min(t);
+            let weighted = masked_dot(&row[..whole], &p[..whole], seen);
+            for (j, (a, &pj)) in row[..whole].iter_mut().zip(p).enumerate() {
+                *a = if j < seen { pj * (*a - weighted) * scale } else { 0.0 };
             }
-            above.fill(0.0);
+            row[whole..].fill(0.0);
         }
     }
+}
+
+/// Σ a[j] b[j] over the first `n` elements, in 16 lanes (whole vectors read, those
+/// past `n` masked out) summed as a tree.
+#[inline(always)]
+fn masked_dot(a: &[f32], b: &[f32], n: usize) -> f32 {
+    let mut lanes = [0f32; LANES];
+    let (whole, _) = a.as_chunks::<LANES>();
+    let (b_whole, _) = b.as_chunks::<LANES>();
+    for (c, (a, b)) in whole.iter().zip(b_whole).enumerate() {
+        for k in 0..LANES {
+            lanes[k] += if c * LANES + k < n { a[k] * b[k] } else { 0.0 };
+        }
+    }
+    let mut width = LANES / 2;
+    while width > 0 {
+        for k in 0..width {
+            lanes[k] += lanes[k + width];
+        }
+        width /= 2;
+    }
+    let done = whole.len() * LANES;
+    lanes[0] + (done..n).map(|j| a[j] * b[j]).sum::<f32>()
 }
 
 /// The largest of the first `n` elements of `x`, with 16 running maxima the compiler
@@ -378,6 +405,39 @@ mod tests {
                             "t {t}: ({i}, {j}): {got} vs {want}"
                         );
                     }
+                }
+            }
+        }
+    }
+
+    /// dS = P * (dP - rowsum(P * dP)) * scale against f64, row by row, whatever dP
+    /// holds above the diagonal; zeros there.
+    #[test]
+    fn causal_softmax_rows_backward_matches_f64() {
+        let scale = 0.125;
+        for t in [4, 16, 37, 64] {
+            let mut p = values(t * t, 5);
+            causal_softmax_rows(&mut p, t);
+            let mut ds = values(t * t, 6);
+            for (i, row) in ds.chunks_exact_mut(t).enumerate() {
+                for (j, a) in row.iter_mut().enumerate().skip(i + 1) {
+                    *a = [f32::NAN, f32::INFINITY, 1e30][j % 3];
+                }
+            }
+            let dp = ds.clone();
+            causal_softmax_rows_backward(&mut ds, &p, t, scale);
+            for i in 0..t {
+                let at = |m: &[f32], j: usize| f64::from(m[i * t + j]);
+                let weighted: f64 = (0..=i).map(|j| at(&p, j) * at(&dp, j)).sum();
+                for j in 0..t {
+                    let got = ds[i * t + j];
+                    if j > i {
+                        assert_eq!(got, 0.0, "t {t}: ({i}, {j}) above the diagonal");
+                        continue;
+                    }
+                    let want = at(&p, j) * (at(&dp, j) - weighted) * f64::from(scale);
+                    let off = (f64::from(got) - want).abs();
+                    assert!(off <= 1e-6, "t {t}: ({i}, {j}): {got} vs {want}");
                 }
             }
         }
