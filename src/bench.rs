@@ -341,6 +341,8 @@ pub struct DecodeReport {
     pub checkpoint: String,
     pub parameters: usize,
     pub dtype: &'static str,
+    /// How the decoder held its keys and values.
+    pub kv_dtype: &'static str,
     #[serde(flatten)]
     pub cpu: CpuInfo,
     /// Bytes of weights the decoder holds, in MiB.
@@ -361,12 +363,12 @@ pub struct DecodeReport {
     pub peak_rss_mb: Option<f64>,
 }
 
-/// Decodes the run folder `dir` with weights in `format`: load time, time to first
-/// token at each of `prompts` (random tokens, one sequence), and `decode_tokens` greedy
-/// tokens in each of `batch` sequences decoded together.
+/// Decodes the run folder `dir` with weights in `format` (keys and values in `kv`):
+/// load time, time to first token at each of `prompts` (random tokens, one sequence),
+/// and `decode_tokens` greedy tokens in each of `batch` sequences decoded together.
 pub fn decode_checkpoint(
     dir: &std::path::Path,
-    format: crate::cpu::WeightFormat,
+    (format, kv): (crate::cpu::WeightFormat, crate::cpu::KvPrecision),
     prompts: &[usize],
     (decode_tokens, batch): (usize, usize),
     stop: &Stop,
@@ -379,7 +381,7 @@ pub fn decode_checkpoint(
     let weights = opened.weights;
     let spec = weights.spec.clone();
     let (block, vocab) = (spec.shapes.block_size, spec.shapes.vocab_size);
-    let mut decoder = Decoder::fused(weights.clone(), 1)?;
+    let mut decoder = Decoder::fused(weights.clone(), 1, kv)?;
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let mut prompt = |n: usize| -> Vec<u32> {
         (0..n.clamp(1, block))
@@ -415,7 +417,7 @@ pub fn decode_checkpoint(
     // greedy, so they stay in step: every pass carries `batch` rows).
     let batch = batch.max(1);
     if batch > 1 {
-        decoder = Decoder::fused(weights.clone(), batch)?;
+        decoder = Decoder::fused(weights.clone(), batch, kv)?;
         samplers = (0..batch)
             .map(|_| Sampler::new(greedy.clone(), 0))
             .collect::<Result<_>>()?;
@@ -437,6 +439,7 @@ pub fn decode_checkpoint(
         checkpoint: dir.display().to_string(),
         parameters: spec.len(),
         dtype: format.name(),
+        kv_dtype: kv.name(),
         cpu: CpuInfo::with_threads(crate::cpu::threads::threads()),
         weights_mb: weights.bytes() as f64 / f64::from(1 << 20),
         load_ms,

@@ -7,7 +7,7 @@ use candle_core::Device;
 use serde_json::json;
 use tinygpt::checkpoint::Loaded;
 use tinygpt::config::Precision;
-use tinygpt::cpu::WeightFormat;
+use tinygpt::cpu::{KvPrecision, WeightFormat};
 use tinygpt::device::{first_cuda, Choice};
 use tinygpt::device::{is_auto, parse_device};
 use tinygpt::engine::race::{fastest_device, Work};
@@ -138,6 +138,7 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
         DecodeMode::Fast
     };
     let weights = parse_weight_format("--dtype", &args.dtype)?;
+    let kv = KvPrecision::parse(args.kv_dtype.as_deref(), weights)?;
     let products = match weights {
         WeightFormat::Bf16 => Precision::Bf16,
         WeightFormat::F32 | WeightFormat::Int8 | WeightFormat::Int4 => Precision::F32,
@@ -151,6 +152,11 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
             true => weights.is_integer() || first_cuda().is_none(),
             false => parse_device(&args.ckpt.device)?.is_cpu(),
         };
+    if args.kv_dtype.is_some() && !on_cpu {
+        user_bail!(
+            "--kv-dtype sets the fused CPU decoder's keys and values; this generate decodes with candle or on a GPU, which keep their own: drop it, or pass --device cpu without --reference or --no-kv-cache"
+        );
+    }
     let mut opened = if on_cpu {
         if auto {
             let why = match first_cuda() {
@@ -214,6 +220,7 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let options = GenerateOptions {
         weights,
+        kv,
         max_new_tokens: args.max_new_tokens,
         stop: args.stop.iter().map(|s| unescape(s)).collect(),
         mode,
@@ -603,14 +610,15 @@ fn bench_checkpoint(
         );
     }
     let decode = (args.decode_tokens, args.decode_batch);
-    let r = tinygpt::bench::decode_checkpoint(dir, format, &args.prompts, decode, stop)?;
+    let kv = KvPrecision::parse(args.kv_dtype.as_deref(), format)?;
+    let r = tinygpt::bench::decode_checkpoint(dir, (format, kv), &args.prompts, decode, stop)?;
     if args.json {
         println!("{}", serde_json::to_string(&r)?);
         return Ok(());
     }
     println!("cpu     {}", r.cpu);
     println!(
-        "load    {:.0} ms ({}), {} weights: {:.0} MiB of {} parameters",
+        "load    {:.0} ms ({}), {} weights: {:.0} MiB of {} parameters; keys and values in {}",
         r.load_ms,
         if r.hashed {
             "weights hashed"
@@ -619,7 +627,8 @@ fn bench_checkpoint(
         },
         r.dtype,
         r.weights_mb,
-        r.parameters
+        r.parameters,
+        r.kv_dtype
     );
     let ttft: Vec<String> = r
         .ttft_ms
@@ -1002,6 +1011,10 @@ pub fn doctor(args: DoctorArgs) -> Result<()> {
 
 pub fn serve(args: ServeArgs, stop: tinygpt::util::Stop) -> Result<()> {
     let format = parse_weight_format("--dtype", &args.dtype)?;
+    let kv = match &args.kv_dtype {
+        Some(value) => Some(KvPrecision::parse(Some(value), format)?),
+        None => None,
+    };
     // Told before the server starts, in the words generate uses: a file, a folder of
     // runs or a Hugging Face folder passed as the run folder.
     tinygpt::checkpoint::RunDir::new(&args.checkpoint).state()?;
@@ -1033,6 +1046,7 @@ pub fn serve(args: ServeArgs, stop: tinygpt::util::Stop) -> Result<()> {
             runs: args.runs,
             device: args.device,
             format,
+            kv,
             max_body_bytes: args.max_body_bytes,
             idle_timeout: args.idle_timeout,
             max_connections: args.max_connections,

@@ -325,10 +325,14 @@ struct GenerateArgs {
     /// Precision of the matrix products: f32; bf16 (operands rounded to bf16, f32 sums:
     /// tensor cores on CUDA; the fused CPU decoder computes in f32); int8 or int4 (the
     /// CPU decoder's weights in eight or four bits, blocks of 32 with a scale, as
-    /// llama.cpp's q8_0 and q4_0). With bf16, int8 or int4 the CPU decoder keeps its
-    /// keys and values in bf16 too (half the memory); with f32, in f32.
+    /// llama.cpp's q8_0 and q4_0).
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// How the fused CPU decoder holds the keys and values of the tokens seen: f32, or
+    /// bf16 (half the memory and the bytes attention reads; llama.cpp's default is f16).
+    /// By default bf16 beside bf16, int8 or int4 weights, f32 beside f32.
+    #[arg(long)]
+    kv_dtype: Option<String>,
 }
 
 #[derive(Args)]
@@ -363,6 +367,11 @@ struct ServeArgs {
     /// int4 on the CPU).
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// How the CPU decoder holds the keys and values of every sequence: f32 or bf16 (as
+    /// generate --kv-dtype: half the memory per slot; by default bf16 beside bf16, int8
+    /// or int4 weights, f32 beside f32).
+    #[arg(long)]
+    kv_dtype: Option<String>,
     /// Where to decode: cpu, cuda[:N], or auto (a CUDA GPU where the build and machine
     /// have one, else the CPU).
     #[arg(long, default_value = "auto")]
@@ -441,6 +450,11 @@ struct BenchArgs {
     /// --dtype).
     #[arg(long, default_value = "f32")]
     decode_dtype: String,
+    /// With --checkpoint: how the decoder holds its keys and values, f32 or bf16 (as
+    /// generate --kv-dtype; by default bf16 beside bf16, int8 or int4 weights, f32
+    /// beside f32).
+    #[arg(long)]
+    kv_dtype: Option<String>,
     #[arg(long)]
     device: Option<String>,
     /// After the timed steps, profile up to 5 more: per phase and group of work

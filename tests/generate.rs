@@ -6,7 +6,7 @@ use std::path::Path;
 use candle_core::{Device, Tensor};
 use tinygpt::checkpoint::Loaded;
 use tinygpt::config::{Config, MlpKind, ModelConfig, NormKind, PositionKind, TokenizerKind};
-use tinygpt::cpu::{FastDecoder, WeightFormat};
+use tinygpt::cpu::{DecodeWeights, FastDecoder, KvPrecision, WeightFormat};
 use tinygpt::generate::sample::{Sampler, SamplingParams};
 use tinygpt::generate::{generate, DecodeMode, Decoder, GenerateOptions};
 use tinygpt::model::Gpt;
@@ -207,6 +207,7 @@ fn sample_all(
         .collect();
     let options = GenerateOptions {
         weights: tinygpt::cpu::WeightFormat::F32,
+        kv: KvPrecision::F32,
         max_new_tokens: n,
         stop: vec![],
         mode,
@@ -413,6 +414,13 @@ fn int8_decoding_tracks_f32() {
     tracks_f32(WeightFormat::Int8, 0.03, 60);
 }
 
+/// f32 weights with the keys and values held in bf16 (`--kv-dtype bf16`; each rounded
+/// to 8 significant bits as it is stored): within bf16's rounding of the f32 decoder.
+#[test]
+fn bf16_keys_and_values_track_f32() {
+    tracks_f32_with(WeightFormat::F32, Some(KvPrecision::Bf16), 0.001, 60);
+}
+
 /// The same with the weights in bf16 (each rounded to 8 significant bits, 1/512 of
 /// itself at most; activations and sums stay f32): a tighter bound.
 #[test]
@@ -438,17 +446,26 @@ const INT4_GREEDY: usize = 54;
 /// of the largest f32 logit, and the greedy token is the same at `agreeing` steps at
 /// least.
 fn tracks_f32(format: WeightFormat, tolerance: f32, agreeing: usize) {
+    tracks_f32_with(format, None, tolerance, agreeing)
+}
+
+/// [`tracks_f32`] with the other decoder's keys and values in `kv` (`None`: as goes
+/// with `format`).
+fn tracks_f32_with(format: WeightFormat, kv: Option<KvPrecision>, tolerance: f32, agreeing: usize) {
     let dir = tempfile::tempdir().unwrap();
     let loaded = trained_run(dir.path(), TokenizerKind::Bpe);
     let spec = loaded.model.spec().clone();
     let weights = loaded.model.params().to_flat().unwrap();
+    let held = std::sync::Arc::new(DecodeWeights::from_flat(&spec, &weights, format).unwrap());
+    let kv = kv.unwrap_or(KvPrecision::for_weights(format));
+    let other = |batch| FastDecoder::with_kv(held.clone(), batch, kv).unwrap();
     let mut f32 = FastDecoder::new(&spec, &weights, 1).unwrap();
-    let mut other = FastDecoder::with_format(&spec, &weights, 1, format).unwrap();
+    let mut other_one = other(1);
     let prompt = loaded.tokenizer.encode("First Citizen:").unwrap();
     let argmax = |l: &[f32]| (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b])).unwrap() as u32;
     let (mut a, mut b) = (
         f32.prefill(std::slice::from_ref(&prompt)).unwrap().to_vec(),
-        other
+        other_one
             .prefill(std::slice::from_ref(&prompt))
             .unwrap()
             .to_vec(),
@@ -472,15 +489,16 @@ fn tracks_f32(format: WeightFormat, tolerance: f32, agreeing: usize) {
             // The window is full: start again from its second half, as generate does.
             let keep: Vec<u32> = prompt.iter().copied().cycle().take(block / 2).collect();
             a = f32.prefill(std::slice::from_ref(&keep)).unwrap().to_vec();
-            b = other.prefill(&[keep]).unwrap().to_vec();
+            b = other_one.prefill(&[keep]).unwrap().to_vec();
             continue;
         }
         a = f32.step(&[next]).unwrap().to_vec();
-        b = other.step(&[next]).unwrap().to_vec();
+        b = other_one.step(&[next]).unwrap().to_vec();
     }
     eprintln!(
-        "{} logits within {:.3}% of the largest; greedy agreed {agree}/60",
+        "{} weights, {} keys and values: logits within {:.3}% of the largest; greedy agreed {agree}/60",
         format.name(),
+        kv.name(),
         100.0 * worst
     );
     assert!(
@@ -494,7 +512,7 @@ fn tracks_f32(format: WeightFormat, tolerance: f32, agreeing: usize) {
         .map(|i| prompt.iter().copied().cycle().skip(i).take(block).collect())
         .collect();
     let mut f32 = FastDecoder::new(&spec, &weights, 8).unwrap();
-    let mut other = FastDecoder::with_format(&spec, &weights, 8, format).unwrap();
+    let mut other = other(8);
     let a = f32.prefill(&windows).unwrap().to_vec();
     let b = other.prefill(&windows).unwrap();
     for (row, (a, b)) in a

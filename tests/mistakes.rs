@@ -624,6 +624,16 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "--dtype \"f16\": use f32, bf16, int8 or int4",
         ),
         case(
+            "unknown precision of the keys and values",
+            &format!("{g} --prompt Now --kv-dtype f16"),
+            "--kv-dtype \"f16\": use f32 or bf16",
+        ),
+        case(
+            "keys and values set where candle decodes",
+            &format!("{g} --prompt Now --reference --kv-dtype bf16"),
+            "--kv-dtype sets the fused CPU decoder's keys and values",
+        ),
+        case(
             "attention layer out of range",
             "attention --checkpoint checkpoints/good --prompt Now --layer 9",
             "--layer 9",

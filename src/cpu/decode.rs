@@ -118,10 +118,21 @@ impl FastDecoder {
         Self::from_weights(Arc::new(weights), batch)
     }
 
-    /// A decoder of `batch` sequences reading `weights` (which other decoders may share).
+    /// A decoder of `batch` sequences reading `weights` (which other decoders may share),
+    /// its keys and values in the precision that goes with them
+    /// (`KvPrecision::for_weights`).
     pub fn from_weights(weights: Arc<DecodeWeights>, batch: usize) -> Result<Self> {
-        let s = weights.spec.shapes;
         let precision = KvPrecision::for_weights(weights.format);
+        Self::with_kv(weights, batch, precision)
+    }
+
+    /// [`FastDecoder::from_weights`] with keys and values held in `precision`.
+    pub fn with_kv(
+        weights: Arc<DecodeWeights>,
+        batch: usize,
+        precision: KvPrecision,
+    ) -> Result<Self> {
+        let s = weights.spec.shapes;
         let kv_bytes = KvCache::full_bytes(&s, batch, precision);
         if let Some(available) = crate::util::available_memory_bytes() {
             if kv_bytes > available {

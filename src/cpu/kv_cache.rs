@@ -34,6 +34,18 @@ impl KvPrecision {
         }
     }
 
+    /// `--kv-dtype`'s value: f32 or bf16; absent, the precision that goes with `weights`.
+    pub fn parse(value: Option<&str>, weights: WeightFormat) -> anyhow::Result<Self> {
+        Ok(
+            match value.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+                None => Self::for_weights(weights),
+                Some("f32") => Self::F32,
+                Some("bf16") => Self::Bf16,
+                Some(other) => crate::user_bail!("--kv-dtype {other:?}: use f32 or bf16"),
+            },
+        )
+    }
+
     pub fn bytes(self) -> usize {
         match self {
             Self::F32 => 4,

@@ -34,3 +34,4 @@ pub mod weight_rows;
 pub use decode::{FastDecoder, Place};
 pub use decode_weights::{DecodeWeights, WeightFormat};
 pub use engine::FusedCpu;
+pub use kv_cache::KvPrecision;

@@ -18,7 +18,7 @@ use candle_core::Tensor;
 use rayon::prelude::*;
 
 use super::sample::Sampler;
-use crate::cpu::{DecodeWeights, FastDecoder, WeightFormat};
+use crate::cpu::{DecodeWeights, FastDecoder, KvPrecision, WeightFormat};
 use crate::model::{Gpt, KvCache};
 use crate::user_bail;
 use std::sync::Arc;
@@ -118,10 +118,10 @@ impl<'m> Decoder<'m> {
     }
 
     /// The fused CPU decoder over `weights` (shared with other decoders), `batch`
-    /// sequences.
-    pub fn fused(weights: Arc<DecodeWeights>, batch: usize) -> Result<Self> {
+    /// sequences, keys and values held in `kv`.
+    pub fn fused(weights: Arc<DecodeWeights>, batch: usize, kv: KvPrecision) -> Result<Self> {
         let config = weights.spec.config.clone();
-        let decoder = FastDecoder::from_weights(weights, batch)?;
+        let decoder = FastDecoder::with_kv(weights, batch, kv)?;
         Ok(Self::around(
             Backend::Fast(Box::new(decoder)),
             &config,

@@ -53,7 +53,7 @@ impl<'m> Model<'m> {
                         weights.format.name()
                     );
                 }
-                Decoder::fused(Arc::clone(weights), batch)
+                Decoder::fused(Arc::clone(weights), batch, options.kv)
             }
         }
     }
@@ -72,6 +72,9 @@ pub struct GenerateOptions {
     pub mode: DecodeMode,
     /// How the fused CPU decoder holds its weights.
     pub weights: crate::cpu::WeightFormat,
+    /// How the fused CPU decoder over mapped weights (`Model::Cpu`) holds its keys and
+    /// values; the candle and CUDA paths keep their own.
+    pub kv: crate::cpu::KvPrecision,
     /// Decoding gives up (`Stopped`) between tokens once this asks; the text handed to
     /// `on_text` so far stands.
     pub cancel: Stop,

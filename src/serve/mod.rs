@@ -33,7 +33,7 @@ use std::time::Duration;
 use anyhow::Result;
 use hyper_util::rt::{TokioIo, TokioTimer};
 
-use crate::cpu::{FastDecoder, WeightFormat};
+use crate::cpu::{FastDecoder, KvPrecision, WeightFormat};
 use crate::tokenizer::Tokenizer;
 use crate::util::Stop;
 use metrics::Metrics;
@@ -55,6 +55,9 @@ pub struct ServeOptions {
     /// cpu, cuda[:N] or auto (a GPU where the build and machine have one).
     pub device: String,
     pub format: WeightFormat,
+    /// How the CPU decoder holds its keys and values; `None`: as goes with `format`
+    /// (`KvPrecision::for_weights`). The CUDA decoder keeps its own.
+    pub kv: Option<KvPrecision>,
     pub max_body_bytes: usize,
     /// Seconds a connection may sit without sending a request.
     pub idle_timeout: u64,
@@ -262,6 +265,11 @@ fn open(options: &ServeOptions) -> Result<Opened> {
                 options.device
             );
         }
+        if options.kv.is_some() {
+            crate::user_bail!(
+                "--kv-dtype sets the CPU decoder's keys and values; the CUDA decoder keeps its own: drop it, or pass --device cpu"
+            );
+        }
         // Where the fused CUDA code failed its first-use check, that is said in one
         // line and the CPU decodes.
         #[cfg(feature = "cuda")]
@@ -277,12 +285,19 @@ fn open(options: &ServeOptions) -> Result<Opened> {
     }
     let mut opened = crate::mapped::open_for_decoding(&options.checkpoint, options.format)?;
     opened.verification.wait()?;
-    let decoder = FastDecoder::from_weights(Arc::clone(&opened.weights), options.parallel)?;
+    let kv = options
+        .kv
+        .unwrap_or(KvPrecision::for_weights(options.format));
+    let decoder = FastDecoder::with_kv(Arc::clone(&opened.weights), options.parallel, kv)?;
     Ok(Opened {
         spec: decoder.spec().clone(),
         decoder: Box::new(decoder),
         tokenizer: Arc::new(opened.tokenizer),
-        place: format!("the CPU, {}", options.format.name()),
+        place: format!(
+            "the CPU, {} weights, {} keys and values",
+            options.format.name(),
+            kv.name()
+        ),
     })
 }
 

@@ -602,6 +602,7 @@ pub async fn sample(
             stop: settings.stop,
             mode: DecodeMode::Fast,
             weights: WeightFormat::F32,
+            kv: crate::cpu::KvPrecision::F32,
             cancel: stop,
         };
         let weights = Arc::clone(&opened.weights);
