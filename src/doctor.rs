@@ -200,9 +200,10 @@ fn values(n: usize, seed: u32) -> Vec<f32> {
 /// and the few-row products, each against f64 sums of what it multiplies. (name, error, bound).
 fn kernel_errors(faults: &Faults) -> Result<Vec<(&'static str, f64, f64)>> {
     use crate::cpu::gemm::{matmul, Precision as P};
+    use crate::cpu::kernels::Widen;
     use crate::cpu::matrix::{Product, Strided};
     use crate::cpu::q8::{BlockMatrix, Q8Matrix, Q8Row};
-    use crate::cpu::weight_rows::{project_rows, Bf16, Widen};
+    use crate::cpu::weight_rows::{project_rows, Bf16};
     let (m, n, k) = (7, 45, 70);
     let (a, b) = (values(m * k, 1), values(n * k, 2));
     // f64 of a (m, k) times b read as (k, n) from its (n, k) rows.

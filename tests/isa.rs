@@ -249,7 +249,8 @@ use check_blocks;
 /// four-row blocks and the rest) and 16, 17 and 33 (AVX-512's sixteen-row groups,
 /// whole tiles of outputs and the rest), small matrices and ones split over the threads.
 fn check_weight_rows(level: Isa) {
-    use tinygpt::cpu::weight_rows::{project_rows, Bf16, Widen};
+    use tinygpt::cpu::kernels::Widen;
+    use tinygpt::cpu::weight_rows::{project_rows, Bf16};
     for (d_out, d_in) in [(1, 1), (7, 33), (13, 64), (40, 100), (512, 300)] {
         let w = values(d_out * d_in, 5);
         let bits: Vec<Bf16> = w.iter().map(|&v| Bf16::round(v)).collect();

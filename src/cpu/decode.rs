@@ -18,14 +18,13 @@ use anyhow::Result;
 use rayon::prelude::*;
 
 use super::decode_weights::{DecodeWeights, WeightFormat};
-use super::kernels::{axpy, dot_lanes, multiversion, softmax_inline};
-use super::kv_cache::{KvCache, KvPrecision, LayerKv};
+use super::kernels::{axpy, dot_lanes, multiversion, softmax_inline, Widen};
+use super::kv_cache::{KvCache, KvPrecision, LayerKv, Place};
 use super::ops::norm::NormStats;
 use super::ops::rope::Turn;
 use super::ops::{residual_in_place, Positions};
 use super::q8::Q8Row;
 use super::threads::on_workers;
-use super::weight_rows::Widen;
 use crate::model::spec::{ModelSpec, Shapes};
 
 /// A model's weights laid out for decoding (shared), and the K/V buffers of `batch`
@@ -47,14 +46,6 @@ pub struct FastDecoder {
     /// The rows of the pass being run: where each goes, which give logits.
     places: Vec<Place>,
     outputs: Vec<usize>,
-}
-
-/// Where one row of a forward pass belongs: its sequence (a slot of the K/V buffers)
-/// and its position in that sequence.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Place {
-    pub seq: usize,
-    pub pos: usize,
 }
 
 /// A prefill of `windows` (one per sequence of `batch`, of equal length) as a decoder

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use anyhow::Result;
 
 use super::gemm::{matmul, Precision};
+use super::kernels::Widen;
 use super::kernels::{axpy, multiversion};
 use super::matrix::{Product, Strided};
 use super::ops::activation::Activation;
@@ -30,7 +31,7 @@ use super::ops::rope::Rope;
 use super::q4::Q4Matrix;
 use super::q8::{BlockMatrix, Q8Matrix, Q8Row};
 use super::threads::threads;
-use super::weight_rows::{by_output_shares, project_rows, splits, Bf16, Widen};
+use super::weight_rows::{by_output_shares, project_rows, splits, Bf16};
 use crate::config::PositionKind;
 use crate::model::position::sinusoidal_table;
 use crate::model::spec::{LinearParams, ModelSpec, NormParams, ParamId};

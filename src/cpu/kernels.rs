@@ -34,7 +34,17 @@ macro_rules! multiversion {
 
 pub(crate) use multiversion;
 
-use super::weight_rows::Widen;
+/// A number as stored (f32, or bf16: `weight_rows::Bf16`), widened to f32 as it is read.
+pub trait Widen: Copy + Send + Sync {
+    fn widen(self) -> f32;
+}
+
+impl Widen for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+}
 
 /// sum_i a[i] * b[i] (b f32, or bf16 widened as it is read), with 32 partial sums the
 /// compiler keeps in vector registers (two AVX-512 or four AVX2 registers). Inlined

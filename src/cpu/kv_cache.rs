@@ -13,9 +13,9 @@
 //! weights keep of each weight; the products and sums over them stay f32. A decoder
 //! that asked for exact f32 weights keeps exact keys and values too.
 
-use super::decode::Place;
 use super::decode_weights::WeightFormat;
-use super::weight_rows::{Bf16, Widen};
+use super::kernels::Widen;
+use super::weight_rows::Bf16;
 use crate::model::spec::Shapes;
 
 /// How a key or value is held.
@@ -59,6 +59,14 @@ impl KvPrecision {
             Self::Bf16 => "bf16",
         }
     }
+}
+
+/// Where one row of a forward pass belongs: its sequence (a slot of the K/V buffers)
+/// and its position in that sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Place {
+    pub seq: usize,
+    pub pos: usize,
 }
 
 /// A key or value element as stored.

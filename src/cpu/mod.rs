@@ -31,7 +31,7 @@ pub mod q8;
 pub mod threads;
 pub mod weight_rows;
 
-pub use decode::{FastDecoder, Place};
+pub use decode::FastDecoder;
 pub use decode_weights::{DecodeWeights, WeightFormat};
 pub use engine::FusedCpu;
-pub use kv_cache::KvPrecision;
+pub use kv_cache::{KvPrecision, Place};

@@ -17,13 +17,11 @@
 use rayon::prelude::*;
 
 use super::bf16::to_bf16_bits;
-use super::kernels::{multiversion, prefetch, AHEAD_BYTES};
+use super::kernels::{multiversion, prefetch, Widen, AHEAD_BYTES};
 use super::threads::threads;
 
-/// A weight as stored, widened to f32 on load.
-pub trait Widen: Copy + Send + Sync {
-    fn widen(self) -> f32;
-
+/// A weight as stored, widened to f32 on load, and the kernels that read it so.
+pub trait Weight: Widen {
     /// Σ_i w_j[i] x[i] for four weight rows and one row x (see [`dots4x1`]).
     #[inline(always)]
     fn dots4x1(w: [&[Self]; 4], x: &[f32]) -> [f32; 4] {
@@ -38,12 +36,7 @@ pub trait Widen: Copy + Send + Sync {
     unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
 }
 
-impl Widen for f32 {
-    #[inline(always)]
-    fn widen(self) -> f32 {
-        self
-    }
-
+impl Weight for f32 {
     #[cfg(target_arch = "x86_64")]
     #[inline]
     #[target_feature(enable = "avx512f")]
@@ -69,7 +62,9 @@ impl Widen for Bf16 {
     fn widen(self) -> f32 {
         f32::from_bits(u32::from(self.0) << 16)
     }
+}
 
+impl Weight for Bf16 {
     #[cfg(target_arch = "x86_64")]
     #[inline]
     #[target_feature(enable = "avx512f")]
@@ -128,7 +123,7 @@ const LANES: usize = 16;
 
 /// Σ_i w[i] x_r[i] for the four rows x_r, in `LANES` partial sums each.
 #[inline(always)]
-fn dots4<W: Widen>(w: &[W], x: [&[f32]; 4]) -> [f32; 4] {
+fn dots4<W: Weight>(w: &[W], x: [&[f32]; 4]) -> [f32; 4] {
     let n = w.len() / LANES * LANES;
     let mut acc = [[0f32; LANES]; 4];
     let chunks = w[..n]
@@ -168,7 +163,7 @@ fn dots4<W: Widen>(w: &[W], x: [&[f32]; 4]) -> [f32; 4] {
 /// The CPU must have AVX-512 F; the rows must be of equal length.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn dots4x4_avx512<W: Widen>(w: [&[W]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
+unsafe fn dots4x4_avx512<W: Weight>(w: [&[W]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
     use std::arch::x86_64::*;
     let len = x[0].len();
     debug_assert!(w.iter().all(|w| w.len() == len) && x.iter().all(|x| x.len() == len));
@@ -203,7 +198,7 @@ unsafe fn dots4x4_avx512<W: Widen>(w: [&[W]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4
 /// six loads (two weights, four activations), which keeps the FMA units busy where
 /// one weight row at a time would wait on loads.
 #[inline(always)]
-fn dots2x4<W: Widen>(w: [&[W]; 2], x: [&[f32]; 4]) -> [[f32; 4]; 2] {
+fn dots2x4<W: Weight>(w: [&[W]; 2], x: [&[f32]; 4]) -> [[f32; 4]; 2] {
     const L: usize = 8;
     let n = w[0].len() / L * L;
     let mut acc = [[[0f32; L]; 4]; 2];
@@ -245,7 +240,7 @@ fn dots2x4<W: Widen>(w: [&[W]; 2], x: [&[f32]; 4]) -> [[f32; 4]; 2] {
 
 /// Σ_i w[i] x[i], in `LANES` partial sums.
 #[inline(always)]
-fn dot1<W: Widen>(w: &[W], x: &[f32]) -> f32 {
+fn dot1<W: Weight>(w: &[W], x: &[f32]) -> f32 {
     // Twice the lanes of the blocked kernels: one row is bound by its loads' latency,
     // so more independent sums in flight (four AVX2 registers; measured 8% faster).
     const LANES: usize = 32;
@@ -282,7 +277,7 @@ fn fold16(mut v: [f32; 16]) -> f32 {
 /// One row's sums would wait on memory; four rows streamed side by side, each asked
 /// for `AHEAD_BYTES` ahead, keep the loads in flight.
 #[inline(always)]
-fn dots4x1<W: Widen>(w: [&[W]; 4], x: &[f32]) -> [f32; 4] {
+fn dots4x1<W: Weight>(w: [&[W]; 4], x: &[f32]) -> [f32; 4] {
     const L: usize = 16;
     let ahead = AHEAD_BYTES / std::mem::size_of::<W>();
     let n = x.len() / L * L;
@@ -325,7 +320,7 @@ multiversion! {
 /// rows of x in blocks of four (two pairs of weight rows each) and then the rest one
 /// by one, while the four weight rows are in L1; the last few weight rows alone.
 #[inline(always)]
-fn product<W: Widen>(w: &[W], bias: Option<&[f32]>, x: &[f32], d_in: usize, out: &mut [f32]) {
+fn product<W: Weight>(w: &[W], bias: Option<&[f32]>, x: &[f32], d_in: usize, out: &mut [f32]) {
     let len = w.len() / d_in;
     let rows = x.len() / d_in;
     debug_assert_eq!(out.len(), rows * len);
@@ -387,7 +382,7 @@ fn product<W: Widen>(w: &[W], bias: Option<&[f32]>, x: &[f32], d_in: usize, out:
 
 /// A weight matrix held as `W`, (d_out, d_in) row-major, multiplied into a few rows at
 /// a time.
-pub trait RowProduct: Widen {
+pub trait RowProduct: Weight {
     fn rows_kernel(w: &[Self], bias: Option<&[f32]>, x: &[f32], d_in: usize, out: &mut [f32]);
 }
 
