@@ -153,8 +153,9 @@ impl BlockMatrix for Q8Matrix {
         dot(level, wq, ws, &x.quants, &x.scales)
     }
 
-    /// On AVX-512, each weight row against four rows of x at once ([`dots_1x4`]): the
-    /// weights and their scales are loaded once for the four, and the sums are
+    /// On AVX-512, each weight row against four rows of x at once ([`dots_1x4`]; on
+    /// AVX2 [`dots_1x4_avx2`]): the weights and their scales are loaded once for the
+    /// four, and the sums are
     /// `dot_row`'s to the bit (the same integer sums, scaled and added in the same
     /// order), so a sequence's logits do not depend on the rows beside it.
     fn matmat(
@@ -166,21 +167,30 @@ impl BlockMatrix for Q8Matrix {
         out: &mut [f32],
     ) {
         #[cfg(target_arch = "x86_64")]
-        if isa::active() >= Isa::Avx512 && xs.len() >= 4 {
+        if isa::active() >= Isa::Avx2 && xs.len() >= 4 {
             let outputs = first..first + len;
-            // Safety (both kernels): the active level never exceeds what the CPU has;
+            let avx512 = isa::active() >= Isa::Avx512;
+            // Safety (all kernels): the active level never exceeds what the CPU has;
             // the rows of x hold as many blocks as the weight rows.
             let four = |o: usize, xs: [&Prepared; 4]| {
                 let (wq, ws) = self.row(o);
-                unsafe { dots_1x4(wq, ws, xs) }
+                match avx512 {
+                    true => unsafe { dots_1x4(wq, ws, xs) },
+                    false => unsafe { dots_1x4_avx2(wq, ws, xs) },
+                }
             };
             // Which kernels is asked once: the rows of x are prepared for them.
-            let vnni = isa::has_avx512_vnni();
+            let vnni = avx512 && isa::has_avx512_vnni();
             let tile = |o: usize, xs: [&Prepared; 4]| match vnni {
                 true => unsafe { dots_4x4_vnni([0, 1, 2, 3].map(|j| self.row(o + j)), xs) },
                 false => [0, 1, 2, 3].map(|j| four(o + j, xs)),
             };
-            let prepare = |x| Prepared::new(x, vnni);
+            let kernel = match (avx512, vnni) {
+                (true, true) => Kernel::Vnni,
+                (true, false) => Kernel::Bw,
+                (false, _) => Kernel::Avx2,
+            };
+            let prepare = |x| Prepared::new(x, kernel);
             return matmat_in_tiles(self, outputs, xs, bias, out, prepare, (tile, four));
         }
         matmat_by_dots(self, first, len, xs, bias, out)
@@ -273,7 +283,6 @@ pub trait BlockMatrix: Sync {
 /// them, each sum to the bit what `dot_row` gives (so a sequence's logits do not
 /// depend on the rows beside it). The last rows of x (fewer than four) go through
 /// `dot_row`, the last weight rows through `four`. Weight rows are asked for ahead.
-/// (The tiled kernels are AVX-512's alone so far.)
 #[cfg(target_arch = "x86_64")]
 pub(super) fn matmat_in_tiles<'x, P>(
     w: &impl BlockMatrix,
@@ -408,6 +417,18 @@ unsafe fn dot_avx512(wq: &[i8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
     sum
 }
 
+/// The kernels that take a weight row against four rows of x.
+#[cfg(target_arch = "x86_64")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kernel {
+    /// AVX-512 with VNNI: [`dots_1x4_vnni`], [`dots_4x4_vnni`].
+    Vnni,
+    /// AVX-512 F/BW without VNNI: [`dots_1x4_bw`].
+    Bw,
+    /// AVX2: [`dots_1x4_avx2`].
+    Avx2,
+}
+
 /// A row of x as [`dots_1x4`] reads it against many weight rows: what depends on x
 /// alone worked out once (its magnitudes, its signs, its scales spread to lanes), not
 /// once per weight row.
@@ -427,12 +448,13 @@ struct Prepared<'a> {
 
 #[cfg(target_arch = "x86_64")]
 impl<'a> Prepared<'a> {
-    /// What the `vnni` kernels read (x + 128), or the others (magnitudes and signs).
-    fn new(row: &'a Q8Row, vnni: bool) -> Self {
+    /// What `kernel` reads: x + 128 (VNNI), magnitudes and signs (AVX-512 BW), or only
+    /// the spread scales (AVX2, which reads x itself).
+    fn new(row: &'a Q8Row, kernel: Kernel) -> Self {
         let (mut magnitude, mut biased, mut negative) = (Vec::new(), Vec::new(), Vec::new());
-        if vnni {
+        if kernel == Kernel::Vnni {
             biased = row.quants.iter().map(|&q| (q as u8) ^ 0x80).collect();
-        } else {
+        } else if kernel == Kernel::Bw {
             magnitude = row.quants.iter().map(|q| q.unsigned_abs()).collect();
             negative = row
                 .quants
@@ -612,6 +634,45 @@ unsafe fn dots_1x4_bw(wq: &[i8], ws: &[f32], xs: [&Prepared; 4]) -> [f32; 4] {
     finish_1x4(wq, ws, xs, acc, whole)
 }
 
+/// [`dot_avx2`] of one weight row against four rows of x: each weight block loaded,
+/// its magnitudes taken and its scale spread once for the four, x's scales spread once
+/// for all the weight rows (`Prepared`). The sign trick turned round, |w| times x with
+/// w's sign, gives the same pair sums as dot_avx2's |x| times w with x's sign; the
+/// scales are the same f32 products, added in its order: its sums to the bit.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; each row of x holds `ws.len()` blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dots_1x4_avx2(wq: &[i8], ws: &[f32], xs: [&Prepared; 4]) -> [f32; 4] {
+    use std::arch::x86_64::*;
+    let blocks = ws.len();
+    debug_assert!(wq.len() >= blocks * BLOCK);
+    debug_assert!(xs.iter().all(|x| x.scales.len() >= 8 * blocks));
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for b in 0..blocks {
+        // Safety: every slice holds `blocks` whole blocks.
+        let w = _mm256_loadu_si256(wq.as_ptr().add(b * BLOCK).cast());
+        let magnitude = _mm256_sign_epi8(w, w);
+        let w_scale = _mm256_set1_ps(*ws.get_unchecked(b));
+        for (acc, x) in acc.iter_mut().zip(xs) {
+            let values = _mm256_loadu_si256(x.row.quants.as_ptr().add(b * BLOCK).cast());
+            let signed = _mm256_sign_epi8(values, w);
+            let quads = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed), ones);
+            let scale = _mm256_mul_ps(w_scale, _mm256_loadu_ps(x.scales.as_ptr().add(8 * b)));
+            *acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(quads), *acc);
+        }
+    }
+    let mut sums = [0f32; 4];
+    for (sum, acc) in sums.iter_mut().zip(acc) {
+        let halves = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
+        *sum = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
+    }
+    sums
+}
+
 /// The blocks' exact integer sums, scaled and added in block order.
 pub fn dot_portable(wq: &[i8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
     let mut sum = 0f32;
@@ -693,6 +754,37 @@ mod tests {
         assert_eq!(Q8Matrix::quantize(&[0.0; 4], 1, 4).scales, [0.0]);
     }
 
+    /// AVX2's four-row kernel gives `dot_avx2`'s sums to the bit.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn four_rows_at_once_on_avx2_give_each_rows_own_sums() {
+        use std::arch::is_x86_feature_detected as has;
+        if !(has!("avx2") && has!("fma")) {
+            eprintln!("SKIPPED: the AVX2 four-row int8 kernel (no AVX2 here)");
+            return;
+        }
+        let cols = 7 * BLOCK;
+        let q = Q8Matrix::quantize(&values(3 * cols, 6), 3, cols);
+        let xs: Vec<Q8Row> = (0..4)
+            .map(|r| {
+                let mut row = Q8Row::default();
+                row.quantize(&values(cols, 30 + r));
+                row
+            })
+            .collect();
+        let prepared: Vec<Prepared> = xs.iter().map(|x| Prepared::new(x, Kernel::Avx2)).collect();
+        for o in 0..3 {
+            let (wq, ws) = q.row(o);
+            // Safety: AVX2 and FMA checked above; whole blocks throughout.
+            let want: Vec<f32> = xs
+                .iter()
+                .map(|x| unsafe { dot_avx2(wq, ws, &x.quants, &x.scales) })
+                .collect();
+            let got = unsafe { dots_1x4_avx2(wq, ws, quads(&prepared)) };
+            assert_eq!(got.to_vec(), want, "weight row {o}");
+        }
+    }
+
     /// Both four-row kernels (with and without VNNI, where the CPU has them) give
     /// `dot_avx512`'s sums to the bit, with an odd last block; four weight rows at
     /// once too.
@@ -714,8 +806,8 @@ mod tests {
             })
             .collect();
         let prepare =
-            |vnni| -> Vec<Prepared> { xs.iter().map(|x| Prepared::new(x, vnni)).collect() };
-        let (bw, vnni) = (prepare(false), prepare(true));
+            |kernel| -> Vec<Prepared> { xs.iter().map(|x| Prepared::new(x, kernel)).collect() };
+        let (bw, vnni) = (prepare(Kernel::Bw), prepare(Kernel::Vnni));
         // Safety: AVX-512 F/BW/DQ checked above; whole blocks throughout.
         let want: Vec<Vec<f32>> = (0..4)
             .map(|o| {
