@@ -147,7 +147,8 @@ impl BlockMatrix for Q4Matrix {
 
     /// On AVX-512, each weight row's nibbles unpacked once for four rows of x, x's
     /// side of `dot_avx512` prepared once for all the weight rows ([`dots_1x4`]); the
-    /// sums are `dot_avx512`'s to the bit.
+    /// sums are `dot_avx512`'s to the bit. On AVX2 the same against `dot_avx2`
+    /// ([`dots_1x4_avx2`]).
     fn matmat(
         &self,
         first: usize,
@@ -156,6 +157,19 @@ impl BlockMatrix for Q4Matrix {
         bias: Option<&[f32]>,
         out: &mut [f32],
     ) {
+        #[cfg(target_arch = "x86_64")]
+        if super::isa::active() == Isa::Avx2 && xs.len() >= 4 {
+            // Safety (both closures): the active level is one the CPU has; the rows of
+            // x hold as many blocks as the weight rows.
+            let prepare = |x| unsafe { PreparedAvx2::new(x) };
+            let four = |o: usize, xs: [&PreparedAvx2; 4]| {
+                let (nibbles, ws) = self.row(o);
+                unsafe { dots_1x4_avx2(nibbles, ws, xs) }
+            };
+            let tile = |o: usize, xs: [&PreparedAvx2; 4]| [0, 1, 2, 3].map(|j| four(o + j, xs));
+            let outputs = first..first + len;
+            return matmat_in_tiles(self, outputs, xs, bias, out, prepare, (tile, four));
+        }
         #[cfg(target_arch = "x86_64")]
         if super::isa::active() >= Isa::Avx512 && xs.len() >= 4 {
             // Safety (both closures): the active level never exceeds what the CPU has;
@@ -330,6 +344,115 @@ unsafe fn dots_1x4_bw(nibbles: &[u8], ws: &[f32], xs: [&Prepared; 4]) -> [f32; 4
         let offsets = _mm512_loadu_si512(x.offsets.as_ptr().add(step * 32).cast());
         _mm512_madd_epi16(_mm512_sub_epi16(products, offsets), ones)
     })
+}
+
+/// A row of x as [`dots_1x4_avx2`] reads it, per step of two blocks: what `dot_avx2`
+/// works out from x alone (its values as the nibbles meet them, 8 x their pair sums,
+/// the two scales in four lanes each), once for every weight row.
+#[cfg(target_arch = "x86_64")]
+struct PreparedAvx2<'a> {
+    row: &'a Q8Row,
+    /// Per step: the values that meet the low nibbles (32), then the high ones (32).
+    halves: Vec<i8>,
+    /// Per step: `dot_avx2`'s `offsets` (16 i16).
+    offsets: Vec<i16>,
+    /// Per step: block b's scale in lanes 0..4, block b + 1's in 4..8.
+    scales: Vec<f32>,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<'a> PreparedAvx2<'a> {
+    /// # Safety
+    /// The CPU must have AVX2.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn new(row: &'a Q8Row) -> Self {
+        use std::arch::x86_64::*;
+        let (xq, xs) = row.parts();
+        let steps = xs.len() / 2;
+        let mut prepared = Self {
+            row,
+            halves: vec![0; steps * 64],
+            offsets: vec![0; steps * 16],
+            scales: vec![0.0; steps * 8],
+        };
+        let eight = _mm256_set1_epi8(8);
+        for step in 0..steps {
+            let b = 2 * step;
+            let x = xq.as_ptr().add(b * BLOCK);
+            let x_low = _mm256_loadu2_m128i(x.add(BLOCK).cast(), x.cast());
+            let x_high = _mm256_loadu2_m128i(x.add(BLOCK + HALF).cast(), x.add(HALF).cast());
+            let halves = prepared.halves.as_mut_ptr().add(step * 64);
+            _mm256_storeu_si256(halves.cast(), x_low);
+            _mm256_storeu_si256(halves.add(32).cast(), x_high);
+            let offsets = _mm256_add_epi16(
+                _mm256_maddubs_epi16(eight, x_low),
+                _mm256_maddubs_epi16(eight, x_high),
+            );
+            _mm256_storeu_si256(prepared.offsets.as_mut_ptr().add(step * 16).cast(), offsets);
+            prepared.scales[step * 8..step * 8 + 4].fill(xs[b]);
+            prepared.scales[step * 8 + 4..step * 8 + 8].fill(xs[b + 1]);
+        }
+        prepared
+    }
+}
+
+/// [`dot_avx2`] of one weight row against four rows of x: the nibbles unpacked and the
+/// weight scales spread once for the four, x's side prepared once for all the weight
+/// rows. The integers are dot_avx2's in the same lanes, each scale the same f32
+/// product, added in its order, an odd last block through `dot_portable` as there:
+/// its sums to the bit.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; each row of x holds `ws.len()` blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dots_1x4_avx2(nibbles: &[u8], ws: &[f32], xs: [&PreparedAvx2; 4]) -> [f32; 4] {
+    use std::arch::x86_64::*;
+    let blocks = ws.len();
+    debug_assert!(nibbles.len() >= blocks * HALF);
+    debug_assert!(xs.iter().all(|x| x.scales.len() >= blocks / 2 * 8));
+    let low_bits = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for b in (0..blocks & !1).step_by(2) {
+        let step = b / 2;
+        // Safety: each slice holds `blocks` whole blocks; b + 1 < blocks.
+        let packed = _mm256_loadu_si256(nibbles.as_ptr().add(b * HALF).cast());
+        let low = _mm256_and_si256(packed, low_bits);
+        let high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_bits);
+        let w_scales = _mm256_set_m128(
+            _mm_set1_ps(*ws.get_unchecked(b + 1)),
+            _mm_set1_ps(*ws.get_unchecked(b)),
+        );
+        for (acc, x) in acc.iter_mut().zip(xs) {
+            let halves = x.halves.as_ptr().add(step * 64);
+            let products = _mm256_add_epi16(
+                _mm256_maddubs_epi16(low, _mm256_loadu_si256(halves.cast())),
+                _mm256_maddubs_epi16(high, _mm256_loadu_si256(halves.add(32).cast())),
+            );
+            let offsets = _mm256_loadu_si256(x.offsets.as_ptr().add(step * 16).cast());
+            let sums = _mm256_madd_epi16(_mm256_sub_epi16(products, offsets), ones);
+            let scale = _mm256_mul_ps(w_scales, _mm256_loadu_ps(x.scales.as_ptr().add(step * 8)));
+            *acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), *acc);
+        }
+    }
+    let mut sums = [0f32; 4];
+    for ((sum, acc), x) in sums.iter_mut().zip(acc).zip(xs) {
+        let halves = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
+        *sum = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
+        if blocks % 2 == 1 {
+            let last = blocks - 1;
+            let (xq, x_scales) = x.row.parts();
+            *sum += dot_portable(
+                &nibbles[last * HALF..blocks * HALF],
+                &ws[last..],
+                &xq[last * BLOCK..blocks * BLOCK],
+                &x_scales[last..blocks],
+            );
+        }
+    }
+    sums
 }
 
 /// Σ over blocks of (w scale x x scale) x Σ (q_i - 8) x_i, at `level`.
@@ -516,6 +639,41 @@ mod tests {
     /// The same numbers as llama.cpp's q4_0 (candle's port of its quantizer and
     /// dequantizer), bit for bit, and each within half a step (a block's largest
     /// magnitude is -8 steps: exact up to f16's rounding of the scale).
+    /// AVX2's four-row kernel gives `dot_avx2`'s sums to the bit, with an odd last
+    /// block.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn four_rows_at_once_on_avx2_give_each_rows_own_sums() {
+        use std::arch::is_x86_feature_detected as has;
+        if !(has!("avx2") && has!("fma")) {
+            eprintln!("SKIPPED: the AVX2 four-row int4 kernel (no AVX2 here)");
+            return;
+        }
+        // An odd number of blocks: the last one goes through dot_portable.
+        let cols = 11 * BLOCK;
+        let q = Q4Matrix::quantize(&values(3 * cols, 6), 3, cols);
+        let xs: Vec<Q8Row> = (0..4)
+            .map(|r| {
+                let mut row = Q8Row::default();
+                q.quantize_row(&values(cols, 40 + r), &mut row);
+                row
+            })
+            .collect();
+        // Safety: AVX2 and FMA checked above; whole blocks throughout.
+        let prepared: Vec<PreparedAvx2> =
+            xs.iter().map(|x| unsafe { PreparedAvx2::new(x) }).collect();
+        let four = [&prepared[0], &prepared[1], &prepared[2], &prepared[3]];
+        for o in 0..3 {
+            let (nibbles, ws) = q.row(o);
+            let want: Vec<f32> = xs
+                .iter()
+                .map(|x| unsafe { dot_avx2(nibbles, ws, x.parts().0, x.parts().1) })
+                .collect();
+            let got = unsafe { dots_1x4_avx2(nibbles, ws, four) };
+            assert_eq!(got.to_vec(), want, "weight row {o}");
+        }
+    }
+
     /// Both four-row kernels (with and without VNNI, where the CPU has them) give
     /// `dot_avx512`'s sums to the bit, with a last step of fewer than four blocks.
     #[cfg(target_arch = "x86_64")]
