@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use super::isa::Isa;
 use super::kernels::prefetch_all;
 #[cfg(target_arch = "x86_64")]
-use super::q8::matmat_in_tiles;
+use super::q8::{lanes_sum_avx2, matmat_in_tiles};
 use super::q8::{matmat_by_dots, BlockMatrix, Q8Row, BLOCK};
 
 /// Bytes of 4-bit values a block.
@@ -438,9 +438,7 @@ unsafe fn dots_1x4_avx2(nibbles: &[u8], ws: &[f32], xs: [&PreparedAvx2; 4]) -> [
     }
     let mut sums = [0f32; 4];
     for ((sum, acc), x) in sums.iter_mut().zip(acc).zip(xs) {
-        let halves = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-        let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
-        *sum = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
+        *sum = lanes_sum_avx2(acc);
         if blocks % 2 == 1 {
             let last = blocks - 1;
             let (xq, x_scales) = x.row.parts();
@@ -609,10 +607,7 @@ unsafe fn dot_avx2(nibbles: &[u8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
         );
         acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), acc);
     }
-    let halves = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
-    let one = _mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1));
-    let mut sum = _mm_cvtss_f32(one);
+    let mut sum = lanes_sum_avx2(acc);
     if blocks % 2 == 1 {
         let last = blocks - 1;
         sum += dot_portable(
@@ -629,6 +624,17 @@ unsafe fn dot_avx2(nibbles: &[u8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
 mod tests {
     use super::*;
     use candle_core::quantized::k_quants::{BlockQ4_0, GgmlType};
+
+    /// Four rows of x, `cols` wide, quantized for `q` (seeds `seed`..`seed + 4`).
+    fn rows_of_x(q: &Q4Matrix, cols: usize, seed: u32) -> Vec<Q8Row> {
+        (0..4)
+            .map(|r| {
+                let mut row = Q8Row::default();
+                q.quantize_row(&values(cols, seed + r), &mut row);
+                row
+            })
+            .collect()
+    }
 
     fn values(n: usize, seed: u32) -> Vec<f32> {
         (0..n as u32)
@@ -652,13 +658,7 @@ mod tests {
         // An odd number of blocks: the last one goes through dot_portable.
         let cols = 11 * BLOCK;
         let q = Q4Matrix::quantize(&values(3 * cols, 6), 3, cols);
-        let xs: Vec<Q8Row> = (0..4)
-            .map(|r| {
-                let mut row = Q8Row::default();
-                q.quantize_row(&values(cols, 40 + r), &mut row);
-                row
-            })
-            .collect();
+        let xs = rows_of_x(&q, cols, 40);
         // Safety: AVX2 and FMA checked above; whole blocks throughout.
         let prepared: Vec<PreparedAvx2> =
             xs.iter().map(|x| unsafe { PreparedAvx2::new(x) }).collect();
@@ -686,13 +686,7 @@ mod tests {
         }
         let cols = 11 * BLOCK;
         let q = Q4Matrix::quantize(&values(2 * cols, 5), 2, cols);
-        let xs: Vec<Q8Row> = (0..4)
-            .map(|r| {
-                let mut row = Q8Row::default();
-                q.quantize_row(&values(cols, 20 + r), &mut row);
-                row
-            })
-            .collect();
+        let xs = rows_of_x(&q, cols, 20);
         // Safety: AVX-512 F/BW checked above; whole blocks throughout.
         let prepared: Vec<Prepared> = xs.iter().map(|x| unsafe { Prepared::new(x) }).collect();
         let four = [&prepared[0], &prepared[1], &prepared[2], &prepared[3]];

@@ -666,9 +666,7 @@ unsafe fn dots_1x4_avx2(wq: &[i8], ws: &[f32], xs: [&Prepared; 4]) -> [f32; 4] {
     }
     let mut sums = [0f32; 4];
     for (sum, acc) in sums.iter_mut().zip(acc) {
-        let halves = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-        let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
-        *sum = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
+        *sum = lanes_sum_avx2(acc);
     }
     sums
 }
@@ -713,15 +711,39 @@ unsafe fn dot_avx2(wq: &[i8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
         let scale = _mm256_set1_ps(*ws.get_unchecked(b) * *xs.get_unchecked(b));
         acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(quads), acc);
     }
+    lanes_sum_avx2(acc)
+}
+
+/// The eight lanes of `acc` added in one fixed order (halves, then pairs, then the
+/// last two): every AVX2 dot product and its four-row kernel end here, so their sums
+/// agree to the bit.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn lanes_sum_avx2(acc: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
     let halves = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
-    let one = _mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1));
-    _mm_cvtss_f32(one)
+    _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Four rows of x, `cols` wide, quantized (seeds `seed`..`seed + 4`).
+    fn rows_of_x(cols: usize, seed: u32) -> Vec<Q8Row> {
+        (0..4)
+            .map(|r| {
+                let mut row = Q8Row::default();
+                row.quantize(&values(cols, seed + r));
+                row
+            })
+            .collect()
+    }
 
     fn values(n: usize, seed: u32) -> Vec<f32> {
         (0..n as u32)
@@ -765,13 +787,7 @@ mod tests {
         }
         let cols = 7 * BLOCK;
         let q = Q8Matrix::quantize(&values(3 * cols, 6), 3, cols);
-        let xs: Vec<Q8Row> = (0..4)
-            .map(|r| {
-                let mut row = Q8Row::default();
-                row.quantize(&values(cols, 30 + r));
-                row
-            })
-            .collect();
+        let xs = rows_of_x(cols, 30);
         let prepared: Vec<Prepared> = xs.iter().map(|x| Prepared::new(x, Kernel::Avx2)).collect();
         for o in 0..3 {
             let (wq, ws) = q.row(o);
@@ -798,13 +814,7 @@ mod tests {
         }
         let cols = 7 * BLOCK;
         let q = Q8Matrix::quantize(&values(4 * cols, 5), 4, cols);
-        let xs: Vec<Q8Row> = (0..4)
-            .map(|r| {
-                let mut row = Q8Row::default();
-                row.quantize(&values(cols, 20 + r));
-                row
-            })
-            .collect();
+        let xs = rows_of_x(cols, 20);
         let prepare =
             |kernel| -> Vec<Prepared> { xs.iter().map(|x| Prepared::new(x, kernel)).collect() };
         let (bw, vnni) = (prepare(Kernel::Bw), prepare(Kernel::Vnni));
