@@ -101,27 +101,20 @@ fn content_hash(path: &Path, bytes: u64, how: FingerprintKind) -> Result<String>
     use sha2::{Digest, Sha256};
     use std::io::{Read, Seek, SeekFrom};
     let mut file = open_file(path)?;
-    let mut hasher = Sha256::new();
     let read_error =
         |e: std::io::Error| user_error(format!("cannot read corpus file {}: {e}", path.display()));
     if how == FingerprintKind::Full || bytes <= SAMPLED_BLOCKS * SAMPLE_BLOCK {
-        let mut buf = vec![0u8; 1 << 20];
-        loop {
-            let n = file.read(&mut buf).map_err(read_error)?;
-            if n == 0 {
-                break;
-            }
-            hasher.update(&buf[..n]);
-        }
-    } else {
-        let mut block = vec![0u8; SAMPLE_BLOCK as usize];
-        let last = bytes - SAMPLE_BLOCK;
-        for i in 0..SAMPLED_BLOCKS {
-            let at = last * i / (SAMPLED_BLOCKS - 1);
-            file.seek(SeekFrom::Start(at)).map_err(read_error)?;
-            file.read_exact(&mut block).map_err(read_error)?;
-            hasher.update(&block);
-        }
+        let (hash, _) = crate::util::sha256_hex_of_reader(file).map_err(read_error)?;
+        return Ok(hash);
+    }
+    let mut hasher = Sha256::new();
+    let mut block = vec![0u8; SAMPLE_BLOCK as usize];
+    let last = bytes - SAMPLE_BLOCK;
+    for i in 0..SAMPLED_BLOCKS {
+        let at = last * i / (SAMPLED_BLOCKS - 1);
+        file.seek(SeekFrom::Start(at)).map_err(read_error)?;
+        file.read_exact(&mut block).map_err(read_error)?;
+        hasher.update(&block);
     }
     Ok(format!("{:x}", hasher.finalize()))
 }
