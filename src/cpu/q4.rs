@@ -626,6 +626,7 @@ mod tests {
     use candle_core::quantized::k_quants::{BlockQ4_0, GgmlType};
 
     /// Four rows of x, `cols` wide, quantized for `q` (seeds `seed`..`seed + 4`).
+    #[cfg(target_arch = "x86_64")]
     fn rows_of_x(q: &Q4Matrix, cols: usize, seed: u32) -> Vec<Q8Row> {
         (0..4)
             .map(|r| {

@@ -735,6 +735,7 @@ mod tests {
     use super::*;
 
     /// Four rows of x, `cols` wide, quantized (seeds `seed`..`seed + 4`).
+    #[cfg(target_arch = "x86_64")]
     fn rows_of_x(cols: usize, seed: u32) -> Vec<Q8Row> {
         (0..4)
             .map(|r| {
