@@ -153,7 +153,6 @@ fn pack_a(
     pairs: usize,
     causal: Causal,
 ) {
-    let used = kc.div_ceil(2);
     let block = BLOCK * pairs;
     let row_start = |i: usize| (i / BLOCK) * block + tile_base(i % BLOCK, 0) + (i % 16) * 16;
     if a.col == 1 {
@@ -169,24 +168,19 @@ fn pack_a(
             };
         }
     } else {
-        // A's columns (fixed k) run along memory: each k pair zipped for sixteen rows at
-        // a time, scattered down their tile.
-        out.fill(0);
+        // A's columns (fixed k) run along memory: for sixteen rows at a time, the 32
+        // columns of a step zipped into sixteen pair vectors (a row's word in each
+        // lane) and transposed into the tile's sixteen rows of sixteen pairs.
         let column = |k: usize| (k < kc).then(|| &a.data[(k0 + k) * a.col + i0..][..mc]);
-        for p in 0..used {
-            let even = column(2 * p).expect("p < used");
-            let odd = column(2 * p + 1);
-            for i in (0..mc).step_by(16) {
-                let len = (mc - i).min(16);
-                let at = (i / BLOCK) * block + tile_base(i % BLOCK, p) + p % TILE_PAIRS;
-                // Safety: as above; the 16 words at stride 16 from `at` lie in one tile.
+        for s in 0..pairs / TILE_PAIRS {
+            let k = 2 * s * TILE_PAIRS;
+            let columns: [Option<&[f32]>; 2 * TILE_PAIRS] = std::array::from_fn(|c| column(k + c));
+            for i in (0..mc.next_multiple_of(BLOCK)).step_by(16) {
+                let at = (i / BLOCK) * block + tile_base(i % BLOCK, k / 2);
+                // Safety: `amx_ready` checked AVX-512 BF16; the tile's 256 words lie
+                // in `out` (mc rounded up to whole blocks).
                 unsafe {
-                    convert::zip_scatter(
-                        &even[i..i + len],
-                        odd.map(|o| &o[i..i + len]),
-                        &mut out[at..],
-                        16,
-                    )
+                    convert::tile_from_columns(&columns, i, mc, &mut out[at..][..TILE_WORDS])
                 };
             }
         }
@@ -243,39 +237,43 @@ fn pack_b(
     n: usize,
 ) {
     let used = kc.div_ceil(2);
-    for (panel, out) in out.chunks_exact_mut(BLOCK * pairs).enumerate() {
-        let c0 = first_col + panel * BLOCK;
-        let width = BLOCK.min(n - panel * BLOCK);
-        if b.col == 1 {
-            // B's rows (fixed k) run along memory: zip pairs of them, 16 columns at a time.
-            let row = |k: usize| (k < kc).then(|| &b.data[(k0 + k) * b.row + c0..][..width]);
-            for p in 0..pairs {
-                for half in 0..2 {
-                    let words = &mut out[tile_base(16 * half, p) + (p % TILE_PAIRS) * 16..][..16];
-                    let (from, to) = ((16 * half).min(width), (16 * half + 16).min(width));
-                    match row(2 * p) {
-                        Some(even) if from < to => {
-                            let odd = row(2 * p + 1).map(|o| &o[from..to]);
-                            // Safety: `amx_ready` checked AVX-512 BF16; 16 words >= to - from.
-                            unsafe { convert::zip(&even[from..to], odd, words) }
+    if b.col == 1 {
+        // B's rows (fixed k) run along memory: each pair of rows zipped across all n
+        // columns at once, sixteen columns to a tile row.
+        let row = |k: usize| (k < kc).then(|| &b.data[(k0 + k) * b.row + first_col..][..n]);
+        for p in 0..pairs {
+            let within = (p % TILE_PAIRS) * 16;
+            let at = [tile_base(0, p) + within, tile_base(16, p) + within];
+            match row(2 * p) {
+                // Safety: `amx_ready` checked AVX-512 BF16; every panel holds its rows.
+                Some(even) => unsafe {
+                    convert::zip_panels(even, row(2 * p + 1), out, BLOCK * pairs, at)
+                },
+                None => {
+                    for panel in out.chunks_exact_mut(BLOCK * pairs) {
+                        for start in at {
+                            panel[start..start + 16].fill(0);
                         }
-                        _ => words.fill(0),
                     }
                 }
             }
-        } else {
-            // Each column (fixed j) along k: its words, scattered down its tiles.
-            out.fill(0);
-            let column = &mut column[..used];
-            for j in 0..width {
-                let start = (c0 + j) * b.col + k0;
-                // Safety: as above; column holds kc.div_ceil(2) words.
-                unsafe { convert::pairs(&b.data[start..start + kc], column) };
-                for (s, words) in column.chunks(TILE_PAIRS).enumerate() {
-                    let at = tile_base(j, s * TILE_PAIRS) + j % 16;
-                    // Safety: as above; 16 words at stride 16 from `at` lie in one tile.
-                    unsafe { convert::scatter(words, &mut out[at..], 16) };
-                }
+        }
+        return;
+    }
+    for (panel, out) in out.chunks_exact_mut(BLOCK * pairs).enumerate() {
+        let c0 = first_col + panel * BLOCK;
+        let width = BLOCK.min(n - panel * BLOCK);
+        // Each column (fixed j) along k: its words, scattered down its tiles.
+        out.fill(0);
+        let column = &mut column[..used];
+        for j in 0..width {
+            let start = (c0 + j) * b.col + k0;
+            // Safety: as above; column holds kc.div_ceil(2) words.
+            unsafe { convert::pairs(&b.data[start..start + kc], column) };
+            for (s, words) in column.chunks(TILE_PAIRS).enumerate() {
+                let at = tile_base(j, s * TILE_PAIRS) + j % 16;
+                // Safety: as above; 16 words at stride 16 from `at` lie in one tile.
+                unsafe { convert::scatter(words, &mut out[at..], 16) };
             }
         }
     }
@@ -348,38 +346,112 @@ mod convert {
         _mm512_permutexvar_epi16(_mm512_loadu_si512(INTERLEAVE.as_ptr().cast()), both)
     }
 
-    /// out[j] = pair(even[j], odd[j]) for j < even.len() (<= out.len()), zeros after;
-    /// `odd` of `None` reads as zeros.
+    /// The words pair(even[j], odd[j]) of a pair of B's rows into 32-column panels
+    /// `panel` words apart: columns 0-15 of each panel at `at[0]` in it, 16-31 at
+    /// `at[1]`; columns past even.len() (to whole panels) are zeros, and so is a
+    /// missing `odd`.
     ///
     /// # Safety
-    /// As for `pairs`; `odd`, if any, as long as `even`.
+    /// As for `pairs`; `odd`, if any, as long as `even`; `out` must hold
+    /// even.len().div_ceil(32) panels.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub unsafe fn zip(even: &[f32], odd: Option<&[f32]>, out: &mut [u32]) {
+    pub unsafe fn zip_panels(
+        even: &[f32],
+        odd: Option<&[f32]>,
+        out: &mut [u32],
+        panel: usize,
+        at: [usize; 2],
+    ) {
         let n = even.len();
-        debug_assert!(out.len() >= n && odd.is_none_or(|o| o.len() == n));
-        let mut j = 0;
-        while j < out.len() {
+        debug_assert!(odd.is_none_or(|o| o.len() == n));
+        debug_assert!(out.len() >= n.div_ceil(32) * panel);
+        for g in 0..n.div_ceil(32) * 2 {
+            let j = 16 * g;
             let len = n.saturating_sub(j).min(16);
             let words = if len == 0 {
                 _mm512_setzero_si512()
             } else {
                 zip16(even.as_ptr().add(j), odd.map(|o| o.as_ptr().add(j)), len)
             };
-            _mm512_mask_storeu_epi32(out.as_mut_ptr().add(j).cast(), lanes(out.len() - j), words);
-            j += 16;
+            let to = out.as_mut_ptr().add((g / 2) * panel + at[g % 2]);
+            _mm512_storeu_si512(to.cast(), words);
         }
     }
 
-    /// out[r * stride] = pair(even[r], odd[r]) for r < even.len() (<= 16).
+    /// One tile of A from its columns: rows i..i+16 (zeros from `rows` on) of the 32
+    /// columns of a step (`None`: past k's end, zeros), as 16 rows of 16 pair words.
     ///
     /// # Safety
-    /// As for `zip`; out must reach (even.len() - 1) * stride + 1 words.
+    /// As for `pairs`; each column holds `rows` values; out holds 256 words.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub unsafe fn zip_scatter(even: &[f32], odd: Option<&[f32]>, out: &mut [u32], stride: usize) {
-        let len = even.len();
-        debug_assert!((1..=16).contains(&len) && out.len() > (len - 1) * stride);
-        let words = zip16(even.as_ptr(), odd.map(|o| o.as_ptr()), len);
-        scatter_vector(words, len, out, stride);
+    pub unsafe fn tile_from_columns(
+        columns: &[Option<&[f32]>; 32],
+        i: usize,
+        rows: usize,
+        out: &mut [u32],
+    ) {
+        debug_assert!(out.len() >= 256);
+        let len = rows.saturating_sub(i).min(16);
+        if len == 0 {
+            return out[..256].fill(0);
+        }
+        // pairs[q]: lane r holds row i + r's word of pair q.
+        let pairs: [__m512i; 16] = std::array::from_fn(|q| match columns[2 * q] {
+            Some(even) => zip16(
+                even.as_ptr().add(i),
+                columns[2 * q + 1].map(|o| o.as_ptr().add(i)),
+                len,
+            ),
+            None => _mm512_setzero_si512(),
+        });
+        for (r, row) in transpose16(pairs).iter().enumerate() {
+            _mm512_storeu_si512(out.as_mut_ptr().add(16 * r).cast(), *row);
+        }
+    }
+
+    /// The 16 x 16 transpose of 32-bit words: lane c of vector r becomes lane r of
+    /// vector c (words paired, then pairs of pairs, then 128-bit lanes twice).
+    #[inline(always)]
+    unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+        // Within each 128-bit lane: rows 2j and 2j + 1 interleaved by words.
+        let t: [__m512i; 16] = std::array::from_fn(|x| {
+            let (a, b) = (r[x / 2 * 2], r[x / 2 * 2 + 1]);
+            if x % 2 == 0 {
+                _mm512_unpacklo_epi32(a, b)
+            } else {
+                _mm512_unpackhi_epi32(a, b)
+            }
+        });
+        // Then by pairs: u[4g + c] holds, per 128-bit lane L, column 4L + c of rows
+        // 4g..4g+4.
+        let u: [__m512i; 16] = std::array::from_fn(|x| {
+            let (g, c) = (x / 4, x % 4);
+            let (a, b) = (t[4 * g + c / 2], t[4 * g + 2 + c / 2]);
+            if c % 2 == 0 {
+                _mm512_unpacklo_epi64(a, b)
+            } else {
+                _mm512_unpackhi_epi64(a, b)
+            }
+        });
+        // 128-bit lanes of rows 0-3 with 4-7 (and 8-11 with 12-15): v[c] for c < 4
+        // holds columns c and c + 8, v[c + 4] columns c + 4 and c + 12.
+        let v: [__m512i; 16] = std::array::from_fn(|x| {
+            let (half, c) = (x / 8, x % 8);
+            let (a, b) = (u[8 * half + c % 4], u[8 * half + 4 + c % 4]);
+            if c < 4 {
+                _mm512_shuffle_i32x4::<0x88>(a, b)
+            } else {
+                _mm512_shuffle_i32x4::<0xdd>(a, b)
+            }
+        });
+        std::array::from_fn(|c| {
+            let (a, b) = (v[c % 8], v[8 + c % 8]);
+            if c < 8 {
+                _mm512_shuffle_i32x4::<0x88>(a, b)
+            } else {
+                _mm512_shuffle_i32x4::<0xdd>(a, b)
+            }
+        })
     }
 
     /// out[r * stride] = words[r] for r < words.len() (<= 16).
