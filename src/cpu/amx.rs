@@ -79,8 +79,7 @@ pub unsafe fn multiply(
             let pairs = kc.div_ceil(2).next_multiple_of(TILE_PAIRS);
             let load = p.accumulate || k0 > 0;
             let b = scratch(&mut panels.b, n.next_multiple_of(BLOCK) * pairs);
-            let column = scratch(&mut panels.column, pairs);
-            pack_b(b, column, &p.b, k0, kc, pairs, cols.start, n);
+            pack_b(b, &p.b, k0, kc, pairs, cols.start, n);
             for i0 in rows.clone().step_by(MC) {
                 let mc = MC.min(rows.end - i0);
                 let a = scratch(&mut panels.a, mc.next_multiple_of(BLOCK) * pairs);
@@ -224,11 +223,9 @@ fn pack_a(
 
 /// k k0..k0+kc, columns first_col..first_col+n of `b` as 32-column panels of pair words
 /// (`tile_base`; a pair's 16 columns of a tile side by side). Columns past n and pairs
-/// past kc are zeros. `column` is scratch for one column's words.
-#[allow(clippy::too_many_arguments)]
+/// past kc are zeros.
 fn pack_b(
     out: &mut [u32],
-    column: &mut [u32],
     b: &Strided,
     k0: usize,
     kc: usize,
@@ -236,7 +233,6 @@ fn pack_b(
     first_col: usize,
     n: usize,
 ) {
-    let used = kc.div_ceil(2);
     if b.col == 1 {
         // B's rows (fixed k) run along memory: each pair of rows zipped across all n
         // columns at once, sixteen columns to a tile row.
@@ -260,20 +256,20 @@ fn pack_b(
         }
         return;
     }
+    // B's columns (fixed j) run along k: sixteen of them a step at a time, converted
+    // to pair words and transposed into a tile's sixteen rows (pairs) of sixteen columns.
     for (panel, out) in out.chunks_exact_mut(BLOCK * pairs).enumerate() {
         let c0 = first_col + panel * BLOCK;
         let width = BLOCK.min(n - panel * BLOCK);
-        // Each column (fixed j) along k: its words, scattered down its tiles.
-        out.fill(0);
-        let column = &mut column[..used];
-        for j in 0..width {
-            let start = (c0 + j) * b.col + k0;
-            // Safety: as above; column holds kc.div_ceil(2) words.
-            unsafe { convert::pairs(&b.data[start..start + kc], column) };
-            for (s, words) in column.chunks(TILE_PAIRS).enumerate() {
-                let at = tile_base(j, s * TILE_PAIRS) + j % 16;
-                // Safety: as above; 16 words at stride 16 from `at` lie in one tile.
-                unsafe { convert::scatter(words, &mut out[at..], 16) };
+        for half in 0..2 {
+            let columns: [Option<&[f32]>; 16] = std::array::from_fn(|c| {
+                let j = 16 * half + c;
+                (j < width).then(|| &b.data[(c0 + j) * b.col + k0..][..kc])
+            });
+            for s in 0..pairs / TILE_PAIRS {
+                let at = tile_base(16 * half, s * TILE_PAIRS);
+                // Safety: `amx_ready` checked AVX-512 BF16; the tile lies in the panel.
+                unsafe { convert::tile_from_b_columns(&columns, s, &mut out[at..][..TILE_WORDS]) };
             }
         }
     }
@@ -304,37 +300,6 @@ mod convert {
         ((1u32 << count.min(16)) - 1) as __mmask16
     }
 
-    /// out[p] = pair(src[2p], src[2p + 1]), the last odd element paired with zero.
-    ///
-    /// # Safety
-    /// The CPU must have AVX-512 F/BW and BF16; out.len() == src.len().div_ceil(2).
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub unsafe fn pairs(src: &[f32], out: &mut [u32]) {
-        debug_assert_eq!(out.len(), src.len().div_ceil(2));
-        let (n, from, to) = (src.len(), src.as_ptr(), out.as_mut_ptr());
-        let mut i = 0;
-        while i + 32 <= n {
-            let (lo, hi) = (
-                _mm512_loadu_ps(from.add(i)),
-                _mm512_loadu_ps(from.add(i + 16)),
-            );
-            let words: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
-            _mm512_storeu_si512(to.add(i / 2).cast(), words);
-            i += 32;
-        }
-        if i < n {
-            let left = n - i;
-            let lo = _mm512_maskz_loadu_ps(lanes(left), from.add(i));
-            let hi = if left > 16 {
-                _mm512_maskz_loadu_ps(lanes(left - 16), from.add(i + 16))
-            } else {
-                _mm512_setzero_ps()
-            };
-            let words: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
-            _mm512_mask_storeu_epi32(to.add(i / 2).cast(), lanes(left.div_ceil(2)), words);
-        }
-    }
-
     /// `len` (1 to 16) words pair(even[j], odd[j]), zeros after; no odd: zeros.
     #[inline(always)]
     unsafe fn zip16(even: *const f32, odd: Option<*const f32>, len: usize) -> __m512i {
@@ -352,7 +317,7 @@ mod convert {
     /// missing `odd`.
     ///
     /// # Safety
-    /// As for `pairs`; `odd`, if any, as long as `even`; `out` must hold
+    /// The CPU must have AVX-512 F/BW and BF16; `odd`, if any, as long as `even`; `out` must hold
     /// even.len().div_ceil(32) panels.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub unsafe fn zip_panels(
@@ -382,7 +347,7 @@ mod convert {
     /// columns of a step (`None`: past k's end, zeros), as 16 rows of 16 pair words.
     ///
     /// # Safety
-    /// As for `pairs`; each column holds `rows` values; out holds 256 words.
+    /// The CPU must have AVX-512 F/BW and BF16; each column holds `rows` values; out holds 256 words.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub unsafe fn tile_from_columns(
         columns: &[Option<&[f32]>; 32],
@@ -406,6 +371,31 @@ mod convert {
         });
         for (r, row) in transpose16(pairs).iter().enumerate() {
             _mm512_storeu_si512(out.as_mut_ptr().add(16 * r).cast(), *row);
+        }
+    }
+
+    /// One tile of B from its columns: for step `s` (k 32s..32s+32, zeros past a
+    /// column's end), each column's 16 pair words, transposed so that the tile's row q
+    /// holds pair q of the sixteen columns (`None`: zeros).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW and BF16; out holds 256 words.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn tile_from_b_columns(columns: &[Option<&[f32]>; 16], s: usize, out: &mut [u32]) {
+        debug_assert!(out.len() >= 256);
+        let i = 32 * s;
+        let words: [__m512i; 16] = std::array::from_fn(|c| match columns[c] {
+            Some(column) => {
+                let left = column.len().saturating_sub(i);
+                let at = column.as_ptr().wrapping_add(i);
+                let lo = _mm512_maskz_loadu_ps(lanes(left), at);
+                let hi = _mm512_maskz_loadu_ps(lanes(left.saturating_sub(16)), at.wrapping_add(16));
+                std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo))
+            }
+            None => _mm512_setzero_si512(),
+        });
+        for (q, row) in transpose16(words).iter().enumerate() {
+            _mm512_storeu_si512(out.as_mut_ptr().add(16 * q).cast(), *row);
         }
     }
 
@@ -454,32 +444,11 @@ mod convert {
         })
     }
 
-    /// out[r * stride] = words[r] for r < words.len() (<= 16).
-    ///
-    /// # Safety
-    /// As for `pairs`; out must reach (words.len() - 1) * stride + 1 words.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub unsafe fn scatter(words: &[u32], out: &mut [u32], stride: usize) {
-        let len = words.len();
-        debug_assert!((1..=16).contains(&len) && out.len() > (len - 1) * stride);
-        let v = _mm512_maskz_loadu_epi32(lanes(len), words.as_ptr().cast());
-        scatter_vector(v, len, out, stride);
-    }
-
-    #[inline(always)]
-    unsafe fn scatter_vector(words: __m512i, len: usize, out: &mut [u32], stride: usize) {
-        let offsets = _mm512_mullo_epi32(
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-            _mm512_set1_epi32(stride as i32),
-        );
-        _mm512_mask_i32scatter_epi32::<4>(out.as_mut_ptr().cast(), lanes(len), offsets, words);
-    }
-
     /// One row of A into its steps: for each s < pairs / 16, the 16 words
     /// pair(src[2p], src[2p + 1]) of p = 16s.. at out[s * 512..], zeros past src's end.
     ///
     /// # Safety
-    /// As for `pairs`; out must reach the last step's 16 words.
+    /// The CPU must have AVX-512 F/BW and BF16; out must reach the last step's 16 words.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub unsafe fn row_steps(src: &[f32], out: &mut [u32], pairs: usize) {
         let steps = pairs / 16;
