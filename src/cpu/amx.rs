@@ -390,7 +390,7 @@ mod convert {
                 let at = column.as_ptr().wrapping_add(i);
                 let lo = _mm512_maskz_loadu_ps(lanes(left), at);
                 let hi = _mm512_maskz_loadu_ps(lanes(left.saturating_sub(16)), at.wrapping_add(16));
-                std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo))
+                std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
             }
             None => _mm512_setzero_si512(),
         });
