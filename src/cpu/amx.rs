@@ -317,8 +317,8 @@ mod convert {
     /// missing `odd`.
     ///
     /// # Safety
-    /// The CPU must have AVX-512 F/BW and BF16; `odd`, if any, as long as `even`; `out` must hold
-    /// even.len().div_ceil(32) panels.
+    /// The CPU must have AVX-512 F/BW and BF16; `odd`, if any, as long as `even`; `out`
+    /// must hold even.len().div_ceil(32) panels.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub unsafe fn zip_panels(
         even: &[f32],
@@ -347,7 +347,8 @@ mod convert {
     /// columns of a step (`None`: past k's end, zeros), as 16 rows of 16 pair words.
     ///
     /// # Safety
-    /// The CPU must have AVX-512 F/BW and BF16; each column holds `rows` values; out holds 256 words.
+    /// The CPU must have AVX-512 F/BW and BF16; each column holds `rows` values; out
+    /// holds 256 words.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub unsafe fn tile_from_columns(
         columns: &[Option<&[f32]>; 32],
