@@ -25,10 +25,13 @@ use super::matrix::{Causal, Product, Strided};
 const BLOCK: usize = 32;
 /// k pairs per tile.
 const TILE_PAIRS: usize = 16;
-/// k per packed block: a B panel (32 columns x 256 pairs, 32 KiB) stays in L1 while a
-/// block of A streams past it.
-const KC: usize = 512;
-/// Rows of A packed at a time (128 rows x 256 pairs, 128 KiB: in L2).
+/// k per packed block, at most: a B panel (32 columns x 1024 pairs, 128 KiB) and a block
+/// of A (below) both in L2. The tiles load from L2 about as fast as from L1, while every
+/// extra block reloads and restores the whole of dst: the products of k 1152-1536 ran
+/// 15-30% faster in one block than in blocks of 512 (an L1-sized B panel); the weight
+/// gradients' k 4096 gained nothing more from one block than from two.
+const KC: usize = 2048;
+/// Rows of A packed at a time (128 rows x up to 1024 pairs, 512 KiB: in L2).
 const MC: usize = 128;
 
 /// Whether `multiply` takes `p`: each operand has rows or columns next to each other

@@ -699,6 +699,8 @@ mod tests {
             (7, 65, 3),
             (13, 130, 257),
             (100, 70, 600),
+            // Past the AMX tiles' k block (2048) too.
+            (9, 33, 2600),
             (5, 3, 0),
         ] {
             let (a_data, b_data) = (values(m * k + 1, 1), values(k * n + 1, 2));
