@@ -257,14 +257,7 @@ multiversion! {
                 softmax_in_place(&mut row[..seen]);
                 seen
             } else {
-                let max = max_of_first(&row[..whole], seen);
-                for (j, a) in row[..whole].iter_mut().enumerate() {
-                    *a = if j < seen { exp_approx(*a - max) } else { 0.0 };
-                }
-                let inv = 1.0 / sum_lanes(&row[..whole], |a| a);
-                for a in row[..whole].iter_mut() {
-                    *a *= inv;
-                }
+                softmax_whole_vectors(&mut row[..whole], seen);
                 whole
             };
             row[written..].fill(0.0);
@@ -274,6 +267,78 @@ multiversion! {
 
 /// Lanes of the softmax's vectors.
 const LANES: usize = 16;
+
+/// Softmax over the first `seen` values of `row`, zeros after, `row` a whole number of
+/// vectors: the maximum, then the exponentials and their sum in one pass, then the
+/// scaling. Only the vector holding the diagonal is masked; the rest run unmasked (a
+/// mask on every vector kept the maximum out of vector registers). Sums and maxima go
+/// lane by lane, then across the lanes as trees.
+#[inline(always)]
+fn softmax_whole_vectors(row: &mut [f32], seen: usize) {
+    let (vectors, rest) = row.as_chunks_mut::<LANES>();
+    debug_assert!(rest.is_empty() && seen <= vectors.len() * LANES);
+    let (full, tail) = (seen / LANES, seen % LANES);
+    let mut top = [f32::NEG_INFINITY; LANES];
+    for v in &vectors[..full] {
+        for k in 0..LANES {
+            top[k] = top[k].max(v[k]);
+        }
+    }
+    if tail > 0 {
+        let v = &vectors[full];
+        for k in 0..LANES {
+            top[k] = top[k].max(if k < tail { v[k] } else { f32::NEG_INFINITY });
+        }
+    }
+    let max = max_of_lanes(top);
+    let mut sums = [0f32; LANES];
+    // Two vectors a step: each exponential is one long chain of dependent operations,
+    // and two side by side keep the vector units busy.
+    let (pairs, odd) = vectors[..full].as_chunks_mut::<2>();
+    for [v, w] in pairs {
+        for k in 0..LANES {
+            v[k] = exp_approx(v[k] - max);
+            w[k] = exp_approx(w[k] - max);
+            sums[k] += v[k];
+            sums[k] += w[k];
+        }
+    }
+    for v in odd {
+        for k in 0..LANES {
+            v[k] = exp_approx(v[k] - max);
+            sums[k] += v[k];
+        }
+    }
+    if tail > 0 {
+        let v = &mut vectors[full];
+        for k in 0..LANES {
+            v[k] = if k < tail {
+                exp_approx(v[k] - max)
+            } else {
+                0.0
+            };
+            sums[k] += v[k];
+        }
+    }
+    let inv = 1.0 / sum_of_lanes(sums);
+    for x in row.iter_mut() {
+        *x *= inv;
+    }
+}
+
+/// The sum of the lanes, added as a tree (a chain of sixteen adds a row was a tenth of
+/// the softmax's time).
+#[inline(always)]
+fn sum_of_lanes(mut lanes: [f32; LANES]) -> f32 {
+    let mut width = LANES / 2;
+    while width > 0 {
+        for k in 0..width {
+            lanes[k] += lanes[k + width];
+        }
+        width /= 2;
+    }
+    lanes[0]
+}
 
 /// softmax over all of `x`, in place.
 #[inline(always)]
@@ -348,6 +413,16 @@ fn max_of_first(x: &[f32], n: usize) -> f32 {
             lanes[k] = if v > lanes[k] { v } else { lanes[k] };
         }
     }
+    let mut m = max_of_lanes(lanes);
+    for &v in &rest[..n.saturating_sub(x.len() - rest.len()).min(rest.len())] {
+        m = if v > m { v } else { m };
+    }
+    m
+}
+
+/// The largest of the lanes, combined as a tree.
+#[inline(always)]
+fn max_of_lanes(mut lanes: [f32; LANES]) -> f32 {
     let mut width = LANES / 2;
     while width > 0 {
         for k in 0..width {
@@ -359,11 +434,7 @@ fn max_of_first(x: &[f32], n: usize) -> f32 {
         }
         width /= 2;
     }
-    let mut m = lanes[0];
-    for &v in &rest[..n.saturating_sub(x.len() - rest.len()).min(rest.len())] {
-        m = if v > m { v } else { m };
-    }
-    m
+    lanes[0]
 }
 
 #[cfg(test)]
