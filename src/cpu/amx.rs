@@ -428,19 +428,20 @@ mod convert {
             }
         });
         // 128-bit lanes of rows 0-3 with 4-7 (and 8-11 with 12-15): v[c] for c < 4
-        // holds columns c and c + 8, v[c + 4] columns c + 4 and c + 12.
-        let v: [__m512i; 16] = std::array::from_fn(|x| {
-            let (half, c) = (x / 8, x % 8);
-            let (a, b) = (u[8 * half + c % 4], u[8 * half + 4 + c % 4]);
-            if c < 4 {
-                _mm512_shuffle_i32x4::<0x88>(a, b)
-            } else {
-                _mm512_shuffle_i32x4::<0xdd>(a, b)
-            }
-        });
-        std::array::from_fn(|c| {
-            let (a, b) = (v[c % 8], v[8 + c % 8]);
-            if c < 8 {
+        // holds columns c and c + 8, v[c + 4] columns c + 4 and c + 12; then of those
+        // with v[c + 8], which completes each column.
+        let v = pair_lanes(u, 4);
+        pair_lanes(v, 8)
+    }
+
+    /// Vector x of the result, with g = x / 2s and c = x % 2s: 128-bit lanes 0 and 2 (for
+    /// c < s) or 1 and 3 of input 2s g + c % s, then the same lanes of input 2s g + s + c % s.
+    #[inline(always)]
+    unsafe fn pair_lanes(x: [__m512i; 16], s: usize) -> [__m512i; 16] {
+        std::array::from_fn(|i| {
+            let (g, c) = (i / (2 * s), i % (2 * s));
+            let (a, b) = (x[2 * s * g + c % s], x[2 * s * g + s + c % s]);
+            if c < s {
                 _mm512_shuffle_i32x4::<0x88>(a, b)
             } else {
                 _mm512_shuffle_i32x4::<0xdd>(a, b)

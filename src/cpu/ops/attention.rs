@@ -292,18 +292,7 @@ fn softmax_whole_vectors(row: &mut [f32], seen: usize) {
     }
     let max = max_of_lanes(top);
     let mut sums = [0f32; LANES];
-    // Two vectors a step: each exponential is one long chain of dependent operations,
-    // and two side by side keep the vector units busy.
-    let (pairs, odd) = vectors[..full].as_chunks_mut::<2>();
-    for [v, w] in pairs {
-        for k in 0..LANES {
-            v[k] = exp_approx(v[k] - max);
-            w[k] = exp_approx(w[k] - max);
-            sums[k] += v[k];
-            sums[k] += w[k];
-        }
-    }
-    for v in odd {
+    for v in &mut vectors[..full] {
         for k in 0..LANES {
             v[k] = exp_approx(v[k] - max);
             sums[k] += v[k];
