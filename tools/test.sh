@@ -73,4 +73,14 @@ else
   echo "clippy is not installed (rustup component add clippy): type-checking only" >&2
   CARGO_TARGET_DIR=target-cuda cargo check --features "cuda,cuda-emulator,nccl$(have_mpi && echo ,mpi)" --all-targets
 fi
+# The kernels assembled to machine code (nvcc -cubin runs ptxas) for the oldest and the
+# newest architecture the engine is built for: the PTX build above passes inline PTX
+# (flash.cu's mma.sync) through unread, and only the driver's JIT would reject it.
+cubins=$(mktemp -d)
+for arch in sm_80 sm_90; do
+  for kernel in src/cuda/kernels/*.cu; do
+    nvcc -cubin -O3 -std=c++17 -arch=$arch -I src/cuda/kernels "$kernel" -o "$cubins/$(basename "$kernel" .cu).cubin"
+  done
+done
+rm -rf "$cubins"
 echo "CUDA compile check: clean" >&2

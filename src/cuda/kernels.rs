@@ -624,7 +624,7 @@ impl Gpu {
     ) -> Result<()> {
         let cost = Cost::f32s_and_flops(
             2 * (h.len() + h.kv_len()) + h.rows(),
-            3 * h.causal_product(),
+            2 * h.causal_product(),
         );
         launch!(self, FlashForward, flash_grid(h), cost;
             out, lse, q, k, v, int(h.t), int(h.d), int(h.heads), attention_scale(h), dropout)
@@ -1035,7 +1035,11 @@ mod tests {
 
     fn flash_attention_on(place: &str, gpu: &Gpu) {
         gpu.bind().unwrap();
-        for (batch, heads, t, d, p) in [(1, 2, 37, 16, 0.0), (2, 1, 70, 32, 0.3)] {
+        for (batch, heads, t, d, p) in [
+            (1, 2, 37, 16, 0.0),
+            (2, 1, 70, 32, 0.3),
+            (1, 1, 200, 64, 0.1),
+        ] {
             let h = Heads {
                 batch,
                 t,

@@ -30,7 +30,7 @@ pub enum Attention {
     /// cuBLAS batched products around a causal softmax kernel, through (B, H, T, T)
     /// weights (attention.cu): any head size, f32 or bf16.
     Products,
-    /// Tiles of scores in shared memory on bf16 tensor cores, never the (T, T) weights
+    /// Tiles of scores in registers on bf16 tensor cores, never the (T, T) weights
     /// (flash.cu): bf16, heads of 16 to 64 in steps of 16.
     Flash,
 }

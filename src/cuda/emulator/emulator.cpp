@@ -244,7 +244,47 @@ T shuffle_xor(T v, int lane_mask, T* slots) {
     return other;
 }
 
+// Each warp's lanes put their mma fragments here.
+uint32_t mma_a[1024][4];
+uint32_t mma_b[1024][2];
+
+float bf16_value(uint32_t bits) { return __uint_as_float(bits << 16); }
+
 }  // namespace
+
+void emulate_mma_16x8x16(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+    const unsigned t = threadIdx.x, warp = t & ~31u, lane = t % 32;
+    for (int i = 0; i < 4; i++) mma_a[t][i] = a[i];
+    for (int i = 0; i < 2; i++) mma_b[t][i] = b[i];
+    meet(State::AtWarpBarrier);
+    // A (16 x 16) and B (16 x 8) from the lanes that hold them: lane 4 g + q holds
+    // A[g][2q, 2q+1], A[g+8][2q, 2q+1], A[g][2q+8, 2q+9], A[g+8][2q+8, 2q+9] and
+    // B[2q, 2q+1][g], B[2q+8, 2q+9][g].
+    float A[16][16], B[16][8];
+    for (unsigned l = 0; l < 32; l++) {
+        const unsigned g = l / 4, q = l % 4;
+        const uint32_t* ra = mma_a[warp + l];
+        const uint32_t* rb = mma_b[warp + l];
+        for (unsigned h = 0; h < 2; h++) {
+            const unsigned shift = 16 * h;
+            A[g][2 * q + h] = bf16_value((ra[0] >> shift) & 0xffffu);
+            A[g + 8][2 * q + h] = bf16_value((ra[1] >> shift) & 0xffffu);
+            A[g][2 * q + 8 + h] = bf16_value((ra[2] >> shift) & 0xffffu);
+            A[g + 8][2 * q + 8 + h] = bf16_value((ra[3] >> shift) & 0xffffu);
+            B[2 * q + h][g] = bf16_value((rb[0] >> shift) & 0xffffu);
+            B[2 * q + 8 + h][g] = bf16_value((rb[1] >> shift) & 0xffffu);
+        }
+    }
+    const unsigned g = lane / 4, q = lane % 4;
+    for (int i = 0; i < 4; i++) {
+        const unsigned row = i < 2 ? g : g + 8, col = 2 * q + (i & 1);
+        float sum = d[i];
+        for (int k = 0; k < 16; k++) sum += A[row][k] * B[k][col];
+        d[i] = sum;
+    }
+    // No lane may overwrite its fragments before every lane has read them.
+    meet(State::AtWarpBarrier);
+}
 
 void __syncthreads() { meet(State::AtBlockBarrier); }
 

@@ -1,39 +1,45 @@
-// Causal attention without the T x T matrices (flash attention's tiling, Dao et al.
-// 2022), in bf16 on the tensor cores through WMMA with f32 sums: the attention of
-// Precision::Bf16. The products path (attention.cu + cuBLAS) writes and reads B H T^2
-// scores about fourteen times a step; these kernels keep each 16 x 16 tile of scores in
-// shared memory and recompute it where it is needed again.
+// Causal attention without the T x T matrices, FlashAttention-2's way (Dao 2023), in
+// bf16 on the tensor cores with f32 sums: the attention of Precision::Bf16. The
+// products path (attention.cu + cuBLAS) writes and reads B H T^2 scores about fourteen
+// times a step; these kernels keep every tile of scores in registers and recompute it
+// where it is needed again.
 //
 // Heads are f32 in global memory, read and written where they are (`HeadView`): in the
 // rows the qkv projection writes and the output projection reads (B T rows, heads side
-// by side), or split out as (B H, T, d); d a multiple of 16 up to FLASH_MAX_D. Tiles
-// are converted to bf16 as they are loaded, which rounds the
-// same operands the products path rounds (Q, K for the scores; P, V for the output;
-// dY, V; dS, K; dS, Q; P, dY in the backward). A block is FLASH_WARPS warps; each warp
-// owns 16 rows (queries, or keys in flash_backward_kv) and the block shares the tiles it
-// streams. Element (i, j) of head bh is dropped by the mask of element
-// (bh T + i) T + j of the weights, as causal_softmax drops it.
+// by side), or split out as (B H, T, d); d a multiple of 16 up to FLASH_MAX_D. A block
+// is FLASH_WARPS warps; each warp owns 16 rows (queries, or keys in flash_backward_kv)
+// as fragments in registers, and the block streams the other side's rows through shared
+// memory FLASH_STREAM at a time, rounded to bf16 as they are staged. The operands
+// rounded are the products path's (Q, K for the scores; V; dY; K, Q for the gradients),
+// but for P: the forward rounds P before it is divided by the row's sum (one pass, the
+// sum known only at the end), the products path after. Element (i, j) of head bh is
+// dropped by the mask of element (bh T + i) T + j of the weights, as causal_softmax
+// drops it.
 //
-// Deterministic: every sum is taken in one order, no atomics (the backward computes dK
-// and dV over key tiles and dQ over query tiles in two kernels, each recomputing P).
+// Deterministic: every sum is taken in one order, no atomics. The backward computes dK
+// and dV over key tiles and dQ over query tiles in two kernels, each recomputing P:
+// FlashAttention-2's single backward adds dQ with atomics, in an order that varies
+// from run to run, and an exact resume would not survive it.
 #include "common.cuh"
 
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
-#include <mma.h>
 #endif
-
-using namespace nvcuda;
 
 #define FLASH_WARPS 4
 #define FLASH_ROWS (16 * FLASH_WARPS)  // rows a block owns
 #define FLASH_MAX_D 64
 #define FLASH_MAX_F (FLASH_MAX_D / 16)  // 16-wide column chunks of a head
-// A tile of 16 head rows in shared memory: rows TILE_LD(d) values apart, 8 more than d,
-// so the 8 rows WMMA reads at once start in 8 different banks (at d apart, 64 bf16 =
-// 128 bytes, they would all start in bank 0).
-#define TILE_LD(d) ((d) + 8)
-#define FLASH_TILE (16 * (FLASH_MAX_D + 8))
+#define FLASH_MAX_N (FLASH_MAX_D / 8)   // 8-wide column fragments of a head
+#define FLASH_STREAM 64                 // rows of the other side a block stages at once
+// Staged tiles in shared memory: rows as they are (FLASH_STREAM rows, ROWS_LD apart) or
+// transposed (a row per head column, COLS_LD apart). 8 values of padding put the rows
+// a warp's fragments read at once in 8 different banks (64 bf16 = 128 bytes apart,
+// they would all start in bank 0).
+#define ROWS_LD (FLASH_MAX_D + 8)
+#define COLS_LD (FLASH_STREAM + 8)
+#define ROWS_TILE (FLASH_STREAM * ROWS_LD)
+#define COLS_TILE (FLASH_MAX_D * COLS_LD)
 
 // Where the heads of a tensor are (`HeadView` in src/cuda/kernels.rs, field for field):
 // row t, column c of head h of sequence b at
@@ -54,185 +60,269 @@ __device__ inline float* head_rows(const HeadView& v, long long bh, int H) {
     return v.base + b * v.batch_stride + (long long)(h / v.group) * v.head_stride;
 }
 
-// bf16 tensor cores need sm_80 (mma.h declares bf16 fragments only there); built for
-// less, the kernels trap rather than lie, and the engine never chooses them
-// (plan::Attention::choose reads the architecture build.rs targeted).
+// bf16 tensor cores need sm_80 (mma.sync's bf16 shapes); built for less, the kernels
+// trap rather than lie, and the engine never chooses them (plan::Attention::choose
+// reads the architecture build.rs targeted).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define FLASH_UNSUPPORTED 1
 #endif
 
 #ifndef FLASH_UNSUPPORTED
-typedef __nv_bfloat16 bf16;
-typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> RowsA;
-typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::col_major> ColsA;
-typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> RowsB;
-typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> ColsB;
-typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> Acc;
-
-// dst (16 rows TILE_LD(d) apart, bf16) <- rows row0 .. row0 + 15 of src (T rows of d,
-// `ld` apart) f32, zeros past T; the `threads` threads from `first` share the copy.
-__device__ inline void load_tile(bf16* dst, const float* src, int ld, int row0, int T, int d,
-                                 int first, int threads) {
-    for (int e = first; e < 16 * d; e += threads) {
-        const int r = row0 + e / d;
-        dst[(e / d) * TILE_LD(d) + e % d] =
-            __float2bfloat16(r < T ? src[(long long)r * ld + e % d] : 0.0f);
-    }
+// Every product goes through PTX's mma.sync.m16n8k16 (bf16 operands, f32 sums), whose
+// fragments PTX documents lane by lane, so a tile of scores can be rescaled, masked and
+// exponentiated in the registers that hold it and fed back as an operand (WMMA's
+// fragments are opaque: the scores would have to go through shared memory). With
+// g = lane / 4 and t = lane % 4, a warp holds
+//   A (16 x 16): a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1],
+//                a[2] = A[g][2t+8, 2t+9], a[3] = A[g+8][2t+8, 2t+9];
+//   B (16 x 8):  b[0] = B[2t, 2t+1][g], b[1] = B[2t+8, 2t+9][g];
+//   D (16 x 8):  d[0], d[1] = D[g][2t, 2t+1], d[2], d[3] = D[g+8][2t, 2t+1];
+// each pair of bf16 in one 32-bit word, the lower element in the low half. The emulator
+// implements the instruction from the same description (cuda_shim.h). So lane (g, t)
+// holds rows g ("lo") and g + 8 ("hi") of every tile the warp owns.
+__device__ inline void mma_16x8x16(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+#ifdef __CUDACC__
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    emulate_mma_16x8x16(d, a, b);
+#endif
 }
 
-// The max and the sum over the 16 lanes of each half-warp (shuffles within a half).
-__device__ inline float half_warp_max(float v) {
-    for (int o = 8; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-__device__ inline float half_warp_sum(float v) {
-    for (int o = 8; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// The block's next 16 keys, K (and V, when `vs` is set) into shared memory, once every
-// warp is done with the previous ones. All the block's threads call it.
-__device__ inline void next_keys(bf16* ks, bf16* vs, const float* k, int ldk, const float* v,
-                                 int ldv, int key0, int T, int d) {
-    __syncthreads();
-    load_tile(ks, k, ldk, key0, T, d, threadIdx.x, blockDim.x);
-    if (vs != nullptr) load_tile(vs, v, ldv, key0, T, d, threadIdx.x, blockDim.x);
-    __syncthreads();
+// lo and hi rounded to bf16 and packed as a fragment's pair.
+__device__ inline uint32_t bf16_pair(float lo, float hi) {
+#ifdef __CUDACC__
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+#else
+    return (uint32_t)bf16_bits(lo) | ((uint32_t)bf16_bits(hi) << 16);
+#endif
 }
 
-// Every fragment of `acc` to zero.
-__device__ inline void zero(Acc* acc) {
+// The pair of bf16 at p (4-byte aligned) as a fragment's word.
+__device__ inline uint32_t pair_at(const uint16_t* p) {
+#ifdef __CUDACC__
+    return *reinterpret_cast<const uint32_t*>(p);
+#else
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 16);
+#endif
+}
+
+// A warp's 16 rows from row0 of src (f32, `ld` apart, zeros past T) as A fragments,
+// one per 16 head columns: the operand it owns for the whole kernel.
+__device__ inline void own_rows(uint32_t f[FLASH_MAX_F][4], const float* src, int ld, int row0,
+                                int T, int d, int lane) {
+    const int g = lane / 4, t = lane % 4;
+    auto pair = [&](int row, int col) {
+        if (row >= T) return 0u;
+        const float* r = src + (long long)row * ld + col;
+        return bf16_pair(r[0], r[1]);
+    };
 #pragma unroll
-    for (int f = 0; f < FLASH_MAX_F; f++) wmma::fill_fragment(acc[f], 0.0f);
-}
-
-// s (16 x 16, f32, row-major) <- a times b transposed, each 16 rows of d (tiles):
-// scores of a tile of queries against a tile of keys (or dY against V).
-__device__ inline void tile_product_t(float* s, const bf16* a, const bf16* b, int d) {
-    Acc acc;
-    wmma::fill_fragment(acc, 0.0f);
-    for (int f = 0; f < d / 16; f++) {
-        RowsA fa;
-        ColsB fb;
-        wmma::load_matrix_sync(fa, a + f * 16, TILE_LD(d));
-        wmma::load_matrix_sync(fb, b + f * 16, TILE_LD(d));
-        wmma::mma_sync(acc, fa, fb, acc);
-    }
-    wmma::store_matrix_sync(s, acc, 16, wmma::mem_row_major);
-}
-
-// Rows row0 .. row0 + 15 of dst (T rows of d, `ld` apart) f32 <- acc[0 .. d/16) (16 x
-// 16 each) times `scale`, through `stage` (16 x 16 f32); one warp.
-__device__ inline void store_rows(float* dst, int ld, Acc* acc, float* stage, int row0, int T,
-                                  int d, float scale, int lane) {
-#pragma unroll
-    for (int f = 0; f < FLASH_MAX_F; f++) {
-        if (f < d / 16) {
-            wmma::store_matrix_sync(stage, acc[f], 16, wmma::mem_row_major);
-            __syncwarp();
-            for (int e = lane; e < 256; e += WARP_SIZE) {
-                const int r = row0 + e / 16;
-                if (r < T) dst[(long long)r * ld + f * 16 + e % 16] = stage[e] * scale;
-            }
-            __syncwarp();
+    for (int c = 0; c < FLASH_MAX_F; c++) {
+        if (c < d / 16) {
+            f[c][0] = pair(row0 + g, 16 * c + 2 * t);
+            f[c][1] = pair(row0 + g + 8, 16 * c + 2 * t);
+            f[c][2] = pair(row0 + g, 16 * c + 2 * t + 8);
+            f[c][3] = pair(row0 + g + 8, 16 * c + 2 * t + 8);
         }
     }
 }
 
+// FLASH_STREAM rows from row0 of src (f32, `ld` apart, zeros past T) into shared memory
+// as bf16: as they are (`rows`, ROWS_LD apart), transposed (`cols`, COLS_LD apart), or
+// both; either may be null. All the block's threads share the copy.
+__device__ inline void stage(uint16_t* rows, uint16_t* cols, const float* src, int ld, int row0,
+                             int T, int d) {
+    for (int e = threadIdx.x; e < FLASH_STREAM * d; e += blockDim.x) {
+        const int r = e / d, c = e % d, row = row0 + r;
+        const uint16_t x = bf16_bits(row < T ? src[(long long)row * ld + c] : 0.0f);
+        if (rows != nullptr) rows[r * ROWS_LD + c] = x;
+        if (cols != nullptr) cols[c * COLS_LD + r] = x;
+    }
+}
+
+// s (16 x FLASH_STREAM, f32) = the warp's rows (A fragments) times the staged rows
+// transposed: scores of its queries against the staged keys, and the like.
+__device__ inline void products_t(float s[FLASH_STREAM / 8][4], const uint32_t a[FLASH_MAX_F][4],
+                                  const uint16_t* rows, int d, int lane) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int j = 0; j < FLASH_STREAM / 8; j++) {
+        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < FLASH_MAX_F; c++) {
+            if (c < d / 16) {
+                const uint16_t* r = rows + (8 * j + g) * ROWS_LD + 16 * c + 2 * t;
+                const uint32_t b[2] = {pair_at(r), pair_at(r + 8)};
+                mma_16x8x16(s[j], a[c], b);
+            }
+        }
+    }
+}
+
+// acc (16 x d, f32) += p (16 x FLASH_STREAM, as products_t leaves it) times the staged
+// rows, read through their transposed copy `cols`. Two of p's 8-column fragments (16 c
+// .. 16 c + 15) are, pair for pair, the A fragment of those 16 columns: p goes from
+// accumulator to operand without leaving the registers.
+__device__ inline void accumulate(float acc[FLASH_MAX_N][4], const float p[FLASH_STREAM / 8][4],
+                                  const uint16_t* cols, int d, int lane) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int c = 0; c < FLASH_STREAM / 16; c++) {
+        const uint32_t a[4] = {bf16_pair(p[2 * c][0], p[2 * c][1]),
+                               bf16_pair(p[2 * c][2], p[2 * c][3]),
+                               bf16_pair(p[2 * c + 1][0], p[2 * c + 1][1]),
+                               bf16_pair(p[2 * c + 1][2], p[2 * c + 1][3])};
+#pragma unroll
+        for (int n = 0; n < FLASH_MAX_N; n++) {
+            if (n < d / 8) {
+                const uint16_t* r = cols + (8 * n + g) * COLS_LD + 16 * c + 2 * t;
+                const uint32_t b[2] = {pair_at(r), pair_at(r + 8)};
+                mma_16x8x16(acc[n], a, b);
+            }
+        }
+    }
+}
+
+// The warp's 16 rows from row0 of dst (f32, `ld` apart; rows past T left alone) <- acc,
+// rows g times scale_lo, rows g + 8 times scale_hi.
+__device__ inline void store_rows(float* dst, int ld, const float acc[FLASH_MAX_N][4], int row0,
+                                  int T, int d, float scale_lo, float scale_hi, int lane) {
+    const int g = lane / 4, t = lane % 4;
+    const int lo = row0 + g, hi = row0 + g + 8;
+#pragma unroll
+    for (int n = 0; n < FLASH_MAX_N; n++) {
+        if (n < d / 8) {
+            const int col = 8 * n + 2 * t;
+            if (lo < T) {
+                dst[(long long)lo * ld + col] = acc[n][0] * scale_lo;
+                dst[(long long)lo * ld + col + 1] = acc[n][1] * scale_lo;
+            }
+            if (hi < T) {
+                dst[(long long)hi * ld + col] = acc[n][2] * scale_hi;
+                dst[(long long)hi * ld + col + 1] = acc[n][3] * scale_hi;
+            }
+        }
+    }
+}
+
+__device__ inline void zero(float acc[FLASH_MAX_N][4]) {
+#pragma unroll
+    for (int n = 0; n < FLASH_MAX_N; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+}
+
+// Element i of a lane's 16 x FLASH_STREAM tile: 0, 1 in row g, 2, 3 in row g + 8, at
+// column 8 j + 2 t + (i & 1).
+__device__ inline int column_of(int j, int i, int lane) { return 8 * j + 2 * (lane % 4) + (i & 1); }
+
+#define LOG2E 1.4426950408889634f
 #endif  // FLASH_UNSUPPORTED
 
 // out = dropped softmax(Q Kᵀ scale, causal) V per head (H query heads a sequence), and
 // lse (B H, T) = each row's log-sum-exp of its scaled scores, which the backward needs.
-// Grid (ceil(T / 64), B H); FLASH_WARPS warps. Two passes over the keys: the rows'
-// maxima and sums first, then P exactly normalised, so the output accumulates on the
-// tensor cores with no rescaling.
+// Grid (ceil(T / 64), B H); FLASH_WARPS warps, each owning 16 queries. One pass over
+// the keys (K staged as it is, V transposed): each warp's scores, its rows' running
+// maxima and sums, and its output's sums stay in registers; the sums are rescaled as a
+// row's maximum grows and divided by the row's sum at the end. Exponentials in base 2,
+// the scale folded in.
 extern "C" __global__ void flash_forward(HeadView out, float* lse, HeadView q, HeadView k,
                                          HeadView v, int T, int d, int H, float scale,
                                          Dropout dropout) {
 #ifdef FLASH_UNSUPPORTED
     __trap();
 #else
-    __shared__ __align__(32) bf16 qs[FLASH_WARPS][FLASH_TILE];
-    __shared__ __align__(32) bf16 ks[FLASH_TILE];
-    __shared__ __align__(32) bf16 vs[FLASH_TILE];
-    __shared__ __align__(32) float s[FLASH_WARPS][256];
-    __shared__ __align__(32) bf16 p[FLASH_WARPS][256];
-    __shared__ float row_lse[FLASH_WARPS][16];
+    __shared__ __align__(16) uint16_t ks[ROWS_TILE];
+    __shared__ __align__(16) uint16_t vt[COLS_TILE];
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const long long bh = blockIdx.y;
     const float *qh = head_rows(q, bh, H), *kh = head_rows(k, bh, H), *vh = head_rows(v, bh, H);
     const int block0 = blockIdx.x * FLASH_ROWS, row0 = block0 + 16 * warp;
     const int last = min(block0 + FLASH_ROWS, T) - 1;  // the block's last query
     const bool active = row0 < T;
+    const int lo = row0 + lane / 4, hi = lo + 8;
+    const float to_base2 = scale * LOG2E;
 
-    load_tile(qs[warp], qh, q.ld, row0, T, d, lane, WARP_SIZE);
-    // Pass 1: each row's running max and sum. Lane l reads elements l + 32 r of a tile
-    // (rows 2 r + l / 16, column l % 16: consecutive lanes, consecutive words, no bank
-    // conflicts), so a row's 16 columns are one half-warp, reduced by shuffles, and
-    // lane l keeps the statistics of rows 2 r + l / 16.
-    float m[8], l[8];
-#pragma unroll
-    for (int r = 0; r < 8; r++) m[r] = -INFINITY, l[r] = 0.0f;
-    for (int key0 = 0; key0 <= last; key0 += 16) {
-        next_keys(ks, nullptr, kh, k.ld, nullptr, 0, key0, T, d);
-        if (!active || key0 > row0 + 15) continue;
-        tile_product_t(s[warp], qs[warp], ks, d);
-        __syncwarp();
-#pragma unroll
-        for (int r = 0; r < 8; r++) {
-            const int e = lane + WARP_SIZE * r, i = row0 + e / 16, j = key0 + e % 16;
-            const float x = i < T && j <= i ? s[warp][e] * scale : -INFINITY;
-            const float m_new = fmaxf(m[r], half_warp_max(x));
-            // exp(-inf) is 0 while a row has seen no key; -inf - -inf must not become NaN.
-            const float sum = half_warp_sum(x == -INFINITY ? 0.0f : expf(x - m_new));
-            const float rescale = m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new);
-            l[r] = l[r] * rescale + sum;
-            m[r] = m_new;
-        }
-        __syncwarp();
-    }
-#pragma unroll
-    for (int r = 0; r < 8; r++) {
-        const int row = 2 * r + lane / 16, i = row0 + row;
-        if (lane % 16 == 0) {
-            const float value = m[r] + logf(l[r]);
-            row_lse[warp][row] = value;
-            if (active && i < T) lse[bh * T + i] = value;
-        }
-    }
-    __syncwarp();
+    uint32_t qf[FLASH_MAX_F][4];
+    own_rows(qf, qh, q.ld, row0, T, d, lane);
+    // The output's sums; the rows' running maxima (base 2, scaled) and this lane's share
+    // of their sums (the row's 4 lanes add theirs at the end).
+    float o[FLASH_MAX_N][4];
+    zero(o);
+    float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
 
-    // Pass 2: O = sum over key tiles of P V.
-    Acc acc[FLASH_MAX_F];
-    zero(acc);
-    for (int key0 = 0; key0 <= last; key0 += 16) {
-        next_keys(ks, vs, kh, k.ld, vh, v.ld, key0, T, d);
+    for (int key0 = 0; key0 <= last; key0 += FLASH_STREAM) {
+        __syncthreads();  // every warp is done with the previous keys
+        stage(ks, nullptr, kh, k.ld, key0, T, d);
+        stage(nullptr, vt, vh, v.ld, key0, T, d);
+        __syncthreads();
         if (!active || key0 > row0 + 15) continue;
-        tile_product_t(s[warp], qs[warp], ks, d);
-        __syncwarp();
-        for (int e = lane; e < 256; e += WARP_SIZE) {
-            const int i = row0 + e / 16, j = key0 + e % 16;
-            float w = 0.0f;
-            if (i < T && j <= i) {
-                w = expf(s[warp][e] * scale - row_lse[warp][e / 16]) *
-                    dropout_scale(dropout, (unsigned long long)(bh * T + i) * T + j);
-            }
-            p[warp][e] = __float2bfloat16(w);
-        }
-        __syncwarp();
+
+        float s[FLASH_STREAM / 8][4];
+        products_t(s, qf, ks, d, lane);
+        // Scaled to base 2, keys after a row's query (and rows past T) to -inf; each
+        // row's maximum over the tile, from the 4 lanes that hold its columns.
+        float max_lo = -INFINITY, max_hi = -INFINITY;
 #pragma unroll
-        for (int f = 0; f < FLASH_MAX_F; f++) {
-            if (f < d / 16) {
-                RowsA fp;
-                RowsB fv;
-                wmma::load_matrix_sync(fp, p[warp], 16);
-                wmma::load_matrix_sync(fv, vs + f * 16, TILE_LD(d));
-                wmma::mma_sync(acc[f], fp, fv, acc[f]);
+        for (int j = 0; j < FLASH_STREAM / 8; j++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int row = i < 2 ? lo : hi, key = key0 + column_of(j, i, lane);
+                const float x = key <= row && row < T ? s[j][i] * to_base2 : -INFINITY;
+                s[j][i] = x;
+                if (i < 2) max_lo = fmaxf(max_lo, x);
+                else max_hi = fmaxf(max_hi, x);
             }
         }
-        __syncwarp();
+        for (int other = 1; other < 4; other *= 2) {
+            max_lo = fmaxf(max_lo, __shfl_xor_sync(FULL_MASK, max_lo, other));
+            max_hi = fmaxf(max_hi, __shfl_xor_sync(FULL_MASK, max_hi, other));
+        }
+        const float new_lo = fmaxf(m_lo, max_lo), new_hi = fmaxf(m_hi, max_hi);
+        // A row that has seen no key yet has nothing to rescale (and -inf - -inf is NaN).
+        const float keep_lo = m_lo == -INFINITY ? 0.0f : exp2f(m_lo - new_lo);
+        const float keep_hi = m_hi == -INFINITY ? 0.0f : exp2f(m_hi - new_hi);
+        m_lo = new_lo;
+        m_hi = new_hi;
+        // P = 2^(x - max): its sums before dropout, then the dropped P in place.
+        float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+        for (int j = 0; j < FLASH_STREAM / 8; j++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int row = i < 2 ? lo : hi, key = key0 + column_of(j, i, lane);
+                const float x = s[j][i];
+                const float p = x == -INFINITY ? 0.0f : exp2f(x - (i < 2 ? m_lo : m_hi));
+                if (i < 2) sum_lo += p;
+                else sum_hi += p;
+                const unsigned long long element = (unsigned long long)(bh * T + row) * T + key;
+                s[j][i] = p == 0.0f ? 0.0f : p * dropout_scale(dropout, element);
+            }
+        }
+        l_lo = l_lo * keep_lo + sum_lo;
+        l_hi = l_hi * keep_hi + sum_hi;
+#pragma unroll
+        for (int n = 0; n < FLASH_MAX_N; n++) {
+            o[n][0] *= keep_lo;
+            o[n][1] *= keep_lo;
+            o[n][2] *= keep_hi;
+            o[n][3] *= keep_hi;
+        }
+        accumulate(o, s, vt, d, lane);
     }
-    if (active) store_rows(head_rows(out, bh, H), out.ld, acc, s[warp], row0, T, d, 1.0f, lane);
+    if (!active) return;
+    for (int other = 1; other < 4; other *= 2) {
+        l_lo += __shfl_xor_sync(FULL_MASK, l_lo, other);
+        l_hi += __shfl_xor_sync(FULL_MASK, l_hi, other);
+    }
+    store_rows(head_rows(out, bh, H), out.ld, o, row0, T, d, 1.0f / l_lo, 1.0f / l_hi, lane);
+    // The log-sum-exp in natural units: max + log(sum), both from base 2.
+    const float ln2 = 0.6931471805599453f;
+    if (lane % 4 == 0 && lo < T) lse[bh * T + lo] = (m_lo + log2f(l_lo)) * ln2;
+    if (lane % 4 == 0 && hi < T) lse[bh * T + hi] = (m_hi + log2f(l_hi)) * ln2;
 #endif
 }
 
@@ -252,48 +342,13 @@ extern "C" __global__ void flash_backward_sums(float* dsum, const float* dy, con
     if (lane == 0) dsum[row] = sum;
 }
 
-#ifndef FLASH_UNSUPPORTED
-// A warp's 16 x 16 tiles in the backward: the scores S = Q Kᵀ (unscaled) and
-// dP = dY Vᵀ in f32, then the dropped weights Pd = P * mask and dS = P (dP * mask - D)
-// in bf16 for the tensor cores.
-struct BackwardTiles {
-    __align__(32) float s[256];
-    __align__(32) float dp[256];
-    __align__(32) bf16 pd[256];
-    __align__(32) bf16 ds[256];
-};
-
-// The tiles of head bh for 16 queries from query0 (qs, dys) against 16 keys from key0
-// (ks, vs), each query's lse and D in row_lse, row_dsum. One warp.
-__device__ inline void backward_tiles(BackwardTiles& t, const bf16* qs, const bf16* dys,
-                                      const bf16* ks, const bf16* vs, const float* row_lse,
-                                      const float* row_dsum, long long bh, int query0,
-                                      int key0, int T, int d, float scale,
-                                      const Dropout& dropout, int lane) {
-    tile_product_t(t.s, qs, ks, d);
-    tile_product_t(t.dp, dys, vs, d);
-    __syncwarp();
-    for (int e = lane; e < 256; e += WARP_SIZE) {
-        const int i = query0 + e / 16, j = key0 + e % 16;
-        float w = 0.0f, g = 0.0f;
-        if (i < T && j <= i) {
-            const float prob = expf(t.s[e] * scale - row_lse[e / 16]);
-            const float keep = dropout_scale(dropout, (unsigned long long)(bh * T + i) * T + j);
-            w = prob * keep;
-            g = prob * (t.dp[e] * keep - row_dsum[e / 16]);
-        }
-        t.pd[e] = __float2bfloat16(w);
-        t.ds[e] = __float2bfloat16(g);
-    }
-    __syncwarp();
-}
-
-#endif  // FLASH_UNSUPPORTED
 
 // dK, dV per query head (their group's sum is the caller's) from Q, K, V, dY (the heads'
-// output gradient), lse and dsum: each warp owns 16 keys and walks the query tiles at or
-// after them; dV = sum Pdᵀ dY, dK = scale sum dSᵀ Q. Grid (ceil(T / 64), B H);
-// FLASH_WARPS warps.
+// output gradient), lse and dsum: each warp owns 16 keys (K and V as fragments) and
+// walks the queries at or after them, FLASH_STREAM at a time (Q and dY staged as they
+// are and transposed). Per tile, in registers: Sᵀ = K Qᵀ, dPᵀ = V dYᵀ, then
+// Pdᵀ = Pᵀ * mask and dSᵀ = Pᵀ (dPᵀ * mask - D); dV += Pdᵀ dY, dK += scale dSᵀ Q.
+// Grid (ceil(T / 64), B H); FLASH_WARPS warps.
 extern "C" __global__ void flash_backward_kv(HeadView dk, HeadView dv, HeadView q, HeadView k,
                                              HeadView v, HeadView dy, const float* lse,
                                              const float* dsum, int T, int d, int H, float scale,
@@ -301,108 +356,126 @@ extern "C" __global__ void flash_backward_kv(HeadView dk, HeadView dv, HeadView 
 #ifdef FLASH_UNSUPPORTED
     __trap();
 #else
-    __shared__ __align__(32) bf16 ks[FLASH_WARPS][FLASH_TILE];
-    __shared__ __align__(32) bf16 vs[FLASH_WARPS][FLASH_TILE];
-    __shared__ __align__(32) bf16 qs[FLASH_TILE];
-    __shared__ __align__(32) bf16 dys[FLASH_TILE];
-    __shared__ float tile_lse[16], tile_dsum[16];
-    __shared__ BackwardTiles tiles[FLASH_WARPS];
+    __shared__ __align__(16) uint16_t qs[ROWS_TILE];
+    __shared__ __align__(16) uint16_t qt[COLS_TILE];
+    __shared__ __align__(16) uint16_t dys[ROWS_TILE];
+    __shared__ __align__(16) uint16_t dyt[COLS_TILE];
+    __shared__ float tile_lse[FLASH_STREAM], tile_dsum[FLASH_STREAM];
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const long long bh = blockIdx.y;
     const float *qh = head_rows(q, bh, H), *kh = head_rows(k, bh, H), *vh = head_rows(v, bh, H);
     const float* dyh = head_rows(dy, bh, H);
     const int block0 = blockIdx.x * FLASH_ROWS, key0 = block0 + 16 * warp;
     const bool active = key0 < T;
+    const int lo = key0 + lane / 4, hi = lo + 8;
+    const float to_base2 = scale * LOG2E;
 
-    load_tile(ks[warp], kh, k.ld, key0, T, d, lane, WARP_SIZE);
-    load_tile(vs[warp], vh, v.ld, key0, T, d, lane, WARP_SIZE);
-    Acc acc_k[FLASH_MAX_F], acc_v[FLASH_MAX_F];
+    uint32_t kf[FLASH_MAX_F][4], vf[FLASH_MAX_F][4];
+    own_rows(kf, kh, k.ld, key0, T, d, lane);
+    own_rows(vf, vh, v.ld, key0, T, d, lane);
+    float acc_k[FLASH_MAX_N][4], acc_v[FLASH_MAX_N][4];
     zero(acc_k);
     zero(acc_v);
-    for (int query0 = block0; query0 < T; query0 += 16) {
-        __syncthreads();
-        load_tile(qs, qh, q.ld, query0, T, d, threadIdx.x, blockDim.x);
-        load_tile(dys, dyh, dy.ld, query0, T, d, threadIdx.x, blockDim.x);
-        if (threadIdx.x < 16) {
+    for (int query0 = block0; query0 < T; query0 += FLASH_STREAM) {
+        __syncthreads();  // every warp is done with the previous queries
+        stage(qs, qt, qh, q.ld, query0, T, d);
+        stage(dys, dyt, dyh, dy.ld, query0, T, d);
+        if (threadIdx.x < FLASH_STREAM) {
             const int i = query0 + threadIdx.x;
-            tile_lse[threadIdx.x] = i < T ? lse[bh * T + i] : 0.0f;
+            tile_lse[threadIdx.x] = i < T ? lse[bh * T + i] * LOG2E : 0.0f;
             tile_dsum[threadIdx.x] = i < T ? dsum[bh * T + i] : 0.0f;
         }
         __syncthreads();
-        if (!active || query0 + 15 < key0) continue;
-        BackwardTiles& t = tiles[warp];
-        backward_tiles(t, qs, dys, ks[warp], vs[warp], tile_lse, tile_dsum, bh, query0, key0, T, d,
-                       scale, dropout, lane);
-        ColsA fpd, fds;  // Pdᵀ and dSᵀ: (keys, queries)
-        wmma::load_matrix_sync(fpd, t.pd, 16);
-        wmma::load_matrix_sync(fds, t.ds, 16);
+        if (!active || query0 + FLASH_STREAM - 1 < key0) continue;
+
+        float s[FLASH_STREAM / 8][4], dp[FLASH_STREAM / 8][4];
+        products_t(s, kf, qs, d, lane);
+        products_t(dp, vf, dys, d, lane);
 #pragma unroll
-        for (int f = 0; f < FLASH_MAX_F; f++) {
-            if (f < d / 16) {
-                RowsB fdy, fq;
-                wmma::load_matrix_sync(fdy, dys + f * 16, TILE_LD(d));
-                wmma::load_matrix_sync(fq, qs + f * 16, TILE_LD(d));
-                wmma::mma_sync(acc_v[f], fpd, fdy, acc_v[f]);
-                wmma::mma_sync(acc_k[f], fds, fq, acc_k[f]);
+        for (int j = 0; j < FLASH_STREAM / 8; j++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int key = i < 2 ? lo : hi, col = column_of(j, i, lane), query = query0 + col;
+                float pd = 0.0f, ds = 0.0f;
+                if (key <= query && query < T) {
+                    const float p = exp2f(s[j][i] * to_base2 - tile_lse[col]);
+                    const unsigned long long element = (unsigned long long)(bh * T + query) * T + key;
+                    const float keep = dropout_scale(dropout, element);
+                    pd = p * keep;
+                    ds = p * (dp[j][i] * keep - tile_dsum[col]);
+                }
+                s[j][i] = pd;
+                dp[j][i] = ds;
             }
         }
-        __syncwarp();
+        accumulate(acc_v, s, dyt, d, lane);
+        accumulate(acc_k, dp, qt, d, lane);
     }
     if (active) {
-        store_rows(head_rows(dk, bh, H), dk.ld, acc_k, tiles[warp].s, key0, T, d, scale, lane);
-        store_rows(head_rows(dv, bh, H), dv.ld, acc_v, tiles[warp].s, key0, T, d, 1.0f, lane);
+        store_rows(head_rows(dk, bh, H), dk.ld, acc_k, key0, T, d, scale, scale, lane);
+        store_rows(head_rows(dv, bh, H), dv.ld, acc_v, key0, T, d, 1.0f, 1.0f, lane);
     }
 #endif
 }
 
-// dQ = scale sum over key tiles of dS K: each warp owns 16 queries and walks the key
-// tiles at or before them. Grid (ceil(T / 64), B H); FLASH_WARPS warps.
+// dQ = scale sum over keys of dS K: each warp owns 16 queries (Q and dY as fragments)
+// and walks the keys at or before them, FLASH_STREAM at a time (K staged as it is and
+// transposed, V as it is). Per tile, in registers: S = Q Kᵀ, dP = dY Vᵀ, then
+// dS = P (dP * mask - D); dQ += dS K. Grid (ceil(T / 64), B H); FLASH_WARPS warps.
 extern "C" __global__ void flash_backward_q(HeadView dq, HeadView q, HeadView k, HeadView v,
                                             HeadView dy, const float* lse, const float* dsum,
                                             int T, int d, int H, float scale, Dropout dropout) {
 #ifdef FLASH_UNSUPPORTED
     __trap();
 #else
-    __shared__ __align__(32) bf16 qs[FLASH_WARPS][FLASH_TILE];
-    __shared__ __align__(32) bf16 dys[FLASH_WARPS][FLASH_TILE];
-    __shared__ __align__(32) bf16 ks[FLASH_TILE];
-    __shared__ __align__(32) bf16 vs[FLASH_TILE];
-    __shared__ float row_lse[FLASH_WARPS][16], row_dsum[FLASH_WARPS][16];
-    __shared__ BackwardTiles tiles[FLASH_WARPS];
+    __shared__ __align__(16) uint16_t ks[ROWS_TILE];
+    __shared__ __align__(16) uint16_t kt[COLS_TILE];
+    __shared__ __align__(16) uint16_t vs[ROWS_TILE];
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const long long bh = blockIdx.y;
     const float *qh = head_rows(q, bh, H), *kh = head_rows(k, bh, H), *vh = head_rows(v, bh, H);
     const int block0 = blockIdx.x * FLASH_ROWS, row0 = block0 + 16 * warp;
     const int last = min(block0 + FLASH_ROWS, T) - 1;
     const bool active = row0 < T;
+    const int lo = row0 + lane / 4, hi = lo + 8;
+    const float to_base2 = scale * LOG2E;
+    const float lse_lo = lo < T ? lse[bh * T + lo] * LOG2E : 0.0f;
+    const float lse_hi = hi < T ? lse[bh * T + hi] * LOG2E : 0.0f;
+    const float dsum_lo = lo < T ? dsum[bh * T + lo] : 0.0f;
+    const float dsum_hi = hi < T ? dsum[bh * T + hi] : 0.0f;
 
-    load_tile(qs[warp], qh, q.ld, row0, T, d, lane, WARP_SIZE);
-    load_tile(dys[warp], head_rows(dy, bh, H), dy.ld, row0, T, d, lane, WARP_SIZE);
-    if (lane < 16) {
-        const int i = row0 + lane;
-        row_lse[warp][lane] = i < T ? lse[bh * T + i] : 0.0f;
-        row_dsum[warp][lane] = i < T ? dsum[bh * T + i] : 0.0f;
-    }
-    Acc acc[FLASH_MAX_F];
+    uint32_t qf[FLASH_MAX_F][4], dyf[FLASH_MAX_F][4];
+    own_rows(qf, qh, q.ld, row0, T, d, lane);
+    own_rows(dyf, head_rows(dy, bh, H), dy.ld, row0, T, d, lane);
+    float acc[FLASH_MAX_N][4];
     zero(acc);
-    for (int key0 = 0; key0 <= last; key0 += 16) {
-        next_keys(ks, vs, kh, k.ld, vh, v.ld, key0, T, d);
+    for (int key0 = 0; key0 <= last; key0 += FLASH_STREAM) {
+        __syncthreads();  // every warp is done with the previous keys
+        stage(ks, kt, kh, k.ld, key0, T, d);
+        stage(vs, nullptr, vh, v.ld, key0, T, d);
+        __syncthreads();
         if (!active || key0 > row0 + 15) continue;
-        BackwardTiles& t = tiles[warp];
-        backward_tiles(t, qs[warp], dys[warp], ks, vs, row_lse[warp], row_dsum[warp], bh, row0,
-                       key0, T, d, scale, dropout, lane);
-        RowsA fds;
-        wmma::load_matrix_sync(fds, t.ds, 16);
+
+        float s[FLASH_STREAM / 8][4], dp[FLASH_STREAM / 8][4];
+        products_t(s, qf, ks, d, lane);
+        products_t(dp, dyf, vs, d, lane);
 #pragma unroll
-        for (int f = 0; f < FLASH_MAX_F; f++) {
-            if (f < d / 16) {
-                RowsB fk;
-                wmma::load_matrix_sync(fk, ks + f * 16, TILE_LD(d));
-                wmma::mma_sync(acc[f], fds, fk, acc[f]);
+        for (int j = 0; j < FLASH_STREAM / 8; j++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int row = i < 2 ? lo : hi, key = key0 + column_of(j, i, lane);
+                float ds = 0.0f;
+                if (key <= row && row < T) {
+                    const float p = exp2f(s[j][i] * to_base2 - (i < 2 ? lse_lo : lse_hi));
+                    const unsigned long long element = (unsigned long long)(bh * T + row) * T + key;
+                    const float keep = dropout_scale(dropout, element);
+                    ds = p * (dp[j][i] * keep - (i < 2 ? dsum_lo : dsum_hi));
+                }
+                s[j][i] = ds;
             }
         }
-        __syncwarp();
+        accumulate(acc, s, kt, d, lane);
     }
-    if (active) store_rows(head_rows(dq, bh, H), dq.ld, acc, tiles[warp].s, row0, T, d, scale, lane);
+    if (active) store_rows(head_rows(dq, bh, H), dq.ld, acc, row0, T, d, scale, scale, lane);
 #endif
 }
