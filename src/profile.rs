@@ -21,6 +21,7 @@ use std::time::Instant;
 use anyhow::Result;
 use serde::Serialize;
 
+use crate::config::Math;
 use crate::model::spec::Projection;
 
 /// The part of a training step a piece of work belongs to.
@@ -387,15 +388,20 @@ const GPUS: &[(&str, f64, f64, f64)] = &[
     ("RTX 3090", 71.0, 35.6, 936.0),
 ];
 
-/// The published peaks of the GPU named `name` for products in `bf16` (else f32 on
-/// the CUDA cores; TF32 is not used by default), if the table knows it.
-pub fn published_gpu_peak(name: &str, bf16: bool) -> Option<Peak> {
+/// The published peaks of the GPU named `name` for products multiplying as `math`
+/// (f32 on the CUDA cores; TF32 on the tensor cores at half their bf16 rate, as on
+/// every generation since Ampere), if the table knows it.
+pub fn published_gpu_peak(name: &str, math: Math) -> Option<Peak> {
     let mut known: Vec<_> = GPUS.iter().filter(|g| name.contains(g.0)).collect();
     known.sort_by_key(|g| std::cmp::Reverse(g.0.len()));
     let &&(known_as, bf16_tflops, f32_tflops, gbs) = known.first()?;
     Some(Peak {
         device: name.to_string(),
-        matrix_tflops: if bf16 { bf16_tflops } else { f32_tflops },
+        matrix_tflops: match math {
+            Math::F32 => f32_tflops,
+            Math::Tf32 => bf16_tflops / 2.0,
+            Math::Bf16 => bf16_tflops,
+        },
         vector_tflops: f32_tflops,
         bandwidth_gbs: gbs,
         source: format!("published dense peak of the {known_as}"),
@@ -714,14 +720,16 @@ mod tests {
 
     #[test]
     fn gpus_are_known_by_their_longest_matching_name() {
-        let h100 = published_gpu_peak("NVIDIA H100 80GB HBM3", true).unwrap();
+        let h100 = published_gpu_peak("NVIDIA H100 80GB HBM3", Math::Bf16).unwrap();
         assert_eq!((h100.matrix_tflops, h100.bandwidth_gbs), (989.4, 3_350.0));
-        let pcie = published_gpu_peak("NVIDIA H100 PCIe", false).unwrap();
+        let tf32 = published_gpu_peak("NVIDIA H100 80GB HBM3", Math::Tf32).unwrap();
+        assert_eq!(tf32.matrix_tflops, 494.7);
+        let pcie = published_gpu_peak("NVIDIA H100 PCIe", Math::F32).unwrap();
         assert_eq!((pcie.matrix_tflops, pcie.bandwidth_gbs), (51.2, 2_000.0));
-        let a100 = published_gpu_peak("NVIDIA A100-SXM4-80GB", true).unwrap();
+        let a100 = published_gpu_peak("NVIDIA A100-SXM4-80GB", Math::Bf16).unwrap();
         assert_eq!(a100.bandwidth_gbs, 2_039.0);
-        let l40s = published_gpu_peak("NVIDIA L40S", true).unwrap();
+        let l40s = published_gpu_peak("NVIDIA L40S", Math::Bf16).unwrap();
         assert_eq!(l40s.matrix_tflops, 362.1);
-        assert!(published_gpu_peak("Some Other GPU", true).is_none());
+        assert!(published_gpu_peak("Some Other GPU", Math::Bf16).is_none());
     }
 }

@@ -86,9 +86,8 @@ fn engines(
     let values = spec.initial_values(5);
     let build = |device: &Device, fused: bool| {
         let options = EngineOptions {
-            batch,
             precision,
-            fused,
+            ..EngineOptions::f32(batch, fused)
         };
         engine::build(&spec, &values, device, options).unwrap()
     };
@@ -96,19 +95,20 @@ fn engines(
         Place::Device(device) => [build(device, false), build(device, true)],
         Place::EmulatedGpu => [
             build(&Device::Cpu, false),
-            emulated(&spec, &values, batch, precision),
+            emulated(
+                &spec,
+                &values,
+                EngineOptions::f32(batch, true).with(precision),
+            ),
         ],
     }
 }
 
 #[cfg(feature = "cuda-emulator")]
-fn emulated(
-    spec: &ModelSpec,
-    values: &[f32],
-    batch: usize,
-    precision: Precision,
-) -> Box<dyn Engine> {
-    Box::new(tinygpt::cuda::FusedCuda::emulated(spec, values, batch, precision).unwrap())
+fn emulated(spec: &ModelSpec, values: &[f32], options: EngineOptions) -> Box<dyn Engine> {
+    let (batch, precision) = (options.batch, options.precision);
+    let engine = tinygpt::cuda::FusedCuda::emulated(spec, values, batch, precision).unwrap();
+    Box::new(engine.with_tf32(options.tf32))
 }
 
 /// The CUDA engine at `place` (emulated or on a GPU) in bf16 with attention through
@@ -138,7 +138,7 @@ fn products_path(_: &Place, _: &ModelConfig, _: usize) -> Option<Box<dyn Engine>
 }
 
 #[cfg(not(feature = "cuda-emulator"))]
-fn emulated(_: &ModelSpec, _: &[f32], _: usize, _: Precision) -> Box<dyn Engine> {
+fn emulated(_: &ModelSpec, _: &[f32], _: EngineOptions) -> Box<dyn Engine> {
     unreachable!("no emulator in this build")
 }
 
@@ -153,6 +153,44 @@ fn batch(b: usize, t: usize, v: u32, seed: u32) -> Batch {
         y: ids(seed + 1000),
         batch: b,
         block: t,
+    }
+}
+
+/// `train.tf32`: the CUDA engine's f32 products on TF32 tensor cores (in the emulator,
+/// operands rounded to 10-bit mantissas) stay within TF32's rounding of f32 training
+/// and are not f32 training; the CPU engines have no TF32 and give the same bits.
+#[test]
+fn tf32_products_stay_within_their_rounding_and_the_cpu_ignores_them() {
+    let cfg = cfg(PositionKind::Learned, true);
+    let spec = ModelSpec::new(&cfg);
+    let values = spec.initial_values(5);
+    let b = 3;
+    let batch = batch(b, 7, 11, 2);
+    let options = |tf32| EngineOptions {
+        tf32,
+        ..EngineOptions::f32(b, true)
+    };
+    for place in &devices() {
+        let build = |tf32| match place {
+            Place::Device(d) => engine::build(&spec, &values, d, options(tf32)).unwrap(),
+            Place::EmulatedGpu => emulated(&spec, &values, options(tf32)),
+        };
+        let (mut exact, mut tf32) = (build(false), build(true));
+        let (loss, grads) = loss_and_grads(exact.as_mut(), &batch, None);
+        let (tf32_loss, tf32_grads) = loss_and_grads(tf32.as_mut(), &batch, None);
+        let what = format!("{place:?}");
+        if matches!(place, Place::Device(d) if d.is_cpu()) {
+            assert_eq!(tf32_loss, loss, "{what}: the CPU has no TF32");
+            assert_all_close(&tf32_grads, &grads, 0.0, &what);
+        } else {
+            assert!(tf32.describe().contains("TF32"), "{}", tf32.describe());
+            assert!(tf32_loss != loss, "{what}: TF32 gave f32's loss exactly");
+            assert!(
+                (tf32_loss - loss).abs() <= 1e-3 * loss,
+                "{what}: TF32 loss {tf32_loss} vs f32 {loss}"
+            );
+            assert_all_close(&tf32_grads, &grads, 1e-2, &what);
+        }
     }
 }
 

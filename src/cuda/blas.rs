@@ -13,7 +13,7 @@ use anyhow::{ensure, Result};
 use super::buffers::Buf;
 use super::calls::{ColumnMajor, Operands};
 use super::gpu::Gpu;
-use crate::config::Precision;
+use crate::config::Math;
 use crate::model::spec::{LinearParams, ModelSpec};
 use crate::profile::Group;
 
@@ -82,7 +82,7 @@ impl Operand {
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
     gpu: &Gpu,
-    (operands, precision, group): (Operands, Precision, Group),
+    (operands, math, group): (Operands, Math, Group),
     c: Matrix,
     a: Operand,
     b: Operand,
@@ -93,7 +93,7 @@ pub fn matmul(
     let call = column_major(operands, c, a, b, (alpha, beta), batch)?;
     // SAFETY: the addresses are into the engine's live buffers on `gpu`, sized for
     // these shapes (shapes, row spacings and batch strides checked), of `operands`.
-    unsafe { gpu.gemm(&call, precision, group) }
+    unsafe { gpu.gemm(&call, math, group) }
 }
 
 /// C = op(A) op(B) as cuBLAS's column-major product, once the shapes agree.
@@ -156,7 +156,7 @@ fn column_major(
 /// a decoding step at batch 1 is mostly that read.
 #[derive(Clone, Copy)]
 pub enum Weights<'a> {
-    F32(Precision),
+    F32(Math),
     Bf16(&'a Buf<u16>),
 }
 
@@ -174,9 +174,9 @@ pub fn linear(
     rows: usize,
 ) -> Result<()> {
     let offset = spec[p.weight].offset;
-    let (operands, w, precision) = match weights {
-        Weights::F32(precision) => (Operands::F32, params.at(offset), precision),
-        Weights::Bf16(copy) => (Operands::Bf16, copy.at(offset), Precision::Bf16),
+    let (operands, w, math) = match weights {
+        Weights::F32(math) => (Operands::F32, params.at(offset), math),
+        Weights::Bf16(copy) => (Operands::Bf16, copy.at(offset), Math::Bf16),
     };
     let (c, a, b) = (
         Matrix::new(out, rows, p.d_out),
@@ -185,7 +185,7 @@ pub fn linear(
     );
     let call = column_major(operands, c, a, b, (1.0, 0.0), 1)?;
     // SAFETY: `out`, `x` and the weights are live buffers of these shapes (checked).
-    unsafe { gpu.gemm(&call, precision, Group::Product(p.role)) }?;
+    unsafe { gpu.gemm(&call, math, Group::Product(p.role)) }?;
     if let Some(bias) = p.bias {
         gpu.add_bias(out, params.at(spec[bias].offset), rows, p.d_out)?;
     }

@@ -136,6 +136,16 @@ kernels! {
     SampleTokens = "sample_tokens" in "sample" as Classifier,
 }
 
+/// x rounded to TF32 (the top 19 bits of an f32: 10 of mantissa), to nearest with ties
+/// away from zero, as PTX's cvt.rna.tf32.f32 does; infinities and NaN as they are.
+#[cfg(any(test, feature = "cuda-emulator"))]
+pub fn round_to_tf32(x: f32) -> f32 {
+    if !x.is_finite() {
+        return x;
+    }
+    f32::from_bits((x.to_bits() + 0x1000) & !0x1fff)
+}
+
 /// What a product's operands A and B are in memory (C is f32 either way).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Operands {

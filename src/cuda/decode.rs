@@ -20,7 +20,7 @@ use super::kernels::{
     SamplingWork,
 };
 use super::tables::PositionTables;
-use crate::config::Precision;
+use crate::config::{Math, Precision};
 use crate::cpu::ops::Positions;
 use crate::cpu::Place;
 use crate::model::spec::{LinearParams, ModelSpec, NormParams};
@@ -603,16 +603,7 @@ impl CudaDecoder {
     fn linear(&self, out: u64, x: u64, p: &LinearParams, rows: usize) -> Result<()> {
         let (spec, params, g) = (&self.spec, &self.params, &self.gpu);
         match &self.bf16 {
-            None => linear(
-                g,
-                Weights::F32(Precision::F32),
-                spec,
-                params,
-                out,
-                x,
-                p,
-                rows,
-            ),
+            None => linear(g, Weights::F32(Math::F32), spec, params, out, x, p, rows),
             Some(b) => {
                 g.to_bf16(b.x.ptr(), x, rows * p.d_in)?;
                 let weights = Weights::Bf16(&b.weights);

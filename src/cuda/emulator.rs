@@ -8,7 +8,7 @@ use std::ffi::{c_char, c_void, CString};
 use anyhow::{bail, Result};
 
 use super::calls::{ColumnMajor, Launch, Operands};
-use crate::config::Precision;
+use crate::config::Math;
 
 extern "C" {
     fn tinygpt_emulate_launch(
@@ -74,17 +74,18 @@ pub unsafe fn launch(
 }
 
 /// cuBLAS's strided-batched product, column-major: C = alpha op(A) op(B) + beta C
-/// (beta 0 ignores C, as cuBLAS does). Under `Precision::Bf16` each operand is rounded
-/// to bf16 first and the sums stay f32, as the tensor cores do; bf16 operands in memory
-/// (`Operands::Bf16`) are read as they are.
+/// (beta 0 ignores C, as cuBLAS does). Under `Math::Tf32` and `Math::Bf16` each f32
+/// operand is rounded first and the sums stay f32, as the tensor cores do; bf16
+/// operands in memory (`Operands::Bf16`) are read as they are.
 ///
 /// # Safety
 /// The addresses are into live host buffers holding the matrices `g` describes: f32
 /// ones, or A and B of bf16 bits.
-pub unsafe fn gemm(g: &ColumnMajor, precision: Precision) {
-    let round = |x: f32| match precision {
-        Precision::F32 => x,
-        Precision::Bf16 => crate::cpu::bf16::round_to_bf16(x),
+pub unsafe fn gemm(g: &ColumnMajor, math: Math) {
+    let round = |x: f32| match math {
+        Math::F32 => x,
+        Math::Tf32 => super::calls::round_to_tf32(x),
+        Math::Bf16 => crate::cpu::bf16::round_to_bf16(x),
     };
     // SAFETY (each read): in the matrices the caller describes.
     let operand = |base: usize, i: usize| match g.operands {
@@ -140,7 +141,7 @@ pub enum Recorded {
     },
     Gemm {
         g: ColumnMajor,
-        precision: Precision,
+        math: Math,
     },
 }
 
@@ -198,7 +199,7 @@ pub unsafe fn replay(calls: &[Recorded]) -> Result<()> {
                 unsafe { launch(name, *cfg, &mut ptrs, &sizes) }?;
             }
             // SAFETY: as the caller promises.
-            Recorded::Gemm { g, precision } => unsafe { gemm(g, *precision) },
+            Recorded::Gemm { g, math } => unsafe { gemm(g, *math) },
         }
     }
     Ok(())

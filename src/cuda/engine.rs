@@ -29,7 +29,7 @@ use super::kernels::{adamw_chunks, AdamBuffers, DropoutArgs, HeadView, Heads, No
 use super::plan::{Attention, Plan, FLASH_MAX_HEAD, LOSS_SLOTS, LOSS_SUM, NORM_SQ, PARTS};
 use super::ranks::Ranks;
 use super::tables::PositionTables;
-use crate::config::Precision;
+use crate::config::{Math, Precision};
 use crate::cpu::ops::Positions;
 use crate::model::spec::{LinearParams, ModelSpec, NormParams, ParamId};
 use crate::model::{Dropout, Site};
@@ -42,6 +42,8 @@ pub struct FusedCuda {
     spec: ModelSpec,
     batch: usize,
     precision: Precision,
+    /// f32 products on TF32 tensor cores (`train.tf32`).
+    tf32: bool,
     /// Where the buffers live and the kernels run.
     gpu: Gpu,
     /// Only this thread may drive it.
@@ -360,6 +362,7 @@ impl FusedCuda {
             spec: spec.clone(),
             batch,
             precision,
+            tf32: false,
             attention,
             gpu,
         };
@@ -448,6 +451,18 @@ impl FusedCuda {
         self.precision
     }
 
+    /// The engine with its f32 products on TF32 tensor cores (`on`), or exact f32.
+    /// bf16 products stay bf16.
+    pub fn with_tf32(mut self, on: bool) -> Self {
+        self.tf32 = on;
+        self
+    }
+
+    /// How its products multiply.
+    pub fn math(&self) -> Math {
+        self.precision.math(self.tf32)
+    }
+
     pub fn attention(&self) -> Attention {
         self.attention
     }
@@ -460,7 +475,7 @@ impl FusedCuda {
     /// How a profile times this engine's work and the peak it is held to.
     pub fn profiled(&self) -> Result<crate::profile::Profiled> {
         self.bind()?;
-        super::peak::profiled(&self.gpu, self.precision)
+        super::peak::profiled(&self.gpu, self.math())
     }
 
     fn rows(&self) -> usize {
@@ -704,7 +719,7 @@ impl FusedCuda {
         (alpha, beta): (f32, f32),
         batch: usize,
     ) -> Result<()> {
-        let how = (operands, self.precision, group);
+        let how = (operands, self.math(), group);
         matmul(&self.gpu, how, c, a, b, alpha, beta, batch)
     }
 
@@ -760,7 +775,7 @@ impl FusedCuda {
         let (spec, params, n) = (&self.spec, &self.params, self.rows());
         let (weights, x) = match (&self.bf16, x) {
             (Some(b), x) => (Weights::Bf16(&b.weights), self.rounded(x, p.d_in)?),
-            (None, Rows::F32(x)) => (Weights::F32(self.precision), x),
+            (None, Rows::F32(x)) => (Weights::F32(self.math()), x),
             (None, Rows::Rounded) => anyhow::bail!("rounded rows with f32 products"),
         };
         linear(&self.gpu, weights, spec, params, out, x, p, n)

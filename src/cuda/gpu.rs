@@ -18,7 +18,7 @@ use candle_core::cuda::cudarc::{
 };
 
 use super::calls::{Arg, ColumnMajor, Kernel, Launch, MAX_ARGS};
-use crate::config::Precision;
+use crate::config::Math;
 use crate::profile::{self, Cost, Group};
 
 /// The thread that built an engine or decoder. Its work goes to that thread's stream
@@ -238,19 +238,19 @@ impl Gpu {
     /// # Safety
     /// Its addresses are into live buffers of this device holding the matrices it
     /// describes.
-    pub unsafe fn gemm(&self, g: &ColumnMajor, precision: Precision, group: Group) -> Result<()> {
+    pub unsafe fn gemm(&self, g: &ColumnMajor, math: Math, group: Group) -> Result<()> {
         match self {
             #[cfg(feature = "cuda")]
             Gpu::Cuda(gpu) => gpu.timed(group, g.cost(), || unsafe {
-                cublas_gemm(&gpu.blas, g, precision)
+                cublas_gemm(&gpu.blas, g, math)
             }),
             #[cfg(feature = "cuda-emulator")]
             Gpu::Emulated => {
                 let g = *g;
-                if !super::emulator::record(|| super::emulator::Recorded::Gemm { g, precision }) {
+                if !super::emulator::record(|| super::emulator::Recorded::Gemm { g, math }) {
                     profile::record(group, g.cost(), None);
                     if !super::emulator::costs_only() {
-                        unsafe { super::emulator::gemm(&g, precision) };
+                        unsafe { super::emulator::gemm(&g, math) };
                     }
                 }
                 Ok(())
@@ -411,16 +411,19 @@ fn ptx(module: &str) -> &'static str {
 
 /// cuBLAS's strided-batched product (`Gpu::gemm` on CUDA; same safety contract).
 #[cfg(feature = "cuda")]
-unsafe fn cublas_gemm(blas: &CudaBlas, g: &ColumnMajor, precision: Precision) -> Result<()> {
-    use sys::cublasComputeType_t::{CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_16BF};
+unsafe fn cublas_gemm(blas: &CudaBlas, g: &ColumnMajor, math: Math) -> Result<()> {
+    use sys::cublasComputeType_t::{
+        CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_16BF, CUBLAS_COMPUTE_32F_FAST_TF32,
+    };
     use sys::cudaDataType_t::{CUDA_R_16BF, CUDA_R_32F};
-    // bf16 operands in memory sum in f32; f32 ones either stay f32 or are rounded to
+    // bf16 operands in memory sum in f32; f32 ones stay f32, or are rounded to TF32 or
     // bf16 on the tensor cores.
     use super::calls::Operands;
-    let (operands, compute) = match (g.operands, precision) {
+    let (operands, compute) = match (g.operands, math) {
         (Operands::Bf16, _) => (CUDA_R_16BF, CUBLAS_COMPUTE_32F),
-        (Operands::F32, Precision::F32) => (CUDA_R_32F, CUBLAS_COMPUTE_32F),
-        (Operands::F32, Precision::Bf16) => (CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_16BF),
+        (Operands::F32, Math::F32) => (CUDA_R_32F, CUBLAS_COMPUTE_32F),
+        (Operands::F32, Math::Tf32) => (CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32),
+        (Operands::F32, Math::Bf16) => (CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_16BF),
     };
     let op = |t: bool| {
         if t {

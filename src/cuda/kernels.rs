@@ -887,7 +887,7 @@ pub fn adamw_chunks(
 mod tests {
     use super::super::buffers::Buf;
     use super::*;
-    use crate::config::Precision;
+    use crate::config::Math;
 
     /// Where the kernels can run in this build: the emulator, and the first GPU where
     /// the build and the machine have one (said loudly when not).
@@ -1289,7 +1289,7 @@ mod tests {
             let layer = |weights, out: &Buf<f32>, x: u64| {
                 linear(&gpu, weights, &spec, &params, out.ptr(), x, &p, rows).unwrap()
             };
-            layer(Weights::F32(Precision::Bf16), &want, x.ptr());
+            layer(Weights::F32(Math::Bf16), &want, x.ptr());
             layer(Weights::Bf16(&weights16), &got, x16.ptr());
             let (want, got) = (
                 want.read(&gpu, rows * p.d_out).unwrap(),
@@ -1298,7 +1298,7 @@ mod tests {
             let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
             let err = rel_err(&got, &want64);
             let f32_products = Buf::<f32>::zeros(&gpu, rows * p.d_out).unwrap();
-            layer(Weights::F32(Precision::F32), &f32_products, x.ptr());
+            layer(Weights::F32(Math::F32), &f32_products, x.ptr());
             let exact = f32_products.read(&gpu, rows * p.d_out).unwrap();
             if place == "emulator" {
                 assert!(err == 0.0, "{place}: off by {err:e}");
@@ -1319,6 +1319,108 @@ mod tests {
                 "{place}: the operands were not rounded"
             );
         }
+    }
+
+    /// TF32 products (`train.tf32`) are the f32 products of operands rounded to 10-bit
+    /// mantissas: in the emulator exactly the f64 sums of the rounded operands (to f32
+    /// summation), on a GPU within TF32's rounding of the f32 product (reported), and
+    /// apart from the exact f32 product in both.
+    #[test]
+    fn tf32_products_multiply_operands_rounded_to_ten_bits() {
+        use super::super::blas::{linear, Weights};
+        use super::super::calls::round_to_tf32;
+        use crate::config::ModelConfig;
+        use crate::model::ModelSpec;
+        let cfg = ModelConfig {
+            n_layer: 1,
+            n_head: 2,
+            n_embd: 24,
+            block_size: 4,
+            vocab_size: 7,
+            bias: false,
+            ..ModelConfig::default()
+        };
+        let spec = ModelSpec::new(&cfg);
+        let p = spec.blocks[0].mlp_fc;
+        let values: Vec<f32> = (0..spec.len() as u32)
+            .map(|i| ((i.wrapping_mul(2654435761) >> 8) % 2001) as f32 / 997.0 - 1.0)
+            .collect();
+        let rows = 5;
+        let x: Vec<f32> = (0..(rows * p.d_in) as u32)
+            .map(|i| (i as f32 * 0.37).sin())
+            .collect();
+        let w = &values[spec[p.weight].offset..][..p.d_out * p.d_in];
+        let rounded_product: Vec<f64> = (0..rows * p.d_out)
+            .map(|e| {
+                let (r, o) = (e / p.d_out, e % p.d_out);
+                (0..p.d_in)
+                    .map(|k| {
+                        let xv = round_to_tf32(x[r * p.d_in + k]) as f64;
+                        xv * round_to_tf32(w[o * p.d_in + k]) as f64
+                    })
+                    .sum()
+            })
+            .collect();
+        for (place, gpu) in gpus() {
+            let params = Buf::from_host(&gpu, &values).unwrap();
+            let xb = Buf::from_host(&gpu, &x).unwrap();
+            let product = |math| {
+                let out = Buf::<f32>::zeros(&gpu, rows * p.d_out).unwrap();
+                linear(
+                    &gpu,
+                    Weights::F32(math),
+                    &spec,
+                    &params,
+                    out.ptr(),
+                    xb.ptr(),
+                    &p,
+                    rows,
+                )
+                .unwrap();
+                out.read(&gpu, rows * p.d_out).unwrap()
+            };
+            let (tf32, exact) = (product(Math::Tf32), product(Math::F32));
+            let exact64: Vec<f64> = exact.iter().map(|&v| v as f64).collect();
+            let (to_rounded, to_exact) =
+                (rel_err(&tf32, &rounded_product), rel_err(&tf32, &exact64));
+            if place == "emulator" {
+                assert!(
+                    to_rounded <= 1e-6,
+                    "{place}: off the rounded operands' product by {to_rounded:e}"
+                );
+                assert!(
+                    to_exact > 1e-5,
+                    "{place}: TF32 gave the f32 product ({to_exact:e} apart)"
+                );
+            } else {
+                eprintln!("{place}: TF32 vs rounded operands {to_rounded:e}, vs f32 {to_exact:e}");
+                assert!(
+                    to_exact <= 2e-3,
+                    "{place}: TF32 off the f32 product by {to_exact:e}"
+                );
+            }
+        }
+    }
+
+    /// Rounding to TF32 keeps 10 mantissa bits, to nearest with ties away from zero
+    /// (cvt.rna): worked values.
+    #[test]
+    fn tf32_rounding_keeps_ten_bits_ties_away() {
+        use super::super::calls::round_to_tf32;
+        let ulp = 2f32.powi(-10);
+        for (x, want) in [
+            (1.0, 1.0),
+            (1.0 + ulp, 1.0 + ulp),
+            (1.0 + ulp / 2.0, 1.0 + ulp),       // a tie: away from zero
+            (-(1.0 + ulp / 2.0), -(1.0 + ulp)), // and for negatives
+            (1.0 + ulp / 2.0 - 2f32.powi(-23), 1.0), // just under the tie
+            (1.0 + 3.0 * ulp / 4.0, 1.0 + ulp),
+            (3.0 + 2f32.powi(-9) / 4.0, 3.0),
+            (f32::INFINITY, f32::INFINITY),
+        ] {
+            assert_eq!(round_to_tf32(x), want, "{x:e}");
+        }
+        assert!(round_to_tf32(f32::NAN).is_nan());
     }
 
     /// A sampler's settings: temperature, top-k, top-p, repetition penalty.

@@ -7,20 +7,19 @@
 use anyhow::Result;
 
 use super::gpu::Gpu;
-use crate::config::Precision;
+use crate::config::Math;
 use crate::profile::{published_gpu_peak, Peak, Profiled, Timing};
 
 /// How the engine's work on `gpu`, products in `precision`, is profiled.
-pub fn profiled(gpu: &Gpu, precision: Precision) -> Result<Profiled> {
-    let bf16 = precision == Precision::Bf16;
+pub fn profiled(gpu: &Gpu, math: Math) -> Result<Profiled> {
     match gpu {
         #[cfg(feature = "cuda")]
         Gpu::Cuda(g) => {
             let name = g.stream.context().name()?;
             // Measured beside the engine's buffers: where memory is too short for the
             // few hundred MB it takes, the published figures stand alone.
-            let measured = measure(gpu, g, precision);
-            let peak = match (published_gpu_peak(&name, bf16), measured) {
+            let measured = measure(gpu, g, math);
+            let peak = match (published_gpu_peak(&name, math), measured) {
                 (Some(published), measured) => Peak {
                     measured: measured.ok(),
                     ..published
@@ -34,7 +33,7 @@ pub fn profiled(gpu: &Gpu, precision: Precision) -> Result<Profiled> {
         }
         #[cfg(feature = "cuda-emulator")]
         Gpu::Emulated => {
-            let h100 = published_gpu_peak("H100 SXM", bf16).expect("the table has the H100");
+            let h100 = published_gpu_peak("H100 SXM", math).expect("the table has the H100");
             Ok(Profiled {
                 timing: Timing::Untimed,
                 peak: Peak {
@@ -50,11 +49,7 @@ pub fn profiled(gpu: &Gpu, precision: Precision) -> Result<Profiled> {
 /// streaming passes (a residual add over 16M values: 192 MB moved each), each the best
 /// of five after one untimed: about 320 MB beside the engine.
 #[cfg(feature = "cuda")]
-fn measure(
-    gpu: &Gpu,
-    g: &super::gpu::CudaGpu,
-    precision: Precision,
-) -> Result<crate::profile::Measured> {
+fn measure(gpu: &Gpu, g: &super::gpu::CudaGpu, math: Math) -> Result<crate::profile::Measured> {
     use super::buffers::Buf;
     use super::calls::{ColumnMajor, Operands};
     use super::kernels::DropoutArgs;
@@ -77,9 +72,9 @@ fn measure(
         Ok(best)
     };
     let n = 4096;
-    let operands = match precision {
-        Precision::Bf16 => Operands::Bf16,
-        Precision::F32 => Operands::F32,
+    let operands = match math {
+        Math::Bf16 => Operands::Bf16,
+        Math::F32 | Math::Tf32 => Operands::F32,
     };
     // Operands of ones (bf16 1.0 is 0x3f80): zeros would spare the units' power.
     let (a, b): (u64, u64);
@@ -118,7 +113,7 @@ fn measure(
         batch: 1,
     };
     // SAFETY: the three buffers are live and n x n.
-    let seconds = best_of_five(&|| unsafe { gpu.gemm(&product, precision, Group::Copy) })?;
+    let seconds = best_of_five(&|| unsafe { gpu.gemm(&product, math, Group::Copy) })?;
     let matrix_tflops = 2.0 * (n as f64).powi(3) / seconds / 1e12;
 
     let len = 1 << 24;

@@ -4,7 +4,7 @@
 use anyhow::Result;
 
 use super::interface::{check_batch, moments_by_name, moments_from_names, Engine};
-use crate::config::Precision;
+use crate::config::Math;
 use crate::cuda::{Attention, FusedCuda};
 use crate::data::Batch;
 use crate::model::params::{flat_from_named, named_from_flat, NamedTensors};
@@ -18,12 +18,15 @@ impl Engine for FusedCuda {
     }
 
     fn describe(&self) -> String {
-        let products = match (self.precision(), self.bf16_operands()) {
-            (Precision::F32, _) => "fused CUDA kernels, cuBLAS f32 products",
-            (Precision::Bf16, true) => {
+        let products = match (self.math(), self.bf16_operands()) {
+            (Math::F32, _) => "fused CUDA kernels, cuBLAS f32 products",
+            (Math::Tf32, _) => {
+                "fused CUDA kernels, cuBLAS TF32 tensor-core products of f32 data (train.tf32)"
+            }
+            (Math::Bf16, true) => {
                 "fused CUDA kernels, bf16 tensor-core products of bf16 operand copies (f32 sums and weights)"
             }
-            (Precision::Bf16, false) => {
+            (Math::Bf16, false) => {
                 "fused CUDA kernels, bf16 tensor-core products of f32 operands rounded by cuBLAS (f32 sums and weights)"
             }
         };

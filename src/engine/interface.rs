@@ -112,6 +112,8 @@ pub struct EngineOptions {
     pub precision: Precision,
     /// Use a fused engine where one runs on the device (`train.fused`).
     pub fused: bool,
+    /// f32 products on TF32 tensor cores where the device has them (`train.tf32`).
+    pub tf32: bool,
 }
 
 impl EngineOptions {
@@ -122,7 +124,13 @@ impl EngineOptions {
             batch,
             precision: Precision::F32,
             fused,
+            tf32: false,
         }
+    }
+
+    /// The same options with products in `precision`.
+    pub fn with(self, precision: Precision) -> Self {
+        Self { precision, ..self }
     }
 }
 

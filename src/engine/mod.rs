@@ -55,6 +55,17 @@ pub fn build_replica(
 ) -> Result<Box<dyn Engine>> {
     let (batch, precision) = (options.batch, options.precision);
     let ranks = comm.size();
+    #[cfg(feature = "cuda-emulator")]
+    let emulated = emulate_cuda();
+    #[cfg(not(feature = "cuda-emulator"))]
+    let emulated = false;
+    let tf32_runs = device.is_cuda() || emulated;
+    if options.tf32 && precision == crate::config::Precision::F32 && !tf32_runs {
+        eprintln!(
+            "note: train.tf32 is for CUDA GPUs' tensor cores; on {} the products stay f32",
+            crate::device::name(device)
+        );
+    }
     // Where the fused CUDA code failed its first-use check, the reference engine trains.
     #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
     let cuda_failed = first_use_failure;
@@ -81,7 +92,8 @@ pub fn build_replica(
                 eprintln!("{line}");
                 return reference("the fused CUDA code failed its first-use check");
             }
-            let engine = crate::cuda::FusedCuda::emulated(spec, weights, batch, precision)?;
+            let engine = crate::cuda::FusedCuda::emulated(spec, weights, batch, precision)?
+                .with_tf32(options.tf32);
             Ok(Box::new(engine.with_ranks(comm)?))
         }
         Footprint::FusedCpu => {
@@ -96,7 +108,8 @@ pub fn build_replica(
                 eprintln!("{line}");
                 return reference("the fused CUDA code failed its first-use check");
             }
-            let engine = crate::cuda::FusedCuda::new(spec, weights, device, batch, precision)?;
+            let engine = crate::cuda::FusedCuda::new(spec, weights, device, batch, precision)?
+                .with_tf32(options.tf32);
             Ok(Box::new(engine.with_ranks(comm)?))
         }
         _ if !options.fused => reference("train.fused = false"),

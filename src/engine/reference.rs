@@ -41,6 +41,12 @@ impl ReferenceEngine {
         options: EngineOptions,
         why: &'static str,
     ) -> Result<Self> {
+        // candle's f32 products on CUDA take TF32 from one process-wide switch: set to
+        // what this engine asks for each time one is built.
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() {
+            candle_core::cuda::set_gemm_reduced_precision_f32(options.tf32);
+        }
         let model = Gpt::from_flat(spec, weights, device, DType::F32, options.precision)?;
         Ok(Self {
             grads: vec![None; model.params().len()],

@@ -107,6 +107,7 @@ pub fn engine_options(train: &TrainConfig) -> EngineOptions {
         batch: train.batch_size,
         precision: train.dtype,
         fused: train.fused,
+        tf32: train.tf32,
     }
 }
 
