@@ -102,6 +102,8 @@ kernels! {
     EmbeddingBackwardPositions = "embedding_backward_positions" in "embedding" as Embedding,
     NormForward = "norm_forward" in "norm" as Norm,
     NormApply = "norm_apply" in "norm" as Norm,
+    ResidualNormForward = "residual_norm_forward" in "norm" as Norm,
+    NormBackward = "norm_backward" in "norm" as Norm,
     NormBackwardInput = "norm_backward_input" in "norm" as Norm,
     NormBackwardParams = "norm_backward_params" in "norm" as Norm,
     ColumnPartials = "column_partials" in "norm" as Elementwise,

@@ -26,7 +26,7 @@ use super::buffers::{Buf, Staging};
 use super::calls::Operands;
 use super::gpu::Gpu;
 use super::kernels::{adamw_chunks, AdamBuffers, DropoutArgs, HeadView, Heads, NormRows, Out};
-use super::plan::{Attention, Plan, FLASH_MAX_HEAD, LOSS_SLOTS, LOSS_SUM, NORM_SQ, PARTS};
+use super::plan::{partials_len, Attention, Plan, FLASH_MAX_HEAD, LOSS_SLOTS, LOSS_SUM, NORM_SQ};
 use super::ranks::Ranks;
 use super::tables::PositionTables;
 use crate::config::{Math, Precision};
@@ -338,7 +338,7 @@ impl FusedCuda {
             att: zeros(scores)?,
             datt: zeros(scores)?,
             dsum: zeros(dsum_len)?,
-            partials: zeros(PARTS * 2 * widest)?,
+            partials: zeros(partials_len(c, widest))?,
             sums: Buf::zeros(&gpu, LOSS_SUM + LOSS_SLOTS)?,
         };
         let plan = Plan::for_spec(spec, batch, attention, precision);
@@ -563,13 +563,9 @@ impl FusedCuda {
         for l in 0..s.n_layer {
             self.block_forward(l)?;
         }
+        // The last block normed its output (ln_f) as it added its residual.
         let a = &self.acts;
-        let last = a.blocks.last().expect("at least one layer").res_3.ptr();
-        // The final norm's output is kept in f32 for the backward, and rounded for the
-        // output layer's product where products are bf16.
-        let (mut ln_f, input) = self.product_input(a.ln_f.ptr());
-        ln_f.f32 = a.ln_f.ptr();
-        self.norm_forward(ln_f, &a.ln_f_stats, last, &self.spec.ln_f)?;
+        let (_, input) = self.product_input(a.ln_f.ptr());
         self.linear_forward(a.logits.ptr(), input, &self.spec.output_layer())?;
         // With bf16 products the loss's gradient at the logits goes, rounded, straight
         // into the buffer the output layer's backward products read.
@@ -624,9 +620,12 @@ impl FusedCuda {
     }
 
     /// Block `l`: res_2 = x + attention(ln_1(x)); res_3 = res_2 + mlp(ln_2(res_2)).
+    /// Each residual add also norms its sum for what reads it next (`residual_norm`):
+    /// ln_2 here, and the next block's ln_1 or the final norm at the end; so only the
+    /// first block norms its input itself.
     fn block_forward(&self, l: usize) -> Result<()> {
         let (s, k, sc) = (&self.spec.shapes, &self.gpu, &self.scratch);
-        let (n, c) = (self.rows(), s.n_embd);
+        let n = self.rows();
         let p = &self.spec.blocks[l];
         let a = &self.acts.blocks[l];
         let x = self.block_input(l);
@@ -635,7 +634,9 @@ impl FusedCuda {
         // Attention: q | k | v of the normed input, positions turned in, heads attend,
         // their outputs projected back into the residual stream.
         let (ln, normed) = self.product_input(sc.ln.ptr());
-        self.norm_forward(ln, &a.ln_1, x, &p.ln_1)?;
+        if l == 0 {
+            self.norm_forward(ln, &a.ln_1, x, &p.ln_1)?;
+        }
         self.linear_forward(a.qkv.ptr(), normed, &p.attn_qkv)?;
         if let Some(tables) = self.tables.rope() {
             let at = Positions::from_start(s.block_size);
@@ -644,17 +645,30 @@ impl FusedCuda {
         self.attention_forward(l, a.y.ptr(), a.qkv.ptr())?;
         self.linear_forward(sc.branch.ptr(), Rows::F32(a.y.ptr()), &p.attn_proj)?;
         let mask = DropoutArgs::at(dropout, Site::AttentionOutput(l));
-        k.residual(a.res_2.ptr(), x, sc.branch.ptr(), n * c, mask)?;
+        let residual = (a.res_2.ptr(), x, sc.branch.ptr(), mask);
+        self.residual_norm(residual, ln, &a.ln_2, &p.ln_2)?;
 
         // MLP: expand, non-linearity, project back.
-        self.norm_forward(ln, &a.ln_2, a.res_2.ptr(), &p.ln_2)?;
         self.linear_forward(a.fc.ptr(), normed, &p.mlp_fc)?;
         let kind = self.spec.config.mlp;
         let (act, activated) = self.product_input(sc.act.ptr());
         k.activation_forward(act, a.fc.ptr(), n, s.mlp_hidden, kind)?;
         self.linear_forward(sc.branch.ptr(), activated, &p.mlp_proj)?;
         let mask = DropoutArgs::at(dropout, Site::MlpOutput(l));
-        k.residual(a.res_3.ptr(), a.res_2.ptr(), sc.branch.ptr(), n * c, mask)
+        let residual = (a.res_3.ptr(), a.res_2.ptr(), sc.branch.ptr(), mask);
+        match self.acts.blocks.get(l + 1) {
+            Some(next) => {
+                self.residual_norm(residual, ln, &next.ln_1, &self.spec.blocks[l + 1].ln_1)
+            }
+            None => {
+                // The final norm's output is kept in f32 for the backward, and rounded
+                // for the output layer's product where products are bf16.
+                let (mut ln_f, _) = self.product_input(self.acts.ln_f.ptr());
+                ln_f.f32 = self.acts.ln_f.ptr();
+                let stats = &self.acts.ln_f_stats;
+                self.residual_norm(residual, ln_f, stats, &self.spec.ln_f)
+            }
+        }
     }
 
     /// Block `l`'s input: the embeddings, or the block below's output.
@@ -856,6 +870,21 @@ impl FusedCuda {
     fn norm_forward(&self, out: Out, stats: &Stats, x: u64, p: &NormParams) -> Result<()> {
         let eps = self.spec.config.norm_eps as f32;
         self.gpu.norm_forward(out, x, self.norm_rows(stats, p), eps)
+    }
+
+    /// res = x + branch * mask, then `out` = the norm `p` of res, its statistics kept
+    /// in `stats`.
+    fn residual_norm(
+        &self,
+        (res, x, branch, mask): (u64, u64, u64, DropoutArgs),
+        out: Out,
+        stats: &Stats,
+        p: &NormParams,
+    ) -> Result<()> {
+        let eps = self.spec.config.norm_eps as f32;
+        let rows = self.norm_rows(stats, p);
+        self.gpu
+            .residual_norm_forward((res, x, branch, mask), out, rows, eps)
     }
 
     /// out = the norm's output again, from x and the kept statistics.

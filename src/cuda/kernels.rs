@@ -173,6 +173,10 @@ fn elements(n: usize) -> Launch {
     }
 }
 
+/// The widest rows `norm_backward` takes in one pass (32 lanes x NORM_LANE_COLS in
+/// kernels/norm.cu).
+pub const NORM_ONE_PASS_WIDTH: usize = 32 * 48;
+
 /// One warp per row.
 fn warp_rows(rows: usize) -> Launch {
     let per_block = THREADS as usize / 32;
@@ -444,6 +448,25 @@ impl Gpu {
             out.f32, out.bf16, n.mean, n.rstd, x, n.weight, n.bias, int(n.rows), int(n.c), eps, n.rms())
     }
 
+    /// res = x + branch * mask, then out = the norm of each row of res (keeping each
+    /// row's mean and rstd): a residual add and the next norm in one pass.
+    pub fn residual_norm_forward(
+        &self,
+        (res, x, branch, dropout): (u64, u64, u64, DropoutArgs),
+        out: Out,
+        n: NormRows,
+        eps: f32,
+    ) -> Result<()> {
+        let values = n.rows * n.c;
+        let cost = Cost::new(
+            (9 * values) as f64,
+            4.0 * (3 * values + 2 * n.rows) as f64 + out.bytes(values),
+        );
+        launch!(self, ResidualNormForward, warp_rows(n.rows), cost;
+            res, out.f32, out.bf16, n.mean, n.rstd, x, branch, dropout, n.weight, n.bias,
+            int(n.rows), int(n.c), eps, n.rms())
+    }
+
     /// The forward's output again from the kept statistics.
     pub fn norm_apply(&self, out: Out, x: u64, n: NormRows) -> Result<()> {
         let values = n.rows * n.c;
@@ -453,7 +476,8 @@ impl Gpu {
     }
 
     /// dx += d(norm)/dx . dout; then the gain's (and bias's) gradients `dw` (`db`, 0
-    /// for none) += theirs, via `partials` (PARTS x 2C).
+    /// for none) += theirs, via `partials` (`plan::partials_len` floats). Rows of up to
+    /// NORM_ONE_PASS_WIDTH in one pass (`norm_backward`), wider ones in two.
     pub fn norm_backward(
         &self,
         (dx, dout, x): (u64, u64, u64),
@@ -462,11 +486,27 @@ impl Gpu {
         partials: u64,
     ) -> Result<()> {
         let (rows, c) = (n.rows, n.c);
-        launch!(self, NormBackwardInput, warp_rows(rows), Cost::f32s_and_flops(4 * rows * c, 12 * rows * c);
-            dx, dout, x, n.weight, n.mean, n.rstd, int(rows), int(c), n.rms())?;
-        let parts = super::plan::PARTS.min(rows);
-        launch!(self, NormBackwardParams, columns(c, parts), Cost::f32s_and_flops(2 * rows * c, 4 * rows * c);
-            partials, dout, x, n.mean, n.rstd, int(rows), int(c))?;
+        let parts = if c <= NORM_ONE_PASS_WIDTH {
+            // Blocks of two warps, at most NORM_PARTS warps (each warp's sums are one
+            // partial row): small blocks, so the warps spread over every SM.
+            let per_block = 2;
+            let blocks = rows.min(super::plan::NORM_PARTS).div_ceil(per_block);
+            let cfg = Launch {
+                grid: (blocks as u32, 1, 1),
+                threads: 32 * per_block as u32,
+            };
+            let (flops, f32s) = (15 * rows * c, 3 * rows * c + 2 * blocks * per_block * c);
+            launch!(self, NormBackward, cfg, Cost::f32s_and_flops(f32s, flops);
+                dx, partials, dout, x, n.weight, n.mean, n.rstd, int(rows), int(c), n.rms())?;
+            blocks * per_block
+        } else {
+            launch!(self, NormBackwardInput, warp_rows(rows), Cost::f32s_and_flops(4 * rows * c, 12 * rows * c);
+                dx, dout, x, n.weight, n.mean, n.rstd, int(rows), int(c), n.rms())?;
+            let parts = super::plan::PARTS.min(rows);
+            launch!(self, NormBackwardParams, columns(c, parts), Cost::f32s_and_flops(2 * rows * c, 4 * rows * c);
+                partials, dout, x, n.mean, n.rstd, int(rows), int(c))?;
+            parts
+        };
         self.add_column_sums(dw, partials, parts, 2 * c, c)?;
         if db != 0 {
             self.add_column_sums(db, partials + 4 * c as u64, parts, 2 * c, c)?;
@@ -1318,6 +1358,123 @@ mod tests {
                 rel_err(&exact, &want64) > 1e-4,
                 "{place}: the operands were not rounded"
             );
+        }
+    }
+
+    /// The norms against their formulas in f64: the residual add with the next norm in
+    /// one pass (res = x + branch, then LayerNorm / RMSNorm of it), and the backward in
+    /// one pass (rows up to NORM_ONE_PASS_WIDTH wide) and in two (wider): dx added to
+    /// what dx held, the gain's and bias's gradients added to theirs. More rows than
+    /// the one pass has warps, so warps take several.
+    #[test]
+    fn norms_match_their_formulas_in_one_pass_and_two() {
+        for (place, gpu) in gpus() {
+            gpu.bind().unwrap();
+            for (c, kind) in [
+                (40, NormKind::LayerNorm),
+                (40, NormKind::RmsNorm),
+                (NORM_ONE_PASS_WIDTH + 64, NormKind::LayerNorm),
+            ] {
+                let rows = 300;
+                let n = rows * c;
+                let wave = |seed: f32, scale: f32| -> Vec<f32> {
+                    (0..n)
+                        .map(|i| scale * ((i as f32) * 0.61 + seed).sin())
+                        .collect()
+                };
+                let (x, branch, dout, dx0) = (
+                    wave(0.3, 1.0),
+                    wave(1.7, 0.5),
+                    wave(2.9, 1.0),
+                    wave(4.1, 0.1),
+                );
+                let gain: Vec<f32> = (0..c).map(|i| 1.0 + 0.01 * i as f32).collect();
+                let bias: Vec<f32> = (0..c).map(|i| 0.02 * i as f32 - 0.3).collect();
+                let (dw0, db0): (Vec<f32>, Vec<f32>) =
+                    ((0..c).map(|i| i as f32).collect(), vec![0.5; c]);
+                let rms = kind == NormKind::RmsNorm;
+                let eps = 1e-5f32;
+
+                // Worked in f64.
+                let res: Vec<f64> = x.iter().zip(&branch).map(|(a, b)| (a + b) as f64).collect();
+                let (mut want_out, mut want_dx) = (vec![0f64; n], vec![0f64; n]);
+                let (mut want_dw, mut want_db): (Vec<f64>, Vec<f64>) = (
+                    dw0.iter().map(|&v| v as f64).collect(),
+                    db0.iter().map(|&v| v as f64).collect(),
+                );
+                for r in 0..rows {
+                    let row = &res[r * c..][..c];
+                    let mean = if rms {
+                        0.0
+                    } else {
+                        row.iter().sum::<f64>() / c as f64
+                    };
+                    let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / c as f64;
+                    let rstd = 1.0 / (var + eps as f64).sqrt();
+                    let xhat: Vec<f64> = row.iter().map(|v| (v - mean) * rstd).collect();
+                    let g: Vec<f64> = (0..c)
+                        .map(|i| dout[r * c + i] as f64 * gain[i] as f64)
+                        .collect();
+                    let g_mean = if rms {
+                        0.0
+                    } else {
+                        g.iter().sum::<f64>() / c as f64
+                    };
+                    let gx_mean = g.iter().zip(&xhat).map(|(a, b)| a * b).sum::<f64>() / c as f64;
+                    for i in 0..c {
+                        let b = if rms { 0.0 } else { bias[i] as f64 };
+                        want_out[r * c + i] = xhat[i] * gain[i] as f64 + b;
+                        want_dx[r * c + i] =
+                            dx0[r * c + i] as f64 + rstd * (g[i] - g_mean - xhat[i] * gx_mean);
+                        want_dw[i] += dout[r * c + i] as f64 * xhat[i];
+                        want_db[i] += dout[r * c + i] as f64;
+                    }
+                }
+
+                let up = |v: &[f32]| Buf::from_host(&gpu, v).unwrap();
+                let (xb, branchb, doutb, dxb) = (up(&x), up(&branch), up(&dout), up(&dx0));
+                let (gainb, biasb, dwb, dbb) = (up(&gain), up(&bias), up(&dw0), up(&db0));
+                let zeros = |len| Buf::<f32>::zeros(&gpu, len).unwrap();
+                let (resb, outb, mean, rstd) = (zeros(n), zeros(n), zeros(rows), zeros(rows));
+                let partials = zeros(super::super::plan::partials_len(c, c));
+                let norm = NormRows {
+                    kind,
+                    weight: gainb.ptr(),
+                    bias: if rms { 0 } else { biasb.ptr() },
+                    mean: mean.ptr(),
+                    rstd: rstd.ptr(),
+                    rows,
+                    c,
+                };
+                let none = DropoutArgs::at(None, Site::Embedding);
+                let residual = (resb.ptr(), xb.ptr(), branchb.ptr(), none);
+                gpu.residual_norm_forward(residual, Out::f32(outb.ptr()), norm, eps)
+                    .unwrap();
+                let grads = (dwb.ptr(), if rms { 0 } else { dbb.ptr() });
+                gpu.norm_backward(
+                    (dxb.ptr(), doutb.ptr(), resb.ptr()),
+                    norm,
+                    grads,
+                    partials.ptr(),
+                )
+                .unwrap();
+
+                let what = format!("{place}: C {c}, {kind:?}");
+                let read = |b: &Buf<f32>, len| b.read(&gpu, len).unwrap();
+                let mut checks = vec![
+                    ("res", read(&resb, n), res.clone()),
+                    ("out", read(&outb, n), want_out),
+                    ("dx", read(&dxb, n), want_dx),
+                    ("dw", read(&dwb, c), want_dw),
+                ];
+                if !rms {
+                    checks.push(("db", read(&dbb, c), want_db));
+                }
+                for (name, got, want) in checks {
+                    let err = rel_err(&got, &want);
+                    assert!(err <= 1e-5, "{what}: {name} off by {err:e}");
+                }
+            }
         }
     }
 

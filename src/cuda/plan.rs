@@ -10,6 +10,17 @@ use crate::model::spec::{ModelSpec, Shapes};
 /// every PARTS-th row, then one pass adds the PARTS partial sums in order.
 pub const PARTS: usize = 64;
 
+/// Partial rows of the one-pass norm backward's column sums, at most (a warp's each):
+/// enough warps to reach every SM of a large GPU, few enough rows for
+/// `add_column_sums`.
+pub const NORM_PARTS: usize = 256;
+
+/// The column partial sums' buffer for rows `c` wide and layers at most `widest`:
+/// PARTS rows of a bias's or a norm's two sums, or NORM_PARTS rows of a norm's two.
+pub fn partials_len(c: usize, widest: usize) -> usize {
+    (PARTS * 2 * widest).max(NORM_PARTS * 2 * c)
+}
+
 /// Values of one tensor a block of AdamW updates, at most (`kernels::adamw_chunks`).
 pub const ADAMW_CHUNK: usize = 4096;
 
@@ -151,7 +162,7 @@ impl Plan {
             + n * s.mlp_fc_width // dfc
             + 7 * n * c // q, k, v, heads, dq, dk, dv: (B, H, T, d) each
             + weights
-            + PARTS * 2 * widest; // column partial sums
+            + partials_len(c, widest); // column partial sums
         let bf16 = match bf16_operands(precision) {
             false => Bf16Plan::default(),
             true => Bf16Plan {

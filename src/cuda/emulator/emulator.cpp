@@ -64,6 +64,8 @@ const std::vector<Kernel>& kernels() {
         entry("embedding_backward_tokens", embedding_backward_tokens, false),
         entry("embedding_backward_positions", embedding_backward_positions, false),
         entry("norm_forward", norm_forward, true),
+        entry("residual_norm_forward", residual_norm_forward, true),
+        entry("norm_backward", norm_backward, true),
         entry("norm_apply", norm_apply, false),
         entry("norm_backward_input", norm_backward_input, true),
         entry("norm_backward_params", norm_backward_params, false),

@@ -3,15 +3,13 @@
 // (src/cpu/ops/norm.rs has the same formulas). `rms` picks RMSNorm; mean is then 0.
 #include "common.cuh"
 
-// out = norm(x) per row, as f32 (`out`), rounded to bf16 for a product (`out16`), or
-// both (`store`); keeps each row's mean and rstd. b may be null.
-extern "C" __global__ void norm_forward(float* out, uint16_t* out16, float* mean, float* rstd,
-                                        const float* x, const float* w, const float* b, int rows,
-                                        int C, float eps, int rms) {
-    const int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
-    const int lane = threadIdx.x % WARP_SIZE;
-    if (row >= rows) return;
-    const float* xr = x + (long long)row * C;
+// out = norm(x) for row `row` (x its values), by one warp: as f32 (`out`), rounded to
+// bf16 for a product (`out16`), or both (`store`); keeps the row's mean and rstd. b may
+// be null. Each lane reads only its own columns (lane, lane + 32, ...), so x may have
+// just been written by the same lanes.
+__device__ inline void norm_row(float* out, uint16_t* out16, float* mean, float* rstd,
+                                const float* xr, const float* w, const float* b, int row, int C,
+                                float eps, int rms, int lane) {
     float m = 0.0f;
     if (!rms) {
         float sum = 0.0f;
@@ -32,6 +30,34 @@ extern "C" __global__ void norm_forward(float* out, uint16_t* out16, float* mean
         mean[row] = m;
         rstd[row] = s;
     }
+}
+
+// out = norm(x) per row; one warp per row (`norm_row`).
+extern "C" __global__ void norm_forward(float* out, uint16_t* out16, float* mean, float* rstd,
+                                        const float* x, const float* w, const float* b, int rows,
+                                        int C, float eps, int rms) {
+    const int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    if (row >= rows) return;
+    norm_row(out, out16, mean, rstd, x + (long long)row * C, w, b, row, C, eps, rms, lane);
+}
+
+// A residual add and the norm of its result in one pass over each row: res = x +
+// branch * mask (the branch's dropout, element r C + i, as residual_forward draws it),
+// then out = norm(res) as norm_forward. One warp per row.
+extern "C" __global__ void residual_norm_forward(float* res, float* out, uint16_t* out16,
+                                                 float* mean, float* rstd, const float* x,
+                                                 const float* branch, Dropout dropout,
+                                                 const float* w, const float* b, int rows, int C,
+                                                 float eps, int rms) {
+    const int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    if (row >= rows) return;
+    const long long at = (long long)row * C;
+    for (int i = lane; i < C; i += WARP_SIZE) {
+        res[at + i] = x[at + i] + branch[at + i] * dropout_scale(dropout, at + i);
+    }
+    norm_row(out, out16, mean, rstd, res + at, w, b, row, C, eps, rms, lane);
 }
 
 // The forward's output again from the kept statistics (for the backward of the
@@ -67,6 +93,61 @@ extern "C" __global__ void norm_backward_input(float* dx, const float* dout, con
     for (int i = lane; i < C; i += WARP_SIZE) {
         const float xhat = (x[base + i] - m) * s;
         dx[base + i] += s * (dout[base + i] * w[i] - g_mean - xhat * gx_mean);
+    }
+}
+
+// Columns a lane sums in the one-pass backward: rows up to 32 NORM_LANE_COLS wide
+// (1,536) take it, wider ones norm_backward_input and norm_backward_params.
+#define NORM_LANE_COLS 48
+
+// The norm's whole backward in one pass over the rows: warp v of the grid's V takes
+// rows v, v + V, v + 2V, ...; for each, dx += as norm_backward_input (the same sums in
+// the same order), and its lane's columns of dout xhat and dout added to sums in
+// registers, written at the end to partials[v][0 .. C] and partials[v][C .. 2C]
+// (`add_column_sums` then adds the V rows in order: deterministic).
+extern "C" __global__ void norm_backward(float* dx, float* partials, const float* dout,
+                                         const float* x, const float* w, const float* mean,
+                                         const float* rstd, int rows, int C, int rms) {
+    const int warps = gridDim.x * (blockDim.x / WARP_SIZE);
+    const int v = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    float dw[NORM_LANE_COLS], db[NORM_LANE_COLS];
+#pragma unroll
+    for (int j = 0; j < NORM_LANE_COLS; j++) dw[j] = db[j] = 0.0f;
+    for (int row = v; row < rows; row += warps) {
+        const long long base = (long long)row * C;
+        const float m = mean[row], s = rstd[row];
+        float g_sum = 0.0f, gx_sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < NORM_LANE_COLS; j++) {
+            const int i = lane + WARP_SIZE * j;
+            if (i < C) {
+                const float g = dout[base + i] * w[i];
+                g_sum += g;
+                gx_sum += g * (x[base + i] - m) * s;
+            }
+        }
+        const float g_mean = rms ? 0.0f : warp_sum(g_sum) / C;
+        const float gx_mean = warp_sum(gx_sum) / C;
+#pragma unroll
+        for (int j = 0; j < NORM_LANE_COLS; j++) {
+            const int i = lane + WARP_SIZE * j;
+            if (i < C) {
+                const float d = dout[base + i], xhat = (x[base + i] - m) * s;
+                dx[base + i] += s * (d * w[i] - g_mean - xhat * gx_mean);
+                dw[j] += d * xhat;
+                db[j] += d;
+            }
+        }
+    }
+    float* p = partials + (long long)v * 2 * C;
+#pragma unroll
+    for (int j = 0; j < NORM_LANE_COLS; j++) {
+        const int i = lane + WARP_SIZE * j;
+        if (i < C) {
+            p[i] = dw[j];
+            p[C + i] = db[j];
+        }
     }
 }
 
