@@ -399,7 +399,7 @@ impl Gpu {
         dropout: DropoutArgs,
     ) -> Result<()> {
         let at = at.into();
-        launch!(self, EmbeddingForward, elements(rows * c), Cost::f32s(rows * c * (2 + usize::from(positions != 0)));
+        launch!(self, EmbeddingForward, warp_rows(rows), Cost::f32s(rows * c * (2 + usize::from(positions != 0)));
             x, ids, wte, positions, int(rows), int(at.t), int(at.first), at.first_at, at.places, int(c),
             dropout)
     }
@@ -471,7 +471,7 @@ impl Gpu {
     pub fn norm_apply(&self, out: Out, x: u64, n: NormRows) -> Result<()> {
         let values = n.rows * n.c;
         let cost = Cost::new((4 * values) as f64, 4.0 * values as f64 + out.bytes(values));
-        launch!(self, NormApply, elements(values), cost;
+        launch!(self, NormApply, warp_rows(n.rows), cost;
             out.f32, out.bf16, x, n.weight, n.bias, n.mean, n.rstd, int(n.rows), int(n.c))
     }
 
@@ -592,7 +592,7 @@ impl Gpu {
 
     /// out[r] += b, rows of `cols`.
     pub fn add_bias(&self, out: u64, b: u64, rows: usize, cols: usize) -> Result<()> {
-        launch!(self, AddBias, elements(rows * cols), Cost::f32s_and_flops(2 * rows * cols, rows * cols); out, b, int(rows), int(cols))
+        launch!(self, AddBias, warp_rows(rows), Cost::f32s_and_flops(2 * rows * cols, rows * cols); out, b, int(rows), int(cols))
     }
 
     /// Turns the q and k heads of qkv rows (width `w`) by their positions' angles;
@@ -610,7 +610,7 @@ impl Gpu {
     ) -> Result<()> {
         let at = at.into();
         let turned = h.heads + h.kv_heads;
-        launch!(self, Rope, elements(rows * turned * h.d / 2), Cost::f32s_and_flops(2 * rows * turned * h.d, 3 * rows * turned * h.d);
+        launch!(self, Rope, warp_rows(rows), Cost::f32s_and_flops(2 * rows * turned * h.d, 3 * rows * turned * h.d);
             qkv, cos, sin, int(rows), int(at.t), int(at.first), at.first_at, at.places, int(turned),
             int(h.d), int(w), sign)
     }

@@ -13,34 +13,42 @@ extern "C" __global__ void dropout_apply(float* out, const float* x, long long n
     FOR_EACH(i, n) { out[i] = x[i] * dropout_scale(dropout, i); }
 }
 
-// out[r][c] += b[c].
+// out[r][c] += b[c]. One warp per row (no element divides its index).
 extern "C" __global__ void add_bias(float* out, const float* b, int rows, int cols) {
-    FOR_EACH(i, (long long)rows * cols) { out[i] += b[i % cols]; }
+    const int r = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    if (r >= rows) return;
+    float* row = out + (long long)r * cols;
+    for (int c = lane; c < cols; c += WARP_SIZE) row[c] += b[c];
 }
 
-// Rotary positions on the q and k heads of qkv rows (width W), split-halves pairing
-// (dimension i turns with i + d/2), by the angle of the row's position (first + row % T);
-// sign -1 turns back (the backward). cos and sin are (T_max, d/2) tables.
 // dst = src rounded to the nearest bf16 (`bf16_bits`).
 extern "C" __global__ void to_bf16(uint16_t* dst, const float* src, long long n) {
     FOR_EACH(i, n) { dst[i] = bf16_bits(src[i]); }
 }
 
+// Rotary positions on the q and k heads of qkv rows (width W), split-halves pairing
+// (dimension i turns with i + d/2), by the angle of the row's position (first + row % T);
+// sign -1 turns back (the backward). cos and sin are (T_max, d/2) tables. One warp per
+// row, its position looked up once.
 extern "C" __global__ void rope(float* qkv, const float* cos_table, const float* sin_table,
                                 int rows, int T, int first, const int* first_at,
                                 const int* places, int heads, int d, int W, float sign) {
+    const int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    if (row >= rows) return;
     first = start_of(first, first_at);
     const int half = d / 2;
-    FOR_EACH(i, (long long)rows * heads * half) {
-        const int k = (int)(i % half);
-        const long long rh = i / half;
-        const int head = (int)(rh % heads);
-        const long long row = rh / heads;
-        const long long p = position_of(row, T, first, places);
-        float* h = qkv + row * W + (long long)head * d;
-        const float c = cos_table[p * half + k], s = sign * sin_table[p * half + k];
-        const float x = h[k], y = h[k + half];
-        h[k] = x * c - y * s;
-        h[k + half] = y * c + x * s;
+    const long long p = position_of(row, T, first, places);
+    const float *cos_row = cos_table + p * half, *sin_row = sin_table + p * half;
+    float* r = qkv + (long long)row * W;
+    for (int head = 0; head < heads; head++) {
+        float* h = r + (long long)head * d;
+        for (int k = lane; k < half; k += WARP_SIZE) {
+            const float c = cos_row[k], s = sign * sin_row[k];
+            const float x = h[k], y = h[k + half];
+            h[k] = x * c - y * s;
+            h[k + half] = y * c + x * s;
+        }
     }
 }

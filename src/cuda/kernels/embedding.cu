@@ -5,18 +5,23 @@
 // x[r] = (wte[ids[r]] + positions[first + r % T]) * mask: rows are sequences of T
 // positions from position `first` (0 in training; the cached length in decoding; read
 // from first_at when given: start_of; or each row's own: position_of). positions may be
-// null (RoPE).
+// null (RoPE). One warp per row: the row's token and position are looked up once.
 extern "C" __global__ void embedding_forward(float* x, const uint32_t* ids, const float* wte,
                                              const float* positions, int rows, int T, int first,
                                              const int* first_at, const int* places, int C,
                                              Dropout dropout) {
+    const int r = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    if (r >= rows) return;
     first = start_of(first, first_at);
-    FOR_EACH(i, (long long)rows * C) {
-        const long long r = i / C;
-        const int c = (int)(i % C);
-        float v = wte[(long long)ids[r] * C + c];
-        if (positions != nullptr) v += positions[(long long)position_of(r, T, first, places) * C + c];
-        x[i] = v * dropout_scale(dropout, i);
+    const long long at = (long long)r * C;
+    const float* token = wte + (long long)ids[r] * C;
+    const float* position =
+        positions != nullptr ? positions + (long long)position_of(r, T, first, places) * C : nullptr;
+    for (int c = lane; c < C; c += WARP_SIZE) {
+        float v = token[c];
+        if (position != nullptr) v += position[c];
+        x[at + c] = v * dropout_scale(dropout, at + c);
     }
 }
 
