@@ -91,21 +91,30 @@ fn the_emulated_cuda_engine_trains_and_resumes_exactly() {
 }
 
 /// bf16 products read bf16 copies of their operands (the weights' copy rounded again
-/// after each update, each product's inputs rounded first): the same numbers as
-/// products that round f32 operands on the fly (`TINYGPT_CUDA_BF16_OPERANDS=0`), so
-/// the two runs agree bit for bit, losses and weights (in the emulator, whose product
-/// is one written-out loop: on a GPU cuBLAS may sum the two in another order).
+/// after each update, each product's inputs rounded first, or written rounded by the
+/// kernel that makes them): the same numbers as products that round f32 operands on
+/// the fly (`TINYGPT_CUDA_BF16_OPERANDS=0`), so the two runs agree bit for bit, losses
+/// and weights (in the emulator, whose product is one written-out loop: on a GPU cuBLAS
+/// may sum the two in another order). Two models: heads of 8 with dropout (attention
+/// through products), and heads of 16 without dropout or biases (flash attention
+/// writing dqkv rounded, norms' backwards writing the residual stream's gradient
+/// rounded).
 #[test]
 fn bf16_operand_copies_train_as_rounding_on_the_fly() {
     if !emulated() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let run = |name: &str, copies: &str| {
+    let run = |name: &str, copies: &str, flash: bool| {
         std::env::set_var("TINYGPT_CUDA_BF16_OPERANDS", copies);
         let mut cfg = config(dir.path());
         cfg.run.name = name.into();
         cfg.train.dtype = tinygpt::config::Precision::Bf16;
+        if flash {
+            cfg.model.n_embd = 32;
+            cfg.model.dropout = 0.0;
+            cfg.model.bias = false;
+        }
         let trainer = Trainer::new(cfg.clone(), false).unwrap();
         let engine = trainer.engine_name().to_string();
         drop(trainer);
@@ -119,18 +128,25 @@ fn bf16_operand_copies_train_as_rounding_on_the_fly() {
         );
         (engine, losses.0, weights.unwrap())
     };
-    let (copies_engine, copies, copies_weights) = run("copies", "1");
-    let (fly_engine, fly, fly_weights) = run("on-the-fly", "0");
-    std::env::remove_var("TINYGPT_CUDA_BF16_OPERANDS");
-    assert!(
-        copies_engine.contains("bf16 operand copies"),
-        "{copies_engine}"
-    );
-    assert!(fly_engine.contains("rounded by cuBLAS"), "{fly_engine}");
-    assert_eq!(copies.len(), 12);
-    assert_eq!(copies, fly, "the same losses, bit for bit");
-    assert!(
-        copies_weights == fly_weights,
-        "the same weights, bit for bit"
-    );
+    for flash in [false, true] {
+        let (copies_engine, copies, copies_weights) = run(&format!("copies-{flash}"), "1", flash);
+        let (fly_engine, fly, fly_weights) = run(&format!("on-the-fly-{flash}"), "0", flash);
+        std::env::remove_var("TINYGPT_CUDA_BF16_OPERANDS");
+        assert!(
+            copies_engine.contains("bf16 operand copies"),
+            "{copies_engine}"
+        );
+        assert!(fly_engine.contains("rounded by cuBLAS"), "{fly_engine}");
+        assert_eq!(
+            copies_engine.ends_with("flash attention"),
+            flash,
+            "{copies_engine}"
+        );
+        assert_eq!(copies.len(), 12);
+        assert_eq!(copies, fly, "flash {flash}: the same losses, bit for bit");
+        assert!(
+            copies_weights == fly_weights,
+            "flash {flash}: the same weights, bit for bit"
+        );
+    }
 }

@@ -123,6 +123,9 @@ impl Bf16Operands {
 enum Rows {
     F32(u64),
     Rounded,
+    /// f32 rows (a bias's gradient sums them) whose rounding the kernel that made them
+    /// also wrote to the bf16 buffer.
+    Both(u64),
 }
 
 impl From<u64> for Rows {
@@ -789,7 +792,7 @@ impl FusedCuda {
         let (spec, params, n) = (&self.spec, &self.params, self.rows());
         let (weights, x) = match (&self.bf16, x) {
             (Some(b), x) => (Weights::Bf16(&b.weights), self.rounded(x, p.d_in)?),
-            (None, Rows::F32(x)) => (Weights::F32(self.math()), x),
+            (None, Rows::F32(x) | Rows::Both(x)) => (Weights::F32(self.math()), x),
             (None, Rows::Rounded) => anyhow::bail!("rounded rows with f32 products"),
         };
         linear(&self.gpu, weights, spec, params, out, x, p, n)
@@ -822,7 +825,9 @@ impl FusedCuda {
                 let w = b.weights.at(self.spec[p.weight].offset);
                 (Operands::Bf16, b.outputs.ptr(), x, w)
             }
-            (None, Rows::F32(dout), Rows::F32(x)) => (Operands::F32, dout, x, self.w(p.weight)),
+            (None, Rows::F32(dout) | Rows::Both(dout), Rows::F32(x) | Rows::Both(x)) => {
+                (Operands::F32, dout, x, self.w(p.weight))
+            }
             (None, _, _) => anyhow::bail!("rounded rows with f32 products"),
         };
         let how = (operands, Group::Product(p.role));
@@ -843,7 +848,7 @@ impl FusedCuda {
             1,
         )?;
         if let Some(b) = p.bias {
-            let Rows::F32(dout) = dout else {
+            let (Rows::F32(dout) | Rows::Both(dout)) = dout else {
                 anyhow::bail!("a bias gradient from rounded rows")
             };
             let partials = self.scratch.partials.ptr();
@@ -904,7 +909,11 @@ impl FusedCuda {
         let grads = (self.g(p.weight), self.g_opt(p.bias));
         let partials = self.scratch.partials.ptr();
         let n = self.norm_rows(stats, p);
-        self.gpu.norm_backward((dx, dout, x), n, grads, partials)
+        // The new dx is the residual stream's gradient, which a bf16 product reads
+        // next (`branch_gradient`): rounded into the output-gradient buffer as it is made.
+        let dx16 = self.bf16.as_ref().map_or(0, |b| b.outputs.ptr());
+        self.gpu
+            .norm_backward((dx, dx16, dout, x), n, grads, partials)
     }
 
     /// Adds d(loss * `scale`)/d(params) to the gradients, for the batch of the last
@@ -1006,7 +1015,7 @@ impl FusedCuda {
             &p.attn_proj,
             1.0,
         )?;
-        self.attention_backward(l, sc.dqkv.ptr(), sc.dy.ptr(), a.qkv.ptr())?;
+        let dqkv = self.attention_backward(l, sc.dqkv.ptr(), sc.dy.ptr(), a.qkv.ptr())?;
         if let Some(tables) = self.tables.rope() {
             // q and k were turned after the projection: turn their gradients back.
             let at = Positions::from_start(s.block_size);
@@ -1021,27 +1030,34 @@ impl FusedCuda {
             )?;
         }
         self.norm_apply(ln, &a.ln_1, x, &p.ln_1)?;
-        self.linear_backward(sc.dln.ptr(), sc.dqkv.ptr(), normed, &p.attn_qkv, 1.0)?;
+        self.linear_backward(sc.dln.ptr(), dqkv, normed, &p.attn_qkv, 1.0)?;
         self.norm_backward(dres, sc.dln.ptr(), x, &a.ln_1, &p.ln_1)
     }
 
     /// The gradient at a branch's output before its dropout: dres through the mask of
-    /// `site` (into the branch buffer), or dres itself without dropout.
-    fn branch_gradient(&self, dres: u64, site: Site) -> Result<u64> {
+    /// `site` (into the branch buffer), or dres itself without dropout, which the norm
+    /// backward that made it also rounded for bf16 products (`norm_backward`).
+    fn branch_gradient(&self, dres: u64, site: Site) -> Result<Rows> {
         let Some(dropout) = self.dropout.as_ref() else {
-            return Ok(dres);
+            return Ok(match self.bf16 {
+                Some(_) => Rows::Both(dres),
+                None => Rows::F32(dres),
+            });
         };
         let sc = &self.scratch;
         let n = self.rows() * self.spec.shapes.n_embd;
         let mask = DropoutArgs::at(Some(dropout), site);
         self.gpu.dropout(sc.branch.ptr(), dres, n, mask)?;
-        Ok(sc.branch.ptr())
+        Ok(Rows::F32(sc.branch.ptr()))
     }
 
     /// dqkv (written) from dy, with the weights recomputed: with Pd = P * mask,
     /// dV = Pdᵀ dY; dPd = dY Vᵀ; dS = softmax backward; dQ = dS K / sqrt(d);
     /// dK = dSᵀ Q / sqrt(d); grouped K/V heads sum their query heads' gradients.
-    fn attention_backward(&self, l: usize, dqkv: u64, dy: u64, qkv: u64) -> Result<()> {
+    /// Returns where the qkv projection's backward finds them: in dqkv, or, where
+    /// flash attention writes them rounded straight into the bf16 gradient buffer
+    /// (`rounded_dqkv`), there only.
+    fn attention_backward(&self, l: usize, dqkv: u64, dy: u64, qkv: u64) -> Result<Rows> {
         let (h, sc, k) = (self.heads(), &self.scratch, &self.gpu);
         let (t, d, bh) = (h.t, h.d, h.batch * h.heads);
         let scale = 1.0 / (d as f32).sqrt();
@@ -1056,14 +1072,19 @@ impl FusedCuda {
             let dy_rows = HeadView::in_rows(dy, 0, h.heads * d, h, 1);
             let given = (dy_rows, a.lse.ptr(), sc.dsum.ptr());
             if h.kv_heads == h.heads {
-                let grads = HeadView::qkv(dqkv, h);
-                return k.flash_backward(grads, HeadView::qkv(qkv, h), given, h, mask);
+                let (grads, rows) = match self.rounded_dqkv(l) {
+                    Some(dqkv16) => (HeadView::qkv_bf16(dqkv16, h), Rows::Rounded),
+                    None => (HeadView::qkv(dqkv, h), Rows::F32(dqkv)),
+                };
+                k.flash_backward(grads, HeadView::qkv(qkv, h), given, h, mask)?;
+                return Ok(rows);
             }
             let head_grads = (sc.dq.ptr(), sc.dk.ptr(), sc.dv.ptr());
             let split = |ptr| HeadView::split(ptr, h);
             let grads = [split(sc.dq.ptr()), split(sc.dk.ptr()), split(sc.dv.ptr())];
             k.flash_backward(grads, HeadView::qkv(qkv, h), given, h, mask)?;
-            return k.merge_head_grads(dqkv, head_grads, h);
+            k.merge_head_grads(dqkv, head_grads, h)?;
+            return Ok(Rows::F32(dqkv));
         }
         k.split_rows(sc.heads.ptr(), dy, h)?; // dY
         let qkv_heads = (sc.q.ptr(), sc.k.ptr(), sc.v.ptr());
@@ -1089,7 +1110,18 @@ impl FusedCuda {
         let ds = weights(sc.datt.ptr());
         product(heads(sc.dq.ptr()), ds.n(), heads(sc.k.ptr()).n(), scale)?;
         product(heads(sc.dk.ptr()), ds.t(), heads(sc.q.ptr()).n(), scale)?;
-        k.merge_head_grads(dqkv, (sc.dq.ptr(), sc.dk.ptr(), sc.dv.ptr()), h)
+        k.merge_head_grads(dqkv, (sc.dq.ptr(), sc.dk.ptr(), sc.dv.ptr()), h)?;
+        Ok(Rows::F32(dqkv))
+    }
+
+    /// Where flash attention may write dqkv rounded and nothing else: the bf16
+    /// gradient buffer, when products are bf16 and nothing reads dqkv in f32 (no
+    /// rotary positions turning it back, no bias summing it; grouped K/V heads are
+    /// summed after, and never come here).
+    fn rounded_dqkv(&self, l: usize) -> Option<u64> {
+        let b = self.bf16.as_ref()?;
+        let plain = self.tables.rope().is_none() && self.spec.blocks[l].attn_qkv.bias.is_none();
+        plain.then(|| b.outputs.ptr())
     }
 
     pub fn zero_grads(&mut self) -> Result<()> {

@@ -259,8 +259,9 @@ pub struct CachedRows {
 }
 
 /// Where a tensor's heads are, field for field `struct HeadView` of kernels/flash.cu:
-/// row t, column c of head h of sequence b at
-/// `base + 4 (b batch_stride + (h / group) head_stride + t ld + c)`.
+/// row t, column c of head h of sequence b at element
+/// `b batch_stride + (h / group) head_stride + t ld + c` from `base`, f32 elements or
+/// (`bf16` 1) bf16 ones.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HeadView {
@@ -269,13 +270,15 @@ pub struct HeadView {
     head_stride: i64,
     ld: i32,
     group: i32,
+    bf16: i32,
 }
 
 // The kernels' structs, field for field: sizes and offsets as C lays them out.
 const _: () = {
     use std::mem::{align_of, offset_of, size_of};
-    assert!(size_of::<HeadView>() == 32 && align_of::<HeadView>() == 8);
+    assert!(size_of::<HeadView>() == 40 && align_of::<HeadView>() == 8);
     assert!(offset_of!(HeadView, batch_stride) == 8 && offset_of!(HeadView, ld) == 24);
+    assert!(offset_of!(HeadView, bf16) == 32);
     assert!(size_of::<DropoutArgs>() == 40 && offset_of!(DropoutArgs, threshold) == 24);
     assert!(offset_of!(DropoutArgs, keep) == 32);
 };
@@ -285,12 +288,25 @@ impl HeadView {
     /// the qkv projection's output (each K/V head serving `group` query heads), the
     /// attention output, their gradients.
     pub fn in_rows(base: u64, first: usize, width: usize, h: Heads, group: usize) -> Self {
+        Self::in_rows_of(base, first, width, (h, group), false)
+    }
+
+    /// `in_rows` of f32 or (`bf16`) bf16 elements.
+    fn in_rows_of(
+        base: u64,
+        first: usize,
+        width: usize,
+        (h, group): (Heads, usize),
+        bf16: bool,
+    ) -> Self {
+        let bytes = if bf16 { 2 } else { 4 };
         Self {
-            base: base + 4 * first as u64,
+            base: base + bytes * first as u64,
             batch_stride: (h.t * width) as i64,
             head_stride: h.d as i64,
             ld: int(width),
             group: int(group),
+            bf16: i32::from(bf16),
         }
     }
 
@@ -302,16 +318,27 @@ impl HeadView {
             head_stride: (h.t * h.d) as i64,
             ld: int(h.d),
             group: 1,
+            bf16: 0,
         }
     }
 
     /// The q, k and v heads of qkv rows (B T, (H + 2 Hkv) d), read in place.
     pub fn qkv(qkv: u64, h: Heads) -> [Self; 3] {
+        Self::qkv_of(qkv, h, false)
+    }
+
+    /// The q, k and v heads of bf16 rows laid out as qkv's: where a kernel writes the
+    /// heads' gradients rounded, for the bf16 products that read them next.
+    pub fn qkv_bf16(qkv16: u64, h: Heads) -> [Self; 3] {
+        Self::qkv_of(qkv16, h, true)
+    }
+
+    fn qkv_of(qkv: u64, h: Heads, bf16: bool) -> [Self; 3] {
         let (width, group) = ((h.heads + 2 * h.kv_heads) * h.d, h.heads / h.kv_heads);
         [
-            Self::in_rows(qkv, 0, width, h, 1),
-            Self::in_rows(qkv, h.heads * h.d, width, h, group),
-            Self::in_rows(qkv, (h.heads + h.kv_heads) * h.d, width, h, group),
+            Self::in_rows_of(qkv, 0, width, (h, 1), bf16),
+            Self::in_rows_of(qkv, h.heads * h.d, width, (h, group), bf16),
+            Self::in_rows_of(qkv, (h.heads + h.kv_heads) * h.d, width, (h, group), bf16),
         ]
     }
 }
@@ -475,12 +502,13 @@ impl Gpu {
             out.f32, out.bf16, x, n.weight, n.bias, n.mean, n.rstd, int(n.rows), int(n.c))
     }
 
-    /// dx += d(norm)/dx . dout; then the gain's (and bias's) gradients `dw` (`db`, 0
-    /// for none) += theirs, via `partials` (`plan::partials_len` floats). Rows of up to
+    /// dx += d(norm)/dx . dout (and, where `dx16` is not 0, the new dx rounded to bf16
+    /// there); then the gain's (and bias's) gradients `dw` (`db`, 0 for none) += theirs,
+    /// via `partials` (`plan::partials_len` floats). Rows of up to
     /// NORM_ONE_PASS_WIDTH in one pass (`norm_backward`), wider ones in two.
     pub fn norm_backward(
         &self,
-        (dx, dout, x): (u64, u64, u64),
+        (dx, dx16, dout, x): (u64, u64, u64, u64),
         n: NormRows,
         (dw, db): (u64, u64),
         partials: u64,
@@ -495,13 +523,17 @@ impl Gpu {
                 grid: (blocks as u32, 1, 1),
                 threads: 32 * per_block as u32,
             };
-            let (flops, f32s) = (15 * rows * c, 3 * rows * c + 2 * blocks * per_block * c);
-            launch!(self, NormBackward, cfg, Cost::f32s_and_flops(f32s, flops);
-                dx, partials, dout, x, n.weight, n.mean, n.rstd, int(rows), int(c), n.rms())?;
+            let (flops, f32s) = (15 * rows * c, 4 * rows * c + 2 * blocks * per_block * c);
+            let rounded = if dx16 != 0 { 2 * rows * c } else { 0 };
+            let cost = Cost::new(flops as f64, (4 * f32s + rounded) as f64);
+            launch!(self, NormBackward, cfg, cost;
+                dx, dx16, partials, dout, x, n.weight, n.mean, n.rstd, int(rows), int(c), n.rms())?;
             blocks * per_block
         } else {
-            launch!(self, NormBackwardInput, warp_rows(rows), Cost::f32s_and_flops(4 * rows * c, 12 * rows * c);
-                dx, dout, x, n.weight, n.mean, n.rstd, int(rows), int(c), n.rms())?;
+            let rounded = if dx16 != 0 { 2 * rows * c } else { 0 };
+            let cost = Cost::new((12 * rows * c) as f64, (16 * rows * c + rounded) as f64);
+            launch!(self, NormBackwardInput, warp_rows(rows), cost;
+                dx, dx16, dout, x, n.weight, n.mean, n.rstd, int(rows), int(c), n.rms())?;
             let parts = super::plan::PARTS.min(rows);
             launch!(self, NormBackwardParams, columns(c, parts), Cost::f32s_and_flops(2 * rows * c, 4 * rows * c);
                 partials, dout, x, n.mean, n.rstd, int(rows), int(c))?;
@@ -690,10 +722,13 @@ impl Gpu {
         dropout: DropoutArgs,
     ) -> Result<()> {
         let (t, d, heads, scale) = (int(h.t), int(h.d), int(h.heads), attention_scale(h));
-        let kv_cost = Cost::f32s_and_flops(6 * h.len() + 2 * h.rows(), 4 * h.causal_product());
+        // Reads q, k, v, dy and two values a row; writes its gradients, f32 or bf16.
+        let written = if dq.bf16 != 0 { 2.0 } else { 4.0 } * h.len() as f64;
+        let read = 4.0 * (4 * h.len() + 2 * h.rows()) as f64;
+        let kv_cost = Cost::new((4 * h.causal_product()) as f64, read + 2.0 * written);
         launch!(self, FlashBackwardKv, flash_grid(h), kv_cost;
             dk, dv, q, k, v, dy, lse, dsum, t, d, heads, scale, dropout)?;
-        let q_cost = Cost::f32s_and_flops(5 * h.len() + 2 * h.rows(), 3 * h.causal_product());
+        let q_cost = Cost::new((3 * h.causal_product()) as f64, read + written);
         launch!(self, FlashBackwardQ, flash_grid(h), q_cost;
             dq, q, k, v, dy, lse, dsum, t, d, heads, scale, dropout)
     }
@@ -1451,8 +1486,9 @@ mod tests {
                 gpu.residual_norm_forward(residual, Out::f32(outb.ptr()), norm, eps)
                     .unwrap();
                 let grads = (dwb.ptr(), if rms { 0 } else { dbb.ptr() });
+                let dx16 = Buf::<u16>::zeros(&gpu, n).unwrap();
                 gpu.norm_backward(
-                    (dxb.ptr(), doutb.ptr(), resb.ptr()),
+                    (dxb.ptr(), dx16.ptr(), doutb.ptr(), resb.ptr()),
                     norm,
                     grads,
                     partials.ptr(),
@@ -1473,6 +1509,15 @@ mod tests {
                 for (name, got, want) in checks {
                     let err = rel_err(&got, &want);
                     assert!(err <= 1e-5, "{what}: {name} off by {err:e}");
+                }
+                // The rounded copy is the new dx, rounded.
+                let rounded = dx16.read(&gpu, n).unwrap();
+                for (got, x) in rounded.iter().zip(read(&dxb, n)) {
+                    assert_eq!(
+                        *got,
+                        crate::cpu::bf16::to_bf16_bits(x),
+                        "{what}: dx16 of {x:e}"
+                    );
                 }
             }
         }

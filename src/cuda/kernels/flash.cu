@@ -42,22 +42,28 @@
 #define COLS_TILE (FLASH_MAX_D * COLS_LD)
 
 // Where the heads of a tensor are (`HeadView` in src/cuda/kernels.rs, field for field):
-// row t, column c of head h of sequence b at
-//   base + b batch_stride + (h / group) head_stride + t ld + c,
-// so the qkv rows' q heads are (T W, d, W, 1), their K/V heads the same from their
-// columns with the query heads' group, the attention output's rows (T C, d, C, 1), and
-// split heads (H T d, T d, d, 1).
+// row t, column c of head h of sequence b at element
+//   b batch_stride + (h / group) head_stride + t ld + c
+// from base, so the qkv rows' q heads are (T W, d, W, 1), their K/V heads the same from
+// their columns with the query heads' group, the attention output's rows (T C, d, C, 1),
+// and split heads (H T d, T d, d, 1). Elements are f32, or bf16 where `bf16` is set (an
+// output a bf16 product reads next, rounded as it is written).
 struct HeadView {
     float* base;
     long long batch_stride, head_stride;
-    int ld, group;
+    int ld, group, bf16;
 };
 
-// Head bh's (= b H + h) first row.
-__device__ inline float* head_rows(const HeadView& v, long long bh, int H) {
+// The element where head bh's (= b H + h) rows start.
+__device__ inline long long head_start(const HeadView& v, long long bh, int H) {
     const long long b = bh / H;
     const int h = (int)(bh % H);
-    return v.base + b * v.batch_stride + (long long)(h / v.group) * v.head_stride;
+    return b * v.batch_stride + (long long)(h / v.group) * v.head_stride;
+}
+
+// Head bh's first row, of an f32 view.
+__device__ inline float* head_rows(const HeadView& v, long long bh, int H) {
+    return v.base + head_start(v, bh, H);
 }
 
 // bf16 tensor cores need sm_80 (mma.sync's bf16 shapes); built for less, the kernels
@@ -188,23 +194,30 @@ __device__ inline void accumulate(float acc[FLASH_MAX_N][4], const float p[FLASH
     }
 }
 
-// The warp's 16 rows from row0 of dst (f32, `ld` apart; rows past T left alone) <- acc,
-// rows g times scale_lo, rows g + 8 times scale_hi.
-__device__ inline void store_rows(float* dst, int ld, const float acc[FLASH_MAX_N][4], int row0,
-                                  int T, int d, float scale_lo, float scale_hi, int lane) {
+// The warp's 16 rows from row0 of head bh of `dst` (rows past T left alone) <- acc, rows
+// g times scale_lo, rows g + 8 times scale_hi: as f32, or rounded to bf16 for a bf16 view.
+__device__ inline void store_rows(const HeadView& dst, long long bh, int H,
+                                  const float acc[FLASH_MAX_N][4], int row0, int T, int d,
+                                  float scale_lo, float scale_hi, int lane) {
     const int g = lane / 4, t = lane % 4;
     const int lo = row0 + g, hi = row0 + g + 8;
+    const long long start = head_start(dst, bh, H);
+    auto put = [&](int row, int col, float value) {
+        const long long at = start + (long long)row * dst.ld + col;
+        if (dst.bf16) reinterpret_cast<uint16_t*>(dst.base)[at] = bf16_bits(value);
+        else dst.base[at] = value;
+    };
 #pragma unroll
     for (int n = 0; n < FLASH_MAX_N; n++) {
         if (n < d / 8) {
             const int col = 8 * n + 2 * t;
             if (lo < T) {
-                dst[(long long)lo * ld + col] = acc[n][0] * scale_lo;
-                dst[(long long)lo * ld + col + 1] = acc[n][1] * scale_lo;
+                put(lo, col, acc[n][0] * scale_lo);
+                put(lo, col + 1, acc[n][1] * scale_lo);
             }
             if (hi < T) {
-                dst[(long long)hi * ld + col] = acc[n][2] * scale_hi;
-                dst[(long long)hi * ld + col + 1] = acc[n][3] * scale_hi;
+                put(hi, col, acc[n][2] * scale_hi);
+                put(hi, col + 1, acc[n][3] * scale_hi);
             }
         }
     }
@@ -318,7 +331,7 @@ extern "C" __global__ void flash_forward(HeadView out, float* lse, HeadView q, H
         l_lo += __shfl_xor_sync(FULL_MASK, l_lo, other);
         l_hi += __shfl_xor_sync(FULL_MASK, l_hi, other);
     }
-    store_rows(head_rows(out, bh, H), out.ld, o, row0, T, d, 1.0f / l_lo, 1.0f / l_hi, lane);
+    store_rows(out, bh, H, o, row0, T, d, 1.0f / l_lo, 1.0f / l_hi, lane);
     // The log-sum-exp in natural units: max + log(sum), both from base 2.
     const float ln2 = 0.6931471805599453f;
     if (lane % 4 == 0 && lo < T) lse[bh * T + lo] = (m_lo + log2f(l_lo)) * ln2;
@@ -412,8 +425,8 @@ extern "C" __global__ void flash_backward_kv(HeadView dk, HeadView dv, HeadView 
         accumulate(acc_k, dp, qt, d, lane);
     }
     if (active) {
-        store_rows(head_rows(dk, bh, H), dk.ld, acc_k, key0, T, d, scale, scale, lane);
-        store_rows(head_rows(dv, bh, H), dv.ld, acc_v, key0, T, d, 1.0f, 1.0f, lane);
+        store_rows(dk, bh, H, acc_k, key0, T, d, scale, scale, lane);
+        store_rows(dv, bh, H, acc_v, key0, T, d, 1.0f, 1.0f, lane);
     }
 #endif
 }
@@ -476,6 +489,6 @@ extern "C" __global__ void flash_backward_q(HeadView dq, HeadView q, HeadView k,
         }
         accumulate(acc, s, kt, d, lane);
     }
-    if (active) store_rows(head_rows(dq, bh, H), dq.ld, acc, row0, T, d, scale, scale, lane);
+    if (active) store_rows(dq, bh, H, acc, row0, T, d, scale, scale, lane);
 #endif
 }

@@ -78,9 +78,11 @@ extern "C" __global__ void norm_apply(float* out, uint16_t* out16, const float* 
 }
 
 // dx += d(norm)/dx . dout per row: with xhat = (x - mean) rstd and g = dout w,
-// dx += rstd (g - mean(g) - xhat mean(g xhat)); RMSNorm drops the mean(g) term.
-extern "C" __global__ void norm_backward_input(float* dx, const float* dout, const float* x,
-                                               const float* w, const float* mean,
+// dx += rstd (g - mean(g) - xhat mean(g xhat)); RMSNorm drops the mean(g) term. Where
+// dx16 is given, the new dx rounded to bf16 there too (the operand of the bf16
+// products that read the residual stream's gradient next).
+extern "C" __global__ void norm_backward_input(float* dx, uint16_t* dx16, const float* dout,
+                                               const float* x, const float* w, const float* mean,
                                                const float* rstd, int rows, int C, int rms) {
     const int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
@@ -97,7 +99,9 @@ extern "C" __global__ void norm_backward_input(float* dx, const float* dout, con
     const float gx_mean = warp_sum(gx_sum) / C;
     for (int i = lane; i < C; i += WARP_SIZE) {
         const float xhat = (x[base + i] - m) * s;
-        dx[base + i] += s * (dout[base + i] * w[i] - g_mean - xhat * gx_mean);
+        const float updated = dx[base + i] + s * (dout[base + i] * w[i] - g_mean - xhat * gx_mean);
+        dx[base + i] = updated;
+        if (dx16 != nullptr) dx16[base + i] = bf16_bits(updated);
     }
 }
 
@@ -109,10 +113,12 @@ extern "C" __global__ void norm_backward_input(float* dx, const float* dout, con
 // rows v, v + V, v + 2V, ...; for each, dx += as norm_backward_input (the same sums in
 // the same order), and its lane's columns of dout xhat and dout added to sums in
 // registers, written at the end to partials[v][0 .. C] and partials[v][C .. 2C]
-// (`add_column_sums` then adds the V rows in order: deterministic).
-extern "C" __global__ void norm_backward(float* dx, float* partials, const float* dout,
-                                         const float* x, const float* w, const float* mean,
-                                         const float* rstd, int rows, int C, int rms) {
+// (`add_column_sums` then adds the V rows in order: deterministic). dx16 as in
+// norm_backward_input.
+extern "C" __global__ void norm_backward(float* dx, uint16_t* dx16, float* partials,
+                                         const float* dout, const float* x, const float* w,
+                                         const float* mean, const float* rstd, int rows, int C,
+                                         int rms) {
     const int warps = gridDim.x * (blockDim.x / WARP_SIZE);
     const int v = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
@@ -139,7 +145,9 @@ extern "C" __global__ void norm_backward(float* dx, float* partials, const float
             const int i = lane + WARP_SIZE * j;
             if (i < C) {
                 const float d = dout[base + i], xhat = (x[base + i] - m) * s;
-                dx[base + i] += s * (d * w[i] - g_mean - xhat * gx_mean);
+                const float updated = dx[base + i] + s * (d * w[i] - g_mean - xhat * gx_mean);
+                dx[base + i] = updated;
+                if (dx16 != nullptr) dx16[base + i] = bf16_bits(updated);
                 dw[j] += d * xhat;
                 db[j] += d;
             }
