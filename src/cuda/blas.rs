@@ -147,6 +147,7 @@ fn column_major(
         ldc: c.ld,
         stride_c: c.stride,
         batch,
+        c16: false,
     })
 }
 
@@ -158,6 +159,32 @@ fn column_major(
 pub enum Weights<'a> {
     F32(Math),
     Bf16(&'a Buf<u16>),
+}
+
+/// A layer without a bias over bf16 rows and weights (the weights' bf16 copy, at the
+/// spec's offsets), its output rounded to bf16: out16 (rows, d_out) = x16 Wᵀ, summed
+/// in f32. The output layer of bf16 training, whose logits the loss reads in bf16.
+pub fn linear_to_bf16(
+    gpu: &Gpu,
+    (weights16, spec): (&Buf<u16>, &ModelSpec),
+    out16: u64,
+    x16: u64,
+    p: &LinearParams,
+    rows: usize,
+) -> Result<()> {
+    ensure!(p.bias.is_none(), "a bf16 output of a layer with a bias");
+    let w = weights16.at(spec[p.weight].offset);
+    let (c, a, b) = (
+        Matrix::new(out16, rows, p.d_out),
+        Matrix::new(x16, rows, p.d_in).n(),
+        Matrix::new(w, p.d_out, p.d_in).t(),
+    );
+    let call = ColumnMajor {
+        c16: true,
+        ..column_major(Operands::Bf16, c, a, b, (1.0, 0.0), 1)?
+    };
+    // SAFETY: `out16`, `x16` and the weights are live bf16 buffers of these shapes.
+    unsafe { gpu.gemm(&call, Math::Bf16, Group::Product(p.role)) }
 }
 
 /// A linear layer forward: out (rows, d_out) = x Wᵀ (+ b), its weights read at the

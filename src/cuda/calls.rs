@@ -178,6 +178,8 @@ pub struct ColumnMajor {
     pub ldc: usize,
     pub stride_c: usize,
     pub batch: usize,
+    /// C is bf16, written rounded from the f32 sums (beta 0), not f32.
+    pub c16: bool,
 }
 
 impl ColumnMajor {
@@ -190,8 +192,9 @@ impl ColumnMajor {
             Operands::Bf16 => 2.0,
         };
         let c_passes = if self.beta == 0.0 { 1.0 } else { 2.0 };
+        let c_bytes = if self.c16 { 2.0 } else { 4.0 };
         let (a, b, c) = (self.m * self.k, self.k * self.n, self.m * self.n);
-        let bytes = self.batch as f64 * (operand * (a + b) as f64 + 4.0 * c_passes * c as f64);
+        let bytes = self.batch as f64 * (operand * (a + b) as f64 + c_bytes * c_passes * c as f64);
         crate::profile::Cost::new(2.0 * per, bytes)
     }
 }

@@ -101,7 +101,7 @@ pub unsafe fn gemm(g: &ColumnMajor, math: Math) {
         let (a, b, c) = (
             at(g.a, batch * g.stride_a, width),
             at(g.b, batch * g.stride_b, width),
-            at(g.c, batch * g.stride_c, 4),
+            at(g.c, batch * g.stride_c, if g.c16 { 2 } else { 4 }),
         );
         for col in 0..g.n {
             for row in 0..g.m {
@@ -119,8 +119,15 @@ pub unsafe fn gemm(g: &ColumnMajor, math: Math) {
                     };
                     sum += operand(a, ai) * operand(b, bi);
                 }
+                let at = row + col * g.ldc;
+                if g.c16 {
+                    // SAFETY: as above; C of bf16 bits.
+                    let out = unsafe { &mut *(c as *mut u16).add(at) };
+                    *out = crate::cpu::bf16::to_bf16_bits(g.alpha * sum);
+                    continue;
+                }
                 // SAFETY: as above.
-                let out = unsafe { &mut *(c as *mut f32).add(row + col * g.ldc) };
+                let out = unsafe { &mut *(c as *mut f32).add(at) };
                 *out = if g.beta == 0.0 {
                     g.alpha * sum
                 } else {

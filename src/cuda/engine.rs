@@ -20,12 +20,14 @@ use anyhow::{ensure, Context, Result};
 #[cfg(feature = "cuda")]
 use candle_core::Device;
 
-use super::blas::{linear, matmul, Matrix, Weights};
+use super::blas::{linear, linear_to_bf16, matmul, Matrix, Weights};
 use super::buckets::Buckets;
 use super::buffers::{Buf, Staging};
 use super::calls::Operands;
 use super::gpu::Gpu;
-use super::kernels::{adamw_chunks, AdamBuffers, DropoutArgs, HeadView, Heads, NormRows, Out};
+use super::kernels::{
+    adamw_chunks, AdamBuffers, DropoutArgs, HeadView, Heads, Logits, NormRows, Out,
+};
 use super::plan::{partials_len, Attention, Plan, FLASH_MAX_HEAD, LOSS_SLOTS, LOSS_SUM, NORM_SQ};
 use super::ranks::Ranks;
 use super::tables::PositionTables;
@@ -317,7 +319,7 @@ impl FusedCuda {
             blocks,
             ln_f: zeros(n * c)?,
             ln_f_stats: Stats::new(&gpu, n)?,
-            logits: zeros(n * s.vocab_size)?,
+            logits: zeros(Plan::f32_logits(n, s.vocab_size, precision))?,
             row_loss: zeros(n)?,
         };
         let widest = c.max(s.qkv_width).max(s.mlp_fc_width);
@@ -569,11 +571,30 @@ impl FusedCuda {
         // The last block normed its output (ln_f) as it added its residual.
         let a = &self.acts;
         let (_, input) = self.product_input(a.ln_f.ptr());
-        self.linear_forward(a.logits.ptr(), input, &self.spec.output_layer())?;
-        // With bf16 products the loss's gradient at the logits goes, rounded, straight
-        // into the buffer the output layer's backward products read.
-        let grad16 = self.bf16.as_ref().map_or(0, |b| b.outputs.ptr());
-        let (logits, losses) = ((a.logits.ptr(), grad16), a.row_loss.ptr());
+        let output = self.spec.output_layer();
+        let logits = match &self.bf16 {
+            // With bf16 operand copies the logits are written in bf16 into the buffer
+            // the output layer's backward products read, and the loss's gradient
+            // overwrites them there, rounded: no f32 logits at all.
+            Some(b) => {
+                let x16 = self.rounded(input, output.d_in)?;
+                let at = b.outputs.ptr();
+                linear_to_bf16(&self.gpu, (&b.weights, &self.spec), at, x16, &output, n)?;
+                (Logits::Bf16(at), at)
+            }
+            None => {
+                self.linear_forward(a.logits.ptr(), input, &output)?;
+                let round = self.precision == Precision::Bf16;
+                (
+                    Logits::F32 {
+                        at: a.logits.ptr(),
+                        round,
+                    },
+                    0,
+                )
+            }
+        };
+        let losses = a.row_loss.ptr();
         self.gpu
             .softmax_cross_entropy(logits, losses, a.targets.ptr(), n, s.vocab_size)?;
         // Summed where they are, each forward in its slot, so the host waits for

@@ -454,7 +454,8 @@ unsafe fn cublas_gemm(blas: &CudaBlas, g: &ColumnMajor, math: Math) -> Result<()
             g.stride_b as i64,
             (&g.beta) as *const f32 as *const _,
             g.c as *mut _,
-            CUDA_R_32F,
+            // bf16 results only of bf16 operands: cuBLAS's 32F compute takes that pair.
+            if g.c16 { CUDA_R_16BF } else { CUDA_R_32F },
             dim(g.ldc)?,
             g.stride_c as i64,
             dim(g.batch)?,

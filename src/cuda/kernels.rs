@@ -343,6 +343,14 @@ impl HeadView {
     }
 }
 
+/// Where the classifier reads its logits: f32 (rounded to bf16 as they are read, where
+/// `round`: bf16 training's loss is that of bf16 logits), or bf16.
+#[derive(Debug, Clone, Copy)]
+pub enum Logits {
+    F32 { at: u64, round: bool },
+    Bf16(u64),
+}
+
 /// Where a kernel writes an output: as f32, rounded to bf16 for a product that reads
 /// it, or both (an address of 0 is not written).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -751,7 +759,7 @@ impl Gpu {
     /// them, p - onehot(target) unscaled, in bf16 there instead.
     pub fn softmax_cross_entropy(
         &self,
-        (logits, grad16): (u64, u64),
+        (logits, grad16): (Logits, u64),
         row_loss: u64,
         targets: u64,
         rows: usize,
@@ -761,10 +769,18 @@ impl Gpu {
             grid: (rows as u32, 1, 1),
             threads: v.next_power_of_two().clamp(32, 1024) as u32,
         };
+        let (logits32, logits16, round, read) = match logits {
+            Logits::F32 { at, round } => (at, 0, round, 4.0),
+            Logits::Bf16(at) => (0, at, false, 2.0),
+        };
+        // Two passes read the row; the softmax or the gradient written once.
         let written = if grad16 == 0 { 4.0 } else { 2.0 };
-        let cost = Cost::new((4 * rows * v) as f64, (8.0 + written) * (rows * v) as f64);
+        let cost = Cost::new(
+            (4 * rows * v) as f64,
+            (2.0 * read + written) * (rows * v) as f64,
+        );
         launch!(self, SoftmaxCrossEntropy, cfg, cost;
-            logits, grad16, row_loss, targets, int(rows), int(v))
+            logits32, logits16, grad16, row_loss, targets, int(rows), int(v), i32::from(round))
     }
 
     /// In place on probabilities: p - onehot(target) (unscaled).

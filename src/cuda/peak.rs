@@ -111,6 +111,7 @@ fn measure(gpu: &Gpu, g: &super::gpu::CudaGpu, math: Math) -> Result<crate::prof
         ldc: n,
         stride_c: 0,
         batch: 1,
+        c16: false,
     };
     // SAFETY: the three buffers are live and n x n.
     let seconds = best_of_five(&|| unsafe { gpu.gemm(&product, math, Group::Copy) })?;

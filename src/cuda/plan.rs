@@ -153,7 +153,7 @@ impl Plan {
             + lse;
         let outside = n * c // the embeddings entering the first block
             + n * c + norm_stats // the final norm
-            + n * s.vocab_size // logits, then probabilities, then their gradient
+            + Self::f32_logits(n, s.vocab_size, precision)
             + n; // each position's loss
         let widest = c.max(s.qkv_width).max(s.mlp_fc_width);
         let scratch = 5 * n * c // dres, ln, dln, branch, dy
@@ -182,6 +182,17 @@ impl Plan {
             tables,
             sums: LOSS_SUM + LOSS_SLOTS,
             adam_chunks,
+        }
+    }
+
+    /// The f32 logits (then probabilities, then their gradient): none where the output
+    /// layer writes bf16 logits into the bf16 operand buffer, and the loss's gradient
+    /// overwrites them there.
+    pub fn f32_logits(rows: usize, vocab: usize, precision: Precision) -> usize {
+        if bf16_operands(precision) {
+            0
+        } else {
+            rows * vocab
         }
     }
 
@@ -259,13 +270,15 @@ mod tests {
             plan.bytes(12, true)
         );
         // bf16 products add the weights' bf16 copy and two operand buffers: 8192 rows
-        // of the widest input (the MLP's 3072) and of the widest output (the logits').
+        // of the widest input (the MLP's 3072) and of the widest output (the logits',
+        // which the output layer writes there in bf16: the f32 logits are gone).
         let bf16 = Plan::for_spec(&spec, 8, Attention::Flash, Precision::Bf16);
         let operands = 8192 * (3072 + 50304) as u64;
         assert_eq!(
-            bf16.bytes(12, true) - flash.bytes(12, true),
+            bf16.bytes(12, true) + logits - flash.bytes(12, true),
             2 * (spec.len() as u64 + operands)
         );
+        assert!(bf16.bytes(12, true) < flash.bytes(12, true));
         let optimiser = plan.bytes(12, true) - plan.bytes(12, false);
         assert_eq!(
             optimiser,
