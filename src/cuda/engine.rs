@@ -119,15 +119,15 @@ impl Bf16Operands {
 }
 
 /// Rows a product reads (a layer's input, or its output's gradient): f32 values,
-/// rounded into their bf16 buffer first where products are bf16; or rows the kernel
-/// that made them already wrote there, rounded.
+/// rounded into their bf16 operand buffer first where products are bf16; or bf16 rows
+/// the kernel that made them wrote, rounded, at the address given.
 #[derive(Debug, Clone, Copy)]
 enum Rows {
     F32(u64),
-    Rounded,
+    Bf16(u64),
     /// f32 rows (a bias's gradient sums them) whose rounding the kernel that made them
-    /// also wrote to the bf16 buffer.
-    Both(u64),
+    /// also wrote, at the second address.
+    Both(u64, u64),
 }
 
 impl From<u64> for Rows {
@@ -577,7 +577,7 @@ impl FusedCuda {
             // the output layer's backward products read, and the loss's gradient
             // overwrites them there, rounded: no f32 logits at all.
             Some(b) => {
-                let x16 = self.rounded(input, output.d_in)?;
+                let x16 = self.rounded(input, output.d_in, &b.inputs)?;
                 let at = b.outputs.ptr();
                 linear_to_bf16(&self.gpu, (&b.weights, &self.spec), at, x16, &output, n)?;
                 (Logits::Bf16(at), at)
@@ -771,7 +771,7 @@ impl FusedCuda {
                     f32: 0,
                     bf16: b.inputs.ptr(),
                 },
-                Rows::Rounded,
+                Rows::Bf16(b.inputs.ptr()),
             ),
             None => (Out::f32(f32), Rows::F32(f32)),
         }
@@ -788,23 +788,22 @@ impl FusedCuda {
                     f32: 0,
                     bf16: b.outputs.ptr(),
                 },
-                Rows::Rounded,
+                Rows::Bf16(b.outputs.ptr()),
             ),
             _ => (Out::f32(f32), Rows::F32(f32)),
         }
     }
 
-    /// A product's input rows in bf16 (`d_in` wide): `x` rounded into the input
-    /// buffer, or already there.
-    fn rounded(&self, x: Rows, d_in: usize) -> Result<u64> {
-        let b = self
-            .bf16
-            .as_ref()
-            .context("bf16 operands with f32 products")?;
-        if let Rows::F32(x) = x {
-            self.gpu.to_bf16(b.inputs.ptr(), x, self.rows() * d_in)?;
-        }
-        Ok(b.inputs.ptr())
+    /// A product's rows in bf16 (`width` wide): `x` rounded into `buffer` (the input
+    /// or the output-gradient buffer), or where they already are.
+    fn rounded(&self, x: Rows, width: usize, buffer: &Buf<u16>) -> Result<u64> {
+        Ok(match x {
+            Rows::F32(x) => {
+                self.gpu.to_bf16(buffer.ptr(), x, self.rows() * width)?;
+                buffer.ptr()
+            }
+            Rows::Bf16(x16) | Rows::Both(_, x16) => x16,
+        })
     }
 
     /// out (N, d_out) = x Wᵀ (+ b): with bf16 products, x in bf16 and the weights'
@@ -812,9 +811,12 @@ impl FusedCuda {
     fn linear_forward(&self, out: u64, x: Rows, p: &LinearParams) -> Result<()> {
         let (spec, params, n) = (&self.spec, &self.params, self.rows());
         let (weights, x) = match (&self.bf16, x) {
-            (Some(b), x) => (Weights::Bf16(&b.weights), self.rounded(x, p.d_in)?),
-            (None, Rows::F32(x) | Rows::Both(x)) => (Weights::F32(self.math()), x),
-            (None, Rows::Rounded) => anyhow::bail!("rounded rows with f32 products"),
+            (Some(b), x) => (
+                Weights::Bf16(&b.weights),
+                self.rounded(x, p.d_in, &b.inputs)?,
+            ),
+            (None, Rows::F32(x) | Rows::Both(x, _)) => (Weights::F32(self.math()), x),
+            (None, Rows::Bf16(_)) => anyhow::bail!("bf16 rows with f32 products"),
         };
         linear(&self.gpu, weights, spec, params, out, x, p, n)
     }
@@ -839,17 +841,15 @@ impl FusedCuda {
         // With bf16 products: dout and x rounded to bf16, the weights' bf16 copy read.
         let (operands, dout16, x16, w) = match (&self.bf16, dout, x) {
             (Some(b), dout, x) => {
-                if let Rows::F32(dout) = dout {
-                    self.gpu.to_bf16(b.outputs.ptr(), dout, n * p.d_out)?;
-                }
-                let x = self.rounded(x, p.d_in)?;
+                let dout16 = self.rounded(dout, p.d_out, &b.outputs)?;
+                let x16 = self.rounded(x, p.d_in, &b.inputs)?;
                 let w = b.weights.at(self.spec[p.weight].offset);
-                (Operands::Bf16, b.outputs.ptr(), x, w)
+                (Operands::Bf16, dout16, x16, w)
             }
-            (None, Rows::F32(dout) | Rows::Both(dout), Rows::F32(x) | Rows::Both(x)) => {
+            (None, Rows::F32(dout) | Rows::Both(dout, _), Rows::F32(x) | Rows::Both(x, _)) => {
                 (Operands::F32, dout, x, self.w(p.weight))
             }
-            (None, _, _) => anyhow::bail!("rounded rows with f32 products"),
+            (None, _, _) => anyhow::bail!("bf16 rows with f32 products"),
         };
         let how = (operands, Group::Product(p.role));
         self.product(
@@ -869,7 +869,7 @@ impl FusedCuda {
             1,
         )?;
         if let Some(b) = p.bias {
-            let (Rows::F32(dout) | Rows::Both(dout)) = dout else {
+            let (Rows::F32(dout) | Rows::Both(dout, _)) = dout else {
                 anyhow::bail!("a bias gradient from rounded rows")
             };
             let partials = self.scratch.partials.ptr();
@@ -951,8 +951,8 @@ impl FusedCuda {
         // d(loss)/d(logits) = (p - onehot) * scale / N: the subtraction in place on the
         // probabilities (with bf16 products the forward wrote it, rounded), the factor
         // carried by the output layer's two products.
-        let dlogits = match self.bf16 {
-            Some(_) => Rows::Rounded,
+        let dlogits = match &self.bf16 {
+            Some(b) => Rows::Bf16(b.outputs.ptr()),
             None => {
                 let probs = a.logits.ptr();
                 k.cross_entropy_backward(probs, a.targets.ptr(), n, s.vocab_size)?;
@@ -1060,8 +1060,8 @@ impl FusedCuda {
     /// backward that made it also rounded for bf16 products (`norm_backward`).
     fn branch_gradient(&self, dres: u64, site: Site) -> Result<Rows> {
         let Some(dropout) = self.dropout.as_ref() else {
-            return Ok(match self.bf16 {
-                Some(_) => Rows::Both(dres),
+            return Ok(match &self.bf16 {
+                Some(b) => Rows::Both(dres, b.outputs.ptr()),
                 None => Rows::F32(dres),
             });
         };
@@ -1094,7 +1094,7 @@ impl FusedCuda {
             let given = (dy_rows, a.lse.ptr(), sc.dsum.ptr());
             if h.kv_heads == h.heads {
                 let (grads, rows) = match self.rounded_dqkv(l) {
-                    Some(dqkv16) => (HeadView::qkv_bf16(dqkv16, h), Rows::Rounded),
+                    Some(dqkv16) => (HeadView::qkv_bf16(dqkv16, h), Rows::Bf16(dqkv16)),
                     None => (HeadView::qkv(dqkv, h), Rows::F32(dqkv)),
                 };
                 k.flash_backward(grads, HeadView::qkv(qkv, h), given, h, mask)?;
