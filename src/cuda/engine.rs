@@ -172,6 +172,28 @@ struct BlockActs {
     res_3: Buf<f32>,
     /// (B H, T): each attention row's log-sum-exp (flash attention; empty otherwise).
     lse: Buf<f32>,
+    /// With bf16 products, what the backward's products read, kept as the forward
+    /// wrote it (empty otherwise).
+    kept: Kept16,
+}
+
+/// A block's rows in bf16, as its forward's kernels wrote them for its products, kept
+/// for the backward's: its weight gradients read the same operands, so nothing is
+/// recomputed or rounded again.
+struct Kept16 {
+    /// (N, C) each: the two norms' outputs.
+    ln_1: Buf<u16>,
+    ln_2: Buf<u16>,
+    /// (N, hidden): the activation.
+    act: Buf<u16>,
+    /// (N, C): the heads' outputs (flash attention writes them; empty otherwise).
+    y: Buf<u16>,
+}
+
+impl Kept16 {
+    fn bytes(&self) -> u64 {
+        self.ln_1.bytes() + self.ln_2.bytes() + self.act.bytes() + self.y.bytes()
+    }
 }
 
 /// The batch and what the forward keeps outside the blocks.
@@ -293,6 +315,7 @@ impl FusedCuda {
         let tables = PositionTables::new(&gpu, spec)?;
         let table = spec.params();
         let chunks = adamw_chunks(table, 0..spec.len());
+        let plan = Plan::for_spec(spec, batch, attention, precision);
 
         let blocks = (0..s.n_layer)
             .map(|_| {
@@ -305,6 +328,12 @@ impl FusedCuda {
                     fc: zeros(n * s.mlp_fc_width)?,
                     res_3: zeros(n * c)?,
                     lse: zeros(lse_len)?,
+                    kept: Kept16 {
+                        ln_1: Buf::zeros(&gpu, plan.bf16.kept.ln)?,
+                        ln_2: Buf::zeros(&gpu, plan.bf16.kept.ln)?,
+                        act: Buf::zeros(&gpu, plan.bf16.kept.act)?,
+                        y: Buf::zeros(&gpu, plan.bf16.kept.y)?,
+                    },
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -346,7 +375,6 @@ impl FusedCuda {
             partials: zeros(partials_len(c, widest))?,
             sums: Buf::zeros(&gpu, LOSS_SUM + LOSS_SLOTS)?,
         };
-        let plan = Plan::for_spec(spec, batch, attention, precision);
         let engine = Self {
             owner: super::gpu::OwnerThread::here(),
             params: Buf::from_host(&gpu, values)?,
@@ -396,6 +424,7 @@ impl FusedCuda {
                     + b.fc.bytes()
                     + b.res_3.bytes()
                     + b.lse.bytes()
+                    + b.kept.bytes()
             })
             .sum();
         let outside = [&a.x0, &a.ln_f, &a.ln_f_stats.buf, &a.logits, &a.row_loss]
@@ -657,32 +686,34 @@ impl FusedCuda {
 
         // Attention: q | k | v of the normed input, positions turned in, heads attend,
         // their outputs projected back into the residual stream.
-        let (ln, normed) = self.product_input(sc.ln.ptr());
+        let (ln_1, normed_1) = self.kept_rows(sc.ln.ptr(), &a.kept.ln_1);
         if l == 0 {
-            self.norm_forward(ln, &a.ln_1, x, &p.ln_1)?;
+            self.norm_forward(ln_1, &a.ln_1, x, &p.ln_1)?;
         }
-        self.linear_forward(a.qkv.ptr(), normed, &p.attn_qkv)?;
+        self.linear_forward(a.qkv.ptr(), normed_1, &p.attn_qkv)?;
         if let Some(tables) = self.tables.rope() {
             let at = Positions::from_start(s.block_size);
             k.rope(a.qkv.ptr(), tables, n, at, self.heads(), s.qkv_width, 1.0)?;
         }
         self.attention_forward(l, a.y.ptr(), a.qkv.ptr())?;
-        self.linear_forward(sc.branch.ptr(), Rows::F32(a.y.ptr()), &p.attn_proj)?;
+        self.linear_forward(sc.branch.ptr(), self.heads_output(l), &p.attn_proj)?;
         let mask = DropoutArgs::at(dropout, Site::AttentionOutput(l));
         let residual = (a.res_2.ptr(), x, sc.branch.ptr(), mask);
-        self.residual_norm(residual, ln, &a.ln_2, &p.ln_2)?;
+        let (ln_2, normed_2) = self.kept_rows(sc.ln.ptr(), &a.kept.ln_2);
+        self.residual_norm(residual, ln_2, &a.ln_2, &p.ln_2)?;
 
         // MLP: expand, non-linearity, project back.
-        self.linear_forward(a.fc.ptr(), normed, &p.mlp_fc)?;
+        self.linear_forward(a.fc.ptr(), normed_2, &p.mlp_fc)?;
         let kind = self.spec.config.mlp;
-        let (act, activated) = self.product_input(sc.act.ptr());
+        let (act, activated) = self.kept_rows(sc.act.ptr(), &a.kept.act);
         k.activation_forward(act, a.fc.ptr(), n, s.mlp_hidden, kind)?;
         self.linear_forward(sc.branch.ptr(), activated, &p.mlp_proj)?;
         let mask = DropoutArgs::at(dropout, Site::MlpOutput(l));
         let residual = (a.res_3.ptr(), a.res_2.ptr(), sc.branch.ptr(), mask);
         match self.acts.blocks.get(l + 1) {
             Some(next) => {
-                self.residual_norm(residual, ln, &next.ln_1, &self.spec.blocks[l + 1].ln_1)
+                let (ln_1, _) = self.kept_rows(sc.ln.ptr(), &next.kept.ln_1);
+                self.residual_norm(residual, ln_1, &next.ln_1, &self.spec.blocks[l + 1].ln_1)
             }
             None => {
                 // The final norm's output is kept in f32 for the backward, and rounded
@@ -692,6 +723,49 @@ impl FusedCuda {
                 let stats = &self.acts.ln_f_stats;
                 self.residual_norm(residual, ln_f, stats, &self.spec.ln_f)
             }
+        }
+    }
+
+    /// Where a block's forward writes rows its products read (a norm's output, the
+    /// activation) and how they find them: with bf16 products, rounded into the
+    /// block's own buffer `kept16`, which its backward's products read again; with f32
+    /// products, the f32 work space `f32` (the backward recomputes them).
+    fn kept_rows(&self, f32: u64, kept16: &Buf<u16>) -> (Out, Rows) {
+        match self.bf16 {
+            Some(_) => (
+                Out {
+                    f32: 0,
+                    bf16: kept16.ptr(),
+                },
+                Rows::Bf16(kept16.ptr()),
+            ),
+            None => (Out::f32(f32), Rows::F32(f32)),
+        }
+    }
+
+    /// A norm's output for block `l`'s backward products: kept from the forward with
+    /// bf16 products, recomputed into the f32 work space from x and the statistics
+    /// with f32 ones.
+    fn norm_output_again(
+        &self,
+        kept16: &Buf<u16>,
+        (stats, x, p): (&Stats, u64, &NormParams),
+    ) -> Result<Rows> {
+        if self.bf16.is_some() {
+            return Ok(Rows::Bf16(kept16.ptr()));
+        }
+        let ln = self.scratch.ln.ptr();
+        self.norm_apply(Out::f32(ln), stats, x, p)?;
+        Ok(Rows::F32(ln))
+    }
+
+    /// Block `l`'s heads' output as its projection reads it: f32 rows, and (flash
+    /// attention with bf16 products) their rounding, which the flash kernel wrote.
+    fn heads_output(&self, l: usize) -> Rows {
+        let a = &self.acts.blocks[l];
+        match a.kept.y.len() {
+            0 => Rows::F32(a.y.ptr()),
+            _ => Rows::Both(a.y.ptr(), a.kept.y.ptr()),
         }
     }
 
@@ -711,9 +785,12 @@ impl FusedCuda {
         let mask = DropoutArgs::at(self.dropout.as_ref(), Site::AttentionWeights(l));
         if self.attention == Attention::Flash {
             // Q, K, V read in place from the qkv rows, y written in place as rows.
-            let lse = self.acts.blocks[l].lse.ptr();
+            let a = &self.acts.blocks[l];
             let out = HeadView::in_rows(y, 0, h.heads * d, h, 1);
-            return k.flash_forward((out, lse), HeadView::qkv(qkv, h), h, mask);
+            // Rounded too, where bf16 products read it (`heads_output`).
+            let out16 =
+                (a.kept.y.len() > 0).then(|| HeadView::rows_bf16(a.kept.y.ptr(), h.heads * d, h));
+            return k.flash_forward((out, out16, a.lse.ptr()), HeadView::qkv(qkv, h), h, mask);
         }
         let qkv_heads = (sc.q.ptr(), sc.k.ptr(), sc.v.ptr());
         k.split_heads(qkv_heads, qkv, h)?;
@@ -1013,18 +1090,23 @@ impl FusedCuda {
         let dres = sc.dres.ptr();
 
         // res_3 = res_2 + mlp(ln_2(res_2)): dres reaches both terms. The non-linearity's
-        // output is recomputed.
+        // output: kept in bf16, or recomputed in f32.
         let kind = self.spec.config.mlp;
-        let (act, activated) = self.product_input(sc.act.ptr());
-        k.activation_forward(act, a.fc.ptr(), n, s.mlp_hidden, kind)?;
+        let activated = match self.bf16 {
+            Some(_) => Rows::Bf16(a.kept.act.ptr()),
+            None => {
+                let act = sc.act.ptr();
+                k.activation_forward(Out::f32(act), a.fc.ptr(), n, s.mlp_hidden, kind)?;
+                Rows::F32(act)
+            }
+        };
         let dbranch = self.branch_gradient(dres, Site::MlpOutput(l))?;
         self.linear_backward(sc.dact.ptr(), dbranch, activated, &p.mlp_proj, 1.0)?;
         let dims = (n, s.mlp_hidden);
         let (dfc_out, dfc) = self.product_gradient(sc.dfc.ptr(), &p.mlp_fc);
         k.activation_backward(dfc_out, a.fc.ptr(), sc.dact.ptr(), dims, kind)?;
-        let (ln, normed) = self.product_input(sc.ln.ptr());
-        self.norm_apply(ln, &a.ln_2, a.res_2.ptr(), &p.ln_2)?;
-        self.linear_backward(sc.dln.ptr(), dfc, normed, &p.mlp_fc, 1.0)?;
+        let normed_2 = self.norm_output_again(&a.kept.ln_2, (&a.ln_2, a.res_2.ptr(), &p.ln_2))?;
+        self.linear_backward(sc.dln.ptr(), dfc, normed_2, &p.mlp_fc, 1.0)?;
         self.norm_backward(dres, sc.dln.ptr(), a.res_2.ptr(), &a.ln_2, &p.ln_2)?;
 
         // res_2 = x + proj(attention(qkv(ln_1(x)))).
@@ -1032,7 +1114,7 @@ impl FusedCuda {
         self.linear_backward(
             sc.dy.ptr(),
             dbranch,
-            Rows::F32(a.y.ptr()),
+            self.heads_output(l),
             &p.attn_proj,
             1.0,
         )?;
@@ -1050,8 +1132,8 @@ impl FusedCuda {
                 -1.0,
             )?;
         }
-        self.norm_apply(ln, &a.ln_1, x, &p.ln_1)?;
-        self.linear_backward(sc.dln.ptr(), dqkv, normed, &p.attn_qkv, 1.0)?;
+        let normed_1 = self.norm_output_again(&a.kept.ln_1, (&a.ln_1, x, &p.ln_1))?;
+        self.linear_backward(sc.dln.ptr(), dqkv, normed_1, &p.attn_qkv, 1.0)?;
         self.norm_backward(dres, sc.dln.ptr(), x, &a.ln_1, &p.ln_1)
     }
 

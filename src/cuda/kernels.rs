@@ -322,6 +322,22 @@ impl HeadView {
         }
     }
 
+    /// No heads: a kernel writes nothing through it.
+    pub const NONE: Self = Self {
+        base: 0,
+        batch_stride: 0,
+        head_stride: 0,
+        ld: 0,
+        group: 1,
+        bf16: 0,
+    };
+
+    /// Heads side by side in bf16 rows `width` values wide (B T rows): where a kernel
+    /// writes an output rounded, for the bf16 products that read it.
+    pub fn rows_bf16(base16: u64, width: usize, h: Heads) -> Self {
+        Self::in_rows_of(base16, 0, width, (h, 1), true)
+    }
+
     /// The q, k and v heads of qkv rows (B T, (H + 2 Hkv) d), read in place.
     pub fn qkv(qkv: u64, h: Heads) -> [Self; 3] {
         Self::qkv_of(qkv, h, false)
@@ -697,17 +713,17 @@ impl Gpu {
     /// T) = each row's log-sum-exp of its scaled scores, for the backward.
     pub fn flash_forward(
         &self,
-        (out, lse): (HeadView, u64),
+        (out, out16, lse): (HeadView, Option<HeadView>, u64),
         [q, k, v]: [HeadView; 3],
         h: Heads,
         dropout: DropoutArgs,
     ) -> Result<()> {
-        let cost = Cost::f32s_and_flops(
-            2 * (h.len() + h.kv_len()) + h.rows(),
-            2 * h.causal_product(),
-        );
+        let rounded = if out16.is_some() { 2 * h.len() } else { 0 };
+        let bytes = 4 * (2 * (h.len() + h.kv_len()) + h.rows()) + rounded;
+        let cost = Cost::new((2 * h.causal_product()) as f64, bytes as f64);
+        let out16 = out16.unwrap_or(HeadView::NONE);
         launch!(self, FlashForward, flash_grid(h), cost;
-            out, lse, q, k, v, int(h.t), int(h.d), int(h.heads), attention_scale(h), dropout)
+            out, out16, lse, q, k, v, int(h.t), int(h.d), int(h.heads), attention_scale(h), dropout)
     }
 
     /// dsum (B H, T) = each row's dY . Y over its head, from the merged (B T, H d) dY
@@ -1169,7 +1185,7 @@ mod tests {
             let split = |b: &Buf<f32>| HeadView::split(b.ptr(), h);
             let heads_in = [split(&qb), split(&kb), split(&vb)];
             let args = DropoutArgs::at(dropout.as_ref(), site);
-            gpu.flash_forward((split(&out), lse.ptr()), heads_in, h, args)
+            gpu.flash_forward((split(&out), None, lse.ptr()), heads_in, h, args)
                 .unwrap();
             // dY . Y per row reads the merged (B T, H d) layouts.
             let merged = |x: &[f32]| {

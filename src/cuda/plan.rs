@@ -112,6 +112,23 @@ pub struct Bf16Plan {
     pub weights: usize,
     pub inputs: usize,
     pub outputs: usize,
+    /// What each block's forward keeps in bf16 for its backward's products (`Kept16`):
+    /// its two norms' outputs, its activation, and (flash attention) its heads' output.
+    pub kept: Kept16Plan,
+}
+
+/// The bf16 rows a block keeps (`Bf16Plan::kept`), in values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Kept16Plan {
+    pub ln: usize,
+    pub act: usize,
+    pub y: usize,
+}
+
+impl Kept16Plan {
+    fn values(&self) -> usize {
+        2 * self.ln + self.act + self.y
+    }
 }
 
 impl Bf16Plan {
@@ -169,6 +186,15 @@ impl Plan {
                 weights: params,
                 inputs: n * c.max(s.mlp_hidden),
                 outputs: n * c.max(s.qkv_width).max(s.mlp_fc_width).max(s.vocab_size),
+                kept: Kept16Plan {
+                    ln: n * c,
+                    act: n * s.mlp_hidden,
+                    y: if attention == Attention::Flash {
+                        n * c
+                    } else {
+                        0
+                    },
+                },
             },
         };
         Self {
@@ -231,7 +257,7 @@ impl Plan {
         4 * (f32s + self.ids) as u64
             + 8 * self.sums as u64
             + 16 * self.adam_chunks as u64
-            + 2 * self.bf16.values() as u64
+            + 2 * (self.bf16.values() + layers * self.bf16.kept.values()) as u64
     }
 }
 
@@ -269,16 +295,18 @@ mod tests {
             flash.bytes(12, true) + weights - statistics,
             plan.bytes(12, true)
         );
-        // bf16 products add the weights' bf16 copy and two operand buffers: 8192 rows
-        // of the widest input (the MLP's 3072) and of the widest output (the logits',
-        // which the output layer writes there in bf16: the f32 logits are gone).
+        // bf16 products add the weights' bf16 copy, two operand buffers (8192 rows of
+        // the widest input, the MLP's 3072, and of the widest output, the logits',
+        // which the output layer writes there in bf16: the f32 logits are gone), and
+        // what each block keeps in bf16 for its backward: two norms' outputs, the
+        // activation, the heads' output.
         let bf16 = Plan::for_spec(&spec, 8, Attention::Flash, Precision::Bf16);
         let operands = 8192 * (3072 + 50304) as u64;
+        let kept = 12 * 8192 * (3 * 768 + 3072) as u64;
         assert_eq!(
             bf16.bytes(12, true) + logits - flash.bytes(12, true),
-            2 * (spec.len() as u64 + operands)
+            2 * (spec.len() as u64 + operands + kept)
         );
-        assert!(bf16.bytes(12, true) < flash.bytes(12, true));
         let optimiser = plan.bytes(12, true) - plan.bytes(12, false);
         assert_eq!(
             optimiser,

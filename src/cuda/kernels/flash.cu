@@ -241,10 +241,11 @@ __device__ inline int column_of(int j, int i, int lane) { return 8 * j + 2 * (la
 // the keys (K staged as it is, V transposed): each warp's scores, its rows' running
 // maxima and sums, and its output's sums stay in registers; the sums are rescaled as a
 // row's maximum grows and divided by the row's sum at the end. Exponentials in base 2,
-// the scale folded in.
-extern "C" __global__ void flash_forward(HeadView out, float* lse, HeadView q, HeadView k,
-                                         HeadView v, int T, int d, int H, float scale,
-                                         Dropout dropout) {
+// the scale folded in. Where out16 has a base, the output is also written there
+// rounded, for the bf16 product that reads it.
+extern "C" __global__ void flash_forward(HeadView out, HeadView out16, float* lse, HeadView q,
+                                         HeadView k, HeadView v, int T, int d, int H,
+                                         float scale, Dropout dropout) {
 #ifdef FLASH_UNSUPPORTED
     __trap();
 #else
@@ -332,6 +333,7 @@ extern "C" __global__ void flash_forward(HeadView out, float* lse, HeadView q, H
         l_hi += __shfl_xor_sync(FULL_MASK, l_hi, other);
     }
     store_rows(out, bh, H, o, row0, T, d, 1.0f / l_lo, 1.0f / l_hi, lane);
+    if (out16.base != nullptr) store_rows(out16, bh, H, o, row0, T, d, 1.0f / l_lo, 1.0f / l_hi, lane);
     // The log-sum-exp in natural units: max + log(sum), both from base 2.
     const float ln2 = 0.6931471805599453f;
     if (lane % 4 == 0 && lo < T) lse[bh * T + lo] = (m_lo + log2f(l_lo)) * ln2;
