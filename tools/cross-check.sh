@@ -57,7 +57,7 @@ apt_install() {
 }
 
 rust_target() {
-  rustup target list --installed 2>/dev/null | grep -qx "$1" && return 0
+  rustup target list --installed 2>/dev/null | grep -x "$1" >/dev/null && return 0
   echo "adding the Rust target $1 (rustup)" >&2
   rustup target add "$1" >/dev/null 2>&1
 }

@@ -52,7 +52,7 @@ bench=("$B" bench --config /tmp/tg/gpt2.toml --device cuda --warmup 3 --decode-t
   echo
   echo "## bench --profile, GPT-2 124M (12L/768, T1024, B8, vocab 50,304)"
 } > "$out"
-for run in "f32|train.dtype=f32|" "bf16|train.dtype=bf16|" "bf16, f32 operands rounded by cuBLAS|train.dtype=bf16|TINYGPT_CUDA_BF16_OPERANDS=0"; do
+for run in "f32|train.dtype=f32|" "f32, TF32 products|train.tf32=true|" "bf16|train.dtype=bf16|" "bf16, f32 operands rounded by cuBLAS|train.dtype=bf16|TINYGPT_CUDA_BF16_OPERANDS=0" "bf16, attention through products|train.dtype=bf16|TINYGPT_CUDA_ATTENTION=products"; do
   IFS='|' read -r label set env <<<"$run"
   {
     echo

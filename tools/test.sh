@@ -19,7 +19,9 @@ cd "$(dirname "$0")/.."
 # Data-parallel training (feature mpi) is tested under a real mpirun: Open MPI, and
 # libclang for the MPI bindings, installed here where missing (Debian's packages; as
 # root, or through sudo without a password).
-have_mpi() { command -v mpicc >/dev/null && command -v mpirun >/dev/null && ldconfig -p | grep -q 'libclang[-.0-9]*\.so'; }
+# (grep reads all of ldconfig's output: `grep -q` may exit first, and under pipefail
+# ldconfig's broken pipe would then fail the probe at random.)
+have_mpi() { command -v mpicc >/dev/null && command -v mpirun >/dev/null && ldconfig -p | grep 'libclang[-.0-9]*\.so' >/dev/null; }
 if ! have_mpi && command -v apt-get >/dev/null; then
   as_root=""
   [ "$(id -u)" = 0 ] || as_root="sudo -n"
