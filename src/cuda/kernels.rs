@@ -173,6 +173,16 @@ fn elements(n: usize) -> Launch {
     }
 }
 
+/// The activation kernels' grid: a thread per four values where GELU's come four an
+/// access (kernels/activation.cu; the kernel checks alignment itself, and its
+/// grid-stride loop covers every value whatever the grid).
+fn activation_elements(values: usize, kind: MlpKind) -> Launch {
+    match kind != MlpKind::Swiglu && values.is_multiple_of(4) {
+        true => elements(values / 4),
+        false => elements(values),
+    }
+}
+
 /// The widest rows `norm_backward` takes in one pass (32 lanes x NORM_LANE_COLS in
 /// kernels/norm.cu).
 pub const NORM_ONE_PASS_WIDTH: usize = 32 * 48;
@@ -609,7 +619,7 @@ impl Gpu {
         let values = rows * hidden;
         let read = 4.0 * (rows * fc_width(hidden, kind)) as f64;
         let cost = Cost::new((10 * values) as f64, read + out.bytes(values));
-        launch!(self, ActivationForward, elements(values), cost;
+        launch!(self, ActivationForward, activation_elements(values, kind), cost;
             out.f32, out.bf16, fc, int(rows), int(hidden), activation_kind(kind))
     }
 
@@ -625,7 +635,7 @@ impl Gpu {
         let fc_values = rows * fc_width(hidden, kind);
         let read = 4.0 * (fc_values + rows * hidden) as f64;
         let cost = Cost::new((20 * rows * hidden) as f64, read + dfc.bytes(fc_values));
-        launch!(self, ActivationBackward, elements(rows * hidden), cost;
+        launch!(self, ActivationBackward, activation_elements(rows * hidden, kind), cost;
             dfc.f32, dfc.bf16, fc, dout, int(rows), int(hidden), activation_kind(kind))
     }
 

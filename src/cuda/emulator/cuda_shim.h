@@ -26,8 +26,12 @@ struct uint2 {
 struct uint4 {
     uint32_t x, y, z, w;
 };
+struct float4 {
+    float x, y, z, w;
+};
 
 inline uint2 make_uint2(uint32_t x, uint32_t y) { return uint2{x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) {
     return uint4{x, y, z, w};
 }

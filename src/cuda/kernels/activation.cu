@@ -8,35 +8,73 @@
 
 __device__ inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+__device__ inline float gelu(float x, int kind) {
+    if (kind == GELU_TANH) {
+        const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+        return 0.5f * x * (1.0f + tanhf(u));
+    }
+    return 0.5f * x * (1.0f + erff(x * 0.7071067811865476f));
+}
+
+// d gelu / dx at x.
+__device__ inline float gelu_slope(float x, int kind) {
+    if (kind == GELU_TANH) {
+        const float k = 0.7978845608028654f;
+        const float t = tanhf(k * (x + 0.044715f * x * x * x));
+        return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k * (1.0f + 3.0f * 0.044715f * x * x);
+    }
+    const float cdf = 0.5f * (1.0f + erff(x * 0.7071067811865476f));
+    const float pdf = 0.3989422804014327f * expf(-0.5f * x * x);
+    return cdf + x * pdf;
+}
+
 // out (rows x hidden) from fc (rows x hidden, or rows x 2 hidden for SwiGLU), as f32
-// (`out`), rounded to bf16 for the product that reads it (`out16`), or both.
+// (`out`), rounded to bf16 for the product that reads it (`out16`), or both. GELU's
+// values four an access where the buffers allow (`load4`).
 extern "C" __global__ void activation_forward(float* out, uint16_t* out16, const float* fc,
                                               int rows, int hidden, int kind) {
-    FOR_EACH(i, (long long)rows * hidden) {
+    const long long n = (long long)rows * hidden;
+    if (kind != SWIGLU && n % 4 == 0 && aligned16(out) && aligned16(out16) && aligned16(fc)) {
+        FOR_EACH(i, n / 4) {
+            const float4 x = load4(fc, i);
+            const float4 y = make_float4(gelu(x.x, kind), gelu(x.y, kind), gelu(x.z, kind),
+                                         gelu(x.w, kind));
+            store4(out, out16, i, y);
+        }
+        return;
+    }
+    FOR_EACH(i, n) {
         float y;
         if (kind == SWIGLU) {
             const long long r = i / hidden;
             const int c = (int)(i % hidden);
             const float gate = fc[r * 2 * hidden + c], up = fc[r * 2 * hidden + hidden + c];
             y = gate * sigmoid(gate) * up;
-        } else if (kind == GELU_TANH) {
-            const float x = fc[i];
-            const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-            y = 0.5f * x * (1.0f + tanhf(u));
         } else {
-            const float x = fc[i];
-            y = 0.5f * x * (1.0f + erff(x * 0.7071067811865476f));
+            y = gelu(fc[i], kind);
         }
         store(out, out16, i, y);
     }
 }
 
 // dfc from dout (rows x hidden), written (not accumulated): as f32 (`dfc`), rounded to
-// bf16 for the products that read it (`dfc16`), or both.
+// bf16 for the products that read it (`dfc16`), or both. GELU's four an access where
+// the buffers allow.
 extern "C" __global__ void activation_backward(float* dfc, uint16_t* dfc16, const float* fc,
                                                const float* dout, int rows, int hidden,
                                                int kind) {
-    FOR_EACH(i, (long long)rows * hidden) {
+    const long long n = (long long)rows * hidden;
+    if (kind != SWIGLU && n % 4 == 0 && aligned16(dfc) && aligned16(dfc16) && aligned16(fc) &&
+        aligned16(dout)) {
+        FOR_EACH(i, n / 4) {
+            const float4 x = load4(fc, i), g = load4(dout, i);
+            const float4 d = make_float4(g.x * gelu_slope(x.x, kind), g.y * gelu_slope(x.y, kind),
+                                         g.z * gelu_slope(x.z, kind), g.w * gelu_slope(x.w, kind));
+            store4(dfc, dfc16, i, d);
+        }
+        return;
+    }
+    FOR_EACH(i, n) {
         const float g = dout[i];
         if (kind == SWIGLU) {
             const long long r = i / hidden;
@@ -46,18 +84,8 @@ extern "C" __global__ void activation_backward(float* dfc, uint16_t* dfc16, cons
             const float sig = sigmoid(gate);
             store(dfc, dfc16, at, g * up * sig * (1.0f + gate * (1.0f - sig)));
             store(dfc, dfc16, at + hidden, g * gate * sig);
-        } else if (kind == GELU_TANH) {
-            const float x = fc[i];
-            const float k = 0.7978845608028654f;
-            const float t = tanhf(k * (x + 0.044715f * x * x * x));
-            const float slope =
-                0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k * (1.0f + 3.0f * 0.044715f * x * x);
-            store(dfc, dfc16, i, g * slope);
         } else {
-            const float x = fc[i];
-            const float cdf = 0.5f * (1.0f + erff(x * 0.7071067811865476f));
-            const float pdf = 0.3989422804014327f * expf(-0.5f * x * x);
-            store(dfc, dfc16, i, g * (cdf + x * pdf));
+            store(dfc, dfc16, i, g * gelu_slope(fc[i], kind));
         }
     }
 }

@@ -117,6 +117,40 @@ __device__ inline void store(float* out, uint16_t* out16, long long i, float v) 
     if (out16 != nullptr) out16[i] = bf16_bits(v);
 }
 
+// Elementwise kernels move four values an access (one 16-byte load of f32, one 8-byte
+// store of bf16) where every buffer they touch is 16-byte aligned (device allocations
+// are; a view into a buffer may not be) and the count is a multiple of four.
+__device__ inline bool aligned16(const void* p) {
+    return p == nullptr || ((unsigned long long)p & 15u) == 0;
+}
+__device__ inline float4 load4(const float* p, long long i) {
+#ifdef __CUDACC__
+    return reinterpret_cast<const float4*>(p)[i];
+#else
+    return make_float4(p[4 * i], p[4 * i + 1], p[4 * i + 2], p[4 * i + 3]);
+#endif
+}
+// Four values at 4 i of an output kept as f32, rounded to bf16, or both (as `store`).
+__device__ inline void store4(float* out, uint16_t* out16, long long i, float4 v) {
+    if (out != nullptr) {
+#ifdef __CUDACC__
+        reinterpret_cast<float4*>(out)[i] = v;
+#else
+        out[4 * i] = v.x, out[4 * i + 1] = v.y, out[4 * i + 2] = v.z, out[4 * i + 3] = v.w;
+#endif
+    }
+    if (out16 != nullptr) {
+        const uint32_t lo = (uint32_t)bf16_bits(v.x) | ((uint32_t)bf16_bits(v.y) << 16);
+        const uint32_t hi = (uint32_t)bf16_bits(v.z) | ((uint32_t)bf16_bits(v.w) << 16);
+#ifdef __CUDACC__
+        reinterpret_cast<uint2*>(out16)[i] = make_uint2(lo, hi);
+#else
+        out16[4 * i] = (uint16_t)lo, out16[4 * i + 1] = (uint16_t)(lo >> 16);
+        out16[4 * i + 2] = (uint16_t)hi, out16[4 * i + 3] = (uint16_t)(hi >> 16);
+#endif
+    }
+}
+
 // A grid-stride loop over n elements.
 #define FOR_EACH(i, n) \
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (long long)(n); \
