@@ -72,8 +72,9 @@ eval "$toolkit_env"
 if cargo clippy --version >/dev/null 2>&1; then
   CARGO_TARGET_DIR=target-cuda cargo clippy --features "cuda,cuda-emulator,nccl$(have_mpi && echo ,mpi)" --all-targets -- -D warnings
   # And as a GPU machine builds it (tools/gpu-pack.sh): without the emulator, code the
-  # emulator alone uses is dead, and code behind it missing.
-  CARGO_TARGET_DIR=target-cuda cargo clippy --features cuda --all-targets -- -D warnings
+  # emulator alone uses is dead, and code behind it missing. (The same features
+  # otherwise, so the dependencies' builds are shared: only our crate builds again.)
+  CARGO_TARGET_DIR=target-cuda cargo clippy --features "cuda,nccl$(have_mpi && echo ,mpi)" --all-targets -- -D warnings
 else
   echo "clippy is not installed (rustup component add clippy): type-checking only" >&2
   CARGO_TARGET_DIR=target-cuda cargo check --features "cuda,cuda-emulator,nccl$(have_mpi && echo ,mpi)" --all-targets
