@@ -599,7 +599,7 @@ impl FusedCuda {
         }
         // The last block normed its output (ln_f) as it added its residual.
         let a = &self.acts;
-        let (_, input) = self.product_input(a.ln_f.ptr());
+        let (_, input) = self.final_norm_output();
         let output = self.spec.output_layer();
         let logits = match &self.bf16 {
             // With bf16 operand copies the logits are written in bf16 into the buffer
@@ -716,10 +716,7 @@ impl FusedCuda {
                 self.residual_norm(residual, ln_1, &next.ln_1, &self.spec.blocks[l + 1].ln_1)
             }
             None => {
-                // The final norm's output is kept in f32 for the backward, and rounded
-                // for the output layer's product where products are bf16.
-                let (mut ln_f, _) = self.product_input(self.acts.ln_f.ptr());
-                ln_f.f32 = self.acts.ln_f.ptr();
+                let (ln_f, _) = self.final_norm_output();
                 let stats = &self.acts.ln_f_stats;
                 self.residual_norm(residual, ln_f, stats, &self.spec.ln_f)
             }
@@ -838,19 +835,20 @@ impl FusedCuda {
         matmul(&self.gpu, how, c, a, b, alpha, beta, batch)
     }
 
-    /// Where a kernel writes rows a product reads next, and how the product finds
-    /// them: `f32` itself with f32 products; with bf16 products only the bf16 input
-    /// buffer, rounded as they are written (the f32 values are never read).
-    fn product_input(&self, f32: u64) -> (Out, Rows) {
+    /// The final norm's output: kept in f32 for its backward, and with bf16 products
+    /// also rounded into the input buffer, where the output layer's forward and
+    /// backward products read it.
+    fn final_norm_output(&self) -> (Out, Rows) {
+        let ln_f = self.acts.ln_f.ptr();
         match &self.bf16 {
             Some(b) => (
                 Out {
-                    f32: 0,
+                    f32: ln_f,
                     bf16: b.inputs.ptr(),
                 },
-                Rows::Bf16(b.inputs.ptr()),
+                Rows::Both(ln_f, b.inputs.ptr()),
             ),
-            None => (Out::f32(f32), Rows::F32(f32)),
+            None => (Out::f32(ln_f), Rows::F32(ln_f)),
         }
     }
 
@@ -1038,13 +1036,10 @@ impl FusedCuda {
         };
         let output = self.spec.output_layer();
         let factor = scale / n as f32;
-        self.linear_backward(
-            sc.dln.ptr(),
-            dlogits,
-            Rows::F32(a.ln_f.ptr()),
-            &output,
-            factor,
-        )?;
+        // The final norm's rounded output is still where the forward's product read
+        // it: nothing writes the input buffer between a forward and its backward.
+        let (_, ln_f) = self.final_norm_output();
+        self.linear_backward(sc.dln.ptr(), dlogits, ln_f, &output, factor)?;
         let last = a.blocks.last().expect("at least one layer").res_3.ptr();
         sc.dres.fill_zeros(&self.gpu)?;
         self.norm_backward(

@@ -1363,6 +1363,30 @@ mod tests {
         }
     }
 
+    /// A one-layer model without biases, its values, and 5 input rows for its MLP's
+    /// first layer: the linear-layer tests' fixture.
+    fn one_layer() -> (crate::model::ModelSpec, Vec<f32>, Vec<f32>, usize) {
+        let cfg = crate::config::ModelConfig {
+            n_layer: 1,
+            n_head: 2,
+            n_embd: 24,
+            block_size: 4,
+            vocab_size: 7,
+            bias: false,
+            ..crate::config::ModelConfig::default()
+        };
+        let spec = crate::model::ModelSpec::new(&cfg);
+        let d_in = spec.blocks[0].mlp_fc.d_in;
+        let values: Vec<f32> = (0..spec.len() as u32)
+            .map(|i| ((i.wrapping_mul(2654435761) >> 8) % 2001) as f32 / 997.0 - 1.0)
+            .collect();
+        let rows = 5;
+        let x: Vec<f32> = (0..(rows * d_in) as u32)
+            .map(|i| (i as f32 * 0.37).sin())
+            .collect();
+        (spec, values, x, rows)
+    }
+
     /// A linear layer over bf16 in memory (the decoder's resident weights, its rows
     /// rounded first) computes what the bf16 product over f32 data does (operands
     /// rounded on the way in, f32 sums): the same numbers in the emulator, within
@@ -1370,25 +1394,8 @@ mod tests {
     #[test]
     fn linear_layers_over_bf16_in_memory_are_bf16_products() {
         use super::super::blas::{linear, Weights};
-        use crate::config::ModelConfig;
-        use crate::model::ModelSpec;
-        let cfg = ModelConfig {
-            n_layer: 1,
-            n_head: 2,
-            n_embd: 24,
-            block_size: 4,
-            vocab_size: 7,
-            ..ModelConfig::default()
-        };
-        let spec = ModelSpec::new(&cfg);
+        let (spec, values, x, rows) = one_layer();
         let p = spec.blocks[0].mlp_fc;
-        let values: Vec<f32> = (0..spec.len() as u32)
-            .map(|i| ((i.wrapping_mul(2654435761) >> 8) % 2001) as f32 / 997.0 - 1.0)
-            .collect();
-        let rows = 5;
-        let x: Vec<f32> = (0..(rows * p.d_in) as u32)
-            .map(|i| (i as f32 * 0.37).sin())
-            .collect();
         for (place, gpu) in gpus() {
             let params = Buf::from_host(&gpu, &values).unwrap();
             let weights16 = Buf::<u16>::zeros(&gpu, values.len()).unwrap();
@@ -1573,26 +1580,8 @@ mod tests {
     fn tf32_products_multiply_operands_rounded_to_ten_bits() {
         use super::super::blas::{linear, Weights};
         use super::super::calls::round_to_tf32;
-        use crate::config::ModelConfig;
-        use crate::model::ModelSpec;
-        let cfg = ModelConfig {
-            n_layer: 1,
-            n_head: 2,
-            n_embd: 24,
-            block_size: 4,
-            vocab_size: 7,
-            bias: false,
-            ..ModelConfig::default()
-        };
-        let spec = ModelSpec::new(&cfg);
+        let (spec, values, x, rows) = one_layer();
         let p = spec.blocks[0].mlp_fc;
-        let values: Vec<f32> = (0..spec.len() as u32)
-            .map(|i| ((i.wrapping_mul(2654435761) >> 8) % 2001) as f32 / 997.0 - 1.0)
-            .collect();
-        let rows = 5;
-        let x: Vec<f32> = (0..(rows * p.d_in) as u32)
-            .map(|i| (i as f32 * 0.37).sin())
-            .collect();
         let w = &values[spec[p.weight].offset..][..p.d_out * p.d_in];
         let rounded_product: Vec<f64> = (0..rows * p.d_out)
             .map(|e| {
