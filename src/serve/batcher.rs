@@ -653,17 +653,21 @@ impl<'m, 't> Batcher<'m, 't> {
                 tokens: std::mem::take(&mut seq.unsent),
             });
         }
+        // The gauges move before the last `Done` goes out: a client that has
+        // its whole answer must find it counted in /metrics.
+        request.running -= 1;
+        if request.running == 0 {
+            self.metrics.running.fetch_sub(1, Ordering::Relaxed);
+            self.metrics.completed.fetch_add(1, Ordering::Relaxed);
+        }
         let _ = events.send(Event::Done {
             choice: seq.choice,
             finish,
             prompt_tokens: seq.prompt_tokens,
             completion_tokens: seq.generated,
         });
-        request.running -= 1;
         if request.running == 0 {
             self.requests[seq.request] = None;
-            self.metrics.running.fetch_sub(1, Ordering::Relaxed);
-            self.metrics.completed.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -681,14 +685,16 @@ impl<'m, 't> Batcher<'m, 't> {
     }
 
     fn fail_request(&mut self, id: usize, status: u16, message: &str) {
-        if let Some(active) = &self.requests[id] {
-            let _ = active.job.events.send(Event::Failed {
-                status,
-                message: message.to_string(),
-            });
-            self.remove(id);
-            self.metrics.failed.fetch_add(1, Ordering::Relaxed);
-        }
+        // Counted before the client hears of it, as in `finish`.
+        let Some(events) = self.requests[id].as_ref().map(|a| a.job.events.clone()) else {
+            return;
+        };
+        self.remove(id);
+        self.metrics.failed.fetch_add(1, Ordering::Relaxed);
+        let _ = events.send(Event::Failed {
+            status,
+            message: message.to_string(),
+        });
     }
 
     fn remove(&mut self, id: usize) {
