@@ -524,14 +524,26 @@ fn dropout_masks_are_the_same_in_every_engine() {
 fn bf16_products_stay_within_bf16_rounding_of_the_reference() {
     for device in &devices() {
         let (b, t) = (3, 37);
-        for cfg in gpt2_and_llama(t) {
+        // GPT-2's family with biases too: the MLP's bias is added to its bf16 rows by
+        // the activation.
+        let [gpt2, llama] = gpt2_and_llama(t);
+        let with_biases = ModelConfig {
+            bias: true,
+            ..gpt2.clone()
+        };
+        for cfg in [gpt2, llama, with_biases] {
             let batch = batch(b, t, 67, 1);
             let [mut reference, mut f32_fused] = engines(device, &cfg, b, Precision::F32);
             let [_, mut bf16_fused] = engines(device, &cfg, b, Precision::Bf16);
             let (ref_loss, ref_grads) = loss_and_grads(reference.as_mut(), &batch, None);
             let (f32_loss, f32_grads) = loss_and_grads(f32_fused.as_mut(), &batch, None);
             let (bf16_loss, bf16_grads) = loss_and_grads(bf16_fused.as_mut(), &batch, None);
-            let what = format!("{:?} kv={}", cfg.positions, cfg.kv_heads());
+            let what = format!(
+                "{:?} kv={} bias={}",
+                cfg.positions,
+                cfg.kv_heads(),
+                cfg.bias
+            );
             assert!(
                 (bf16_loss - ref_loss).abs() <= 2e-4 * ref_loss,
                 "{what}: bf16 loss {bf16_loss} vs {ref_loss}"
@@ -678,7 +690,11 @@ fn flash_attention_stays_within_bf16_rounding_of_the_reference() {
                 // 1.9e-3 off, products 4.2e-4), so there flash is held to the reference's
                 // bounds above and the margins are reported.
                 let rounds_alike = matches!(device, Place::EmulatedGpu);
-                let loss_bound = 2.0 * (p_loss - ref_loss).abs() + 1e-5 * ref_loss;
+                // The loss is one number, its rounding errors of either sign: where the
+                // products path's lands near the reference by chance, flash's is held to
+                // the size both paths' errors take (up to 4e-5 of the loss measured under
+                // the emulator with the MLP's rows in bf16), not to that chance.
+                let loss_bound = 2.0 * (p_loss - ref_loss).abs() + 5e-5 * ref_loss;
                 if rounds_alike {
                     assert!(
                         (loss - ref_loss).abs() <= loss_bound,

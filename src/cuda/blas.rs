@@ -96,6 +96,27 @@ pub fn matmul(
     unsafe { gpu.gemm(&call, math, group) }
 }
 
+/// `matmul` of bf16 operands with C written in bf16: the f32 sums rounded as they are
+/// stored (a product whose result only bf16 readers read).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_to_bf16(
+    gpu: &Gpu,
+    group: Group,
+    c: Matrix,
+    a: Operand,
+    b: Operand,
+    alpha: f32,
+    beta: f32,
+    batch: usize,
+) -> Result<()> {
+    let call = ColumnMajor {
+        c16: true,
+        ..column_major(Operands::Bf16, c, a, b, (alpha, beta), batch)?
+    };
+    // SAFETY: as `matmul`'s, with A, B and C bf16.
+    unsafe { gpu.gemm(&call, Math::Bf16, group) }
+}
+
 /// C = op(A) op(B) as cuBLAS's column-major product, once the shapes agree.
 fn column_major(
     operands: Operands,
@@ -163,7 +184,8 @@ pub enum Weights<'a> {
 
 /// A layer without a bias over bf16 rows and weights (the weights' bf16 copy, at the
 /// spec's offsets), its output rounded to bf16: out16 (rows, d_out) = x16 Wᵀ, summed
-/// in f32. The output layer of bf16 training, whose logits the loss reads in bf16.
+/// in f32. In bf16 training: the output layer, whose logits the loss reads in bf16,
+/// and the MLP's first projection, which its activation reads (and adds the bias to).
 pub fn linear_to_bf16(
     gpu: &Gpu,
     (weights16, spec): (&Buf<u16>, &ModelSpec),
@@ -179,12 +201,7 @@ pub fn linear_to_bf16(
         Matrix::new(x16, rows, p.d_in).n(),
         Matrix::new(w, p.d_out, p.d_in).t(),
     );
-    let call = ColumnMajor {
-        c16: true,
-        ..column_major(Operands::Bf16, c, a, b, (1.0, 0.0), 1)?
-    };
-    // SAFETY: `out16`, `x16` and the weights are live bf16 buffers of these shapes.
-    unsafe { gpu.gemm(&call, Math::Bf16, Group::Product(p.role)) }
+    matmul_to_bf16(gpu, Group::Product(p.role), c, a, b, 1.0, 0.0, 1)
 }
 
 /// A linear layer forward: out (rows, d_out) = x Wᵀ (+ b), its weights read at the

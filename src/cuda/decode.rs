@@ -16,7 +16,7 @@ use super::buffers::Buf;
 use super::gpu::Gpu;
 use super::gpu::Recording;
 use super::kernels::{
-    cached_attention_partials, At, CachedRows, DropoutArgs, Heads, NormRows, Out, SamplingArgs,
+    cached_attention_partials, At, CachedRows, DropoutArgs, Heads, In, NormRows, Out, SamplingArgs,
     SamplingWork,
 };
 use super::tables::PositionTables;
@@ -579,7 +579,8 @@ impl CudaDecoder {
             // MLP.
             self.norm(w.xn.ptr(), w.stats.ptr(), w.x.ptr(), &p.ln_2, rows)?;
             self.linear(w.fc.ptr(), w.xn.ptr(), &p.mlp_fc, rows)?;
-            g.activation_forward(Out::f32(w.act.ptr()), w.fc.ptr(), rows, s.mlp_hidden, kind)?;
+            let fc = (In::f32(w.fc.ptr()), 0); // its bias added by `linear`
+            g.activation_forward(Out::f32(w.act.ptr()), fc, rows, s.mlp_hidden, kind)?;
             self.linear(w.proj.ptr(), w.act.ptr(), &p.mlp_proj, rows)?;
             add_branch()?;
         }

@@ -20,14 +20,12 @@ use anyhow::{ensure, Context, Result};
 #[cfg(feature = "cuda")]
 use candle_core::Device;
 
-use super::blas::{linear, linear_to_bf16, matmul, Matrix, Weights};
+use super::blas::{linear, linear_to_bf16, matmul, matmul_to_bf16, Matrix, Weights};
 use super::buckets::Buckets;
 use super::buffers::{Buf, Staging};
 use super::calls::Operands;
 use super::gpu::Gpu;
-use super::kernels::{
-    adamw_chunks, AdamBuffers, DropoutArgs, HeadView, Heads, Logits, NormRows, Out,
-};
+use super::kernels::{adamw_chunks, AdamBuffers, DropoutArgs, HeadView, Heads, In, NormRows, Out};
 use super::plan::{partials_len, Attention, Plan, FLASH_MAX_HEAD, LOSS_SLOTS, LOSS_SUM, NORM_SQ};
 use super::ranks::Ranks;
 use super::tables::PositionTables;
@@ -166,7 +164,8 @@ struct BlockActs {
     /// (N, C): the residual stream after the attention sub-layer.
     res_2: Buf<f32>,
     ln_2: Stats,
-    /// (N, fc width): the MLP's first projection, before its non-linearity.
+    /// (N, fc width): the MLP's first projection, before its bias (the activation adds
+    /// it) and non-linearity (empty with bf16 operands: `Kept16::fc` holds it).
     fc: Buf<f32>,
     /// (N, C): the block's output.
     res_3: Buf<f32>,
@@ -177,9 +176,8 @@ struct BlockActs {
     kept: Kept16,
 }
 
-/// A block's rows in bf16, as its forward's kernels wrote them for its products, kept
-/// for the backward's: its weight gradients read the same operands, so nothing is
-/// recomputed or rounded again.
+/// A block's rows in bf16, as its forward wrote them, kept for the backward: its
+/// weight gradients read the same operands, so nothing is recomputed or rounded again.
 struct Kept16 {
     /// (N, C) each: the two norms' outputs.
     ln_1: Buf<u16>,
@@ -188,11 +186,14 @@ struct Kept16 {
     act: Buf<u16>,
     /// (N, C): the heads' outputs (flash attention writes them; empty otherwise).
     y: Buf<u16>,
+    /// (N, fc width): the MLP's first projection, rounded as its product wrote it
+    /// (autocast's product returns it so), which the activation's backward reads.
+    fc: Buf<u16>,
 }
 
 impl Kept16 {
     fn bytes(&self) -> u64 {
-        self.ln_1.bytes() + self.ln_2.bytes() + self.act.bytes() + self.y.bytes()
+        self.ln_1.bytes() + self.ln_2.bytes() + self.act.bytes() + self.y.bytes() + self.fc.bytes()
     }
 }
 
@@ -230,9 +231,12 @@ struct Scratch {
     /// (N, C): the attention output's gradient.
     dy: Buf<f32>,
     dqkv: Buf<f32>,
-    /// (N, hidden): the MLP's activations (recomputed in the backward), their gradient.
+    /// (N, hidden): the MLP's activations (recomputed in the backward), their gradient
+    /// (both empty with bf16 operands, whose products write the gradient in bf16 into
+    /// `dact16`).
     act: Buf<f32>,
     dact: Buf<f32>,
+    dact16: Buf<u16>,
     /// (N, fc width): the gradient at the MLP's first projection.
     dfc: Buf<f32>,
     /// (B, H, T, d) each: the heads in the layout of the batched products, the heads'
@@ -317,6 +321,9 @@ impl FusedCuda {
         let chunks = adamw_chunks(table, 0..spec.len());
         let plan = Plan::for_spec(spec, batch, attention, precision);
 
+        // With bf16 operands the MLP's rows are bf16 (`Plan::new`).
+        let mlp_f32 = |values: usize| if plan.bf16.dact > 0 { 0 } else { values };
+        let f32_fc = mlp_f32(n * s.mlp_fc_width);
         let blocks = (0..s.n_layer)
             .map(|_| {
                 Ok(BlockActs {
@@ -325,7 +332,7 @@ impl FusedCuda {
                     y: zeros(n * c)?,
                     res_2: zeros(n * c)?,
                     ln_2: Stats::new(&gpu, n)?,
-                    fc: zeros(n * s.mlp_fc_width)?,
+                    fc: zeros(f32_fc)?,
                     res_3: zeros(n * c)?,
                     lse: zeros(lse_len)?,
                     kept: Kept16 {
@@ -333,6 +340,7 @@ impl FusedCuda {
                         ln_2: Buf::zeros(&gpu, plan.bf16.kept.ln)?,
                         act: Buf::zeros(&gpu, plan.bf16.kept.act)?,
                         y: Buf::zeros(&gpu, plan.bf16.kept.y)?,
+                        fc: Buf::zeros(&gpu, plan.bf16.kept.fc)?,
                     },
                 })
             })
@@ -359,8 +367,9 @@ impl FusedCuda {
             branch: zeros(n * c)?,
             dy: zeros(n * c)?,
             dqkv: zeros(n * s.qkv_width)?,
-            act: zeros(n * s.mlp_hidden)?,
-            dact: zeros(n * s.mlp_hidden)?,
+            act: zeros(mlp_f32(n * s.mlp_hidden))?,
+            dact: zeros(mlp_f32(n * s.mlp_hidden))?,
+            dact16: Buf::zeros(&gpu, plan.bf16.dact)?,
             dfc: zeros(n * s.mlp_fc_width)?,
             q: zeros(n * c)?,
             k: zeros(n * c)?,
@@ -459,7 +468,8 @@ impl FusedCuda {
         ]
         .iter()
         .map(|b| b.bytes())
-        .sum::<u64>();
+        .sum::<u64>()
+            + sc.dact16.bytes();
         let optimiser = self.grads.iter().chain(self.moments.iter().flatten());
         let flat = std::iter::once(&self.params).chain(optimiser);
         blocks
@@ -609,13 +619,13 @@ impl FusedCuda {
                 let x16 = self.rounded(input, output.d_in, &b.inputs)?;
                 let at = b.outputs.ptr();
                 linear_to_bf16(&self.gpu, (&b.weights, &self.spec), at, x16, &output, n)?;
-                (Logits::Bf16(at), at)
+                (In::Bf16(at), at)
             }
             None => {
                 self.linear_forward(a.logits.ptr(), input, &output)?;
                 let round = self.precision == Precision::Bf16;
                 (
-                    Logits::F32 {
+                    In::F32 {
                         at: a.logits.ptr(),
                         round,
                     },
@@ -703,10 +713,10 @@ impl FusedCuda {
         self.residual_norm(residual, ln_2, &a.ln_2, &p.ln_2)?;
 
         // MLP: expand, non-linearity, project back.
-        self.linear_forward(a.fc.ptr(), normed_2, &p.mlp_fc)?;
+        self.mlp_expand(l, normed_2)?;
         let kind = self.spec.config.mlp;
         let (act, activated) = self.kept_rows(sc.act.ptr(), &a.kept.act);
-        k.activation_forward(act, a.fc.ptr(), n, s.mlp_hidden, kind)?;
+        k.activation_forward(act, self.pre_activation(l), n, s.mlp_hidden, kind)?;
         self.linear_forward(sc.branch.ptr(), activated, &p.mlp_proj)?;
         let mask = DropoutArgs::at(dropout, Site::MlpOutput(l));
         let residual = (a.res_3.ptr(), a.res_2.ptr(), sc.branch.ptr(), mask);
@@ -721,6 +731,41 @@ impl FusedCuda {
                 self.residual_norm(residual, ln_f, stats, &self.spec.ln_f)
             }
         }
+    }
+
+    /// Block `l`'s MLP's first projection of its normed input, without the bias (the
+    /// activation adds it): with bf16 operands rounded into the block's kept rows, as
+    /// autocast's product returns it; otherwise f32 (`pre_activation` says where).
+    fn mlp_expand(&self, l: usize, x: Rows) -> Result<()> {
+        let a = &self.acts.blocks[l];
+        let weights_only = LinearParams {
+            bias: None,
+            ..self.spec.blocks[l].mlp_fc
+        };
+        match &self.bf16 {
+            Some(b) => {
+                let x16 = self.rounded(x, weights_only.d_in, &b.inputs)?;
+                let at = a.kept.fc.ptr();
+                let copy = (&b.weights, &self.spec);
+                linear_to_bf16(&self.gpu, copy, at, x16, &weights_only, self.rows())
+            }
+            None => self.linear_forward(a.fc.ptr(), x, &weights_only),
+        }
+    }
+
+    /// Where the activation of block `l` reads its input: the MLP's first projection
+    /// (bf16 in bf16 training: kept so, or rounded as read where products round on the
+    /// fly) and its bias.
+    fn pre_activation(&self, l: usize) -> (In, u64) {
+        let a = &self.acts.blocks[l];
+        let fc = match self.bf16 {
+            Some(_) => In::Bf16(a.kept.fc.ptr()),
+            None => In::F32 {
+                at: a.fc.ptr(),
+                round: self.precision == Precision::Bf16,
+            },
+        };
+        (fc, self.w_opt(self.spec.blocks[l].mlp_fc.bias))
     }
 
     /// Where a block's forward writes rows its products read (a norm's output, the
@@ -896,12 +941,12 @@ impl FusedCuda {
         linear(&self.gpu, weights, spec, params, out, x, p, n)
     }
 
-    /// With the output's gradient `factor` dout: dx = factor dout W (written);
-    /// dW += factor doutᵀ x; db += the column sums of dout (layers with a bias take
-    /// factor 1).
+    /// With the output's gradient `factor` dout: dx = factor dout W (written: f32, or
+    /// rounded to bf16 with bf16 products); dW += factor doutᵀ x; db += the column sums
+    /// of dout (layers with a bias take factor 1).
     fn linear_backward(
         &self,
-        dx: u64,
+        dx: impl Into<Rows>,
         dout: impl Into<Rows>,
         x: Rows,
         p: &LinearParams,
@@ -927,14 +972,21 @@ impl FusedCuda {
             (None, _, _) => anyhow::bail!("bf16 rows with f32 products"),
         };
         let how = (operands, Group::Product(p.role));
-        self.product(
-            how,
-            Matrix::new(dx, n, p.d_in),
+        let (dout_w, w) = (
             Matrix::new(dout16, n, p.d_out).n(),
             Matrix::new(w, p.d_out, p.d_in).n(),
-            (factor, 0.0),
-            1,
-        )?;
+        );
+        match dx.into() {
+            Rows::F32(dx) => {
+                let dx = Matrix::new(dx, n, p.d_in);
+                self.product(how, dx, dout_w, w, (factor, 0.0), 1)?;
+            }
+            Rows::Bf16(dx16) if operands == Operands::Bf16 => {
+                let (dx16, group) = (Matrix::new(dx16, n, p.d_in), how.1);
+                matmul_to_bf16(&self.gpu, group, dx16, dout_w, w, factor, 0.0, 1)?;
+            }
+            dx => anyhow::bail!("an input's gradient into {dx:?} from {operands:?} products"),
+        }
         self.product(
             how,
             Matrix::new(self.g(p.weight), p.d_out, p.d_in),
@@ -1087,19 +1139,32 @@ impl FusedCuda {
         // res_3 = res_2 + mlp(ln_2(res_2)): dres reaches both terms. The non-linearity's
         // output: kept in bf16, or recomputed in f32.
         let kind = self.spec.config.mlp;
+        let fc = self.pre_activation(l);
         let activated = match self.bf16 {
             Some(_) => Rows::Bf16(a.kept.act.ptr()),
             None => {
                 let act = sc.act.ptr();
-                k.activation_forward(Out::f32(act), a.fc.ptr(), n, s.mlp_hidden, kind)?;
+                k.activation_forward(Out::f32(act), fc, n, s.mlp_hidden, kind)?;
                 Rows::F32(act)
             }
         };
+        // The activation's gradient: bf16 as its bf16 product writes it (rounded as read
+        // where products round on the fly), f32 with f32 products.
         let dbranch = self.branch_gradient(dres, Site::MlpOutput(l))?;
-        self.linear_backward(sc.dact.ptr(), dbranch, activated, &p.mlp_proj, 1.0)?;
+        let (dact, dact_in) = match self.bf16 {
+            Some(_) => (Rows::Bf16(sc.dact16.ptr()), In::Bf16(sc.dact16.ptr())),
+            None => (
+                Rows::F32(sc.dact.ptr()),
+                In::F32 {
+                    at: sc.dact.ptr(),
+                    round: self.precision == Precision::Bf16,
+                },
+            ),
+        };
+        self.linear_backward(dact, dbranch, activated, &p.mlp_proj, 1.0)?;
         let dims = (n, s.mlp_hidden);
         let (dfc_out, dfc) = self.product_gradient(sc.dfc.ptr(), &p.mlp_fc);
-        k.activation_backward(dfc_out, a.fc.ptr(), sc.dact.ptr(), dims, kind)?;
+        k.activation_backward(dfc_out, fc, dact_in, dims, kind)?;
         let normed_2 = self.norm_output_again(&a.kept.ln_2, (&a.ln_2, a.res_2.ptr(), &p.ln_2))?;
         self.linear_backward(sc.dln.ptr(), dfc, normed_2, &p.mlp_fc, 1.0)?;
         self.norm_backward(dres, sc.dln.ptr(), a.res_2.ptr(), &a.ln_2, &p.ln_2)?;

@@ -369,12 +369,39 @@ impl HeadView {
     }
 }
 
-/// Where the classifier reads its logits: f32 (rounded to bf16 as they are read, where
-/// `round`: bf16 training's loss is that of bf16 logits), or bf16.
+/// Where a kernel reads an input: f32 values, or bf16 ones. With `round`, f32 values
+/// are rounded to bf16 as they are read: in bf16 training with products that round
+/// their operands on the fly, an f32 buffer stands in for the bf16 one the product
+/// would write (the logits, the MLP's projection and its gradient), the same numbers.
 #[derive(Debug, Clone, Copy)]
-pub enum Logits {
+pub enum In {
     F32 { at: u64, round: bool },
     Bf16(u64),
+}
+
+impl In {
+    /// f32 values at `at`, read as they are.
+    pub fn f32(at: u64) -> Self {
+        In::F32 { at, round: false }
+    }
+
+    /// The kernel's three arguments: the f32 address, the bf16 one (one is 0), and
+    /// whether f32 values are rounded.
+    fn args(self) -> (u64, u64, i32) {
+        match self {
+            In::F32 { at, round } => (at, 0, i32::from(round)),
+            In::Bf16(at) => (0, at, 0),
+        }
+    }
+
+    /// Bytes read for `values` values.
+    fn bytes(self, values: usize) -> f64 {
+        let per = match self {
+            In::F32 { .. } => 4,
+            In::Bf16(_) => 2,
+        };
+        (per * values) as f64
+    }
 }
 
 /// Where a kernel writes an output: as f32, rounded to bf16 for a product that reads
@@ -607,36 +634,42 @@ impl Gpu {
             dst, partials, int(parts), int(stride), int(count))
     }
 
-    /// out (rows x hidden) = the MLP's non-linearity of fc.
+    /// out (rows x hidden) = the MLP's non-linearity of fc plus its bias (`bias`, 0
+    /// without one).
     pub fn activation_forward(
         &self,
         out: Out,
-        fc: u64,
+        (fc, bias): (In, u64),
         rows: usize,
         hidden: usize,
         kind: MlpKind,
     ) -> Result<()> {
         let values = rows * hidden;
-        let read = 4.0 * (rows * fc_width(hidden, kind)) as f64;
+        let read = fc.bytes(rows * fc_width(hidden, kind));
         let cost = Cost::new((10 * values) as f64, read + out.bytes(values));
+        let (fc32, fc16, round_fc) = fc.args();
         launch!(self, ActivationForward, activation_elements(values, kind), cost;
-            out.f32, out.bf16, fc, int(rows), int(hidden), activation_kind(kind))
+            out.f32, out.bf16, fc32, fc16, round_fc, bias, int(rows), int(hidden),
+            activation_kind(kind))
     }
 
-    /// dfc = the non-linearity's backward of dout (written).
+    /// dfc = the non-linearity's backward of dout (written), at fc plus its bias.
     pub fn activation_backward(
         &self,
         dfc: Out,
-        fc: u64,
-        dout: u64,
+        (fc, bias): (In, u64),
+        dout: In,
         (rows, hidden): (usize, usize),
         kind: MlpKind,
     ) -> Result<()> {
         let fc_values = rows * fc_width(hidden, kind);
-        let read = 4.0 * (fc_values + rows * hidden) as f64;
+        let read = fc.bytes(fc_values) + dout.bytes(rows * hidden);
         let cost = Cost::new((20 * rows * hidden) as f64, read + dfc.bytes(fc_values));
+        let (fc32, fc16, round_fc) = fc.args();
+        let (dout32, dout16, round_dout) = dout.args();
         launch!(self, ActivationBackward, activation_elements(rows * hidden, kind), cost;
-            dfc.f32, dfc.bf16, fc, dout, int(rows), int(hidden), activation_kind(kind))
+            dfc.f32, dfc.bf16, fc32, fc16, round_fc, bias, dout32, dout16, round_dout,
+            int(rows), int(hidden), activation_kind(kind))
     }
 
     /// out = x + branch * mask.
@@ -785,7 +818,7 @@ impl Gpu {
     /// them, p - onehot(target) unscaled, in bf16 there instead.
     pub fn softmax_cross_entropy(
         &self,
-        (logits, grad16): (Logits, u64),
+        (logits, grad16): (In, u64),
         row_loss: u64,
         targets: u64,
         rows: usize,
@@ -795,18 +828,15 @@ impl Gpu {
             grid: (rows as u32, 1, 1),
             threads: v.next_power_of_two().clamp(32, 1024) as u32,
         };
-        let (logits32, logits16, round, read) = match logits {
-            Logits::F32 { at, round } => (at, 0, round, 4.0),
-            Logits::Bf16(at) => (0, at, false, 2.0),
-        };
+        let (logits32, logits16, round) = logits.args();
         // Two passes read the row; the softmax or the gradient written once.
         let written = if grad16 == 0 { 4.0 } else { 2.0 };
         let cost = Cost::new(
             (4 * rows * v) as f64,
-            (2.0 * read + written) * (rows * v) as f64,
+            2.0 * logits.bytes(rows * v) + written * (rows * v) as f64,
         );
         launch!(self, SoftmaxCrossEntropy, cfg, cost;
-            logits32, logits16, grad16, row_loss, targets, int(rows), int(v), i32::from(round))
+            logits32, logits16, grad16, row_loss, targets, int(rows), int(v), round)
     }
 
     /// In place on probabilities: p - onehot(target) (unscaled).

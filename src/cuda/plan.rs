@@ -112,8 +112,12 @@ pub struct Bf16Plan {
     pub weights: usize,
     pub inputs: usize,
     pub outputs: usize,
-    /// What each block's forward keeps in bf16 for its backward's products (`Kept16`):
-    /// its two norms' outputs, its activation, and (flash attention) its heads' output.
+    /// The MLP's activation's gradient, as the down-projection's backward writes it
+    /// (N x hidden).
+    pub dact: usize,
+    /// What each block's forward keeps in bf16 for its backward (`Kept16`): its two
+    /// norms' outputs, its activation, (flash attention) its heads' output, and the
+    /// MLP's first projection.
     pub kept: Kept16Plan,
 }
 
@@ -123,17 +127,18 @@ pub struct Kept16Plan {
     pub ln: usize,
     pub act: usize,
     pub y: usize,
+    pub fc: usize,
 }
 
 impl Kept16Plan {
     fn values(&self) -> usize {
-        2 * self.ln + self.act + self.y
+        2 * self.ln + self.act + self.y + self.fc
     }
 }
 
 impl Bf16Plan {
     fn values(&self) -> usize {
-        self.weights + self.inputs + self.outputs
+        self.weights + self.inputs + self.outputs + self.dact
     }
 }
 
@@ -163,10 +168,15 @@ impl Plan {
             // The weights and their gradient.
             Attention::Products => (0, 2 * batch * s.n_head * t * t),
         };
+        // With bf16 operands the MLP's first projection is kept in bf16 (`Kept16Plan`),
+        // and so is its activation (the backward reads it there, where f32 products
+        // recompute it into the work space), whose gradient a bf16 product writes.
+        let copies = bf16_operands(precision);
+        let f32_unless_copies = |values: usize| if copies { 0 } else { values };
         let per_block = 2 * norm_stats
             + n * s.qkv_width // q | k | v, positions turned in
             + 3 * n * c // the heads' output, and the residual stream after each sub-layer
-            + n * s.mlp_fc_width // the MLP's first projection
+            + f32_unless_copies(n * s.mlp_fc_width) // the MLP's first projection
             + lse;
         let outside = n * c // the embeddings entering the first block
             + n * c + norm_stats // the final norm
@@ -175,18 +185,20 @@ impl Plan {
         let widest = c.max(s.qkv_width).max(s.mlp_fc_width);
         let scratch = 5 * n * c // dres, ln, dln, branch, dy
             + n * s.qkv_width // dqkv
-            + 2 * n * s.mlp_hidden // the activation and its gradient
+            + f32_unless_copies(2 * n * s.mlp_hidden) // the activation and its gradient
             + n * s.mlp_fc_width // dfc
             + 7 * n * c // q, k, v, heads, dq, dk, dv: (B, H, T, d) each
             + weights
             + partials_len(c, widest); // column partial sums
-        let bf16 = match bf16_operands(precision) {
+        let bf16 = match copies {
             false => Bf16Plan::default(),
             true => Bf16Plan {
                 weights: params,
                 inputs: n * c.max(s.mlp_hidden),
                 outputs: n * c.max(s.qkv_width).max(s.mlp_fc_width).max(s.vocab_size),
+                dact: n * s.mlp_hidden,
                 kept: Kept16Plan {
+                    fc: n * s.mlp_fc_width,
                     ln: n * c,
                     act: n * s.mlp_hidden,
                     y: if attention == Attention::Flash {
@@ -297,14 +309,16 @@ mod tests {
         );
         // bf16 products add the weights' bf16 copy, two operand buffers (8192 rows of
         // the widest input, the MLP's 3072, and of the widest output, the logits',
-        // which the output layer writes there in bf16: the f32 logits are gone), and
-        // what each block keeps in bf16 for its backward: two norms' outputs, the
-        // activation, the heads' output.
+        // which the output layer writes there in bf16: the f32 logits are gone), the
+        // activation's gradient, and what each block keeps in bf16 for its backward:
+        // two norms' outputs, the heads' output, the MLP's first projection and its
+        // activation, which are no longer kept or recomputed in f32.
         let bf16 = Plan::for_spec(&spec, 8, Attention::Flash, Precision::Bf16);
-        let operands = 8192 * (3072 + 50304) as u64;
-        let kept = 12 * 8192 * (3 * 768 + 3072) as u64;
+        let operands = 8192 * (3072 + 50304 + 3072) as u64;
+        let kept = 12 * 8192 * (3 * 768 + 3072 + 3072) as u64;
+        let mlp_f32 = 4 * 8192 * (12 * 3072 + 2 * 3072) as u64;
         assert_eq!(
-            bf16.bytes(12, true) + logits - flash.bytes(12, true),
+            bf16.bytes(12, true) + logits + mlp_f32 - flash.bytes(12, true),
             2 * (spec.len() as u64 + operands + kept)
         );
         let optimiser = plan.bytes(12, true) - plan.bytes(12, false);

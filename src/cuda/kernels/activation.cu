@@ -28,15 +28,25 @@ __device__ inline float gelu_slope(float x, int kind) {
     return cdf + x * pdf;
 }
 
-// out (rows x hidden) from fc (rows x hidden, or rows x 2 hidden for SwiGLU), as f32
-// (`out`), rounded to bf16 for the product that reads it (`out16`), or both. GELU's
-// values four an access where the buffers allow (`load4`).
+// out (rows x hidden) from fc (rows x hidden, or rows x 2 hidden for SwiGLU) plus the
+// layer's bias (`bias`, fc width long; null without one), as f32 (`out`), rounded to
+// bf16 for the product that reads it (`out16`), or both. fc is f32 (`fc`, rounded as
+// read where `round_fc`) or bf16 (`fc16`): bf16 training keeps the product's output
+// rounded, as autocast does, and adds the bias here in f32. GELU's values four an
+// access where the buffers allow (`load4`).
 extern "C" __global__ void activation_forward(float* out, uint16_t* out16, const float* fc,
-                                              int rows, int hidden, int kind) {
+                                              const uint16_t* fc16, int round_fc,
+                                              const float* bias, int rows, int hidden,
+                                              int kind) {
     const long long n = (long long)rows * hidden;
-    if (kind != SWIGLU && n % 4 == 0 && aligned16(out) && aligned16(out16) && aligned16(fc)) {
+    if (kind != SWIGLU && n % 4 == 0 && hidden % 4 == 0 && aligned16(out) && aligned16(out16) &&
+        aligned16(fc) && aligned16(fc16) && aligned16(bias)) {
         FOR_EACH(i, n / 4) {
-            const float4 x = load4(fc, i);
+            float4 x = load4(fc, fc16, round_fc, i);
+            if (bias != nullptr) {
+                const float4 b = load4(bias, (int)((4 * i) % hidden) / 4);
+                x = make_float4(x.x + b.x, x.y + b.y, x.z + b.z, x.w + b.w);
+            }
             const float4 y = make_float4(gelu(x.x, kind), gelu(x.y, kind), gelu(x.z, kind),
                                          gelu(x.w, kind));
             store4(out, out16, i, y);
@@ -44,30 +54,42 @@ extern "C" __global__ void activation_forward(float* out, uint16_t* out16, const
         return;
     }
     FOR_EACH(i, n) {
+        const long long r = i / hidden;
+        const int c = (int)(i % hidden);
         float y;
         if (kind == SWIGLU) {
-            const long long r = i / hidden;
-            const int c = (int)(i % hidden);
-            const float gate = fc[r * 2 * hidden + c], up = fc[r * 2 * hidden + hidden + c];
+            const long long at = r * 2 * hidden + c;
+            float gate = load(fc, fc16, round_fc, at), up = load(fc, fc16, round_fc, at + hidden);
+            if (bias != nullptr) gate += bias[c], up += bias[hidden + c];
             y = gate * sigmoid(gate) * up;
         } else {
-            y = gelu(fc[i], kind);
+            const float x = load(fc, fc16, round_fc, i);
+            y = gelu(bias != nullptr ? x + bias[c] : x, kind);
         }
         store(out, out16, i, y);
     }
 }
 
 // dfc from dout (rows x hidden), written (not accumulated): as f32 (`dfc`), rounded to
-// bf16 for the products that read it (`dfc16`), or both. GELU's four an access where
-// the buffers allow.
+// bf16 for the products that read it (`dfc16`), or both. fc and its bias as in
+// `activation_forward`; dout f32 (`dout`, rounded as read where `round_dout`) or bf16
+// (`dout16`). GELU's four an access where the buffers allow.
 extern "C" __global__ void activation_backward(float* dfc, uint16_t* dfc16, const float* fc,
-                                               const float* dout, int rows, int hidden,
-                                               int kind) {
+                                               const uint16_t* fc16, int round_fc,
+                                               const float* bias, const float* dout,
+                                               const uint16_t* dout16, int round_dout,
+                                               int rows, int hidden, int kind) {
     const long long n = (long long)rows * hidden;
-    if (kind != SWIGLU && n % 4 == 0 && aligned16(dfc) && aligned16(dfc16) && aligned16(fc) &&
-        aligned16(dout)) {
+    if (kind != SWIGLU && n % 4 == 0 && hidden % 4 == 0 && aligned16(dfc) && aligned16(dfc16) &&
+        aligned16(fc) && aligned16(fc16) && aligned16(bias) && aligned16(dout) &&
+        aligned16(dout16)) {
         FOR_EACH(i, n / 4) {
-            const float4 x = load4(fc, i), g = load4(dout, i);
+            float4 x = load4(fc, fc16, round_fc, i);
+            if (bias != nullptr) {
+                const float4 b = load4(bias, (int)((4 * i) % hidden) / 4);
+                x = make_float4(x.x + b.x, x.y + b.y, x.z + b.z, x.w + b.w);
+            }
+            const float4 g = load4(dout, dout16, round_dout, i);
             const float4 d = make_float4(g.x * gelu_slope(x.x, kind), g.y * gelu_slope(x.y, kind),
                                          g.z * gelu_slope(x.z, kind), g.w * gelu_slope(x.w, kind));
             store4(dfc, dfc16, i, d);
@@ -75,17 +97,19 @@ extern "C" __global__ void activation_backward(float* dfc, uint16_t* dfc16, cons
         return;
     }
     FOR_EACH(i, n) {
-        const float g = dout[i];
+        const float g = load(dout, dout16, round_dout, i);
+        const long long r = i / hidden;
+        const int c = (int)(i % hidden);
         if (kind == SWIGLU) {
-            const long long r = i / hidden;
-            const int c = (int)(i % hidden);
             const long long at = r * 2 * hidden + c;
-            const float gate = fc[at], up = fc[at + hidden];
+            float gate = load(fc, fc16, round_fc, at), up = load(fc, fc16, round_fc, at + hidden);
+            if (bias != nullptr) gate += bias[c], up += bias[hidden + c];
             const float sig = sigmoid(gate);
             store(dfc, dfc16, at, g * up * sig * (1.0f + gate * (1.0f - sig)));
             store(dfc, dfc16, at + hidden, g * gate * sig);
         } else {
-            store(dfc, dfc16, i, g * gelu_slope(fc[i], kind));
+            const float x = load(fc, fc16, round_fc, i);
+            store(dfc, dfc16, i, g * gelu_slope(bias != nullptr ? x + bias[c] : x, kind));
         }
     }
 }

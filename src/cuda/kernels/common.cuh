@@ -110,6 +110,17 @@ __device__ inline uint16_t bf16_bits(float x) {
                                            : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// The f32 value of bf16 bits.
+__device__ inline float bf16_value(uint16_t b) { return __uint_as_float((uint32_t)b << 16); }
+
+// Element i of an input held as f32 (`x`; rounded to bf16 as it is read where `round`:
+// what an f32 buffer stands in for when bf16 products round on the fly) or as bf16
+// (`x16`): exactly one of the two is given (`In` in src/cuda/kernels.rs).
+__device__ inline float load(const float* x, const uint16_t* x16, int round, long long i) {
+    if (x16 != nullptr) return bf16_value(x16[i]);
+    return round ? bf16_value(bf16_bits(x[i])) : x[i];
+}
+
 // Element i of an output kept as f32 (`out`), rounded to bf16 for a product that reads
 // it (`out16`), or both: either may be null.
 __device__ inline void store(float* out, uint16_t* out16, long long i, float v) {
@@ -129,6 +140,25 @@ __device__ inline float4 load4(const float* p, long long i) {
 #else
     return make_float4(p[4 * i], p[4 * i + 1], p[4 * i + 2], p[4 * i + 3]);
 #endif
+}
+// Four values at 4 i of an input, as `load` (16-byte aligned, see `aligned16`).
+__device__ inline float4 load4(const float* x, const uint16_t* x16, int round, long long i) {
+    if (x16 != nullptr) {
+#ifdef __CUDACC__
+        const uint2 w = reinterpret_cast<const uint2*>(x16)[i];
+#else
+        const uint2 w = make_uint2((uint32_t)x16[4 * i] | ((uint32_t)x16[4 * i + 1] << 16),
+                                   (uint32_t)x16[4 * i + 2] | ((uint32_t)x16[4 * i + 3] << 16));
+#endif
+        return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
+                           __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u));
+    }
+    float4 v = load4(x, i);
+    if (round) {
+        v = make_float4(bf16_value(bf16_bits(v.x)), bf16_value(bf16_bits(v.y)),
+                        bf16_value(bf16_bits(v.z)), bf16_value(bf16_bits(v.w)));
+    }
+    return v;
 }
 // Four values at 4 i of an output kept as f32, rounded to bf16, or both (as `store`).
 __device__ inline void store4(float* out, uint16_t* out16, long long i, float4 v) {
