@@ -95,10 +95,11 @@ fn the_emulated_cuda_engine_trains_and_resumes_exactly() {
 /// kernel that makes them): the same numbers as products that round f32 operands on
 /// the fly (`TINYGPT_CUDA_BF16_OPERANDS=0`), so the two runs agree bit for bit, losses
 /// and weights (in the emulator, whose product is one written-out loop: on a GPU cuBLAS
-/// may sum the two in another order). Two models: heads of 8 with dropout (attention
-/// through products), and heads of 16 without dropout or biases (flash attention
-/// writing dqkv rounded, norms' backwards writing the residual stream's gradient
-/// rounded).
+/// may sum the two in another order). Two models: heads of 8 with dropout and biases
+/// (attention through products; the MLP's bias added to its bf16 rows by the
+/// activation), and heads of 16 without dropout or biases (flash attention reading
+/// q | k | v and its output's gradient in bf16, writing its output and dqkv in bf16;
+/// norms' backwards writing the residual stream's gradient rounded).
 #[test]
 fn bf16_operand_copies_train_as_rounding_on_the_fly() {
     if !emulated() {
@@ -110,10 +111,10 @@ fn bf16_operand_copies_train_as_rounding_on_the_fly() {
         let mut cfg = config(dir.path());
         cfg.run.name = name.into();
         cfg.train.dtype = tinygpt::config::Precision::Bf16;
+        cfg.model.bias = !flash;
         if flash {
             cfg.model.n_embd = 32;
             cfg.model.dropout = 0.0;
-            cfg.model.bias = false;
         }
         let trainer = Trainer::new(cfg.clone(), false).unwrap();
         let engine = trainer.engine_name().to_string();

@@ -642,10 +642,13 @@ fn flash_attention_stays_within_bf16_rounding_of_the_reference() {
         if matches!(device, Place::Device(d) if d.is_cpu()) {
             continue; // no flash attention on the CPU
         }
-        for (t, n_embd, n_head, kv, dropout) in [
-            (37, 64, 4, 4, 0.0), // head 16, one partial block of rows
-            (70, 64, 2, 1, 0.0), // head 32, grouped K/V, two blocks of rows
-            (70, 96, 6, 3, 0.2), // head 16, dropout
+        // With rotary positions q | k | v stay f32 (rounded as flash stages them);
+        // without, the qkv product writes them in bf16 and flash reads them so.
+        for (t, n_embd, n_head, kv, dropout, positions) in [
+            (37, 64, 4, 4, 0.0, PositionKind::Rope), // head 16, one partial block of rows
+            (70, 64, 2, 1, 0.0, PositionKind::Rope), // head 32, grouped K/V, two blocks of rows
+            (70, 96, 6, 3, 0.2, PositionKind::Rope), // head 16, dropout
+            (70, 64, 2, 2, 0.1, PositionKind::Learned), // head 32, bf16 q | k | v
         ] {
             let cfg = ModelConfig {
                 n_layer: 2,
@@ -653,7 +656,7 @@ fn flash_attention_stays_within_bf16_rounding_of_the_reference() {
                 n_kv_head: Some(kv),
                 n_embd,
                 block_size: t,
-                positions: PositionKind::Rope,
+                positions,
                 dropout,
                 vocab_size: 29,
                 ..ModelConfig::default()
@@ -669,7 +672,7 @@ fn flash_attention_stays_within_bf16_rounding_of_the_reference() {
                 flash.describe()
             );
             let what = format!(
-                "T {t}, head {}, kv {kv}, dropout {dropout}",
+                "T {t}, head {}, kv {kv}, dropout {dropout}, {positions:?}",
                 n_embd / n_head
             );
             let (ref_loss, ref_grads) = loss_and_grads(reference.as_mut(), &batch, mask.as_ref());

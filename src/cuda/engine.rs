@@ -157,9 +157,11 @@ impl Stats {
 /// What one block's forward keeps for its backward. N = batch x block_size rows.
 struct BlockActs {
     ln_1: Stats,
-    /// (N, qkv width): q and k turned under RoPE.
+    /// (N, qkv width): q and k turned under RoPE (empty where `Kept16::qkv` holds
+    /// them).
     qkv: Buf<f32>,
-    /// (N, C): the heads' outputs side by side, before the projection.
+    /// (N, C): the heads' outputs side by side, before the projection (empty where
+    /// `Kept16::y` holds them).
     y: Buf<f32>,
     /// (N, C): the residual stream after the attention sub-layer.
     res_2: Buf<f32>,
@@ -184,16 +186,26 @@ struct Kept16 {
     ln_2: Buf<u16>,
     /// (N, hidden): the activation.
     act: Buf<u16>,
-    /// (N, C): the heads' outputs (flash attention writes them; empty otherwise).
+    /// (N, C): the heads' outputs, in bf16 only (flash attention writes them; empty
+    /// otherwise).
     y: Buf<u16>,
     /// (N, fc width): the MLP's first projection, rounded as its product wrote it
     /// (autocast's product returns it so), which the activation's backward reads.
     fc: Buf<u16>,
+    /// (N, qkv width): q | k | v as their product wrote them, where flash attention
+    /// (which reads its heads in bf16 either way) is all that reads them: no rotary
+    /// positions, no bias (`plan::qkv_in_bf16`; empty otherwise).
+    qkv: Buf<u16>,
 }
 
 impl Kept16 {
     fn bytes(&self) -> u64 {
-        self.ln_1.bytes() + self.ln_2.bytes() + self.act.bytes() + self.y.bytes() + self.fc.bytes()
+        [
+            &self.ln_1, &self.ln_2, &self.act, &self.y, &self.fc, &self.qkv,
+        ]
+        .iter()
+        .map(|b| b.bytes())
+        .sum()
     }
 }
 
@@ -228,8 +240,10 @@ struct Scratch {
     /// (N, C): a branch's output before the residual add (or its gradient after
     /// dropout).
     branch: Buf<f32>,
-    /// (N, C): the attention output's gradient.
+    /// (N, C): the attention output's gradient: f32, or (flash attention with bf16
+    /// operands) bf16 as its product writes it, which flash reads so.
     dy: Buf<f32>,
+    dy16: Buf<u16>,
     dqkv: Buf<f32>,
     /// (N, hidden): the MLP's activations (recomputed in the backward), their gradient
     /// (both empty with bf16 operands, whose products write the gradient in bf16 into
@@ -328,8 +342,12 @@ impl FusedCuda {
             .map(|_| {
                 Ok(BlockActs {
                     ln_1: Stats::new(&gpu, n)?,
-                    qkv: zeros(n * s.qkv_width)?,
-                    y: zeros(n * c)?,
+                    qkv: zeros(if plan.bf16.kept.qkv > 0 {
+                        0
+                    } else {
+                        n * s.qkv_width
+                    })?,
+                    y: zeros(if plan.bf16.kept.y > 0 { 0 } else { n * c })?,
                     res_2: zeros(n * c)?,
                     ln_2: Stats::new(&gpu, n)?,
                     fc: zeros(f32_fc)?,
@@ -341,6 +359,7 @@ impl FusedCuda {
                         act: Buf::zeros(&gpu, plan.bf16.kept.act)?,
                         y: Buf::zeros(&gpu, plan.bf16.kept.y)?,
                         fc: Buf::zeros(&gpu, plan.bf16.kept.fc)?,
+                        qkv: Buf::zeros(&gpu, plan.bf16.kept.qkv)?,
                     },
                 })
             })
@@ -365,7 +384,8 @@ impl FusedCuda {
             ln: zeros(n * c)?,
             dln: zeros(n * c)?,
             branch: zeros(n * c)?,
-            dy: zeros(n * c)?,
+            dy: zeros(if plan.bf16.dy > 0 { 0 } else { n * c })?,
+            dy16: Buf::zeros(&gpu, plan.bf16.dy)?,
             dqkv: zeros(n * s.qkv_width)?,
             act: zeros(mlp_f32(n * s.mlp_hidden))?,
             dact: zeros(mlp_f32(n * s.mlp_hidden))?,
@@ -469,7 +489,8 @@ impl FusedCuda {
         .iter()
         .map(|b| b.bytes())
         .sum::<u64>()
-            + sc.dact16.bytes();
+            + sc.dact16.bytes()
+            + sc.dy16.bytes();
         let optimiser = self.grads.iter().chain(self.moments.iter().flatten());
         let flat = std::iter::once(&self.params).chain(optimiser);
         blocks
@@ -700,12 +721,19 @@ impl FusedCuda {
         if l == 0 {
             self.norm_forward(ln_1, &a.ln_1, x, &p.ln_1)?;
         }
-        self.linear_forward(a.qkv.ptr(), normed_1, &p.attn_qkv)?;
+        match (&self.bf16, a.kept.qkv.len()) {
+            (Some(b), 1..) => {
+                let x16 = self.rounded(normed_1, p.attn_qkv.d_in, &b.inputs)?;
+                let copy = (&b.weights, &self.spec);
+                linear_to_bf16(&self.gpu, copy, a.kept.qkv.ptr(), x16, &p.attn_qkv, n)?;
+            }
+            _ => self.linear_forward(a.qkv.ptr(), normed_1, &p.attn_qkv)?,
+        }
         if let Some(tables) = self.tables.rope() {
             let at = Positions::from_start(s.block_size);
             k.rope(a.qkv.ptr(), tables, n, at, self.heads(), s.qkv_width, 1.0)?;
         }
-        self.attention_forward(l, a.y.ptr(), a.qkv.ptr())?;
+        self.attention_forward(l, a.y.ptr())?;
         self.linear_forward(sc.branch.ptr(), self.heads_output(l), &p.attn_proj)?;
         let mask = DropoutArgs::at(dropout, Site::AttentionOutput(l));
         let residual = (a.res_2.ptr(), x, sc.branch.ptr(), mask);
@@ -801,13 +829,31 @@ impl FusedCuda {
         Ok(Rows::F32(ln))
     }
 
-    /// Block `l`'s heads' output as its projection reads it: f32 rows, and (flash
-    /// attention with bf16 products) their rounding, which the flash kernel wrote.
+    /// Block `l`'s heads' output as its projection reads it: f32 rows, or (flash
+    /// attention with bf16 products) bf16 rows, which the flash kernel wrote.
     fn heads_output(&self, l: usize) -> Rows {
         let a = &self.acts.blocks[l];
         match a.kept.y.len() {
             0 => Rows::F32(a.y.ptr()),
-            _ => Rows::Both(a.y.ptr(), a.kept.y.ptr()),
+            _ => Rows::Bf16(a.kept.y.ptr()),
+        }
+    }
+
+    /// Where block `l`'s backward writes the gradient at its heads' output (the
+    /// projection's backward product) and attention reads it: bf16 where the block
+    /// keeps its heads' output in bf16, f32 otherwise (flash attention reads f32
+    /// rounded, as products rounding on the fly do).
+    fn heads_output_gradient(&self, l: usize) -> (Rows, In) {
+        let sc = &self.scratch;
+        match self.acts.blocks[l].kept.y.len() {
+            0 => (
+                Rows::F32(sc.dy.ptr()),
+                In::F32 {
+                    at: sc.dy.ptr(),
+                    round: self.precision == Precision::Bf16,
+                },
+            ),
+            _ => (Rows::Bf16(sc.dy16.ptr()), In::Bf16(sc.dy16.ptr())),
         }
     }
 
@@ -819,20 +865,33 @@ impl FusedCuda {
         }
     }
 
+    /// Block `l`'s q, k and v heads, read in place from its qkv rows: bf16 where the
+    /// block keeps them so, f32 otherwise.
+    fn qkv_heads(&self, l: usize) -> [HeadView; 3] {
+        let a = &self.acts.blocks[l];
+        match a.kept.qkv.len() {
+            0 => HeadView::qkv(a.qkv.ptr(), self.heads()),
+            _ => HeadView::qkv_bf16(a.kept.qkv.ptr(), self.heads()),
+        }
+    }
+
     /// y (N, C) from qkv: per sequence and head, P = causal softmax(Q Kᵀ / sqrt(d)),
     /// dropped (layer `l`'s weights mask), then Y = P V.
-    fn attention_forward(&self, l: usize, y: u64, qkv: u64) -> Result<()> {
+    fn attention_forward(&self, l: usize, y: u64) -> Result<()> {
+        let qkv = self.acts.blocks[l].qkv.ptr();
         let (h, sc, k) = (self.heads(), &self.scratch, &self.gpu);
         let (t, d, bh) = (h.t, h.d, h.batch * h.heads);
         let mask = DropoutArgs::at(self.dropout.as_ref(), Site::AttentionWeights(l));
         if self.attention == Attention::Flash {
-            // Q, K, V read in place from the qkv rows, y written in place as rows.
+            // Q, K, V read in place from the qkv rows, y written in place as rows: in
+            // bf16 only where bf16 products read it (`heads_output`).
             let a = &self.acts.blocks[l];
-            let out = HeadView::in_rows(y, 0, h.heads * d, h, 1);
-            // Rounded too, where bf16 products read it (`heads_output`).
-            let out16 =
-                (a.kept.y.len() > 0).then(|| HeadView::rows_bf16(a.kept.y.ptr(), h.heads * d, h));
-            return k.flash_forward((out, out16, a.lse.ptr()), HeadView::qkv(qkv, h), h, mask);
+            let out = match a.kept.y.len() {
+                0 => HeadView::in_rows(y, 0, h.heads * d, h, 1),
+                _ => HeadView::rows_bf16(a.kept.y.ptr(), h.heads * d, h),
+            };
+            let heads = self.qkv_heads(l);
+            return k.flash_forward((out, a.lse.ptr()), heads, h, mask);
         }
         let qkv_heads = (sc.q.ptr(), sc.k.ptr(), sc.v.ptr());
         k.split_heads(qkv_heads, qkv, h)?;
@@ -1171,14 +1230,9 @@ impl FusedCuda {
 
         // res_2 = x + proj(attention(qkv(ln_1(x)))).
         let dbranch = self.branch_gradient(dres, Site::AttentionOutput(l))?;
-        self.linear_backward(
-            sc.dy.ptr(),
-            dbranch,
-            self.heads_output(l),
-            &p.attn_proj,
-            1.0,
-        )?;
-        let dqkv = self.attention_backward(l, sc.dqkv.ptr(), sc.dy.ptr(), a.qkv.ptr())?;
+        let (dy, dy_in) = self.heads_output_gradient(l);
+        self.linear_backward(dy, dbranch, self.heads_output(l), &p.attn_proj, 1.0)?;
+        let dqkv = self.attention_backward(l, sc.dqkv.ptr(), dy_in)?;
         if let Some(tables) = self.tables.rope() {
             // q and k were turned after the projection: turn their gradients back.
             let at = Positions::from_start(s.block_size);
@@ -1220,7 +1274,8 @@ impl FusedCuda {
     /// Returns where the qkv projection's backward finds them: in dqkv, or, where
     /// flash attention writes them rounded straight into the bf16 gradient buffer
     /// (`rounded_dqkv`), there only.
-    fn attention_backward(&self, l: usize, dqkv: u64, dy: u64, qkv: u64) -> Result<Rows> {
+    fn attention_backward(&self, l: usize, dqkv: u64, dy: In) -> Result<Rows> {
+        let qkv = self.acts.blocks[l].qkv.ptr();
         let (h, sc, k) = (self.heads(), &self.scratch, &self.gpu);
         let (t, d, bh) = (h.t, h.d, h.batch * h.heads);
         let scale = 1.0 / (d as f32).sqrt();
@@ -1230,25 +1285,42 @@ impl FusedCuda {
             // Read in place from the qkv and dY rows; the gradients written in place
             // into the dqkv rows, or, where K/V heads serve several query heads, per
             // query head and summed into them after.
+            // dsum from dY and Y in bf16 (as FlashAttention-2's): as kept, or rounded
+            // as read.
             let a = &self.acts.blocks[l];
-            k.flash_backward_sums(sc.dsum.ptr(), dy, a.y.ptr(), h)?;
-            let dy_rows = HeadView::in_rows(dy, 0, h.heads * d, h, 1);
+            let (y, dy_rows) = match dy {
+                In::Bf16(dy16) => (
+                    In::Bf16(a.kept.y.ptr()),
+                    HeadView::rows_bf16(dy16, h.heads * d, h),
+                ),
+                In::F32 { at, round } => (
+                    In::F32 {
+                        at: a.y.ptr(),
+                        round,
+                    },
+                    HeadView::in_rows(at, 0, h.heads * d, h, 1),
+                ),
+            };
+            k.flash_backward_sums(sc.dsum.ptr(), dy, y, h)?;
             let given = (dy_rows, a.lse.ptr(), sc.dsum.ptr());
             if h.kv_heads == h.heads {
                 let (grads, rows) = match self.rounded_dqkv(l) {
                     Some(dqkv16) => (HeadView::qkv_bf16(dqkv16, h), Rows::Bf16(dqkv16)),
                     None => (HeadView::qkv(dqkv, h), Rows::F32(dqkv)),
                 };
-                k.flash_backward(grads, HeadView::qkv(qkv, h), given, h, mask)?;
+                k.flash_backward(grads, self.qkv_heads(l), given, h, mask)?;
                 return Ok(rows);
             }
             let head_grads = (sc.dq.ptr(), sc.dk.ptr(), sc.dv.ptr());
             let split = |ptr| HeadView::split(ptr, h);
             let grads = [split(sc.dq.ptr()), split(sc.dk.ptr()), split(sc.dv.ptr())];
-            k.flash_backward(grads, HeadView::qkv(qkv, h), given, h, mask)?;
+            k.flash_backward(grads, self.qkv_heads(l), given, h, mask)?;
             k.merge_head_grads(dqkv, head_grads, h)?;
             return Ok(Rows::F32(dqkv));
         }
+        let In::F32 { at: dy, .. } = dy else {
+            anyhow::bail!("the products path's attention reads dY in f32")
+        };
         k.split_rows(sc.heads.ptr(), dy, h)?; // dY
         let qkv_heads = (sc.q.ptr(), sc.k.ptr(), sc.v.ptr());
         k.split_heads(qkv_heads, qkv, h)?;

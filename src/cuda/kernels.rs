@@ -332,16 +332,6 @@ impl HeadView {
         }
     }
 
-    /// No heads: a kernel writes nothing through it.
-    pub const NONE: Self = Self {
-        base: 0,
-        batch_stride: 0,
-        head_stride: 0,
-        ld: 0,
-        group: 1,
-        bf16: 0,
-    };
-
     /// Heads side by side in bf16 rows `width` values wide (B T rows): where a kernel
     /// writes an output rounded, for the bf16 products that read it.
     pub fn rows_bf16(base16: u64, width: usize, h: Heads) -> Self {
@@ -366,6 +356,15 @@ impl HeadView {
             Self::in_rows_of(qkv, h.heads * h.d, width, (h, group), bf16),
             Self::in_rows_of(qkv, (h.heads + h.kv_heads) * h.d, width, (h, group), bf16),
         ]
+    }
+}
+
+/// Bytes of one element of a view's heads.
+fn element_bytes(view: HeadView) -> usize {
+    if view.bf16 != 0 {
+        2
+    } else {
+        4
     }
 }
 
@@ -756,25 +755,28 @@ impl Gpu {
     /// T) = each row's log-sum-exp of its scaled scores, for the backward.
     pub fn flash_forward(
         &self,
-        (out, out16, lse): (HeadView, Option<HeadView>, u64),
+        (out, lse): (HeadView, u64),
         [q, k, v]: [HeadView; 3],
         h: Heads,
         dropout: DropoutArgs,
     ) -> Result<()> {
-        let rounded = if out16.is_some() { 2 * h.len() } else { 0 };
-        let bytes = 4 * (2 * (h.len() + h.kv_len()) + h.rows()) + rounded;
+        let heads_read = element_bytes(q) * (h.len() + 2 * h.kv_len());
+        let bytes = heads_read + element_bytes(out) * h.len() + 4 * h.rows();
         let cost = Cost::new((2 * h.causal_product()) as f64, bytes as f64);
-        let out16 = out16.unwrap_or(HeadView::NONE);
         launch!(self, FlashForward, flash_grid(h), cost;
-            out, out16, lse, q, k, v, int(h.t), int(h.d), int(h.heads), attention_scale(h), dropout)
+            out, lse, q, k, v, int(h.t), int(h.d), int(h.heads), attention_scale(h), dropout)
     }
 
     /// dsum (B H, T) = each row's dY . Y over its head, from the merged (B T, H d) dY
     /// and Y.
-    pub fn flash_backward_sums(&self, dsum: u64, dy: u64, y: u64, h: Heads) -> Result<()> {
+    pub fn flash_backward_sums(&self, dsum: u64, dy: In, y: In, h: Heads) -> Result<()> {
         let rows = h.batch * h.heads * h.t;
-        launch!(self, FlashBackwardSums, warp_rows(rows), Cost::f32s_and_flops(2 * h.len() + h.rows(), 2 * h.len());
-            dsum, dy, y, int(h.batch), int(h.t), int(h.heads), int(h.d))
+        let bytes = dy.bytes(h.len()) + y.bytes(h.len()) + 4.0 * h.rows() as f64;
+        let cost = Cost::new((2 * h.len()) as f64, bytes);
+        let ((dy32, dy16, round_dy), (y32, y16, round_y)) = (dy.args(), y.args());
+        launch!(self, FlashBackwardSums, warp_rows(rows), cost;
+            dsum, dy32, dy16, round_dy, y32, y16, round_y,
+            int(h.batch), int(h.t), int(h.heads), int(h.d))
     }
 
     /// dK, dV (per query head), then dQ of flash attention, written where their
@@ -789,9 +791,11 @@ impl Gpu {
         dropout: DropoutArgs,
     ) -> Result<()> {
         let (t, d, heads, scale) = (int(h.t), int(h.d), int(h.heads), attention_scale(h));
-        // Reads q, k, v, dy and two values a row; writes its gradients, f32 or bf16.
-        let written = if dq.bf16 != 0 { 2.0 } else { 4.0 } * h.len() as f64;
-        let read = 4.0 * (4 * h.len() + 2 * h.rows()) as f64;
+        // Reads q, k, v (f32 or bf16), dy and two values a row; writes its gradients,
+        // f32 or bf16.
+        let written = (element_bytes(dq) * h.len()) as f64;
+        let heads_read = element_bytes(q) * (h.len() + 2 * h.kv_len());
+        let read = (heads_read + element_bytes(dy) * h.len() + 8 * h.rows()) as f64;
         let kv_cost = Cost::new((4 * h.causal_product()) as f64, read + 2.0 * written);
         launch!(self, FlashBackwardKv, flash_grid(h), kv_cost;
             dk, dv, q, k, v, dy, lse, dsum, t, d, heads, scale, dropout)?;
@@ -1225,7 +1229,7 @@ mod tests {
             let split = |b: &Buf<f32>| HeadView::split(b.ptr(), h);
             let heads_in = [split(&qb), split(&kb), split(&vb)];
             let args = DropoutArgs::at(dropout.as_ref(), site);
-            gpu.flash_forward((split(&out), None, lse.ptr()), heads_in, h, args)
+            gpu.flash_forward((split(&out), lse.ptr()), heads_in, h, args)
                 .unwrap();
             // dY . Y per row reads the merged (B T, H d) layouts.
             let merged = |x: &[f32]| {
@@ -1242,7 +1246,12 @@ mod tests {
             };
             let (dy_merged, out_merged) =
                 (up(&merged(&dy)), up(&merged(&out.read(gpu, n).unwrap())));
-            gpu.flash_backward_sums(dsum.ptr(), dy_merged.ptr(), out_merged.ptr(), h)
+            // Rounded to bf16 as they are read, as the engine's are.
+            let rounded = |b: &Buf<f32>| In::F32 {
+                at: b.ptr(),
+                round: true,
+            };
+            gpu.flash_backward_sums(dsum.ptr(), rounded(&dy_merged), rounded(&out_merged), h)
                 .unwrap();
             let given = (split(&dyb), lse.ptr(), dsum.ptr());
             gpu.flash_backward(

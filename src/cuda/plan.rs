@@ -115,6 +115,9 @@ pub struct Bf16Plan {
     /// The MLP's activation's gradient, as the down-projection's backward writes it
     /// (N x hidden).
     pub dact: usize,
+    /// The heads' output's gradient, as the attention projection's backward writes it
+    /// for flash attention (N x C; 0 with the products path, which reads it in f32).
+    pub dy: usize,
     /// What each block's forward keeps in bf16 for its backward (`Kept16`): its two
     /// norms' outputs, its activation, (flash attention) its heads' output, and the
     /// MLP's first projection.
@@ -128,18 +131,31 @@ pub struct Kept16Plan {
     pub act: usize,
     pub y: usize,
     pub fc: usize,
+    /// q | k | v where only flash attention reads them (`qkv_in_bf16`).
+    pub qkv: usize,
 }
 
 impl Kept16Plan {
     fn values(&self) -> usize {
-        2 * self.ln + self.act + self.y + self.fc
+        2 * self.ln + self.act + self.y + self.fc + self.qkv
     }
 }
 
 impl Bf16Plan {
     fn values(&self) -> usize {
-        self.weights + self.inputs + self.outputs + self.dact
+        self.weights + self.inputs + self.outputs + self.dact + self.dy
     }
+}
+
+/// Whether a block keeps its q | k | v rows only in bf16, as their product writes them:
+/// with bf16 operand copies and flash attention (which reads its heads in bf16 either
+/// way), where nothing is done to them in f32 (no rotary positions turned in, no bias
+/// added).
+pub fn qkv_in_bf16(spec: &ModelSpec, attention: Attention, precision: Precision) -> bool {
+    bf16_operands(precision)
+        && attention == Attention::Flash
+        && spec.config.positions != PositionKind::Rope
+        && spec.blocks.iter().all(|b| b.attn_qkv.bias.is_none())
 }
 
 /// Whether bf16 products read bf16 copies of their operands (the default), or, with
@@ -152,12 +168,13 @@ pub fn bf16_operands(precision: Precision) -> bool {
 }
 
 impl Plan {
+    /// `qkv16`: blocks keep q | k | v in bf16 only (`qkv_in_bf16`).
     pub fn new(
         s: &Shapes,
         (params, adam_chunks): (usize, usize),
         batch: usize,
         tables: usize,
-        (attention, precision): (Attention, Precision),
+        (attention, precision, qkv16): (Attention, Precision, bool),
     ) -> Self {
         let (t, c) = (s.block_size, s.n_embd);
         let n = batch * t;
@@ -173,9 +190,16 @@ impl Plan {
         // recompute it into the work space), whose gradient a bf16 product writes.
         let copies = bf16_operands(precision);
         let f32_unless_copies = |values: usize| if copies { 0 } else { values };
+        let qkv = n * s.qkv_width;
+        let (qkv_f32, qkv_bf16) = if qkv16 { (0, qkv) } else { (qkv, 0) };
+        // Flash attention with bf16 operands writes the heads' output in bf16 only,
+        // and reads its gradient so.
+        let y16 = copies && attention == Attention::Flash;
+        let (y_f32, y_bf16) = if y16 { (0, n * c) } else { (n * c, 0) };
         let per_block = 2 * norm_stats
-            + n * s.qkv_width // q | k | v, positions turned in
-            + 3 * n * c // the heads' output, and the residual stream after each sub-layer
+            + qkv_f32 // q | k | v, positions turned in
+            + y_f32 // the heads' output
+            + 2 * n * c // the residual stream after each sub-layer
             + f32_unless_copies(n * s.mlp_fc_width) // the MLP's first projection
             + lse;
         let outside = n * c // the embeddings entering the first block
@@ -183,7 +207,8 @@ impl Plan {
             + Self::f32_logits(n, s.vocab_size, precision)
             + n; // each position's loss
         let widest = c.max(s.qkv_width).max(s.mlp_fc_width);
-        let scratch = 5 * n * c // dres, ln, dln, branch, dy
+        let scratch = 4 * n * c // dres, ln, dln, branch
+            + y_f32 // dy
             + n * s.qkv_width // dqkv
             + f32_unless_copies(2 * n * s.mlp_hidden) // the activation and its gradient
             + n * s.mlp_fc_width // dfc
@@ -197,15 +222,13 @@ impl Plan {
                 inputs: n * c.max(s.mlp_hidden),
                 outputs: n * c.max(s.qkv_width).max(s.mlp_fc_width).max(s.vocab_size),
                 dact: n * s.mlp_hidden,
+                dy: y_bf16,
                 kept: Kept16Plan {
                     fc: n * s.mlp_fc_width,
+                    qkv: qkv_bf16,
                     ln: n * c,
                     act: n * s.mlp_hidden,
-                    y: if attention == Attention::Flash {
-                        n * c
-                    } else {
-                        0
-                    },
+                    y: y_bf16,
                 },
             },
         };
@@ -254,7 +277,8 @@ impl Plan {
             .map(|p| p.len().div_ceil(ADAMW_CHUNK))
             .sum();
         let table = (spec.len(), chunks);
-        Self::new(s, table, batch, tables, (attention, precision))
+        let qkv16 = qkv_in_bf16(spec, attention, precision);
+        Self::new(s, table, batch, tables, (attention, precision, qkv16))
     }
 
     /// Device bytes to evaluate (weights and activations) and, with `training`, to
@@ -314,11 +338,13 @@ mod tests {
         // two norms' outputs, the heads' output, the MLP's first projection and its
         // activation, which are no longer kept or recomputed in f32.
         let bf16 = Plan::for_spec(&spec, 8, Attention::Flash, Precision::Bf16);
-        let operands = 8192 * (3072 + 50304 + 3072) as u64;
-        let kept = 12 * 8192 * (3 * 768 + 3072 + 3072) as u64;
-        let mlp_f32 = 4 * 8192 * (12 * 3072 + 2 * 3072) as u64;
+        // And (learned positions, no biases) q | k | v in bf16 only, the heads' output
+        // and its gradient too.
+        let operands = 8192 * (3072 + 50304 + 3072 + 768) as u64;
+        let kept = 12 * 8192 * (3 * 768 + 3072 + 3072 + 3 * 768) as u64;
+        let f32_gone = 4 * 8192 * (12 * (3072 + 3 * 768 + 768) + 2 * 3072 + 768) as u64;
         assert_eq!(
-            bf16.bytes(12, true) + logits + mlp_f32 - flash.bytes(12, true),
+            bf16.bytes(12, true) + logits + f32_gone - flash.bytes(12, true),
             2 * (spec.len() as u64 + operands + kept)
         );
         let optimiser = plan.bytes(12, true) - plan.bytes(12, false);

@@ -47,7 +47,8 @@
 // from base, so the qkv rows' q heads are (T W, d, W, 1), their K/V heads the same from
 // their columns with the query heads' group, the attention output's rows (T C, d, C, 1),
 // and split heads (H T d, T d, d, 1). Elements are f32, or bf16 where `bf16` is set (an
-// output a bf16 product reads next, rounded as it is written).
+// output a bf16 product reads next, rounded as it is written; q, k and v as a bf16
+// product wrote them).
 struct HeadView {
     float* base;
     long long batch_stride, head_stride;
@@ -59,11 +60,6 @@ __device__ inline long long head_start(const HeadView& v, long long bh, int H) {
     const long long b = bh / H;
     const int h = (int)(bh % H);
     return b * v.batch_stride + (long long)(h / v.group) * v.head_stride;
-}
-
-// Head bh's first row, of an f32 view.
-__device__ inline float* head_rows(const HeadView& v, long long bh, int H) {
-    return v.base + head_start(v, bh, H);
 }
 
 // bf16 tensor cores need sm_80 (mma.sync's bf16 shapes); built for less, the kernels
@@ -117,16 +113,40 @@ __device__ inline uint32_t pair_at(const uint16_t* p) {
 #endif
 }
 
-// A warp's 16 rows from row0 of src (f32, `ld` apart, zeros past T) as A fragments,
-// one per 16 head columns: the operand it owns for the whole kernel.
-__device__ inline void own_rows(uint32_t f[FLASH_MAX_F][4], const float* src, int ld, int row0,
-                                int T, int d, int lane) {
+// Head bh's rows of a view the kernels read into bf16 fragments and tiles: f32
+// elements, rounded as they are read, or bf16 ones (rows a bf16 product wrote): the
+// same bf16 values either way.
+struct HeadIn {
+    const float* f32;
+    const uint16_t* bf16;
+    int ld;
+};
+
+__device__ inline HeadIn head_in(const HeadView& v, long long bh, int H) {
+    const long long at = head_start(v, bh, H);
+    if (v.bf16) return HeadIn{nullptr, reinterpret_cast<const uint16_t*>(v.base) + at, v.ld};
+    return HeadIn{v.base + at, nullptr, v.ld};
+}
+
+// Elements col and col + 1 (col even) of a row, as a fragment's pair.
+__device__ inline uint32_t pair_of(const HeadIn& h, int row, int col) {
+    const long long at = (long long)row * h.ld + col;
+    if (h.bf16 != nullptr) return pair_at(h.bf16 + at);
+    return bf16_pair(h.f32[at], h.f32[at + 1]);
+}
+
+// Element col of a row, as bf16 bits.
+__device__ inline uint16_t bits_of(const HeadIn& h, int row, int col) {
+    const long long at = (long long)row * h.ld + col;
+    return h.bf16 != nullptr ? h.bf16[at] : bf16_bits(h.f32[at]);
+}
+
+// A warp's 16 rows from row0 of src (zeros past T) as A fragments, one per 16 head
+// columns: the operand it owns for the whole kernel.
+__device__ inline void own_rows(uint32_t f[FLASH_MAX_F][4], const HeadIn& src, int row0, int T,
+                                int d, int lane) {
     const int g = lane / 4, t = lane % 4;
-    auto pair = [&](int row, int col) {
-        if (row >= T) return 0u;
-        const float* r = src + (long long)row * ld + col;
-        return bf16_pair(r[0], r[1]);
-    };
+    auto pair = [&](int row, int col) { return row < T ? pair_of(src, row, col) : 0u; };
 #pragma unroll
     for (int c = 0; c < FLASH_MAX_F; c++) {
         if (c < d / 16) {
@@ -138,14 +158,14 @@ __device__ inline void own_rows(uint32_t f[FLASH_MAX_F][4], const float* src, in
     }
 }
 
-// FLASH_STREAM rows from row0 of src (f32, `ld` apart, zeros past T) into shared memory
-// as bf16: as they are (`rows`, ROWS_LD apart), transposed (`cols`, COLS_LD apart), or
-// both; either may be null. All the block's threads share the copy.
-__device__ inline void stage(uint16_t* rows, uint16_t* cols, const float* src, int ld, int row0,
-                             int T, int d) {
+// FLASH_STREAM rows from row0 of src (zeros past T) into shared memory as bf16: as
+// they are (`rows`, ROWS_LD apart), transposed (`cols`, COLS_LD apart), or both;
+// either may be null. All the block's threads share the copy.
+__device__ inline void stage(uint16_t* rows, uint16_t* cols, const HeadIn& src, int row0, int T,
+                             int d) {
     for (int e = threadIdx.x; e < FLASH_STREAM * d; e += blockDim.x) {
         const int r = e / d, c = e % d, row = row0 + r;
-        const uint16_t x = bf16_bits(row < T ? src[(long long)row * ld + c] : 0.0f);
+        const uint16_t x = row < T ? bits_of(src, row, c) : 0;
         if (rows != nullptr) rows[r * ROWS_LD + c] = x;
         if (cols != nullptr) cols[c * COLS_LD + r] = x;
     }
@@ -241,11 +261,11 @@ __device__ inline int column_of(int j, int i, int lane) { return 8 * j + 2 * (la
 // the keys (K staged as it is, V transposed): each warp's scores, its rows' running
 // maxima and sums, and its output's sums stay in registers; the sums are rescaled as a
 // row's maximum grows and divided by the row's sum at the end. Exponentials in base 2,
-// the scale folded in. Where out16 has a base, the output is also written there
-// rounded, for the bf16 product that reads it.
-extern "C" __global__ void flash_forward(HeadView out, HeadView out16, float* lse, HeadView q,
-                                         HeadView k, HeadView v, int T, int d, int H,
-                                         float scale, Dropout dropout) {
+// the scale folded in. The output is f32, or bf16 (a bf16 view) for the product that
+// reads it.
+extern "C" __global__ void flash_forward(HeadView out, float* lse, HeadView q, HeadView k,
+                                         HeadView v, int T, int d, int H, float scale,
+                                         Dropout dropout) {
 #ifdef FLASH_UNSUPPORTED
     __trap();
 #else
@@ -253,7 +273,7 @@ extern "C" __global__ void flash_forward(HeadView out, HeadView out16, float* ls
     __shared__ __align__(16) uint16_t vt[COLS_TILE];
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const long long bh = blockIdx.y;
-    const float *qh = head_rows(q, bh, H), *kh = head_rows(k, bh, H), *vh = head_rows(v, bh, H);
+    const HeadIn qh = head_in(q, bh, H), kh = head_in(k, bh, H), vh = head_in(v, bh, H);
     const int block0 = blockIdx.x * FLASH_ROWS, row0 = block0 + 16 * warp;
     const int last = min(block0 + FLASH_ROWS, T) - 1;  // the block's last query
     const bool active = row0 < T;
@@ -261,7 +281,7 @@ extern "C" __global__ void flash_forward(HeadView out, HeadView out16, float* ls
     const float to_base2 = scale * LOG2E;
 
     uint32_t qf[FLASH_MAX_F][4];
-    own_rows(qf, qh, q.ld, row0, T, d, lane);
+    own_rows(qf, qh, row0, T, d, lane);
     // The output's sums; the rows' running maxima (base 2, scaled) and this lane's share
     // of their sums (the row's 4 lanes add theirs at the end).
     float o[FLASH_MAX_N][4];
@@ -270,8 +290,8 @@ extern "C" __global__ void flash_forward(HeadView out, HeadView out16, float* ls
 
     for (int key0 = 0; key0 <= last; key0 += FLASH_STREAM) {
         __syncthreads();  // every warp is done with the previous keys
-        stage(ks, nullptr, kh, k.ld, key0, T, d);
-        stage(nullptr, vt, vh, v.ld, key0, T, d);
+        stage(ks, nullptr, kh, key0, T, d);
+        stage(nullptr, vt, vh, key0, T, d);
         __syncthreads();
         if (!active || key0 > row0 + 15) continue;
 
@@ -333,7 +353,6 @@ extern "C" __global__ void flash_forward(HeadView out, HeadView out16, float* ls
         l_hi += __shfl_xor_sync(FULL_MASK, l_hi, other);
     }
     store_rows(out, bh, H, o, row0, T, d, 1.0f / l_lo, 1.0f / l_hi, lane);
-    if (out16.base != nullptr) store_rows(out16, bh, H, o, row0, T, d, 1.0f / l_lo, 1.0f / l_hi, lane);
     // The log-sum-exp in natural units: max + log(sum), both from base 2.
     const float ln2 = 0.6931471805599453f;
     if (lane % 4 == 0 && lo < T) lse[bh * T + lo] = (m_lo + log2f(l_lo)) * ln2;
@@ -342,9 +361,12 @@ extern "C" __global__ void flash_forward(HeadView out, HeadView out16, float* ls
 }
 
 // dsum (B H, T) = each row's dY . Y over its head's d columns, from the merged (B T, H d)
-// layouts: the D_i = sum_j P_ij dP_ij of the softmax's backward. One warp per row.
-extern "C" __global__ void flash_backward_sums(float* dsum, const float* dy, const float* y,
-                                               int B, int T, int H, int d) {
+// layouts: the D_i = sum_j P_ij dP_ij of the softmax's backward. dY and Y are f32 (rounded
+// to bf16 as read where `round_dy`, `round_y`) or bf16 (`dy16`, `y16`), as
+// FlashAttention-2 reads them in bf16. One warp per row.
+extern "C" __global__ void flash_backward_sums(float* dsum, const float* dy, const uint16_t* dy16,
+                                               int round_dy, const float* y, const uint16_t* y16,
+                                               int round_y, int B, int T, int H, int d) {
     const long long row = blockIdx.x * (long long)(blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     if (row >= (long long)B * H * T) return;
@@ -352,7 +374,9 @@ extern "C" __global__ void flash_backward_sums(float* dsum, const float* dy, con
     const long long b = row / T / H;
     const long long at = (b * T + t) * H * d + (long long)h * d;
     float sum = 0.0f;
-    for (int c = lane; c < d; c += WARP_SIZE) sum += dy[at + c] * y[at + c];
+    for (int c = lane; c < d; c += WARP_SIZE) {
+        sum += load(dy, dy16, round_dy, at + c) * load(y, y16, round_y, at + c);
+    }
     sum = warp_sum(sum);
     if (lane == 0) dsum[row] = sum;
 }
@@ -378,23 +402,23 @@ extern "C" __global__ void flash_backward_kv(HeadView dk, HeadView dv, HeadView 
     __shared__ float tile_lse[FLASH_STREAM], tile_dsum[FLASH_STREAM];
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const long long bh = blockIdx.y;
-    const float *qh = head_rows(q, bh, H), *kh = head_rows(k, bh, H), *vh = head_rows(v, bh, H);
-    const float* dyh = head_rows(dy, bh, H);
+    const HeadIn qh = head_in(q, bh, H), kh = head_in(k, bh, H), vh = head_in(v, bh, H);
+    const HeadIn dyh = head_in(dy, bh, H);
     const int block0 = blockIdx.x * FLASH_ROWS, key0 = block0 + 16 * warp;
     const bool active = key0 < T;
     const int lo = key0 + lane / 4, hi = lo + 8;
     const float to_base2 = scale * LOG2E;
 
     uint32_t kf[FLASH_MAX_F][4], vf[FLASH_MAX_F][4];
-    own_rows(kf, kh, k.ld, key0, T, d, lane);
-    own_rows(vf, vh, v.ld, key0, T, d, lane);
+    own_rows(kf, kh, key0, T, d, lane);
+    own_rows(vf, vh, key0, T, d, lane);
     float acc_k[FLASH_MAX_N][4], acc_v[FLASH_MAX_N][4];
     zero(acc_k);
     zero(acc_v);
     for (int query0 = block0; query0 < T; query0 += FLASH_STREAM) {
         __syncthreads();  // every warp is done with the previous queries
-        stage(qs, qt, qh, q.ld, query0, T, d);
-        stage(dys, dyt, dyh, dy.ld, query0, T, d);
+        stage(qs, qt, qh, query0, T, d);
+        stage(dys, dyt, dyh, query0, T, d);
         if (threadIdx.x < FLASH_STREAM) {
             const int i = query0 + threadIdx.x;
             tile_lse[threadIdx.x] = i < T ? lse[bh * T + i] * LOG2E : 0.0f;
@@ -448,7 +472,7 @@ extern "C" __global__ void flash_backward_q(HeadView dq, HeadView q, HeadView k,
     __shared__ __align__(16) uint16_t vs[ROWS_TILE];
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const long long bh = blockIdx.y;
-    const float *qh = head_rows(q, bh, H), *kh = head_rows(k, bh, H), *vh = head_rows(v, bh, H);
+    const HeadIn qh = head_in(q, bh, H), kh = head_in(k, bh, H), vh = head_in(v, bh, H);
     const int block0 = blockIdx.x * FLASH_ROWS, row0 = block0 + 16 * warp;
     const int last = min(block0 + FLASH_ROWS, T) - 1;
     const bool active = row0 < T;
@@ -460,14 +484,14 @@ extern "C" __global__ void flash_backward_q(HeadView dq, HeadView q, HeadView k,
     const float dsum_hi = hi < T ? dsum[bh * T + hi] : 0.0f;
 
     uint32_t qf[FLASH_MAX_F][4], dyf[FLASH_MAX_F][4];
-    own_rows(qf, qh, q.ld, row0, T, d, lane);
-    own_rows(dyf, head_rows(dy, bh, H), dy.ld, row0, T, d, lane);
+    own_rows(qf, qh, row0, T, d, lane);
+    own_rows(dyf, head_in(dy, bh, H), row0, T, d, lane);
     float acc[FLASH_MAX_N][4];
     zero(acc);
     for (int key0 = 0; key0 <= last; key0 += FLASH_STREAM) {
         __syncthreads();  // every warp is done with the previous keys
-        stage(ks, kt, kh, k.ld, key0, T, d);
-        stage(vs, nullptr, vh, v.ld, key0, T, d);
+        stage(ks, kt, kh, key0, T, d);
+        stage(vs, nullptr, vh, key0, T, d);
         __syncthreads();
         if (!active || key0 > row0 + 15) continue;
 
