@@ -238,8 +238,12 @@ struct Scratch {
     ln: Buf<f32>,
     dln: Buf<f32>,
     /// (N, C): a branch's output before the residual add (or its gradient after
-    /// dropout).
+    /// dropout); with bf16 operands the forward's is bf16, as its product writes it.
     branch: Buf<f32>,
+    branch16: Buf<u16>,
+    /// (N, C): the gradient at a norm's output, as a product's backward writes it (bf16
+    /// with bf16 operands).
+    dln16: Buf<u16>,
     /// (N, C): the attention output's gradient: f32, or (flash attention with bf16
     /// operands) bf16 as its product writes it, which flash reads so.
     dy: Buf<f32>,
@@ -335,9 +339,17 @@ impl FusedCuda {
         let chunks = adamw_chunks(table, 0..spec.len());
         let plan = Plan::for_spec(spec, batch, attention, precision);
 
-        // With bf16 operands the MLP's rows are bf16 (`Plan::new`).
-        let mlp_f32 = |values: usize| if plan.bf16.dact > 0 { 0 } else { values };
-        let f32_fc = mlp_f32(n * s.mlp_fc_width);
+        // What the work space holds in f32 depends on the precision and the attention
+        // (`Plan::new`).
+        let unless_copies = |values: usize| if plan.copies() { 0 } else { values };
+        let f32_fc = unless_copies(n * s.mlp_fc_width);
+        let products = attention == Attention::Products;
+        let split_heads = if products { n * c } else { 0 };
+        let head_grads = if products || s.n_kv_head != s.n_head {
+            n * c
+        } else {
+            0
+        };
         let blocks = (0..s.n_layer)
             .map(|_| {
                 Ok(BlockActs {
@@ -381,23 +393,25 @@ impl FusedCuda {
         let widest = c.max(s.qkv_width).max(s.mlp_fc_width);
         let scratch = Scratch {
             dres: zeros(n * c)?,
-            ln: zeros(n * c)?,
-            dln: zeros(n * c)?,
+            ln: zeros(unless_copies(n * c))?,
+            dln: zeros(unless_copies(n * c))?,
             branch: zeros(n * c)?,
             dy: zeros(if plan.bf16.dy > 0 { 0 } else { n * c })?,
             dy16: Buf::zeros(&gpu, plan.bf16.dy)?,
             dqkv: zeros(n * s.qkv_width)?,
-            act: zeros(mlp_f32(n * s.mlp_hidden))?,
-            dact: zeros(mlp_f32(n * s.mlp_hidden))?,
+            act: zeros(unless_copies(n * s.mlp_hidden))?,
+            dact: zeros(unless_copies(n * s.mlp_hidden))?,
             dact16: Buf::zeros(&gpu, plan.bf16.dact)?,
+            branch16: Buf::zeros(&gpu, plan.bf16.branch)?,
+            dln16: Buf::zeros(&gpu, plan.bf16.dln)?,
             dfc: zeros(n * s.mlp_fc_width)?,
-            q: zeros(n * c)?,
-            k: zeros(n * c)?,
-            v: zeros(n * c)?,
-            heads: zeros(n * c)?,
-            dq: zeros(n * c)?,
-            dk: zeros(n * c)?,
-            dv: zeros(n * c)?,
+            q: zeros(split_heads)?,
+            k: zeros(split_heads)?,
+            v: zeros(split_heads)?,
+            heads: zeros(split_heads)?,
+            dq: zeros(head_grads)?,
+            dk: zeros(head_grads)?,
+            dv: zeros(head_grads)?,
             att: zeros(scores)?,
             datt: zeros(scores)?,
             dsum: zeros(dsum_len)?,
@@ -489,8 +503,10 @@ impl FusedCuda {
         .iter()
         .map(|b| b.bytes())
         .sum::<u64>()
-            + sc.dact16.bytes()
-            + sc.dy16.bytes();
+            + [&sc.dact16, &sc.dy16, &sc.branch16, &sc.dln16]
+                .iter()
+                .map(|b| b.bytes())
+                .sum::<u64>();
         let optimiser = self.grads.iter().chain(self.moments.iter().flatten());
         let flat = std::iter::once(&self.params).chain(optimiser);
         blocks
@@ -734,9 +750,9 @@ impl FusedCuda {
             k.rope(a.qkv.ptr(), tables, n, at, self.heads(), s.qkv_width, 1.0)?;
         }
         self.attention_forward(l, a.y.ptr())?;
-        self.linear_forward(sc.branch.ptr(), self.heads_output(l), &p.attn_proj)?;
+        let branch = self.branch_forward(self.heads_output(l), &p.attn_proj)?;
         let mask = DropoutArgs::at(dropout, Site::AttentionOutput(l));
-        let residual = (a.res_2.ptr(), x, sc.branch.ptr(), mask);
+        let residual = (a.res_2.ptr(), x, branch, mask);
         let (ln_2, normed_2) = self.kept_rows(sc.ln.ptr(), &a.kept.ln_2);
         self.residual_norm(residual, ln_2, &a.ln_2, &p.ln_2)?;
 
@@ -745,9 +761,9 @@ impl FusedCuda {
         let kind = self.spec.config.mlp;
         let (act, activated) = self.kept_rows(sc.act.ptr(), &a.kept.act);
         k.activation_forward(act, self.pre_activation(l), n, s.mlp_hidden, kind)?;
-        self.linear_forward(sc.branch.ptr(), activated, &p.mlp_proj)?;
+        let branch = self.branch_forward(activated, &p.mlp_proj)?;
         let mask = DropoutArgs::at(dropout, Site::MlpOutput(l));
-        let residual = (a.res_3.ptr(), a.res_2.ptr(), sc.branch.ptr(), mask);
+        let residual = (a.res_3.ptr(), a.res_2.ptr(), branch, mask);
         match self.acts.blocks.get(l + 1) {
             Some(next) => {
                 let (ln_1, _) = self.kept_rows(sc.ln.ptr(), &next.kept.ln_1);
@@ -762,22 +778,57 @@ impl FusedCuda {
     }
 
     /// Block `l`'s MLP's first projection of its normed input, without the bias (the
-    /// activation adds it): with bf16 operands rounded into the block's kept rows, as
-    /// autocast's product returns it; otherwise f32 (`pre_activation` says where).
+    /// activation adds it; `pre_activation` says where it is).
     fn mlp_expand(&self, l: usize, x: Rows) -> Result<()> {
         let a = &self.acts.blocks[l];
-        let weights_only = LinearParams {
-            bias: None,
-            ..self.spec.blocks[l].mlp_fc
-        };
+        let p = &self.spec.blocks[l].mlp_fc;
+        self.product_output((a.fc.ptr(), a.kept.fc.ptr()), x, p)?;
+        Ok(())
+    }
+
+    /// A sub-layer's branch: its projection of `x`, without the bias, which the
+    /// residual add adds (returned beside it).
+    fn branch_forward(&self, x: Rows, p: &LinearParams) -> Result<(In, u64)> {
+        let sc = &self.scratch;
+        let branch = self.product_output((sc.branch.ptr(), sc.branch16.ptr()), x, p)?;
+        Ok((branch, self.w_opt(p.bias)))
+    }
+
+    /// x Wᵀ of layer `p`, its bias left to the kernel that reads it: with bf16
+    /// operands written in bf16 at `out16` (autocast's product returns it so),
+    /// otherwise in f32 at `out32`, read rounded in bf16 training (the same numbers).
+    fn product_output(&self, (out32, out16): (u64, u64), x: Rows, p: &LinearParams) -> Result<In> {
+        let weights_only = LinearParams { bias: None, ..*p };
         match &self.bf16 {
             Some(b) => {
-                let x16 = self.rounded(x, weights_only.d_in, &b.inputs)?;
-                let at = a.kept.fc.ptr();
+                let x16 = self.rounded(x, p.d_in, &b.inputs)?;
                 let copy = (&b.weights, &self.spec);
-                linear_to_bf16(&self.gpu, copy, at, x16, &weights_only, self.rows())
+                linear_to_bf16(&self.gpu, copy, out16, x16, &weights_only, self.rows())?;
+                Ok(In::Bf16(out16))
             }
-            None => self.linear_forward(a.fc.ptr(), x, &weights_only),
+            None => {
+                self.linear_forward(out32, x, &weights_only)?;
+                Ok(self.f32_rows(out32))
+            }
+        }
+    }
+
+    /// f32 rows a product wrote, as a kernel reads them: rounded to bf16 in bf16
+    /// training (where the product's bf16 output would have been), as they are in f32.
+    fn f32_rows(&self, at: u64) -> In {
+        In::F32 {
+            at,
+            round: self.precision == Precision::Bf16,
+        }
+    }
+
+    /// Where a product's backward writes the gradient at a norm's output and the
+    /// norm's backward reads it: bf16 with bf16 operands, f32 otherwise.
+    fn norm_output_gradient(&self) -> (Rows, In) {
+        let sc = &self.scratch;
+        match self.bf16 {
+            Some(_) => (Rows::Bf16(sc.dln16.ptr()), In::Bf16(sc.dln16.ptr())),
+            None => (Rows::F32(sc.dln.ptr()), self.f32_rows(sc.dln.ptr())),
         }
     }
 
@@ -788,10 +839,7 @@ impl FusedCuda {
         let a = &self.acts.blocks[l];
         let fc = match self.bf16 {
             Some(_) => In::Bf16(a.kept.fc.ptr()),
-            None => In::F32 {
-                at: a.fc.ptr(),
-                round: self.precision == Precision::Bf16,
-            },
+            None => self.f32_rows(a.fc.ptr()),
         };
         (fc, self.w_opt(self.spec.blocks[l].mlp_fc.bias))
     }
@@ -846,13 +894,7 @@ impl FusedCuda {
     fn heads_output_gradient(&self, l: usize) -> (Rows, In) {
         let sc = &self.scratch;
         match self.acts.blocks[l].kept.y.len() {
-            0 => (
-                Rows::F32(sc.dy.ptr()),
-                In::F32 {
-                    at: sc.dy.ptr(),
-                    round: self.precision == Precision::Bf16,
-                },
-            ),
+            0 => (Rows::F32(sc.dy.ptr()), self.f32_rows(sc.dy.ptr())),
             _ => (Rows::Bf16(sc.dy16.ptr()), In::Bf16(sc.dy16.ptr())),
         }
     }
@@ -1084,11 +1126,11 @@ impl FusedCuda {
         self.gpu.norm_forward(out, x, self.norm_rows(stats, p), eps)
     }
 
-    /// res = x + branch * mask, then `out` = the norm `p` of res, its statistics kept
-    /// in `stats`.
+    /// res = x + (branch + its bias) * mask, then `out` = the norm `p` of res, its
+    /// statistics kept in `stats`.
     fn residual_norm(
         &self,
-        (res, x, branch, mask): (u64, u64, u64, DropoutArgs),
+        (res, x, branch, mask): (u64, u64, (In, u64), DropoutArgs),
         out: Out,
         stats: &Stats,
         p: &NormParams,
@@ -1108,7 +1150,7 @@ impl FusedCuda {
     fn norm_backward(
         &self,
         dx: u64,
-        dout: u64,
+        dout: In,
         x: u64,
         stats: &Stats,
         p: &NormParams,
@@ -1150,16 +1192,12 @@ impl FusedCuda {
         // The final norm's rounded output is still where the forward's product read
         // it: nothing writes the input buffer between a forward and its backward.
         let (_, ln_f) = self.final_norm_output();
-        self.linear_backward(sc.dln.ptr(), dlogits, ln_f, &output, factor)?;
+        let (dln, dln_in) = self.norm_output_gradient();
+        self.linear_backward(dln, dlogits, ln_f, &output, factor)?;
         let last = a.blocks.last().expect("at least one layer").res_3.ptr();
         sc.dres.fill_zeros(&self.gpu)?;
-        self.norm_backward(
-            sc.dres.ptr(),
-            sc.dln.ptr(),
-            last,
-            &a.ln_f_stats,
-            &self.spec.ln_f,
-        )?;
+        let stats = &a.ln_f_stats;
+        self.norm_backward(sc.dres.ptr(), dln_in, last, stats, &self.spec.ln_f)?;
         for l in (0..s.n_layer).rev() {
             self.block_backward(l)?;
         }
@@ -1212,21 +1250,16 @@ impl FusedCuda {
         let dbranch = self.branch_gradient(dres, Site::MlpOutput(l))?;
         let (dact, dact_in) = match self.bf16 {
             Some(_) => (Rows::Bf16(sc.dact16.ptr()), In::Bf16(sc.dact16.ptr())),
-            None => (
-                Rows::F32(sc.dact.ptr()),
-                In::F32 {
-                    at: sc.dact.ptr(),
-                    round: self.precision == Precision::Bf16,
-                },
-            ),
+            None => (Rows::F32(sc.dact.ptr()), self.f32_rows(sc.dact.ptr())),
         };
         self.linear_backward(dact, dbranch, activated, &p.mlp_proj, 1.0)?;
         let dims = (n, s.mlp_hidden);
         let (dfc_out, dfc) = self.product_gradient(sc.dfc.ptr(), &p.mlp_fc);
         k.activation_backward(dfc_out, fc, dact_in, dims, kind)?;
         let normed_2 = self.norm_output_again(&a.kept.ln_2, (&a.ln_2, a.res_2.ptr(), &p.ln_2))?;
-        self.linear_backward(sc.dln.ptr(), dfc, normed_2, &p.mlp_fc, 1.0)?;
-        self.norm_backward(dres, sc.dln.ptr(), a.res_2.ptr(), &a.ln_2, &p.ln_2)?;
+        let (dln, dln_in) = self.norm_output_gradient();
+        self.linear_backward(dln, dfc, normed_2, &p.mlp_fc, 1.0)?;
+        self.norm_backward(dres, dln_in, a.res_2.ptr(), &a.ln_2, &p.ln_2)?;
 
         // res_2 = x + proj(attention(qkv(ln_1(x)))).
         let dbranch = self.branch_gradient(dres, Site::AttentionOutput(l))?;
@@ -1247,8 +1280,9 @@ impl FusedCuda {
             )?;
         }
         let normed_1 = self.norm_output_again(&a.kept.ln_1, (&a.ln_1, x, &p.ln_1))?;
-        self.linear_backward(sc.dln.ptr(), dqkv, normed_1, &p.attn_qkv, 1.0)?;
-        self.norm_backward(dres, sc.dln.ptr(), x, &a.ln_1, &p.ln_1)
+        let (dln, dln_in) = self.norm_output_gradient();
+        self.linear_backward(dln, dqkv, normed_1, &p.attn_qkv, 1.0)?;
+        self.norm_backward(dres, dln_in, x, &a.ln_1, &p.ln_1)
     }
 
     /// The gradient at a branch's output before its dropout: dres through the mask of

@@ -535,11 +535,13 @@ impl Gpu {
             out.f32, out.bf16, n.mean, n.rstd, x, n.weight, n.bias, int(n.rows), int(n.c), eps, n.rms())
     }
 
-    /// res = x + branch * mask, then out = the norm of each row of res (keeping each
-    /// row's mean and rstd): a residual add and the next norm in one pass.
+    /// res = x + (branch + its bias) * mask, then out = the norm of each row of res
+    /// (keeping each row's mean and rstd): a residual add and the next norm in one
+    /// pass. The branch is its product's output (f32 or bf16), its layer's bias
+    /// (`branch_bias`, 0 for none) added here.
     pub fn residual_norm_forward(
         &self,
-        (res, x, branch, dropout): (u64, u64, u64, DropoutArgs),
+        (res, x, (branch, branch_bias), dropout): (u64, u64, (In, u64), DropoutArgs),
         out: Out,
         n: NormRows,
         eps: f32,
@@ -547,11 +549,12 @@ impl Gpu {
         let values = n.rows * n.c;
         let cost = Cost::new(
             (9 * values) as f64,
-            4.0 * (3 * values + 2 * n.rows) as f64 + out.bytes(values),
+            4.0 * (2 * values + 2 * n.rows) as f64 + branch.bytes(values) + out.bytes(values),
         );
+        let (branch32, branch16, round) = branch.args();
         launch!(self, ResidualNormForward, warp_rows(n.rows), cost;
-            res, out.f32, out.bf16, n.mean, n.rstd, x, branch, dropout, n.weight, n.bias,
-            int(n.rows), int(n.c), eps, n.rms())
+            res, out.f32, out.bf16, n.mean, n.rstd, x, branch32, branch16, round, branch_bias,
+            dropout, n.weight, n.bias, int(n.rows), int(n.c), eps, n.rms())
     }
 
     /// The forward's output again from the kept statistics.
@@ -568,12 +571,15 @@ impl Gpu {
     /// NORM_ONE_PASS_WIDTH in one pass (`norm_backward`), wider ones in two.
     pub fn norm_backward(
         &self,
-        (dx, dx16, dout, x): (u64, u64, u64, u64),
+        (dx, dx16, dout, x): (u64, u64, In, u64),
         n: NormRows,
         (dw, db): (u64, u64),
         partials: u64,
     ) -> Result<()> {
         let (rows, c) = (n.rows, n.c);
+        let (dout32, dout16, round) = dout.args();
+        // Bytes of dout beyond f32's 4 a value, counted below as f32.
+        let dout_saved = 4.0 * (rows * c) as f64 - dout.bytes(rows * c);
         let parts = if c <= NORM_ONE_PASS_WIDTH {
             // Blocks of two warps, at most NORM_PARTS warps (each warp's sums are one
             // partial row): small blocks, so the warps spread over every SM.
@@ -585,18 +591,24 @@ impl Gpu {
             };
             let (flops, f32s) = (15 * rows * c, 4 * rows * c + 2 * blocks * per_block * c);
             let rounded = if dx16 != 0 { 2 * rows * c } else { 0 };
-            let cost = Cost::new(flops as f64, (4 * f32s + rounded) as f64);
+            let cost = Cost::new(flops as f64, (4 * f32s + rounded) as f64 - dout_saved);
             launch!(self, NormBackward, cfg, cost;
-                dx, dx16, partials, dout, x, n.weight, n.mean, n.rstd, int(rows), int(c), n.rms())?;
+                dx, dx16, partials, dout32, dout16, round, x, n.weight, n.mean, n.rstd,
+                int(rows), int(c), n.rms())?;
             blocks * per_block
         } else {
             let rounded = if dx16 != 0 { 2 * rows * c } else { 0 };
-            let cost = Cost::new((12 * rows * c) as f64, (16 * rows * c + rounded) as f64);
+            let cost = Cost::new(
+                (12 * rows * c) as f64,
+                (16 * rows * c + rounded) as f64 - dout_saved,
+            );
             launch!(self, NormBackwardInput, warp_rows(rows), cost;
-                dx, dx16, dout, x, n.weight, n.mean, n.rstd, int(rows), int(c), n.rms())?;
+                dx, dx16, dout32, dout16, round, x, n.weight, n.mean, n.rstd, int(rows), int(c),
+                n.rms())?;
             let parts = super::plan::PARTS.min(rows);
-            launch!(self, NormBackwardParams, columns(c, parts), Cost::f32s_and_flops(2 * rows * c, 4 * rows * c);
-                partials, dout, x, n.mean, n.rstd, int(rows), int(c))?;
+            let cost = Cost::new((4 * rows * c) as f64, (8 * rows * c) as f64 - dout_saved);
+            launch!(self, NormBackwardParams, columns(c, parts), cost;
+                partials, dout32, dout16, round, x, n.mean, n.rstd, int(rows), int(c))?;
             parts
         };
         self.add_column_sums(dw, partials, parts, 2 * c, c)?;
@@ -1570,13 +1582,13 @@ mod tests {
                     c,
                 };
                 let none = DropoutArgs::at(None, Site::Embedding);
-                let residual = (resb.ptr(), xb.ptr(), branchb.ptr(), none);
+                let residual = (resb.ptr(), xb.ptr(), (In::f32(branchb.ptr()), 0), none);
                 gpu.residual_norm_forward(residual, Out::f32(outb.ptr()), norm, eps)
                     .unwrap();
                 let grads = (dwb.ptr(), if rms { 0 } else { dbb.ptr() });
                 let dx16 = Buf::<u16>::zeros(&gpu, n).unwrap();
                 gpu.norm_backward(
-                    (dxb.ptr(), dx16.ptr(), doutb.ptr(), resb.ptr()),
+                    (dxb.ptr(), dx16.ptr(), In::f32(doutb.ptr()), resb.ptr()),
                     norm,
                     grads,
                     partials.ptr(),

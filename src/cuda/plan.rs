@@ -118,6 +118,10 @@ pub struct Bf16Plan {
     /// The heads' output's gradient, as the attention projection's backward writes it
     /// for flash attention (N x C; 0 with the products path, which reads it in f32).
     pub dy: usize,
+    /// A sub-layer's branch as its product writes it, before the residual add (N x C).
+    pub branch: usize,
+    /// The gradient at a norm's output, as a product's backward writes it (N x C).
+    pub dln: usize,
     /// What each block's forward keeps in bf16 for its backward (`Kept16`): its two
     /// norms' outputs, its activation, (flash attention) its heads' output, and the
     /// MLP's first projection.
@@ -143,7 +147,7 @@ impl Kept16Plan {
 
 impl Bf16Plan {
     fn values(&self) -> usize {
-        self.weights + self.inputs + self.outputs + self.dact + self.dy
+        self.weights + self.inputs + self.outputs + self.dact + self.dy + self.branch + self.dln
     }
 }
 
@@ -207,12 +211,25 @@ impl Plan {
             + Self::f32_logits(n, s.vocab_size, precision)
             + n; // each position's loss
         let widest = c.max(s.qkv_width).max(s.mlp_fc_width);
-        let scratch = 4 * n * c // dres, ln, dln, branch
+        // The products path splits the heads out (q, k, v, and the heads' output or its
+        // gradient) and computes their gradients there; flash attention reads them in
+        // place and writes their gradients in place, but for grouped K/V heads (written
+        // per query head, then summed).
+        let products = attention == Attention::Products;
+        let split_heads = if products { 4 * n * c } else { 0 };
+        let head_grads = if products || s.n_kv_head != s.n_head {
+            3 * n * c
+        } else {
+            0
+        };
+        let scratch = 2 * n * c // dres, and the branch (or its gradient after dropout)
+            + f32_unless_copies(2 * n * c) // a norm's output (recomputed), its gradient
             + y_f32 // dy
             + n * s.qkv_width // dqkv
             + f32_unless_copies(2 * n * s.mlp_hidden) // the activation and its gradient
             + n * s.mlp_fc_width // dfc
-            + 7 * n * c // q, k, v, heads, dq, dk, dv: (B, H, T, d) each
+            + split_heads // q, k, v, heads: (B, H, T, d) each
+            + head_grads // dq, dk, dv
             + weights
             + partials_len(c, widest); // column partial sums
         let bf16 = match copies {
@@ -223,6 +240,8 @@ impl Plan {
                 outputs: n * c.max(s.qkv_width).max(s.mlp_fc_width).max(s.vocab_size),
                 dact: n * s.mlp_hidden,
                 dy: y_bf16,
+                branch: n * c,
+                dln: n * c,
                 kept: Kept16Plan {
                     fc: n * s.mlp_fc_width,
                     qkv: qkv_bf16,
@@ -244,6 +263,11 @@ impl Plan {
             sums: LOSS_SUM + LOSS_SLOTS,
             adam_chunks,
         }
+    }
+
+    /// Whether bf16 products read bf16 copies of their operands (`bf16_operands`).
+    pub fn copies(&self) -> bool {
+        self.bf16.weights > 0
     }
 
     /// The f32 logits (then probabilities, then their gradient): none where the output
@@ -323,12 +347,14 @@ mod tests {
         assert!((4.0..9.0).contains(&gb), "{gb} GB");
         assert!(plan.bytes(12, true) > logits + 16 * spec.len() as u64);
         // Flash attention keeps 2 x 8 x 12 x 1024 values of row statistics instead of
-        // the (B, H, T, T) weights and their gradient: 805 MB less.
+        // the (B, H, T, T) weights and their gradient (805 MB), and reads and writes
+        // the heads in place: no split q, k, v, heads, dq, dk, dv.
         let flash = Plan::for_spec(&spec, 8, Attention::Flash, Precision::F32);
         let weights = 4 * 2 * 8 * 12 * 1024 * 1024u64;
         let statistics = 4 * (12 + 1) * 8 * 12 * 1024u64;
+        let split = 4 * 7 * 8192 * 768u64;
         assert_eq!(
-            flash.bytes(12, true) + weights - statistics,
+            flash.bytes(12, true) + weights + split - statistics,
             plan.bytes(12, true)
         );
         // bf16 products add the weights' bf16 copy, two operand buffers (8192 rows of
@@ -339,10 +365,11 @@ mod tests {
         // activation, which are no longer kept or recomputed in f32.
         let bf16 = Plan::for_spec(&spec, 8, Attention::Flash, Precision::Bf16);
         // And (learned positions, no biases) q | k | v in bf16 only, the heads' output
-        // and its gradient too.
-        let operands = 8192 * (3072 + 50304 + 3072 + 768) as u64;
+        // and its gradient too, a branch and a norm's output's gradient as their
+        // products write them; the f32 work space of a norm's output is not needed.
+        let operands = 8192 * (3072 + 50304 + 3072 + 3 * 768) as u64;
         let kept = 12 * 8192 * (3 * 768 + 3072 + 3072 + 3 * 768) as u64;
-        let f32_gone = 4 * 8192 * (12 * (3072 + 3 * 768 + 768) + 2 * 3072 + 768) as u64;
+        let f32_gone = 4 * 8192 * (12 * (3072 + 3 * 768 + 768) + 2 * 3072 + 3 * 768) as u64;
         assert_eq!(
             bf16.bytes(12, true) + logits + f32_gone - flash.bytes(12, true),
             2 * (spec.len() as u64 + operands + kept)

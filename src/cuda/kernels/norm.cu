@@ -43,19 +43,24 @@ extern "C" __global__ void norm_forward(float* out, uint16_t* out16, float* mean
 }
 
 // A residual add and the norm of its result in one pass over each row: res = x +
-// branch * mask (the branch's dropout, element r C + i, as residual_forward draws it),
-// then out = norm(res) as norm_forward. One warp per row.
+// (branch + branch_bias) * mask (the branch's dropout, element r C + i, as
+// residual_forward draws it), then out = norm(res) as norm_forward. The branch is a
+// product's output: f32 (`branch`, rounded to bf16 as read where `round`) or bf16
+// (`branch16`), its layer's bias (null for none) added here in f32. One warp per row.
 extern "C" __global__ void residual_norm_forward(float* res, float* out, uint16_t* out16,
                                                  float* mean, float* rstd, const float* x,
-                                                 const float* branch, Dropout dropout,
-                                                 const float* w, const float* b, int rows, int C,
-                                                 float eps, int rms) {
+                                                 const float* branch, const uint16_t* branch16,
+                                                 int round, const float* branch_bias,
+                                                 Dropout dropout, const float* w, const float* b,
+                                                 int rows, int C, float eps, int rms) {
     const int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     if (row >= rows) return;
     const long long at = (long long)row * C;
     for (int i = lane; i < C; i += WARP_SIZE) {
-        res[at + i] = x[at + i] + branch[at + i] * dropout_scale(dropout, at + i);
+        float y = load(branch, branch16, round, at + i);
+        if (branch_bias != nullptr) y += branch_bias[i];
+        res[at + i] = x[at + i] + y * dropout_scale(dropout, at + i);
     }
     norm_row(out, out16, mean, rstd, res + at, w, b, row, C, eps, rms, lane);
 }
@@ -80,8 +85,11 @@ extern "C" __global__ void norm_apply(float* out, uint16_t* out16, const float* 
 // dx += d(norm)/dx . dout per row: with xhat = (x - mean) rstd and g = dout w,
 // dx += rstd (g - mean(g) - xhat mean(g xhat)); RMSNorm drops the mean(g) term. Where
 // dx16 is given, the new dx rounded to bf16 there too (the operand of the bf16
-// products that read the residual stream's gradient next).
+// products that read the residual stream's gradient next). dout is a product's output
+// (the norm's output's gradient): f32 (`dout`, rounded as read where `round`) or bf16
+// (`dout16`).
 extern "C" __global__ void norm_backward_input(float* dx, uint16_t* dx16, const float* dout,
+                                               const uint16_t* dout16, int round,
                                                const float* x, const float* w, const float* mean,
                                                const float* rstd, int rows, int C, int rms) {
     const int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
@@ -91,7 +99,7 @@ extern "C" __global__ void norm_backward_input(float* dx, uint16_t* dx16, const 
     const float m = mean[row], s = rstd[row];
     float g_sum = 0.0f, gx_sum = 0.0f;
     for (int i = lane; i < C; i += WARP_SIZE) {
-        const float g = dout[base + i] * w[i];
+        const float g = load(dout, dout16, round, base + i) * w[i];
         g_sum += g;
         gx_sum += g * (x[base + i] - m) * s;
     }
@@ -99,7 +107,8 @@ extern "C" __global__ void norm_backward_input(float* dx, uint16_t* dx16, const 
     const float gx_mean = warp_sum(gx_sum) / C;
     for (int i = lane; i < C; i += WARP_SIZE) {
         const float xhat = (x[base + i] - m) * s;
-        const float updated = dx[base + i] + s * (dout[base + i] * w[i] - g_mean - xhat * gx_mean);
+        const float d = load(dout, dout16, round, base + i);
+        const float updated = dx[base + i] + s * (d * w[i] - g_mean - xhat * gx_mean);
         dx[base + i] = updated;
         if (dx16 != nullptr) dx16[base + i] = bf16_bits(updated);
     }
@@ -116,9 +125,9 @@ extern "C" __global__ void norm_backward_input(float* dx, uint16_t* dx16, const 
 // (`add_column_sums` then adds the V rows in order: deterministic). dx16 as in
 // norm_backward_input.
 extern "C" __global__ void norm_backward(float* dx, uint16_t* dx16, float* partials,
-                                         const float* dout, const float* x, const float* w,
-                                         const float* mean, const float* rstd, int rows, int C,
-                                         int rms) {
+                                         const float* dout, const uint16_t* dout16, int round,
+                                         const float* x, const float* w, const float* mean,
+                                         const float* rstd, int rows, int C, int rms) {
     const int warps = gridDim.x * (blockDim.x / WARP_SIZE);
     const int v = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
@@ -133,7 +142,7 @@ extern "C" __global__ void norm_backward(float* dx, uint16_t* dx16, float* parti
         for (int j = 0; j < NORM_LANE_COLS; j++) {
             const int i = lane + WARP_SIZE * j;
             if (i < C) {
-                const float g = dout[base + i] * w[i];
+                const float g = load(dout, dout16, round, base + i) * w[i];
                 g_sum += g;
                 gx_sum += g * (x[base + i] - m) * s;
             }
@@ -144,7 +153,7 @@ extern "C" __global__ void norm_backward(float* dx, uint16_t* dx16, float* parti
         for (int j = 0; j < NORM_LANE_COLS; j++) {
             const int i = lane + WARP_SIZE * j;
             if (i < C) {
-                const float d = dout[base + i], xhat = (x[base + i] - m) * s;
+                const float d = load(dout, dout16, round, base + i), xhat = (x[base + i] - m) * s;
                 const float updated = dx[base + i] + s * (d * w[i] - g_mean - xhat * gx_mean);
                 dx[base + i] = updated;
                 if (dx16 != nullptr) dx16[base + i] = bf16_bits(updated);
@@ -168,6 +177,7 @@ extern "C" __global__ void norm_backward(float* dx, uint16_t* dx16, float* parti
 // rows j, j + R, j + 2R, ... (R = gridDim.y) of dout xhat and of dout into
 // partials[j][0 .. C] and partials[j][C .. 2C]; `add_column_sums` adds the R partials.
 extern "C" __global__ void norm_backward_params(float* partials, const float* dout,
+                                                const uint16_t* dout16, int round,
                                                 const float* x, const float* mean,
                                                 const float* rstd, int rows, int C) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -175,8 +185,9 @@ extern "C" __global__ void norm_backward_params(float* partials, const float* do
     float dw = 0.0f, db = 0.0f;
     for (int r = blockIdx.y; r < rows; r += gridDim.y) {
         const long long i = (long long)r * C + c;
-        dw += dout[i] * (x[i] - mean[r]) * rstd[r];
-        db += dout[i];
+        const float d = load(dout, dout16, round, i);
+        dw += d * (x[i] - mean[r]) * rstd[r];
+        db += d;
     }
     float* p = partials + (long long)blockIdx.y * 2 * C;
     p[c] = dw;
