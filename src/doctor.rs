@@ -360,7 +360,8 @@ fn on_gpu(place: &str) -> bool {
 }
 
 /// The bf16 path of the engine `build` makes (bf16 operands; flash attention reading
-/// q, k, v where the qkv projection wrote them, on heads of 16, grouped and not)
+/// q, k, v where the qkv projection wrote them, f32 under rotary positions and bf16
+/// under learned ones, on heads of 16, grouped and not)
 /// against the f32 reference engine on the CPU: one step's loss and every gradient,
 /// within what rounding the products' operands to bf16 moves them (tests/engines.rs's
 /// bounds).
@@ -372,7 +373,13 @@ fn bf16_checks(
     build: &BuildEngine,
 ) -> Result<()> {
     let (mut loss_error, mut grad_error) = (0f64, 0f64);
-    for kv in [2, 1] {
+    // Rotary positions keep q | k | v in f32 (grouped or not); learned ones let the
+    // qkv product write them in bf16 for flash attention to read.
+    for (kv, positions) in [
+        (2, PositionKind::Rope),
+        (1, PositionKind::Rope),
+        (2, PositionKind::Learned),
+    ] {
         let spec = ModelSpec::new(&ModelConfig {
             n_layer: 2,
             n_head: 2,
@@ -380,7 +387,7 @@ fn bf16_checks(
             n_embd: 32,
             block_size: 20,
             vocab_size: 37,
-            positions: PositionKind::Rope,
+            positions,
             ..ModelConfig::default()
         });
         let init = spec.initial_values(5);
