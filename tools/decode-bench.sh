@@ -77,7 +77,9 @@ if [ ! -x "$build/bin/llama-completion" ]; then
   echo "building llama.cpp from the llama-cpp-python sdist into $build (once; minutes)" >&2
   mkdir -p "$dir"
   ls "$dir"/sdist/llama_cpp_python-*.tar.gz >/dev/null 2>&1 ||
-    python3 -m pip download -q --no-deps --no-binary :all: llama-cpp-python -d "$dir/sdist"
+    # The source package only: `--no-binary :all:` would also build its build
+    # requirements (CMake itself) from source to read its metadata, half an hour.
+    python3 -m pip download -q --no-deps --no-binary llama-cpp-python llama-cpp-python -d "$dir/sdist"
   src=$(ls -d "$dir"/llama_cpp_python-*/vendor/llama.cpp 2>/dev/null | head -1)
   if [ -z "$src" ]; then
     tar -xzf "$dir"/sdist/llama_cpp_python-*.tar.gz -C "$dir"
