@@ -80,7 +80,8 @@ if [ ! -x "$build/bin/llama-completion" ]; then
     # The source package only: `--no-binary :all:` would also build its build
     # requirements (CMake itself) from source to read its metadata, half an hour.
     python3 -m pip download -q --no-deps --no-binary llama-cpp-python llama-cpp-python -d "$dir/sdist"
-  src=$(ls -d "$dir"/llama_cpp_python-*/vendor/llama.cpp 2>/dev/null | head -1)
+  # (`|| true`: under pipefail a first run's failing `ls` would end the script here.)
+  src=$(ls -d "$dir"/llama_cpp_python-*/vendor/llama.cpp 2>/dev/null | head -1 || true)
   if [ -z "$src" ]; then
     tar -xzf "$dir"/sdist/llama_cpp_python-*.tar.gz -C "$dir"
     src=$(ls -d "$dir"/llama_cpp_python-*/vendor/llama.cpp | head -1)
