@@ -28,6 +28,14 @@ __device__ inline float gelu_slope(float x, int kind) {
     return cdf + x * pdf;
 }
 
+// x plus the four bias values of columns 4 i .. 4 i + 3 (mod hidden, a multiple of four):
+// read one by one, as a bias sits anywhere in the parameters (no 16-byte alignment).
+__device__ inline float4 add_bias4(float4 x, const float* bias, long long i, int hidden) {
+    if (bias == nullptr) return x;
+    const float* b = bias + (int)((4 * i) % hidden);
+    return make_float4(x.x + b[0], x.y + b[1], x.z + b[2], x.w + b[3]);
+}
+
 // out (rows x hidden) from fc (rows x hidden, or rows x 2 hidden for SwiGLU) plus the
 // layer's bias (`bias`, fc width long; null without one), as f32 (`out`), rounded to
 // bf16 for the product that reads it (`out16`), or both. fc is f32 (`fc`, rounded as
@@ -39,14 +47,10 @@ extern "C" __global__ void activation_forward(float* out, uint16_t* out16, const
                                               const float* bias, int rows, int hidden,
                                               int kind) {
     const long long n = (long long)rows * hidden;
-    if (kind != SWIGLU && n % 4 == 0 && hidden % 4 == 0 && aligned16(out) && aligned16(out16) &&
-        aligned16(fc) && aligned16(fc16) && aligned16(bias)) {
+    if (kind != SWIGLU && hidden % 4 == 0 && aligned16(out) && aligned16(out16) &&
+        aligned16(fc) && aligned16(fc16)) {
         FOR_EACH(i, n / 4) {
-            float4 x = load4(fc, fc16, round_fc, i);
-            if (bias != nullptr) {
-                const float4 b = load4(bias, (int)((4 * i) % hidden) / 4);
-                x = make_float4(x.x + b.x, x.y + b.y, x.z + b.z, x.w + b.w);
-            }
+            const float4 x = add_bias4(load4(fc, fc16, round_fc, i), bias, i, hidden);
             const float4 y = make_float4(gelu(x.x, kind), gelu(x.y, kind), gelu(x.z, kind),
                                          gelu(x.w, kind));
             store4(out, out16, i, y);
@@ -54,17 +58,17 @@ extern "C" __global__ void activation_forward(float* out, uint16_t* out16, const
         return;
     }
     FOR_EACH(i, n) {
-        const long long r = i / hidden;
-        const int c = (int)(i % hidden);
         float y;
         if (kind == SWIGLU) {
+            const long long r = i / hidden;
+            const int c = (int)(i % hidden);
             const long long at = r * 2 * hidden + c;
             float gate = load(fc, fc16, round_fc, at), up = load(fc, fc16, round_fc, at + hidden);
             if (bias != nullptr) gate += bias[c], up += bias[hidden + c];
             y = gate * sigmoid(gate) * up;
         } else {
             const float x = load(fc, fc16, round_fc, i);
-            y = gelu(bias != nullptr ? x + bias[c] : x, kind);
+            y = gelu(bias != nullptr ? x + bias[i % hidden] : x, kind);
         }
         store(out, out16, i, y);
     }
@@ -80,15 +84,10 @@ extern "C" __global__ void activation_backward(float* dfc, uint16_t* dfc16, cons
                                                const uint16_t* dout16, int round_dout,
                                                int rows, int hidden, int kind) {
     const long long n = (long long)rows * hidden;
-    if (kind != SWIGLU && n % 4 == 0 && hidden % 4 == 0 && aligned16(dfc) && aligned16(dfc16) &&
-        aligned16(fc) && aligned16(fc16) && aligned16(bias) && aligned16(dout) &&
-        aligned16(dout16)) {
+    if (kind != SWIGLU && hidden % 4 == 0 && aligned16(dfc) && aligned16(dfc16) &&
+        aligned16(fc) && aligned16(fc16) && aligned16(dout) && aligned16(dout16)) {
         FOR_EACH(i, n / 4) {
-            float4 x = load4(fc, fc16, round_fc, i);
-            if (bias != nullptr) {
-                const float4 b = load4(bias, (int)((4 * i) % hidden) / 4);
-                x = make_float4(x.x + b.x, x.y + b.y, x.z + b.z, x.w + b.w);
-            }
+            const float4 x = add_bias4(load4(fc, fc16, round_fc, i), bias, i, hidden);
             const float4 g = load4(dout, dout16, round_dout, i);
             const float4 d = make_float4(g.x * gelu_slope(x.x, kind), g.y * gelu_slope(x.y, kind),
                                          g.z * gelu_slope(x.z, kind), g.w * gelu_slope(x.w, kind));
@@ -98,9 +97,9 @@ extern "C" __global__ void activation_backward(float* dfc, uint16_t* dfc16, cons
     }
     FOR_EACH(i, n) {
         const float g = load(dout, dout16, round_dout, i);
-        const long long r = i / hidden;
-        const int c = (int)(i % hidden);
         if (kind == SWIGLU) {
+            const long long r = i / hidden;
+            const int c = (int)(i % hidden);
             const long long at = r * 2 * hidden + c;
             float gate = load(fc, fc16, round_fc, at), up = load(fc, fc16, round_fc, at + hidden);
             if (bias != nullptr) gate += bias[c], up += bias[hidden + c];
@@ -109,7 +108,7 @@ extern "C" __global__ void activation_backward(float* dfc, uint16_t* dfc16, cons
             store(dfc, dfc16, at + hidden, g * gate * sig);
         } else {
             const float x = load(fc, fc16, round_fc, i);
-            store(dfc, dfc16, i, g * gelu_slope(bias != nullptr ? x + bias[c] : x, kind));
+            store(dfc, dfc16, i, g * gelu_slope(bias != nullptr ? x + bias[i % hidden] : x, kind));
         }
     }
 }
