@@ -75,46 +75,42 @@ impl Operand {
     }
 }
 
+/// Where a product writes C: f32, or (of bf16 operands) rounded to bf16 as the f32
+/// sums are stored, for a result only bf16 readers read.
+#[derive(Debug, Clone, Copy)]
+pub enum Product {
+    F32(Matrix),
+    Bf16(Matrix),
+}
+
 /// C = alpha op(A) op(B) + beta C for each of `batch` matrices, A and B `operands` in
-/// memory (C f32). `precision` picks the arithmetic of f32 operands: f32 throughout,
+/// memory, C as `c` says. `math` picks the arithmetic of f32 operands: f32 throughout,
 /// or rounded to bf16 with f32 sums on the tensor cores (cuBLAS's 32F_FAST_16BF);
 /// bf16 operands sum in f32. A profile counts it in `group`.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
     gpu: &Gpu,
     (operands, math, group): (Operands, Math, Group),
-    c: Matrix,
+    c: Product,
     a: Operand,
     b: Operand,
     alpha: f32,
     beta: f32,
     batch: usize,
 ) -> Result<()> {
-    let call = column_major(operands, c, a, b, (alpha, beta), batch)?;
+    let call = match c {
+        Product::F32(c) => column_major(operands, c, a, b, (alpha, beta), batch)?,
+        Product::Bf16(c) => {
+            ensure!(operands == Operands::Bf16, "a bf16 result of f32 operands");
+            ColumnMajor {
+                c16: true,
+                ..column_major(operands, c, a, b, (alpha, beta), batch)?
+            }
+        }
+    };
     // SAFETY: the addresses are into the engine's live buffers on `gpu`, sized for
     // these shapes (shapes, row spacings and batch strides checked), of `operands`.
     unsafe { gpu.gemm(&call, math, group) }
-}
-
-/// `matmul` of bf16 operands with C written in bf16: the f32 sums rounded as they are
-/// stored (a product whose result only bf16 readers read).
-#[allow(clippy::too_many_arguments)]
-pub fn matmul_to_bf16(
-    gpu: &Gpu,
-    group: Group,
-    c: Matrix,
-    a: Operand,
-    b: Operand,
-    alpha: f32,
-    beta: f32,
-    batch: usize,
-) -> Result<()> {
-    let call = ColumnMajor {
-        c16: true,
-        ..column_major(Operands::Bf16, c, a, b, (alpha, beta), batch)?
-    };
-    // SAFETY: as `matmul`'s, with A, B and C bf16.
-    unsafe { gpu.gemm(&call, Math::Bf16, group) }
 }
 
 /// C = op(A) op(B) as cuBLAS's column-major product, once the shapes agree.
@@ -201,7 +197,8 @@ pub fn linear_to_bf16(
         Matrix::new(x16, rows, p.d_in).n(),
         Matrix::new(w, p.d_out, p.d_in).t(),
     );
-    matmul_to_bf16(gpu, Group::Product(p.role), c, a, b, 1.0, 0.0, 1)
+    let how = (Operands::Bf16, Math::Bf16, Group::Product(p.role));
+    matmul(gpu, how, Product::Bf16(c), a, b, 1.0, 0.0, 1)
 }
 
 /// A linear layer forward: out (rows, d_out) = x Wᵀ (+ b), its weights read at the

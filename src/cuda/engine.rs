@@ -20,7 +20,7 @@ use anyhow::{ensure, Context, Result};
 #[cfg(feature = "cuda")]
 use candle_core::Device;
 
-use super::blas::{linear, linear_to_bf16, matmul, matmul_to_bf16, Matrix, Weights};
+use super::blas::{linear, linear_to_bf16, matmul, Matrix, Product, Weights};
 use super::buckets::Buckets;
 use super::buffers::{Buf, Staging};
 use super::calls::Operands;
@@ -978,7 +978,7 @@ impl FusedCuda {
         batch: usize,
     ) -> Result<()> {
         let how = (operands, self.math(), group);
-        matmul(&self.gpu, how, c, a, b, alpha, beta, batch)
+        matmul(&self.gpu, how, Product::F32(c), a, b, alpha, beta, batch)
     }
 
     /// The final norm's output: kept in f32 for its backward, and with bf16 products
@@ -1083,8 +1083,9 @@ impl FusedCuda {
                 self.product(how, dx, dout_w, w, (factor, 0.0), 1)?;
             }
             Rows::Bf16(dx16) if operands == Operands::Bf16 => {
-                let (dx16, group) = (Matrix::new(dx16, n, p.d_in), how.1);
-                matmul_to_bf16(&self.gpu, group, dx16, dout_w, w, factor, 0.0, 1)?;
+                let dx16 = Product::Bf16(Matrix::new(dx16, n, p.d_in));
+                let how = (operands, Math::Bf16, how.1);
+                matmul(&self.gpu, how, dx16, dout_w, w, factor, 0.0, 1)?;
             }
             dx => anyhow::bail!("an input's gradient into {dx:?} from {operands:?} products"),
         }
