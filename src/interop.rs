@@ -296,12 +296,10 @@ pub fn export(loaded: &Loaded, out: &Path) -> Result<HfLayout> {
             "torch_dtype": "float32",
         }),
     };
-    let sorted: std::collections::BTreeMap<&String, &Tensor> = hf.iter().collect();
-    let bytes = safetensors::serialize(
-        sorted.into_iter().map(|(k, v)| (k.as_str(), v)),
+    let bytes = crate::checkpoint::serialize_tensors(
+        &hf,
         Some(HashMap::from([("format".to_string(), "pt".to_string())])),
-    )
-    .map_err(|e| anyhow::anyhow!("serialising safetensors: {e}"))?;
+    )?;
     write_atomic(&out.join("model.safetensors"), &bytes)?;
     write_atomic(
         &out.join("config.json"),

@@ -793,9 +793,14 @@ fn main() -> ExitCode {
             libc::signal(libc::SIGPIPE, libc::SIG_IGN);
         }
     }
-    if let Err(message) = tinygpt::cpu::isa::cap_from_env() {
-        eprintln!("error: {message}");
-        return ExitCode::from(exit_code::USER as u8);
+    for checked in [
+        tinygpt::cpu::isa::cap_from_env().map(|_| ()),
+        tinygpt::cpu::matvec::order_from_env().map(|_| ()),
+    ] {
+        if let Err(message) = checked {
+            eprintln!("error: {message}");
+            return ExitCode::from(exit_code::USER as u8);
+        }
     }
     // Only training runs as several ranks: MPI is joined for it alone, and any other
     // command started by a launcher of several ranks is refused.

@@ -77,6 +77,19 @@ impl Verification {
     }
 }
 
+/// Whether a safetensors file's data starts on a cache line, as the files tinygpt
+/// writes do (`checkpoint::DATA_ALIGNMENT`); read from its header's length.
+/// The file is left at its start (its hash is read from there).
+fn data_on_lines(mut file: &fs::File) -> bool {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut header = [0u8; 8];
+    let read = file.read_exact(&mut header);
+    let rewound = file.seek(SeekFrom::Start(0));
+    read.is_ok()
+        && rewound.is_ok()
+        && (8 + u64::from_le_bytes(header)).is_multiple_of(crate::checkpoint::DATA_ALIGNMENT as u64)
+}
+
 /// Opens the run folder `dir` for decoding on the CPU with weights in `format`.
 pub fn open_for_decoding(dir: &Path, format: WeightFormat) -> Result<ForDecoding> {
     let run = RunDir::new(dir);
@@ -94,9 +107,11 @@ pub fn open_for_decoding(dir: &Path, format: WeightFormat) -> Result<ForDecoding
         .map_err(|e| crate::error::user_error(format!("{}: {e}", path.display())))?;
     // f32 weights are used where they lie: their pages are mapped in now, in one pass
     // the kernel batches, rather than faulted in one by one inside the first token's
-    // products. Other formats read each page once while converting.
+    // products. Other formats, and f32 weights off the cache lines (a file written before
+    // tinygpt aligned its tensors: copied onto lines), read each page once while
+    // converting.
     let mut options = memmap2::MmapOptions::new();
-    if format == WeightFormat::F32 {
+    if format == WeightFormat::F32 && data_on_lines(&file) {
         options.populate();
     }
     // Safety: read-only; see the module docs on why the bytes do not change under us.
@@ -296,11 +311,11 @@ fn read_weights(
             view.shape(),
             &candle_core::Device::Cpu,
         )?;
-        Ok(Values::Owned(
-            t.to_dtype(candle_core::DType::F32)?
+        Ok(Values::Owned(crate::cpu::lines::Lines::copy_of(
+            &t.to_dtype(candle_core::DType::F32)?
                 .flatten_all()?
-                .to_vec1()?,
-        ))
+                .to_vec1::<f32>()?,
+        )))
     })
 }
 

@@ -247,11 +247,22 @@ use check_blocks;
 /// The products that read each weight row once for a few rows (f32 and bf16 weights),
 /// against f64 sums of the weights as stored, for every row count up to 9 (the
 /// four-row blocks and the rest) and 16, 17 and 33 (AVX-512's sixteen-row groups,
-/// whole tiles of outputs and the rest), small matrices and ones split over the threads.
+/// whole tiles of outputs and the rest), small matrices and ones split over the threads;
+/// the one-row mat-vec in both orders (`matvec`), on rows shorter than its lines of 64,
+/// of whole lines and of lines and a rest.
 fn check_weight_rows(level: Isa) {
+    use tinygpt::cpu::matvec::{self, Order};
+    for order in Order::ALL {
+        matvec::force(Some(order));
+        check_weight_rows_in(level, order);
+    }
+    matvec::force(None);
+}
+
+fn check_weight_rows_in(level: Isa, order: tinygpt::cpu::matvec::Order) {
     use tinygpt::cpu::kernels::Widen;
     use tinygpt::cpu::weight_rows::{project_rows, Bf16};
-    for (d_out, d_in) in [(1, 1), (7, 33), (13, 64), (40, 100), (512, 300)] {
+    for (d_out, d_in) in [(1, 1), (7, 33), (13, 64), (40, 100), (512, 300), (9, 768)] {
         let w = values(d_out * d_in, 5);
         let bits: Vec<Bf16> = w.iter().map(|&v| Bf16::round(v)).collect();
         let bias = values(d_out, 6);
@@ -277,11 +288,11 @@ fn check_weight_rows(level: Isa) {
                     let (got, got_bf16) = (out[r * d_out + o], out_bf16[r * d_out + o]);
                     assert!(
                         (f64::from(got) - exact).abs() <= tolerance,
-                        "{level:?} f32 ({d_out}, {d_in}) x {rows} rows, [{r}, {o}]: {got} vs {exact}"
+                        "{level:?} {order:?} f32 ({d_out}, {d_in}) x {rows} rows, [{r}, {o}]: {got} vs {exact}"
                     );
                     assert!(
                         (f64::from(got_bf16) - widened).abs() <= tolerance,
-                        "{level:?} bf16 ({d_out}, {d_in}) x {rows} rows, [{r}, {o}]: {got_bf16} vs {widened}"
+                        "{level:?} {order:?} bf16 ({d_out}, {d_in}) x {rows} rows, [{r}, {o}]: {got_bf16} vs {widened}"
                     );
                 }
             }

@@ -24,6 +24,7 @@ use anyhow::Result;
 use super::gemm::{matmul, Precision};
 use super::kernels::Widen;
 use super::kernels::{axpy, multiversion};
+use super::lines::Lines;
 use super::matrix::{Product, Strided};
 use super::ops::activation::Activation;
 use super::ops::norm::NormWeights;
@@ -68,9 +69,10 @@ impl WeightFormat {
     }
 }
 
-/// A tensor's f32 values: a copy in memory, or where they lie in a mapped file.
+/// A tensor's f32 values: a copy in memory (on whole cache lines), or where they lie in
+/// a mapped file.
 pub enum Values {
-    Owned(Vec<f32>),
+    Owned(Lines<f32>),
     Mapped(MappedValues),
 }
 
@@ -104,9 +106,27 @@ impl Values {
     /// released rows of the matrices beside it included: 22 MiB for GPT-2 124M.
     fn into_owned(self) -> Self {
         match self {
-            Values::Mapped(_) => Values::Owned(self.to_vec()),
+            Values::Mapped(_) => Values::Owned(Lines::copy_of(&self)),
             owned => owned,
         }
+    }
+
+    /// The values where every row of whole lines starts on one (`matvec` reads them in
+    /// line-wide loads): mapped values that lie off the lines (a file written before
+    /// tinygpt aligned its tensors) copied onto them a slice at a time, each slice's
+    /// pages given back to the file once copied.
+    fn on_lines(self) -> Self {
+        if (self.as_ptr() as usize).is_multiple_of(super::lines::LINE) {
+            return self;
+        }
+        let mut lines = Lines::zeroed(self.len());
+        const SLICE: usize = 1 << 20;
+        for (i, chunk) in lines.chunks_mut(SLICE).enumerate() {
+            let range = i * SLICE..i * SLICE + chunk.len();
+            chunk.copy_from_slice(&self[range.clone()]);
+            self.release(range);
+        }
+        Values::Owned(lines)
     }
 
     /// Gives the pages of values `range` back to the file: they leave this process's
@@ -150,7 +170,7 @@ enum Stored {
         /// contiguous output rows (y += x_i Wᵀ[i, :]) with no horizontal sums.
         transposed: Option<Vec<f32>>,
     },
-    Bf16(Vec<Bf16>),
+    Bf16(Lines<Bf16>),
     Int8(Q8Matrix),
     Int4(Q4Matrix),
 }
@@ -175,12 +195,15 @@ impl Matrix {
     ) -> Self {
         assert_eq!(w.len(), d_out * d_in, "a (d_out, d_in) matrix");
         let stored = match format {
-            WeightFormat::F32 => Stored::F32 {
-                transposed: transpose_if_narrow(&w, d_out, d_in),
-                w,
-            },
+            WeightFormat::F32 => {
+                let w = w.on_lines();
+                Stored::F32 {
+                    transposed: transpose_if_narrow(&w, d_out, d_in),
+                    w,
+                }
+            }
             WeightFormat::Bf16 => {
-                let mut bits = vec![Bf16::default(); w.len()];
+                let mut bits = Lines::<Bf16>::zeroed(w.len());
                 for (i, chunk) in bits.chunks_mut(CONVERT_ROWS * d_in).enumerate() {
                     let first = i * CONVERT_ROWS * d_in;
                     round_to_bf16(&w[first..first + chunk.len()], chunk);
@@ -484,7 +507,7 @@ impl DecodeWeights {
     pub fn from_flat(spec: &ModelSpec, flat: &[f32], format: WeightFormat) -> Result<Self> {
         assert_eq!(flat.len(), spec.len(), "a flat buffer of the whole table");
         Self::build(spec, format, |id| {
-            Ok(Values::Owned(flat[spec[id].range()].to_vec()))
+            Ok(Values::Owned(Lines::copy_of(&flat[spec[id].range()])))
         })
     }
 
@@ -538,7 +561,9 @@ impl DecodeWeights {
             (Some(id), _) => Some(small(fetch(id)?)),
             (None, PositionKind::Sinusoidal) => {
                 let table = sinusoidal_table(s.block_size, s.n_embd, &candle_core::Device::Cpu)?;
-                Some(Values::Owned(table.flatten_all()?.to_vec1()?))
+                Some(Values::Owned(Lines::copy_of(
+                    &table.flatten_all()?.to_vec1::<f32>()?,
+                )))
             }
             (None, _) => None,
         };

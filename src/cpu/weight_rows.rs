@@ -50,6 +50,9 @@ impl Weight for f32 {
 #[repr(transparent)]
 pub struct Bf16(pub u16);
 
+// Safety: every bit pattern is a bf16; 2 divides 64.
+unsafe impl super::lines::Plain for Bf16 {}
+
 impl Bf16 {
     /// The bf16 nearest to `x` (ties to even).
     pub fn round(x: f32) -> Self {
@@ -394,6 +397,9 @@ impl RowProduct for f32 {
         let done = sixteen_row_groups(w, bias, x, d_in, out);
         #[cfg(not(target_arch = "x86_64"))]
         let done = 0;
+        if x.len() == d_in && super::matvec::order() == super::matvec::Order::InAddressOrder {
+            return <Self as super::matvec::MatVec>::matvec(w, bias, x, out);
+        }
         let len = w.len() / d_in;
         rows_f32(w, bias, &x[done * d_in..], d_in, &mut out[done * len..])
     }
@@ -773,6 +779,9 @@ fn put(out: &mut [f32], len: usize, o: usize, sums: &[[f32; LANES]], bias: Optio
 
 impl RowProduct for Bf16 {
     fn rows_kernel(w: &[Bf16], bias: Option<&[f32]>, x: &[f32], d_in: usize, out: &mut [f32]) {
+        if x.len() == d_in && super::matvec::order() == super::matvec::Order::InAddressOrder {
+            return <Self as super::matvec::MatVec>::matvec(w, bias, x, out);
+        }
         rows_bf16(w, bias, x, d_in, out)
     }
 }
