@@ -180,6 +180,13 @@ impl BlockMatrix for Q4Matrix {
                 let (nibbles, ws) = self.row(o);
                 unsafe { dots_1x4(nibbles, ws, xs) }
             };
+            if super::isa::has_avx512_vnni() {
+                let tile = |o: usize, xs: [&Prepared; 4]| {
+                    let rows = [0, 1, 2, 3].map(|j| self.row(o + j));
+                    unsafe { dots_4x4_vnni(rows, xs) }
+                };
+                return matmat_in_tiles(self, outputs, xs, bias, out, prepare, (tile, four));
+            }
             let tile = |o: usize, xs: [&Prepared; 4]| [0, 1, 2, 3].map(|j| four(o + j, xs));
             return matmat_in_tiles(self, outputs, xs, bias, out, prepare, (tile, four));
         }
@@ -318,6 +325,73 @@ macro_rules! dots_1x4_body {
         }
         sums
     }};
+}
+
+/// [`dots_1x4_vnni`] for four weight rows at once: each step's x (its halves, offsets
+/// and scales) loaded once for the four, where one weight row at a time loaded them
+/// for each (the prompt's products were bound by those loads). Every sum is the same
+/// operations in the same order as `dots_1x4_vnni`'s, so the same bits.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW and VNNI; each row of x holds as many blocks as the
+/// weight rows.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+unsafe fn dots_4x4_vnni(rows: [(&[u8], &[f32]); 4], xs: [&Prepared; 4]) -> [[f32; 4]; 4] {
+    use std::arch::x86_64::*;
+    let blocks = rows[0].1.len();
+    debug_assert!(rows
+        .iter()
+        .all(|(n, ws)| ws.len() == blocks && n.len() >= blocks * HALF));
+    let low_bits = _mm512_set1_epi8(0x0F);
+    let spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+    let whole = blocks & !3;
+    for b in (0..whole).step_by(4) {
+        let step = b / 4;
+        // Safety: each row holds `blocks` whole blocks; b + 3 < blocks.
+        let unpacked = rows.map(|(nibbles, ws)| {
+            let packed = _mm512_loadu_si512(nibbles.as_ptr().add(b * HALF).cast());
+            let low = _mm512_and_si512(packed, low_bits);
+            let high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_bits);
+            let scales = _mm512_permutexvar_ps(
+                spread,
+                _mm512_castps128_ps512(_mm_loadu_ps(ws.as_ptr().add(b))),
+            );
+            (low, high, scales)
+        });
+        for (i, x) in xs.iter().enumerate() {
+            let halves = x.halves.as_ptr().add(step * 128);
+            let (x_low, x_high) = (
+                _mm512_loadu_si512(halves.cast()),
+                _mm512_loadu_si512(halves.add(64).cast()),
+            );
+            let start = _mm512_loadu_si512(x.negative_offsets.as_ptr().add(step * 16).cast());
+            let x_scales = _mm512_loadu_ps(x.scales.as_ptr().add(step * 16));
+            for (j, &(low, high, w_scales)) in unpacked.iter().enumerate() {
+                let with_low = _mm512_dpbusd_epi32(start, low, x_low);
+                let sums = _mm512_dpbusd_epi32(with_low, high, x_high);
+                let scale = _mm512_mul_ps(w_scales, x_scales);
+                acc[j][i] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), acc[j][i]);
+            }
+        }
+    }
+    let mut sums = [[0f32; 4]; 4];
+    for (j, (nibbles, ws)) in rows.into_iter().enumerate() {
+        for (i, x) in xs.iter().enumerate() {
+            sums[j][i] = _mm512_reduce_add_ps(acc[j][i]);
+            if whole < blocks {
+                let (xq, x_scales) = x.row.parts();
+                sums[j][i] += dot_avx2(
+                    &nibbles[whole * HALF..blocks * HALF],
+                    &ws[whole..],
+                    &xq[whole * BLOCK..blocks * BLOCK],
+                    &x_scales[whole..blocks],
+                );
+            }
+        }
+    }
+    sums
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -686,12 +760,20 @@ mod tests {
             return;
         }
         let cols = 11 * BLOCK;
-        let q = Q4Matrix::quantize(&values(2 * cols, 5), 2, cols);
+        let q = Q4Matrix::quantize(&values(4 * cols, 5), 4, cols);
         let xs = rows_of_x(&q, cols, 20);
         // Safety: AVX-512 F/BW checked above; whole blocks throughout.
         let prepared: Vec<Prepared> = xs.iter().map(|x| unsafe { Prepared::new(x) }).collect();
         let four = [&prepared[0], &prepared[1], &prepared[2], &prepared[3]];
-        for o in 0..2 {
+        if has!("avx512vnni") {
+            // Four weight rows at once: each one's sums those of the row alone.
+            let tile = unsafe { dots_4x4_vnni([0, 1, 2, 3].map(|o| q.row(o)), four) };
+            for (o, sums) in tile.into_iter().enumerate() {
+                let (nibbles, ws) = q.row(o);
+                assert_eq!(sums, unsafe { dots_1x4_vnni(nibbles, ws, four) }, "row {o}");
+            }
+        }
+        for o in 0..4 {
             let (nibbles, ws) = q.row(o);
             let want: Vec<f32> = xs
                 .iter()
