@@ -35,6 +35,28 @@ const KC_SINGLE: usize = 512;
 /// 96 KiB, in L2.
 const MC: usize = 96;
 
+/// The upper 16 bits of an f32 (bf16): widening is a shift.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+
+// Safety: every bit pattern is a bf16; 2 divides 64.
+unsafe impl super::lines::Plain for Bf16 {}
+
+impl Bf16 {
+    /// The bf16 nearest to `x` (ties to even).
+    pub fn round(x: f32) -> Self {
+        Self(to_bf16_bits(x))
+    }
+}
+
+impl super::kernels::Widen for Bf16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from_bits(u32::from(self.0) << 16)
+    }
+}
+
 /// The bits of the bf16 nearest to `x` (ties to even); NaN stays NaN.
 #[inline(always)]
 pub fn to_bf16_bits(x: f32) -> u16 {

@@ -34,7 +34,7 @@ macro_rules! multiversion {
 
 pub(crate) use multiversion;
 
-/// A number as stored (f32, or bf16: `weight_rows::Bf16`), widened to f32 as it is read.
+/// A number as stored (f32, or bf16: `bf16::Bf16`), widened to f32 as it is read.
 pub trait Widen: Copy + Send + Sync {
     fn widen(self) -> f32;
 }

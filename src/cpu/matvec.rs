@@ -25,9 +25,9 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
+use super::bf16::Bf16;
 use super::kernels::{multiversion, Widen};
 use super::lines::Lines;
-use super::weight_rows::Bf16;
 
 /// Elements of a row summed side by side: one lane per class i mod `CLASSES` (four
 /// AVX-512 vectors of f32 sums, enough independent sums to keep loads in flight).

@@ -16,7 +16,7 @@
 
 use rayon::prelude::*;
 
-use super::bf16::to_bf16_bits;
+pub use super::bf16::Bf16;
 use super::kernels::{multiversion, prefetch, Widen, AHEAD_BYTES};
 use super::threads::threads;
 
@@ -42,28 +42,6 @@ impl Weight for f32 {
     #[target_feature(enable = "avx512f")]
     unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
         std::arch::x86_64::_mm512_loadu_ps(p)
-    }
-}
-
-/// The upper 16 bits of an f32 (bf16): widening is a shift.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[repr(transparent)]
-pub struct Bf16(pub u16);
-
-// Safety: every bit pattern is a bf16; 2 divides 64.
-unsafe impl super::lines::Plain for Bf16 {}
-
-impl Bf16 {
-    /// The bf16 nearest to `x` (ties to even).
-    pub fn round(x: f32) -> Self {
-        Self(to_bf16_bits(x))
-    }
-}
-
-impl Widen for Bf16 {
-    #[inline(always)]
-    fn widen(self) -> f32 {
-        f32::from_bits(u32::from(self.0) << 16)
     }
 }
 
