@@ -18,11 +18,23 @@ errors = []
 
 
 def visible_tab(page):
-    """The tab whose panel shows, checked against the highlighted tab."""
-    shown = page.evaluate("[...document.querySelectorAll('.panel')].filter((p) => p.offsetParent !== null).map((p) => p.dataset.tab)")
-    active = page.evaluate("[...document.querySelectorAll('.tab.active')].map((t) => t.dataset.tab)")
+    """The tab whose panel shows, checked against the highlighted tab (both read in one
+    script: a hashchange handled between two reads would pair one tab's panel with the
+    other's highlight)."""
+    shown, active = page.evaluate("""[
+        [...document.querySelectorAll('.panel')].filter((p) => p.offsetParent !== null).map((p) => p.dataset.tab),
+        [...document.querySelectorAll('.tab.active')].map((t) => t.dataset.tab),
+    ]""")
     assert len(shown) == 1 and shown == active, (shown, active)
     return shown[0]
+
+
+def click_tab(page, name):
+    """Clicks a tab and waits for its panel: the URL's hash changes at once, the page
+    switches panels in the hashchange event that follows."""
+    page.click(f".tab[data-tab={name}]")
+    assert page.evaluate("location.hash") == "#" + name, page.evaluate("location.hash")
+    page.wait_for_function(f"document.querySelector('.panel.active').dataset.tab === '{name}'", timeout=5000)
 
 
 with sync_playwright() as p:
@@ -52,8 +64,7 @@ with sync_playwright() as p:
 
     # Runs: the table lists the runs, the loss chart has points and grows as the
     # training run in the other process logs more.
-    page.click(".tab[data-tab=runs]")
-    assert page.evaluate("location.hash") == "#runs", page.evaluate("location.hash")
+    click_tab(page, "runs")
     page.wait_for_selector("#runs-table tbody tr")
     page.wait_for_function("Number(document.getElementById('chart-loss').dataset.points || 0) > 0")
     before = int(page.get_attribute("#chart-loss", "data-points"))
@@ -74,8 +85,7 @@ with sync_playwright() as p:
     page.reload()
     page.wait_for_selector("#runs-table tbody tr")
     assert visible_tab(page) == "runs", visible_tab(page)
-    page.click(".tab[data-tab=playground]")
-    assert page.evaluate("location.hash") == "#playground"
+    click_tab(page, "playground")
     assert visible_tab(page) == "playground", visible_tab(page)
 
     # A shared link to the runs, opened in a phone-sized window: the runs tab shows,
