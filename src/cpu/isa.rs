@@ -55,13 +55,21 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             {
                 use std::arch::is_x86_feature_detected as has;
-                if has!("avx512f") && has!("avx512bw") && has!("avx512dq") && has!("avx512vl") {
+                // F16C (f16 scales) and FMA come with AVX2 on every CPU that has it; checked
+                // so that no kernel meets a CPU without them.
+                let base = has!("avx2") && has!("fma") && has!("f16c");
+                if base
+                    && has!("avx512f")
+                    && has!("avx512bw")
+                    && has!("avx512dq")
+                    && has!("avx512vl")
+                {
                     if amx_ready() {
                         return Isa::Amx;
                     }
                     return Isa::Avx512;
                 }
-                if has!("avx2") && has!("fma") {
+                if base {
                     return Isa::Avx2;
                 }
             }
