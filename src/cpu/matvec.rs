@@ -1,21 +1,19 @@
 //! Decoding's mat-vec on CPUs whose cores stream one address-ordered run of memory
-//! fastest: out = W · x for one row x, each weight row read whole before the next,
-//! every load of weights and of x on whole 64-byte cache lines.
+//! fastest: out = W · x for one row x, each weight row read whole before the next.
 //!
 //! Decoding one token reads every weight once, so a mat-vec runs at the speed one core
-//! pulls weights from memory. Two things decide it, measured on an AMD Zen 5 (one
-//! thread, GPT-2 124M's matrices in order, f32): the order of the reads (four rows side
-//! by side, `weight_rows`'s way, 26-30 GB/s; one row after the other 34-41) and their
-//! alignment (the same loop on weights 4 bytes off a line: 32 GB/s against 41, every
-//! vector load split over two lines; a checkpoint's tensors sit wherever the file put
-//! them). So each row's first elements up to a line boundary are taken one by one, the
-//! rest a line at a time, and x is copied once per call to where its elements line up
-//! with the weights' (both loads whole): 39-41 GB/s at any offset.
+//! pulls weights from memory. Two things decide it, measured on an AMD Zen 5 with a C
+//! loop over GPT-2 124M's matrices in order (f32, one thread): the order of the reads
+//! (four rows side by side, `weight_rows`'s way, 26-30 GB/s; one row after the other
+//! 34-42) and their alignment (that loop with the weights 4 bytes off a 64-byte line
+//! 31-33 GB/s, with x off one 34, both on lines 39-42: a vector load across two lines is
+//! two loads). The weights are put on lines where they are kept
+//! (`checkpoint::DATA_ALIGNMENT`, `lines::Lines`); x is copied onto one here, once a call.
 //!
-//! The sums do not depend on where the weights are: element i of a row is summed into
-//! the lane of its class i mod 64, in order of i, whichever element a line starts at,
-//! and the lanes are folded in one fixed tree. A mapped checkpoint and a copy of it give
-//! the same bits.
+//! A row's sums run in 64 lanes by the elements' places from the row's start and are
+//! folded in one fixed tree, wherever the row lies: a mapped checkpoint and a copy of it
+//! give the same bits. The AVX-512 loops are intrinsics with the portable loops' bits
+//! (the compiler's fold of the portable lanes went through the stack every row).
 //!
 //! Intel cores measured the other way round (four rows side by side, each asked for
 //! ahead, 19-23 GB/s against 16 for one row at a time, AVX-512, 2 threads), so the
