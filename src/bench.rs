@@ -52,12 +52,14 @@ const PROFILE_STEPS: usize = 5;
 
 /// The CPU a bench ran on, given with every CPU figure: its model name and SIMD
 /// features, the vector level our kernels ran at (the CPU's best, capped by
-/// TINYGPT_CPU_ISA), and the threads they had.
+/// TINYGPT_CPU_ISA), the order decoding's mat-vecs read their weights in (by the
+/// CPU's maker, or TINYGPT_MATVEC_ORDER), and the threads they had.
 #[derive(Debug, Clone, Serialize)]
 pub struct CpuInfo {
     pub cpu_model: Option<String>,
     pub cpu_features: Vec<&'static str>,
     pub cpu_isa: crate::cpu::isa::Isa,
+    pub matvec_order: &'static str,
     pub threads: usize,
 }
 
@@ -67,20 +69,22 @@ impl CpuInfo {
             cpu_model: crate::cpu::isa::cpu_model(),
             cpu_features: crate::cpu::isa::cpu_features(),
             cpu_isa: crate::cpu::isa::active(),
+            matvec_order: crate::cpu::matvec::order().name(),
             threads,
         }
     }
 }
 
 impl std::fmt::Display for CpuInfo {
-    /// "MODEL [FEATURES], kernels at ISA, N threads".
+    /// "MODEL [FEATURES], kernels at ISA, mat-vecs ORDER, N threads".
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} [{}], kernels at {}, {} threads",
+            "{} [{}], kernels at {}, mat-vecs {}, {} threads",
             self.cpu_model.as_deref().unwrap_or("unknown CPU"),
             self.cpu_features.join(" "),
             self.cpu_isa.name(),
+            self.matvec_order,
             self.threads
         )
     }

@@ -332,7 +332,8 @@ fn every_supported_level_gives_the_same_results() {
 }
 
 /// `TINYGPT_CPU_ISA` caps what the binary runs (bench reports it), and a value that is
-/// not a level is refused in one line, exit 2.
+/// not a level is refused in one line, exit 2; `TINYGPT_MATVEC_ORDER` the same for the
+/// mat-vecs' order.
 #[test]
 fn the_environment_caps_the_level() {
     let dir = tempfile::tempdir().unwrap();
@@ -342,7 +343,7 @@ fn the_environment_caps_the_level() {
         "[model]\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 8\nvocab_size = 11\n[train]\nbatch_size = 2\n",
     )
     .unwrap();
-    let bench = |isa: &str| {
+    let bench_with = |isa: &str, order: &str| {
         Command::new(env!("CARGO_BIN_EXE_tinygpt"))
             .args([
                 "bench",
@@ -355,9 +356,11 @@ fn the_environment_caps_the_level() {
             ])
             .args(["--decode-tokens", "2", "--prompt-tokens", "2", "--json"])
             .env("TINYGPT_CPU_ISA", isa)
+            .env("TINYGPT_MATVEC_ORDER", order)
             .output()
             .unwrap()
     };
+    let bench = |isa: &str| bench_with(isa, "");
     let out = bench("scalar");
     assert!(
         out.status.success(),
@@ -372,6 +375,24 @@ fn the_environment_caps_the_level() {
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
     assert!(
         stderr.contains("TINYGPT_CPU_ISA") && stderr.contains("avx2"),
+        "{stderr}"
+    );
+    for order in ["side-by-side", "in-order"] {
+        let out = bench_with("", order);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(report["matvec_order"], order);
+    }
+    let out = bench_with("", "diagonal");
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("TINYGPT_MATVEC_ORDER") && stderr.contains("in-order"),
         "{stderr}"
     );
 }
