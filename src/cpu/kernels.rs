@@ -114,6 +114,18 @@ pub fn axpy<T: Widen>(y: &mut [f32], alpha: f32, x: &[T]) {
     }
 }
 
+/// The sum of 16 lanes as a tree of halves (which vectorises; a running sum would be
+/// 15 dependent adds).
+#[inline(always)]
+pub fn fold16(mut v: [f32; 16]) -> f32 {
+    for half in [8, 4, 2, 1] {
+        for i in 0..half {
+            v[i] += v[i + half];
+        }
+    }
+    v[0]
+}
+
 /// How far ahead of its reads a mat-vec asks for the weights' cache lines. Decoding
 /// one token reads every weight once, straight from memory: rows read side by side
 /// plus these requests keep more lines in flight than the hardware prefetcher does

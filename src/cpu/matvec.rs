@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 use super::bf16::Bf16;
-use super::kernels::{multiversion, prefetch, Widen};
+use super::kernels::{fold16, multiversion, prefetch, Widen};
 use super::lines::Lines;
 
 /// Elements of a row summed side by side: one lane per class i mod `CLASSES` (four
@@ -111,17 +111,6 @@ pub fn force(order: Option<Order>) {
         Order::ALL.iter().position(|&x| x == o).unwrap() as u8 + 1
     });
     FORCED.store(code, Ordering::Relaxed);
-}
-
-/// The sum of 16 lanes as a tree of halves (which vectorises).
-#[inline(always)]
-fn fold16(mut v: [f32; 16]) -> f32 {
-    for half in [8, 4, 2, 1] {
-        for i in 0..half {
-            v[i] += v[i + half];
-        }
-    }
-    v[0]
 }
 
 /// Σ_i w[i] x[i]: `CLASSES` sums side by side along whole lines of the row, then the
@@ -225,16 +214,19 @@ pub trait MatVec: Sized {
 
 thread_local! {
     /// x copied to the start of a cache line (for bf16 weights: its even elements, then
-    /// its odd ones), so that its loads, like the weights', are whole lines.
+    /// its odd ones), so that its loads, like the weights', are whole lines. Kept at the
+    /// widest x yet: a token's products alternate between widths, and reallocating at
+    /// each change was two allocations a layer.
     static PLACED: RefCell<Lines<f32>> = RefCell::new(Lines::zeroed(0));
 }
 
 /// `f` given a copy of x on whole lines, `arrange`d into it.
 fn with_placed<R>(len: usize, arrange: impl FnOnce(&mut [f32]), f: impl FnOnce(&[f32]) -> R) -> R {
     PLACED.with_borrow_mut(|placed| {
-        if placed.len() != len {
+        if placed.len() < len {
             *placed = Lines::zeroed(len);
         }
+        let placed = &mut placed[..len];
         arrange(placed);
         f(placed)
     })

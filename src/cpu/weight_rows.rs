@@ -17,7 +17,7 @@
 use rayon::prelude::*;
 
 pub use super::bf16::Bf16;
-use super::kernels::{multiversion, prefetch, Widen, AHEAD_BYTES};
+use super::kernels::{fold16, multiversion, prefetch, Widen, AHEAD_BYTES};
 use super::threads::threads;
 
 /// A weight as stored, widened to f32 on load, and the kernels that read it so.
@@ -240,18 +240,6 @@ fn dot1<W: Weight>(w: &[W], x: &[f32]) -> f32 {
         sum += w[i].widen() * x[i];
     }
     sum
-}
-
-/// The sum of 16 lanes as a tree of halves (which vectorises; a running sum would be
-/// 15 dependent adds).
-#[inline(always)]
-fn fold16(mut v: [f32; 16]) -> f32 {
-    for half in [8, 4, 2, 1] {
-        for i in 0..half {
-            v[i] += v[i + half];
-        }
-    }
-    v[0]
 }
 
 /// Σ_i w_j[i] x[i] for four weight rows w_j and one row x: the mat-vec of decoding.
