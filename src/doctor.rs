@@ -361,7 +361,8 @@ fn on_gpu(place: &str) -> bool {
 
 /// The bf16 path of the engine `build` makes (bf16 operands; flash attention reading
 /// q, k, v where the qkv projection wrote them, f32 under rotary positions and bf16
-/// under learned ones, on heads of 16, grouped and not)
+/// under learned ones, on heads of 16, grouped and not; GPT-2's MLP, whose GELU its
+/// products' epilogues compute)
 /// against the f32 reference engine on the CPU: one step's loss and every gradient,
 /// within what rounding the products' operands to bf16 moves them (tests/engines.rs's
 /// bounds).
@@ -374,11 +375,13 @@ fn bf16_checks(
 ) -> Result<()> {
     let (mut loss_error, mut grad_error) = (0f64, 0f64);
     // Rotary positions keep q | k | v in f32 (grouped or not); learned ones let the
-    // qkv product write them in bf16 for flash attention to read.
-    for (kv, positions) in [
-        (2, PositionKind::Rope),
-        (1, PositionKind::Rope),
-        (2, PositionKind::Learned),
+    // qkv product write them in bf16 for flash attention to read. GPT-2's tanh GELU
+    // and biases run the MLP's GELU in its products' epilogues (cuBLASLt).
+    for (kv, positions, gpt2) in [
+        (2, PositionKind::Rope, false),
+        (1, PositionKind::Rope, false),
+        (2, PositionKind::Learned, false),
+        (2, PositionKind::Learned, true),
     ] {
         let spec = ModelSpec::new(&ModelConfig {
             n_layer: 2,
@@ -388,6 +391,11 @@ fn bf16_checks(
             block_size: 20,
             vocab_size: 37,
             positions,
+            mlp: match gpt2 {
+                true => crate::config::MlpKind::GeluTanh,
+                false => crate::config::MlpKind::Gelu,
+            },
+            bias: gpt2,
             ..ModelConfig::default()
         });
         let init = spec.initial_values(5);

@@ -524,11 +524,12 @@ fn dropout_masks_are_the_same_in_every_engine() {
 fn bf16_products_stay_within_bf16_rounding_of_the_reference() {
     for device in &devices() {
         let (b, t) = (3, 37);
-        // GPT-2's family with biases too: the MLP's bias is added to its bf16 rows by
-        // the activation.
+        // GPT-2's family with biases and its tanh GELU too, as `arch = "gpt2"` has it:
+        // the MLP's bias and GELU in its expansion's epilogue on CUDA.
         let [gpt2, llama] = gpt2_and_llama(t);
         let with_biases = ModelConfig {
             bias: true,
+            mlp: MlpKind::GeluTanh,
             ..gpt2.clone()
         };
         for cfg in [gpt2, llama, with_biases] {
@@ -563,6 +564,107 @@ fn bf16_products_stay_within_bf16_rounding_of_the_reference() {
                     "{what}: bf16 gradient of {name} is the f32 one"
                 );
             }
+        }
+    }
+}
+
+/// GPT-2's tanh GELU in its products' epilogues (cuBLASLt's on a GPU; `arch =
+/// "gpt2"`'s MLP): with and without the MLP's bias, and with dropout, the bf16 engine
+/// stays within bf16 rounding of the f32 reference, as the same engine with the GELU
+/// in its kernels does; the two differ (the epilogue takes the GELU of the f32 sum,
+/// the kernel of its bf16 rounding), and the epilogue's is no further from the
+/// reference than twice the kernels'.
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+#[test]
+fn gelu_epilogues_stay_within_bf16_rounding_of_the_reference() {
+    use tinygpt::cuda::{FusedCuda, GeluEpilogues};
+    for place in &devices() {
+        let (t, b) = (37, 2);
+        for (bias, dropout) in [(false, 0.0), (true, 0.0), (true, 0.1)] {
+            let cfg = ModelConfig {
+                bias,
+                dropout,
+                mlp: MlpKind::GeluTanh,
+                ..gpt2_and_llama(t)[0].clone()
+            };
+            let spec = ModelSpec::new(&cfg);
+            let mut init = spec.initial_values(5);
+            // Biases start at zero: give the MLP's some values, so the epilogue's adds
+            // something.
+            for p in spec.blocks.iter().filter_map(|b| b.mlp_fc.bias) {
+                let at = spec[p].offset;
+                for (i, v) in init[at..at + spec[p].len()].iter_mut().enumerate() {
+                    *v = 0.05 * ((i as f32) * 0.9).sin();
+                }
+            }
+            let fused = match place {
+                Place::Device(d) if d.is_cpu() => continue,
+                #[cfg(feature = "cuda")]
+                Place::Device(d) => FusedCuda::new(&spec, &init, d, b, Precision::Bf16),
+                #[cfg(feature = "cuda-emulator")]
+                Place::EmulatedGpu => FusedCuda::emulated(&spec, &init, b, Precision::Bf16),
+                #[allow(unreachable_patterns)]
+                _ => continue,
+            };
+            let fused = fused.unwrap();
+            let what = format!("{place:?} bias={bias} dropout={dropout}");
+            let on = fused.gelu_epilogues();
+            let both = GeluEpilogues {
+                forward: true,
+                backward: true,
+            };
+            if matches!(place, Place::EmulatedGpu) {
+                assert_eq!(on, both, "{what}");
+            } else if on != both {
+                eprintln!("{what}: cuBLASLt runs only {on:?} of the GELU's epilogues");
+            }
+            let mut epilogues: Box<dyn Engine> = Box::new(fused);
+            assert!(
+                epilogues.describe().contains("epilogue"),
+                "{}",
+                epilogues.describe()
+            );
+            let mut kernels: Box<dyn Engine> = Box::new(
+                match place {
+                    #[cfg(feature = "cuda")]
+                    Place::Device(d) => FusedCuda::new(&spec, &init, d, b, Precision::Bf16),
+                    #[cfg(feature = "cuda-emulator")]
+                    Place::EmulatedGpu => FusedCuda::emulated(&spec, &init, b, Precision::Bf16),
+                    #[allow(unreachable_patterns)]
+                    _ => unreachable!(),
+                }
+                .unwrap()
+                .without_gelu_epilogues(),
+            );
+            let options = EngineOptions::f32(b, false);
+            let mut reference = engine::build(&spec, &init, &Device::Cpu, options).unwrap();
+            let data = batch(b, t, 67, 4);
+            let mask = Dropout::in_pass(dropout, 3, 2, 0);
+            let (ref_loss, ref_grads) = loss_and_grads(reference.as_mut(), &data, mask.as_ref());
+            let (loss, grads) = loss_and_grads(epilogues.as_mut(), &data, mask.as_ref());
+            let (k_loss, k_grads) = loss_and_grads(kernels.as_mut(), &data, mask.as_ref());
+            assert!(
+                loss != k_loss,
+                "{what}: the epilogues gave the kernels' loss"
+            );
+            for (l, name) in [(loss, "epilogues"), (k_loss, "kernels")] {
+                assert!(
+                    (l - ref_loss).abs() <= 2e-4 * ref_loss,
+                    "{what}: {name}' loss {l} vs {ref_loss}"
+                );
+            }
+            assert_all_close(&grads, &ref_grads, 2e-2, &what);
+            assert_all_close(&k_grads, &ref_grads, 2e-2, &format!("{what}, kernels"));
+            let (mut worst, mut worst_kernels) = (0f64, 0f64);
+            for (name, want) in &ref_grads {
+                worst = worst.max(rel_err(&values(&grads[name]), &values(want)));
+                worst_kernels = worst_kernels.max(rel_err(&values(&k_grads[name]), &values(want)));
+            }
+            eprintln!("{what}: gradients off the reference by {worst:e} (kernels {worst_kernels:e}); loss {loss} vs {k_loss} vs {ref_loss}");
+            assert!(
+                worst <= 2.0 * worst_kernels,
+                "{what}: the epilogues' gradients off by {worst:e}, the kernels' by {worst_kernels:e}"
+            );
         }
     }
 }

@@ -11,7 +11,7 @@
 use anyhow::{ensure, Result};
 
 use super::buffers::Buf;
-use super::calls::{ColumnMajor, Operands};
+use super::calls::{ColumnMajor, Epilogue, Operands};
 use super::gpu::Gpu;
 use crate::config::Math;
 use crate::model::spec::{LinearParams, ModelSpec};
@@ -165,7 +165,41 @@ fn column_major(
         stride_c: c.stride,
         batch,
         c16: false,
+        epilogue: Epilogue::None,
     })
+}
+
+/// c = op(A) op(B) of bf16 operands, each f32 sum passed through an epilogue on its
+/// way to C (f32, or rounded to bf16): one matrix, alpha 1, nothing added from C. Made
+/// only by [`fused`], so its shapes agree; `Gpu::fuses` says whether the device runs it.
+#[derive(Debug, Clone, Copy)]
+pub struct Fused(ColumnMajor);
+
+impl Fused {
+    pub fn call(&self) -> &ColumnMajor {
+        &self.0
+    }
+}
+
+/// The fused product c = op(A) op(B) through `epilogue`, once the shapes agree.
+pub fn fused((c, epilogue): (Product, Epilogue), a: Operand, b: Operand) -> Result<Fused> {
+    let (c, c16) = match c {
+        Product::F32(c) => (c, false),
+        Product::Bf16(c) => (c, true),
+    };
+    Ok(Fused(ColumnMajor {
+        c16,
+        epilogue,
+        ..column_major(Operands::Bf16, c, a, b, (1.0, 0.0), 1)?
+    }))
+}
+
+/// Runs `product` (cuBLASLt on a GPU); a profile counts it in `group`.
+pub fn run_fused(gpu: &Gpu, group: Group, product: &Fused) -> Result<()> {
+    // SAFETY: as `matmul`'s: the addresses are into the engine's live buffers, sized
+    // for the shapes `fused` checked; the epilogue's aux has C's shape and its bias a
+    // value per output column.
+    unsafe { gpu.gemm(&product.0, Math::Bf16, group) }
 }
 
 /// Where a linear layer reads its weight matrix: the f32 flat parameters (products in

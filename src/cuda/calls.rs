@@ -180,11 +180,44 @@ pub struct ColumnMajor {
     pub batch: usize,
     /// C is bf16, written rounded from the f32 sums (beta 0), not f32.
     pub c16: bool,
+    /// What happens to each f32 sum before it is stored.
+    pub epilogue: Epilogue,
+}
+
+/// What a product does to each f32 sum (times alpha) on its way to C: cuBLASLt's
+/// epilogues, which save the kernel that would otherwise read the product's output
+/// back. Indices are column-major: the bias has one value per row of C (m of them),
+/// which is one per output feature of a row-major linear layer; `aux` has C's shape
+/// and row spacing, in bf16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Epilogue {
+    /// Stored as it is.
+    None,
+    /// x = sum + bias (f32 bias, 0: none), stored at `aux` rounded to bf16 for the
+    /// backward; C gets GPT-2's tanh GELU of x (cuBLASLt's GELU_AUX and GELU_AUX_BIAS).
+    GeluAux { bias: u64, aux: u64 },
+    /// C gets sum times the tanh GELU's slope at the bf16 `aux` a `GeluAux` kept: the
+    /// gradient at the GELU's input from the gradient at its output (DGELU).
+    GeluBackward { aux: u64 },
+}
+
+impl Epilogue {
+    /// The bytes it reads or writes beside the product's own, for `values` sums of C.
+    fn bytes(self, values: usize, m: usize) -> f64 {
+        match self {
+            Epilogue::None => 0.0,
+            Epilogue::GeluAux { bias, .. } => {
+                2.0 * values as f64 + if bias == 0 { 0.0 } else { 4.0 * m as f64 }
+            }
+            Epilogue::GeluBackward { .. } => 2.0 * values as f64,
+        }
+    }
 }
 
 impl ColumnMajor {
     /// What a profile counts it as doing: 2 m n k FLOPs per matrix; A, B and C read
-    /// once (C only with beta), C written, at their sizes in memory.
+    /// once (C only with beta), C written, at their sizes in memory, and what its
+    /// epilogue reads or writes (its FLOPs are noise beside the product's).
     pub fn cost(&self) -> crate::profile::Cost {
         let per = (self.m * self.n * self.k * self.batch) as f64;
         let operand = match self.operands {
@@ -194,7 +227,10 @@ impl ColumnMajor {
         let c_passes = if self.beta == 0.0 { 1.0 } else { 2.0 };
         let c_bytes = if self.c16 { 2.0 } else { 4.0 };
         let (a, b, c) = (self.m * self.k, self.k * self.n, self.m * self.n);
-        let bytes = self.batch as f64 * (operand * (a + b) as f64 + c_bytes * c_passes * c as f64);
+        let bytes = self.batch as f64
+            * (operand * (a + b) as f64
+                + c_bytes * c_passes * c as f64
+                + self.epilogue.bytes(c, self.m));
         crate::profile::Cost::new(2.0 * per, bytes)
     }
 }

@@ -7,7 +7,7 @@ use std::ffi::{c_char, c_void, CString};
 
 use anyhow::{bail, Result};
 
-use super::calls::{ColumnMajor, Launch, Operands};
+use super::calls::{ColumnMajor, Epilogue, Launch, Operands};
 use crate::config::Math;
 
 extern "C" {
@@ -76,11 +76,13 @@ pub unsafe fn launch(
 /// cuBLAS's strided-batched product, column-major: C = alpha op(A) op(B) + beta C
 /// (beta 0 ignores C, as cuBLAS does). Under `Math::Tf32` and `Math::Bf16` each f32
 /// operand is rounded first and the sums stay f32, as the tensor cores do; bf16
-/// operands in memory (`Operands::Bf16`) are read as they are.
+/// operands in memory (`Operands::Bf16`) are read as they are. An epilogue takes each
+/// f32 sum times alpha as cuBLASLt's documentation says (`finish`).
 ///
 /// # Safety
 /// The addresses are into live host buffers holding the matrices `g` describes: f32
-/// ones, or A and B of bf16 bits.
+/// ones, or A and B of bf16 bits; an epilogue's bias (f32, m values) and aux (bf16,
+/// C's shape and spacing).
 pub unsafe fn gemm(g: &ColumnMajor, math: Math) {
     let round = |x: f32| match math {
         Math::F32 => x,
@@ -120,22 +122,66 @@ pub unsafe fn gemm(g: &ColumnMajor, math: Math) {
                     sum += operand(a, ai) * operand(b, bi);
                 }
                 let at = row + col * g.ldc;
+                // SAFETY: as above, the epilogue's buffers too.
+                let value = unsafe { finish(g.epilogue, g.alpha * sum, row, at) };
                 if g.c16 {
                     // SAFETY: as above; C of bf16 bits.
                     let out = unsafe { &mut *(c as *mut u16).add(at) };
-                    *out = crate::cpu::bf16::to_bf16_bits(g.alpha * sum);
+                    *out = crate::cpu::bf16::to_bf16_bits(value);
                     continue;
                 }
                 // SAFETY: as above.
                 let out = unsafe { &mut *(c as *mut f32).add(at) };
                 *out = if g.beta == 0.0 {
-                    g.alpha * sum
+                    value
                 } else {
-                    g.alpha * sum + g.beta * *out
+                    value + g.beta * *out
                 };
             }
         }
     }
+}
+
+/// A sum (times alpha) at `row` of C, C's element `at`, through `epilogue`: GELU_AUX
+/// adds the bias in f32, keeps that rounded to bf16, and gives the GELU of the f32
+/// value; DGELU multiplies by the GELU's slope at the bf16 value kept.
+///
+/// # Safety
+/// The epilogue's bias holds `row` and its aux holds `at`.
+unsafe fn finish(epilogue: Epilogue, sum: f32, row: usize, at: usize) -> f32 {
+    use crate::cpu::bf16::to_bf16_bits;
+    match epilogue {
+        Epilogue::None => sum,
+        Epilogue::GeluAux { bias, aux } => {
+            let x = match bias {
+                0 => sum,
+                // SAFETY: as the caller promises.
+                b => sum + unsafe { *(b as *const f32).add(row) },
+            };
+            // SAFETY: as the caller promises.
+            unsafe { *(aux as *mut u16).add(at) = to_bf16_bits(x) };
+            gelu_tanh(x)
+        }
+        Epilogue::GeluBackward { aux } => {
+            // SAFETY: as the caller promises.
+            let x = f32::from_bits(u32::from(unsafe { *(aux as *const u16).add(at) }) << 16);
+            sum * gelu_tanh_slope(x)
+        }
+    }
+}
+
+/// GPT-2's tanh GELU, as cuBLASLt's GELU epilogues define it and kernels/activation.cu
+/// computes it.
+fn gelu_tanh(x: f32) -> f32 {
+    let u = 0.797_884_6 * (x + 0.044715 * x * x * x);
+    0.5 * x * (1.0 + u.tanh())
+}
+
+/// d gelu_tanh / dx.
+fn gelu_tanh_slope(x: f32) -> f32 {
+    let k = 0.797_884_6_f32;
+    let t = (k * (x + 0.044715 * x * x * x)).tanh();
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * x * x)
 }
 
 /// Calls kept while the emulated device records (`Gpu::record`), to run when replayed:

@@ -20,16 +20,18 @@ use anyhow::{ensure, Context, Result};
 #[cfg(feature = "cuda")]
 use candle_core::Device;
 
-use super::blas::{linear, linear_to_bf16, matmul, Matrix, Product, Weights};
+use super::blas::{
+    fused, linear, linear_to_bf16, matmul, run_fused, Fused, Matrix, Product, Weights,
+};
 use super::buckets::Buckets;
 use super::buffers::{Buf, Staging};
-use super::calls::Operands;
+use super::calls::{Epilogue, Operands};
 use super::gpu::Gpu;
 use super::kernels::{adamw_chunks, AdamBuffers, DropoutArgs, HeadView, Heads, In, NormRows, Out};
 use super::plan::{partials_len, Attention, Plan, FLASH_MAX_HEAD, LOSS_SLOTS, LOSS_SUM, NORM_SQ};
 use super::ranks::Ranks;
 use super::tables::PositionTables;
-use crate::config::{Math, Precision};
+use crate::config::{Math, MlpKind, Precision};
 use crate::cpu::ops::Positions;
 use crate::model::spec::{LinearParams, ModelSpec, NormParams, ParamId};
 use crate::model::{Dropout, Site};
@@ -50,6 +52,8 @@ pub struct FusedCuda {
     owner: super::gpu::OwnerThread,
     /// How attention is computed (flash tiles for bf16 where they apply).
     attention: Attention,
+    /// Which of the MLP's GELU work its products' epilogues do.
+    gelu: GeluEpilogues,
     params: Buf<f32>,
     /// With bf16 products, what they read instead of f32 data (None with f32).
     bf16: Option<Bf16Operands>,
@@ -132,6 +136,34 @@ impl From<u64> for Rows {
     fn from(f32: u64) -> Self {
         Rows::F32(f32)
     }
+}
+
+/// Where a layer's backward writes the gradient at its input: into rows, or, for an
+/// MLP's down-projection, on through its GELU in the product's epilogue: the gradient
+/// at block `block`'s GELU input, into `rows`.
+#[derive(Debug, Clone, Copy)]
+enum InputGradient {
+    Rows(Rows),
+    ThroughGelu { rows: Rows, block: usize },
+}
+
+impl<T: Into<Rows>> From<T> for InputGradient {
+    fn from(rows: T) -> Self {
+        InputGradient::Rows(rows.into())
+    }
+}
+
+/// Which of the MLP's GELU work its products' epilogues do (cuBLASLt on a GPU), where
+/// the activation's kernels would read a product's output back: the forward (GELU of
+/// the expansion plus its bias, the input kept for the backward) and the backward (the
+/// down-projection's input gradient times the GELU's slope). Only GPT-2's tanh GELU
+/// (cuBLASLt's), with bf16 operands, where the device has an algorithm for each
+/// (`Gpu::fuses`); `TINYGPT_CUDA_EPILOGUES=0` keeps the kernels (one GPU run times both).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GeluEpilogues {
+    pub forward: bool,
+    /// Only with the forward's: it reads the input the forward's epilogue kept.
+    pub backward: bool,
 }
 
 /// Per row of a norm: mean (0 for RMSNorm) then 1 / std, each `rows` long.
@@ -440,6 +472,7 @@ impl FusedCuda {
             precision,
             tf32: false,
             attention,
+            gelu: GeluEpilogues::default(),
             gpu,
         };
         let plan = plan.bytes(s.n_layer, false);
@@ -448,6 +481,8 @@ impl FusedCuda {
             "the fused CUDA engine holds {} bytes, its allocation plan says {plan}",
             engine.bytes_held()
         );
+        let mut engine = engine;
+        engine.gelu = engine.choose_gelu_epilogues();
         Ok(engine)
     }
 
@@ -537,6 +572,18 @@ impl FusedCuda {
     pub fn with_tf32(mut self, on: bool) -> Self {
         self.tf32 = on;
         self
+    }
+
+    /// The same engine with the MLP's GELU in its own kernels, not in the products'
+    /// epilogues (tests hold the two to each other).
+    pub fn without_gelu_epilogues(mut self) -> Self {
+        self.gelu = GeluEpilogues::default();
+        self
+    }
+
+    /// Which of the GELU's work the products' epilogues do.
+    pub fn gelu_epilogues(&self) -> GeluEpilogues {
+        self.gelu
     }
 
     /// How its products multiply.
@@ -756,11 +803,14 @@ impl FusedCuda {
         let (ln_2, normed_2) = self.kept_rows(sc.ln.ptr(), &a.kept.ln_2);
         self.residual_norm(residual, ln_2, &a.ln_2, &p.ln_2)?;
 
-        // MLP: expand, non-linearity, project back.
+        // MLP: expand, non-linearity (in the expansion's epilogue, or a kernel), project
+        // back.
         self.mlp_expand(l, normed_2)?;
         let kind = self.spec.config.mlp;
         let (act, activated) = self.kept_rows(sc.act.ptr(), &a.kept.act);
-        k.activation_forward(act, self.pre_activation(l), n, s.mlp_hidden, kind)?;
+        if !self.gelu.forward {
+            k.activation_forward(act, self.pre_activation(l), n, s.mlp_hidden, kind)?;
+        }
         let branch = self.branch_forward(activated, &p.mlp_proj)?;
         let mask = DropoutArgs::at(dropout, Site::MlpOutput(l));
         let residual = (a.res_3.ptr(), a.res_2.ptr(), branch, mask);
@@ -777,13 +827,118 @@ impl FusedCuda {
         }
     }
 
-    /// Block `l`'s MLP's first projection of its normed input, without the bias (the
-    /// activation adds it; `pre_activation` says where it is).
+    /// Block `l`'s MLP's first projection of its normed input: without the bias (the
+    /// activation adds it; `pre_activation` says where it is), or with the bias and the
+    /// GELU in its epilogue.
     fn mlp_expand(&self, l: usize, x: Rows) -> Result<()> {
         let a = &self.acts.blocks[l];
         let p = &self.spec.blocks[l].mlp_fc;
-        self.product_output((a.fc.ptr(), a.kept.fc.ptr()), x, p)?;
-        Ok(())
+        match &self.bf16 {
+            Some(b) if self.gelu.forward => {
+                let x16 = self.rounded(x, p.d_in, &b.inputs)?;
+                run_fused(
+                    &self.gpu,
+                    Group::Product(p.role),
+                    &self.gelu_forward(l, x16)?,
+                )
+            }
+            _ => {
+                self.product_output((a.fc.ptr(), a.kept.fc.ptr()), x, p)?;
+                Ok(())
+            }
+        }
+    }
+
+    /// Block `l`'s MLP expansion of the bf16 rows `x16` with the GELU in its epilogue:
+    /// the activation into the kept `act`, its input (the bias added) into the kept
+    /// `fc`, both bf16.
+    fn gelu_forward(&self, l: usize, x16: u64) -> Result<Fused> {
+        let (p, a, n) = (
+            &self.spec.blocks[l].mlp_fc,
+            &self.acts.blocks[l],
+            self.rows(),
+        );
+        let b = self
+            .bf16
+            .as_ref()
+            .context("GELU epilogues need bf16 operands")?;
+        let w = b.weights.at(self.spec[p.weight].offset);
+        let epilogue = Epilogue::GeluAux {
+            bias: self.w_opt(p.bias),
+            aux: a.kept.fc.ptr(),
+        };
+        fused(
+            (
+                Product::Bf16(Matrix::new(a.kept.act.ptr(), n, p.d_out)),
+                epilogue,
+            ),
+            Matrix::new(x16, n, p.d_in).n(),
+            Matrix::new(w, p.d_out, p.d_in).t(),
+        )
+    }
+
+    /// The gradient at block `l`'s GELU input from the MLP output's gradient `dout16`
+    /// (bf16): the down-projection's input gradient times the GELU's slope at the
+    /// input the forward kept, in the product's epilogue, into `dfc`.
+    fn gelu_backward(&self, l: usize, dfc: Rows, dout16: u64) -> Result<Fused> {
+        let (p, n) = (&self.spec.blocks[l].mlp_proj, self.rows());
+        let b = self
+            .bf16
+            .as_ref()
+            .context("GELU epilogues need bf16 operands")?;
+        let w = b.weights.at(self.spec[p.weight].offset);
+        let c = match dfc {
+            Rows::F32(at) => Product::F32(Matrix::new(at, n, p.d_in)),
+            Rows::Bf16(at) => Product::Bf16(Matrix::new(at, n, p.d_in)),
+            Rows::Both(..) => anyhow::bail!("an epilogue writes one precision"),
+        };
+        let aux = self.acts.blocks[l].kept.fc.ptr();
+        fused(
+            (c, Epilogue::GeluBackward { aux }),
+            Matrix::new(dout16, n, p.d_out).n(),
+            Matrix::new(w, p.d_out, p.d_in).n(),
+        )
+    }
+
+    /// Where the GELU backward's epilogue writes the gradient at the MLP expansion's
+    /// output: f32 where the expansion has a bias (its gradient sums the f32 rows; the
+    /// products round them as they read them), else bf16 in the activation gradient's
+    /// buffer (the products' own output-gradient buffer holds the product's input).
+    fn gelu_input_gradient(&self, p: &LinearParams) -> Rows {
+        match p.bias {
+            Some(_) => Rows::F32(self.scratch.dfc.ptr()),
+            None => Rows::Bf16(self.scratch.dact16.ptr()),
+        }
+    }
+
+    /// Which GELU work the products' epilogues take on (`GeluEpilogues`): each where
+    /// every block's call runs on this device.
+    fn choose_gelu_epilogues(&self) -> GeluEpilogues {
+        let off = GeluEpilogues::default();
+        let asked = std::env::var("TINYGPT_CUDA_EPILOGUES").map_or(true, |v| v != "0");
+        let Some(b) = self.bf16.as_ref() else {
+            return off;
+        };
+        // cuBLASLt reads its bias vector 16 bytes at a time.
+        let bias_aligned = self
+            .spec
+            .blocks
+            .iter()
+            .all(|p| self.w_opt(p.mlp_fc.bias).is_multiple_of(16));
+        if !asked || self.spec.config.mlp != MlpKind::GeluTanh || !bias_aligned {
+            return off;
+        }
+        let runs = |product: Result<Fused>| product.is_ok_and(|p| self.gpu.fuses(p.call()));
+        let layers = 0..self.spec.shapes.n_layer;
+        let forward = layers
+            .clone()
+            .all(|l| runs(self.gelu_forward(l, b.inputs.ptr())));
+        let backward = forward
+            && layers.into_iter().all(|l| {
+                let dfc = self.gelu_input_gradient(&self.spec.blocks[l].mlp_fc);
+                runs(self.gelu_backward(l, dfc, b.outputs.ptr()))
+            });
+        GeluEpilogues { forward, backward }
     }
 
     /// A sub-layer's branch: its projection of `x`, without the bias, which the
@@ -841,7 +996,12 @@ impl FusedCuda {
             Some(_) => In::Bf16(a.kept.fc.ptr()),
             None => self.f32_rows(a.fc.ptr()),
         };
-        (fc, self.w_opt(self.spec.blocks[l].mlp_fc.bias))
+        // The forward's epilogue kept it with the bias added.
+        let bias = match self.gelu.forward {
+            true => 0,
+            false => self.w_opt(self.spec.blocks[l].mlp_fc.bias),
+        };
+        (fc, bias)
     }
 
     /// Where a block's forward writes rows its products read (a norm's output, the
@@ -1047,7 +1207,7 @@ impl FusedCuda {
     /// of dout (layers with a bias take factor 1).
     fn linear_backward(
         &self,
-        dx: impl Into<Rows>,
+        dx: impl Into<InputGradient>,
         dout: impl Into<Rows>,
         x: Rows,
         p: &LinearParams,
@@ -1078,14 +1238,17 @@ impl FusedCuda {
             Matrix::new(w, p.d_out, p.d_in).n(),
         );
         match dx.into() {
-            Rows::F32(dx) => {
+            InputGradient::Rows(Rows::F32(dx)) => {
                 let dx = Matrix::new(dx, n, p.d_in);
                 self.product(how, dx, dout_w, w, (factor, 0.0), 1)?;
             }
-            Rows::Bf16(dx16) if operands == Operands::Bf16 => {
+            InputGradient::Rows(Rows::Bf16(dx16)) if operands == Operands::Bf16 => {
                 let dx16 = Product::Bf16(Matrix::new(dx16, n, p.d_in));
                 let how = (operands, Math::Bf16, how.1);
                 matmul(&self.gpu, how, dx16, dout_w, w, factor, 0.0, 1)?;
+            }
+            InputGradient::ThroughGelu { rows, block } if factor == 1.0 => {
+                run_fused(&self.gpu, how.1, &self.gelu_backward(block, rows, dout16)?)?;
             }
             dx => anyhow::bail!("an input's gradient into {dx:?} from {operands:?} products"),
         }
@@ -1253,10 +1416,21 @@ impl FusedCuda {
             Some(_) => (Rows::Bf16(sc.dact16.ptr()), In::Bf16(sc.dact16.ptr())),
             None => (Rows::F32(sc.dact.ptr()), self.f32_rows(sc.dact.ptr())),
         };
-        self.linear_backward(dact, dbranch, activated, &p.mlp_proj, 1.0)?;
-        let dims = (n, s.mlp_hidden);
-        let (dfc_out, dfc) = self.product_gradient(sc.dfc.ptr(), &p.mlp_fc);
-        k.activation_backward(dfc_out, fc, dact_in, dims, kind)?;
+        let dfc = if self.gelu.backward {
+            let dfc = self.gelu_input_gradient(&p.mlp_fc);
+            let through = InputGradient::ThroughGelu {
+                rows: dfc,
+                block: l,
+            };
+            self.linear_backward(through, dbranch, activated, &p.mlp_proj, 1.0)?;
+            dfc
+        } else {
+            self.linear_backward(dact, dbranch, activated, &p.mlp_proj, 1.0)?;
+            let dims = (n, s.mlp_hidden);
+            let (dfc_out, dfc) = self.product_gradient(sc.dfc.ptr(), &p.mlp_fc);
+            k.activation_backward(dfc_out, fc, dact_in, dims, kind)?;
+            dfc
+        };
         let normed_2 = self.norm_output_again(&a.kept.ln_2, (&a.ln_2, a.res_2.ptr(), &p.ln_2))?;
         let (dln, dln_in) = self.norm_output_gradient();
         self.linear_backward(dln, dfc, normed_2, &p.mlp_fc, 1.0)?;

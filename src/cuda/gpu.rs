@@ -63,6 +63,12 @@ pub struct CudaGpu {
     /// as long as it (fields drop in order: the handle before its work space).
     pub blas: Arc<CudaBlas>,
     _blas_workspace: candle_core::cuda::cudarc::driver::CudaSlice<u8>,
+    /// cuBLASLt, for products with an epilogue (none where its handle could not be
+    /// made: the engine keeps its kernels then). It shares cuBLAS's work space: both
+    /// queue on the one stream, so their uses never overlap.
+    lt: Option<super::lt::Lt>,
+    /// The work space's address.
+    workspace: u64,
     /// Indexed by `Kernel as usize`.
     functions: Vec<CudaFunction>,
     /// Timing events a profile has finished with, reused (creating two a launch would
@@ -127,7 +133,7 @@ impl Gpu {
         let workspace = stream
             .alloc_zeros::<u8>(BLAS_WORKSPACE)
             .context("allocating cuBLAS's work space")?;
-        {
+        let workspace_ptr = {
             use candle_core::cuda::cudarc::driver::DevicePtr;
             let ptr = workspace.device_ptr(&stream).0;
             // SAFETY: the handle is live and the work space outlives it (field order).
@@ -136,11 +142,14 @@ impl Gpu {
             }
             .result()
             .context("setting cuBLAS's work space")?;
-        }
+            ptr
+        };
         Ok(Self::Cuda(CudaGpu {
             stream,
             blas: Arc::new(blas),
             _blas_workspace: workspace,
+            lt: super::lt::Lt::new().ok(),
+            workspace: workspace_ptr,
             functions,
             events: Arc::default(),
         }))
@@ -232,14 +241,26 @@ impl Gpu {
     }
 
     /// The column-major product `g`, f32, or with operands rounded to bf16 on the
-    /// tensor cores (cuBLAS's 32F_FAST_16BF; f32 sums, data f32 in memory); a profile
-    /// counts it in `group`.
+    /// tensor cores (cuBLAS's 32F_FAST_16BF; f32 sums, data f32 in memory), or with an
+    /// epilogue (cuBLASLt; bf16 operands); a profile counts it in `group`.
     ///
     /// # Safety
     /// Its addresses are into live buffers of this device holding the matrices it
     /// describes.
     pub unsafe fn gemm(&self, g: &ColumnMajor, math: Math, group: Group) -> Result<()> {
         match self {
+            #[cfg(feature = "cuda")]
+            Gpu::Cuda(gpu) if g.epilogue != super::calls::Epilogue::None => {
+                let lt = gpu
+                    .lt
+                    .as_ref()
+                    .context("a fused product without cuBLASLt")?;
+                let stream = gpu.stream.cu_stream() as _;
+                let workspace = (gpu.workspace, BLAS_WORKSPACE);
+                gpu.timed(group, g.cost(), || unsafe {
+                    lt.matmul(g, stream, workspace)
+                })
+            }
             #[cfg(feature = "cuda")]
             Gpu::Cuda(gpu) => gpu.timed(group, g.cost(), || unsafe {
                 cublas_gemm(&gpu.blas, g, math)
@@ -305,6 +326,21 @@ impl Gpu {
             },
             #[allow(unreachable_patterns)]
             _ => anyhow::bail!("a recording replays on the device that recorded it"),
+        }
+    }
+
+    /// Whether the product `g`, with its epilogue, can run here: on CUDA where
+    /// cuBLASLt has an algorithm for it; in the emulator always.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub fn fuses(&self, g: &ColumnMajor) -> bool {
+        match self {
+            #[cfg(feature = "cuda")]
+            Gpu::Cuda(gpu) => gpu
+                .lt
+                .as_ref()
+                .is_some_and(|lt| lt.supports(g, BLAS_WORKSPACE)),
+            #[cfg(feature = "cuda-emulator")]
+            Gpu::Emulated => true,
         }
     }
 

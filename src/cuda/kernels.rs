@@ -1623,6 +1623,127 @@ mod tests {
         }
     }
 
+    /// GPT-2's tanh GELU in f64, and its slope.
+    fn gelu_tanh64(x: f64) -> f64 {
+        let k = (2.0 / std::f64::consts::PI).sqrt();
+        0.5 * x * (1.0 + (k * (x + 0.044715 * x.powi(3))).tanh())
+    }
+
+    fn gelu_tanh_slope64(x: f64) -> f64 {
+        let k = (2.0 / std::f64::consts::PI).sqrt();
+        let t = (k * (x + 0.044715 * x.powi(3))).tanh();
+        0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * x * x)
+    }
+
+    /// The products' GELU epilogues (cuBLASLt's GELU_AUX_BIAS and DGELU on a GPU) are
+    /// the formulas written out in f64: the forward keeps x = x Wᵀ + b rounded to bf16
+    /// and gives GELU(x) in bf16; the backward gives (g Wᵀ) GELU'(kept x). The slope
+    /// itself is held to finite differences of the GELU.
+    #[test]
+    fn gelu_epilogues_are_the_written_out_formulas() {
+        use super::super::blas::{fused, run_fused, Matrix, Product};
+        use super::super::calls::Epilogue;
+        use crate::cpu::bf16::round_to_bf16;
+        for x in [-4.0, -1.7, -0.3, 0.0, 0.2, 1.1, 3.5] {
+            let h = 1e-5;
+            let numeric = (gelu_tanh64(x + h) - gelu_tanh64(x - h)) / (2.0 * h);
+            assert!(
+                (numeric - gelu_tanh_slope64(x)).abs() < 1e-8,
+                "slope at {x}"
+            );
+        }
+        let (rows, d_in, d_out) = (5, 24, 40);
+        let value = |i: usize, scale: f32| round_to_bf16(((i as f32) * 0.731).sin() * scale);
+        let x: Vec<f32> = (0..rows * d_in).map(|i| value(i, 1.0)).collect();
+        let w: Vec<f32> = (0..d_out * d_in).map(|i| value(i + 7, 0.4)).collect();
+        let bias: Vec<f32> = (0..d_out).map(|o| (o as f32 * 0.3).cos() * 0.5).collect();
+        let bits =
+            |v: &[f32]| -> Vec<u16> { v.iter().map(|&f| (f.to_bits() >> 16) as u16).collect() };
+        let sums: Vec<f64> = (0..rows * d_out)
+            .map(|e| {
+                let (r, o) = (e / d_out, e % d_out);
+                (0..d_in)
+                    .map(|k| x[r * d_in + k] as f64 * w[o * d_in + k] as f64)
+                    .sum()
+            })
+            .collect();
+        let widen = |h: u16| f32::from_bits(u32::from(h) << 16);
+        for (place, gpu) in gpus() {
+            let up = |v: &[u16]| Buf::from_host(&gpu, v).unwrap();
+            let (x16, w16) = (up(&bits(&x)), up(&bits(&w)));
+            let b = Buf::from_host(&gpu, &bias).unwrap();
+            let (act, aux) = (
+                Buf::<u16>::zeros(&gpu, rows * d_out).unwrap(),
+                Buf::<u16>::zeros(&gpu, rows * d_out).unwrap(),
+            );
+            let epilogue = Epilogue::GeluAux {
+                bias: b.ptr(),
+                aux: aux.ptr(),
+            };
+            let forward = fused(
+                (Product::Bf16(Matrix::new(act.ptr(), rows, d_out)), epilogue),
+                Matrix::new(x16.ptr(), rows, d_in).n(),
+                Matrix::new(w16.ptr(), d_out, d_in).t(),
+            )
+            .unwrap();
+            if !gpu.fuses(forward.call()) {
+                eprintln!("SKIPPED on {place}: cuBLASLt has no GELU_AUX_BIAS algorithm here");
+                continue;
+            }
+            run_fused(&gpu, crate::profile::Group::Elementwise, &forward).unwrap();
+            let kept: Vec<f32> = aux
+                .read(&gpu, rows * d_out)
+                .unwrap()
+                .into_iter()
+                .map(widen)
+                .collect();
+            let got: Vec<f32> = act
+                .read(&gpu, rows * d_out)
+                .unwrap()
+                .into_iter()
+                .map(widen)
+                .collect();
+            let pre: Vec<f64> = (0..rows * d_out)
+                .map(|e| sums[e] + bias[e % d_out] as f64)
+                .collect();
+            let want: Vec<f64> = pre.iter().map(|&v| gelu_tanh64(v)).collect();
+            // Each kept value and output is one bf16 rounding (2^-9 relative) from its
+            // value; on a GPU the epilogue's tanh may be a faster approximation.
+            let bound = if place == "emulator" {
+                2f64.powi(-8)
+            } else {
+                4e-3
+            };
+            let (kept_err, act_err) = (rel_err(&kept, &pre), rel_err(&got, &want));
+            assert!(kept_err <= bound, "{place}: kept input off by {kept_err:e}");
+            assert!(act_err <= bound, "{place}: GELU off by {act_err:e}");
+
+            // The backward: g Wᵀ (g = x here) times the slope at the kept input, in f32.
+            let dfc = Buf::<f32>::zeros(&gpu, rows * d_out).unwrap();
+            let backward = fused(
+                (
+                    Product::F32(Matrix::new(dfc.ptr(), rows, d_out)),
+                    Epilogue::GeluBackward { aux: aux.ptr() },
+                ),
+                Matrix::new(x16.ptr(), rows, d_in).n(),
+                Matrix::new(w16.ptr(), d_out, d_in).t(),
+            )
+            .unwrap();
+            if !gpu.fuses(backward.call()) {
+                eprintln!("SKIPPED on {place}: cuBLASLt has no DGELU algorithm here");
+                continue;
+            }
+            run_fused(&gpu, crate::profile::Group::Elementwise, &backward).unwrap();
+            let got = dfc.read(&gpu, rows * d_out).unwrap();
+            let want: Vec<f64> = (0..rows * d_out)
+                .map(|e| sums[e] * gelu_tanh_slope64(kept[e] as f64))
+                .collect();
+            let err = rel_err(&got, &want);
+            let bound = if place == "emulator" { 1e-5 } else { 4e-3 };
+            assert!(err <= bound, "{place}: GELU gradient off by {err:e}");
+        }
+    }
+
     /// TF32 products (`train.tf32`) are the f32 products of operands rounded to 10-bit
     /// mantissas: in the emulator exactly the f64 sums of the rounded operands (to f32
     /// summation), on a GPU within TF32's rounding of the f32 product (reported), and

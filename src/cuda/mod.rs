@@ -10,6 +10,8 @@
 //! - `gpu`: where it runs: a CUDA device, or the emulator (below).
 //! - `kernels`: every kernel, each behind a typed launch.
 //! - `blas`: row-major matrix products on cuBLAS (f32, or bf16 tensor-core products).
+//! - `lt` (CUDA only): products with a fused epilogue (the MLP's GELU and its
+//!   gradient) on cuBLASLt.
 //! - `buffers`: buffers with their addresses; `tables`: the position tables.
 //! - `engine`: `FusedCuda`, the forward and backward walk.
 //! - `decode`: `CudaDecoder`, decoding with per-layer K/V caches on the device.
@@ -39,6 +41,8 @@ mod engine;
 mod gpu;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 mod kernels;
+#[cfg(feature = "cuda")]
+mod lt;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 mod peak;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
@@ -49,7 +53,7 @@ mod tables;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 pub use decode::CudaDecoder;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
-pub use engine::FusedCuda;
+pub use engine::{FusedCuda, GeluEpilogues};
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 pub use gpu::Gpu;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]

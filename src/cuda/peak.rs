@@ -51,7 +51,7 @@ pub fn profiled(gpu: &Gpu, math: Math) -> Result<Profiled> {
 #[cfg(feature = "cuda")]
 fn measure(gpu: &Gpu, g: &super::gpu::CudaGpu, math: Math) -> Result<crate::profile::Measured> {
     use super::buffers::Buf;
-    use super::calls::{ColumnMajor, Operands};
+    use super::calls::{ColumnMajor, Epilogue, Operands};
     use super::kernels::DropoutArgs;
     use crate::profile::Group;
 
@@ -112,6 +112,7 @@ fn measure(gpu: &Gpu, g: &super::gpu::CudaGpu, math: Math) -> Result<crate::prof
         stride_c: 0,
         batch: 1,
         c16: false,
+        epilogue: Epilogue::None,
     };
     // SAFETY: the three buffers are live and n x n.
     let seconds = best_of_five(&|| unsafe { gpu.gemm(&product, math, Group::Copy) })?;

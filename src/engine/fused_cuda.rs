@@ -30,9 +30,15 @@ impl Engine for FusedCuda {
                 "fused CUDA kernels, bf16 tensor-core products of f32 operands rounded by cuBLAS (f32 sums and weights)"
             }
         };
+        let gelu = self.gelu_epilogues();
+        let products = match (gelu.forward, gelu.backward) {
+            (false, _) => products.to_string(),
+            (true, true) => format!("{products}, GELU and its gradient in their epilogues"),
+            (true, false) => format!("{products}, GELU in its epilogue"),
+        };
         let kernels = match self.attention() {
             Attention::Flash => format!("{products}, flash attention"),
-            Attention::Products => products.to_string(),
+            Attention::Products => products,
         };
         let kernels = match crate::cuda::emulator_counts_only() {
             true => format!(
