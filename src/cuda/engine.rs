@@ -901,14 +901,11 @@ impl FusedCuda {
     }
 
     /// Where the GELU backward's epilogue writes the gradient at the MLP expansion's
-    /// output: f32 where the expansion has a bias (its gradient sums the f32 rows; the
-    /// products round them as they read them), else bf16 in the activation gradient's
-    /// buffer (the products' own output-gradient buffer holds the product's input).
-    fn gelu_input_gradient(&self, p: &LinearParams) -> Rows {
-        match p.bias {
-            Some(_) => Rows::F32(self.scratch.dfc.ptr()),
-            None => Rows::Bf16(self.scratch.dact16.ptr()),
-        }
+    /// output: bf16, in the activation gradient's buffer (the products' own
+    /// output-gradient buffer holds the product's input), which the expansion's
+    /// backward products and its bias gradient read.
+    fn gelu_input_gradient(&self) -> Rows {
+        Rows::Bf16(self.scratch.dact16.ptr())
     }
 
     /// Which GELU work the products' epilogues take on (`GeluEpilogues`): each where
@@ -935,7 +932,7 @@ impl FusedCuda {
             .all(|l| runs(self.gelu_forward(l, b.inputs.ptr())));
         let backward = forward
             && layers.into_iter().all(|l| {
-                let dfc = self.gelu_input_gradient(&self.spec.blocks[l].mlp_fc);
+                let dfc = self.gelu_input_gradient();
                 runs(self.gelu_backward(l, dfc, b.outputs.ptr()))
             });
         GeluEpilogues { forward, backward }
@@ -1261,8 +1258,14 @@ impl FusedCuda {
             1,
         )?;
         if let Some(b) = p.bias {
-            let (Rows::F32(dout) | Rows::Both(dout, _)) = dout else {
-                anyhow::bail!("a bias gradient from rounded rows")
+            // The f32 rows where there are any; bf16 ones where a product's epilogue
+            // wrote only those (autocast's bias gradients sum bf16 rows too).
+            let dout = match dout {
+                Rows::F32(dout) | Rows::Both(dout, _) => In::F32 {
+                    at: dout,
+                    round: false,
+                },
+                Rows::Bf16(dout16) => In::Bf16(dout16),
             };
             let partials = self.scratch.partials.ptr();
             self.gpu
@@ -1417,7 +1420,7 @@ impl FusedCuda {
             None => (Rows::F32(sc.dact.ptr()), self.f32_rows(sc.dact.ptr())),
         };
         let dfc = if self.gelu.backward {
-            let dfc = self.gelu_input_gradient(&p.mlp_fc);
+            let dfc = self.gelu_input_gradient();
             let through = InputGradient::ThroughGelu {
                 rows: dfc,
                 block: l,

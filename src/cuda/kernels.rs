@@ -618,18 +618,21 @@ impl Gpu {
         Ok(())
     }
 
-    /// db += the column sums of x (rows x cols), via `partials` (PARTS x cols).
+    /// db += the column sums of x (rows x cols, f32 or bf16), via `partials` (PARTS x
+    /// cols).
     pub fn bias_backward(
         &self,
         db: u64,
-        x: u64,
+        x: In,
         rows: usize,
         cols: usize,
         partials: u64,
     ) -> Result<()> {
         let parts = super::plan::PARTS.min(rows);
-        launch!(self, ColumnPartials, columns(cols, parts), Cost::f32s_and_flops(rows * cols, rows * cols);
-            partials, x, int(rows), int(cols))?;
+        let cost = Cost::new((rows * cols) as f64, x.bytes(rows * cols));
+        let (x32, x16, round) = x.args();
+        launch!(self, ColumnPartials, columns(cols, parts), cost;
+            partials, x32, x16, round, int(rows), int(cols))?;
         self.add_column_sums(db, partials, parts, cols, cols)
     }
 

@@ -194,12 +194,14 @@ extern "C" __global__ void norm_backward_params(float* partials, const float* do
     p[C + c] = db;
 }
 
-// Each block row j sums rows j, j + R, ... of x (rows x C) into partials[j][0 .. C].
-extern "C" __global__ void column_partials(float* partials, const float* x, int rows, int C) {
+// Each block row j sums rows j, j + R, ... of x (rows x C: f32 `x`, rounded as read where
+// `round`, or bf16 `x16`) into partials[j][0 .. C].
+extern "C" __global__ void column_partials(float* partials, const float* x, const uint16_t* x16,
+                                           int round, int rows, int C) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     float sum = 0.0f;
-    for (int r = blockIdx.y; r < rows; r += gridDim.y) sum += x[(long long)r * C + c];
+    for (int r = blockIdx.y; r < rows; r += gridDim.y) sum += load(x, x16, round, (long long)r * C + c);
     partials[(long long)blockIdx.y * C + c] = sum;
 }
 
