@@ -7,8 +7,10 @@
 #
 # 1. `tinygpt bench --profile` at the GPT-2 shape (12L/12H/768, T1024, B8, vocab 50,304):
 #    f32, bf16, and bf16 with TINYGPT_CUDA_BF16_OPERANDS=0 (products rounding f32 data on
-#    the fly, as before bf16 operand copies): per phase and group the time a step from
-#    CUDA events, TFLOP/s or GB/s, the floor on the GPU's peak, gaps, MFU.
+#    the fly, as before bf16 operand copies), and GPT-2's MLP (tanh GELU, biases) with its
+#    GELU in the products' cuBLASLt epilogues and, TINYGPT_CUDA_EPILOGUES=0, in kernels:
+#    per phase and group the time a step from CUDA events, TFLOP/s or GB/s, the floor on
+#    the GPU's peak, gaps, MFU.
 # 2. Nsight Systems' kernel table (cuda_gpu_kern_sum) of the bf16 step and of
 #    torch_gpt.py --bf16 at the same shape, where nsys is on the machine (CUDA toolkits
 #    ship it; the GPU machine has no network to fetch it).
@@ -52,14 +54,15 @@ bench=("$B" bench --config /tmp/tg/gpt2.toml --device cuda --warmup 3 --decode-t
   echo
   echo "## bench --profile, GPT-2 124M (12L/768, T1024, B8, vocab 50,304)"
 } > "$out"
-for run in "f32|train.dtype=f32|" "f32, TF32 products|train.tf32=true|" "bf16|train.dtype=bf16|" "bf16, f32 operands rounded by cuBLAS|train.dtype=bf16|TINYGPT_CUDA_BF16_OPERANDS=0" "bf16, attention through products|train.dtype=bf16|TINYGPT_CUDA_ATTENTION=products"; do
+for run in "f32|train.dtype=f32|" "f32, TF32 products|train.tf32=true|" "bf16|train.dtype=bf16|" "bf16, f32 operands rounded by cuBLAS|train.dtype=bf16|TINYGPT_CUDA_BF16_OPERANDS=0" "bf16, attention through products|train.dtype=bf16|TINYGPT_CUDA_ATTENTION=products" "bf16, GPT-2's MLP (tanh GELU, biases): GELU in the products' epilogues|train.dtype=bf16 model.mlp=gelu_tanh model.bias=true|" "bf16, GPT-2's MLP, GELU in its kernels|train.dtype=bf16 model.mlp=gelu_tanh model.bias=true|TINYGPT_CUDA_EPILOGUES=0"; do
   IFS='|' read -r label set env <<<"$run"
   {
     echo
     echo "### $label"
     echo
     echo '```'
-    env $env timeout 300 "${bench[@]}" --steps 10 --profile --set "$set" 2>&1 | grep -v '^decode'
+    # shellcheck disable=SC2046 # one --set per word of $set
+    env $env timeout 300 "${bench[@]}" --steps 10 --profile $(printf -- '--set %s ' $set) 2>&1 | grep -v '^decode'
     echo '```'
   } >> "$out"
 done
