@@ -752,77 +752,91 @@ fn flash_attention_stays_within_bf16_rounding_of_the_reference() {
             (70, 96, 6, 3, 0.2, PositionKind::Rope), // head 16, dropout
             (70, 64, 2, 2, 0.1, PositionKind::Learned), // head 32, bf16 q | k | v
         ] {
-            let cfg = ModelConfig {
-                n_layer: 2,
-                n_head,
-                n_kv_head: Some(kv),
-                n_embd,
-                block_size: t,
-                positions,
-                dropout,
-                vocab_size: 29,
-                ..ModelConfig::default()
-            };
-            let b = 2;
-            let batch = batch(b, t, 29, 3);
-            let mask = Dropout::in_pass(dropout, 7, 4, 0);
-            let [mut reference, _] = engines(device, &cfg, b, Precision::F32);
-            let [_, mut flash] = engines(device, &cfg, b, Precision::Bf16);
-            assert!(
-                flash.describe().ends_with("flash attention"),
-                "{}",
-                flash.describe()
-            );
-            let what = format!(
-                "T {t}, head {}, kv {kv}, dropout {dropout}, {positions:?}",
+            // Learned positions once more with GPT-2's biases and tanh GELU: flash writes
+            // dqkv in bf16, whose column sums are the qkv bias's gradient.
+            for gpt2 in [false, positions == PositionKind::Learned] {
+                let cfg = ModelConfig {
+                    n_layer: 2,
+                    n_head,
+                    n_kv_head: Some(kv),
+                    n_embd,
+                    block_size: t,
+                    positions,
+                    dropout,
+                    vocab_size: 29,
+                    bias: gpt2,
+                    mlp: if gpt2 {
+                        MlpKind::GeluTanh
+                    } else {
+                        MlpKind::Gelu
+                    },
+                    ..ModelConfig::default()
+                };
+                let b = 2;
+                let batch = batch(b, t, 29, 3);
+                let mask = Dropout::in_pass(dropout, 7, 4, 0);
+                let [mut reference, _] = engines(device, &cfg, b, Precision::F32);
+                let [_, mut flash] = engines(device, &cfg, b, Precision::Bf16);
+                assert!(
+                    flash.describe().ends_with("flash attention"),
+                    "{}",
+                    flash.describe()
+                );
+                let what = format!(
+                "T {t}, head {}, kv {kv}, dropout {dropout}, {positions:?}, GPT-2's biases and MLP {gpt2}",
                 n_embd / n_head
             );
-            let (ref_loss, ref_grads) = loss_and_grads(reference.as_mut(), &batch, mask.as_ref());
-            let (loss, grads) = loss_and_grads(flash.as_mut(), &batch, mask.as_ref());
-            assert!(
-                (loss - ref_loss).abs() <= 2e-4 * ref_loss,
-                "{what}: loss {loss} vs {ref_loss}"
-            );
-            assert_all_close(&grads, &ref_grads, 2e-2, &what);
-            // The products path in bf16 rounds P after normalising it, flash (one pass, as
-            // FlashAttention-2) before: different numbers rounded alike, so each is held to
-            // the f32 reference, flash to within twice the products path's error (measured
-            // under the emulator: the loss 0.2-0.9x as far off, gradients up to 1.55x).
-            if let Some(mut products) = products_path(device, &cfg, b) {
-                let (p_loss, p_grads) = loss_and_grads(products.as_mut(), &batch, mask.as_ref());
-                // That holds where both round (the emulator always does). On a GPU,
-                // cuBLAS's FAST_16BF products may keep f32 operands (an H200 did: flash
-                // 1.9e-3 off, products 4.2e-4), so there flash is held to the reference's
-                // bounds above and the margins are reported.
-                let rounds_alike = matches!(device, Place::EmulatedGpu);
-                // The loss is one number, its rounding errors of either sign: where the
-                // products path's lands near the reference by chance, flash's is held to
-                // the size both paths' errors take (up to 4e-5 of the loss measured under
-                // the emulator with the MLP's rows in bf16), not to that chance.
-                let loss_bound = 2.0 * (p_loss - ref_loss).abs() + 5e-5 * ref_loss;
-                if rounds_alike {
-                    assert!(
+                let (ref_loss, ref_grads) =
+                    loss_and_grads(reference.as_mut(), &batch, mask.as_ref());
+                let (loss, grads) = loss_and_grads(flash.as_mut(), &batch, mask.as_ref());
+                assert!(
+                    (loss - ref_loss).abs() <= 2e-4 * ref_loss,
+                    "{what}: loss {loss} vs {ref_loss}"
+                );
+                assert_all_close(&grads, &ref_grads, 2e-2, &what);
+                // The products path in bf16 rounds P after normalising it, flash (one pass, as
+                // FlashAttention-2) before: different numbers rounded alike, so each is held to
+                // the f32 reference, flash to within twice the products path's error (measured
+                // under the emulator: the loss 0.2-0.9x as far off, gradients up to 1.55x).
+                if let Some(mut products) = products_path(device, &cfg, b) {
+                    let (p_loss, p_grads) =
+                        loss_and_grads(products.as_mut(), &batch, mask.as_ref());
+                    // That holds where both round (the emulator always does). On a GPU,
+                    // cuBLAS's FAST_16BF products may keep f32 operands (an H200 did: flash
+                    // 1.9e-3 off, products 4.2e-4), so there flash is held to the reference's
+                    // bounds above and the margins are reported.
+                    let rounds_alike = matches!(device, Place::EmulatedGpu);
+                    // The loss is one number, its rounding errors of either sign: where the
+                    // products path's lands near the reference by chance, flash's is held to
+                    // the size both paths' errors take (up to 4e-5 of the loss measured under
+                    // the emulator with the MLP's rows in bf16), not to that chance.
+                    let loss_bound = 2.0 * (p_loss - ref_loss).abs() + 5e-5 * ref_loss;
+                    if rounds_alike {
+                        assert!(
                         (loss - ref_loss).abs() <= loss_bound,
                         "{what}: loss {loss}, the products path's {p_loss}, the reference's {ref_loss}"
                     );
-                } else if (loss - ref_loss).abs() > loss_bound {
-                    eprintln!("{what}: loss {loss}, products path {p_loss}, reference {ref_loss}");
-                }
-                for (name, want) in &ref_grads {
-                    let flash_err = rel_err(&values(&grads[name]), &values(want));
-                    let products_err = rel_err(&values(&p_grads[name]), &values(want));
-                    if rounds_alike {
-                        assert!(
+                    } else if (loss - ref_loss).abs() > loss_bound {
+                        eprintln!(
+                            "{what}: loss {loss}, products path {p_loss}, reference {ref_loss}"
+                        );
+                    }
+                    for (name, want) in &ref_grads {
+                        let flash_err = rel_err(&values(&grads[name]), &values(want));
+                        let products_err = rel_err(&values(&p_grads[name]), &values(want));
+                        if rounds_alike {
+                            assert!(
                             flash_err <= 2.0 * products_err + 1e-4,
                             "{what}: {name} off by {flash_err:e}, the products path by {products_err:e}"
                         );
-                    } else if flash_err > 2.0 * products_err + 1e-4 {
-                        eprintln!(
+                        } else if flash_err > 2.0 * products_err + 1e-4 {
+                            eprintln!(
                             "{what}: {name} flash {flash_err:e}, products path {products_err:e}"
                         );
+                        }
                     }
+                    assert_all_close(&grads, &p_grads, 2e-2, &format!("{what}, products path"));
                 }
-                assert_all_close(&grads, &p_grads, 2e-2, &format!("{what}, products path"));
             }
         }
     }

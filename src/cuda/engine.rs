@@ -1516,7 +1516,7 @@ impl FusedCuda {
             k.flash_backward_sums(sc.dsum.ptr(), dy, y, h)?;
             let given = (dy_rows, a.lse.ptr(), sc.dsum.ptr());
             if h.kv_heads == h.heads {
-                let (grads, rows) = match self.rounded_dqkv(l) {
+                let (grads, rows) = match self.rounded_dqkv() {
                     Some(dqkv16) => (HeadView::qkv_bf16(dqkv16, h), Rows::Bf16(dqkv16)),
                     None => (HeadView::qkv(dqkv, h), Rows::F32(dqkv)),
                 };
@@ -1563,12 +1563,11 @@ impl FusedCuda {
 
     /// Where flash attention may write dqkv rounded and nothing else: the bf16
     /// gradient buffer, when products are bf16 and nothing reads dqkv in f32 (no
-    /// rotary positions turning it back, no bias summing it; grouped K/V heads are
-    /// summed after, and never come here).
-    fn rounded_dqkv(&self, l: usize) -> Option<u64> {
+    /// rotary positions turning it back; a bias sums the bf16 rows, as autocast's
+    /// bias gradients do; grouped K/V heads are summed after, and never come here).
+    fn rounded_dqkv(&self) -> Option<u64> {
         let b = self.bf16.as_ref()?;
-        let plain = self.tables.rope().is_none() && self.spec.blocks[l].attn_qkv.bias.is_none();
-        plain.then(|| b.outputs.ptr())
+        self.tables.rope().is_none().then(|| b.outputs.ptr())
     }
 
     pub fn zero_grads(&mut self) -> Result<()> {
