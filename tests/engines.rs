@@ -568,30 +568,42 @@ fn bf16_products_stay_within_bf16_rounding_of_the_reference() {
     }
 }
 
-/// GPT-2's tanh GELU in its products' epilogues (cuBLASLt's on a GPU; `arch =
-/// "gpt2"`'s MLP): with and without the MLP's bias, and with dropout, the bf16 engine
-/// stays within bf16 rounding of the f32 reference, as the same engine with the GELU
-/// in its kernels does; the two differ (the epilogue takes the GELU of the f32 sum,
-/// the kernel of its bf16 rounding), and the epilogue's is no further from the
-/// reference than twice the kernels'.
+/// GPT-2's block with its work in the products' epilogues (cuBLASLt's on a GPU; `arch =
+/// "gpt2"`: learned positions, tanh GELU, biases; heads of 32, so flash attention reads
+/// q | k | v in bf16): with and without biases, and with dropout, the bf16 engine
+/// stays within bf16 rounding of the f32 reference, as the same engine with that work
+/// in its kernels does (there the qkv bias is added to the rounded rows); the two
+/// differ (the epilogue takes the GELU of the f32 sum, the kernel of its bf16
+/// rounding), and the epilogues' gradients are no further from the reference than
+/// twice the kernels'.
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 #[test]
-fn gelu_epilogues_stay_within_bf16_rounding_of_the_reference() {
-    use tinygpt::cuda::{FusedCuda, GeluEpilogues};
+fn epilogues_stay_within_bf16_rounding_of_the_reference() {
+    use tinygpt::cuda::{Epilogues, FusedCuda};
     for place in &devices() {
         let (t, b) = (37, 2);
         for (bias, dropout) in [(false, 0.0), (true, 0.0), (true, 0.1)] {
             let cfg = ModelConfig {
+                n_layer: 2,
+                n_head: 2,
+                n_embd: 64,
+                block_size: t,
+                vocab_size: 67,
+                positions: PositionKind::Learned,
                 bias,
                 dropout,
                 mlp: MlpKind::GeluTanh,
-                ..gpt2_and_llama(t)[0].clone()
+                ..ModelConfig::default()
             };
             let spec = ModelSpec::new(&cfg);
             let mut init = spec.initial_values(5);
-            // Biases start at zero: give the MLP's some values, so the epilogue's adds
-            // something.
-            for p in spec.blocks.iter().filter_map(|b| b.mlp_fc.bias) {
+            // Biases start at zero: give the MLP's and qkv's some values, so the
+            // epilogues add something.
+            let biases = spec
+                .blocks
+                .iter()
+                .flat_map(|b| [b.mlp_fc.bias, b.attn_qkv.bias]);
+            for p in biases.flatten() {
                 let at = spec[p].offset;
                 for (i, v) in init[at..at + spec[p].len()].iter_mut().enumerate() {
                     *v = 0.05 * ((i as f32) * 0.9).sin();
@@ -608,15 +620,16 @@ fn gelu_epilogues_stay_within_bf16_rounding_of_the_reference() {
             };
             let fused = fused.unwrap();
             let what = format!("{place:?} bias={bias} dropout={dropout}");
-            let on = fused.gelu_epilogues();
-            let both = GeluEpilogues {
-                forward: true,
-                backward: true,
+            let on = fused.epilogues();
+            let all = Epilogues {
+                gelu: true,
+                gelu_gradient: true,
+                qkv_bias: bias,
             };
             if matches!(place, Place::EmulatedGpu) {
-                assert_eq!(on, both, "{what}");
-            } else if on != both {
-                eprintln!("{what}: cuBLASLt runs only {on:?} of the GELU's epilogues");
+                assert_eq!(on, all, "{what}");
+            } else if on != all {
+                eprintln!("{what}: cuBLASLt runs only {on:?} of {all:?}");
             }
             let mut epilogues: Box<dyn Engine> = Box::new(fused);
             assert!(
@@ -634,7 +647,7 @@ fn gelu_epilogues_stay_within_bf16_rounding_of_the_reference() {
                     _ => unreachable!(),
                 }
                 .unwrap()
-                .without_gelu_epilogues(),
+                .without_epilogues(),
             );
             let options = EngineOptions::f32(b, false);
             let mut reference = engine::build(&spec, &init, &Device::Cpu, options).unwrap();

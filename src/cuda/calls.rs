@@ -113,6 +113,7 @@ kernels! {
     ResidualForward = "residual_forward" in "elementwise" as Elementwise,
     DropoutApply = "dropout_apply" in "elementwise" as Elementwise,
     AddBias = "add_bias" in "elementwise" as Elementwise,
+    AddBias16 = "add_bias16" in "elementwise" as Elementwise,
     Rope = "rope" in "elementwise" as Elementwise,
     SplitHeads = "split_heads" in "attention" as Copy,
     MergeHeads = "merge_heads" in "attention" as Copy,
@@ -193,6 +194,8 @@ pub struct ColumnMajor {
 pub enum Epilogue {
     /// Stored as it is.
     None,
+    /// x = sum + bias (f32): cuBLASLt's BIAS.
+    Bias { bias: u64 },
     /// x = sum + bias (f32 bias, 0: none), stored at `aux` rounded to bf16 for the
     /// backward; C gets GPT-2's tanh GELU of x (cuBLASLt's GELU_AUX and GELU_AUX_BIAS).
     GeluAux { bias: u64, aux: u64 },
@@ -206,6 +209,7 @@ impl Epilogue {
     fn bytes(self, values: usize, m: usize) -> f64 {
         match self {
             Epilogue::None => 0.0,
+            Epilogue::Bias { .. } => 4.0 * m as f64,
             Epilogue::GeluAux { bias, .. } => {
                 2.0 * values as f64 + if bias == 0 { 0.0 } else { 4.0 * m as f64 }
             }

@@ -142,8 +142,8 @@ pub unsafe fn gemm(g: &ColumnMajor, math: Math) {
     }
 }
 
-/// A sum (times alpha) at `row` of C, C's element `at`, through `epilogue`: GELU_AUX
-/// adds the bias in f32, keeps that rounded to bf16, and gives the GELU of the f32
+/// A sum (times alpha) at `row` of C, C's element `at`, through `epilogue`: BIAS adds
+/// the bias in f32; GELU_AUX adds the bias in f32, keeps that rounded to bf16, and gives the GELU of the f32
 /// value; DGELU multiplies by the GELU's slope at the bf16 value kept.
 ///
 /// # Safety
@@ -152,6 +152,8 @@ unsafe fn finish(epilogue: Epilogue, sum: f32, row: usize, at: usize) -> f32 {
     use crate::cpu::bf16::to_bf16_bits;
     match epilogue {
         Epilogue::None => sum,
+        // SAFETY: as the caller promises.
+        Epilogue::Bias { bias } => sum + unsafe { *(bias as *const f32).add(row) },
         Epilogue::GeluAux { bias, aux } => {
             let x = match bias {
                 0 => sum,

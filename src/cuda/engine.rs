@@ -52,8 +52,8 @@ pub struct FusedCuda {
     owner: super::gpu::OwnerThread,
     /// How attention is computed (flash tiles for bf16 where they apply).
     attention: Attention,
-    /// Which of the MLP's GELU work its products' epilogues do.
-    gelu: GeluEpilogues,
+    /// What its products' epilogues do beside the products.
+    epilogues: Epilogues,
     params: Buf<f32>,
     /// With bf16 products, what they read instead of f32 data (None with f32).
     bf16: Option<Bf16Operands>,
@@ -153,17 +153,21 @@ impl<T: Into<Rows>> From<T> for InputGradient {
     }
 }
 
-/// Which of the MLP's GELU work its products' epilogues do (cuBLASLt on a GPU), where
-/// the activation's kernels would read a product's output back: the forward (GELU of
-/// the expansion plus its bias, the input kept for the backward) and the backward (the
-/// down-projection's input gradient times the GELU's slope). Only GPT-2's tanh GELU
-/// (cuBLASLt's), with bf16 operands, where the device has an algorithm for each
-/// (`Gpu::fuses`); `TINYGPT_CUDA_EPILOGUES=0` keeps the kernels (one GPU run times both).
+/// What the products' epilogues do (cuBLASLt on a GPU), where a kernel would read a
+/// product's output back. With bf16 operands only, each where the device has an
+/// algorithm for every block's call (`Gpu::fuses`); `TINYGPT_CUDA_EPILOGUES=0` keeps
+/// the kernels (one GPU run times both).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct GeluEpilogues {
-    pub forward: bool,
-    /// Only with the forward's: it reads the input the forward's epilogue kept.
-    pub backward: bool,
+pub struct Epilogues {
+    /// The MLP expansion adds its bias and applies GPT-2's tanh GELU (cuBLASLt's; the
+    /// erf GELU keeps its kernel), keeping the GELU's input for the backward.
+    pub gelu: bool,
+    /// The down-projection's input gradient times the GELU's slope at the kept input.
+    /// Only with `gelu`: it reads what that kept.
+    pub gelu_gradient: bool,
+    /// The qkv product adds its bias before rounding q | k | v to bf16, where flash
+    /// attention reads them in bf16 (elsewhere a kernel adds it to the bf16 rows).
+    pub qkv_bias: bool,
 }
 
 /// Per row of a norm: mean (0 for RMSNorm) then 1 / std, each `rows` long.
@@ -472,7 +476,7 @@ impl FusedCuda {
             precision,
             tf32: false,
             attention,
-            gelu: GeluEpilogues::default(),
+            epilogues: Epilogues::default(),
             gpu,
         };
         let plan = plan.bytes(s.n_layer, false);
@@ -482,7 +486,7 @@ impl FusedCuda {
             engine.bytes_held()
         );
         let mut engine = engine;
-        engine.gelu = engine.choose_gelu_epilogues();
+        engine.epilogues = engine.choose_epilogues();
         Ok(engine)
     }
 
@@ -574,16 +578,16 @@ impl FusedCuda {
         self
     }
 
-    /// The same engine with the MLP's GELU in its own kernels, not in the products'
-    /// epilogues (tests hold the two to each other).
-    pub fn without_gelu_epilogues(mut self) -> Self {
-        self.gelu = GeluEpilogues::default();
+    /// The same engine with no work in the products' epilogues: its kernels do it
+    /// (tests hold the two to each other).
+    pub fn without_epilogues(mut self) -> Self {
+        self.epilogues = Epilogues::default();
         self
     }
 
-    /// Which of the GELU's work the products' epilogues do.
-    pub fn gelu_epilogues(&self) -> GeluEpilogues {
-        self.gelu
+    /// What the products' epilogues do.
+    pub fn epilogues(&self) -> Epilogues {
+        self.epilogues
     }
 
     /// How its products multiply.
@@ -787,8 +791,7 @@ impl FusedCuda {
         match (&self.bf16, a.kept.qkv.len()) {
             (Some(b), 1..) => {
                 let x16 = self.rounded(normed_1, p.attn_qkv.d_in, &b.inputs)?;
-                let copy = (&b.weights, &self.spec);
-                linear_to_bf16(&self.gpu, copy, a.kept.qkv.ptr(), x16, &p.attn_qkv, n)?;
+                self.qkv_to_bf16(l, x16)?;
             }
             _ => self.linear_forward(a.qkv.ptr(), normed_1, &p.attn_qkv)?,
         }
@@ -808,7 +811,7 @@ impl FusedCuda {
         self.mlp_expand(l, normed_2)?;
         let kind = self.spec.config.mlp;
         let (act, activated) = self.kept_rows(sc.act.ptr(), &a.kept.act);
-        if !self.gelu.forward {
+        if !self.epilogues.gelu {
             k.activation_forward(act, self.pre_activation(l), n, s.mlp_hidden, kind)?;
         }
         let branch = self.branch_forward(activated, &p.mlp_proj)?;
@@ -834,7 +837,7 @@ impl FusedCuda {
         let a = &self.acts.blocks[l];
         let p = &self.spec.blocks[l].mlp_fc;
         match &self.bf16 {
-            Some(b) if self.gelu.forward => {
+            Some(b) if self.epilogues.gelu => {
                 let x16 = self.rounded(x, p.d_in, &b.inputs)?;
                 run_fused(
                     &self.gpu,
@@ -908,34 +911,86 @@ impl FusedCuda {
         Rows::Bf16(self.scratch.dact16.ptr())
     }
 
-    /// Which GELU work the products' epilogues take on (`GeluEpilogues`): each where
-    /// every block's call runs on this device.
-    fn choose_gelu_epilogues(&self) -> GeluEpilogues {
-        let off = GeluEpilogues::default();
+    /// What the products' epilogues take on (`Epilogues`): each where every block's
+    /// call runs on this device.
+    fn choose_epilogues(&self) -> Epilogues {
+        let off = Epilogues::default();
         let asked = std::env::var("TINYGPT_CUDA_EPILOGUES").map_or(true, |v| v != "0");
-        let Some(b) = self.bf16.as_ref() else {
+        let Some(b) = self.bf16.as_ref().filter(|_| asked) else {
             return off;
         };
         // cuBLASLt reads its bias vector 16 bytes at a time.
-        let bias_aligned = self
-            .spec
-            .blocks
-            .iter()
-            .all(|p| self.w_opt(p.mlp_fc.bias).is_multiple_of(16));
-        if !asked || self.spec.config.mlp != MlpKind::GeluTanh || !bias_aligned {
-            return off;
-        }
+        let aligned = |bias: Option<ParamId>| self.w_opt(bias).is_multiple_of(16);
         let runs = |product: Result<Fused>| product.is_ok_and(|p| self.gpu.fuses(p.call()));
-        let layers = 0..self.spec.shapes.n_layer;
-        let forward = layers
-            .clone()
-            .all(|l| runs(self.gelu_forward(l, b.inputs.ptr())));
-        let backward = forward
-            && layers.into_iter().all(|l| {
-                let dfc = self.gelu_input_gradient();
-                runs(self.gelu_backward(l, dfc, b.outputs.ptr()))
-            });
-        GeluEpilogues { forward, backward }
+        let blocks = &self.spec.blocks;
+        let every =
+            |call: &dyn Fn(usize) -> Result<Fused>| (0..blocks.len()).all(|l| runs(call(l)));
+        let gelu = self.spec.config.mlp == MlpKind::GeluTanh
+            && blocks.iter().all(|p| aligned(p.mlp_fc.bias))
+            && every(&|l| self.gelu_forward(l, b.inputs.ptr()));
+        let dfc = self.gelu_input_gradient();
+        let gelu_gradient = gelu && every(&|l| self.gelu_backward(l, dfc, b.outputs.ptr()));
+        let qkv_bias = self.acts.blocks.iter().all(|a| a.kept.qkv.len() > 0)
+            && blocks
+                .iter()
+                .all(|p| p.attn_qkv.bias.is_some() && aligned(p.attn_qkv.bias))
+            && every(&|l| self.qkv_with_bias(l, b.inputs.ptr()));
+        Epilogues {
+            gelu,
+            gelu_gradient,
+            qkv_bias,
+        }
+    }
+
+    /// Block `l`'s q | k | v from the bf16 rows `x16`, its bias added in the product's
+    /// epilogue, rounded to bf16 into the kept `qkv`.
+    fn qkv_with_bias(&self, l: usize, x16: u64) -> Result<Fused> {
+        let (p, n) = (&self.spec.blocks[l].attn_qkv, self.rows());
+        let b = self.bf16.as_ref().context("epilogues need bf16 operands")?;
+        let bias = p.bias.context("a bias epilogue of a layer without one")?;
+        let w = b.weights.at(self.spec[p.weight].offset);
+        let out = self.acts.blocks[l].kept.qkv.ptr();
+        fused(
+            (
+                Product::Bf16(Matrix::new(out, n, p.d_out)),
+                Epilogue::Bias { bias: self.w(bias) },
+            ),
+            Matrix::new(x16, n, p.d_in).n(),
+            Matrix::new(w, p.d_out, p.d_in).t(),
+        )
+    }
+
+    /// Block `l`'s q | k | v from the bf16 rows `x16`, written in bf16 into the kept
+    /// `qkv`, where flash attention alone reads them: the bias added in the product's
+    /// epilogue, or without one there by a kernel to the rounded rows (which rounds
+    /// again).
+    fn qkv_to_bf16(&self, l: usize, x16: u64) -> Result<()> {
+        let p = &self.spec.blocks[l].attn_qkv;
+        if self.epilogues.qkv_bias {
+            return run_fused(
+                &self.gpu,
+                Group::Product(p.role),
+                &self.qkv_with_bias(l, x16)?,
+            );
+        }
+        let b = self
+            .bf16
+            .as_ref()
+            .context("bf16 q | k | v need bf16 operands")?;
+        let (out, n) = (self.acts.blocks[l].kept.qkv.ptr(), self.rows());
+        let weights_only = LinearParams { bias: None, ..*p };
+        linear_to_bf16(
+            &self.gpu,
+            (&b.weights, &self.spec),
+            out,
+            x16,
+            &weights_only,
+            n,
+        )?;
+        match p.bias {
+            Some(bias) => self.gpu.add_bias16(out, self.w(bias), n, p.d_out),
+            None => Ok(()),
+        }
     }
 
     /// A sub-layer's branch: its projection of `x`, without the bias, which the
@@ -994,7 +1049,7 @@ impl FusedCuda {
             None => self.f32_rows(a.fc.ptr()),
         };
         // The forward's epilogue kept it with the bias added.
-        let bias = match self.gelu.forward {
+        let bias = match self.epilogues.gelu {
             true => 0,
             false => self.w_opt(self.spec.blocks[l].mlp_fc.bias),
         };
@@ -1419,7 +1474,7 @@ impl FusedCuda {
             Some(_) => (Rows::Bf16(sc.dact16.ptr()), In::Bf16(sc.dact16.ptr())),
             None => (Rows::F32(sc.dact.ptr()), self.f32_rows(sc.dact.ptr())),
         };
-        let dfc = if self.gelu.backward {
+        let dfc = if self.epilogues.gelu_gradient {
             let dfc = self.gelu_input_gradient();
             let through = InputGradient::ThroughGelu {
                 rows: dfc,

@@ -703,6 +703,12 @@ impl Gpu {
         launch!(self, DropoutApply, elements(n), Cost::f32s_and_flops(2 * n, n); out, x, long(n), dropout)
     }
 
+    /// out16[r] = bf16(out16[r] + b), rows of `cols` in bf16.
+    pub fn add_bias16(&self, out16: u64, b: u64, rows: usize, cols: usize) -> Result<()> {
+        let cost = Cost::new((rows * cols) as f64, (4 * rows * cols + 4 * cols) as f64);
+        launch!(self, AddBias16, warp_rows(rows), cost; out16, b, int(rows), int(cols))
+    }
+
     /// out[r] += b, rows of `cols`.
     pub fn add_bias(&self, out: u64, b: u64, rows: usize, cols: usize) -> Result<()> {
         launch!(self, AddBias, warp_rows(rows), Cost::f32s_and_flops(2 * rows * cols, rows * cols); out, b, int(rows), int(cols))
@@ -1638,10 +1644,10 @@ mod tests {
         0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * x * x)
     }
 
-    /// The products' GELU epilogues (cuBLASLt's GELU_AUX_BIAS and DGELU on a GPU) are
-    /// the formulas written out in f64: the forward keeps x = x Wᵀ + b rounded to bf16
-    /// and gives GELU(x) in bf16; the backward gives (g Wᵀ) GELU'(kept x). The slope
-    /// itself is held to finite differences of the GELU.
+    /// The products' epilogues (cuBLASLt's GELU_AUX_BIAS, BIAS and DGELU on a GPU) are
+    /// the formulas written out in f64: the GELU's forward keeps x = x Wᵀ + b rounded to
+    /// bf16 and gives GELU(x) in bf16; the bias alone gives x rounded; the backward gives
+    /// (g Wᵀ) GELU'(kept x). The slope itself is held to finite differences of the GELU.
     #[test]
     fn gelu_epilogues_are_the_written_out_formulas() {
         use super::super::blas::{fused, run_fused, Matrix, Product};
@@ -1720,6 +1726,34 @@ mod tests {
             let (kept_err, act_err) = (rel_err(&kept, &pre), rel_err(&got, &want));
             assert!(kept_err <= bound, "{place}: kept input off by {kept_err:e}");
             assert!(act_err <= bound, "{place}: GELU off by {act_err:e}");
+
+            // A bias alone (the qkv product's): bf16(x Wᵀ + b).
+            let biased = Buf::<u16>::zeros(&gpu, rows * d_out).unwrap();
+            let with_bias = fused(
+                (
+                    Product::Bf16(Matrix::new(biased.ptr(), rows, d_out)),
+                    Epilogue::Bias { bias: b.ptr() },
+                ),
+                Matrix::new(x16.ptr(), rows, d_in).n(),
+                Matrix::new(w16.ptr(), d_out, d_in).t(),
+            )
+            .unwrap();
+            if gpu.fuses(with_bias.call()) {
+                run_fused(&gpu, crate::profile::Group::Elementwise, &with_bias).unwrap();
+                let got: Vec<f32> = biased
+                    .read(&gpu, rows * d_out)
+                    .unwrap()
+                    .into_iter()
+                    .map(widen)
+                    .collect();
+                let err = rel_err(&got, &pre);
+                assert!(
+                    err <= 2f64.powi(-8),
+                    "{place}: biased product off by {err:e}"
+                );
+            } else {
+                eprintln!("SKIPPED on {place}: cuBLASLt has no BIAS algorithm here");
+            }
 
             // The backward: g Wᵀ (g = x here) times the slope at the kept input, in f32.
             let dfc = Buf::<f32>::zeros(&gpu, rows * d_out).unwrap();

@@ -1,7 +1,7 @@
 //! Products whose epilogue finishes the work a kernel would otherwise do by reading
-//! the product's output back (`calls::Epilogue`: the MLP's GELU forward, keeping its
-//! input for the backward, and the GELU's gradient), through cuBLASLt: bf16 operands,
-//! f32 sums. Plain products stay with cuBLAS (`gpu::cublas_gemm`).
+//! the product's output back (`calls::Epilogue`: a bias, the MLP's GELU forward,
+//! keeping its input for the backward, and the GELU's gradient), through cuBLASLt:
+//! bf16 operands, f32 sums. Plain products stay with cuBLAS (`gpu::cublas_gemm`).
 //!
 //! cuBLASLt picks an algorithm per shape with a heuristic, which may find none for an
 //! epilogue at some shapes or alignments: the engine asks first (`Lt::supports`) and
@@ -45,7 +45,7 @@ struct Key {
     mnk: (usize, usize, usize),
     ld: (usize, usize, usize),
     c16: bool,
-    /// 1 GELU forward, 2 with a bias, 3 GELU backward.
+    /// 1 GELU forward, 2 with a bias, 3 GELU backward, 4 a bias alone.
     epilogue: u8,
     alignment: (u32, u32, u32),
 }
@@ -59,6 +59,7 @@ impl Key {
     fn of(g: &ColumnMajor) -> Self {
         let epilogue = match g.epilogue {
             Epilogue::None => 0,
+            Epilogue::Bias { .. } => 4,
             Epilogue::GeluAux { bias: 0, .. } => 1,
             Epilogue::GeluAux { .. } => 2,
             Epilogue::GeluBackward { .. } => 3,
@@ -157,7 +158,8 @@ fn describe(g: &ColumnMajor) -> Result<Described> {
         }
     };
     use sys::cublasLtEpilogue_t::{
-        CUBLASLT_EPILOGUE_DGELU, CUBLASLT_EPILOGUE_GELU_AUX, CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+        CUBLASLT_EPILOGUE_BIAS, CUBLASLT_EPILOGUE_DGELU, CUBLASLT_EPILOGUE_GELU_AUX,
+        CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
     };
     // SAFETY: each value has the type cuBLASLt documents for its attribute: operations
     // and the epilogue are enums, pointers 64-bit addresses, the aux's row spacing an
@@ -167,22 +169,23 @@ fn describe(g: &ColumnMajor) -> Result<Described> {
         set(d.desc, Attr::CUBLASLT_MATMUL_DESC_TRANSB, op(g.transb))?;
         let (epilogue, aux, bias) = match g.epilogue {
             Epilogue::None => bail!("a plain product goes to cuBLAS"),
+            Epilogue::Bias { bias } => (CUBLASLT_EPILOGUE_BIAS, 0, bias),
             Epilogue::GeluAux { bias: 0, aux } => (CUBLASLT_EPILOGUE_GELU_AUX, aux, 0),
             Epilogue::GeluAux { bias, aux } => (CUBLASLT_EPILOGUE_GELU_AUX_BIAS, aux, bias),
             Epilogue::GeluBackward { aux } => (CUBLASLT_EPILOGUE_DGELU, aux, 0),
         };
         set(d.desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue)?;
-        set(d.desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux)?;
-        set(
-            d.desc,
-            Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
-            g.ldc as i64,
-        )?;
-        set(
-            d.desc,
-            Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
-            CUDA_R_16BF,
-        )?;
+        if aux != 0 {
+            set(d.desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux)?;
+            let ld = g.ldc as i64;
+            set(d.desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ld)?;
+            let aux_type = CUDA_R_16BF;
+            set(
+                d.desc,
+                Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
+                aux_type,
+            )?;
+        }
         if bias != 0 {
             set(d.desc, Attr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias)?;
             set(

@@ -53,7 +53,7 @@ mod tables;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 pub use decode::CudaDecoder;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
-pub use engine::{FusedCuda, GeluEpilogues};
+pub use engine::{Epilogues, FusedCuda};
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 pub use gpu::Gpu;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]

@@ -153,13 +153,12 @@ impl Bf16Plan {
 
 /// Whether a block keeps its q | k | v rows only in bf16, as their product writes them:
 /// with bf16 operand copies and flash attention (which reads its heads in bf16 either
-/// way), where nothing is done to them in f32 (no rotary positions turned in, no bias
-/// added).
+/// way), where nothing is done to them in f32 (no rotary positions turned in; a bias is
+/// added by the product's epilogue before it rounds, or else to the rounded rows).
 pub fn qkv_in_bf16(spec: &ModelSpec, attention: Attention, precision: Precision) -> bool {
     bf16_operands(precision)
         && attention == Attention::Flash
         && spec.config.positions != PositionKind::Rope
-        && spec.blocks.iter().all(|b| b.attn_qkv.bias.is_none())
 }
 
 /// Whether bf16 products read bf16 copies of their operands (the default), or, with

@@ -30,11 +30,18 @@ impl Engine for FusedCuda {
                 "fused CUDA kernels, bf16 tensor-core products of f32 operands rounded by cuBLAS (f32 sums and weights)"
             }
         };
-        let gelu = self.gelu_epilogues();
-        let products = match (gelu.forward, gelu.backward) {
-            (false, _) => products.to_string(),
-            (true, true) => format!("{products}, GELU and its gradient in their epilogues"),
-            (true, false) => format!("{products}, GELU in its epilogue"),
+        let e = self.epilogues();
+        let fused: Vec<&str> = [
+            (e.gelu, "the GELU"),
+            (e.gelu_gradient, "its gradient"),
+            (e.qkv_bias, "the qkv bias"),
+        ]
+        .into_iter()
+        .filter_map(|(on, what)| on.then_some(what))
+        .collect();
+        let products = match fused.is_empty() {
+            true => products.to_string(),
+            false => format!("{products}, {} in their epilogues", fused.join(", ")),
         };
         let kernels = match self.attention() {
             Attention::Flash => format!("{products}, flash attention"),

@@ -76,6 +76,7 @@ const std::vector<Kernel>& kernels() {
         entry("residual_forward", residual_forward, false),
         entry("dropout_apply", dropout_apply, false),
         entry("add_bias", add_bias, false),
+        entry("add_bias16", add_bias16, false),
         entry("rope", rope, false),
         entry("to_bf16", to_bf16, false),
         entry("split_heads", split_heads, false),

@@ -22,6 +22,16 @@ extern "C" __global__ void add_bias(float* out, const float* b, int rows, int co
     for (int c = lane; c < cols; c += WARP_SIZE) row[c] += b[c];
 }
 
+// out16[r][c] = bf16(out16[r][c] + b[c]): a bias added to rows a product wrote in bf16
+// (rounded again), where cuBLASLt cannot add it before rounding. One warp per row.
+extern "C" __global__ void add_bias16(uint16_t* out16, const float* b, int rows, int cols) {
+    const int r = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    if (r >= rows) return;
+    uint16_t* row = out16 + (long long)r * cols;
+    for (int c = lane; c < cols; c += WARP_SIZE) row[c] = bf16_bits(bf16_value(row[c]) + b[c]);
+}
+
 // dst = src rounded to the nearest bf16 (`bf16_bits`).
 extern "C" __global__ void to_bf16(uint16_t* dst, const float* src, long long n) {
     FOR_EACH(i, n) { dst[i] = bf16_bits(src[i]); }
