@@ -188,16 +188,17 @@ pub struct ColumnMajor {
 /// What a product does to each f32 sum (times alpha) on its way to C: cuBLASLt's
 /// epilogues, which save the kernel that would otherwise read the product's output
 /// back. Indices are column-major: the bias has one value per row of C (m of them),
-/// which is one per output feature of a row-major linear layer; `aux` has C's shape
-/// and row spacing, in bf16.
+/// which is one per output feature of a row-major linear layer, in bf16 (the type
+/// cuBLASLt documents beside a bf16 C; autocast rounds a bias so too); `aux` has C's
+/// shape and row spacing, in bf16.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Epilogue {
     /// Stored as it is.
     None,
-    /// x = sum + bias (f32): cuBLASLt's BIAS.
+    /// x = sum + bias: cuBLASLt's BIAS.
     Bias { bias: u64 },
-    /// x = sum + bias (f32 bias, 0: none), stored at `aux` rounded to bf16 for the
-    /// backward; C gets GPT-2's tanh GELU of x (cuBLASLt's GELU_AUX and GELU_AUX_BIAS).
+    /// x = sum + bias (0: none), stored at `aux` rounded to bf16 for the backward; C
+    /// gets GPT-2's tanh GELU of x (cuBLASLt's GELU_AUX and GELU_AUX_BIAS).
     GeluAux { bias: u64, aux: u64 },
     /// C gets sum times the tanh GELU's slope at the bf16 `aux` a `GeluAux` kept: the
     /// gradient at the GELU's input from the gradient at its output (DGELU).
@@ -205,13 +206,23 @@ pub enum Epilogue {
 }
 
 impl Epilogue {
+    /// Its bias and aux addresses (0 where it has none).
+    pub fn buffers(self) -> (u64, u64) {
+        match self {
+            Epilogue::None => (0, 0),
+            Epilogue::Bias { bias } => (bias, 0),
+            Epilogue::GeluAux { bias, aux } => (bias, aux),
+            Epilogue::GeluBackward { aux } => (0, aux),
+        }
+    }
+
     /// The bytes it reads or writes beside the product's own, for `values` sums of C.
     fn bytes(self, values: usize, m: usize) -> f64 {
         match self {
             Epilogue::None => 0.0,
-            Epilogue::Bias { .. } => 4.0 * m as f64,
+            Epilogue::Bias { .. } => 2.0 * m as f64,
             Epilogue::GeluAux { bias, .. } => {
-                2.0 * values as f64 + if bias == 0 { 0.0 } else { 4.0 * m as f64 }
+                2.0 * values as f64 + if bias == 0 { 0.0 } else { 2.0 * m as f64 }
             }
             Epilogue::GeluBackward { .. } => 2.0 * values as f64,
         }
@@ -219,6 +230,25 @@ impl Epilogue {
 }
 
 impl ColumnMajor {
+    /// Whether its epilogue is one cuBLASLt documents for it: bf16 operands, one
+    /// matrix, nothing added from C; a bias or an aux (both bf16) beside a bf16 C, the
+    /// aux's rows a multiple of 8 apart; bias and aux on 16 bytes. A device may still have no algorithm
+    /// for it (`Gpu::fuses` asks).
+    pub fn documented_epilogue(&self) -> bool {
+        let (bias, aux) = self.epilogue.buffers();
+        let aligned = |at: u64| at.is_multiple_of(16);
+        let bf16_beside = (bias == 0 && aux == 0) || self.c16;
+        let aux_fits = aux == 0 || self.ldc.is_multiple_of(8);
+        self.epilogue != Epilogue::None
+            && self.operands == Operands::Bf16
+            && self.batch == 1
+            && self.beta == 0.0
+            && bf16_beside
+            && aux_fits
+            && aligned(bias)
+            && aligned(aux)
+    }
+
     /// What a profile counts it as doing: 2 m n k FLOPs per matrix; A, B and C read
     /// once (C only with beta), C written, at their sizes in memory, and what its
     /// epilogue reads or writes (its FLOPs are noise beside the product's).

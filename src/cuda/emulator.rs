@@ -81,7 +81,7 @@ pub unsafe fn launch(
 ///
 /// # Safety
 /// The addresses are into live host buffers holding the matrices `g` describes: f32
-/// ones, or A and B of bf16 bits; an epilogue's bias (f32, m values) and aux (bf16,
+/// ones, or A and B of bf16 bits; an epilogue's bias (bf16, m values) and aux (bf16,
 /// C's shape and spacing).
 pub unsafe fn gemm(g: &ColumnMajor, math: Math) {
     let round = |x: f32| match math {
@@ -143,7 +143,7 @@ pub unsafe fn gemm(g: &ColumnMajor, math: Math) {
 }
 
 /// A sum (times alpha) at `row` of C, C's element `at`, through `epilogue`: BIAS adds
-/// the bias in f32; GELU_AUX adds the bias in f32, keeps that rounded to bf16, and gives the GELU of the f32
+/// the bf16 bias in f32; GELU_AUX adds it so, keeps that rounded to bf16, and gives the GELU of the f32
 /// value; DGELU multiplies by the GELU's slope at the bf16 value kept.
 ///
 /// # Safety
@@ -153,12 +153,12 @@ unsafe fn finish(epilogue: Epilogue, sum: f32, row: usize, at: usize) -> f32 {
     match epilogue {
         Epilogue::None => sum,
         // SAFETY: as the caller promises.
-        Epilogue::Bias { bias } => sum + unsafe { *(bias as *const f32).add(row) },
+        Epilogue::Bias { bias } => sum + unsafe { bf16_at(bias, row) },
         Epilogue::GeluAux { bias, aux } => {
             let x = match bias {
                 0 => sum,
                 // SAFETY: as the caller promises.
-                b => sum + unsafe { *(b as *const f32).add(row) },
+                b => sum + unsafe { bf16_at(b, row) },
             };
             // SAFETY: as the caller promises.
             unsafe { *(aux as *mut u16).add(at) = to_bf16_bits(x) };
@@ -166,10 +166,17 @@ unsafe fn finish(epilogue: Epilogue, sum: f32, row: usize, at: usize) -> f32 {
         }
         Epilogue::GeluBackward { aux } => {
             // SAFETY: as the caller promises.
-            let x = f32::from_bits(u32::from(unsafe { *(aux as *const u16).add(at) }) << 16);
-            sum * gelu_tanh_slope(x)
+            sum * gelu_tanh_slope(unsafe { bf16_at(aux, at) })
         }
     }
+}
+
+/// The bf16 value at index `i` of the bf16 buffer at `base`.
+///
+/// # Safety
+/// The buffer holds index `i`.
+unsafe fn bf16_at(base: u64, i: usize) -> f32 {
+    f32::from_bits(u32::from(unsafe { *(base as *const u16).add(i) }) << 16)
 }
 
 /// GPT-2's tanh GELU, as cuBLASLt's GELU epilogues define it and kernels/activation.cu

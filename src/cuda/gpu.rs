@@ -329,10 +329,13 @@ impl Gpu {
         }
     }
 
-    /// Whether the product `g`, with its epilogue, can run here: on CUDA where
-    /// cuBLASLt has an algorithm for it; in the emulator always.
-    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    /// Whether the product `g`, with its epilogue, can run here: one cuBLASLt documents
+    /// (`ColumnMajor::documented_epilogue`), and on CUDA one its heuristic has an
+    /// algorithm for.
     pub fn fuses(&self, g: &ColumnMajor) -> bool {
+        if !g.documented_epilogue() {
+            return false;
+        }
         match self {
             #[cfg(feature = "cuda")]
             Gpu::Cuda(gpu) => gpu

@@ -16,7 +16,7 @@ use anyhow::{bail, ensure, Context, Result};
 use candle_core::cuda::cudarc::cublas::sys as blas_sys;
 use candle_core::cuda::cudarc::cublaslt::{result, sys};
 
-use super::calls::{ColumnMajor, Epilogue, Operands};
+use super::calls::{ColumnMajor, Epilogue};
 
 /// A cuBLASLt handle and the algorithm chosen for each kind of call.
 pub struct Lt {
@@ -38,7 +38,9 @@ impl Drop for Lt {
 }
 
 /// What the heuristic's choice depends on: the call without its addresses, and the
-/// addresses' alignment (cuBLASLt's kernels may assume up to 256 bytes).
+/// addresses' alignment (cuBLASLt's kernels may assume up to 256 bytes; the heuristic
+/// reads the bias's and aux's from their addresses, so a block whose bias sits on
+/// fewer bytes than another's gets its own choice).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Key {
     trans: (bool, bool),
@@ -48,6 +50,8 @@ struct Key {
     /// 1 GELU forward, 2 with a bias, 3 GELU backward, 4 a bias alone.
     epilogue: u8,
     alignment: (u32, u32, u32),
+    /// The bias's and the aux's.
+    epilogue_alignment: (u32, u32),
 }
 
 /// The largest power of two up to 256 that `address` is a multiple of.
@@ -71,6 +75,10 @@ impl Key {
             c16: g.c16,
             epilogue,
             alignment: (alignment(g.a), alignment(g.b), alignment(g.c)),
+            epilogue_alignment: {
+                let (bias, aux) = g.epilogue.buffers();
+                (alignment(bias), alignment(aux))
+            },
         }
     }
 }
@@ -122,13 +130,17 @@ unsafe fn set<T>(
 }
 
 /// The descriptors of `g`: bf16 A and B, C and D the same (f32 or bf16), f32 sums and
-/// scale, its epilogue and the epilogue's buffers.
+/// scale, its epilogue and the epilogue's buffers. The bias and aux types are left at
+/// their default, D's type, as cuBLASLt asks outside its FP8 kernels: `g` is one it
+/// documents (`ColumnMajor::documented_epilogue`; a bias or an aux goes with a bf16 D).
 fn describe(g: &ColumnMajor) -> Result<Described> {
     use sys::cublasLtMatmulDescAttributes_t as Attr;
     use sys::cudaDataType_t::{CUDA_R_16BF, CUDA_R_32F};
     ensure!(
-        g.operands == Operands::Bf16 && g.batch == 1 && g.beta == 0.0,
-        "cuBLASLt products here take bf16 operands, one matrix, nothing added from C"
+        g.documented_epilogue(),
+        "not an epilogue cuBLASLt documents: bf16 operands, one matrix, nothing added \
+         from C, a bias or aux beside a bf16 D, aux rows a multiple of 8 apart, buffers \
+         on 16 bytes"
     );
     let mut d = Described {
         desc: std::ptr::null_mut(),
@@ -163,7 +175,7 @@ fn describe(g: &ColumnMajor) -> Result<Described> {
     };
     // SAFETY: each value has the type cuBLASLt documents for its attribute: operations
     // and the epilogue are enums, pointers 64-bit addresses, the aux's row spacing an
-    // int64, data types cudaDataType.
+    // int64.
     unsafe {
         set(d.desc, Attr::CUBLASLT_MATMUL_DESC_TRANSA, op(g.transa))?;
         set(d.desc, Attr::CUBLASLT_MATMUL_DESC_TRANSB, op(g.transb))?;
@@ -179,20 +191,9 @@ fn describe(g: &ColumnMajor) -> Result<Described> {
             set(d.desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux)?;
             let ld = g.ldc as i64;
             set(d.desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ld)?;
-            let aux_type = CUDA_R_16BF;
-            set(
-                d.desc,
-                Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
-                aux_type,
-            )?;
         }
         if bias != 0 {
             set(d.desc, Attr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias)?;
-            set(
-                d.desc,
-                Attr::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-                CUDA_R_32F,
-            )?;
         }
     }
     Ok(d)
@@ -229,44 +230,38 @@ impl Lt {
             }
         }
         let pref = Prefs(pref);
-        let setting = |attr, value: u64, size: usize| {
-            // SAFETY: the workspace size is a uint64 (read as `size` bytes of it on a
-            // little-endian machine), the alignments uint32s.
+        /// Sets preference `attr` to `value`, of the type cuBLASLt documents for it.
+        fn set_pref<T>(pref: sys::cublasLtMatmulPreference_t, attr: Pref, value: T) -> Result<()> {
+            // SAFETY: `value` lives across the call, which copies it; `T` is the
+            // attribute's type (the callers below).
             unsafe {
                 result::set_matmul_pref_attribute(
-                    pref.0,
+                    pref,
                     attr,
-                    (&value as *const u64).cast::<c_void>(),
-                    size,
+                    (&value as *const T).cast::<c_void>(),
+                    std::mem::size_of::<T>(),
                 )
             }
             .with_context(|| format!("setting cuBLASLt's {attr:?}"))
-        };
-        setting(
+        }
+        // The work space's size is a uint64, the alignments and the scheme mask uint32s.
+        set_pref(
+            pref.0,
             Pref::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
             workspace as u64,
-            8,
         )?;
         let (a, b, c) = key.alignment;
-        setting(
-            Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-            a.into(),
-            4,
-        )?;
-        setting(
-            Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-            b.into(),
-            4,
-        )?;
-        setting(
-            Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-            c.into(),
-            4,
-        )?;
-        setting(
-            Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-            c.into(),
-            4,
+        set_pref(pref.0, Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, a)?;
+        set_pref(pref.0, Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, b)?;
+        set_pref(pref.0, Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, c)?;
+        set_pref(pref.0, Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, c)?;
+        // Sums split over k, where an algorithm splits them, added in f32, never in
+        // the output's bf16.
+        let f32_partials = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+        set_pref(
+            pref.0,
+            Pref::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+            f32_partials as u32,
         )?;
         // SAFETY: the descriptors are live; the result is written by the call.
         let algo = unsafe {
