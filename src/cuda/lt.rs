@@ -230,10 +230,16 @@ impl Lt {
             }
         }
         let pref = Prefs(pref);
-        /// Sets preference `attr` to `value`, of the type cuBLASLt documents for it.
-        fn set_pref<T>(pref: sys::cublasLtMatmulPreference_t, attr: Pref, value: T) -> Result<()> {
-            // SAFETY: `value` lives across the call, which copies it; `T` is the
-            // attribute's type (the callers below).
+        /// Sets preference `attr` to `value`.
+        ///
+        /// # Safety
+        /// `T` is the type cuBLASLt documents for `attr`.
+        unsafe fn set_pref<T>(
+            pref: sys::cublasLtMatmulPreference_t,
+            attr: Pref,
+            value: T,
+        ) -> Result<()> {
+            // SAFETY: `value` lives across the call, which copies it.
             unsafe {
                 result::set_matmul_pref_attribute(
                     pref,
@@ -244,25 +250,25 @@ impl Lt {
             }
             .with_context(|| format!("setting cuBLASLt's {attr:?}"))
         }
-        // The work space's size is a uint64, the alignments and the scheme mask uint32s.
-        set_pref(
-            pref.0,
-            Pref::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-            workspace as u64,
-        )?;
         let (a, b, c) = key.alignment;
-        set_pref(pref.0, Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, a)?;
-        set_pref(pref.0, Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, b)?;
-        set_pref(pref.0, Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, c)?;
-        set_pref(pref.0, Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, c)?;
         // Sums split over k, where an algorithm splits them, added in f32, never in
         // the output's bf16.
         let f32_partials = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-        set_pref(
-            pref.0,
-            Pref::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-            f32_partials as u32,
-        )?;
+        // SAFETY: the work space's size is a uint64, the alignments and the scheme mask
+        // uint32s, as cuBLASLt documents them.
+        unsafe {
+            set_pref(
+                pref.0,
+                Pref::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                workspace as u64,
+            )?;
+            set_pref(pref.0, Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, a)?;
+            set_pref(pref.0, Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, b)?;
+            set_pref(pref.0, Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, c)?;
+            set_pref(pref.0, Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, c)?;
+            let mask = Pref::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK;
+            set_pref(pref.0, mask, f32_partials as u32)?;
+        }
         // SAFETY: the descriptors are live; the result is written by the call.
         let algo = unsafe {
             result::get_matmul_algo_heuristic(self.handle, d.desc, d.a, d.b, d.c, d.c, pref.0)
