@@ -31,6 +31,7 @@ use super::ops::norm::NormWeights;
 use super::ops::rope::Rope;
 use super::q4::Q4Matrix;
 use super::q8::{BlockMatrix, Q8Matrix, Q8Row};
+use super::isa::{self, Isa};
 use super::threads::threads;
 use super::weight_rows::{by_output_shares, project_rows, splits, Bf16};
 use crate::config::PositionKind;
@@ -266,20 +267,16 @@ impl Matrix {
         let out = &mut out[..rows * d_out];
         let bias = self.bias.as_deref();
         match &self.stored {
-            Stored::Int8(q) if rows <= ROWS_MAX_ROWS => project_quantized(q, bias, x, out, q8_rows),
-            Stored::Int4(q) if rows <= ROWS_MAX_ROWS => project_quantized(q, bias, x, out, q8_rows),
-            Stored::Int8(_) | Stored::Int4(_) => {
-                gemm_widened(d_out, x, d_in, out, |first, panel| {
-                    for (r, row) in panel.chunks_exact_mut(d_in).enumerate() {
-                        self.row_into(first + r, row);
-                    }
-                });
-                add_bias(out, bias, d_out);
-            }
+            // However many rows: the integer tiles beat widening the matrix to f32 for a
+            // GEMM at prompts of 64 to 512 tokens, 1.1-5x (all but int8 capped to AVX2
+            // at 512: 0.93x; docs/PERFORMANCE.md), and a prompt is then summed as its
+            // tokens are decoded, from activations in eight bits.
+            Stored::Int8(q) => project_quantized(q, bias, x, out, q8_rows),
+            Stored::Int4(q) => project_quantized(q, bias, x, out, q8_rows),
             Stored::F32 { w, transposed } => {
                 if let (Some(wt), true) = (transposed, rows <= NARROW_MAX_ROWS) {
                     project_transposed(wt, bias, x, d_in, out);
-                } else if rows <= ROWS_MAX_ROWS {
+                } else if rows <= F32_ROWS_MAX_ROWS {
                     project_rows(w, bias, x, d_in, out);
                 } else {
                     let p = Product::new(
@@ -292,7 +289,7 @@ impl Matrix {
                 }
             }
             Stored::Bf16(bits) => {
-                if rows <= ROWS_MAX_ROWS {
+                if rows <= bf16_rows_max_rows() {
                     project_rows(bits, bias, x, d_in, out);
                 } else {
                     gemm_widened(d_out, x, d_in, out, |first, panel| {
@@ -308,10 +305,23 @@ impl Matrix {
     }
 }
 
-/// Up to this many rows, a product reads each weight row once for all of them
-/// (`weight_rows`); beyond, the GEMM's packing pays for itself. Measured on the GPT-2
-/// 124M shape (Zen 3, 2 threads): see docs/PERFORMANCE.md.
-const ROWS_MAX_ROWS: usize = 48;
+/// Up to this many rows, an f32 product reads each weight row once for all of them
+/// (`weight_rows`); beyond, the GEMM's packing of the whole matrix pays for itself.
+/// Measured on the GPT-2 124M shape, 2 threads, prompts of 48 to 512 tokens (Zen 5,
+/// at AVX-512 and capped to AVX2: docs/PERFORMANCE.md): the GEMM was 2.5x slower at 64
+/// rows, level at 512.
+const F32_ROWS_MAX_ROWS: usize = 256;
+
+/// [`F32_ROWS_MAX_ROWS`] for bf16 weights, whose GEMM path first widens the whole
+/// matrix to f32: 256 rows at AVX-512 (measured as for f32: the widening GEMM 2.7x
+/// slower at 64 rows), 48 below it, where the rows' portable bf16 loop is slower than
+/// widening (capped to AVX2: 82 against 70 ms at 64 rows, 161 against 122 at 128).
+fn bf16_rows_max_rows() -> usize {
+    match isa::active() >= Isa::Avx512 {
+        true => 256,
+        false => 48,
+    }
+}
 
 /// Up to this many rows, a narrow f32 matrix reads its transposed copy.
 const NARROW_MAX_ROWS: usize = 4;
