@@ -25,6 +25,7 @@ use super::ops::rope::Turn;
 use super::ops::{residual_in_place, Positions};
 use super::q8::Q8Row;
 use super::threads::on_workers;
+use super::weight_rows::Bf16;
 use crate::model::spec::{ModelSpec, Shapes};
 
 /// A model's weights laid out for decoding (shared), and the K/V buffers of `batch`
@@ -452,7 +453,7 @@ multiversion! {
 /// head, a row's heads were read a head's width at a time, a row apart), and the
 /// heads' dot products, independent, overlap.
 #[inline(always)]
-fn attend_in<T: Widen>(
+fn attend_in<T: KeyRow>(
     s: &Shapes,
     q: &[f32],
     cache: (&[T], &[T]),
@@ -472,9 +473,19 @@ fn attend_in<T: Widen>(
         let g = h / s.group();
         &row[g * s.head_dim..(g + 1) * s.head_dim]
     }
+    #[cfg(target_arch = "x86_64")]
+    let level = super::isa::active();
     for (p, key) in keys.chunks_exact(kv_width).take(seen).enumerate() {
+        let at = (&mut *scores, seen, p, scale);
+        #[cfg(target_arch = "x86_64")]
+        if level >= super::isa::Isa::Avx2 {
+            // Safety: the active level never exceeds what the CPU has (AVX2 and FMA
+            // come with every level from AVX2 up).
+            unsafe { T::head_scores(level, q, key, s, at) };
+            continue;
+        }
         for (h, q) in q.chunks_exact(d).take(s.n_head).enumerate() {
-            scores[h * seen + p] = dot_lanes(q, kv(key, h, s)) * scale;
+            at.0[h * seen + p] = dot_lanes(q, kv(key, h, s)) * scale;
         }
     }
     for head in scores.chunks_exact_mut(seen) {
@@ -487,6 +498,206 @@ fn attend_in<T: Widen>(
         }
     }
 }
+
+/// A key row's element type (f32 or bf16) with its head scores in vector registers.
+trait KeyRow: Widen {
+    /// scores[h * seen + p] = (q_h · the key row's head for h) x scale for every query
+    /// head h, at `level` (AVX2 or AVX-512): `dot_lanes`'s operations in its order, so
+    /// its bits. (Written out, as the compiler multiplied f32 rows four lanes at a
+    /// time once `dot_lanes` folded its sums in halves: a 512-token prompt's attention
+    /// a third slower.)
+    ///
+    /// # Safety
+    /// The CPU must have `level`, at least AVX2 with FMA.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn head_scores(
+        level: super::isa::Isa,
+        q: &[f32],
+        key: &[Self],
+        s: &Shapes,
+        scores: (&mut [f32], usize, usize, f32),
+    );
+}
+
+impl KeyRow for f32 {
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn head_scores(
+        level: super::isa::Isa,
+        q: &[f32],
+        key: &[f32],
+        s: &Shapes,
+        scores: (&mut [f32], usize, usize, f32),
+    ) {
+        // Safety (both): as the caller promises.
+        match level >= super::isa::Isa::Avx512 {
+            true => unsafe { head_scores_f32(q, key, s, scores) },
+            false => unsafe { head_scores_f32_avx2(q, key, s, scores) },
+        }
+    }
+}
+
+impl KeyRow for Bf16 {
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn head_scores(
+        level: super::isa::Isa,
+        q: &[f32],
+        key: &[Bf16],
+        s: &Shapes,
+        scores: (&mut [f32], usize, usize, f32),
+    ) {
+        // Safety (both): as the caller promises.
+        match level >= super::isa::Isa::Avx512 {
+            true => unsafe { head_scores_bf16(q, key, s, scores) },
+            false => unsafe { head_scores_bf16_avx2(q, key, s, scores) },
+        }
+    }
+}
+
+/// The AVX-512 head scores of key rows whose 16 values at a pointer `$load` widens to
+/// f32.
+#[cfg(target_arch = "x86_64")]
+macro_rules! head_scores {
+    ($name:ident, $t:ty, $load:ident) => {
+        #[target_feature(enable = "avx512f,avx2,fma")]
+        unsafe fn $name(
+            q: &[f32],
+            key: &[$t],
+            s: &Shapes,
+            (scores, seen, p, scale): (&mut [f32], usize, usize, f32),
+        ) {
+            use std::arch::x86_64::*;
+            let d = s.head_dim;
+            let whole = d / 32 * 32;
+            for h in 0..s.n_head {
+                let g = h / s.group();
+                let (qh, kh) = (&q[h * d..(h + 1) * d], &key[g * d..(g + 1) * d]);
+                let (mut low, mut high) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+                for c in (0..whole).step_by(32) {
+                    // Safety: c + 32 <= whole <= d, inside both heads.
+                    let (qa, ka) = (qh.as_ptr().add(c), kh.as_ptr().add(c));
+                    let products = _mm512_mul_ps(_mm512_loadu_ps(qa), $load(ka));
+                    low = _mm512_add_ps(low, products);
+                    let products = _mm512_mul_ps(_mm512_loadu_ps(qa.add(16)), $load(ka.add(16)));
+                    high = _mm512_add_ps(high, products);
+                }
+                // dot_lanes's fold: 16 + 16, 8 + 8, 4 + 4, then (0 + 2) + (1 + 3).
+                let s16 = _mm512_add_ps(low, high);
+                let upper = _mm512_extractf64x4_pd(_mm512_castps_pd(s16), 1);
+                let s8 = _mm256_add_ps(_mm512_castps512_ps256(s16), _mm256_castpd_ps(upper));
+                let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+                let pairs = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+                let mut sum = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+                for i in whole..d {
+                    sum += qh[i] * kh[i].widen();
+                }
+                scores[h * seen + p] = sum * scale;
+            }
+        }
+    };
+}
+
+/// 16 f32 values at `at`.
+///
+/// # Safety
+/// They are readable; the CPU must have AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn load_f32(at: *const f32) -> std::arch::x86_64::__m512 {
+    std::arch::x86_64::_mm512_loadu_ps(at)
+}
+
+/// 16 bf16 values at `at`, widened to f32 (exactly: a bf16 is an f32's top half).
+///
+/// # Safety
+/// They are readable; the CPU must have AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn load_bf16(at: *const Bf16) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(at.cast()));
+    _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16))
+}
+
+#[cfg(target_arch = "x86_64")]
+head_scores!(head_scores_f32, f32, load_f32);
+
+#[cfg(target_arch = "x86_64")]
+head_scores!(head_scores_bf16, Bf16, load_bf16);
+
+/// [`head_scores!`] in AVX2 registers: each 16 lanes as two of 8.
+#[cfg(target_arch = "x86_64")]
+macro_rules! head_scores_avx2 {
+    ($name:ident, $t:ty, $load:ident) => {
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn $name(
+            q: &[f32],
+            key: &[$t],
+            s: &Shapes,
+            (scores, seen, p, scale): (&mut [f32], usize, usize, f32),
+        ) {
+            use std::arch::x86_64::*;
+            let d = s.head_dim;
+            let whole = d / 32 * 32;
+            for h in 0..s.n_head {
+                let g = h / s.group();
+                let (qh, kh) = (&q[h * d..(h + 1) * d], &key[g * d..(g + 1) * d]);
+                // Lanes 0..8, 8..16 (the low 16) and 16..24, 24..32 (the high 16).
+                let mut acc = [_mm256_setzero_ps(); 4];
+                for c in (0..whole).step_by(32) {
+                    for (i, acc) in acc.iter_mut().enumerate() {
+                        // Safety: c + 32 <= whole <= d, inside both heads.
+                        let (qa, ka) = (qh.as_ptr().add(c + 8 * i), kh.as_ptr().add(c + 8 * i));
+                        let products = _mm256_mul_ps(_mm256_loadu_ps(qa), $load(ka));
+                        *acc = _mm256_add_ps(*acc, products);
+                    }
+                }
+                // dot_lanes's fold: 16 + 16, 8 + 8, 4 + 4, then (0 + 2) + (1 + 3).
+                let (s_low, s_high) =
+                    (_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]));
+                let s8 = _mm256_add_ps(s_low, s_high);
+                let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+                let pairs = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+                let mut sum = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+                for i in whole..d {
+                    sum += qh[i] * kh[i].widen();
+                }
+                scores[h * seen + p] = sum * scale;
+            }
+        }
+    };
+}
+
+/// 8 f32 values at `at`.
+///
+/// # Safety
+/// They are readable; the CPU must have AVX.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx")]
+unsafe fn load8_f32(at: *const f32) -> std::arch::x86_64::__m256 {
+    std::arch::x86_64::_mm256_loadu_ps(at)
+}
+
+/// 8 bf16 values at `at`, widened to f32.
+///
+/// # Safety
+/// They are readable; the CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn load8_bf16(at: *const Bf16) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(at.cast()));
+    _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16))
+}
+
+#[cfg(target_arch = "x86_64")]
+head_scores_avx2!(head_scores_f32_avx2, f32, load8_f32);
+
+#[cfg(target_arch = "x86_64")]
+head_scores_avx2!(head_scores_bf16_avx2, Bf16, load8_bf16);
 
 /// Positions whose logits `next_token_losses` holds at once (a few MiB for a large
 /// vocabulary).
@@ -506,3 +717,59 @@ pub const OUTPUT_ROWS: usize = 128;
 /// Rows (sequences x positions) of scratch a decoder allocates: bounds memory for long
 /// contexts and many samples; a longer prefill runs in chunks.
 const MAX_ROWS: usize = 1024;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ModelConfig;
+
+    /// The head scores in AVX2 and AVX-512 registers are `dot_lanes`'s sums to the bit,
+    /// for f32 and bf16 keys, heads whose width is and is not a multiple of 32, K/V
+    /// heads grouped and not.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_head_scores_are_dot_lanes_bits() {
+        use crate::cpu::isa::Isa;
+        let levels: Vec<Isa> = Isa::supported()
+            .into_iter()
+            .filter(|&l| l == Isa::Avx2 || l == Isa::Avx512)
+            .collect();
+        if levels.is_empty() {
+            eprintln!("SKIPPED: the vector head scores (no AVX2 here)");
+            return;
+        }
+        for (n_head, kv, n_embd) in [(2, 2, 128), (4, 2, 192), (3, 1, 48), (2, 1, 160)] {
+            let s = ModelSpec::new(&ModelConfig {
+                n_head,
+                n_kv_head: Some(kv),
+                n_embd,
+                ..ModelConfig::default()
+            })
+            .shapes;
+            let value = |i: usize| ((i as f32) * 0.61).sin() * 1.7;
+            let q: Vec<f32> = (0..n_embd).map(value).collect();
+            let key: Vec<f32> = (0..s.kv_width).map(|i| value(i + 1000)).collect();
+            let key16: Vec<Bf16> = key.iter().map(|&v| Bf16::round(v)).collect();
+            let d = s.head_dim;
+            let (seen, p, scale) = (3, 1, 0.125);
+            let kv_head = |h: usize| (h / s.group()) * d..(h / s.group() + 1) * d;
+            for &level in &levels {
+                let mut got = vec![0f32; n_head * seen];
+                // Safety: `level` is one this CPU supports.
+                unsafe { f32::head_scores(level, &q, &key, &s, (&mut got, seen, p, scale)) };
+                for h in 0..n_head {
+                    let want = dot_lanes(&q[h * d..(h + 1) * d], &key[kv_head(h)]) * scale;
+                    let what = format!("f32 head {h} at {level:?} of {s:?}");
+                    assert_eq!(got[h * seen + p].to_bits(), want.to_bits(), "{what}");
+                }
+                // Safety: as above.
+                unsafe { Bf16::head_scores(level, &q, &key16, &s, (&mut got, seen, p, scale)) };
+                for h in 0..n_head {
+                    let want = dot_lanes(&q[h * d..(h + 1) * d], &key16[kv_head(h)]) * scale;
+                    let what = format!("bf16 head {h} at {level:?} of {s:?}");
+                    assert_eq!(got[h * seen + p].to_bits(), want.to_bits(), "{what}");
+                }
+            }
+        }
+    }
+}

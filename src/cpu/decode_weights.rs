@@ -22,6 +22,7 @@ use std::sync::Arc;
 use anyhow::Result;
 
 use super::gemm::{matmul, Precision};
+use super::isa::{self, Isa};
 use super::kernels::Widen;
 use super::kernels::{axpy, multiversion};
 use super::lines::Lines;
@@ -31,7 +32,6 @@ use super::ops::norm::NormWeights;
 use super::ops::rope::Rope;
 use super::q4::Q4Matrix;
 use super::q8::{BlockMatrix, Q8Matrix, Q8Row};
-use super::isa::{self, Isa};
 use super::threads::threads;
 use super::weight_rows::{by_output_shares, project_rows, splits, Bf16};
 use crate::config::PositionKind;

@@ -47,23 +47,37 @@ impl Widen for f32 {
 }
 
 /// sum_i a[i] * b[i] (b f32, or bf16 widened as it is read), with 32 partial sums the
-/// compiler keeps in vector registers (two AVX-512 or four AVX2 registers). Inlined
-/// into the multiversioned kernels below.
+/// compiler keeps in vector registers (two of 16 lanes: two AVX-512 or four AVX2
+/// registers), folded in halves at the end (16 + 16, 8 + 8, 4 + 4, then (0 + 2) +
+/// (1 + 3)): a few vector adds where adding the 32 one after another was 31 dependent
+/// scalar adds, most of a 64-wide head's dot product. Inlined into the multiversioned
+/// kernels below; the same operations in the same order at every level (and in
+/// `decode`'s AVX-512 head scores), so the same bits.
 #[inline(always)]
 pub fn dot_lanes<T: Widen>(a: &[f32], b: &[T]) -> f32 {
-    const LANES: usize = 32;
+    const HALF: usize = 16;
     debug_assert_eq!(a.len(), b.len());
-    let n = a.len() / LANES * LANES;
-    let mut acc = [0f32; LANES];
-    for (ca, cb) in a[..n].chunks_exact(LANES).zip(b[..n].chunks_exact(LANES)) {
-        for k in 0..LANES {
-            acc[k] += ca[k] * cb[k].widen();
+    let n = a.len() / (2 * HALF) * (2 * HALF);
+    let (mut low, mut high) = ([0f32; HALF], [0f32; HALF]);
+    for (ca, cb) in a[..n]
+        .chunks_exact(2 * HALF)
+        .zip(b[..n].chunks_exact(2 * HALF))
+    {
+        for k in 0..HALF {
+            low[k] += ca[k] * cb[k].widen();
+            high[k] += ca[HALF + k] * cb[HALF + k].widen();
         }
     }
-    let mut sum = 0.0;
-    for v in acc {
-        sum += v;
+    for k in 0..HALF {
+        low[k] += high[k];
     }
+    for k in 0..8 {
+        low[k] += low[k + 8];
+    }
+    for k in 0..4 {
+        low[k] += low[k + 4];
+    }
+    let mut sum = (low[0] + low[2]) + (low[1] + low[3]);
     for i in n..a.len() {
         sum += a[i] * b[i].widen();
     }
