@@ -18,6 +18,8 @@ use anyhow::Result;
 use rayon::prelude::*;
 
 use super::decode_weights::{DecodeWeights, WeightFormat};
+#[cfg(target_arch = "x86_64")]
+use super::isa::{self, Isa};
 use super::kernels::{axpy, dot_lanes, multiversion, softmax_inline, Widen};
 use super::kv_cache::{KvCache, KvPrecision, LayerKv, Place};
 use super::ops::norm::NormStats;
@@ -474,11 +476,11 @@ fn attend_in<T: KeyRow>(
         &row[g * s.head_dim..(g + 1) * s.head_dim]
     }
     #[cfg(target_arch = "x86_64")]
-    let level = super::isa::active();
+    let level = isa::active();
     for (p, key) in keys.chunks_exact(kv_width).take(seen).enumerate() {
         let at = (&mut *scores, seen, p, scale);
         #[cfg(target_arch = "x86_64")]
-        if level >= super::isa::Isa::Avx2 {
+        if level >= Isa::Avx2 {
             // Safety: the active level never exceeds what the CPU has (AVX2 and FMA
             // come with every level from AVX2 up).
             unsafe { T::head_scores(level, q, key, s, at) };
@@ -511,7 +513,7 @@ trait KeyRow: Widen {
     /// The CPU must have `level`, at least AVX2 with FMA.
     #[cfg(target_arch = "x86_64")]
     unsafe fn head_scores(
-        level: super::isa::Isa,
+        level: Isa,
         q: &[f32],
         key: &[Self],
         s: &Shapes,
@@ -522,14 +524,14 @@ trait KeyRow: Widen {
 impl KeyRow for f32 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn head_scores(
-        level: super::isa::Isa,
+        level: Isa,
         q: &[f32],
         key: &[f32],
         s: &Shapes,
         scores: (&mut [f32], usize, usize, f32),
     ) {
         // Safety (both): as the caller promises.
-        match level >= super::isa::Isa::Avx512 {
+        match level >= Isa::Avx512 {
             true => unsafe { head_scores_f32(q, key, s, scores) },
             false => unsafe { head_scores_f32_avx2(q, key, s, scores) },
         }
@@ -539,14 +541,14 @@ impl KeyRow for f32 {
 impl KeyRow for Bf16 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn head_scores(
-        level: super::isa::Isa,
+        level: Isa,
         q: &[f32],
         key: &[Bf16],
         s: &Shapes,
         scores: (&mut [f32], usize, usize, f32),
     ) {
         // Safety (both): as the caller promises.
-        match level >= super::isa::Isa::Avx512 {
+        match level >= Isa::Avx512 {
             true => unsafe { head_scores_bf16(q, key, s, scores) },
             false => unsafe { head_scores_bf16_avx2(q, key, s, scores) },
         }
@@ -718,15 +720,18 @@ pub const OUTPUT_ROWS: usize = 128;
 /// contexts and many samples; a longer prefill runs in chunks.
 const MAX_ROWS: usize = 1024;
 
-// The head scores are written out for x86-64 only.
-#[cfg(all(test, target_arch = "x86_64"))]
+#[cfg(test)]
 mod tests {
+    // The head scores are written out for x86-64 only.
+    #[cfg(target_arch = "x86_64")]
     use super::*;
+    #[cfg(target_arch = "x86_64")]
     use crate::config::ModelConfig;
 
     /// The head scores in AVX2 and AVX-512 registers are `dot_lanes`'s sums to the bit,
     /// for f32 and bf16 keys, heads whose width is and is not a multiple of 32, K/V
     /// heads grouped and not.
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn vector_head_scores_are_dot_lanes_bits() {
         use crate::cpu::isa::Isa;
