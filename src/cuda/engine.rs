@@ -226,11 +226,13 @@ struct Kept16 {
     /// otherwise).
     y: Buf<u16>,
     /// (N, fc width): the MLP's first projection, rounded as its product wrote it
-    /// (autocast's product returns it so), which the activation's backward reads.
+    /// (autocast's product returns it so; with the GELU in its epilogue, its bias
+    /// added), which the activation's backward reads.
     fc: Buf<u16>,
-    /// (N, qkv width): q | k | v as their product wrote them, where flash attention
-    /// (which reads its heads in bf16 either way) is all that reads them: no rotary
-    /// positions, no bias (`plan::qkv_in_bf16`; empty otherwise).
+    /// (N, qkv width): q | k | v as their product wrote them (a bias added in its
+    /// epilogue, or to the rounded rows), where flash attention (which reads its
+    /// heads in bf16 either way) is all that reads them: no rotary positions
+    /// (`plan::qkv_in_bf16`; empty otherwise).
     qkv: Buf<u16>,
 }
 
