@@ -555,12 +555,13 @@ impl KeyRow for Bf16 {
     }
 }
 
-/// The AVX-512 head scores of key rows whose 16 values at a pointer `$load` widens to
-/// f32.
+/// `KeyRow::head_scores` at one level: `$four(q_h, k_h, whole)` gives a head's first
+/// `whole` products summed in `dot_lanes`'s 32 lanes and folded to four (16 + 16,
+/// 8 + 8, 4 + 4); here the rest of its order: (0 + 2) + (1 + 3), the tail, the scale.
 #[cfg(target_arch = "x86_64")]
 macro_rules! head_scores {
-    ($name:ident, $t:ty, $load:ident) => {
-        #[target_feature(enable = "avx512f,avx2,fma")]
+    ($name:ident, $t:ty, $four:ident, $features:literal) => {
+        #[target_feature(enable = $features)]
         unsafe fn $name(
             q: &[f32],
             key: &[$t],
@@ -573,20 +574,7 @@ macro_rules! head_scores {
             for h in 0..s.n_head {
                 let g = h / s.group();
                 let (qh, kh) = (&q[h * d..(h + 1) * d], &key[g * d..(g + 1) * d]);
-                let (mut low, mut high) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-                for c in (0..whole).step_by(32) {
-                    // Safety: c + 32 <= whole <= d, inside both heads.
-                    let (qa, ka) = (qh.as_ptr().add(c), kh.as_ptr().add(c));
-                    let products = _mm512_mul_ps(_mm512_loadu_ps(qa), $load(ka));
-                    low = _mm512_add_ps(low, products);
-                    let products = _mm512_mul_ps(_mm512_loadu_ps(qa.add(16)), $load(ka.add(16)));
-                    high = _mm512_add_ps(high, products);
-                }
-                // dot_lanes's fold: 16 + 16, 8 + 8, 4 + 4, then (0 + 2) + (1 + 3).
-                let s16 = _mm512_add_ps(low, high);
-                let upper = _mm512_extractf64x4_pd(_mm512_castps_pd(s16), 1);
-                let s8 = _mm256_add_ps(_mm512_castps512_ps256(s16), _mm256_castpd_ps(upper));
-                let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+                let s4 = $four(qh, kh, whole);
                 let pairs = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
                 let mut sum = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
                 for i in whole..d {
@@ -594,6 +582,55 @@ macro_rules! head_scores {
                 }
                 scores[h * seen + p] = sum * scale;
             }
+        }
+    };
+}
+
+/// A head's first `whole` products (a multiple of 32) in `dot_lanes`'s lanes, folded to
+/// four, in AVX-512 registers: 16 lanes each.
+#[cfg(target_arch = "x86_64")]
+macro_rules! four_lanes_avx512 {
+    ($name:ident, $t:ty, $load:ident) => {
+        #[inline]
+        #[target_feature(enable = "avx512f,avx2,fma")]
+        unsafe fn $name(qh: &[f32], kh: &[$t], whole: usize) -> std::arch::x86_64::__m128 {
+            use std::arch::x86_64::*;
+            let (mut low, mut high) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            for c in (0..whole).step_by(32) {
+                // Safety: c + 32 <= whole, inside both heads.
+                let (qa, ka) = (qh.as_ptr().add(c), kh.as_ptr().add(c));
+                low = _mm512_add_ps(low, _mm512_mul_ps(_mm512_loadu_ps(qa), $load(ka)));
+                let products = _mm512_mul_ps(_mm512_loadu_ps(qa.add(16)), $load(ka.add(16)));
+                high = _mm512_add_ps(high, products);
+            }
+            let s16 = _mm512_add_ps(low, high);
+            let upper = _mm512_extractf64x4_pd(_mm512_castps_pd(s16), 1);
+            let s8 = _mm256_add_ps(_mm512_castps512_ps256(s16), _mm256_castpd_ps(upper));
+            _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1))
+        }
+    };
+}
+
+/// [`four_lanes_avx512!`] in AVX2 registers: lanes 0..8, 8..16 (the low 16) and
+/// 16..24, 24..32 (the high 16).
+#[cfg(target_arch = "x86_64")]
+macro_rules! four_lanes_avx2 {
+    ($name:ident, $t:ty, $load:ident) => {
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn $name(qh: &[f32], kh: &[$t], whole: usize) -> std::arch::x86_64::__m128 {
+            use std::arch::x86_64::*;
+            let mut acc = [_mm256_setzero_ps(); 4];
+            for c in (0..whole).step_by(32) {
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    // Safety: c + 32 <= whole, inside both heads.
+                    let (qa, ka) = (qh.as_ptr().add(c + 8 * i), kh.as_ptr().add(c + 8 * i));
+                    *acc = _mm256_add_ps(*acc, _mm256_mul_ps(_mm256_loadu_ps(qa), $load(ka)));
+                }
+            }
+            let (s_low, s_high) = (_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]));
+            let s8 = _mm256_add_ps(s_low, s_high);
+            _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1))
         }
     };
 }
@@ -622,55 +659,6 @@ unsafe fn load_bf16(at: *const Bf16) -> std::arch::x86_64::__m512 {
     _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16))
 }
 
-#[cfg(target_arch = "x86_64")]
-head_scores!(head_scores_f32, f32, load_f32);
-
-#[cfg(target_arch = "x86_64")]
-head_scores!(head_scores_bf16, Bf16, load_bf16);
-
-/// [`head_scores!`] in AVX2 registers: each 16 lanes as two of 8.
-#[cfg(target_arch = "x86_64")]
-macro_rules! head_scores_avx2 {
-    ($name:ident, $t:ty, $load:ident) => {
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn $name(
-            q: &[f32],
-            key: &[$t],
-            s: &Shapes,
-            (scores, seen, p, scale): (&mut [f32], usize, usize, f32),
-        ) {
-            use std::arch::x86_64::*;
-            let d = s.head_dim;
-            let whole = d / 32 * 32;
-            for h in 0..s.n_head {
-                let g = h / s.group();
-                let (qh, kh) = (&q[h * d..(h + 1) * d], &key[g * d..(g + 1) * d]);
-                // Lanes 0..8, 8..16 (the low 16) and 16..24, 24..32 (the high 16).
-                let mut acc = [_mm256_setzero_ps(); 4];
-                for c in (0..whole).step_by(32) {
-                    for (i, acc) in acc.iter_mut().enumerate() {
-                        // Safety: c + 32 <= whole <= d, inside both heads.
-                        let (qa, ka) = (qh.as_ptr().add(c + 8 * i), kh.as_ptr().add(c + 8 * i));
-                        let products = _mm256_mul_ps(_mm256_loadu_ps(qa), $load(ka));
-                        *acc = _mm256_add_ps(*acc, products);
-                    }
-                }
-                // dot_lanes's fold: 16 + 16, 8 + 8, 4 + 4, then (0 + 2) + (1 + 3).
-                let (s_low, s_high) =
-                    (_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]));
-                let s8 = _mm256_add_ps(s_low, s_high);
-                let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-                let pairs = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-                let mut sum = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
-                for i in whole..d {
-                    sum += qh[i] * kh[i].widen();
-                }
-                scores[h * seen + p] = sum * scale;
-            }
-        }
-    };
-}
-
 /// 8 f32 values at `at`.
 ///
 /// # Safety
@@ -696,10 +684,26 @@ unsafe fn load8_bf16(at: *const Bf16) -> std::arch::x86_64::__m256 {
 }
 
 #[cfg(target_arch = "x86_64")]
-head_scores_avx2!(head_scores_f32_avx2, f32, load8_f32);
-
+four_lanes_avx512!(four_lanes_f32, f32, load_f32);
 #[cfg(target_arch = "x86_64")]
-head_scores_avx2!(head_scores_bf16_avx2, Bf16, load8_bf16);
+four_lanes_avx512!(four_lanes_bf16, Bf16, load_bf16);
+#[cfg(target_arch = "x86_64")]
+four_lanes_avx2!(four_lanes_f32_avx2, f32, load8_f32);
+#[cfg(target_arch = "x86_64")]
+four_lanes_avx2!(four_lanes_bf16_avx2, Bf16, load8_bf16);
+#[cfg(target_arch = "x86_64")]
+head_scores!(head_scores_f32, f32, four_lanes_f32, "avx512f,avx2,fma");
+#[cfg(target_arch = "x86_64")]
+head_scores!(head_scores_bf16, Bf16, four_lanes_bf16, "avx512f,avx2,fma");
+#[cfg(target_arch = "x86_64")]
+head_scores!(head_scores_f32_avx2, f32, four_lanes_f32_avx2, "avx2,fma");
+#[cfg(target_arch = "x86_64")]
+head_scores!(
+    head_scores_bf16_avx2,
+    Bf16,
+    four_lanes_bf16_avx2,
+    "avx2,fma"
+);
 
 /// Positions whose logits `next_token_losses` holds at once (a few MiB for a large
 /// vocabulary).
