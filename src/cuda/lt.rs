@@ -108,25 +108,39 @@ impl Drop for Described {
     }
 }
 
-/// Sets attribute `attr` of `desc` to `value`.
+/// An attribute setter of cuBLASLt's (of a product's descriptor, of its preferences).
+type Setter<H, A> = unsafe fn(H, A, *const c_void, usize) -> Result<(), result::CublasError>;
+
+/// Sets attribute `attr` of `handle` to `value` through `setter`.
 ///
 /// # Safety
-/// `T` is the type cuBLASLt documents for `attr`.
-unsafe fn set<T>(
+/// `handle` is live, and `T` is the type cuBLASLt documents for `attr`.
+unsafe fn set<H, A: std::fmt::Debug + Copy, T>(
+    setter: Setter<H, A>,
+    handle: H,
+    attr: A,
+    value: T,
+) -> Result<()> {
+    let (at, size) = (
+        (&value as *const T).cast::<c_void>(),
+        std::mem::size_of::<T>(),
+    );
+    // SAFETY: as the caller promises; `value` lives across the call, which copies it.
+    unsafe { setter(handle, attr, at, size) }
+        .with_context(|| format!("setting cuBLASLt's {attr:?}"))
+}
+
+/// A product descriptor's attribute (`set`).
+///
+/// # Safety
+/// As `set`'s.
+unsafe fn set_desc<T>(
     desc: sys::cublasLtMatmulDesc_t,
     attr: sys::cublasLtMatmulDescAttributes_t,
     value: T,
 ) -> Result<()> {
-    // SAFETY: `value` lives across the call, which copies it.
-    unsafe {
-        result::set_matmul_desc_attribute(
-            desc,
-            attr,
-            (&value as *const T).cast::<c_void>(),
-            std::mem::size_of::<T>(),
-        )
-    }
-    .with_context(|| format!("setting cuBLASLt's {attr:?}"))
+    // SAFETY: as the caller promises.
+    unsafe { set(result::set_matmul_desc_attribute, desc, attr, value) }
 }
 
 /// The descriptors of `g`: bf16 A and B, C and D the same (f32 or bf16), f32 sums and
@@ -177,8 +191,8 @@ fn describe(g: &ColumnMajor) -> Result<Described> {
     // and the epilogue are enums, pointers 64-bit addresses, the aux's row spacing an
     // int64.
     unsafe {
-        set(d.desc, Attr::CUBLASLT_MATMUL_DESC_TRANSA, op(g.transa))?;
-        set(d.desc, Attr::CUBLASLT_MATMUL_DESC_TRANSB, op(g.transb))?;
+        set_desc(d.desc, Attr::CUBLASLT_MATMUL_DESC_TRANSA, op(g.transa))?;
+        set_desc(d.desc, Attr::CUBLASLT_MATMUL_DESC_TRANSB, op(g.transb))?;
         let (epilogue, aux, bias) = match g.epilogue {
             Epilogue::None => bail!("a plain product goes to cuBLAS"),
             Epilogue::Bias { bias } => (CUBLASLT_EPILOGUE_BIAS, 0, bias),
@@ -186,14 +200,14 @@ fn describe(g: &ColumnMajor) -> Result<Described> {
             Epilogue::GeluAux { bias, aux } => (CUBLASLT_EPILOGUE_GELU_AUX_BIAS, aux, bias),
             Epilogue::GeluBackward { aux } => (CUBLASLT_EPILOGUE_DGELU, aux, 0),
         };
-        set(d.desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue)?;
+        set_desc(d.desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue)?;
         if aux != 0 {
-            set(d.desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux)?;
+            set_desc(d.desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux)?;
             let ld = g.ldc as i64;
-            set(d.desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ld)?;
+            set_desc(d.desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ld)?;
         }
         if bias != 0 {
-            set(d.desc, Attr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias)?;
+            set_desc(d.desc, Attr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias)?;
         }
     }
     Ok(d)
@@ -230,45 +244,48 @@ impl Lt {
             }
         }
         let pref = Prefs(pref);
-        /// Sets preference `attr` to `value`.
-        ///
-        /// # Safety
-        /// `T` is the type cuBLASLt documents for `attr`.
-        unsafe fn set_pref<T>(
-            pref: sys::cublasLtMatmulPreference_t,
-            attr: Pref,
-            value: T,
-        ) -> Result<()> {
-            // SAFETY: `value` lives across the call, which copies it.
+        let set_pref = |attr: Pref, value: u64, narrow: bool| {
+            let setter = result::set_matmul_pref_attribute;
+            // SAFETY: the preferences are live; the work space's size is a uint64, the
+            // alignments and the scheme mask uint32s (`narrow`), as cuBLASLt documents.
             unsafe {
-                result::set_matmul_pref_attribute(
-                    pref,
-                    attr,
-                    (&value as *const T).cast::<c_void>(),
-                    std::mem::size_of::<T>(),
-                )
+                match narrow {
+                    true => set(setter, pref.0, attr, value as u32),
+                    false => set(setter, pref.0, attr, value),
+                }
             }
-            .with_context(|| format!("setting cuBLASLt's {attr:?}"))
-        }
+        };
         let (a, b, c) = key.alignment;
         // Sums split over k, where an algorithm splits them, added in f32, never in
         // the output's bf16.
         let f32_partials = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-        // SAFETY: the work space's size is a uint64, the alignments and the scheme mask
-        // uint32s, as cuBLASLt documents them.
-        unsafe {
-            set_pref(
-                pref.0,
-                Pref::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                workspace as u64,
-            )?;
-            set_pref(pref.0, Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, a)?;
-            set_pref(pref.0, Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, b)?;
-            set_pref(pref.0, Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, c)?;
-            set_pref(pref.0, Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, c)?;
-            let mask = Pref::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK;
-            set_pref(pref.0, mask, f32_partials as u32)?;
-        }
+        set_pref(
+            Pref::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            workspace as u64,
+            false,
+        )?;
+        set_pref(
+            Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+            a.into(),
+            true,
+        )?;
+        set_pref(
+            Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+            b.into(),
+            true,
+        )?;
+        set_pref(
+            Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+            c.into(),
+            true,
+        )?;
+        set_pref(
+            Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+            c.into(),
+            true,
+        )?;
+        let mask = Pref::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK;
+        set_pref(mask, f32_partials as u64, true)?;
         // SAFETY: the descriptors are live; the result is written by the call.
         let algo = unsafe {
             result::get_matmul_algo_heuristic(self.handle, d.desc, d.a, d.b, d.c, d.c, pref.0)
