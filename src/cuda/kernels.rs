@@ -1679,45 +1679,30 @@ mod tests {
             })
             .collect();
         let widen = |h: u16| f32::from_bits(u32::from(h) << 16);
+        let n = rows * d_out;
         for (place, gpu) in gpus() {
             let up = |v: &[u16]| Buf::from_host(&gpu, v).unwrap();
-            let (x16, w16) = (up(&bits(&x)), up(&bits(&w)));
-            let b = up(&bits(&bias));
-            let (act, aux) = (
-                Buf::<u16>::zeros(&gpu, rows * d_out).unwrap(),
-                Buf::<u16>::zeros(&gpu, rows * d_out).unwrap(),
-            );
-            let epilogue = Epilogue::GeluAux {
-                bias: b.ptr(),
-                aux: aux.ptr(),
+            let (x16, w16, b) = (up(&bits(&x)), up(&bits(&w)), up(&bits(&bias)));
+            let read = |buf: &Buf<u16>| -> Vec<f32> {
+                buf.read(&gpu, n).unwrap().into_iter().map(widen).collect()
             };
-            let forward = fused(
-                (Product::Bf16(Matrix::new(act.ptr(), rows, d_out)), epilogue),
-                Matrix::new(x16.ptr(), rows, d_in).n(),
-                Matrix::new(w16.ptr(), d_out, d_in).t(),
-            )
-            .unwrap();
-            if !gpu.fuses(forward.call()) {
-                eprintln!("SKIPPED on {place}: cuBLASLt has no GELU_AUX_BIAS algorithm here");
-                continue;
-            }
-            run_fused(&gpu, crate::profile::Group::Elementwise, &forward).unwrap();
-            let kept: Vec<f32> = aux
-                .read(&gpu, rows * d_out)
-                .unwrap()
-                .into_iter()
-                .map(widen)
-                .collect();
-            let got: Vec<f32> = act
-                .read(&gpu, rows * d_out)
-                .unwrap()
-                .into_iter()
-                .map(widen)
-                .collect();
-            let pre: Vec<f64> = (0..rows * d_out)
-                .map(|e| sums[e] + bias[e % d_out] as f64)
-                .collect();
-            let want: Vec<f64> = pre.iter().map(|&v| gelu_tanh64(v)).collect();
+            // bf16(x Wᵀ) through `epilogue` into a new buffer, read back; None (said)
+            // where the device does not run it.
+            let product = |epilogue, name: &str| -> Option<Vec<f32>> {
+                let out = Buf::<u16>::zeros(&gpu, n).unwrap();
+                let call = fused(
+                    (Product::Bf16(Matrix::new(out.ptr(), rows, d_out)), epilogue),
+                    Matrix::new(x16.ptr(), rows, d_in).n(),
+                    Matrix::new(w16.ptr(), d_out, d_in).t(),
+                )
+                .unwrap();
+                if !gpu.fuses(call.call()) {
+                    eprintln!("SKIPPED on {place}: cuBLASLt has no {name} algorithm here");
+                    return None;
+                }
+                run_fused(&gpu, crate::profile::Group::Elementwise, &call).unwrap();
+                Some(read(&out))
+            };
             // Each kept value and output is one bf16 rounding (2^-9 relative) from its
             // value; on a GPU the epilogue's tanh may be a faster approximation.
             let bound = if place == "emulator" {
@@ -1725,70 +1710,40 @@ mod tests {
             } else {
                 4e-3
             };
+            let pre: Vec<f64> = (0..n).map(|e| sums[e] + bias[e % d_out] as f64).collect();
+
+            let aux = Buf::<u16>::zeros(&gpu, n).unwrap();
+            let gelu = Epilogue::GeluAux {
+                bias: b.ptr(),
+                aux: aux.ptr(),
+            };
+            let Some(got) = product(gelu, "GELU_AUX_BIAS") else {
+                continue;
+            };
+            let kept = read(&aux);
+            let want: Vec<f64> = pre.iter().map(|&v| gelu_tanh64(v)).collect();
             let (kept_err, act_err) = (rel_err(&kept, &pre), rel_err(&got, &want));
             assert!(kept_err <= bound, "{place}: kept input off by {kept_err:e}");
             assert!(act_err <= bound, "{place}: GELU off by {act_err:e}");
 
             // A bias alone (the qkv product's): bf16(x Wᵀ + b).
-            let biased = Buf::<u16>::zeros(&gpu, rows * d_out).unwrap();
-            let with_bias = fused(
-                (
-                    Product::Bf16(Matrix::new(biased.ptr(), rows, d_out)),
-                    Epilogue::Bias { bias: b.ptr() },
-                ),
-                Matrix::new(x16.ptr(), rows, d_in).n(),
-                Matrix::new(w16.ptr(), d_out, d_in).t(),
-            )
-            .unwrap();
-            if gpu.fuses(with_bias.call()) {
-                run_fused(&gpu, crate::profile::Group::Elementwise, &with_bias).unwrap();
-                let got: Vec<f32> = biased
-                    .read(&gpu, rows * d_out)
-                    .unwrap()
-                    .into_iter()
-                    .map(widen)
-                    .collect();
+            if let Some(got) = product(Epilogue::Bias { bias: b.ptr() }, "BIAS") {
                 let err = rel_err(&got, &pre);
                 assert!(
                     err <= 2f64.powi(-8),
                     "{place}: biased product off by {err:e}"
                 );
-            } else {
-                eprintln!("SKIPPED on {place}: cuBLASLt has no BIAS algorithm here");
             }
 
             // The backward: g Wᵀ (g = x here) times the slope at the kept input, in bf16.
-            let dfc = Buf::<u16>::zeros(&gpu, rows * d_out).unwrap();
-            let backward = fused(
-                (
-                    Product::Bf16(Matrix::new(dfc.ptr(), rows, d_out)),
-                    Epilogue::GeluBackward { aux: aux.ptr() },
-                ),
-                Matrix::new(x16.ptr(), rows, d_in).n(),
-                Matrix::new(w16.ptr(), d_out, d_in).t(),
-            )
-            .unwrap();
-            if !gpu.fuses(backward.call()) {
-                eprintln!("SKIPPED on {place}: cuBLASLt has no DGELU algorithm here");
-                continue;
+            let backward = Epilogue::GeluBackward { aux: aux.ptr() };
+            if let Some(got) = product(backward, "DGELU") {
+                let want: Vec<f64> = (0..n)
+                    .map(|e| sums[e] * gelu_tanh_slope64(kept[e] as f64))
+                    .collect();
+                let err = rel_err(&got, &want);
+                assert!(err <= bound, "{place}: GELU gradient off by {err:e}");
             }
-            run_fused(&gpu, crate::profile::Group::Elementwise, &backward).unwrap();
-            let got: Vec<f32> = dfc
-                .read(&gpu, rows * d_out)
-                .unwrap()
-                .into_iter()
-                .map(widen)
-                .collect();
-            let want: Vec<f64> = (0..rows * d_out)
-                .map(|e| sums[e] * gelu_tanh_slope64(kept[e] as f64))
-                .collect();
-            let err = rel_err(&got, &want);
-            let bound = if place == "emulator" {
-                2f64.powi(-8)
-            } else {
-                4e-3
-            };
-            assert!(err <= bound, "{place}: GELU gradient off by {err:e}");
         }
     }
 
