@@ -670,6 +670,68 @@ fn a_mapped_checkpoint_cut_off_before_its_renames_opens() {
     );
 }
 
+/// A prompt's positions attend as GEMMs (`cpu::prompt_attention`) once they are a run
+/// of 16 or more: a whole prompt, a second piece after cached positions beside another
+/// sequence's single row, and one position after them all give the reference model's
+/// logits, with f32 and bf16 keys and values, grouped heads and RoPE.
+#[test]
+fn long_prompts_decode_as_the_reference() {
+    use tinygpt::cpu::Place;
+    for positions in [PositionKind::Learned, PositionKind::Rope] {
+        let cfg = ModelConfig {
+            n_layer: 2,
+            n_head: 4,
+            n_kv_head: Some(2),
+            n_embd: 32,
+            block_size: 64,
+            positions,
+            vocab_size: 29,
+            ..ModelConfig::default()
+        };
+        let model = Gpt::new(&cfg, 5, &Device::Cpu).unwrap();
+        let values = model.params().to_flat().unwrap();
+        let prompt: Vec<u32> = (0..61).map(|i| (i * 7 + 3) % 29).collect();
+        let other: Vec<u32> = vec![4, 9, 2];
+        let alone = |window: &[u32]| full_forward_last(&model, window);
+        for (kv, tolerance) in [(KvPrecision::F32, 1e-5), (KvPrecision::Bf16, 2e-2)] {
+            let weights = DecodeWeights::from_flat(model.spec(), &values, WeightFormat::F32);
+            let mut d = FastDecoder::with_kv(std::sync::Arc::new(weights.unwrap()), 2, kv).unwrap();
+            let close = |got: &[f32], want: &[f32], what: &str| {
+                for (x, y) in got.iter().zip(want) {
+                    let what = format!("{positions:?}, {kv:?} keys: {what}");
+                    assert!(
+                        (x - y).abs() <= tolerance * (1.0 + y.abs()),
+                        "{what}: {x} vs {y}"
+                    );
+                }
+            };
+            // The first 40 positions in one run, and the other sequence's first two.
+            let ids: Vec<u32> = prompt[..40].iter().chain(&other[..2]).copied().collect();
+            let places: Vec<Place> = (0..40)
+                .map(|pos| Place { seq: 0, pos })
+                .chain((0..2).map(|pos| Place { seq: 1, pos }))
+                .collect();
+            let logits = d.run_rows(&ids, &places, &[39, 41]).unwrap().to_vec();
+            let v = logits.len() / 2;
+            close(&logits[..v], &alone(&prompt[..40]), "40 positions");
+            close(&logits[v..], &alone(&other[..2]), "beside them");
+            // 20 more after the 40 cached (each sees those in full), beside one row.
+            let ids: Vec<u32> = [other[2]].iter().chain(&prompt[40..60]).copied().collect();
+            let places: Vec<Place> = [Place { seq: 1, pos: 2 }]
+                .into_iter()
+                .chain((40..60).map(|pos| Place { seq: 0, pos }))
+                .collect();
+            let logits = d.run_rows(&ids, &places, &[0, 20]).unwrap().to_vec();
+            close(&logits[..v], &alone(&other), "the other sequence's third");
+            close(&logits[v..], &alone(&prompt[..60]), "60 positions");
+            let logits = d
+                .run_rows(&prompt[60..], &[Place { seq: 0, pos: 60 }], &[0])
+                .unwrap();
+            close(logits, &alone(&prompt), "one more");
+        }
+    }
+}
+
 /// A server's pass: rows of different sequences at different positions (one taking
 /// its next token, another a piece of its prompt, a third starting) give each the
 /// logits it gets decoded alone, and keep its keys and values for later passes.

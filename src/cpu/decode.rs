@@ -25,6 +25,7 @@ use super::kv_cache::{KvCache, KvPrecision, LayerKv, Place};
 use super::ops::norm::NormStats;
 use super::ops::rope::Turn;
 use super::ops::{residual_in_place, Positions};
+use super::prompt_attention::{attend_runs, find_runs, Run};
 use super::q8::Q8Row;
 use super::threads::on_workers;
 use super::weight_rows::Bf16;
@@ -48,6 +49,8 @@ pub struct FastDecoder {
     scratch: Scratch,
     /// The rows of the pass being run: where each goes, which give logits.
     places: Vec<Place>,
+    /// The prompts' runs of positions among `places`, which attend as GEMMs.
+    runs: Vec<Run>,
     outputs: Vec<usize>,
 }
 
@@ -83,6 +86,8 @@ struct Scratch {
     stats: NormStats,
     qkv: Vec<f32>,
     att: Vec<f32>,
+    /// Attention outputs of the prompts' runs, head-major (`prompt_attention`).
+    by_head: Vec<f32>,
     proj: Vec<f32>,
     fc: Vec<f32>,
     act: Vec<f32>,
@@ -150,6 +155,7 @@ impl FastDecoder {
             cache: KvCache::new(&s, batch, precision),
             scratch: Scratch::new(&s, batch, batch * chunk),
             places: Vec::with_capacity(batch * chunk),
+            runs: Vec::with_capacity(batch),
             outputs: Vec::with_capacity(batch),
             weights,
         })
@@ -360,6 +366,8 @@ impl FastDecoder {
         }
         let (rows, c) = (ids.len(), s.n_embd);
         let places = &self.places;
+        find_runs(places, &mut self.runs);
+        let runs = &self.runs;
         let sc = &mut self.scratch;
         let q8_rows = &mut self.q8_rows;
         weights.embed(&mut sc.x[..rows * c], ids, |r| places[r].pos);
@@ -381,14 +389,20 @@ impl FastDecoder {
                 let at = (places[0].seq, places[0].pos);
                 attend(&s, &qkv[..c], cache, at, att, &mut sc.scores);
             } else {
-                att.par_chunks_mut(c).enumerate().for_each_init(
-                    || vec![0f32; s.n_head * s.block_size],
-                    |scores, (r, out)| {
-                        let q = &qkv[r * s.qkv_width..r * s.qkv_width + c];
-                        let at = (places[r].seq, places[r].pos);
-                        attend(&s, q, cache, at, out, scores)
-                    },
-                );
+                // A prompt's runs of positions as GEMMs, the other rows one by one.
+                attend_runs(&s, qkv, cache, runs, att, &mut sc.by_head[..rows * c]);
+                let in_run = |r: usize| runs.iter().any(|run| run.rows.contains(&r));
+                att.par_chunks_mut(c)
+                    .enumerate()
+                    .filter(|(r, _)| !in_run(*r))
+                    .for_each_init(
+                        || vec![0f32; s.n_head * s.block_size],
+                        |scores, (r, out)| {
+                            let q = &qkv[r * s.qkv_width..r * s.qkv_width + c];
+                            let at = (places[r].seq, places[r].pos);
+                            attend(&s, q, cache, at, out, scores)
+                        },
+                    );
             }
             let proj = &mut sc.proj[..rows * c];
             w.attn_proj.project(att, proj, q8_rows);
@@ -427,6 +441,7 @@ impl Scratch {
             stats: NormStats::new(rows),
             qkv: vec![0.0; rows * s.qkv_width],
             att: vec![0.0; rows * c],
+            by_head: vec![0.0; rows * c],
             proj: vec![0.0; rows * c],
             fc: vec![0.0; rows * s.mlp_fc_width],
             act: vec![0.0; rows * s.mlp_hidden],

@@ -28,6 +28,7 @@ pub mod matvec;
 pub mod ops;
 mod panels;
 pub mod peak;
+pub mod prompt_attention;
 pub mod q4;
 pub mod q8;
 pub mod threads;

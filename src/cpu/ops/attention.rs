@@ -249,19 +249,34 @@ multiversion! {
     /// 1..=t each leave a ragged tail, and a tail runs element by element (the running
     /// maximum's serial chain was a third of this function's time at T = 64).
     pub fn causal_softmax_rows(p: &mut [f32], t: usize) {
-        for (i, row) in p.chunks_exact_mut(t).enumerate() {
-            let seen = i + 1;
-            let whole = seen.next_multiple_of(LANES);
-            let written = if whole > t {
-                // The last rows when T is not a multiple of 16.
-                softmax_in_place(&mut row[..seen]);
-                seen
-            } else {
-                softmax_whole_vectors(&mut row[..whole], seen);
-                whole
-            };
-            row[written..].fill(0.0);
-        }
+        softmax_rows_seeing(p, t, 0)
+    }
+}
+
+multiversion! {
+    /// Row i of scores `width` wide: softmax over columns 0..first + i + 1, zeros after
+    /// (queries at positions first.. of a sequence whose first positions are cached:
+    /// a prompt after the part already decoded). As [`causal_softmax_rows`] otherwise.
+    pub fn causal_softmax_rows_after(p: &mut [f32], width: usize, first: usize) {
+        softmax_rows_seeing(p, width, first)
+    }
+}
+
+/// The rows of `p` (`width` wide), row i seeing `first + i + 1` columns.
+#[inline(always)]
+fn softmax_rows_seeing(p: &mut [f32], width: usize, first: usize) {
+    for (i, row) in p.chunks_exact_mut(width).enumerate() {
+        let seen = first + i + 1;
+        let whole = seen.next_multiple_of(LANES);
+        let written = if whole > width {
+            // The last rows when the width is not a multiple of 16.
+            softmax_in_place(&mut row[..seen]);
+            seen
+        } else {
+            softmax_whole_vectors(&mut row[..whole], seen);
+            whole
+        };
+        row[written..].fill(0.0);
     }
 }
 
