@@ -195,6 +195,9 @@ macro_rules! check_blocks {
             (3, 70, 6),
             (17, 100, 4),
             (64, 768, 5),
+            // Rows of x in more than one of the tiles' L2-sized chunks (32 rows at
+            // this width), with a rest of one; weight tiles with a rest of one.
+            (9, 4096, 41),
         ] {
             let mut w = values(rows * cols, 7);
             w[0] = -1.0; // the block's largest magnitude, on the negative side
