@@ -249,9 +249,9 @@ use check_blocks;
 
 /// The products that read each weight row once for a few rows (f32 and bf16 weights),
 /// against f64 sums of the weights as stored, for every row count up to 9 (the
-/// four-row blocks and the rest) and 16, 17 and 33 (AVX-512's sixteen-row groups,
-/// whole tiles of outputs and the rest), small matrices and ones split over the threads;
-/// the one-row mat-vec in both orders (`matvec`), on rows shorter than its lines of 64,
+/// four-row blocks and the rest) and 16, 17, 33 and 80 (the sixteen-row groups of
+/// AVX2 and AVX-512, several at once; whole tiles of outputs and the rest), small
+/// matrices and ones split over the threads; the one-row mat-vec in both orders (`matvec`), on rows shorter than its lines of 64,
 /// of whole lines and of lines and a rest.
 fn check_weight_rows(level: Isa) {
     use tinygpt::cpu::matvec::{self, Order};
@@ -265,11 +265,21 @@ fn check_weight_rows(level: Isa) {
 fn check_weight_rows_in(level: Isa, order: tinygpt::cpu::matvec::Order) {
     use tinygpt::cpu::kernels::Widen;
     use tinygpt::cpu::weight_rows::{project_rows, Bf16};
-    for (d_out, d_in) in [(1, 1), (7, 33), (13, 64), (40, 100), (512, 300), (9, 768)] {
+    // (13, 4096) at 80 rows: five groups of sixteen for AVX2 and AVX-512's broadcasts,
+    // taken two at a time at this width.
+    for (d_out, d_in) in [
+        (1, 1),
+        (7, 33),
+        (13, 64),
+        (40, 100),
+        (512, 300),
+        (9, 768),
+        (13, 4096),
+    ] {
         let w = values(d_out * d_in, 5);
         let bits: Vec<Bf16> = w.iter().map(|&v| Bf16::round(v)).collect();
         let bias = values(d_out, 6);
-        for rows in (1..=9).chain([16, 17, 33]) {
+        for rows in (1..=9).chain([16, 17, 33, 80]) {
             let x = values(rows * d_in, 9 + rows as u32);
             let mut out = vec![0f32; rows * d_out];
             let mut out_bf16 = vec![0f32; rows * d_out];

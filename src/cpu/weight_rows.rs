@@ -387,14 +387,26 @@ fn sixteen_row_groups(
     }
     let len = w.len() / d_in;
     let done = x.len() / d_in / LANES * LANES;
+    let rows = groups_at_once(d_in) * LANES;
     for (x, out) in x[..done * d_in]
-        .chunks_exact(LANES * d_in)
-        .zip(out.chunks_exact_mut(LANES * len))
+        .chunks(rows * d_in)
+        .zip(out.chunks_mut(rows * len))
     {
         // Safety: the CPU has the level (checked just above); the shapes agree.
         unsafe { sixteen_rows(level, w, bias, x, d_in, out) };
     }
     done
+}
+
+/// Groups of sixteen rows [`sixteen_rows`] takes through each tile of weight rows
+/// before the next tile: as many as keep x transposed within 512 KiB (of L2). One group
+/// at a time, a prompt of 256 rows read every weight from memory sixteen times (GPT-2,
+/// Zen 5, first token of 64 / 128 / 256 tokens: 38-44 / 71-72 / 139-142 ms -> 35 / 66 /
+/// 132-136; 128 to 1,024 KiB within a few percent of each other).
+#[cfg(target_arch = "x86_64")]
+fn groups_at_once(d_in: usize) -> usize {
+    const TRANSPOSED_BYTES: usize = 512 << 10;
+    (TRANSPOSED_BYTES / (LANES * d_in.max(1) * 4)).max(1)
 }
 
 /// Weight rows (outputs) a tile of [`sixteen_rows`] keeps in registers at once: on
@@ -411,19 +423,21 @@ thread_local! {
     static TRANSPOSED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// out (16, len) = x (16, d_in) · w (len, d_in)ᵀ (+ bias), f32 weights, for sixteen
-/// rows at once (a server's batch): x transposed so that a vector holds the sixteen
-/// rows' values at one k (one AVX-512 vector, two AVX2 ones), and each weight broadcast
-/// against it into a vector of sixteen sums. No horizontal sums, and on AVX-512 the
-/// broadcast folds into the FMA's load: each k costs one load of x and one FMA per
-/// weight row, where four by four dot products (`dots4x4_avx512`) pay two loads per
-/// four FMAs and a reduction per sum. Weight rows go a tile at a time, the next tile
-/// asked for meanwhile. Each sum runs along k in one lane (a different order from the
-/// dot products' lanes: f32 rounding differs between the two, within the same bound).
+/// out (16 g, len) = x (16 g, d_in) · w (len, d_in)ᵀ (+ bias), f32 weights, for g
+/// groups of sixteen rows (a server's batch, a prompt): each group's x transposed so
+/// that a vector holds its sixteen rows' values at one k (one AVX-512 vector, two AVX2
+/// ones), and each weight broadcast against it into a vector of sixteen sums. No
+/// horizontal sums, and on AVX-512 the broadcast folds into the FMA's load: each k
+/// costs one load of x and one FMA per weight row, where four by four dot products
+/// (`dots4x4_avx512`) pay two loads per four FMAs and a reduction per sum. Weight rows
+/// go a tile at a time through every group, the next tile asked for meanwhile. Each
+/// sum runs along k in one lane (a different order from the dot products' lanes: f32
+/// rounding differs between the two, within the same bound), whatever the groups
+/// beside it.
 ///
 /// # Safety
-/// The CPU must have `level` (AVX2 or above); x holds 16 rows of d_in, out 16 rows of
-/// len.
+/// The CPU must have `level` (AVX2 or above); x holds 16 g rows of d_in, out 16 g rows
+/// of len.
 #[cfg(target_arch = "x86_64")]
 unsafe fn sixteen_rows(
     level: super::isa::Isa,
@@ -434,56 +448,68 @@ unsafe fn sixteen_rows(
     out: &mut [f32],
 ) {
     let len = w.len() / d_in;
-    debug_assert!(x.len() == LANES * d_in && out.len() == LANES * len);
+    let groups = x.len() / (LANES * d_in);
+    debug_assert!(x.len() == groups * LANES * d_in && out.len() == groups * LANES * len);
     TRANSPOSED.with(|xt| {
         let xt = &mut *xt.borrow_mut();
         xt.clear();
-        xt.resize(LANES * d_in, 0.0);
-        for (r, row) in x.chunks_exact(d_in).enumerate() {
-            for (k, &v) in row.iter().enumerate() {
-                xt[k * LANES + r] = v;
+        xt.resize(groups * LANES * d_in, 0.0);
+        for (xt, x) in xt
+            .chunks_exact_mut(LANES * d_in)
+            .zip(x.chunks_exact(LANES * d_in))
+        {
+            for (r, row) in x.chunks_exact(d_in).enumerate() {
+                for (k, &v) in row.iter().enumerate() {
+                    xt[k * LANES + r] = v;
+                }
             }
         }
-        let xt = &*xt;
+        let xt = |g: usize| &xt[g * LANES * d_in..(g + 1) * LANES * d_in];
         let row = |o: usize| &w[o * d_in..(o + 1) * d_in];
         // Safety (all four kernels): the level is the CPU's; the rows and xt hold
         // d_in values or vectors. The vectors are reinterpreted as their lanes.
         if level >= super::isa::Isa::Avx512 {
             by_tiles::<TILE>(
                 out,
-                len,
+                (len, groups),
                 bias,
-                |o, ahead| std::mem::transmute(tile_avx512(w, o, d_in, xt, ahead)),
-                |o| std::mem::transmute(row_avx512(row(o), xt)),
+                |o, g, ahead| std::mem::transmute(tile_avx512(w, o, d_in, xt(g), ahead)),
+                |o, g| std::mem::transmute(row_avx512(row(o), xt(g))),
             );
         } else {
             by_tiles::<TILE_AVX2>(
                 out,
-                len,
+                (len, groups),
                 bias,
-                |o, ahead| std::mem::transmute(tile_avx2(w, o, d_in, xt, ahead)),
-                |o| std::mem::transmute(row_avx2(row(o), xt)),
+                |o, g, ahead| std::mem::transmute(tile_avx2(w, o, d_in, xt(g), ahead)),
+                |o, g| std::mem::transmute(row_avx2(row(o), xt(g))),
             );
         }
     })
 }
 
-/// The outputs of [`sixteen_rows`] N at a time through `tile(o, ask for the next)`,
-/// the last few through `one(o)`, written into out (rows of len) with the bias.
+/// The outputs of [`sixteen_rows`] N at a time through `tile(o, group, ask for the
+/// next)` for each group of sixteen rows, the last few through `one(o, group)`,
+/// written into out (rows of len) with the bias.
 #[cfg(target_arch = "x86_64")]
 fn by_tiles<const N: usize>(
     out: &mut [f32],
-    len: usize,
+    (len, groups): (usize, usize),
     bias: Option<&[f32]>,
-    tile: impl Fn(usize, bool) -> [[f32; LANES]; N],
-    one: impl Fn(usize) -> [f32; LANES],
+    tile: impl Fn(usize, usize, bool) -> [[f32; LANES]; N],
+    one: impl Fn(usize, usize) -> [f32; LANES],
 ) {
     let tiled = len / N * N;
     for o in (0..tiled).step_by(N) {
-        put(out, len, o, &tile(o, o + N < tiled), bias);
+        for (g, out) in out.chunks_exact_mut(LANES * len).take(groups).enumerate() {
+            // The next tile asked for while the first group reads this one from memory.
+            put(out, len, o, &tile(o, g, g == 0 && o + N < tiled), bias);
+        }
     }
     for o in tiled..len {
-        put(out, len, o, &[one(o)], bias);
+        for (g, out) in out.chunks_exact_mut(LANES * len).take(groups).enumerate() {
+            put(out, len, o, &[one(o, g)], bias);
+        }
     }
 }
 
