@@ -11,7 +11,10 @@
 pub struct Buckets {
     /// The distinct tokens, ascending.
     pub tokens: Vec<u32>,
-    /// Token `tokens[u]`'s rows are `order[starts[u] .. starts[u + 1]]`.
+    /// Token `tokens[u]`'s rows are `order[starts[u] .. starts[u + 1]]`; one start a
+    /// row and one more, whatever the number of distinct tokens (the ranges past them
+    /// are empty), so the embedding's backward launches alike for every batch and a
+    /// recorded step (a CUDA graph) replays it.
     pub starts: Vec<u32>,
     /// Every row, by token, in row order within a token.
     pub order: Vec<u32>,
@@ -37,7 +40,7 @@ impl Buckets {
             // From here on counts[id + 1] is where token id + 1's rows start.
             self.counts[id + 1] += self.counts[id];
         }
-        self.starts.push(ids.len() as u32);
+        self.starts.resize(ids.len() + 1, ids.len() as u32);
         self.order.clear();
         self.order.resize(ids.len(), 0);
         for (row, &id) in ids.iter().enumerate() {
@@ -58,13 +61,13 @@ mod tests {
         let mut b = Buckets::default();
         b.fill(&ids, 7);
         assert_eq!(b.tokens, [0, 3, 5]);
-        assert_eq!(b.starts, [0, 2, 5, 6]);
+        assert_eq!(b.starts, [0, 2, 5, 6, 6, 6, 6]);
         assert_eq!(b.order, [1, 4, 0, 2, 5, 3]);
         // Filled again with another batch: nothing of the first is left.
         b.fill(&[6, 6], 7);
         assert_eq!(
             (b.tokens.as_slice(), b.starts.as_slice()),
-            (&[6][..], &[0, 2][..])
+            (&[6][..], &[0, 2, 2][..])
         );
         assert_eq!(b.order, [0, 1]);
     }

@@ -207,7 +207,14 @@ impl<T: Value> Buf<T> {
                 unsafe { result::memset_d8_async(self.ptr, 0, bytes, g.stream.cu_stream()) }?;
             }
             (Memory::Host(ptr, _), _) => {
-                anyhow::ensure!(!gpu.is_recording(), "{RECORDED_COPY}");
+                // A memset on the device, which a recording keeps (as a CUDA graph does).
+                #[cfg(feature = "cuda-emulator")]
+                if super::emulator::record(|| super::emulator::Recorded::Zero {
+                    at: ptr.as_ptr().cast(),
+                    bytes,
+                }) {
+                    return Ok(());
+                }
                 // SAFETY: the buffer is `bytes` long; no reference to it exists.
                 unsafe { std::ptr::write_bytes(ptr.as_ptr().cast::<u8>(), 0, bytes) };
             }

@@ -205,6 +205,11 @@ pub enum Recorded {
         g: ColumnMajor,
         math: Math,
     },
+    /// A buffer's `bytes` set to zero.
+    Zero {
+        at: *mut u8,
+        bytes: usize,
+    },
 }
 
 thread_local! {
@@ -262,6 +267,8 @@ pub unsafe fn replay(calls: &[Recorded]) -> Result<()> {
             }
             // SAFETY: as the caller promises.
             Recorded::Gemm { g, math } => unsafe { gemm(g, *math) },
+            // SAFETY: as the caller promises: `bytes` of live memory from `at`.
+            Recorded::Zero { at, bytes } => unsafe { std::ptr::write_bytes(*at, 0, *bytes) },
         }
     }
     Ok(())

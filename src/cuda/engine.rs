@@ -26,7 +26,7 @@ use super::blas::{
 use super::buckets::Buckets;
 use super::buffers::{Buf, Staging};
 use super::calls::{Epilogue, Operands};
-use super::gpu::Gpu;
+use super::gpu::{Gpu, Recording};
 use super::kernels::{adamw_chunks, AdamBuffers, DropoutArgs, HeadView, Heads, In, NormRows, Out};
 use super::plan::{partials_len, Attention, Plan, FLASH_MAX_HEAD, LOSS_SLOTS, LOSS_SUM, NORM_SQ};
 use super::ranks::Ranks;
@@ -81,6 +81,40 @@ pub struct FusedCuda {
     clipped: bool,
     /// This engine's rank in a data-parallel run (None: one process).
     ranks: Option<Ranks>,
+    /// The forward's and the backward's launches, recorded once and replayed.
+    graphs: Graphs,
+}
+
+/// A forward's and a backward's launches recorded at their first call and replayed
+/// after (`Gpu::record`: a CUDA graph, one launch for the hundreds of kernels and
+/// products a step makes, where a small model's step is mostly the host launching
+/// them). Every pass of the engine launches the same work on the same buffers: what
+/// changes between batches is in device memory (the batch, its buckets, the weights),
+/// the loss goes to its slot outside the recording, and the rounding of changed weights
+/// runs before it. Not where masks change with every pass (dropout), nor while a
+/// profile times each launch.
+#[derive(Default)]
+struct Graphs {
+    /// Off (`TINYGPT_CUDA_GRAPHS=0`, `without_graphs`, or a recording failed).
+    off: bool,
+    forward: Option<Recording>,
+    /// With the backward's loss scale, which its products carry.
+    backward: Option<(u32, Recording)>,
+}
+
+impl Graphs {
+    /// Graphs as the environment allows them.
+    fn from_env() -> Self {
+        Self {
+            off: std::env::var("TINYGPT_CUDA_GRAPHS").is_ok_and(|v| v == "0"),
+            ..Self::default()
+        }
+    }
+
+    /// Whether this pass replays (or records) rather than launching.
+    fn apply(&self, gpu: &Gpu, dropout: Option<&Dropout>) -> bool {
+        !self.off && dropout.is_none() && !crate::profile::is_on() && !gpu.costs_only()
+    }
 }
 
 /// What bf16 products read: the weights rounded to bf16 (the flat buffer's layout, so
@@ -473,6 +507,7 @@ impl FusedCuda {
             fetched_losses: Vec::new(),
             clipped: false,
             ranks: None,
+            graphs: Graphs::from_env(),
             spec: spec.clone(),
             batch,
             precision,
@@ -577,6 +612,10 @@ impl FusedCuda {
     /// bf16 products stay bf16.
     pub fn with_tf32(mut self, on: bool) -> Self {
         self.tf32 = on;
+        self.graphs = Graphs {
+            off: self.graphs.off,
+            ..Graphs::default()
+        };
         self
     }
 
@@ -584,7 +623,26 @@ impl FusedCuda {
     /// (tests hold the two to each other).
     pub fn without_epilogues(mut self) -> Self {
         self.epilogues = Epilogues::default();
+        self.graphs = Graphs {
+            off: self.graphs.off,
+            ..Graphs::default()
+        };
         self
+    }
+
+    /// The same engine launching every kernel of every pass, none recorded (tests hold
+    /// the two to each other).
+    pub fn without_graphs(mut self) -> Self {
+        self.graphs = Graphs {
+            off: true,
+            ..Graphs::default()
+        };
+        self
+    }
+
+    /// Whether its passes replay recorded launches (CUDA graphs) where they can.
+    pub fn graphs(&self) -> bool {
+        !self.graphs.off && !self.gpu.costs_only()
     }
 
     /// What the products' epilogues do.
@@ -679,6 +737,47 @@ impl FusedCuda {
         self.upload_batch(ids, targets)?;
         self.round_weights()?;
         self.dropout = dropout.copied();
+        if self.graphs.apply(&self.gpu, dropout) {
+            if self.graphs.forward.is_none() {
+                self.graphs.forward = self.record(|e| e.forward_launches());
+            }
+            match &self.graphs.forward {
+                Some(forward) => self.gpu.replay(forward)?,
+                None => self.forward_launches()?,
+            }
+        } else {
+            self.forward_launches()?;
+        }
+        // Summed where they are, each forward in its slot, so the host waits for
+        // nothing until it reads them.
+        if self.unread_forwards == LOSS_SLOTS {
+            self.fetch_losses()?;
+        }
+        let total = self.scratch.sums.at(LOSS_SUM + self.unread_forwards);
+        let losses = self.acts.row_loss.ptr();
+        self.gpu.sum_losses(total, losses, n)?;
+        self.unread_forwards += 1;
+        Ok(())
+    }
+
+    /// `work`'s launches recorded, or None where recording failed: said once, and the
+    /// passes launch their kernels one by one from then on.
+    fn record(&mut self, work: impl FnOnce(&Self) -> Result<()>) -> Option<Recording> {
+        match self.gpu.record(|| work(self)) {
+            Ok(recording) => Some(recording),
+            Err(e) => {
+                eprintln!("note: training launches each kernel (recording a pass failed: {e:#})");
+                self.graphs.off = true;
+                None
+            }
+        }
+    }
+
+    /// The forward's launches, after the batch is on the device: the embeddings, the
+    /// blocks, the logits, each row's loss.
+    fn forward_launches(&self) -> Result<()> {
+        let n = self.rows();
+        let dropout = self.dropout.as_ref();
         let s = self.spec.shapes;
         let (t, c) = (s.block_size, s.n_embd);
 
@@ -725,16 +824,7 @@ impl FusedCuda {
         };
         let losses = a.row_loss.ptr();
         self.gpu
-            .softmax_cross_entropy(logits, losses, a.targets.ptr(), n, s.vocab_size)?;
-        // Summed where they are, each forward in its slot, so the host waits for
-        // nothing until it reads them.
-        if self.unread_forwards == LOSS_SLOTS {
-            self.fetch_losses()?;
-        }
-        let total = self.scratch.sums.at(LOSS_SUM + self.unread_forwards);
-        self.gpu.sum_losses(total, losses, n)?;
-        self.unread_forwards += 1;
-        Ok(())
+            .softmax_cross_entropy(logits, losses, a.targets.ptr(), n, s.vocab_size)
     }
 
     /// Moves the losses in the device's slots to `fetched_losses` (waits for the
@@ -1405,6 +1495,23 @@ impl FusedCuda {
         if self.grads.is_none() {
             self.zero_grads()?;
         }
+        if !self.graphs.apply(&self.gpu, self.dropout.as_ref()) {
+            return self.backward_launches(scale);
+        }
+        let recorded = matches!(&self.graphs.backward, Some((bits, _)) if *bits == scale.to_bits());
+        if !recorded {
+            self.graphs.backward = self
+                .record(|e| e.backward_launches(scale))
+                .map(|graph| (scale.to_bits(), graph));
+        }
+        match &self.graphs.backward {
+            Some((_, backward)) => self.gpu.replay(backward),
+            None => self.backward_launches(scale),
+        }
+    }
+
+    /// The backward's launches, gradients added for the batch of the last forward.
+    fn backward_launches(&self, scale: f32) -> Result<()> {
         let n = self.rows();
         let s = self.spec.shapes;
         let (k, a, sc) = (&self.gpu, &self.acts, &self.scratch);
@@ -1442,10 +1549,8 @@ impl FusedCuda {
         k.embedding_backward_tokens(
             self.g(self.spec.wte),
             sc.dres.ptr(),
-            a.tokens.ptr(),
-            a.starts.ptr(),
-            a.order.ptr(),
-            self.buckets.tokens.len(),
+            (a.tokens.ptr(), a.starts.ptr(), a.order.ptr()),
+            (n, self.buckets.tokens.len()),
             s.n_embd,
             mask,
         )?;

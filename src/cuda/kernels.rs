@@ -491,25 +491,23 @@ impl Gpu {
             dropout)
     }
 
-    /// dwte[tokens[u]] += the rows order[starts[u] .. starts[u + 1]] of dx * mask.
-    #[allow(clippy::too_many_arguments)]
+    /// dwte[tokens[u]] += the rows order[starts[u] .. starts[u + 1]] of dx * mask, for
+    /// every u below `rows` (the ranges past the `distinct` tokens empty).
     pub fn embedding_backward_tokens(
         &self,
         dwte: u64,
         dx: u64,
-        tokens: u64,
-        starts: u64,
-        order: u64,
-        distinct: usize,
+        (tokens, starts, order): (u64, u64, u64),
+        (rows, distinct): (usize, usize),
         c: usize,
         dropout: DropoutArgs,
     ) -> Result<()> {
         let cfg = Launch {
-            grid: (distinct as u32, c.div_ceil(THREADS as usize) as u32, 1),
+            grid: (rows as u32, c.div_ceil(THREADS as usize) as u32, 1),
             threads: THREADS,
         };
-        launch!(self, EmbeddingBackwardTokens, cfg, Cost::f32s(3 * distinct * c);
-            dwte, dx, tokens, starts, order, int(distinct), int(c), dropout)
+        launch!(self, EmbeddingBackwardTokens, cfg, Cost::f32s(2 * rows * c + distinct * c);
+            dwte, dx, tokens, starts, order, int(c), dropout)
     }
 
     /// dwpe[t] += the sum over sequences of dx * mask at position t.

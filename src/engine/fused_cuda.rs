@@ -47,6 +47,10 @@ impl Engine for FusedCuda {
             Attention::Flash => format!("{products}, flash attention"),
             Attention::Products => products,
         };
+        let kernels = match self.graphs() {
+            true => format!("{kernels}; passes without dropout replayed as CUDA graphs"),
+            false => kernels,
+        };
         let kernels = match crate::cuda::emulator_counts_only() {
             true => format!(
                 "{kernels}; emulated, counting its work only (TINYGPT_EMULATE_CUDA=costs): its times and losses mean nothing"

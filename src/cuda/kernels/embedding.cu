@@ -27,16 +27,18 @@ extern "C" __global__ void embedding_forward(float* x, const uint32_t* ids, cons
 
 // dwte[id] += the sum of dx (times the mask) over the rows holding token id. The rows
 // come sorted by token on the host: `order` lists rows, token `tokens[u]`'s rows are
-// order[starts[u] .. starts[u + 1]]. One block row per distinct token, one thread per
-// channel, rows summed in order. Grid: (distinct tokens, channel blocks).
+// order[starts[u] .. starts[u + 1]], and `starts` has an entry per row and one more, the
+// ranges past the distinct tokens empty. One block row per row of the batch (as many as
+// there can be distinct tokens, so every batch launches alike), those of empty ranges
+// idle; one thread per channel, rows summed in order. Grid: (rows, channel blocks).
 extern "C" __global__ void embedding_backward_tokens(float* dwte, const float* dx,
                                                      const uint32_t* tokens,
                                                      const uint32_t* starts,
-                                                     const uint32_t* order, int distinct, int C,
+                                                     const uint32_t* order, int C,
                                                      Dropout dropout) {
     const int u = blockIdx.x;
     const int c = blockIdx.y * blockDim.x + threadIdx.x;
-    if (u >= distinct || c >= C) return;
+    if (c >= C || starts[u] == starts[u + 1]) return;
     float sum = 0.0f;
     for (uint32_t k = starts[u]; k < starts[u + 1]; k++) {
         const long long i = (long long)order[k] * C + c;
