@@ -390,7 +390,7 @@ fn sixteen_row_groups(
     let rows = groups_at_once(d_in) * LANES;
     for (x, out) in x[..done * d_in]
         .chunks(rows * d_in)
-        .zip(out.chunks_mut(rows * len))
+        .zip(out[..done * len].chunks_mut(rows * len))
     {
         // Safety: the CPU has the level (checked just above); the shapes agree.
         unsafe { sixteen_rows(level, w, bias, x, d_in, out) };
