@@ -90,13 +90,14 @@ fn the_emulated_cuda_engine_trains_and_resumes_exactly() {
     assert!(end < start, "it learns: {start} -> {end}");
 }
 
-/// A pass without dropout replays its launches recorded once (CUDA graphs; in the
-/// emulator the calls kept with their arguments): what changes between batches (the
-/// tokens, their buckets for the embedding's backward, the weights, the loss's slot)
-/// reaches the replayed work through device memory, so a run with graphs and one
-/// launching every kernel (`TINYGPT_CUDA_GRAPHS=0`) agree bit for bit, losses and
-/// weights: f32 and bf16 (flash attention), two micro-batches a step (the backward
-/// replayed with its loss scale), evaluations between steps (forwards alone).
+/// A pass replays its launches recorded once (CUDA graphs; in the emulator the calls
+/// kept with their arguments): what changes between batches (the tokens, their
+/// buckets for the embedding's backward, the micro-batch and step the dropout masks
+/// are drawn for, the weights, the loss's slot) reaches the replayed work through
+/// device memory, so a run with graphs and one launching every kernel
+/// (`TINYGPT_CUDA_GRAPHS=0`) agree bit for bit, losses and weights: f32 with dropout
+/// and bf16 without (flash attention), two micro-batches a step (the backward replayed
+/// with its loss scale), evaluations between steps (forwards alone, without masks).
 #[test]
 fn replayed_passes_train_as_launched_ones() {
     if !emulated() {
@@ -107,7 +108,7 @@ fn replayed_passes_train_as_launched_ones() {
         std::env::set_var("TINYGPT_CUDA_GRAPHS", graphs);
         let mut cfg = config(dir.path());
         cfg.run.name = name.into();
-        cfg.model.dropout = 0.0;
+        cfg.model.dropout = if bf16 { 0.0 } else { 0.1 };
         cfg.train.grad_accum = 2;
         if bf16 {
             cfg.train.dtype = tinygpt::config::Precision::Bf16;

@@ -89,17 +89,26 @@ pub struct FusedCuda {
 /// after (`Gpu::record`: a CUDA graph, one launch for the hundreds of kernels and
 /// products a step makes, where a small model's step is mostly the host launching
 /// them). Every pass of the engine launches the same work on the same buffers: what
-/// changes between batches is in device memory (the batch, its buckets, the weights),
-/// the loss goes to its slot outside the recording, and the rounding of changed weights
-/// runs before it. Not where masks change with every pass (dropout), nor while a
-/// profile times each launch.
+/// changes between batches is in device memory (the batch, its buckets, the pass its
+/// dropout masks are drawn for, the weights), the loss goes to its slot outside the
+/// recording, and the rounding of changed weights runs before it. One recording for
+/// each kind of pass (with or without dropout masks; a backward's loss scale, which its
+/// products carry). Not while a profile times each launch.
 #[derive(Default)]
 struct Graphs {
     /// Off (`TINYGPT_CUDA_GRAPHS=0`, `without_graphs`, or a recording failed).
     off: bool,
-    forward: Option<Recording>,
-    /// With the backward's loss scale, which its products carry.
-    backward: Option<(u32, Recording)>,
+    forward: Vec<(Option<Masks>, Recording)>,
+    backward: Vec<((u32, Option<Masks>), Recording)>,
+}
+
+/// What a recorded pass's dropout masks are drawn with beside the pass itself: the
+/// rate and the seed (their bits), fixed in its launches' arguments.
+type Masks = (u64, u64);
+
+/// The masks of a pass with `dropout` (none without).
+fn masks(dropout: Option<&Dropout>) -> Option<Masks> {
+    dropout.map(|d| (d.p.to_bits(), d.seed))
 }
 
 impl Graphs {
@@ -112,8 +121,8 @@ impl Graphs {
     }
 
     /// Whether this pass replays (or records) rather than launching.
-    fn apply(&self, gpu: &Gpu, dropout: Option<&Dropout>) -> bool {
-        !self.off && dropout.is_none() && !crate::profile::is_on() && !gpu.costs_only()
+    fn apply(&self, gpu: &Gpu) -> bool {
+        !self.off && !crate::profile::is_on() && !gpu.costs_only()
     }
 }
 
@@ -290,6 +299,8 @@ struct Activations {
     tokens: Buf<u32>,
     starts: Buf<u32>,
     order: Buf<u32>,
+    /// The pass's micro-batch and step, which its dropout masks are drawn for.
+    pass: Buf<u32>,
     /// (N, C): the embeddings entering the first block (after dropout).
     x0: Buf<f32>,
     blocks: Vec<BlockActs>,
@@ -455,6 +466,7 @@ impl FusedCuda {
             tokens: ids(n)?,
             starts: ids(n + 1)?,
             order: ids(n)?,
+            pass: ids(2)?,
             x0: zeros(n * c)?,
             blocks,
             ln_f: zeros(n * c)?,
@@ -550,7 +562,7 @@ impl FusedCuda {
             .iter()
             .map(|b| b.bytes())
             .sum::<u64>();
-        let ids = [&a.ids, &a.targets, &a.tokens, &a.starts, &a.order]
+        let ids = [&a.ids, &a.targets, &a.tokens, &a.starts, &a.order, &a.pass]
             .iter()
             .map(|b| b.bytes())
             .sum::<u64>();
@@ -734,15 +746,18 @@ impl FusedCuda {
             ids.iter().chain(targets).all(|&id| (id as usize) < v),
             "a token id beyond the vocabulary of {v}"
         );
-        self.upload_batch(ids, targets)?;
+        self.upload_batch(ids, targets, dropout)?;
         self.round_weights()?;
         self.dropout = dropout.copied();
-        if self.graphs.apply(&self.gpu, dropout) {
-            if self.graphs.forward.is_none() {
-                self.graphs.forward = self.record(|e| e.forward_launches());
+        if self.graphs.apply(&self.gpu) {
+            let key = masks(dropout);
+            if !self.graphs.forward.iter().any(|(k, _)| *k == key) {
+                if let Some(graph) = self.record(|e| e.forward_launches()) {
+                    self.graphs.forward.push((key, graph));
+                }
             }
-            match &self.graphs.forward {
-                Some(forward) => self.gpu.replay(forward)?,
+            match self.graphs.forward.iter().find(|(k, _)| *k == key) {
+                Some((_, forward)) => self.gpu.replay(forward)?,
                 None => self.forward_launches()?,
             }
         } else {
@@ -777,7 +792,6 @@ impl FusedCuda {
     /// blocks, the logits, each row's loss.
     fn forward_launches(&self) -> Result<()> {
         let n = self.rows();
-        let dropout = self.dropout.as_ref();
         let s = self.spec.shapes;
         let (t, c) = (s.block_size, s.n_embd);
 
@@ -791,7 +805,7 @@ impl FusedCuda {
             n,
             Positions::from_start(t),
             c,
-            DropoutArgs::at(dropout, Site::Embedding),
+            self.mask(Site::Embedding),
         )?;
         for l in 0..s.n_layer {
             self.block_forward(l)?;
@@ -847,9 +861,15 @@ impl FusedCuda {
 
     /// The batch to the device, with its rows bucketed by token for the embedding's
     /// backward (rows sorted by token, stably, so each token's rows add in order).
-    fn upload_batch(&mut self, ids: &[u32], targets: &[u32]) -> Result<()> {
+    fn upload_batch(
+        &mut self,
+        ids: &[u32],
+        targets: &[u32],
+        dropout: Option<&Dropout>,
+    ) -> Result<()> {
         self.buckets.fill(ids, self.spec.shapes.vocab_size);
         let (a, b) = (&mut self.acts, &self.buckets);
+        let pass = dropout.map_or([0, 0], |d| [d.micro, d.step]);
         self.staging.upload(
             &self.gpu,
             &mut [
@@ -858,8 +878,18 @@ impl FusedCuda {
                 (&mut a.tokens, &b.tokens),
                 (&mut a.starts, &b.starts),
                 (&mut a.order, &b.order),
+                (&mut a.pass, &pass),
             ],
         )
+    }
+
+    /// The dropout mask of `site` in this pass (none without dropout), its pass read
+    /// from the device.
+    fn mask(&self, site: Site) -> DropoutArgs {
+        match &self.dropout {
+            Some(d) => DropoutArgs::at(Some(d), site).reading_pass(self.acts.pass.ptr()),
+            None => DropoutArgs::NONE,
+        }
     }
 
     /// Block `l`: res_2 = x + attention(ln_1(x)); res_3 = res_2 + mlp(ln_2(res_2)).
@@ -872,7 +902,6 @@ impl FusedCuda {
         let p = &self.spec.blocks[l];
         let a = &self.acts.blocks[l];
         let x = self.block_input(l);
-        let dropout = self.dropout.as_ref();
 
         // Attention: q | k | v of the normed input, positions turned in, heads attend,
         // their outputs projected back into the residual stream.
@@ -893,7 +922,7 @@ impl FusedCuda {
         }
         self.attention_forward(l, a.y.ptr())?;
         let branch = self.branch_forward(self.heads_output(l), &p.attn_proj)?;
-        let mask = DropoutArgs::at(dropout, Site::AttentionOutput(l));
+        let mask = self.mask(Site::AttentionOutput(l));
         let residual = (a.res_2.ptr(), x, branch, mask);
         let (ln_2, normed_2) = self.kept_rows(sc.ln.ptr(), &a.kept.ln_2);
         self.residual_norm(residual, ln_2, &a.ln_2, &p.ln_2)?;
@@ -907,7 +936,7 @@ impl FusedCuda {
             k.activation_forward(act, self.pre_activation(l), n, s.mlp_hidden, kind)?;
         }
         let branch = self.branch_forward(activated, &p.mlp_proj)?;
-        let mask = DropoutArgs::at(dropout, Site::MlpOutput(l));
+        let mask = self.mask(Site::MlpOutput(l));
         let residual = (a.res_3.ptr(), a.res_2.ptr(), branch, mask);
         match self.acts.blocks.get(l + 1) {
             Some(next) => {
@@ -1236,7 +1265,7 @@ impl FusedCuda {
         let qkv = self.acts.blocks[l].qkv.ptr();
         let (h, sc, k) = (self.heads(), &self.scratch, &self.gpu);
         let (t, d, bh) = (h.t, h.d, h.batch * h.heads);
-        let mask = DropoutArgs::at(self.dropout.as_ref(), Site::AttentionWeights(l));
+        let mask = self.mask(Site::AttentionWeights(l));
         if self.attention == Attention::Flash {
             // Q, K, V read in place from the qkv rows, y written in place as rows: in
             // bf16 only where bf16 products read it (`heads_output`).
@@ -1495,16 +1524,16 @@ impl FusedCuda {
         if self.grads.is_none() {
             self.zero_grads()?;
         }
-        if !self.graphs.apply(&self.gpu, self.dropout.as_ref()) {
+        if !self.graphs.apply(&self.gpu) {
             return self.backward_launches(scale);
         }
-        let recorded = matches!(&self.graphs.backward, Some((bits, _)) if *bits == scale.to_bits());
-        if !recorded {
-            self.graphs.backward = self
-                .record(|e| e.backward_launches(scale))
-                .map(|graph| (scale.to_bits(), graph));
+        let key = (scale.to_bits(), masks(self.dropout.as_ref()));
+        if !self.graphs.backward.iter().any(|(k, _)| *k == key) {
+            if let Some(graph) = self.record(|e| e.backward_launches(scale)) {
+                self.graphs.backward.push((key, graph));
+            }
         }
-        match &self.graphs.backward {
+        match self.graphs.backward.iter().find(|(k, _)| *k == key) {
             Some((_, backward)) => self.gpu.replay(backward),
             None => self.backward_launches(scale),
         }
@@ -1544,7 +1573,7 @@ impl FusedCuda {
 
         // The embeddings: each row's gradient (through the embedding's dropout) to its
         // token's vector and, when learned, its position's.
-        let mask = DropoutArgs::at(self.dropout.as_ref(), Site::Embedding);
+        let mask = self.mask(Site::Embedding);
         let (k, a, sc) = (&self.gpu, &self.acts, &self.scratch);
         k.embedding_backward_tokens(
             self.g(self.spec.wte),
@@ -1638,15 +1667,15 @@ impl FusedCuda {
     /// `site` (into the branch buffer), or dres itself without dropout, which the norm
     /// backward that made it also rounded for bf16 products (`norm_backward`).
     fn branch_gradient(&self, dres: u64, site: Site) -> Result<Rows> {
-        let Some(dropout) = self.dropout.as_ref() else {
+        if self.dropout.is_none() {
             return Ok(match &self.bf16 {
                 Some(b) => Rows::Both(dres, b.outputs.ptr()),
                 None => Rows::F32(dres),
             });
-        };
+        }
         let sc = &self.scratch;
         let n = self.rows() * self.spec.shapes.n_embd;
-        let mask = DropoutArgs::at(Some(dropout), site);
+        let mask = self.mask(site);
         self.gpu.dropout(sc.branch.ptr(), dres, n, mask)?;
         Ok(Rows::F32(sc.branch.ptr()))
     }
@@ -1662,7 +1691,7 @@ impl FusedCuda {
         let (h, sc, k) = (self.heads(), &self.scratch, &self.gpu);
         let (t, d, bh) = (h.t, h.d, h.batch * h.heads);
         let scale = 1.0 / (d as f32).sqrt();
-        let mask = DropoutArgs::at(self.dropout.as_ref(), Site::AttentionWeights(l));
+        let mask = self.mask(Site::AttentionWeights(l));
 
         if self.attention == Attention::Flash {
             // Read in place from the qkv and dY rows; the gradients written in place

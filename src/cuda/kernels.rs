@@ -48,6 +48,8 @@ pub struct DropoutArgs {
     step: u32,
     threshold: u64,
     keep: f32,
+    /// Where micro and step are read instead, in device memory (0: from here).
+    pass: u64,
 }
 
 impl DropoutArgs {
@@ -59,7 +61,19 @@ impl DropoutArgs {
         step: 0,
         threshold: 0,
         keep: 1.0,
+        pass: 0,
     };
+
+    /// The same mask with its pass (micro-batch, step: two u32) read from device memory
+    /// at `pass`, so a recorded pass replays with the pass it is given.
+    pub fn reading_pass(self, pass: u64) -> Self {
+        Self {
+            micro: 0,
+            step: 0,
+            pass,
+            ..self
+        }
+    }
 
     /// The mask of `site` in the pass `dropout` (none without one).
     pub fn at(dropout: Option<&Dropout>, site: Site) -> Self {
@@ -75,6 +89,7 @@ impl DropoutArgs {
             step: counter[3],
             threshold: d.threshold(),
             keep: d.keep_scale(),
+            pass: 0,
         }
     }
 }
@@ -289,8 +304,8 @@ const _: () = {
     assert!(size_of::<HeadView>() == 40 && align_of::<HeadView>() == 8);
     assert!(offset_of!(HeadView, batch_stride) == 8 && offset_of!(HeadView, ld) == 24);
     assert!(offset_of!(HeadView, bf16) == 32);
-    assert!(size_of::<DropoutArgs>() == 40 && offset_of!(DropoutArgs, threshold) == 24);
-    assert!(offset_of!(DropoutArgs, keep) == 32);
+    assert!(size_of::<DropoutArgs>() == 48 && offset_of!(DropoutArgs, threshold) == 24);
+    assert!(offset_of!(DropoutArgs, keep) == 32 && offset_of!(DropoutArgs, pass) == 40);
 };
 
 impl HeadView {

@@ -257,7 +257,7 @@ impl Plan {
             per_block,
             outside,
             scratch,
-            ids: 2 * n + 3 * n + 1, // ids, targets; tokens, starts, order
+            ids: 2 * n + 3 * n + 1 + 2, // ids, targets; tokens, starts, order; the pass
             tables,
             sums: LOSS_SUM + LOSS_SLOTS,
             adam_chunks,

@@ -48,7 +48,7 @@ impl Engine for FusedCuda {
             Attention::Products => products,
         };
         let kernels = match self.graphs() {
-            true => format!("{kernels}; passes without dropout replayed as CUDA graphs"),
+            true => format!("{kernels}; passes replayed as CUDA graphs"),
             false => kernels,
         };
         let kernels = match crate::cuda::emulator_counts_only() {

@@ -72,12 +72,17 @@ struct Dropout {
     uint32_t micro, step;
     unsigned long long threshold;  // words below it are dropped: p * 2^32
     float keep;                    // 1 / (1 - p)
+    // When not null, micro and step as read from device memory: a training pass
+    // replayed from a CUDA graph, whose arguments are fixed when it is recorded.
+    const uint32_t* pass;
 };
 
 // What element `element` of the site is multiplied by: 0, or 1 / (1 - p).
 __device__ inline float dropout_scale(const Dropout& d, unsigned long long element) {
     if (d.threshold == 0) return 1.0f;
-    const uint4 counter = make_uint4((uint32_t)(element / 4), d.site, d.micro, d.step);
+    const uint32_t micro = d.pass != nullptr ? d.pass[0] : d.micro;
+    const uint32_t step = d.pass != nullptr ? d.pass[1] : d.step;
+    const uint4 counter = make_uint4((uint32_t)(element / 4), d.site, micro, step);
     const uint4 r = philox4x32_10(counter, make_uint2(d.key0, d.key1));
     const uint32_t lane = (uint32_t)(element % 4);
     const uint32_t word = lane == 0 ? r.x : lane == 1 ? r.y : lane == 2 ? r.z : r.w;
