@@ -682,6 +682,72 @@ fn epilogues_stay_within_bf16_rounding_of_the_reference() {
     }
 }
 
+/// The fused CUDA engine replays its passes from recordings (CUDA graphs) after their
+/// first call: three passes of different batches, dropout masks and loss scales give
+/// the losses and gradients of the same engine launching every kernel, bit for bit, in
+/// f32 and in bf16 (flash attention, q | k | v in bf16), on the emulator and on a GPU.
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+#[test]
+fn replayed_passes_give_the_launched_bits() {
+    use tinygpt::cuda::FusedCuda;
+    for place in &devices() {
+        let (t, b) = (37, 2);
+        let cfg = ModelConfig {
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 64,
+            block_size: t,
+            vocab_size: 67,
+            dropout: 0.1,
+            ..ModelConfig::default()
+        };
+        let spec = ModelSpec::new(&cfg);
+        let init = spec.initial_values(9);
+        for precision in [Precision::F32, Precision::Bf16] {
+            let build = || -> Option<FusedCuda> {
+                let engine = match place {
+                    Place::Device(d) if d.is_cpu() => return None,
+                    #[cfg(feature = "cuda")]
+                    Place::Device(d) => FusedCuda::new(&spec, &init, d, b, precision),
+                    #[cfg(feature = "cuda-emulator")]
+                    Place::EmulatedGpu => FusedCuda::emulated(&spec, &init, b, precision),
+                    #[allow(unreachable_patterns)]
+                    _ => return None,
+                };
+                Some(engine.unwrap())
+            };
+            let (Some(replayed), Some(launched)) = (build(), build()) else {
+                continue;
+            };
+            assert!(replayed.graphs(), "{place:?}: graphs on by default");
+            let mut replayed: Box<dyn Engine> = Box::new(replayed);
+            let mut launched: Box<dyn Engine> = Box::new(launched.without_graphs());
+            for (pass, (seed, mask, scale)) in [(4, true, 1.0), (5, true, 1.0), (6, false, 0.5)]
+                .into_iter()
+                .enumerate()
+            {
+                let data = batch(b, t, 67, seed);
+                let mask = mask
+                    .then(|| Dropout::in_pass(0.1, 3, pass, pass % 2))
+                    .flatten();
+                let mut run = |e: &mut dyn Engine| {
+                    e.zero_grads().unwrap();
+                    let loss = e.loss(&data, mask.as_ref()).unwrap();
+                    e.backward(scale).unwrap();
+                    (loss, e.grads().unwrap())
+                };
+                let (want_loss, want) = run(launched.as_mut());
+                let (loss, got) = run(replayed.as_mut());
+                let what = format!("{place:?} {precision:?} pass {pass}");
+                assert_eq!(loss.to_bits(), want_loss.to_bits(), "{what}: loss");
+                for (name, w) in &want {
+                    assert!(values(&got[name]) == values(w), "{what}: {name}'s gradient");
+                }
+            }
+        }
+    }
+}
+
 /// Past one 64-row causal block and the bf16 GEMM's 96-row blocks (T = 150): the f32
 /// fused engine still equals the reference to 1e-5, and bf16 stays within its rounding.
 #[test]
