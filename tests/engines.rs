@@ -730,7 +730,7 @@ fn replayed_passes_give_the_launched_bits() {
                 let mask = mask
                     .then(|| Dropout::in_pass(0.1, 3, pass, pass % 2))
                     .flatten();
-                let mut run = |e: &mut dyn Engine| {
+                let run = |e: &mut dyn Engine| {
                     e.zero_grads().unwrap();
                     let loss = e.loss(&data, mask.as_ref()).unwrap();
                     e.backward(scale).unwrap();
