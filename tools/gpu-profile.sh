@@ -11,6 +11,8 @@
 #    GELU in the products' cuBLASLt epilogues and, TINYGPT_CUDA_EPILOGUES=0, in kernels:
 #    per phase and group the time a step from CUDA events, TFLOP/s or GB/s, the floor on
 #    the GPU's peak, gaps, MFU.
+#    Then training tokens/s with the passes replayed as CUDA graphs and launched one by
+#    one (TINYGPT_CUDA_GRAPHS=0), GPT-2 bf16 and the baby shape, interleaved twice.
 # 2. Nsight Systems' kernel table (cuda_gpu_kern_sum) of the bf16 step and of
 #    torch_gpt.py --bf16 at the same shape, where nsys is on the machine (CUDA toolkits
 #    ship it; the GPU machine has no network to fetch it).
@@ -66,6 +68,39 @@ for run in "f32|train.dtype=f32|" "f32, TF32 products|train.tf32=true|" "bf16|tr
     echo '```'
   } >> "$out"
 done
+
+# The passes replayed as CUDA graphs against launched one by one (a profile launches
+# them one by one, so these run without it): GPT-2 bf16, and the baby shape (4L/128,
+# T64, B12), where launching is most of a step.
+cat > /tmp/tg/baby.toml <<TOML
+[data]
+corpus = "/tmp/tg/corpus.txt"
+[tokenizer]
+kind = "char"
+[model]
+n_layer = 4
+n_head = 4
+n_embd = 128
+block_size = 64
+vocab_size = 65
+[train]
+batch_size = 12
+TOML
+{
+  echo
+  echo "## Passes as CUDA graphs (TINYGPT_CUDA_GRAPHS=1) and launched (=0), no profile"
+  echo
+  echo '```'
+  for shape in "GPT-2 bf16|/tmp/tg/gpt2.toml|train.dtype=bf16" "baby f32|/tmp/tg/baby.toml|train.dtype=f32" "baby bf16|/tmp/tg/baby.toml|train.dtype=bf16"; do
+    IFS='|' read -r label config set <<<"$shape"
+    for graphs in 1 0 1 0; do
+      TINYGPT_CUDA_GRAPHS=$graphs timeout 300 "$B" bench --config "$config" --device cuda --warmup 3 \
+        --steps 20 --decode-tokens 16 --prompt-tokens 16 --set "$set" 2>&1 |
+        grep -E '^train' | sed "s/^/$label, graphs=$graphs: /"
+    done
+  done
+  echo '```'
+} >> "$out"
 
 {
   echo
