@@ -249,8 +249,9 @@ use check_blocks;
 
 /// The products that read each weight row once for a few rows (f32 and bf16 weights),
 /// against f64 sums of the weights as stored, for every row count up to 9 (the
-/// four-row blocks and the rest) and 16, 17, 33 and 80 (the sixteen-row groups of
-/// AVX2 and AVX-512, several at once; whole tiles of outputs and the rest), small
+/// four-row blocks and the rest; from 8 rows the sixteen-row groups of AVX2 and
+/// AVX-512, padded) and 16, 17, 33 and 80 (those groups, a padded last one, several at
+/// once; whole tiles of outputs and the rest), small
 /// matrices and ones split over the threads; the one-row mat-vec in both orders (`matvec`), on rows shorter than its lines of 64,
 /// of whole lines and of lines and a rest.
 fn check_weight_rows(level: Isa) {
