@@ -672,8 +672,9 @@ fn a_mapped_checkpoint_cut_off_before_its_renames_opens() {
 
 /// A prompt's positions attend as GEMMs (`cpu::prompt_attention`) once they are a run
 /// of 16 or more: a whole prompt, a second piece after cached positions beside another
-/// sequence's single row, and one position after them all give the reference model's
-/// logits, with f32 and bf16 keys and values, grouped heads and RoPE.
+/// sequence's single row, one position after them all, and two prompts' runs in one
+/// pass give the reference model's logits, with f32 and bf16 keys and values, grouped
+/// heads and RoPE.
 #[test]
 fn long_prompts_decode_as_the_reference() {
     use tinygpt::cpu::Place;
@@ -695,7 +696,8 @@ fn long_prompts_decode_as_the_reference() {
         let alone = |window: &[u32]| full_forward_last(&model, window);
         for (kv, tolerance) in [(KvPrecision::F32, 1e-5), (KvPrecision::Bf16, 2e-2)] {
             let weights = DecodeWeights::from_flat(model.spec(), &values, WeightFormat::F32);
-            let mut d = FastDecoder::with_kv(std::sync::Arc::new(weights.unwrap()), 2, kv).unwrap();
+            let weights = std::sync::Arc::new(weights.unwrap());
+            let mut d = FastDecoder::with_kv(weights.clone(), 2, kv).unwrap();
             let close = |got: &[f32], want: &[f32], what: &str| {
                 for (x, y) in got.iter().zip(want) {
                     let what = format!("{positions:?}, {kv:?} keys: {what}");
@@ -728,6 +730,26 @@ fn long_prompts_decode_as_the_reference() {
                 .run_rows(&prompt[60..], &[Place { seq: 0, pos: 60 }], &[0])
                 .unwrap();
             close(logits, &alone(&prompt), "one more");
+            // Two prompts' runs in one pass, sequence 1's rows first: each attends over
+            // its own keys and values.
+            let second: Vec<u32> = (0..24).map(|i| (i * 5 + 11) % 29).collect();
+            let mut d = FastDecoder::with_kv(weights.clone(), 2, kv).unwrap();
+            let ids: Vec<u32> = second.iter().chain(&prompt[..20]).copied().collect();
+            let places: Vec<Place> = (0..24)
+                .map(|pos| Place { seq: 1, pos })
+                .chain((0..20).map(|pos| Place { seq: 0, pos }))
+                .collect();
+            let logits = d.run_rows(&ids, &places, &[23, 43]).unwrap().to_vec();
+            close(
+                &logits[..v],
+                &alone(&second),
+                "the second prompt beside the first",
+            );
+            close(
+                &logits[v..],
+                &alone(&prompt[..20]),
+                "the first prompt beside the second",
+            );
         }
     }
 }

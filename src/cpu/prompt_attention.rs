@@ -11,8 +11,9 @@
 //! (`first` of them) seeing those in full.
 //!
 //! The sums run in another order than the one-position path's, so a run's outputs
-//! differ from it by rounding; they depend only on the run itself, never on what
-//! else shares the pass.
+//! differ from it by rounding. Given the run they depend on nothing else in the pass;
+//! whether a prompt's positions form a run (16 or more of them in one pass) depends on
+//! how a server cuts its prompts into pieces beside other sequences.
 
 use std::ops::Range;
 
@@ -252,8 +253,9 @@ mod tests {
     /// A run's outputs are attention by its definition (f64, within the approximate
     /// exponential's and f32's error), and the one-position path's within rounding:
     /// a whole prompt from position 0, and a run after 23 cached positions (queries that
-    /// see cached keys in full and their own below the diagonal), f32 and bf16 caches,
-    /// lengths that are not multiples of the vectors' 16.
+    /// see cached keys in full and their own below the diagonal, also past the causal
+    /// products' 64-row blocks), f32 and bf16 caches, lengths that are not multiples of
+    /// the vectors' 16.
     #[test]
     fn runs_attend_as_the_definition_and_as_one_position_at_a_time() {
         let s = shapes();
@@ -264,7 +266,8 @@ mod tests {
             // Sequence 1, so a run's rows are read at its own offset in the cache.
             let places: Vec<Place> = (0..positions).map(|pos| Place { seq: 1, pos }).collect();
             cache.store(0, &qkv, &s, &places);
-            for (first, len) in [(0, positions), (23, positions - 23), (50, MIN_RUN)] {
+            // A run past one 64-row block of the causal products after cached positions.
+            for (first, len) in [(0, positions), (23, positions - 23), (50, MIN_RUN), (5, 66)] {
                 let run = Run {
                     rows: 0..len,
                     seq: 1,

@@ -262,8 +262,8 @@ pub trait BlockMatrix: Sync {
     }
 
     /// out[r, o] = row (first + o) · xs[r] (+ bias[o]) for `len` outputs of every row
-    /// (`out` is (rows, len)): a weight row is read once, for all the rows, while it is
-    /// in the cache.
+    /// (`out` is (rows, len)): a weight row is read once for all the rows, or, where
+    /// many rows are tiled (`matmat_in_tiles`), once for each L2-sized chunk of them.
     fn matmat(
         &self,
         first: usize,
@@ -281,8 +281,10 @@ pub trait BlockMatrix: Sync {
 /// row of x; `tile(o, rows)` gives weight rows o..o+4 against four prepared rows
 /// (`[j][i]`: weight row o + j, x row i) and `four(o, rows)` weight row o alone against
 /// them, each sum to the bit what `dot_row` gives (so a sequence's logits do not
-/// depend on the rows beside it). The last rows of x (fewer than four) go through
-/// `dot_row`, the last weight rows through `four`. Weight rows are asked for ahead.
+/// depend on the rows beside it). The rows of x go in chunks that fit L2
+/// (`x_rows_per_chunk`), each chunk through every weight row; the last rows of x (fewer
+/// than four) go through `dot_row`, the last weight rows through `four`. Weight rows are
+/// asked for ahead.
 #[cfg(target_arch = "x86_64")]
 pub(super) fn matmat_in_tiles<'x, P>(
     w: &impl BlockMatrix,

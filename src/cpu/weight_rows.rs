@@ -357,9 +357,9 @@ pub trait RowProduct: Weight {
 
 impl RowProduct for f32 {
     fn rows_kernel(w: &[f32], bias: Option<&[f32]>, x: &[f32], d_in: usize, out: &mut [f32]) {
-        // Groups of sixteen rows by broadcasts where the CPU has AVX2 or AVX-512 (a last
-        // group padded from 8 rows on); the rest (and every row elsewhere) four weight
-        // rows at a time.
+        // From 8 rows on, groups of sixteen rows by broadcasts where the CPU has AVX2 or
+        // AVX-512 (the last group padded); fewer rows (and every row elsewhere) four
+        // weight rows at a time.
         #[cfg(target_arch = "x86_64")]
         let done = sixteen_row_groups(w, bias, x, d_in, out);
         #[cfg(not(target_arch = "x86_64"))]
@@ -372,9 +372,9 @@ impl RowProduct for f32 {
     }
 }
 
-/// The groups of sixteen rows of x through [`sixteen_rows`] where the CPU has AVX2 or
-/// AVX-512 (every row, the last group padded, from [`PADDED_MIN_ROWS`] on); the rows
-/// done.
+/// Every row of x through [`sixteen_rows`], in groups of sixteen (the last padded),
+/// where the CPU has AVX2 or AVX-512 and x has [`PADDED_MIN_ROWS`] rows or more; the
+/// rows done (all or none).
 #[cfg(target_arch = "x86_64")]
 fn sixteen_row_groups(
     w: &[f32],
@@ -389,10 +389,10 @@ fn sixteen_row_groups(
     }
     let len = w.len() / d_in;
     let rows = x.len() / d_in;
-    let done = match rows >= PADDED_MIN_ROWS {
-        true => rows,
-        false => rows / LANES * LANES,
-    };
+    if rows < PADDED_MIN_ROWS {
+        return 0;
+    }
+    let done = rows;
     let rows = groups_at_once(d_in) * LANES;
     for (x, out) in x[..done * d_in]
         .chunks(rows * d_in)
@@ -440,8 +440,9 @@ thread_local! {
     static TRANSPOSED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// out (16 g, len) = x (16 g, d_in) · w (len, d_in)ᵀ (+ bias), f32 weights, for g
-/// groups of sixteen rows (a server's batch, a prompt): each group's x transposed so
+/// out (rows, len) = x (rows, d_in) · w (len, d_in)ᵀ (+ bias), f32 weights, for g
+/// groups of sixteen rows (a server's batch, a prompt; the last group may be short,
+/// its missing rows zeros whose sums are dropped): each group's x transposed so
 /// that a vector holds its sixteen rows' values at one k (one AVX-512 vector, two AVX2
 /// ones), and each weight broadcast against it into a vector of sixteen sums. No
 /// horizontal sums, and on AVX-512 the broadcast folds into the FMA's load: each k
@@ -453,8 +454,8 @@ thread_local! {
 /// beside it.
 ///
 /// # Safety
-/// The CPU must have `level` (AVX2 or above); x holds 16 g rows of d_in, out 16 g rows
-/// of len.
+/// The CPU must have `level` (AVX2 or above); x holds rows of d_in (16 g, or fewer: the
+/// last group padded with zeros), out as many rows of len.
 #[cfg(target_arch = "x86_64")]
 unsafe fn sixteen_rows(
     level: super::isa::Isa,

@@ -120,6 +120,26 @@ impl Graphs {
         }
     }
 
+    /// Nothing recorded, on or off as before: after a change to what the passes do or
+    /// to the buffers they read.
+    fn forgotten(&self) -> Self {
+        Self {
+            off: self.off,
+            ..Self::default()
+        }
+    }
+
+    /// Keeps `recording` under `key`. A few kinds of pass at most are kept (with or
+    /// without masks, a loss scale or two): a caller that varies the scale from step to
+    /// step would otherwise record a graph a step.
+    fn keep<K>(kept: &mut Vec<(K, Recording)>, key: K, recording: Recording) {
+        const MOST: usize = 4;
+        if kept.len() == MOST {
+            kept.clear();
+        }
+        kept.push((key, recording));
+    }
+
     /// Whether this pass replays (or records) rather than launching.
     fn apply(&self, gpu: &Gpu) -> bool {
         !self.off && !crate::profile::is_on() && !gpu.costs_only()
@@ -624,10 +644,7 @@ impl FusedCuda {
     /// bf16 products stay bf16.
     pub fn with_tf32(mut self, on: bool) -> Self {
         self.tf32 = on;
-        self.graphs = Graphs {
-            off: self.graphs.off,
-            ..Graphs::default()
-        };
+        self.graphs = self.graphs.forgotten();
         self
     }
 
@@ -635,10 +652,7 @@ impl FusedCuda {
     /// (tests hold the two to each other).
     pub fn without_epilogues(mut self) -> Self {
         self.epilogues = Epilogues::default();
-        self.graphs = Graphs {
-            off: self.graphs.off,
-            ..Graphs::default()
-        };
+        self.graphs = self.graphs.forgotten();
         self
     }
 
@@ -753,7 +767,7 @@ impl FusedCuda {
             let key = masks(dropout);
             if !self.graphs.forward.iter().any(|(k, _)| *k == key) {
                 if let Some(graph) = self.record(|e| e.forward_launches()) {
-                    self.graphs.forward.push((key, graph));
+                    Graphs::keep(&mut self.graphs.forward, key, graph);
                 }
             }
             match self.graphs.forward.iter().find(|(k, _)| *k == key) {
@@ -1530,7 +1544,7 @@ impl FusedCuda {
         let key = (scale.to_bits(), masks(self.dropout.as_ref()));
         if !self.graphs.backward.iter().any(|(k, _)| *k == key) {
             if let Some(graph) = self.record(|e| e.backward_launches(scale)) {
-                self.graphs.backward.push((key, graph));
+                Graphs::keep(&mut self.graphs.backward, key, graph);
             }
         }
         match self.graphs.backward.iter().find(|(k, _)| *k == key) {
@@ -1802,6 +1816,8 @@ impl FusedCuda {
         self.grads = None;
         self.moments = None;
         self.ranks = Some(ranks);
+        // What was recorded read the buffers just replaced.
+        self.graphs = self.graphs.forgotten();
         Ok(self)
     }
 
