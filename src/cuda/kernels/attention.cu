@@ -78,6 +78,7 @@ extern "C" __global__ void merge_head_grads(float* dqkv, const float* dq, const 
 // softmax of each row (zeros above the diagonal), times the dropout mask of the
 // weights. One warp per row.
 extern "C" __global__ void causal_softmax(float* att, int BH, int T, Dropout dropout) {
+    dropout = pass_read(dropout);
     const long long row = blockIdx.x * (long long)(blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     if (row >= (long long)BH * T) return;
@@ -98,6 +99,7 @@ extern "C" __global__ void causal_softmax(float* att, int BH, int T, Dropout dro
 // dP = datt * mask, dS = P (dP - sum_j P_j dP_j) per row. One warp per row.
 extern "C" __global__ void causal_softmax_backward(float* datt, const float* p, int BH, int T,
                                                    Dropout dropout) {
+    dropout = pass_read(dropout);
     const long long row = blockIdx.x * (long long)(blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     if (row >= (long long)BH * T) return;

@@ -77,6 +77,18 @@ struct Dropout {
     const uint32_t* pass;
 };
 
+// `d` with its pass read once: kernels call this first, so their loops read micro and
+// step from registers rather than through the pointer for every element (a load the
+// compiler cannot hoist past the loop's stores).
+__device__ inline Dropout pass_read(Dropout d) {
+    if (d.pass != nullptr) {
+        d.micro = d.pass[0];
+        d.step = d.pass[1];
+        d.pass = nullptr;
+    }
+    return d;
+}
+
 // What element `element` of the site is multiplied by: 0, or 1 / (1 - p).
 __device__ inline float dropout_scale(const Dropout& d, unsigned long long element) {
     if (d.threshold == 0) return 1.0f;

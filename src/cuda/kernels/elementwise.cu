@@ -4,12 +4,14 @@
 // out = x + branch * mask (the branch's dropout).
 extern "C" __global__ void residual_forward(float* out, const float* x, const float* branch,
                                             long long n, Dropout dropout) {
+    dropout = pass_read(dropout);
     FOR_EACH(i, n) { out[i] = x[i] + branch[i] * dropout_scale(dropout, i); }
 }
 
 // out = x * mask: dropout applied to x (forward) or to a gradient (backward).
 extern "C" __global__ void dropout_apply(float* out, const float* x, long long n,
                                          Dropout dropout) {
+    dropout = pass_read(dropout);
     FOR_EACH(i, n) { out[i] = x[i] * dropout_scale(dropout, i); }
 }
 

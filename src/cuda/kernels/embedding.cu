@@ -10,6 +10,7 @@ extern "C" __global__ void embedding_forward(float* x, const uint32_t* ids, cons
                                              const float* positions, int rows, int T, int first,
                                              const int* first_at, const int* places, int C,
                                              Dropout dropout) {
+    dropout = pass_read(dropout);
     const int r = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     if (r >= rows) return;
@@ -36,6 +37,7 @@ extern "C" __global__ void embedding_backward_tokens(float* dwte, const float* d
                                                      const uint32_t* starts,
                                                      const uint32_t* order, int C,
                                                      Dropout dropout) {
+    dropout = pass_read(dropout);
     const int u = blockIdx.x;
     const int c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= C || starts[u] == starts[u + 1]) return;
@@ -50,6 +52,7 @@ extern "C" __global__ void embedding_backward_tokens(float* dwte, const float* d
 // dwpe[t] += the sum over sequences of dx at position t (times the mask).
 extern "C" __global__ void embedding_backward_positions(float* dwpe, const float* dx, int B,
                                                         int T, int C, Dropout dropout) {
+    dropout = pass_read(dropout);
     FOR_EACH(i, (long long)T * C) {
         const long long t = i / C;
         const int c = (int)(i % C);

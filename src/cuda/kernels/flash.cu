@@ -269,6 +269,7 @@ extern "C" __global__ void flash_forward(HeadView out, float* lse, HeadView q, H
 #ifdef FLASH_UNSUPPORTED
     __trap();
 #else
+    dropout = pass_read(dropout);
     __shared__ __align__(16) uint16_t ks[ROWS_TILE];
     __shared__ __align__(16) uint16_t vt[COLS_TILE];
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
@@ -395,6 +396,7 @@ extern "C" __global__ void flash_backward_kv(HeadView dk, HeadView dv, HeadView 
 #ifdef FLASH_UNSUPPORTED
     __trap();
 #else
+    dropout = pass_read(dropout);
     __shared__ __align__(16) uint16_t qs[ROWS_TILE];
     __shared__ __align__(16) uint16_t qt[COLS_TILE];
     __shared__ __align__(16) uint16_t dys[ROWS_TILE];
@@ -467,6 +469,7 @@ extern "C" __global__ void flash_backward_q(HeadView dq, HeadView q, HeadView k,
 #ifdef FLASH_UNSUPPORTED
     __trap();
 #else
+    dropout = pass_read(dropout);
     __shared__ __align__(16) uint16_t ks[ROWS_TILE];
     __shared__ __align__(16) uint16_t kt[COLS_TILE];
     __shared__ __align__(16) uint16_t vs[ROWS_TILE];

@@ -53,6 +53,7 @@ extern "C" __global__ void residual_norm_forward(float* res, float* out, uint16_
                                                  int round, const float* branch_bias,
                                                  Dropout dropout, const float* w, const float* b,
                                                  int rows, int C, float eps, int rms) {
+    dropout = pass_read(dropout);
     const int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     if (row >= rows) return;
