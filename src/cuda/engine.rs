@@ -141,8 +141,8 @@ impl Graphs {
     }
 
     /// Whether this pass replays (or records) rather than launching.
-    fn apply(&self, gpu: &Gpu) -> bool {
-        !self.off && !crate::profile::is_on() && !gpu.costs_only()
+    fn apply(&self) -> bool {
+        !self.off && !crate::profile::is_on() && !super::emulator_counts_only()
     }
 }
 
@@ -668,7 +668,7 @@ impl FusedCuda {
 
     /// Whether its passes replay recorded launches (CUDA graphs) where they can.
     pub fn graphs(&self) -> bool {
-        !self.graphs.off && !self.gpu.costs_only()
+        !self.graphs.off && !super::emulator_counts_only()
     }
 
     /// What the products' epilogues do.
@@ -763,7 +763,7 @@ impl FusedCuda {
         self.upload_batch(ids, targets, dropout)?;
         self.round_weights()?;
         self.dropout = dropout.copied();
-        if self.graphs.apply(&self.gpu) {
+        if self.graphs.apply() {
             let key = masks(dropout);
             if !self.graphs.forward.iter().any(|(k, _)| *k == key) {
                 if let Some(graph) = self.record(|e| e.forward_launches()) {
@@ -1538,7 +1538,7 @@ impl FusedCuda {
         if self.grads.is_none() {
             self.zero_grads()?;
         }
-        if !self.graphs.apply(&self.gpu) {
+        if !self.graphs.apply() {
             return self.backward_launches(scale);
         }
         let key = (scale.to_bits(), masks(self.dropout.as_ref()));

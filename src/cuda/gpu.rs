@@ -357,16 +357,6 @@ impl Gpu {
             Gpu::Emulated => super::emulator::is_recording(),
         }
     }
-
-    /// Whether calls only count their costs and run nothing (the emulator's cost model).
-    pub fn costs_only(&self) -> bool {
-        match self {
-            #[cfg(feature = "cuda")]
-            Gpu::Cuda(_) => false,
-            #[cfg(feature = "cuda-emulator")]
-            Gpu::Emulated => super::emulator::costs_only(),
-        }
-    }
 }
 
 #[cfg(feature = "cuda")]
