@@ -568,6 +568,28 @@ fn bf16_products_stay_within_bf16_rounding_of_the_reference() {
     }
 }
 
+/// The fused CUDA engine at `place` (None on the CPU).
+#[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
+fn fused_cuda(
+    place: &Place,
+    spec: &ModelSpec,
+    init: &[f32],
+    b: usize,
+    precision: Precision,
+) -> Option<tinygpt::cuda::FusedCuda> {
+    use tinygpt::cuda::FusedCuda;
+    let engine = match place {
+        Place::Device(d) if d.is_cpu() => return None,
+        #[cfg(feature = "cuda")]
+        Place::Device(d) => FusedCuda::new(spec, init, d, b, precision),
+        #[cfg(feature = "cuda-emulator")]
+        Place::EmulatedGpu => FusedCuda::emulated(spec, init, b, precision),
+        #[allow(unreachable_patterns)]
+        _ => return None,
+    };
+    Some(engine.unwrap())
+}
+
 /// GPT-2's block with its work in the products' epilogues (cuBLASLt's on a GPU; `arch =
 /// "gpt2"`: learned positions, tanh GELU, biases; heads of 32, so flash attention reads
 /// q | k | v in bf16): with and without biases, and with dropout, the bf16 engine
@@ -579,7 +601,7 @@ fn bf16_products_stay_within_bf16_rounding_of_the_reference() {
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 #[test]
 fn epilogues_stay_within_bf16_rounding_of_the_reference() {
-    use tinygpt::cuda::{Epilogues, FusedCuda};
+    use tinygpt::cuda::Epilogues;
     for place in &devices() {
         let (t, b) = (37, 2);
         for (bias, dropout) in [(false, 0.0), (true, 0.0), (true, 0.1)] {
@@ -609,16 +631,9 @@ fn epilogues_stay_within_bf16_rounding_of_the_reference() {
                     *v = 0.05 * ((i as f32) * 0.9).sin();
                 }
             }
-            let fused = match place {
-                Place::Device(d) if d.is_cpu() => continue,
-                #[cfg(feature = "cuda")]
-                Place::Device(d) => FusedCuda::new(&spec, &init, d, b, Precision::Bf16),
-                #[cfg(feature = "cuda-emulator")]
-                Place::EmulatedGpu => FusedCuda::emulated(&spec, &init, b, Precision::Bf16),
-                #[allow(unreachable_patterns)]
-                _ => continue,
+            let Some(fused) = fused_cuda(place, &spec, &init, b, Precision::Bf16) else {
+                continue;
             };
-            let fused = fused.unwrap();
             let what = format!("{place:?} bias={bias} dropout={dropout}");
             let on = fused.epilogues();
             let all = Epilogues {
@@ -637,18 +652,8 @@ fn epilogues_stay_within_bf16_rounding_of_the_reference() {
                 "{}",
                 epilogues.describe()
             );
-            let mut kernels: Box<dyn Engine> = Box::new(
-                match place {
-                    #[cfg(feature = "cuda")]
-                    Place::Device(d) => FusedCuda::new(&spec, &init, d, b, Precision::Bf16),
-                    #[cfg(feature = "cuda-emulator")]
-                    Place::EmulatedGpu => FusedCuda::emulated(&spec, &init, b, Precision::Bf16),
-                    #[allow(unreachable_patterns)]
-                    _ => unreachable!(),
-                }
-                .unwrap()
-                .without_epilogues(),
-            );
+            let kernels = fused_cuda(place, &spec, &init, b, Precision::Bf16).unwrap();
+            let mut kernels: Box<dyn Engine> = Box::new(kernels.without_epilogues());
             let options = EngineOptions::f32(b, false);
             let mut reference = engine::build(&spec, &init, &Device::Cpu, options).unwrap();
             let data = batch(b, t, 67, 4);
@@ -689,7 +694,6 @@ fn epilogues_stay_within_bf16_rounding_of_the_reference() {
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 #[test]
 fn replayed_passes_give_the_launched_bits() {
-    use tinygpt::cuda::FusedCuda;
     for place in &devices() {
         let (t, b) = (37, 2);
         let cfg = ModelConfig {
@@ -704,18 +708,7 @@ fn replayed_passes_give_the_launched_bits() {
         let spec = ModelSpec::new(&cfg);
         let init = spec.initial_values(9);
         for precision in [Precision::F32, Precision::Bf16] {
-            let build = || -> Option<FusedCuda> {
-                let engine = match place {
-                    Place::Device(d) if d.is_cpu() => return None,
-                    #[cfg(feature = "cuda")]
-                    Place::Device(d) => FusedCuda::new(&spec, &init, d, b, precision),
-                    #[cfg(feature = "cuda-emulator")]
-                    Place::EmulatedGpu => FusedCuda::emulated(&spec, &init, b, precision),
-                    #[allow(unreachable_patterns)]
-                    _ => return None,
-                };
-                Some(engine.unwrap())
-            };
+            let build = || fused_cuda(place, &spec, &init, b, precision);
             let (Some(replayed), Some(launched)) = (build(), build()) else {
                 continue;
             };
