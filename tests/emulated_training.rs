@@ -51,6 +51,22 @@ fn config(dir: &Path) -> Config {
     c
 }
 
+/// The run `cfg` describes, trained: how its engine describes itself, its losses, its
+/// checkpoint's weights (the file's bytes).
+fn trained(cfg: Config) -> (String, Vec<(usize, f64)>, Vec<u8>) {
+    let trainer = Trainer::new(cfg.clone(), false).unwrap();
+    let engine = trainer.engine_name().to_string();
+    drop(trainer);
+    let weights = cfg
+        .run
+        .out_dir
+        .join(&cfg.run.name)
+        .join("model.safetensors");
+    let mut losses = Losses::default();
+    tinygpt::train::train(cfg, false, &mut losses).unwrap();
+    (engine, losses.0, std::fs::read(weights).unwrap())
+}
+
 #[test]
 fn the_emulated_cuda_engine_trains_and_resumes_exactly() {
     if !emulated() {
@@ -114,18 +130,9 @@ fn replayed_passes_train_as_launched_ones() {
             cfg.train.dtype = tinygpt::config::Precision::Bf16;
             cfg.model.n_embd = 32;
         }
-        let trainer = Trainer::new(cfg.clone(), false).unwrap();
-        let engine = trainer.engine_name().to_string();
-        drop(trainer);
-        let mut losses = Losses::default();
-        tinygpt::train::train(cfg, false, &mut losses).unwrap();
+        let trained = trained(cfg);
         std::env::remove_var("TINYGPT_CUDA_GRAPHS");
-        let weights = dir
-            .path()
-            .join("checkpoints")
-            .join(name)
-            .join("model.safetensors");
-        (engine, losses.0, std::fs::read(weights).unwrap())
+        trained
     };
     for bf16 in [false, true] {
         let (replayed_engine, replayed, replayed_weights) =
@@ -175,18 +182,7 @@ fn bf16_operand_copies_train_as_rounding_on_the_fly() {
             cfg.model.n_embd = 32;
             cfg.model.dropout = 0.0;
         }
-        let trainer = Trainer::new(cfg.clone(), false).unwrap();
-        let engine = trainer.engine_name().to_string();
-        drop(trainer);
-        let mut losses = Losses::default();
-        tinygpt::train::train(cfg, false, &mut losses).unwrap();
-        let weights = std::fs::read(
-            dir.path()
-                .join("checkpoints")
-                .join(name)
-                .join("model.safetensors"),
-        );
-        (engine, losses.0, weights.unwrap())
+        trained(cfg)
     };
     for flash in [false, true] {
         let (copies_engine, copies, copies_weights) = run(&format!("copies-{flash}"), "1", flash);
