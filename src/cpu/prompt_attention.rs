@@ -194,20 +194,18 @@ mod tests {
     /// 4 query heads of width 24 sharing 2 K/V heads (not a multiple of 16 or 32 wide),
     /// 80 positions.
     fn shapes() -> Shapes {
-        let (n_head, n_kv_head, head_dim) = (4, 2, 24);
-        Shapes {
+        let config = crate::config::ModelConfig {
             n_layer: 1,
-            n_embd: n_head * head_dim,
-            n_head,
-            n_kv_head,
-            head_dim,
+            n_head: 4,
+            n_kv_head: Some(2),
+            n_embd: 96,
             block_size: 80,
             vocab_size: 16,
-            kv_width: n_kv_head * head_dim,
-            qkv_width: (n_head + 2 * n_kv_head) * head_dim,
-            mlp_hidden: 4 * n_head * head_dim,
-            mlp_fc_width: 4 * n_head * head_dim,
-        }
+            ..Default::default()
+        };
+        let s = crate::model::spec::ModelSpec::new(&config).shapes;
+        assert_eq!((s.head_dim, s.group()), (24, 2));
+        s
     }
 
     fn values(n: usize, seed: usize) -> Vec<f32> {
