@@ -26,24 +26,28 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | 
 out=${1:-.}
 [ -d "$out" ] && out="$out/gpu-profile-${gpu:-GPU}.md"
 
-# The GPT-2 shape, on random tokens (bench reads no corpus but the config names one).
+# A model shape for bench, on random tokens (bench reads no corpus but the config
+# names one): shape FILE N_LAYER N_HEAD N_EMBD BLOCK_SIZE VOCAB_SIZE BATCH_SIZE.
 printf 'To be, or not to be.\n' > /tmp/tg/corpus.txt
-cat > /tmp/tg/gpt2.toml <<TOML
+shape() {
+  cat > "$1" <<TOML
 [data]
 corpus = "/tmp/tg/corpus.txt"
 [tokenizer]
 kind = "char"
 [model]
-n_layer = 12
-n_head = 12
-n_embd = 768
-block_size = 1024
-vocab_size = 50304
+n_layer = $2
+n_head = $3
+n_embd = $4
+block_size = $5
+vocab_size = $6
 positions = "learned"
 bias = false
 [train]
-batch_size = 8
+batch_size = $7
 TOML
+}
+shape /tmp/tg/gpt2.toml 12 12 768 1024 50304 8
 bench=("$B" bench --config /tmp/tg/gpt2.toml --device cuda --warmup 3 --decode-tokens 16 --prompt-tokens 16)
 
 {
@@ -72,20 +76,7 @@ done
 # The passes replayed as CUDA graphs against launched one by one (a profile launches
 # them one by one, so these run without it): GPT-2 bf16, and the baby shape (4L/128,
 # T64, B12), where launching is most of a step.
-cat > /tmp/tg/baby.toml <<TOML
-[data]
-corpus = "/tmp/tg/corpus.txt"
-[tokenizer]
-kind = "char"
-[model]
-n_layer = 4
-n_head = 4
-n_embd = 128
-block_size = 64
-vocab_size = 65
-[train]
-batch_size = 12
-TOML
+shape /tmp/tg/baby.toml 4 4 128 64 65 12
 {
   echo
   echo "## Passes as CUDA graphs (TINYGPT_CUDA_GRAPHS=1) and launched (=0), no profile"
