@@ -142,7 +142,7 @@ impl Graphs {
 
     /// Whether this pass replays (or records) rather than launching.
     fn apply(&self) -> bool {
-        !self.off && !crate::profile::is_on() && !super::emulator_counts_only()
+        !self.off && !crate::profile::is_on() && !super::gpu::emulator_counts_only()
     }
 }
 
@@ -668,7 +668,7 @@ impl FusedCuda {
 
     /// Whether its passes replay recorded launches (CUDA graphs) where they can.
     pub fn graphs(&self) -> bool {
-        !self.graphs.off && !super::emulator_counts_only()
+        !self.graphs.off && !super::gpu::emulator_counts_only()
     }
 
     /// What the products' epilogues do.

@@ -426,6 +426,15 @@ impl profile::Elapsed for EventPair {
     }
 }
 
+/// Whether the emulator only counts the engine's work (`TINYGPT_EMULATE_CUDA=costs`):
+/// never in builds without it.
+pub fn emulator_counts_only() -> bool {
+    #[cfg(feature = "cuda-emulator")]
+    return super::emulator::costs_only();
+    #[cfg(not(feature = "cuda-emulator"))]
+    false
+}
+
 /// Work recorded once and replayed as one (`Gpu::record`).
 pub enum Recording {
     #[cfg(feature = "cuda")]

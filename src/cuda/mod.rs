@@ -55,16 +55,7 @@ pub use decode::CudaDecoder;
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 pub use engine::{Epilogues, FusedCuda};
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
-pub use gpu::Gpu;
+pub use gpu::{emulator_counts_only, Gpu};
 #[cfg(any(feature = "cuda", feature = "cuda-emulator"))]
 pub use kernels::SamplingArgs;
 pub use plan::{Attention, Plan};
-
-/// Whether the emulator only counts the engine's work (`TINYGPT_EMULATE_CUDA=costs`):
-/// never in builds without it.
-pub fn emulator_counts_only() -> bool {
-    #[cfg(feature = "cuda-emulator")]
-    return emulator::costs_only();
-    #[cfg(not(feature = "cuda-emulator"))]
-    false
-}
