@@ -105,13 +105,15 @@ pub fn open_for_decoding(dir: &Path, format: WeightFormat) -> Result<ForDecoding
     let (path, digest) = model_file(&run, &state)?;
     let file = fs::File::open(&path)
         .map_err(|e| crate::error::user_error(format!("{}: {e}", path.display())))?;
-    // f32 weights are used where they lie: their pages are mapped in now, in one pass
+    // f32 weights used where they lie (where the kernel lends no huge pages to copy
+    // them onto: `Values::for_streaming`) have their pages mapped in now, in one pass
     // the kernel batches, rather than faulted in one by one inside the first token's
-    // products. Other formats, and f32 weights off the cache lines (a file written before
-    // tinygpt aligned its tensors: copied onto lines), read each page once while
-    // converting.
+    // products. Other formats, f32 weights copied onto huge pages, and f32 weights off
+    // the cache lines (a file written before tinygpt aligned its tensors) read each
+    // page once while converting or copying.
+    let in_place = format == WeightFormat::F32 && !crate::cpu::lines::huge_pages_lent();
     let mut options = memmap2::MmapOptions::new();
-    if format == WeightFormat::F32 && data_on_lines(&file) {
+    if in_place && data_on_lines(&file) {
         options.populate();
     }
     // Safety: read-only; see the module docs on why the bytes do not change under us.

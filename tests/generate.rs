@@ -563,8 +563,9 @@ fn a_mapped_checkpoint_decodes_as_the_loaded_one() {
             let is_mapped = maps.contains(&*file.to_string_lossy());
             assert_eq!(
                 is_mapped,
-                format == WeightFormat::F32,
-                "{}: the file is mapped only where its f32 values are the weights",
+                format == WeightFormat::F32 && !tinygpt::cpu::lines::huge_pages_lent(),
+                "{}: the file is mapped only where its f32 values are the weights \
+                 (not copied onto huge pages)",
                 format.name()
             );
         }
@@ -591,6 +592,39 @@ fn a_mapped_checkpoint_decodes_as_the_loaded_one() {
         again.verification.checked_before(),
         "noted files are not hashed again"
     );
+}
+
+/// f32 weights decode alike read in place from the mapped file (`TINYGPT_HUGE_PAGES=0`,
+/// and wherever the kernel lends no huge pages) and copied onto huge pages (the
+/// default where it does): the binary, greedy, the same text. The setting is read once
+/// a process, so each way is its own run.
+#[test]
+fn f32_weights_decode_alike_mapped_or_copied() {
+    let dir = tempfile::tempdir().unwrap();
+    trained_run(dir.path(), TokenizerKind::Bpe);
+    let run = dir.path().join("checkpoints/run");
+    let text = |huge_pages: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+            .args(["generate", "--checkpoint"])
+            .arg(&run)
+            .args(["--prompt", "First Citizen:", "--max-new-tokens", "24"])
+            .args(["--temperature", "0", "--dtype", "f32"])
+            .env("TINYGPT_HUGE_PAGES", huge_pages)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let (mapped, copied) = (text("0"), text("1"));
+    assert!(
+        mapped.starts_with("First Citizen:") && mapped.len() > 20,
+        "{mapped}"
+    );
+    assert_eq!(mapped, copied);
 }
 
 /// `eval --dtype` scores through the CPU decoder: in f32 it gives the engines' loss

@@ -19,6 +19,7 @@ use rayon::prelude::*;
 
 use super::isa::Isa;
 use super::kernels::prefetch_all;
+use super::lines::Lines;
 #[cfg(target_arch = "x86_64")]
 use super::q8::{lanes_sum_avx2, matmat_in_tiles};
 use super::q8::{matmat_by_dots, BlockMatrix, Q8Row, BLOCK};
@@ -35,9 +36,9 @@ pub struct Q4Matrix {
     /// Blocks per row.
     blocks: usize,
     /// (rows, blocks x 16) bytes, two 4-bit values each.
-    nibbles: Vec<u8>,
+    nibbles: Lines<u8>,
     /// (rows, blocks) scales.
-    scales: Vec<f16>,
+    scales: Lines<f16>,
 }
 
 /// One block of `values` (zero-padded to `BLOCK`) in llama.cpp's q4_0: its 16 bytes and
@@ -76,13 +77,15 @@ impl Q4Matrix {
     /// A (rows, cols) matrix of zeros, to be filled by `quantize_rows`.
     pub fn zeros(rows: usize, cols: usize) -> Self {
         let blocks = cols.div_ceil(BLOCK);
+        let mut nibbles = Lines::zeroed(rows * blocks * HALF);
+        // 0x88: both values 8, which is 0 whatever the scale.
+        nibbles.fill(0x88);
         Self {
             rows,
             cols,
             blocks,
-            // 0x88: both values 8, which is 0 whatever the scale.
-            nibbles: vec![0x88; rows * blocks * HALF],
-            scales: vec![f16::ZERO; rows * blocks],
+            nibbles,
+            scales: Lines::zeroed(rows * blocks),
         }
     }
 
@@ -849,7 +852,7 @@ mod tests {
         let mut back = [0f32; 3];
         short.row_into(0, &mut back);
         assert_eq!(back, [0.5, -1.0, 0.25]);
-        assert_eq!(Q4Matrix::quantize(&[0.0; 4], 1, 4).scales, [f16::ZERO]);
+        assert_eq!(*Q4Matrix::quantize(&[0.0; 4], 1, 4).scales, [f16::ZERO]);
     }
 
     #[test]

@@ -14,6 +14,7 @@ use rayon::prelude::*;
 
 use super::isa::{self, Isa};
 use super::kernels::{multiversion, prefetch_all, AHEAD_BYTES};
+use super::lines::Lines;
 
 /// Values per block.
 pub const BLOCK: usize = 32;
@@ -27,9 +28,9 @@ pub struct Q8Matrix {
     /// Blocks per row.
     blocks: usize,
     /// (rows, blocks x BLOCK) int8 values.
-    quants: Vec<i8>,
+    quants: Lines<i8>,
     /// (rows, blocks) scales.
-    scales: Vec<f32>,
+    scales: Lines<f32>,
 }
 
 /// One row of activations quantized for products with a [`Q8Matrix`].
@@ -96,8 +97,8 @@ impl Q8Matrix {
             rows,
             cols,
             blocks,
-            quants: vec![0i8; rows * blocks * BLOCK],
-            scales: vec![0f32; rows * blocks],
+            quants: Lines::zeroed(rows * blocks * BLOCK),
+            scales: Lines::zeroed(rows * blocks),
         }
     }
 
@@ -789,7 +790,7 @@ mod tests {
         let mut back = [0f32; 4];
         peak.row_into(0, &mut back);
         assert_eq!(back[1], -2.0);
-        assert_eq!(Q8Matrix::quantize(&[0.0; 4], 1, 4).scales, [0.0]);
+        assert_eq!(*Q8Matrix::quantize(&[0.0; 4], 1, 4).scales, [0.0]);
     }
 
     /// AVX2's four-row kernel gives `dot_avx2`'s sums to the bit.
