@@ -53,13 +53,15 @@ const PROFILE_STEPS: usize = 5;
 /// The CPU a bench ran on, given with every CPU figure: its model name and SIMD
 /// features, the vector level our kernels ran at (the CPU's best, capped by
 /// TINYGPT_CPU_ISA), the order decoding's mat-vecs read their weights in (by the
-/// CPU's maker, or TINYGPT_MATVEC_ORDER), and the threads they had.
+/// CPU's maker, or TINYGPT_MATVEC_ORDER), whether the decoder's weights lie on huge
+/// pages (`cpu::lines::huge_pages_lent`), and the threads they had.
 #[derive(Debug, Clone, Serialize)]
 pub struct CpuInfo {
     pub cpu_model: Option<String>,
     pub cpu_features: Vec<&'static str>,
     pub cpu_isa: crate::cpu::isa::Isa,
     pub matvec_order: &'static str,
+    pub huge_pages: bool,
     pub threads: usize,
 }
 
@@ -70,21 +72,24 @@ impl CpuInfo {
             cpu_features: crate::cpu::isa::cpu_features(),
             cpu_isa: crate::cpu::isa::active(),
             matvec_order: crate::cpu::matvec::order().name(),
+            huge_pages: crate::cpu::lines::huge_pages_lent(),
             threads,
         }
     }
 }
 
 impl std::fmt::Display for CpuInfo {
-    /// "MODEL [FEATURES], kernels at ISA, mat-vecs ORDER, N threads".
+    /// "MODEL [FEATURES], kernels at ISA, mat-vecs ORDER, weights on huge | small pages,
+    /// N threads".
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} [{}], kernels at {}, mat-vecs {}, {} threads",
+            "{} [{}], kernels at {}, mat-vecs {}, weights on {} pages, {} threads",
             self.cpu_model.as_deref().unwrap_or("unknown CPU"),
             self.cpu_features.join(" "),
             self.cpu_isa.name(),
             self.matvec_order,
+            if self.huge_pages { "huge" } else { "small" },
             self.threads
         )
     }
@@ -378,7 +383,7 @@ pub fn decode_checkpoint(
     stop: &Stop,
 ) -> Result<DecodeReport> {
     let t0 = Instant::now();
-    let mut opened = crate::mapped::open_for_decoding(dir, format)?;
+    let mut opened = crate::mapped::open_for_decoding(dir, format, crate::mapped::Hold::Streamed)?;
     let hashed = !opened.verification.checked_before();
     opened.verification.wait()?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;

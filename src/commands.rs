@@ -15,7 +15,7 @@ use tinygpt::error::user_error;
 use tinygpt::generate::choose::fastest_decoder;
 use tinygpt::generate::sample::{Sampler, SamplingParams};
 use tinygpt::generate::{generate as sample_text, unescape, DecodeMode, GenerateOptions, Model};
-use tinygpt::mapped::{open_for_decoding, ForDecoding};
+use tinygpt::mapped::{open_for_decoding, ForDecoding, Hold};
 use tinygpt::user_bail;
 
 use crate::{
@@ -165,7 +165,11 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
             };
             eprintln!("device auto: {}", Choice::new(Device::Cpu, why));
         }
-        Opened::Mapped(Box::new(open_for_decoding(&args.ckpt.checkpoint, weights)?))
+        Opened::Mapped(Box::new(open_for_decoding(
+            &args.ckpt.checkpoint,
+            weights,
+            Hold::Streamed,
+        )?))
     } else if auto && mode == DecodeMode::Fast && !weights.is_integer() {
         Opened::Candle(Box::new(load_for_decoding(
             &args.ckpt.checkpoint,
@@ -345,7 +349,7 @@ fn eval_decoding(
             format.name()
         );
     }
-    let mut opened = open_for_decoding(&args.ckpt.checkpoint, format)?;
+    let mut opened = open_for_decoding(&args.ckpt.checkpoint, format, Hold::Streamed)?;
     opened.verification.wait()?;
     let ids = opened.tokenizer.encode(text)?;
     let bar = tinygpt::util::bars::count_bar(0, "scoring windows");
@@ -425,8 +429,8 @@ fn print_eval(args: &EvalArgs, r: &tinygpt::eval::EvalResult) -> Result<()> {
 pub fn info(args: InfoArgs) -> Result<()> {
     parse_device(&args.ckpt.device)?;
     // Every file is checked (sizes, hashes, tensor names and shapes), but nothing is
-    // computed with the weights: they are mapped, not built into a model.
-    let mut loaded = open_for_decoding(&args.ckpt.checkpoint, WeightFormat::F32)?;
+    // computed with the weights: they are mapped, not copied or built into a model.
+    let mut loaded = open_for_decoding(&args.ckpt.checkpoint, WeightFormat::F32, Hold::InPlace)?;
     loaded.verification.wait()?;
     let spec = &loaded.weights.spec;
     let (total, embeddings) = (spec.len(), spec.embedding_len());

@@ -1,12 +1,16 @@
-//! A checkpoint opened for the CPU decoder: its weights read where they lie.
+//! A checkpoint opened for the CPU decoder, straight from its mapped file.
 //!
 //! `Loaded` (in `checkpoint`) builds a candle model: the file read into memory, parsed
 //! into tensors, gathered into a flat buffer, built into the model: four copies of the
 //! weights at the peak and seconds of copying before the first token. The CPU decoder
-//! needs none of that. Here model.safetensors is mapped into memory; f32 decoding uses
-//! its tensors in place (the process holds the file's pages, once); bf16, int8 and
-//! int4 convert them a slice at a time and give each slice's pages back
+//! needs none of that. Here model.safetensors is mapped into memory; bf16, int8 and int4
+//! convert its tensors a slice at a time and give each slice's pages back
 //! (`DecodeWeights`), copy the small tensors, and the file is unmapped once converted.
+//! f32 weights are used where they lie (the page cache's pages, shared with any other
+//! process reading the file) for a look ([`Hold::InPlace`]: `info`, a server's sample
+//! of a training run), and for decoding ([`Hold::Streamed`]) copied onto huge pages
+//! where the kernel lends them, the same way, slice by slice (a private copy, which a
+//! token's products read 7% faster than the file's 4 KiB pages: PERFORMANCE.md).
 //!
 //! The file's SHA-256 (recorded in state.json) is still checked, for a torn or changed
 //! file must not decode, but beside the loading rather than before it: a thread hashes
@@ -43,6 +47,17 @@ use crate::util::sha256_hex_of_reader;
 
 /// The run folder's note of files whose hash was checked.
 pub const VERIFIED_FILE: &str = ".verified";
+
+/// How f32 weights are held once opened (other formats are converted either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hold {
+    /// Where they lie in the mapped file: opened in a moment, shared with other
+    /// processes through the page cache. For a look: a few tokens, a description.
+    InPlace,
+    /// For decoding many tokens: copied onto transparent huge pages where the kernel
+    /// lends them (`cpu::lines::huge_pages_lent`), in place elsewhere.
+    Streamed,
+}
 
 /// A checkpoint ready for the CPU decoder.
 pub struct ForDecoding {
@@ -90,8 +105,9 @@ fn data_on_lines(mut file: &fs::File) -> bool {
         && (8 + u64::from_le_bytes(header)).is_multiple_of(crate::checkpoint::DATA_ALIGNMENT as u64)
 }
 
-/// Opens the run folder `dir` for decoding on the CPU with weights in `format`.
-pub fn open_for_decoding(dir: &Path, format: WeightFormat) -> Result<ForDecoding> {
+/// Opens the run folder `dir` for decoding on the CPU with weights in `format`, f32
+/// ones held as `hold` says.
+pub fn open_for_decoding(dir: &Path, format: WeightFormat, hold: Hold) -> Result<ForDecoding> {
     let run = RunDir::new(dir);
     let state = run.state()?;
     let source = dir.display().to_string();
@@ -105,15 +121,16 @@ pub fn open_for_decoding(dir: &Path, format: WeightFormat) -> Result<ForDecoding
     let (path, digest) = model_file(&run, &state)?;
     let file = fs::File::open(&path)
         .map_err(|e| crate::error::user_error(format!("{}: {e}", path.display())))?;
-    // f32 weights used where they lie (where the kernel lends no huge pages to copy
-    // them onto: `Values::for_streaming`) have their pages mapped in now, in one pass
-    // the kernel batches, rather than faulted in one by one inside the first token's
+    // f32 weights used where they lie have their pages mapped in now, in one pass the
+    // kernel batches, rather than faulted in one by one inside the first token's
     // products. Other formats, f32 weights copied onto huge pages, and f32 weights off
     // the cache lines (a file written before tinygpt aligned its tensors) read each
     // page once while converting or copying.
-    let in_place = format == WeightFormat::F32 && !crate::cpu::lines::huge_pages_lent();
+    let copy_f32 = format == WeightFormat::F32
+        && hold == Hold::Streamed
+        && crate::cpu::lines::huge_pages_lent();
     let mut options = memmap2::MmapOptions::new();
-    if in_place && data_on_lines(&file) {
+    if format == WeightFormat::F32 && !copy_f32 && data_on_lines(&file) {
         options.populate();
     }
     // Safety: read-only; see the module docs on why the bytes do not change under us.
@@ -125,7 +142,7 @@ pub fn open_for_decoding(dir: &Path, format: WeightFormat) -> Result<ForDecoding
     sigbus::watch(map.as_ptr() as usize, map.len(), &path);
     let mut verification = verify(&run, &path, &file, digest);
     let shown = path.display().to_string();
-    let weights = match read_weights(&spec, &map, format, &shown) {
+    let weights = match read_weights(&spec, &map, (format, copy_f32), &shown) {
         Ok(weights) => weights,
         // A torn file fails both ways; its hash names the cause better than its parse.
         Err(e) => {
@@ -260,12 +277,13 @@ fn verify(run: &RunDir, path: &Path, file: &fs::File, digest: FileDigest) -> Ver
     }
 }
 
-/// The weights of `spec` from the safetensors bytes `map`, which must hold exactly its
-/// tensors with its shapes; `source` names the file in errors.
+/// The weights of `spec` in `format` from the safetensors bytes `map`, which must hold
+/// exactly its tensors with its shapes, f32 tensors copied out of it if `copy_f32`
+/// (nothing of the file then stays mapped); `source` names the file in errors.
 fn read_weights(
     spec: &ModelSpec,
     map: &Arc<memmap2::Mmap>,
-    format: WeightFormat,
+    (format, copy_f32): (WeightFormat, bool),
     source: &str,
 ) -> Result<DecodeWeights> {
     let file = safetensors::SafeTensors::deserialize(map).map_err(|e| {
@@ -301,7 +319,7 @@ fn read_weights(
         let start = view.data().as_ptr() as usize - base;
         if view.dtype() == safetensors::Dtype::F32 {
             if let Some(values) = Values::mapped(map, start, p.len()) {
-                return Ok(values);
+                return Ok(if copy_f32 { values.copied() } else { values });
             }
         }
         // Another dtype (or unaligned): converted through candle, copied.

@@ -605,7 +605,7 @@ macro_rules! head_scores {
 /// four, in AVX-512 registers: 16 lanes each.
 #[cfg(target_arch = "x86_64")]
 macro_rules! four_lanes_avx512 {
-    ($name:ident, $t:ty, $load:ident) => {
+    ($name:ident, $t:ty) => {
         #[inline]
         #[target_feature(enable = "avx512f,avx2,fma")]
         unsafe fn $name(qh: &[f32], kh: &[$t], whole: usize) -> std::arch::x86_64::__m128 {
@@ -614,8 +614,9 @@ macro_rules! four_lanes_avx512 {
             for c in (0..whole).step_by(32) {
                 // Safety: c + 32 <= whole, inside both heads.
                 let (qa, ka) = (qh.as_ptr().add(c), kh.as_ptr().add(c));
-                low = _mm512_add_ps(low, _mm512_mul_ps(_mm512_loadu_ps(qa), $load(ka)));
-                let products = _mm512_mul_ps(_mm512_loadu_ps(qa.add(16)), $load(ka.add(16)));
+                let load = <$t as super::weight_rows::Weight>::load16;
+                low = _mm512_add_ps(low, _mm512_mul_ps(_mm512_loadu_ps(qa), load(ka)));
+                let products = _mm512_mul_ps(_mm512_loadu_ps(qa.add(16)), load(ka.add(16)));
                 high = _mm512_add_ps(high, products);
             }
             let s16 = _mm512_add_ps(low, high);
@@ -650,30 +651,6 @@ macro_rules! four_lanes_avx2 {
     };
 }
 
-/// 16 f32 values at `at`.
-///
-/// # Safety
-/// They are readable; the CPU must have AVX-512 F.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn load_f32(at: *const f32) -> std::arch::x86_64::__m512 {
-    std::arch::x86_64::_mm512_loadu_ps(at)
-}
-
-/// 16 bf16 values at `at`, widened to f32 (exactly: a bf16 is an f32's top half).
-///
-/// # Safety
-/// They are readable; the CPU must have AVX-512 F.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn load_bf16(at: *const Bf16) -> std::arch::x86_64::__m512 {
-    use std::arch::x86_64::*;
-    let bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(at.cast()));
-    _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16))
-}
-
 /// 8 f32 values at `at`.
 ///
 /// # Safety
@@ -699,9 +676,9 @@ unsafe fn load8_bf16(at: *const Bf16) -> std::arch::x86_64::__m256 {
 }
 
 #[cfg(target_arch = "x86_64")]
-four_lanes_avx512!(four_lanes_f32, f32, load_f32);
+four_lanes_avx512!(four_lanes_f32, f32);
 #[cfg(target_arch = "x86_64")]
-four_lanes_avx512!(four_lanes_bf16, Bf16, load_bf16);
+four_lanes_avx512!(four_lanes_bf16, Bf16);
 #[cfg(target_arch = "x86_64")]
 four_lanes_avx2!(four_lanes_f32_avx2, f32, load8_f32);
 #[cfg(target_arch = "x86_64")]

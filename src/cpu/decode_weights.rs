@@ -8,7 +8,8 @@
 //! matrix like the others: a token's input vector is its row read back in f32.
 //!
 //! Where the weights come from is `Values`: copies in memory, or the f32 tensors of a
-//! checkpoint file mapped into memory and used where they lie (`crate::mapped`). A
+//! checkpoint file mapped into memory and used where they lie (`crate::mapped`, which
+//! copies f32 tensors onto huge pages for a decoder that will stream them). A
 //! matrix converted to bf16, int8 or int4 is converted a slice of rows at a time, each slice's
 //! pages of the file released once read, so the f32 file is never resident as a whole:
 //! the process holds about the converted model, not the model twice.
@@ -113,19 +114,25 @@ impl Values {
         }
     }
 
-    /// The values where `matvec` streams them fastest: every row of whole lines starting
-    /// on one (it reads them in line-wide loads), and on huge pages where the kernel
-    /// lends them (`Lines`: 4 KiB pages of the mapped file stop the prefetchers every 64
-    /// lines; a token's f32 products read 7% faster from 2 MiB pages, PERFORMANCE.md).
-    /// Mapped values that lie off the lines (a file written before tinygpt aligned its
-    /// tensors), or that huge pages would hold, are copied a slice at a time, each
-    /// slice's pages given back to the file once copied.
-    fn for_streaming(self) -> Self {
-        let on_lines = (self.as_ptr() as usize).is_multiple_of(super::lines::LINE);
-        if matches!(self, Values::Owned(_)) || on_lines && !super::lines::huge_pages_lent() {
+    /// The values where every row of whole lines starts on one (`matvec` reads them in
+    /// line-wide loads): mapped values that lie off the lines (a file written before
+    /// tinygpt aligned its tensors) are copied onto them ([`Values::copied`]).
+    fn on_lines(self) -> Self {
+        if (self.as_ptr() as usize).is_multiple_of(super::lines::LINE) {
             return self;
         }
-        // On both cores: most of the time is the kernel's, clearing the new pages.
+        self.copied()
+    }
+
+    /// The values copied into `Lines` (on huge pages where the kernel lends them, which
+    /// a token's f32 products read 7% faster than the mapped file's 4 KiB pages:
+    /// PERFORMANCE.md), a slice at a time on both cores (most of the time is the
+    /// kernel's, clearing the new pages), each slice's pages given back to the file once
+    /// copied. Copies are returned as they are.
+    pub fn copied(self) -> Self {
+        if matches!(self, Values::Owned(_)) {
+            return self;
+        }
         let mut lines = Lines::zeroed(self.len());
         const SLICE: usize = 1 << 20;
         lines
@@ -136,21 +143,37 @@ impl Values {
                 chunk.copy_from_slice(&self[range.clone()]);
                 self.release(range);
             });
+        self.release(0..self.len());
         Values::Owned(lines)
     }
 
-    /// Gives the pages of values `range` back to the file: they leave this process's
-    /// memory and are read from the page cache again if touched. Copies keep theirs.
+    /// Gives the pages that lie wholly inside values `range` back to the file: they
+    /// leave this process's memory and are read from the page cache again if touched.
+    /// A page shared with values outside the range is kept (another thread may be
+    /// reading them): callers release a whole tensor once they are done. Copies keep
+    /// theirs.
     fn release(&self, range: std::ops::Range<usize>) {
         #[cfg(unix)]
         if let Values::Mapped(m) = self {
-            let (offset, len) = (m.start + 4 * range.start, 4 * range.len());
-            // Safety: the mapping is read-only and private; dropped pages of a file
-            // mapping are read back from the file, so nothing that reads them changes.
-            let _ = unsafe {
-                m.map
-                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, offset, len)
-            };
+            // Safety: sysconf has no preconditions.
+            let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+                .unwrap_or(4096)
+                .max(1);
+            let base = m.map.as_ptr() as usize;
+            let start = (base + m.start + 4 * range.start).next_multiple_of(page);
+            let end = (base + m.start + 4 * range.end) / page * page;
+            if start < end {
+                // Safety: the mapping is read-only and private; dropped pages of a file
+                // mapping are read back from the file, so nothing that reads them
+                // changes.
+                let _ = unsafe {
+                    m.map.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        start - base,
+                        end - start,
+                    )
+                };
+            }
         }
         let _ = range;
     }
@@ -206,7 +229,7 @@ impl Matrix {
         assert_eq!(w.len(), d_out * d_in, "a (d_out, d_in) matrix");
         let stored = match format {
             WeightFormat::F32 => {
-                let w = w.for_streaming();
+                let w = w.on_lines();
                 Stored::F32 {
                     transposed: transpose_if_narrow(&w, d_out, d_in),
                     w,
@@ -219,6 +242,7 @@ impl Matrix {
                     round_to_bf16(&w[first..first + chunk.len()], chunk);
                     w.release(first..first + chunk.len());
                 }
+                w.release(0..w.len());
                 Stored::Bf16(bits)
             }
             WeightFormat::Int8 => {
@@ -446,6 +470,7 @@ fn convert_rows(w: &Values, d_out: usize, d_in: usize, mut convert: impl FnMut(u
         convert(first, &w[values.clone()]);
         w.release(values);
     }
+    w.release(0..w.len());
 }
 
 /// out = x Wᵀ + bias from W in eight or four bits, for every row of x (each quantized
@@ -538,13 +563,11 @@ impl DecodeWeights {
     ) -> Result<Self> {
         let cfg = &spec.config;
         let s = &spec.shapes;
-        // f32 weights read where they lie stay mapped; a model whose matrices are
-        // converted or copied onto huge pages holds its own copy of the small tensors
-        // too (`Values::into_owned`), and nothing of the file stays mapped.
-        let in_place = format == WeightFormat::F32 && !super::lines::huge_pages_lent();
-        let small = |values: Values| match in_place {
-            true => values,
-            false => values.into_owned(),
+        // f32 weights are read as `fetch` gives them (in place, or copied); a converted
+        // model holds its own copy of the small tensors (`Values::into_owned`).
+        let small = |values: Values| match format {
+            WeightFormat::F32 => values,
+            _ => values.into_owned(),
         };
         let mut norm = |p: &NormParams| -> Result<Norm> {
             Ok(Norm {

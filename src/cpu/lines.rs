@@ -96,15 +96,24 @@ impl Memory {
 
 /// Whether large buffers are held on huge pages: where the kernel lends transparent
 /// huge pages to a mapping that asks (its setting reads `[always]` or `[madvise]`, not
-/// `[never]`; the file is absent where the kernel has none) and `TINYGPT_HUGE_PAGES` is
-/// not `0`. Elsewhere (macOS, Windows) never.
+/// `[never]`; the file is absent where the kernel has none), this process is not barred
+/// from them (`THP_enabled: 0` in /proc/self/status, after `prctl(PR_SET_THP_DISABLE)`)
+/// and `TINYGPT_HUGE_PAGES` is not `0`. Elsewhere (macOS, Windows) never.
 pub fn huge_pages_lent() -> bool {
     static LENT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *LENT.get_or_init(|| {
+        let barred = || {
+            std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
+                status
+                    .lines()
+                    .any(|l| l.split_whitespace().eq(["THP_enabled:", "0"]))
+            })
+        };
         cfg!(target_os = "linux")
             && std::env::var_os("TINYGPT_HUGE_PAGES").is_none_or(|v| v != "0")
             && std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
                 .is_ok_and(|setting| !setting.contains("[never]"))
+            && !barred()
     })
 }
 

@@ -283,7 +283,11 @@ fn open(options: &ServeOptions) -> Result<Opened> {
             }
         }
     }
-    let mut opened = crate::mapped::open_for_decoding(&options.checkpoint, options.format)?;
+    let mut opened = crate::mapped::open_for_decoding(
+        &options.checkpoint,
+        options.format,
+        crate::mapped::Hold::Streamed,
+    )?;
     opened.verification.wait()?;
     let kv = options
         .kv

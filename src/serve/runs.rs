@@ -579,7 +579,12 @@ pub async fn sample(
     let (seed, prompt_text) = (settings.seed, request.prompt);
     let root = runs_dir(&state)?.clone();
     let text = tokio::task::spawn_blocking(move || -> anyhow::Result<String> {
-        let mut opened = crate::mapped::open_for_decoding(&dir, WeightFormat::F32)?;
+        // A few tokens: the f32 weights read where they lie, not copied.
+        let mut opened = crate::mapped::open_for_decoding(
+            &dir,
+            WeightFormat::F32,
+            crate::mapped::Hold::InPlace,
+        )?;
         // As generate: a checkpoint whose bytes do not match state.json's hash is refused.
         opened.verification.wait()?;
         let tokenizer = &opened.tokenizer;
