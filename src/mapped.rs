@@ -39,7 +39,7 @@ use crate::checkpoint::{
     TOKENIZER_FILE,
 };
 use crate::config::Config;
-use crate::cpu::decode_weights::{DecodeWeights, Values, WeightFormat};
+use crate::cpu::decode_weights::{DecodeWeights, MappedFile, Values, WeightFormat};
 use crate::model::ModelSpec;
 use crate::tokenizer::Tokenizer;
 use crate::user_bail;
@@ -134,12 +134,17 @@ pub fn open_for_decoding(dir: &Path, format: WeightFormat, hold: Hold) -> Result
         options.populate();
     }
     // Safety: read-only; see the module docs on why the bytes do not change under us.
-    let map =
-        Arc::new(unsafe { options.map(&file) }.map_err(|e| {
-            crate::error::user_error(format!("cannot map {}: {e}", path.display()))
-        })?);
+    let map = unsafe { options.map(&file) }
+        .map_err(|e| crate::error::user_error(format!("cannot map {}: {e}", path.display())))?;
     #[cfg(unix)]
-    sigbus::watch(map.as_ptr() as usize, map.len(), &path);
+    let watch: Option<Box<dyn std::any::Any + Send + Sync>> = Some(Box::new(sigbus::watch(
+        map.as_ptr() as usize,
+        map.len(),
+        &path,
+    )));
+    #[cfg(not(unix))]
+    let watch = None;
+    let map = Arc::new(MappedFile::new(map, watch));
     let mut verification = verify(&run, &path, &file, digest);
     let shown = path.display().to_string();
     let weights = match read_weights(&spec, &map, (format, copy_f32), &shown) {
@@ -282,7 +287,7 @@ fn verify(run: &RunDir, path: &Path, file: &fs::File, digest: FileDigest) -> Ver
 /// (nothing of the file then stays mapped); `source` names the file in errors.
 fn read_weights(
     spec: &ModelSpec,
-    map: &Arc<memmap2::Mmap>,
+    map: &Arc<MappedFile>,
     (format, copy_f32): (WeightFormat, bool),
     source: &str,
 ) -> Result<DecodeWeights> {
@@ -362,9 +367,25 @@ pub mod sigbus {
     /// The handler before ours (zeroed: none was read).
     static PREVIOUS: OnceLock<libc::sigaction> = OnceLock::new();
 
-    /// Remembers `len` bytes at `start` as the mapping of `path`, and installs the
-    /// handler (once).
-    pub fn watch(start: usize, len: usize, path: &Path) {
+    /// A mapping watched until this is dropped (before the mapping is unmapped: its
+    /// range may then be reused, and a fault there is not the checkpoint's).
+    pub struct Watch {
+        slot: usize,
+        start: usize,
+    }
+
+    impl Drop for Watch {
+        fn drop(&mut self) {
+            // The slot may have been taken by a newer mapping since: left alone then.
+            if STARTS[self.slot].load(Ordering::Acquire) == self.start {
+                LENS[self.slot].store(0, Ordering::Release);
+            }
+        }
+    }
+
+    /// Remembers `len` bytes at `start` as the mapping of `path` until the returned
+    /// watch is dropped, and installs the handler (once).
+    pub fn watch(start: usize, len: usize, path: &Path) -> Watch {
         install();
         let line = format!(
             "error: {} was truncated or rewritten in place while in use (by another process; training replaces a checkpoint by renaming a new file over it, which is safe); run again once the file is whole\n",
@@ -378,8 +399,9 @@ pub mod sigbus {
             cell.store(b, Ordering::Relaxed);
         }
         MESSAGE_LENS[slot].store(bytes.len(), Ordering::Relaxed);
-        STARTS[slot].store(start, Ordering::Relaxed);
+        STARTS[slot].store(start, Ordering::Release);
         LENS[slot].store(len, Ordering::Release);
+        Watch { slot, start }
     }
 
     fn install() {
@@ -426,6 +448,38 @@ pub mod sigbus {
         if let Some(previous) = PREVIOUS.get() {
             // Safety: restores the action that was installed before ours.
             unsafe { libc::sigaction(libc::SIGBUS, previous, std::ptr::null_mut()) };
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        /// A watch lasts until it is dropped, and dropping an old one leaves the slot
+        /// alone once a newer mapping has taken it.
+        #[test]
+        fn a_watch_ends_with_its_mapping_and_never_ends_a_newer_one() {
+            let path = Path::new("model.safetensors");
+            // Addresses no test maps: the handler is never asked about them.
+            let first = watch(0x10_0000, 4096, path);
+            let slot = first.slot;
+            assert_eq!(LENS[slot].load(Ordering::Acquire), 4096);
+            drop(first);
+            assert_eq!(LENS[slot].load(Ordering::Acquire), 0, "unwatched");
+
+            let old = watch(0x20_0000, 4096, path);
+            let newer: Vec<Watch> = (1..=SLOTS)
+                .map(|i| watch(0x20_0000 + i * 0x1_0000, 4096, path))
+                .collect();
+            let reused = newer.iter().find(|w| w.slot == old.slot).unwrap();
+            let start = reused.start;
+            drop(old);
+            assert_eq!(STARTS[reused.slot].load(Ordering::Acquire), start);
+            assert_eq!(
+                LENS[reused.slot].load(Ordering::Acquire),
+                4096,
+                "still watched"
+            );
         }
     }
 }

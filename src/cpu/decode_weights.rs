@@ -81,16 +81,40 @@ pub enum Values {
 
 /// `len` f32 values at byte `start` of a mapped file.
 pub struct MappedValues {
-    map: Arc<memmap2::Mmap>,
+    map: Arc<MappedFile>,
     start: usize,
     len: usize,
+}
+
+/// A file mapped read-only, and what must last exactly as long as the mapping (the
+/// watch that turns a fault in it into a one-line error: `mapped::sigbus`); the
+/// mapping goes with its last `Values`.
+pub struct MappedFile {
+    // Declared first, so dropped first: the watch ends before the range is unmapped
+    // (and could be reused by another mapping).
+    _watch: Option<Box<dyn std::any::Any + Send + Sync>>,
+    map: memmap2::Mmap,
+}
+
+impl MappedFile {
+    pub fn new(map: memmap2::Mmap, watch: Option<Box<dyn std::any::Any + Send + Sync>>) -> Self {
+        Self { _watch: watch, map }
+    }
+}
+
+impl Deref for MappedFile {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.map
+    }
 }
 
 impl Values {
     /// The `len` f32 values at byte `start` of `map`, read in place: only where they are
     /// aligned for f32 and the machine is little-endian (as the file is); `None`
     /// otherwise, and the caller copies them.
-    pub fn mapped(map: &Arc<memmap2::Mmap>, start: usize, len: usize) -> Option<Self> {
+    pub fn mapped(map: &Arc<MappedFile>, start: usize, len: usize) -> Option<Self> {
         let end = start.checked_add(len.checked_mul(4)?)?;
         let aligned = (map.as_ptr() as usize + start).is_multiple_of(std::mem::align_of::<f32>());
         (cfg!(target_endian = "little") && aligned && end <= map.len()).then(|| {
@@ -167,7 +191,7 @@ impl Values {
                 // mapping are read back from the file, so nothing that reads them
                 // changes.
                 let _ = unsafe {
-                    m.map.unchecked_advise_range(
+                    m.map.map.unchecked_advise_range(
                         memmap2::UncheckedAdvice::DontNeed,
                         start - base,
                         end - start,
