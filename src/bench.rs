@@ -369,6 +369,11 @@ pub struct DecodeReport {
     pub decode_batch: usize,
     /// Greedy decoding after a 16-token prompt: tokens of all the sequences a second.
     pub decode_tokens_per_s: f64,
+    /// The weights' bytes read a second while decoding (each pass reads them once, for
+    /// all its sequences), in GB/s.
+    pub weights_gb_per_s: f64,
+    /// A plain read pass on this machine (`cpu::peak::read_pass_gbs`): the roofline.
+    pub read_pass_gb_per_s: f64,
     pub peak_rss_mb: Option<f64>,
 }
 
@@ -444,6 +449,9 @@ pub fn decode_checkpoint(
         next.copy_from_slice(decoder.draw(&mut samplers, &active, vocab)?);
     }
     let decode_s = t.elapsed().as_secs_f64();
+    // Before the read pass, whose buffer is not the decoder's memory.
+    let peak_rss_mb = peak_rss_mb();
+    let passes_per_s = decode_tokens as f64 / decode_s.max(1e-9);
     Ok(DecodeReport {
         checkpoint: dir.display().to_string(),
         parameters: spec.len(),
@@ -457,7 +465,9 @@ pub fn decode_checkpoint(
         decode_tokens,
         decode_batch: batch,
         decode_tokens_per_s: (decode_tokens * batch) as f64 / decode_s.max(1e-9),
-        peak_rss_mb: peak_rss_mb(),
+        weights_gb_per_s: weights.bytes() as f64 * passes_per_s / 1e9,
+        read_pass_gb_per_s: crate::cpu::peak::read_pass_gbs(),
+        peak_rss_mb,
     })
 }
 

@@ -289,6 +289,44 @@ fn bench_decodes_several_sequences_together() {
     assert!(text.contains("2 sequences together"), "{text}");
 }
 
+/// `bench --checkpoint` gives the bytes of weights read a second beside a plain read
+/// pass on this machine: every pass reads the weights once, whatever its rows.
+#[test]
+fn bench_of_a_checkpoint_reads_the_weights_once_a_pass() {
+    let dir = setup();
+    succeeds(dir.path(), &["train", "--config", "exp.toml"]);
+    let bench = |batch: &str, json: bool| {
+        let mut args = vec!["bench", "--checkpoint", "checkpoints/exp", "--prompts", "4"];
+        args.extend(["--decode-tokens", "8", "--decode-batch", batch]);
+        if json {
+            args.push("--json");
+        }
+        succeeds(dir.path(), &args).stdout
+    };
+    let report = |batch| serde_json::from_slice::<serde_json::Value>(&bench(batch, true)).unwrap();
+    let (one, three) = (report("1"), report("3"));
+    // GB read a pass: the rate of bytes over the rate of passes (tokens / batch).
+    let per_pass = |r: &serde_json::Value| {
+        let roof = r["read_pass_gb_per_s"].as_f64().unwrap();
+        assert!(roof.is_finite() && roof > 0.0, "{r}");
+        r["weights_gb_per_s"].as_f64().unwrap() * r["decode_batch"].as_f64().unwrap()
+            / r["decode_tokens_per_s"].as_f64().unwrap()
+    };
+    let weights_gb = one["weights_mb"].as_f64().unwrap() * f64::from(1 << 20) / 1e9;
+    for r in [&one, &three] {
+        let gb = per_pass(r);
+        assert!(
+            (gb - weights_gb).abs() <= 1e-6 * weights_gb,
+            "{gb} GB a pass: {r}"
+        );
+    }
+    let text = String::from_utf8(bench("1", false)).unwrap();
+    assert!(
+        text.contains("weights read at") && text.contains("read pass here"),
+        "{text}"
+    );
+}
+
 /// `compare` puts its picture where it was asked, or beside the runs, never into the
 /// working folder; `--json` prints JSON and writes nothing; files a shell glob brings
 /// (the pictures beside the runs) are passed over.

@@ -7,8 +7,12 @@ use std::time::{Duration, Instant};
 
 use crate::config::Precision;
 use crate::cpu::gemm::{matmul, matmul_serial};
+use rayon::prelude::*;
+
+use crate::cpu::kernels::{multiversion, sum_lanes};
+use crate::cpu::lines::Lines;
 use crate::cpu::matrix::{Product, Strided};
-use crate::cpu::threads::{on_workers, zip_map};
+use crate::cpu::threads::{on_workers, threads, zip_map};
 use crate::profile::Measured;
 
 /// The side of the square product timed (2 GFLOP).
@@ -36,6 +40,33 @@ pub fn measure(precision: Precision) -> Measured {
         matrix_tflops: 2.0 * (n * n * n) as f64 / product.as_secs_f64() / 1e12,
         one_thread_tflops: Some(2.0 * (n * n * n) as f64 / one_thread.as_secs_f64() / 1e12),
         bandwidth_gbs: (3 * 4 * STREAM) as f64 / stream.as_secs_f64() / 1e9,
+    }
+}
+
+/// Bytes the read pass reads: beyond the caches a CPU (or a VM's share of one) has.
+const READ_BYTES: usize = 256 << 20;
+
+/// What the decoder could stream its weights at, in GB/s: one pass of plain reads over
+/// a buffer held as it holds them (`Lines`: on huge pages where the kernel lends them),
+/// a share on each of the kernels' threads; the best of three after one untimed
+/// (about half a second). Decoding a token reads every weight once, so this is its
+/// roofline.
+pub fn read_pass_gbs() -> f64 {
+    let mut buffer = Lines::<f32>::zeroed(READ_BYTES / 4);
+    buffer.fill(1.0);
+    let share = buffer.len().div_ceil(threads());
+    let mut sums = 0.0;
+    let time = best_of_three(|| {
+        sums += on_workers(|| buffer.par_chunks(share).map(read_all).sum::<f32>());
+    });
+    std::hint::black_box(sums);
+    READ_BYTES as f64 / time.as_secs_f64() / 1e9
+}
+
+multiversion! {
+    /// The sum of `x`: each value read once, in whole vectors.
+    pub fn read_all(x: &[f32]) -> f32 {
+        sum_lanes(x, |v| v)
     }
 }
 
