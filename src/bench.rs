@@ -370,7 +370,7 @@ pub struct DecodeReport {
     /// Greedy decoding after a 16-token prompt: tokens of all the sequences a second.
     pub decode_tokens_per_s: f64,
     /// The weights' bytes read a second while decoding (each pass reads them once, for
-    /// all its sequences), in GB/s.
+    /// all its sequences: `DecodeWeights::bytes_per_pass`), in GB/s.
     pub weights_gb_per_s: f64,
     /// A plain read pass on this machine (`cpu::peak::read_pass_gbs`): the roofline.
     pub read_pass_gb_per_s: f64,
@@ -465,7 +465,7 @@ pub fn decode_checkpoint(
         decode_tokens,
         decode_batch: batch,
         decode_tokens_per_s: (decode_tokens * batch) as f64 / decode_s.max(1e-9),
-        weights_gb_per_s: weights.bytes() as f64 * passes_per_s / 1e9,
+        weights_gb_per_s: weights.bytes_per_pass() as f64 * passes_per_s / 1e9,
         read_pass_gb_per_s: crate::cpu::peak::read_pass_gbs(),
         peak_rss_mb,
     })

@@ -363,6 +363,8 @@ pub mod sigbus {
     static MESSAGE_LENS: [AtomicUsize; SLOTS] = [const { AtomicUsize::new(0) }; SLOTS];
     static MESSAGES: [[AtomicU8; MESSAGE]; SLOTS] =
         [const { [const { AtomicU8::new(0) }; MESSAGE] }; SLOTS];
+    /// Each slot's watch (its ticket), 0 where the slot is free.
+    static OWNERS: [AtomicUsize; SLOTS] = [const { AtomicUsize::new(0) }; SLOTS];
     static REGISTERED: AtomicUsize = AtomicUsize::new(0);
     /// The handler before ours (zeroed: none was read).
     static PREVIOUS: OnceLock<libc::sigaction> = OnceLock::new();
@@ -371,14 +373,21 @@ pub mod sigbus {
     /// range may then be reused, and a fault there is not the checkpoint's).
     pub struct Watch {
         slot: usize,
-        start: usize,
+        ticket: usize,
     }
 
     impl Drop for Watch {
         fn drop(&mut self) {
-            // The slot may have been taken by a newer mapping since: left alone then.
-            if STARTS[self.slot].load(Ordering::Acquire) == self.start {
+            // A slot is taken from a live watch only when every slot is (more than
+            // SLOTS mappings at once): it is then the newer one's, and left alone.
+            if OWNERS[self.slot].load(Ordering::Acquire) == self.ticket {
                 LENS[self.slot].store(0, Ordering::Release);
+                let _ = OWNERS[self.slot].compare_exchange(
+                    self.ticket,
+                    0,
+                    Ordering::AcqRel,
+                    Ordering::Relaxed,
+                );
             }
         }
     }
@@ -393,7 +402,19 @@ pub mod sigbus {
         );
         let bytes = line.as_bytes();
         let bytes = &bytes[..bytes.len().min(MESSAGE)];
-        let slot = REGISTERED.fetch_add(1, Ordering::AcqRel) % SLOTS;
+        // A free slot (a server's short-lived samples must not push out the model it
+        // serves); with none free, the slot of the watch SLOTS tickets older.
+        let ticket = REGISTERED.fetch_add(1, Ordering::AcqRel) + 1;
+        let free = (0..SLOTS).map(|k| (ticket + k) % SLOTS).find(|&slot| {
+            OWNERS[slot]
+                .compare_exchange(0, ticket, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        });
+        let slot = free.unwrap_or_else(|| {
+            let slot = ticket % SLOTS;
+            OWNERS[slot].store(ticket, Ordering::Release);
+            slot
+        });
         LENS[slot].store(0, Ordering::Release);
         for (cell, &b) in MESSAGES[slot].iter().zip(bytes) {
             cell.store(b, Ordering::Relaxed);
@@ -401,7 +422,7 @@ pub mod sigbus {
         MESSAGE_LENS[slot].store(bytes.len(), Ordering::Relaxed);
         STARTS[slot].store(start, Ordering::Release);
         LENS[slot].store(len, Ordering::Release);
-        Watch { slot, start }
+        Watch { slot, ticket }
     }
 
     fn install() {
@@ -423,10 +444,9 @@ pub mod sigbus {
     extern "C" fn handler(_: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
         // Safety: the kernel hands a valid siginfo_t to an SA_SIGINFO handler.
         let address = unsafe { (*info).si_addr() } as usize;
-        let registered = REGISTERED.load(Ordering::Acquire);
-        // The newest mapping first: an old range may have been unmapped and reused.
-        for k in 0..registered.min(SLOTS) {
-            let slot = (registered - 1 - k) % SLOTS;
+        // The watched ranges are live mappings (a watch ends before its unmapping), so
+        // they never overlap: whichever holds the address is its file.
+        for slot in 0..SLOTS {
             let len = LENS[slot].load(Ordering::Acquire);
             let start = STARTS[slot].load(Ordering::Relaxed);
             if len == 0 || address < start || address - start >= len {
@@ -455,8 +475,9 @@ pub mod sigbus {
     mod tests {
         use super::*;
 
-        /// A watch lasts until it is dropped, and dropping an old one leaves the slot
-        /// alone once a newer mapping has taken it.
+        /// A watch lasts until it is dropped; a mapping watched for long is not pushed
+        /// out by many short-lived ones (a server's samples); when more than SLOTS are
+        /// live, the newest takes a slot, and dropping the older watch leaves it alone.
         #[test]
         fn a_watch_ends_with_its_mapping_and_never_ends_a_newer_one() {
             let path = Path::new("model.safetensors");
@@ -467,18 +488,37 @@ pub mod sigbus {
             drop(first);
             assert_eq!(LENS[slot].load(Ordering::Acquire), 0, "unwatched");
 
+            let served = watch(0x30_0000, 8192, path);
+            for i in 0..3 * SLOTS {
+                drop(watch(0x40_0000 + i * 0x1_0000, 4096, path));
+            }
+            assert_eq!(STARTS[served.slot].load(Ordering::Acquire), 0x30_0000);
+            assert_eq!(
+                LENS[served.slot].load(Ordering::Acquire),
+                8192,
+                "still watched"
+            );
+
             let old = watch(0x20_0000, 4096, path);
-            let newer: Vec<Watch> = (1..=SLOTS)
+            let newer: Vec<Watch> = (1..SLOTS)
                 .map(|i| watch(0x20_0000 + i * 0x1_0000, 4096, path))
                 .collect();
-            let reused = newer.iter().find(|w| w.slot == old.slot).unwrap();
-            let start = reused.start;
+            let taking = watch(0x50_0000, 4096, path);
+            let taken = [&served, &old]
+                .into_iter()
+                .chain(&newer)
+                .find(|w| w.slot == taking.slot)
+                .expect("every slot was live: the newest took one");
+            let (slot, start) = (taken.slot, STARTS[taken.slot].load(Ordering::Acquire));
+            assert_eq!(start, 0x50_0000);
+            drop(newer);
             drop(old);
-            assert_eq!(STARTS[reused.slot].load(Ordering::Acquire), start);
+            drop(served);
+            assert_eq!(STARTS[slot].load(Ordering::Acquire), 0x50_0000);
             assert_eq!(
-                LENS[reused.slot].load(Ordering::Acquire),
+                LENS[slot].load(Ordering::Acquire),
                 4096,
-                "still watched"
+                "the newest still watched"
             );
         }
     }

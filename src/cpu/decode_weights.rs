@@ -301,6 +301,15 @@ impl Matrix {
         }
     }
 
+    /// Bytes a pass reads, whatever its rows: one of an f32 matrix's two layouts.
+    fn bytes_per_pass(&self) -> usize {
+        let bias = self.bias.as_ref().map_or(0, |b| 4 * b.len());
+        bias + match &self.stored {
+            Stored::F32 { w, .. } => 4 * w.len(),
+            _ => self.bytes(),
+        }
+    }
+
     /// Row `r` of W in f32 (exactly the values the products use).
     pub fn row_into(&self, r: usize, out: &mut [f32]) {
         let d = self.d_in;
@@ -654,6 +663,19 @@ impl DecodeWeights {
 
     /// Bytes of weights held (or mapped and read).
     pub fn bytes(&self) -> usize {
+        self.sum_bytes(Matrix::bytes) + self.positions.as_ref().map_or(0, |p| 4 * p.len())
+    }
+
+    /// Bytes of weights a decoding pass reads, whatever its rows: every matrix once
+    /// (the token embedding as the output layer; an f32 matrix in one of its two
+    /// layouts), the norms, and one row of a position table (`bench`'s read rate).
+    pub fn bytes_per_pass(&self) -> usize {
+        let row = 4 * self.spec.shapes.n_embd;
+        self.sum_bytes(Matrix::bytes_per_pass) + self.positions.as_ref().map_or(0, |_| row)
+    }
+
+    /// The norms' bytes and `matrix`'s count of every matrix's.
+    fn sum_bytes(&self, matrix: fn(&Matrix) -> usize) -> usize {
         let norm = |n: &Norm| 4 * (n.w.len() + n.b.as_ref().map_or(0, |b| b.len()));
         let layers: usize = self
             .layers
@@ -662,15 +684,12 @@ impl DecodeWeights {
                 norm(&l.ln_1)
                     + norm(&l.ln_2)
                     + [&l.attn_qkv, &l.attn_proj, &l.mlp_fc, &l.mlp_proj]
-                        .iter()
-                        .map(|m| m.bytes())
+                        .into_iter()
+                        .map(matrix)
                         .sum::<usize>()
             })
             .sum();
-        layers
-            + self.tokens.bytes()
-            + norm(&self.ln_f)
-            + self.positions.as_ref().map_or(0, |p| 4 * p.len())
+        layers + matrix(&self.tokens) + norm(&self.ln_f)
     }
 
     /// A norm's view for the norm kernels.

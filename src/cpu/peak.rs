@@ -47,7 +47,8 @@ pub fn measure(precision: Precision) -> Measured {
 const READ_BYTES: usize = 256 << 20;
 
 /// What the decoder could stream its weights at, in GB/s: one pass of plain reads over
-/// a buffer held as it holds them (`Lines`: on huge pages where the kernel lends them),
+/// a buffer held as it holds its copies (`Lines`: on huge pages where the kernel lends
+/// them; f32 weights read in place from the file lie on its 4 KiB pages instead),
 /// a share on each of the kernels' threads; the best of three after one untimed
 /// (about half a second). Decoding a token reads every weight once, so this is its
 /// roofline.
