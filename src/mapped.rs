@@ -121,16 +121,17 @@ pub fn open_for_decoding(dir: &Path, format: WeightFormat, hold: Hold) -> Result
     let (path, digest) = model_file(&run, &state)?;
     let file = fs::File::open(&path)
         .map_err(|e| crate::error::user_error(format!("{}: {e}", path.display())))?;
-    // f32 weights used where they lie have their pages mapped in now, in one pass the
-    // kernel batches, rather than faulted in one by one inside the first token's
+    // f32 weights decoded where they lie have their pages mapped in now, in one pass
+    // the kernel batches, rather than faulted in one by one inside the first token's
     // products. Other formats, f32 weights copied onto huge pages, and f32 weights off
     // the cache lines (a file written before tinygpt aligned its tensors) read each
-    // page once while converting or copying.
+    // page once while converting or copying; a look (`info` reads no weight, a sample
+    // a few tokens) faults in what it reads.
     let copy_f32 = format == WeightFormat::F32
         && hold == Hold::Streamed
         && crate::cpu::lines::huge_pages_lent();
     let mut options = memmap2::MmapOptions::new();
-    if format == WeightFormat::F32 && !copy_f32 && data_on_lines(&file) {
+    if format == WeightFormat::F32 && hold == Hold::Streamed && !copy_f32 && data_on_lines(&file) {
         options.populate();
     }
     // Safety: read-only; see the module docs on why the bytes do not change under us.
