@@ -3,6 +3,8 @@
 
 use std::path::Path;
 
+mod common;
+
 use candle_core::{Device, Tensor};
 use tinygpt::checkpoint::Loaded;
 use tinygpt::config::{Config, MlpKind, ModelConfig, NormKind, PositionKind, TokenizerKind};
@@ -625,12 +627,7 @@ fn f32_weights_decode_alike_mapped_or_copied() {
             .env("TINYGPT_HUGE_PAGES", huge_pages)
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
+        String::from_utf8(common::succeeded(out).stdout).unwrap()
     };
     let (mapped, copied) = (text("0"), text("1"));
     assert!(

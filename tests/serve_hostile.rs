@@ -518,26 +518,39 @@ fn a_checkpoint_truncated_while_mapped_is_a_one_line_error() {
             "{stderr}"
         );
     };
+    // `generate` with no end in sight, f32 weights on huge pages or not ("0"), once
+    // its first word is out: the process and the rest of its stdout.
+    let generating = |huge_pages: &str| {
+        let mut generate = Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+            .args([
+                "generate",
+                "--checkpoint",
+                "checkpoints/exp",
+                "--prompt",
+                "To",
+            ])
+            .args([
+                "--max-new-tokens",
+                "100000000",
+                "--seed",
+                "1",
+                "--device",
+                "cpu",
+            ])
+            .env("TINYGPT_HUGE_PAGES", huge_pages)
+            .current_dir(dir.path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdout = std::io::BufReader::new(generate.stdout.take().unwrap());
+        let mut first = Vec::new();
+        stdout.read_until(b' ', &mut first).unwrap();
+        (generate, stdout)
+    };
 
-    let mut generate = Command::new(env!("CARGO_BIN_EXE_tinygpt"))
-        .args([
-            "generate",
-            "--checkpoint",
-            "checkpoints/exp",
-            "--prompt",
-            "To",
-        ])
-        .args(["--max-new-tokens", "100000000", "--seed", "1"])
-        .env("TINYGPT_HUGE_PAGES", "0")
-        .current_dir(dir.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
     // Truncated once it is generating.
-    let mut stdout = std::io::BufReader::new(generate.stdout.take().unwrap());
-    let mut first = Vec::new();
-    stdout.read_until(b' ', &mut first).unwrap();
+    let (mut generate, mut stdout) = generating("0");
     truncate();
     let reader = std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
     let started = Instant::now();
@@ -586,30 +599,7 @@ fn a_checkpoint_truncated_while_mapped_is_a_one_line_error() {
         return;
     }
     std::fs::write(&model, &whole).unwrap();
-    let mut generate = Command::new(env!("CARGO_BIN_EXE_tinygpt"))
-        .args([
-            "generate",
-            "--checkpoint",
-            "checkpoints/exp",
-            "--prompt",
-            "To",
-        ])
-        .args([
-            "--max-new-tokens",
-            "100000000",
-            "--seed",
-            "1",
-            "--device",
-            "cpu",
-        ])
-        .current_dir(dir.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stdout = std::io::BufReader::new(generate.stdout.take().unwrap());
-    let mut first = Vec::new();
-    stdout.read_until(b' ', &mut first).unwrap();
+    let (mut generate, mut stdout) = generating("1");
     truncate();
     // Tokens keep coming well after the truncation, and the process is alive.
     let after = Instant::now();

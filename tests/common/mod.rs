@@ -23,6 +23,12 @@ pub fn succeeds(dir: &Path, args: &[&str]) -> Output {
     out
 }
 
+/// `out`, asserted to be a run that exited 0 (its stderr shown if not).
+pub fn succeeded(out: Output) -> Output {
+    assert!(out.status.success(), "{}", stderr(&out));
+    out
+}
+
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
