@@ -167,6 +167,33 @@ fn kv_cache_matches_full_forward_at_every_step() {
     }
 }
 
+/// One sequence of a model whose products are split over the threads decodes on the
+/// team of `cpu::team` (its helpers spin through the pass): every step's logits equal a
+/// full forward pass over the window, across window slides.
+#[test]
+fn one_sequence_with_split_products_matches_full_forward() {
+    for n_embd in [192, 384] {
+        let cfg = ModelConfig {
+            n_layer: 1,
+            n_head: 4,
+            n_embd,
+            block_size: 8,
+            vocab_size: 13,
+            ..ModelConfig::default()
+        };
+        let m = Gpt::new(&cfg, 5, &Device::Cpu).unwrap();
+        let mut fast = Decoder::new(&m, 1, DecodeMode::Fast).unwrap();
+        fast.prefill(&[4, 2]).unwrap();
+        for step in 0..12u32 {
+            fast.push(&[(step * 7 + 3) % 13]).unwrap();
+            let window = fast.window(0).to_vec();
+            let expected = full_forward_last(&m, &window);
+            let what = format!("{n_embd} wide, step {step}");
+            assert_close(fast.logits().unwrap(), &expected, &what);
+        }
+    }
+}
+
 fn trained_run(dir: &Path, kind: TokenizerKind) -> Loaded {
     let text = "First Citizen: Before we proceed any further, hear me speak. \
         All: Speak, speak. Ünïcödé — café 東京 🙂\n"

@@ -27,6 +27,7 @@ use super::ops::rope::Turn;
 use super::ops::{residual_in_place, Positions};
 use super::prompt_attention::{attend_runs, find_runs, Run};
 use super::q8::Q8Row;
+use super::team;
 use super::threads::on_workers;
 use super::weight_rows::Bf16;
 use crate::model::spec::{ModelSpec, Shapes};
@@ -264,9 +265,12 @@ impl FastDecoder {
 
     /// Feeds one token per sequence at the next position; returns logits, (batch, V).
     pub fn step(&mut self, ids: &[u32]) -> Result<&[f32]> {
-        // Models that split products over the threads run on a pool thread, so those
-        // hand-offs stay inside it; the others run here, on one thread.
-        if self.weights.splits_products {
+        // Models that split products over the threads run with the team awake (one
+        // sequence) or on a pool thread (several: the rows' passes fork and join inside
+        // it); the others run here, on one thread.
+        if self.weights.splits_products && self.batch == 1 {
+            team::pass(|| self.forward(ids, 1).map(|_| ()))?;
+        } else if self.weights.splits_products {
             on_workers(|| self.forward(ids, 1).map(|_| ()))?;
         } else {
             self.forward(ids, 1)?;
@@ -319,8 +323,10 @@ impl FastDecoder {
         self.places.extend_from_slice(places);
         self.outputs.clear();
         self.outputs.extend_from_slice(outputs);
-        if rows > 1 || self.weights.splits_products {
+        if rows > 1 {
             on_workers(|| self.forward_places(ids).map(|_| ()))?;
+        } else if self.weights.splits_products {
+            team::pass(|| self.forward_places(ids).map(|_| ()))?;
         } else {
             self.forward_places(ids)?;
         }

@@ -34,6 +34,7 @@ use super::ops::norm::NormWeights;
 use super::ops::rope::Rope;
 use super::q4::Q4Matrix;
 use super::q8::{BlockMatrix, Q8Matrix, Q8Row};
+use super::team::for_each_piece;
 use super::threads::threads;
 use super::weight_rows::{by_output_shares, project_rows, splits, Bf16};
 use crate::config::PositionKind;
@@ -463,7 +464,6 @@ fn gemm_widened(
 /// out = x Wᵀ + b for a few rows, along Wᵀ (d_in, d_out): each thread takes a share of
 /// the outputs when W is large.
 fn project_transposed(wt: &[f32], bias: Option<&[f32]>, x: &[f32], d_in: usize, out: &mut [f32]) {
-    use rayon::prelude::*;
     let d_out = wt.len() / d_in;
     let share = if splits(wt.len()) {
         d_out.div_ceil(threads())
@@ -471,7 +471,7 @@ fn project_transposed(wt: &[f32], bias: Option<&[f32]>, x: &[f32], d_in: usize, 
         d_out
     };
     for (x, out) in x.chunks_exact(d_in).zip(out.chunks_exact_mut(d_out)) {
-        out.par_chunks_mut(share).enumerate().for_each(|(i, out)| {
+        for_each_piece(out, share, |i, out| {
             let first = i * share;
             let bias = bias.map(|b| &b[first..first + out.len()]);
             matvec_t(wt, d_out, first, bias, x, out);
@@ -516,7 +516,6 @@ fn project_quantized(
     out: &mut [f32],
     rows: &mut Vec<Q8Row>,
 ) {
-    use rayon::prelude::*;
     let (d_in, d_out) = (w.cols(), w.rows());
     let n = x.len() / d_in;
     if rows.len() < n {
@@ -529,14 +528,11 @@ fn project_quantized(
     let shares = if splits(d_out * d_in) { threads() } else { 1 };
     let share = d_out.div_ceil(shares).max(1);
     if n == 1 {
-        out[..d_out]
-            .par_chunks_mut(share)
-            .enumerate()
-            .for_each(|(i, out)| {
-                let first = i * share;
-                let bias = bias.map(|b| &b[first..first + out.len()]);
-                w.matvec(first, &rows[0], bias, out);
-            });
+        for_each_piece(&mut out[..d_out], share, |i, out| {
+            let first = i * share;
+            let bias = bias.map(|b| &b[first..first + out.len()]);
+            w.matvec(first, &rows[0], bias, out);
+        });
         return;
     }
     // Several rows: each share of the outputs for every row.

@@ -2,7 +2,7 @@
 //! (llm.c's way), reading the same model spec as the reference and held to it in tests.
 //!
 //! Read in this order: `isa` (which vector instructions run), `threads` (how work is
-//! split), `matrix` (how a product is
+//! split; `team` for one-stream decoding), `matrix` (how a product is
 //! described), `kernels` (vector building blocks, compiled per CPU), `gemm`, `bf16` and `amx`
 //! (matrix products; `panels` holds the bf16 pack buffers), `ops/` (each layer's forward and backward side by side), `layout`
 //! (typed views of the flat buffers), `engine` (the training step) and `decode`
@@ -31,6 +31,7 @@ pub mod peak;
 pub mod prompt_attention;
 pub mod q4;
 pub mod q8;
+pub mod team;
 pub mod threads;
 pub mod weight_rows;
 

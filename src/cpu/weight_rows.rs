@@ -18,6 +18,7 @@ use rayon::prelude::*;
 
 pub use super::bf16::Bf16;
 use super::kernels::{fold16, multiversion, prefetch, Widen, AHEAD_BYTES};
+use super::team::for_each_piece;
 use super::threads::threads;
 
 /// A weight as stored, widened to f32 on load, and the kernels that read it so.
@@ -817,7 +818,7 @@ pub fn project_rows<W: RowProduct>(
     let share = d_out.div_ceil(shares);
     if rows == 1 {
         // One row: each share's outputs are contiguous in `out`.
-        out.par_chunks_mut(share).enumerate().for_each(|(i, out)| {
+        for_each_piece(out, share, |i, out| {
             let first = i * share;
             let w = &w[first * d_in..(first + out.len()) * d_in];
             W::rows_kernel(w, bias.map(|b| &b[first..first + out.len()]), x, d_in, out);
