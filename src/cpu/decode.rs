@@ -28,7 +28,7 @@ use super::ops::{residual_in_place, Positions};
 use super::prompt_attention::{attend_runs, find_runs, Run};
 use super::q8::Q8Row;
 use super::team;
-use super::threads::on_workers;
+use super::threads::on_workers_awake;
 use super::weight_rows::Bf16;
 use crate::model::spec::{ModelSpec, Shapes};
 
@@ -198,8 +198,9 @@ impl FastDecoder {
     /// Starts over: runs `windows` (one per sequence, equal lengths) from position 0.
     /// Returns the last position's logits, (batch, V).
     pub fn prefill(&mut self, windows: &[Vec<u32>]) -> Result<&[f32]> {
-        // On a pool thread: the many small parallel passes fork and join inside it.
-        on_workers(|| self.prefill_on_worker(windows).map(|_| ()))?;
+        // On a pool thread with the others awake: the many small parallel passes fork
+        // and join inside it.
+        on_workers_awake(|| self.prefill_on_worker(windows).map(|_| ()))?;
         Ok(&self.scratch.logits[..self.batch * self.weights.spec.shapes.vocab_size])
     }
 
@@ -220,7 +221,7 @@ impl FastDecoder {
     pub fn next_token_losses(&mut self, window: &[u32]) -> Result<Vec<f64>> {
         assert_eq!(self.batch, 1, "one sequence");
         let mut losses = Vec::with_capacity(window.len().saturating_sub(1));
-        on_workers(|| self.losses_on_worker(window, &mut losses))?;
+        on_workers_awake(|| self.losses_on_worker(window, &mut losses))?;
         Ok(losses)
     }
 
@@ -266,12 +267,13 @@ impl FastDecoder {
     /// Feeds one token per sequence at the next position; returns logits, (batch, V).
     pub fn step(&mut self, ids: &[u32]) -> Result<&[f32]> {
         // Models that split products over the threads run with the team awake (one
-        // sequence) or on a pool thread (several: the rows' passes fork and join inside
-        // it); the others run here, on one thread.
+        // sequence: every split is ours) or on a pool thread with the others awake
+        // (several: the rows' passes fork and join inside the pool, some through the
+        // gemm crate); the others run here, on one thread.
         if self.weights.splits_products && self.batch == 1 {
             team::pass(|| self.forward(ids, 1).map(|_| ()))?;
         } else if self.weights.splits_products {
-            on_workers(|| self.forward(ids, 1).map(|_| ()))?;
+            on_workers_awake(|| self.forward(ids, 1).map(|_| ()))?;
         } else {
             self.forward(ids, 1)?;
         }
@@ -324,7 +326,7 @@ impl FastDecoder {
         self.outputs.clear();
         self.outputs.extend_from_slice(outputs);
         if rows > 1 {
-            on_workers(|| self.forward_places(ids).map(|_| ()))?;
+            on_workers_awake(|| self.forward_places(ids).map(|_| ()))?;
         } else if self.weights.splits_products {
             team::pass(|| self.forward_places(ids).map(|_| ()))?;
         } else {

@@ -23,7 +23,7 @@ use super::ops::loss;
 use super::ops::norm::NormStats;
 use super::ops::rope::{Rope, Turn};
 use super::ops::{residual, Positions};
-use super::threads::{on_workers, zip_in_place};
+use super::threads::{on_workers, on_workers_awake, zip_in_place};
 use crate::config::{PositionKind, Precision};
 use crate::model::position::sinusoidal_table;
 use crate::model::spec::{ModelSpec, Shapes};
@@ -250,7 +250,7 @@ impl FusedCpu {
     /// Mean cross-entropy of `targets` given `ids`, both (batch, block_size) row-major,
     /// with `dropout` when training. Keeps what the backward needs.
     pub fn forward(&mut self, ids: &[u32], targets: &[u32], dropout: Option<&Dropout>) -> f64 {
-        on_workers(|| self.forward_on_worker(ids, targets, dropout))
+        on_workers_awake(|| self.forward_on_worker(ids, targets, dropout))
     }
 
     fn forward_on_worker(
@@ -310,14 +310,14 @@ impl FusedCpu {
         }
         if !self.summing {
             self.summing = true;
-            return on_workers(|| self.backward_on_worker(scale, false));
+            return on_workers_awake(|| self.backward_on_worker(scale, false));
         }
         if self.micro_grads.len() != self.grads.len() {
             self.micro_grads = vec![0.0; self.grads.len()];
         } else {
             self.micro_grads.fill(0.0);
         }
-        on_workers(|| {
+        on_workers_awake(|| {
             self.backward_on_worker(scale, true);
             zip_in_place(&mut self.grads, &self.micro_grads, |sum, g| sum + g);
         })

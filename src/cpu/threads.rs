@@ -25,6 +25,51 @@ pub fn on_workers<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     rayon::scope(|_| f())
 }
 
+/// As [`on_workers`], with the pool's other threads kept awake through the call: each
+/// spins, taking the call's forked work as soon as it is pushed, instead of going to
+/// sleep between two parallel passes and being woken through the kernel for the next.
+/// A training step has over a hundred passes; kept awake, the baby model's step took
+/// 8% less time, 6L/384's 3% (Zen 5, 2 threads).
+///
+/// A spinner that finds no work for [`AWAKE_IDLE`] leaves: the call may have a long
+/// serial stretch, and a spinner taken up late by a thread in the middle of another
+/// job (this call's or another's) must not hold that job's thread until the call ends,
+/// which could be waiting for that very job.
+pub fn on_workers_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Instant;
+    let done = AtomicBool::new(false);
+    rayon::scope(|scope| {
+        let caller = std::thread::current().id();
+        for _ in 1..rayon::current_num_threads() {
+            let done = &done;
+            scope.spawn(move |_| {
+                // Popped by the caller itself while it waits in a join: nothing to do.
+                if std::thread::current().id() == caller {
+                    return;
+                }
+                let mut last_work = Instant::now();
+                while !done.load(Ordering::Acquire) {
+                    if rayon::yield_now() == Some(rayon::Yield::Executed) {
+                        last_work = Instant::now();
+                    } else if last_work.elapsed() > AWAKE_IDLE {
+                        return;
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                }
+            });
+        }
+        let result = f();
+        done.store(true, Ordering::Release);
+        result
+    })
+}
+
+/// How long a spinner of [`on_workers_awake`] waits for work before it leaves: longer
+/// than the serial stretches between a step's parallel passes (microseconds).
+const AWAKE_IDLE: std::time::Duration = std::time::Duration::from_micros(200);
+
 /// Rows per share for `rows` rows of `width` elements: all of them when small.
 pub fn share_rows(rows: usize, width: usize) -> usize {
     let threads = threads();
@@ -82,4 +127,52 @@ pub fn with_partials<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     let result = f(&mut partials);
     PARTIALS.set(partials);
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    /// Passes kept awake on four threads at once, each forking nested work (as the
+    /// gemm crate does inside a pass), on a pool of four: every pass finishes with every
+    /// item counted, none waits on a spinner forever.
+    #[test]
+    fn awake_passes_at_once_with_nested_work_all_finish() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(4)
+            .build()
+            .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let pool = std::sync::Arc::new(pool);
+        for caller in 0..4 {
+            let (pool, tx) = (pool.clone(), tx.clone());
+            std::thread::spawn(move || {
+                for round in 0..100 {
+                    let count = AtomicUsize::new(0);
+                    pool.install(|| {
+                        on_workers_awake(|| {
+                            (0..8).into_par_iter().for_each(|_| {
+                                (0..64).into_par_iter().for_each(|_| {
+                                    count.fetch_add(1, Ordering::Relaxed);
+                                });
+                            });
+                            if round % 7 == 0 {
+                                // A serial stretch longer than a spinner waits.
+                                std::thread::sleep(Duration::from_millis(1));
+                            }
+                        })
+                    });
+                    assert_eq!(count.into_inner(), 8 * 64);
+                }
+                tx.send(caller).unwrap();
+            });
+        }
+        drop(tx);
+        for _ in 0..4 {
+            rx.recv_timeout(Duration::from_secs(60))
+                .expect("every caller's passes finish within a minute");
+        }
+    }
 }
