@@ -12,6 +12,7 @@
 //! The prompt (and every window slide) runs through the same code with many rows at
 //! once: attention rows are spread over threads, long prompts' products become GEMMs.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use anyhow::Result;
@@ -20,7 +21,7 @@ use rayon::prelude::*;
 use super::decode_weights::{DecodeWeights, WeightFormat};
 #[cfg(target_arch = "x86_64")]
 use super::isa::{self, Isa};
-use super::kernels::{axpy, dot_lanes, multiversion, softmax_inline, Widen};
+use super::kernels::{axpy, dot_lanes, exp_approx, multiversion, softmax_inline, sum_lanes, Widen};
 use super::kv_cache::{KvCache, KvPrecision, LayerKv, Place};
 use super::ops::norm::NormStats;
 use super::ops::rope::Turn;
@@ -92,6 +93,8 @@ struct Scratch {
     proj: Vec<f32>,
     fc: Vec<f32>,
     act: Vec<f32>,
+    /// (head, position) scores of one row's attention; with room for the parts of a
+    /// long one's split ([`attend_split`]).
     scores: Vec<f32>,
     /// The final norm's output at each row that gives logits.
     last: Vec<f32>,
@@ -395,7 +398,7 @@ impl FastDecoder {
             let att = &mut sc.att[..rows * c];
             if rows == 1 {
                 let at = (places[0].seq, places[0].pos);
-                attend(&s, &qkv[..c], cache, at, att, &mut sc.scores);
+                attend_split(&s, &qkv[..c], cache, at, att, &mut sc.scores);
             } else {
                 // A prompt's runs of positions as GEMMs, the other rows one by one.
                 attend_runs(&s, qkv, cache, runs, att, &mut sc.by_head[..rows * c]);
@@ -453,7 +456,7 @@ impl Scratch {
             proj: vec![0.0; rows * c],
             fc: vec![0.0; rows * s.mlp_fc_width],
             act: vec![0.0; rows * s.mlp_hidden],
-            scores: vec![0.0; s.n_head * s.block_size],
+            scores: vec![0.0; s.n_head * s.block_size + MAX_PARTS * (c + 3 * s.n_head)],
             last: vec![0.0; batch * c],
             logits: vec![0.0; batch * s.vocab_size],
             rows,
@@ -473,10 +476,95 @@ multiversion! {
     }
 }
 
-/// [`attend`] over keys and values held as `T`. Positions go in the outer loop: each
-/// key and value row is read once, whole and in order, for all the heads (head by
-/// head, a row's heads were read a head's width at a time, a row apart), and the
-/// heads' dot products, independent, overlap.
+/// Positions a part of a split attention covers at least: below twice this a row
+/// attends whole, on one thread.
+const PART_POSITIONS: usize = 128;
+
+/// The most parts a row's attention is split into.
+const MAX_PARTS: usize = 8;
+
+/// [`attend`] of one row, its positions split into parts over the threads (the team's,
+/// in a one-stream pass) once there are `2 * PART_POSITIONS` of them. Each part reads
+/// whole key and value rows, in order: split by heads instead, each thread read half of
+/// every row and a 1000-token context decoded slower than on one thread. Each part
+/// keeps its heads' maxima and sums of exponentials; the parts' outputs are then
+/// combined (as flash-decoding does). The parts depend on the positions alone, not on
+/// the threads, so neither do the bits. `scratch` is the decoder's scores buffer.
+pub fn attend_split(
+    s: &Shapes,
+    q: &[f32],
+    cache: LayerKv,
+    at: (usize, usize),
+    out: &mut [f32],
+    scratch: &mut [f32],
+) {
+    let seen = at.1 + 1;
+    let parts = (seen / PART_POSITIONS).min(MAX_PARTS);
+    if parts < 2 {
+        return attend(s, q, cache, at, out, scratch);
+    }
+    let (h, c, d) = (s.n_head, s.n_embd, s.head_dim);
+    // A part's piece of scratch: its scores, its unnormalised outputs, its heads'
+    // maxima and sums.
+    let longest = seen.div_ceil(parts);
+    let piece = h * longest + c + 2 * h;
+    let scratch = &mut scratch[..parts * piece];
+    let part = |k: usize, piece: &mut [f32]| {
+        let positions = seen * k / parts..seen * (k + 1) / parts;
+        let (scores, rest) = piece.split_at_mut(h * longest);
+        let (out, rest) = rest.split_at_mut(c);
+        let (top, total) = rest.split_at_mut(h);
+        attend_part(s, q, cache, (at.0, positions), out, scores, (top, total));
+    };
+    if team::holding() {
+        team::for_each_piece(scratch, piece, part);
+    } else {
+        // A small model's step (not worth a hand-off to the pool): the same parts here.
+        scratch
+            .chunks_exact_mut(piece)
+            .enumerate()
+            .for_each(|(k, p)| part(k, p));
+    }
+    // out_h = Σ_k e^(top_k,h - top_h) out_k,h / Σ_k e^(top_k,h - top_h) total_k,h.
+    let pieces = || scratch.chunks_exact(piece);
+    for head in 0..h {
+        let (top_at, total_at) = (h * longest + c + head, h * longest + c + h + head);
+        let top = pieces()
+            .map(|p| p[top_at])
+            .fold(f32::NEG_INFINITY, f32::max);
+        let out = &mut out[head * d..(head + 1) * d];
+        out.fill(0.0);
+        let mut total = 0.0;
+        for p in pieces() {
+            let weight = exp_approx(p[top_at] - top);
+            total += weight * p[total_at];
+            axpy(
+                out,
+                weight,
+                &p[h * longest + head * d..h * longest + (head + 1) * d],
+            );
+        }
+        let inv = 1.0 / total;
+        for o in out.iter_mut() {
+            *o *= inv;
+        }
+    }
+}
+
+multiversion! {
+    /// One part of [`attend_split`]: sequence `at.0`'s positions `at.1`; `out` gets each
+    /// head's Σ e^(score - max) v over them (not normalised), `stats` each head's max
+    /// and sum of those exponentials.
+    pub fn attend_part(s: &Shapes, q: &[f32], cache: LayerKv, at: (usize, Range<usize>), out: &mut [f32], scores: &mut [f32], stats: (&mut [f32], &mut [f32])) {
+        match cache {
+            LayerKv::F32(keys, values) => attend_part_in(s, q, (keys, values), at, out, scores, stats),
+            LayerKv::Bf16(keys, values) => attend_part_in(s, q, (keys, values), at, out, scores, stats),
+        }
+    }
+}
+
+/// [`attend`] over keys and values held as `T`: the scores, each head's softmax, the
+/// values they weigh.
 #[inline(always)]
 fn attend_in<T: KeyRow>(
     s: &Shapes,
@@ -487,21 +575,74 @@ fn attend_in<T: KeyRow>(
     scores: &mut [f32],
 ) {
     let (b, pos) = at;
-    let (d, kv_width) = (s.head_dim, s.kv_width);
-    let scale = 1.0 / (d as f32).sqrt();
-    let keys = &cache.0[b * s.block_size * kv_width..];
-    let values = &cache.1[b * s.block_size * kv_width..];
     let seen = pos + 1;
+    let rows = sequence_rows(s, cache, b, 0..seen);
     let scores = &mut scores[..s.n_head * seen];
-    // The K/V head query head h shares, in a key or value row.
-    fn kv<'r, T>(row: &'r [T], h: usize, s: &Shapes) -> &'r [T] {
-        let g = h / s.group();
-        &row[g * s.head_dim..(g + 1) * s.head_dim]
+    score_positions(s, q, rows.0, scores, seen);
+    for head in scores.chunks_exact_mut(seen) {
+        softmax_inline(head);
     }
+    weigh_values(s, rows.1, scores, seen, out);
+}
+
+/// [`attend_part`] over keys and values held as `T`.
+#[inline(always)]
+fn attend_part_in<T: KeyRow>(
+    s: &Shapes,
+    q: &[f32],
+    cache: (&[T], &[T]),
+    (b, positions): (usize, Range<usize>),
+    out: &mut [f32],
+    scores: &mut [f32],
+    (top, total): (&mut [f32], &mut [f32]),
+) {
+    let len = positions.len();
+    let rows = sequence_rows(s, cache, b, positions);
+    let scores = &mut scores[..s.n_head * len];
+    score_positions(s, q, rows.0, scores, len);
+    for (h, head) in scores.chunks_exact_mut(len).enumerate() {
+        let max = head.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        for v in head.iter_mut() {
+            *v = exp_approx(*v - max);
+        }
+        top[h] = max;
+        total[h] = sum_lanes(head, |v| v);
+    }
+    weigh_values(s, rows.1, scores, len, out);
+}
+
+/// Sequence `b`'s key and value rows at `positions`.
+#[inline(always)]
+fn sequence_rows<'c, T>(
+    s: &Shapes,
+    cache: (&'c [T], &'c [T]),
+    b: usize,
+    positions: Range<usize>,
+) -> (&'c [T], &'c [T]) {
+    let first = b * s.block_size * s.kv_width;
+    let rows = first + positions.start * s.kv_width..first + positions.end * s.kv_width;
+    (&cache.0[rows.clone()], &cache.1[rows])
+}
+
+/// The K/V head query head h shares, in a key or value row.
+#[inline(always)]
+fn kv<'r, T>(row: &'r [T], h: usize, s: &Shapes) -> &'r [T] {
+    let g = h / s.group();
+    &row[g * s.head_dim..(g + 1) * s.head_dim]
+}
+
+/// scores[h * len + p] = (q_h · key p's head for h) / sqrt(d) for the `len` key rows of
+/// `keys`. Positions go in the outer loop: each key row is read once, whole and in
+/// order, for all the heads (head by head, a row's heads were read a head's width at a
+/// time, a row apart), and the heads' dot products, independent, overlap.
+#[inline(always)]
+fn score_positions<T: KeyRow>(s: &Shapes, q: &[f32], keys: &[T], scores: &mut [f32], len: usize) {
+    let d = s.head_dim;
+    let scale = 1.0 / (d as f32).sqrt();
     #[cfg(target_arch = "x86_64")]
     let level = isa::active();
-    for (p, key) in keys.chunks_exact(kv_width).take(seen).enumerate() {
-        let at = (&mut *scores, seen, p, scale);
+    for (p, key) in keys.chunks_exact(s.kv_width).take(len).enumerate() {
+        let at = (&mut *scores, len, p, scale);
         #[cfg(target_arch = "x86_64")]
         if level >= Isa::Avx2 {
             // Safety: the active level never exceeds what the CPU has (AVX2 and FMA
@@ -510,16 +651,20 @@ fn attend_in<T: KeyRow>(
             continue;
         }
         for (h, q) in q.chunks_exact(d).take(s.n_head).enumerate() {
-            at.0[h * seen + p] = dot_lanes(q, kv(key, h, s)) * scale;
+            at.0[h * len + p] = dot_lanes(q, kv(key, h, s)) * scale;
         }
     }
-    for head in scores.chunks_exact_mut(seen) {
-        softmax_inline(head);
-    }
+}
+
+/// out_h = Σ_p scores[h * len + p] v_p for the `len` value rows of `values`, a row at a
+/// time for every head.
+#[inline(always)]
+fn weigh_values<T: KeyRow>(s: &Shapes, values: &[T], scores: &[f32], len: usize, out: &mut [f32]) {
+    let d = s.head_dim;
     out.fill(0.0);
-    for (p, value) in values.chunks_exact(kv_width).take(seen).enumerate() {
+    for (p, value) in values.chunks_exact(s.kv_width).take(len).enumerate() {
         for (h, out) in out.chunks_exact_mut(d).take(s.n_head).enumerate() {
-            axpy(out, scores[h * seen + p], kv(value, h, s));
+            axpy(out, scores[h * len + p], kv(value, h, s));
         }
     }
 }
@@ -726,16 +871,94 @@ const MAX_ROWS: usize = 1024;
 
 #[cfg(test)]
 mod tests {
-    // The head scores are written out for x86-64 only.
-    #[cfg(target_arch = "x86_64")]
     use super::*;
-    #[cfg(target_arch = "x86_64")]
     use crate::config::ModelConfig;
 
     /// The head scores in AVX2 and AVX-512 registers are `dot_lanes`'s sums to the bit,
     /// for f32 and bf16 keys, heads whose width is and is not a multiple of 32, K/V
     /// heads grouped and not.
     #[cfg(target_arch = "x86_64")]
+    /// A long row's attention split into parts (inside a team pass and outside) is the
+    /// attention of its definition, in f64, with grouped K/V heads, over f32 and bf16
+    /// keys and values, at lengths below, at and past the split.
+    #[test]
+    fn split_attention_is_attention() {
+        let s = ModelSpec::new(&ModelConfig {
+            n_head: 4,
+            n_kv_head: Some(2),
+            n_embd: 64,
+            block_size: 1100,
+            ..ModelConfig::default()
+        })
+        .shapes;
+        let (c, d, w) = (s.n_embd, s.head_dim, s.kv_width);
+        let value = |i: usize| ((i as f32) * 0.37).sin() * 1.3;
+        // Two sequences' rows; the second is attended.
+        let keys: Vec<f32> = (0..2 * s.block_size * w).map(|i| value(i + 7)).collect();
+        let values: Vec<f32> = (0..2 * s.block_size * w)
+            .map(|i| value(3 * i + 1))
+            .collect();
+        let (keys16, values16): (Vec<Bf16>, Vec<Bf16>) = (
+            keys.iter().map(|&v| Bf16::round(v)).collect(),
+            values.iter().map(|&v| Bf16::round(v)).collect(),
+        );
+        let q: Vec<f32> = (0..c).map(|i| value(i + 5000) * 2.0).collect();
+        for pos in [100, 255, 256, 700, 1099] {
+            let seen = pos + 1;
+            for bf16 in [false, true] {
+                let widen = |x: &[f32], x16: &[Bf16], i: usize| match bf16 {
+                    false => x[i] as f64,
+                    true => x16[i].widen() as f64,
+                };
+                let cache = match bf16 {
+                    false => LayerKv::F32(&keys, &values),
+                    true => LayerKv::Bf16(&keys16, &values16),
+                };
+                let base = s.block_size * w;
+                let mut want = vec![0f64; c];
+                for h in 0..s.n_head {
+                    let g = h / s.group();
+                    let scores: Vec<f64> = (0..seen)
+                        .map(|p| {
+                            let key = base + p * w + g * d;
+                            let dot: f64 = (0..d)
+                                .map(|i| q[h * d + i] as f64 * widen(&keys, &keys16, key + i))
+                                .sum();
+                            dot / (d as f64).sqrt()
+                        })
+                        .collect();
+                    let top = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let total: f64 = scores.iter().map(|x| (x - top).exp()).sum();
+                    for (p, x) in scores.iter().enumerate() {
+                        let weight = (x - top).exp() / total;
+                        for i in 0..d {
+                            let v = widen(&values, &values16, base + p * w + g * d + i);
+                            want[h * d + i] += weight * v;
+                        }
+                    }
+                }
+                for in_pass in [false, true] {
+                    let mut out = vec![f32::NAN; c];
+                    let mut scratch =
+                        vec![0f32; s.n_head * s.block_size + MAX_PARTS * (c + 3 * s.n_head)];
+                    let mut run = || attend_split(&s, &q, cache, (1, pos), &mut out, &mut scratch);
+                    match in_pass {
+                        true => team::pass(&mut run),
+                        false => run(),
+                    }
+                    for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
+                        let what =
+                            format!("position {pos}, bf16 {bf16}, in a pass {in_pass}, output {i}");
+                        assert!(
+                            (got as f64 - want).abs() <= 2e-5 * (1.0 + want.abs()),
+                            "{what}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn vector_head_scores_are_dot_lanes_bits() {
         use crate::cpu::isa::Isa;
