@@ -6,8 +6,8 @@
 //! what only decoding has: products that read each weight once for all the rows
 //! (`DecodeWeights`, in f32, bf16 or eight bits), and attention over preallocated
 //! per-layer K/V buffers (grouped K/V heads stored once). Nothing is allocated per
-//! token. Several sequences (samples) step together, so each weight row is read once
-//! for all of them.
+//! token of one stream. Several sequences (samples) step together, so each weight row
+//! is read once for all of them.
 //!
 //! The prompt (and every window slide) runs through the same code with many rows at
 //! once: attention rows are spread over threads, long prompts' products become GEMMs.
@@ -456,7 +456,7 @@ impl Scratch {
             proj: vec![0.0; rows * c],
             fc: vec![0.0; rows * s.mlp_fc_width],
             act: vec![0.0; rows * s.mlp_hidden],
-            scores: vec![0.0; s.n_head * s.block_size + MAX_PARTS * (c + 3 * s.n_head)],
+            scores: vec![0.0; split_scratch_len(s)],
             last: vec![0.0; batch * c],
             logits: vec![0.0; batch * s.vocab_size],
             rows,
@@ -483,13 +483,19 @@ const PART_POSITIONS: usize = 128;
 /// The most parts a row's attention is split into.
 const MAX_PARTS: usize = 8;
 
+/// The scratch [`attend_split`] needs: a row's scores and its parts' outputs and
+/// statistics.
+pub fn split_scratch_len(s: &Shapes) -> usize {
+    s.n_head * s.block_size + MAX_PARTS * (s.n_embd + 3 * s.n_head)
+}
+
 /// [`attend`] of one row, its positions split into parts over the threads (the team's,
 /// in a one-stream pass) once there are `2 * PART_POSITIONS` of them. Each part reads
 /// whole key and value rows, in order: split by heads instead, each thread read half of
 /// every row and a 1000-token context decoded slower than on one thread. Each part
 /// keeps its heads' maxima and sums of exponentials; the parts' outputs are then
 /// combined (as flash-decoding does). The parts depend on the positions alone, not on
-/// the threads, so neither do the bits. `scratch` is the decoder's scores buffer.
+/// the threads, so neither do the bits. `scratch` holds [`split_scratch_len`] values.
 pub fn attend_split(
     s: &Shapes,
     q: &[f32],
@@ -519,7 +525,8 @@ pub fn attend_split(
     if team::holding() {
         team::for_each_piece(scratch, piece, part);
     } else {
-        // A small model's step (not worth a hand-off to the pool): the same parts here.
+        // No team here (a model too small to split its products, one thread, or another
+        // decoder's pass holding the team): the same parts on this thread.
         scratch
             .chunks_exact_mut(piece)
             .enumerate()
@@ -874,10 +881,6 @@ mod tests {
     use super::*;
     use crate::config::ModelConfig;
 
-    /// The head scores in AVX2 and AVX-512 registers are `dot_lanes`'s sums to the bit,
-    /// for f32 and bf16 keys, heads whose width is and is not a multiple of 32, K/V
-    /// heads grouped and not.
-    #[cfg(target_arch = "x86_64")]
     /// A long row's attention split into parts (inside a team pass and outside) is the
     /// attention of its definition, in f64, with grouped K/V heads, over f32 and bf16
     /// keys and values, at lengths below, at and past the split.
@@ -939,8 +942,7 @@ mod tests {
                 }
                 for in_pass in [false, true] {
                     let mut out = vec![f32::NAN; c];
-                    let mut scratch =
-                        vec![0f32; s.n_head * s.block_size + MAX_PARTS * (c + 3 * s.n_head)];
+                    let mut scratch = vec![0f32; split_scratch_len(&s)];
                     let mut run = || attend_split(&s, &q, cache, (1, pos), &mut out, &mut scratch);
                     match in_pass {
                         true => team::pass(&mut run),
@@ -959,6 +961,10 @@ mod tests {
         }
     }
 
+    /// The head scores in AVX2 and AVX-512 registers are `dot_lanes`'s sums to the bit,
+    /// for f32 and bf16 keys, heads whose width is and is not a multiple of 32, K/V
+    /// heads grouped and not.
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn vector_head_scores_are_dot_lanes_bits() {
         use crate::cpu::isa::Isa;

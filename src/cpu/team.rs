@@ -87,7 +87,10 @@ thread_local! {
 fn team() -> Option<&'static Team> {
     static TEAM: OnceLock<Option<&'static Team>> = OnceLock::new();
     *TEAM.get_or_init(|| {
-        let helpers = threads().saturating_sub(1);
+        // Not more than the CPUs this process may use: a helper spinning where there is
+        // no core for it takes the pass thread's.
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let helpers = threads().min(cpus).saturating_sub(1);
         if helpers == 0 {
             return None;
         }
@@ -139,6 +142,8 @@ fn help(team: &'static Team, me: usize) {
             continue;
         }
         if team.in_pass.load(Ordering::Relaxed) {
+            // Pauses only: a job offered while the helper is in the scheduler would
+            // wait for it, and the helpers are no more than the CPUs (see `team`).
             idle_since = None;
             std::hint::spin_loop();
             continue;
@@ -150,6 +155,18 @@ fn help(team: &'static Team, me: usize) {
         }
         // A pass begun after the check above unparks this thread: park returns at once.
         std::thread::park();
+    }
+}
+
+/// A spin-wait's step: a pause instruction, and every 4096th time the rest of the time
+/// slice given back, so a waiter on a machine with fewer free cores than threads does
+/// not hold a core from the thread it waits for.
+fn spin_or_yield(spins: &mut u32) {
+    *spins = spins.wrapping_add(1);
+    if spins.is_multiple_of(4096) {
+        std::thread::yield_now();
+    } else {
+        std::hint::spin_loop();
     }
 }
 
@@ -247,8 +264,9 @@ impl Drop for Offered<'_> {
                 Ordering::Acquire,
             );
             if let Err(mut now) = back {
+                let mut spins = 0u32;
                 while now == TAKEN {
-                    std::hint::spin_loop();
+                    spin_or_yield(&mut spins);
                     now = helper.offer.load(Ordering::Acquire);
                 }
             }

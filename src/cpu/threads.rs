@@ -26,40 +26,56 @@ pub fn on_workers<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 }
 
 /// As [`on_workers`], with the pool's other threads kept awake through the call: each
-/// spins, taking the call's forked work as soon as it is pushed, instead of going to
-/// sleep between two parallel passes and being woken through the kernel for the next.
-/// A training step has over a hundred passes; kept awake, the baby model's step took
-/// 8% less time, 6L/384's 3% (Zen 5, 2 threads).
+/// spins on `rayon::yield_now`, taking work from the pool (the call's forked passes) as
+/// soon as it is pushed, instead of going to sleep between two parallel passes and being
+/// woken through the kernel for the next. A training step has over a hundred passes;
+/// kept awake, the baby model's forward and backward took 8% less time, 6L/384's 3%
+/// (Zen 5, 2 threads).
 ///
-/// A spinner that finds no work for [`AWAKE_IDLE`] leaves: the call may have a long
-/// serial stretch, and a spinner taken up late by a thread in the middle of another
-/// job (this call's or another's) must not hold that job's thread until the call ends,
-/// which could be waiting for that very job.
+/// One spinner a thread (a broadcast), for one call at a time (a call begun while
+/// another is awake runs as [`on_workers`]). A spinner never outlives the call, leaves
+/// after [`AWAKE_IDLE`] without work, and after [`AWAKE_MOST`] in all: a thread may take
+/// its spinner up inside a job it is running (of another call, or of this one, waiting
+/// in a join), and that job waits until the spinner leaves.
 pub fn on_workers_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Instant;
+    static AWAKE: AtomicBool = AtomicBool::new(false);
+    if threads() < 2
+        || AWAKE
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+    {
+        return on_workers(f);
+    }
+    /// Lets the next call keep the pool awake, however this one ends.
+    struct Awake;
+    impl Drop for Awake {
+        fn drop(&mut self) {
+            AWAKE.store(false, Ordering::Release);
+        }
+    }
+    let _awake = Awake;
     let done = AtomicBool::new(false);
     rayon::scope(|scope| {
-        let caller = std::thread::current().id();
-        for _ in 1..rayon::current_num_threads() {
-            let done = &done;
-            scope.spawn(move |_| {
-                // Popped by the caller itself while it waits in a join: nothing to do.
-                if std::thread::current().id() == caller {
+        let caller = rayon::current_thread_index();
+        let done = &done;
+        scope.spawn_broadcast(move |_, context| {
+            if Some(context.index()) == caller {
+                return;
+            }
+            let start = Instant::now();
+            let mut last_work = start;
+            while !done.load(Ordering::Acquire) {
+                if rayon::yield_now() == Some(rayon::Yield::Executed) {
+                    last_work = Instant::now();
+                } else if last_work.elapsed() > AWAKE_IDLE || start.elapsed() > AWAKE_MOST {
                     return;
+                } else {
+                    std::hint::spin_loop();
                 }
-                let mut last_work = Instant::now();
-                while !done.load(Ordering::Acquire) {
-                    if rayon::yield_now() == Some(rayon::Yield::Executed) {
-                        last_work = Instant::now();
-                    } else if last_work.elapsed() > AWAKE_IDLE {
-                        return;
-                    } else {
-                        std::hint::spin_loop();
-                    }
-                }
-            });
-        }
+            }
+        });
         let result = f();
         done.store(true, Ordering::Release);
         result
@@ -69,6 +85,10 @@ pub fn on_workers_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 /// How long a spinner of [`on_workers_awake`] waits for work before it leaves: longer
 /// than the serial stretches between a step's parallel passes (microseconds).
 const AWAKE_IDLE: std::time::Duration = std::time::Duration::from_micros(200);
+
+/// How long a spinner of [`on_workers_awake`] spins at most: a baby step's backward
+/// (8 ms) in full, a large model's first passes.
+const AWAKE_MOST: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// Rows per share for `rows` rows of `width` elements: all of them when small.
 pub fn share_rows(rows: usize, width: usize) -> usize {
@@ -135,7 +155,7 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
 
-    /// Passes kept awake on four threads at once, each forking nested work (as the
+    /// Passes kept awake from four threads at once, each forking nested work (as the
     /// gemm crate does inside a pass), on a pool of four: every pass finishes with every
     /// item counted, none waits on a spinner forever.
     #[test]

@@ -325,8 +325,8 @@ mod tests {
     use super::*;
     use crate::cpu::ops::testing::{all, assert_gradient, probe_loss, values};
 
-    /// dx, dw and (LayerNorm) db of loss = sum(norm(x) * probe) against central
-    /// differences, for both kinds; `apply` repeats the forward from its statistics.
+    /// The LayerNorm forward (rows' statistics summed four rows side by side) against
+    /// its definition in f64, and a row alone giving the bits it gives in a group.
     #[test]
     fn layernorm_forward_matches_f64_in_groups_and_alone() {
         // 7 rows: a group of four and a group of three; 37 wide: two vectors and a tail.
@@ -362,6 +362,8 @@ mod tests {
         }
     }
 
+    /// dx, dw and (LayerNorm) db of loss = sum(norm(x) * probe) against central
+    /// differences, for both kinds; `apply` repeats the forward from its statistics.
     #[test]
     fn backward_matches_differences() {
         let (n, c) = (3, 5);
