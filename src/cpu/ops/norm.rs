@@ -153,9 +153,21 @@ multiversion! {
                 let r = (first + k).min(rows - 1);
                 &x[r * c..(r + 1) * c]
             });
-            let m = row_sums(group, |_, v| v).map(|sum| sum / c as f32);
-            let var = row_sums(group, |k, v| (v - m[k]) * (v - m[k])).map(|sum| sum / c as f32);
-            for k in 0..GROUP.min(rows - first) {
+            let here = GROUP.min(rows - first);
+            let (m, var) = if here == GROUP {
+                let m = row_sums(group, |_, v| v).map(|sum| sum / c as f32);
+                let var = row_sums(group, |k, v| (v - m[k]) * (v - m[k]));
+                (m, var.map(|sum| sum / c as f32))
+            } else {
+                // The last few rows (a decoded token's one) alone, in the same order.
+                let (mut m, mut var) = ([0f32; GROUP], [0f32; GROUP]);
+                for k in 0..here {
+                    m[k] = sum_lanes(group[k], |v| v) / c as f32;
+                    var[k] = sum_lanes(group[k], |v| (v - m[k]) * (v - m[k])) / c as f32;
+                }
+                (m, var)
+            };
+            for k in 0..here {
                 let (n, xr) = (first + k, group[k]);
                 let s = 1.0 / (var[k] + eps).sqrt();
                 let or = &mut out[n * c..(n + 1) * c];
@@ -326,7 +338,8 @@ mod tests {
     use crate::cpu::ops::testing::{all, assert_gradient, probe_loss, values};
 
     /// The LayerNorm forward (rows' statistics summed four rows side by side) against
-    /// its definition in f64, and a row alone giving the bits it gives in a group.
+    /// its definition in f64, and a row alone (summed by `sum_lanes`) giving the bits it
+    /// gives in a group.
     #[test]
     fn layernorm_forward_matches_f64_in_groups_and_alone() {
         // 7 rows: a group of four and a group of three; 37 wide: two vectors and a tail.
