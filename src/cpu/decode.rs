@@ -886,6 +886,7 @@ mod tests {
     /// keys and values, at lengths below, at and past the split.
     #[test]
     fn split_attention_is_attention() {
+        use crate::cpu::prompt_attention::tests::by_definition;
         let s = ModelSpec::new(&ModelConfig {
             n_head: 4,
             n_kv_head: Some(2),
@@ -894,65 +895,32 @@ mod tests {
             ..ModelConfig::default()
         })
         .shapes;
-        let (c, d, w) = (s.n_embd, s.head_dim, s.kv_width);
-        let value = |i: usize| ((i as f32) * 0.37).sin() * 1.3;
-        // Two sequences' rows; the second is attended.
-        let keys: Vec<f32> = (0..2 * s.block_size * w).map(|i| value(i + 7)).collect();
-        let values: Vec<f32> = (0..2 * s.block_size * w)
-            .map(|i| value(3 * i + 1))
+        let c = s.n_embd;
+        let qkv: Vec<f32> = (0..s.block_size * s.qkv_width)
+            .map(|i| ((i as f32) * 0.37).sin() * 1.3)
             .collect();
-        let (keys16, values16): (Vec<Bf16>, Vec<Bf16>) = (
-            keys.iter().map(|&v| Bf16::round(v)).collect(),
-            values.iter().map(|&v| Bf16::round(v)).collect(),
-        );
-        let q: Vec<f32> = (0..c).map(|i| value(i + 5000) * 2.0).collect();
-        for pos in [100, 255, 256, 700, 1099] {
-            let seen = pos + 1;
-            for bf16 in [false, true] {
-                let widen = |x: &[f32], x16: &[Bf16], i: usize| match bf16 {
-                    false => x[i] as f64,
-                    true => x16[i].widen() as f64,
-                };
-                let cache = match bf16 {
-                    false => LayerKv::F32(&keys, &values),
-                    true => LayerKv::Bf16(&keys16, &values16),
-                };
-                let base = s.block_size * w;
-                let mut want = vec![0f64; c];
-                for h in 0..s.n_head {
-                    let g = h / s.group();
-                    let scores: Vec<f64> = (0..seen)
-                        .map(|p| {
-                            let key = base + p * w + g * d;
-                            let dot: f64 = (0..d)
-                                .map(|i| q[h * d + i] as f64 * widen(&keys, &keys16, key + i))
-                                .sum();
-                            dot / (d as f64).sqrt()
-                        })
-                        .collect();
-                    let top = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                    let total: f64 = scores.iter().map(|x| (x - top).exp()).sum();
-                    for (p, x) in scores.iter().enumerate() {
-                        let weight = (x - top).exp() / total;
-                        for i in 0..d {
-                            let v = widen(&values, &values16, base + p * w + g * d + i);
-                            want[h * d + i] += weight * v;
-                        }
-                    }
-                }
+        // Sequence 1, so the rows are read at its own offset in the cache.
+        let places: Vec<Place> = (0..s.block_size).map(|pos| Place { seq: 1, pos }).collect();
+        for precision in [KvPrecision::F32, KvPrecision::Bf16] {
+            let mut cache = KvCache::new(&s, 2, precision);
+            cache.store(0, &qkv, &s, &places);
+            for pos in [100, 255, 256, 700, 1099] {
+                let q = &qkv[pos * s.qkv_width..][..c];
+                let want = by_definition(&s, &qkv, pos, pos, precision == KvPrecision::Bf16);
                 for in_pass in [false, true] {
                     let mut out = vec![f32::NAN; c];
                     let mut scratch = vec![0f32; split_scratch_len(&s)];
-                    let mut run = || attend_split(&s, &q, cache, (1, pos), &mut out, &mut scratch);
+                    let mut run =
+                        || attend_split(&s, q, cache.layer(0), (1, pos), &mut out, &mut scratch);
                     match in_pass {
                         true => team::pass(&mut run),
                         false => run(),
                     }
                     for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
                         let what =
-                            format!("position {pos}, bf16 {bf16}, in a pass {in_pass}, output {i}");
+                            format!("{precision:?}, position {pos}, in a pass {in_pass}, {i}");
                         assert!(
-                            (got as f64 - want).abs() <= 2e-5 * (1.0 + want.abs()),
+                            (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
                             "{what}: {got} vs {want}"
                         );
                     }

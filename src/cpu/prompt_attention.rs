@@ -185,7 +185,7 @@ fn widen_head<T: Widen>(into: &mut [f32], rows: &[T], s: &Shapes, seq: usize, kv
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::cpu::decode::attend;
     use crate::cpu::kv_cache::{KvCache, KvPrecision};
@@ -215,8 +215,16 @@ mod tests {
     }
 
     /// softmax(q · k_p / sqrt(d)) v_p summed over the positions a query sees, in f64,
-    /// from the keys and values as the cache holds them (`round` for bf16).
-    fn by_definition(s: &Shapes, qkv: &[f32], pos: usize, q_row: usize, round: bool) -> Vec<f64> {
+    /// from the keys and values as the cache holds them (`round` for bf16): the query is
+    /// row `q_row` of `qkv`, the keys and values its rows 0..=pos. (The decoder's tests
+    /// use it too.)
+    pub(crate) fn by_definition(
+        s: &Shapes,
+        qkv: &[f32],
+        pos: usize,
+        q_row: usize,
+        round: bool,
+    ) -> Vec<f64> {
         let (c, d) = (s.n_embd, s.head_dim);
         let stored = |x: f32| if round { Bf16::round(x).widen() } else { x } as f64;
         let mut y = vec![0f64; c];

@@ -41,7 +41,7 @@ pub fn on_workers_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Instant;
     static AWAKE: AtomicBool = AtomicBool::new(false);
-    if threads() < 2
+    if rayon::current_num_threads() < 2
         || AWAKE
             .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
             .is_err()
