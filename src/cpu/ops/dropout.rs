@@ -1,5 +1,5 @@
 //! Dropout masks filled in parallel and vectorised, and applied: the same masks as the
-//! definition in `model::dropout` (tested element for element), eight Philox counters
+//! definition in `model::dropout` (tested element for element), sixteen Philox counters
 //! at a time in vector lanes.
 
 use rayon::prelude::*;
@@ -42,7 +42,7 @@ fn fill_part(dropout: &Dropout, site: Site, first: usize, part: &mut [f32]) {
 }
 
 /// Counters per vector pass.
-const LANES: usize = 8;
+const LANES: usize = 16;
 
 /// Below `threshold` dropped (0), else kept (`scale`).
 #[derive(Clone, Copy)]
@@ -79,31 +79,39 @@ multiversion! {
 }
 
 /// `philox4x32_10` for LANES counters that differ in their first word only, written
-/// lane-wise so the compiler keeps each word in a vector register (32 x 32 -> 64-bit
-/// multiplies are one instruction per four lanes on AVX2).
+/// lane-wise so the compiler keeps each word in a vector register. Each 32-bit word
+/// sits in a 64-bit lane, so a round's 32 x 32 -> 64-bit products are one multiply per
+/// vector (`vpmuludq` reads a lane's low half) and their halves a shift and a mask: kept
+/// in 32-bit lanes, splitting the products took more shuffles than the rounds took
+/// arithmetic.
 #[inline(always)]
 fn philox_lanes(first: [u32; LANES], counter: [u32; 4], key: [u32; 2]) -> [[u32; LANES]; 4] {
     const M0: u64 = 0xD251_1F53;
     const M1: u64 = 0xCD9E_8D57;
-    let (mut c0, mut c1) = (first, [counter[1]; LANES]);
-    let (mut c2, mut c3) = ([counter[2]; LANES], [counter[3]; LANES]);
+    const LOW: u64 = 0xFFFF_FFFF;
+    let mut c0: [u64; LANES] = first.map(u64::from);
+    let mut c1 = [u64::from(counter[1]); LANES];
+    let mut c2 = [u64::from(counter[2]); LANES];
+    let mut c3 = [u64::from(counter[3]); LANES];
     let [mut k0, mut k1] = key;
     for round in 0..10 {
         if round > 0 {
             k0 = k0.wrapping_add(0x9E37_79B9);
             k1 = k1.wrapping_add(0xBB67_AE85);
         }
+        let (k0, k1) = (u64::from(k0), u64::from(k1));
         for l in 0..LANES {
-            let p0 = M0 * c0[l] as u64;
-            let p1 = M1 * c2[l] as u64;
-            let (n0, n2) = (
-                (p1 >> 32) as u32 ^ c1[l] ^ k0,
-                (p0 >> 32) as u32 ^ c3[l] ^ k1,
+            let p0 = M0 * (c0[l] & LOW);
+            let p1 = M1 * (c2[l] & LOW);
+            (c0[l], c1[l], c2[l], c3[l]) = (
+                (p1 >> 32) ^ c1[l] ^ k0,
+                p1 & LOW,
+                (p0 >> 32) ^ c3[l] ^ k1,
+                p0 & LOW,
             );
-            (c0[l], c1[l], c2[l], c3[l]) = (n0, p1 as u32, n2, p0 as u32);
         }
     }
-    [c0, c1, c2, c3]
+    [c0, c1, c2, c3].map(|word| word.map(|w| w as u32))
 }
 
 /// x *= mask, elementwise.
