@@ -23,6 +23,7 @@ use super::decode_weights::{DecodeWeights, WeightFormat};
 use super::isa::{self, Isa};
 use super::kernels::{axpy, dot_lanes, exp_approx, multiversion, softmax_inline, sum_lanes, Widen};
 use super::kv_cache::{KvCache, KvPrecision, LayerKv, Place};
+use super::ops::loss::row_loss;
 use super::ops::norm::NormStats;
 use super::ops::rope::Turn;
 use super::ops::{residual_in_place, Positions};
@@ -258,7 +259,7 @@ impl FastDecoder {
                 for (r, row) in logits.chunks_exact(v).enumerate() {
                     let position = start + g + r;
                     if let Some(&target) = window.get(position + 1) {
-                        losses.push(cross_entropy(row, target as usize));
+                        losses.push(row_loss(row, target as usize));
                     }
                 }
             }
@@ -860,13 +861,6 @@ head_scores!(
 /// Positions whose logits `next_token_losses` holds at once (a few MiB for a large
 /// vocabulary).
 const GROUP: usize = 16;
-
-/// -ln softmax(logits)[target], the log-sum-exp taken in f64.
-fn cross_entropy(logits: &[f32], target: usize) -> f64 {
-    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
-    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
-    f64::from(max) + sum.ln() - f64::from(logits[target])
-}
 
 /// Rows of logits a pass may give beyond one per sequence (for a prompt scored at every
 /// position): 128 rows of GPT-2's vocabulary are 26 MB.

@@ -38,17 +38,7 @@ multiversion! {
     /// exponentials through `exp_approx`: as vectors, where libm's exp and one chain of
     /// f64 adds a value made this a tenth of a step at a vocabulary of 2048.
     pub fn softmax_row_loss(row: &mut [f32], target: usize) -> f64 {
-        let (whole, rest) = row.as_chunks::<LANES>();
-        let mut top = [f32::NEG_INFINITY; LANES];
-        for chunk in whole {
-            for l in 0..LANES {
-                top[l] = if chunk[l] > top[l] { chunk[l] } else { top[l] };
-            }
-        }
-        let mut max = f32::NEG_INFINITY;
-        for m in top.into_iter().chain(rest.iter().copied()) {
-            max = if m > max { m } else { max };
-        }
+        let max = row_max(row);
         let shifted_target = f64::from(row[target] - max);
         let (whole, rest) = row.as_chunks_mut::<LANES>();
         let mut lanes = [0f64; LANES];
@@ -72,6 +62,46 @@ multiversion! {
         }
         sum.ln() - shifted_target
     }
+}
+
+multiversion! {
+    /// -log softmax(row)[target], the row left as it is (scoring a text): as
+    /// [`softmax_row_loss`] computes it.
+    pub fn row_loss(row: &[f32], target: usize) -> f64 {
+        let max = row_max(row);
+        let (whole, rest) = row.as_chunks::<LANES>();
+        let mut lanes = [0f64; LANES];
+        for chunk in whole {
+            for l in 0..LANES {
+                lanes[l] += f64::from(exp_approx(chunk[l] - max));
+            }
+        }
+        let mut sum = 0.0f64;
+        for lane in lanes {
+            sum += lane;
+        }
+        for &x in rest {
+            sum += f64::from(exp_approx(x - max));
+        }
+        sum.ln() - f64::from(row[target] - max)
+    }
+}
+
+/// The largest value of `row`, in 16 lanes.
+#[inline(always)]
+fn row_max(row: &[f32]) -> f32 {
+    let (whole, rest) = row.as_chunks::<LANES>();
+    let mut top = [f32::NEG_INFINITY; LANES];
+    for chunk in whole {
+        for l in 0..LANES {
+            top[l] = if chunk[l] > top[l] { chunk[l] } else { top[l] };
+        }
+    }
+    let mut max = f32::NEG_INFINITY;
+    for m in top.into_iter().chain(rest.iter().copied()) {
+        max = if m > max { m } else { max };
+    }
+    max
 }
 
 /// probs -> dlogits in place: (p - onehot(target)) * scale.
@@ -138,6 +168,12 @@ mod tests {
                 (got - by_hand).abs() < 1e-6 * by_hand.abs().max(1.0),
                 "v {v}: {got} vs {by_hand}"
             );
+            // Scoring without writing the row gives each row's loss bit for bit.
+            let mut in_place = logits.clone();
+            for (r, (row, &t)) in in_place.chunks_mut(v).zip(&targets).enumerate() {
+                let scored = row_loss(&logits[r * v..(r + 1) * v], t as usize);
+                assert_eq!(scored, softmax_row_loss(row, t as usize), "v {v}: row {r}");
+            }
             if v <= 37 {
                 let mut grad = probs.clone();
                 cross_entropy_backward(&mut grad, &targets, v, 1.0);
