@@ -730,8 +730,8 @@ struct LogSoftmax {
 
 impl LogSoftmax {
     fn of(row: &[f32], k: usize) -> Self {
-        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        let sum: f64 = row.iter().map(|&x| f64::from(x - max).exp()).sum();
+        // The normaliser as `eval` takes it (vectorised over the vocabulary).
+        let (max, sum) = crate::cpu::ops::loss::max_and_sum_exp(row);
         let log_z = max + sum.ln() as f32;
         let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
         for (id, &x) in row.iter().enumerate() {

@@ -64,10 +64,17 @@ multiversion! {
     }
 }
 
+/// -log softmax(row)[target], the row left as it is (scoring a text): as
+/// [`softmax_row_loss`] computes it.
+pub fn row_loss(row: &[f32], target: usize) -> f64 {
+    let (max, sum) = max_and_sum_exp(row);
+    sum.ln() - f64::from(row[target] - max)
+}
+
 multiversion! {
-    /// -log softmax(row)[target], the row left as it is (scoring a text): as
-    /// [`softmax_row_loss`] computes it.
-    pub fn row_loss(row: &[f32], target: usize) -> f64 {
+    /// A row's largest value and Σ e^(x - max) over it (in f64), as
+    /// [`softmax_row_loss`] takes them: log softmax(row) = row - max - ln(sum).
+    pub fn max_and_sum_exp(row: &[f32]) -> (f32, f64) {
         let max = row_max(row);
         let (whole, rest) = row.as_chunks::<LANES>();
         let mut lanes = [0f64; LANES];
@@ -83,7 +90,7 @@ multiversion! {
         for &x in rest {
             sum += f64::from(exp_approx(x - max));
         }
-        sum.ln() - f64::from(row[target] - max)
+        (max, sum)
     }
 }
 
