@@ -221,7 +221,9 @@ impl FastDecoder {
     /// Runs `window` (one sequence: the decoder's batch is 1) from position 0 and
     /// returns the loss of each next-token prediction in it: entry k is
     /// -ln p(window[k + 1] | window[..=k]), from the logits the decoder computes (in its
-    /// weight format), in f64 from there on. For measuring what a format costs.
+    /// weight format), by the training classifier's arithmetic (`loss::row_loss`: f32
+    /// exponentials, their sum and its logarithm in f64). For measuring what a format
+    /// costs.
     pub fn next_token_losses(&mut self, window: &[u32]) -> Result<Vec<f64>> {
         assert_eq!(self.batch, 1, "one sequence");
         let mut losses = Vec::with_capacity(window.len().saturating_sub(1));

@@ -730,7 +730,8 @@ struct LogSoftmax {
 
 impl LogSoftmax {
     fn of(row: &[f32], k: usize) -> Self {
-        // The normaliser as `eval` takes it (vectorised over the vocabulary).
+        // The maximum and the sum of exponentials as `eval --dtype` scores a row (its
+        // logarithm then taken here in f32, as the logprobs are).
         let (max, sum) = crate::cpu::ops::loss::max_and_sum_exp(row);
         let log_z = max + sum.ln() as f32;
         let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);

@@ -142,7 +142,16 @@ mod tests {
     /// lane passes, the scalar tail and thread shares.
     #[test]
     fn fills_the_masks_of_the_definition() {
-        for (p, len) in [(0.1, 1), (0.5, 31), (0.2, 32), (0.3, 1000), (0.9, 70_001)] {
+        // One pass is 4 * LANES = 128 values: lengths short of one, one, one and a tail.
+        let lengths = [
+            (0.1, 1),
+            (0.5, 31),
+            (0.2, 128),
+            (0.4, 131),
+            (0.3, 1000),
+            (0.9, 70_001),
+        ];
+        for (p, len) in lengths {
             let d = Dropout::in_pass(p, 99, 12, 3).unwrap();
             for site in [
                 Site::Embedding,
