@@ -80,9 +80,9 @@ pub struct AdamWF32 {
 }
 
 /// The global gradient norm is summed in blocks of this many values: each block's
-/// squares in f64 in a fixed order, then the blocks' sums in order. The blocks are fixed, so
-/// the norm is the same number on any number of threads, and ranks that each sum the
-/// blocks of their shard (shards start at block boundaries) get it exactly too.
+/// squares in f64 in a fixed order, then the blocks' sums in order. The blocks are
+/// fixed, so the norm is the same number on any number of threads, and ranks that each
+/// sum the blocks of their shard (shards start at block boundaries) get it exactly too.
 pub const NORM_CHUNK: usize = 8192;
 
 /// The global L2 norm from the blocks' sums of squares, in block order.

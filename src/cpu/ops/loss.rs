@@ -34,46 +34,32 @@ const LANES: usize = 16;
 multiversion! {
     /// One row of logits into its probabilities, in place; returns -log p[target] =
     /// log(Σ e^(x - max)) - (x_target - max), finite even where e^(x_target - max)
-    /// underflows. The maximum and the sum go in 16 lanes (the sum in f64), the
-    /// exponentials through `exp_approx`: as vectors, where libm's exp and one chain of
-    /// f64 adds a value made this a tenth of a step at a vocabulary of 2048.
+    /// underflows. The maximum and the sum as [`max_and_sum_exp`] takes them (so
+    /// scoring a text gives training's loss), then each exponential again, scaled: as
+    /// vectors, where libm's exp and one chain of f64 adds a value made this a tenth of
+    /// a step at a vocabulary of 2048.
     pub fn softmax_row_loss(row: &mut [f32], target: usize) -> f64 {
-        let max = row_max(row);
-        let shifted_target = f64::from(row[target] - max);
-        let (whole, rest) = row.as_chunks_mut::<LANES>();
-        let mut lanes = [0f64; LANES];
-        for chunk in whole {
-            for l in 0..LANES {
-                chunk[l] = exp_approx(chunk[l] - max);
-                lanes[l] += f64::from(chunk[l]);
-            }
-        }
-        let mut sum = 0.0f64;
-        for lane in lanes {
-            sum += lane;
-        }
-        for x in rest.iter_mut() {
-            *x = exp_approx(*x - max);
-            sum += f64::from(*x);
-        }
+        let (max, sum) = max_and_sum_exp(row);
+        let loss = sum.ln() - f64::from(row[target] - max);
         let inv = (1.0 / sum) as f32;
         for x in row.iter_mut() {
-            *x *= inv;
+            *x = exp_approx(*x - max) * inv;
         }
-        sum.ln() - shifted_target
+        loss
     }
 }
 
-/// -log softmax(row)[target], the row left as it is (scoring a text): as
-/// [`softmax_row_loss`] computes it.
+/// -log softmax(row)[target], the row left as it is (scoring a text): the loss
+/// [`softmax_row_loss`] returns.
 pub fn row_loss(row: &[f32], target: usize) -> f64 {
     let (max, sum) = max_and_sum_exp(row);
     sum.ln() - f64::from(row[target] - max)
 }
 
 multiversion! {
-    /// A row's largest value and Σ e^(x - max) over it (in f64), as
-    /// [`softmax_row_loss`] takes them: log softmax(row) = row - max - ln(sum).
+    /// A row's largest value and Σ e^(x - max) over it: the maximum in 16 lanes, the
+    /// exponentials through `exp_approx`, their sum in 16 f64 lanes (then in lane order,
+    /// the tail after). log softmax(row) = row - max - ln(sum).
     pub fn max_and_sum_exp(row: &[f32]) -> (f32, f64) {
         let max = row_max(row);
         let (whole, rest) = row.as_chunks::<LANES>();
