@@ -8,6 +8,9 @@ fn main() {
         ("qkv fwd", 4096, 1152, 384, false, true),
         ("proj fwd", 4096, 384, 1536, false, true),
         ("fc dW", 1536, 384, 4096, true, false),
+        ("fc dx", 4096, 384, 1536, false, false),
+        ("qkv dW", 1152, 384, 4096, true, false),
+        ("proj dW", 384, 1536, 4096, true, false),
         ("baby fc", 768, 512, 128, false, true),
         ("baby dx", 768, 128, 512, false, false),
     ];

@@ -28,13 +28,12 @@ pub fn matmul(dst: &mut [f32], dst_row: usize, p: Product, precision: Precision)
     match precision {
         Precision::Bf16 => bf16::matmul(dst, dst_row, p),
         Precision::F32 => {
-            let threads = threads();
-            let parallelism = if threads > 1 && p.macs() >= PARALLEL_MIN_MACS {
-                Parallelism::Rayon(threads)
+            let threads = if p.macs() >= PARALLEL_MIN_MACS {
+                threads()
             } else {
-                Parallelism::None
+                1
             };
-            gemm_f32(dst, dst_row, p, parallelism)
+            gemm_f32(dst, dst_row, p, threads)
         }
     }
 }
@@ -70,18 +69,29 @@ pub fn matmul_serial(dst: &mut [f32], dst_row: usize, p: Product, precision: Pre
             },
             Causal::UpperA => rows.k_range(i0.min(p.k), p.k - i0.min(p.k)),
         };
-        gemm_f32(&mut dst[i0 * dst_row..], dst_row, part, Parallelism::None);
+        gemm_f32(&mut dst[i0 * dst_row..], dst_row, part, 1);
     }
 }
 
-/// dst = dst (if accumulating) + beta * a · b in f32, through the gemm crate's driver
-/// and the micro-kernels of the active level.
-fn gemm_f32(dst: &mut [f32], dst_row: usize, p: Product, threads: Parallelism) {
+/// dst = dst (if accumulating) + beta * a · b in f32 on up to `threads` threads: on
+/// AVX2 cores through our own tile (`sgemm`) when it has the rows to repay packing,
+/// otherwise through the gemm crate's driver and the micro-kernels of the active level.
+fn gemm_f32(dst: &mut [f32], dst_row: usize, p: Product, threads: usize) {
     p.check_bounds(dst, dst_row);
     #[cfg(all(feature = "accelerate", target_os = "macos"))]
     if super::accelerate::sgemm(dst, dst_row, p) {
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if isa::active() == isa::Isa::Avx2 && p.m >= super::sgemm::MIN_ROWS {
+        // Safety: bounds checked above; the active level is one the CPU has.
+        return unsafe { super::sgemm::multiply(dst, dst_row, p, threads) };
+    }
+    let threads = if threads > 1 {
+        Parallelism::Rayon(threads)
+    } else {
+        Parallelism::None
+    };
     let kernel: GemmF32 = match isa::active() {
         #[cfg(target_arch = "x86_64")]
         isa::Isa::Avx512 | isa::Isa::Amx => avx512::gemm,

@@ -3,8 +3,8 @@
 //!
 //! Read in this order: `isa` (which vector instructions run), `threads` (how work is
 //! split; `team` for one-stream decoding), `matrix` (how a product is
-//! described), `kernels` (vector building blocks, compiled per CPU), `gemm`, `bf16` and `amx`
-//! (matrix products; `panels` holds the bf16 pack buffers), `ops/` (each layer's forward and backward side by side), `layout`
+//! described), `kernels` (vector building blocks, compiled per CPU), `gemm`, `sgemm`, `bf16` and
+//! `amx` (matrix products; `panels` holds the bf16 pack buffers), `ops/` (each layer's forward and backward side by side), `layout`
 //! (typed views of the flat buffers), `engine` (the training step) and `decode`
 //! (decoding with a K/V cache).
 
@@ -31,6 +31,8 @@ pub mod peak;
 pub mod prompt_attention;
 pub mod q4;
 pub mod q8;
+#[cfg(target_arch = "x86_64")]
+mod sgemm;
 pub mod team;
 pub mod threads;
 pub mod weight_rows;

@@ -1,0 +1,477 @@
+//! f32 products on AVX2 + FMA cores (x86-64-v3: the laptops and servers without
+//! AVX-512, Intel's and AMD's): BLIS's blocking around our own register tile of 6 rows
+//! by 16 columns.
+//!
+//! Why our own: on one Zen 3 core (an FMA loop: 97 GFLOP/s) the `gemm` crate's AVX2
+//! path multiplied the 6L/384 model's layers at 69-74 GFLOP/s, this one at 74-84
+//! (docs/PERFORMANCE.md). The tile is the same size as the crate's; the difference is
+//! in reading A in place and fetching dst's tile ahead.
+//!
+//! The tile: twelve 8-lane accumulators (6 rows x 2 vectors), per k two loads of B
+//! and six broadcasts of A for twelve FMAs, which keeps both FMA ports of a core busy
+//! past their latency (3-5 cycles on the x86 cores of the last decade) with 3 of the
+//! 16 registers to spare. Alone, in L1, it runs at the FMA loop's speed.
+//!
+//! The blocking: k in equal blocks of at most `KC`, whose 16-column B panel (16 KiB)
+//! stays in L1 while A streams from L2; rows in blocks of `MC`; columns in blocks of
+//! `NC` (KC x NC of B, in L3). B is packed into 16-column panels, each k's values side
+//! by side with zeros past the edge. A is read where it lies when its rows run along
+//! memory (each value serves a whole block of columns, so a copy would cost what it
+//! saves); read down its columns (a weight gradient's activations), a k a line, it is
+//! packed into 6-row panels first.
+//!
+//! Every element of dst is summed in one order (k blocks in turn, each k of a block
+//! in turn, the block's sum added to dst) wherever its row or column falls in the
+//! blocking and however the threads split dst: a thread count never changes the bits.
+
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+
+use super::matrix::{Product, Strided, PARALLEL_MIN_MACS};
+
+/// Rows of the register tile.
+const MR: usize = 6;
+/// Columns of the register tile: two 8-lane vectors.
+const NR: usize = 16;
+/// k per block, about: the k are split into equal blocks of at most this.
+const KC: usize = 256;
+/// Rows per block of A (a multiple of `MR`): 72 rows of KC, 72 KiB, in L2.
+const MC: usize = 72;
+/// Products with fewer rows go to the `gemm` crate: packing B costs as much as
+/// multiplying there (attention's per-head products, in blocks of 64 rows, were 20%
+/// slower through this path).
+pub const MIN_ROWS: usize = 128;
+/// Columns per packed block of B, a multiple of `NR`.
+const NC: usize = 3072;
+
+/// dst (rows `dst_row` apart) = dst (if `p.accumulate`) + p.beta * a · b, over
+/// `threads` threads when the product is large enough to repay them.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `p.check_bounds(dst, dst_row)` must hold.
+pub unsafe fn multiply(dst: &mut [f32], dst_row: usize, p: Product, threads: usize) {
+    let problem = Problem {
+        dst: dst.as_mut_ptr(),
+        dst_row,
+        p,
+    };
+    if threads < 2 || p.macs() < PARALLEL_MIN_MACS {
+        return problem.run(0..p.m, 0..p.n);
+    }
+    // The longer side in one contiguous share per thread, in whole tiles.
+    let (len, unit) = if p.m >= p.n { (p.m, MR) } else { (p.n, NR) };
+    let share = len.div_ceil(threads).div_ceil(unit) * unit;
+    let problem = &problem;
+    let part = move |i: usize| {
+        let range = i * share..((i + 1) * share).min(len);
+        // Safety: the shares are disjoint and inside (m, n).
+        unsafe {
+            if p.m >= p.n {
+                problem.run(range, 0..p.n)
+            } else {
+                problem.run(0..p.m, range)
+            }
+        }
+    };
+    rayon::scope(|scope| {
+        for i in 1..len.div_ceil(share) {
+            scope.spawn(move |_| part(i));
+        }
+        part(0);
+    });
+}
+
+/// One product, read by the threads that compute its parts.
+struct Problem<'a> {
+    dst: *mut f32,
+    dst_row: usize,
+    p: Product<'a>,
+}
+
+// Safety: threads write disjoint blocks of `dst`; the operands are shared reads.
+unsafe impl Sync for Problem<'_> {}
+
+/// Pack buffers, one pair per thread, grown on first use and reused after.
+#[derive(Default)]
+struct Packs {
+    a: Vec<Panel>,
+    b: Vec<Panel>,
+}
+
+/// 16 f32 on a 64-byte boundary: the tile's loads of B never straddle two lines.
+#[derive(Clone, Copy, Default)]
+#[repr(C, align(64))]
+struct Panel([f32; NR]);
+
+thread_local! {
+    /// Borrowed only while packing and multiplying, which never wait on other jobs.
+    static PACKS: RefCell<Packs> = RefCell::new(Packs::default());
+}
+
+/// The first `len` f32 of `buffer`, grown if needed; stale values are left (the
+/// packers write every one the tile reads).
+fn floats(buffer: &mut Vec<Panel>, len: usize) -> &mut [f32] {
+    let panels = len.div_ceil(NR);
+    if buffer.len() < panels {
+        buffer.resize(panels, Panel::default());
+    }
+    // Safety: `Panel` is NR f32 with no padding (align 64 = NR * 4 bytes).
+    unsafe { std::slice::from_raw_parts_mut(buffer.as_mut_ptr().cast::<f32>(), len) }
+}
+
+impl Problem<'_> {
+    /// The block (rows, cols) of dst, on this thread.
+    ///
+    /// # Safety
+    /// As `multiply`'s, and no other thread touches this block of dst meanwhile.
+    unsafe fn run(&self, rows: std::ops::Range<usize>, cols: std::ops::Range<usize>) {
+        let p = &self.p;
+        if rows.is_empty() || cols.is_empty() {
+            return;
+        }
+        if p.k == 0 {
+            // An empty sum: dst = dst (if accumulating) + beta * 0.
+            if !p.accumulate {
+                for r in rows {
+                    let row = self.dst.add(r * self.dst_row + cols.start);
+                    std::ptr::write_bytes(row, 0, cols.len());
+                }
+            }
+            return;
+        }
+        PACKS.with(|packs| {
+            let packs = &mut *packs.borrow_mut();
+            let blocks = p.k.div_ceil(KC);
+            let step = p.k.div_ceil(blocks);
+            for j0 in cols.clone().step_by(NC) {
+                let nc = NC.min(cols.end - j0);
+                for k0 in (0..p.k).step_by(step) {
+                    let kc = step.min(p.k - k0);
+                    let b = floats(&mut packs.b, nc.div_ceil(NR) * NR * kc);
+                    pack_b(b, &p.b, k0, kc, j0, nc);
+                    let load = p.accumulate || k0 > 0;
+                    for i0 in rows.clone().step_by(MC) {
+                        let mc = MC.min(rows.end - i0);
+                        // A read down its columns (a weight gradient's activations)
+                        // would touch a line a k, more lines than L1 holds beside B's
+                        // panel: those are packed; rows along memory are read in place.
+                        let packed = (p.a.row == 1 && p.a.col != 1).then(|| {
+                            let a = floats(&mut packs.a, mc.div_ceil(MR) * MR * kc);
+                            pack_a(a, &p.a, i0, mc, k0, kc);
+                            &*a
+                        });
+                        for (jp, b_panel) in b.chunks_exact(NR * kc).enumerate() {
+                            let c0 = j0 + jp * NR;
+                            for r0 in (i0..i0 + mc).step_by(MR) {
+                                let height = MR.min(i0 + mc - r0);
+                                let a = match packed {
+                                    Some(a) => APanel {
+                                        first: a.as_ptr().add((r0 - i0) * kc),
+                                        row: 1,
+                                        step: MR,
+                                        height,
+                                    },
+                                    None => APanel {
+                                        first: p.a.data.as_ptr().add(r0 * p.a.row + k0 * p.a.col),
+                                        row: p.a.row,
+                                        step: p.a.col,
+                                        height,
+                                    },
+                                };
+                                let tile = Tile {
+                                    c: self.dst.add(r0 * self.dst_row + c0),
+                                    row: self.dst_row,
+                                    height: a.height,
+                                    width: NR.min(j0 + nc - c0),
+                                    load,
+                                    beta: p.beta,
+                                };
+                                tile_fma(kc, a, b_panel.as_ptr(), tile);
+                            }
+                        }
+                    }
+                }
+            }
+        })
+    }
+}
+
+/// Rows i0..i0 + mc, k k0..k0 + kc of `a`, whose columns run along memory, as
+/// `MR`-row panels: panel i holds, per k, its rows' values side by side (six
+/// neighbours copied a k); rows past mc are zeros.
+fn pack_a(out: &mut [f32], a: &Strided, i0: usize, mc: usize, k0: usize, kc: usize) {
+    for (ip, panel) in out.chunks_exact_mut(MR * kc).enumerate() {
+        let r0 = i0 + ip * MR;
+        let height = MR.min(i0 + mc - r0);
+        for (kk, values) in panel.chunks_exact_mut(MR).enumerate() {
+            let start = (k0 + kk) * a.col + r0 * a.row;
+            values[..height].copy_from_slice(&a.data[start..start + height]);
+            values[height..].fill(0.0);
+        }
+    }
+}
+
+/// Up to `MR` rows of A, read where they lie (A is not packed: each value serves a
+/// whole block of columns, so reading it in place costs what copying it would): value
+/// (i, k) at `first + i * row + k * step`, for i < `height`.
+struct APanel {
+    first: *const f32,
+    row: usize,
+    step: usize,
+    height: usize,
+}
+
+/// k k0..k0 + kc, columns j0..j0 + nc of `b` as `NR`-column panels: panel j holds, per
+/// k, its columns' values side by side; columns past nc are zeros.
+fn pack_b(out: &mut [f32], b: &Strided, k0: usize, kc: usize, j0: usize, nc: usize) {
+    for (jp, panel) in out.chunks_exact_mut(NR * kc).enumerate() {
+        let c0 = j0 + jp * NR;
+        let width = NR.min(j0 + nc - c0);
+        if b.col == 1 {
+            // B's rows (fixed k) run along memory: sixteen neighbours a k.
+            for (kk, values) in panel.chunks_exact_mut(NR).enumerate() {
+                let start = (k0 + kk) * b.row + c0;
+                values[..width].copy_from_slice(&b.data[start..start + width]);
+                values[width..].fill(0.0);
+            }
+        } else {
+            for j in 0..NR {
+                if j < width {
+                    let start = (c0 + j) * b.col + k0 * b.row;
+                    for (kk, values) in panel.chunks_exact_mut(NR).enumerate() {
+                        values[j] = b.data[start + kk * b.row];
+                    }
+                } else {
+                    panel.iter_mut().skip(j).step_by(NR).for_each(|v| *v = 0.0);
+                }
+            }
+        }
+    }
+}
+
+/// Where one `MR` x `NR` tile goes: `height` x `width` of it are real, at `c` with rows
+/// `row` apart; c = (c if `load`) + beta * tile.
+struct Tile {
+    c: *mut f32,
+    row: usize,
+    height: usize,
+    width: usize,
+    load: bool,
+    beta: f32,
+}
+
+/// The tile of `kc` k from one A panel and one B panel, added into dst.
+///
+/// # Safety
+/// AVX2 and FMA; `a`'s rows hold `kc` values each, `b` holds `NR * kc` on a 32-byte
+/// boundary, and the tile's `height` x `width` of dst are writable.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_fma(kc: usize, a: APanel, b: *const f32, tile: Tile) {
+    let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+    // Rows past the panel's height read row 0 again (their sums are never stored), so
+    // every read stays inside A.
+    let rows: [*const f32; MR] =
+        std::array::from_fn(|r| a.first.add(if r < a.height { r * a.row } else { 0 }));
+    // Fetch the tile of dst now, so its misses overlap the products instead of
+    // stalling the stores at the end (the forward's 384-wide products: 68 -> 84 GFLOP/s on
+    // one Zen 3 core).
+    for r in 0..tile.height {
+        _mm_prefetch::<_MM_HINT_T0>(tile.c.add(r * tile.row).cast());
+        _mm_prefetch::<_MM_HINT_T0>(tile.c.add(r * tile.row + tile.width - 1).cast());
+    }
+    for kk in 0..kc {
+        let b = b.add(kk * NR);
+        let (b0, b1) = (_mm256_load_ps(b), _mm256_load_ps(b.add(8)));
+        let at = kk * a.step;
+        for (row, first) in acc.iter_mut().zip(rows) {
+            let x = _mm256_broadcast_ss(&*first.add(at));
+            row[0] = _mm256_fmadd_ps(x, b0, row[0]);
+            row[1] = _mm256_fmadd_ps(x, b1, row[1]);
+        }
+    }
+    let beta = _mm256_set1_ps(tile.beta);
+    if tile.height == MR && tile.width == NR {
+        for (r, row) in acc.iter().enumerate() {
+            let c = tile.c.add(r * tile.row);
+            for (v, &sum) in row.iter().enumerate() {
+                let c = c.add(8 * v);
+                let out = if tile.load {
+                    _mm256_fmadd_ps(sum, beta, _mm256_loadu_ps(c))
+                } else {
+                    _mm256_mul_ps(sum, beta)
+                };
+                _mm256_storeu_ps(c, out);
+            }
+        }
+        return;
+    }
+    // An edge: the whole tile to the stack, its real part to dst, with the same
+    // arithmetic as above (fused multiply-add, or a product).
+    let mut sums = [[0f32; NR]; MR];
+    for (out, row) in sums.iter_mut().zip(&acc) {
+        _mm256_storeu_ps(out.as_mut_ptr(), row[0]);
+        _mm256_storeu_ps(out.as_mut_ptr().add(8), row[1]);
+    }
+    for (r, row) in sums.iter().enumerate().take(tile.height) {
+        let c = std::slice::from_raw_parts_mut(tile.c.add(r * tile.row), tile.width);
+        for (out, &sum) in c.iter_mut().zip(row) {
+            *out = if tile.load {
+                sum.mul_add(tile.beta, *out)
+            } else {
+                sum * tile.beta
+            };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::matrix::Layout;
+    use super::*;
+
+    fn values(len: usize, seed: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| ((i * 37 + seed * 101) % 29) as f32 * 0.07 - 0.95)
+            .collect()
+    }
+
+    /// dst = start (if accumulating) + beta * a · b, in f64 from the dense (m x k) and
+    /// (k x n) row-major operands.
+    fn definition(
+        start: &[f32],
+        a: &[f32],
+        b: &[f32],
+        (m, n, k): (usize, usize, usize),
+        p: &Product,
+    ) -> Vec<f64> {
+        (0..m * n)
+            .map(|i| {
+                let (r, c) = (i / n, i % n);
+                let sum: f64 = (0..k)
+                    .map(|kk| a[r * k + kk] as f64 * b[kk * n + c] as f64)
+                    .sum();
+                let base = if p.accumulate { start[i] as f64 } else { 0.0 };
+                base + p.beta as f64 * sum
+            })
+            .collect()
+    }
+
+    fn transposed(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+        (0..rows * cols)
+            .map(|i| x[(i % rows) * cols + i / rows])
+            .collect()
+    }
+
+    /// Every layout of both operands, edges in every direction (m, n not multiples of
+    /// the tile, k past one block and not a multiple of it), accumulating and scaled,
+    /// against the product in f64 within f32's rounding of a k-long sum.
+    #[test]
+    fn every_layout_and_edge_matches_the_definition() {
+        if !std::arch::is_x86_feature_detected!("avx2")
+            || !std::arch::is_x86_feature_detected!("fma")
+        {
+            eprintln!("SKIPPED: sgemm needs AVX2 and FMA, which this CPU lacks");
+            return;
+        }
+        for (m, n, k) in [
+            (1, 1, 1),
+            (6, 16, 8),
+            (7, 17, 300),
+            (13, 35, 513),
+            (150, 40, 64),
+            (20, 3100, 5),
+        ] {
+            let (a, b) = (values(m * k, 1), values(k * n, 2));
+            let (at, bt) = (transposed(&a, m, k), transposed(&b, k, n));
+            let start = values(m * n, 3);
+            for (aa, al) in [(&a, Layout::AsIs), (&at, Layout::Transposed)] {
+                for (bb, bl) in [(&b, Layout::AsIs), (&bt, Layout::Transposed)] {
+                    for (accumulate, beta) in [(false, 1.0), (false, 0.5), (true, -0.5)] {
+                        let p = Product {
+                            accumulate,
+                            beta,
+                            ..Product::new(
+                                Strided::dense(aa, al, m, k),
+                                Strided::dense(bb, bl, k, n),
+                                (m, n, k),
+                            )
+                        };
+                        let want = definition(&start, &a, &b, (m, n, k), &p);
+                        let mut got = start.clone();
+                        // Safety: the CPU has AVX2 and FMA (checked); dst is m x n.
+                        unsafe { multiply(&mut got, n, p, 1) };
+                        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                            let bound = 1e-6 * (k as f64 + 1.0) * (1.0 + w.abs());
+                            assert!(
+                                (*g as f64 - w).abs() <= bound,
+                                "{m}x{n}x{k} {al:?} {bl:?} acc {accumulate}: ({}, {}) {g} vs {w}",
+                                i / n,
+                                i % n
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// An empty sum leaves dst (accumulating) or clears it, and a wider dst's other
+    /// columns are untouched.
+    #[test]
+    fn an_empty_sum_and_a_wider_dst() {
+        if !std::arch::is_x86_feature_detected!("avx2")
+            || !std::arch::is_x86_feature_detected!("fma")
+        {
+            eprintln!("SKIPPED: sgemm needs AVX2 and FMA, which this CPU lacks");
+            return;
+        }
+        let (m, n, k, dst_row) = (9, 18, 0, 21);
+        let none: [f32; 0] = [];
+        let p = Product::new(Strided::rows(&none, 0), Strided::rows(&none, n), (m, n, k));
+        let mut dst = vec![2.0f32; m * dst_row];
+        // Safety: AVX2 and FMA (checked); dst holds m rows of dst_row.
+        unsafe { multiply(&mut dst, dst_row, p.accumulating(), 1) };
+        assert!(dst.iter().all(|&x| x == 2.0));
+        unsafe { multiply(&mut dst, dst_row, p, 1) };
+        for row in dst.chunks(dst_row) {
+            assert!(row[..n].iter().all(|&x| x == 0.0) && row[n..].iter().all(|&x| x == 2.0));
+        }
+        let (k, a, b) = (5, values(m * 5, 4), values(5 * n, 5));
+        let p = Product::new(Strided::rows(&a, k), Strided::rows(&b, n), (m, n, k));
+        let mut dst = vec![2.0f32; m * dst_row];
+        unsafe { multiply(&mut dst, dst_row, p, 1) };
+        assert!(dst
+            .chunks(dst_row)
+            .all(|row| row[n..].iter().all(|&x| x == 2.0)));
+    }
+
+    /// Split by rows (m >= n) or by columns over 2 and 3 threads, dst has the bits of
+    /// one thread's product.
+    #[test]
+    fn threads_do_not_change_the_bits() {
+        if !std::arch::is_x86_feature_detected!("avx2")
+            || !std::arch::is_x86_feature_detected!("fma")
+        {
+            eprintln!("SKIPPED: sgemm needs AVX2 and FMA, which this CPU lacks");
+            return;
+        }
+        for (m, n, k) in [(301, 70, 400), (70, 301, 400)] {
+            let (a, b) = (values(m * k, 6), values(k * n, 7));
+            let p =
+                Product::new(Strided::rows(&a, k), Strided::rows(&b, n), (m, n, k)).scaled(0.25);
+            assert!(p.macs() >= PARALLEL_MIN_MACS);
+            let mut one = vec![0f32; m * n];
+            unsafe { multiply(&mut one, n, p, 1) };
+            for threads in [2, 3] {
+                let mut many = vec![0f32; m * n];
+                unsafe { multiply(&mut many, n, p, threads) };
+                assert!(
+                    one.iter()
+                        .zip(&many)
+                        .all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{m}x{n}x{k} on {threads}"
+                );
+            }
+        }
+    }
+}
