@@ -1,4 +1,8 @@
-// Throwaway: our dispatched GEMM vs the gemm crate's own entry point, interleaved.
+//! Our dispatched f32 GEMM (at the active level: `sgemm` on AVX2 cores) against the gemm
+//! crate's own entry point, at the shapes of the 6L/384 and baby training steps,
+//! interleaved, best of six:
+//!
+//!     RAYON_NUM_THREADS=1 cargo run --release --example gemm_probe
 use std::time::Instant;
 use tinygpt::config::Precision;
 use tinygpt::cpu::gemm::matmul;
