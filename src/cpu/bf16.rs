@@ -19,7 +19,7 @@
 //! are split over threads by rows or columns, weight gradients (long k) by k; the
 //! products inside causal attention skip what the mask makes zero (`Causal`).
 
-use super::matrix::{Causal, Product, Strided, PARALLEL_MIN_MACS};
+use super::matrix::{Causal, Product, Strided, Tile, PARALLEL_MIN_MACS};
 use super::panels::{scratch, PANELS};
 use super::threads::{threads, with_partials};
 
@@ -479,17 +479,6 @@ fn zero_odd(words: &mut [u32]) {
     for w in words {
         *w &= 0xffff;
     }
-}
-
-/// Where one `MR` x `NR` tile of accumulators goes: `height` x `width` of it are
-/// real, at `c` with rows `row` apart; c = (c if `load`) + beta * tile.
-struct Tile {
-    c: *mut f32,
-    row: usize,
-    height: usize,
-    width: usize,
-    load: bool,
-    beta: f32,
 }
 
 /// Up to `MR` rows of A's pair words for the inner kernel: word (i, p) at

@@ -163,3 +163,14 @@ impl<'a> Product<'a> {
         );
     }
 }
+
+/// Where one register tile of a GEMM's inner kernel goes: `height` x `width` of it are
+/// real, at `c` with rows `row` apart; c = (c if `load`) + beta * tile.
+pub(crate) struct Tile {
+    pub c: *mut f32,
+    pub row: usize,
+    pub height: usize,
+    pub width: usize,
+    pub load: bool,
+    pub beta: f32,
+}

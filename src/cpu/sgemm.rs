@@ -27,7 +27,7 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-use super::matrix::{Product, Strided, PARALLEL_MIN_MACS};
+use super::matrix::{Product, Strided, Tile, PARALLEL_MIN_MACS};
 
 /// Rows of the register tile.
 const MR: usize = 6;
@@ -37,12 +37,12 @@ const NR: usize = 16;
 const KC: usize = 256;
 /// Rows per block of A (a multiple of `MR`): 72 rows of KC, 72 KiB, in L2.
 const MC: usize = 72;
+/// Columns per packed block of B, a multiple of `NR`.
+const NC: usize = 3072;
 /// Products with fewer rows go to the `gemm` crate: packing B costs as much as
 /// multiplying there (attention's per-head products, in blocks of 64 rows, were 20%
 /// slower through this path).
 pub const MIN_ROWS: usize = 128;
-/// Columns per packed block of B, a multiple of `NR`.
-const NC: usize = 3072;
 
 /// dst (rows `dst_row` apart) = dst (if `p.accumulate`) + p.beta * a · b, over
 /// `threads` threads when the product is large enough to repay them.
@@ -241,9 +241,13 @@ unsafe fn pack_b(out: &mut [f32], b: &Strided, k0: usize, kc: usize, j0: usize, 
             continue;
         }
         // B's columns run along memory (the forward's transposed weights): whole 8 x 8
-        // blocks through vector transposes, which a small product's packing took a
-        // third of its time without, the rest one value at a time.
-        let whole = if b.row == 1 && width == NR { kc / 8 * 8 } else { 0 };
+        // blocks through vector transposes (one value at a time, the baby model's
+        // products were 4% behind the gemm crate's; level with them), the rest singly.
+        let whole = if b.row == 1 && width == NR {
+            kc / 8 * 8
+        } else {
+            0
+        };
         for half in 0..NR / 8 {
             for kk in (0..whole).step_by(8) {
                 let start = (c0 + 8 * half) * b.col + k0 + kk;
@@ -296,17 +300,6 @@ unsafe fn transpose_8x8(rows: [&[f32]; 8], out: &mut [f32]) {
         _mm256_storeu_ps(out.as_mut_ptr().add(i * NR), low);
         _mm256_storeu_ps(out.as_mut_ptr().add((i + 4) * NR), high);
     }
-}
-
-/// Where one `MR` x `NR` tile goes: `height` x `width` of it are real, at `c` with rows
-/// `row` apart; c = (c if `load`) + beta * tile.
-struct Tile {
-    c: *mut f32,
-    row: usize,
-    height: usize,
-    width: usize,
-    load: bool,
-    beta: f32,
 }
 
 /// The tile of `kc` k from one A panel and one B panel, added into dst.
@@ -378,6 +371,16 @@ mod tests {
     use super::super::matrix::Layout;
     use super::*;
 
+    /// Whether this CPU runs the tile; says so loudly when it does not.
+    fn has_avx2_fma() -> bool {
+        let has = std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma");
+        if !has {
+            eprintln!("SKIPPED: sgemm needs AVX2 and FMA, which this CPU lacks");
+        }
+        has
+    }
+
     fn values(len: usize, seed: usize) -> Vec<f32> {
         (0..len)
             .map(|i| ((i * 37 + seed * 101) % 29) as f32 * 0.07 - 0.95)
@@ -416,10 +419,7 @@ mod tests {
     /// against the product in f64 within f32's rounding of a k-long sum.
     #[test]
     fn every_layout_and_edge_matches_the_definition() {
-        if !std::arch::is_x86_feature_detected!("avx2")
-            || !std::arch::is_x86_feature_detected!("fma")
-        {
-            eprintln!("SKIPPED: sgemm needs AVX2 and FMA, which this CPU lacks");
+        if !has_avx2_fma() {
             return;
         }
         for (m, n, k) in [
@@ -468,10 +468,7 @@ mod tests {
     /// columns are untouched.
     #[test]
     fn an_empty_sum_and_a_wider_dst() {
-        if !std::arch::is_x86_feature_detected!("avx2")
-            || !std::arch::is_x86_feature_detected!("fma")
-        {
-            eprintln!("SKIPPED: sgemm needs AVX2 and FMA, which this CPU lacks");
+        if !has_avx2_fma() {
             return;
         }
         let (m, n, k, dst_row) = (9, 18, 0, 21);
@@ -498,10 +495,7 @@ mod tests {
     /// one thread's product.
     #[test]
     fn threads_do_not_change_the_bits() {
-        if !std::arch::is_x86_feature_detected!("avx2")
-            || !std::arch::is_x86_feature_detected!("fma")
-        {
-            eprintln!("SKIPPED: sgemm needs AVX2 and FMA, which this CPU lacks");
+        if !has_avx2_fma() {
             return;
         }
         for (m, n, k) in [(301, 70, 400), (70, 301, 400)] {
