@@ -21,7 +21,7 @@
 
 use super::matrix::{Causal, Product, Strided, Tile, PARALLEL_MIN_MACS};
 use super::panels::{scratch, PANELS};
-use super::threads::{threads, with_partials};
+use super::threads::{split_dst, threads, with_partials};
 
 const MR: usize = 6;
 const NR: usize = 64;
@@ -99,16 +99,9 @@ pub fn matmul(dst: &mut [f32], dst_row: usize, p: Product) {
         dst_row,
         p,
     };
-    // Split the longer side into one contiguous share per thread, in whole panels.
-    let (len, unit) = if m >= n { (m, MR) } else { (n, NR) };
-    let share = len.div_ceil(threads).div_ceil(unit) * unit;
-    let shares = len.div_ceil(share);
-    let problem = &problem;
-    rayon::scope(|scope| {
-        for i in 1..shares {
-            scope.spawn(move |_| problem.run_share(share, i));
-        }
-        problem.run_share(share, 0);
+    // Safety: the shares are disjoint and inside (m, n), which was checked above.
+    split_dst((m, n), threads, (MR, NR), |rows, cols| unsafe {
+        problem.run(rows, cols)
     });
 }
 
@@ -170,24 +163,11 @@ struct Problem<'a> {
     p: Product<'a>,
 }
 
-// Safety: threads write disjoint parts of `dst` (`run_share`), and the operands are
+// Safety: threads write disjoint parts of `dst` (`split_dst`), and the operands are
 // shared reads.
 unsafe impl Sync for Problem<'_> {}
 
 impl Problem<'_> {
-    /// The `i`-th share of `share` rows (if m >= n) or columns.
-    fn run_share(&self, share: usize, i: usize) {
-        let (m, n) = (self.p.m, self.p.n);
-        // Safety: shares are disjoint and inside (m, n), which `matmul` checked.
-        unsafe {
-            if m >= n {
-                self.run(i * share..((i + 1) * share).min(m), 0..n)
-            } else {
-                self.run(0..m, i * share..((i + 1) * share).min(n))
-            }
-        }
-    }
-
     /// Computes the block (rows, cols) of dst on this thread.
     ///
     /// # Safety

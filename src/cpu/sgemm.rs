@@ -28,6 +28,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use super::matrix::{Product, Strided, Tile, PARALLEL_MIN_MACS};
+use super::threads::split_dst;
 
 /// Rows of the register tile.
 const MR: usize = 6;
@@ -58,26 +59,9 @@ pub unsafe fn multiply(dst: &mut [f32], dst_row: usize, p: Product, threads: usi
     if threads < 2 || p.macs() < PARALLEL_MIN_MACS {
         return problem.run(0..p.m, 0..p.n);
     }
-    // The longer side in one contiguous share per thread, in whole tiles.
-    let (len, unit) = if p.m >= p.n { (p.m, MR) } else { (p.n, NR) };
-    let share = len.div_ceil(threads).div_ceil(unit) * unit;
-    let problem = &problem;
-    let part = move |i: usize| {
-        let range = i * share..((i + 1) * share).min(len);
-        // Safety: the shares are disjoint and inside (m, n).
-        unsafe {
-            if p.m >= p.n {
-                problem.run(range, 0..p.n)
-            } else {
-                problem.run(0..p.m, range)
-            }
-        }
-    };
-    rayon::scope(|scope| {
-        for i in 1..len.div_ceil(share) {
-            scope.spawn(move |_| part(i));
-        }
-        part(0);
+    // Safety: the shares are disjoint and inside (m, n).
+    split_dst((p.m, p.n), threads, (MR, NR), |rows, cols| unsafe {
+        problem.run(rows, cols)
     });
 }
 

@@ -149,6 +149,39 @@ pub fn with_partials<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     result
 }
 
+/// Splits a product's dst (m x n) over `threads`: the longer side in one contiguous
+/// share per thread, in whole register tiles (`tile` = its rows and columns), each
+/// share's `part(rows, cols)` on a thread of the pool, the first on this one. The
+/// shares are disjoint, so `part` may write its block of dst.
+pub(crate) fn split_dst(
+    (m, n): (usize, usize),
+    threads: usize,
+    (tile_rows, tile_cols): (usize, usize),
+    part: impl Fn(std::ops::Range<usize>, std::ops::Range<usize>) + Sync,
+) {
+    let (len, unit) = if m >= n {
+        (m, tile_rows)
+    } else {
+        (n, tile_cols)
+    };
+    let share = len.div_ceil(threads.max(1)).div_ceil(unit).max(1) * unit;
+    let run = |i: usize| {
+        let range = i * share..((i + 1) * share).min(len);
+        if m >= n {
+            part(range, 0..n)
+        } else {
+            part(0..m, range)
+        }
+    };
+    let run = &run;
+    rayon::scope(|scope| {
+        for i in 1..len.div_ceil(share) {
+            scope.spawn(move |_| run(i));
+        }
+        run(0);
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
