@@ -1,11 +1,12 @@
-//! Per-thread buffers for packed bf16 operands, shared by the vector kernels
-//! (`bf16`) and the AMX tiles (`amx`): one set per thread, reused product after
-//! product, so packing never allocates in a training step.
+//! Per-thread buffers for packed operands, shared by the bf16 vector kernels
+//! (`bf16`), the AMX tiles (`amx`) and the f32 AVX2 tile (`sgemm`, as f32 bits): one
+//! set per thread, reused product after product, so packing never allocates in a
+//! training step.
 
 use std::cell::RefCell;
 
 /// Pack buffers, one set per thread, grown on first use and then reused (by
-/// `bf16`'s kernels and by `amx`'s, which a thread never runs at once).
+/// `bf16`'s, `amx`'s and `sgemm`'s kernels, which a thread never runs at once).
 #[derive(Default)]
 pub(super) struct Panels {
     pub a: Vec<u32>,

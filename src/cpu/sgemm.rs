@@ -25,9 +25,9 @@
 //! blocking and however the threads split dst: a thread count never changes the bits.
 
 use std::arch::x86_64::*;
-use std::cell::RefCell;
 
 use super::matrix::{Product, Strided, Tile, PARALLEL_MIN_MACS};
+use super::panels::{scratch, PANELS};
 use super::threads::split_dst;
 
 /// Rows of the register tile.
@@ -75,32 +75,13 @@ struct Problem<'a> {
 // Safety: threads write disjoint blocks of `dst`; the operands are shared reads.
 unsafe impl Sync for Problem<'_> {}
 
-/// Pack buffers, one pair per thread, grown on first use and reused after.
-#[derive(Default)]
-struct Packs {
-    a: Vec<Panel>,
-    b: Vec<Panel>,
-}
-
-/// 16 f32 on a 64-byte boundary: the tile's loads of B never straddle two lines.
-#[derive(Clone, Copy, Default)]
-#[repr(C, align(64))]
-struct Panel([f32; NR]);
-
-thread_local! {
-    /// Borrowed only while packing and multiplying, which never wait on other jobs.
-    static PACKS: RefCell<Packs> = RefCell::new(Packs::default());
-}
-
-/// The first `len` f32 of `buffer`, grown if needed; stale values are left (the
-/// packers write every one the tile reads).
-fn floats(buffer: &mut Vec<Panel>, len: usize) -> &mut [f32] {
-    let panels = len.div_ceil(NR);
-    if buffer.len() < panels {
-        buffer.resize(panels, Panel::default());
-    }
-    // Safety: `Panel` is NR f32 with no padding (align 64 = NR * 4 bytes).
-    unsafe { std::slice::from_raw_parts_mut(buffer.as_mut_ptr().cast::<f32>(), len) }
+/// The first `len` f32 of a per-thread pack buffer (`panels`, shared with bf16's
+/// kernels, which a thread never runs at the same time), on a 64-byte boundary: the
+/// tile's loads of B never straddle two lines.
+fn floats(buffer: &mut Vec<u32>, len: usize) -> &mut [f32] {
+    let words = scratch(buffer, len);
+    // Safety: u32 and f32 share size and alignment, and every bit pattern is an f32.
+    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<f32>(), words.len()) }
 }
 
 impl Problem<'_> {
@@ -123,7 +104,7 @@ impl Problem<'_> {
             }
             return;
         }
-        PACKS.with(|packs| {
+        PANELS.with(|packs| {
             let packs = &mut *packs.borrow_mut();
             let blocks = p.k.div_ceil(KC);
             let step = p.k.div_ceil(blocks);
