@@ -75,6 +75,15 @@ if has avx512f && has avx512bw; then
 fi
 if [ ! -x "$build/bin/llama-completion" ]; then
   echo "building llama.cpp from the llama-cpp-python sdist into $build (once; minutes)" >&2
+  if ! command -v cmake >/dev/null || ! command -v c++ >/dev/null; then
+    # Its build needs CMake and a C++ compiler; a Debian or Ubuntu machine gets them here.
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+      apt-get install -y -q cmake g++ >/dev/null
+    else
+      echo "error: building llama.cpp needs cmake and a C++ compiler: install them (e.g. apt-get install cmake g++) and run again" >&2
+      exit 2
+    fi
+  fi
   mkdir -p "$dir"
   ls "$dir"/sdist/llama_cpp_python-*.tar.gz >/dev/null 2>&1 ||
     # The source package only: `--no-binary :all:` would also build its build
