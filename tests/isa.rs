@@ -286,6 +286,21 @@ fn check_weight_rows_in(level: Isa, order: tinygpt::cpu::matvec::Order) {
             let mut out_bf16 = vec![0f32; rows * d_out];
             project_rows(&w, Some(&bias), &x, d_in, &mut out);
             project_rows(&bits, Some(&bias), &x, d_in, &mut out_bf16);
+            if level == Isa::Avx2 && rows >= 8 {
+                // There bf16 takes f32's groups of sixteen rows on tiles widened first:
+                // the same sums as f32 weights holding the widened values.
+                let widened: Vec<f32> = bits.iter().map(|b| b.widen()).collect();
+                let mut out_widened = vec![0f32; rows * d_out];
+                project_rows(&widened, Some(&bias), &x, d_in, &mut out_widened);
+                let same = out_bf16
+                    .iter()
+                    .zip(&out_widened)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "bf16 ({d_out}, {d_in}) x {rows} rows: not f32's sums of the widened weights"
+                );
+            }
             for r in 0..rows {
                 for o in 0..d_out {
                     let xr = &x[r * d_in..(r + 1) * d_in];

@@ -380,12 +380,14 @@ impl Matrix {
 const F32_ROWS_MAX_ROWS: usize = 256;
 
 /// [`F32_ROWS_MAX_ROWS`] for bf16 weights, whose GEMM path first widens the whole
-/// matrix to f32: 256 rows at AVX-512 (measured as for f32: the widening GEMM 2.7x
-/// slower at 64 rows), 48 below it, where the rows' portable bf16 loop is slower than
-/// widening (capped to AVX2: 82 against 70 ms at 64 rows, 161 against 122 at 128).
+/// matrix to f32: 256 rows at AVX2 and above (measured as for f32: the widening GEMM
+/// 2.7x slower at 64 rows on Zen 5 at AVX-512; on Zen 3 at AVX2, the sixteen-row groups
+/// of widened tiles 123-134 ms at 64 rows against the GEMM's 196-265), 48 below, where
+/// the rows' portable bf16 loop is slower than widening (82 against 70 ms at 64 rows,
+/// 161 against 122 at 128).
 fn bf16_rows_max_rows() -> usize {
-    match isa::active() >= Isa::Avx512 {
-        true => 256,
+    match isa::active() >= Isa::Avx2 {
+        true => F32_ROWS_MAX_ROWS,
         false => 48,
     }
 }

@@ -35,6 +35,19 @@ pub trait Weight: Widen {
     /// `p` must point at 16 weights; the CPU must have AVX-512 F.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+
+    /// Weight rows o..o + n (`rows`: (o, n)) as f32, for [`sixteen_rows`]'s tiles:
+    /// f32 rows read where they lie, others widened into `scratch`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; rows o..o + n lie in `w`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn tile_rows<'a>(
+        w: &'a [Self],
+        rows: (usize, usize),
+        d_in: usize,
+        scratch: &'a mut Vec<f32>,
+    ) -> &'a [f32];
 }
 
 impl Weight for f32 {
@@ -43,6 +56,16 @@ impl Weight for f32 {
     #[target_feature(enable = "avx512f")]
     unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
         std::arch::x86_64::_mm512_loadu_ps(p)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn tile_rows<'a>(
+        w: &'a [f32],
+        (o, n): (usize, usize),
+        d_in: usize,
+        _: &'a mut Vec<f32>,
+    ) -> &'a [f32] {
+        &w[o * d_in..(o + n) * d_in]
     }
 }
 
@@ -54,6 +77,20 @@ impl Weight for Bf16 {
         use std::arch::x86_64::*;
         let bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
         _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits))
+    }
+
+    /// Widened once a tile, the weights then serve every group of sixteen rows: a
+    /// weight costs a sixteenth of a widening beside its sixteen multiply-adds.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn tile_rows<'a>(
+        w: &'a [Bf16],
+        (o, n): (usize, usize),
+        d_in: usize,
+        scratch: &'a mut Vec<f32>,
+    ) -> &'a [f32] {
+        scratch.resize(n * d_in, 0.0);
+        widen_avx2(&w[o * d_in..(o + n) * d_in], scratch);
+        scratch
     }
 
     /// Two weights a 32-bit word: the odd one is already an f32 once the even one's
@@ -95,6 +132,29 @@ impl Weight for Bf16 {
             }
         }
         sums
+    }
+}
+
+/// out[i] = w[i] widened to f32, eight at a time.
+///
+/// # Safety
+/// The CPU must have AVX2; out is as long as w.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn widen_avx2(w: &[Bf16], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    debug_assert_eq!(w.len(), out.len());
+    let whole = w.len() / 8 * 8;
+    for i in (0..whole).step_by(8) {
+        // Safety: i + 8 <= whole, in both.
+        let bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(w.as_ptr().add(i).cast()));
+        _mm256_storeu_ps(
+            out.as_mut_ptr().add(i),
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(bits)),
+        );
+    }
+    for i in whole..w.len() {
+        out[i] = w[i].widen();
     }
 }
 
@@ -377,8 +437,8 @@ impl RowProduct for f32 {
 /// where the CPU has AVX2 or AVX-512 and x has [`PADDED_MIN_ROWS`] rows or more; the
 /// rows done (all or none).
 #[cfg(target_arch = "x86_64")]
-fn sixteen_row_groups(
-    w: &[f32],
+fn sixteen_row_groups<W: Weight>(
+    w: &[W],
     bias: Option<&[f32]>,
     x: &[f32],
     d_in: usize,
@@ -458,9 +518,9 @@ thread_local! {
 /// The CPU must have `level` (AVX2 or above); x holds rows of d_in (16 g, or fewer: the
 /// last group padded with zeros), out as many rows of len.
 #[cfg(target_arch = "x86_64")]
-unsafe fn sixteen_rows(
+unsafe fn sixteen_rows<W: Weight>(
     level: super::isa::Isa,
-    w: &[f32],
+    w: &[W],
     bias: Option<&[f32]>,
     x: &[f32],
     d_in: usize,
@@ -484,57 +544,71 @@ unsafe fn sixteen_rows(
             }
         }
         let xt = |g: usize| &xt[g * LANES * d_in..(g + 1) * LANES * d_in];
-        let row = |o: usize| &w[o * d_in..(o + 1) * d_in];
-        // Safety (all four kernels): the level is the CPU's; the rows and xt hold
-        // d_in values or vectors. The vectors are reinterpreted as their lanes.
+        let shape = (d_in, len, groups);
+        // Safety (all four kernels): the level is the CPU's; the rows hold a tile's
+        // d_in values each, xt d_in vectors. The vectors are reinterpreted as lanes.
         if level >= super::isa::Isa::Avx512 {
-            by_tiles::<TILE>(
-                out,
-                (len, groups),
-                bias,
-                |o, g, ahead| std::mem::transmute(tile_avx512(w, o, d_in, xt(g), ahead)),
-                |o, g| std::mem::transmute(row_avx512(row(o), xt(g))),
+            by_tiles::<W, TILE>(
+                w,
+                shape,
+                (out, bias),
+                |rows, g, ahead| std::mem::transmute(tile_avx512(rows, 0, d_in, xt(g), ahead)),
+                |row, g| std::mem::transmute(row_avx512(row, xt(g))),
             );
         } else {
-            by_tiles::<TILE_AVX2>(
-                out,
-                (len, groups),
-                bias,
-                |o, g, ahead| std::mem::transmute(tile_avx2(w, o, d_in, xt(g), ahead)),
-                |o, g| std::mem::transmute(row_avx2(row(o), xt(g))),
+            by_tiles::<W, TILE_AVX2>(
+                w,
+                shape,
+                (out, bias),
+                |rows, g, ahead| std::mem::transmute(tile_avx2(rows, 0, d_in, xt(g), ahead)),
+                |row, g| std::mem::transmute(row_avx2(row, xt(g))),
             );
         }
     })
 }
 
-/// The outputs of [`sixteen_rows`] N at a time through `tile(o, group, ask for the
-/// next)` for each group of sixteen rows, the last few through `one(o, group)`,
-/// written into out (rows of len) with the bias.
+/// The outputs of [`sixteen_rows`] N at a time: each tile's weight rows as f32
+/// ([`Weight::tile_rows`]: widened once for all the groups) through `tile(the rows,
+/// group, the next tile to ask for)` for each group of sixteen rows, the last few rows
+/// one at a time through `one(row, group)`, written into out (rows of len) with the
+/// bias.
+///
+/// # Safety
+/// The CPU must have AVX2; w holds len rows of d_in.
 #[cfg(target_arch = "x86_64")]
-fn by_tiles<const N: usize>(
-    out: &mut [f32],
-    (len, groups): (usize, usize),
-    bias: Option<&[f32]>,
-    tile: impl Fn(usize, usize, bool) -> [[f32; LANES]; N],
-    one: impl Fn(usize, usize) -> [f32; LANES],
+unsafe fn by_tiles<W: Weight, const N: usize>(
+    w: &[W],
+    (d_in, len, groups): (usize, usize, usize),
+    (out, bias): (&mut [f32], Option<&[f32]>),
+    tile: impl Fn(&[f32], usize, Option<Ahead>) -> [[f32; LANES]; N],
+    one: impl Fn(&[f32], usize) -> [f32; LANES],
 ) {
+    let mut widened = Vec::new();
     let tiled = len / N * N;
     for o in (0..tiled).step_by(N) {
+        let rows = W::tile_rows(w, (o, N), d_in, &mut widened);
         for (g, out) in out.chunks_mut(LANES * len).take(groups).enumerate() {
-            // The next tile asked for while the first group reads this one from memory.
-            put(out, len, o, &tile(o, g, g == 0 && o + N < tiled), bias);
+            // The next tile, as stored, asked for while the first group multiplies
+            // this one (read from memory if f32, widened into L1 if not).
+            let ahead = (g == 0 && o + N < tiled).then(|| Ahead {
+                first: w.as_ptr().add((o + N) * d_in).cast(),
+                row_bytes: d_in * std::mem::size_of::<W>(),
+                k_bytes: std::mem::size_of::<W>(),
+            });
+            put(out, len, o, &tile(rows, g, ahead), bias);
         }
     }
     for o in tiled..len {
+        let row = W::tile_rows(w, (o, 1), d_in, &mut widened);
         for (g, out) in out.chunks_mut(LANES * len).take(groups).enumerate() {
-            put(out, len, o, &[one(o, g)], bias);
+            put(out, len, o, &[one(row, g)], bias);
         }
     }
 }
 
 /// Weight rows o..o+TILE against the sixteen rows of x transposed (`xt`): TILE
-/// vectors of sixteen sums (lane r: row r of x). With `ahead`, the next TILE rows are
-/// asked for meanwhile, a cache line of each every sixteen k.
+/// vectors of sixteen sums (lane r: row r of x), the rows of `ahead` asked for
+/// meanwhile.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn tile_avx512(
@@ -542,13 +616,13 @@ unsafe fn tile_avx512(
     o: usize,
     d_in: usize,
     xt: &[f32],
-    ahead: bool,
+    ahead: Option<Ahead>,
 ) -> [std::arch::x86_64::__m512; TILE] {
     use std::arch::x86_64::*;
     debug_assert!((o + TILE) * d_in <= w.len() && xt.len() == LANES * d_in);
     let first = w.as_ptr().add(o * d_in);
     let mut acc = [_mm512_setzero_ps(); TILE];
-    by_lines(first, TILE, d_in, ahead, |k0, steps| {
+    by_lines(TILE, d_in, ahead, |k0, steps| {
         // Safety: the rows hold d_in values from `first` on, xt d_in vectors.
         let x = xt.as_ptr().add(k0 * LANES);
         twelve_rows(first.add(k0), 4 * d_in, x, steps, &mut acc)
@@ -556,22 +630,29 @@ unsafe fn tile_avx512(
     acc
 }
 
-/// The k loop of a tile of `n` weight rows from `first` (rows d_in apart):
-/// `step(k0, steps)` for each stretch of 16 k (a cache line of each row), the next `n`
-/// rows' lines asked for first when `ahead`.
+/// Where the next tile of weight rows lies, as stored, to be asked for while a tile is
+/// multiplied: row j at `first + j row_bytes`, `k_bytes` a weight.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Ahead {
+    first: *const u8,
+    row_bytes: usize,
+    k_bytes: usize,
+}
+
+/// The k loop of a tile of `n` weight rows of d_in: `step(k0, steps)` for each stretch
+/// of 16 k (a cache line of each f32 row), the lines of the next tile's `n` rows (its
+/// k0's, `ahead`) asked for first.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn by_lines(
-    first: *const f32,
-    n: usize,
-    d_in: usize,
-    ahead: bool,
-    mut step: impl FnMut(usize, usize),
-) {
+fn by_lines(n: usize, d_in: usize, ahead: Option<Ahead>, mut step: impl FnMut(usize, usize)) {
     for k0 in (0..d_in).step_by(16) {
-        if ahead {
-            for j in n..2 * n {
-                prefetch(first.wrapping_add(j * d_in + k0));
+        if let Some(a) = ahead {
+            // A line holds 16 f32 or 32 bf16: ask once for each.
+            if (k0 * a.k_bytes).is_multiple_of(64) {
+                for j in 0..n {
+                    prefetch(a.first.wrapping_add(j * a.row_bytes + k0 * a.k_bytes));
+                }
             }
         }
         step(k0, 16.min(d_in - k0));
@@ -674,13 +755,13 @@ unsafe fn tile_avx2(
     o: usize,
     d_in: usize,
     xt: &[f32],
-    ahead: bool,
+    ahead: Option<Ahead>,
 ) -> [[std::arch::x86_64::__m256; 2]; TILE_AVX2] {
     use std::arch::x86_64::*;
     debug_assert!((o + TILE_AVX2) * d_in <= w.len() && xt.len() == LANES * d_in);
     let first = w.as_ptr().add(o * d_in);
     let mut acc = [[_mm256_setzero_ps(); 2]; TILE_AVX2];
-    by_lines(first, TILE_AVX2, d_in, ahead, |k0, steps| {
+    by_lines(TILE_AVX2, d_in, ahead, |k0, steps| {
         // Safety: the rows hold d_in values from `first` on, xt d_in vectors.
         let x = xt.as_ptr().add(k0 * LANES);
         six_rows(first.add(k0), 4 * d_in, x, steps, &mut acc)
@@ -791,10 +872,23 @@ fn put(out: &mut [f32], len: usize, o: usize, sums: &[[f32; LANES]], bias: Optio
 
 impl RowProduct for Bf16 {
     fn rows_kernel(w: &[Bf16], bias: Option<&[f32]>, x: &[f32], d_in: usize, out: &mut [f32]) {
+        // From 8 rows on at the AVX2 level, the f32 weights' groups of sixteen rows, a
+        // tile of weight rows widened at a time: the portable four-row blocks took a
+        // 16-token prompt's first token on GPT-2 124M to 57-79 ms where f32's groups
+        // took 34-46 (Zen 3). AVX-512 keeps its own four by four FMAs, which widen in
+        // registers as they load (widened tiles measured level with them on Zen 5).
+        #[cfg(target_arch = "x86_64")]
+        let done = match super::isa::active() == super::isa::Isa::Avx2 {
+            true => sixteen_row_groups(w, bias, x, d_in, out),
+            false => 0,
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let done = 0;
         if x.len() == d_in && super::matvec::order() == super::matvec::Order::InAddressOrder {
             return <Self as super::matvec::MatVec>::matvec(w, bias, x, out);
         }
-        rows_bf16(w, bias, x, d_in, out)
+        let len = w.len() / d_in;
+        rows_bf16(w, bias, &x[done * d_in..], d_in, &mut out[done * len..])
     }
 }
 
