@@ -132,7 +132,10 @@ def main():
     batched = asyncio.run(phase(args.base, args.clients, args.clients, args.max_tokens, args.prompt, deadline))
     if args.concurrent_only:
         r = batched
-        print(f"concurrent: {r['complete']}/{r['requests']} streams complete, {r['tokens_per_s']:.0f} tokens/s")
+        if args.json:
+            print(json.dumps({"clients": args.clients, "max_tokens": args.max_tokens, "batched": r}, indent=2))
+        else:
+            print(f"concurrent: {r['complete']}/{r['requests']} streams complete, {r['tokens_per_s']:.0f} tokens/s")
         return
     alone = asyncio.run(phase(args.base, args.clients, 1, args.max_tokens, args.prompt, deadline))
     report = {"clients": args.clients, "max_tokens": args.max_tokens, "batched": batched, "one_at_a_time": alone,

@@ -509,10 +509,11 @@ fn convert_rows(w: &Values, d_out: usize, d_in: usize, mut convert: impl FnMut(u
 }
 
 /// out = x Wᵀ + bias from W in eight or four bits, for every row of x (each quantized
-/// once). The outputs are shared out over the threads and each thread takes every row,
-/// so a weight is read from memory once per call, whatever the number of rows.
-fn project_quantized(
-    w: &impl BlockMatrix,
+/// once; or, where `q8::takes_widened`, x kept in f32 and W widened a tile at a time).
+/// The outputs are shared out over the threads and each thread takes every row, so a
+/// weight is read from memory once per call, whatever the number of rows.
+fn project_quantized<M: BlockMatrix>(
+    w: &M,
     bias: Option<&[f32]>,
     x: &[f32],
     out: &mut [f32],
@@ -520,6 +521,17 @@ fn project_quantized(
 ) {
     let (d_in, d_out) = (w.cols(), w.rows());
     let n = x.len() / d_in;
+    let shares = if splits(d_out * d_in) { threads() } else { 1 };
+    let share = d_out.div_ceil(shares).max(1);
+    #[cfg(target_arch = "x86_64")]
+    if super::q8::takes_widened::<M>(n) {
+        // x stays in f32: the weights are widened instead.
+        by_output_shares(d_out, n, share, out, |first, len, part| {
+            let bias = bias.map(|b| &b[first..first + len]);
+            super::q8::matmat_widened(w, (first, len), x, bias, part);
+        });
+        return;
+    }
     if rows.len() < n {
         rows.resize_with(n, Q8Row::default);
     }
@@ -527,8 +539,6 @@ fn project_quantized(
         w.quantize_row(x, row);
     }
     let rows = &rows[..n];
-    let shares = if splits(d_out * d_in) { threads() } else { 1 };
-    let share = d_out.div_ceil(shares).max(1);
     if n == 1 {
         for_each_piece(&mut out[..d_out], share, |i, out| {
             let first = i * share;

@@ -11,8 +11,9 @@
 //! AVX-512 registers where the CPU has them). Whole groups of sixteen rows (a server's
 //! batch) with f32 weights go the other way round on AVX2 and AVX-512: x transposed
 //! into vectors of the sixteen rows' values at one k, each weight broadcast against
-//! them, no horizontal sums. Sums are f32 in 16 lanes a row; a weight is the same f32
-//! whichever kernel widens it.
+//! them, no horizontal sums; at the AVX2 level bf16 and int8 weights go that way too,
+//! widened to f32 a tile of weight rows at a time (`TileRows`). Sums are f32 in 16
+//! lanes a row; a weight is the same f32 whichever kernel widens it.
 
 use rayon::prelude::*;
 
@@ -35,19 +36,6 @@ pub trait Weight: Widen {
     /// `p` must point at 16 weights; the CPU must have AVX-512 F.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
-
-    /// Weight rows o..o + n (`rows`: (o, n)) as f32, for [`sixteen_rows`]'s tiles:
-    /// f32 rows read where they lie, others widened into `scratch`.
-    ///
-    /// # Safety
-    /// The CPU must have AVX2; rows o..o + n lie in `w`.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn tile_rows<'a>(
-        w: &'a [Self],
-        rows: (usize, usize),
-        d_in: usize,
-        scratch: &'a mut Vec<f32>,
-    ) -> &'a [f32];
 }
 
 impl Weight for f32 {
@@ -56,16 +44,6 @@ impl Weight for f32 {
     #[target_feature(enable = "avx512f")]
     unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
         std::arch::x86_64::_mm512_loadu_ps(p)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn tile_rows<'a>(
-        w: &'a [f32],
-        (o, n): (usize, usize),
-        d_in: usize,
-        _: &'a mut Vec<f32>,
-    ) -> &'a [f32] {
-        &w[o * d_in..(o + n) * d_in]
     }
 }
 
@@ -77,20 +55,6 @@ impl Weight for Bf16 {
         use std::arch::x86_64::*;
         let bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
         _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits))
-    }
-
-    /// Widened once a tile, the weights then serve every group of sixteen rows: a
-    /// weight costs a sixteenth of a widening beside its sixteen multiply-adds.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn tile_rows<'a>(
-        w: &'a [Bf16],
-        (o, n): (usize, usize),
-        d_in: usize,
-        scratch: &'a mut Vec<f32>,
-    ) -> &'a [f32] {
-        scratch.resize(n * d_in, 0.0);
-        widen_avx2(&w[o * d_in..(o + n) * d_in], scratch);
-        scratch
     }
 
     /// Two weights a 32-bit word: the odd one is already an f32 once the even one's
@@ -155,6 +119,75 @@ unsafe fn widen_avx2(w: &[Bf16], out: &mut [f32]) {
     }
     for i in whole..w.len() {
         out[i] = w[i].widen();
+    }
+}
+
+/// Weight rows as [`sixteen_rows`] reads them: f32 where they lie, other formats
+/// widened to f32 a tile at a time into L1, where the tile then serves every group of
+/// sixteen rows of x (a weight costs a sixteenth of a widening beside its sixteen
+/// multiply-adds).
+#[cfg(target_arch = "x86_64")]
+pub(crate) trait TileRows: Sync {
+    /// The weight rows (outputs) of d_in values.
+    fn outputs(&self, d_in: usize) -> usize;
+
+    /// Rows o..o + n as f32: in place, or widened into `scratch`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; o + n <= the outputs.
+    unsafe fn tile<'a>(
+        &'a self,
+        o: usize,
+        n: usize,
+        d_in: usize,
+        scratch: &'a mut Vec<f32>,
+    ) -> &'a [f32];
+
+    /// Where row o's stored values lie, to be asked for ahead of their use.
+    fn stored_from(&self, o: usize, d_in: usize) -> Ahead;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl TileRows for [f32] {
+    fn outputs(&self, d_in: usize) -> usize {
+        self.len() / d_in
+    }
+
+    unsafe fn tile<'a>(
+        &'a self,
+        o: usize,
+        n: usize,
+        d_in: usize,
+        _: &'a mut Vec<f32>,
+    ) -> &'a [f32] {
+        &self[o * d_in..(o + n) * d_in]
+    }
+
+    fn stored_from(&self, o: usize, d_in: usize) -> Ahead {
+        Ahead::rows(self.as_ptr().wrapping_add(o * d_in), 4 * d_in, 16)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl TileRows for [Bf16] {
+    fn outputs(&self, d_in: usize) -> usize {
+        self.len() / d_in
+    }
+
+    unsafe fn tile<'a>(
+        &'a self,
+        o: usize,
+        n: usize,
+        d_in: usize,
+        scratch: &'a mut Vec<f32>,
+    ) -> &'a [f32] {
+        scratch.resize(n * d_in, 0.0);
+        widen_avx2(&self[o * d_in..(o + n) * d_in], scratch);
+        scratch
+    }
+
+    fn stored_from(&self, o: usize, d_in: usize) -> Ahead {
+        Ahead::rows(self.as_ptr().wrapping_add(o * d_in), 2 * d_in, 32)
     }
 }
 
@@ -437,8 +470,8 @@ impl RowProduct for f32 {
 /// where the CPU has AVX2 or AVX-512 and x has [`PADDED_MIN_ROWS`] rows or more; the
 /// rows done (all or none).
 #[cfg(target_arch = "x86_64")]
-fn sixteen_row_groups<W: Weight>(
-    w: &[W],
+pub(crate) fn sixteen_row_groups<T: TileRows + ?Sized>(
+    w: &T,
     bias: Option<&[f32]>,
     x: &[f32],
     d_in: usize,
@@ -448,7 +481,7 @@ fn sixteen_row_groups<W: Weight>(
     if level < super::isa::Isa::Avx2 {
         return 0;
     }
-    let len = w.len() / d_in;
+    let len = w.outputs(d_in);
     let rows = x.len() / d_in;
     if rows < PADDED_MIN_ROWS {
         return 0;
@@ -473,8 +506,7 @@ fn sixteen_row_groups<W: Weight>(
 /// 17 rows 595-602 -> 648-662, 8 rows level. Fewer rows gain 3-8% too, but keep the
 /// dot products' bits, which a few samples decoded together share with each decoded
 /// alone.
-#[cfg(target_arch = "x86_64")]
-const PADDED_MIN_ROWS: usize = 8;
+pub const PADDED_MIN_ROWS: usize = 8;
 
 /// Groups of sixteen rows [`sixteen_rows`] takes through each tile of weight rows
 /// before the next tile: as many as keep x transposed within 512 KiB (of L2). One group
@@ -518,15 +550,15 @@ thread_local! {
 /// The CPU must have `level` (AVX2 or above); x holds rows of d_in (16 g, or fewer: the
 /// last group padded with zeros), out as many rows of len.
 #[cfg(target_arch = "x86_64")]
-unsafe fn sixteen_rows<W: Weight>(
+unsafe fn sixteen_rows<T: TileRows + ?Sized>(
     level: super::isa::Isa,
-    w: &[W],
+    w: &T,
     bias: Option<&[f32]>,
     x: &[f32],
     d_in: usize,
     out: &mut [f32],
 ) {
-    let len = w.len() / d_in;
+    let len = w.outputs(d_in);
     let groups = (x.len() / d_in).div_ceil(LANES);
     debug_assert!(x.len().is_multiple_of(d_in) && out.len() == x.len() / d_in * len);
     TRANSPOSED.with(|xt| {
@@ -548,7 +580,7 @@ unsafe fn sixteen_rows<W: Weight>(
         // Safety (all four kernels): the level is the CPU's; the rows hold a tile's
         // d_in values each, xt d_in vectors. The vectors are reinterpreted as lanes.
         if level >= super::isa::Isa::Avx512 {
-            by_tiles::<W, TILE>(
+            by_tiles::<T, TILE>(
                 w,
                 shape,
                 (out, bias),
@@ -556,7 +588,7 @@ unsafe fn sixteen_rows<W: Weight>(
                 |row, g| std::mem::transmute(row_avx512(row, xt(g))),
             );
         } else {
-            by_tiles::<W, TILE_AVX2>(
+            by_tiles::<T, TILE_AVX2>(
                 w,
                 shape,
                 (out, bias),
@@ -568,7 +600,7 @@ unsafe fn sixteen_rows<W: Weight>(
 }
 
 /// The outputs of [`sixteen_rows`] N at a time: each tile's weight rows as f32
-/// ([`Weight::tile_rows`]: widened once for all the groups) through `tile(the rows,
+/// ([`TileRows::tile`]: widened once for all the groups) through `tile(the rows,
 /// group, the next tile to ask for)` for each group of sixteen rows, the last few rows
 /// one at a time through `one(row, group)`, written into out (rows of len) with the
 /// bias.
@@ -576,8 +608,8 @@ unsafe fn sixteen_rows<W: Weight>(
 /// # Safety
 /// The CPU must have AVX2; w holds len rows of d_in.
 #[cfg(target_arch = "x86_64")]
-unsafe fn by_tiles<W: Weight, const N: usize>(
-    w: &[W],
+unsafe fn by_tiles<T: TileRows + ?Sized, const N: usize>(
+    w: &T,
     (d_in, len, groups): (usize, usize, usize),
     (out, bias): (&mut [f32], Option<&[f32]>),
     tile: impl Fn(&[f32], usize, Option<Ahead>) -> [[f32; LANES]; N],
@@ -586,20 +618,16 @@ unsafe fn by_tiles<W: Weight, const N: usize>(
     let mut widened = Vec::new();
     let tiled = len / N * N;
     for o in (0..tiled).step_by(N) {
-        let rows = W::tile_rows(w, (o, N), d_in, &mut widened);
+        let rows = w.tile(o, N, d_in, &mut widened);
         for (g, out) in out.chunks_mut(LANES * len).take(groups).enumerate() {
             // The next tile, as stored, asked for while the first group multiplies
             // this one (read from memory if f32, widened into L1 if not).
-            let ahead = (g == 0 && o + N < tiled).then(|| Ahead {
-                first: w.as_ptr().add((o + N) * d_in).cast(),
-                row_bytes: d_in * std::mem::size_of::<W>(),
-                k_bytes: std::mem::size_of::<W>(),
-            });
+            let ahead = (g == 0 && o + N < tiled).then(|| w.stored_from(o + N, d_in));
             put(out, len, o, &tile(rows, g, ahead), bias);
         }
     }
     for o in tiled..len {
-        let row = W::tile_rows(w, (o, 1), d_in, &mut widened);
+        let row = w.tile(o, 1, d_in, &mut widened);
         for (g, out) in out.chunks_mut(LANES * len).take(groups).enumerate() {
             put(out, len, o, &[one(row, g)], bias);
         }
@@ -631,13 +659,27 @@ unsafe fn tile_avx512(
 }
 
 /// Where the next tile of weight rows lies, as stored, to be asked for while a tile is
-/// multiplied: row j at `first + j row_bytes`, `k_bytes` a weight.
+/// multiplied: row j at `first + j row_bytes`, a cache line every `k_per_line` weights.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
-struct Ahead {
+pub struct Ahead {
     first: *const u8,
     row_bytes: usize,
-    k_bytes: usize,
+    k_per_line: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Ahead {
+    /// Rows from `first`, `row_bytes` apart, `k_per_line` weights a cache line (a
+    /// multiple of 16).
+    pub fn rows<T>(first: *const T, row_bytes: usize, k_per_line: usize) -> Self {
+        debug_assert!(k_per_line.is_multiple_of(16));
+        Ahead {
+            first: first.cast(),
+            row_bytes,
+            k_per_line,
+        }
+    }
 }
 
 /// The k loop of a tile of `n` weight rows of d_in: `step(k0, steps)` for each stretch
@@ -648,10 +690,10 @@ struct Ahead {
 fn by_lines(n: usize, d_in: usize, ahead: Option<Ahead>, mut step: impl FnMut(usize, usize)) {
     for k0 in (0..d_in).step_by(16) {
         if let Some(a) = ahead {
-            // A line holds 16 f32 or 32 bf16: ask once for each.
-            if (k0 * a.k_bytes).is_multiple_of(64) {
+            if k0.is_multiple_of(a.k_per_line) {
+                let line = k0 / a.k_per_line * 64;
                 for j in 0..n {
-                    prefetch(a.first.wrapping_add(j * a.row_bytes + k0 * a.k_bytes));
+                    prefetch(a.first.wrapping_add(j * a.row_bytes + line));
                 }
             }
         }
