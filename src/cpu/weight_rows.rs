@@ -36,6 +36,13 @@ pub trait Weight: Widen {
     /// `p` must point at 16 weights; the CPU must have AVX-512 F.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+
+    /// `w` as f32: itself, or widened into `scratch`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn as_f32<'a>(w: &'a [Self], scratch: &'a mut Vec<f32>) -> &'a [f32];
 }
 
 impl Weight for f32 {
@@ -44,6 +51,11 @@ impl Weight for f32 {
     #[target_feature(enable = "avx512f")]
     unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
         std::arch::x86_64::_mm512_loadu_ps(p)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn as_f32<'a>(w: &'a [f32], _: &'a mut Vec<f32>) -> &'a [f32] {
+        w
     }
 }
 
@@ -55,6 +67,13 @@ impl Weight for Bf16 {
         use std::arch::x86_64::*;
         let bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
         _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn as_f32<'a>(w: &'a [Bf16], scratch: &'a mut Vec<f32>) -> &'a [f32] {
+        scratch.resize(w.len(), 0.0);
+        widen_avx2(w, scratch);
+        scratch
     }
 
     /// Two weights a 32-bit word: the odd one is already an f32 once the even one's
@@ -147,29 +166,9 @@ pub(crate) trait TileRows: Sync {
     fn stored_from(&self, o: usize, d_in: usize) -> Ahead;
 }
 
+/// Weight rows as stored (f32 or bf16): read in place, or widened whole.
 #[cfg(target_arch = "x86_64")]
-impl TileRows for [f32] {
-    fn outputs(&self, d_in: usize) -> usize {
-        self.len() / d_in
-    }
-
-    unsafe fn tile<'a>(
-        &'a self,
-        o: usize,
-        n: usize,
-        d_in: usize,
-        _: &'a mut Vec<f32>,
-    ) -> &'a [f32] {
-        &self[o * d_in..(o + n) * d_in]
-    }
-
-    fn stored_from(&self, o: usize, d_in: usize) -> Ahead {
-        Ahead::rows(self.as_ptr().wrapping_add(o * d_in), 4 * d_in, 16)
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-impl TileRows for [Bf16] {
+impl<W: Weight> TileRows for [W] {
     fn outputs(&self, d_in: usize) -> usize {
         self.len() / d_in
     }
@@ -181,13 +180,12 @@ impl TileRows for [Bf16] {
         d_in: usize,
         scratch: &'a mut Vec<f32>,
     ) -> &'a [f32] {
-        scratch.resize(n * d_in, 0.0);
-        widen_avx2(&self[o * d_in..(o + n) * d_in], scratch);
-        scratch
+        W::as_f32(&self[o * d_in..(o + n) * d_in], scratch)
     }
 
     fn stored_from(&self, o: usize, d_in: usize) -> Ahead {
-        Ahead::rows(self.as_ptr().wrapping_add(o * d_in), 2 * d_in, 32)
+        let size = std::mem::size_of::<W>();
+        Ahead::rows(self.as_ptr().wrapping_add(o * d_in), size * d_in, 64 / size)
     }
 }
 
