@@ -115,23 +115,17 @@ impl Q4Matrix {
         self.nibbles.len() + 2 * self.scales.len()
     }
 
-    /// Row `r` back in f32 (each value (q - 8) times its block's scale).
+    /// Row `r` back in f32 (each value (q - 8) times its block's scale) into
+    /// out[..cols].
     pub fn row_into(&self, r: usize, out: &mut [f32]) {
-        let nibbles = &self.nibbles[r * self.blocks * HALF..(r + 1) * self.blocks * HALF];
-        let scales = &self.scales[r * self.blocks..(r + 1) * self.blocks];
-        for (i, out) in out[..self.cols].iter_mut().enumerate() {
-            let (b, j) = (i / BLOCK, i % BLOCK);
-            let byte = nibbles[b * HALF + j % HALF];
-            let q = if j < HALF { byte & 0x0F } else { byte >> 4 };
-            *out = f32::from(q as i8 - 8) * scales[b].to_f32();
-        }
+        self.rows_into(r, &mut out[..self.cols]);
     }
 }
 
 multiversion! {
     /// Each value of whole rows (`nibbles`, `scales`: rows of whole blocks), (q - 8)
-    /// times its block's scale, into out's rows of `cols`: `row_into`'s numbers, a
-    /// block at a time so that whole blocks run in vectors.
+    /// times its block's scale, into out's rows of `cols`, a block at a time so that
+    /// whole blocks run in vectors.
     pub fn widen_q4(nibbles: &[u8], scales: &[f16], cols: usize, out: &mut [f32]) {
         let blocks = cols.div_ceil(BLOCK);
         let rows = nibbles

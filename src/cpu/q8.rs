@@ -123,13 +123,10 @@ impl Q8Matrix {
         self.quants.len() + 4 * self.scales.len()
     }
 
-    /// Row `r` back in f32 (each value its int8 times its block's scale).
+    /// Row `r` back in f32 (each value its int8 times its block's scale) into
+    /// out[..cols].
     pub fn row_into(&self, r: usize, out: &mut [f32]) {
-        let q = &self.quants[r * self.blocks * BLOCK..];
-        let s = &self.scales[r * self.blocks..];
-        for (i, out) in out[..self.cols].iter_mut().enumerate() {
-            *out = f32::from(q[i]) * s[i / BLOCK];
-        }
+        self.rows_into(r, &mut out[..self.cols]);
     }
 }
 
@@ -225,8 +222,8 @@ impl BlockMatrix for Q8Matrix {
 
 multiversion! {
     /// Each int8 value of whole rows (`quants`, `scales`: rows of whole blocks) times
-    /// its block's scale, into out's rows of `cols`: `row_into`'s numbers, a block at a
-    /// time so that the loop runs in vectors.
+    /// its block's scale, into out's rows of `cols`, a block at a time so that the loop
+    /// runs in vectors.
     pub fn widen_q8(quants: &[i8], scales: &[f32], cols: usize, out: &mut [f32]) {
         let blocks = cols.div_ceil(BLOCK);
         let rows = quants
@@ -286,7 +283,7 @@ pub trait BlockMatrix: Sync {
     /// Whether products of many rows of x widen this matrix to f32 a tile at a time
     /// ([`matmat_widened`]) instead of quantizing x, where [`takes_widened`] says.
     const WIDENED_FOR_MANY_ROWS: bool;
-    /// Rows first.. in f32, each value as `row_into` gives it, into `out` (whole rows
+    /// Rows first.. back in f32 (the values the products use), into `out` (whole rows
     /// of `cols`).
     fn rows_into(&self, first: usize, out: &mut [f32]);
     /// Where row `r`'s values (not its scales) lie, as `weight_rows::Ahead` takes them.
