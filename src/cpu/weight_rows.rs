@@ -529,6 +529,9 @@ const TILE_AVX2: usize = 6;
 thread_local! {
     /// x transposed for [`sixteen_rows`], kept between calls.
     static TRANSPOSED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// A tile of weight rows widened to f32 for [`by_tiles`], kept between calls (a
+    /// decoding pass makes dozens).
+    static WIDENED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// out (rows, len) = x (rows, d_in) · w (len, d_in)ᵀ (+ bias), f32 weights, for g
@@ -613,23 +616,24 @@ unsafe fn by_tiles<T: TileRows + ?Sized, const N: usize>(
     tile: impl Fn(&[f32], usize, Option<Ahead>) -> [[f32; LANES]; N],
     one: impl Fn(&[f32], usize) -> [f32; LANES],
 ) {
-    let mut widened = Vec::new();
-    let tiled = len / N * N;
-    for o in (0..tiled).step_by(N) {
-        let rows = w.tile(o, N, d_in, &mut widened);
-        for (g, out) in out.chunks_mut(LANES * len).take(groups).enumerate() {
-            // The next tile, as stored, asked for while the first group multiplies
-            // this one (read from memory if f32, widened into L1 if not).
-            let ahead = (g == 0 && o + N < tiled).then(|| w.stored_from(o + N, d_in));
-            put(out, len, o, &tile(rows, g, ahead), bias);
+    WIDENED.with_borrow_mut(|widened| {
+        let tiled = len / N * N;
+        for o in (0..tiled).step_by(N) {
+            let rows = w.tile(o, N, d_in, widened);
+            for (g, out) in out.chunks_mut(LANES * len).take(groups).enumerate() {
+                // The next tile, as stored, asked for while the first group multiplies
+                // this one (read from memory if f32, widened into L1 if not).
+                let ahead = (g == 0 && o + N < tiled).then(|| w.stored_from(o + N, d_in));
+                put(out, len, o, &tile(rows, g, ahead), bias);
+            }
         }
-    }
-    for o in tiled..len {
-        let row = w.tile(o, 1, d_in, &mut widened);
-        for (g, out) in out.chunks_mut(LANES * len).take(groups).enumerate() {
-            put(out, len, o, &[one(row, g)], bias);
+        for o in tiled..len {
+            let row = w.tile(o, 1, d_in, widened);
+            for (g, out) in out.chunks_mut(LANES * len).take(groups).enumerate() {
+                put(out, len, o, &[one(row, g)], bias);
+            }
         }
-    }
+    })
 }
 
 /// Weight rows o..o+TILE against the sixteen rows of x transposed (`xt`): TILE
