@@ -12,8 +12,9 @@
 //!
 //! A row's sums run in 64 lanes by the elements' places from the row's start and are
 //! folded in one fixed tree, wherever the row lies: a mapped checkpoint and a copy of it
-//! give the same bits. The AVX-512 loops are intrinsics with the portable loops' bits
-//! (the compiler's fold of the portable lanes went through the stack every row).
+//! give the same bits. The AVX-512 and AVX2 loops are intrinsics with the portable
+//! loops' bits (the compiler's fold of the portable lanes went through the stack every
+//! row).
 //!
 //! Intel cores measured the other way round (four rows side by side, each asked for
 //! ahead, 19-23 GB/s against 16 for one row at a time, AVX-512, 2 threads), so the
@@ -243,6 +244,11 @@ impl MatVec for f32 {
                     // Safety: the CPU has AVX-512 F (checked just above).
                     return unsafe { rows_f32_avx512(w, bias, x, out) };
                 }
+                #[cfg(target_arch = "x86_64")]
+                if super::isa::active() >= super::isa::Isa::Avx2 {
+                    // Safety: the CPU has AVX2 (checked just above).
+                    return unsafe { rows_f32_avx2(w, bias, x, out) };
+                }
                 rows_f32(w, bias, x, out)
             },
         )
@@ -258,6 +264,21 @@ fn reduce16(v: std::arch::x86_64::__m512) -> f32 {
         _mm512_castps512_ps256(v),
         _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
     );
+    let four = _mm_add_ps(
+        _mm256_castps256_ps128(eight),
+        _mm256_extractf128_ps::<1>(eight),
+    );
+    let two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)))
+}
+
+/// The sum of 16 lanes held as two AVX2 vectors (`low`: lanes 0-7, `high`: 8-15) as
+/// [`fold16`] sums them: halves of 8, then 4, 2, 1.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn reduce16_avx2(low: std::arch::x86_64::__m256, high: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let eight = _mm256_add_ps(low, high);
     let four = _mm_add_ps(
         _mm256_castps256_ps128(eight),
         _mm256_extractf128_ps::<1>(eight),
@@ -364,6 +385,104 @@ unsafe fn rows_f32_avx512(w: &[f32], bias: Option<&[f32]>, x: &[f32], out: &mut 
     }
 }
 
+/// [`rows_f32`] in AVX2 registers, the same sums in the same order (the same bits):
+/// the portable loop's 64 lanes are eight vectors here, folded in registers where the
+/// compiler's fold spilled them to the stack for every row.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn rows_f32_avx2(w: &[f32], bias: Option<&[f32]>, x: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let len = x.len();
+    let whole = len / CLASSES * CLASSES;
+    for (o, (out, w)) in out.iter_mut().zip(w.chunks_exact(len)).enumerate() {
+        // acc[m] holds classes 8 m .. 8 m + 8.
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for i in (0..whole).step_by(CLASSES) {
+            for (m, acc) in acc.iter_mut().enumerate() {
+                // Safety: i + 8 m + 8 <= whole <= the row's and x's length.
+                let (wv, xv) = (
+                    _mm256_loadu_ps(w.as_ptr().add(i + 8 * m)),
+                    _mm256_loadu_ps(x.as_ptr().add(i + 8 * m)),
+                );
+                // A multiply, then an add: the portable loop's rounding, not an FMA's.
+                *acc = _mm256_add_ps(*acc, _mm256_mul_ps(wv, xv));
+            }
+        }
+        // Lane k < 16 of the fold: (c[k] + c[k + 16]) + (c[k + 32] + c[k + 48]).
+        let low = _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[4], acc[6]));
+        let high = _mm256_add_ps(_mm256_add_ps(acc[1], acc[3]), _mm256_add_ps(acc[5], acc[7]));
+        let mut sum = reduce16_avx2(low, high);
+        for i in whole..len {
+            sum += w[i] * x[i];
+        }
+        *out = sum + bias.map_or(0.0, |b| b[o]);
+    }
+}
+
+/// [`rows_bf16`] in AVX2 registers, the same sums in the same order (see
+/// [`rows_f32_avx2`]).
+///
+/// # Safety
+/// The CPU must have AVX2; `xe` and `xo` hold x's even and odd elements.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn rows_bf16_avx2(
+    w: &[Bf16],
+    bias: Option<&[f32]>,
+    x: &[f32],
+    xe: &[f32],
+    xo: &[f32],
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let len = x.len();
+    let whole = len / CLASSES * CLASSES;
+    debug_assert!(xe.len() >= whole / 2 && xo.len() >= whole / 2);
+    let high_half = _mm256_set1_epi32(0xffff_0000_u32 as i32);
+
+    for (o, (out, w)) in out.iter_mut().zip(w.chunks_exact(len)).enumerate() {
+        // even[m] and odd[m] hold pairs 8 m .. 8 m + 8 of a step's 32.
+        let (mut even, mut odd) = ([_mm256_setzero_ps(); 4], [_mm256_setzero_ps(); 4]);
+        for i in (0..whole).step_by(CLASSES) {
+            // Both lines of this step's weights, `BF16_AHEAD` ahead (see its note).
+            for line in [0, 32] {
+                prefetch(w.as_ptr().wrapping_add(i + BF16_AHEAD + line));
+            }
+            for m in 0..4 {
+                // Safety: the 8 words from element i + 16 m, and x's 8 even and odd
+                // elements from (i + 16 m) / 2, lie before `whole`.
+                let words = _mm256_loadu_si256(w.as_ptr().add(i + 16 * m).cast());
+                let p = (i + 16 * m) / 2;
+                let (e, d) = (
+                    _mm256_loadu_ps(xe.as_ptr().add(p)),
+                    _mm256_loadu_ps(xo.as_ptr().add(p)),
+                );
+                let low = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(words));
+                let up = _mm256_castsi256_ps(_mm256_and_si256(words, high_half));
+                even[m] = _mm256_add_ps(even[m], _mm256_mul_ps(low, e));
+                odd[m] = _mm256_add_ps(odd[m], _mm256_mul_ps(up, d));
+            }
+        }
+        // Lane k < 16 of the fold: (even[k] + even[k + 16]) + (odd[k] + odd[k + 16]).
+        let low = _mm256_add_ps(
+            _mm256_add_ps(even[0], even[2]),
+            _mm256_add_ps(odd[0], odd[2]),
+        );
+        let high = _mm256_add_ps(
+            _mm256_add_ps(even[1], even[3]),
+            _mm256_add_ps(odd[1], odd[3]),
+        );
+        let mut sum = reduce16_avx2(low, high);
+        for i in whole..len {
+            sum += w[i].widen() * x[i];
+        }
+        *out = sum + bias.map_or(0.0, |b| b[o]);
+    }
+}
+
 impl MatVec for Bf16 {
     fn matvec(w: &[Bf16], bias: Option<&[f32]>, x: &[f32], out: &mut [f32]) {
         let pairs = x.len() / 2;
@@ -379,6 +498,11 @@ impl MatVec for Bf16 {
             if super::isa::active() >= super::isa::Isa::Avx512 && cfg!(target_endian = "little") {
                 // Safety: the CPU has AVX-512 F (checked just above).
                 return unsafe { rows_bf16_avx512(w, bias, x, xe, xo, out) };
+            }
+            #[cfg(target_arch = "x86_64")]
+            if super::isa::active() >= super::isa::Isa::Avx2 && cfg!(target_endian = "little") {
+                // Safety: the CPU has AVX2 (checked just above).
+                return unsafe { rows_bf16_avx2(w, bias, x, xe, xo, out) };
             }
             rows_bf16(w, bias, x, xe, xo, out)
         })
@@ -428,26 +552,38 @@ mod tests {
 
     #[test]
     #[cfg(target_arch = "x86_64")]
-    fn the_avx512_rows_give_the_portable_bits() {
-        if super::super::isa::Isa::detected() < super::super::isa::Isa::Avx512 {
-            eprintln!("note: this CPU lacks AVX-512; rows_f32_avx512 was not run");
-            return;
-        }
-        for d_in in [1, 64, 100, 768] {
-            let (w, x, bias) = (values(4 * d_in, 1), values(d_in, 2), values(4, 3));
-            let (mut a, mut b) = (vec![0f32; 4], vec![0f32; 4]);
-            // Safety: the CPU has AVX-512 F (checked above).
-            unsafe { rows_f32_avx512(&w, Some(&bias), &x, &mut a) };
-            rows_f32(&w, Some(&bias), &x, &mut b);
-            assert_eq!(a, b, "f32, d_in {d_in}");
-            let bits: Vec<Bf16> = w.iter().map(|&v| Bf16::round(v)).collect();
-            let pairs = d_in / 2;
-            let xe: Vec<f32> = x.iter().step_by(2).take(pairs).copied().collect();
-            let xo: Vec<f32> = x.iter().skip(1).step_by(2).take(pairs).copied().collect();
-            // Safety: as above.
-            unsafe { rows_bf16_avx512(&bits, Some(&bias), &x, &xe, &xo, &mut a) };
-            rows_bf16(&bits, Some(&bias), &x, &xe, &xo, &mut b);
-            assert_eq!(a, b, "bf16, d_in {d_in}");
+    fn the_vector_rows_give_the_portable_bits() {
+        use super::super::isa::Isa;
+        type F32Rows = unsafe fn(&[f32], Option<&[f32]>, &[f32], &mut [f32]);
+        type Bf16Rows = unsafe fn(&[Bf16], Option<&[f32]>, &[f32], &[f32], &[f32], &mut [f32]);
+        let levels: [(Isa, F32Rows, Bf16Rows); 2] = [
+            (Isa::Avx2, rows_f32_avx2, rows_bf16_avx2),
+            (Isa::Avx512, rows_f32_avx512, rows_bf16_avx512),
+        ];
+        for (level, f32_rows, bf16_rows) in levels {
+            if Isa::detected() < level {
+                eprintln!(
+                    "note: this CPU lacks {}; its mat-vec rows were not run",
+                    level.name()
+                );
+                continue;
+            }
+            for d_in in [1, 64, 100, 768, 3072] {
+                let (w, x, bias) = (values(4 * d_in, 1), values(d_in, 2), values(4, 3));
+                let (mut a, mut b) = (vec![0f32; 4], vec![0f32; 4]);
+                // Safety: the CPU has this level (checked above).
+                unsafe { f32_rows(&w, Some(&bias), &x, &mut a) };
+                rows_f32(&w, Some(&bias), &x, &mut b);
+                assert_eq!(a, b, "{}, f32, d_in {d_in}", level.name());
+                let bits: Vec<Bf16> = w.iter().map(|&v| Bf16::round(v)).collect();
+                let pairs = d_in / 2;
+                let xe: Vec<f32> = x.iter().step_by(2).take(pairs).copied().collect();
+                let xo: Vec<f32> = x.iter().skip(1).step_by(2).take(pairs).copied().collect();
+                // Safety: as above.
+                unsafe { bf16_rows(&bits, Some(&bias), &x, &xe, &xo, &mut a) };
+                rows_bf16(&bits, Some(&bias), &x, &xe, &xo, &mut b);
+                assert_eq!(a, b, "{}, bf16, d_in {d_in}", level.name());
+            }
         }
     }
 
