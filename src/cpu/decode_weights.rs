@@ -36,7 +36,7 @@ use super::q4::Q4Matrix;
 use super::q8::{BlockMatrix, Q8Matrix, Q8Row};
 use super::team::for_each_piece;
 use super::threads::threads;
-use super::weight_rows::{by_output_shares, project_rows, splits, Bf16};
+use super::weight_rows::{by_output_shares, one_row_shares, project_rows, splits, Bf16};
 use crate::config::PositionKind;
 use crate::model::position::sinusoidal_table;
 use crate::model::spec::{LinearParams, ModelSpec, NormParams, ParamId};
@@ -540,6 +540,7 @@ fn project_quantized<M: BlockMatrix>(
     }
     let rows = &rows[..n];
     if n == 1 {
+        let share = d_out.div_ceil(one_row_shares(d_out * d_in));
         for_each_piece(&mut out[..d_out], share, |i, out| {
             let first = i * share;
             let bias = bias.map(|b| &b[first..first + out.len()]);
