@@ -7,6 +7,7 @@ screenshots saved.
     python tests/clients/page.py http://127.0.0.1:PORT SCREENSHOT_DIR
 """
 import os
+import re
 import sys
 import time
 
@@ -59,7 +60,16 @@ with sync_playwright() as p:
     page.wait_for_function("document.getElementById('stats').textContent.includes('first token')", timeout=60000)
     final = page.inner_text("#output")
     assert final.startswith("To be") and len(final) >= partial, (partial, final)
-    assert "length" in page.inner_text("#stats"), page.inner_text("#stats")
+    stats = page.inner_text("#stats")
+    assert "length" in stats, stats
+    # "N tokens in T s · first token F ms · R tokens/s": R is either N - 1 tokens over a
+    # span of 50 ms or more, or N over the whole T (shown to 0.01 s), so it is at most the
+    # larger of N / 0.05 and N / (T - 0.005). A rate timed over reads that came in
+    # together (N over a millisecond) is far above both.
+    found = re.search(r"(\d+) tokens in ([\d.]+) s .* (\d+) tokens/s", stats)
+    assert found, stats
+    n, total, rate = int(found[1]), float(found[2]), int(found[3])
+    assert rate <= max(n / 0.05, n / max(total - 0.005, 1e-3)) + 1, stats
     page.screenshot(path=os.path.join(shots, "playground.png"), full_page=True)
 
     # Runs: the table lists the runs, the loss chart has points and grows as the
