@@ -255,6 +255,17 @@ impl MatVec for f32 {
     }
 }
 
+/// A vector loop's row: `lanes`, the sum of its whole lines, then the rest of its
+/// elements one by one and its bias, as the portable loops add them.
+#[inline(always)]
+fn finish_row<W: Widen + Copy>(lanes: f32, w: &[W], x: &[f32], bias: Option<f32>) -> f32 {
+    let mut sum = lanes;
+    for i in x.len() / CLASSES * CLASSES..x.len() {
+        sum += w[i].widen() * x[i];
+    }
+    sum + bias.unwrap_or(0.0)
+}
+
 /// The sum of a vector's 16 lanes as [`fold16`] sums them: halves of 8, then 4, 2, 1.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
@@ -343,11 +354,7 @@ unsafe fn rows_bf16_avx512(
             _mm512_add_ps(even[0], even[1]),
             _mm512_add_ps(odd[0], odd[1]),
         );
-        let mut sum = reduce16(lanes);
-        for i in whole..len {
-            sum += w[i].widen() * x[i];
-        }
-        *out = sum + bias.map_or(0.0, |b| b[o]);
+        *out = finish_row(reduce16(lanes), w, x, bias.map(|b| b[o]));
     }
 }
 
@@ -377,11 +384,7 @@ unsafe fn rows_f32_avx512(w: &[f32], bias: Option<&[f32]>, x: &[f32], out: &mut 
             }
         }
         let lanes = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-        let mut sum = reduce16(lanes);
-        for i in whole..len {
-            sum += w[i] * x[i];
-        }
-        *out = sum + bias.map_or(0.0, |b| b[o]);
+        *out = finish_row(reduce16(lanes), w, x, bias.map(|b| b[o]));
     }
 }
 
@@ -414,11 +417,7 @@ unsafe fn rows_f32_avx2(w: &[f32], bias: Option<&[f32]>, x: &[f32], out: &mut [f
         // Lane k < 16 of the fold: (c[k] + c[k + 16]) + (c[k + 32] + c[k + 48]).
         let low = _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[4], acc[6]));
         let high = _mm256_add_ps(_mm256_add_ps(acc[1], acc[3]), _mm256_add_ps(acc[5], acc[7]));
-        let mut sum = reduce16_avx2(low, high);
-        for i in whole..len {
-            sum += w[i] * x[i];
-        }
-        *out = sum + bias.map_or(0.0, |b| b[o]);
+        *out = finish_row(reduce16_avx2(low, high), w, x, bias.map(|b| b[o]));
     }
 }
 
@@ -475,11 +474,7 @@ unsafe fn rows_bf16_avx2(
             _mm256_add_ps(even[1], even[3]),
             _mm256_add_ps(odd[1], odd[3]),
         );
-        let mut sum = reduce16_avx2(low, high);
-        for i in whole..len {
-            sum += w[i].widen() * x[i];
-        }
-        *out = sum + bias.map_or(0.0, |b| b[o]);
+        *out = finish_row(reduce16_avx2(low, high), w, x, bias.map(|b| b[o]));
     }
 }
 
