@@ -257,6 +257,7 @@ impl MatVec for f32 {
 
 /// A vector loop's row: `lanes`, the sum of its whole lines, then the rest of its
 /// elements one by one and its bias, as the portable loops add them.
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn finish_row<W: Widen + Copy>(lanes: f32, w: &[W], x: &[f32], bias: Option<f32>) -> f32 {
     let mut sum = lanes;
