@@ -1,5 +1,7 @@
-//! Matrix products for the fused engine: f32 through the `gemm` crate's blocking and
-//! micro-kernels, bf16 operands through our own kernel (`bf16`).
+//! Matrix products for the fused engine: f32 on AVX2 cores through our own tile
+//! (`sgemm`: the layers' products of 128 rows or more, and attention's causal ones),
+//! elsewhere through the `gemm` crate's blocking and micro-kernels; bf16 operands through
+//! our own kernel (`bf16`).
 //!
 //! The `gemm` crate picks its micro-kernels once, by CPU detection alone. We call its
 //! generic driver with the micro-kernels of the active level instead (`cpu::isa`), so
@@ -39,10 +41,18 @@ pub fn matmul(dst: &mut [f32], dst_row: usize, p: Product, precision: Precision)
 }
 
 /// The product `p` on this thread, skipping what its `causal` allows: for the many
-/// small products inside attention, already spread over threads by the caller.
+/// small products inside attention, already spread over threads by the caller. On AVX2
+/// cores our tile skips tile by tile; the `gemm` crate elsewhere, in blocks of rows.
 pub fn matmul_serial(dst: &mut [f32], dst_row: usize, p: Product, precision: Precision) {
     if precision == Precision::Bf16 {
         return bf16::matmul_serial(dst, dst_row, p);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa::active() == isa::Isa::Avx2 {
+        // Our tile skips the triangles tile by tile, whatever the product's rows.
+        p.check_bounds(dst, dst_row);
+        // Safety: bounds checked above; the active level is one the CPU has.
+        return unsafe { super::sgemm::multiply(dst, dst_row, p, 1) };
     }
     // The gemm crate knows no structure: split the rows into blocks, each multiplied
     // over the columns or k it needs (a plain product is one block).
