@@ -1,5 +1,5 @@
 //! Matrix products for the fused engine: f32 on AVX2 cores through our own tile
-//! (`sgemm`: the layers' products of 128 rows or more, and attention's causal ones),
+//! (`sgemm`: the layers' products of 128 rows or more, and attention's, any size),
 //! elsewhere through the `gemm` crate's blocking and micro-kernels; bf16 operands through
 //! our own kernel (`bf16`).
 //!

@@ -46,9 +46,10 @@ const MC: usize = 72;
 const NC: usize = 3072;
 /// Plain products with fewer rows go to the `gemm` crate: packing B costs as much as
 /// multiplying there (attention's per-head products, in blocks of 64 rows, were 20%
-/// slower through this path). Attention's causal products come here whatever their rows
-/// (`gemm::matmul_serial`): skipping their triangles tile by tile, not in blocks of 64
-/// rows, repays the packing (attention 20-25% less time a step, baby and 6L/384 shapes).
+/// slower through this path). Attention's products (`gemm::matmul_serial`: training's,
+/// and a prompt's in the decoder) come here whatever their rows: skipping the causal
+/// triangles tile by tile, not in blocks of 64 rows, repays the packing (attention 20-30%
+/// less time a training step at the baby and 6L/384 shapes; a 512-token prompt level).
 pub const MIN_ROWS: usize = 128;
 
 /// dst (rows `dst_row` apart) = dst (if `p.accumulate`) + p.beta * a · b, over
