@@ -19,7 +19,7 @@
 //! are split over threads by rows or columns, weight gradients (long k) by k; the
 //! products inside causal attention skip what the mask makes zero (`Causal`).
 
-use super::matrix::{Causal, Product, Strided, Tile, PARALLEL_MIN_MACS};
+use super::matrix::{Product, Strided, Tile, PARALLEL_MIN_MACS};
 use super::panels::{scratch, PANELS};
 use super::threads::{split_dst, threads, with_partials};
 
@@ -230,11 +230,7 @@ impl Problem<'_> {
                 while i0 < rows.end {
                     let mc = MC.min(rows.end - i0);
                     // Pairs of this k block that rows i0..i0+mc may hold non-zero.
-                    let (a_from, a_to) = match self.p.causal {
-                        Causal::LowerA => (0, kp.min((i0 + mc).saturating_sub(k0).div_ceil(2))),
-                        Causal::UpperA => ((i0.saturating_sub(k0) / 2).min(kp), kp),
-                        _ => (0, kp),
-                    };
+                    let (a_from, a_to) = pairs(self.p.causal.k_span(i0..i0 + mc, k0, kc));
                     let strides = pack_a(&mut panels.a, &self.p.a, i0, mc, k0, kc, a_from..a_to);
                     for jp in 0..col_panels {
                         let c0 = cols.start + jp * NR;
@@ -243,17 +239,10 @@ impl Problem<'_> {
                         for ip in 0..mc.div_ceil(MR) {
                             let r0 = i0 + ip * MR;
                             let height = MR.min(mc - ip * MR);
-                            let (from, to) = match self.p.causal {
-                                Causal::No => (0, kp),
-                                // Wholly above the diagonal: never read.
-                                Causal::LowerDst if c0 >= r0 + height => continue,
-                                Causal::LowerDst => (0, kp),
-                                Causal::LowerA => {
-                                    (0, a_to.min((r0 + height).saturating_sub(k0).div_ceil(2)))
-                                }
-                                Causal::UpperA => (a_from.max(r0.saturating_sub(k0) / 2), kp),
-                            };
-                            let to = to.max(from);
+                            if self.p.causal.skips_tile(r0 + height, c0) {
+                                continue;
+                            }
+                            let (from, to) = pairs(self.p.causal.k_span(r0..r0 + height, k0, kc));
                             let a = APanel {
                                 first: strides
                                     .words
@@ -285,6 +274,12 @@ impl Problem<'_> {
             }
         })
     }
+}
+
+/// The pairs holding the k of `span` (counted from a block's first k): from the pair
+/// of its first to the pair of its last.
+fn pairs(span: std::ops::Range<usize>) -> (usize, usize) {
+    (span.start / 2, span.end.div_ceil(2).max(span.start / 2))
 }
 
 /// Rows i0..i0+mc, k k0..k0+kc of A as pair words, in whichever order reads A along
@@ -600,6 +595,7 @@ unsafe fn kernel_portable(kp: usize, a: APanel, b: *const u32, tile: Tile) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::matrix::Causal;
     use super::*;
 
     fn product<'a>(

@@ -83,6 +83,27 @@ impl Causal {
             Causal::No | Causal::LowerDst => false,
         }
     }
+
+    /// The k of a block k0..k0 + kc that A's rows `rows` may hold non-zero, counted from
+    /// k0 (empty where they hold none): what a kernel's tile of those rows multiplies.
+    pub fn k_span(
+        self,
+        rows: std::ops::Range<usize>,
+        k0: usize,
+        kc: usize,
+    ) -> std::ops::Range<usize> {
+        match self {
+            Causal::LowerA => 0..rows.end.saturating_sub(k0).min(kc),
+            Causal::UpperA => rows.start.saturating_sub(k0).min(kc)..kc,
+            Causal::No | Causal::LowerDst => 0..kc,
+        }
+    }
+
+    /// Whether a tile of dst, rows up to `rows_end` and columns from `c0`, lies wholly
+    /// above the diagonal of a dst whose lower triangle alone is read.
+    pub fn skips_tile(self, rows_end: usize, c0: usize) -> bool {
+        self == Causal::LowerDst && c0 >= rows_end
+    }
 }
 
 /// One product: dst (m x n) = dst (if `accumulate`) + beta * a (m x k) · b (k x n),

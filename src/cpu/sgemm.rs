@@ -30,7 +30,7 @@
 
 use std::arch::x86_64::*;
 
-use super::matrix::{Causal, Product, Strided, Tile, PARALLEL_MIN_MACS};
+use super::matrix::{Product, Strided, Tile, PARALLEL_MIN_MACS};
 use super::panels::{scratch, PANELS};
 use super::threads::split_dst;
 
@@ -136,16 +136,13 @@ impl Problem<'_> {
                             let c0 = j0 + jp * NR;
                             for r0 in (i0..i0 + mc).step_by(MR) {
                                 let height = MR.min(i0 + mc - r0);
+                                if p.causal.skips_tile(r0 + height, c0) {
+                                    continue;
+                                }
                                 // The k of this block the tile's rows may hold non-zero
-                                // in A (attention's triangles), from..to of 0..kc.
-                                let (from, to) = match p.causal {
-                                    Causal::No => (0, kc),
-                                    // Wholly above the diagonal: never read.
-                                    Causal::LowerDst if c0 >= r0 + height => continue,
-                                    Causal::LowerDst => (0, kc),
-                                    Causal::LowerA => (0, (r0 + height).saturating_sub(k0).min(kc)),
-                                    Causal::UpperA => (r0.saturating_sub(k0).min(kc), kc),
-                                };
+                                // in A (attention's triangles).
+                                let span = p.causal.k_span(r0..r0 + height, k0, kc);
+                                let (from, to) = (span.start, span.end);
                                 if from == to && load {
                                     // Nothing to add to what dst holds.
                                     continue;
@@ -374,7 +371,7 @@ unsafe fn tile_fma(kc: usize, a: APanel, b: *const f32, tile: Tile) {
 
 #[cfg(test)]
 mod tests {
-    use super::super::matrix::Layout;
+    use super::super::matrix::{Causal, Layout};
     use super::*;
 
     /// Whether this CPU runs the tile; says so loudly when it does not.
