@@ -3,11 +3,18 @@
 //! interleaved, best of six:
 //!
 //!     RAYON_NUM_THREADS=1 cargo run --release --example gemm_probe
+//!
+//! `PROBE_PRECISION=bf16` times our bf16 product instead (the crate's column stays f32).
 use std::time::Instant;
 use tinygpt::config::Precision;
 use tinygpt::cpu::gemm::matmul;
 use tinygpt::cpu::matrix::{Product, Strided};
 fn main() {
+    let precision = match std::env::var("PROBE_PRECISION").as_deref() {
+        Ok("bf16") => Precision::Bf16,
+        _ => Precision::F32,
+    };
+    let threads = tinygpt::cpu::threads::threads();
     let shapes = [
         ("qkv fwd", 4096, 1152, 384, false, true),
         ("proj fwd", 4096, 384, 1536, false, true),
@@ -35,11 +42,10 @@ fn main() {
         let p = Product::new(sa, sb, (m, n, k));
         let reps = (1e9 / (2.0 * (m * n * k) as f64)).max(20.0) as usize;
         let (mut ours, mut crate_) = (f64::MAX, f64::MAX);
-        let threads = tinygpt::cpu::threads::threads();
         for _ in 0..6 {
             let t = Instant::now();
             for _ in 0..reps {
-                matmul(&mut c, n, p, Precision::F32);
+                matmul(&mut c, n, p, precision);
             }
             ours = ours.min(t.elapsed().as_secs_f64());
             let t = Instant::now();
