@@ -53,7 +53,8 @@ const PROFILE_STEPS: usize = 5;
 /// The CPU a bench ran on, given with every CPU figure: its model name and SIMD
 /// features, the vector level our kernels ran at (the CPU's best, capped by
 /// TINYGPT_CPU_ISA), the order decoding's mat-vecs read their weights in (by the
-/// CPU's maker, or TINYGPT_MATVEC_ORDER), whether the decoder's weights lie on huge
+/// CPU's maker, or TINYGPT_MATVEC_ORDER) and whether they ask for the weights ahead in
+/// software (`cpu::kernels::asks_ahead`), whether the decoder's weights lie on huge
 /// pages (`cpu::lines::huge_pages_lent`), and the threads they had.
 #[derive(Debug, Clone, Serialize)]
 pub struct CpuInfo {
@@ -61,6 +62,7 @@ pub struct CpuInfo {
     pub cpu_features: Vec<&'static str>,
     pub cpu_isa: crate::cpu::isa::Isa,
     pub matvec_order: &'static str,
+    pub matvec_asks_ahead: bool,
     pub huge_pages: bool,
     pub threads: usize,
 }
@@ -72,6 +74,7 @@ impl CpuInfo {
             cpu_features: crate::cpu::isa::cpu_features(),
             cpu_isa: crate::cpu::isa::active(),
             matvec_order: crate::cpu::matvec::order().name(),
+            matvec_asks_ahead: crate::cpu::kernels::asks_ahead(),
             huge_pages: crate::cpu::lines::huge_pages_lent(),
             threads,
         }
@@ -79,16 +82,21 @@ impl CpuInfo {
 }
 
 impl std::fmt::Display for CpuInfo {
-    /// "MODEL [FEATURES], kernels at ISA, mat-vecs ORDER, weights on huge | small pages,
-    /// N threads".
+    /// "MODEL [FEATURES], kernels at ISA, mat-vecs ORDER (asking ahead | on the CPU's
+    /// prefetchers), weights on huge | small pages, N threads".
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} [{}], kernels at {}, mat-vecs {}, weights on {} pages, {} threads",
+            "{} [{}], kernels at {}, mat-vecs {} ({}), weights on {} pages, {} threads",
             self.cpu_model.as_deref().unwrap_or("unknown CPU"),
             self.cpu_features.join(" "),
             self.cpu_isa.name(),
             self.matvec_order,
+            if self.matvec_asks_ahead {
+                "asking ahead"
+            } else {
+                "on the CPU's prefetchers"
+            },
             if self.huge_pages { "huge" } else { "small" },
             self.threads
         )

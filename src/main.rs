@@ -796,6 +796,7 @@ fn main() -> ExitCode {
     for checked in [
         tinygpt::cpu::isa::cap_from_env().map(|_| ()),
         tinygpt::cpu::matvec::order_from_env().map(|_| ()),
+        tinygpt::cpu::kernels::asks_ahead_from_env().map(|_| ()),
     ] {
         if let Err(message) = checked {
             eprintln!("error: {message}");

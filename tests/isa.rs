@@ -403,7 +403,7 @@ fn every_supported_level_gives_the_same_results() {
 
 /// `TINYGPT_CPU_ISA` caps what the binary runs (bench reports it), and a value that is
 /// not a level is refused in one line, exit 2; `TINYGPT_MATVEC_ORDER` the same for the
-/// mat-vecs' order.
+/// mat-vecs' order, and `TINYGPT_MATVEC_AHEAD` for their software prefetches.
 #[test]
 fn the_environment_caps_the_level() {
     let dir = tempfile::tempdir().unwrap();
@@ -413,7 +413,7 @@ fn the_environment_caps_the_level() {
         "[model]\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 8\nvocab_size = 11\n[train]\nbatch_size = 2\n",
     )
     .unwrap();
-    let bench_with = |isa: &str, order: &str| {
+    let bench_env = |isa: &str, order: &str, ahead: &str| {
         Command::new(env!("CARGO_BIN_EXE_tinygpt"))
             .args([
                 "bench",
@@ -427,9 +427,11 @@ fn the_environment_caps_the_level() {
             .args(["--decode-tokens", "2", "--prompt-tokens", "2", "--json"])
             .env("TINYGPT_CPU_ISA", isa)
             .env("TINYGPT_MATVEC_ORDER", order)
+            .env("TINYGPT_MATVEC_AHEAD", ahead)
             .output()
             .unwrap()
     };
+    let bench_with = |isa: &str, order: &str| bench_env(isa, order, "");
     let bench = |isa: &str| bench_with(isa, "");
     let out = bench("scalar");
     assert!(
@@ -457,6 +459,24 @@ fn the_environment_caps_the_level() {
         let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(report["matvec_order"], order);
     }
+    for (ahead, asks) in [("on", true), ("off", false)] {
+        let out = bench_env("", "in-order", ahead);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(report["matvec_asks_ahead"], asks);
+    }
+    let out = bench_env("", "", "sometimes");
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("TINYGPT_MATVEC_AHEAD") && stderr.contains("off"),
+        "{stderr}"
+    );
     let out = bench_with("", "diagonal");
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -148,6 +148,7 @@ pub fn cpu_features() -> Vec<&'static str> {
             ("avx512bw", has!("avx512bw")),
             ("avx512vl", has!("avx512vl")),
             ("avx512dq", has!("avx512dq")),
+            ("avx512vnni", has!("avx512vnni")),
             ("avx512bf16", has!("avx512bf16")),
             // Tiles the OS granted this process, not only the CPUID bits.
             ("amx-bf16", amx_ready()),

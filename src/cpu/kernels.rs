@@ -147,6 +147,67 @@ pub fn fold16(mut v: [f32; 16]) -> f32 {
 /// row at a time 16 GB/s, four side by side 19-20, with lines asked 16 KiB ahead 21-23).
 pub const AHEAD_BYTES: usize = 16 << 10;
 
+const AHEAD_ENV: &str = "TINYGPT_MATVEC_AHEAD";
+
+/// Whether `TINYGPT_MATVEC_AHEAD` sets the one-row mat-vecs' software prefetches: `on`
+/// or `off`, `Ok(None)` when unset, `Err` (naming the variable and its values) otherwise.
+pub fn asks_ahead_from_env() -> Result<Option<bool>, String> {
+    match std::env::var(AHEAD_ENV) {
+        Err(_) => Ok(None),
+        Ok(value) if value.trim().is_empty() => Ok(None),
+        Ok(value) => match value.trim().to_ascii_lowercase().as_str() {
+            "on" => Ok(Some(true)),
+            "off" => Ok(Some(false)),
+            _ => Err(format!(
+                "{AHEAD_ENV}={value:?} is neither on nor off (the mat-vecs' software prefetches; or unset it)"
+            )),
+        },
+    }
+}
+
+/// Whether the one-row mat-vecs that read a row after the other (bf16 in address order,
+/// the int8 and int4 blocks) ask for their weights' lines ahead in software
+/// (`TINYGPT_MATVEC_AHEAD`, else by CPU). Yes, but on Zen 4: there its own prefetchers
+/// stream those rows faster alone. GPT-2 124M decoded on one Zen 4 core (EPYC, family 25
+/// with AVX-512), interleaved: bf16 68-72 tokens/s asking nothing ahead, 52-59 asking
+/// 8 KiB ahead (two threads 74-84 against 61-70); int8 87-88 against 70-89 asking 16
+/// KiB ahead; int4 level. A Zen 5 measured the other way (bf16 one thread 130-136
+/// alone, 154-161 asking ahead), so the rest keep asking.
+pub fn asks_ahead() -> bool {
+    static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CHOSEN.get_or_init(|| {
+        asks_ahead_from_env()
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| !zen4())
+    })
+}
+
+/// An AMD core of family 25 (Zen 3 and Zen 4) with AVX-512: Zen 4.
+fn zen4() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::__cpuid;
+        let leaf = __cpuid(0);
+        let vendor: Vec<u8> = [leaf.ebx, leaf.edx, leaf.ecx]
+            .iter()
+            .flat_map(|r| r.to_le_bytes())
+            .collect();
+        // CPUID 1: the family is the base family (bits 8-11) plus the extended one
+        // (bits 20-27) where the base is 15.
+        let eax = __cpuid(1).eax;
+        let family = ((eax >> 8) & 0xf)
+            + if (eax >> 8) & 0xf == 0xf {
+                (eax >> 20) & 0xff
+            } else {
+                0
+            };
+        vendor == b"AuthenticAMD" && family == 25 && std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// Asks for the cache line holding `p` without waiting for it; a hint only, so an
 /// address past the end of its buffer is harmless (nothing is read from it).
 #[inline(always)]

@@ -13,7 +13,7 @@
 use rayon::prelude::*;
 
 use super::isa::{self, Isa};
-use super::kernels::{multiversion, prefetch_all, AHEAD_BYTES};
+use super::kernels::{asks_ahead, multiversion, prefetch_all, AHEAD_BYTES};
 use super::lines::Lines;
 use super::weight_rows::PADDED_MIN_ROWS;
 #[cfg(target_arch = "x86_64")]
@@ -299,8 +299,15 @@ pub trait BlockMatrix: Sync {
     /// out[o] = row (first + o) · x (+ bias[o]) for the outputs in `out`.
     /// One row at a time, each asked for [`AHEAD_BYTES`] ahead: a row's dot product
     /// then reads from the cache, where one waiting on memory was most of the time.
+    /// (Where the CPU's prefetchers do better alone, [`asks_ahead`], nothing is asked.)
     fn matvec(&self, first: usize, x: &Q8Row, bias: Option<&[f32]>, out: &mut [f32]) {
         let level = isa::active();
+        if !asks_ahead() {
+            for (o, out) in out.iter_mut().enumerate() {
+                *out = self.dot_row(level, first + o, x) + bias.map_or(0.0, |b| b[o]);
+            }
+            return;
+        }
         let ahead = (AHEAD_BYTES / self.row_bytes()).max(1);
         let end = first + out.len();
         for r in first..(first + ahead).min(end) {
