@@ -6,6 +6,7 @@
 #   tools/decode-bench.sh                 # makes the model once (one training step, ~1 min)
 #   tools/decode-bench.sh RUN_FOLDER      # any trained run instead
 #   LLAMACPP=1 tools/decode-bench.sh      # then llama.cpp side by side, one stream each
+#   LLAMACPP=1 SERVE=1 tools/decode-bench.sh   # and 16 clients of each server
 #
 # With LLAMACPP=1, llama.cpp is built once from the llama-cpp-python source package on
 # PyPI (it vendors llama.cpp) into $LLAMACPP_DIR (default ~/.cache/tinygpt-llamacpp,
@@ -15,6 +16,13 @@
 # ROUNDS times (default 2): `tinygpt bench --decode-tokens 160` (16-token prompt)
 # against llama-completion's eval rate (-t threads, --temp 0, 128 tokens after a
 # 20-token prompt), and its prompt rate beside our first token of 16.
+#
+# With SERVE=1 too, llama-server is built beside it, and each pair of servers (`tinygpt
+# serve --parallel 16 --dtype D` and `llama-server -np 16 -c 4096 -t threads` on the
+# matching GGUF) takes the same load in turn, ROUNDS times: `tools/serve-load.py
+# --clients 16 --max-tokens 64 --concurrent-only`, 20-token prompts, its aggregate
+# tokens/s and first-token p50 (httpx from tools/serve-clients.sh's venv where it is
+# made, else a venv of its own under $LLAMACPP_DIR).
 #
 # The model: 12 layers, 12 heads, 768 wide, context 1024, vocabulary 50304 (GPT-2's,
 # padded), trained one step on the repository's corpus so it is a real checkpoint.
@@ -73,7 +81,11 @@ if has avx512f && has avx512bw; then
   has avx512_vnni && flags+=(-DGGML_AVX512_VNNI=ON)
   has avx512_bf16 && flags+=(-DGGML_AVX512_BF16=ON)
 fi
-if [ ! -x "$build/bin/llama-completion" ]; then
+targets=(llama-completion)
+[ "${SERVE:-0}" = 1 ] && targets+=(llama-server)
+missing=0
+for t in "${targets[@]}"; do [ -x "$build/bin/$t" ] || missing=1; done
+if [ "$missing" = 1 ]; then
   echo "building llama.cpp from the llama-cpp-python sdist into $build (once; minutes)" >&2
   if ! command -v cmake >/dev/null || ! command -v c++ >/dev/null; then
     # Its build needs CMake and a C++ compiler; a Debian or Ubuntu machine gets them here.
@@ -96,7 +108,7 @@ if [ ! -x "$build/bin/llama-completion" ]; then
     src=$(ls -d "$dir"/llama_cpp_python-*/vendor/llama.cpp | head -1)
   fi
   cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF "${flags[@]}" >/dev/null
-  cmake --build "$build" -j"$(nproc)" --target llama-completion >/dev/null
+  cmake --build "$build" -j"$(nproc)" --target "${targets[@]}" >/dev/null
 fi
 threads=${RAYON_NUM_THREADS:-$(nproc)}
 ggufs=$(dirname "$run")/gguf
@@ -130,3 +142,48 @@ print("| %s / %s | %.1f tokens/s | %.1f tokens/s | %.2fx | %.0f ms | %.0f ms for
   done
 done
 
+[ "${SERVE:-0}" = 1 ] || exit 0
+python=target/clients-venv/bin/python
+if ! "$python" -c "import httpx" 2>/dev/null; then
+  python=$dir/venv/bin/python
+  if ! "$python" -c "import httpx" 2>/dev/null; then
+    echo "installing httpx into $dir/venv (pip, once)" >&2
+    python3 -m venv "$dir/venv" && "$dir/venv/bin/pip" install -q httpx >&2
+  fi
+fi
+# A free loopback port: the kernel's pick, given back before the server takes it.
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# The aggregate tokens/s and first-token p50 of 16 clients against the server on $1.
+load16() {
+  "$python" tools/serve-load.py "http://127.0.0.1:$1" --clients 16 --max-tokens 64 \
+    --concurrent-only --prompt "$prompt" --json |
+    python3 -c 'import json, sys; r = json.load(sys.stdin)["batched"]; print("%.0f %.0f" % (r["tokens_per_s"], r["first_token_ms_p50"]))'
+}
+# Runs "$@" (a server on port $port) until it answers, loads it, stops it.
+serve_and_load() {
+  "$@" >"$out_log" 2>&1 &
+  local pid=$! up=0
+  for _ in $(seq 240); do
+    if curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1; then up=1; break; fi
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.5
+  done
+  if [ "$up" = 1 ]; then load16 "$port"; else echo "error: $1 did not answer on port $port; its log: $out_log" >&2; echo "- -"; fi
+  kill "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+}
+out_log=${TMPDIR:-/tmp}/decode-bench-server.log
+echo
+echo "| 16 clients, $threads threads | tinygpt serve | llama-server | ratio | first token p50: tinygpt / llama-server |"
+echo "|---|---|---|---|---|"
+for _ in $(seq "${ROUNDS:-2}"); do
+  for pair in "f32 f32" "bf16 f16" "int8 q8_0" "int4 q4_0"; do
+    set -- $pair
+    port=$(free_port)
+    read -r ours ours_first < <(serve_and_load "$bin" serve --checkpoint "$run" --parallel 16 --dtype "$1" --port "$port")
+    port=$(free_port)
+    read -r theirs theirs_first < <(serve_and_load "$build/bin/llama-server" -m "$ggufs/$2.gguf" -np 16 -c 4096 -t "$threads" --port "$port")
+    ratio=$(python3 -c 'import sys; a, b = sys.argv[1:]; print("%.2fx" % (float(a) / float(b)) if "-" not in (a, b) else "-")' "$ours" "$theirs")
+    echo "| $1 / $2 | $ours tokens/s | $theirs tokens/s | $ratio | $ours_first ms / $theirs_first ms |"
+  done
+done

@@ -863,8 +863,8 @@ mod tests {
     }
 
     /// Causal attention products (T x T operands, both layouts of A) against the
-    /// oracle: at T past the row blocks and past one k block (`KC_SINGLE`), with A zero where the
-    /// structure says, and (for `LowerDst`) only the lower triangle compared.
+    /// oracle: at T past the row blocks and past one k block (`KC_SINGLE`), with A zero
+    /// where the structure says, and (for `LowerDst`) only the lower triangle compared.
     #[test]
     fn causal_products_skip_only_zeros() {
         for t in [5, 130, 1600] {
