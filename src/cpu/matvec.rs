@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 use super::bf16::Bf16;
-use super::kernels::{asks_ahead, fold16, multiversion, prefetch, Widen};
+use super::kernels::{fold16, multiversion, prefetch, Widen};
 use super::lines::Lines;
 
 /// Elements of a row summed side by side: one lane per class i mod `CLASSES` (four
@@ -300,7 +300,7 @@ fn reduce16_avx2(low: std::arch::x86_64::__m256, high: std::arch::x86_64::__m256
 }
 
 /// How many bf16 weights ahead [`rows_bf16_avx512`] and [`rows_bf16`] ask for their
-/// lines, where they ask ([`asks_ahead`]: not on Zen 4): 8 KiB. Its
+/// lines, where they ask ([`super::kernels::asks_ahead`]: not on Zen 4): 8 KiB. Its
 /// f32 twin streams at the memory's speed on the core's own prefetcher (asking 4-16 KiB
 /// ahead slowed it by 3-15%), but the bf16 loop, a quarter more instructions a byte, did
 /// not: one thread on a Zen 5 decoded GPT-2 at 130-136 tokens/s alone, 137-139 asking 4
@@ -328,7 +328,7 @@ unsafe fn rows_bf16_avx512(
     let whole = len / CLASSES * CLASSES;
     debug_assert!(xe.len() >= whole / 2 && xo.len() >= whole / 2);
     let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
-    let ahead = asks_ahead();
+    let ahead = super::kernels::asks_ahead();
 
     for (o, (out, w)) in out.iter_mut().zip(w.chunks_exact(len)).enumerate() {
         let (mut even, mut odd) = ([_mm512_setzero_ps(); 2], [_mm512_setzero_ps(); 2]);
@@ -445,7 +445,7 @@ unsafe fn rows_bf16_avx2(
     let whole = len / CLASSES * CLASSES;
     debug_assert!(xe.len() >= whole / 2 && xo.len() >= whole / 2);
     let high_half = _mm256_set1_epi32(0xffff_0000_u32 as i32);
-    let ahead = asks_ahead();
+    let ahead = super::kernels::asks_ahead();
 
     for (o, (out, w)) in out.iter_mut().zip(w.chunks_exact(len)).enumerate() {
         // even[m] and odd[m] hold pairs 8 m .. 8 m + 8 of a step's 32.
