@@ -433,56 +433,44 @@ fn the_environment_caps_the_level() {
     };
     let bench_with = |isa: &str, order: &str| bench_env(isa, order, "");
     let bench = |isa: &str| bench_with(isa, "");
-    let out = bench("scalar");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(report["cpu_isa"], "scalar");
-    let out = bench("sse9");
-    assert_eq!(out.status.code(), Some(2));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(stderr.lines().count(), 1, "{stderr}");
-    assert!(
-        stderr.contains("TINYGPT_CPU_ISA") && stderr.contains("avx2"),
-        "{stderr}"
-    );
-    for order in ["side-by-side", "in-order"] {
-        let out = bench_with("", order);
+    // A run that succeeds gives its JSON report; a refused one, one line naming the
+    // variable and a value it takes, exit 2.
+    let report = |out: std::process::Output| -> serde_json::Value {
         assert!(
             out.status.success(),
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        assert_eq!(report["matvec_order"], order);
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let refused = |out: std::process::Output, variable: &str, value: &str| {
+        assert_eq!(out.status.code(), Some(2));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(
+            stderr.contains(variable) && stderr.contains(value),
+            "{stderr}"
+        );
+    };
+    assert_eq!(report(bench("scalar"))["cpu_isa"], "scalar");
+    refused(bench("sse9"), "TINYGPT_CPU_ISA", "avx2");
+    for order in ["side-by-side", "in-order"] {
+        assert_eq!(report(bench_with("", order))["matvec_order"], order);
     }
     for (ahead, asks) in [("on", true), ("off", false)] {
-        let out = bench_env("", "in-order", ahead);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        assert_eq!(
+            report(bench_env("", "in-order", ahead))["matvec_asks_ahead"],
+            asks
         );
-        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        assert_eq!(report["matvec_asks_ahead"], asks);
     }
-    let out = bench_env("", "", "sometimes");
-    assert_eq!(out.status.code(), Some(2));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(stderr.lines().count(), 1, "{stderr}");
-    assert!(
-        stderr.contains("TINYGPT_MATVEC_AHEAD") && stderr.contains("off"),
-        "{stderr}"
+    refused(
+        bench_env("", "", "sometimes"),
+        "TINYGPT_MATVEC_AHEAD",
+        "off",
     );
-    let out = bench_with("", "diagonal");
-    assert_eq!(out.status.code(), Some(2));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(stderr.lines().count(), 1, "{stderr}");
-    assert!(
-        stderr.contains("TINYGPT_MATVEC_ORDER") && stderr.contains("in-order"),
-        "{stderr}"
+    refused(
+        bench_with("", "diagonal"),
+        "TINYGPT_MATVEC_ORDER",
+        "in-order",
     );
 }

@@ -117,11 +117,13 @@ for g in f32 f16 q8_0 q4_0; do
   [ -f "$ggufs/$g.gguf" ] || "$bin" export --checkpoint "$run" --format gguf --dtype "$g" --out "$ggufs/$g.gguf" >&2
 done
 prompt="Now is the winter of"
+# Each of our formats beside llama.cpp's matching one.
+pairs=("f32 f32" "bf16 f16" "int8 q8_0" "int4 q4_0")
 echo
 echo "| one stream, $threads threads | tinygpt decode | llama.cpp eval | ratio | tinygpt first token (16) | llama.cpp prompt eval |"
 echo "|---|---|---|---|---|---|"
 for _ in $(seq "${ROUNDS:-2}"); do
-  for pair in "f32 f32" "bf16 f16" "int8 q8_0" "int4 q4_0"; do
+  for pair in "${pairs[@]}"; do
     set -- $pair
     ours=$("$bin" bench --checkpoint "$run" --decode-dtype "$1" --prompts 16,16,16 --decode-tokens 160 --json)
     theirs=$("$build/bin/llama-completion" -m "$ggufs/$2.gguf" -t "$threads" --temp 0 -n 128 \
@@ -177,7 +179,7 @@ echo
 echo "| 16 clients, $threads threads | tinygpt serve | llama-server | ratio | first token p50: tinygpt / llama-server |"
 echo "|---|---|---|---|---|"
 for _ in $(seq "${ROUNDS:-2}"); do
-  for pair in "f32 f32" "bf16 f16" "int8 q8_0" "int4 q4_0"; do
+  for pair in "${pairs[@]}"; do
     set -- $pair
     port=$(free_port)
     read -r ours ours_first < <(serve_and_load "$bin" serve --checkpoint "$run" --parallel 16 --dtype "$1" --port "$port")
