@@ -114,6 +114,9 @@ pub struct BenchReport {
     pub cpu: CpuInfo,
     pub steps: usize,
     pub train_ms_per_step: f64,
+    /// The fastest and the slowest timed step: on a machine shared with others the
+    /// median alone hides how far the steps spread.
+    pub train_ms_range: (f64, f64),
     pub train_tokens_per_s: f64,
     pub forward_ms: f64,
     pub backward_ms: f64,
@@ -245,6 +248,11 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
             total.push(ms(t0, t3));
         }
     }
+    let step_range = total
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &ms| {
+            (lo.min(ms), hi.max(ms))
+        });
     let step_ms = median(total);
     let gflop = 3.0 * b as f64 * forward_flops(&cfg, t) / 1e9;
     // The profile's steps come after the timed ones, so its timers cost them nothing;
@@ -327,6 +335,7 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
         cpu: CpuInfo::with_threads(candle_core::utils::get_num_threads()),
         steps: opts.steps,
         train_ms_per_step: step_ms,
+        train_ms_range: step_range,
         train_tokens_per_s: (b * t) as f64 / (step_ms / 1e3),
         forward_ms: median(fwd),
         backward_ms: median(bwd),

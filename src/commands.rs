@@ -562,8 +562,11 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
     let mb = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0} MiB"));
     println!("cpu     {}", r.cpu);
     println!(
-        "train   {:.1} ms/step ({} {:?}: forward {:.1}, backward {:.1}, optimizer {:.1}), {:.0} tokens/s, {:.2} GFLOP/step, {:.1} GFLOP/s, peak RSS {}{}",
+        "train   {:.1} ms/step (median of {}, {:.1}-{:.1}; {} {:?}: forward {:.1}, backward {:.1}, optimizer {:.1}), {:.0} tokens/s, {:.2} GFLOP/step, {:.1} GFLOP/s, peak RSS {}{}",
         r.train_ms_per_step,
+        r.steps,
+        r.train_ms_range.0,
+        r.train_ms_range.1,
         r.train_path,
         r.train_dtype,
         r.forward_ms,

@@ -289,6 +289,26 @@ fn bench_decodes_several_sequences_together() {
     assert!(text.contains("2 sequences together"), "{text}");
 }
 
+/// `bench` gives the fastest and slowest timed step beside their median, in its JSON
+/// and on its train line: on a shared machine the spread says how far to trust it.
+#[test]
+fn bench_gives_the_spread_of_its_steps() {
+    let dir = setup();
+    let args = [
+        "bench", "--config", "exp.toml", "--steps", "3", "--warmup", "0",
+    ];
+    let out = succeeds(dir.path(), &[&args[..], &["--json"]].concat());
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (lo, hi) = (
+        report["train_ms_range"][0].as_f64().unwrap(),
+        report["train_ms_range"][1].as_f64().unwrap(),
+    );
+    let median = report["train_ms_per_step"].as_f64().unwrap();
+    assert!(0.0 < lo && lo <= median && median <= hi, "{report}");
+    let text = String::from_utf8(succeeds(dir.path(), &args).stdout).unwrap();
+    assert!(text.contains("ms/step (median of 3, "), "{text}");
+}
+
 /// `bench --checkpoint` gives the bytes of weights read a second beside a plain read
 /// pass on this machine, counting what a pass reads whatever its rows: every parameter
 /// once but the position table, of which one row (this model's f32 matrices are
