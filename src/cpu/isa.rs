@@ -185,6 +185,31 @@ pub fn cpu_model() -> Option<String> {
     Some(line.split_once(':')?.1.trim().to_string())
 }
 
+/// The CPU family when AMD made this CPU (25: Zen 3 and Zen 4; 26: Zen 5), `None` for any
+/// other maker or architecture: kernels tuned per core pick their variant by it. Asked once.
+pub fn amd_family() -> Option<u32> {
+    static FAMILY: OnceLock<Option<u32>> = OnceLock::new();
+    *FAMILY.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::__cpuid;
+            let leaf = __cpuid(0);
+            let vendor: Vec<u8> = [leaf.ebx, leaf.edx, leaf.ecx]
+                .iter()
+                .flat_map(|r| r.to_le_bytes())
+                .collect();
+            // CPUID 1: the base family (bits 8-11), plus the extended one (bits 20-27)
+            // where the base is 15.
+            let eax = __cpuid(1).eax;
+            let base = (eax >> 8) & 0xf;
+            let family = base + if base == 0xf { (eax >> 20) & 0xff } else { 0 };
+            (vendor == b"AuthenticAMD").then_some(family)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        None
+    })
+}
+
 /// Whether this CPU has AVX-512 VNNI (`vpdpbusd`), for the integer products that
 /// use it beside the `avx512` level. Asked once.
 #[cfg(target_arch = "x86_64")]

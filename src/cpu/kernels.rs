@@ -186,26 +186,10 @@ pub fn asks_ahead() -> bool {
 /// An AMD core of family 25 (Zen 3 and Zen 4) with AVX-512: Zen 4.
 fn zen4() -> bool {
     #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::__cpuid;
-        let leaf = __cpuid(0);
-        let vendor: Vec<u8> = [leaf.ebx, leaf.edx, leaf.ecx]
-            .iter()
-            .flat_map(|r| r.to_le_bytes())
-            .collect();
-        // CPUID 1: the family is the base family (bits 8-11) plus the extended one
-        // (bits 20-27) where the base is 15.
-        let eax = __cpuid(1).eax;
-        let family = ((eax >> 8) & 0xf)
-            + if (eax >> 8) & 0xf == 0xf {
-                (eax >> 20) & 0xff
-            } else {
-                0
-            };
-        vendor == b"AuthenticAMD" && family == 25 && std::arch::is_x86_feature_detected!("avx512f")
-    }
+    let avx512 = std::arch::is_x86_feature_detected!("avx512f");
     #[cfg(not(target_arch = "x86_64"))]
-    false
+    let avx512 = false;
+    super::isa::amd_family() == Some(25) && avx512
 }
 
 /// Asks for the cache line holding `p` without waiting for it; a hint only, so an

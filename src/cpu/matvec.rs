@@ -76,18 +76,10 @@ pub fn order_from_env() -> Result<Option<Order>, String> {
 /// on Zen 5), side by side elsewhere (measured on Intel Xeons; other CPUs keep the
 /// kernels they had).
 fn native_order() -> Order {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let leaf = std::arch::x86_64::__cpuid(0);
-        let vendor: Vec<u8> = [leaf.ebx, leaf.edx, leaf.ecx]
-            .iter()
-            .flat_map(|r| r.to_le_bytes())
-            .collect();
-        if vendor == b"AuthenticAMD" {
-            return Order::InAddressOrder;
-        }
+    match super::isa::amd_family() {
+        Some(_) => Order::InAddressOrder,
+        None => Order::SideBySide,
     }
-    Order::SideBySide
 }
 
 /// 0: not forced; otherwise the forced order's index + 1.

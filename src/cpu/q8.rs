@@ -302,19 +302,15 @@ pub trait BlockMatrix: Sync {
     /// (Where the CPU's prefetchers do better alone, [`asks_ahead`], nothing is asked.)
     fn matvec(&self, first: usize, x: &Q8Row, bias: Option<&[f32]>, out: &mut [f32]) {
         let level = isa::active();
-        if !asks_ahead() {
-            for (o, out) in out.iter_mut().enumerate() {
-                *out = self.dot_row(level, first + o, x) + bias.map_or(0.0, |b| b[o]);
-            }
-            return;
-        }
-        let ahead = (AHEAD_BYTES / self.row_bytes()).max(1);
+        let ahead = asks_ahead().then(|| (AHEAD_BYTES / self.row_bytes()).max(1));
         let end = first + out.len();
-        for r in first..(first + ahead).min(end) {
-            self.prefetch_row(r);
+        if let Some(ahead) = ahead {
+            for r in first..(first + ahead).min(end) {
+                self.prefetch_row(r);
+            }
         }
         for (o, out) in out.iter_mut().enumerate() {
-            if first + o + ahead < end {
+            if let Some(ahead) = ahead.filter(|a| first + o + a < end) {
                 self.prefetch_row(first + o + ahead);
             }
             *out = self.dot_row(level, first + o, x) + bias.map_or(0.0, |b| b[o]);
