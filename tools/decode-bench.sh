@@ -26,7 +26,8 @@
 #
 # The model: 12 layers, 12 heads, 768 wide, context 1024, vocabulary 50304 (GPT-2's,
 # padded), trained one step on the repository's corpus so it is a real checkpoint.
-# Threads: RAYON_NUM_THREADS (default: every core).
+# Threads: RAYON_NUM_THREADS (default: every core). DTYPES="f32 int8" runs only those
+# formats (and their llama.cpp pairs) in every table.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --quiet
@@ -117,8 +118,10 @@ for g in f32 f16 q8_0 q4_0; do
   [ -f "$ggufs/$g.gguf" ] || "$bin" export --checkpoint "$run" --format gguf --dtype "$g" --out "$ggufs/$g.gguf" >&2
 done
 prompt="Now is the winter of"
-# Each of our formats beside llama.cpp's matching one.
-pairs=("f32 f32" "bf16 f16" "int8 q8_0" "int4 q4_0")
+# Each of our formats (DTYPES) beside llama.cpp's matching one.
+declare -A gguf_of=([f32]=f32 [bf16]=f16 [int8]=q8_0 [int4]=q4_0)
+pairs=()
+for dtype in ${DTYPES:-f32 bf16 int8 int4}; do pairs+=("$dtype ${gguf_of[$dtype]}"); done
 echo
 echo "| one stream, $threads threads | tinygpt decode | llama.cpp eval | ratio | tinygpt first token (16) | llama.cpp prompt eval |"
 echo "|---|---|---|---|---|---|"
