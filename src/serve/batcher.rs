@@ -42,9 +42,10 @@ use crate::util::Stop;
 /// shape, 2 cores of a Xeon, f32, 16 clients arriving at once with 20-token prompts,
 /// 64 tokens each, interleaved): 4 rows gave 177-193 tokens/s and first token p50
 /// 0.7-1.0 s; 32 rows 214-239 tokens/s and 0.53 s (per-token p99 81-101 -> 99-105 ms);
-/// int8 level in tokens/s, first token p50 0.42-1.2 s -> 0.45-0.57 s. Earlier, 6 layers
-/// of 384: 16 streams wait 16 ms a token, at most 29-34 ms while a 256-token prompt
-/// joins.
+/// int8 level in tokens/s, first token p50 0.42-1.2 s -> 0.45-0.57 s. Earlier, at 4
+/// rows (16 prompt rows a pass beside 16 streams), 6 layers of 384: 16 streams waited
+/// 16 ms a token, at most 29-34 ms while a 256-token prompt joined; beside 16 streams a
+/// pass now takes 32, so such a join is shorter and each of its passes longer.
 const PREFILL_ROWS: usize = 32;
 
 /// One request, as the HTTP side hands it over: validated, tokenized.
