@@ -62,11 +62,7 @@ pub fn matmul_serial(dst: &mut [f32], dst_row: usize, p: Product, precision: Pre
     };
     for i0 in (0..p.m).step_by(block) {
         let i1 = (i0 + block).min(p.m);
-        let rows = Product {
-            a: p.a.offset(i0, 0),
-            m: i1 - i0,
-            ..p
-        };
+        let rows = p.block(i0..i1, 0..p.n);
         let part = match p.causal {
             Causal::No => rows,
             Causal::LowerDst => Product {
@@ -82,6 +78,11 @@ pub fn matmul_serial(dst: &mut [f32], dst_row: usize, p: Product, precision: Pre
         gemm_f32(&mut dst[i0 * dst_row..], dst_row, part, 1);
     }
 }
+
+/// Rows or columns a thread's share of a product through the gemm crate rounds to: a
+/// whole number of the crate's f32 vectors at every level (16 lanes at AVX-512, 8 at
+/// AVX2, 4 at NEON), so only the last share ends in a part-filled one.
+const CRATE_SHARE_UNIT: usize = 48;
 
 /// dst = dst (if accumulating) + beta * a · b in f32 on up to `threads` threads: on
 /// AVX2 cores through our own tile (`sgemm`) when it has the rows to repay packing,
@@ -108,16 +109,11 @@ fn gemm_f32(dst: &mut [f32], dst_row: usize, p: Product, threads: usize) {
     // k blocking from k alone, so a block's sums run in one thread's order: the thread
     // count never changes the bits.
     let dst = SharedDst(dst_ptr);
-    super::threads::split_dst((p.m, p.n), threads, (48, 48), |rows, cols| {
-        let part = Product {
-            a: p.a.offset(rows.start, 0),
-            b: p.b.offset(0, cols.start),
-            m: rows.len(),
-            n: cols.len(),
-            ..p
-        };
+    let unit = (CRATE_SHARE_UNIT, CRATE_SHARE_UNIT);
+    super::threads::split_dst((p.m, p.n), threads, unit, |rows, cols| {
+        let at = rows.start * dst_row + cols.start;
         // Safety: the blocks are disjoint and inside the bounds checked above.
-        unsafe { crate_gemm(dst.at(rows.start * dst_row + cols.start), dst_row, part) }
+        unsafe { crate_gemm(dst.at(at), dst_row, p.block(rows, cols)) }
     });
 }
 

@@ -168,6 +168,17 @@ impl<'a> Product<'a> {
         }
     }
 
+    /// The block (rows, cols) of the product's dst: those rows of a, those columns of b.
+    pub fn block(self, rows: std::ops::Range<usize>, cols: std::ops::Range<usize>) -> Self {
+        Self {
+            a: self.a.offset(rows.start, 0),
+            b: self.b.offset(0, cols.start),
+            m: rows.len(),
+            n: cols.len(),
+            ..self
+        }
+    }
+
     /// Panics unless dst (m x n, rows `dst_row` apart), a and b hold every element the
     /// product touches.
     pub fn check_bounds(&self, dst: &[f32], dst_row: usize) {
