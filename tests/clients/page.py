@@ -1,6 +1,6 @@
 """The page in headless Chromium (Playwright, Debian's chromium): the playground
 streams text into the page, the dashboard draws a loss curve that grows while
-`tinygpt train` writes metrics.jsonl, each tab has its URL (/#runs opens the runs,
+`tinygpt train` writes metrics.jsonl (the table's step count with it), each tab has its URL (/#runs opens the runs,
 a reload keeps the tab), the header fits a 400 px wide window, no console errors;
 screenshots saved.
 
@@ -84,6 +84,16 @@ with sync_playwright() as p:
         time.sleep(0.2)
     after = int(page.get_attribute("#chart-loss", "data-points"))
     assert page.locator("#chart-loss canvas").count() == 1
+    # The table's step count keeps up with the curve: both move on each poll of the
+    # metrics, not the table only when the list of runs is fetched again (every 5 s).
+    # Read together in one script, for three seconds while the run trains.
+    for _ in range(15):
+        table, chart = page.evaluate("""[
+            Math.max(...[...document.querySelectorAll('#runs-table tbody td:nth-child(4)')].map((td) => Number(td.textContent))),
+            Number(document.getElementById('chart-loss').dataset.lastStep),
+        ]""")
+        assert table >= chart, f"the table says {table} steps while the loss curve reaches step {chart}"
+        time.sleep(0.2)
     page.screenshot(path=os.path.join(shots, "runs.png"), full_page=True)
 
     # A sample from a run's checkpoint.

@@ -221,6 +221,7 @@ class Charts {
     };
     this.plots[id] = new uPlot(opts, data, el);
     el.dataset.points = String(nonEmpty.reduce((n, s) => n + s.points.length, 0));
+    el.dataset.lastStep = String(data[0].reduce((a, b) => Math.max(a, b), 0));
   }
 
   redraw() {
@@ -257,12 +258,16 @@ function renderTable() {
       "", `${swatch} ${escapeHtml(name)}`, escapeHtml((run.row.differs || []).join(" ")) || "–",
       String(run.row.steps), fmt(run.row.best_val_loss, 4), fmt(run.row.tokens_per_s, 0),
     ];
-    cells.forEach((html, i) => {
+    const tds = cells.map((html, i) => {
       const td = document.createElement("td");
       if (i === 0) td.append(box); else td.innerHTML = html;
       if (i >= 3) td.className = "num";
       tr.append(td);
+      return td;
     });
+    // Kept so each poll of the metrics moves these two at once with the charts (the
+    // whole list is fetched again every few seconds only).
+    run.cells = { steps: tds[3], best: tds[4] };
     body.append(tr);
   }
   const select = $("sample-run");
@@ -305,11 +310,36 @@ async function pollMetrics() {
     const response = await api(`/api/runs/${encodeURIComponent(name)}/metrics?from=${run.next}`);
     if (!response.ok) continue;
     const got = await response.json();
-    if (got.next < run.next) run.records = []; // the run started over
-    if (got.records.length > 0) { run.records.push(...got.records); grew = true; }
+    if (got.next < run.next) {
+      // The run started over: so do its counts.
+      run.records = [];
+      run.row.steps = 0;
+      run.row.best_val_loss = null;
+    }
+    if (got.records.length > 0) {
+      run.records.push(...got.records);
+      grew = true;
+      countRecords(run, got.records);
+    }
     run.next = got.next;
   }
   if (grew) charts.redraw();
+}
+
+// The table's steps and best validation loss from records just polled, by the rule the
+// server's summary follows (a training step's record, or an evaluation's with both
+// losses), so the table keeps up with the charts between the list's refreshes.
+function countRecords(run, records) {
+  for (const m of records) {
+    if (typeof m.step !== "number") continue;
+    const evaluation = typeof m.train_loss === "number" && typeof m.val_loss === "number";
+    if (typeof m.loss === "number" || evaluation) run.row.steps = Math.max(run.row.steps || 0, m.step);
+    const best = run.row.best_val_loss;
+    if (evaluation && (typeof best !== "number" || m.val_loss < best)) run.row.best_val_loss = m.val_loss;
+  }
+  if (!run.cells) return;
+  run.cells.steps.textContent = String(run.row.steps);
+  run.cells.best.textContent = fmt(run.row.best_val_loss, 4);
 }
 
 let polling = null;
