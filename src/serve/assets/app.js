@@ -310,13 +310,14 @@ async function pollMetrics() {
     const response = await api(`/api/runs/${encodeURIComponent(name)}/metrics?from=${run.next}`);
     if (!response.ok) continue;
     const got = await response.json();
-    if (got.next < run.next) {
-      // The run started over: so do its counts.
+    const restarted = got.next < run.next;
+    if (restarted) {
+      // The run started over: so do its curves and counts.
       run.records = [];
       run.row.steps = 0;
       run.row.best_val_loss = null;
     }
-    if (got.records.length > 0) {
+    if (restarted || got.records.length > 0) {
       run.records.push(...got.records);
       grew = true;
       countRecords(run, got.records);
