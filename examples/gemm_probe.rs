@@ -4,7 +4,8 @@
 //!
 //!     RAYON_NUM_THREADS=1 cargo run --release --example gemm_probe
 //!
-//! `PROBE_PRECISION=bf16` times our bf16 product instead (the crate's column stays f32).
+//! `PROBE_PRECISION=bf16` times our bf16 product instead (the crate's column stays f32);
+//! `PROBE_ONLY=<name>` times one shape (e.g. `"qkv fwd"`), ours alone (for `perf`).
 use std::time::Instant;
 use tinygpt::config::Precision;
 use tinygpt::cpu::gemm::matmul;
@@ -25,7 +26,11 @@ fn main() {
         ("baby fc", 768, 512, 128, false, true),
         ("baby dx", 768, 128, 512, false, false),
     ];
+    let only = std::env::var("PROBE_ONLY").ok();
     for (name, m, n, k, at, bt) in shapes {
+        if only.as_ref().is_some_and(|only| only != name) {
+            continue;
+        }
         let a = vec![0.5f32; m * k];
         let b = vec![0.25f32; k * n];
         let mut c = vec![0f32; m * n];
@@ -48,6 +53,9 @@ fn main() {
                 matmul(&mut c, n, p, precision);
             }
             ours = ours.min(t.elapsed().as_secs_f64());
+            if only.is_some() {
+                continue;
+            }
             let t = Instant::now();
             for _ in 0..reps {
                 unsafe {
