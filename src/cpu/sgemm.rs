@@ -1,24 +1,22 @@
-//! f32 products on AVX2 + FMA cores (x86-64-v3: the laptops and servers without
-//! AVX-512, Intel's and AMD's): BLIS's blocking around our own register tile of 6 rows
-//! by 16 columns.
+//! f32 products on x86: BLIS's blocking around our own register tiles, 6 rows by 16
+//! columns on AVX2 + FMA cores (x86-64-v3: the laptops and servers without AVX-512,
+//! Intel's and AMD's), 8 by 32 on AVX-512 ones.
 //!
 //! Why our own: on one Zen 3 core (an FMA loop: 97 GFLOP/s) the `gemm` crate's AVX2
 //! path multiplied the 6L/384 model's layers at 69-74 GFLOP/s, this one at 74-84
 //! (docs/PERFORMANCE.md). The tile is the same size as the crate's; the difference is
-//! in reading A in place and fetching dst's tile ahead.
+//! in reading A in place and fetching dst's tile ahead. On AVX-512 cores the crate
+//! keeps the layers' products, and attention's come here (`gemm::matmul_serial`):
+//! per-head products of 64 rows by a head's 32 k, where the crate's packing and
+//! dispatch cost more than its tile saves.
 //!
-//! The tile: twelve 8-lane accumulators (6 rows x 2 vectors), per k two loads of B
-//! and six broadcasts of A for twelve FMAs, which keeps both FMA ports of a core busy
-//! past their latency (3-5 cycles on the x86 cores of the last decade) with 3 of the
-//! 16 registers to spare. Alone, in L1, it runs at the FMA loop's speed.
-//!
-//! The blocking: k in equal blocks of at most `KC`, whose 16-column B panel (16 KiB)
-//! stays in L1 while A streams from L2; rows in blocks of `MC`; columns in blocks of
-//! `NC` (KC x NC of B, in L3). B is packed into 16-column panels, each k's values side
-//! by side with zeros past the edge. A is read where it lies when its rows run along
-//! memory (each value serves a whole block of columns, so a copy would cost what it
-//! saves); read down its columns (a weight gradient's activations), a k a line, it is
-//! packed into 6-row panels first.
+//! The blocking: k in equal blocks of at most `kc_max`, whose B panel (16 KiB) stays
+//! in L1 while A streams from L2; rows in blocks of `mc`; columns in blocks of `NC`
+//! (a k block of NC columns of B, in L3). B is packed into tile-wide panels, each k's
+//! values side by side with zeros past the edge. A is read where it lies when its rows
+//! run along memory (each value serves a whole block of columns, so a copy would cost
+//! what it saves); read down its columns (a weight gradient's activations), a k a line,
+//! it is packed into tile-high panels first.
 //!
 //! Inside causal attention (`Product::causal`) a tile wholly above the diagonal of a dst
 //! whose lower triangle alone is read is skipped, and a tile's k are cut to those its
@@ -30,19 +28,61 @@
 
 use std::arch::x86_64::*;
 
+use super::isa::Isa;
 use super::matrix::{Product, Strided, Tile, PARALLEL_MIN_MACS};
 use super::panels::{scratch, PANELS};
 use super::threads::split_dst;
 
-/// Rows of the register tile.
-const MR: usize = 6;
-/// Columns of the register tile: two 8-lane vectors.
-const NR: usize = 16;
-/// k per block, about: the k are split into equal blocks of at most this.
-const KC: usize = 256;
-/// Rows per block of A (a multiple of `MR`): 72 rows of KC, 72 KiB, in L2.
-const MC: usize = 72;
-/// Columns per packed block of B, a multiple of `NR`.
+/// The register tile's rows and columns at each level, and the blocking sized from
+/// them (below).
+///
+/// AVX2: twelve 8-lane accumulators, 6 rows by 16 columns (two vectors), per k two
+/// loads of B and six broadcasts of A for twelve FMAs, which keeps both FMA ports of a
+/// core busy past their latency (3-5 cycles on the x86 cores of the last decade) with 3
+/// of the 16 registers to spare. Alone, in L1, it runs at the FMA loop's speed.
+///
+/// AVX-512: sixteen 16-lane accumulators, 8 rows by 32 columns, per k two loads of B
+/// and eight broadcasts for sixteen FMAs (two 512-bit FMA ports, Intel's, want ~8-10
+/// chains in flight; a double-pumped one, Zen 4's, half as many), with 14 of the 32
+/// registers to spare. Eight rows divide attention's usual T (64, 256, 1024), so
+/// causal skipping loses no part-filled tiles there.
+const MR_AVX2: usize = 6;
+const NR_AVX2: usize = 16;
+const MR_AVX512: usize = 8;
+const NR_AVX512: usize = 32;
+
+/// The register tiles a product can run on: the CPU's widest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Level {
+    Avx2,
+    Avx512,
+}
+
+impl Level {
+    /// The tile for the active CPU level (`isa::active`), if it has AVX2.
+    pub fn active() -> Option<Level> {
+        match super::isa::active() {
+            Isa::Scalar => None,
+            Isa::Avx2 => Some(Level::Avx2),
+            Isa::Avx512 | Isa::Amx => Some(Level::Avx512),
+        }
+    }
+}
+
+/// k per block, about: the k are split into equal blocks of at most this, so that a
+/// block's B panel (`NR` columns of it: 16 KiB at either level) stays in L1 (32 KiB
+/// on Zen 4, 48 on Intel's) while A streams from L2.
+const fn kc_max(nr: usize) -> usize {
+    (16 << 10) / (4 * nr)
+}
+
+/// Rows per block of A (twelve tiles): 72 or 96 rows of a block's k, 72 or 48 KiB, in
+/// L2.
+const fn mc(mr: usize) -> usize {
+    12 * mr
+}
+
+/// Columns per packed block of B, a multiple of both levels' `NR`.
 const NC: usize = 3072;
 /// Plain products with fewer rows go to the `gemm` crate: packing B costs as much as
 /// multiplying there (attention's per-head products, in blocks of 64 rows, were 20%
@@ -53,24 +93,52 @@ const NC: usize = 3072;
 pub const MIN_ROWS: usize = 128;
 
 /// dst (rows `dst_row` apart) = dst (if `p.accumulate`) + p.beta * a · b, over
-/// `threads` threads when the product is large enough to repay them.
+/// `threads` threads when the product is large enough to repay them, on the active
+/// level's tile.
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA; `p.check_bounds(dst, dst_row)` must hold.
+/// The active level must be AVX2 or above (`Level::active` is some);
+/// `p.check_bounds(dst, dst_row)` must hold.
 pub unsafe fn multiply(dst: &mut [f32], dst_row: usize, p: Product, threads: usize) {
+    let level = Level::active().expect("sgemm runs at AVX2 and above");
+    multiply_at(level, dst, dst_row, p, threads)
+}
+
+/// [`multiply`] on `level`'s tile.
+///
+/// # Safety
+/// The CPU must have `level`; `p.check_bounds(dst, dst_row)` must hold.
+pub unsafe fn multiply_at(
+    level: Level,
+    dst: &mut [f32],
+    dst_row: usize,
+    p: Product,
+    threads: usize,
+) {
     let problem = Problem {
         dst: dst.as_mut_ptr(),
         dst_row,
         p,
     };
+    // Safety (both): the shares are disjoint and inside (m, n); the CPU has the level.
+    let run = |rows, cols| unsafe {
+        match level {
+            Level::Avx2 => problem.run::<MR_AVX2, NR_AVX2>(rows, cols, tile_avx2),
+            Level::Avx512 => problem.run::<MR_AVX512, NR_AVX512>(rows, cols, tile_avx512),
+        }
+    };
     if threads < 2 || p.macs() < PARALLEL_MIN_MACS {
-        return problem.run(0..p.m, 0..p.n);
+        return run(0..p.m, 0..p.n);
     }
-    // Safety: the shares are disjoint and inside (m, n).
-    split_dst((p.m, p.n), threads, (MR, NR), |rows, cols| unsafe {
-        problem.run(rows, cols)
-    });
+    let tile = match level {
+        Level::Avx2 => (MR_AVX2, NR_AVX2),
+        Level::Avx512 => (MR_AVX512, NR_AVX512),
+    };
+    split_dst((p.m, p.n), threads, tile, run);
 }
+
+/// A register tile: `kc` k from one A panel and one B panel, added into dst.
+type TileFn = unsafe fn(usize, APanel, *const f32, Tile);
 
 /// One product, read by the threads that compute its parts.
 struct Problem<'a> {
@@ -96,7 +164,12 @@ impl Problem<'_> {
     ///
     /// # Safety
     /// As `multiply`'s, and no other thread touches this block of dst meanwhile.
-    unsafe fn run(&self, rows: std::ops::Range<usize>, cols: std::ops::Range<usize>) {
+    unsafe fn run<const MR: usize, const NR: usize>(
+        &self,
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+        tile_fma: TileFn,
+    ) {
         let p = &self.p;
         if rows.is_empty() || cols.is_empty() {
             return;
@@ -113,23 +186,23 @@ impl Problem<'_> {
         }
         PANELS.with(|packs| {
             let packs = &mut *packs.borrow_mut();
-            let blocks = p.k.div_ceil(KC);
+            let blocks = p.k.div_ceil(kc_max(NR));
             let step = p.k.div_ceil(blocks);
             for j0 in cols.clone().step_by(NC) {
                 let nc = NC.min(cols.end - j0);
                 for k0 in (0..p.k).step_by(step) {
                     let kc = step.min(p.k - k0);
                     let b = floats(&mut packs.b, nc.div_ceil(NR) * NR * kc);
-                    pack_b(b, &p.b, k0, kc, j0, nc);
+                    pack_b::<NR>(b, &p.b, k0, kc, j0, nc);
                     let load = p.accumulate || k0 > 0;
-                    for i0 in rows.clone().step_by(MC) {
-                        let mc = MC.min(rows.end - i0);
+                    for i0 in rows.clone().step_by(mc(MR)) {
+                        let mc = mc(MR).min(rows.end - i0);
                         // A read down its columns (a weight gradient's activations)
                         // would touch a line a k, more lines than L1 holds beside B's
                         // panel: those are packed; rows along memory are read in place.
                         let packed = (p.a.row == 1 && p.a.col != 1).then(|| {
                             let a = floats(&mut packs.a, mc.div_ceil(MR) * MR * kc);
-                            pack_a(a, &p.a, i0, mc, k0, kc);
+                            pack_a::<MR>(a, &p.a, i0, mc, k0, kc);
                             &*a
                         });
                         for (jp, b_panel) in b.chunks_exact(NR * kc).enumerate() {
@@ -184,20 +257,27 @@ impl Problem<'_> {
 }
 
 /// Rows i0..i0 + mc, k k0..k0 + kc of `a`, whose columns run along memory, as
-/// `MR`-row panels: panel i holds, per k, its rows' values side by side (six
+/// `MR`-row panels: panel i holds, per k, its rows' values side by side (MR
 /// neighbours copied a k); rows past mc are zeros.
-fn pack_a(out: &mut [f32], a: &Strided, i0: usize, mc: usize, k0: usize, kc: usize) {
+fn pack_a<const MR: usize>(
+    out: &mut [f32],
+    a: &Strided,
+    i0: usize,
+    mc: usize,
+    k0: usize,
+    kc: usize,
+) {
     for (ip, panel) in out.chunks_exact_mut(MR * kc).enumerate() {
         let r0 = i0 + ip * MR;
         let height = MR.min(i0 + mc - r0);
         for (kk, values) in panel.chunks_exact_mut(MR).enumerate() {
             let start = (k0 + kk) * a.col + r0 * a.row;
             if height == MR {
-                // Six values of a known size: two moves, where a copy of a length only
-                // known at run time was a call to memcpy a k (a tenth of the weight
-                // gradients' time).
-                let six: &[f32; MR] = a.data[start..start + MR].try_into().unwrap();
-                values.copy_from_slice(six);
+                // A tile's rows of a known size: a move or two, where a copy of a
+                // length only known at run time was a call to memcpy a k (a tenth of
+                // the weight gradients' time).
+                let column: &[f32; MR] = a.data[start..start + MR].try_into().unwrap();
+                values.copy_from_slice(column);
             } else {
                 values[..height].copy_from_slice(&a.data[start..start + height]);
                 values[height..].fill(0.0);
@@ -222,19 +302,26 @@ struct APanel {
 /// # Safety
 /// The CPU must have AVX2.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn pack_b(out: &mut [f32], b: &Strided, k0: usize, kc: usize, j0: usize, nc: usize) {
+unsafe fn pack_b<const NR: usize>(
+    out: &mut [f32],
+    b: &Strided,
+    k0: usize,
+    kc: usize,
+    j0: usize,
+    nc: usize,
+) {
     for (jp, panel) in out.chunks_exact_mut(NR * kc).enumerate() {
         let c0 = j0 + jp * NR;
         let width = NR.min(j0 + nc - c0);
         if b.col == 1 {
-            // B's rows (fixed k) run along memory: sixteen neighbours a k.
+            // B's rows (fixed k) run along memory: a tile's width of neighbours a k.
             let (values, _) = panel.as_chunks_mut::<NR>();
             for (kk, values) in values.iter_mut().enumerate() {
                 let start = (k0 + kk) * b.row + c0;
                 if width == NR {
-                    // Sixteen values of a known size: two vector moves, where a copy of
-                    // a length known only at run time was a call to memcpy a k (4% of
-                    // the baby model's step on one Zen 3 thread).
+                    // Values of a known count: vector moves, where a copy of a length
+                    // known only at run time was a call to memcpy a k (4% of the baby
+                    // model's step on one Zen 3 thread).
                     *values = b.data[start..start + NR].try_into().unwrap();
                 } else {
                     values[..width].copy_from_slice(&b.data[start..start + width]);
@@ -255,7 +342,7 @@ unsafe fn pack_b(out: &mut [f32], b: &Strided, k0: usize, kc: usize, j0: usize, 
             for kk in (0..whole).step_by(8) {
                 let start = (c0 + 8 * half) * b.col + k0 + kk;
                 let rows: [&[f32]; 8] = std::array::from_fn(|j| &b.data[start + j * b.col..][..8]);
-                transpose_8x8(rows, &mut panel[kk * NR + 8 * half..]);
+                transpose_8x8(rows, &mut panel[kk * NR + 8 * half..], NR);
             }
         }
         for j in 0..NR {
@@ -271,11 +358,11 @@ unsafe fn pack_b(out: &mut [f32], b: &Strided, k0: usize, kc: usize, j0: usize, 
     }
 }
 
-/// out[t * NR + j] = rows[j][t] for t, j < 8: eight rows of eight into eight k of a
-/// panel's half.
+/// out[t * nr + j] = rows[j][t] for t, j < 8: eight rows of eight into eight k of a
+/// panel `nr` wide.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn transpose_8x8(rows: [&[f32]; 8], out: &mut [f32]) {
-    assert!(out.len() >= 7 * NR + 8);
+unsafe fn transpose_8x8(rows: [&[f32]; 8], out: &mut [f32], nr: usize) {
+    assert!(out.len() >= 7 * nr + 8);
     let r: [__m256; 8] = std::array::from_fn(|j| _mm256_loadu_ps(rows[j].as_ptr()));
     let t = [
         _mm256_unpacklo_ps(r[0], r[1]),
@@ -300,18 +387,20 @@ unsafe fn transpose_8x8(rows: [&[f32]; 8], out: &mut [f32]) {
     for i in 0..4 {
         let low = _mm256_permute2f128_ps::<0x20>(u[i], u[i + 4]);
         let high = _mm256_permute2f128_ps::<0x31>(u[i], u[i + 4]);
-        _mm256_storeu_ps(out.as_mut_ptr().add(i * NR), low);
-        _mm256_storeu_ps(out.as_mut_ptr().add((i + 4) * NR), high);
+        _mm256_storeu_ps(out.as_mut_ptr().add(i * nr), low);
+        _mm256_storeu_ps(out.as_mut_ptr().add((i + 4) * nr), high);
     }
 }
 
-/// The tile of `kc` k from one A panel and one B panel, added into dst.
+/// The AVX2 tile of `kc` k from one A panel and one B panel, added into dst.
 ///
 /// # Safety
 /// AVX2 and FMA; `a`'s rows hold `kc` values each, `b` holds `NR * kc` on a 32-byte
 /// boundary, and the tile's `height` x `width` of dst are writable.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn tile_fma(kc: usize, a: APanel, b: *const f32, tile: Tile) {
+unsafe fn tile_avx2(kc: usize, a: APanel, b: *const f32, tile: Tile) {
+    const MR: usize = MR_AVX2;
+    const NR: usize = NR_AVX2;
     let mut acc = [[_mm256_setzero_ps(); 2]; MR];
     // Rows past the panel's height read row 0 again (their sums are never stored), so
     // every read stays inside A.
@@ -369,19 +458,92 @@ unsafe fn tile_fma(kc: usize, a: APanel, b: *const f32, tile: Tile) {
     }
 }
 
+/// The AVX-512 tile of `kc` k from one A panel and one B panel, added into dst: the
+/// AVX2 tile's loop at twice the rows and twice the lanes, the same order of sums.
+///
+/// # Safety
+/// AVX-512 F; `a`'s rows hold `kc` values each, `b` holds `NR * kc` on a 64-byte
+/// boundary, and the tile's `height` x `width` of dst are writable.
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_avx512(kc: usize, a: APanel, b: *const f32, tile: Tile) {
+    const MR: usize = MR_AVX512;
+    const NR: usize = NR_AVX512;
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    // Rows past the panel's height read row 0 again (their sums are never stored).
+    let rows: [*const f32; MR] =
+        std::array::from_fn(|r| a.first.add(if r < a.height { r * a.row } else { 0 }));
+    // dst's tile fetched now, its misses overlapping the products (as on AVX2).
+    for r in 0..tile.height {
+        _mm_prefetch::<_MM_HINT_T0>(tile.c.add(r * tile.row).cast());
+        _mm_prefetch::<_MM_HINT_T0>(tile.c.add(r * tile.row + tile.width - 1).cast());
+    }
+    for kk in 0..kc {
+        let b = b.add(kk * NR);
+        let (b0, b1) = (_mm512_load_ps(b), _mm512_load_ps(b.add(16)));
+        let at = kk * a.step;
+        for (row, first) in acc.iter_mut().zip(rows) {
+            let x = _mm512_set1_ps(*first.add(at));
+            row[0] = _mm512_fmadd_ps(x, b0, row[0]);
+            row[1] = _mm512_fmadd_ps(x, b1, row[1]);
+        }
+    }
+    let beta = _mm512_set1_ps(tile.beta);
+    if tile.height == MR && tile.width == NR {
+        for (r, row) in acc.iter().enumerate() {
+            let c = tile.c.add(r * tile.row);
+            for (v, &sum) in row.iter().enumerate() {
+                let c = c.add(16 * v);
+                let out = if tile.load {
+                    _mm512_fmadd_ps(sum, beta, _mm512_loadu_ps(c))
+                } else {
+                    _mm512_mul_ps(sum, beta)
+                };
+                _mm512_storeu_ps(c, out);
+            }
+        }
+        return;
+    }
+    // An edge: each row's real part through masked loads and stores, with the same
+    // arithmetic as above.
+    for (r, row) in acc.iter().enumerate().take(tile.height) {
+        let c = tile.c.add(r * tile.row);
+        for (v, &sum) in row.iter().enumerate() {
+            let width = tile.width.saturating_sub(16 * v).min(16);
+            if width == 0 {
+                break;
+            }
+            let mask = ((1u32 << width) - 1) as __mmask16;
+            let c = c.add(16 * v);
+            let out = if tile.load {
+                _mm512_fmadd_ps(sum, beta, _mm512_maskz_loadu_ps(mask, c))
+            } else {
+                _mm512_mul_ps(sum, beta)
+            };
+            _mm512_mask_storeu_ps(c, mask, out);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::matrix::{Causal, Layout};
     use super::*;
 
-    /// Whether this CPU runs the tile; says so loudly when it does not.
-    fn has_avx2_fma() -> bool {
-        let has = std::arch::is_x86_feature_detected!("avx2")
+    /// The tiles this CPU runs; says loudly which it cannot.
+    fn levels() -> Vec<Level> {
+        let avx2 = std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma");
-        if !has {
-            eprintln!("SKIPPED: sgemm needs AVX2 and FMA, which this CPU lacks");
+        let avx512 = avx2 && std::arch::is_x86_feature_detected!("avx512f");
+        if !avx2 {
+            eprintln!("SKIPPED: sgemm's AVX2 tile needs AVX2 and FMA, which this CPU lacks");
         }
-        has
+        if !avx512 {
+            eprintln!("SKIPPED: sgemm's AVX-512 tile needs AVX-512 F, which this CPU lacks");
+        }
+        [(Level::Avx2, avx2), (Level::Avx512, avx512)]
+            .into_iter()
+            .filter_map(|(level, has)| has.then_some(level))
+            .collect()
     }
 
     fn values(len: usize, seed: usize) -> Vec<f32> {
@@ -422,12 +584,17 @@ mod tests {
     /// against the product in f64 within f32's rounding of a k-long sum.
     #[test]
     fn every_layout_and_edge_matches_the_definition() {
-        if !has_avx2_fma() {
-            return;
+        for level in levels() {
+            every_layout_and_edge_matches_the_definition_at(level);
         }
+    }
+
+    fn every_layout_and_edge_matches_the_definition_at(level: Level) {
         for (m, n, k) in [
             (1, 1, 1),
             (6, 16, 8),
+            (8, 32, 8),
+            (17, 50, 129),
             (7, 17, 300),
             (13, 35, 513),
             (150, 40, 64),
@@ -450,13 +617,13 @@ mod tests {
                         };
                         let want = definition(&start, &a, &b, (m, n, k), &p);
                         let mut got = start.clone();
-                        // Safety: the CPU has AVX2 and FMA (checked); dst is m x n.
-                        unsafe { multiply(&mut got, n, p, 1) };
+                        // Safety: the CPU has the level (`levels`); dst is m x n.
+                        unsafe { multiply_at(level, &mut got, n, p, 1) };
                         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                             let bound = 1e-6 * (k as f64 + 1.0) * (1.0 + w.abs());
                             assert!(
                                 (*g as f64 - w).abs() <= bound,
-                                "{m}x{n}x{k} {al:?} {bl:?} acc {accumulate}: ({}, {}) {g} vs {w}",
+                                "{level:?} {m}x{n}x{k} {al:?} {bl:?} acc {accumulate}: ({}, {}) {g} vs {w}",
                                 i / n,
                                 i % n
                             );
@@ -474,9 +641,12 @@ mod tests {
     /// accumulated, so an element left unwritten fails too.
     #[test]
     fn causal_products_match_the_definition_on_their_part() {
-        if !has_avx2_fma() {
-            return;
+        for level in levels() {
+            causal_products_match_the_definition_on_their_part_at(level);
         }
+    }
+
+    fn causal_products_match_the_definition_on_their_part_at(level: Level) {
         for t in [1, 5, 6, 7, 17, 64, 70, 300] {
             for d in [3, 32] {
                 for causal in [Causal::LowerDst, Causal::LowerA, Causal::UpperA] {
@@ -511,8 +681,8 @@ mod tests {
                             } else {
                                 vec![f32::NAN; m * n]
                             };
-                            // Safety: AVX2 and FMA (checked); dst is m x n.
-                            unsafe { multiply(&mut got, n, p, 1) };
+                            // Safety: the CPU has the level (`levels`); dst is m x n.
+                            unsafe { multiply_at(level, &mut got, n, p, 1) };
                             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                                 let (r, c) = (i / n, i % n);
                                 if causal == Causal::LowerDst && c > r {
@@ -521,7 +691,7 @@ mod tests {
                                 let bound = 1e-6 * (k as f64 + 1.0) * (1.0 + w.abs());
                                 assert!(
                                     (*g as f64 - w).abs() <= bound,
-                                    "{causal:?} t {t} d {d} {al:?} acc {accumulate}: ({r}, {c}) {g} vs {w}"
+                                    "{level:?} {causal:?} t {t} d {d} {al:?} acc {accumulate}: ({r}, {c}) {g} vs {w}"
                                 );
                             }
                         }
@@ -535,24 +705,27 @@ mod tests {
     /// columns are untouched.
     #[test]
     fn an_empty_sum_and_a_wider_dst() {
-        if !has_avx2_fma() {
-            return;
+        for level in levels() {
+            an_empty_sum_and_a_wider_dst_at(level);
         }
+    }
+
+    fn an_empty_sum_and_a_wider_dst_at(level: Level) {
         let (m, n, k, dst_row) = (9, 18, 0, 21);
         let none: [f32; 0] = [];
         let p = Product::new(Strided::rows(&none, 0), Strided::rows(&none, n), (m, n, k));
         let mut dst = vec![2.0f32; m * dst_row];
-        // Safety: AVX2 and FMA (checked); dst holds m rows of dst_row.
-        unsafe { multiply(&mut dst, dst_row, p.accumulating(), 1) };
+        // Safety: the CPU has the level (`levels`); dst holds m rows of dst_row.
+        unsafe { multiply_at(level, &mut dst, dst_row, p.accumulating(), 1) };
         assert!(dst.iter().all(|&x| x == 2.0));
-        unsafe { multiply(&mut dst, dst_row, p, 1) };
+        unsafe { multiply_at(level, &mut dst, dst_row, p, 1) };
         for row in dst.chunks(dst_row) {
             assert!(row[..n].iter().all(|&x| x == 0.0) && row[n..].iter().all(|&x| x == 2.0));
         }
         let (k, a, b) = (5, values(m * 5, 4), values(5 * n, 5));
         let p = Product::new(Strided::rows(&a, k), Strided::rows(&b, n), (m, n, k));
         let mut dst = vec![2.0f32; m * dst_row];
-        unsafe { multiply(&mut dst, dst_row, p, 1) };
+        unsafe { multiply_at(level, &mut dst, dst_row, p, 1) };
         assert!(dst
             .chunks(dst_row)
             .all(|row| row[n..].iter().all(|&x| x == 2.0)));
@@ -562,24 +735,27 @@ mod tests {
     /// one thread's product.
     #[test]
     fn threads_do_not_change_the_bits() {
-        if !has_avx2_fma() {
-            return;
+        for level in levels() {
+            threads_do_not_change_the_bits_at(level);
         }
+    }
+
+    fn threads_do_not_change_the_bits_at(level: Level) {
         for (m, n, k) in [(301, 70, 400), (70, 301, 400)] {
             let (a, b) = (values(m * k, 6), values(k * n, 7));
             let p =
                 Product::new(Strided::rows(&a, k), Strided::rows(&b, n), (m, n, k)).scaled(0.25);
             assert!(p.macs() >= PARALLEL_MIN_MACS);
             let mut one = vec![0f32; m * n];
-            unsafe { multiply(&mut one, n, p, 1) };
+            unsafe { multiply_at(level, &mut one, n, p, 1) };
             for threads in [2, 3] {
                 let mut many = vec![0f32; m * n];
-                unsafe { multiply(&mut many, n, p, threads) };
+                unsafe { multiply_at(level, &mut many, n, p, threads) };
                 assert!(
                     one.iter()
                         .zip(&many)
                         .all(|(x, y)| x.to_bits() == y.to_bits()),
-                    "{m}x{n}x{k} on {threads}"
+                    "{level:?} {m}x{n}x{k} on {threads}"
                 );
             }
         }
