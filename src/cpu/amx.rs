@@ -365,14 +365,13 @@ mod convert {
             return out[..256].fill(0);
         }
         // pairs[q]: lane r holds row i + r's word of pair q.
-        let pairs: [__m512i; 16] = std::array::from_fn(|q| match columns[2 * q] {
-            Some(even) => zip16(
-                even.as_ptr().add(i),
-                columns[2 * q + 1].map(|o| o.as_ptr().add(i)),
-                len,
-            ),
-            None => _mm512_setzero_si512(),
-        });
+        let mut pairs = [_mm512_setzero_si512(); 16];
+        for (q, pair) in pairs.iter_mut().enumerate() {
+            if let Some(even) = columns[2 * q] {
+                let odd = columns[2 * q + 1].map(|o| o.as_ptr().add(i));
+                *pair = zip16(even.as_ptr().add(i), odd, len);
+            }
+        }
         for (r, row) in transpose16(pairs).iter().enumerate() {
             _mm512_storeu_si512(out.as_mut_ptr().add(16 * r).cast(), *row);
         }
@@ -388,16 +387,16 @@ mod convert {
     pub unsafe fn tile_from_b_columns(columns: &[Option<&[f32]>; 16], s: usize, out: &mut [u32]) {
         debug_assert!(out.len() >= 256);
         let i = 32 * s;
-        let words: [__m512i; 16] = std::array::from_fn(|c| match columns[c] {
-            Some(column) => {
+        let mut words = [_mm512_setzero_si512(); 16];
+        for (word, column) in words.iter_mut().zip(columns) {
+            if let Some(column) = column {
                 let left = column.len().saturating_sub(i);
                 let at = column.as_ptr().wrapping_add(i);
                 let lo = _mm512_maskz_loadu_ps(lanes(left), at);
                 let hi = _mm512_maskz_loadu_ps(lanes(left.saturating_sub(16)), at.wrapping_add(16));
-                std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
+                *word = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo));
             }
-            None => _mm512_setzero_si512(),
-        });
+        }
         for (q, row) in transpose16(words).iter().enumerate() {
             _mm512_storeu_si512(out.as_mut_ptr().add(16 * q).cast(), *row);
         }
@@ -405,28 +404,34 @@ mod convert {
 
     /// The 16 x 16 transpose of 32-bit words: lane c of vector r becomes lane r of
     /// vector c (words paired, then pairs of pairs, then 128-bit lanes twice).
+    ///
+    /// Loops over arrays, not `std::array::from_fn`: its closures are functions of
+    /// their own, compiled without the caller's AVX-512, so each intrinsic in them was
+    /// a call (a seventh of a bf16 training step on AMX went to those calls).
     #[inline(always)]
     unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
         // Within each 128-bit lane: rows 2j and 2j + 1 interleaved by words.
-        let t: [__m512i; 16] = std::array::from_fn(|x| {
+        let mut t = [_mm512_setzero_si512(); 16];
+        for (x, t) in t.iter_mut().enumerate() {
             let (a, b) = (r[x / 2 * 2], r[x / 2 * 2 + 1]);
-            if x % 2 == 0 {
+            *t = if x % 2 == 0 {
                 _mm512_unpacklo_epi32(a, b)
             } else {
                 _mm512_unpackhi_epi32(a, b)
-            }
-        });
+            };
+        }
         // Then by pairs: u[4g + c] holds, per 128-bit lane L, column 4L + c of rows
         // 4g..4g+4.
-        let u: [__m512i; 16] = std::array::from_fn(|x| {
+        let mut u = [_mm512_setzero_si512(); 16];
+        for (x, u) in u.iter_mut().enumerate() {
             let (g, c) = (x / 4, x % 4);
             let (a, b) = (t[4 * g + c / 2], t[4 * g + 2 + c / 2]);
-            if c % 2 == 0 {
+            *u = if c % 2 == 0 {
                 _mm512_unpacklo_epi64(a, b)
             } else {
                 _mm512_unpackhi_epi64(a, b)
-            }
-        });
+            };
+        }
         // 128-bit lanes of rows 0-3 with 4-7 (and 8-11 with 12-15): v[c] for c < 4
         // holds columns c and c + 8, v[c + 4] columns c + 4 and c + 12; then of those
         // with v[c + 8], which completes each column.
@@ -438,15 +443,17 @@ mod convert {
     /// c < s) or 1 and 3 of input 2s g + c % s, then the same lanes of input 2s g + s + c % s.
     #[inline(always)]
     unsafe fn pair_lanes(x: [__m512i; 16], s: usize) -> [__m512i; 16] {
-        std::array::from_fn(|i| {
+        let mut out = [_mm512_setzero_si512(); 16];
+        for (i, out) in out.iter_mut().enumerate() {
             let (g, c) = (i / (2 * s), i % (2 * s));
             let (a, b) = (x[2 * s * g + c % s], x[2 * s * g + s + c % s]);
-            if c < s {
+            *out = if c < s {
                 _mm512_shuffle_i32x4::<0x88>(a, b)
             } else {
                 _mm512_shuffle_i32x4::<0xdd>(a, b)
-            }
-        })
+            };
+        }
+        out
     }
 
     /// One row of A into its steps: for each s < pairs / 16, the 16 words

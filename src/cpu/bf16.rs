@@ -525,8 +525,12 @@ unsafe fn kernel_avx512_bf16(kp: usize, a: APanel, b: *const u32, tile: Tile) {
     }
     for p in 0..kp {
         let bp = b.add(p * NR);
-        let bv: [__m512bh; V] =
-            std::array::from_fn(|v| std::mem::transmute(_mm512_loadu_si512(bp.add(16 * v).cast())));
+        // A loop, not `std::array::from_fn`, whose closure would be compiled without
+        // AVX-512 and call the load.
+        let mut bv = [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); V];
+        for (v, bv) in bv.iter_mut().enumerate() {
+            *bv = std::mem::transmute(_mm512_loadu_si512(bp.add(16 * v).cast()));
+        }
         for (row, first) in acc.iter_mut().zip(rows) {
             let word = *first.add(p * a.pair);
             let ai: __m512bh = std::mem::transmute(_mm512_set1_epi32(word as i32));

@@ -363,7 +363,12 @@ unsafe fn pack_b<const NR: usize>(
 #[target_feature(enable = "avx2,fma")]
 unsafe fn transpose_8x8(rows: [&[f32]; 8], out: &mut [f32], nr: usize) {
     assert!(out.len() >= 7 * nr + 8);
-    let r: [__m256; 8] = std::array::from_fn(|j| _mm256_loadu_ps(rows[j].as_ptr()));
+    // A loop, not `std::array::from_fn`, whose closure would be compiled without AVX2
+    // and call the load.
+    let mut r = [_mm256_setzero_ps(); 8];
+    for (r, row) in r.iter_mut().zip(rows) {
+        *r = _mm256_loadu_ps(row.as_ptr());
+    }
     let t = [
         _mm256_unpacklo_ps(r[0], r[1]),
         _mm256_unpackhi_ps(r[0], r[1]),
