@@ -529,7 +529,8 @@ unsafe fn kernel_avx512_bf16(kp: usize, a: APanel, b: *const u32, tile: Tile) {
         // AVX-512 and call the load.
         let mut bv = [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); V];
         for (v, bv) in bv.iter_mut().enumerate() {
-            *bv = std::mem::transmute(_mm512_loadu_si512(bp.add(16 * v).cast()));
+            *bv =
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(bp.add(16 * v).cast()));
         }
         for (row, first) in acc.iter_mut().zip(rows) {
             let word = *first.add(p * a.pair);

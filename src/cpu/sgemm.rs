@@ -397,16 +397,120 @@ unsafe fn transpose_8x8(rows: [&[f32]; 8], out: &mut [f32], nr: usize) {
     }
 }
 
-/// The AVX2 tile of `kc` k from one A panel and one B panel, added into dst.
+/// The vector operations a tile is written in, at one register width.
+trait Lanes: Copy {
+    /// f32 lanes in a register.
+    const N: usize;
+    unsafe fn zero() -> Self;
+    /// From an address on the register's width.
+    unsafe fn load(p: *const f32) -> Self;
+    unsafe fn load_unaligned(p: *const f32) -> Self;
+    /// One value in every lane.
+    unsafe fn splat(x: f32) -> Self;
+    /// a * b + c, rounded once.
+    unsafe fn mul_add(a: Self, b: Self, c: Self) -> Self;
+    unsafe fn mul(a: Self, b: Self) -> Self;
+    unsafe fn store_unaligned(p: *mut f32, v: Self);
+}
+
+impl Lanes for __m256 {
+    const N: usize = 8;
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        _mm256_setzero_ps()
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        _mm256_load_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn load_unaligned(p: *const f32) -> Self {
+        _mm256_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        _mm256_set1_ps(x)
+    }
+    #[inline(always)]
+    unsafe fn mul_add(a: Self, b: Self, c: Self) -> Self {
+        _mm256_fmadd_ps(a, b, c)
+    }
+    #[inline(always)]
+    unsafe fn mul(a: Self, b: Self) -> Self {
+        _mm256_mul_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn store_unaligned(p: *mut f32, v: Self) {
+        _mm256_storeu_ps(p, v)
+    }
+}
+
+impl Lanes for __m512 {
+    const N: usize = 16;
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        _mm512_setzero_ps()
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        _mm512_load_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn load_unaligned(p: *const f32) -> Self {
+        _mm512_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        _mm512_set1_ps(x)
+    }
+    #[inline(always)]
+    unsafe fn mul_add(a: Self, b: Self, c: Self) -> Self {
+        _mm512_fmadd_ps(a, b, c)
+    }
+    #[inline(always)]
+    unsafe fn mul(a: Self, b: Self) -> Self {
+        _mm512_mul_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn store_unaligned(p: *mut f32, v: Self) {
+        _mm512_storeu_ps(p, v)
+    }
+}
+
+/// The AVX2 tile ([`register_tile`]).
 ///
 /// # Safety
-/// AVX2 and FMA; `a`'s rows hold `kc` values each, `b` holds `NR * kc` on a 32-byte
-/// boundary, and the tile's `height` x `width` of dst are writable.
+/// AVX2 and FMA; as [`register_tile`]'s, B on a 32-byte boundary.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn tile_avx2(kc: usize, a: APanel, b: *const f32, tile: Tile) {
-    const MR: usize = MR_AVX2;
-    const NR: usize = NR_AVX2;
-    let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+unsafe fn tile_avx2(kc: usize, a: APanel, b: *const f32, dst: Tile) {
+    register_tile::<__m256, MR_AVX2, NR_AVX2>(kc, a, b, dst)
+}
+
+/// The AVX-512 tile ([`register_tile`]).
+///
+/// # Safety
+/// AVX-512 F; as [`register_tile`]'s, B on a 64-byte boundary.
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_avx512(kc: usize, a: APanel, b: *const f32, dst: Tile) {
+    register_tile::<__m512, MR_AVX512, NR_AVX512>(kc, a, b, dst)
+}
+
+/// A tile of `MR` rows by `NR` columns (two registers of `V`): `kc` k from one A panel
+/// and one B panel, added into dst. Inlined into a caller compiled for `V`'s level,
+/// where its vector operations become single instructions.
+///
+/// # Safety
+/// The CPU must have `V`'s level; `a`'s rows hold `kc` values each, `b` holds `NR * kc`
+/// on a boundary of `V`'s width, and the tile's `height` x `width` of dst are writable.
+#[inline(always)]
+unsafe fn register_tile<V: Lanes, const MR: usize, const NR: usize>(
+    kc: usize,
+    a: APanel,
+    b: *const f32,
+    tile: Tile,
+) {
+    debug_assert_eq!(NR, 2 * V::N);
+    let mut acc = [[V::zero(); 2]; MR];
     // Rows past the panel's height read row 0 again (their sums are never stored), so
     // every read stays inside A.
     let rows: [*const f32; MR] =
@@ -420,26 +524,26 @@ unsafe fn tile_avx2(kc: usize, a: APanel, b: *const f32, tile: Tile) {
     }
     for kk in 0..kc {
         let b = b.add(kk * NR);
-        let (b0, b1) = (_mm256_load_ps(b), _mm256_load_ps(b.add(8)));
+        let (b0, b1) = (V::load(b), V::load(b.add(V::N)));
         let at = kk * a.step;
         for (row, first) in acc.iter_mut().zip(rows) {
-            let x = _mm256_broadcast_ss(&*first.add(at));
-            row[0] = _mm256_fmadd_ps(x, b0, row[0]);
-            row[1] = _mm256_fmadd_ps(x, b1, row[1]);
+            let x = V::splat(*first.add(at));
+            row[0] = V::mul_add(x, b0, row[0]);
+            row[1] = V::mul_add(x, b1, row[1]);
         }
     }
-    let beta = _mm256_set1_ps(tile.beta);
+    let beta = V::splat(tile.beta);
     if tile.height == MR && tile.width == NR {
         for (r, row) in acc.iter().enumerate() {
             let c = tile.c.add(r * tile.row);
             for (v, &sum) in row.iter().enumerate() {
-                let c = c.add(8 * v);
+                let c = c.add(V::N * v);
                 let out = if tile.load {
-                    _mm256_fmadd_ps(sum, beta, _mm256_loadu_ps(c))
+                    V::mul_add(sum, beta, V::load_unaligned(c))
                 } else {
-                    _mm256_mul_ps(sum, beta)
+                    V::mul(sum, beta)
                 };
-                _mm256_storeu_ps(c, out);
+                V::store_unaligned(c, out);
             }
         }
         return;
@@ -448,8 +552,8 @@ unsafe fn tile_avx2(kc: usize, a: APanel, b: *const f32, tile: Tile) {
     // arithmetic as above (fused multiply-add, or a product).
     let mut sums = [[0f32; NR]; MR];
     for (out, row) in sums.iter_mut().zip(&acc) {
-        _mm256_storeu_ps(out.as_mut_ptr(), row[0]);
-        _mm256_storeu_ps(out.as_mut_ptr().add(8), row[1]);
+        V::store_unaligned(out.as_mut_ptr(), row[0]);
+        V::store_unaligned(out.as_mut_ptr().add(V::N), row[1]);
     }
     for (r, row) in sums.iter().enumerate().take(tile.height) {
         let c = std::slice::from_raw_parts_mut(tile.c.add(r * tile.row), tile.width);
@@ -459,72 +563,6 @@ unsafe fn tile_avx2(kc: usize, a: APanel, b: *const f32, tile: Tile) {
             } else {
                 sum * tile.beta
             };
-        }
-    }
-}
-
-/// The AVX-512 tile of `kc` k from one A panel and one B panel, added into dst: the
-/// AVX2 tile's loop at twice the rows and twice the lanes, the same order of sums.
-///
-/// # Safety
-/// AVX-512 F; `a`'s rows hold `kc` values each, `b` holds `NR * kc` on a 64-byte
-/// boundary, and the tile's `height` x `width` of dst are writable.
-#[target_feature(enable = "avx512f")]
-unsafe fn tile_avx512(kc: usize, a: APanel, b: *const f32, tile: Tile) {
-    const MR: usize = MR_AVX512;
-    const NR: usize = NR_AVX512;
-    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
-    // Rows past the panel's height read row 0 again (their sums are never stored).
-    let rows: [*const f32; MR] =
-        std::array::from_fn(|r| a.first.add(if r < a.height { r * a.row } else { 0 }));
-    // dst's tile fetched now, its misses overlapping the products (as on AVX2).
-    for r in 0..tile.height {
-        _mm_prefetch::<_MM_HINT_T0>(tile.c.add(r * tile.row).cast());
-        _mm_prefetch::<_MM_HINT_T0>(tile.c.add(r * tile.row + tile.width - 1).cast());
-    }
-    for kk in 0..kc {
-        let b = b.add(kk * NR);
-        let (b0, b1) = (_mm512_load_ps(b), _mm512_load_ps(b.add(16)));
-        let at = kk * a.step;
-        for (row, first) in acc.iter_mut().zip(rows) {
-            let x = _mm512_set1_ps(*first.add(at));
-            row[0] = _mm512_fmadd_ps(x, b0, row[0]);
-            row[1] = _mm512_fmadd_ps(x, b1, row[1]);
-        }
-    }
-    let beta = _mm512_set1_ps(tile.beta);
-    if tile.height == MR && tile.width == NR {
-        for (r, row) in acc.iter().enumerate() {
-            let c = tile.c.add(r * tile.row);
-            for (v, &sum) in row.iter().enumerate() {
-                let c = c.add(16 * v);
-                let out = if tile.load {
-                    _mm512_fmadd_ps(sum, beta, _mm512_loadu_ps(c))
-                } else {
-                    _mm512_mul_ps(sum, beta)
-                };
-                _mm512_storeu_ps(c, out);
-            }
-        }
-        return;
-    }
-    // An edge: each row's real part through masked loads and stores, with the same
-    // arithmetic as above.
-    for (r, row) in acc.iter().enumerate().take(tile.height) {
-        let c = tile.c.add(r * tile.row);
-        for (v, &sum) in row.iter().enumerate() {
-            let width = tile.width.saturating_sub(16 * v).min(16);
-            if width == 0 {
-                break;
-            }
-            let mask = ((1u32 << width) - 1) as __mmask16;
-            let c = c.add(16 * v);
-            let out = if tile.load {
-                _mm512_fmadd_ps(sum, beta, _mm512_maskz_loadu_ps(mask, c))
-            } else {
-                _mm512_mul_ps(sum, beta)
-            };
-            _mm512_mask_storeu_ps(c, mask, out);
         }
     }
 }
