@@ -67,6 +67,14 @@ impl Level {
             Isa::Avx512 | Isa::Amx => Some(Level::Avx512),
         }
     }
+
+    /// The tile's rows and columns.
+    fn shape(self) -> (usize, usize) {
+        match self {
+            Level::Avx2 => (MR_AVX2, NR_AVX2),
+            Level::Avx512 => (MR_AVX512, NR_AVX512),
+        }
+    }
 }
 
 /// k per block, about: the k are split into equal blocks of at most this, so that a
@@ -130,11 +138,7 @@ pub unsafe fn multiply_at(
     if threads < 2 || p.macs() < PARALLEL_MIN_MACS {
         return run(0..p.m, 0..p.n);
     }
-    let tile = match level {
-        Level::Avx2 => (MR_AVX2, NR_AVX2),
-        Level::Avx512 => (MR_AVX512, NR_AVX512),
-    };
-    split_dst((p.m, p.n), threads, tile, run);
+    split_dst((p.m, p.n), threads, level.shape(), run);
 }
 
 /// A register tile: `kc` k from one A panel and one B panel, added into dst.
