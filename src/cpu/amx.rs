@@ -187,15 +187,21 @@ fn pack_a(
         if !mc.is_multiple_of(BLOCK) {
             out[mc / BLOCK * block..].fill(0);
         }
-        for i in 0..mc {
-            let steps = steps_read(i);
+        // A block's rows all read the same steps: converted in one call a block, not a
+        // call a row (attention's rows are 64 wide: the bf16 attention's share in the
+        // row conversion fell from 11.5% to 8.9% of its samples).
+        for b0 in (0..mc).step_by(BLOCK) {
+            let steps = steps_read(b0);
             let first = (k0 + 2 * TILE_PAIRS * steps.start).min(k0 + kc);
             let last = (k0 + 2 * TILE_PAIRS * steps.end).min(k0 + kc);
-            let start = (i0 + i) * a.row;
-            let src = &a.data[start + first..start + last];
-            let at = row_start(i) + steps.start * 2 * TILE_WORDS;
-            // Safety: `amx_ready` checked AVX-512 BF16; `out` holds the row's steps.
-            unsafe { convert::row_steps(src, &mut out[at..], steps.len() * TILE_PAIRS) };
+            let rows = BLOCK.min(mc - b0);
+            let start = (i0 + b0) * a.row + first;
+            let src = &a.data[start..start + (rows - 1) * a.row + (last - first)];
+            let at = row_start(b0) + steps.start * 2 * TILE_WORDS;
+            // Safety: `amx_ready` checked AVX-512 BF16; `out` holds the block's steps.
+            unsafe {
+                convert::block_rows(src, a.row, last - first, rows, &mut out[at..], steps.len())
+            };
         }
     } else {
         // A's columns (fixed k) run along memory: for sixteen rows at a time, the 32
@@ -487,12 +493,34 @@ mod convert {
         out
     }
 
+    /// `rows` (at most 32) rows of a block of A into their `steps` steps: row r's `len`
+    /// values from src[r * row..] at its place in the block's tiles (`row_steps`).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW and BF16; out must reach the last row's last step.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn block_rows(
+        src: &[f32],
+        row: usize,
+        len: usize,
+        rows: usize,
+        out: &mut [u32],
+        steps: usize,
+    ) {
+        debug_assert!(rows <= 32 && (rows == 0 || src.len() >= (rows - 1) * row + len));
+        for r in 0..rows {
+            let at = (r / 16) * 256 + (r % 16) * 16;
+            row_steps(&src[r * row..r * row + len], &mut out[at..], steps * 16);
+        }
+    }
+
     /// One row of A into its steps: for each s < pairs / 16, the 16 words
     /// pair(src[2p], src[2p + 1]) of p = 16s.. at out[s * 512..], zeros past src's end.
     ///
     /// # Safety
     /// The CPU must have AVX-512 F/BW and BF16; out must reach the last step's 16 words.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline]
     pub unsafe fn row_steps(src: &[f32], out: &mut [u32], pairs: usize) {
         let steps = pairs / 16;
         debug_assert!(steps == 0 || out.len() >= (steps - 1) * 512 + 16);
