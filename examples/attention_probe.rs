@@ -8,7 +8,7 @@
 //! and 1024.
 use std::time::Instant;
 use tinygpt::config::{ModelConfig, Precision};
-use tinygpt::cpu::ops::attention::Attention;
+use tinygpt::cpu::ops::attention::{causal_softmax_rows, Attention};
 use tinygpt::model::spec::Shapes;
 
 fn main() {
@@ -43,7 +43,7 @@ fn main() {
             for _ in 0..5 {
                 let start = Instant::now();
                 for _ in 0..reps {
-                    tinygpt::cpu::ops::attention::causal_softmax_rows(&mut p, t);
+                    causal_softmax_rows(&mut p, t);
                 }
                 best = best.min(start.elapsed().as_secs_f64() * 1e6 / reps as f64);
             }

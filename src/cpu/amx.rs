@@ -152,6 +152,12 @@ fn tile_base(line: usize, p: usize) -> usize {
     (p / TILE_PAIRS) * 2 * TILE_WORDS + (line / 16) * TILE_WORDS
 }
 
+/// Where row r (< 32) of a packed block of A starts: its first step's 16 words.
+#[inline(always)]
+fn a_row_base(r: usize) -> usize {
+    tile_base(r, 0) + (r % 16) * 16
+}
+
 /// Words in one tile (16 rows of 64 bytes).
 const TILE_WORDS: usize = 256;
 
@@ -174,7 +180,7 @@ fn pack_a(
     causal: Causal,
 ) {
     let block = BLOCK * pairs;
-    let row_start = |i: usize| (i / BLOCK) * block + tile_base(i % BLOCK, 0) + (i % 16) * 16;
+    let row_start = |i: usize| (i / BLOCK) * block + a_row_base(i % BLOCK);
     // The steps the kernel reads for packed row i: its block's `read_pairs`.
     let steps_read = |i: usize| {
         let r0 = i0 + i / BLOCK * BLOCK;
@@ -494,7 +500,7 @@ mod convert {
     }
 
     /// `rows` (at most 32) rows of a block of A into their `steps` steps: row r's `len`
-    /// values from src[r * row..] at its place in the block's tiles (`row_steps`).
+    /// values from src[r * row..] at its place in the block (`a_row_base`; `row_steps`).
     ///
     /// # Safety
     /// The CPU must have AVX-512 F/BW and BF16; out must reach the last row's last step.
@@ -509,7 +515,7 @@ mod convert {
     ) {
         debug_assert!(rows <= 32 && (rows == 0 || src.len() >= (rows - 1) * row + len));
         for r in 0..rows {
-            let at = (r / 16) * 256 + (r % 16) * 16;
+            let at = super::a_row_base(r);
             row_steps(&src[r * row..r * row + len], &mut out[at..], steps * 16);
         }
     }
