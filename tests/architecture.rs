@@ -136,6 +136,63 @@ fn inline_paths(text: &str) -> Vec<String> {
     out
 }
 
+/// A file's text split into its modules: the file's own (inline module bodies cut out)
+/// first, then each inline `mod name { .. }` at its path (nested ones too), so that
+/// `super::` inside one means the file's module, as it does to the compiler.
+fn inline_modules(text: &str, file: &Module) -> Vec<(Module, String)> {
+    let mut outer = String::new();
+    let mut inner = Vec::new();
+    let mut rest = text;
+    while let Some((name, open)) = next_inline_mod(rest) {
+        let mut depth = 0;
+        let close = rest[open..]
+            .char_indices()
+            .find(|&(_, c)| {
+                depth += match c {
+                    '{' => 1,
+                    '}' => -1,
+                    _ => 0,
+                };
+                depth == 0
+            })
+            .map(|(i, _)| open + i)
+            // Unclosed where `code_only` cut the unit tests out of the module's end.
+            .unwrap_or(rest.len());
+        outer.push_str(&rest[..open]);
+        let mut path = file.clone();
+        path.push(name);
+        inner.extend(inline_modules(&rest[open + 1..close], &path));
+        rest = &rest[(close + 1).min(rest.len())..];
+    }
+    outer.push_str(rest);
+    let mut out = vec![(file.clone(), outer)];
+    out.extend(inner);
+    out
+}
+
+/// The first line of the form `[pub[(..)]] mod name {`: its name and the byte of its `{`.
+fn next_inline_mod(text: &str) -> Option<(String, usize)> {
+    let mut offset = 0;
+    for line in text.split_inclusive('\n') {
+        let start = offset;
+        offset += line.len();
+        let mut words = line.split_whitespace();
+        let Some(mut word) = words.next() else {
+            continue;
+        };
+        if word.starts_with("pub") {
+            word = words.next().unwrap_or("");
+        }
+        let (Some(name), Some("{")) = (words.next(), words.next()) else {
+            continue;
+        };
+        if word == "mod" && name.chars().all(|c| c.is_alphanumeric() || c == '_') {
+            return Some((name.to_string(), start + line.find('{').unwrap()));
+        }
+    }
+    None
+}
+
 struct Crate {
     modules: BTreeSet<Module>,
     /// (module, name) re-exported with `pub use` -> the module that defines it.
@@ -222,17 +279,30 @@ fn circles(edges: &BTreeMap<Module, BTreeSet<Module>>) -> Vec<Vec<Module>> {
 
 #[test]
 fn no_module_imports_one_that_imports_it() {
-    let files = sources();
-    let modules: BTreeSet<Module> = files.keys().map(|p| module_of(p)).collect();
+    // (file's module, module of the text, text): a file's inline modules resolve paths
+    // from where they stand but count as the file, which holds them.
+    let pieces: Vec<(Module, Module, String)> = sources()
+        .iter()
+        .flat_map(|(path, text)| {
+            let file = module_of(path);
+            inline_modules(text, &file)
+                .into_iter()
+                .map(move |(here, text)| (file.clone(), here, text))
+        })
+        .collect();
+    let owner: HashMap<Module, Module> = pieces
+        .iter()
+        .map(|(file, here, _)| (here.clone(), file.clone()))
+        .collect();
+    let modules: BTreeSet<Module> = pieces.iter().map(|(file, _, _)| file.clone()).collect();
     let mut krate = Crate {
-        modules: modules.clone(),
+        modules: owner.keys().cloned().collect(),
         reexports: HashMap::new(),
     };
-    for (path, text) in &files {
-        let here = module_of(path);
+    for (_, here, text) in &pieces {
         for used in uses(text, true) {
             let (head, name) = used.rsplit_once("::").unwrap_or(("self", &used));
-            if let Some(target) = krate.resolve(head, &here) {
+            if let Some(target) = krate.resolve(head, here) {
                 krate
                     .reexports
                     .insert((here.clone(), name.to_string()), target);
@@ -240,14 +310,14 @@ fn no_module_imports_one_that_imports_it() {
         }
     }
     let mut edges: BTreeMap<Module, BTreeSet<Module>> = BTreeMap::new();
-    for (path, text) in &files {
-        let here = module_of(path);
+    for (file, here, text) in &pieces {
         let targets = uses(text, false)
             .into_iter()
             .chain(inline_paths(text))
-            .filter_map(|p| krate.resolve(&p, &here))
-            .filter(|t| *t != here);
-        edges.entry(here.clone()).or_default().extend(targets);
+            .filter_map(|p| krate.resolve(&p, here))
+            .map(|t| owner.get(&t).cloned().unwrap_or(t))
+            .filter(|t| t != file);
+        edges.entry(file.clone()).or_default().extend(targets);
     }
     let imports: usize = edges.values().map(BTreeSet::len).sum();
     assert!(
@@ -290,6 +360,18 @@ fn the_circle_finder_finds_circles() {
         expand_use("super::{a, b::{c, d as e}}"),
         ["super::a", "super::b::c", "super::b::d"]
     );
+    let file: Module = m("cpu::amx");
+    let split = inline_modules(
+        "use super::panels;\nmod convert {\n    fn f() { super::g(); }\n    pub mod deep {\n        fn h() {}\n    }\n}\nfn g() {}\n",
+        &file,
+    );
+    let at: Vec<String> = split.iter().map(|(m, _)| m.join("::")).collect();
+    assert_eq!(
+        at,
+        ["cpu::amx", "cpu::amx::convert", "cpu::amx::convert::deep"]
+    );
+    assert!(split[0].1.contains("fn g()") && !split[0].1.contains("super::g"));
+    assert!(split[1].1.contains("super::g") && !split[1].1.contains("fn h"));
 }
 
 /// Files of src/ whose code (comments and unit tests aside) contains `needle`.
