@@ -16,9 +16,10 @@
 //! loops' bits (the compiler's fold of the portable lanes went through the stack every
 //! row).
 //!
-//! Intel cores measured the other way round (four rows side by side, each asked for
-//! ahead, 19-23 GB/s against 16 for one row at a time, AVX-512, 2 threads), so the
-//! order is chosen by the CPU's maker ([`order`]); `TINYGPT_MATVEC_ORDER` overrides it.
+//! Intel cores measured f32 the other way round (four rows side by side, each asked for
+//! ahead, 19-23 GB/s against 16 for one row at a time, AVX-512, 2 threads), but bf16 as
+//! AMD's do, so the order is chosen by the weights' type and the CPU's maker
+//! ([`order`], [`MatVec::native_order`]); `TINYGPT_MATVEC_ORDER` overrides both.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -72,27 +73,28 @@ pub fn order_from_env() -> Result<Option<Order>, String> {
     }
 }
 
-/// The order this CPU's maker's cores stream fastest: in address order on AMD (measured
-/// on Zen 5), side by side elsewhere (measured on Intel Xeons; other CPUs keep the
-/// kernels they had).
-fn native_order() -> Order {
-    match super::isa::amd_family() {
-        Some(_) => Order::InAddressOrder,
-        None => Order::SideBySide,
-    }
-}
-
 /// 0: not forced; otherwise the forced order's index + 1.
 static FORCED: AtomicU8 = AtomicU8::new(0);
 
-/// The order this process's mat-vecs take: `TINYGPT_MATVEC_ORDER` (an invalid value is
-/// ignored here; the CLI refuses it at startup), else the CPU's own, or the order
-/// [`force`] set.
-pub fn order() -> Order {
-    static CHOSEN: OnceLock<Order> = OnceLock::new();
+/// The order this process's mat-vecs of `W` weights take: `TINYGPT_MATVEC_ORDER` (an
+/// invalid value is ignored here; the CLI refuses it at startup), else the one this
+/// CPU streams `W` fastest in ([`MatVec::native_order`]), or the order [`force`] set.
+pub fn order<W: MatVec>() -> Order {
+    static FROM_ENV: OnceLock<Option<Order>> = OnceLock::new();
     match FORCED.load(Ordering::Relaxed) {
-        0 => *CHOSEN.get_or_init(|| order_from_env().ok().flatten().unwrap_or_else(native_order)),
+        0 => FROM_ENV
+            .get_or_init(|| order_from_env().ok().flatten())
+            .unwrap_or_else(W::native_order),
         n => Order::ALL[n as usize - 1],
+    }
+}
+
+/// The orders [`order`] gives f32 and bf16 weights, for reports: one name when they
+/// agree, "f32 ORDER, bf16 ORDER" when not.
+pub fn orders_named() -> String {
+    match (order::<f32>(), order::<Bf16>()) {
+        (a, b) if a == b => a.name().to_string(),
+        (a, b) => format!("f32 {}, bf16 {}", a.name(), b.name()),
     }
 }
 
@@ -203,6 +205,9 @@ multiversion! {
 /// out (d_out) = w (d_out, d_in) · x (d_in) (+ bias), the rows one after the other.
 pub trait MatVec: Sized {
     fn matvec(w: &[Self], bias: Option<&[f32]>, x: &[f32], out: &mut [f32]);
+
+    /// The order this CPU streams these weights fastest in, unless told otherwise.
+    fn native_order() -> Order;
 }
 
 thread_local! {
@@ -226,6 +231,15 @@ fn with_placed<R>(len: usize, arrange: impl FnOnce(&mut [f32]), f: impl FnOnce(&
 }
 
 impl MatVec for f32 {
+    /// In address order on AMD (measured on Zen 5), side by side elsewhere (measured on
+    /// Intel Xeons; other CPUs keep the kernels they had).
+    fn native_order() -> Order {
+        match super::isa::amd_family() {
+            Some(_) => Order::InAddressOrder,
+            None => Order::SideBySide,
+        }
+    }
+
     fn matvec(w: &[f32], bias: Option<&[f32]>, x: &[f32], out: &mut [f32]) {
         with_placed(
             x.len(),
@@ -478,6 +492,16 @@ unsafe fn rows_bf16_avx2(
 }
 
 impl MatVec for Bf16 {
+    /// In address order on every CPU: AMD's, as f32 (Zen 5), and Intel's too, where f32
+    /// streams faster side by side. GPT-2 124M's bf16 decoding on an Intel Xeon with AMX
+    /// (2 threads; `TINYGPT_MATVEC_ORDER`, interleaved, seven rounds): 57.6-86.7 tokens/s
+    /// in address order against 52.2-77.9 side by side, faster by 7-16% in every round;
+    /// side by side asking 8 KiB ahead instead of 16 came level in three rounds of five
+    /// and 9-18% behind in two.
+    fn native_order() -> Order {
+        Order::InAddressOrder
+    }
+
     fn matvec(w: &[Bf16], bias: Option<&[f32]>, x: &[f32], out: &mut [f32]) {
         let pairs = x.len() / 2;
         let arrange = |split: &mut [f32]| {

@@ -456,7 +456,8 @@ impl RowProduct for f32 {
         let done = sixteen_row_groups(w, bias, x, d_in, out);
         #[cfg(not(target_arch = "x86_64"))]
         let done = 0;
-        if x.len() == d_in && super::matvec::order() == super::matvec::Order::InAddressOrder {
+        if x.len() == d_in && super::matvec::order::<Self>() == super::matvec::Order::InAddressOrder
+        {
             return <Self as super::matvec::MatVec>::matvec(w, bias, x, out);
         }
         let len = w.len() / d_in;
@@ -928,7 +929,8 @@ impl RowProduct for Bf16 {
         };
         #[cfg(not(target_arch = "x86_64"))]
         let done = 0;
-        if x.len() == d_in && super::matvec::order() == super::matvec::Order::InAddressOrder {
+        if x.len() == d_in && super::matvec::order::<Self>() == super::matvec::Order::InAddressOrder
+        {
             return <Self as super::matvec::MatVec>::matvec(w, bias, x, out);
         }
         let len = w.len() / d_in;
