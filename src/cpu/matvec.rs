@@ -17,8 +17,8 @@
 //! row).
 //!
 //! Intel cores measured f32 the other way round (four rows side by side, each asked for
-//! ahead, 19-23 GB/s against 16 for one row at a time, AVX-512, 2 threads), but bf16 as
-//! AMD's do, so the order is chosen by the weights' type and the CPU's maker
+//! ahead, 19-23 GB/s against 16 for one row at a time, AVX-512, 2 threads), and the
+//! newer ones bf16 as AMD's do, so the order is chosen by the weights' type and the CPU
 //! ([`order`], [`MatVec::native_order`]); `TINYGPT_MATVEC_ORDER` overrides both.
 
 use std::cell::RefCell;
@@ -492,14 +492,24 @@ unsafe fn rows_bf16_avx2(
 }
 
 impl MatVec for Bf16 {
-    /// In address order on every CPU: AMD's, as f32 (Zen 5), and Intel's too, where f32
-    /// streams faster side by side. GPT-2 124M's bf16 decoding on an Intel Xeon with AMX
-    /// (2 threads; `TINYGPT_MATVEC_ORDER`, interleaved, seven rounds): 57.6-86.7 tokens/s
-    /// in address order against 52.2-77.9 side by side, faster by 7-16% in every round;
+    /// In address order on AMD (as f32, Zen 5) and on Intel cores with AVX512_BF16
+    /// (Sapphire Rapids on, where f32 still streams faster side by side); side by side
+    /// on older Intel cores, where it was measured (Cascade Lake: 1.18-1.33x llama.cpp's
+    /// f16), and elsewhere. GPT-2 124M's bf16 decoding on an Intel Xeon with AMX (2
+    /// threads; `TINYGPT_MATVEC_ORDER`, interleaved, seven rounds): 57.6-86.7 tokens/s in
+    /// address order against 52.2-77.9 side by side, faster by 7-16% in every round;
     /// side by side asking 8 KiB ahead instead of 16 came level in three rounds of five
     /// and 9-18% behind in two.
     fn native_order() -> Order {
-        Order::InAddressOrder
+        #[cfg(target_arch = "x86_64")]
+        let newer_intel = std::arch::is_x86_feature_detected!("avx512bf16");
+        #[cfg(not(target_arch = "x86_64"))]
+        let newer_intel = false;
+        match super::isa::amd_family() {
+            Some(_) => Order::InAddressOrder,
+            None if newer_intel => Order::InAddressOrder,
+            None => Order::SideBySide,
+        }
     }
 
     fn matvec(w: &[Bf16], bias: Option<&[f32]>, x: &[f32], out: &mut [f32]) {
