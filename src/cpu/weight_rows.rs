@@ -604,7 +604,8 @@ unsafe fn sixteen_rows<T: TileRows + ?Sized>(
 /// the lanes of rows it lacks; sixteen k at a time so that each block's stores fill the
 /// same sixteen lines of xt while they are in L1 (row by row, each row's stores met
 /// d_in lines of xt, which at d_in 3,072 are 192 KiB: with the zeroing of all of xt
-/// before it, 5.2% of a sixteen-row pass's samples; 3.7% blocked).
+/// before it, 5.2% of a sixteen-row pass's samples; blocked, over the buffer as left,
+/// 3.0%).
 #[cfg(target_arch = "x86_64")]
 fn transpose_group(x: &[f32], d_in: usize, xt: &mut [f32]) {
     const K: usize = 16;
