@@ -22,7 +22,7 @@ use super::panels::{scratch, PANELS};
 use super::matrix::{Causal, Product, Strided};
 
 /// Rows and columns of one block of dst (2 x 2 tiles).
-const BLOCK: usize = 32;
+pub const BLOCK: usize = 32;
 /// k pairs per tile.
 const TILE_PAIRS: usize = 16;
 /// k per packed block, at most: a B panel (32 columns x 1024 pairs, 128 KiB) and a block

@@ -104,8 +104,19 @@ pub fn matmul(dst: &mut [f32], dst_row: usize, p: Product) {
         dst_row,
         p,
     };
+    // Shares of whole blocks of the kernel that runs: AMX sums a k block into dst's
+    // whole 32 x 32 blocks in its tiles and an edge block's apart, then adds, so a share
+    // cut through a block rounded it otherwise than one thread (past one k block).
+    #[cfg(target_arch = "x86_64")]
+    let unit = if super::isa::active() == super::isa::Isa::Amx && super::amx::takes(&p) {
+        (super::amx::BLOCK, NR.next_multiple_of(super::amx::BLOCK))
+    } else {
+        (MR, NR)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let unit = (MR, NR);
     // Safety: the shares are disjoint and inside (m, n), which was checked above.
-    split_dst((m, n), threads, (MR, NR), |rows, cols| unsafe {
+    split_dst((m, n), threads, unit, |rows, cols| unsafe {
         problem.run(rows, cols)
     });
 }
@@ -820,27 +831,49 @@ mod tests {
         eprintln!("SKIPPED: this CPU (or OS) has no AMX tiles with bf16 products");
     }
 
+    /// Split over dst's rows or columns, each element is summed in the same order as on
+    /// one thread: the bits agree. Shapes with more rows than columns (on AMX: B packed
+    /// once, shared), more columns than rows, k in one block, two and three (past
+    /// `amx::KC`; short of `split_k`, which sums partials per thread), edges off whole
+    /// tiles; B read along rows and down columns.
     #[test]
     fn big_products_split_over_threads_agree_with_one_thread() {
-        let (m, n, k) = (300, 200, 100);
-        let (a_data, b_data) = (values(m * k, 4), values(k * n, 5));
-        let a = Strided {
-            data: &a_data,
-            row: k,
-            col: 1,
-        };
-        let b = Strided {
-            data: &b_data,
-            row: 1,
-            col: k,
-        };
-        let (mut one, mut many) = (vec![0f32; m * n], vec![0f32; m * n]);
-        matmul_serial(&mut one, n, Product::new(a, b, (m, n, k)));
-        matmul(&mut many, n, Product::new(a, b, (m, n, k)));
-        assert_eq!(
-            one, many,
-            "each element is summed in the same order either way"
-        );
+        for (m, n, k) in [
+            (300, 200, 100),
+            (600, 200, 2100),
+            (1100, 70, 4200),
+            (70, 600, 2100),
+        ] {
+            let (a_data, b_data) = (values(m * k, 4), values(k * n, 5));
+            let a = Strided {
+                data: &a_data,
+                row: k,
+                col: 1,
+            };
+            for b in [
+                Strided {
+                    data: &b_data,
+                    row: 1,
+                    col: k,
+                },
+                Strided {
+                    data: &b_data,
+                    row: n,
+                    col: 1,
+                },
+            ] {
+                let (mut one, mut many) = (vec![0f32; m * n], vec![0f32; m * n]);
+                matmul_serial(&mut one, n, Product::new(a, b, (m, n, k)));
+                matmul(&mut many, n, Product::new(a, b, (m, n, k)));
+                assert!(
+                    one.iter()
+                        .zip(&many)
+                        .all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{m}x{n}x{k} (B rows {} apart): one thread and many differ",
+                    b.row
+                );
+            }
+        }
     }
 
     /// `p` on one thread into copies of `start` (rows `dst_row` apart), once by each
