@@ -832,10 +832,10 @@ mod tests {
     }
 
     /// Split over dst's rows or columns, each element is summed in the same order as on
-    /// one thread: the bits agree. Shapes with more rows than columns (on AMX: B packed
-    /// once, shared), more columns than rows, k in one block, two and three (past
-    /// `amx::KC`; short of `split_k`, which sums partials per thread), edges off whole
-    /// tiles; B read along rows and down columns.
+    /// one thread: the bits agree. Shapes with more rows than columns (split by rows: on
+    /// AMX in whole 32-row blocks), more columns than rows, k in one block, two and
+    /// three (past `amx::KC`; short of `split_k`, which sums partials per thread), edges
+    /// off whole tiles; B read along rows and down columns.
     #[test]
     fn big_products_split_over_threads_agree_with_one_thread() {
         for (m, n, k) in [
