@@ -218,6 +218,14 @@ pub fn has_avx512_vnni() -> bool {
     *VNNI.get_or_init(|| std::arch::is_x86_feature_detected!("avx512vnni"))
 }
 
+/// Whether this CPU has AVX-512 BF16 (`vdpbf16ps`; on Intel, the cores from Cooper /
+/// Sapphire Rapids on). Asked once.
+#[cfg(target_arch = "x86_64")]
+pub fn has_avx512_bf16() -> bool {
+    static BF16: OnceLock<bool> = OnceLock::new();
+    *BF16.get_or_init(|| std::arch::is_x86_feature_detected!("avx512bf16"))
+}
+
 /// Whether this CPU has AMX tiles with bf16 products and the kernel granted this
 /// process their register state. Asked once; safe to call from any thread.
 pub fn amx_ready() -> bool {
@@ -228,8 +236,7 @@ pub fn amx_ready() -> bool {
             // CPUID leaf 7: EDX bit 22 is AMX-BF16, bit 24 AMX-TILE.
             let leaf = std::arch::x86_64::__cpuid_count(7, 0);
             // The packers convert with AVX-512 BF16 (every CPU with AMX has it).
-            let bf16 = std::arch::is_x86_feature_detected!("avx512bf16")
-                && std::arch::is_x86_feature_detected!("avx512bw");
+            let bf16 = has_avx512_bf16() && std::arch::is_x86_feature_detected!("avx512bw");
             if !bf16 || leaf.edx & (1 << 22) == 0 || leaf.edx & (1 << 24) == 0 {
                 return false;
             }

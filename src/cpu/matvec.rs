@@ -502,14 +502,10 @@ impl MatVec for Bf16 {
     /// and 9-18% behind in two.
     fn native_order() -> Order {
         #[cfg(target_arch = "x86_64")]
-        let newer_intel = std::arch::is_x86_feature_detected!("avx512bf16");
-        #[cfg(not(target_arch = "x86_64"))]
-        let newer_intel = false;
-        match super::isa::amd_family() {
-            Some(_) => Order::InAddressOrder,
-            None if newer_intel => Order::InAddressOrder,
-            None => Order::SideBySide,
+        if super::isa::has_avx512_bf16() {
+            return Order::InAddressOrder;
         }
+        <f32 as MatVec>::native_order()
     }
 
     fn matvec(w: &[Bf16], bias: Option<&[f32]>, x: &[f32], out: &mut [f32]) {
