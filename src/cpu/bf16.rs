@@ -90,14 +90,19 @@ fn pair(even: f32, odd: f32) -> u32 {
 /// dst (rows `dst_row` apart) = the product `p`, with its operands rounded to bf16 and
 /// f32 sums. Splits the work over the available threads when it is large enough.
 pub fn matmul(dst: &mut [f32], dst_row: usize, p: Product) {
-    let threads = threads();
-    if threads < 2 || p.macs() < PARALLEL_MIN_MACS {
+    if p.macs() < PARALLEL_MIN_MACS {
         return matmul_serial(dst, dst_row, p);
     }
     p.check_bounds(dst, dst_row);
     let (m, n) = (p.m, p.n);
+    // Asked before the thread count: the parts of a long sum are its bits, on one
+    // thread too.
     if p.k >= 4 * m.max(n) {
-        return split_k(dst, dst_row, p, threads);
+        return split_k(dst, dst_row, p);
+    }
+    let threads = threads();
+    if threads < 2 {
+        return matmul_serial(dst, dst_row, p);
     }
     let problem = Problem {
         dst: dst.as_mut_ptr(),
@@ -138,12 +143,19 @@ pub fn matmul_serial(dst: &mut [f32], dst_row: usize, p: Product) {
     unsafe { problem.run(0..p.m, 0..p.n) }
 }
 
-/// A long sum (weight gradients: k is the token count) split over threads by k: each
-/// thread multiplies its own stretch of both operands (nothing packed twice) into its
-/// own partial product, and the partials are added into dst in thread order.
-fn split_k(dst: &mut [f32], dst_row: usize, p: Product, threads: usize) {
+/// The most parts [`split_k`] cuts a long sum into, and the fewest k a part takes.
+const K_PARTS: usize = 4;
+const K_PART_MIN: usize = 128;
+
+/// A long sum (weight gradients: k is the token count) cut by k into parts that depend
+/// on k alone ([`k_share`]): each part multiplies its own stretch of both operands
+/// (nothing packed twice) into its own partial product, on whichever thread is free,
+/// and the partials are added into dst in part order. Cut by thread instead, the bits
+/// followed the thread count: a bf16 run resumed under another RAYON_NUM_THREADS left
+/// the unbroken run's path.
+fn split_k(dst: &mut [f32], dst_row: usize, p: Product) {
     let (m, n, k) = (p.m, p.n, p.k);
-    let share = k.div_ceil(threads).next_multiple_of(2);
+    let share = k_share(k);
     let shares = k.div_ceil(share);
     let part = |i: usize| {
         let k0 = i * share;
@@ -169,6 +181,16 @@ fn split_k(dst: &mut [f32], dst_row: usize, p: Product, threads: usize) {
             }
         }
     })
+}
+
+/// The k of each of [`split_k`]'s parts (the last may be shorter): k in at most
+/// [`K_PARTS`] parts of at least [`K_PART_MIN`], an even count each (the packed operands
+/// pair k). Enough parts for four threads, few enough that the partials' adds stay a
+/// sliver of the product's (3 m n adds against m n k multiply-adds): the baby bf16 step
+/// (k 768) took the same time within the VM's drift cut in 2 (by thread, before), 4 or
+/// 8 parts on two Zen 5 cores.
+fn k_share(k: usize) -> usize {
+    k.div_ceil(K_PARTS).max(K_PART_MIN).next_multiple_of(2)
 }
 
 /// One product, shared (read-only) by the threads that compute its parts.
@@ -834,7 +856,7 @@ mod tests {
     /// Split over dst's rows or columns, each element is summed in the same order as on
     /// one thread: the bits agree. Shapes with more rows than columns (split by rows: on
     /// AMX in whole 32-row blocks), more columns than rows, k in one block, two and
-    /// three (past `amx::KC`; short of `split_k`, which sums partials per thread), edges
+    /// three (past `amx::KC`; short of `split_k`, tested below), edges
     /// off whole tiles; B read along rows and down columns.
     #[test]
     fn big_products_split_over_threads_agree_with_one_thread() {
@@ -871,6 +893,56 @@ mod tests {
                         .all(|(x, y)| x.to_bits() == y.to_bits()),
                     "{m}x{n}x{k} (B rows {} apart): one thread and many differ",
                     b.row
+                );
+            }
+        }
+    }
+
+    /// A long sum (`split_k`) has the same bits on one thread, two and three: its parts
+    /// depend on k alone, each part's product from zero, added into dst in part order.
+    #[test]
+    fn long_sums_have_the_same_bits_on_any_thread_count() {
+        for (m, n, k) in [(128, 128, 768), (40, 200, 1100), (64, 96, 4096)] {
+            assert!(k >= 4 * m.max(n) && m * n * k >= PARALLEL_MIN_MACS);
+            let (a_data, b_data) = (values(m * k, 6), values(k * n, 7));
+            let a = Strided {
+                data: &a_data,
+                row: k,
+                col: 1,
+            };
+            let b = Strided {
+                data: &b_data,
+                row: 1,
+                col: k,
+            };
+            let p = Product::new(a, b, (m, n, k));
+            // The definition: each part from zero, added in order.
+            let share = k_share(k);
+            let mut want = vec![0f32; m * n];
+            let mut part = vec![0f32; m * n];
+            for (i, k0) in (0..k).step_by(share).enumerate() {
+                let range = p.k_range(k0, share.min(k - k0));
+                if i == 0 {
+                    matmul_serial(&mut want, n, range);
+                } else {
+                    part.fill(0.0);
+                    matmul_serial(&mut part, n, range);
+                    want.iter_mut().zip(&part).for_each(|(w, x)| *w += x);
+                }
+            }
+            assert!(k.div_ceil(share) > 1, "{m}x{n}x{k} is cut into parts");
+            for threads in [1, 2, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let mut got = vec![0f32; m * n];
+                pool.install(|| matmul(&mut got, n, p));
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{m}x{n}x{k} on {threads} threads: not the parts' sum in order"
                 );
             }
         }

@@ -100,6 +100,20 @@ pub fn share_rows(rows: usize, width: usize) -> usize {
     }
 }
 
+/// Rows per part of a pass whose parts' sums are added afterwards, in part order (a
+/// norm's gain gradient): all of them when small, else an eighth, whatever the thread
+/// count. Cut per thread ([`share_rows`]), the order of the adds, and so the bits,
+/// followed RAYON_NUM_THREADS: a run resumed under another count left the unbroken
+/// run's path by an ulp at a time.
+pub fn summed_share_rows(rows: usize, width: usize) -> usize {
+    const PARTS: usize = 8;
+    if rows * width < MIN_PARALLEL {
+        rows.max(1)
+    } else {
+        rows.div_ceil(PARTS)
+    }
+}
+
 /// Elements per share of an elementwise pass over `len` values.
 pub fn share_len(len: usize) -> usize {
     share_rows(len, 1)

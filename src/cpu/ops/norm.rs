@@ -9,7 +9,7 @@ use rayon::prelude::*;
 
 use crate::config::NormKind;
 use crate::cpu::kernels::{axpy, multiversion, sum_lanes, sum_lanes3};
-use crate::cpu::threads::{share_rows, with_partials};
+use crate::cpu::threads::{share_rows, summed_share_rows, with_partials};
 use crate::profile::{self, Cost, Group};
 
 /// A norm's gain (and bias), with its kind and epsilon.
@@ -95,15 +95,15 @@ impl NormWeights<'_> {
         stats: &NormStats,
     ) {
         // Each share of rows sums its weight (and bias) gradients into its own partial
-        // (dw | db), added in share order afterwards: the result does not depend on
-        // thread timing.
+        // (dw | db), added in share order afterwards: the shares depend on the shape
+        // alone, so the result depends neither on thread timing nor on the thread count.
         let c = self.w.len();
         let rows = x.len() / c;
         // dout and x read, dx read and written.
         let _span = profile::span(Group::Norm, || {
             Cost::f32s_and_flops(4 * rows * c, 12 * rows * c)
         });
-        let share = share_rows(rows, c);
+        let share = summed_share_rows(rows, c);
         let has_bias = grads.b.is_some();
         let w = self.w;
         with_partials(rows.div_ceil(share) * 2 * c, |partials| {
