@@ -262,6 +262,7 @@ impl Q4Matrix {
 
     /// Rows o..o + 4, written out as `Q8Matrix::four_rows` is (not by `array::map`,
     /// whose out-of-line closure stalled the loads of its slices).
+    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     fn four_rows(&self, o: usize) -> [(&[u8], &[f16]); 4] {
         [

@@ -254,6 +254,7 @@ impl Q8Matrix {
     /// Rows o..o + 4, written out rather than by `array::map`: the map's closure was
     /// called out of line, its slices stored and loaded back in halves, the loads
     /// stalled on the stores (13% of a 16-row int8 pass on a Zen 5).
+    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     fn four_rows(&self, o: usize) -> [(&[i8], &[f32]); 4] {
         [
@@ -709,9 +710,9 @@ unsafe fn dots_1x4_vnni(wq: &[i8], ws: &[f32], xs: [&Prepared; 4]) -> [f32; 4] {
 
 /// [`dots_1x4_vnni`] for four weight rows at once (`[j][i]`: weight row j, x row i):
 /// each weight row's start and scales worked out once for the four rows of x. x is
-/// read where it is used (from L1): held in eight registers beside the sixteen sums,
-/// the sums spilled to the stack every step (a 16-row int8 pass 5-10% slower on a
-/// Zen 5). Every lane takes the same steps as in `dots_1x4_vnni`, so the sums are its
+/// read where it is used (from L1): held instead in eight registers beside the sixteen
+/// sums, it pushed sums out to the stack every step (a 16-row int8 pass 5-10% slower on
+/// a Zen 5). Every lane takes the same steps as in `dots_1x4_vnni`, so the sums are its
 /// sums to the bit.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma")]

@@ -1,8 +1,9 @@
 //! How work is spread over the threads. Row-wise passes (norms, activations, residual
 //! adds, the optimiser) give each thread one contiguous share of the rows. Every row sees the same
 //! arithmetic whatever the number of threads; only sums across rows (norm weight
-//! gradients) are split into per-share partials, added in share order, so results do
-//! not depend on thread timing.
+//! gradients) are split into partials, added in order, and those parts are set by the
+//! shape ([`summed_share_rows`]), so results depend neither on thread timing nor on the
+//! thread count.
 
 use std::cell::Cell;
 
