@@ -21,7 +21,7 @@ use super::isa::Isa;
 use super::kernels::{multiversion, prefetch_all};
 use super::lines::Lines;
 #[cfg(target_arch = "x86_64")]
-use super::q8::{lanes_sum_avx2, matmat_in_tiles, sums_4x4};
+use super::q8::{four_rows, lanes_sum_avx2, matmat_in_tiles, sums_4x4};
 use super::q8::{matmat_by_dots, BlockMatrix, Q8Row, BLOCK};
 #[cfg(target_arch = "x86_64")]
 use super::weight_rows::Ahead;
@@ -238,7 +238,7 @@ impl BlockMatrix for Q4Matrix {
             };
             if super::isa::has_avx512_vnni() {
                 let tile = |o: usize, xs: [&Prepared; 4]| {
-                    let rows = self.four_rows(o);
+                    let rows = four_rows(o, |r| self.row(r));
                     unsafe { dots_4x4_vnni(rows, xs) }
                 };
                 return matmat_in_tiles(self, outputs, xs, bias, out, prepare, (tile, four));
@@ -252,25 +252,11 @@ impl BlockMatrix for Q4Matrix {
 
 impl Q4Matrix {
     /// Row `r`'s packed values and block scales.
-    #[inline(always)]
     fn row(&self, r: usize) -> (&[u8], &[f16]) {
         (
             &self.nibbles[r * self.blocks * HALF..(r + 1) * self.blocks * HALF],
             &self.scales[r * self.blocks..(r + 1) * self.blocks],
         )
-    }
-
-    /// Rows o..o + 4, written out as `Q8Matrix::four_rows` is (not by `array::map`,
-    /// whose out-of-line closure stalled the loads of its slices).
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    fn four_rows(&self, o: usize) -> [(&[u8], &[f16]); 4] {
-        [
-            self.row(o),
-            self.row(o + 1),
-            self.row(o + 2),
-            self.row(o + 3),
-        ]
     }
 }
 

@@ -205,7 +205,7 @@ impl BlockMatrix for Q8Matrix {
             // Which kernels is asked once: the rows of x are prepared for them.
             let vnni = avx512 && isa::has_avx512_vnni();
             let tile = |o: usize, xs: [&Prepared; 4]| match vnni {
-                true => unsafe { dots_4x4_vnni(self.four_rows(o), xs) },
+                true => unsafe { dots_4x4_vnni(four_rows(o, |r| self.row(r)), xs) },
                 false => [0, 1, 2, 3].map(|j| four(o + j, xs)),
             };
             let kernel = match (avx512, vnni) {
@@ -250,20 +250,16 @@ impl Q8Matrix {
             &self.scales[r * self.blocks..(r + 1) * self.blocks],
         )
     }
+}
 
-    /// Rows o..o + 4, written out rather than by `array::map`: the map's closure was
-    /// called out of line, its slices stored and loaded back in halves, the loads
-    /// stalled on the stores (13% of a 16-row int8 pass on a Zen 5).
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    fn four_rows(&self, o: usize) -> [(&[i8], &[f32]); 4] {
-        [
-            self.row(o),
-            self.row(o + 1),
-            self.row(o + 2),
-            self.row(o + 3),
-        ]
-    }
+/// `row(o)` .. `row(o + 3)`, written out rather than by `array::map`: the map's closure
+/// was called out of line, its slices stored and loaded back in halves, the loads
+/// stalled on the stores (13% of a 16-row int8 pass on a Zen 5). The tiles of `q8` and
+/// `q4` fetch their four weight rows through it.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) fn four_rows<T>(o: usize, row: impl Fn(usize) -> T) -> [T; 4] {
+    [row(o), row(o + 1), row(o + 2), row(o + 3)]
 }
 
 impl Q8Row {
@@ -658,20 +654,37 @@ unsafe fn finish_1x4(
     acc: [std::arch::x86_64::__m512; 4],
     whole: usize,
 ) -> [f32; 4] {
-    let blocks = ws.len();
-    let mut sums = [0f32; 4];
-    for ((sum, acc), x) in sums.iter_mut().zip(acc).zip(xs) {
-        *sum = std::arch::x86_64::_mm512_reduce_add_ps(acc);
-        if whole < blocks {
-            *sum += dot_avx2(
-                &wq[whole * BLOCK..blocks * BLOCK],
-                &ws[whole..],
-                &x.row.quants[whole * BLOCK..blocks * BLOCK],
-                &x.row.scales[whole..blocks],
-            );
-        }
-    }
+    let mut sums = acc.map(|acc| std::arch::x86_64::_mm512_reduce_add_ps(acc));
+    add_odd_block(wq, ws, xs, whole, &mut sums);
     sums
+}
+
+/// Adds to each of `sums` (one weight row against four rows of x) the products of the
+/// blocks past `whole` (an odd last one, or none), through `dot_avx2` as `dot_avx512` does.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; each row of x holds `ws.len()` blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn add_odd_block(
+    wq: &[i8],
+    ws: &[f32],
+    xs: [&Prepared; 4],
+    whole: usize,
+    sums: &mut [f32; 4],
+) {
+    let blocks = ws.len();
+    if whole == blocks {
+        return;
+    }
+    for (sum, x) in sums.iter_mut().zip(xs) {
+        *sum += dot_avx2(
+            &wq[whole * BLOCK..blocks * BLOCK],
+            &ws[whole..],
+            &x.row.quants[whole * BLOCK..blocks * BLOCK],
+            &x.row.scales[whole..blocks],
+        );
+    }
 }
 
 /// [`dots_1x4`] with VNNI: `vpdpbusd` multiplies unsigned by signed bytes, so x goes
@@ -747,17 +760,8 @@ unsafe fn dots_4x4_vnni(w: [(&[i8], &[f32]); 4], xs: [&Prepared; 4]) -> [[f32; 4
         }
     }
     let mut sums = sums_4x4(acc);
-    if whole < blocks {
-        for (sums, (wq, ws)) in sums.iter_mut().zip(w) {
-            for (sum, x) in sums.iter_mut().zip(xs) {
-                *sum += dot_avx2(
-                    &wq[whole * BLOCK..blocks * BLOCK],
-                    &ws[whole..],
-                    &x.row.quants[whole * BLOCK..blocks * BLOCK],
-                    &x.row.scales[whole..blocks],
-                );
-            }
-        }
+    for (sums, (wq, ws)) in sums.iter_mut().zip(w) {
+        add_odd_block(wq, ws, xs, whole, sums);
     }
     sums
 }
