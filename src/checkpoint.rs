@@ -20,6 +20,11 @@
 //! during 3, state.json describes the new files, each either renamed or still `.next`:
 //! loading takes whichever copy matches the recorded hash (and training rolls the
 //! renames forward). So at every moment the folder holds one complete checkpoint.
+//!
+//! Reading while a trainer saves. A reader that reads state.json and then a file can
+//! meet the next save's file, renamed in after its state.json committed: the pair is
+//! torn, not the checkpoint. [`RunDir::read_settled`] reads again from the new
+//! state.json when the one it started from was replaced meanwhile.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
@@ -42,6 +47,10 @@ pub const MODEL_FILE: &str = "model.safetensors";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const STATE_FILE: &str = "state.json";
 pub const METRICS_FILE: &str = "metrics.jsonl";
+
+/// How often a read torn by a save is tried again: a save per step of a small model
+/// can land inside a few reads in a row, but not inside this many.
+const SETTLE_TRIES: usize = 8;
 
 /// Format version of state.json.
 pub const STATE_VERSION: u32 = 1;
@@ -253,6 +262,34 @@ impl RunDir {
             .with_context(|| format!("syncing {}", self.path.display()))
     }
 
+    /// Runs `read` on the checkpoint state.json describes. A read that failed while a
+    /// save replaced state.json is run again on the new one (see the module docs), so a
+    /// folder whose trainer is saving reads as one checkpoint, the newest.
+    pub fn read_settled<T>(&self, mut read: impl FnMut(&TrainState) -> Result<T>) -> Result<T> {
+        let mut state = self.state()?;
+        for _ in 1..SETTLE_TRIES {
+            let result = read(&state);
+            match self.state() {
+                Ok(now) if result.is_err() && now != state => state = now,
+                _ => return result,
+            }
+        }
+        read(&state)
+    }
+
+    /// Fails (for [`RunDir::read_settled`] to read again) if state.json is no longer
+    /// `state`: for a reader whose files are not hashed before it goes on (a mapped
+    /// model, hashed in the background).
+    pub fn still_describes(&self, state: &TrainState) -> Result<()> {
+        if self.state()? != *state {
+            user_bail!(
+                "{} was saved again while it was read; read it again",
+                self.path.display()
+            );
+        }
+        Ok(())
+    }
+
     /// Reads state.json.
     pub fn state(&self) -> Result<TrainState> {
         let path = self.file(STATE_FILE);
@@ -323,10 +360,12 @@ impl RunDir {
                 return Ok(read?);
             }
         }
-        // Saved and committed, but not yet renamed into place.
-        if let Ok(bytes) = fs::read(self.next_file(name)) {
-            if digest.matches(&bytes) {
-                return Ok(bytes);
+        // Saved and committed, but not yet renamed into place; or renamed just now.
+        for copy in [self.next_file(name), path.clone()] {
+            if let Ok(bytes) = fs::read(copy) {
+                if digest.matches(&bytes) {
+                    return Ok(bytes);
+                }
             }
         }
         match read {
@@ -501,10 +540,14 @@ impl Loaded {
         products: crate::config::Precision,
     ) -> Result<Self> {
         let run = RunDir::new(dir);
-        let state = run.state()?;
-        let config = run.read_verified(&state, CONFIG_FILE)?;
-        let tokenizer = run.read_verified(&state, TOKENIZER_FILE)?;
-        let weights = run.read_verified(&state, MODEL_FILE)?;
+        let (state, config, tokenizer, weights) = run.read_settled(|state| {
+            Ok((
+                state.clone(),
+                run.read_verified(state, CONFIG_FILE)?,
+                run.read_verified(state, TOKENIZER_FILE)?,
+                run.read_verified(state, MODEL_FILE)?,
+            ))
+        })?;
         let (config, tokenizer, model) = Self::from_parts(
             &config,
             &tokenizer,

@@ -109,18 +109,37 @@ fn data_on_lines(mut file: &fs::File) -> bool {
 /// ones held as `hold` says.
 pub fn open_for_decoding(dir: &Path, format: WeightFormat, hold: Hold) -> Result<ForDecoding> {
     let run = RunDir::new(dir);
-    let state = run.state()?;
-    let source = dir.display().to_string();
+    run.read_settled(|state| open_described(&run, state, format, hold))
+}
+
+/// [`open_for_decoding`] for the checkpoint `state` describes.
+fn open_described(
+    run: &RunDir,
+    state: &TrainState,
+    format: WeightFormat,
+    hold: Hold,
+) -> Result<ForDecoding> {
+    let source = run.path().display().to_string();
     let (config, tokenizer) = parse_config_and_tokenizer(
-        &run.read_verified(&state, CONFIG_FILE)?,
-        &run.read_verified(&state, TOKENIZER_FILE)?,
+        &run.read_verified(state, CONFIG_FILE)?,
+        &run.read_verified(state, TOKENIZER_FILE)?,
         &source,
     )?;
     let m = &config.model;
     let spec = ModelSpec::new(m);
-    let (path, digest) = model_file(&run, &state)?;
-    let file = fs::File::open(&path)
-        .map_err(|e| crate::error::user_error(format!("{}: {e}", path.display())))?;
+    let (mut path, digest) = model_file(run, state)?;
+    let file = match fs::File::open(&path) {
+        // The `.next` copy chosen was renamed into place since.
+        Err(_) if path == run.next_file(MODEL_FILE) => {
+            path = run.file(MODEL_FILE);
+            fs::File::open(&path)
+        }
+        opened => opened,
+    }
+    .map_err(|e| crate::error::user_error(format!("{}: {e}", path.display())))?;
+    // A save renames its model in only after its state.json: if ours is still the one
+    // on disk, the file just opened is the one it describes (hashed below).
+    run.still_describes(state)?;
     // f32 weights decoded where they lie have their pages mapped in now, in one pass
     // the kernel batches, rather than faulted in one by one inside the first token's
     // products. Other formats, f32 weights copied onto huge pages, and f32 weights off
@@ -146,7 +165,7 @@ pub fn open_for_decoding(dir: &Path, format: WeightFormat, hold: Hold) -> Result
     #[cfg(not(unix))]
     let watch = None;
     let map = Arc::new(MappedFile::new(map, watch));
-    let mut verification = verify(&run, &path, &file, digest);
+    let mut verification = verify(run, &path, &file, digest);
     let shown = path.display().to_string();
     let weights = match read_weights(&spec, &map, (format, copy_f32), &shown) {
         Ok(weights) => weights,
@@ -159,7 +178,7 @@ pub fn open_for_decoding(dir: &Path, format: WeightFormat, hold: Hold) -> Result
     Ok(ForDecoding {
         config,
         tokenizer,
-        state,
+        state: state.clone(),
         weights: Arc::new(weights),
         verification,
     })

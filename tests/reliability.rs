@@ -221,3 +221,43 @@ fn a_second_trainer_is_refused_while_the_first_runs() {
     first.kill().unwrap();
     first.wait().unwrap();
 }
+
+#[test]
+fn a_checkpoint_read_while_its_trainer_saves_every_step_always_loads() {
+    let dir = setup(100_000);
+    let mut trainer = train(dir.path(), &[]);
+    wait_for_checkpoint(dir.path());
+    // Each save replaces state.json and then the files it describes; a reader that
+    // lands between the two must read the pair again, never report a torn checkpoint.
+    let reads: [&[&str]; 3] = [
+        &["info", "--checkpoint", "checkpoints/exp", "--json"],
+        &[
+            "generate",
+            "--checkpoint",
+            "checkpoints/exp",
+            "--max-new-tokens",
+            "2",
+            "--seed",
+            "1",
+        ],
+        &[
+            "eval",
+            "--checkpoint",
+            "checkpoints/exp",
+            "--text",
+            "corpus.txt",
+        ],
+    ];
+    for round in 0..20 {
+        for args in reads {
+            let out = run(dir.path(), args);
+            assert!(
+                out.status.success(),
+                "round {round}, {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+    trainer.kill().unwrap();
+    trainer.wait().unwrap();
+}

@@ -142,12 +142,12 @@ impl Trainer {
     ) -> Result<Self> {
         let resume = start == Start::Resume;
         let prepared = if comm.rank() == 0 {
-            let prepared = prepare(config, &start, &stop, comm.as_ref()).and_then(|mut p| {
-                p.lock = Some(open_run_folder(
-                    &RunDir::new(p.config.run_dir()),
-                    resume,
-                    &p.state,
-                )?);
+            let run = RunDir::new(config.run_dir());
+            // A folder that exists is locked before it is read: a resumed run must not
+            // read a checkpoint that another trainer is writing.
+            let prepared = lock_if_present(&run).and_then(|held| {
+                let mut p = prepare(config, &start, &stop, comm.as_ref())?;
+                p.lock = Some(open_run_folder(&run, resume, &p.state, held)?);
                 Ok(p)
             });
             agree(comm.as_ref(), prepared)
@@ -658,17 +658,37 @@ pub fn train(config: Config, resume: bool, reporter: &mut dyn Reporter) -> Resul
     trainer.run(reporter)
 }
 
-/// Creates (or reopens) the run folder and takes its lock. A resumed run finishes the
-/// renames of a checkpoint write that was cut short; a new one drops metrics left by a
-/// run that never wrote a checkpoint (killed, or diverged at once).
-fn open_run_folder(run: &RunDir, resume: bool, state: &TrainState) -> Result<RunLock> {
-    std::fs::create_dir_all(run.path()).map_err(|e| {
-        crate::error::user_error(format!(
-            "cannot create run folder {}: {e}",
-            run.path().display()
-        ))
-    })?;
-    let lock = RunLock::acquire(run.path())?;
+/// The run folder's lock, if the folder exists (a new run's is created and locked
+/// once its config is known to be good, by [`open_run_folder`]).
+fn lock_if_present(run: &RunDir) -> Result<Option<RunLock>> {
+    if run.path().is_dir() {
+        RunLock::acquire(run.path()).map(Some)
+    } else {
+        Ok(None)
+    }
+}
+
+/// Creates (or reopens) the run folder and takes its lock, unless `held`. A resumed run
+/// finishes the renames of a checkpoint write that was cut short; a new one drops
+/// metrics left by a run that never wrote a checkpoint (killed, or diverged at once).
+fn open_run_folder(
+    run: &RunDir,
+    resume: bool,
+    state: &TrainState,
+    held: Option<RunLock>,
+) -> Result<RunLock> {
+    let lock = match held {
+        Some(lock) => lock,
+        None => {
+            std::fs::create_dir_all(run.path()).map_err(|e| {
+                crate::error::user_error(format!(
+                    "cannot create run folder {}: {e}",
+                    run.path().display()
+                ))
+            })?;
+            RunLock::acquire(run.path())?
+        }
+    };
     run.remove_temp_files();
     if resume {
         run.roll_forward(state)?;
