@@ -43,7 +43,13 @@ impl RunLock {
                             "{} is in use by another tinygpt train (pid {pid}); wait for it, stop it, or pick another run.name",
                             dir.display()
                         ),
-                        // Stale (dead pid, or unreadable): take it over.
+                        // Created a moment ago by a trainer that has not written its
+                        // pid yet.
+                        None if just_created(&path) => user_bail!(
+                            "{} is being taken by another tinygpt train starting now; wait for it, stop it, or pick another run.name",
+                            dir.display()
+                        ),
+                        // Stale (dead pid, or left empty long ago): take it over.
                         _ => {
                             let _ = fs::remove_file(&path);
                         }
@@ -59,6 +65,18 @@ impl RunLock {
             path.display()
         )
     }
+}
+
+/// Whether the file at `path` was modified in the last few seconds: the pid is written
+/// straight after the file is created, so an empty lock older than this was left by a
+/// trainer that died in between.
+fn just_created(path: &Path) -> bool {
+    const WRITING_PID: std::time::Duration = std::time::Duration::from_secs(5);
+    fs::metadata(path)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.elapsed().ok())
+        .is_some_and(|age| age < WRITING_PID)
 }
 
 impl Drop for RunLock {
@@ -145,6 +163,29 @@ mod tests {
         );
         drop(lock);
         assert!(!dir.path().join(LOCK_FILE).exists());
+    }
+
+    #[test]
+    fn an_empty_lock_is_held_while_young_and_stale_once_old() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(LOCK_FILE);
+        // Another trainer has created the lock and not yet written its pid.
+        fs::write(&path, "").unwrap();
+        let err = RunLock::acquire(dir.path()).unwrap_err();
+        assert!(format!("{err}").contains("starting now"), "{err}");
+        // One that died between the two, a minute ago.
+        let minute_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(60);
+        fs::File::options()
+            .write(true)
+            .open(&path)
+            .and_then(|f| f.set_modified(minute_ago))
+            .unwrap();
+        let lock = RunLock::acquire(dir.path()).unwrap();
+        assert_eq!(
+            fs::read_to_string(&path).unwrap().trim(),
+            std::process::id().to_string()
+        );
+        drop(lock);
     }
 
     #[cfg(target_os = "linux")]

@@ -27,6 +27,7 @@
 
 use std::collections::BTreeMap;
 use std::fs;
+use std::io::{Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -96,7 +97,7 @@ impl Verification {
 /// writes do (`checkpoint::DATA_ALIGNMENT`); read from its header's length.
 /// The file is left at its start (its hash is read from there).
 fn data_on_lines(mut file: &fs::File) -> bool {
-    use std::io::{Read, Seek, SeekFrom};
+    use std::io::Read;
     let mut header = [0u8; 8];
     let read = file.read_exact(&mut header);
     let rewound = file.seek(SeekFrom::Start(0));
@@ -127,16 +128,7 @@ fn open_described(
     )?;
     let m = &config.model;
     let spec = ModelSpec::new(m);
-    let (mut path, digest) = model_file(run, state)?;
-    let file = match fs::File::open(&path) {
-        // The `.next` copy chosen was renamed into place since.
-        Err(_) if path == run.next_file(MODEL_FILE) => {
-            path = run.file(MODEL_FILE);
-            fs::File::open(&path)
-        }
-        opened => opened,
-    }
-    .map_err(|e| crate::error::user_error(format!("{}: {e}", path.display())))?;
+    let (path, file, digest) = open_model_file(run, state)?;
     // A save renames its model in only after its state.json: if ours is still the one
     // on disk, the file just opened is the one it describes (hashed below).
     run.still_describes(state)?;
@@ -184,12 +176,17 @@ fn open_described(
     })
 }
 
-/// model.safetensors, or the `.next` copy of an unfinished commit, whichever state.json
-/// describes: by size, and where both have its size (the same model always has), by
-/// hash (only after a checkpoint was cut off between its commit and its renames; the
-/// next `train --resume` finishes them). The chosen file's hash is checked later, in
-/// `verify`.
-fn model_file(run: &RunDir, state: &TrainState) -> Result<(PathBuf, FileDigest)> {
+/// Opens model.safetensors, or the `.next` copy of an unfinished commit, whichever
+/// state.json describes: by size, and where both have its size (the same model always
+/// has), by hash (only after a checkpoint was cut off between its commit and its
+/// renames, or while a trainer renames; the next `train --resume` finishes them). The
+/// chosen file's hash is checked later, in `verify`.
+///
+/// `.next` is opened first: a trainer renames it over model.safetensors and only later
+/// writes the next save's `.next`, so whichever moment the two opens fall on, one of the
+/// files held is the one state.json describes (or state.json has changed since, which
+/// the caller checks).
+fn open_model_file(run: &RunDir, state: &TrainState) -> Result<(PathBuf, fs::File, FileDigest)> {
     let Some(digest) = state.files.get(MODEL_FILE) else {
         user_bail!(
             "{} does not list {MODEL_FILE}; the checkpoint is incomplete",
@@ -197,29 +194,35 @@ fn model_file(run: &RunDir, state: &TrainState) -> Result<(PathBuf, FileDigest)>
         );
     };
     let (path, next) = (run.file(MODEL_FILE), run.next_file(MODEL_FILE));
-    let sized = |p: &Path| fs::metadata(p).is_ok_and(|m| m.len() == digest.size);
-    let chosen = match (sized(&path), sized(&next)) {
-        (true, false) => path,
-        (false, true) => next,
-        (true, true) => {
-            let matches = fs::File::open(&path)
-                .and_then(sha256_hex_of_reader)
+    let open_sized = |p: &Path| {
+        fs::File::open(p)
+            .ok()
+            .filter(|f| f.metadata().is_ok_and(|m| m.len() == digest.size))
+    };
+    let next_file = open_sized(&next);
+    let chosen = match (open_sized(&path), next_file) {
+        (Some(file), None) => (path, file),
+        (None, Some(file)) => (next, file),
+        (Some(mut file), Some(next_file)) => {
+            let matches = sha256_hex_of_reader(&file)
                 .is_ok_and(|(sha256, _)| sha256 == digest.sha256);
             if matches {
-                path
+                file.seek(SeekFrom::Start(0))
+                    .map_err(|e| crate::error::user_error(format!("{}: {e}", path.display())))?;
+                (path, file)
             } else {
-                next
+                (next, next_file)
             }
         }
-        (false, false) if !path.exists() => {
+        (None, None) if !path.exists() => {
             user_bail!("{}: not found; the checkpoint is incomplete", path.display())
         }
-        (false, false) => user_bail!(
+        (None, None) => user_bail!(
             "{} does not match the size/sha256 recorded in state.json: the file is truncated or was changed; restore it or retrain",
             path.display()
         ),
     };
-    Ok((chosen, digest.clone()))
+    Ok((chosen.0, chosen.1, digest.clone()))
 }
 
 /// What `.verified` remembers of a file that matched its hash.

@@ -96,8 +96,10 @@ fn launcher(mpirun: &Path, ranks: usize) -> Command {
         .arg(ranks.to_string())
         .env("RAYON_NUM_THREADS", "1")
         // Open MPI's mpirun kills ranks 1 s after forwarding a signal unless told to
-        // wait (docs/DATA-PARALLEL.md: what users set for a checkpoint that takes longer).
-        ;
+        // wait (docs/DATA-PARALLEL.md: what users set for a checkpoint that takes
+        // longer): a step, the ranks' agreement and a save can take longer than that on
+        // a loaded two-core machine running two tests' ranks at once.
+        .args(["--mca", "odls_base_sigkill_timeout", "10"]);
     cmd
 }
 

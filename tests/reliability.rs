@@ -123,12 +123,18 @@ fn sigkill_at_random_moments_never_loses_the_checkpoint() {
 
 #[test]
 fn ctrl_c_checkpoints_and_resume_continues_the_exact_curve() {
-    let dir = setup(150);
+    let dir = setup(400);
     // The uninterrupted run, in its own folder.
-    let straight = run(dir.path(), &train_args(&[], &["run.name=straight"]));
+    let decay = "train.lr_decay_iters=400";
+    let straight = run(dir.path(), &train_args(&[], &["run.name=straight", decay]));
     assert!(straight.status.success());
 
-    let child = train(dir.path(), &[]);
+    // The same schedule, but a run that cannot end before the signal however fast the
+    // steps and their saves are (it is resumed to 400 below).
+    let child = train(
+        dir.path(),
+        &["--set", "train.max_iters=1000000", "--set", decay],
+    );
     wait_for_checkpoint(dir.path());
     std::thread::sleep(Duration::from_millis(100));
     signal(&child, libc::SIGINT);
@@ -143,9 +149,9 @@ fn ctrl_c_checkpoints_and_resume_continues_the_exact_curve() {
         .last()
         .unwrap()
         .0;
-    assert!(stopped_at < 150, "the run must stop early to test resume");
+    assert!(stopped_at < 400, "the run must stop early to test resume");
 
-    let out = run(dir.path(), &["train", "--config", "exp.toml", "--resume"]);
+    let out = run(dir.path(), &train_args(&["--resume"], &[decay]));
     assert!(
         out.status.success(),
         "{}",
@@ -153,7 +159,7 @@ fn ctrl_c_checkpoints_and_resume_continues_the_exact_curve() {
     );
     let resumed = losses(&dir.path().join("checkpoints/exp"));
     let expected = losses(&dir.path().join("checkpoints/straight"));
-    assert_eq!(resumed.len(), 150);
+    assert_eq!(resumed.len(), 400);
     assert_eq!(
         resumed, expected,
         "same seed: the interrupted + resumed curve is the straight one"
