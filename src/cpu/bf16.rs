@@ -11,7 +11,9 @@
 //! added to an f32 accumulator, twice the multiply-adds of an f32 FMA per instruction.
 //! That pairs up neighbouring k: a packed operand holds, per 32-bit word, the bf16 of
 //! k = 2p in the low half and k = 2p + 1 in the high half. CPUs without AVX512_BF16
-//! run the same packed data through a plain-Rust kernel with the same numerics.
+//! run the same packed data through f32 FMAs (AVX-512F, AVX2, or plain Rust), each pair
+//! widened (exact) and its odd k added before its even k, as `vdpbf16ps` adds them: the
+//! same bits on every CPU, at f32's speed there.
 //!
 //! Blocking follows BLIS/gemm: k in blocks of `KC`, rows in blocks of `MC` packed as
 //! `MR`-row panels, columns packed as `NR`-column panels, an `MR` x `NR` tile of
@@ -218,7 +220,7 @@ impl Problem<'_> {
         if super::isa::active() == super::isa::Isa::Amx && super::amx::takes(&self.p) {
             return super::amx::multiply(self.dst, self.dst_row, &self.p, rows, cols);
         }
-        self.run_with(pick_kernel(), rows, cols)
+        self.run_with(Kernel::pick(), rows, cols)
     }
 
     /// `run` with a given inner kernel.
@@ -270,6 +272,13 @@ impl Problem<'_> {
                     // Pairs of this k block that rows i0..i0+mc may hold non-zero.
                     let (a_from, a_to) = pairs(self.p.causal.k_span(i0..i0 + mc, k0, kc));
                     let strides = pack_a(&mut panels.a, &self.p.a, i0, mc, k0, kc, a_from..a_to);
+                    let halves = if kernel.widens() {
+                        let halves = scratch(&mut panels.halves, 2 * strides.words.len());
+                        split_halves(strides.words, halves);
+                        halves.as_ptr()
+                    } else {
+                        std::ptr::null()
+                    };
                     for jp in 0..col_panels {
                         let c0 = cols.start + jp * NR;
                         let b = b_panels.as_ptr().add(jp * kp * NR);
@@ -281,18 +290,17 @@ impl Problem<'_> {
                                 continue;
                             }
                             let (from, to) = pairs(self.p.causal.k_span(r0..r0 + height, k0, kc));
+                            let at = ip * MR * strides.row + from * strides.pair;
                             let a = APanel {
-                                first: strides
-                                    .words
-                                    .as_ptr()
-                                    .add(ip * MR * strides.row + from * strides.pair),
+                                first: strides.words.as_ptr().add(at),
+                                halves: halves.wrapping_add(2 * at),
                                 row: strides.row,
                                 pair: strides.pair,
                                 height,
                             };
                             let b = b.add(from * NR);
                             let c = self.dst.add(r0 * self.dst_row + c0);
-                            kernel(
+                            kernel.tile(
                                 to - from,
                                 a,
                                 b,
@@ -494,35 +502,103 @@ fn zero_odd(words: &mut [u32]) {
     }
 }
 
+super::kernels::multiversion! {
+    /// Each pair word as its two f32s (bits), side by side in `halves`: the odd k's
+    /// (the high half, masked), then the even k's (the low half, shifted up); exact, as
+    /// widening is. One stream a row for the kernels, not two.
+    pub fn split_halves(words: &[u32], halves: &mut [u32]) {
+        for (w, h) in words.iter().zip(halves.chunks_exact_mut(2)) {
+            h[0] = w & 0xffff_0000;
+            h[1] = w << 16;
+        }
+    }
+}
+
 /// Up to `MR` rows of A's pair words for the inner kernel: word (i, p) at
-/// `first + i * row + p * pair`, for i < `height`.
+/// `first + i * row + p * pair`, for i < `height`. For the kernels that widen, the same
+/// words split into their two f32s (as bits, `split_halves`), side by side: the odd k's
+/// at `halves + 2 * (i * row + p * pair)`, the even k's just after; null for
+/// `vdpbf16ps`, which reads the words.
 struct APanel {
     first: *const u32,
+    halves: *const u32,
     row: usize,
     pair: usize,
     height: usize,
 }
 
 impl APanel {
-    /// Where each of the `MR` rows starts; rows past `height` repeat row 0 (their
-    /// results are never stored), so every read stays inside the block.
-    fn rows(&self) -> [*const u32; MR] {
+    /// Where each of the `MR` rows of `first`, or (`spread` 2) of `halves`, starts;
+    /// rows past `height` repeat row 0 (their results are never stored), so every read
+    /// stays inside the block.
+    fn rows_of(&self, first: *const u32, spread: usize) -> [*const u32; MR] {
         std::array::from_fn(|i| {
             let i = if i < self.height { i } else { 0 };
-            self.first.wrapping_add(i * self.row)
+            first.wrapping_add(spread * i * self.row)
         })
     }
 }
 
 /// An inner kernel: the tile for `kp` k pairs of one A panel and one B panel.
-type Kernel = unsafe fn(usize, APanel, *const u32, Tile);
-
-fn pick_kernel() -> Kernel {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kernel {
+    /// Plain Rust, vectorised for the CPU at hand (`accumulate_tile`).
+    Portable,
+    /// AVX2 FMAs on the pairs widened (`kernel_avx2`).
     #[cfg(target_arch = "x86_64")]
-    if has_avx512_bf16() {
-        return kernel_avx512_bf16;
+    Avx2,
+    /// AVX-512 FMAs on the pairs widened (`kernel_avx512`).
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    /// `vdpbf16ps` on the pairs as they are (`kernel_avx512_bf16`).
+    #[cfg(target_arch = "x86_64")]
+    Avx512Bf16,
+}
+
+impl Kernel {
+    /// The fastest this CPU has at the active level.
+    fn pick() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use super::isa::{active, Isa};
+            if has_avx512_bf16() {
+                return Self::Avx512Bf16;
+            }
+            if active() >= Isa::Avx512 {
+                return Self::Avx512;
+            }
+            if active() >= Isa::Avx2 {
+                return Self::Avx2;
+            }
+        }
+        Self::Portable
     }
-    kernel_portable
+
+    /// Whether it reads A's pairs widened (`APanel::halves`): done once per packed
+    /// block rather than once per tile.
+    fn widens(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self == Self::Avx512Bf16 {
+            return false;
+        }
+        true
+    }
+
+    /// # Safety
+    /// The CPU must have what the kernel needs; `a` (with its halves where the kernel
+    /// widens) and `b` must hold `kp` packed pairs of a full panel each, and the tile
+    /// must be writable.
+    unsafe fn tile(self, kp: usize, a: APanel, b: *const u32, tile: Tile) {
+        match self {
+            Self::Portable => kernel_portable(kp, a, b, tile),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => kernel_avx2(kp, a, b, tile),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => kernel_avx512(kp, a, b, tile),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512Bf16 => kernel_avx512_bf16(kp, a, b, tile),
+        }
+    }
 }
 
 /// Whether the `vdpbf16ps` kernel runs: the CPU has AVX512_BF16 and the active level
@@ -546,7 +622,7 @@ unsafe fn kernel_avx512_bf16(kp: usize, a: APanel, b: *const u32, tile: Tile) {
     use std::arch::x86_64::*;
     const V: usize = NR / 16;
     let mut acc = [[_mm512_setzero_ps(); V]; MR];
-    let rows = a.rows();
+    let rows = a.rows_of(a.first, 1);
     // Fetch the tile of dst now, so its misses overlap the products instead of
     // stalling the stores at the end.
     for i in 0..tile.height {
@@ -595,20 +671,131 @@ unsafe fn kernel_avx512_bf16(kp: usize, a: APanel, b: *const u32, tile: Tile) {
     }
 }
 
+/// The tile at the AVX2 level on CPUs without AVX512_BF16: f32 FMAs on the pairs
+/// widened (A's split once per packed block, `split_halves`; B's in registers, a mask
+/// for the odd k and a shift for the even), odd k before even as `vdpbf16ps` adds them.
+/// The products are exact, so the sums have the portable kernel's bits and
+/// `vdpbf16ps`'s. 16 columns at a time: the 6 x 2 accumulators, a half pair of B and
+/// one of A in the 16 registers.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; otherwise as for `Kernel::tile`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn kernel_avx2(kp: usize, a: APanel, b: *const u32, tile: Tile) {
+    use std::arch::x86_64::*;
+    const W: usize = 16;
+    let rows = a.rows_of(a.halves, 2);
+    let odd_half = _mm256_set1_epi32(0xffff_0000_u32 as i32);
+    let broadcast = |half: *const u32| _mm256_set1_ps(f32::from_bits(*half));
+    for chunk in (0..tile.width).step_by(W) {
+        let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+        for p in 0..kp {
+            let bp = b.add(p * NR + chunk);
+            let words = [
+                _mm256_loadu_si256(bp.cast()),
+                _mm256_loadu_si256(bp.add(8).cast()),
+            ];
+            let odd = words.map(|w| _mm256_castsi256_ps(_mm256_and_si256(w, odd_half)));
+            for (row, first) in acc.iter_mut().zip(rows) {
+                let ai = broadcast(first.add(2 * p * a.pair));
+                row[0] = _mm256_fmadd_ps(ai, odd[0], row[0]);
+                row[1] = _mm256_fmadd_ps(ai, odd[1], row[1]);
+            }
+            let even = words.map(|w| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w)));
+            for (row, first) in acc.iter_mut().zip(rows) {
+                let ai = broadcast(first.add(2 * p * a.pair + 1));
+                row[0] = _mm256_fmadd_ps(ai, even[0], row[0]);
+                row[1] = _mm256_fmadd_ps(ai, even[1], row[1]);
+            }
+        }
+        let mut sums = [[0f32; W]; MR];
+        for (sum, row) in sums.iter_mut().zip(&acc) {
+            _mm256_storeu_ps(sum.as_mut_ptr(), row[0]);
+            _mm256_storeu_ps(sum.as_mut_ptr().add(8), row[1]);
+        }
+        store_sums(&sums, chunk, &tile);
+    }
+}
+
+/// The tile at the AVX-512 level on CPUs without AVX512_BF16 (Skylake-SP, Cascade Lake,
+/// Ice Lake; Zen 3 has no AVX-512): as `kernel_avx2`, 32 columns at a time.
+///
+/// # Safety
+/// The CPU must have AVX-512F; otherwise as for `Kernel::tile`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn kernel_avx512(kp: usize, a: APanel, b: *const u32, tile: Tile) {
+    use std::arch::x86_64::*;
+    const W: usize = 32;
+    let rows = a.rows_of(a.halves, 2);
+    let odd_half = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+    let broadcast = |half: *const u32| _mm512_set1_ps(f32::from_bits(*half));
+    for chunk in (0..tile.width).step_by(W) {
+        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+        for p in 0..kp {
+            let bp = b.add(p * NR + chunk);
+            let words = [
+                _mm512_loadu_si512(bp.cast()),
+                _mm512_loadu_si512(bp.add(16).cast()),
+            ];
+            let odd = [
+                _mm512_castsi512_ps(_mm512_and_si512(words[0], odd_half)),
+                _mm512_castsi512_ps(_mm512_and_si512(words[1], odd_half)),
+            ];
+            for (row, first) in acc.iter_mut().zip(rows) {
+                let ai = broadcast(first.add(2 * p * a.pair));
+                row[0] = _mm512_fmadd_ps(ai, odd[0], row[0]);
+                row[1] = _mm512_fmadd_ps(ai, odd[1], row[1]);
+            }
+            let even = [
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(words[0])),
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(words[1])),
+            ];
+            for (row, first) in acc.iter_mut().zip(rows) {
+                let ai = broadcast(first.add(2 * p * a.pair + 1));
+                row[0] = _mm512_fmadd_ps(ai, even[0], row[0]);
+                row[1] = _mm512_fmadd_ps(ai, even[1], row[1]);
+            }
+        }
+        let mut sums = [[0f32; W]; MR];
+        for (sum, row) in sums.iter_mut().zip(&acc) {
+            _mm512_storeu_ps(sum.as_mut_ptr(), row[0]);
+            _mm512_storeu_ps(sum.as_mut_ptr().add(16), row[1]);
+        }
+        store_sums(&sums, chunk, &tile);
+    }
+}
+
+/// Writes a kernel's sums for the tile's columns `first..first + W` (those inside it):
+/// dst = (dst if the tile loads) + beta * sum.
+///
+/// # Safety
+/// The tile must be writable.
+unsafe fn store_sums<const W: usize>(sums: &[[f32; W]; MR], first: usize, tile: &Tile) {
+    let width = W.min(tile.width.saturating_sub(first));
+    for (i, sum) in sums.iter().enumerate().take(tile.height) {
+        let c = std::slice::from_raw_parts_mut(tile.c.add(i * tile.row + first), width);
+        for (out, x) in c.iter_mut().zip(sum) {
+            *out = if tile.load { *out } else { 0.0 } + tile.beta * x;
+        }
+    }
+}
+
 super::kernels::multiversion! {
     /// acc[i][j] += A row i's pairs times B column j's, for the pairs in `b` (kp x NR
-    /// words): each word widened to its two f32s (exact), odd k then even k added per
-    /// lane, as `vdpbf16ps` does. Word p of row i is `rows[i][p * pair]`.
+    /// words): odd k then even k added per lane, as `vdpbf16ps` does. A's pairs come
+    /// widened (`split_halves`): row i's pair p at `rows[i][2 * p * pair]` (odd k) and
+    /// just after (even k); B's words are widened here (exact).
     pub fn accumulate_tile(acc: &mut [[f32; NR]; MR], rows: &[&[u32]; MR], pair: usize, b: &[u32]) {
-        let even = |w: u32| f32::from_bits(w << 16);
-        let odd = |w: u32| f32::from_bits(w & 0xffff_0000);
+        let odd_of = |w: u32| f32::from_bits(w & 0xffff_0000);
+        let even_of = |w: u32| f32::from_bits(w << 16);
         for (p, bp) in b.chunks_exact(NR).enumerate() {
             for (row, a) in acc.iter_mut().zip(rows) {
-                let aw = a[p * pair];
-                let (a_odd, a_even) = (odd(aw), even(aw));
+                let (a_odd, a_even) = (f32::from_bits(a[2 * p * pair]), f32::from_bits(a[2 * p * pair + 1]));
                 for (x, &bw) in row.iter_mut().zip(bp) {
-                    *x += a_odd * odd(bw);
-                    *x += a_even * even(bw);
+                    *x += a_odd * odd_of(bw);
+                    *x += a_even * even_of(bw);
                 }
             }
         }
@@ -618,22 +805,21 @@ super::kernels::multiversion! {
 /// The same tile in plain Rust (`accumulate_tile`, vectorised for the CPU at hand).
 ///
 /// # Safety
-/// As for `kernel_avx512_bf16`, less the CPU features.
+/// As for `Kernel::tile`.
 unsafe fn kernel_portable(kp: usize, a: APanel, b: *const u32, tile: Tile) {
     let b = std::slice::from_raw_parts(b, kp * NR);
-    // Each row's words, from its first to its last one read.
-    let span = if kp == 0 { 0 } else { (kp - 1) * a.pair + 1 };
+    // Each row's halves, from the first to the last pair read.
+    let span = if kp == 0 {
+        0
+    } else {
+        2 * (kp - 1) * a.pair + 2
+    };
     let rows = a
-        .rows()
-        .map(|first| std::slice::from_raw_parts(first, span));
+        .rows_of(a.halves, 2)
+        .map(|row| std::slice::from_raw_parts(row, span));
     let mut acc = [[0f32; NR]; MR];
     accumulate_tile(&mut acc, &rows, a.pair, b);
-    for (i, row) in acc.iter().enumerate().take(tile.height) {
-        let c = std::slice::from_raw_parts_mut(tile.c.add(i * tile.row), tile.width);
-        for (out, x) in c.iter_mut().zip(row) {
-            *out = if tile.load { *out } else { 0.0 } + tile.beta * x;
-        }
-    }
+    store_sums(&acc, 0, &tile);
 }
 
 #[cfg(test)]
@@ -821,7 +1007,7 @@ mod tests {
                 p: product(a, b, (m, n, k), acc, beta),
             };
             // Safety: the whole (m, n) block of a buffer sized for it, on this thread.
-            unsafe { problem.run_with(kernel_portable, 0..m, 0..n) }
+            unsafe { problem.run_with(Kernel::Portable, 0..m, 0..n) }
         }
         check("portable", run);
     }
@@ -951,20 +1137,43 @@ mod tests {
         }
     }
 
+    /// The register kernels this CPU can run, by name: the portable one always, the
+    /// AVX2 and AVX-512 ones that widen the pairs, `vdpbf16ps` (whatever the active
+    /// level: each is called directly).
+    fn vector_kernels() -> Vec<(&'static str, Kernel)> {
+        let mut kernels = vec![("portable", Kernel::Portable)];
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx2") && has!("fma") {
+                kernels.push(("avx2", Kernel::Avx2));
+            }
+            if has!("avx512f") {
+                kernels.push(("avx512", Kernel::Avx512));
+            }
+            if has!("avx512f") && has!("avx512bf16") {
+                kernels.push(("avx512_bf16", Kernel::Avx512Bf16));
+            }
+        }
+        kernels
+    }
+
     /// `p` on one thread into copies of `start` (rows `dst_row` apart), once by each
-    /// kernel this CPU has: the vector one and, where there are tiles, AMX.
+    /// kernel this CPU has: the vector ones and, where there are tiles, AMX.
     fn every_kernel(start: &[f32], dst_row: usize, p: Product) -> Vec<(&'static str, Vec<f32>)> {
         let mut out = Vec::new();
-        let mut got = start.to_vec();
-        p.check_bounds(&got, dst_row);
-        let problem = Problem {
-            dst: got.as_mut_ptr(),
-            dst_row,
-            p,
-        };
-        // Safety: bounds checked above, on this thread; the picked kernel is one the CPU has.
-        unsafe { problem.run_with(pick_kernel(), 0..p.m, 0..p.n) };
-        out.push(("vector", got));
+        p.check_bounds(start, dst_row);
+        for (name, kernel) in vector_kernels() {
+            let mut got = start.to_vec();
+            let problem = Problem {
+                dst: got.as_mut_ptr(),
+                dst_row,
+                p,
+            };
+            // Safety: bounds checked above, on this thread; the CPU has the kernel.
+            unsafe { problem.run_with(kernel, 0..p.m, 0..p.n) };
+            out.push((name, got));
+        }
         #[cfg(target_arch = "x86_64")]
         if super::super::isa::amx_ready() {
             let mut got = start.to_vec();
@@ -973,6 +1182,60 @@ mod tests {
             out.push(("amx", got));
         }
         out
+    }
+
+    /// Every register kernel adds each pair's two exact products to its f32 sums in the
+    /// same order (odd k, then even, as `vdpbf16ps` does), so they agree to the bit: a
+    /// bf16 run's numbers do not depend on which of them the CPU runs. (`vdpbf16ps`
+    /// flushes subnormals, which these operands never reach.)
+    #[test]
+    fn the_register_kernels_agree_to_the_bit() {
+        let kernels = vector_kernels();
+        eprintln!(
+            "bf16 register kernels on this CPU: {:?}",
+            kernels.iter().map(|(name, _)| *name).collect::<Vec<_>>()
+        );
+        for &(m, n, k) in &[(1, 1, 1), (7, 65, 3), (13, 130, 257), (100, 70, 1700)] {
+            let (a_data, b_data) = (values(m * k, 1), values(k * n, 2));
+            let (a, b) = (Strided::rows(&a_data, k), Strided::rows(&b_data, n));
+            for (accumulate, beta) in [(false, 1.0), (true, 0.5)] {
+                let dst_row = n + 3;
+                let start = values(m * dst_row, 3);
+                let p = product(a, b, (m, n, k), accumulate, beta);
+                let outs = every_kernel(&start, dst_row, p);
+                let (first, want) = &outs[0];
+                for (name, got) in outs.iter().filter(|(name, _)| *name != "amx") {
+                    let same = got
+                        .iter()
+                        .zip(want)
+                        .all(|(g, w)| g.to_bits() == w.to_bits());
+                    assert!(same, "{name} vs {first} at {m}x{n}x{k} acc={accumulate}");
+                }
+            }
+        }
+    }
+
+    /// The widening kernels against the oracle, each called directly (the active level
+    /// picks `vdpbf16ps` on CPUs that have it); named as skipped where the CPU lacks one.
+    #[test]
+    fn the_widening_kernels_match_too() {
+        let kernels = vector_kernels();
+        for wanted in ["avx2", "avx512"] {
+            let Some(&(name, kernel)) = kernels.iter().find(|(name, _)| *name == wanted) else {
+                eprintln!("skipped: the {wanted} bf16 kernel (this CPU lacks it)");
+                continue;
+            };
+            check(name, |dst, dst_row, a, b, (m, n, k), acc, beta| {
+                let problem = Problem {
+                    dst: dst.as_mut_ptr(),
+                    dst_row,
+                    p: product(a, b, (m, n, k), acc, beta),
+                };
+                // Safety: the whole (m, n) block of a buffer sized for it, on this
+                // thread; the CPU has the kernel.
+                unsafe { problem.run_with(kernel, 0..m, 0..n) }
+            });
+        }
     }
 
     /// Causal attention products (T x T operands, both layouts of A) against the

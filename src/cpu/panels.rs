@@ -10,6 +10,8 @@ use std::cell::RefCell;
 #[derive(Default)]
 pub(super) struct Panels {
     pub a: Vec<u32>,
+    /// `bf16`'s packed A split into its f32 halves, for the kernels that widen.
+    pub halves: Vec<u32>,
     pub b: Vec<u32>,
     pub column: Vec<u32>,
 }

@@ -95,8 +95,8 @@ impl Engine for FusedCpuEngine {
                 format!("{kernels}, bf16 matrix products")
             }
             Precision::Bf16 => format!(
-                "{kernels}, bf16 matrix products emulated (this CPU lacks AVX512_BF16: \
-                 train.dtype = \"f32\" is faster here)"
+                "{kernels}, bf16 matrix products as f32 FMAs (this CPU lacks AVX512_BF16: \
+                 no faster than train.dtype = \"f32\" here)"
             ),
         };
         match self.ranks.count() {
