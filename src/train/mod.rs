@@ -538,6 +538,11 @@ impl Trainer {
                 self.save()?;
                 let at = self.run.path().display();
                 reporter.note(&format!("checkpoint: {at} at step {step}"));
+                // A stop asked during the save (a large model's takes seconds) stops
+                // here: the checkpoint is this step's, no step more to train and save.
+                if let (Some(signal), false) = (self.agree_on_stop()?, is_last) {
+                    return Err(self.interrupt(signal, false, reporter)?);
+                }
             }
             if is_last {
                 break;
