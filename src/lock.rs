@@ -74,9 +74,12 @@ fn just_created(path: &Path) -> bool {
     const WRITING_PID: std::time::Duration = std::time::Duration::from_secs(5);
     fs::metadata(path)
         .and_then(|m| m.modified())
-        .ok()
-        .and_then(|t| t.elapsed().ok())
-        .is_some_and(|age| age < WRITING_PID)
+        .is_ok_and(|t| match t.elapsed() {
+            Ok(age) => age < WRITING_PID,
+            // Stamped ahead of this clock (a file server's clock, a clock stepped back):
+            // as young as the gap says.
+            Err(ahead) => ahead.duration() < WRITING_PID,
+        })
 }
 
 impl Drop for RunLock {

@@ -231,8 +231,22 @@ fn a_second_trainer_is_refused_while_the_first_runs() {
 #[test]
 fn a_checkpoint_read_while_its_trainer_saves_every_step_always_loads() {
     let dir = setup(100_000);
-    let mut trainer = train(dir.path(), &[]);
+    // Its stderr unread would fill the pipe (a line a save) and stop it saving.
+    let mut trainer = bin()
+        .args(["train", "--config", "exp.toml"])
+        .current_dir(dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
     wait_for_checkpoint(dir.path());
+    let step = || {
+        let state = std::fs::read_to_string(dir.path().join("checkpoints/exp/state.json"));
+        serde_json::from_str::<serde_json::Value>(&state.unwrap()).unwrap()["step"]
+            .as_u64()
+            .unwrap()
+    };
+    let first = step();
     // Each save replaces state.json and then the files it describes; a reader that
     // lands between the two must read the pair again, never report a torn checkpoint.
     let reads: [&[&str]; 3] = [
@@ -264,6 +278,11 @@ fn a_checkpoint_read_while_its_trainer_saves_every_step_always_loads() {
             );
         }
     }
+    let last = step();
+    assert!(
+        last > first + 20,
+        "the trainer saved from step {first} to {last} only: the reads met few saves"
+    );
     trainer.kill().unwrap();
     trainer.wait().unwrap();
 }

@@ -282,7 +282,8 @@ fn requests_joining_midway_decode_as_if_alone() {
     let mut read_a = |until: &dyn Fn(usize, &str) -> bool| {
         while !until(events, &joined_a) {
             line.clear();
-            reader.read_line(&mut line).unwrap();
+            let read = reader.read_line(&mut line).unwrap();
+            assert_ne!(read, 0, "A's stream ended after {events} events");
             if let Some(data) = line.trim_end().strip_prefix("data: ") {
                 let chunk: Value = serde_json::from_str(data).unwrap();
                 joined_a.push_str(chunk["choices"][0]["text"].as_str().unwrap_or(""));

@@ -165,9 +165,9 @@ fn sigterm_stops_corpus_encoding_leaving_no_partial_cache() {
             })
     };
     wait_for("the trained tokenizer", &mut child, tokenizer_done);
-    std::thread::sleep(Duration::from_millis(200)); // into the encoding
-                                                    // The stop is seen between waves of chunks; on a loaded two-core machine a wave
-                                                    // takes seconds.
+    // Into the encoding. The stop is seen between waves of chunks; on a loaded two-core
+    // machine a wave takes seconds.
+    std::thread::sleep(Duration::from_millis(200));
     let (exit, err) = signal_and_wait(child, libc::SIGTERM, Duration::from_secs(10));
     assert_eq!(exit, 143, "{err}");
     assert!(err.contains("stopped by SIGTERM"), "{err}");
@@ -262,8 +262,8 @@ fn a_stop_during_checkpoint_writes_leaves_a_run_that_resumes() {
             unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
             std::thread::sleep(Duration::from_millis(30));
         }
-        // A signal in a save finishes it, trains the step and saves again: two writes of
-        // 130 MB with their syncs on a shared disk.
+        // A signal in a save finishes it (130 MB with its syncs, on a disk other tests
+        // share) and stops there.
         let (exit, err) = signal_and_wait(child, libc::SIGTERM, Duration::from_secs(60));
         assert_eq!(exit, 143, "{signals} signal(s): {err}");
         // Resumable: one more step from whatever the stop left.

@@ -274,7 +274,7 @@ impl Problem<'_> {
                     let strides = pack_a(&mut panels.a, &self.p.a, i0, mc, k0, kc, a_from..a_to);
                     let halves = if kernel.widens() {
                         let halves = scratch(&mut panels.halves, 2 * strides.words.len());
-                        split_halves(strides.words, halves);
+                        strides.split_into(a_from..a_to, halves);
                         halves.as_ptr()
                     } else {
                         std::ptr::null()
@@ -334,6 +334,29 @@ struct APairs<'d> {
     words: &'d [u32],
     row: usize,
     pair: usize,
+    /// Whether a pair's rows lie side by side (`row` 1, `pair` mc), rather than a
+    /// row's pairs (`row` kp, `pair` 1).
+    by_columns: bool,
+}
+
+impl APairs<'_> {
+    /// Splits the words of `pairs` (those `pack_a` filled) into `halves`, laid out as
+    /// the words are but two to a word (`split_halves`).
+    fn split_into(&self, pairs: std::ops::Range<usize>, halves: &mut [u32]) {
+        let mut split = |span: std::ops::Range<usize>| {
+            split_halves(
+                &self.words[span.clone()],
+                &mut halves[2 * span.start..2 * span.end],
+            );
+        };
+        if self.by_columns {
+            split(pairs.start * self.pair..pairs.end * self.pair);
+        } else {
+            for start in (0..self.words.len()).step_by(self.row) {
+                split(start + pairs.start..start + pairs.end);
+            }
+        }
+    }
 }
 
 /// Packs rows i0..i0+mc, k k0..k0+kc of `a` into `dst` (see `APairs`); only the pairs
@@ -357,6 +380,7 @@ fn pack_a<'d>(
         words: out,
         row,
         pair,
+        by_columns,
     }
 }
 
@@ -520,6 +544,8 @@ super::kernels::multiversion! {
 /// at `halves + 2 * (i * row + p * pair)`, the even k's just after; null for
 /// `vdpbf16ps`, which reads the words.
 struct APanel {
+    // Read by `vdpbf16ps` alone, an x86-64 kernel.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     first: *const u32,
     halves: *const u32,
     row: usize,
@@ -602,7 +628,7 @@ impl Kernel {
 }
 
 /// Whether the `vdpbf16ps` kernel runs: the CPU has AVX512_BF16 and the active level
-/// (`cpu::isa`) allows AVX-512. Otherwise the portable kernel runs.
+/// (`cpu::isa`) allows AVX-512. Otherwise the kernels that widen the pairs run.
 pub fn has_avx512_bf16() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -1140,6 +1166,7 @@ mod tests {
     /// The register kernels this CPU can run, by name: the portable one always, the
     /// AVX2 and AVX-512 ones that widen the pairs, `vdpbf16ps` (whatever the active
     /// level: each is called directly).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
     fn vector_kernels() -> Vec<(&'static str, Kernel)> {
         let mut kernels = vec![("portable", Kernel::Portable)];
         #[cfg(target_arch = "x86_64")]

@@ -95,7 +95,7 @@ impl Engine for FusedCpuEngine {
                 format!("{kernels}, bf16 matrix products")
             }
             Precision::Bf16 => format!(
-                "{kernels}, bf16 matrix products as f32 FMAs (this CPU lacks AVX512_BF16: \
+                "{kernels}, bf16 matrix products widened to f32 (this CPU lacks AVX512_BF16: \
                  no faster than train.dtype = \"f32\" here)"
             ),
         };
