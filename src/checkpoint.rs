@@ -269,8 +269,11 @@ impl RunDir {
         let mut state = self.state()?;
         for _ in 1..SETTLE_TRIES {
             let result = read(&state);
+            if result.is_ok() {
+                return result;
+            }
             match self.state() {
-                Ok(now) if result.is_err() && now != state => state = now,
+                Ok(now) if now != state => state = now,
                 _ => return result,
             }
         }

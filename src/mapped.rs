@@ -200,7 +200,7 @@ fn open_model_file(run: &RunDir, state: &TrainState) -> Result<(PathBuf, fs::Fil
             .filter(|f| f.metadata().is_ok_and(|m| m.len() == digest.size))
     };
     let next_file = open_sized(&next);
-    let chosen = match (open_sized(&path), next_file) {
+    let (chosen, file) = match (open_sized(&path), next_file) {
         (Some(file), None) => (path, file),
         (None, Some(file)) => (next, file),
         (Some(mut file), Some(next_file)) => {
@@ -222,7 +222,7 @@ fn open_model_file(run: &RunDir, state: &TrainState) -> Result<(PathBuf, fs::Fil
             path.display()
         ),
     };
-    Ok((chosen.0, chosen.1, digest.clone()))
+    Ok((chosen, file, digest.clone()))
 }
 
 /// What `.verified` remembers of a file that matched its hash.
