@@ -1,10 +1,17 @@
-//! One training process per run folder: `train.lock` holds the owner's pid.
+//! One training process per run folder: `train.lock`, locked by the trainer.
 //!
-//! A second `train` into the same folder is refused with the holder's pid. A lock whose
-//! process is gone (killed, crashed) is stale and taken over.
+//! The trainer holds an exclusive lock on the file (`flock` on Unix, `LockFileEx` on
+//! Windows) for as long as it runs and writes its pid into it for the refusal's
+//! message. The system lets go of the lock when the process ends however it ends
+//! (killed, crashed), so a dead trainer's file is free at once, and of two trainers
+//! that find it free at the same instant the system lets one take it. A second
+//! `train` into the folder is refused with the holder's pid.
+//!
+//! Where the filesystem cannot lock files (some network and FUSE mounts), the pid in
+//! the file decides: a live process holds it, a dead one's lock is taken over.
 
 use std::fs;
-use std::io::Write;
+use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
@@ -13,48 +20,109 @@ use crate::user_bail;
 
 pub const LOCK_FILE: &str = "train.lock";
 
-/// Held while training; the file is removed on drop.
+/// Held while training; the file is removed on drop (on Windows a locked file is left
+/// in place, unlocked: see [`names_this_file`]).
 #[derive(Debug)]
 pub struct RunLock {
     path: PathBuf,
+    /// Whether dropping the lock removes the file.
+    remove: bool,
+    /// Open for as long as the lock is held: closing it lets go of the system's lock.
+    /// Dropped after `Drop::drop` has removed the file, so the name is gone first.
+    _file: fs::File,
 }
 
 impl RunLock {
     pub fn acquire(dir: &Path) -> Result<Self> {
         let path = dir.join(LOCK_FILE);
+        // A holder that lets go removes the file; one opened just before that removal
+        // is locked in vain (another trainer may create and lock the name anew), so a
+        // lock counts only on the file the name still holds. Each retry follows a
+        // holder that let go meanwhile.
+        for _ in 0..8 {
+            let open = fs::OpenOptions::new().read(true).write(true).to_owned();
+            let (mut file, created) = match open.clone().create_new(true).open(&path) {
+                Ok(file) => (file, true),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    match open.open(&path) {
+                        Ok(file) => (file, false),
+                        // Removed by a holder letting go meanwhile.
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                        Err(e) => {
+                            return Err(e).with_context(|| format!("opening {}", path.display()))
+                        }
+                    }
+                }
+                Err(e) => return Err(e).with_context(|| format!("creating {}", path.display())),
+            };
+            match file.try_lock() {
+                Ok(()) => {
+                    if !names_this_file(&path, &file) {
+                        continue;
+                    }
+                    write_pid(&mut file).with_context(|| format!("writing {}", path.display()))?;
+                    return Ok(Self {
+                        path,
+                        remove: cfg!(unix),
+                        _file: file,
+                    });
+                }
+                Err(fs::TryLockError::WouldBlock) => {
+                    user_bail!("{}", in_use(dir, pid_in(&mut file)))
+                }
+                Err(fs::TryLockError::Error(e)) if cannot_lock(&e) => {
+                    drop(file);
+                    if created {
+                        // Empty, it would read as a trainer starting.
+                        let _ = fs::remove_file(&path);
+                    }
+                    return Self::acquire_by_pid(dir, path);
+                }
+                Err(fs::TryLockError::Error(e)) => {
+                    return Err(e).with_context(|| format!("locking {}", path.display()));
+                }
+            }
+        }
+        user_bail!(
+            "could not take {}: trainers keep taking and leaving it; try again",
+            path.display()
+        )
+    }
+
+    /// Where files cannot be locked: the pid written in the file says who holds it.
+    fn acquire_by_pid(dir: &Path, path: PathBuf) -> Result<Self> {
         for _ in 0..3 {
+            let holder = fs::read_to_string(&path)
+                .ok()
+                .and_then(|s| s.trim().parse::<u32>().ok());
+            match holder {
+                Some(pid) if pid != std::process::id() && process_alive(pid) => {
+                    user_bail!("{}", in_use(dir, Some(pid)))
+                }
+                // Created a moment ago by a trainer that has not written its pid yet.
+                None if path.exists() && just_created(&path) => user_bail!(
+                    "{} is being taken by another tinygpt train starting now; wait for it, stop it, or pick another run.name",
+                    dir.display()
+                ),
+                // Stale (dead pid, or left empty long ago): take it over.
+                Some(_) | None => {
+                    let _ = fs::remove_file(&path);
+                }
+            }
             match fs::OpenOptions::new()
                 .write(true)
                 .create_new(true)
                 .open(&path)
             {
-                Ok(mut f) => {
-                    writeln!(f, "{}", std::process::id())
-                        .and_then(|_| f.sync_all())
-                        .with_context(|| format!("writing {}", path.display()))?;
-                    return Ok(Self { path });
+                Ok(mut file) => {
+                    write_pid(&mut file).with_context(|| format!("writing {}", path.display()))?;
+                    return Ok(Self {
+                        path,
+                        remove: true,
+                        _file: file,
+                    });
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                    let holder = fs::read_to_string(&path)
-                        .ok()
-                        .and_then(|s| s.trim().parse::<u32>().ok());
-                    match holder {
-                        Some(pid) if pid != std::process::id() && process_alive(pid) => user_bail!(
-                            "{} is in use by another tinygpt train (pid {pid}); wait for it, stop it, or pick another run.name",
-                            dir.display()
-                        ),
-                        // Created a moment ago by a trainer that has not written its
-                        // pid yet.
-                        None if just_created(&path) => user_bail!(
-                            "{} is being taken by another tinygpt train starting now; wait for it, stop it, or pick another run.name",
-                            dir.display()
-                        ),
-                        // Stale (dead pid, or left empty long ago): take it over.
-                        _ => {
-                            let _ = fs::remove_file(&path);
-                        }
-                    }
-                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
                 Err(e) => {
                     return Err(e).with_context(|| format!("creating {}", path.display()));
                 }
@@ -65,6 +133,66 @@ impl RunLock {
             path.display()
         )
     }
+}
+
+/// Whether a lock failed because the filesystem offers none (rather than for a reason
+/// to report).
+fn cannot_lock(e: &std::io::Error) -> bool {
+    #[cfg(unix)]
+    if let Some(code) = e.raw_os_error() {
+        // ENOLCK: an NFS mount without its lock service.
+        return [libc::ENOLCK, libc::ENOSYS, libc::EOPNOTSUPP].contains(&code);
+    }
+    e.kind() == std::io::ErrorKind::Unsupported
+}
+
+/// The refusal: who holds `dir`, and what to do.
+fn in_use(dir: &Path, holder: Option<u32>) -> String {
+    match holder {
+        Some(pid) => format!(
+            "{} is in use by another tinygpt train (pid {pid}); wait for it, stop it, or pick another run.name",
+            dir.display()
+        ),
+        // It has not written its pid yet (or, on Windows, its lock keeps the pid from
+        // being read).
+        None => format!(
+            "{} is in use by another tinygpt train; wait for it, stop it, or pick another run.name",
+            dir.display()
+        ),
+    }
+}
+
+/// Replaces the file's contents with this process's pid.
+fn write_pid(file: &mut fs::File) -> std::io::Result<()> {
+    file.set_len(0)?;
+    file.rewind()?;
+    writeln!(file, "{}", std::process::id())?;
+    file.sync_all()
+}
+
+/// The pid a holder wrote, if it has yet (and, on Windows, where the holder's lock
+/// keeps its bytes from being read, none).
+fn pid_in(file: &mut fs::File) -> Option<u32> {
+    let mut text = String::new();
+    file.read_to_string(&mut text).ok()?;
+    text.trim().parse().ok()
+}
+
+/// Whether `path` still names the open `file` (not removed, nor replaced by a new one).
+#[cfg(unix)]
+fn names_this_file(path: &Path, file: &fs::File) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (fs::metadata(path), file.metadata()) {
+        (Ok(named), Ok(open)) => named.dev() == open.dev() && named.ino() == open.ino(),
+        _ => false,
+    }
+}
+
+/// Elsewhere (Windows) a holder leaves the file in place when it lets go, unlocked,
+/// so the name never moves to another file.
+#[cfg(not(unix))]
+fn names_this_file(_path: &Path, _file: &fs::File) -> bool {
+    true
 }
 
 /// Whether the file at `path` was modified in the last few seconds: the pid is written
@@ -84,7 +212,9 @@ fn just_created(path: &Path) -> bool {
 
 impl Drop for RunLock {
     fn drop(&mut self) {
-        let _ = fs::remove_file(&self.path);
+        if self.remove {
+            let _ = fs::remove_file(&self.path);
+        }
     }
 }
 
@@ -144,45 +274,30 @@ fn process_alive(_pid: u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
 
     #[test]
-    fn second_holder_is_refused_and_stale_locks_are_taken_over() {
+    fn a_held_lock_refuses_a_second_trainer_and_is_free_once_dropped() {
         let dir = tempfile::tempdir().unwrap();
-        // Held by a live process (pid 1 is always alive).
-        fs::write(dir.path().join(LOCK_FILE), "1\n").unwrap();
+        let path = dir.path().join(LOCK_FILE);
+        let first = RunLock::acquire(dir.path()).unwrap();
+        let own = std::process::id().to_string();
+        assert_eq!(fs::read_to_string(&path).unwrap().trim(), own);
         let err = RunLock::acquire(dir.path()).unwrap_err();
-        assert!(format!("{err}").contains("pid 1"), "{err}");
-        // A dead pid: a child that has exited.
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        let pid = child.id();
-        child.wait().unwrap();
-        fs::write(dir.path().join(LOCK_FILE), format!("{pid}\n")).unwrap();
-        let lock = RunLock::acquire(dir.path()).unwrap();
-        assert_eq!(
-            fs::read_to_string(dir.path().join(LOCK_FILE))
-                .unwrap()
-                .trim(),
-            std::process::id().to_string()
-        );
-        drop(lock);
-        assert!(!dir.path().join(LOCK_FILE).exists());
+        assert!(format!("{err}").contains(&format!("(pid {own})")), "{err}");
+        drop(first);
+        assert_eq!(path.exists(), cfg!(not(unix)));
+        drop(RunLock::acquire(dir.path()).unwrap());
     }
 
     #[test]
-    fn an_empty_lock_is_held_while_young_and_stale_once_old() {
+    fn a_file_left_by_a_dead_trainer_is_taken_over() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(LOCK_FILE);
-        // Another trainer has created the lock and not yet written its pid.
-        fs::write(&path, "").unwrap();
-        let err = RunLock::acquire(dir.path()).unwrap_err();
-        assert!(format!("{err}").contains("starting now"), "{err}");
-        // One that died between the two, a minute ago.
-        let minute_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(60);
-        fs::File::options()
-            .write(true)
-            .open(&path)
-            .and_then(|f| f.set_modified(minute_ago))
-            .unwrap();
+        // What a killed trainer leaves: its pid in a file nobody locks. pid 1 lives,
+        // so only the missing lock can say the file is free.
+        fs::write(&path, "1\n").unwrap();
         let lock = RunLock::acquire(dir.path()).unwrap();
         assert_eq!(
             fs::read_to_string(&path).unwrap().trim(),
@@ -191,6 +306,105 @@ mod tests {
         drop(lock);
     }
 
+    /// Another process holding the lock (util-linux's `flock`, as a trainer holds it).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_lock_held_by_another_process_refuses_and_its_death_frees_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(LOCK_FILE);
+        fs::write(&path, "").unwrap();
+        let mut holder = match std::process::Command::new("flock")
+            .args(["--exclusive", "--no-fork"])
+            .arg(&path)
+            .args(["sleep", "60"])
+            .spawn()
+        {
+            Ok(child) => child,
+            Err(e) => {
+                eprintln!("SKIPPED: util-linux's flock is not installed ({e})");
+                return;
+            }
+        };
+        let start = std::time::Instant::now();
+        while fs::File::open(&path).unwrap().try_lock().is_ok() {
+            assert!(start.elapsed().as_secs() < 20, "flock never took the file");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let err = RunLock::acquire(dir.path()).unwrap_err();
+        assert!(format!("{err}").contains("in use"), "{err}");
+        // Killed as a trainer may be: the system lets go of its lock, and its file
+        // (never removed) is taken over at once.
+        holder.kill().unwrap();
+        holder.wait().unwrap();
+        assert!(path.exists());
+        drop(RunLock::acquire(dir.path()).unwrap());
+    }
+
+    #[test]
+    fn trainers_taking_and_leaving_at_once_never_hold_it_together() {
+        let dir = Arc::new(tempfile::tempdir().unwrap());
+        let holding = Arc::new(AtomicUsize::new(0));
+        let taken = Arc::new(AtomicUsize::new(0));
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let (dir, holding, taken) = (dir.clone(), holding.clone(), taken.clone());
+                std::thread::spawn(move || {
+                    for _ in 0..5000 {
+                        if let Ok(lock) = RunLock::acquire(dir.path()) {
+                            assert_eq!(holding.fetch_add(1, Ordering::SeqCst), 0, "two holders");
+                            taken.fetch_add(1, Ordering::SeqCst);
+                            std::thread::yield_now();
+                            holding.fetch_sub(1, Ordering::SeqCst);
+                            drop(lock);
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert!(taken.load(Ordering::SeqCst) > 0);
+    }
+
+    #[test]
+    fn without_file_locks_the_pid_decides() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(LOCK_FILE);
+        // Held by a live process (pid 1 is always alive).
+        fs::write(&path, "1\n").unwrap();
+        let err = RunLock::acquire_by_pid(dir.path(), path.clone()).unwrap_err();
+        assert!(format!("{err}").contains("pid 1"), "{err}");
+        // A dead pid: a child that has exited.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        fs::write(&path, format!("{pid}\n")).unwrap();
+        let lock = RunLock::acquire_by_pid(dir.path(), path.clone()).unwrap();
+        assert_eq!(
+            fs::read_to_string(&path).unwrap().trim(),
+            std::process::id().to_string()
+        );
+        drop(lock);
+        assert!(!path.exists());
+        // Created a moment ago by a trainer that has not written its pid yet.
+        fs::write(&path, "").unwrap();
+        let err = RunLock::acquire_by_pid(dir.path(), path.clone()).unwrap_err();
+        assert!(format!("{err}").contains("starting now"), "{err}");
+        // One that died between the two, a minute ago.
+        let minute_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(60);
+        fs::File::options()
+            .write(true)
+            .open(&path)
+            .and_then(|f| f.set_modified(minute_ago))
+            .unwrap();
+        let lock = RunLock::acquire_by_pid(dir.path(), path.clone()).unwrap();
+        assert_eq!(
+            fs::read_to_string(&path).unwrap().trim(),
+            std::process::id().to_string()
+        );
+        drop(lock);
+    }
     #[cfg(target_os = "linux")]
     #[test]
     fn an_exited_process_not_yet_waited_for_holds_nothing() {

@@ -430,7 +430,12 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "train --config exp.toml --resume --set train.max_iters=6",
             "pid 1",
             |d| {
-                std::fs::write(d.join(CK).join("train.lock"), "1\n").unwrap();
+                // Held as a trainer holds it: locked, its pid written. The handle is
+                // left open (locked) for the rest of this test process.
+                let mut lock = std::fs::File::create(d.join(CK).join("train.lock")).unwrap();
+                lock.try_lock().unwrap();
+                std::io::Write::write_all(&mut lock, b"1\n").unwrap();
+                std::mem::forget(lock);
             },
         ),
         case(
