@@ -134,6 +134,15 @@ with sync_playwright() as p:
     narrow.wait_for_selector("#runs-table tbody tr")
     width = narrow.evaluate("[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
     assert width[0] <= width[1], f"the runs tab scrolls sideways at 400 px: {width}"
+    # What differs between the runs wraps between words (after `_` or `=`), never
+    # inside one: each piece between break points lies on one line.
+    split = narrow.evaluate("""[...document.querySelectorAll('#runs-table .setting')].flatMap((s) =>
+        [...s.childNodes].filter((n) => n.nodeType === Node.TEXT_NODE).map((n) => {
+            const r = document.createRange(); r.selectNodeContents(n);
+            return [n.textContent, r.getClientRects().length];
+        })).filter(([, lines]) => lines > 1)""")
+    assert narrow.locator("#runs-table .setting").count() > 0, "no differing settings listed"
+    assert not split, f"settings broken mid-word at 400 px: {split}"
     narrow.screenshot(path=os.path.join(shots, "runs-400px.png"), full_page=True)
     narrow.goto(base + "/")
     narrow.wait_for_function("document.getElementById('model').textContent.includes('parameters')")

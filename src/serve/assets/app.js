@@ -244,6 +244,14 @@ function fmt(x, digits) {
   return typeof x === "number" ? x.toFixed(digits) : "–";
 }
 
+// What differs between runs, a setting a span; a narrow table breaks a long one after
+// an underscore or an equals sign (`checkpoint_` / `interval=` / `20`), not mid-word.
+function settingsHtml(settings) {
+  return settings
+    .map((s) => `<span class="setting">${escapeHtml(s).replace(/[_=]/g, "$&<wbr>")}</span>`)
+    .join(" ");
+}
+
 function renderTable() {
   const body = document.querySelector("#runs-table tbody");
   body.textContent = "";
@@ -255,7 +263,7 @@ function renderTable() {
     box.addEventListener("change", () => { run.shown = box.checked; charts.redraw(); });
     const swatch = `<span class="swatch" style="background:${run.color}"></span>`;
     const cells = [
-      "", `${swatch} ${escapeHtml(name)}`, escapeHtml((run.row.differs || []).join(" ")) || "–",
+      "", `${swatch} ${escapeHtml(name)}`, settingsHtml(run.row.differs || []) || "–",
       String(run.row.steps), fmt(run.row.best_val_loss, 4), fmt(run.row.tokens_per_s, 0),
     ];
     const tds = cells.map((html, i) => {
