@@ -283,3 +283,40 @@ fn a_stop_during_checkpoint_writes_leaves_a_run_that_resumes() {
         assert_eq!(loaded.state.step, state.step + 1);
     }
 }
+
+/// Whether a save is under way in `run`: a checkpoint file's temporary copy exists.
+fn saving(run: &Path) -> bool {
+    std::fs::read_dir(run).is_ok_and(|entries| {
+        entries.flatten().any(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.starts_with(".model.safetensors.next.tmp")
+                || name.starts_with(".optimizer.safetensors.next.tmp")
+        })
+    })
+}
+
+#[test]
+fn a_stop_during_a_save_stops_at_that_save() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let args = big_checkpoints(d);
+    let run = d.join("checkpoints/big");
+    let state = || {
+        tinygpt::checkpoint::RunDir::new(&run)
+            .state()
+            .map_or(0, |s| s.step)
+    };
+    let mut child = tinygpt(d, &args).stderr(Stdio::piped()).spawn().unwrap();
+    wait_for("two checkpoints", &mut child, || state() >= 2);
+    wait_for("a save under way", &mut child, || saving(&run));
+    // The last step committed: the save under way is the next one's (or, if it has
+    // just committed, the step being trained now is).
+    let committed = state();
+    let (exit, err) = signal_and_wait(child, libc::SIGTERM, Duration::from_secs(60));
+    assert_eq!(exit, 143, "{err}");
+    let last = state();
+    assert!(
+        last <= committed + 1,
+        "stopped at step {last}: a step and a save past the one the signal landed in ({committed} committed before it): {err}"
+    );
+}
