@@ -63,6 +63,7 @@ pub fn points(config_path: &Path, overrides: &[String], grids: &[Grid]) -> Resul
             "sweep: no --grid given; e.g. --grid model.n_layer=2,4 --grid train.lr=1e-3,3e-4"
         );
     }
+    check_keys(overrides, grids)?;
     let base = Config::load(config_path, overrides)?.run.name;
     // Each grid's values checked alone first, so a mistake is told as the --grid it is.
     for grid in grids {
@@ -92,7 +93,7 @@ pub fn points(config_path: &Path, overrides: &[String], grids: &[Grid]) -> Resul
             .collect();
     }
     let keys: Vec<&str> = grids.iter().map(|g| g.key.as_str()).collect();
-    combos
+    let points = combos
         .into_iter()
         .map(|values| {
             let mut all = overrides.to_vec();
@@ -108,7 +109,127 @@ pub fn points(config_path: &Path, overrides: &[String], grids: &[Grid]) -> Resul
             }
             Ok(Point { values, config })
         })
+        .collect::<Result<Vec<Point>>>()?;
+    for point in &points {
+        check_existing_run(point)?;
+    }
+    Ok(points)
+}
+
+/// Each setting once: a key in two grids, a value twice in one grid, or a grid's key
+/// also given by --set would make runs that are not the points they are named for.
+fn check_keys(overrides: &[String], grids: &[Grid]) -> Result<()> {
+    let mut seen = std::collections::BTreeSet::new();
+    for grid in grids {
+        if !seen.insert(grid.key.as_str()) {
+            user_bail!(
+                "--grid {} is given twice; give each setting one --grid with all its values (--grid {}=a,b,c)",
+                grid.key,
+                grid.key
+            );
+        }
+        let mut values = std::collections::BTreeSet::new();
+        if let Some(twice) = grid.values.iter().find(|v| !values.insert(v.as_str())) {
+            user_bail!(
+                "--grid {}={}: the value {twice} is listed twice; list each value once",
+                grid.key,
+                grid.values.join(",")
+            );
+        }
+        let set = overrides
+            .iter()
+            .find(|o| o.split_once('=').is_some_and(|(k, _)| k.trim() == grid.key));
+        if let Some(set) = set {
+            user_bail!(
+                "--set {set} and --grid {}=... both set {}; drop one (the grid's values are the points' values)",
+                grid.key,
+                grid.key
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Settings a run may change between sessions without being another experiment: where
+/// it lives and runs, how long it trains (a sweep continued to more steps), and how
+/// often it logs, evaluates and saves.
+const CONTINUABLE: &[&str] = &[
+    "run.name",
+    "run.out_dir",
+    "run.device",
+    "data.cache_dir",
+    "data.fingerprint",
+    "train.max_iters",
+    "train.eval_interval",
+    "train.eval_iters",
+    "train.log_interval",
+    "train.checkpoint_interval",
+    "train.fused",
+];
+
+/// A point whose run folder already holds a run must be that run: a sweep run again
+/// with another setting (`--set model.n_embd=64`) would otherwise skip or resume runs
+/// of the old setting and show them as the new one's.
+fn check_existing_run(point: &Point) -> Result<()> {
+    let run = RunDir::new(point.run_dir());
+    if !run.has_checkpoint() {
+        return Ok(());
+    }
+    let saved = run.load_config(&run.state()?)?;
+    let differences = setting_differences(&point.config, &saved);
+    if !differences.is_empty() {
+        user_bail!(
+            "sweep: {} holds a run with other settings than this sweep gives it: {}; give this sweep another run.out_dir or run.name, or remove that folder",
+            run.path().display(),
+            differences.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// `key = wanted (the run has saved)` for each setting that makes `wanted` another
+/// experiment than the run `saved` describes.
+fn setting_differences(wanted: &Config, saved: &Config) -> Vec<String> {
+    let (want, have) = (
+        crate::compare::flatten(wanted),
+        crate::compare::flatten(saved),
+    );
+    let char_level = |c: &Config| c.tokenizer.kind == crate::config::TokenizerKind::Char;
+    let keys: std::collections::BTreeSet<&String> = want.keys().chain(have.keys()).collect();
+    keys.into_iter()
+        .filter(|key| !CONTINUABLE.contains(&key.as_str()))
+        // Filled in from the tokenizer when a run starts.
+        .filter(|key| !(*key == "model.vocab_size" && wanted.model.vocab_size == 0))
+        // A char vocabulary is the corpus's characters, whatever these say.
+        .filter(|key| {
+            !(matches!(
+                key.as_str(),
+                "tokenizer.vocab_size" | "tokenizer.train_bytes"
+            ) && char_level(wanted)
+                && char_level(saved))
+        })
+        .filter(|key| match key.as_str() {
+            "data.corpus" => !same_path(&wanted.data.corpus, &saved.data.corpus),
+            _ => want.get(*key) != have.get(*key),
+        })
+        .map(|key| {
+            let shown = |v: Option<&String>| v.map_or("none".to_string(), String::clone);
+            format!(
+                "{key} = {} (the run has {})",
+                shown(want.get(key)),
+                shown(have.get(key))
+            )
+        })
         .collect()
+}
+
+/// The same file, however the two paths spell it (a sweep run from another folder).
+fn same_path(a: &Path, b: &Path) -> bool {
+    a == b
+        || matches!(
+            (a.canonicalize(), b.canonicalize()),
+            (Ok(a), Ok(b)) if a == b
+        )
 }
 
 /// `<base>-n_layer-2-lr-1e-3`: keys by their last part unless two grids share it;

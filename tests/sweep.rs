@@ -173,6 +173,70 @@ fn a_bad_grid_value_fails_before_anything_trains() {
     assert!(!dir.path().join("checkpoints").exists());
 }
 
+#[test]
+fn a_sweep_run_again_with_other_settings_refuses_its_old_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let exp = tiny_experiment(dir.path());
+    let grids = [Grid::parse("model.n_layer=1").unwrap()];
+    let points = sweep::points(&exp, &[], &grids).unwrap();
+    sweep::run(&points, Stop::new(), &mut Silent).unwrap();
+    let again = |overrides: &[&str]| {
+        let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        sweep::points(&exp, &overrides, &grids)
+    };
+    // Other settings: the run folder's run is not this point's.
+    for (set, told) in [
+        ("model.n_embd=32", "model.n_embd = 32 (the run has 16)"),
+        ("train.batch_size=2", "train.batch_size = 2 (the run has 4)"),
+        ("train.lr=0.01", "train.lr = 0.01 (the run has 0.001)"),
+    ] {
+        let err = again(&[set]).expect_err(set);
+        let said = format!("{err:#}");
+        assert!(
+            said.contains(told) && said.contains("exp-n_layer-1"),
+            "{said}"
+        );
+        assert!(tinygpt::error::find_user_error(&err).is_some(), "{said}");
+    }
+    // More steps, another device or evaluation schedule: the same experiment, continued.
+    let points = again(&[
+        "train.max_iters=8",
+        "train.eval_interval=4",
+        "run.device=cpu",
+    ])
+    .unwrap();
+    let outcomes = sweep::run(&points, Stop::new(), &mut Silent).unwrap();
+    assert_eq!(outcomes, [Outcome::Resumed]);
+}
+
+#[test]
+fn a_setting_given_twice_fails_before_anything_trains() {
+    let dir = tempfile::tempdir().unwrap();
+    let exp = tiny_experiment(dir.path());
+    let grid = |arg: &str| Grid::parse(arg).unwrap();
+    for (overrides, grids, told) in [
+        (
+            vec![],
+            vec![grid("model.n_layer=1,2"), grid("model.n_layer=3")],
+            "given twice",
+        ),
+        (
+            vec![],
+            vec![grid("model.n_layer=1,1")],
+            "the value 1 is listed twice",
+        ),
+        (
+            vec!["model.n_layer=3".to_string()],
+            vec![grid("model.n_layer=1,2")],
+            "both set model.n_layer",
+        ),
+    ] {
+        let err = sweep::points(&exp, &overrides, &grids).expect_err(told);
+        assert!(format!("{err:#}").contains(told), "{err:#}");
+    }
+    assert!(!dir.path().join("checkpoints").exists());
+}
+
 /// A run folder written by hand: its config and metrics.
 fn fixture_run(root: &Path, name: &str, overrides: &[&str], metrics: &str) -> PathBuf {
     let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
