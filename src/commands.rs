@@ -17,6 +17,7 @@ use tinygpt::generate::sample::{Sampler, SamplingParams};
 use tinygpt::generate::{generate as sample_text, unescape, DecodeMode, GenerateOptions, Model};
 use tinygpt::mapped::{open_for_decoding, ForDecoding, Hold};
 use tinygpt::user_bail;
+use tinygpt::util::check_output_file;
 
 use crate::{
     AttentionArgs, BenchArgs, CacheAction, CacheArgs, CheckpointArgs, CompareArgs, DoctorArgs,
@@ -152,6 +153,13 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
             true => weights.is_integer() || first_cuda().is_none(),
             false => parse_device(&args.ckpt.device)?.is_cpu(),
         };
+    // Told before the prompt is echoed: the decoder would refuse it only after.
+    if weights.is_integer() && !on_cpu {
+        user_bail!(
+            "--dtype {} decodes with the fused CPU decoder only; use --device cpu without --reference or --no-kv-cache, or --dtype f32 / bf16",
+            weights.name()
+        );
+    }
     if args.kv_dtype.is_some() && !on_cpu {
         user_bail!(
             "--kv-dtype sets the fused CPU decoder's keys and values; this generate decodes with candle or on a GPU, which keep their own: drop it, or pass --device cpu without --reference or --no-kv-cache"
@@ -743,6 +751,7 @@ pub fn plot(args: PlotArgs) -> Result<()> {
         );
     }
     let out = args.out.unwrap_or_else(|| args.checkpoint.join("loss.png"));
+    check_output_file("--out", &out, tinygpt::plot::PICTURE_EXTENSIONS)?;
     let title = args.checkpoint.file_name().map_or_else(
         || args.checkpoint.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
@@ -753,6 +762,9 @@ pub fn plot(args: PlotArgs) -> Result<()> {
 }
 
 pub fn attention(args: AttentionArgs) -> Result<()> {
+    if !args.json {
+        check_output_file("--out", &args.out, tinygpt::plot::PICTURE_EXTENSIONS)?;
+    }
     let loaded = load(&args.ckpt)?;
     let m = &loaded.config.model;
     let pick = |chosen: Option<usize>, count: usize, what: &str| -> Result<Vec<usize>> {
@@ -820,6 +832,9 @@ pub fn sweep(args: SweepArgs, stop: tinygpt::util::Stop) -> Result<()> {
 }
 
 pub fn compare(args: CompareArgs) -> Result<()> {
+    if let Some(out) = &args.out {
+        check_output_file("--out", out, tinygpt::plot::PICTURE_EXTENSIONS)?;
+    }
     let runs = expand_runs(&args.runs)?;
     // The picture goes where asked, else beside the runs; with --json, only when asked.
     let out = match (&args.out, args.json) {
@@ -930,6 +945,24 @@ fn count(n: usize, thing: &str) -> String {
 
 pub fn cache(args: CacheArgs) -> Result<()> {
     use tinygpt::inventory;
+    // A folder named that is not there is a typo, not a place with no runs: read so,
+    // every cache would look unused, and prune would offer to delete them all.
+    for runs in &args.runs {
+        if !runs.is_dir() {
+            user_bail!(
+                "--runs {}: no such folder; pass the folder that holds your run folders (run.out_dir, checkpoints by default) or a run folder",
+                runs.display()
+            );
+        }
+    }
+    for cache in &args.caches {
+        if !cache.is_dir() {
+            user_bail!(
+                "--cache {}: no such folder; pass a folder that data.cache_dir names",
+                cache.display()
+            );
+        }
+    }
     let runs = if args.runs.is_empty() {
         vec![std::path::PathBuf::from("checkpoints")]
     } else {
@@ -943,6 +976,11 @@ pub fn cache(args: CacheArgs) -> Result<()> {
         CacheAction::List if args.json => println!("{}", serde_json::to_string_pretty(&inv)?),
         CacheAction::List => print!("{}", inventory::describe(&inv, now)),
         CacheAction::Prune { older_than, yes } => {
+            if args.runs.is_empty() && !runs[0].is_dir() {
+                user_bail!(
+                    "cache prune: there is no checkpoints folder here, so no run's use of the caches is known; pass --runs DIR where your runs live (run.out_dir)"
+                );
+            }
             let age = older_than
                 .as_deref()
                 .map(inventory::parse_age)
@@ -1023,6 +1061,15 @@ pub fn doctor(args: DoctorArgs) -> Result<()> {
 }
 
 pub fn serve(args: ServeArgs, stop: tinygpt::util::Stop) -> Result<()> {
+    // An empty key (`--api-key "$KEY"` with KEY unset) would serve every route open.
+    if args.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+        user_bail!(
+            "--api-key (or TINYGPT_API_KEY) is empty; give the key clients must send, or leave both unset to serve without one"
+        );
+    }
+    if args.max_tokens == 0 {
+        user_bail!("--max-tokens 0 leaves nothing to generate; give the most tokens a request may ask for (4096 by default)");
+    }
     let format = parse_weight_format("--dtype", &args.dtype)?;
     let kv = match &args.kv_dtype {
         Some(value) => Some(KvPrecision::parse(Some(value), format)?),
@@ -1054,7 +1101,7 @@ pub fn serve(args: ServeArgs, stop: tinygpt::util::Stop) -> Result<()> {
             parallel: args.parallel,
             max_queue: args.max_queue,
             max_tokens: args.max_tokens,
-            api_key: args.api_key.filter(|k| !k.is_empty()),
+            api_key: args.api_key,
             cors: args.cors,
             runs: args.runs,
             device: args.device,

@@ -397,13 +397,16 @@ fn gguf_vocab(tk: &Tokenizer, vocab: usize) -> Result<GgufVocab> {
 
 /// Refuses an `--out` that is a folder, or a file that is not an earlier GGUF export.
 pub fn check_export_file(out: &Path) -> Result<()> {
-    if out.is_dir() {
+    let shown = out.display().to_string();
+    if out.is_dir() || shown.ends_with(['/', std::path::MAIN_SEPARATOR]) {
         user_bail!(
             "--out {} is a folder; --format gguf writes one file, e.g. --out {}.gguf",
             out.display(),
-            out.display().to_string().trim_end_matches('/')
+            shown.trim_end_matches(['/', std::path::MAIN_SEPARATOR])
         );
     }
+    // Its folder exists.
+    crate::util::check_output_file("--out", out, &[])?;
     if out.is_file() && !is_gguf(out) {
         user_bail!(
             "--out {} exists and is not a GGUF file; pass a new path, e.g. model.gguf",

@@ -15,6 +15,9 @@ use plotters::style::FontStyle;
 
 use crate::user_bail;
 
+/// The picture files plotters writes, told by their extension.
+pub const PICTURE_EXTENSIONS: &[&str] = &["png", "jpg", "jpeg", "bmp"];
+
 fn register_font() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {

@@ -759,6 +759,15 @@ fn the_cache_is_listed_and_pruned_by_use() {
     };
     let before = checkpoints(d);
 
+    // From a folder with no checkpoints folder, no run's use is known: refused, not
+    // every cache offered for deletion.
+    let elsewhere = d.join("elsewhere");
+    std::fs::create_dir(&elsewhere).unwrap();
+    let cache_arg = d.join("cache").display().to_string();
+    let out = tinygpt(&elsewhere, &["cache", "prune", "--cache", &cache_arg]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--runs DIR"), "{}", stderr(&out));
+
     // A dry run says what and why, and deletes nothing.
     let out = succeeds(d, &["cache", "prune"]);
     let plan = String::from_utf8_lossy(&out.stdout).into_owned();

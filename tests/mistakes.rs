@@ -439,6 +439,61 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             },
         ),
         case(
+            "cache prune with a mistyped runs folder",
+            "cache prune --runs checkpoint",
+            "--runs checkpoint: no such folder",
+        ),
+        case(
+            "cache list with a mistyped cache folder",
+            "cache --cache data/cahce",
+            "--cache data/cahce: no such folder",
+        ),
+        case(
+            "serve with an empty API key",
+            "serve --checkpoint checkpoints/good --port 0 --api-key=",
+            "--api-key (or TINYGPT_API_KEY) is empty",
+        ),
+        case(
+            "serve allowing no tokens",
+            "serve --checkpoint checkpoints/good --port 0 --max-tokens 0",
+            "--max-tokens 0",
+        ),
+        case(
+            "generate int8 weights with the reference decoder",
+            "generate --checkpoint checkpoints/good --prompt To --reference --dtype int8",
+            "--dtype int8 decodes with the fused CPU decoder only",
+        ),
+        case(
+            "generate int4 weights without a KV cache",
+            "generate --checkpoint checkpoints/good --prompt To --no-kv-cache --dtype int4",
+            "--dtype int4 decodes with the fused CPU decoder only",
+        ),
+        case(
+            "plot into a folder that does not exist",
+            "plot --checkpoint checkpoints/good --out nodir/loss.png",
+            "the folder nodir does not exist",
+        ),
+        case(
+            "plot as a picture type it cannot write",
+            "plot --checkpoint checkpoints/good --out loss.svg",
+            "end the name with .png",
+        ),
+        case(
+            "attention map without a picture extension",
+            "attention --checkpoint checkpoints/good --prompt To --out attention",
+            "end the name with .png",
+        ),
+        case(
+            "compare into a folder that does not exist",
+            "compare checkpoints/good --out nodir/compare.png",
+            "the folder nodir does not exist",
+        ),
+        case(
+            "export GGUF to a folder path",
+            "export --checkpoint checkpoints/good --format gguf --out newdir/",
+            "is a folder; --format gguf writes one file",
+        ),
+        case(
             "checkpoint folder missing",
             "info --checkpoint checkpoints/nope",
             "does not exist",

@@ -588,11 +588,16 @@ fn the_api_key_guards_every_route_but_health() {
         &[("authorization", "Bearer wrong")],
     );
     assert_eq!(status, 401);
-    let (status, _) = get(
-        &server.url("/v1/models"),
-        &[("authorization", "Bearer s3cret")],
-    );
-    assert_eq!(status, 200);
+    // The scheme's name in any case, as RFC 9110 has it.
+    for scheme in ["Bearer", "bearer", "BEARER"] {
+        let (status, _) = get(
+            &server.url("/v1/models"),
+            &[("authorization", format!("{scheme} s3cret").as_str())],
+        );
+        assert_eq!(status, 200, "{scheme}");
+    }
+    let (status, _) = get(&server.url("/v1/models"), &[("authorization", "s3cret")]);
+    assert_eq!(status, 401, "a key with no scheme");
     let (status, _) = post(
         &server.url("/v1/completions"),
         r#"{"prompt": "To", "max_tokens": 2}"#,

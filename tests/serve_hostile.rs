@@ -447,6 +447,75 @@ fn unknown_and_unsupported_fields_are_refused_by_name() {
             "{error}"
         );
     }
+    // Values of the wrong type or out of range name their field too, in a client's
+    // words, through a request's shared sampling fields as well.
+    let chat = server.url("/v1/chat/completions");
+    for (at, body, field, told) in [
+        (
+            &url,
+            r#"{"prompt": "To", "max_tokens": "10"}"#,
+            "max_tokens",
+            "expected a whole number",
+        ),
+        (
+            &url,
+            r#"{"prompt": "To", "temperature": "hot"}"#,
+            "temperature",
+            "expected a number",
+        ),
+        (
+            &url,
+            r#"{"prompt": "To", "stop": [1]}"#,
+            "stop",
+            "a string or a list of strings",
+        ),
+        (&url, r#"{"prompt": [-1]}"#, "prompt", "a list of token ids"),
+        (
+            &url,
+            r#"{"prompt": "To", "stream": "yes"}"#,
+            "stream",
+            "expected true or false",
+        ),
+        (
+            &url,
+            r#"{"prompt": "To", "max_tokens": -1}"#,
+            "max_tokens",
+            "must be 1 to",
+        ),
+        (
+            &url,
+            r#"{"prompt": "To", "max_tokens": 3, "max_completion_tokens": 5}"#,
+            "max_tokens",
+            "send one of them",
+        ),
+        (
+            &url,
+            r#"{"prompt": "To", "top_p": 0}"#,
+            "top_p",
+            "must be in (0, 1]",
+        ),
+        (
+            &chat,
+            r#"{"messages": [{"role": "user", "content": 5}]}"#,
+            "messages[0].content",
+            "a string or a list of parts",
+        ),
+        (
+            &chat,
+            r#"{"messages": [{"role": "user", "content": "To"}], "n": "2"}"#,
+            "n",
+            "expected a whole number",
+        ),
+    ] {
+        let (status, error) = post_with(at, body, &key);
+        assert_eq!(status, 400, "{body}: {error}");
+        assert_eq!(error["error"]["param"], field, "{body}: {error}");
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(field) && message.contains(told),
+            "{body}: {error}"
+        );
+    }
     let (_, error) = post_with(&url, r#"{"prompt": "To", "temprature": 0.5}"#, &key);
     assert!(
         error["error"]["message"]
@@ -455,7 +524,6 @@ fn unknown_and_unsupported_fields_are_refused_by_name() {
             .contains("did you mean `temperature`"),
         "{error}"
     );
-    let chat = server.url("/v1/chat/completions");
     let (status, error) = post_with(
         &chat,
         r#"{"messages": [{"role": "user", "content": "To"}], "max_tokens": 2, "response_format": {"type": "json_object"}}"#,

@@ -92,6 +92,12 @@ impl IntoResponse for ApiError {
 /// pass ([`HARMLESS`]) and those refused unless neutral ([`UNSUPPORTED`]).
 pub trait Fields {
     const FIELDS: &'static [&'static [&'static str]];
+
+    /// Why a body does not deserialize, naming the field, where serde cannot: a part
+    /// read through `#[serde(flatten)]` loses its fields' names, so it is read alone.
+    fn flattened(_body: &Value) -> Option<serde_path_to_error::Error<serde_json::Error>> {
+        None
+    }
 }
 
 /// Fields OpenAI's clients and harnesses send that change nothing here: accepted and
@@ -215,10 +221,40 @@ impl<S: Send + Sync, T: DeserializeOwned + Fields> FromRequest<S> for ApiJson<T>
             }
         };
         check_fields(&value, T::FIELDS)?;
-        serde_json::from_value(value)
-            .map(ApiJson)
-            .map_err(|e| ApiError::invalid(format!("the request body does not fit: {e}")))
+        match serde_path_to_error::deserialize::<_, T>(&value) {
+            Ok(request) => Ok(ApiJson(request)),
+            Err(e) => {
+                let e = match e.path().iter().next() {
+                    None => T::flattened(&value).unwrap_or(e),
+                    Some(_) => e,
+                };
+                let why = in_words(&e.inner().to_string());
+                Err(match e.path().iter().next() {
+                    None => ApiError::invalid(format!("the request body does not fit: {why}")),
+                    Some(_) => {
+                        let field = e.path().to_string();
+                        ApiError::invalid(format!("{field}: {why}")).with_param(&field)
+                    }
+                })
+            }
+        }
     }
+}
+
+/// serde's words for JSON's types, as a client writes them: `expected i64` is
+/// `expected a whole number`.
+fn in_words(serde_says: &str) -> String {
+    [
+        ("expected i64", "expected a whole number"),
+        ("expected u64", "expected a whole number from 0"),
+        ("expected u32", "expected a whole number from 0"),
+        ("expected f64", "expected a number"),
+        ("expected a boolean", "expected true or false"),
+    ]
+    .iter()
+    .fold(serde_says.to_string(), |text, (from, to)| {
+        text.replace(from, to)
+    })
 }
 
 /// `Path`, its rejections (a segment that is not UTF-8, ...) as OpenAI-shaped 400s.

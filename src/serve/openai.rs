@@ -52,10 +52,16 @@ impl SamplingFields {
     ];
     /// Its streaming fields: completions and chat take them, the sample does not.
     pub const STREAMING: &'static [&'static str] = &["stream", "stream_options"];
+
+    /// Why `body`'s sampling fields do not deserialize, if they do not, with the field's
+    /// name: flattened into a request, serde loses it (`Fields::flattened`).
+    pub fn error_alone(body: &Value) -> Option<serde_path_to_error::Error<serde_json::Error>> {
+        serde_path_to_error::deserialize::<_, SamplingFields>(body).err()
+    }
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "a string or a list of strings")]
 pub enum StopField {
     One(String),
     Many(Vec<String>),
@@ -83,11 +89,18 @@ impl Fields for CompletionRequest {
         SamplingFields::STREAMING,
         &["prompt", "echo", "logprobs", "suffix", "best_of"],
     ];
+
+    fn flattened(body: &Value) -> Option<serde_path_to_error::Error<serde_json::Error>> {
+        SamplingFields::error_alone(body)
+    }
 }
 
 /// A prompt as OpenAI allows it: text or token ids, one or a list.
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "a string, a list of strings, a list of token ids (whole numbers from 0), or a list of such lists"
+)]
 pub enum Prompt {
     Text(String),
     Tokens(Vec<u32>),
@@ -111,6 +124,10 @@ impl Fields for ChatRequest {
         SamplingFields::STREAMING,
         &["messages", "logprobs", "top_logprobs", "tools"],
     ];
+
+    fn flattened(body: &Value) -> Option<serde_path_to_error::Error<serde_json::Error>> {
+        SamplingFields::error_alone(body)
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -120,7 +137,10 @@ pub struct Message {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "a string or a list of parts ({\"type\": \"text\", \"text\": ...})"
+)]
 pub enum Content {
     Text(String),
     Parts(Vec<Part>),
@@ -143,6 +163,10 @@ pub struct Limits {
     pub min_tokens: usize,
     /// Where a request gives no max_tokens.
     pub default_max_tokens: usize,
+    /// What sets `max_tokens`, for a refusal to name.
+    pub max_tokens_from: &'static str,
+    /// Whether `echo` is a field here (completions), letting max_tokens be 0.
+    pub echo_field: bool,
 }
 
 /// A request's decoding settings, checked.
@@ -168,22 +192,32 @@ impl SamplingFields {
                 .with_code("model_not_found"));
             }
         }
-        let max_tokens = match self.max_completion_tokens.or(self.max_tokens) {
+        // OpenAI's newer name and its older one: either, or both alike.
+        let (field, asked) = match (self.max_completion_tokens, self.max_tokens) {
+            (Some(a), Some(b)) if a != b => {
+                return Err(ApiError::invalid(format!(
+                    "max_completion_tokens {a} and max_tokens {b} differ; send one of them"
+                ))
+                .with_param("max_tokens"))
+            }
+            (Some(m), _) => ("max_completion_tokens", Some(m)),
+            (None, m) => ("max_tokens", m),
+        };
+        let max_tokens = match asked {
             None => limits.default_max_tokens.min(limits.max_tokens),
             Some(m) if m >= limits.min_tokens as i64 && m as u64 <= limits.max_tokens as u64 => {
                 m as usize
             }
             Some(m) => {
+                let zero = match (limits.echo_field, limits.min_tokens) {
+                    (true, 1) => "; 0 with echo: true (the prompt alone, scored)",
+                    _ => "",
+                };
                 return Err(ApiError::invalid(format!(
-                    "max_tokens {m} must be {} to {} (the server's --max-tokens){}",
-                    limits.min_tokens,
-                    limits.max_tokens,
-                    if limits.min_tokens == 0 {
-                        ""
-                    } else {
-                        "; 0 only with echo"
-                    }
-                )))
+                    "{field} {m} must be {} to {} ({}){zero}",
+                    limits.min_tokens, limits.max_tokens, limits.max_tokens_from,
+                ))
+                .with_param(field));
             }
         };
         let n = match self.n {
@@ -193,20 +227,22 @@ impl SamplingFields {
                 return Err(ApiError::invalid(format!(
                     "n {n} must be 1 to {} (the server decodes {} sequences at once: --parallel)",
                     limits.max_n, limits.max_n
-                )))
+                ))
+                .with_param("n"))
             }
         };
         let temperature = self.temperature.unwrap_or(1.0);
         if !(0.0..=2.0).contains(&temperature) {
             return Err(ApiError::invalid(format!(
                 "temperature {temperature} must be 0 to 2 (0 is greedy)"
-            )));
+            ))
+            .with_param("temperature"));
         }
         let top_p = self.top_p.unwrap_or(1.0);
         if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(ApiError::invalid(format!(
-                "top_p {top_p} must be in (0, 1]"
-            )));
+            return Err(
+                ApiError::invalid(format!("top_p {top_p} must be in (0, 1]")).with_param("top_p"),
+            );
         }
         let top_k = match self.top_k {
             None | Some(-1) => 0,
@@ -214,14 +250,16 @@ impl SamplingFields {
             Some(k) => {
                 return Err(ApiError::invalid(format!(
                     "top_k {k} must be 0 (or -1) for all tokens, or a positive count"
-                )))
+                ))
+                .with_param("top_k"))
             }
         };
         let repetition_penalty = self.repetition_penalty.unwrap_or(1.0);
         if !(repetition_penalty.is_finite() && repetition_penalty > 0.0) {
             return Err(ApiError::invalid(format!(
                 "repetition_penalty {repetition_penalty} must be positive (1 disables it)"
-            )));
+            ))
+            .with_param("repetition_penalty"));
         }
         for (name, value) in [
             ("frequency_penalty", self.frequency_penalty),
@@ -230,7 +268,8 @@ impl SamplingFields {
             if value.is_some_and(|v| v != 0.0) {
                 return Err(ApiError::invalid(format!(
                     "{name} is not supported; use repetition_penalty (1.1 is a mild one)"
-                )));
+                ))
+                .with_param(name));
             }
         }
         let stop = match &self.stop {
@@ -239,9 +278,10 @@ impl SamplingFields {
             Some(StopField::Many(list)) => list.clone(),
         };
         if stop.len() > 16 || stop.iter().any(|s| s.len() > 256) {
-            return Err(ApiError::invalid(
-                "stop takes at most 16 strings of at most 256 bytes",
-            ));
+            return Err(
+                ApiError::invalid("stop takes at most 16 strings of at most 256 bytes")
+                    .with_param("stop"),
+            );
         }
         let stream = self.stream.unwrap_or(false);
         let include_usage = self
@@ -250,9 +290,10 @@ impl SamplingFields {
             .and_then(|o| o.include_usage)
             .unwrap_or(false);
         if self.stream_options.is_some() && !stream {
-            return Err(ApiError::invalid(
-                "stream_options is only allowed when stream is true",
-            ));
+            return Err(
+                ApiError::invalid("stream_options is only allowed when stream is true")
+                    .with_param("stream_options"),
+            );
         }
         Ok(Settings {
             params: SamplingParams {

@@ -93,7 +93,10 @@ async fn require_key(State(state): State<Shared>, request: Request, next: Next) 
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+            // The scheme's name is case-insensitive (RFC 9110, 11.1).
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token.trim_start());
         // Compared in constant time: the answer's timing says nothing of the key.
         let matches = given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(key.as_bytes())));
         if !matches {
@@ -156,6 +159,8 @@ impl AppState {
             max_tokens: self.options.max_tokens,
             min_tokens: 1,
             default_max_tokens: 16,
+            max_tokens_from: "the server's --max-tokens",
+            echo_field: false,
         }
     }
 }
@@ -479,6 +484,7 @@ async fn completion(state: &Shared, request: CompletionRequest) -> Result<Respon
     let ready = state.ready()?;
     let echo = request.echo.unwrap_or(false);
     let mut limits = state.limits();
+    limits.echo_field = true;
     if echo {
         // The prompt alone, scored: what evaluation harnesses ask for.
         limits.min_tokens = 0;

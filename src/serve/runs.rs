@@ -520,6 +520,10 @@ pub struct SampleRequest {
 
 impl Fields for SampleRequest {
     const FIELDS: &'static [&'static [&'static str]] = &[&["prompt"], SamplingFields::DRAWING];
+
+    fn flattened(body: &Value) -> Option<serde_path_to_error::Error<serde_json::Error>> {
+        SamplingFields::error_alone(body)
+    }
 }
 
 /// The most tokens a dashboard sample draws (it decodes on its own, beside the batcher).
@@ -562,6 +566,12 @@ pub async fn sample(
         max_tokens: SAMPLE_MAX_TOKENS.min(state.options.max_tokens),
         min_tokens: 1,
         default_max_tokens: 200,
+        max_tokens_from: if SAMPLE_MAX_TOKENS <= state.options.max_tokens {
+            "a dashboard sample's limit"
+        } else {
+            "the server's --max-tokens"
+        },
+        echo_field: false,
     };
     request.sampling.temperature = request.sampling.temperature.or(Some(0.8));
     let settings = request.sampling.settings(&name, &limits)?;

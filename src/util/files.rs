@@ -148,3 +148,40 @@ mod tests {
         );
     }
 }
+
+/// Checks a file path given with `flag` (`--out`) before any work: it names a file (not
+/// a folder, nor a path ending in `/`), ends in one of `extensions` (the first is the
+/// one suggested; none: any name), and its folder exists. Each is a one-line user
+/// error naming the fix.
+pub fn check_output_file(flag: &str, path: &Path, extensions: &[&str]) -> Result<()> {
+    let shown = path.display().to_string();
+    let suggested = extensions.first().copied().unwrap_or("out");
+    if path.is_dir() || shown.ends_with('/') || shown.ends_with(std::path::MAIN_SEPARATOR) {
+        crate::user_bail!(
+            "{flag} {shown} is a folder; give a file, e.g. {flag} {}/out.{suggested}",
+            shown.trim_end_matches(['/', std::path::MAIN_SEPARATOR])
+        );
+    }
+    let extension = path
+        .extension()
+        .map(|e| e.to_string_lossy().to_ascii_lowercase());
+    if !extensions.is_empty() && !extension.is_some_and(|e| extensions.contains(&e.as_str())) {
+        crate::user_bail!(
+            "{flag} {shown}: writes {}; end the name with .{suggested}",
+            extensions
+                .iter()
+                .map(|e| format!(".{e}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    let folder = folder_of(path);
+    if !folder.is_dir() {
+        crate::user_bail!(
+            "{flag} {shown}: the folder {} does not exist; create it (mkdir -p {}) or pick another",
+            folder.display(),
+            folder.display()
+        );
+    }
+    Ok(())
+}

@@ -7,6 +7,8 @@ mod files;
 pub mod stop;
 mod system;
 
-pub use files::{sha256_hex, sha256_hex_of, sha256_hex_of_reader, write_atomic, AtomicFile};
+pub use files::{
+    check_output_file, sha256_hex, sha256_hex_of, sha256_hex_of_reader, write_atomic, AtomicFile,
+};
 pub use stop::{Stop, Stopped};
 pub use system::{available_memory_bytes, peak_rss_mb};
