@@ -117,38 +117,6 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn atomic_write_replaces_whole_files() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("x.bin");
-        write_atomic(&p, b"first").unwrap();
-        write_atomic(&p, b"second").unwrap();
-        assert_eq!(fs::read(&p).unwrap(), b"second");
-        let leftovers: Vec<_> = fs::read_dir(dir.path()).unwrap().collect();
-        assert_eq!(leftovers.len(), 1, "no temp files left behind");
-    }
-
-    #[test]
-    fn sha256_of_a_reader_is_that_of_its_bytes() {
-        // Longer than one read, so the chunks are joined.
-        let bytes: Vec<u8> = (0..(3 << 19) + 7).map(|i| (i * 31 % 251) as u8).collect();
-        let (hash, len) = sha256_hex_of_reader(bytes.as_slice()).unwrap();
-        assert_eq!((hash, len), (sha256_hex(&bytes), bytes.len() as u64));
-    }
-
-    #[test]
-    fn sha256_of_a_known_text() {
-        assert_eq!(
-            sha256_hex(b"abc"),
-            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
-        );
-    }
-}
-
 /// Checks a file path given with `flag` (`--out`) before any work: it names a file (not
 /// a folder, nor a path ending in `/`), ends in one of `extensions` (the first is the
 /// one suggested; none: any name), and its folder exists. Each is a one-line user
@@ -184,4 +152,36 @@ pub fn check_output_file(flag: &str, path: &Path, extensions: &[&str]) -> Result
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn atomic_write_replaces_whole_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x.bin");
+        write_atomic(&p, b"first").unwrap();
+        write_atomic(&p, b"second").unwrap();
+        assert_eq!(fs::read(&p).unwrap(), b"second");
+        let leftovers: Vec<_> = fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(leftovers.len(), 1, "no temp files left behind");
+    }
+
+    #[test]
+    fn sha256_of_a_reader_is_that_of_its_bytes() {
+        // Longer than one read, so the chunks are joined.
+        let bytes: Vec<u8> = (0..(3 << 19) + 7).map(|i| (i * 31 % 251) as u8).collect();
+        let (hash, len) = sha256_hex_of_reader(bytes.as_slice()).unwrap();
+        assert_eq!((hash, len), (sha256_hex(&bytes), bytes.len() as u64));
+    }
+
+    #[test]
+    fn sha256_of_a_known_text() {
+        assert_eq!(
+            sha256_hex(b"abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+    }
 }
