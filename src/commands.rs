@@ -695,8 +695,14 @@ pub fn export(args: ExportArgs) -> Result<()> {
                 done.fallbacks[0].1
             ),
         };
+        // llama-completion continues a prompt (llama-cli is a chat); a char vocabulary
+        // has no end-of-text token for it to stop at.
+        let until = match loaded.tokenizer.end_of_text() {
+            Some(_) => "",
+            None => " --ignore-eos",
+        };
         eprintln!(
-            "wrote {} ({}, {:.1} MiB){fallbacks}: run it with llama-cli -m {}",
+            "wrote {} ({}, {:.1} MiB){fallbacks}: run it with llama-completion -m {} -p <prompt> -n 200{until}",
             args.out.display(),
             done.arch.name(),
             done.bytes as f64 / (1 << 20) as f64,

@@ -412,6 +412,36 @@ impl Config {
         Ok(config)
     }
 
+    /// The settings the file at `path` and `overrides` name themselves (`model.n_layer`),
+    /// as opposed to those left at their defaults.
+    pub fn keys_given(
+        path: &Path,
+        overrides: &[String],
+    ) -> Result<std::collections::BTreeSet<String>> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| user_error(format!("cannot read config {}: {e}", path.display())))?;
+        let table: toml::Table =
+            toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}", one_line(&e, &text)))?;
+        let mut keys = std::collections::BTreeSet::new();
+        for (section, value) in &table {
+            match value {
+                toml::Value::Table(inner) => {
+                    keys.extend(inner.keys().map(|key| format!("{section}.{key}")))
+                }
+                _ => {
+                    keys.insert(section.clone());
+                }
+            }
+        }
+        keys.extend(
+            overrides
+                .iter()
+                .filter_map(|o| o.split_once('='))
+                .map(|(key, _)| key.trim().to_string()),
+        );
+        Ok(keys)
+    }
+
     /// Parses TOML text and applies overrides; does not validate.
     pub fn from_toml_str(text: &str, overrides: &[String]) -> Result<Config> {
         // Parse once as the schema so syntax errors, unknown keys and wrong types are
@@ -506,7 +536,12 @@ impl Config {
             );
         }
         let kv = m.kv_heads();
-        if kv == 0 || !m.n_head.is_multiple_of(kv) {
+        if kv == 0 {
+            user_bail!(
+                "config: model.n_kv_head = 0 must be at least 1; it divides model.n_head (leave it out for as many K/V heads as heads)"
+            );
+        }
+        if !m.n_head.is_multiple_of(kv) {
             user_bail!(
                 "config: model.n_head = {} is not divisible by model.n_kv_head = {kv}; n_kv_head must divide n_head",
                 m.n_head
@@ -638,6 +673,14 @@ fn apply_override(table: &mut toml::Table, item: &str) -> Result<()> {
     let path: Vec<&str> = key.split('.').collect();
     if path.len() != 2 || path.iter().any(|p| p.is_empty()) {
         anyhow::bail!("--set {item}: the key must be section.key, e.g. model.n_layer=6");
+    }
+    // A whole number past TOML's (i64) would otherwise be read as text, and refused as
+    // the wrong type.
+    if raw.parse::<i64>().is_err() && raw.trim_start_matches(['-', '+']).parse::<u128>().is_ok() {
+        anyhow::bail!(
+            "--set {item}: {raw} is too large a number (at most {})",
+            i64::MAX
+        );
     }
     let value = parse_value(raw);
     let section = table

@@ -537,7 +537,7 @@ mod commands;
 /// abort), as the others could not know and would wait for it forever.
 fn train(args: TrainArgs, stop: Stop, world: &World) -> anyhow::Result<()> {
     let comm = std::sync::Arc::clone(&world.comm);
-    let config = tinygpt::parallel::agree(comm.as_ref(), train_config(&args));
+    let config = tinygpt::parallel::agree(comm.as_ref(), train_config(&args, world.rank()));
     let mut trainer =
         config.and_then(|(config, start)| Trainer::start_on(config, start, stop, comm))?;
     let mut reporter: Box<dyn Reporter> = match world.rank() {
@@ -557,7 +557,7 @@ fn train(args: TrainArgs, stop: Stop, world: &World) -> anyhow::Result<()> {
 }
 
 /// The config and how the run starts, from `train`'s arguments.
-fn train_config(args: &TrainArgs) -> anyhow::Result<(Config, Start)> {
+fn train_config(args: &TrainArgs, rank: usize) -> anyhow::Result<(Config, Start)> {
     let mut overrides = args.overrides.clone();
     if let Some(device) = &args.device {
         overrides.push(format!("run.device={device:?}"));
@@ -573,7 +573,100 @@ fn train_config(args: &TrainArgs) -> anyhow::Result<(Config, Start)> {
         (false, Some(dir)) => Start::InitFrom(dir.clone()),
         (false, None) => Start::Fresh,
     };
+    if let (Start::InitFrom(dir), 0) = (&start, rank) {
+        unused_model_settings(&args.config, &overrides, &config, dir);
+    }
+    if start == Start::Resume {
+        check_resumed_tokenizer(&overrides, &config)?;
+    }
     Ok((config, start))
+}
+
+/// A resumed run keeps the tokenizer it started with (its ids are the model's rows),
+/// whatever the config file says; a `--set tokenizer.*` that asks for another one
+/// would otherwise be dropped without a word.
+fn check_resumed_tokenizer(overrides: &[String], config: &Config) -> anyhow::Result<()> {
+    let run = tinygpt::checkpoint::RunDir::new(config.run_dir());
+    // No checkpoint, or one that cannot be read: the resume that follows says so.
+    let Ok(saved) = run.state().and_then(|state| run.load_config(&state)) else {
+        return Ok(());
+    };
+    let t = &saved.tokenizer;
+    // Sizes mean something only for a BPE tokenizer trained by the run.
+    let sized = t.kind == tinygpt::config::TokenizerKind::Bpe && t.path.is_none();
+    let (wanted, has) = (
+        tinygpt::compare::flatten(config),
+        tinygpt::compare::flatten(&saved),
+    );
+    let differing: Vec<String> = overrides
+        .iter()
+        .filter_map(|o| o.split_once('='))
+        .map(|(key, _)| key.trim())
+        .filter(|key| key.starts_with("tokenizer."))
+        .filter(|key| sized || !matches!(*key, "tokenizer.vocab_size" | "tokenizer.train_bytes"))
+        .filter(|key| wanted.get(*key) != has.get(*key))
+        .map(|key| {
+            let shown = |v: Option<&String>| v.map_or("none".into(), String::clone);
+            format!(
+                "{key} = {} (the checkpoint has {})",
+                shown(wanted.get(key)),
+                shown(has.get(key))
+            )
+        })
+        .collect();
+    if !differing.is_empty() {
+        tinygpt::user_bail!(
+            "--resume keeps the run's tokenizer, and --set asks for another: {}; drop it, or start a new run under another run.name",
+            differing.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// Says which [model] settings the config or --set gives that fine-tuning does not use:
+/// the model (and tokenizer) come from the --init-from checkpoint, dropout aside. A
+/// longer block_size, say, cannot be had this way, and would otherwise pass unseen.
+fn unused_model_settings(
+    path: &std::path::Path,
+    overrides: &[String],
+    config: &Config,
+    from: &std::path::Path,
+) {
+    let run = tinygpt::checkpoint::RunDir::new(from);
+    // A source that cannot be read is told by the loading that follows.
+    let (Ok(given), Ok(source)) = (
+        Config::keys_given(path, overrides),
+        run.state().and_then(|state| run.load_config(&state)),
+    ) else {
+        return;
+    };
+    let (wanted, has) = (
+        tinygpt::compare::flatten(config),
+        tinygpt::compare::flatten(&source),
+    );
+    let unused: Vec<String> = given
+        .iter()
+        .filter(|key| {
+            key.starts_with("model.")
+                && !matches!(key.as_str(), "model.dropout" | "model.vocab_size")
+        })
+        .filter(|key| wanted.get(*key) != has.get(*key))
+        .map(|key| {
+            let shown = |v: Option<&String>| v.map_or("none".into(), String::clone);
+            format!(
+                "{key} = {} (it has {})",
+                shown(wanted.get(key)),
+                shown(has.get(key))
+            )
+        })
+        .collect();
+    if !unused.is_empty() {
+        eprintln!(
+            "note: --init-from takes the model and tokenizer from {}; not used: {}",
+            from.display(),
+            unused.join(", ")
+        );
+    }
 }
 
 /// A stopped run that kept a checkpoint says the command that continues it: this

@@ -234,7 +234,13 @@ fn padded_vocabulary_and_fine_tuning_runs() {
         &["--init-from", "checkpoints/padded"],
         &["run.name=ft", "model.n_layer=3"],
     );
-    succeeds(dir.path(), &ft);
+    let out = succeeds(dir.path(), &ft);
+    // The setting it does not use is said, with what the model has instead.
+    assert!(
+        stderr(&out).contains("not used: model.n_layer = 3 (it has 1)"),
+        "{}",
+        stderr(&out)
+    );
     let mut resume = ft.to_vec();
     resume.extend(["--resume", "--set", "train.max_iters=8"]);
     succeeds(dir.path(), &resume);
@@ -248,6 +254,34 @@ fn padded_vocabulary_and_fine_tuning_runs() {
         info["config"]["model"]["n_layer"], 1,
         "the model came from --init-from"
     );
+}
+
+/// A warmup longer than the run leaves the rate far below train.lr, and says so; a
+/// warmup that ends within the run says nothing.
+#[test]
+fn a_warmup_longer_than_the_run_is_told() {
+    let dir = setup();
+    let out = succeeds(
+        dir.path(),
+        &train_args(&[], &["train.max_iters=4", "train.warmup_iters=100"]),
+    );
+    assert!(
+        stderr(&out).contains("train.warmup_iters = 100 is longer than the run (train.max_iters = 4): the learning rate reaches"),
+        "{}",
+        stderr(&out)
+    );
+    let out = succeeds(
+        dir.path(),
+        &train_args(
+            &[],
+            &[
+                "run.name=short",
+                "train.max_iters=4",
+                "train.warmup_iters=2",
+            ],
+        ),
+    );
+    assert!(!stderr(&out).contains("warmup_iters"), "{}", stderr(&out));
 }
 
 /// `bench --decode-batch N` decodes N sequences together (as `generate --num-samples`)

@@ -452,15 +452,26 @@ fn a_failure_midway_leaves_no_cache_behind() {
         .err()
         .expect("line 2 is broken");
     assert!(format!("{err:#}").contains("b.jsonl:2"), "{err}");
-    let left: Vec<String> = std::fs::read_dir(cache.dir())
+    // No ids, no header, no temporary file: the folder this encoding made is gone.
+    assert!(
+        !cache.dir().exists(),
+        "left {:?}",
+        std::fs::read_dir(cache.dir())
+    );
+    // A folder that held something before (a tokenizer trained there) keeps it, and
+    // nothing of the failed encoding.
+    std::fs::create_dir_all(cache.dir()).unwrap();
+    std::fs::write(cache.dir().join("tokenizer-kept.json"), "{}").unwrap();
+    cache
+        .tokens(&corpus, &tk, &Stop::new())
+        .err()
+        .expect("still broken");
+    let mut left: Vec<String> = std::fs::read_dir(cache.dir())
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
         .collect();
-    assert_eq!(
-        left,
-        ["corpus.json"],
-        "no ids, no header, no temporary file"
-    );
+    left.sort();
+    assert_eq!(left, ["corpus.json", "tokenizer-kept.json"]);
 }
 
 /// Runs the binary in `dir`; returns stderr, asserting success.

@@ -85,6 +85,7 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
     let text = "Now is the winter of our discontent\nMade glorious summer by this sun of York;\n"
         .repeat(40);
     std::fs::write(d.join("corpus.txt"), &text).unwrap();
+    std::fs::write(d.join("crlf.txt"), text.replace('\n', "\r\n")).unwrap();
     std::fs::write(d.join("empty.txt"), "").unwrap();
     std::fs::write(d.join("latin1.txt"), b"caf\xe9 au lait\n".repeat(50)).unwrap();
     std::fs::write(d.join("short.txt"), "too short").unwrap();
@@ -492,6 +493,26 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "export GGUF to a folder path",
             "export --checkpoint checkpoints/good --format gguf --out newdir/",
             "is a folder; --format gguf writes one file",
+        ),
+        case(
+            "resume with another tokenizer",
+            "train --config exp.toml --resume --set train.max_iters=6 --set tokenizer.kind=bpe",
+            "--resume keeps the run's tokenizer, and --set asks for another: tokenizer.kind = bpe (the checkpoint has char)",
+        ),
+        case(
+            "resume on a corpus with Windows line endings",
+            "train --config exp.toml --resume --set train.max_iters=6 --set data.corpus=crlf.txt",
+            "corpus crlf.txt holds the character '\\r', which this run's char-level vocabulary lacks; it has Windows line endings",
+        ),
+        case(
+            "no K/V heads",
+            "train --config exp.toml --set model.n_kv_head=0 --set run.name=kv",
+            "model.n_kv_head = 0 must be at least 1",
+        ),
+        case(
+            "a number past what a setting can hold",
+            "train --config exp.toml --set model.n_embd=18446744073709551615 --set run.name=big",
+            "is too large a number",
         ),
         case(
             "checkpoint folder missing",

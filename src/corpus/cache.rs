@@ -192,6 +192,7 @@ impl CorpusCache {
             return Ok(tokens);
         }
 
+        let made_here = !self.dir.exists();
         self.create(corpus)?;
         let start = Instant::now();
         let bar = bytes_bar(corpus.bytes(), "encoding");
@@ -217,7 +218,14 @@ impl CorpusCache {
             out.write_all(&bytes)
                 .with_context(|| format!("writing {}", bin.display()))
         })
-        .context("encoding the corpus; nothing partial was kept")?;
+        .context("encoding the corpus; nothing partial was kept")
+        .inspect_err(|_| {
+            // A folder made for ids that could not be made (a character the vocabulary
+            // lacks, a stop) would hold only its manifest: not left behind.
+            if made_here {
+                let _ = fs::remove_dir_all(&self.dir);
+            }
+        })?;
         out.commit()?;
         let header = TokensHeader {
             corpus_fingerprint: fingerprint.clone(),

@@ -48,7 +48,10 @@ pub fn encode_in_chunks(
         let encoded: Vec<Result<Vec<u32>>> = batch
             .par_iter()
             .enumerate()
-            .map(|(i, pieces)| encode_chunk(pieces, first && i == 0, &separator, tokenizer))
+            .map(|(i, pieces)| {
+                encode_chunk(pieces, first && i == 0, &separator, tokenizer)
+                    .map_err(|e| name_the_corpus(e, pieces, corpus, tokenizer))
+            })
             .collect();
         for ids in encoded {
             sink(&ids?)?;
@@ -56,6 +59,29 @@ pub fn encode_in_chunks(
         first = false;
         progress.set_position(chunks.position());
     }
+}
+
+/// A character the char vocabulary lacks, told as the corpus's (where a chunk's byte
+/// offset would say nothing), with the fix for Windows line endings.
+fn name_the_corpus(
+    error: anyhow::Error,
+    pieces: &[Piece],
+    corpus: &Corpus,
+    tokenizer: &Tokenizer,
+) -> anyhow::Error {
+    let Some(c) = pieces.iter().find_map(|p| tokenizer.unknown_char(&p.text)) else {
+        return error;
+    };
+    let path = corpus.path.display();
+    let fix = match c {
+        '\r' => format!(
+            "it has Windows line endings (\\r\\n): convert them (dos2unix, or `sed -i 's/\\r$//' {path}`), or train a BPE tokenizer"
+        ),
+        _ => "remove it from the text, or train a BPE tokenizer (tokenizer.kind = \"bpe\")".into(),
+    };
+    user_error(format!(
+        "corpus {path} holds the character {c:?}, which this run's char-level vocabulary lacks; {fix}"
+    ))
 }
 
 /// What goes between documents; a char vocabulary without a newline can only encode a

@@ -222,6 +222,13 @@ impl Tokenizer {
         Ok(out)
     }
 
+    /// The first character of `text` a char-level vocabulary lacks (none for BPE, which
+    /// encodes any text).
+    pub fn unknown_char(&self, text: &str) -> Option<char> {
+        let ids = self.char_ids.as_ref()?;
+        text.chars().find(|c| !ids.contains_key(c))
+    }
+
     /// Appends the ids of `text` to `out`.
     pub fn encode_into(&self, text: &str, out: &mut Vec<u32>) -> Result<()> {
         match (&self.char_ids, &self.fast_bpe) {

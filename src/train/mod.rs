@@ -486,6 +486,17 @@ impl Trainer {
     pub fn run(&mut self, reporter: &mut dyn Reporter) -> Result<TrainSummary> {
         let cfg = self.config.train.clone();
         reporter.started(&self.info());
+        let (start, end) = (self.state.step, cfg.max_iters);
+        if cfg.warmup_iters > end && start < end {
+            // The rate still rising when training ends: the loss barely moves, and
+            // nothing else would say why.
+            reporter.note(&format!(
+                "note: train.warmup_iters = {} is longer than the run (train.max_iters = {end}): the learning rate reaches {:.1e}, {:.0}% of train.lr; lower warmup_iters for a short run",
+                cfg.warmup_iters,
+                learning_rate(end - 1, &cfg),
+                100.0 * learning_rate(end - 1, &cfg) / cfg.lr
+            ));
+        }
         if !self.resumed {
             // Said before the run, not after it: only training anew changes this.
             if let Err(e) = crate::interop::layout_for(&self.config.model) {
