@@ -675,8 +675,10 @@ fn apply_override(table: &mut toml::Table, item: &str) -> Result<()> {
         anyhow::bail!("--set {item}: the key must be section.key, e.g. model.n_layer=6");
     }
     // A whole number past TOML's (i64) would otherwise be read as text, and refused as
-    // the wrong type.
-    if raw.parse::<i64>().is_err() && raw.trim_start_matches(['-', '+']).parse::<u128>().is_ok() {
+    // the wrong type; a text setting (run.name) takes it as the text it is.
+    let digits = raw.strip_prefix(['-', '+']).unwrap_or(raw);
+    let number = !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit());
+    if number && raw.parse::<i64>().is_err() && !is_text_setting(path[0], path[1]) {
         anyhow::bail!(
             "--set {item}: {raw} is too large a number (at most {})",
             i64::MAX
@@ -691,6 +693,14 @@ fn apply_override(table: &mut toml::Table, item: &str) -> Result<()> {
     };
     section.insert(path[1].to_string(), value);
     Ok(())
+}
+
+/// Whether `section.key` holds text (a name, a path) by default.
+fn is_text_setting(section: &str, key: &str) -> bool {
+    toml::Table::try_from(Config::default())
+        .ok()
+        .and_then(|table| table.get(section)?.get(key).cloned())
+        .is_some_and(|value| value.is_str())
 }
 
 /// Fills in the options `model.arch` fixes, where the file does not set them.
@@ -825,6 +835,15 @@ mod tests {
     fn syntax_errors_give_the_line() {
         let e = err("[model]\nn_layer = = 3\n", &[]);
         assert!(e.contains("line 2"), "{e}");
+    }
+
+    #[test]
+    fn a_number_past_i64_is_too_large_for_a_number_and_text_for_a_name() {
+        let huge = "123456789012345678901234";
+        let e = err("", &[&format!("model.n_embd={huge}")]);
+        assert!(e.contains("too large a number"), "{e}");
+        let named = Config::from_toml_str("", &[format!("run.name={huge}")]).unwrap();
+        assert_eq!(named.run.name, huge);
     }
 
     #[test]

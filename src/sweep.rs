@@ -165,6 +165,7 @@ const CONTINUABLE: &[&str] = &[
     "train.log_interval",
     "train.checkpoint_interval",
     "train.fused",
+    "train.tf32",
 ];
 
 /// A point whose run folder already holds a run must be that run: a sweep run again
@@ -210,6 +211,10 @@ fn setting_differences(wanted: &Config, saved: &Config) -> Vec<String> {
         })
         .filter(|key| match key.as_str() {
             "data.corpus" => !same_path(&wanted.data.corpus, &saved.data.corpus),
+            "tokenizer.path" => match (&wanted.tokenizer.path, &saved.tokenizer.path) {
+                (Some(a), Some(b)) => !same_path(a, b),
+                (a, b) => a != b,
+            },
             _ => want.get(*key) != have.get(*key),
         })
         .map(|key| {

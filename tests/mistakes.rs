@@ -502,7 +502,7 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
         case(
             "resume on a corpus with Windows line endings",
             "train --config exp.toml --resume --set train.max_iters=6 --set data.corpus=crlf.txt",
-            "corpus crlf.txt holds the character '\\r', which this run's char-level vocabulary lacks; it has Windows line endings",
+            "corpus crlf.txt holds the character '\\r', which this run's char-level vocabulary lacks; it has Windows line endings (\\r\\n): convert them to \\n (dos2unix)",
         ),
         case(
             "no K/V heads",

@@ -204,7 +204,7 @@ impl CorpusCache {
         let mut out = AtomicFile::create(&bin)?;
         let (mut tokens, mut max_id) = (0usize, 0u32);
         let mut bytes = Vec::new();
-        encode(corpus, tokenizer, &bar, stop, |ids| {
+        let encoded = encode(corpus, tokenizer, &bar, stop, |ids| {
             bytes.clear();
             for &id in ids {
                 if width == 2 {
@@ -217,15 +217,18 @@ impl CorpusCache {
             max_id = ids.iter().copied().fold(max_id, u32::max);
             out.write_all(&bytes)
                 .with_context(|| format!("writing {}", bin.display()))
-        })
-        .context("encoding the corpus; nothing partial was kept")
-        .inspect_err(|_| {
-            // A folder made for ids that could not be made (a character the vocabulary
-            // lacks, a stop) would hold only its manifest: not left behind.
+        });
+        if let Err(e) = encoded {
+            drop(out); // its temporary file goes
+                       // A folder made for ids that could not be made (a character the vocabulary
+                       // lacks, a stop) would hold only its manifest: not left behind, unless
+                       // another process has put something there meanwhile.
             if made_here {
-                let _ = fs::remove_dir_all(&self.dir);
+                let _ = fs::remove_file(self.dir.join(MANIFEST_FILE));
+                let _ = fs::remove_dir(&self.dir);
             }
-        })?;
+            return Err(e.context("encoding the corpus; nothing partial was kept"));
+        }
         out.commit()?;
         let header = TokensHeader {
             corpus_fingerprint: fingerprint.clone(),

@@ -72,15 +72,15 @@ fn name_the_corpus(
     let Some(c) = pieces.iter().find_map(|p| tokenizer.unknown_char(&p.text)) else {
         return error;
     };
-    let path = corpus.path.display();
+    // The vocabulary came from another corpus (a resumed run's, a tokenizer file's):
+    // the text is what can change here, or a new run on this corpus.
     let fix = match c {
-        '\r' => format!(
-            "it has Windows line endings (\\r\\n): convert them (dos2unix, or `sed -i 's/\\r$//' {path}`), or train a BPE tokenizer"
-        ),
-        _ => "remove it from the text, or train a BPE tokenizer (tokenizer.kind = \"bpe\")".into(),
+        '\r' => "it has Windows line endings (\\r\\n): convert them to \\n (dos2unix), or start a new run on this corpus",
+        _ => "remove it from the text, or start a new run on this corpus (its own char vocabulary, or a BPE tokenizer)",
     };
     user_error(format!(
-        "corpus {path} holds the character {c:?}, which this run's char-level vocabulary lacks; {fix}"
+        "corpus {} holds the character {c:?}, which this run's char-level vocabulary lacks; {fix}",
+        corpus.path.display()
     ))
 }
 

@@ -27,12 +27,15 @@ pub fn render(messages: &[Message]) -> Result<String, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid(
             "messages is empty: give at least one {\"role\": \"user\", \"content\": ...}",
-        ));
+        )
+        .with_param("messages"));
     }
     let mut prompt = String::new();
     for (i, message) in messages.iter().enumerate() {
-        let content = text_of(message.content.as_ref())
-            .map_err(|why| ApiError::invalid(format!("messages[{i}].content: {why}")))?;
+        let content = text_of(message.content.as_ref()).map_err(|why| {
+            ApiError::invalid(format!("messages[{i}].content: {why}"))
+                .with_param(&format!("messages[{i}].content"))
+        })?;
         match message.role.as_str() {
             "system" | "developer" => prompt.push_str(&content),
             "user" => {
@@ -46,7 +49,8 @@ pub fn render(messages: &[Message]) -> Result<String, ApiError> {
             other => {
                 return Err(ApiError::invalid(format!(
                     "messages[{i}].role `{other}` is not one of system, developer, user, assistant"
-                )))
+                ))
+                .with_param(&format!("messages[{i}].role")))
             }
         }
         prompt.push_str("\n\n");

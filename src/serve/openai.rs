@@ -61,7 +61,7 @@ impl SamplingFields {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(untagged, expecting = "a string or a list of strings")]
+#[serde(untagged, expecting = "expected a string or a list of strings")]
 pub enum StopField {
     One(String),
     Many(Vec<String>),
@@ -99,7 +99,7 @@ impl Fields for CompletionRequest {
 #[derive(Debug, Deserialize)]
 #[serde(
     untagged,
-    expecting = "a string, a list of strings, a list of token ids (whole numbers from 0), or a list of such lists"
+    expecting = "expected a string, a list of strings, a list of token ids (whole numbers from 0), or a list of such lists"
 )]
 pub enum Prompt {
     Text(String),
@@ -139,7 +139,7 @@ pub struct Message {
 #[derive(Debug, Deserialize)]
 #[serde(
     untagged,
-    expecting = "a string or a list of parts ({\"type\": \"text\", \"text\": ...})"
+    expecting = "expected a string or a list of parts ({\"type\": \"text\", \"text\": ...})"
 )]
 pub enum Content {
     Text(String),

@@ -491,19 +491,25 @@ async fn completion(state: &Shared, request: CompletionRequest) -> Result<Respon
     }
     let settings = request.sampling.settings(&state.model_id, &limits)?;
     if request.best_of.is_some_and(|b| b as usize != settings.n) {
-        return Err(ApiError::invalid(
-            "best_of is not supported (leave it out, or equal to n)",
-        ));
+        return Err(
+            ApiError::invalid("best_of is not supported (leave it out, or equal to n)")
+                .with_param("best_of"),
+        );
     }
     if request.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
-        return Err(ApiError::invalid(
-            "suffix is not supported: this model only continues text",
-        ));
+        return Err(
+            ApiError::invalid("suffix is not supported: this model only continues text")
+                .with_param("suffix"),
+        );
     }
     let logprobs = match request.logprobs {
         None => None,
         Some(k @ 0..=5) => Some(k as usize),
-        Some(k) => return Err(ApiError::invalid(format!("logprobs {k} must be 0 to 5"))),
+        Some(k) => {
+            return Err(
+                ApiError::invalid(format!("logprobs {k} must be 0 to 5")).with_param("logprobs")
+            )
+        }
     };
     let score_prompt = echo && logprobs.is_some();
     if score_prompt && settings.stream {
@@ -546,7 +552,7 @@ fn text_prompt(ready: &Ready, text: String) -> Result<(String, Vec<u32>), ApiErr
 
 fn tokens_prompt(ready: &Ready, ids: Vec<u32>) -> Result<(String, Vec<u32>), ApiError> {
     if ids.is_empty() {
-        return Err(ApiError::invalid("the prompt is an empty list of tokens"));
+        return Err(ApiError::invalid("the prompt is an empty list of tokens").with_param("prompt"));
     }
     check_ids(ready, &ids)?;
     check_length(ready, ids.len())?;
@@ -572,13 +578,18 @@ async fn chat_completion(state: &Shared, request: ChatRequest) -> Result<Respons
     let mut settings = request.sampling.settings(&state.model_id, &limits)?;
     let logprobs = match (request.logprobs.unwrap_or(false), request.top_logprobs) {
         (false, None) => None,
-        (false, Some(_)) => return Err(ApiError::invalid("top_logprobs needs logprobs: true")),
+        (false, Some(_)) => {
+            return Err(
+                ApiError::invalid("top_logprobs needs logprobs: true").with_param("top_logprobs")
+            )
+        }
         (true, None) => Some(0),
         (true, Some(k @ 0..=20)) => Some(k as usize),
         (true, Some(k)) => {
-            return Err(ApiError::invalid(format!(
-                "top_logprobs {k} must be 0 to 20"
-            )))
+            return Err(
+                ApiError::invalid(format!("top_logprobs {k} must be 0 to 20"))
+                    .with_param("top_logprobs"),
+            )
         }
     };
     if request.tools.is_some() {

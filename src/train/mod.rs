@@ -487,7 +487,7 @@ impl Trainer {
         let cfg = self.config.train.clone();
         reporter.started(&self.info());
         let (start, end) = (self.state.step, cfg.max_iters);
-        if cfg.warmup_iters > end && start < end {
+        if cfg.warmup_iters > end && start < end && cfg.lr > 0.0 {
             // The rate still rising when training ends: the loss barely moves, and
             // nothing else would say why.
             reporter.note(&format!(
