@@ -491,10 +491,13 @@ impl Trainer {
             // The rate still rising when training ends: the loss barely moves, and
             // nothing else would say why.
             reporter.note(&format!(
-                "note: train.warmup_iters = {} is longer than the run (train.max_iters = {end}): the learning rate reaches {:.1e}, {:.0}% of train.lr; lower warmup_iters for a short run",
+                "note: train.warmup_iters = {} is longer than the run (train.max_iters = {end}): the learning rate reaches {:.1e}, {} of train.lr; lower warmup_iters for a short run",
                 cfg.warmup_iters,
                 learning_rate(end - 1, &cfg),
-                100.0 * learning_rate(end - 1, &cfg) / cfg.lr
+                match 100.0 * learning_rate(end - 1, &cfg) / cfg.lr {
+                    share if share < 1.0 => format!("{share:.2}%"),
+                    share => format!("{share:.0}%"),
+                }
             ));
         }
         if !self.resumed {
