@@ -171,6 +171,22 @@ pub fn flatten(config: &Config) -> BTreeMap<String, String> {
     out
 }
 
+/// `key = wanted (the <other> has had)`: one setting two flattened configs give
+/// differently, for a refusal or a note to name.
+pub fn difference(
+    key: &str,
+    wanted: &BTreeMap<String, String>,
+    had: &BTreeMap<String, String>,
+    other: &str,
+) -> String {
+    let shown = |v: Option<&String>| v.map_or("none", String::as_str).to_string();
+    format!(
+        "{key} = {} ({other} has {})",
+        shown(wanted.get(key)),
+        shown(had.get(key))
+    )
+}
+
 fn show(value: &toml::Value) -> String {
     match value {
         toml::Value::String(s) => s.clone(),

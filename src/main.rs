@@ -605,14 +605,7 @@ fn check_resumed_tokenizer(overrides: &[String], config: &Config) -> anyhow::Res
         .filter(|key| key.starts_with("tokenizer."))
         .filter(|key| sized || !matches!(*key, "tokenizer.vocab_size" | "tokenizer.train_bytes"))
         .filter(|key| wanted.get(*key) != has.get(*key))
-        .map(|key| {
-            let shown = |v: Option<&String>| v.map_or("none".into(), String::clone);
-            format!(
-                "{key} = {} (the checkpoint has {})",
-                shown(wanted.get(key)),
-                shown(has.get(key))
-            )
-        })
+        .map(|key| tinygpt::compare::difference(key, &wanted, &has, "the checkpoint"))
         .collect();
     if !differing.is_empty() {
         tinygpt::user_bail!(
@@ -651,14 +644,7 @@ fn unused_model_settings(
                 && !matches!(key.as_str(), "model.dropout" | "model.vocab_size")
         })
         .filter(|key| wanted.get(*key) != has.get(*key))
-        .map(|key| {
-            let shown = |v: Option<&String>| v.map_or("none".into(), String::clone);
-            format!(
-                "{key} = {} (it has {})",
-                shown(wanted.get(key)),
-                shown(has.get(key))
-            )
-        })
+        .map(|key| tinygpt::compare::difference(key, &wanted, &has, "it"))
         .collect();
     if !unused.is_empty() {
         eprintln!(

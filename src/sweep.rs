@@ -217,14 +217,7 @@ fn setting_differences(wanted: &Config, saved: &Config) -> Vec<String> {
             },
             _ => want.get(*key) != have.get(*key),
         })
-        .map(|key| {
-            let shown = |v: Option<&String>| v.map_or("none".to_string(), String::clone);
-            format!(
-                "{key} = {} (the run has {})",
-                shown(want.get(key)),
-                shown(have.get(key))
-            )
-        })
+        .map(|key| crate::compare::difference(key, &want, &have, "the run"))
         .collect()
 }
 
