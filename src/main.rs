@@ -481,8 +481,11 @@ fn run(cli: Cli, world: &World) -> anyhow::Result<()> {
             | Command::Eval(_)
             | Command::Bench(_)
     );
+    // Training's output read by a pipe that closes (`tinygpt train ... | head`) stops
+    // it as a signal does, with its checkpoint, rather than ending it unsaved.
+    let pipe = matches!(cli.command, Command::Train(_) | Command::Sweep(_));
     let stop = if polite {
-        stop_on_signals()?
+        stop_on_signals(pipe)?
     } else {
         Stop::new()
     };
@@ -698,11 +701,20 @@ fn ends_every_rank(err: &anyhow::Error) -> bool {
 
 /// Prints `err`'s one line (on stderr). Of several ranks, rank 0 speaks for the
 /// outcomes all share; another rank speaks only of its own failure, naming itself.
+/// `eprintln!` that lets a closed stderr go (a reader gone: `train ... | head`)
+/// instead of panicking.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 fn print_error(err: &anyhow::Error, world: &World) {
     let rank = world.rank();
     if let (Some(stopped), true) = (err.downcast_ref::<InterruptedError>(), rank > 0) {
         // Each rank's step, so a log shows they stopped together.
-        eprintln!("rank {rank}: interrupted at step {}", stopped.step);
+        say!("rank {rank}: interrupted at step {}", stopped.step);
         return;
     }
     if world.size() > 1
@@ -715,16 +727,16 @@ fn print_error(err: &anyhow::Error, world: &World) {
         _ => format!("rank {rank}: "),
     };
     if let Some(user) = find_user_error(err) {
-        eprintln!("{who}error: {user}");
+        say!("{who}error: {user}");
     } else if let Some(stopped) = err.downcast_ref::<InterruptedError>() {
-        eprintln!("{stopped}");
+        say!("{stopped}");
     } else if err.chain().any(|e| e.downcast_ref::<Stopped>().is_some()) {
         // What was given up and what was kept, in one line.
-        eprintln!("{who}{err:#}");
+        say!("{who}{err:#}");
     } else if let Some(diverged) = err.downcast_ref::<DivergedError>() {
-        eprintln!("error: {diverged}");
+        say!("error: {diverged}");
     } else {
-        eprintln!("{who}internal error: {err:#}");
+        say!("{who}internal error: {err:#}");
     }
 }
 
@@ -732,9 +744,25 @@ fn print_error(err: &anyhow::Error, world: &World) {
 /// checkpoint and stops; other work gives up within about a second). A second Ctrl-C
 /// exits at once, writing nothing. On Windows the same through its C runtime's SIGINT
 /// (Ctrl-C in a console) and SIGTERM.
-fn stop_on_signals() -> anyhow::Result<Stop> {
+fn stop_on_signals(pipe: bool) -> anyhow::Result<Stop> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let flag = Arc::new(AtomicI32::new(0));
+    // A closed pipe: every later write raises it again, so it never exits at once (the
+    // stop's own messages would end the process before its checkpoint); the writes
+    // after it fail quietly (`progress`, `print_error`).
+    #[cfg(unix)]
+    if pipe {
+        let flag = Arc::clone(&flag);
+        let sigpipe = signal_hook::consts::SIGPIPE;
+        // Safety: the handler only stores to an atomic, which is async-signal-safe.
+        unsafe {
+            signal_hook::low_level::register(sigpipe, move || {
+                let _ = flag.compare_exchange(0, sigpipe, Ordering::SeqCst, Ordering::SeqCst);
+            })?;
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = pipe;
     let asked = Arc::new(AtomicBool::new(false));
     for signal in [SIGINT, SIGTERM] {
         // Registered first, so it sees `asked` as it was before this signal.

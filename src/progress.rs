@@ -2,6 +2,7 @@
 //! and ETA, and one line per evaluation.
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::io::Write;
 
 use crate::train::{EvalLog, Reporter, RunInfo, StepLog, TrainSummary};
 
@@ -31,7 +32,11 @@ impl TerminalReporter {
             // Printed above the bar; on a non-terminal the bar is hidden and this is a
             // plain line on stderr.
             Some(bar) if !bar.is_hidden() => bar.println(line),
-            _ => eprintln!("{line}"),
+            // A closed stderr (`train ... | head`) is let go: the run stops on the
+            // SIGPIPE that came with it, and saves.
+            _ => {
+                let _ = writeln!(std::io::stderr(), "{line}");
+            }
         }
     }
 }
@@ -110,7 +115,8 @@ impl Reporter for TerminalReporter {
         if let Some(bar) = self.bar.take() {
             bar.finish_and_clear();
         }
-        eprintln!(
+        let _ = writeln!(
+            std::io::stderr(),
             "done: step {}, train loss {}, val loss {}, {:.1} s; checkpoint in {}",
             summary.step,
             summary.train_loss.map_or("-".into(), |l| format!("{l:.4}")),

@@ -320,3 +320,53 @@ fn a_stop_during_a_save_stops_at_that_save() {
         "stopped at step {last}: a step and a save past the one the signal landed in ({committed} committed before it): {err}"
     );
 }
+
+/// `tinygpt train ... | head`: the reader goes, and training stops as for a signal,
+/// with its checkpoint, instead of dying unsaved on the closed pipe.
+#[test]
+fn a_closed_pipe_stops_training_with_its_checkpoint() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    experiment(d);
+    let run = d.join("checkpoints/r");
+    let long = train_args(
+        &["--resume"],
+        &["train.max_iters=100000", "train.eval_interval=2"],
+    );
+    let mut child = tinygpt(d, &long)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read a line, as `head -1` would, and go.
+    let mut first = String::new();
+    std::io::BufReader::new(child.stderr.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert!(first.contains("run "), "{first}");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            panic!("still training two minutes after its reader went");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(141), "{status}");
+    // Saved where it stopped, and resumable.
+    let step = tinygpt::checkpoint::RunDir::new(&run).state().unwrap().step;
+    assert!(step > 2, "no step saved past the first session's 2: {step}");
+    let next = format!("train.max_iters={}", step + 1);
+    let out = tinygpt(d, &train_args(&["--resume"], &[&next]))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

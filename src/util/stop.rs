@@ -56,6 +56,7 @@ impl fmt::Display for Stopped {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let name = match self.signal {
             2 => "Ctrl-C (SIGINT)".to_string(),
+            13 => "a closed pipe (SIGPIPE)".to_string(),
             15 => "SIGTERM".to_string(),
             s => format!("signal {s}"),
         };
