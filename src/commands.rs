@@ -907,6 +907,8 @@ fn expand_runs(args: &[std::path::PathBuf]) -> Result<Vec<std::path::PathBuf>> {
     Ok(runs)
 }
 
+/// The table (and the picture) of `runs`. Its writes let a closed pipe go: a sweep
+/// piped into `head` stops on the SIGPIPE (its runs saved), never on a panic.
 fn report_comparison(
     dirs: &[std::path::PathBuf],
     out: Option<&std::path::Path>,
@@ -917,16 +919,20 @@ fn report_comparison(
     let runs = compare::read_runs(dirs)?;
     let rows = compare::rows(&runs);
     if as_json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        let _ = writeln!(
+            std::io::stdout(),
+            "{}",
+            serde_json::to_string_pretty(&rows)?
+        );
     } else {
-        print!("{}", compare::table(&rows));
+        let _ = write!(std::io::stdout(), "{}", compare::table(&rows));
     }
     let Some(out) = out else {
         return Ok(());
     };
     let (series, skipped) = compare::series(&runs, &rows, x);
     for why in skipped {
-        eprintln!("not plotted: {why}");
+        let _ = writeln!(std::io::stderr(), "not plotted: {why}");
     }
     let x_label = match x {
         XAxis::Steps => "step",
@@ -935,8 +941,12 @@ fn report_comparison(
     };
     let title = format!("{} runs: val loss (train loss pale)", rows.len());
     match tinygpt::plot::comparison(&series, x_label, out, &title) {
-        Ok(()) => eprintln!("wrote {}", out.display()),
-        Err(e) => eprintln!("no plot: {e:#}"),
+        Ok(()) => {
+            let _ = writeln!(std::io::stderr(), "wrote {}", out.display());
+        }
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "no plot: {e:#}");
+        }
     }
     Ok(())
 }
