@@ -385,6 +385,11 @@ impl RunDir {
         parse_config(&bytes, &self.file(CONFIG_FILE).display().to_string())
     }
 
+    /// The config of the newest checkpoint, read settled (a trainer may be saving).
+    pub fn saved_config(&self) -> Result<Config> {
+        self.read_settled(|state| self.load_config(state))
+    }
+
     pub fn load_tokenizer(&self, state: &TrainState) -> Result<Tokenizer> {
         let bytes = self.read_verified(state, TOKENIZER_FILE)?;
         parse_tokenizer(&bytes, &self.file(TOKENIZER_FILE).display().to_string())

@@ -591,7 +591,7 @@ fn train_config(args: &TrainArgs, rank: usize) -> anyhow::Result<(Config, Start)
 fn check_resumed_tokenizer(overrides: &[String], config: &Config) -> anyhow::Result<()> {
     let run = tinygpt::checkpoint::RunDir::new(config.run_dir());
     // No checkpoint, or one that cannot be read: the resume that follows says so.
-    let Ok(saved) = run.state().and_then(|state| run.load_config(&state)) else {
+    let Ok(saved) = run.saved_config() else {
         return Ok(());
     };
     let t = &saved.tokenizer;
@@ -630,10 +630,7 @@ fn unused_model_settings(
 ) {
     let run = tinygpt::checkpoint::RunDir::new(from);
     // A source that cannot be read is told by the loading that follows.
-    let (Ok(given), Ok(source)) = (
-        Config::keys_given(path, overrides),
-        run.state().and_then(|state| run.load_config(&state)),
-    ) else {
+    let (Ok(given), Ok(source)) = (Config::keys_given(path, overrides), run.saved_config()) else {
         return;
     };
     let (wanted, has) = (
@@ -699,8 +696,6 @@ fn ends_every_rank(err: &anyhow::Error) -> bool {
         || err.downcast_ref::<PeerFailed>().is_some()
 }
 
-/// Prints `err`'s one line (on stderr). Of several ranks, rank 0 speaks for the
-/// outcomes all share; another rank speaks only of its own failure, naming itself.
 /// `eprintln!` that lets a closed stderr go (a reader gone: `train ... | head`)
 /// instead of panicking.
 macro_rules! say {
@@ -710,6 +705,8 @@ macro_rules! say {
     }};
 }
 
+/// Prints `err`'s one line (on stderr). Of several ranks, rank 0 speaks for the
+/// outcomes all share; another rank speaks only of its own failure, naming itself.
 fn print_error(err: &anyhow::Error, world: &World) {
     let rank = world.rank();
     if let (Some(stopped), true) = (err.downcast_ref::<InterruptedError>(), rank > 0) {

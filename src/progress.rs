@@ -1,8 +1,9 @@
 //! The terminal reporter: an indicatif progress bar with loss, learning rate, tokens/s
 //! and ETA, and one line per evaluation.
 
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::Write;
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::train::{EvalLog, Reporter, RunInfo, StepLog, TrainSummary};
 

@@ -176,7 +176,7 @@ fn check_existing_run(point: &Point) -> Result<()> {
     if !run.has_checkpoint() {
         return Ok(());
     }
-    let saved = run.load_config(&run.state()?)?;
+    let saved = run.saved_config()?;
     let differences = setting_differences(&point.config, &saved);
     if !differences.is_empty() {
         user_bail!(

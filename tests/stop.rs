@@ -30,26 +30,32 @@ fn wait_for(what: &str, child: &mut Child, ready: impl Fn() -> bool) {
     }
 }
 
-/// Sends `signal` and returns the exit code and stderr, asserting the exit came within
-/// `limit`.
-fn signal_and_wait(mut child: Child, signal: i32, limit: Duration) -> (i32, String) {
-    let sent = Instant::now();
-    // Safety: kill(2) on our own child's pid.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, signal) }, 0);
+/// Waits for `child` to exit and says how long it took, killing it (and panicking) if
+/// it runs past `most`.
+fn exit_within(child: &mut Child, most: Duration) -> (std::process::ExitStatus, Duration) {
+    let start = Instant::now();
     loop {
         if let Some(status) = child.try_wait().unwrap() {
-            let took = sent.elapsed();
-            let mut err = String::new();
-            std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
-            assert!(took < limit, "took {took:?} to stop: {err}");
-            return (status.code().expect("exited, not killed"), err);
+            return (status, start.elapsed());
         }
-        if sent.elapsed() > limit * 4 {
+        if start.elapsed() > most {
             let _ = child.kill();
-            panic!("still running {:?} after the signal", sent.elapsed());
+            panic!("still running after {:?}", start.elapsed());
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// Sends `signal` and returns the exit code and stderr, asserting the exit came within
+/// `limit`.
+fn signal_and_wait(mut child: Child, signal: i32, limit: Duration) -> (i32, String) {
+    // Safety: kill(2) on our own child's pid.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, signal) }, 0);
+    let (status, took) = exit_within(&mut child, limit * 4);
+    let mut err = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert!(took < limit, "took {took:?} to stop: {err}");
+    (status.code().expect("exited, not killed"), err)
 }
 
 fn metrics_has(run: &Path, step: u64, key: &str) -> bool {
@@ -345,17 +351,7 @@ fn a_closed_pipe_stops_training_with_its_checkpoint() {
         .read_line(&mut first)
         .unwrap();
     assert!(first.contains("run "), "{first}");
-    let start = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if start.elapsed() > Duration::from_secs(120) {
-            let _ = child.kill();
-            panic!("still training two minutes after its reader went");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let (status, _) = exit_within(&mut child, Duration::from_secs(120));
     assert_eq!(status.code(), Some(141), "{status}");
     // Saved where it stopped, and resumable.
     let step = tinygpt::checkpoint::RunDir::new(&run).state().unwrap().step;

@@ -219,10 +219,11 @@ impl CorpusCache {
                 .with_context(|| format!("writing {}", bin.display()))
         });
         if let Err(e) = encoded {
-            drop(out); // its temporary file goes
-                       // A folder made for ids that could not be made (a character the vocabulary
-                       // lacks, a stop) would hold only its manifest: not left behind, unless
-                       // another process has put something there meanwhile.
+            // Its temporary file goes first. A folder made for ids that could not be
+            // made (a character the vocabulary lacks, a stop) would hold only its
+            // manifest: not left behind, unless another process has put something
+            // there meanwhile.
+            drop(out);
             if made_here {
                 let _ = fs::remove_file(self.dir.join(MANIFEST_FILE));
                 let _ = fs::remove_dir(&self.dir);
