@@ -1,14 +1,16 @@
 //! One training process per run folder: `train.lock`, locked by the trainer.
 //!
 //! The trainer holds an exclusive lock on the file (`flock` on Unix, `LockFileEx` on
-//! Windows) for as long as it runs and writes its pid into it for the refusal's
-//! message. The system lets go of the lock when the process ends however it ends
+//! Windows) for as long as it runs and writes its pid and host name into it for the
+//! refusal's message. The system lets go of the lock when the process ends however it ends
 //! (killed, crashed), so a dead trainer's file is free at once, and of two trainers
 //! that find it free at the same instant the system lets one take it. A second
 //! `train` into the folder is refused with the holder's pid.
 //!
 //! Where the filesystem cannot lock files (some network and FUSE mounts), the pid in
-//! the file decides: a live process holds it, a dead one's lock is taken over.
+//! the file decides: a live process holds it, a dead one's lock is taken over. A pid
+//! written on another machine cannot be asked after from this one, so such a file is
+//! held until it is removed by hand.
 
 use std::fs;
 use std::io::{Read, Seek, Write};
@@ -62,7 +64,8 @@ impl RunLock {
                     }
                     // Not synced: the pid only names the holder in a refusal, and a
                     // crash lets go of the lock anyway.
-                    write_pid(&mut file).with_context(|| format!("writing {}", path.display()))?;
+                    write_holder(&mut file)
+                        .with_context(|| format!("writing {}", path.display()))?;
                     return Ok(Self {
                         path,
                         remove: cfg!(unix),
@@ -74,7 +77,7 @@ impl RunLock {
                     if !names_this_file(&path, &file) {
                         continue;
                     }
-                    user_bail!("{}", in_use(dir, pid_in(&mut file)))
+                    user_bail!("{}", in_use(dir, Holder::read(&mut file).as_ref()))
                 }
                 Err(fs::TryLockError::Error(e)) if cannot_lock(&e) => {
                     drop(file);
@@ -98,12 +101,18 @@ impl RunLock {
     /// Where files cannot be locked: the pid written in the file says who holds it.
     fn acquire_by_pid(dir: &Path, path: PathBuf) -> Result<Self> {
         for _ in 0..3 {
-            let holder = fs::read_to_string(&path)
+            let holder = fs::File::open(&path)
                 .ok()
-                .and_then(|s| s.trim().parse::<u32>().ok());
+                .and_then(|mut file| Holder::read(&mut file));
             match holder {
-                Some(pid) if pid != std::process::id() && process_alive(pid) => {
-                    user_bail!("{}", in_use(dir, Some(pid)))
+                // Its pid means nothing here: whether it lives cannot be known.
+                Some(holder) if !holder.on_this_host() => user_bail!(
+                    "{}; if no training runs there, remove {}",
+                    in_use(dir, Some(&holder)),
+                    path.display()
+                ),
+                Some(holder) if holder.pid != std::process::id() && process_alive(holder.pid) => {
+                    user_bail!("{}", in_use(dir, Some(&holder)))
                 }
                 // Created a moment ago by a trainer that has not written its pid yet.
                 None if path.exists() && just_created(&path) => user_bail!(
@@ -122,7 +131,7 @@ impl RunLock {
             {
                 Ok(mut file) => {
                     // Here the pid is the lock: on disk before training starts.
-                    write_pid(&mut file)
+                    write_holder(&mut file)
                         .and_then(|()| file.sync_all())
                         .with_context(|| format!("writing {}", path.display()))?;
                     return Ok(Self {
@@ -157,34 +166,92 @@ fn cannot_lock(e: &std::io::Error) -> bool {
 }
 
 /// The refusal: who holds `dir`, and what to do.
-fn in_use(dir: &Path, holder: Option<u32>) -> String {
-    match holder {
-        Some(pid) => format!(
-            "{} is in use by another tinygpt train (pid {pid}); wait for it, stop it, or pick another run.name",
-            dir.display()
-        ),
-        // It has not written its pid yet (or, on Windows, its lock keeps the pid from
+fn in_use(dir: &Path, holder: Option<&Holder>) -> String {
+    let who = match holder {
+        Some(Holder {
+            pid,
+            host: Some(host),
+        }) => format!(" (pid {pid} on {host})"),
+        Some(Holder { pid, host: None }) => format!(" (pid {pid})"),
+        // It has not written its pid yet (or, on Windows, its lock keeps the file from
         // being read).
-        None => format!(
-            "{} is in use by another tinygpt train; wait for it, stop it, or pick another run.name",
-            dir.display()
-        ),
+        None => String::new(),
+    };
+    format!(
+        "{} is in use by another tinygpt train{who}; wait for it, stop it, or pick another run.name",
+        dir.display()
+    )
+}
+
+/// Who holds the lock, as its file says: `<pid> <host>` (a file written before the
+/// host was added holds the pid alone).
+#[derive(Debug, PartialEq)]
+struct Holder {
+    pid: u32,
+    host: Option<String>,
+}
+
+impl Holder {
+    /// The holder a file names, if its holder has written it yet (and, on Windows, where
+    /// the holder's lock keeps its bytes from being read, none).
+    fn read(file: &mut fs::File) -> Option<Self> {
+        let mut text = String::new();
+        file.read_to_string(&mut text).ok()?;
+        Self::parse(&text)
+    }
+
+    fn parse(text: &str) -> Option<Self> {
+        let mut words = text.split_whitespace();
+        let pid = words.next()?.parse().ok()?;
+        Some(Self {
+            pid,
+            host: words.next().map(str::to_owned),
+        })
+    }
+
+    /// Whether the pid is one of this machine's (a file naming no host is taken to be).
+    fn on_this_host(&self) -> bool {
+        match (&self.host, host_name()) {
+            (Some(theirs), Some(ours)) => *theirs == ours,
+            _ => true,
+        }
     }
 }
 
-/// Replaces the file's contents with this process's pid.
-fn write_pid(file: &mut fs::File) -> std::io::Result<()> {
+/// Replaces the file's contents with this process's pid and its machine's name.
+fn write_holder(file: &mut fs::File) -> std::io::Result<()> {
     file.set_len(0)?;
     file.rewind()?;
-    writeln!(file, "{}", std::process::id())
+    match host_name() {
+        Some(host) => writeln!(file, "{} {host}", std::process::id()),
+        None => writeln!(file, "{}", std::process::id()),
+    }
 }
 
-/// The pid a holder wrote, if it has yet (and, on Windows, where the holder's lock
-/// keeps its bytes from being read, none).
-fn pid_in(file: &mut fs::File) -> Option<u32> {
-    let mut text = String::new();
-    file.read_to_string(&mut text).ok()?;
-    text.trim().parse().ok()
+/// This machine's name, as `hostname` prints it (none if it cannot be read or would
+/// not survive the file's one line).
+fn host_name() -> Option<String> {
+    let name = system_host_name()?;
+    let fits = !name.is_empty() && !name.chars().any(char::is_whitespace);
+    fits.then_some(name)
+}
+
+#[cfg(unix)]
+fn system_host_name() -> Option<String> {
+    let mut buf = [0u8; 256];
+    // Safety: the buffer's length is passed; the name is NUL-terminated within it
+    // when it fits (checked below).
+    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if r != 0 {
+        return None;
+    }
+    let end = buf.iter().position(|&b| b == 0)?;
+    String::from_utf8(buf[..end].to_vec()).ok()
+}
+
+#[cfg(not(unix))]
+fn system_host_name() -> Option<String> {
+    std::env::var("COMPUTERNAME").ok()
 }
 
 /// Whether `path` still names the open `file` (not removed, nor replaced by a new one).
@@ -291,10 +358,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(LOCK_FILE);
         let first = RunLock::acquire(dir.path()).unwrap();
-        let own = std::process::id().to_string();
-        assert_eq!(fs::read_to_string(&path).unwrap().trim(), own);
+        let own = std::process::id();
+        assert_eq!(holder_pid(&path), own);
         let err = RunLock::acquire(dir.path()).unwrap_err();
-        assert!(format!("{err}").contains(&format!("(pid {own})")), "{err}");
+        let named = match host_name() {
+            Some(host) => format!("(pid {own} on {host})"),
+            None => format!("(pid {own})"),
+        };
+        assert!(format!("{err}").contains(&named), "{err}");
         drop(first);
         assert_eq!(path.exists(), cfg!(not(unix)));
         drop(RunLock::acquire(dir.path()).unwrap());
@@ -308,11 +379,32 @@ mod tests {
         // so only the missing lock can say the file is free.
         fs::write(&path, "1\n").unwrap();
         let lock = RunLock::acquire(dir.path()).unwrap();
-        assert_eq!(
-            fs::read_to_string(&path).unwrap().trim(),
-            std::process::id().to_string()
-        );
+        assert_eq!(holder_pid(&path), std::process::id());
         drop(lock);
+    }
+
+    /// The pid the lock file names.
+    fn holder_pid(path: &Path) -> u32 {
+        Holder::parse(&fs::read_to_string(path).unwrap())
+            .unwrap()
+            .pid
+    }
+
+    #[test]
+    fn the_file_names_pid_and_host_and_older_files_the_pid_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(LOCK_FILE);
+        let lock = RunLock::acquire(dir.path()).unwrap();
+        let written = Holder::parse(&fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(written.pid, std::process::id());
+        assert_eq!(written.host, host_name());
+        assert!(written.on_this_host());
+        drop(lock);
+        let old = Holder::parse("4242\n").unwrap();
+        assert_eq!((old.pid, old.host.as_deref()), (4242, None));
+        assert!(old.on_this_host());
+        assert_eq!(Holder::parse(""), None);
+        assert_eq!(Holder::parse("node07"), None);
     }
 
     /// Another process holding the lock (util-linux's `flock`, as a trainer holds it).
@@ -394,12 +486,20 @@ mod tests {
         child.wait().unwrap();
         fs::write(&path, format!("{pid}\n")).unwrap();
         let lock = RunLock::acquire_by_pid(dir.path(), path.clone()).unwrap();
-        assert_eq!(
-            fs::read_to_string(&path).unwrap().trim(),
-            std::process::id().to_string()
-        );
+        assert_eq!(holder_pid(&path), std::process::id());
         drop(lock);
         assert!(!path.exists());
+        // The same dead pid written on another machine: whether it lives there cannot
+        // be asked from here, so the file holds until removed by hand.
+        fs::write(&path, format!("{pid} another-machine.invalid\n")).unwrap();
+        let err = RunLock::acquire_by_pid(dir.path(), path.clone()).unwrap_err();
+        let message = format!("{err}");
+        assert!(
+            message.contains(&format!("(pid {pid} on another-machine.invalid)")),
+            "{message}"
+        );
+        assert!(message.contains("remove"), "{message}");
+        fs::remove_file(&path).unwrap();
         // Created a moment ago by a trainer that has not written its pid yet.
         fs::write(&path, "").unwrap();
         let err = RunLock::acquire_by_pid(dir.path(), path.clone()).unwrap_err();
@@ -412,12 +512,10 @@ mod tests {
             .and_then(|f| f.set_modified(minute_ago))
             .unwrap();
         let lock = RunLock::acquire_by_pid(dir.path(), path.clone()).unwrap();
-        assert_eq!(
-            fs::read_to_string(&path).unwrap().trim(),
-            std::process::id().to_string()
-        );
+        assert_eq!(holder_pid(&path), std::process::id());
         drop(lock);
     }
+
     #[cfg(target_os = "linux")]
     #[test]
     fn an_exited_process_not_yet_waited_for_holds_nothing() {
