@@ -2,10 +2,10 @@
 //!
 //! The trainer holds an exclusive lock on the file (`flock` on Unix, `LockFileEx` on
 //! Windows) for as long as it runs and writes its pid and host name into it for the
-//! refusal's message. The system lets go of the lock when the process ends however it ends
-//! (killed, crashed), so a dead trainer's file is free at once, and of two trainers
-//! that find it free at the same instant the system lets one take it. A second
-//! `train` into the folder is refused with the holder's pid.
+//! refusal's message. The system lets go of the lock when the process ends however it
+//! ends (killed, crashed), so a dead trainer's file is free at once, and of two
+//! trainers that find it free at the same instant the system lets one take it. A
+//! second `train` into the folder is refused naming the holder's pid and host.
 //!
 //! Where the filesystem cannot lock files (some network and FUSE mounts), the pid in
 //! the file decides: a live process holds it, a dead one's lock is taken over. A pid
