@@ -728,6 +728,8 @@ pub fn export(args: ExportArgs) -> Result<()> {
 }
 
 pub fn import(args: ImportArgs) -> Result<()> {
+    tinygpt::interop::check_import_source(&args.from)?;
+    tinygpt::interop::check_import_folder(&args.out)?;
     let bar = tinygpt::util::bars::spinner(&format!("importing {}", args.from.display()));
     let config = match args.from.is_file() {
         true => tinygpt::gguf::import(&args.from, &args.out)?,

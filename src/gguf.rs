@@ -688,10 +688,6 @@ fn first_line(s: &str) -> &str {
     s.lines().next().unwrap_or("")
 }
 
-fn all_zero(t: &Tensor) -> Result<bool> {
-    Ok(t.abs()?.max_all()?.to_scalar::<f32>()? == 0.0)
-}
-
 /// Reads a GPT-2 or Llama GGUF file into our config, tensor names and tokenizer.
 pub fn read(path: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>, Tokenizer)> {
     let g = Gguf::open(path)?;
@@ -811,20 +807,9 @@ pub fn read(path: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>, Tokeni
             );
             let bias = spec.ln_f.bias.expect("gpt2 has norm biases");
             ours.insert(name(bias), take("output_norm.bias".into(), &[s.n_embd])?);
-            // All-zero biases are a model without biases (what export writes for one).
-            let mut zero = true;
-            for (k, t) in &ours {
-                if k.ends_with(".bias") && !all_zero(t)? {
-                    zero = false;
-                    break;
-                }
-            }
-            if zero {
-                m.bias = false;
-                ours.retain(|k, _| !k.ends_with(".bias"));
-            }
-            // The gpt2 preset fixes biases on and one K/V head per query head.
-            if !m.bias || m.n_kv_head.is_some() {
+            crate::interop::drop_zero_biases(&mut m, &mut ours)?;
+            // The gpt2 preset fixes one K/V head per query head.
+            if m.n_kv_head.is_some() {
                 m.arch = Arch::Custom;
             }
         }
@@ -1064,6 +1049,7 @@ fn read_tokenizer(g: &Gguf, vocab_size: usize) -> Result<Tokenizer> {
 /// Imports a GGUF file as a run folder at `out` (step 0, no optimiser state): ready for
 /// generate, eval, info, and `train --init-from`.
 pub fn import(from: &Path, out: &Path) -> Result<Config> {
+    crate::interop::check_import_folder(out)?;
     let (model_cfg, tensors, tokenizer) = read(from)?;
     crate::interop::save_imported(from, out, model_cfg, &tensors, tokenizer)
 }

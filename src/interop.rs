@@ -379,6 +379,78 @@ fn usize_field(config: &Value, key: &str, path: &Path) -> Result<usize> {
     })
 }
 
+/// GPT-2's layout always has biases, so `export` writes zeros for a model without them
+/// (as llama.cpp's gpt2 wants them too): biases all zero are read back as a model
+/// without biases (`model.bias = false`, which the gpt2 preset does not allow), and
+/// removed. An untrained GPT-2 saved by transformers has zero biases too and comes in
+/// bias-free: its logits are the same.
+pub(crate) fn drop_zero_biases(
+    m: &mut ModelConfig,
+    ours: &mut HashMap<String, Tensor>,
+) -> Result<()> {
+    for (name, t) in ours.iter() {
+        if name.ends_with(".bias") && t.abs()?.max_all()?.to_scalar::<f32>()? != 0.0 {
+            return Ok(());
+        }
+    }
+    m.bias = false;
+    m.arch = Arch::Custom;
+    ours.retain(|name, _| !name.ends_with(".bias"));
+    Ok(())
+}
+
+/// Removes `lm_head.weight` where a file carries the output layer as its own copy of
+/// the token embedding `wte` (older transformers saves, tied Llamas); an output layer of
+/// its own is refused: ours is the embedding, transposed.
+fn drop_tied_head(
+    tensors: &mut HashMap<String, Tensor>,
+    wte: &Tensor,
+    wte_name: &str,
+    dir: &Path,
+) -> Result<()> {
+    let Some(head) = tensors.remove("lm_head.weight") else {
+        return Ok(());
+    };
+    let same = head.dims() == wte.dims()
+        && (head.to_dtype(DType::F32)? - wte)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?
+            == 0.0;
+    if !same {
+        user_bail!(
+            "{}: lm_head.weight differs from {wte_name}; only tied output layers are supported",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+/// The rotary base of a Llama config: transformers 5 writes it in `rope_parameters`
+/// (`{"rope_theta": ..., "rope_type": "default"}`), earlier versions as `rope_theta`
+/// beside `rope_scaling`. A scaled variant (llama3, linear, yarn, ...) is refused:
+/// read as plain rotary positions it would give other logits without a word.
+fn rope_theta(hf: &Value, path: &Path) -> Result<f64> {
+    for key in ["rope_parameters", "rope_scaling"] {
+        let rope = &hf[key];
+        if rope.is_null() {
+            continue;
+        }
+        let kind = rope["rope_type"].as_str().or(rope["type"].as_str());
+        if kind != Some("default") {
+            user_bail!(
+                "{}: {key} asks for {} rotary positions; only the default (unscaled) kind is supported",
+                path.display(),
+                kind.map_or_else(|| "scaled".to_string(), |k| format!("{k:?}"))
+            );
+        }
+        if let Some(theta) = rope["rope_theta"].as_f64() {
+            return Ok(theta);
+        }
+    }
+    Ok(hf["rope_theta"].as_f64().unwrap_or(10000.0))
+}
+
 /// Reads a Hugging Face GPT-2 or Llama folder into our config and tensor names.
 pub fn read_hf(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
     let config_path = dir.join("config.json");
@@ -429,6 +501,10 @@ pub fn read_hf(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
             } else {
                 ""
             };
+            let wte_name = format!("{prefix}wte.weight");
+            let wte = take(&mut tensors, &wte_name, dir)?;
+            drop_tied_head(&mut tensors, &wte, &wte_name, dir)?;
+            tensors.insert(wte_name, wte);
             let spec = gpt2_spec(&m);
             for id in spec.ids() {
                 let name = &spec[id].name;
@@ -440,12 +516,12 @@ pub fn read_hf(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
                 };
                 ours.insert(name.clone(), t);
             }
+            let mut m = m;
+            drop_zero_biases(&mut m, &mut ours)?;
             m
         }
         "llama" => {
-            if !hf["rope_scaling"].is_null() {
-                user_bail!("{}: rope_scaling is not supported", config_path.display());
-            }
+            let rope_theta = rope_theta(&hf, &config_path)?;
             if hf["hidden_act"].as_str().unwrap_or("silu") != "silu" {
                 user_bail!("{}: hidden_act must be silu", config_path.display());
             }
@@ -477,7 +553,7 @@ pub fn read_hf(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
                 n_embd: c,
                 block_size: usize_field(&hf, "max_position_embeddings", &config_path)?,
                 positions: PositionKind::Rope,
-                rope_theta: hf["rope_theta"].as_f64().unwrap_or(10000.0),
+                rope_theta,
                 bias: attention_bias,
                 norm: NormKind::RmsNorm,
                 norm_eps: hf["rms_norm_eps"].as_f64().unwrap_or(1e-6),
@@ -487,17 +563,7 @@ pub fn read_hf(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
                 ..ModelConfig::default()
             };
             let wte = take(&mut tensors, "model.embed_tokens.weight", dir)?;
-            if let Some(head) = tensors.remove("lm_head.weight") {
-                let same = head.dims() == wte.dims()
-                    && (head.to_dtype(DType::F32)? - &wte)?
-                        .abs()?
-                        .max_all()?
-                        .to_scalar::<f32>()?
-                        == 0.0;
-                if !same {
-                    user_bail!("{}: lm_head.weight differs from model.embed_tokens.weight; only tied output layers are supported", dir.display());
-                }
-            }
+            drop_tied_head(&mut tensors, &wte, "model.embed_tokens.weight", dir)?;
             let spec = ModelSpec::new(&m);
             let mut take = |name: &str| take(&mut tensors, name, dir);
             let name = |id: ParamId| spec[id].name.clone();
@@ -544,9 +610,59 @@ pub fn read_hf(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
     Ok((m, ours))
 }
 
+/// Refuses an import's `--from` that is not there, or is a checkpoint of ours already
+/// (nothing to import: it is used as it is).
+pub fn check_import_source(from: &Path) -> Result<()> {
+    if !from.exists() {
+        user_bail!(
+            "--from {}: no such file or folder; pass a Hugging Face model folder or a GGUF file",
+            from.display()
+        );
+    }
+    if RunDir::new(from).has_checkpoint() {
+        user_bail!(
+            "--from {0} is a tinygpt checkpoint already: use it as it is (--checkpoint {0}, or train --init-from {0})",
+            from.display()
+        );
+    }
+    Ok(())
+}
+
+/// Refuses an import's `--out` that is a file or a folder holding anything: an import
+/// writes config.toml, tokenizer.json and model.safetensors, and must overwrite nothing
+/// of the user's (nor the folder it reads from).
+pub fn check_import_folder(out: &Path) -> Result<()> {
+    if out.is_file() {
+        user_bail!(
+            "--out {} is a file; pass a folder to create, e.g. --out checkpoints/<name>",
+            out.display()
+        );
+    }
+    let Ok(entries) = std::fs::read_dir(out) else {
+        return Ok(());
+    };
+    let mut names: Vec<String> = entries
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    if names.is_empty() {
+        return Ok(());
+    }
+    names.sort();
+    let more = if names.len() > 4 { ", ..." } else { "" };
+    names.truncate(4);
+    user_bail!(
+        "--out {} is not empty (it holds {}{more}); pass a new or empty folder, e.g. --out checkpoints/<name>",
+        out.display(),
+        names.join(", ")
+    )
+}
+
 /// Imports a Hugging Face folder as a run folder at `out` (step 0, no optimiser state):
 /// ready for generate, eval, info, and `train --init-from`.
 pub fn import(from: &Path, out: &Path) -> Result<Config> {
+    check_import_source(from)?;
+    check_import_folder(out)?;
     let (model_cfg, tensors) = read_hf(from)?;
     let tk_path = from.join("tokenizer.json");
     let tokenizer = Tokenizer::from_file(&tk_path)?;
@@ -591,13 +707,9 @@ pub fn save_imported(
     }
     let model = Gpt::new(&config.model, 0, &Device::Cpu)?;
     model.params().load(tensors, &from.display().to_string())?;
+    // Checked again: the folder may have filled while the model was read.
+    check_import_folder(out)?;
     let run = RunDir::new(out);
-    if run.has_checkpoint() {
-        user_bail!(
-            "{} already holds a checkpoint; choose another --out",
-            out.display()
-        );
-    }
     run.save(
         &config,
         &tokenizer,

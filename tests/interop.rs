@@ -76,7 +76,7 @@ fn same_weights(a: &Gpt, b: &Gpt) {
 #[test]
 fn export_then_import_is_the_identity() {
     let dir = tempfile::tempdir().unwrap();
-    let cases: [(&str, Edit); 3] = [
+    let cases: [(&str, Edit); 4] = [
         ("gpt2", |c| {
             c.model.arch = Arch::Gpt2;
             c.model.positions = PositionKind::Learned;
@@ -87,6 +87,9 @@ fn export_then_import_is_the_identity() {
         ("gelu-erf-gpt2", |c| {
             c.model.bias = true; // the default custom model: learned, LayerNorm, erf GELU
         }),
+        // GPT-2's layout has biases: export writes zeros, import reads them back as none
+        // (the model keeps its parameter count and what --init-from would train).
+        ("bias-free-gpt2", |c| c.model.bias = false),
         ("llama", |c| {
             c.model.arch = Arch::Llama;
             c.model.positions = PositionKind::Rope;
@@ -113,6 +116,10 @@ fn export_then_import_is_the_identity() {
         tinygpt::interop::import(&hf, &back).unwrap();
         let imported = Loaded::load(&back, &Device::Cpu).unwrap();
         same_weights(&original.model, &imported.model);
+        assert_eq!(
+            imported.config.model.bias, original.config.model.bias,
+            "{name}"
+        );
         assert_eq!(logits(&original.model), logits(&imported.model), "{name}");
         assert_eq!(
             imported.tokenizer.vocab_size(),
@@ -306,4 +313,132 @@ fn options_without_a_hugging_face_equivalent_are_refused_by_name() {
         assert!(format!("{err}").contains(needle), "{needle}: {err}");
         assert!(tinygpt::error::find_user_error(&err).is_some());
     }
+}
+
+/// Edits `dir`/config.json as `edit` says.
+fn edit_config_json(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(&path, config.to_string()).unwrap();
+}
+
+#[test]
+fn transformers_5_rope_parameters_are_read_and_scaled_rotary_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = run_folder(dir.path(), "l", |c| {
+        c.model.arch = Arch::Llama;
+        c.model.positions = PositionKind::Rope;
+        c.model.norm = NormKind::RmsNorm;
+        c.model.mlp = MlpKind::Swiglu;
+        c.model.rope_theta = 20.0;
+    });
+    let loaded = Loaded::load(&run, &Device::Cpu).unwrap();
+    let hf = dir.path().join("hf");
+    tinygpt::interop::export(&loaded, &hf).unwrap();
+    // What transformers 5 writes: no top-level rope_theta, a rope_parameters block.
+    edit_config_json(&hf, |c| {
+        let o = c.as_object_mut().unwrap();
+        o.remove("rope_theta");
+        o.remove("rope_scaling");
+        o.insert(
+            "rope_parameters".into(),
+            serde_json::json!({"rope_theta": 20.0, "rope_type": "default"}),
+        );
+    });
+    let back = dir.path().join("back");
+    let config = tinygpt::interop::import(&hf, &back).unwrap();
+    assert_eq!(config.model.rope_theta, 20.0);
+    let imported = Loaded::load(&back, &Device::Cpu).unwrap();
+    assert_eq!(logits(&loaded.model), logits(&imported.model));
+    // Llama 3's scaled rotary positions, either spelling: refused, naming the kind.
+    for (key, block) in [
+        (
+            "rope_parameters",
+            serde_json::json!({"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}),
+        ),
+        (
+            "rope_scaling",
+            serde_json::json!({"type": "linear", "factor": 2.0}),
+        ),
+    ] {
+        edit_config_json(&hf, |c| {
+            c.as_object_mut().unwrap().insert(key.into(), block);
+        });
+        let err = tinygpt::interop::import(&hf, &dir.path().join(format!("no-{key}"))).unwrap_err();
+        assert!(tinygpt::error::find_user_error(&err).is_some(), "{err}");
+        assert!(format!("{err}").contains(key), "{err}");
+        edit_config_json(&hf, |c| {
+            c.as_object_mut().unwrap().remove(key);
+        });
+    }
+}
+
+#[test]
+fn a_gpt2_file_carrying_its_tied_output_layer_imports() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = run_folder(dir.path(), "g", |c| c.model.bias = true);
+    let loaded = Loaded::load(&run, &Device::Cpu).unwrap();
+    let hf = dir.path().join("hf");
+    tinygpt::interop::export(&loaded, &hf).unwrap();
+    // Older transformers saves write lm_head.weight beside the embedding it is tied to.
+    let file = hf.join("model.safetensors");
+    let mut all = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
+    let wte = all["transformer.wte.weight"].clone();
+    all.insert("lm_head.weight".into(), wte.clone());
+    candle_core::safetensors::save(&all, &file).unwrap();
+    let back = dir.path().join("back");
+    tinygpt::interop::import(&hf, &back).unwrap();
+    let imported = Loaded::load(&back, &Device::Cpu).unwrap();
+    assert_eq!(logits(&loaded.model), logits(&imported.model));
+    // An output layer of its own is not ours to read.
+    all.insert("lm_head.weight".into(), (wte + 1.0).unwrap());
+    candle_core::safetensors::save(&all, &file).unwrap();
+    let err = tinygpt::interop::import(&hf, &dir.path().join("untied")).unwrap_err();
+    assert!(format!("{err}").contains("lm_head.weight differs"), "{err}");
+}
+
+#[test]
+fn import_overwrites_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = run_folder(dir.path(), "g", |c| c.model.bias = true);
+    let loaded = Loaded::load(&run, &Device::Cpu).unwrap();
+    let hf = dir.path().join("hf");
+    tinygpt::interop::export(&loaded, &hf).unwrap();
+    let before = std::fs::read(hf.join("model.safetensors")).unwrap();
+    // Into the folder it reads, into a folder of the user's, onto a file.
+    let mine = dir.path().join("mine");
+    std::fs::create_dir(&mine).unwrap();
+    std::fs::write(mine.join("config.toml"), "# my notes\n").unwrap();
+    let file = dir.path().join("notes.txt");
+    std::fs::write(&file, "notes").unwrap();
+    for (out, says) in [
+        (&hf, "is not empty"),
+        (&mine, "config.toml"),
+        (&file, "is a file"),
+    ] {
+        let err = tinygpt::interop::import(&hf, out).unwrap_err();
+        assert!(tinygpt::error::find_user_error(&err).is_some(), "{err}");
+        assert!(format!("{err}").contains(says), "{says}: {err}");
+    }
+    assert_eq!(std::fs::read(hf.join("model.safetensors")).unwrap(), before);
+    assert_eq!(
+        std::fs::read_to_string(mine.join("config.toml")).unwrap(),
+        "# my notes\n"
+    );
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "notes");
+    // Nothing to import: a missing source, a checkpoint of ours.
+    let err =
+        tinygpt::interop::import(&dir.path().join("nope"), &dir.path().join("a")).unwrap_err();
+    assert!(format!("{err}").contains("no such file or folder"), "{err}");
+    let err = tinygpt::interop::import(&run, &dir.path().join("b")).unwrap_err();
+    assert!(
+        format!("{err}").contains("a tinygpt checkpoint already"),
+        "{err}"
+    );
+    // An empty folder is fine.
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    tinygpt::interop::import(&hf, &empty).unwrap();
 }
