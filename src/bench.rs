@@ -177,6 +177,13 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// The vocabulary size a bench uses when the config leaves it to the tokenizer: that
 /// tokenizer's where it is there already (tokenizer.path, or trained on data.corpus),
 /// else a guess.
+/// Refuses a config whose training step would not fit in memory, as `train` does.
+pub fn check_memory(config: &Config, device: &Device) -> Result<()> {
+    let mut sized = config.clone();
+    sized.model.vocab_size = bench_vocab(config);
+    crate::train::check_memory(&sized, device, 1)
+}
+
 pub fn bench_vocab(config: &Config) -> usize {
     if config.model.vocab_size == 0 {
         if let Some(known) = crate::corpus::cache::known_vocab(config) {
@@ -195,6 +202,7 @@ pub fn run(config: &Config, device: &Device, opts: &BenchOptions) -> Result<Benc
     cfg.vocab_size = bench_vocab(config);
     let (train, seed) = (&config.train, config.run.seed);
     let (b, t) = (train.batch_size, cfg.block_size);
+    check_memory(config, device)?;
     let spec = ModelSpec::new(&cfg);
     let mut engine = engine::build(
         &spec,

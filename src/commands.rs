@@ -6,7 +6,7 @@ use anyhow::Result;
 use candle_core::Device;
 use serde_json::json;
 use tinygpt::checkpoint::Loaded;
-use tinygpt::config::Precision;
+use tinygpt::config::{PositionKind, Precision};
 use tinygpt::cpu::{KvPrecision, WeightFormat};
 use tinygpt::device::{first_cuda, Choice};
 use tinygpt::device::{is_auto, parse_device};
@@ -17,7 +17,7 @@ use tinygpt::generate::sample::{Sampler, SamplingParams};
 use tinygpt::generate::{generate as sample_text, unescape, DecodeMode, GenerateOptions, Model};
 use tinygpt::mapped::{open_for_decoding, ForDecoding, Hold};
 use tinygpt::user_bail;
-use tinygpt::util::check_output_file;
+use tinygpt::util::{check_output_file, plural};
 
 use crate::{
     AttentionArgs, BenchArgs, CacheAction, CacheArgs, CheckpointArgs, CompareArgs, DoctorArgs,
@@ -326,10 +326,11 @@ pub fn eval(args: EvalArgs, stop: tinygpt::util::Stop) -> Result<()> {
         },
     )?;
     let ids = loaded.tokenizer.encode(&text)?;
+    let window = tinygpt::eval::window(args.context, loaded.config.model.block_size, ids.len())?;
     if auto {
         // Raced on the CPU copy; moved only if CUDA scores faster.
         let spec = loaded.model.spec();
-        let options = tinygpt::eval::engine_options(ids.len(), spec.shapes.block_size);
+        let options = tinygpt::eval::engine_options(ids.len(), window);
         let choice = fastest_device(spec, options, Work::Evaluation, |_| true)?;
         eprintln!("device auto: {choice}");
         if !choice.device.is_cpu() {
@@ -338,7 +339,7 @@ pub fn eval(args: EvalArgs, stop: tinygpt::util::Stop) -> Result<()> {
     }
     let bar = tinygpt::util::bars::count_bar(0, "scoring windows");
     let ticker = Ticker::start(&bar);
-    let r = tinygpt::eval::evaluate_until(&loaded.model, &ids, text.len(), &bar, &stop)?;
+    let r = tinygpt::eval::evaluate_until(&loaded.model, &ids, text.len(), window, &bar, &stop)?;
     drop(ticker);
     bar.finish_and_clear();
     print_eval(&args, &r)
@@ -360,9 +361,12 @@ fn eval_decoding(
     let mut opened = open_for_decoding(&args.ckpt.checkpoint, format, Hold::Streamed)?;
     opened.verification.wait()?;
     let ids = opened.tokenizer.encode(text)?;
+    let block_size = opened.weights.spec.shapes.block_size;
+    let window = tinygpt::eval::window(args.context, block_size, ids.len())?;
     let bar = tinygpt::util::bars::count_bar(0, "scoring windows");
     let ticker = Ticker::start(&bar);
-    let r = tinygpt::eval::evaluate_decoding(&opened.weights, &ids, text.len(), &bar, stop)?;
+    let r =
+        tinygpt::eval::evaluate_decoding(&opened.weights, &ids, text.len(), window, &bar, stop)?;
     drop(ticker);
     bar.finish_and_clear();
     print_eval(args, &r)
@@ -527,12 +531,21 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
     }
     let config = tinygpt::config::Config::load(config_path, &overrides)?;
     let device = parse_device(&config.run.device)?;
+    for (flag, value) in [
+        ("--steps", args.steps),
+        ("--decode-batch", args.decode_batch),
+    ] {
+        if value == 0 {
+            user_bail!("{flag} 0: pass at least 1");
+        }
+    }
+    tinygpt::bench::check_memory(&config, &device)?;
     let opts = tinygpt::bench::BenchOptions {
-        steps: args.steps.max(1),
+        steps: args.steps,
         warmup: args.warmup,
         prompt_tokens: args.prompt_tokens,
         decode_tokens: args.decode_tokens,
-        decode_batch: args.decode_batch.max(1),
+        decode_batch: args.decode_batch,
         decode_mode: if args.reference {
             DecodeMode::Cached
         } else {
@@ -546,9 +559,10 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
     if !args.json {
         let guessed = m.vocab_size == 0 && tinygpt::corpus::cache::known_vocab(&config).is_none();
         eprintln!(
-            "bench {}: {} layers, {} heads, width {}, context {}, batch {}, vocab {}{}; {} steps after {} warm-up",
+            "bench {}: {} layer{}, {} heads, width {}, context {}, batch {}, vocab {}{}; {} step{} after {} warm-up",
             config_path.display(),
             m.n_layer,
+            plural(m.n_layer),
             m.n_head,
             m.n_embd,
             m.block_size,
@@ -559,6 +573,7 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
                 false => "",
             },
             opts.steps,
+            plural(opts.steps),
             opts.warmup
         );
     }
@@ -690,6 +705,10 @@ pub fn export(args: ExportArgs) -> Result<()> {
         let done = tinygpt::gguf::export(&loaded, &args.out, dtype)?;
         let fallbacks = match done.fallbacks.len() {
             0 => String::new(),
+            1 => format!(
+                " (1 matrix whose rows do not fill its blocks in {}, as llama.cpp's quantizer does)",
+                done.fallbacks[0].1
+            ),
             n => format!(
                 " ({n} matrices whose rows do not fill its blocks in {}, as llama.cpp's quantizer does)",
                 done.fallbacks[0].1
@@ -701,11 +720,31 @@ pub fn export(args: ExportArgs) -> Result<()> {
             Some(_) => "",
             None => " --ignore-eos",
         };
+        // llama.cpp's gpt2 cannot go past its learned positions: a prompt and its new
+        // tokens together must fit (its assertion ends the process otherwise).
+        let m = &loaded.config.model;
+        let (new_tokens, fit) = match m.positions {
+            PositionKind::Learned if m.block_size <= 256 => (
+                m.block_size / 2,
+                format!(
+                    " (prompt and new tokens together at most {}: its learned positions end there)",
+                    m.block_size
+                ),
+            ),
+            PositionKind::Learned => (
+                200,
+                format!(" (prompt and new tokens together at most {})", m.block_size),
+            ),
+            _ => (200, String::new()),
+        };
+        let size = match done.bytes {
+            b if b < 1 << 20 => format!("{:.0} KiB", b as f64 / 1024.0),
+            b => format!("{:.1} MiB", b as f64 / (1 << 20) as f64),
+        };
         eprintln!(
-            "wrote {} ({}, {:.1} MiB){fallbacks}: run it with llama-completion -m {} -p <prompt> -n 200{until}",
+            "wrote {} ({}, {size}){fallbacks}: run it with llama-completion -m {} -p <prompt> -n {new_tokens}{until}{fit}",
             args.out.display(),
             done.arch.name(),
-            done.bytes as f64 / (1 << 20) as f64,
             args.out.display()
         );
         return Ok(());
@@ -738,10 +777,11 @@ pub fn import(args: ImportArgs) -> Result<()> {
     bar.finish_and_clear();
     let m = &config.model;
     eprintln!(
-        "imported {} into {}: {} layers, {} heads, width {}, context {}, vocabulary {}",
+        "imported {} into {}: {} layer{}, {} heads, width {}, context {}, vocabulary {}",
         args.from.display(),
         args.out.display(),
         m.n_layer,
+        plural(m.n_layer),
         m.n_head,
         m.n_embd,
         m.block_size,

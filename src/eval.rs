@@ -7,13 +7,19 @@
 //! strided perplexity). A text that fits in one window gets exactly the mean
 //! cross-entropy of its T-1 next-token predictions, nothing prepended (what
 //! `labels=input_ids` gives in transformers).
+//!
+//! The window may be shorter than the model's context (`eval --context N`): a model of a
+//! long context (131,072 positions) cannot have a full window's activations in memory,
+//! and a text shorter than the context needs no more than its own length.
 
 use anyhow::Result;
+use candle_core::Device;
 use indicatif::ProgressBar;
 
+use crate::config::TrainConfig;
 use crate::data::Batch;
 use crate::engine::{self, EngineOptions};
-use crate::model::Gpt;
+use crate::model::{Gpt, ModelSpec};
 use crate::user_bail;
 use crate::util::Stop;
 
@@ -97,32 +103,62 @@ fn windows(n: usize, block: usize) -> Vec<Window> {
 }
 
 /// Scores `ids` (the tokens of a text of `bytes` UTF-8 bytes) with `model`'s weights,
-/// on the engine that `engine::build` picks for its device.
+/// on the engine that `engine::build` picks for its device, in windows of the model's
+/// context.
 pub fn evaluate(model: &Gpt, ids: &[u32], bytes: usize) -> Result<EvalResult> {
-    evaluate_until(model, ids, bytes, &ProgressBar::hidden(), &Stop::new())
+    let context = model.config().block_size;
+    evaluate_until(
+        model,
+        ids,
+        bytes,
+        context,
+        &ProgressBar::hidden(),
+        &Stop::new(),
+    )
 }
 
-/// How scoring `tokens` tokens with a model of context `block` builds its engine: as
-/// many windows a call as make about TOKENS_PER_CALL tokens.
+/// The tokens a window holds: `asked` (`eval --context`) or the model's `block_size`,
+/// and never more than the text's `tokens`.
+pub fn window(asked: Option<usize>, block_size: usize, tokens: usize) -> Result<usize> {
+    let context = match asked {
+        Some(n) if n < 2 => {
+            user_bail!("--context {n} is too short: a window needs at least 2 tokens")
+        }
+        Some(n) if n > block_size => user_bail!(
+            "--context {n} is longer than the model's context of {block_size} tokens; pass at most {block_size}"
+        ),
+        Some(n) => n,
+        None => block_size,
+    };
+    Ok(context.min(tokens))
+}
+
+/// How scoring `tokens` tokens in windows of `block` builds its engine: as many windows
+/// a call as make about TOKENS_PER_CALL tokens.
 pub fn engine_options(tokens: usize, block: usize) -> EngineOptions {
     let batch = (TOKENS_PER_CALL / block).clamp(1, windows(tokens, block).len());
     EngineOptions::f32(batch, true)
 }
 
-/// [`evaluate`], advancing `progress` over the windows and giving up (`Stopped`)
-/// between batches of windows once `stop` asks.
+/// [`evaluate`] in windows of `block` tokens (see [`window`]), advancing `progress`
+/// over the windows and giving up (`Stopped`) between batches of windows once `stop`
+/// asks.
 pub fn evaluate_until(
     model: &Gpt,
     ids: &[u32],
     bytes: usize,
+    block: usize,
     progress: &ProgressBar,
     stop: &Stop,
 ) -> Result<EvalResult> {
     needs_two_tokens(ids)?; // before building an engine (seconds on a GPU)
-    let block = model.config().block_size;
+    let block = block.min(ids.len());
     let options = engine_options(ids.len(), block);
-    let weights = model.params().to_flat()?;
-    let mut engine = engine::build(model.spec(), &weights, model.device(), options)?;
+    let (spec, weights) = model
+        .spec()
+        .with_context(&model.params().to_flat()?, block)?;
+    check_memory(&spec, options, model.device())?;
+    let mut engine = engine::build(&spec, &weights, model.device(), options)?;
     // Windows shorter than a block are padded at the end: causal attention means the
     // padding changes no earlier position. Rows past the last window are padding too.
     let mut input = Batch::empty(options.batch, block);
@@ -152,17 +188,52 @@ pub fn evaluate_until(
     score_windows(ids, bytes, (block, options.batch), (progress, stop), score)
 }
 
+/// Refuses windows whose engine would not fit in the memory `device` has free: the
+/// engine takes its buffers at once, and an allocation that fails aborts the process.
+fn check_memory(spec: &ModelSpec, options: EngineOptions, device: &Device) -> Result<()> {
+    let need = |block: usize| {
+        let mut m = spec.config.clone();
+        m.block_size = block;
+        let batch = TrainConfig {
+            batch_size: options.batch,
+            grad_accum: 1,
+            ..TrainConfig::default()
+        };
+        engine::training_bytes(&m, &batch, engine::footprint(device, &options), 1)
+    };
+    let available = match device {
+        Device::Cpu => crate::util::available_memory_bytes(),
+        _ => crate::device::gpu_memory(device).map(|(free, _)| free as f64),
+    };
+    let block = spec.shapes.block_size;
+    let Some(available) = available.filter(|&a| need(block) > a) else {
+        return Ok(());
+    };
+    // The longest power of two that fits, to offer.
+    let mut fits = block.next_power_of_two() / 2;
+    while fits > 2 && need(fits) > available {
+        fits /= 2;
+    }
+    let gib = |bytes: f64| bytes / f64::from(1 << 30);
+    user_bail!(
+        "scoring windows of {block} tokens needs about {:.1} GiB but {:.1} GiB is available; pass --context with fewer tokens, e.g. --context {fits}",
+        gib(need(block)),
+        gib(available)
+    )
+}
+
 /// [`evaluate_until`] through the fused CPU decoder holding `weights` (in whatever
-/// precision they are: this measures what bf16, int8 or int4 weights cost): the same windows,
-/// the same predictions scored, a window at a time.
+/// precision they are: this measures what bf16, int8 or int4 weights cost): the same
+/// windows of `block` tokens, the same predictions scored, a window at a time.
 pub fn evaluate_decoding(
     weights: &std::sync::Arc<crate::cpu::DecodeWeights>,
     ids: &[u32],
     bytes: usize,
+    block: usize,
     progress: &ProgressBar,
     stop: &Stop,
 ) -> Result<EvalResult> {
-    let block = weights.spec.shapes.block_size;
+    let block = block.min(ids.len().max(1));
     let mut decoder = crate::cpu::FastDecoder::from_weights(weights.clone(), 1)?;
     let score = |group: &[Window]| -> Result<f64> {
         let mut nll = 0.0;

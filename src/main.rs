@@ -399,6 +399,11 @@ struct EvalArgs {
     /// precision costs in loss).
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// Tokens a window holds (default: the model's context, block_size); a text longer
+    /// than one window is scored in windows advancing by half of one. Shorter windows
+    /// for a model whose context would not fit in memory.
+    #[arg(long, value_name = "TOKENS")]
+    context: Option<usize>,
     #[arg(long)]
     json: bool,
 }
@@ -573,11 +578,19 @@ fn train_config(args: &TrainArgs, rank: usize) -> anyhow::Result<(Config, Start)
     // from the other checkpoint); the weights come from this run's folder.
     let start = match (args.resume, &config.train.init_from) {
         (true, _) => Start::Resume,
-        (false, Some(dir)) => Start::InitFrom(dir.clone()),
+        (false, Some(from)) => {
+            let given = Config::keys_given(&args.config, &overrides)?;
+            Start::InitFrom {
+                from: from.clone(),
+                context: given
+                    .contains("model.block_size")
+                    .then_some(config.model.block_size),
+            }
+        }
         (false, None) => Start::Fresh,
     };
-    if let (Start::InitFrom(dir), 0) = (&start, rank) {
-        unused_model_settings(&args.config, &overrides, &config, dir);
+    if let (Start::InitFrom { from, .. }, 0) = (&start, rank) {
+        unused_model_settings(&args.config, &overrides, &config, from);
     }
     if start == Start::Resume {
         check_resumed_tokenizer(&overrides, &config)?;
@@ -637,11 +650,25 @@ fn unused_model_settings(
         tinygpt::compare::flatten(config),
         tinygpt::compare::flatten(&source),
     );
+    // A shorter context is taken: the run trains on shorter sequences.
+    let (context, source_context) = (config.model.block_size, source.model.block_size);
+    let shortened = given.contains("model.block_size") && context < source_context;
+    if shortened {
+        eprintln!(
+            "note: training {} at a context of {context} tokens (model.block_size; it has {source_context}{})",
+            from.display(),
+            match source.model.positions {
+                tinygpt::config::PositionKind::Learned => ": its first learned positions kept",
+                _ => "",
+            }
+        );
+    }
     let unused: Vec<String> = given
         .iter()
         .filter(|key| {
             key.starts_with("model.")
                 && !matches!(key.as_str(), "model.dropout" | "model.vocab_size")
+                && !(shortened && key.as_str() == "model.block_size")
         })
         .filter(|key| wanted.get(*key) != has.get(*key))
         .map(|key| tinygpt::compare::difference(key, &wanted, &has, "it"))

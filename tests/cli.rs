@@ -254,6 +254,39 @@ fn padded_vocabulary_and_fine_tuning_runs() {
         info["config"]["model"]["n_layer"], 1,
         "the model came from --init-from"
     );
+
+    // A shorter context trains on shorter sequences (the first learned positions kept);
+    // a longer one is not taken: nothing was trained past the checkpoint's 16.
+    let out = succeeds(
+        dir.path(),
+        &train_args(
+            &["--init-from", "checkpoints/padded"],
+            &["run.name=short", "model.block_size=8"],
+        ),
+    );
+    assert!(
+        stderr(&out).contains("at a context of 8 tokens (model.block_size; it has 16: its first learned positions kept)"),
+        "{}",
+        stderr(&out)
+    );
+    let info = tinygpt(
+        dir.path(),
+        &["info", "--checkpoint", "checkpoints/short", "--json"],
+    );
+    let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+    assert_eq!(info["config"]["model"]["block_size"], 8);
+    let out = succeeds(
+        dir.path(),
+        &train_args(
+            &["--init-from", "checkpoints/padded"],
+            &["run.name=long", "model.block_size=32"],
+        ),
+    );
+    assert!(
+        stderr(&out).contains("not used: model.block_size = 32 (it has 16)"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 /// A warmup longer than the run leaves the rate far below train.lr, and says so; a

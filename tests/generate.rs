@@ -681,6 +681,7 @@ fn scoring_through_the_decoder_matches_the_engine() {
         "several windows"
     );
     let engine = tinygpt::eval::evaluate(&loaded.model, &ids, long.len()).unwrap();
+    let block = loaded.config.model.block_size;
     let flat = loaded.model.params().to_flat().unwrap();
     let hidden = indicatif::ProgressBar::hidden();
     let stop = tinygpt::util::Stop::new();
@@ -692,8 +693,8 @@ fn scoring_through_the_decoder_matches_the_engine() {
     ] {
         let weights =
             Arc::new(DecodeWeights::from_flat(loaded.model.spec(), &flat, format).unwrap());
-        let r =
-            tinygpt::eval::evaluate_decoding(&weights, &ids, long.len(), &hidden, &stop).unwrap();
+        let r = tinygpt::eval::evaluate_decoding(&weights, &ids, long.len(), block, &hidden, &stop)
+            .unwrap();
         assert_eq!(r.predictions, engine.predictions);
         eprintln!(
             "{}: loss {:.6} vs f32 engine {:.6}",
@@ -893,5 +894,68 @@ fn rows_at_their_own_positions_decode_as_each_sequence_alone() {
         assert!(rows
             .run_rows(&[1], &[Place { seq: 0, pos: 0 }], &[1])
             .is_err());
+    }
+}
+
+/// A model of a long context (Llama 3's 131,072 positions, tiny otherwise): a short text
+/// is scored in a window of its own length (the engine's buffers sized for it, not for
+/// the context), the same as the decoder scores it; a window whose engine cannot fit in
+/// memory is refused before anything is allocated, offering a --context that fits.
+#[test]
+fn a_long_context_model_scores_in_windows_that_fit() {
+    use std::sync::Arc;
+    let config = ModelConfig {
+        n_layer: 8,
+        n_head: 16,
+        n_embd: 64,
+        block_size: 131_072,
+        vocab_size: 65,
+        ..ModelConfig::default()
+    };
+    let model = Gpt::new(&config, 5, &Device::Cpu).unwrap();
+    let ids: Vec<u32> = (0..300).map(|i| (i * 7 % 65) as u32).collect();
+    let hidden = indicatif::ProgressBar::hidden();
+    let stop = tinygpt::util::Stop::new();
+    let whole = tinygpt::eval::evaluate(&model, &ids, ids.len()).unwrap();
+    let flat = model.params().to_flat().unwrap();
+    let weights =
+        Arc::new(DecodeWeights::from_flat(model.spec(), &flat, WeightFormat::F32).unwrap());
+    let decoded =
+        tinygpt::eval::evaluate_decoding(&weights, &ids, ids.len(), 131_072, &hidden, &stop)
+            .unwrap();
+    assert!(
+        (whole.loss - decoded.loss).abs() < 1e-5 * whole.loss,
+        "{whole:?} {decoded:?}"
+    );
+    // Windows of 64 (--context 64): each after the first sees half a window; the same
+    // through both.
+    let windowed =
+        tinygpt::eval::evaluate_until(&model, &ids, ids.len(), 64, &hidden, &stop).unwrap();
+    let decoded =
+        tinygpt::eval::evaluate_decoding(&weights, &ids, ids.len(), 64, &hidden, &stop).unwrap();
+    assert_eq!(windowed.predictions, 299);
+    assert!((windowed.loss - decoded.loss).abs() < 1e-5 * windowed.loss);
+    assert_ne!(windowed.loss, whole.loss, "shorter windows, less context");
+    // A text as long as the context, in one window: about a terabyte of activations.
+    if tinygpt::util::available_memory_bytes().is_none() {
+        eprintln!("SKIPPED: the memory refusal (this system does not say how much memory is free)");
+        return;
+    }
+    let long: Vec<u32> = (0..131_072).map(|i| (i % 65) as u32).collect();
+    let err = tinygpt::eval::evaluate_until(&model, &long, long.len(), 131_072, &hidden, &stop)
+        .unwrap_err();
+    assert!(tinygpt::error::find_user_error(&err).is_some(), "{err:#}");
+    let message = format!("{err}");
+    assert!(
+        message.contains("scoring windows of 131072 tokens needs about"),
+        "{message}"
+    );
+    assert!(message.contains("--context "), "{message}");
+    // What --context asks for is checked against the model.
+    assert_eq!(tinygpt::eval::window(None, 131_072, 300).unwrap(), 300);
+    assert_eq!(tinygpt::eval::window(Some(64), 131_072, 300).unwrap(), 64);
+    for bad in [1, 131_073] {
+        let err = tinygpt::eval::window(Some(bad), 131_072, 300).unwrap_err();
+        assert!(tinygpt::error::find_user_error(&err).is_some(), "{err}");
     }
 }

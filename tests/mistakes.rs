@@ -289,6 +289,31 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "GiB",
         ),
         case(
+            "bench of a model that cannot fit in memory",
+            "bench --config exp.toml --steps 1 --set model.n_embd=65536 --set model.n_head=64 --set model.n_layer=64",
+            "GiB",
+        ),
+        case(
+            "import into the folder it reads",
+            "import --from checkpoints --out checkpoints",
+            "is not empty",
+        ),
+        case(
+            "import onto a file",
+            "import --from checkpoints --out exp.toml",
+            "is a file",
+        ),
+        case(
+            "import of a checkpoint that is one already",
+            &format!("import --from {CK} --out checkpoints/again"),
+            "a tinygpt checkpoint already",
+        ),
+        case(
+            "eval with a window longer than the model's context",
+            &format!("eval --checkpoint {CK} --text corpus.txt --context 100000"),
+            "--context 100000 is longer than the model's context",
+        ),
+        case(
             "model vocab smaller than tokenizer",
             &format!("{t} --set model.vocab_size=3"),
             "model.vocab_size",

@@ -9,6 +9,7 @@
 
 use std::ops::{Index, Range};
 
+use anyhow::Result;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, StandardNormal};
@@ -308,6 +309,34 @@ impl ModelSpec {
         self[b.ln_1.weight].offset..self[last].range().end
     }
 
+    /// The same model with a context of `block_size` positions, and `values` (flat, in
+    /// this spec's table order) as the weights of that spec. Only learned positions
+    /// depend on the context: a shorter one keeps the table's first rows (nanoGPT's
+    /// `crop_block_size`: position p means what it did), a longer one has rows nobody
+    /// trained and is refused. Rotary and sinusoidal positions are computed for any.
+    pub fn with_context(&self, values: &[f32], block_size: usize) -> Result<(Self, Vec<f32>)> {
+        let mut config = self.config.clone();
+        config.block_size = block_size;
+        let spec = Self::new(&config);
+        let mut out = Vec::with_capacity(spec.len());
+        for (old, new) in self.table.iter().zip(&spec.table) {
+            let mine = &values[old.range()];
+            if old.shape == new.shape {
+                out.extend_from_slice(mine);
+            } else if block_size < self.shapes.block_size {
+                // Only wpe (block_size, C) differs: its first rows, in row-major order.
+                out.extend_from_slice(&mine[..new.len()]);
+            } else {
+                anyhow::bail!(
+                    "{} has learned positions for {} tokens, none for a context of {block_size}",
+                    old.name,
+                    self.shapes.block_size
+                );
+            }
+        }
+        Ok((spec, out))
+    }
+
     /// Freshly initialised weights, as one flat buffer in table order: every Normal
     /// tensor drawn in turn from one ChaCha8 stream seeded with `seed`, so the same seed
     /// gives the same weights in every engine on every device.
@@ -395,6 +424,31 @@ mod tests {
         ModelConfig {
             vocab_size: 65,
             ..ModelConfig::default()
+        }
+    }
+
+    #[test]
+    fn a_shorter_context_keeps_the_first_position_rows_and_everything_else() {
+        let spec = ModelSpec::new(&baby());
+        let values = spec.initial_values(3);
+        let (short, cut) = spec.with_context(&values, 16).unwrap();
+        assert_eq!(short.shapes.block_size, 16);
+        assert_eq!(cut.len(), spec.len() - (64 - 16) * 128);
+        for (old, new) in spec.params().iter().zip(short.params()) {
+            let kept = &values[old.range()][..new.len()];
+            assert_eq!(&cut[new.range()], kept, "{}", old.name);
+        }
+        // Nothing was trained for positions past the table.
+        let err = spec.with_context(&values, 65).unwrap_err();
+        assert!(format!("{err}").contains("wpe.weight"), "{err}");
+        // Rotary positions hold no weights: any context, the same values.
+        let rope = ModelSpec::new(&ModelConfig {
+            positions: PositionKind::Rope,
+            ..baby()
+        });
+        let values = rope.initial_values(3);
+        for block in [16, 256] {
+            assert_eq!(rope.with_context(&values, block).unwrap().1, values);
         }
     }
 

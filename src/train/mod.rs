@@ -794,13 +794,13 @@ fn rank_device(device: &str, comm: &dyn Collective) -> String {
 }
 
 /// Refuses a config whose training would not fit in the memory available to one of
-/// `ranks` ranks.
-fn check_memory(config: &Config, device: &Device, ranks: usize) -> Result<()> {
+/// `ranks` ranks (before anything is allocated: an allocation that fails aborts).
+pub fn check_memory(config: &Config, device: &Device, ranks: usize) -> Result<()> {
     let footprint = engine::footprint(device, &engine_options(&config.train));
     let need = engine::training_bytes(&config.model, &config.train, footprint, ranks);
     let gib = |bytes: f64| bytes / f64::from(1 << 30);
     let what = format!(
-        "{:.0}M parameters, batch {} x {} tokens",
+        "{:.2}M parameters, batch {} x {} tokens",
         ModelSpec::new(&config.model).len() as f64 / 1e6,
         config.train.batch_size,
         config.model.block_size

@@ -25,8 +25,13 @@ pub enum Start {
     Fresh,
     /// Continue the checkpoint in the run folder.
     Resume,
-    /// A new run whose model and tokenizer start from another checkpoint (fine-tuning).
-    InitFrom(PathBuf),
+    /// A new run whose model and tokenizer start from another checkpoint (fine-tuning),
+    /// at a shorter `context` than the checkpoint's where one is asked (`model.block_size`
+    /// named in the config or by `--set`).
+    InitFrom {
+        from: PathBuf,
+        context: Option<usize>,
+    },
 }
 
 /// What a run starts from.
@@ -63,7 +68,7 @@ pub fn resolve(
     }
     match start {
         Start::Resume => resume(config, run),
-        Start::InitFrom(dir) => init_from(config, dir),
+        Start::InitFrom { from, context } => init_from(config, from, *context),
         Start::Fresh => fresh(config, corpus, cache, stop),
     }
 }
@@ -136,16 +141,24 @@ fn model_differences(wanted: &ModelConfig, saved: &ModelConfig) -> Vec<String> {
 }
 
 /// The model and tokenizer of the checkpoint in `dir`; data, training and dropout from
-/// `config`.
-fn init_from(mut config: Config, dir: &Path) -> Result<Origin> {
+/// `config`. A `context` shorter than the checkpoint's trains on shorter sequences (its
+/// learned positions cut to their first rows, as nanoGPT's `crop_block_size`: fine-tuning
+/// GPT-2 at 256 tokens on a laptop); a longer one is not taken (nothing was trained for
+/// positions past its own).
+fn init_from(mut config: Config, dir: &Path, context: Option<usize>) -> Result<Origin> {
     let loaded = Loaded::load(dir, &Device::Cpu)?;
     let dropout = config.model.dropout;
     config.model = loaded.config.model.clone();
     config.model.dropout = dropout;
     config.tokenizer = loaded.config.tokenizer.clone();
+    let mut weights = loaded.model.params().to_flat()?;
+    if let Some(block) = context.filter(|&b| b < config.model.block_size) {
+        weights = loaded.model.spec().with_context(&weights, block)?.1;
+        config.model.block_size = block;
+    }
     Ok(Origin {
         config,
-        weights: Some(loaded.model.params().to_flat()?),
+        weights: Some(weights),
         tokenizer: loaded.tokenizer,
         state: TrainState::default(),
         saved_train: None,

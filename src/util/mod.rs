@@ -12,3 +12,12 @@ pub use files::{
 };
 pub use stop::{Stop, Stopped};
 pub use system::{available_memory_bytes, peak_rss_mb};
+
+/// "s" where a count of `n` takes the plural ("1 layer", "2 layers").
+pub fn plural(n: usize) -> &'static str {
+    if n == 1 {
+        ""
+    } else {
+        "s"
+    }
+}
