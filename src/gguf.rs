@@ -182,8 +182,9 @@ struct Entry {
     matrix: bool,
 }
 
-/// Our tensors under llama.cpp's names.
-fn gguf_tensors(loaded: &Loaded, arch: GgufArch) -> Result<Vec<Entry>> {
+/// Our tensors under llama.cpp's names, the token embedding padded with zero rows to
+/// `rows`.
+fn gguf_tensors(loaded: &Loaded, arch: GgufArch, rows: usize) -> Result<Vec<Entry>> {
     let spec = loaded.model.spec();
     let ours = loaded.model.params().to_map();
     let get = |id: ParamId| -> Result<Tensor> {
@@ -201,7 +202,18 @@ fn gguf_tensors(loaded: &Loaded, arch: GgufArch) -> Result<Vec<Entry>> {
             matrix,
         })
     };
-    push("token_embd.weight".into(), get(spec.wte)?, true);
+    let wte = get(spec.wte)?;
+    let wte = match rows - s.vocab_size {
+        0 => wte,
+        more => Tensor::cat(
+            &[
+                wte,
+                Tensor::zeros((more, s.n_embd), DType::F32, &Device::Cpu)?,
+            ],
+            0,
+        )?,
+    };
+    push("token_embd.weight".into(), wte, true);
     if let Some(wpe) = spec.wpe {
         push("position_embd.weight".into(), get(wpe)?, false);
     }
@@ -435,7 +447,18 @@ pub fn export(loaded: &Loaded, out: &Path, dtype: GgufDtype) -> Result<Exported>
             "{e:#}; a trained model cannot change these, so train one with them to export it"
         ))
     })?;
-    let (tokens, types, merges, is_char) = gguf_vocab(&loaded.tokenizer, m.vocab_size)?;
+    // A char vocabulary has no end-of-text token, and llama.cpp's gpt2 vocabulary takes
+    // token 11 as one when none is named: a character (the corpus's '.'), at which it
+    // would stop, or which --ignore-eos would ban. Its end is named instead as the first
+    // row past the characters: a padding row where the model has them, else one more
+    // row, of zeros, which the file's tinygpt.vocab_size tells import to drop.
+    let char_end =
+        (loaded.tokenizer.kind_name() == "char").then_some(loaded.tokenizer.vocab_size());
+    let rows = match char_end {
+        Some(end) if end == m.vocab_size => m.vocab_size + 1,
+        _ => m.vocab_size,
+    };
+    let (tokens, types, merges, is_char) = gguf_vocab(&loaded.tokenizer, rows)?;
     let a = arch.name();
     let u32v = |v: usize| Value::U32(v as u32);
     let strings = |v: Vec<String>| Value::Array(v.into_iter().map(Value::String).collect());
@@ -479,7 +502,7 @@ pub fn export(loaded: &Loaded, out: &Path, dtype: GgufDtype) -> Result<Exported>
                 Value::F32(m.rope_theta as f32),
             ));
             meta.push((format!("{a}.rope.dimension_count"), u32v(m.head_dim())));
-            meta.push((format!("{a}.vocab_size"), u32v(m.vocab_size)));
+            meta.push((format!("{a}.vocab_size"), u32v(rows)));
         }
     }
     meta.push(("tokenizer.ggml.model".into(), Value::String("gpt2".into())));
@@ -490,10 +513,17 @@ pub fn export(loaded: &Loaded, out: &Path, dtype: GgufDtype) -> Result<Exported>
         Value::Array(types.into_iter().map(Value::I32).collect()),
     ));
     meta.push(("tokenizer.ggml.merges".into(), strings(merges)));
-    if let Some(eot) = loaded.tokenizer.end_of_text() {
+    if let Some(eot) = loaded
+        .tokenizer
+        .end_of_text()
+        .or(char_end.map(|end| end as u32))
+    {
         for key in ["bos", "eos", "padding"] {
             meta.push((format!("tokenizer.ggml.{key}_token_id"), Value::U32(eot)));
         }
+    }
+    if rows != m.vocab_size {
+        meta.push(("tinygpt.vocab_size".into(), u32v(m.vocab_size)));
     }
     meta.push(("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)));
     meta.push(("tokenizer.ggml.add_eos_token".into(), Value::Bool(false)));
@@ -502,7 +532,7 @@ pub fn export(loaded: &Loaded, out: &Path, dtype: GgufDtype) -> Result<Exported>
 
     let mut fallbacks = Vec::new();
     let mut qtensors = Vec::new();
-    for e in gguf_tensors(loaded, arch)? {
+    for e in gguf_tensors(loaded, arch, rows)? {
         let format = match (e.matrix, e.name.as_str()) {
             (true, _) => {
                 let f = format_for(dtype, e.tensor.dim(1)?);
@@ -714,7 +744,7 @@ pub fn read(path: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>, Tokeni
         .tensor_infos
         .get("token_embd.weight")
         .ok_or_else(|| g.fail("tensor token_embd.weight is missing".into()))?;
-    let vocab_size = match wte_info.shape.dims() {
+    let rows = match wte_info.shape.dims() {
         [v, c] if *c == n_embd => *v,
         dims => {
             return Err(g.fail(format!(
@@ -723,6 +753,11 @@ pub fn read(path: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>, Tokeni
         )))
         }
     };
+    // Rows export added past the model's own (a char vocabulary's end of text).
+    let vocab_size = g
+        .uint("tinygpt.vocab_size")?
+        .filter(|&v| v > 0 && v < rows)
+        .unwrap_or(rows);
     if n_head == 0 || n_kv == 0 || !n_embd.is_multiple_of(n_head) || !n_head.is_multiple_of(n_kv) {
         user_bail!(
             "{}: {n_head} heads ({n_kv} K/V) do not divide the width {n_embd}",
@@ -769,7 +804,7 @@ pub fn read(path: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>, Tokeni
             let name = |id: ParamId| spec[id].name.clone();
             ours.insert(
                 name(spec.wte),
-                take("token_embd.weight".into(), &[vocab_size, n_embd])?,
+                take("token_embd.weight".into(), &[rows, n_embd])?.narrow(0, 0, vocab_size)?,
             );
             let wpe = spec.wpe.expect("learned positions");
             ours.insert(
@@ -861,7 +896,7 @@ pub fn read(path: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>, Tokeni
             let name = |id: ParamId| spec[id].name.clone();
             ours.insert(
                 name(spec.wte),
-                take("token_embd.weight".into(), &[vocab_size, n_embd])?,
+                take("token_embd.weight".into(), &[rows, n_embd])?.narrow(0, 0, vocab_size)?,
             );
             for (i, b) in spec.blocks.iter().enumerate() {
                 let l = format!("blk.{i}");
@@ -918,7 +953,9 @@ pub fn read(path: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>, Tokeni
     }
     // A separate output layer is read only where it is the token embedding (tied).
     if g.has("output.weight") {
-        let head = g.tensor("output.weight", &[vocab_size, n_embd])?;
+        let head = g
+            .tensor("output.weight", &[rows, n_embd])?
+            .narrow(0, 0, vocab_size)?;
         let spec = ModelSpec::new(&m);
         let wte = &ours[&spec[spec.wte].name];
         if (head - wte)?.abs()?.max_all()?.to_scalar::<f32>()? != 0.0 {
@@ -942,7 +979,7 @@ pub fn read(path: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>, Tokeni
             path.display()
         );
     }
-    let tokenizer = read_tokenizer(&g, vocab_size)?;
+    let tokenizer = read_tokenizer(&g, rows)?;
     Ok((m, ours, tokenizer))
 }
 

@@ -111,8 +111,17 @@ fn read_gguf(file: &Path) -> (gguf_file::Content, Vec<u8>) {
 #[test]
 fn f32_export_then_import_is_the_identity() {
     let dir = tempfile::tempdir().unwrap();
-    let cases: [(&str, Edit); 5] = [
+    let cases: [(&str, Edit); 7] = [
         ("gpt2", gpt2),
+        // Padding rows past the characters: the first is the end of text.
+        ("gpt2-padded", |c| {
+            gpt2(c);
+            c.model.vocab_size += 3;
+        }),
+        ("llama-padded", |c| {
+            llama(c);
+            c.model.vocab_size += 3;
+        }),
         // The quick start's model: learned, LayerNorm, erf GELU, no biases.
         ("default", |_| {}),
         ("gpt2-grouped", |c| {
@@ -145,6 +154,33 @@ fn f32_export_then_import_is_the_identity() {
             tokens.iter().all(|t| t.to_string().unwrap() != &merged),
             "{name}: {merged} is a token"
         );
+        // A char vocabulary's end of text, for llama.cpp to stop at (or --ignore-eos to
+        // ban) in place of its default token 11, a character: the row past the
+        // characters, a padding row where the model has them, else one more row of zeros.
+        let chars = a.tokenizer.vocab_size();
+        let md = &content.metadata;
+        assert_eq!(
+            md["tokenizer.ggml.eos_token_id"].to_u32().unwrap() as usize,
+            chars,
+            "{name}"
+        );
+        let rows = content.tensor_infos["token_embd.weight"].shape.dims()[0];
+        let model_rows = a.config.model.vocab_size;
+        match md.get("tinygpt.vocab_size") {
+            Some(v) => {
+                assert_eq!(
+                    (v.to_u32().unwrap() as usize, rows),
+                    (model_rows, chars + 1),
+                    "{name}"
+                );
+                assert_eq!(
+                    model_rows, chars,
+                    "{name}: only an unpadded vocabulary gains a row"
+                );
+            }
+            None => assert_eq!((rows, model_rows), (model_rows, chars + 3), "{name}"),
+        }
+        assert_eq!(tokens.len(), rows, "{name}");
         let (wa, wb) = (a.model.params().to_map(), b.model.params().to_map());
         assert_eq!(wa.len(), wb.len(), "{name}");
         for (k, t) in &wa {
