@@ -557,6 +557,42 @@ fn stopped_steps(said: &str) -> (u64, u64) {
     (step_after(&line0[prefix.len()..]).expect(said), step1)
 }
 
+/// An MPMD launch of two single ranks: rank 0 in `wdir[0]` with `sets[0]`, rank 1 in
+/// `wdir[1]` with `sets[1]` (what differing nodes, or a launch that gives each rank its
+/// own arguments, amount to).
+fn two_ranks_each_their_own(
+    mpirun: &Path,
+    config: &Path,
+    out: &Path,
+    wdir: [&Path; 2],
+    sets: [&[&str]; 2],
+) -> Command {
+    let mut cmd = launcher(mpirun, 1);
+    cmd.arg("-wdir").arg(wdir[0]).arg(BIN);
+    train_args(&mut cmd, config, out, sets[0]);
+    cmd.args([":", "-np", "1", "-wdir"]).arg(wdir[1]).arg(BIN);
+    train_args(&mut cmd, config, out, sets[1]);
+    cmd
+}
+
+/// The job's one error line: rank 1's, starting with `rank 1: error:`, containing each
+/// of `needles`; exit 2 within a minute; the run folder left as it was.
+fn fails_on_rank_1(mut cmd: Command, out: &Path, needles: &[&str]) {
+    let output = run_within(&mut cmd, Duration::from_secs(60));
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{said}");
+    let errors: Vec<&str> = said.lines().filter(|l| l.contains("error")).collect();
+    assert_eq!(errors.len(), 1, "one error line: {said}");
+    assert!(errors[0].starts_with("rank 1: error:"), "{said}");
+    for needle in needles {
+        assert!(errors[0].contains(needle), "{needle}: {said}");
+    }
+    assert!(
+        !out.join("dp/train.lock").exists() && !out.join("dp/model.safetensors").exists(),
+        "rank 0 let go of the run folder, nothing trained"
+    );
+}
+
 #[cfg(feature = "mpi")]
 #[test]
 fn a_rank_that_cannot_read_its_data_takes_the_job_down_with_its_message() {
@@ -565,27 +601,61 @@ fn a_rank_that_cannot_read_its_data_takes_the_job_down_with_its_message() {
     let corpus = write_corpus(dir.path());
     let config = write_config(dir.path(), &corpus);
     let out = dir.path().join("broken");
-    let missing = dir.path().join("not-on-this-node.txt");
-    // MPMD: rank 0 reads the corpus, rank 1 is given one it cannot read.
-    let mut cmd = launcher(&mpirun, 1);
-    cmd.arg(BIN);
-    train_args(&mut cmd, &config, &out, &[]);
-    cmd.args([":", "-np", "1"]).arg(BIN);
-    let set = format!("data.corpus={:?}", missing.display().to_string());
-    train_args(&mut cmd, &config, &out, &[&set]);
-    let output = run_within(&mut cmd, Duration::from_secs(60));
-    let said = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{said}");
-    let errors: Vec<&str> = said.lines().filter(|l| l.contains("error")).collect();
-    assert_eq!(errors.len(), 1, "one error line: {said}");
-    assert!(
-        errors[0].starts_with("rank 1: error:") && errors[0].contains("not-on-this-node"),
-        "{said}"
+    // One config naming the corpus by a relative path; rank 1's node (working
+    // directory) does not have it.
+    let elsewhere = dir.path().join("node-1");
+    std::fs::create_dir(&elsewhere).unwrap();
+    let relative: &[&str] = &["data.corpus=\"corpus.txt\""];
+    let cmd = two_ranks_each_their_own(
+        &mpirun,
+        &config,
+        &out,
+        [dir.path(), &elsewhere],
+        [relative, relative],
     );
-    assert!(
-        !out.join("dp/train.lock").exists(),
-        "rank 0 let go of the run folder"
+    fails_on_rank_1(cmd, &out, &["corpus.txt"]);
+}
+
+/// Ranks given different settings would exchange buffers of different sizes (a heap
+/// corrupted, an MPI truncation), or wait in collectives the others never reach
+/// (forever), or train what nobody asked for; a corpus that differs between nodes
+/// under one path, the same. Refused before anything is trained, naming the setting.
+#[cfg(feature = "mpi")]
+#[test]
+fn ranks_given_different_configs_or_corpora_are_refused() {
+    let mpirun = need_mpirun!();
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = write_corpus(dir.path());
+    let config = write_config(dir.path(), &corpus);
+    let out = dir.path().join("mixed");
+    for (other, says) in [
+        ("model.n_embd=64", "model.n_embd = 64 (rank 0 has 48)"),
+        ("train.max_iters=13", "train.max_iters = 13 (rank 0 has 12)"),
+        ("train.lr=0.001", "train.lr = 0.001 (rank 0 has 0.003)"),
+    ] {
+        let cmd = two_ranks_each_their_own(
+            &mpirun,
+            &config,
+            &out,
+            [dir.path(), dir.path()],
+            [&[], &[other]],
+        );
+        fails_on_rank_1(cmd, &out, &["the config differs from rank 0's", says]);
+    }
+    // One relative path, another text on each node.
+    let elsewhere = dir.path().join("node-1");
+    std::fs::create_dir(&elsewhere).unwrap();
+    let text = std::fs::read_to_string(&corpus).unwrap();
+    std::fs::write(elsewhere.join("corpus.txt"), text.replace("king", "kong")).unwrap();
+    let relative: &[&str] = &["data.corpus=\"corpus.txt\""];
+    let cmd = two_ranks_each_their_own(
+        &mpirun,
+        &config,
+        &out,
+        [dir.path(), &elsewhere],
+        [relative, relative],
     );
+    fails_on_rank_1(cmd, &out, &["the data differs from rank 0's"]);
 }
 
 #[cfg(not(feature = "mpi"))]

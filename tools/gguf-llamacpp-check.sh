@@ -10,8 +10,9 @@
 #   - prints llama-perplexity's figure next to `tinygpt eval`'s on the validation text
 #     (llama-perplexity scores the second half of each context-long chunk, so its
 #     figure is compared by eye / to ~1e-3, not asserted).
-# Char models have no end-of-text token (llama.cpp then takes token 11 as its end), so
-# llama-cli runs with --ignore-eos.
+# Char models have no end-of-text token of their own (export names a row past the
+# characters, so llama.cpp does not take its default, token 11, a character), and
+# llama-completion runs with --ignore-eos, which bans that row.
 #
 #   tools/gguf-llamacpp-check.sh [BINARY] [RUN...]    # BINARY default target/release/tinygpt
 set -euo pipefail

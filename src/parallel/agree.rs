@@ -5,11 +5,14 @@
 //! failed, all stop: the rank that failed with its own error, the others quietly
 //! ([`PeerFailed`]) with its exit code, so the job's one error line is the real one.
 
+use std::collections::BTreeMap;
+
 use anyhow::Result;
 
 use super::Collective;
-use crate::error::exit_code_of;
 pub use crate::error::PeerFailed;
+use crate::error::{exit_code_of, user_error};
+use crate::util::sha256_hex;
 
 /// `result` if every rank's stage succeeded; otherwise this rank's own error, or
 /// [`PeerFailed`] naming the first rank that failed.
@@ -37,4 +40,63 @@ pub fn agree<T>(comm: &dyn Collective, result: Result<T>) -> Result<T> {
         }
         .into()),
     }
+}
+
+/// Goes on only where every rank holds the same `settings` (`what` names them: "the
+/// config"). Ranks that were given different configs or corpora (a file that differs
+/// between nodes' disks, an MPMD launch, a path relative to another directory) would
+/// otherwise exchange buffers of different sizes, corrupting memory, or wait forever
+/// in collectives the others never reach, or train a model nobody asked for. A rank
+/// that differs from rank 0 says which settings, and every rank stops.
+pub fn same_everywhere(
+    comm: &dyn Collective,
+    what: &str,
+    settings: &BTreeMap<String, String>,
+) -> Result<()> {
+    if comm.size() == 1 {
+        return Ok(());
+    }
+    let text: String = settings
+        .iter()
+        .map(|(key, value)| format!("{key} = {value}\n"))
+        .collect();
+    // 96 bits of the text's hash, as three f64s that carry 32 bits each exactly.
+    let hash = sha256_hex(text.as_bytes());
+    let mine: Vec<f64> = (0..3)
+        .map(|i| u32::from_str_radix(&hash[8 * i..8 * i + 8], 16).map_or(0.0, f64::from))
+        .collect();
+    let all = comm.all_gather_lists(&mine)?;
+    if all.iter().all(|hash| *hash == all[0]) {
+        return Ok(());
+    }
+    let mut first = text.into_bytes();
+    comm.broadcast_bytes(0, &mut first)?;
+    let theirs: BTreeMap<&str, &str> = std::str::from_utf8(&first)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|line| line.split_once(" = "))
+        .collect();
+    let missing = String::from("none");
+    let mut differing: Vec<String> = settings
+        .iter()
+        .filter(|(key, value)| theirs.get(key.as_str()) != Some(&value.as_str()))
+        .map(|(key, value)| {
+            let at_0 = theirs.get(key.as_str()).copied().unwrap_or(&missing);
+            format!("{key} = {value} (rank 0 has {at_0})")
+        })
+        .collect();
+    differing.extend(
+        theirs
+            .iter()
+            .filter(|(key, _)| !settings.contains_key(**key))
+            .map(|(key, value)| format!("{key} = none (rank 0 has {value})")),
+    );
+    let result = match differing.is_empty() {
+        true => Ok(()),
+        false => Err(user_error(format!(
+            "{what} differs from rank 0's: {}; start every rank with the same config, settings and corpus",
+            differing.join(", ")
+        ))),
+    };
+    agree(comm, result)
 }

@@ -8,6 +8,7 @@ mod report;
 pub mod schedule;
 mod start;
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -31,11 +32,12 @@ use crate::error::{DivergedError, InterruptedError};
 use crate::lock::RunLock;
 use crate::model::{Dropout, ModelSpec};
 use crate::optim::AdamWStep;
+use crate::parallel::agree::same_everywhere;
 use crate::parallel::collective::interleave;
 use crate::parallel::{agree, Collective, Single};
 use crate::tokenizer::Tokenizer;
 use crate::user_bail;
-use crate::util::{Stop, Stopped};
+use crate::util::{sha256_hex, Stop, Stopped};
 
 /// RNG streams drawn from the run's seed; separate so that evaluation never shifts
 /// the training batches and resume can restore each one. (Dropout needs no stream: its
@@ -92,6 +94,30 @@ struct Prepared {
     saved_train: Option<TrainConfig>,
 }
 
+impl Prepared {
+    /// What the data every rank reads must agree on: the resolved config (the
+    /// vocabulary filled in), the tokenizer, and the tokens (counts and a hash of each
+    /// split's ends: a whole-corpus hash would cost a pass over it).
+    fn data_summary(&self) -> Result<BTreeMap<String, String>> {
+        let mut summary = crate::compare::flatten(&self.config);
+        summary.insert(
+            "tokenizer".into(),
+            sha256_hex(self.tokenizer.to_json()?.as_bytes()),
+        );
+        for (name, tokens) in [("train", &self.split.train), ("val", &self.split.val)] {
+            let n = tokens.len();
+            let ends: Vec<u32> = (0..n.min(4096))
+                .chain(n.saturating_sub(4096).max(n.min(4096))..n)
+                .map(|i| tokens.get(i))
+                .collect();
+            let bytes: Vec<u8> = ends.iter().flat_map(|id| id.to_le_bytes()).collect();
+            summary.insert(format!("{name} tokens"), n.to_string());
+            summary.insert(format!("{name} tokens' ends"), sha256_hex(&bytes));
+        }
+        Ok(summary)
+    }
+}
+
 /// Steps trained since the trainer last read the engine's loss: reading waits for a
 /// GPU to finish the work queued, so it happens only where a step is reported (log,
 /// evaluation and checkpoint steps, a stop, the end), never inside a step.
@@ -141,6 +167,11 @@ impl Trainer {
         comm: Arc<dyn Collective>,
     ) -> Result<Self> {
         let resume = start == Start::Resume;
+        same_everywhere(
+            comm.as_ref(),
+            "the config",
+            &crate::compare::flatten(&config),
+        )?;
         let prepared = if comm.rank() == 0 {
             let run = RunDir::new(config.run_dir());
             // A folder that exists is locked before it is read: a resumed run must not
@@ -155,6 +186,12 @@ impl Trainer {
             agree(comm.as_ref(), Ok(()))
                 .and_then(|()| prepare(config, &start, &stop, comm.as_ref()))
         };
+        // Every rank prepared (or all stop), then all read the same data: a corpus
+        // that differs between nodes under one path shows here.
+        let prepared = agree(comm.as_ref(), prepared).and_then(|p| {
+            same_everywhere(comm.as_ref(), "the data", &p.data_summary()?)?;
+            Ok(p)
+        });
         let built = prepared.and_then(|mut p| {
             let cache = p.cache.take();
             Self::build(p, resume, stop, Arc::clone(&comm)).map(|t| (t, cache))
