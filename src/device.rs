@@ -134,7 +134,13 @@ fn auto() -> Result<Device> {
 
 fn cuda(ordinal: usize) -> Result<Device> {
     if !cfg!(feature = "cuda") {
-        user_bail!("this tinygpt was built without CUDA; install the CUDA build with `cargo install --path . --features cuda` (needs a CUDA toolkit), or use --device cpu");
+        // A build for ranks keeps them: NCCL between GPUs, MPI to start them.
+        let features = if cfg!(feature = "mpi") {
+            "cuda,nccl,mpi"
+        } else {
+            "cuda"
+        };
+        user_bail!("this tinygpt was built without CUDA; install the CUDA build with `cargo install --path . --features {features}` (needs a CUDA toolkit), or use --device cpu");
     }
     Device::new_cuda(ordinal)
         .map_err(|e| crate::error::user_error(format!("cannot open CUDA device {ordinal}: {e}")))

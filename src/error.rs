@@ -44,6 +44,23 @@ pub fn find_user_error(err: &anyhow::Error) -> Option<&UserError> {
     err.chain().find_map(|e| e.downcast_ref::<UserError>())
 }
 
+/// A write the disk refused for want of room (full, over quota, read-only): the
+/// user's to fix (exit code 2), with what to do.
+pub fn out_of_storage(err: &anyhow::Error) -> Option<&'static str> {
+    use std::io::ErrorKind;
+    err.chain()
+        .filter_map(|e| e.downcast_ref::<std::io::Error>())
+        .find_map(|e| match e.kind() {
+            ErrorKind::StorageFull | ErrorKind::QuotaExceeded => Some(
+                "free space there, or write elsewhere (run.out_dir for checkpoints, data.cache_dir for the corpus cache); the last complete checkpoint is kept",
+            ),
+            ErrorKind::ReadOnlyFilesystem => Some(
+                "the filesystem is read-only: write elsewhere (run.out_dir for checkpoints, data.cache_dir for the corpus cache)",
+            ),
+            _ => None,
+        })
+}
+
 /// Training produced a NaN or infinite loss or gradient (exit code 3).
 #[derive(Debug, Clone, PartialEq)]
 pub struct DivergedError {
@@ -72,17 +89,29 @@ pub struct InterruptedError {
     pub run_dir: std::path::PathBuf,
     /// How to continue, e.g. "the same command and --resume".
     pub continue_with: String,
+    /// Whether the run folder holds a checkpoint to continue from (a stop before the
+    /// first step trained saves none).
+    pub saved: bool,
 }
 
 impl fmt::Display for InterruptedError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "interrupted at step {}; checkpoint saved in {}; continue with {}",
-            self.step,
-            self.run_dir.display(),
-            self.continue_with
-        )
+        match self.saved {
+            true => write!(
+                f,
+                "interrupted at step {}; checkpoint saved in {}; continue with {}",
+                self.step,
+                self.run_dir.display(),
+                self.continue_with
+            ),
+            false => write!(
+                f,
+                "interrupted at step {} before a step was trained: nothing was saved in {}; start again with {}",
+                self.step,
+                self.run_dir.display(),
+                self.continue_with
+            ),
+        }
     }
 }
 
@@ -107,7 +136,7 @@ impl std::error::Error for PeerFailed {}
 /// The exit code for `err`: 2 for a user's mistake, 3 for divergence, 128 + signal for
 /// a stop, another rank's code when it failed, 1 for anything else.
 pub fn exit_code_of(err: &anyhow::Error) -> i32 {
-    if find_user_error(err).is_some() {
+    if find_user_error(err).is_some() || out_of_storage(err).is_some() {
         return exit_code::USER;
     }
     for cause in err.chain() {
@@ -125,4 +154,30 @@ pub fn exit_code_of(err: &anyhow::Error) -> i32 {
         }
     }
     exit_code::INTERNAL
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use anyhow::Context;
+
+    #[test]
+    fn a_full_disk_is_the_users_to_fix() {
+        for kind in [
+            std::io::ErrorKind::StorageFull,
+            std::io::ErrorKind::QuotaExceeded,
+            std::io::ErrorKind::ReadOnlyFilesystem,
+        ] {
+            let err = Err::<(), _>(std::io::Error::from(kind))
+                .context("writing checkpoints/r/model.safetensors.next")
+                .unwrap_err();
+            assert_eq!(exit_code_of(&err), exit_code::USER, "{kind:?}");
+            assert!(out_of_storage(&err).unwrap().contains("run.out_dir"));
+        }
+        let other = Err::<(), _>(std::io::Error::from(std::io::ErrorKind::InvalidData))
+            .context("reading")
+            .unwrap_err();
+        assert_eq!(exit_code_of(&other), exit_code::INTERNAL);
+        assert_eq!(out_of_storage(&other), None);
+    }
 }

@@ -725,10 +725,13 @@ fn ends_every_rank(err: &anyhow::Error) -> bool {
 
 /// `eprintln!` that lets a closed stderr go (a reader gone: `train ... | head`)
 /// instead of panicking.
+/// The line goes out in one write, so lines of several ranks sharing a terminal or a
+/// log do not cut into each other.
 macro_rules! say {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($arg)*);
+        let line = format!("{}\n", format_args!($($arg)*));
+        let _ = std::io::stderr().write_all(line.as_bytes());
     }};
 }
 
@@ -752,6 +755,8 @@ fn print_error(err: &anyhow::Error, world: &World) {
     };
     if let Some(user) = find_user_error(err) {
         say!("{who}error: {user}");
+    } else if let Some(fix) = tinygpt::error::out_of_storage(err) {
+        say!("{who}error: {err:#}: {fix}");
     } else if let Some(stopped) = err.downcast_ref::<InterruptedError>() {
         say!("{stopped}");
     } else if err.chain().any(|e| e.downcast_ref::<Stopped>().is_some()) {
@@ -788,7 +793,19 @@ fn stop_on_signals(pipe: bool) -> anyhow::Result<Stop> {
     #[cfg(not(unix))]
     let _ = pipe;
     let asked = Arc::new(AtomicBool::new(false));
-    for signal in [SIGINT, SIGTERM] {
+    let mut signals = vec![SIGINT, SIGTERM];
+    // SIGUSR1/2: what a batch system sends ahead of a job's time limit (Slurm's
+    // --signal=USR1@120) and mpirun forwards; SIGHUP: a terminal that closed (an ssh
+    // session dropped), unless the run was started to outlive it (nohup ignores it).
+    #[cfg(unix)]
+    {
+        use signal_hook::consts::{SIGHUP, SIGUSR1, SIGUSR2};
+        signals.extend([SIGUSR1, SIGUSR2]);
+        if !ignored(SIGHUP) {
+            signals.push(SIGHUP);
+        }
+    }
+    for signal in signals {
         // Registered first, so it sees `asked` as it was before this signal.
         signal_hook::flag::register_conditional_shutdown(signal, 128 + signal, Arc::clone(&asked))?;
         signal_hook::flag::register(signal, Arc::clone(&asked))?;
@@ -799,6 +816,18 @@ fn stop_on_signals(pipe: bool) -> anyhow::Result<Stop> {
         }
     }
     Ok(Stop::from_flag(flag))
+}
+
+/// Whether `signal` was set to be ignored when this process started (`nohup` does so
+/// for SIGHUP).
+#[cfg(unix)]
+fn ignored(signal: i32) -> bool {
+    // Safety: a null new action only reads the current one into `old`.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(signal, std::ptr::null(), &mut old) == 0
+            && old.sa_sigaction == libc::SIG_IGN
+    }
 }
 
 /// clap's answer to a command line it cannot parse, in one line (its tips and the

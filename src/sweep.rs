@@ -349,6 +349,7 @@ fn interrupted(signal: i32, step: usize, run_dir: PathBuf) -> anyhow::Error {
     InterruptedError {
         signal,
         step,
+        saved: crate::checkpoint::RunDir::new(&run_dir).has_checkpoint(),
         run_dir,
         continue_with: "the same sweep command (done runs are skipped, this one resumes)".into(),
     }

@@ -306,7 +306,8 @@ fn checkpoints_resume_across_world_sizes() {
     let on_three = succeed(ranked(&mpirun, 3, &config, &mixed, &steps).arg("--resume"));
     let said = String::from_utf8_lossy(&on_three.stderr);
     assert!(
-        said.contains("note: a step was 8 sequences (1 rank(s)) and is now 12"),
+        said.contains("note: a step was 8 sequences (1 rank) and is now 12")
+            && said.contains("no train.batch_size x train.grad_accum on 3 ranks makes 8 sequences"),
         "{said}"
     );
     succeed(
@@ -656,6 +657,31 @@ fn ranks_given_different_configs_or_corpora_are_refused() {
         [relative, relative],
     );
     fails_on_rank_1(cmd, &out, &["the data differs from rank 0's"]);
+}
+
+/// torchrun (or an srun without an MPI plugin) starts processes that MPI does not
+/// join: each would train alone into the one run folder.
+#[cfg(feature = "mpi")]
+#[test]
+fn processes_a_launcher_started_that_mpi_does_not_join_refuse() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), &write_corpus(dir.path()));
+    let out = dir.path().join("refused");
+    let output = single(&config, &out, &[])
+        .env("WORLD_SIZE", "2")
+        .env("RANK", "1")
+        .env("LOCAL_RANK", "1")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{said}");
+    assert_eq!(said.lines().count(), 1, "{said}");
+    assert!(
+        said.contains("torchrun started 2 processes, but MPI sees this one alone")
+            && said.contains("mpirun -np N"),
+        "{said}"
+    );
+    assert!(!out.exists(), "nothing written");
 }
 
 #[cfg(not(feature = "mpi"))]

@@ -131,6 +131,44 @@ fn sigterm_stops_a_long_evaluation_within_seconds() {
     stop_a_long_evaluation(libc::SIGTERM, 143);
 }
 
+/// What a batch system sends ahead of a job's time limit (Slurm's --signal=USR1@120),
+/// and a terminal that closes, stop as SIGTERM does, with the checkpoint.
+#[test]
+fn sigusr1_and_sighup_stop_as_sigterm_does() {
+    stop_a_long_evaluation(libc::SIGUSR1, 128 + libc::SIGUSR1);
+    stop_a_long_evaluation(libc::SIGHUP, 128 + libc::SIGHUP);
+}
+
+/// Started under `nohup` (SIGHUP ignored), a run outlives its terminal.
+#[test]
+fn a_run_started_to_ignore_sighup_goes_on() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    experiment(d);
+    let run = d.join("checkpoints/r");
+    let long = train_args(&["--resume"], &["train.max_iters=100000"]);
+    let mut command = tinygpt(d, &long);
+    // Safety: only signal(2), async-signal-safe, between fork and exec.
+    unsafe {
+        command.pre_exec(|| {
+            libc::signal(libc::SIGHUP, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    let mut child = command.stderr(Stdio::piped()).spawn().unwrap();
+    wait_for("step 3", &mut child, || metrics_has(&run, 3, "loss"));
+    // Safety: kill(2) on our own child's pid.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGHUP) }, 0);
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "SIGHUP stopped a nohup run"
+    );
+    let (exit, err) = signal_and_wait(child, libc::SIGTERM, Duration::from_secs(10));
+    assert_eq!(exit, 143, "{err}");
+}
+
 #[test]
 fn sigint_stops_a_long_evaluation_within_seconds() {
     stop_a_long_evaluation(libc::SIGINT, 130);

@@ -15,24 +15,37 @@ use crate::error::{exit_code_of, user_error};
 use crate::util::sha256_hex;
 
 /// `result` if every rank's stage succeeded; otherwise this rank's own error, or
-/// [`PeerFailed`] naming the first rank that failed.
+/// [`PeerFailed`] naming the first rank that failed. Where every rank failed alike (the
+/// same exit code and message: a mistake in the config they share), only rank 0 keeps
+/// its error, so the job says it once.
 pub fn agree<T>(comm: &dyn Collective, result: Result<T>) -> Result<T> {
     if comm.size() == 1 {
         return result;
     }
     let mine = match &result {
-        Ok(_) => 0,
-        Err(e) => exit_code_of(e),
+        Ok(_) => [0.0, 0.0],
+        Err(e) => {
+            // 32 bits of the message's hash: exact in an f64.
+            let hash = sha256_hex(format!("{e:#}").as_bytes());
+            let hash = u32::from_str_radix(&hash[..8], 16).map_or(0.0, f64::from);
+            [f64::from(exit_code_of(e)), hash]
+        }
     };
     // A rank that waits here for another still preparing sleeps in the barrier.
     comm.barrier()?;
-    let codes = comm.all_gather_lists(&[f64::from(mine)])?;
+    let codes = comm.all_gather_lists(&mine)?;
     let failed = codes
         .iter()
         .enumerate()
         .find_map(|(rank, code)| (code.first() != Some(&0.0)).then_some(rank));
+    let all_alike = codes.iter().all(|code| *code == codes[0]);
     match (result, failed) {
         (result, None) => result,
+        (Err(_), Some(0)) if all_alike && comm.rank() > 0 => Err(PeerFailed {
+            rank: 0,
+            code: mine[0] as i32,
+        }
+        .into()),
         (Err(e), Some(_)) => Err(e),
         (Ok(_), Some(rank)) => Err(PeerFailed {
             rank,

@@ -43,6 +43,15 @@ impl Mpi {
         );
         let world = universe.world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
+        if size == 1 && launcher.several() {
+            // Each process would train alone: N runs racing for one run folder.
+            drop(universe);
+            return Err(crate::error::user_error(format!(
+                "{} started {} processes, but MPI sees this one alone, so each would train by itself: tinygpt's ranks talk through MPI; start them with mpirun -np N (under Slurm: srun --mpi=pmix, or pmi2), or run one process without the launcher's variables",
+                launcher.name,
+                launcher.size_name()
+            )));
+        }
         if launcher.size.is_some_and(|n| n != size) {
             eprintln!(
                 "warning: {} says {} ranks, MPI says {size}",

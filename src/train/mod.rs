@@ -547,12 +547,14 @@ impl Trainer {
         }
         let (before, now) = (self.state.sequences_per_step, self.sequences_per_step());
         if self.resumed && before > 0 && before != now {
+            let ranks = self.comm.size();
             reporter.note(&format!(
-                "note: a step was {before} sequences ({} rank(s)) and is now {now} ({} x train.batch_size {} x train.grad_accum {}); set train.grad_accum to keep the batch",
+                "note: a step was {before} sequences ({} rank{}) and is now {now} ({ranks} x train.batch_size {} x train.grad_accum {}); {}",
                 self.state.ranks,
-                self.comm.size(),
+                crate::util::plural(self.state.ranks),
                 cfg.batch_size,
-                cfg.grad_accum
+                cfg.grad_accum,
+                keep_the_batch(before, ranks, cfg.batch_size)
             ));
         }
         let start = self.state.step;
@@ -693,18 +695,37 @@ impl Trainer {
             reporter.saving();
             self.save()?;
         }
-        let continue_with = if self.run.has_checkpoint() {
-            "the same command and --resume"
-        } else {
-            "the same command (no step was trained, nothing was saved)"
+        let saved = self.run.has_checkpoint();
+        let continue_with = match saved {
+            true => "the same command and --resume",
+            false => "the same command",
         };
         Ok(InterruptedError {
             signal,
             step: self.state.step,
             run_dir: self.run.path().to_path_buf(),
             continue_with: continue_with.into(),
+            saved,
         }
         .into())
+    }
+}
+
+/// How a resumed run on `ranks` ranks keeps steps of `sequences`: the smallest
+/// gradient accumulation whose micro-batch is at most `batch_size`.
+fn keep_the_batch(sequences: usize, ranks: usize, batch_size: usize) -> String {
+    if !sequences.is_multiple_of(ranks) {
+        return format!(
+            "no train.batch_size x train.grad_accum on {ranks} ranks makes {sequences} sequences: resume on a number of ranks that divides {sequences} to keep them"
+        );
+    }
+    let per_rank = sequences / ranks;
+    let accum = (1..=per_rank)
+        .find(|a| per_rank.is_multiple_of(*a) && per_rank / a <= batch_size)
+        .unwrap_or(per_rank);
+    match per_rank / accum {
+        b if b == batch_size => format!("set train.grad_accum={accum} to keep them"),
+        b => format!("set train.batch_size={b} and train.grad_accum={accum} to keep them"),
     }
 }
 
@@ -898,4 +919,33 @@ fn load_split(
         );
     }
     Split::new(tokens, data.val_fraction, block, &data.corpus)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::keep_the_batch;
+
+    #[test]
+    fn a_resumed_step_is_kept_where_the_ranks_allow() {
+        // 8 sequences a step (2 ranks x 4), resumed on 1, 4 and 3 ranks of 4 each.
+        assert_eq!(
+            keep_the_batch(8, 1, 4),
+            "set train.grad_accum=2 to keep them"
+        );
+        assert_eq!(
+            keep_the_batch(8, 4, 4),
+            "set train.batch_size=2 and train.grad_accum=1 to keep them"
+        );
+        assert!(keep_the_batch(8, 3, 4)
+            .starts_with("no train.batch_size x train.grad_accum on 3 ranks"));
+        // A micro-batch no larger than the one that fitted.
+        assert_eq!(
+            keep_the_batch(24, 1, 8),
+            "set train.grad_accum=3 to keep them"
+        );
+        assert_eq!(
+            keep_the_batch(10, 1, 4),
+            "set train.batch_size=2 and train.grad_accum=5 to keep them"
+        );
+    }
 }

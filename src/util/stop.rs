@@ -58,6 +58,12 @@ impl fmt::Display for Stopped {
             2 => "Ctrl-C (SIGINT)".to_string(),
             13 => "a closed pipe (SIGPIPE)".to_string(),
             15 => "SIGTERM".to_string(),
+            #[cfg(unix)]
+            libc::SIGHUP => "SIGHUP (the terminal closed)".to_string(),
+            #[cfg(unix)]
+            libc::SIGUSR1 => "SIGUSR1".to_string(),
+            #[cfg(unix)]
+            libc::SIGUSR2 => "SIGUSR2".to_string(),
             s => format!("signal {s}"),
         };
         write!(f, "stopped by {name}")
