@@ -73,9 +73,56 @@ impl Launcher {
     }
 }
 
+/// Under Open MPI's `mpirun`, where a checkpoint of `bytes` may take longer to write
+/// than the time mpirun gives ranks between forwarding Ctrl-C or SIGTERM and killing
+/// them (`odls_base_sigkill_timeout`, 1 s by default): the note that says how to give
+/// a stop time to save. Writes are taken at 50 MB/s, a slow disk's or a network
+/// filesystem's pace.
+pub fn open_mpi_stop_note(bytes: usize) -> Option<String> {
+    stop_note_in(bytes, |key| std::env::var(key).ok())
+}
+
+/// [`open_mpi_stop_note`] in any environment (tests).
+fn stop_note_in(bytes: usize, var: impl Fn(&str) -> Option<String>) -> Option<String> {
+    var("OMPI_COMM_WORLD_SIZE")?;
+    let given = var("OMPI_MCA_odls_base_sigkill_timeout");
+    let delay = given
+        .as_deref()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(1.0);
+    let seconds = bytes as f64 / 50e6;
+    (seconds > delay).then(|| {
+        format!(
+            "note: Open MPI's mpirun kills the ranks {delay} s after it forwards Ctrl-C or SIGTERM, and this run's checkpoint ({:.0} MB) may take longer to write, so a stop could lose the steps since the last one: start mpirun with --mca odls_base_sigkill_timeout {} (it then waits up to twice that to exit), or stop the ranks themselves (kill, scancel)",
+            bytes as f64 / 1e6,
+            (4.0 * seconds).ceil().max(10.0)
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_checkpoint_slower_to_write_than_open_mpis_kill_is_told() {
+        let open_mpi = [("OMPI_COMM_WORLD_SIZE", "2")];
+        // 150 MB (12.6M parameters with AdamW's moments): 3 s at 50 MB/s, past 1 s.
+        let note = stop_note_in(150_000_000, env(&open_mpi)).unwrap();
+        assert!(
+            note.contains("--mca odls_base_sigkill_timeout 12"),
+            "{note}"
+        );
+        // 19 MB: written within the second.
+        assert_eq!(stop_note_in(19_000_000, env(&open_mpi)), None);
+        // Given time already; or not Open MPI.
+        let given = [
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_MCA_odls_base_sigkill_timeout", "10"),
+        ];
+        assert_eq!(stop_note_in(150_000_000, env(&given)), None);
+        assert_eq!(stop_note_in(150_000_000, env(&[("PMI_SIZE", "2")])), None);
+    }
 
     fn env<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
         move |key| {

@@ -545,6 +545,12 @@ impl Trainer {
                 ));
             }
         }
+        if self.comm.size() > 1 {
+            let bytes = 3 * 4 * ModelSpec::new(&self.config.model).len();
+            if let Some(note) = crate::parallel::launcher::open_mpi_stop_note(bytes) {
+                reporter.note(&note);
+            }
+        }
         let (before, now) = (self.state.sequences_per_step, self.sequences_per_step());
         if self.resumed && before > 0 && before != now {
             let ranks = self.comm.size();
