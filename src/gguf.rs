@@ -1069,6 +1069,28 @@ fn read_tokenizer(g: &Gguf, vocab_size: usize) -> Result<Tokenizer> {
         if vocab.len() != tokens.len() {
             return Err(g.fail("tokenizer.ggml.tokens repeats a token".into()));
         }
+        // A merge makes a token of the vocabulary from two of its tokens: the tokenizers
+        // library fails on any other with a message about slices.
+        for pair in &merges {
+            let (a, b) = (
+                pair[0].as_str().unwrap_or(""),
+                pair[1].as_str().unwrap_or(""),
+            );
+            let made = format!("{a}{b}");
+            let missing = [a, b, made.as_str()]
+                .into_iter()
+                .find(|t| !vocab.contains_key(*t))
+                .map(str::to_owned);
+            if let Some(missing) = missing {
+                return Err(g.fail(format!(
+                    "merge \"{a} {b}\" uses or makes {missing:?}, which is not one of its tokens{}",
+                    match merges.len() {
+                        1 => " (a char vocabulary written by tinygpt without its tinygpt.tokenizer key?)",
+                        _ => "",
+                    }
+                )));
+            }
+        }
         let mut json: Json = serde_json::from_str(&Tokenizer::train_bpe("", 257)?.to_json()?)?;
         json["model"]["vocab"] = Json::Object(vocab);
         json["model"]["merges"] = Json::Array(merges);

@@ -527,6 +527,20 @@ fn bad_files_and_models_are_refused_in_one_line() {
         &["import", "--from", "mamba.gguf", "--out", "x4"],
         &["\"mamba\"", "gpt2 and llama"],
     );
+    // A char vocabulary without the key that says so: read as BPE, its one merge
+    // makes no token.
+    let meta: Vec<(String, Value)> = content
+        .metadata
+        .clone()
+        .into_iter()
+        .filter(|(k, _)| k != "tinygpt.tokenizer")
+        .collect();
+    write_gguf(&d.join("keyless.gguf"), &meta, &tensors);
+    refused(
+        d,
+        &["import", "--from", "keyless.gguf", "--out", "x5"],
+        &["which is not one of its tokens", "tinygpt.tokenizer"],
+    );
     // A tensor of the wrong shape.
     let meta: Vec<(String, Value)> = content.metadata.clone().into_iter().collect();
     let mut tensors = tensors;

@@ -88,6 +88,12 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
     std::fs::write(d.join("crlf.txt"), text.replace('\n', "\r\n")).unwrap();
     std::fs::write(d.join("empty.txt"), "").unwrap();
     std::fs::write(d.join("latin1.txt"), b"caf\xe9 au lait\n".repeat(50)).unwrap();
+    // `printf hello | gzip`: a corpus still compressed.
+    std::fs::write(
+        d.join("corpus.txt.gz"),
+        b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03\xcb\x48\xcd\xc9\xc9\x07\x00\x86\xa6\x10\x36\x05\x00\x00\x00",
+    )
+    .unwrap();
     std::fs::write(d.join("short.txt"), "too short").unwrap();
     std::fs::write(d.join("one.txt"), "N").unwrap();
     std::fs::write(d.join("long-prompt.txt"), "Now is the ".repeat(10)).unwrap();
@@ -328,6 +334,11 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "corpus empty",
             &format!("{t} --set data.corpus=empty.txt"),
             "empty",
+        ),
+        case(
+            "corpus still gzip-compressed",
+            &format!("{t} --set data.corpus=corpus.txt.gz"),
+            "is gzip-compressed; decompress it first (gunzip -k corpus.txt.gz)",
         ),
         case(
             "corpus not UTF-8",

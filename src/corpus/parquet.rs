@@ -81,10 +81,22 @@ impl ParquetFile {
     fn read_batch(&mut self) -> Result<bool> {
         let path = self.path.clone();
         let bad = |group: usize, e: parquet::errors::ParquetError| {
-            user_error(format!(
-                "corpus file {}: cannot read parquet row group {group} ({e})",
-                path.display(),
-            ))
+            let e = e.to_string();
+            // "Disabled feature at compile time: flate2": a codec this build leaves out.
+            match e.split_once("Disabled feature at compile time: ") {
+                Some((_, codec)) => user_error(format!(
+                    "corpus file {}: its parquet pages are compressed with {}, which tinygpt does not read (it reads snappy, zstd, lz4 and uncompressed); rewrite it, e.g. pyarrow.parquet.write_table(pyarrow.parquet.read_table(path), new_path, compression=\"zstd\")",
+                    path.display(),
+                    match codec.trim() {
+                        "flate2" => "gzip",
+                        other => other,
+                    }
+                )),
+                None => user_error(format!(
+                    "corpus file {}: cannot read parquet row group {group} ({e})",
+                    path.display(),
+                )),
+            }
         };
         loop {
             if self.current.is_none() {

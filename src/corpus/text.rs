@@ -105,10 +105,34 @@ fn valid_prefix<'a>(bytes: &'a [u8], at_end: bool, path: &Path, offset: u64) -> 
         Err(e) if e.error_len().is_none() && !at_end => {
             Ok(std::str::from_utf8(&bytes[..e.valid_up_to()]).expect("a valid prefix"))
         }
+        Err(_) if offset == 0 && compression(bytes).is_some() => {
+            let (format, command) = compression(bytes).expect("checked");
+            Err(user_error(format!(
+                "corpus file {} is {format}-compressed; decompress it first ({command} {}) and name the result in data.corpus",
+                path.display(),
+                path.display()
+            )))
+        }
         Err(e) => Err(user_error(format!(
             "corpus file {} is not UTF-8 (invalid byte at offset {}); convert it, e.g. with iconv -t UTF-8",
             path.display(),
             offset + e.valid_up_to() as u64
         ))),
     }
+}
+
+/// The compressed format a file's first bytes say it is, and the command that
+/// decompresses it: a `.txt.gz` read as text fails on its second byte.
+fn compression(start: &[u8]) -> Option<(&'static str, &'static str)> {
+    const MAGIC: [(&[u8], &str, &str); 5] = [
+        (b"\x1f\x8b", "gzip", "gunzip -k"),
+        (b"\x28\xb5\x2f\xfd", "zstd", "zstd -d"),
+        (b"BZh", "bzip2", "bunzip2 -k"),
+        (b"\xfd7zXZ\x00", "xz", "unxz -k"),
+        (b"PK\x03\x04", "zip", "unzip"),
+    ];
+    MAGIC
+        .iter()
+        .find(|(magic, _, _)| start.starts_with(magic))
+        .map(|&(_, format, command)| (format, command))
 }
