@@ -150,6 +150,14 @@ fn not_a_run_folder(path: &Path) -> String {
             );
         }
     }
+    if crate::gguf::is_gguf(path) {
+        let stem = path
+            .file_stem()
+            .map_or("model".into(), |s| s.to_string_lossy());
+        return format!(
+            "{shown} is a GGUF file, not a run folder; import it first: tinygpt import --from {shown} --out checkpoints/{stem}"
+        );
+    }
     format!(
         "{shown} is a file, not a run folder; pass a folder that `tinygpt train` or `tinygpt import` wrote (one holding state.json), e.g. checkpoints/<run.name>"
     )

@@ -162,6 +162,16 @@ pub enum NormKind {
     RmsNorm,
 }
 
+/// As a config file spells it (`model.norm = "layernorm"`).
+impl std::fmt::Display for NormKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::LayerNorm => "layernorm",
+            Self::RmsNorm => "rmsnorm",
+        })
+    }
+}
+
 /// Precision of the matrix products in training (`train.dtype`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -204,6 +214,17 @@ pub enum MlpKind {
     GeluTanh,
     /// SiLU(gate) * up, then down (Llama).
     Swiglu,
+}
+
+/// As a config file spells it (`model.mlp = "gelu_tanh"`).
+impl std::fmt::Display for MlpKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Gelu => "gelu",
+            Self::GeluTanh => "gelu_tanh",
+            Self::Swiglu => "swiglu",
+        })
+    }
 }
 
 impl Arch {

@@ -137,12 +137,12 @@ pub fn arch_for(m: &ModelConfig) -> Result<GgufArch> {
             "model.positions = \"sinusoidal\" has no llama.cpp architecture (gpt2 has learned positions, llama RoPE)"
         ),
         (PositionKind::Learned, _, _) => user_bail!(
-            "learned positions map to llama.cpp's gpt2, which needs model.norm = \"layernorm\" and model.mlp = \"gelu\" or \"gelu_tanh\" (this model has {:?}, {:?})",
+            "learned positions map to llama.cpp's gpt2, which needs model.norm = \"layernorm\" and model.mlp = \"gelu\" or \"gelu_tanh\" (this model has model.norm = \"{}\", model.mlp = \"{}\")",
             m.norm,
             m.mlp
         ),
         (PositionKind::Rope, _, _) => user_bail!(
-            "RoPE maps to llama.cpp's llama, which needs model.norm = \"rmsnorm\" and model.mlp = \"swiglu\" (this model has {:?}, {:?})",
+            "RoPE maps to llama.cpp's llama, which needs model.norm = \"rmsnorm\" and model.mlp = \"swiglu\" (this model has model.norm = \"{}\", model.mlp = \"{}\")",
             m.norm,
             m.mlp
         ),

@@ -121,12 +121,12 @@ pub fn layout_for(m: &ModelConfig) -> Result<HfLayout> {
             "model.positions = \"sinusoidal\" has no Hugging Face equivalent in GPT-2 or Llama; use learned (GPT-2) or rope (Llama)"
         ),
         (PositionKind::Learned, _, _) => user_bail!(
-            "learned positions map to GPT-2, which needs model.norm = \"layernorm\" and model.mlp = \"gelu\" or \"gelu_tanh\" (this model has {:?}, {:?})",
+            "learned positions map to GPT-2, which needs model.norm = \"layernorm\" and model.mlp = \"gelu\" or \"gelu_tanh\" (this model has model.norm = \"{}\", model.mlp = \"{}\")",
             m.norm,
             m.mlp
         ),
         (PositionKind::Rope, _, _) => user_bail!(
-            "RoPE maps to Llama, which needs model.norm = \"rmsnorm\" and model.mlp = \"swiglu\" (this model has {:?}, {:?}); or set model.arch = \"llama\"",
+            "RoPE maps to Llama, which needs model.norm = \"rmsnorm\" and model.mlp = \"swiglu\" (this model has model.norm = \"{}\", model.mlp = \"{}\"); or set model.arch = \"llama\"",
             m.norm,
             m.mlp
         ),

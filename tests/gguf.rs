@@ -484,6 +484,15 @@ fn bad_files_and_models_are_refused_in_one_line() {
         ],
     );
     let good = std::fs::read(d.join("ok.gguf")).unwrap();
+    // A GGUF file where a run folder goes: the import that makes one.
+    refused(
+        d,
+        &["info", "--checkpoint", "ok.gguf"],
+        &[
+            "is a GGUF file",
+            "tinygpt import --from ok.gguf --out checkpoints/ok",
+        ],
+    );
     // Truncated: in the tensor data, and in the header.
     std::fs::write(d.join("cut.gguf"), &good[..good.len() - 1000]).unwrap();
     refused(
