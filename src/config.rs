@@ -64,7 +64,8 @@ pub struct DataConfig {
     /// empty: a `cache` folder beside the corpus (data/shakespeare.txt -> data/cache).
     pub cache_dir: PathBuf,
     /// How the cache tells that the corpus changed: `sampled` (each file's size,
-    /// modification time and 64 blocks of it) or `full` (all of its bytes).
+    /// modification time and 64 blocks of it; all of a file up to 16 MiB) or `full`
+    /// (all of its bytes).
     pub fingerprint: FingerprintKind,
 }
 
@@ -73,8 +74,9 @@ pub struct DataConfig {
 #[serde(rename_all = "lowercase")]
 pub enum FingerprintKind {
     /// Size, modification time and a hash of 64 blocks of 4 KiB spread through each
-    /// file: milliseconds for any size; a rewrite of the same size with an old
-    /// modification time is seen unless it changes no sampled block.
+    /// file larger than 16 MiB (smaller ones whole): milliseconds for any size; a
+    /// rewrite of a large file with the same size and an old modification time is seen
+    /// unless it changes no sampled block.
     #[default]
     Sampled,
     /// Size, modification time and a hash of every byte: seconds a gigabyte.

@@ -562,15 +562,16 @@ fn training_runs_on_jsonl_and_on_nanogpt_bins_sharing_one_cache() {
 
 /// A corpus rewritten with the same size and its old modification time (`cp -p`,
 /// `rsync -t`) gets a cache of its own: the sampled fingerprint sees the bytes changed
-/// (in every block of the file here, and in a single byte within a sampled block), the
-/// full one any byte.
+/// (in every block of the file here, and in a single byte within a sampled block; any
+/// byte of a file up to 16 MiB, hashed whole), the full one any byte.
 #[test]
 fn a_same_size_rewrite_with_the_old_time_is_noticed() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("corpus.txt");
-    let text: String = documents().concat().repeat(40);
+    let doc = documents().concat();
+    let text: String = doc.repeat((17 << 20) / doc.len() + 1);
     assert!(
-        text.len() > 64 * 4096,
+        text.len() > 16 << 20,
         "large enough to be sampled: {}",
         text.len()
     );
@@ -618,6 +619,16 @@ fn a_same_size_rewrite_with_the_old_time_is_noticed() {
     rewrite(&one);
     assert_ne!(dir_of(FingerprintKind::Sampled), sampled);
     assert_ne!(dir_of(FingerprintKind::Full), full);
+
+    // A smaller file (300 KB), one byte changed between where blocks would be sampled.
+    let small = &text.as_bytes()[..300_000];
+    rewrite(small);
+    let before = dir_of(FingerprintKind::Sampled);
+    let mut one = small.to_vec();
+    let at = 300_000 / 63 / 2;
+    one[at] = if one[at] == b'x' { b'y' } else { b'x' };
+    rewrite(&one);
+    assert_ne!(dir_of(FingerprintKind::Sampled), before);
 }
 
 /// Our BPE trainer (stoppable) learns what `tokenizers`' BpeTrainer learns from the same

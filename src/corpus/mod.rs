@@ -94,16 +94,19 @@ pub struct Piece {
 /// Blocks a sampled fingerprint reads of each file, and their size.
 const SAMPLED_BLOCKS: u64 = 64;
 const SAMPLE_BLOCK: u64 = 4096;
+/// Files up to this size are hashed whole even when sampled: tens of milliseconds, and
+/// an edit that keeps a file's size and time is seen wherever it is.
+const HASHED_WHOLE: u64 = 16 << 20;
 
 /// SHA-256 of a file's bytes: all of them, or `SAMPLED_BLOCKS` blocks spread evenly from
-/// its first to its last (all of a file smaller than those blocks together).
+/// its first to its last (all of a file up to `HASHED_WHOLE`).
 fn content_hash(path: &Path, bytes: u64, how: FingerprintKind) -> Result<String> {
     use sha2::{Digest, Sha256};
     use std::io::{Read, Seek, SeekFrom};
     let mut file = open_file(path)?;
     let read_error =
         |e: std::io::Error| user_error(format!("cannot read corpus file {}: {e}", path.display()));
-    if how == FingerprintKind::Full || bytes <= SAMPLED_BLOCKS * SAMPLE_BLOCK {
+    if how == FingerprintKind::Full || bytes <= HASHED_WHOLE {
         let (hash, _) = crate::util::sha256_hex_of_reader(file).map_err(read_error)?;
         return Ok(hash);
     }
