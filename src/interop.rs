@@ -693,6 +693,13 @@ pub fn save_imported(
         _ => TokenizerKind::Bpe,
     };
     config.tokenizer.vocab_size = tokenizer.vocab_size();
+    if config.tokenizer.kind == TokenizerKind::Bpe && tokenizer.vocab_size() < 257 {
+        user_bail!(
+            "{}: its tokenizer has {} tokens and is not a char vocabulary; tinygpt reads BPE vocabularies (at least 257 tokens: 256 bytes and an end of text) and char ones",
+            from.display(),
+            tokenizer.vocab_size()
+        );
+    }
     config.model = model_cfg;
     config
         .validate()

@@ -442,3 +442,25 @@ fn import_overwrites_nothing() {
     std::fs::create_dir(&empty).unwrap();
     tinygpt::interop::import(&hf, &empty).unwrap();
 }
+
+#[test]
+fn a_tokenizer_neither_bpe_nor_char_is_refused_by_what_it_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = run_folder(dir.path(), "g", |c| c.model.bias = true);
+    let loaded = Loaded::load(&run, &Device::Cpu).unwrap();
+    let hf = dir.path().join("hf");
+    tinygpt::interop::export(&loaded, &hf).unwrap();
+    let word_level = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1, "[UNK]": 2}, "unk_token": "[UNK]"}
+    });
+    std::fs::write(hf.join("tokenizer.json"), word_level.to_string()).unwrap();
+    let err = tinygpt::interop::import(&hf, &dir.path().join("back")).unwrap_err();
+    assert!(tinygpt::error::find_user_error(&err).is_some(), "{err}");
+    let message = format!("{err}");
+    assert!(
+        message.contains("its tokenizer has 3 tokens and is not a char vocabulary"),
+        "{message}"
+    );
+}

@@ -102,6 +102,9 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
     std::fs::write(d.join("bad-tokenizer.json"), "{ nope").unwrap();
     std::fs::write(d.join("bad.jsonl"), "{\"text\": \"fine\"}\n{oops\n").unwrap();
     std::fs::write(d.join("nofield.jsonl"), "{\"id\": 1, \"body\": \"x\"}\n").unwrap();
+    std::fs::write(d.join("arrays.jsonl"), "[1, 2]\n").unwrap();
+    let bpe = tinygpt::tokenizer::Tokenizer::train_bpe(&text, 300).unwrap();
+    std::fs::write(d.join("bpe.json"), bpe.to_json().unwrap()).unwrap();
     let tokens: Vec<u8> = [1u16, 2, 5000, 3]
         .repeat(50)
         .iter()
@@ -374,6 +377,16 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "parquet without the text column",
             &format!("{t} --set data.corpus={parquet} --set data.text_field=body"),
             "it has: id, text, url",
+        ),
+        case(
+            "jsonl lines that are not objects",
+            &format!("{t} --set data.corpus=arrays.jsonl"),
+            "arrays.jsonl:1 is an array, not a JSON object",
+        ),
+        case(
+            "a char tokenizer asked for beside a BPE tokenizer.path",
+            &format!("{t} --set tokenizer.kind=char --set tokenizer.path=bpe.json"),
+            "is not a char vocabulary",
         ),
         case(
             "token file without tokenizer.path",

@@ -49,6 +49,14 @@ impl Pieces for JsonlFile {
                     where_()
                 ))
             })?;
+            if !value.is_object() {
+                return Err(user_error(format!(
+                    "{} is {}, not a JSON object; a .jsonl corpus has one object per line, its text in field \"{}\"",
+                    where_(),
+                    kind_of(&value),
+                    self.field
+                )));
+            }
             let text = match value.get(&self.field) {
                 Some(serde_json::Value::String(text)) => text.clone(),
                 Some(other) => {

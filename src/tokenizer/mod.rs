@@ -133,7 +133,7 @@ impl Tokenizer {
             .map_err(|e| user_error(format!("cannot read tokenizer {}: {e}", path.display())))?;
         Self::from_json(&bytes).map_err(|e| {
             user_error(format!(
-                "tokenizer {} is not a valid tokenizer.json ({e:#}); retrain it or point to a good copy",
+                "tokenizer {} is not a valid tokenizer.json ({e:#}); replace it with a good copy",
                 path.display()
             ))
         })

@@ -170,7 +170,17 @@ fn init_from(mut config: Config, dir: &Path, context: Option<usize>) -> Result<O
 fn fresh(mut config: Config, corpus: &Corpus, cache: &CorpusCache, stop: &Stop) -> Result<Origin> {
     let tk = &config.tokenizer;
     let tokenizer = match &tk.path {
-        Some(path) => Tokenizer::from_file(path)?,
+        Some(path) => {
+            let tokenizer = Tokenizer::from_file(path)?;
+            // A char kind asked for beside a file that is not one would be dropped.
+            if tk.kind == TokenizerKind::Char && tokenizer.kind_name() != "char" {
+                user_bail!(
+                    "tokenizer.kind = \"char\" but tokenizer.path {} is not a char vocabulary (it is used as it is); remove tokenizer.path to train a char vocabulary on the corpus, or tokenizer.kind",
+                    path.display()
+                );
+            }
+            tokenizer
+        }
         None if corpus.is_tokenized() => user_bail!(
             "corpus {} holds token ids (.bin files); set tokenizer.path to the tokenizer.json they were encoded with (GPT-2's for nanoGPT's and llm.c's files)",
             corpus.path.display()
