@@ -335,10 +335,17 @@ impl RunDir {
             }
         }
         let bytes = fs::read(&path).map_err(|e| {
-            user_error(format!(
-                "{}: {e}; this folder has no complete checkpoint",
-                path.display()
-            ))
+            // A trainer's folder before its first checkpoint: say so, not that it is broken.
+            match crate::lock::holder(&self.path) {
+                Some(trainer) => user_error(format!(
+                    "{} has no checkpoint yet: a trainer ({trainer}) is writing this run and saves its first at train.checkpoint_interval (or when stopped)",
+                    self.path.display()
+                )),
+                None => user_error(format!(
+                    "{}: {e}; this folder has no complete checkpoint",
+                    path.display()
+                )),
+            }
         })?;
         let state: TrainState = serde_json::from_slice(&bytes).map_err(|e| {
             user_error(format!(

@@ -153,6 +153,19 @@ impl RunLock {
     }
 }
 
+/// The trainer that holds `dir`, as "pid 4242 on node07", where its lock file names one
+/// that lives (on this machine; one on another is taken to, its pid unaskable here). For
+/// messages only: it takes no lock, so it never gets in a starting trainer's way.
+pub fn holder(dir: &Path) -> Option<String> {
+    let mut file = fs::File::open(dir.join(LOCK_FILE)).ok()?;
+    let holder = Holder::read(&mut file)?;
+    let alive = !holder.on_this_host() || process_alive(holder.pid);
+    alive.then(|| match &holder.host {
+        Some(host) => format!("pid {} on {host}", holder.pid),
+        None => format!("pid {}", holder.pid),
+    })
+}
+
 /// Whether a lock failed because the filesystem offers none (rather than for a reason
 /// to report).
 fn cannot_lock(e: &std::io::Error) -> bool {
@@ -388,6 +401,33 @@ mod tests {
         Holder::parse(&fs::read_to_string(path).unwrap())
             .unwrap()
             .pid
+    }
+
+    #[test]
+    fn a_folder_being_trained_names_its_trainer() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(holder(dir.path()), None);
+        let lock = RunLock::acquire(dir.path()).unwrap();
+        let named = holder(dir.path()).unwrap();
+        assert!(
+            named.starts_with(&format!("pid {}", std::process::id())),
+            "{named}"
+        );
+        // What `info` says of the folder before its first checkpoint.
+        let err = crate::checkpoint::RunDir::new(dir.path())
+            .state()
+            .unwrap_err();
+        assert!(
+            format!("{err}").contains(&format!("a trainer ({named})")),
+            "{err}"
+        );
+        drop(lock);
+        // A dead trainer's file names nobody.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        fs::write(dir.path().join(LOCK_FILE), format!("{pid}\n")).unwrap();
+        assert_eq!(holder(dir.path()), None);
     }
 
     #[test]
