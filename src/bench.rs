@@ -174,16 +174,17 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// The vocabulary size a bench uses when the config leaves it to the tokenizer: that
-/// tokenizer's where it is there already (tokenizer.path, or trained on data.corpus),
-/// else a guess.
-/// Refuses a config whose training step would not fit in memory, as `train` does.
+/// Refuses a config whose training step would not fit in memory, as `train` does
+/// (`run` asks first; the CLI also before it prints what it benches).
 pub fn check_memory(config: &Config, device: &Device) -> Result<()> {
     let mut sized = config.clone();
     sized.model.vocab_size = bench_vocab(config);
     crate::train::check_memory(&sized, device, 1)
 }
 
+/// The vocabulary size a bench uses when the config leaves it to the tokenizer: that
+/// tokenizer's where it is there already (tokenizer.path, or trained on data.corpus),
+/// else a guess.
 pub fn bench_vocab(config: &Config) -> usize {
     if config.model.vocab_size == 0 {
         if let Some(known) = crate::corpus::cache::known_vocab(config) {

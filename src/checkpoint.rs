@@ -150,7 +150,8 @@ fn not_a_run_folder(path: &Path) -> String {
             );
         }
     }
-    if crate::gguf::is_gguf(path) {
+    // GGUF's magic (not `gguf::is_gguf`: gguf reads checkpoints, so it is above this).
+    if crate::util::file_starts_with(path, b"GGUF") {
         let stem = path
             .file_stem()
             .map_or("model".into(), |s| s.to_string_lossy());

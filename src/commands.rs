@@ -328,10 +328,13 @@ pub fn eval(args: EvalArgs, stop: tinygpt::util::Stop) -> Result<()> {
     let ids = loaded.tokenizer.encode(&text)?;
     let window = tinygpt::eval::window(args.context, loaded.config.model.block_size, ids.len())?;
     if auto {
-        // Raced on the CPU copy; moved only if CUDA scores faster.
-        let spec = loaded.model.spec();
+        // Raced on the CPU copy, at the window's length; moved only if CUDA scores faster.
+        let spec = tinygpt::model::ModelSpec::new(&tinygpt::config::ModelConfig {
+            block_size: window,
+            ..loaded.config.model.clone()
+        });
         let options = tinygpt::eval::engine_options(ids.len(), window);
-        let choice = fastest_device(spec, options, Work::Evaluation, |_| true)?;
+        let choice = fastest_device(&spec, options, Work::Evaluation, |_| true)?;
         eprintln!("device auto: {choice}");
         if !choice.device.is_cpu() {
             loaded = Loaded::load(&args.ckpt.checkpoint, &choice.device)?;
@@ -768,7 +771,6 @@ pub fn export(args: ExportArgs) -> Result<()> {
 
 pub fn import(args: ImportArgs) -> Result<()> {
     tinygpt::interop::check_import_source(&args.from)?;
-    tinygpt::interop::check_import_folder(&args.out)?;
     let bar = tinygpt::util::bars::spinner(&format!("importing {}", args.from.display()));
     let config = match args.from.is_file() {
         true => tinygpt::gguf::import(&args.from, &args.out)?,

@@ -135,12 +135,12 @@ fn auto() -> Result<Device> {
 fn cuda(ordinal: usize) -> Result<Device> {
     if !cfg!(feature = "cuda") {
         // A build for ranks keeps them: NCCL between GPUs, MPI to start them.
-        let features = if cfg!(feature = "mpi") {
-            "cuda,nccl,mpi"
+        let (features, needs) = if cfg!(feature = "mpi") {
+            ("cuda,nccl,mpi", "a CUDA toolkit and NCCL")
         } else {
-            "cuda"
+            ("cuda", "a CUDA toolkit")
         };
-        user_bail!("this tinygpt was built without CUDA; install the CUDA build with `cargo install --path . --features {features}` (needs a CUDA toolkit), or use --device cpu");
+        user_bail!("this tinygpt was built without CUDA; install the CUDA build with `cargo install --path . --features {features}` (needs {needs}), or use --device cpu");
     }
     Device::new_cuda(ordinal)
         .map_err(|e| crate::error::user_error(format!("cannot open CUDA device {ordinal}: {e}")))

@@ -52,10 +52,10 @@ pub fn out_of_storage(err: &anyhow::Error) -> Option<&'static str> {
         .filter_map(|e| e.downcast_ref::<std::io::Error>())
         .find_map(|e| match e.kind() {
             ErrorKind::StorageFull | ErrorKind::QuotaExceeded => Some(
-                "free space there, or write elsewhere (run.out_dir for checkpoints, data.cache_dir for the corpus cache); the last complete checkpoint is kept",
+                "free space there or write elsewhere (training: run.out_dir, data.cache_dir; a run's last complete checkpoint is kept)",
             ),
             ErrorKind::ReadOnlyFilesystem => Some(
-                "the filesystem is read-only: write elsewhere (run.out_dir for checkpoints, data.cache_dir for the corpus cache)",
+                "the filesystem is read-only: write elsewhere (training: run.out_dir, data.cache_dir)",
             ),
             _ => None,
         })

@@ -16,10 +16,10 @@ use anyhow::Result;
 use candle_core::Device;
 use indicatif::ProgressBar;
 
-use crate::config::TrainConfig;
+use crate::config::ModelConfig;
 use crate::data::Batch;
 use crate::engine::{self, EngineOptions};
-use crate::model::{Gpt, ModelSpec};
+use crate::model::Gpt;
 use crate::user_bail;
 use crate::util::Stop;
 
@@ -118,8 +118,13 @@ pub fn evaluate(model: &Gpt, ids: &[u32], bytes: usize) -> Result<EvalResult> {
 }
 
 /// The tokens a window holds: `asked` (`eval --context`) or the model's `block_size`,
-/// and never more than the text's `tokens`.
+/// and never more than the text's `tokens` (of which there must be two).
 pub fn window(asked: Option<usize>, block_size: usize, tokens: usize) -> Result<usize> {
+    if tokens < 2 {
+        user_bail!(
+            "the text is {tokens} token(s); evaluation needs at least 2 (one to predict from, one to predict)"
+        );
+    }
     let context = match asked {
         Some(n) if n < 2 => {
             user_bail!("--context {n} is too short: a window needs at least 2 tokens")
@@ -154,10 +159,12 @@ pub fn evaluate_until(
     needs_two_tokens(ids)?; // before building an engine (seconds on a GPU)
     let block = block.min(ids.len());
     let options = engine_options(ids.len(), block);
-    let (spec, weights) = model
-        .spec()
-        .with_context(&model.params().to_flat()?, block)?;
-    check_memory(&spec, options, model.device())?;
+    check_memory(model.config(), (ids.len(), block), options, model.device())?;
+    let weights = model.params().to_flat()?;
+    let (spec, weights) = match block == model.config().block_size {
+        true => (model.spec().clone(), weights),
+        false => model.spec().with_context(&weights, block)?,
+    };
     let mut engine = engine::build(&spec, &weights, model.device(), options)?;
     // Windows shorter than a block are padded at the end: causal attention means the
     // padding changes no earlier position. Rows past the last window are padding too.
@@ -188,33 +195,44 @@ pub fn evaluate_until(
     score_windows(ids, bytes, (block, options.batch), (progress, stop), score)
 }
 
-/// Refuses windows whose engine would not fit in the memory `device` has free: the
-/// engine takes its buffers at once, and an allocation that fails aborts the process.
-fn check_memory(spec: &ModelSpec, options: EngineOptions, device: &Device) -> Result<()> {
+/// Refuses windows of `block` tokens over a text of `tokens` whose engine (built with
+/// `options`) would not fit in the memory `device` has free: the engine takes its
+/// buffers at once, and an allocation that fails aborts the process.
+fn check_memory(
+    model: &ModelConfig,
+    (tokens, block): (usize, usize),
+    options: EngineOptions,
+    device: &Device,
+) -> Result<()> {
+    let engine = engine::footprint(device, &options);
+    // As scoring in windows of `block` tokens would build its engine.
     let need = |block: usize| {
-        let mut m = spec.config.clone();
-        m.block_size = block;
-        let batch = TrainConfig {
-            batch_size: options.batch,
-            grad_accum: 1,
-            ..TrainConfig::default()
+        let m = ModelConfig {
+            block_size: block,
+            ..model.clone()
         };
-        engine::training_bytes(&m, &batch, engine::footprint(device, &options), 1)
+        engine::evaluation_bytes(&m, engine_options(tokens, block).batch, engine)
     };
     let available = match device {
         Device::Cpu => crate::util::available_memory_bytes(),
         _ => crate::device::gpu_memory(device).map(|(free, _)| free as f64),
     };
-    let block = spec.shapes.block_size;
     let Some(available) = available.filter(|&a| need(block) > a) else {
         return Ok(());
     };
+    let gib = |bytes: f64| bytes / f64::from(1 << 30);
     // The longest power of two that fits, to offer.
     let mut fits = block.next_power_of_two() / 2;
-    while fits > 2 && need(fits) > available {
+    while fits >= 2 && need(fits) > available {
         fits /= 2;
     }
-    let gib = |bytes: f64| bytes / f64::from(1 << 30);
+    if fits < 2 {
+        user_bail!(
+            "scoring with this model needs about {:.1} GiB even in windows of 2 tokens, but {:.1} GiB is available",
+            gib(need(2)),
+            gib(available)
+        );
+    }
     user_bail!(
         "scoring windows of {block} tokens needs about {:.1} GiB but {:.1} GiB is available; pass --context with fewer tokens, e.g. --context {fits}",
         gib(need(block)),

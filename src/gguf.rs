@@ -428,14 +428,12 @@ pub fn check_export_file(out: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The first bytes of every GGUF file.
+const GGUF_MAGIC: &[u8] = b"GGUF";
+
 /// Whether `path` starts with GGUF's magic.
 pub fn is_gguf(path: &Path) -> bool {
-    use std::io::Read;
-    let mut magic = [0u8; 4];
-    std::fs::File::open(path)
-        .and_then(|mut f| f.read_exact(&mut magic))
-        .is_ok()
-        && &magic == b"GGUF"
+    crate::util::file_starts_with(path, GGUF_MAGIC)
 }
 
 /// Writes `loaded` as one GGUF file for llama.cpp, matrices in `dtype`.

@@ -694,9 +694,11 @@ pub fn save_imported(
     };
     config.tokenizer.vocab_size = tokenizer.vocab_size();
     if config.tokenizer.kind == TokenizerKind::Bpe && tokenizer.vocab_size() < 257 {
+        let json: Value = serde_json::from_str(&tokenizer.to_json()?)?;
         user_bail!(
-            "{}: its tokenizer has {} tokens and is not a char vocabulary; tinygpt reads BPE vocabularies (at least 257 tokens: 256 bytes and an end of text) and char ones",
+            "{}: its tokenizer is a {} vocabulary of {} tokens, not a char one; tinygpt reads char vocabularies and BPE ones of at least 257 tokens (256 bytes and an end of text)",
             from.display(),
+            json["model"]["type"].as_str().unwrap_or("tokenizers"),
             tokenizer.vocab_size()
         );
     }

@@ -154,16 +154,18 @@ impl RunLock {
 }
 
 /// The trainer that holds `dir`, as "pid 4242 on node07", where its lock file names one
-/// that lives (on this machine; one on another is taken to, its pid unaskable here). For
-/// messages only: it takes no lock, so it never gets in a starting trainer's way.
+/// that lives on this machine, or one on another (whose pid cannot be asked after from
+/// here: "if it still runs"). For messages only: it takes no lock, so it never gets in
+/// a starting trainer's way.
 pub fn holder(dir: &Path) -> Option<String> {
     let mut file = fs::File::open(dir.join(LOCK_FILE)).ok()?;
     let holder = Holder::read(&mut file)?;
-    let alive = !holder.on_this_host() || process_alive(holder.pid);
-    alive.then(|| match &holder.host {
-        Some(host) => format!("pid {} on {host}", holder.pid),
-        None => format!("pid {}", holder.pid),
-    })
+    match (&holder.host, holder.on_this_host()) {
+        (Some(host), false) => Some(format!("pid {} on {host}, if it still runs", holder.pid)),
+        _ if !process_alive(holder.pid) => None,
+        (Some(host), true) => Some(format!("pid {} on {host}", holder.pid)),
+        (None, _) => Some(format!("pid {}", holder.pid)),
+    }
 }
 
 /// Whether a lock failed because the filesystem offers none (rather than for a reason

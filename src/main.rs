@@ -474,7 +474,8 @@ struct BenchArgs {
 }
 
 fn run(cli: Cli, world: &World) -> anyhow::Result<()> {
-    // Commands with long loops stop politely on the first Ctrl-C or SIGTERM (the loops
+    // Commands with long loops stop politely on the first Ctrl-C, SIGTERM, SIGHUP or
+    // SIGUSR1/2 (the loops
     // check; a second signal exits at once). The others keep the default, which ends
     // them at once: everything they write is written atomically.
     let polite = matches!(
@@ -769,10 +770,10 @@ fn print_error(err: &anyhow::Error, world: &World) {
     }
 }
 
-/// Ctrl-C or SIGTERM asks the command to stop (training finishes its step, writes a
-/// checkpoint and stops; other work gives up within about a second). A second Ctrl-C
-/// exits at once, writing nothing. On Windows the same through its C runtime's SIGINT
-/// (Ctrl-C in a console) and SIGTERM.
+/// Ctrl-C or SIGTERM (on Unix also SIGHUP, SIGUSR1, SIGUSR2) asks the command to stop
+/// (training finishes its step, writes a checkpoint and stops; other work gives up
+/// within about a second). A second signal exits at once, writing nothing. On Windows
+/// the same through its C runtime's SIGINT (Ctrl-C in a console) and SIGTERM.
 fn stop_on_signals(pipe: bool) -> anyhow::Result<Stop> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let flag = Arc::new(AtomicI32::new(0));

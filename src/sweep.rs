@@ -346,12 +346,17 @@ pub fn run(points: &[Point], stop: Stop, reporter: &mut dyn Reporter) -> Result<
 }
 
 fn interrupted(signal: i32, step: usize, run_dir: PathBuf) -> anyhow::Error {
+    let saved = crate::checkpoint::RunDir::new(&run_dir).has_checkpoint();
+    let continue_with = match saved {
+        true => "the same sweep command (done runs are skipped, this one resumes)",
+        false => "the same sweep command (done runs are skipped)",
+    };
     InterruptedError {
         signal,
         step,
-        saved: crate::checkpoint::RunDir::new(&run_dir).has_checkpoint(),
+        saved,
         run_dir,
-        continue_with: "the same sweep command (done runs are skipped, this one resumes)".into(),
+        continue_with: continue_with.into(),
     }
     .into()
 }

@@ -620,12 +620,13 @@ fn a_same_size_rewrite_with_the_old_time_is_noticed() {
     assert_ne!(dir_of(FingerprintKind::Sampled), sampled);
     assert_ne!(dir_of(FingerprintKind::Full), full);
 
-    // A smaller file (300 KB), one byte changed between where blocks would be sampled.
+    // A smaller file (300 KB), one byte changed between where blocks would be sampled:
+    // after the first (0..4096), before the second (at (300,000 - 4096) / 63 = 4696).
     let small = &text.as_bytes()[..300_000];
     rewrite(small);
     let before = dir_of(FingerprintKind::Sampled);
     let mut one = small.to_vec();
-    let at = 300_000 / 63 / 2;
+    let at = 4096 + 300;
     one[at] = if one[at] == b'x' { b'y' } else { b'x' };
     rewrite(&one);
     assert_ne!(dir_of(FingerprintKind::Sampled), before);

@@ -444,7 +444,7 @@ fn import_overwrites_nothing() {
 }
 
 #[test]
-fn a_tokenizer_neither_bpe_nor_char_is_refused_by_what_it_is() {
+fn a_tokenizer_too_small_for_bpe_and_not_char_is_refused_naming_its_kind() {
     let dir = tempfile::tempdir().unwrap();
     let run = run_folder(dir.path(), "g", |c| c.model.bias = true);
     let loaded = Loaded::load(&run, &Device::Cpu).unwrap();
@@ -460,7 +460,7 @@ fn a_tokenizer_neither_bpe_nor_char_is_refused_by_what_it_is() {
     assert!(tinygpt::error::find_user_error(&err).is_some(), "{err}");
     let message = format!("{err}");
     assert!(
-        message.contains("its tokenizer has 3 tokens and is not a char vocabulary"),
+        message.contains("its tokenizer is a WordLevel vocabulary of 3 tokens"),
         "{message}"
     );
 }

@@ -33,27 +33,48 @@ pub enum Footprint {
 /// The fused CUDA engine allocates everything up front from its plan: its bytes are
 /// the plan's total (cuBLAS's work space and the CUDA context come on top).
 pub fn training_bytes(m: &ModelConfig, t: &TrainConfig, engine: Footprint, ranks: usize) -> f64 {
+    if engine == Footprint::FusedCuda {
+        let spec = ModelSpec::new(m);
+        let plan = cuda_plan(&spec, t.batch_size, t);
+        let moments = 2 * spec.len() * std::mem::size_of::<f32>();
+        let unshared = moments - moments / ranks.max(1);
+        return (plan.bytes(m.n_layer, true) - unshared as u64) as f64;
+    }
+    let micro_grads = if t.grad_accum > 1 { 1.0 } else { 0.0 };
+    let copies = 2.0 + micro_grads + 2.0 / ranks.max(1) as f64;
+    cpu_bytes(m, t.batch_size, engine, copies)
+}
+
+/// Bytes for building an engine that only scores (`eval`): as [`training_bytes`]
+/// without AdamW's moments (the CPU engines' gradient buffers counted, the CUDA plan's
+/// evaluation total), for `batch` sequences of `m.block_size`.
+pub fn evaluation_bytes(m: &ModelConfig, batch: usize, engine: Footprint) -> f64 {
+    if engine == Footprint::FusedCuda {
+        let spec = ModelSpec::new(m);
+        return cuda_plan(&spec, batch, &TrainConfig::default()).bytes(m.n_layer, false) as f64;
+    }
+    cpu_bytes(m, batch, engine, 2.0)
+}
+
+fn cuda_plan(spec: &ModelSpec, batch: usize, t: &TrainConfig) -> crate::cuda::Plan {
+    let attention = crate::cuda::Attention::choose(&spec.shapes, t.dtype, batch);
+    crate::cuda::Plan::for_spec(spec, batch, attention, t.dtype)
+}
+
+/// A CPU or reference engine's bytes: `copies` of the parameters and one micro-batch's
+/// activations (the coefficients above).
+fn cpu_bytes(m: &ModelConfig, batch: usize, engine: Footprint, copies: f64) -> f64 {
     let (per_channel, per_score, per_logit, outside) = match engine {
         Footprint::Reference => (19.0, 10.5, 4.0, 72.0),
-        Footprint::FusedCpu => (10.0, 0.12, 1.1, 21.0),
-        Footprint::FusedCuda => {
-            let spec = ModelSpec::new(m);
-            let attention = crate::cuda::Attention::choose(&spec.shapes, t.dtype, t.batch_size);
-            let plan = crate::cuda::Plan::for_spec(&spec, t.batch_size, attention, t.dtype);
-            let moments = 2 * spec.len() * std::mem::size_of::<f32>();
-            let unshared = moments - moments / ranks.max(1);
-            return (plan.bytes(m.n_layer, true) - unshared as u64) as f64;
-        }
+        _ => (10.0, 0.12, 1.1, 21.0),
     };
-    let tokens = (t.batch_size * m.block_size) as f64;
+    let tokens = (batch * m.block_size) as f64;
     let (layers, width) = (m.n_layer as f64, m.n_embd as f64);
     let scores = (m.n_head * m.block_size) as f64;
     let activations = tokens
         * (layers * (per_channel * width + per_score * scores)
             + per_logit * m.vocab_size as f64
             + outside * width);
-    let micro_grads = if t.grad_accum > 1 { 1.0 } else { 0.0 };
-    let copies = 2.0 + micro_grads + 2.0 / ranks.max(1) as f64;
     4.0 * (copies * ModelSpec::new(m).len() as f64 + activations)
 }
 

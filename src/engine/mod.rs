@@ -26,7 +26,7 @@ use candle_core::Device;
 use crate::cpu::FusedCpu;
 use crate::model::ModelSpec;
 use crate::parallel::{Collective, Single};
-pub use footprint::{training_bytes, Footprint};
+pub use footprint::{evaluation_bytes, training_bytes, Footprint};
 pub use interface::{Engine, EngineOptions, MOMENT_SUFFIXES};
 use reference::ReferenceEngine;
 

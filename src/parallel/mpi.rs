@@ -43,7 +43,7 @@ impl Mpi {
         );
         let world = universe.world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
-        if size == 1 && launcher.several() {
+        if size == 1 && launcher.size.is_some_and(|n| n > 1) {
             // Each process would train alone: N runs racing for one run folder.
             drop(universe);
             return Err(crate::error::user_error(format!(

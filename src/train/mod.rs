@@ -98,12 +98,14 @@ impl Prepared {
     /// What the data every rank reads must agree on: the resolved config (the
     /// vocabulary filled in), the tokenizer, and the tokens (counts and a hash of each
     /// split's ends: a whole-corpus hash would cost a pass over it).
-    fn data_summary(&self) -> Result<BTreeMap<String, String>> {
-        let mut summary = crate::compare::flatten(&self.config);
-        summary.insert(
-            "tokenizer".into(),
-            sha256_hex(self.tokenizer.to_json()?.as_bytes()),
-        );
+    /// Infallible: every rank must reach the comparison's collectives.
+    fn data_summary(&self) -> BTreeMap<String, String> {
+        let mut summary = shared_settings(&self.config);
+        let tokenizer = self
+            .tokenizer
+            .to_json()
+            .unwrap_or_else(|e| format!("unwritable: {e}"));
+        summary.insert("tokenizer".into(), sha256_hex(tokenizer.as_bytes()));
         for (name, tokens) in [("train", &self.split.train), ("val", &self.split.val)] {
             let n = tokens.len();
             let ends: Vec<u32> = (0..n.min(4096))
@@ -114,8 +116,17 @@ impl Prepared {
             summary.insert(format!("{name} tokens"), n.to_string());
             summary.insert(format!("{name} tokens' ends"), sha256_hex(&bytes));
         }
-        Ok(summary)
+        summary
     }
+}
+
+/// The settings every rank must share: all but where each finds its device and its
+/// corpus cache (`--device cuda:$LOCAL_RANK`, a cache on each node's own disk).
+fn shared_settings(config: &Config) -> BTreeMap<String, String> {
+    let mut settings = crate::compare::flatten(config);
+    settings.remove("run.device");
+    settings.remove("data.cache_dir");
+    settings
 }
 
 /// Steps trained since the trainer last read the engine's loss: reading waits for a
@@ -167,11 +178,7 @@ impl Trainer {
         comm: Arc<dyn Collective>,
     ) -> Result<Self> {
         let resume = start == Start::Resume;
-        same_everywhere(
-            comm.as_ref(),
-            "the config",
-            &crate::compare::flatten(&config),
-        )?;
+        same_everywhere(comm.as_ref(), "the config", &shared_settings(&config))?;
         let prepared = if comm.rank() == 0 {
             let run = RunDir::new(config.run_dir());
             // A folder that exists is locked before it is read: a resumed run must not
@@ -189,7 +196,7 @@ impl Trainer {
         // Every rank prepared (or all stop), then all read the same data: a corpus
         // that differs between nodes under one path shows here.
         let prepared = agree(comm.as_ref(), prepared).and_then(|p| {
-            same_everywhere(comm.as_ref(), "the data", &p.data_summary()?)?;
+            same_everywhere(comm.as_ref(), "the data", &p.data_summary())?;
             Ok(p)
         });
         let built = prepared.and_then(|mut p| {

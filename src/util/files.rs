@@ -80,6 +80,16 @@ fn folder_of(path: &Path) -> &Path {
         .unwrap_or(Path::new("."))
 }
 
+/// Whether the file at `path` begins with `magic` (a format's first bytes).
+pub fn file_starts_with(path: &Path, magic: &[u8]) -> bool {
+    use std::io::Read;
+    let mut start = vec![0u8; magic.len()];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut start))
+        .is_ok()
+        && start == magic
+}
+
 /// The SHA-256 of `bytes`, as 64 lowercase hex digits.
 pub fn sha256_hex(bytes: &[u8]) -> String {
     sha256_hex_of([bytes])
