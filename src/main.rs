@@ -475,9 +475,8 @@ struct BenchArgs {
 
 fn run(cli: Cli, world: &World) -> anyhow::Result<()> {
     // Commands with long loops stop politely on the first Ctrl-C, SIGTERM, SIGHUP or
-    // SIGUSR1/2 (the loops
-    // check; a second signal exits at once). The others keep the default, which ends
-    // them at once: everything they write is written atomically.
+    // SIGUSR1/2 (the loops check; a second signal exits at once). The others keep the
+    // default, which ends them at once: everything they write is written atomically.
     let polite = matches!(
         cli.command,
         Command::Train(_)
