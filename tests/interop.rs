@@ -73,6 +73,23 @@ fn same_weights(a: &Gpt, b: &Gpt) {
     }
 }
 
+/// Llama's layout: rotary positions, RMSNorm, SwiGLU.
+fn llama(c: &mut Config) {
+    c.model.arch = Arch::Llama;
+    c.model.positions = PositionKind::Rope;
+    c.model.norm = NormKind::RmsNorm;
+    c.model.mlp = MlpKind::Swiglu;
+}
+
+/// A run folder of this config in `dir`, loaded, and exported to `dir`/hf.
+fn exported(dir: &Path, edit: impl Fn(&mut Config)) -> (Loaded, std::path::PathBuf) {
+    let run = run_folder(dir, "run", edit);
+    let loaded = Loaded::load(&run, &Device::Cpu).unwrap();
+    let hf = dir.join("hf");
+    tinygpt::interop::export(&loaded, &hf).unwrap();
+    (loaded, hf)
+}
+
 #[test]
 fn export_then_import_is_the_identity() {
     let dir = tempfile::tempdir().unwrap();
@@ -91,10 +108,7 @@ fn export_then_import_is_the_identity() {
         // (the model keeps its parameter count and what --init-from would train).
         ("bias-free-gpt2", |c| c.model.bias = false),
         ("llama", |c| {
-            c.model.arch = Arch::Llama;
-            c.model.positions = PositionKind::Rope;
-            c.model.norm = NormKind::RmsNorm;
-            c.model.mlp = MlpKind::Swiglu;
+            llama(c);
             c.model.n_kv_head = Some(2);
             c.model.norm_eps = 1e-6;
         }),
@@ -131,10 +145,7 @@ fn export_then_import_is_the_identity() {
 #[test]
 fn exported_gpt2_uses_conv1d_layout_and_hf_names() {
     let dir = tempfile::tempdir().unwrap();
-    let run = run_folder(dir.path(), "g", |c| c.model.bias = true);
-    let loaded = Loaded::load(&run, &Device::Cpu).unwrap();
-    let hf = dir.path().join("hf");
-    tinygpt::interop::export(&loaded, &hf).unwrap();
+    let (loaded, hf) = exported(dir.path(), |c| c.model.bias = true);
     let tensors =
         candle_core::safetensors::load(hf.join("model.safetensors"), &Device::Cpu).unwrap();
     let ours = loaded.model.params().to_map();
@@ -257,15 +268,7 @@ fn known_gpt2_values_land_where_they_belong() {
 #[test]
 fn sharded_llama_files_load() {
     let dir = tempfile::tempdir().unwrap();
-    let run = run_folder(dir.path(), "l", |c| {
-        c.model.arch = Arch::Llama;
-        c.model.positions = PositionKind::Rope;
-        c.model.norm = NormKind::RmsNorm;
-        c.model.mlp = MlpKind::Swiglu;
-    });
-    let loaded = Loaded::load(&run, &Device::Cpu).unwrap();
-    let hf = dir.path().join("hf");
-    tinygpt::interop::export(&loaded, &hf).unwrap();
+    let (loaded, hf) = exported(dir.path(), llama);
     // Split model.safetensors into two shards plus an index, as large models come.
     let all = candle_core::safetensors::load(hf.join("model.safetensors"), &Device::Cpu).unwrap();
     std::fs::remove_file(hf.join("model.safetensors")).unwrap();
@@ -327,16 +330,10 @@ fn edit_config_json(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
 #[test]
 fn transformers_5_rope_parameters_are_read_and_scaled_rotary_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let run = run_folder(dir.path(), "l", |c| {
-        c.model.arch = Arch::Llama;
-        c.model.positions = PositionKind::Rope;
-        c.model.norm = NormKind::RmsNorm;
-        c.model.mlp = MlpKind::Swiglu;
+    let (loaded, hf) = exported(dir.path(), |c| {
+        llama(c);
         c.model.rope_theta = 20.0;
     });
-    let loaded = Loaded::load(&run, &Device::Cpu).unwrap();
-    let hf = dir.path().join("hf");
-    tinygpt::interop::export(&loaded, &hf).unwrap();
     // What transformers 5 writes: no top-level rope_theta, a rope_parameters block.
     edit_config_json(&hf, |c| {
         let o = c.as_object_mut().unwrap();
@@ -378,10 +375,7 @@ fn transformers_5_rope_parameters_are_read_and_scaled_rotary_refused() {
 #[test]
 fn a_gpt2_file_carrying_its_tied_output_layer_imports() {
     let dir = tempfile::tempdir().unwrap();
-    let run = run_folder(dir.path(), "g", |c| c.model.bias = true);
-    let loaded = Loaded::load(&run, &Device::Cpu).unwrap();
-    let hf = dir.path().join("hf");
-    tinygpt::interop::export(&loaded, &hf).unwrap();
+    let (loaded, hf) = exported(dir.path(), |c| c.model.bias = true);
     // Older transformers saves write lm_head.weight beside the embedding it is tied to.
     let file = hf.join("model.safetensors");
     let mut all = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
@@ -402,10 +396,7 @@ fn a_gpt2_file_carrying_its_tied_output_layer_imports() {
 #[test]
 fn import_overwrites_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let run = run_folder(dir.path(), "g", |c| c.model.bias = true);
-    let loaded = Loaded::load(&run, &Device::Cpu).unwrap();
-    let hf = dir.path().join("hf");
-    tinygpt::interop::export(&loaded, &hf).unwrap();
+    let (_, hf) = exported(dir.path(), |c| c.model.bias = true);
     let before = std::fs::read(hf.join("model.safetensors")).unwrap();
     // Into the folder it reads, into a folder of the user's, onto a file.
     let mine = dir.path().join("mine");
@@ -432,6 +423,7 @@ fn import_overwrites_nothing() {
     let err =
         tinygpt::interop::import(&dir.path().join("nope"), &dir.path().join("a")).unwrap_err();
     assert!(format!("{err}").contains("no such file or folder"), "{err}");
+    let run = dir.path().join("run");
     let err = tinygpt::interop::import(&run, &dir.path().join("b")).unwrap_err();
     assert!(
         format!("{err}").contains("a tinygpt checkpoint already"),
@@ -446,10 +438,7 @@ fn import_overwrites_nothing() {
 #[test]
 fn a_tokenizer_too_small_for_bpe_and_not_char_is_refused_naming_its_kind() {
     let dir = tempfile::tempdir().unwrap();
-    let run = run_folder(dir.path(), "g", |c| c.model.bias = true);
-    let loaded = Loaded::load(&run, &Device::Cpu).unwrap();
-    let hf = dir.path().join("hf");
-    tinygpt::interop::export(&loaded, &hf).unwrap();
+    let (_, hf) = exported(dir.path(), |c| c.model.bias = true);
     let word_level = serde_json::json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
         "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": null,

@@ -10,8 +10,18 @@ mod common;
 use common::train_args;
 
 fn tinygpt(dir: &Path, args: &[&str]) -> Command {
+    use std::os::unix::process::CommandExt;
     let mut command = Command::new(env!("CARGO_BIN_EXE_tinygpt"));
     command.args(args).current_dir(dir);
+    // As a terminal's child: SIGHUP at its default, whatever this test's runner has (a
+    // run under nohup ignores it, and so would the child).
+    // Safety: only signal(2), async-signal-safe, between fork and exec.
+    unsafe {
+        command.pre_exec(|| {
+            libc::signal(libc::SIGHUP, libc::SIG_DFL);
+            Ok(())
+        });
+    }
     command
 }
 
