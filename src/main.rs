@@ -793,18 +793,20 @@ fn stop_on_signals(pipe: bool) -> anyhow::Result<Stop> {
     #[cfg(not(unix))]
     let _ = pipe;
     let asked = Arc::new(AtomicBool::new(false));
-    let mut signals = vec![SIGINT, SIGTERM];
     // SIGUSR1/2: what a batch system sends ahead of a job's time limit (Slurm's
     // --signal=USR1@120) and mpirun forwards; SIGHUP: a terminal that closed (an ssh
     // session dropped), unless the run was started to outlive it (nohup ignores it).
     #[cfg(unix)]
-    {
+    let signals = {
         use signal_hook::consts::{SIGHUP, SIGUSR1, SIGUSR2};
-        signals.extend([SIGUSR1, SIGUSR2]);
+        let mut signals = vec![SIGINT, SIGTERM, SIGUSR1, SIGUSR2];
         if !ignored(SIGHUP) {
             signals.push(SIGHUP);
         }
-    }
+        signals
+    };
+    #[cfg(not(unix))]
+    let signals = vec![SIGINT, SIGTERM];
     for signal in signals {
         // Registered first, so it sees `asked` as it was before this signal.
         signal_hook::flag::register_conditional_shutdown(signal, 128 + signal, Arc::clone(&asked))?;
