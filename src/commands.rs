@@ -727,16 +727,12 @@ pub fn export(args: ExportArgs) -> Result<()> {
         // tokens together must fit (its assertion ends the process otherwise).
         let m = &loaded.config.model;
         let (new_tokens, fit) = match m.positions {
-            PositionKind::Learned if m.block_size <= 256 => (
-                m.block_size / 2,
+            PositionKind::Learned => (
+                (m.block_size / 2).min(200),
                 format!(
                     " (prompt and new tokens together at most {}: its learned positions end there)",
                     m.block_size
                 ),
-            ),
-            PositionKind::Learned => (
-                200,
-                format!(" (prompt and new tokens together at most {})", m.block_size),
             ),
             _ => (200, String::new()),
         };

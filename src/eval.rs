@@ -58,11 +58,10 @@ impl EvalResult {
     }
 }
 
-fn needs_two_tokens(ids: &[u32]) -> Result<()> {
-    if ids.len() < 2 {
+fn needs_two_tokens(tokens: usize) -> Result<()> {
+    if tokens < 2 {
         user_bail!(
-            "the text is {} token(s); evaluation needs at least 2 (one to predict from, one to predict)",
-            ids.len()
+            "the text is {tokens} token(s); evaluation needs at least 2 (one to predict from, one to predict)"
         );
     }
     Ok(())
@@ -120,11 +119,7 @@ pub fn evaluate(model: &Gpt, ids: &[u32], bytes: usize) -> Result<EvalResult> {
 /// The tokens a window holds: `asked` (`eval --context`) or the model's `block_size`,
 /// and never more than the text's `tokens` (of which there must be two).
 pub fn window(asked: Option<usize>, block_size: usize, tokens: usize) -> Result<usize> {
-    if tokens < 2 {
-        user_bail!(
-            "the text is {tokens} token(s); evaluation needs at least 2 (one to predict from, one to predict)"
-        );
-    }
+    needs_two_tokens(tokens)?;
     let context = match asked {
         Some(n) if n < 2 => {
             user_bail!("--context {n} is too short: a window needs at least 2 tokens")
@@ -156,7 +151,7 @@ pub fn evaluate_until(
     progress: &ProgressBar,
     stop: &Stop,
 ) -> Result<EvalResult> {
-    needs_two_tokens(ids)?; // before building an engine (seconds on a GPU)
+    needs_two_tokens(ids.len())?; // before building an engine (seconds on a GPU)
     let block = block.min(ids.len());
     let options = engine_options(ids.len(), block);
     check_memory(model.config(), (ids.len(), block), options, model.device())?;
@@ -274,7 +269,7 @@ fn score_windows(
     (progress, stop): (&ProgressBar, &Stop),
     mut score: impl FnMut(&[Window]) -> Result<f64>,
 ) -> Result<EvalResult> {
-    needs_two_tokens(ids)?;
+    needs_two_tokens(ids.len())?;
     let windows = windows(ids.len(), block);
     progress.set_length(windows.len() as u64);
     let mut total_nll = 0.0f64;

@@ -724,9 +724,8 @@ fn ends_every_rank(err: &anyhow::Error) -> bool {
 }
 
 /// `eprintln!` that lets a closed stderr go (a reader gone: `train ... | head`)
-/// instead of panicking.
-/// The line goes out in one write, so lines of several ranks sharing a terminal or a
-/// log do not cut into each other.
+/// instead of panicking, and writes the line at once, so the lines of ranks sharing a
+/// terminal or a log do not cut into each other.
 macro_rules! say {
     ($($arg:tt)*) => {{
         use std::io::Write as _;

@@ -24,12 +24,10 @@ pub fn agree<T>(comm: &dyn Collective, result: Result<T>) -> Result<T> {
     }
     let mine = match &result {
         Ok(_) => [0.0, 0.0],
-        Err(e) => {
-            // 32 bits of the message's hash: exact in an f64.
-            let hash = sha256_hex(format!("{e:#}").as_bytes());
-            let hash = u32::from_str_radix(&hash[..8], 16).map_or(0.0, f64::from);
-            [f64::from(exit_code_of(e)), hash]
-        }
+        Err(e) => [
+            f64::from(exit_code_of(e)),
+            hash_words(&format!("{e:#}"), 1)[0],
+        ],
     };
     // A rank that waits here for another still preparing sleeps in the barrier.
     comm.barrier()?;
@@ -73,12 +71,7 @@ pub fn same_everywhere(
         .iter()
         .map(|(key, value)| format!("{key} = {value}\n"))
         .collect();
-    // 96 bits of the text's hash, as three f64s that carry 32 bits each exactly.
-    let hash = sha256_hex(text.as_bytes());
-    let mine: Vec<f64> = (0..3)
-        .map(|i| u32::from_str_radix(&hash[8 * i..8 * i + 8], 16).map_or(0.0, f64::from))
-        .collect();
-    let all = comm.all_gather_lists(&mine)?;
+    let all = comm.all_gather_lists(&hash_words(&text, 3))?;
     if all.iter().all(|hash| *hash == all[0]) {
         return Ok(());
     }
@@ -89,12 +82,11 @@ pub fn same_everywhere(
         .lines()
         .filter_map(|line| line.split_once(" = "))
         .collect();
-    let missing = String::from("none");
     let mut differing: Vec<String> = settings
         .iter()
         .filter(|(key, value)| theirs.get(key.as_str()) != Some(&value.as_str()))
         .map(|(key, value)| {
-            let at_0 = theirs.get(key.as_str()).copied().unwrap_or(&missing);
+            let at_0 = theirs.get(key.as_str()).copied().unwrap_or("none");
             format!("{key} = {value} (rank 0 has {at_0})")
         })
         .collect();
@@ -112,4 +104,13 @@ pub fn same_everywhere(
         ))),
     };
     agree(comm, result)
+}
+
+/// The first `words` x 32 bits of `text`'s SHA-256, each word an f64 (exact: the
+/// collectives gather f64s).
+fn hash_words(text: &str, words: usize) -> Vec<f64> {
+    let hash = sha256_hex(text.as_bytes());
+    (0..words)
+        .map(|i| u32::from_str_radix(&hash[8 * i..8 * i + 8], 16).map_or(0.0, f64::from))
+        .collect()
 }

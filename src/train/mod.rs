@@ -107,11 +107,13 @@ impl Prepared {
             .unwrap_or_else(|e| format!("unwritable: {e}"));
         summary.insert("tokenizer".into(), sha256_hex(tokenizer.as_bytes()));
         for (name, tokens) in [("train", &self.split.train), ("val", &self.split.val)] {
+            // The first and last 4,096 tokens (all of a shorter split, once).
             let n = tokens.len();
-            let ends: Vec<u32> = (0..n.min(4096))
-                .chain(n.saturating_sub(4096).max(n.min(4096))..n)
-                .map(|i| tokens.get(i))
-                .collect();
+            let head = n.min(4096);
+            let tail = n.saturating_sub(4096).max(head);
+            let mut ends = vec![0u32; head + (n - tail)];
+            tokens.copy_range(0, &mut ends[..head]);
+            tokens.copy_range(tail, &mut ends[head..]);
             let bytes: Vec<u8> = ends.iter().flat_map(|id| id.to_le_bytes()).collect();
             summary.insert(format!("{name} tokens"), n.to_string());
             summary.insert(format!("{name} tokens' ends"), sha256_hex(&bytes));
