@@ -17,8 +17,11 @@ use candle_core::Device;
 use indicatif::ProgressBar;
 
 use crate::config::ModelConfig;
+use crate::cpu::kv_cache::{KvCache, KvPrecision};
+use crate::cpu::{DecodeWeights, FastDecoder};
 use crate::data::Batch;
 use crate::engine::{self, EngineOptions};
+use crate::model::spec::Shapes;
 use crate::model::Gpt;
 use crate::user_bail;
 use crate::util::Stop;
@@ -239,15 +242,18 @@ fn check_memory(
 /// precision they are: this measures what bf16, int8 or int4 weights cost): the same
 /// windows of `block` tokens, the same predictions scored, a window at a time.
 pub fn evaluate_decoding(
-    weights: &std::sync::Arc<crate::cpu::DecodeWeights>,
+    weights: &std::sync::Arc<DecodeWeights>,
     ids: &[u32],
     bytes: usize,
     block: usize,
     progress: &ProgressBar,
     stop: &Stop,
 ) -> Result<EvalResult> {
-    let block = block.min(ids.len().max(1));
-    let mut decoder = crate::cpu::FastDecoder::from_weights(weights.clone(), 1)?;
+    needs_two_tokens(ids.len())?;
+    let block = block.min(ids.len());
+    let precision = KvPrecision::for_weights(weights.format);
+    check_decoder_memory(&weights.spec.shapes, block, precision)?;
+    let mut decoder = FastDecoder::with_positions(weights.clone(), 1, precision, block)?;
     let score = |group: &[Window]| -> Result<f64> {
         let mut nll = 0.0;
         for w in group {
@@ -257,6 +263,32 @@ pub fn evaluate_decoding(
         Ok(nll)
     };
     score_windows(ids, bytes, (block, 1), (progress, stop), score)
+}
+
+/// Refuses windows of `block` tokens whose keys and values (in `precision`, for a
+/// model of `shapes`) would not fit in free memory, offering a `--context` that does.
+fn check_decoder_memory(shapes: &Shapes, block: usize, precision: KvPrecision) -> Result<()> {
+    let need = |block: usize| {
+        let s = Shapes {
+            block_size: block,
+            ..*shapes
+        };
+        KvCache::full_bytes(&s, 1, precision)
+    };
+    let Some(available) = crate::util::available_memory_bytes().filter(|&a| need(block) > a) else {
+        return Ok(());
+    };
+    let gib = |bytes: f64| bytes / f64::from(1 << 30);
+    let mut fits = block.next_power_of_two() / 2;
+    while fits >= 2 && need(fits) > available {
+        fits /= 2;
+    }
+    user_bail!(
+        "keys and values for windows of {block} tokens need {:.1} GiB but {:.1} GiB is available; pass --context with fewer tokens, e.g. --context {}",
+        gib(need(block)),
+        gib(available),
+        fits.max(2)
+    )
 }
 
 /// Sums what `score` gives for the windows of `block` tokens over `ids` (the tokens of
@@ -284,6 +316,37 @@ fn score_windows(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Keys and values too big for memory are refused with a --context that fits; a
+    /// short window of the same model passes.
+    #[test]
+    fn decoder_windows_that_cannot_fit_are_refused() {
+        let Some(available) = crate::util::available_memory_bytes() else {
+            eprintln!("SKIPPED: this system does not say how much memory is free");
+            return;
+        };
+        // 2 x 1000 layers x 131,072 positions x 4,096 x 2 bytes: about 4 TiB.
+        let shapes = crate::model::ModelSpec::new(&ModelConfig {
+            n_layer: 1000,
+            n_head: 32,
+            n_embd: 4096,
+            block_size: 131_072,
+            ..ModelConfig::default()
+        })
+        .shapes;
+        assert!(KvCache::full_bytes(&shapes, 1, KvPrecision::Bf16) > available);
+        let err = check_decoder_memory(&shapes, 131_072, KvPrecision::Bf16).unwrap_err();
+        let message = err.to_string();
+        assert!(crate::error::find_user_error(&err).is_some(), "{message}");
+        let fits: usize = message
+            .rsplit("--context ")
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{message}"));
+        assert!(fits.is_power_of_two() && fits < 131_072, "{message}");
+        assert!(check_decoder_memory(&shapes, fits, KvPrecision::Bf16).is_ok());
+        assert!(check_decoder_memory(&shapes, 16, KvPrecision::Bf16).is_ok());
+    }
 
     /// Every target from 1 to n - 1 is scored exactly once, each window holds at most a
     /// block, and every window after the first sees at least half a block of context.

@@ -38,6 +38,9 @@ use crate::model::spec::{ModelSpec, Shapes};
 /// sequences.
 pub struct FastDecoder {
     weights: Arc<DecodeWeights>,
+    /// The weights' shapes with `block_size` the positions this decoder holds (fewer
+    /// than the model's where scoring needs no more: `eval --context`).
+    shapes: Shapes,
     /// Activation rows quantized for the eight-bit products.
     q8_rows: Vec<Q8Row>,
     /// `next_token_losses`' work space: `GROUP` positions' final norms, their logits.
@@ -136,7 +139,27 @@ impl FastDecoder {
         batch: usize,
         precision: KvPrecision,
     ) -> Result<Self> {
-        let s = weights.spec.shapes;
+        let positions = weights.spec.shapes.block_size;
+        Self::with_positions(weights, batch, precision, positions)
+    }
+
+    /// [`FastDecoder::with_kv`] holding `positions` (at most the model's context) per
+    /// sequence: what scoring windows shorter than the context needs.
+    pub fn with_positions(
+        weights: Arc<DecodeWeights>,
+        batch: usize,
+        precision: KvPrecision,
+        positions: usize,
+    ) -> Result<Self> {
+        let model = weights.spec.shapes.block_size;
+        anyhow::ensure!(
+            (1..=model).contains(&positions),
+            "a decoder holds 1 to {model} positions, not {positions}"
+        );
+        let s = Shapes {
+            block_size: positions,
+            ..weights.spec.shapes
+        };
         let kv_bytes = KvCache::full_bytes(&s, batch, precision);
         if let Some(available) = crate::util::available_memory_bytes() {
             if kv_bytes > available {
@@ -162,6 +185,7 @@ impl FastDecoder {
             places: Vec::with_capacity(batch * chunk),
             runs: Vec::with_capacity(batch),
             outputs: Vec::with_capacity(batch),
+            shapes: s,
             weights,
         })
     }
@@ -205,7 +229,7 @@ impl FastDecoder {
         // On a pool thread with the others awake: the many small parallel passes fork
         // and join inside it.
         on_workers_awake(|| self.prefill_on_worker(windows).map(|_| ()))?;
-        Ok(&self.scratch.logits[..self.batch * self.weights.spec.shapes.vocab_size])
+        Ok(&self.scratch.logits[..self.batch * self.shapes.vocab_size])
     }
 
     fn prefill_on_worker(&mut self, windows: &[Vec<u32>]) -> Result<&[f32]> {
@@ -215,7 +239,7 @@ impl FastDecoder {
         for (ids, len) in chunks {
             self.forward(&ids, len)?;
         }
-        Ok(&self.scratch.logits[..self.batch * self.weights.spec.shapes.vocab_size])
+        Ok(&self.scratch.logits[..self.batch * self.shapes.vocab_size])
     }
 
     /// Runs `window` (one sequence: the decoder's batch is 1) from position 0 and
@@ -232,7 +256,7 @@ impl FastDecoder {
     }
 
     fn losses_on_worker(&mut self, window: &[u32], losses: &mut Vec<f64>) -> Result<()> {
-        let s = self.weights.spec.shapes;
+        let s = self.shapes;
         let (c, v, t) = (s.n_embd, s.vocab_size, window.len());
         // Kept between windows (scoring a text calls this once a window); taken out
         // while `forward` borrows the decoder.
@@ -283,7 +307,7 @@ impl FastDecoder {
         } else {
             self.forward(ids, 1)?;
         }
-        Ok(&self.scratch.logits[..self.batch * self.weights.spec.shapes.vocab_size])
+        Ok(&self.scratch.logits[..self.batch * self.shapes.vocab_size])
     }
 
     /// Runs rows of any sequences at their own positions in one pass (a server's batch:
@@ -295,7 +319,7 @@ impl FastDecoder {
     /// equal-length [`FastDecoder::prefill`] / [`FastDecoder::step`] API keeps its own
     /// count of positions; this one leaves the positions to the caller.
     pub fn run_rows(&mut self, ids: &[u32], places: &[Place], outputs: &[usize]) -> Result<&[f32]> {
-        let s = self.weights.spec.shapes;
+        let s = self.shapes;
         let rows = ids.len();
         if rows != places.len() || rows == 0 || rows > self.scratch.rows {
             anyhow::bail!(
@@ -346,7 +370,7 @@ impl FastDecoder {
     fn forward(&mut self, ids: &[u32], t: usize) -> Result<&[f32]> {
         assert_eq!(ids.len(), self.batch * t);
         assert!(t <= self.chunk, "prefill chunks fit the scratch buffers");
-        let block_size = self.weights.spec.shapes.block_size;
+        let block_size = self.shapes.block_size;
         let pos0 = self.len;
         if t == 0 || pos0 + t > block_size {
             anyhow::bail!(
@@ -365,13 +389,13 @@ impl FastDecoder {
         self.outputs.extend((0..self.batch).map(|b| b * t + t - 1));
         self.forward_places(ids)?;
         self.len += t;
-        Ok(&self.scratch.logits[..self.batch * self.weights.spec.shapes.vocab_size])
+        Ok(&self.scratch.logits[..self.batch * self.shapes.vocab_size])
     }
 
     /// One pass over the rows `self.places` describes; logits for `self.outputs`.
     fn forward_places(&mut self, ids: &[u32]) -> Result<()> {
         let weights = &*self.weights;
-        let s = weights.spec.shapes;
+        let s = self.shapes;
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= s.vocab_size) {
             anyhow::bail!(
                 "token id {id} is outside the vocabulary of {}",
@@ -922,6 +946,42 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// A decoder holding fewer positions than the model's context (`eval --context`)
+    /// scores a window as one holding them all does, and refuses a longer one.
+    #[test]
+    fn fewer_positions_score_the_same() {
+        let spec = ModelSpec::new(&ModelConfig {
+            n_layer: 2,
+            n_head: 4,
+            n_kv_head: Some(2),
+            n_embd: 32,
+            block_size: 512,
+            vocab_size: 50,
+            ..ModelConfig::default()
+        });
+        let values = spec.initial_values(3);
+        let weights =
+            Arc::new(DecodeWeights::from_flat(&spec, &values, WeightFormat::F32).unwrap());
+        let window: Vec<u32> = (0..40).map(|i| (i * 7 % 50) as u32).collect();
+        let mut full = FastDecoder::from_weights(weights.clone(), 1).unwrap();
+        let mut short =
+            FastDecoder::with_positions(weights.clone(), 1, KvPrecision::F32, 40).unwrap();
+        let want = full.next_token_losses(&window).unwrap();
+        let got = short.next_token_losses(&window).unwrap();
+        assert_eq!(got.len(), 39);
+        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!((g - w).abs() <= 1e-6 * w.abs(), "position {k}: {g} vs {w}");
+        }
+        let mut longer = window.clone();
+        longer.push(3);
+        assert!(short.next_token_losses(&longer).is_err());
+        for bad in [0, 513] {
+            assert!(
+                FastDecoder::with_positions(weights.clone(), 1, KvPrecision::F32, bad).is_err()
+            );
         }
     }
 
