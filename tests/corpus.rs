@@ -169,7 +169,9 @@ fn jsonl_gives_its_documents() {
         jsonl.push_str(&serde_json::json!({"id": i, "content": doc, "meta": {"x": 1}}).to_string());
         jsonl.push('\n');
         if i == 3 {
-            jsonl.push('\n'); // blank lines are skipped
+            // Blank lines are skipped, and records without text (as parquet's nulls).
+            jsonl.push('\n');
+            jsonl.push_str("{\"id\": 99, \"content\": null}\n");
         }
     }
     let path = dir.path().join("docs.jsonl");

@@ -59,6 +59,9 @@ impl Pieces for JsonlFile {
             }
             let text = match value.get(&self.field) {
                 Some(serde_json::Value::String(text)) => text.clone(),
+                // A record without text has no document, as a parquet row whose text is
+                // null (exported datasets hold such records; one should not stop a run).
+                Some(serde_json::Value::Null) => continue,
                 Some(other) => {
                     return Err(user_error(format!(
                         "{}: field \"{}\" is {}, not a string; set data.text_field to the field holding the text",
