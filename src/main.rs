@@ -224,6 +224,10 @@ struct TrainArgs {
     /// cpu, cuda, cuda:N, metal or auto (overrides run.device).
     #[arg(long)]
     device: Option<String>,
+    /// Of several ranks (mpirun): end the job when one waits this long for the others
+    /// in a collective (a rank stopped, hung or cut off); 0 waits forever.
+    #[arg(long, value_name = "SECONDS", default_value_t = 1800)]
+    collective_timeout: u64,
 }
 
 #[derive(Args)]
@@ -544,7 +548,14 @@ mod commands;
 /// at the same step; any other failure of one rank ends the whole job at once (MPI
 /// abort), as the others could not know and would wait for it forever.
 fn train(args: TrainArgs, stop: Stop, world: &World) -> anyhow::Result<()> {
-    let comm = std::sync::Arc::clone(&world.comm);
+    let comm: std::sync::Arc<dyn tinygpt::parallel::Collective> =
+        match (world.size(), args.collective_timeout) {
+            (1, _) | (_, 0) => std::sync::Arc::clone(&world.comm),
+            (_, seconds) => std::sync::Arc::new(tinygpt::parallel::Watched::new(
+                std::sync::Arc::clone(&world.comm),
+                std::time::Duration::from_secs(seconds),
+            )),
+        };
     let config = tinygpt::parallel::agree(comm.as_ref(), train_config(&args, world.rank()));
     let mut trainer =
         config.and_then(|(config, start)| Trainer::start_on(config, start, stop, comm))?;

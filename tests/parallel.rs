@@ -408,7 +408,13 @@ fn rank_pid(out: &Path, rank: usize) -> Option<u32> {
 /// Starts a long run of `ranks` ranks into `out`, and returns once it has trained a few
 /// steps (and written a checkpoint).
 #[cfg(target_os = "linux")]
-fn start_long_run(mpirun: &Path, ranks: usize, config: &Path, out: &Path) -> std::process::Child {
+fn start_long_run(
+    mpirun: &Path,
+    ranks: usize,
+    config: &Path,
+    out: &Path,
+    flags: &[&str],
+) -> std::process::Child {
     let sets = [
         "train.max_iters=1000000",
         "train.checkpoint_interval=5",
@@ -416,6 +422,7 @@ fn start_long_run(mpirun: &Path, ranks: usize, config: &Path, out: &Path) -> std
         "model.dropout=0",
     ];
     let child = ranked(mpirun, ranks, config, out, &sets)
+        .args(flags)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -469,7 +476,7 @@ fn a_killed_rank_ends_the_job_and_the_checkpoint_stands() {
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(dir.path(), &write_corpus(dir.path()));
     let out = dir.path().join("killed");
-    let child = start_long_run(&mpirun, 2, &config, &out);
+    let child = start_long_run(&mpirun, 2, &config, &out, &[]);
     signal(rank_pid(&out, 1).unwrap(), "-KILL");
     let killed = std::time::Instant::now();
     let (code, said) = wait_within(child, Duration::from_secs(30));
@@ -501,6 +508,38 @@ fn a_killed_rank_ends_the_job_and_the_checkpoint_stands() {
     );
 }
 
+/// A rank that stops answering (SIGSTOP: alive, so the launcher sees nothing wrong)
+/// ends the job once another has waited --collective-timeout for it in a collective:
+/// that rank's one line, exit 4, and no rank outlives the job.
+#[cfg(all(feature = "mpi", target_os = "linux"))]
+#[test]
+fn a_silent_rank_ends_the_job_after_the_collective_timeout() {
+    let mpirun = need_mpirun!();
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), &write_corpus(dir.path()));
+    let out = dir.path().join("silent");
+    let child = start_long_run(&mpirun, 2, &config, &out, &["--collective-timeout", "5"]);
+    let silent = rank_pid(&out, 1).unwrap();
+    signal(silent, "-STOP");
+    let stopped = std::time::Instant::now();
+    let (code, said) = wait_within(child, Duration::from_secs(60));
+    // Whatever happened, no stopped process is left behind.
+    if rank_pid(&out, 1).is_some() {
+        let _ = Command::new("kill")
+            .args(["-9", &silent.to_string()])
+            .status();
+    }
+    assert!(stopped.elapsed() >= Duration::from_secs(5), "{said}");
+    assert_eq!(code, Some(4), "{said}");
+    assert!(
+        said.contains("rank 0: error: waited 5 s for the other ranks"),
+        "{said}"
+    );
+    assert!(said.contains("--collective-timeout"), "{said}");
+    assert!(rank_pid(&out, 0).is_none(), "no rank outlives the job");
+    assert!(rank_pid(&out, 1).is_none(), "no rank outlives the job");
+}
+
 #[cfg(all(feature = "mpi", target_os = "linux"))]
 #[test]
 fn sigterm_stops_every_rank_at_the_same_step() {
@@ -510,7 +549,7 @@ fn sigterm_stops_every_rank_at_the_same_step() {
 
     // To the launcher, which forwards it to every rank.
     let out = dir.path().join("launcher");
-    let child = start_long_run(&mpirun, 2, &config, &out);
+    let child = start_long_run(&mpirun, 2, &config, &out, &[]);
     signal(child.id(), "-TERM");
     let (code, said) = wait_within(child, Duration::from_secs(60));
     assert_ne!(code, Some(0), "{said}");
@@ -526,7 +565,7 @@ fn sigterm_stops_every_rank_at_the_same_step() {
     // To one rank alone (a signal that reached one node): the others stop with it,
     // every rank exits 143, and so does the job.
     let out = dir.path().join("one-rank");
-    let child = start_long_run(&mpirun, 2, &config, &out);
+    let child = start_long_run(&mpirun, 2, &config, &out, &[]);
     signal(rank_pid(&out, 1).unwrap(), "-TERM");
     let (code, said) = wait_within(child, Duration::from_secs(60));
     assert_eq!(code, Some(143), "{said}");

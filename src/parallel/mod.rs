@@ -9,7 +9,8 @@
 //! - `mpi` (feature `mpi`): the interface over MPI (rsmpi), for ranks on CPUs and for
 //!   everything the GPUs' own library does not do;
 //! - [`shards`]: ZeRO-1's split of the flat parameter buffer over the ranks;
-//! - [`agree`]: how ranks that may fail apart end together.
+//! - [`agree`]: how ranks that may fail apart end together;
+//! - [`watchdog`]: the collectives with a time limit, so a silent rank ends the job.
 //!
 //! How a step is shared: a single process with `grad_accum = N x A` computes N x A
 //! micro-batches; N ranks with `grad_accum = A` compute the same ones, rank r those at
@@ -24,6 +25,7 @@ pub mod launcher;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod shards;
+pub mod watchdog;
 
 use std::sync::Arc;
 
@@ -33,6 +35,7 @@ pub use agree::{agree, PeerFailed};
 pub use collective::{Collective, Single};
 pub use launcher::Launcher;
 pub use shards::Shards;
+pub use watchdog::Watched;
 
 /// The ranks of this run, as the process joined them.
 pub struct World {
