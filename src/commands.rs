@@ -1041,11 +1041,18 @@ pub fn cache(args: CacheArgs) -> Result<()> {
                 .as_deref()
                 .map(inventory::parse_age)
                 .transpose()?;
-            let removals = inventory::removals(&inv, age, now);
-            let total: u64 = removals.iter().map(|r| r.bytes).sum();
+            let mut removals = inventory::removals(&inv, age, now);
             if yes {
-                inventory::remove(&removals)?;
+                let (_, left) = inventory::remove(&removals)?;
+                for path in &left {
+                    eprintln!(
+                        "left {}: a process began using it during the prune",
+                        path.display()
+                    );
+                }
+                removals.retain(|r| !left.contains(&r.path));
             }
+            let total: u64 = removals.iter().map(|r| r.bytes).sum();
             if args.json {
                 let record = json!({"deleted": yes, "bytes": total, "removals": removals});
                 println!("{}", serde_json::to_string_pretty(&record)?);

@@ -17,7 +17,7 @@ use serde::Serialize;
 
 use crate::checkpoint::{CONFIG_FILE, TOKENIZER_FILE};
 use crate::config::Config;
-use crate::corpus::cache::{root_for, Manifest, MANIFEST_FILE, USED_FILE};
+use crate::corpus::cache::{root_for, Manifest, IN_USE_FILE, MANIFEST_FILE, USED_FILE};
 use crate::corpus::Corpus;
 use crate::error::user_error;
 use crate::tokenizer::Tokenizer;
@@ -45,6 +45,8 @@ pub struct CacheFolder {
     /// When a run last read it, in seconds since 1970 (the newest file's time for
     /// folders from before that was noted).
     pub last_used: Option<u64>,
+    /// A process (a trainer preparing or reading it) holds it now: never pruned.
+    pub in_use: bool,
     pub files: Vec<CacheFile>,
 }
 
@@ -243,6 +245,7 @@ fn cache_folder(dir: &Path, uses: &[RunUse]) -> Result<CacheFolder> {
         corpus,
         bytes,
         last_used: noted.or(newest),
+        in_use: matches!(claim(dir), Claim::Held),
         files,
     })
 }
@@ -270,13 +273,38 @@ fn same(a: &Path, b: &Path) -> bool {
         )
 }
 
+/// Whether a process holds a cache folder (see [`IN_USE_FILE`]).
+enum Claim {
+    /// Nobody does: this process holds it exclusively while the file is open (none
+    /// where the folder has no such file, from before it, or the disk cannot lock).
+    Free(Option<std::fs::File>),
+    Held,
+}
+
+fn claim(dir: &Path) -> Claim {
+    let open = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.join(IN_USE_FILE));
+    let Ok(file) = open else {
+        return Claim::Free(None);
+    };
+    match file.try_lock() {
+        Ok(()) => Claim::Free(Some(file)),
+        Err(std::fs::TryLockError::WouldBlock) => Claim::Held,
+        Err(_) => Claim::Free(None),
+    }
+}
+
 /// What pruning deletes: cache folders no run uses (whole), files no run uses in
 /// folders that are used, folders no run has read for longer than `older_than`, and the
-/// ids runs keep in their own folders.
+/// ids runs keep in their own folders. A folder a process holds now (a trainer
+/// preparing or reading it, before its run folder says which cache it uses) is left
+/// alone, whole.
 pub fn removals(inv: &Inventory, older_than: Option<Duration>, now: SystemTime) -> Vec<Removal> {
     let now = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let mut out = Vec::new();
-    for cache in &inv.caches {
+    for cache in inv.caches.iter().filter(|c| !c.in_use) {
         let age = cache.last_used.map(|t| now.saturating_sub(t));
         let stale = match (older_than, age) {
             (Some(limit), Some(age)) => age > limit.as_secs(),
@@ -316,19 +344,30 @@ pub fn removals(inv: &Inventory, older_than: Option<Duration>, now: SystemTime) 
     out
 }
 
-/// Deletes what `removals` listed (folders whole); what was freed.
-pub fn remove(removals: &[Removal]) -> Result<u64> {
-    let mut freed = 0;
+/// Deletes what `removals` listed (folders whole), each cache folder under its
+/// exclusive lock; what was freed, and what was left because a process took it up
+/// since the survey.
+pub fn remove(removals: &[Removal]) -> Result<(u64, Vec<PathBuf>)> {
+    let (mut freed, mut left) = (0, Vec::new());
     for r in removals {
+        let folder = match r.path.is_dir() {
+            true => r.path.as_path(),
+            false => r.path.parent().unwrap_or(Path::new(".")),
+        };
+        let Claim::Free(held) = claim(folder) else {
+            left.push(r.path.clone());
+            continue;
+        };
         let done = if r.path.is_dir() {
             std::fs::remove_dir_all(&r.path)
         } else {
             std::fs::remove_file(&r.path)
         };
+        drop(held);
         done.map_err(|e| user_error(format!("cannot delete {}: {e}", r.path.display())))?;
         freed += r.bytes;
     }
-    Ok(freed)
+    Ok((freed, left))
 }
 
 /// "30d", "12h", "2w", "90m" as a duration.
@@ -396,8 +435,9 @@ pub fn describe(inv: &Inventory, now: SystemTime) -> String {
         let last = c.last_used.map_or("never used".into(), |t| {
             format!("last used {} ago", span(now.saturating_sub(t)))
         });
+        let busy = if c.in_use { "; in use now" } else { "" };
         out += &format!(
-            "{}  ({corpus}; {}, {last})\n",
+            "{}  ({corpus}; {}, {last}{busy})\n",
             c.dir.display(),
             size(c.bytes)
         );

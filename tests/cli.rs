@@ -869,6 +869,15 @@ fn the_cache_is_listed_and_pruned_by_use() {
         .unwrap()
         .path();
     std::fs::write(folder.join("used"), "1000").unwrap();
+    // Unless a process holds it (as a trainer does while it prepares or reads the
+    // folder, before its run folder says which cache it uses): left alone, whole.
+    let held = std::fs::File::open(folder.join("in-use.lock")).expect("trainers hold it");
+    held.lock_shared().unwrap();
+    let listed = String::from_utf8_lossy(&succeeds(d, &["cache"]).stdout).into_owned();
+    assert!(listed.contains("in use now"), "{listed}");
+    succeeds(d, &["cache", "prune", "--older-than", "30d", "--yes"]);
+    assert!(folder.join("corpus.json").exists());
+    drop(held);
     succeeds(d, &["cache", "prune", "--older-than", "30d", "--yes"]);
     assert!(!folder.exists());
     assert_eq!(checkpoints(d), before);

@@ -5,6 +5,8 @@
 //!     corpus.json                          the corpus it was made from: its path, the
 //!                                          field read, its files
 //!     used                                 when a run last read it (seconds since 1970)
+//!     in-use.lock                          shared-locked by every process using the
+//!                                          folder: `cache prune` leaves it alone then
 //!     tokenizer-bpe-<vocab>-<sample>.json  a trained tokenizer, per settings
 //!     tokenizer-char.json
 //!     tokens-<tokenizer hash>.bin          the corpus's ids, little-endian u16
@@ -21,6 +23,7 @@
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -40,6 +43,9 @@ pub struct CorpusCache {
     dir: PathBuf,
     /// The corpus's fingerprint (its folder's name ends with a prefix of it).
     fingerprint: String,
+    /// This process's shared lock on the folder's [`IN_USE_FILE`], taken when it first
+    /// writes or reads the folder and held as long as the cache is.
+    hold: OnceLock<fs::File>,
 }
 
 #[derive(Debug, Serialize, Deserialize, PartialEq)]
@@ -61,6 +67,7 @@ impl CorpusCache {
         Ok(Self {
             dir: root.join(format!("{}-{}", corpus.name(), &fingerprint[..16])),
             fingerprint,
+            hold: OnceLock::new(),
         })
     }
 
@@ -75,6 +82,7 @@ impl CorpusCache {
                 self.dir.display()
             ))
         })?;
+        self.hold();
         let manifest = self.dir.join(MANIFEST_FILE);
         if !manifest.exists() {
             let record = Manifest {
@@ -85,6 +93,36 @@ impl CorpusCache {
             write_atomic(&manifest, serde_json::to_string_pretty(&record)?.as_bytes())?;
         }
         Ok(())
+    }
+
+    /// Takes this process's shared lock on the folder (once), so that `cache prune`,
+    /// which deletes a folder only under an exclusive lock, leaves it alone while this
+    /// process reads or writes it. Waits while a prune holds the folder; a folder it
+    /// removed meanwhile is made again. Best effort: a read-only disk or one that
+    /// cannot lock files (some network mounts) goes without.
+    fn hold(&self) {
+        if self.hold.get().is_some() {
+            return;
+        }
+        let path = self.dir.join(IN_USE_FILE);
+        for _ in 0..8 {
+            let _ = fs::create_dir_all(&self.dir);
+            let open = fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path);
+            let Ok(file) = open else { return };
+            if file.lock_shared().is_err() {
+                return;
+            }
+            // Locked in vain if a prune removed the name while this waited.
+            if path.exists() {
+                let _ = self.hold.set(file);
+                return;
+            }
+        }
     }
 
     /// Notes that a run uses the cache now (what `tinygpt cache` calls last used):
@@ -188,6 +226,9 @@ impl CorpusCache {
             self.dir.join(format!("{stem}.json")),
         );
         let fingerprint = &self.fingerprint;
+        if self.dir.is_dir() {
+            self.hold();
+        }
         if let Some(tokens) = read_cache(&bin, &json, fingerprint, &tokenizer_sha256) {
             return Ok(tokens);
         }
@@ -226,6 +267,12 @@ impl CorpusCache {
             drop(out);
             if made_here {
                 let _ = fs::remove_file(self.dir.join(MANIFEST_FILE));
+                if let Some(held) = self.hold.get() {
+                    // Its name goes only if no other process holds it too.
+                    if held.unlock().is_ok() && held.try_lock().is_ok() {
+                        let _ = fs::remove_file(self.dir.join(IN_USE_FILE));
+                    }
+                }
                 let _ = fs::remove_dir(&self.dir);
             }
             return Err(e.context("encoding the corpus; nothing partial was kept"));
@@ -258,6 +305,9 @@ impl CorpusCache {
 pub const MANIFEST_FILE: &str = "corpus.json";
 /// When a run last read the cache folder.
 pub const USED_FILE: &str = "used";
+/// Locked (shared) by each process using the cache folder; `cache prune` deletes a
+/// folder, or files in it, only while it can lock this file exclusively.
+pub const IN_USE_FILE: &str = "in-use.lock";
 
 /// What `corpus.json` holds.
 #[derive(Debug, Serialize, Deserialize)]

@@ -75,6 +75,8 @@ pub struct Trainer {
     saved_train: Option<TrainConfig>,
     /// Held by rank 0, which alone writes the run folder.
     _lock: Option<RunLock>,
+    /// The corpus cache the run reads, held (`cache prune` leaves it alone meanwhile).
+    cache: Option<CorpusCache>,
 }
 
 /// What rank 0 prepares before the others start: the config resolved, the data split,
@@ -205,10 +207,11 @@ impl Trainer {
             let cache = p.cache.take();
             Self::build(p, resume, stop, Arc::clone(&comm)).map(|t| (t, cache))
         });
-        let (trainer, cache) = agree(comm.as_ref(), built)?;
-        if let (Some(cache), 0) = (cache, comm.rank()) {
+        let (mut trainer, cache) = agree(comm.as_ref(), built)?;
+        if let (Some(cache), 0) = (&cache, comm.rank()) {
             cache.note_use();
         }
+        trainer.cache = cache;
         Ok(trainer)
     }
 
@@ -258,6 +261,7 @@ impl Trainer {
             stopping: None,
             saved_train: p.saved_train,
             _lock: p.lock,
+            cache: None,
         })
     }
 
