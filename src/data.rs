@@ -218,6 +218,11 @@ impl Batch {
             block,
         }
     }
+
+    /// The largest id among its inputs and targets.
+    pub fn max_id(&self) -> u32 {
+        self.x.iter().chain(&self.y).copied().max().unwrap_or(0)
+    }
 }
 
 /// Draws windows at uniformly random offsets from a seeded, resumable RNG.

@@ -931,3 +931,35 @@ fn a_run_resumed_on_other_thread_counts_ends_with_the_same_bits() {
         }
     }
 }
+
+/// Ids damaged in the token cache after it was written (a bit flip, a stray write)
+/// stop the run with one line naming the folder to delete, where an engine would
+/// index past its embedding (a panic); deleted, the cache is made anew and the run
+/// trains.
+#[test]
+fn damaged_ids_in_the_token_cache_are_named() {
+    let dir = setup();
+    let d = dir.path();
+    succeeds(d, &train_args(&[], &["run.name=first"]));
+    let ids = std::fs::read_dir(d.join("cache"))
+        .unwrap()
+        .flat_map(|folder| std::fs::read_dir(folder.unwrap().path()).unwrap())
+        .map(|f| f.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "bin"))
+        .expect("the ids in the cache");
+    let mut bytes = std::fs::read(&ids).unwrap();
+    for pair in bytes.chunks_exact_mut(2) {
+        pair.copy_from_slice(&0xFFFFu16.to_le_bytes());
+    }
+    std::fs::write(&ids, bytes).unwrap();
+    let out = tinygpt(d, &train_args(&[], &["run.name=second"]));
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("holds id 65535, outside the model's vocabulary")
+            && stderr(&out).contains("delete that folder"),
+        "{}",
+        stderr(&out)
+    );
+    std::fs::remove_dir_all(ids.parent().unwrap()).unwrap();
+    succeeds(d, &train_args(&[], &["run.name=second"]));
+}

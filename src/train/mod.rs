@@ -64,8 +64,8 @@ pub struct Trainer {
     comm: Arc<dyn Collective>,
     /// The signal every rank agreed to stop for, once one was asked.
     stopping: Option<i32>,
-    /// The step's micro-batches, and an evaluation batch, refilled in place.
-    batches: Vec<Batch>,
+    /// A step's micro-batch, and an evaluation batch, refilled in place.
+    batch: Batch,
     eval_batch: Batch,
     /// The steps whose loss and gradient norm the engine holds unread.
     unread: Unread,
@@ -239,7 +239,7 @@ impl Trainer {
         }
         let batch = Batch::empty(config.train.batch_size, config.model.block_size);
         Ok(Self {
-            batches: vec![batch.clone(); config.train.grad_accum],
+            batch: batch.clone(),
             eval_batch: batch,
             unread: Unread {
                 steps: 0,
@@ -305,6 +305,27 @@ impl Trainer {
         self.engine.describe()
     }
 
+    /// Refuses a batch holding an id past the vocabulary: the ids were checked when
+    /// made (the cache header's largest), so only a file damaged since holds one, and
+    /// an engine would index past its embedding. A batch's worth each step costs
+    /// nothing beside it; a pass over a corpus of billions of ids at each start would.
+    fn check_ids(&self, batch: &Batch) -> Result<()> {
+        let (max, vocab) = (batch.max_id(), self.config.model.vocab_size);
+        if (max as usize) < vocab {
+            return Ok(());
+        }
+        match &self.cache {
+            Some(cache) => user_bail!(
+                "the token cache in {} holds id {max}, outside the model's vocabulary of {vocab}: its ids were damaged after they were written; delete that folder and run again (it is made anew)",
+                cache.dir().display()
+            ),
+            None => user_bail!(
+                "the token files of {} hold id {max}, outside the model's vocabulary of {vocab}: a file changed after the start checked it; check the corpus's files",
+                self.config.data.corpus.display()
+            ),
+        }
+    }
+
     /// One optimiser step over `grad_accum` micro-batches; reads the loss and the
     /// gradient norm where this step is reported (`reads_at`).
     fn train_step(&mut self) -> Result<StepLog> {
@@ -317,22 +338,20 @@ impl Trainer {
         let (rank, ranks) = (self.comm.rank(), self.comm.size());
         // The step's micro-batches are those one process with grad_accum = ranks x
         // accum would draw, in its order; this rank computes every ranks-th of them
-        // from its rank on, and passes over the others' draws.
-        let micro_batches = ranks * self.batches.len();
-        for m in 0..micro_batches {
-            let batch = &mut self.batches[m / ranks];
-            if m % ranks == rank {
-                self.sampler.sample_into(&self.split.train, batch);
-            } else {
-                self.sampler.skip(&self.split.train, batch);
-            }
-        }
+        // from its rank on, and passes over the others' draws. One buffer serves them
+        // all (the engines copy a batch in before they return).
+        let micro_batches = ranks * cfg.grad_accum;
         self.engine.zero_grads()?;
-        for (i, batch) in self.batches.iter().enumerate() {
-            let micro = i * ranks + rank;
+        for micro in 0..micro_batches {
+            if micro % ranks != rank {
+                self.sampler.skip(&self.split.train, &mut self.batch);
+                continue;
+            }
+            self.sampler.sample_into(&self.split.train, &mut self.batch);
+            self.check_ids(&self.batch)?;
             let dropout =
                 Dropout::in_pass(self.config.model.dropout, self.config.run.seed, step, micro);
-            self.engine.forward(batch, dropout.as_ref())?;
+            self.engine.forward(&self.batch, dropout.as_ref())?;
             // Each micro-batch contributes 1/micro_batches of the mean gradient.
             self.engine.backward(1.0 / micro_batches as f32)?;
         }
@@ -472,6 +491,7 @@ impl Trainer {
             self.check_stop()?;
             if i % ranks == rank {
                 sampler.sample_into(tokens, &mut self.eval_batch);
+                self.check_ids(&self.eval_batch)?;
                 self.engine.forward(&self.eval_batch, None)?;
             } else {
                 sampler.skip(tokens, &self.eval_batch);
