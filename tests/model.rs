@@ -187,17 +187,19 @@ fn rope_rotates_split_halves() {
     );
 }
 
+/// The paper's table, divided by sqrt(C) (the paper multiplies the embedding by it).
 #[test]
 fn sinusoidal_table_matches_the_paper() {
     let pe = sinusoidal_table(10, 8, &Device::Cpu)
         .unwrap()
         .to_vec2::<f32>()
         .unwrap();
+    let scale = 1.0 / 8f64.sqrt();
     for pos in [0usize, 1, 9] {
         for i in 0..4 {
             let angle = pos as f64 / 10000f64.powf(2.0 * i as f64 / 8.0);
-            assert!((pe[pos][2 * i] as f64 - angle.sin()).abs() < 1e-6);
-            assert!((pe[pos][2 * i + 1] as f64 - angle.cos()).abs() < 1e-6);
+            assert!((pe[pos][2 * i] as f64 - scale * angle.sin()).abs() < 1e-6);
+            assert!((pe[pos][2 * i + 1] as f64 - scale * angle.cos()).abs() < 1e-6);
         }
     }
 }
