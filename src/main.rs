@@ -351,7 +351,8 @@ struct ServeArgs {
     /// Sequences decoded at once (each choice of a request is one); the rest wait.
     #[arg(long, default_value_t = 8)]
     parallel: usize,
-    /// Requests that may wait for a slot; beyond them the server answers 503.
+    /// Requests that may wait for a slot once every slot is taken; beyond them the
+    /// server answers 503 (0: none wait).
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
     /// The most tokens a request may ask for (max_tokens).
@@ -386,7 +387,8 @@ struct ServeArgs {
     /// Seconds a connection may stay open without sending a request.
     #[arg(long, default_value_t = 30)]
     idle_timeout: u64,
-    /// Connections open at once; more are closed on arrival.
+    /// Connections open at once; a newcomer closes the one idle longest (and is
+    /// closed itself only when every one is busy).
     #[arg(long, default_value_t = 512)]
     max_connections: usize,
 }

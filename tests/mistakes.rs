@@ -509,6 +509,21 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "--max-tokens 0",
         ),
         case(
+            "serve allowing no connections",
+            "serve --checkpoint checkpoints/good --port 0 --max-connections 0",
+            "--max-connections 0 would close every connection",
+        ),
+        case(
+            "serve allowing no request body",
+            "serve --checkpoint checkpoints/good --port 0 --max-body-bytes 0",
+            "--max-body-bytes 0 leaves no room",
+        ),
+        case(
+            "serve --cors given something that is no origin",
+            "serve --checkpoint checkpoints/good --port 0 --cors localhost:3000/app",
+            "is not an origin",
+        ),
+        case(
             "generate int8 weights with the reference decoder",
             "generate --checkpoint checkpoints/good --prompt To --reference --dtype int8",
             "--dtype int8 decodes with the fused CPU decoder only",

@@ -140,6 +140,26 @@ fn same_as_generate(dir: &Path, completions: &str) -> (Vec<String>, Value, Value
     (expected, request, body)
 }
 
+/// Seeds past 2^63 (half of those `generate` prints) reproduce `generate`'s text, and
+/// a negative one is taken modulo 2^64 as `generate --seed` takes it.
+#[test]
+fn every_seed_generate_prints_is_a_seed_here() {
+    let dir = trained();
+    let server = Server::start(dir.path(), &["--max-queue", "0"]);
+    let url = server.url("/v1/completions");
+    let big: u64 = 18_446_744_073_709_551_611;
+    let expected = generate_json(dir.path(), "To be", big, 1, 20);
+    for seed in [json!(big), json!(-5)] {
+        let request = json!({"prompt": "To be", "seed": seed, "max_tokens": 20, "temperature": 0.9, "top_k": 20});
+        // --max-queue 0: none may wait, but an idle server serves.
+        let (status, body) = post(&url, &request.to_string());
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["choices"][0]["text"], expected[0], "seed {seed}");
+    }
+    let (status, error) = post(&url, r#"{"prompt": "T", "seed": 1.5}"#);
+    assert_eq!(status, 400, "{error}");
+}
+
 #[test]
 fn completions_match_generate_stream_and_stop_across_tokens() {
     let dir = trained();
@@ -340,6 +360,36 @@ fn bad_requests_are_4xx_with_openai_errors() {
         404,
         "not_found_error",
     );
+    // Another tool's name for a field is answered with ours; a typo inside
+    // stream_options is named, not dropped.
+    for (body, hint) in [
+        (
+            r#"{"prompt": "T", "max_new_tokens": 2}"#,
+            "did you mean `max_tokens`?",
+        ),
+        (
+            r#"{"prompt": "T", "num_predict": 2}"#,
+            "did you mean `max_tokens`?",
+        ),
+        (
+            r#"{"prompt": "T", "stream": true, "stream_options": {"include_usag": true}}"#,
+            "include_usag",
+        ),
+    ] {
+        let (status, error) = post(&url, body);
+        assert_eq!(status, 400, "{body}: {error}");
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(message.contains(hint), "{body}: {message}");
+    }
+    // GET /v1/models/{id}: the served model, or OpenAI's 404.
+    let (status, model) = get(&server.url("/v1/models/exp"), &[]);
+    assert_eq!(status, 200, "{model}");
+    let model: Value = serde_json::from_str(&model).unwrap();
+    assert_eq!(model["id"], "exp");
+    assert_eq!(model["object"], "model");
+    let (status, missing) = get(&server.url("/v1/models/gpt-4"), &[]);
+    assert_eq!(status, 404, "{missing}");
+    assert!(missing.contains("model_not_found"), "{missing}");
     let too_large = json!({"prompt": "x".repeat(3000)}).to_string();
     refused(&too_large, 413, "invalid_request_error");
     let (status, error) = post(&server.url("/v1/chat/completions"), r#"{"messages": []}"#);

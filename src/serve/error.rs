@@ -144,6 +144,18 @@ pub const UNSUPPORTED: [(&str, Neutral); 20] = [
     ("tool_choice", |v| v == "none" || v == "auto"),
 ];
 
+/// Other tools' names for a field (transformers', Ollama's, llama.cpp's), offered
+/// where a misspelling's distance would not find it.
+const OTHER_NAMES: &[(&str, &str)] = &[
+    ("max_new_tokens", "max_tokens"),
+    ("max_length", "max_tokens"),
+    ("num_predict", "max_tokens"),
+    ("n_predict", "max_tokens"),
+    ("num_return_sequences", "n"),
+    ("stop_sequences", "stop"),
+    ("random_seed", "seed"),
+];
+
 /// The first field of `body` that is neither one of `allowed` nor harmless: a 400
 /// naming it (and the likeliest intended field, for a misspelling).
 pub fn check_fields(body: &Value, lists: &[&[&str]]) -> Result<(), ApiError> {
@@ -164,14 +176,18 @@ pub fn check_fields(body: &Value, lists: &[&[&str]]) -> Result<(), ApiError> {
             ))
             .with_param(key));
         }
+        let other_servers = OTHER_NAMES
+            .iter()
+            .find(|(theirs, ours)| theirs == key && allowed.contains(ours))
+            .map(|(_, ours)| ours);
         let hint = allowed
             .iter()
             .map(|name| (edit_distance(key, name), name))
             .filter(|&(d, name)| d <= 2.max(name.len() / 3))
             .min()
-            .map_or(String::new(), |(_, name)| {
-                format!("; did you mean `{name}`?")
-            });
+            .map(|(_, name)| name)
+            .or(other_servers)
+            .map_or(String::new(), |name| format!("; did you mean `{name}`?"));
         return Err(ApiError::invalid(format!("unknown field `{key}`{hint}")).with_param(key));
     }
     Ok(())

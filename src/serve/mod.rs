@@ -91,11 +91,45 @@ pub struct Ready {
     pub jobs: std::sync::mpsc::Sender<batcher::Job>,
 }
 
+/// `--cors`'s origin as browsers send it: `scheme://host[:port]`, nothing else (a
+/// value that is no valid header would be answered as `null`, which browsers match
+/// against sandboxed pages), or `*`.
+fn check_origin(origin: &str) -> Result<()> {
+    let valid = origin == "*"
+        || origin.split_once("://").is_some_and(|(scheme, rest)| {
+            matches!(scheme, "http" | "https")
+                && !rest.is_empty()
+                && rest
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || ".-:[]".contains(c))
+        });
+    if !valid {
+        crate::user_bail!(
+            "--cors {origin:?} is not an origin; pass one as browsers send it, e.g. --cors http://localhost:3000 (scheme, host and port, no path), or *"
+        );
+    }
+    Ok(())
+}
+
 /// Serves until a signal asks to stop; returns the stop as an error (exit 128 + signal),
 /// or a load failure.
 pub fn serve(options: ServeOptions, stop: Stop) -> Result<()> {
     if options.parallel == 0 || options.parallel > 1024 {
         crate::user_bail!("--parallel {} must be 1 to 1024", options.parallel);
+    }
+    if options.max_connections == 0 {
+        crate::user_bail!(
+            "--max-connections 0 would close every connection; pass 1 or more (default 512)"
+        );
+    }
+    if options.max_body_bytes < 64 {
+        crate::user_bail!(
+            "--max-body-bytes {} leaves no room for a request; pass at least 64 (default 1048576)",
+            options.max_body_bytes
+        );
+    }
+    if let Some(origin) = &options.cors {
+        check_origin(origin)?;
     }
     if !options.checkpoint.is_dir() {
         crate::user_bail!(

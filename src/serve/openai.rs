@@ -28,9 +28,36 @@ pub struct SamplingFields {
     pub presence_penalty: Option<f64>,
     pub n: Option<i64>,
     pub stop: Option<StopField>,
-    pub seed: Option<i64>,
+    /// Any 64-bit seed `generate` prints (0 to 2^64 - 1), or a negative one (taken
+    /// modulo 2^64, as `generate --seed` takes it).
+    #[serde(default, deserialize_with = "any_seed")]
+    pub seed: Option<u64>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+}
+
+/// A seed from -2^63 to 2^64 - 1, a negative one wrapped to u64.
+fn any_seed<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    struct Seed;
+    impl serde::de::Visitor<'_> for Seed {
+        type Value = Option<u64>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a whole number from -9223372036854775808 to 18446744073709551615")
+        }
+        fn visit_u64<E>(self, v: u64) -> Result<Self::Value, E> {
+            Ok(Some(v))
+        }
+        fn visit_i64<E>(self, v: i64) -> Result<Self::Value, E> {
+            Ok(Some(v as u64))
+        }
+        fn visit_unit<E>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_none<E>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+    }
+    d.deserialize_any(Seed)
 }
 
 impl SamplingFields {
@@ -68,6 +95,7 @@ pub enum StopField {
 }
 
 #[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct StreamOptions {
     pub include_usage: Option<bool>,
 }
@@ -306,7 +334,7 @@ impl SamplingFields {
             max_tokens,
             stop,
             // `generate --seed S`: sample i draws with seed S + i.
-            seed: self.seed.map_or_else(rand::random, |s| s as u64),
+            seed: self.seed.unwrap_or_else(rand::random),
             stream,
             include_usage,
         })

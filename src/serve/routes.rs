@@ -32,6 +32,7 @@ use crate::generate::sample::Sampler;
 pub fn router(state: Shared) -> Router {
     let api = Router::new()
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/chat/template", get(chat_template))
@@ -173,21 +174,44 @@ async fn health(State(state): State<Shared>) -> Response {
 }
 
 async fn models(State(state): State<Shared>) -> Result<Json<Value>, ApiError> {
-    let ready = state.ready()?;
     Ok(Json(json!({
         "object": "list",
-        "data": [{
-            "id": state.model_id,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "tinygpt",
-            "meta": {
-                "parameters": ready.parameters,
-                "context_length": ready.block_size,
-                "vocab_size": ready.vocab_size,
-            },
-        }],
+        "data": [served_model(&state)?],
     })))
+}
+
+/// `GET /v1/models/{id}`: the served model, or OpenAI's 404 for any other.
+async fn model(
+    State(state): State<Shared>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    if id != state.model_id {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "the model `{id}` does not exist here; this server has `{}`",
+                state.model_id
+            ),
+        )
+        .with_code("model_not_found"));
+    }
+    Ok(Json(served_model(&state)?))
+}
+
+/// The served model as OpenAI's model object, with its shape.
+fn served_model(state: &Shared) -> Result<Value, ApiError> {
+    let ready = state.ready()?;
+    Ok(json!({
+        "id": state.model_id,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "tinygpt",
+        "meta": {
+            "parameters": ready.parameters,
+            "context_length": ready.block_size,
+            "vocab_size": ready.vocab_size,
+        },
+    }))
 }
 
 async fn props(State(state): State<Shared>) -> Result<Json<Value>, ApiError> {
@@ -432,7 +456,13 @@ fn submit(
     let waiting = metrics
         .queued
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    if waiting >= state.options.max_queue {
+    // Requests that can start now do not count against the queue (each takes at
+    // least a slot): with --max-queue 0 an idle server still serves.
+    let free = state
+        .options
+        .parallel
+        .saturating_sub(metrics.running.load(std::sync::atomic::Ordering::Relaxed));
+    if waiting >= state.options.max_queue + free {
         metrics
             .queued
             .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
