@@ -344,7 +344,7 @@ impl Trainer {
         self.engine.zero_grads()?;
         for micro in 0..micro_batches {
             if micro % ranks != rank {
-                self.sampler.skip(&self.split.train, &mut self.batch);
+                self.sampler.skip(&self.split.train, &self.batch);
                 continue;
             }
             self.sampler.sample_into(&self.split.train, &mut self.batch);
