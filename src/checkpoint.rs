@@ -194,6 +194,18 @@ impl RunDir {
         self.file(STATE_FILE).is_file()
     }
 
+    /// The checkpoint files the folder holds without a `state.json` to name them (one
+    /// removed, or a first checkpoint cut short): weights a new run would overwrite.
+    pub fn orphaned_weights(&self) -> Vec<&'static str> {
+        match self.has_checkpoint() {
+            true => Vec::new(),
+            false => [MODEL_FILE, OPTIMIZER_FILE]
+                .into_iter()
+                .filter(|name| self.file(name).is_file())
+                .collect(),
+        }
+    }
+
     /// Writes a whole checkpoint (see the module docs for the protocol); `state.files` is
     /// filled in here.
     pub fn save(

@@ -67,15 +67,27 @@ pub struct DivergedError {
     pub step: usize,
     pub lr: f64,
     pub what: &'static str,
+    /// The step of the run folder's last checkpoint, if it has one.
+    pub checkpoint: Option<usize>,
 }
 
 impl fmt::Display for DivergedError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "training diverged: the {} is not finite at step {} (learning rate {:.3e}); the last checkpoint is kept; lower train.lr or raise train.warmup_iters and resume",
+            "training diverged: the {} is not finite at step {} (learning rate {:.3e}); ",
             self.what, self.step, self.lr
-        )
+        )?;
+        match self.checkpoint {
+            Some(step) => write!(
+                f,
+                "the last checkpoint (step {step}) is kept; lower train.lr or raise train.warmup_iters and resume"
+            ),
+            None => write!(
+                f,
+                "no checkpoint was written yet; lower train.lr or raise train.warmup_iters and start again"
+            ),
+        }
     }
 }
 

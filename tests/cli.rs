@@ -963,3 +963,29 @@ fn damaged_ids_in_the_token_cache_are_named() {
     std::fs::remove_dir_all(ids.parent().unwrap()).unwrap();
     succeeds(d, &train_args(&[], &["run.name=second"]));
 }
+
+/// A run folder whose state.json is gone still holds weights: neither a new run nor a
+/// resume writes over them; the message says what is missing and what to do.
+#[test]
+fn weights_without_their_state_are_not_overwritten() {
+    let dir = setup();
+    let d = dir.path();
+    succeeds(d, &train_args(&[], &["run.name=kept"]));
+    let run = d.join("checkpoints/kept");
+    std::fs::remove_file(run.join("state.json")).unwrap();
+    let weights = std::fs::read(run.join("model.safetensors")).unwrap();
+    for flags in [&[][..], &["--resume"][..]] {
+        let out = tinygpt(d, &train_args(flags, &["run.name=kept", "run.seed=7"]));
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {}", stderr(&out));
+        assert!(
+            stderr(&out)
+                .contains("holds model.safetensors and optimizer.safetensors but no state.json"),
+            "{}",
+            stderr(&out)
+        );
+        assert_eq!(
+            std::fs::read(run.join("model.safetensors")).unwrap(),
+            weights
+        );
+    }
+}

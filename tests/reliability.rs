@@ -208,11 +208,34 @@ fn divergence_stops_with_exit_3_and_keeps_the_last_checkpoint() {
         err.contains("diverged") && err.contains("step") && err.contains("learning rate"),
         "{err}"
     );
+    assert!(err.contains("the last checkpoint (step "), "{err}");
     let out = run(
         dir.path(),
         &["info", "--checkpoint", "checkpoints/exp", "--json"],
     );
     assert!(out.status.success(), "the last good checkpoint loads");
+    // Before its first checkpoint, a run is told to start again, not to resume.
+    let out = run(
+        dir.path(),
+        &train_args(
+            &[],
+            &[
+                "run.name=never",
+                "train.lr=1e6",
+                "train.min_lr=1e6",
+                "train.grad_clip=0",
+                "train.warmup_iters=0",
+                "train.checkpoint_interval=100000",
+            ],
+        ),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(!dir.path().join("checkpoints/never/state.json").exists());
+    assert!(
+        err.contains("no checkpoint was written yet") && err.contains("start again"),
+        "{err}"
+    );
 }
 
 #[test]

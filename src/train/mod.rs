@@ -445,6 +445,7 @@ impl Trainer {
                 step: self.state.step,
                 lr: learning_rate(self.state.step - 1, &self.config.train),
                 what,
+                checkpoint: self.run.state().ok().map(|saved| saved.step),
             }
             .into());
         }

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Result;
 use candle_core::Device;
 
-use crate::checkpoint::{Loaded, RunDir, TrainState, CONFIG_FILE, MODEL_FILE};
+use crate::checkpoint::{Loaded, RunDir, TrainState, CONFIG_FILE, MODEL_FILE, STATE_FILE};
 use crate::config::{Config, ModelConfig, TokenizerKind, TrainConfig};
 use crate::corpus::cache::CorpusCache;
 use crate::corpus::Corpus;
@@ -60,6 +60,14 @@ pub fn resolve(
     cache: &CorpusCache,
     stop: &Stop,
 ) -> Result<Origin> {
+    let orphans = run.orphaned_weights();
+    if !orphans.is_empty() {
+        user_bail!(
+            "{} holds {} but no {STATE_FILE}, which names the step and files of a checkpoint (removed, or a first save cut short); restore it to --resume, or move the folder away to start anew (a new run would overwrite these weights)",
+            run.path().display(),
+            orphans.join(" and ")
+        );
+    }
     if *start != Start::Resume && run.has_checkpoint() {
         user_bail!(
             "{} already holds a checkpoint; pass --resume to continue it, or choose another run.name (--set run.name=...)",
