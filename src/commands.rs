@@ -2,7 +2,7 @@
 
 use std::io::{IsTerminal, Read, Write};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use candle_core::Device;
 use serde_json::json;
 use tinygpt::checkpoint::Loaded;
@@ -23,6 +23,15 @@ use crate::{
     AttentionArgs, BenchArgs, CacheAction, CacheArgs, CheckpointArgs, CompareArgs, DoctorArgs,
     EvalArgs, ExportArgs, GenerateArgs, ImportArgs, InfoArgs, PlotArgs, ServeArgs, SweepArgs,
 };
+
+/// `println!` that hands back a failed write (a full disk behind `> file`: one line
+/// naming it, exit 2) instead of panicking.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout(), $($arg)*).context("writing to standard output")
+    }};
+}
 
 fn load(args: &CheckpointArgs) -> Result<Loaded> {
     Loaded::load(&args.checkpoint, &parse_device(&args.device)?)
@@ -427,16 +436,16 @@ impl Drop for Ticker {
 
 fn print_eval(args: &EvalArgs, r: &tinygpt::eval::EvalResult) -> Result<()> {
     if args.json {
-        println!("{}", serde_json::to_string(&r)?);
+        outln!("{}", serde_json::to_string(&r)?)?;
     } else {
-        println!(
+        outln!(
             "{}: {} tokens, loss {:.4} nats/token, perplexity {:.3}, {:.4} bits/byte",
             args.text.display(),
             r.tokens,
             r.loss,
             r.perplexity,
             r.bits_per_byte
-        );
+        )?;
     }
     Ok(())
 }
@@ -459,12 +468,12 @@ pub fn info(args: InfoArgs) -> Result<()> {
             "train_loss": st.last_train_loss, "val_loss": st.last_val_loss, "best_val_loss": st.best_val_loss,
             "tokenizer": loaded.tokenizer.kind_name(), "vocab_size": loaded.tokenizer.vocab_size(),
         });
-        println!("{record}");
+        outln!("{record}")?;
     } else {
         let m = &cfg.model;
         let fmt = |l: Option<f64>| l.map_or("-".to_string(), |l| format!("{l:.4}"));
-        println!("checkpoint  {}", args.ckpt.checkpoint.display());
-        println!(
+        outln!("checkpoint  {}", args.ckpt.checkpoint.display())?;
+        outln!(
             "model       {}, {} ({} K/V), width {}, context {}, {} positions, {}",
             count(m.n_layer, "layer"),
             count(m.n_head, "head"),
@@ -473,38 +482,40 @@ pub fn info(args: InfoArgs) -> Result<()> {
             m.block_size,
             format!("{:?}", m.positions).to_lowercase(),
             if m.bias { "biases" } else { "no biases" }
-        );
-        println!(
+        )?;
+        outln!(
             "parameters  {total} ({:.2}M); {} ({:.2}M) without embeddings",
             total as f64 / 1e6,
             total - embeddings,
             (total - embeddings) as f64 / 1e6
-        );
-        println!(
+        )?;
+        outln!(
             "tokenizer   {} with {} tokens (model vocabulary {})",
             loaded.tokenizer.kind_name(),
             loaded.tokenizer.vocab_size(),
             m.vocab_size
-        );
+        )?;
         let on = match st.ranks {
             0 | 1 => String::new(),
             n => format!(" (last on {n} ranks)"),
         };
-        println!(
+        outln!(
             "trained     {} steps, {} tokens, {:.0} s{on}",
-            st.step, st.tokens_seen, st.elapsed_s
-        );
-        println!(
+            st.step,
+            st.tokens_seen,
+            st.elapsed_s
+        )?;
+        outln!(
             "loss        train {}, val {} (best val {})",
             fmt(st.last_train_loss),
             fmt(st.last_val_loss),
             fmt(st.best_val_loss)
-        );
+        )?;
         // Step 0 is an imported model's (training saves no step-0 checkpoint).
         if cfg.data.corpus.as_os_str().is_empty() || st.step == 0 {
-            println!("corpus      none: imported (tinygpt import), not trained here");
+            outln!("corpus      none: imported (tinygpt import), not trained here")?;
         } else {
-            println!("corpus      {}", cfg.data.corpus.display());
+            outln!("corpus      {}", cfg.data.corpus.display())?;
         }
     }
     Ok(())
@@ -582,12 +593,12 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
     }
     let r = tinygpt::bench::run(&config, &device, &opts)?;
     if args.json {
-        println!("{}", serde_json::to_string(&r)?);
+        outln!("{}", serde_json::to_string(&r)?)?;
         return Ok(());
     }
     let mb = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0} MiB"));
-    println!("cpu     {}", r.cpu);
-    println!(
+    outln!("cpu     {}", r.cpu)?;
+    outln!(
         "train   {:.1} ms/step (median of {}, {:.1}-{:.1}; {} {:?}: forward {:.1}, backward {:.1}, optimizer {:.1}), {:.0} tokens/s, {:.2} GFLOP/step, {:.1} GFLOP/s, peak RSS {}{}",
         r.train_ms_per_step,
         r.steps,
@@ -604,16 +615,16 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
         mb(r.peak_rss_mb),
         r.gpu_memory_mb
             .map_or(String::new(), |m| format!(", GPU memory in use {m:.0} MiB"))
-    );
-    println!("engine  {}", r.train_engine);
+    )?;
+    outln!("engine  {}", r.train_engine)?;
     match &r.profile {
-        Some(profile) => println!("{profile}"),
-        None if args.profile => println!(
+        Some(profile) => outln!("{profile}")?,
+        None if args.profile => outln!(
             "profile not recorded: the reference engine's work is candle's ops (train.fused = true profiles the fused engines)"
-        ),
+        )?,
         None => {}
     }
-    println!(
+    outln!(
         "decode  {:.0} tokens/s ({}, {}), prefill {} tokens in {:.1} ms ({:.0} tokens/s), peak RSS {}",
         r.decode_tokens_per_s,
         r.decode_mode,
@@ -625,7 +636,7 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
         r.ttft_ms,
         r.prefill_tokens_per_s,
         mb(r.peak_rss_after_decode_mb)
-    );
+    )?;
     Ok(())
 }
 
@@ -646,11 +657,11 @@ fn bench_checkpoint(
     let kv = KvPrecision::parse(args.kv_dtype.as_deref(), format)?;
     let r = tinygpt::bench::decode_checkpoint(dir, (format, kv), &args.prompts, decode, stop)?;
     if args.json {
-        println!("{}", serde_json::to_string(&r)?);
+        outln!("{}", serde_json::to_string(&r)?)?;
         return Ok(());
     }
-    println!("cpu     {}", r.cpu);
-    println!(
+    outln!("cpu     {}", r.cpu)?;
+    outln!(
         "load    {:.0} ms ({}), {} weights: {:.0} MiB of {} parameters; keys and values in {}",
         r.load_ms,
         if r.hashed {
@@ -662,7 +673,7 @@ fn bench_checkpoint(
         r.weights_mb,
         r.parameters,
         r.kv_dtype
-    );
+    )?;
     let ttft: Vec<String> = r
         .ttft_ms
         .iter()
@@ -679,24 +690,24 @@ fn bench_checkpoint(
         true => String::new(),
         false => format!(" ({}: past the model's context)", beyond.join(", ")),
     };
-    println!("first   {}{cut}", ttft.join(", "));
+    outln!("first   {}{cut}", ttft.join(", "))?;
     let together = match r.decode_batch {
         1 => String::new(),
         n => format!(" in each of {n} sequences together"),
     };
-    println!(
+    outln!(
         "decode  {:.1} tokens/s ({}{together} after a 16-token prompt), peak RSS {}",
         r.decode_tokens_per_s,
         count(r.decode_tokens, "token"),
         r.peak_rss_mb
             .map_or("-".to_string(), |m| format!("{m:.0} MiB"))
-    );
-    println!(
+    )?;
+    outln!(
         "memory  weights read at {:.1} GB/s while decoding, {:.0}% of a plain read pass here ({:.1} GB/s)",
         r.weights_gb_per_s,
         100.0 * r.weights_gb_per_s / r.read_pass_gb_per_s.max(1e-9),
         r.read_pass_gb_per_s
-    );
+    )?;
     Ok(())
 }
 
@@ -835,10 +846,10 @@ pub fn attention(args: AttentionArgs) -> Result<()> {
             .iter()
             .map(|&l| heads.iter().map(|&h| &maps.weights[l][h]).collect())
             .collect();
-        println!(
+        outln!(
             "{}",
             json!({"tokens": maps.tokens, "layers": layers, "heads": heads, "weights": weights})
-        );
+        )?;
         return Ok(());
     }
     tinygpt::plot::attention_grid(&maps, &layers, &heads, &args.out)?;
@@ -959,13 +970,10 @@ fn report_comparison(
     let runs = compare::read_runs(dirs)?;
     let rows = compare::rows(&runs);
     if as_json {
-        let _ = writeln!(
-            std::io::stdout(),
-            "{}",
-            serde_json::to_string_pretty(&rows)?
-        );
+        outln!("{}", serde_json::to_string_pretty(&rows)?)?;
     } else {
-        let _ = write!(std::io::stdout(), "{}", compare::table(&rows));
+        write!(std::io::stdout(), "{}", compare::table(&rows))
+            .context("writing to standard output")?;
     }
     let Some(out) = out else {
         return Ok(());
@@ -1029,7 +1037,7 @@ pub fn cache(args: CacheArgs) -> Result<()> {
     let inv = inventory::survey(&caches, &runs)?;
     let now = std::time::SystemTime::now();
     match args.action.unwrap_or(CacheAction::List) {
-        CacheAction::List if args.json => println!("{}", serde_json::to_string_pretty(&inv)?),
+        CacheAction::List if args.json => outln!("{}", serde_json::to_string_pretty(&inv)?)?,
         CacheAction::List => print!("{}", inventory::describe(&inv, now)),
         CacheAction::Prune { older_than, yes } => {
             if args.runs.is_empty() && !runs[0].is_dir() {
@@ -1055,16 +1063,16 @@ pub fn cache(args: CacheArgs) -> Result<()> {
             let total: u64 = removals.iter().map(|r| r.bytes).sum();
             if args.json {
                 let record = json!({"deleted": yes, "bytes": total, "removals": removals});
-                println!("{}", serde_json::to_string_pretty(&record)?);
+                outln!("{}", serde_json::to_string_pretty(&record)?)?;
                 return Ok(());
             }
             for r in &removals {
-                println!(
+                outln!(
                     "{}  {}  ({})",
                     r.path.display(),
                     inventory::size(r.bytes),
                     r.why
-                );
+                )?;
             }
             let verb = if yes { "deleted" } else { "would delete" };
             let more = if yes || removals.is_empty() {
@@ -1085,25 +1093,28 @@ pub fn cache(args: CacheArgs) -> Result<()> {
 pub fn doctor(args: DoctorArgs) -> Result<()> {
     let report = tinygpt::doctor::run(&tinygpt::doctor::Faults::from_env())?;
     if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        outln!("{}", serde_json::to_string(&report)?)?;
     } else {
         for (place, what) in &report.devices {
-            println!("{place:<16} {what}");
+            outln!("{place:<16} {what}")?;
         }
-        println!();
-        println!(
+        outln!()?;
+        outln!(
             "{:<16} {:<28} {:>10} {:>10}  result",
-            "where", "check", "error", "bound"
-        );
+            "where",
+            "check",
+            "error",
+            "bound"
+        )?;
         for c in &report.checks {
-            println!(
+            outln!(
                 "{:<16} {:<28} {:>10.2e} {:>10.0e}  {}",
                 c.place,
                 c.name,
                 c.error,
                 c.bound,
                 if c.passed { "ok" } else { "FAILED" }
-            );
+            )?;
         }
     }
     let failed: Vec<String> = report

@@ -509,6 +509,16 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "--max-tokens 0",
         ),
         case(
+            "plot --out inside a file",
+            "plot --checkpoint checkpoints/good --out checkpoints/good/config.toml/x.png",
+            "config.toml is a file, not a folder",
+        ),
+        case(
+            "plot --out where nothing can be written",
+            "plot --checkpoint checkpoints/good --out /proc/tinygpt-plot.png",
+            "cannot write there",
+        ),
+        case(
             "serve allowing no connections",
             "serve --checkpoint checkpoints/good --port 0 --max-connections 0",
             "--max-connections 0 would close every connection",

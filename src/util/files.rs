@@ -154,12 +154,33 @@ pub fn check_output_file(flag: &str, path: &Path, extensions: &[&str]) -> Result
         );
     }
     let folder = folder_of(path);
+    if folder.exists() && !folder.is_dir() {
+        crate::user_bail!(
+            "{flag} {shown}: {} is a file, not a folder; pick another place",
+            folder.display()
+        );
+    }
     if !folder.is_dir() {
         crate::user_bail!(
             "{flag} {shown}: the folder {} does not exist; create it (mkdir -p {}) or pick another",
             folder.display(),
             folder.display()
         );
+    }
+    // Writable, asked now rather than after the work (a read-only disk, a folder not
+    // ours, a name too long): a file that is there is opened for appending, a new one
+    // made and removed.
+    let probe = if path.exists() {
+        fs::OpenOptions::new().append(true).open(path).map(drop)
+    } else {
+        fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .and_then(|_| fs::remove_file(path))
+    };
+    if let Err(e) = probe {
+        crate::user_bail!("{flag} {shown}: cannot write there ({e}); pick another place");
     }
     Ok(())
 }
