@@ -989,3 +989,41 @@ fn weights_without_their_state_are_not_overwritten() {
         );
     }
 }
+
+/// A resume that stretches the cosine schedule says the rate rises again; one still in
+/// its warmup (which rises by itself) says nothing of it.
+#[test]
+fn a_resume_names_a_rising_rate_only_when_the_schedule_changed() {
+    let dir = setup();
+    let d = dir.path();
+    let rising = "the rate rises again";
+    succeeds(
+        d,
+        &train_args(
+            &[],
+            &[
+                "run.name=warm",
+                "train.warmup_iters=10",
+                "train.max_iters=3",
+            ],
+        ),
+    );
+    let out = succeeds(
+        d,
+        &train_args(
+            &["--resume"],
+            &[
+                "run.name=warm",
+                "train.warmup_iters=10",
+                "train.max_iters=5",
+            ],
+        ),
+    );
+    assert!(!stderr(&out).contains(rising), "{}", stderr(&out));
+    succeeds(d, &train_args(&[], &["run.name=decayed"]));
+    let out = succeeds(
+        d,
+        &train_args(&["--resume"], &["run.name=decayed", "train.max_iters=40"]),
+    );
+    assert!(stderr(&out).contains(rising), "{}", stderr(&out));
+}

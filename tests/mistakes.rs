@@ -339,6 +339,11 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "empty",
         ),
         case(
+            "a device as the corpus (a pipe reads once)",
+            &format!("{t} --set data.corpus=/dev/null"),
+            "is not a regular file (a pipe or a device); save it to a file first",
+        ),
+        case(
             "corpus still gzip-compressed",
             &format!("{t} --set data.corpus=corpus.txt.gz"),
             "is gzip-compressed; decompress it first (gunzip -k corpus.txt.gz)",

@@ -17,7 +17,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::UNIX_EPOCH;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use serde::Serialize;
 
 use crate::config::FingerprintKind;
@@ -151,7 +151,12 @@ impl Corpus {
         })?;
         let paths: Vec<PathBuf> = if meta.is_dir() {
             let mut paths: Vec<PathBuf> = fs::read_dir(path)
-                .with_context(|| format!("listing {}", path.display()))?
+                .map_err(|e| {
+                    user_error(format!(
+                        "corpus folder {}: cannot list it ({e}); give this user read access, or set data.corpus to another",
+                        path.display()
+                    ))
+                })?
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| p.is_file() && Format::listed(p))
                 .collect();
@@ -163,6 +168,13 @@ impl Corpus {
                 );
             }
             paths
+        } else if !meta.is_file() {
+            // A pipe reads once, and the corpus is read several times (fingerprint,
+            // tokenizer, ids): it would look empty, or change between reads.
+            user_bail!(
+                "corpus {} is not a regular file (a pipe or a device); save it to a file first and set data.corpus to that",
+                path.display()
+            );
         } else {
             vec![path.to_path_buf()]
         };

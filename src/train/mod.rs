@@ -682,10 +682,12 @@ impl Trainer {
         let (cfg, step) = (&self.config.train, self.state.step);
         let now = learning_rate(step, cfg);
         let mut line = format!("learning rate {now:.3e} at step {step}");
+        // Rising, and only because the schedule changed: warmup rises by itself.
         let before = self
             .saved_train
             .as_ref()
             .filter(|_| step > 0)
+            .filter(|saved| now > learning_rate(step, saved) * 1.01)
             .map(|saved| learning_rate(step - 1, saved));
         if let Some(before) = before.filter(|&b| now > b * 1.01) {
             line.push_str(&format!(
