@@ -385,7 +385,12 @@ fn tokenizers_train_once_per_corpus_and_settings_on_a_sample() {
         .filter(|f| f.starts_with("tokenizer-bpe-"))
         .count();
     assert_eq!(tokenizers, 2, "two tokenizers: {files:?}");
-    assert_eq!(files.len(), 3, "and corpus.json: {files:?}");
+    assert_eq!(
+        files.len(),
+        4,
+        "and corpus.json, and the lock this process holds: {files:?}"
+    );
+    assert!(files.contains(&"in-use.lock".to_string()), "{files:?}");
 }
 
 #[test]
@@ -473,7 +478,8 @@ fn a_failure_midway_leaves_no_cache_behind() {
         .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
         .collect();
     left.sort();
-    assert_eq!(left, ["corpus.json", "tokenizer-kept.json"]);
+    // (in-use.lock: this process's hold on the folder, not the encoding's.)
+    assert_eq!(left, ["corpus.json", "in-use.lock", "tokenizer-kept.json"]);
 }
 
 /// Runs the binary in `dir`; returns stderr, asserting success.

@@ -23,7 +23,7 @@
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::Mutex;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -45,7 +45,7 @@ pub struct CorpusCache {
     fingerprint: String,
     /// This process's shared lock on the folder's [`IN_USE_FILE`], taken when it first
     /// writes or reads the folder and held as long as the cache is.
-    hold: OnceLock<fs::File>,
+    hold: Mutex<Option<fs::File>>,
 }
 
 #[derive(Debug, Serialize, Deserialize, PartialEq)]
@@ -67,7 +67,7 @@ impl CorpusCache {
         Ok(Self {
             dir: root.join(format!("{}-{}", corpus.name(), &fingerprint[..16])),
             fingerprint,
-            hold: OnceLock::new(),
+            hold: Mutex::new(None),
         })
     }
 
@@ -101,7 +101,8 @@ impl CorpusCache {
     /// removed meanwhile is made again. Best effort: a read-only disk or one that
     /// cannot lock files (some network mounts) goes without.
     fn hold(&self) {
-        if self.hold.get().is_some() {
+        let mut held = self.hold.lock().unwrap_or_else(|e| e.into_inner());
+        if held.is_some() {
             return;
         }
         let path = self.dir.join(IN_USE_FILE);
@@ -119,7 +120,7 @@ impl CorpusCache {
             }
             // Locked in vain if a prune removed the name while this waited.
             if path.exists() {
-                let _ = self.hold.set(file);
+                *held = Some(file);
                 return;
             }
         }
@@ -267,9 +268,10 @@ impl CorpusCache {
             drop(out);
             if made_here {
                 let _ = fs::remove_file(self.dir.join(MANIFEST_FILE));
-                if let Some(held) = self.hold.get() {
-                    // Its name goes only if no other process holds it too.
-                    if held.unlock().is_ok() && held.try_lock().is_ok() {
+                let held = self.hold.lock().unwrap_or_else(|e| e.into_inner()).take();
+                // Its name goes only if no other process holds it too.
+                if let Some(file) = held {
+                    if file.unlock().is_ok() && file.try_lock().is_ok() {
                         let _ = fs::remove_file(self.dir.join(IN_USE_FILE));
                     }
                 }
