@@ -202,6 +202,17 @@ fn completions_match_generate_stream_and_stop_across_tokens() {
         events.iter().all(|e| !e.contains(&stop)),
         "a chunk showed the stop string"
     );
+    // With logprobs, the tokens are those of the text: none of the stop string's.
+    stopped["stream"] = json!(false);
+    stopped["logprobs"] = json!(1);
+    let (_, body) = post(&completions, &stopped.to_string());
+    let tokens: Vec<&str> = body["choices"][0]["logprobs"]["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(tokens.concat(), *before, "{body}");
 
     // Logprobs: one per generated token, each <= 0, the top alternatives ordered.
     let (_, body) = post(

@@ -8,6 +8,8 @@ pub struct StopFilter {
     text: String,
     emitted: usize,
     stopped: bool,
+    /// Bytes of text cut at the stop: the stop string and anything after it.
+    cut: usize,
 }
 
 impl StopFilter {
@@ -17,7 +19,13 @@ impl StopFilter {
             text: String::new(),
             emitted: 0,
             stopped: false,
+            cut: 0,
         }
+    }
+
+    /// Bytes of generated text cut at the stop string (it and what followed it).
+    pub fn cut_bytes(&self) -> usize {
+        self.cut
     }
 
     pub fn stopped(&self) -> bool {
@@ -41,6 +49,7 @@ impl StopFilter {
         let end = match first_stop {
             Some(at) => {
                 self.stopped = true;
+                self.cut = self.text.len() - at;
                 self.text.truncate(at);
                 at
             }

@@ -631,6 +631,17 @@ impl<'m, 't> Batcher<'m, 't> {
                 });
             }
             if seq.stops.stopped() {
+                // The tokens that spelled the stop string (and what followed it) are
+                // not part of the answer: their logprobs go with their text.
+                let mut cut = seq.stops.cut_bytes();
+                while let Some(last) = seq.unsent.last() {
+                    let len = last.token.bytes.len();
+                    if len == 0 || len > cut {
+                        break;
+                    }
+                    cut -= len;
+                    seq.unsent.pop();
+                }
                 self.finish(slot, Finish::Stop);
                 return Ok(());
             }
