@@ -403,6 +403,30 @@ fn bad_requests_are_4xx_with_openai_errors() {
     assert!(missing.contains("model_not_found"), "{missing}");
     let too_large = json!({"prompt": "x".repeat(3000)}).to_string();
     refused(&too_large, 413, "invalid_request_error");
+    let (_, error) = post(&url, &too_large);
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("--max-body-bytes")),
+        "{error}"
+    );
+    // A huge declared length is refused from the header, before any body comes.
+    let asked = Instant::now();
+    let mut raw = std::net::TcpStream::connect(server.address()).unwrap();
+    std::io::Write::write_all(
+        &mut raw,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 99999999999\r\n\r\n{",
+    )
+    .unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut head = [0u8; 12];
+    raw.read_exact(&mut head).unwrap();
+    assert_eq!(&head, b"HTTP/1.1 413", "{}", String::from_utf8_lossy(&head));
+    assert!(
+        asked.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        asked.elapsed()
+    );
     let (status, error) = post(&server.url("/v1/chat/completions"), r#"{"messages": []}"#);
     assert_eq!(status, 400, "{error}");
     let (status, error) = post(

@@ -233,6 +233,12 @@ impl<S: Send + Sync, T: DeserializeOwned + Fields> FromRequest<S> for ApiJson<T>
                     StatusCode::UNPROCESSABLE_ENTITY => StatusCode::BAD_REQUEST,
                     other => other,
                 };
+                if status == StatusCode::PAYLOAD_TOO_LARGE {
+                    return Err(ApiError::new(
+                        status,
+                        "the request body is larger than this server takes (serve --max-body-bytes)",
+                    ));
+                }
                 return Err(ApiError::new(status, rejection.body_text()));
             }
         };

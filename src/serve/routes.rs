@@ -52,6 +52,10 @@ pub fn router(state: Shared) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.options.max_body_bytes))
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            refuse_large_bodies,
+        ))
         // Over every route, unknown ones too: without the key, 401 before 404 or 405
         // (which would tell what exists).
         .layer(middleware::from_fn_with_state(
@@ -110,6 +114,32 @@ async fn require_key(State(state): State<Shared>, request: Request, next: Next) 
         }
     }
     next.run(request).await
+}
+
+/// A body whose declared length is over `--max-body-bytes`: 413 at once, from the
+/// header alone (waiting for the body would end in a 408 seconds later), naming the
+/// limit; bodies of no declared length are held to it as they arrive.
+async fn refuse_large_bodies(
+    State(state): State<Shared>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let limit = state.options.max_body_bytes;
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    match declared {
+        Some(bytes) if bytes > limit as u64 => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "the request body is {bytes} bytes; this server takes at most {limit} (serve --max-body-bytes)"
+            ),
+        )
+        .into_response(),
+        _ => next.run(request).await,
+    }
 }
 
 /// Counts the requests answered with an error status, whoever refused them.
