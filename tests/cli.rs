@@ -1027,3 +1027,43 @@ fn a_resume_names_a_rising_rate_only_when_the_schedule_changed() {
     );
     assert!(stderr(&out).contains(rising), "{}", stderr(&out));
 }
+
+/// A resume under another seed, split or corpus goes on, saying what it changed; an
+/// unchanged one says nothing of it.
+#[test]
+fn a_resume_names_changes_to_its_data_and_seed() {
+    let dir = setup();
+    let d = dir.path();
+    succeeds(d, &train_args(&[], &["run.name=moved"]));
+    let out = succeeds(
+        d,
+        &train_args(&["--resume"], &["run.name=moved", "train.max_iters=8"]),
+    );
+    assert!(
+        !stderr(&out).contains("the checkpoint's"),
+        "{}",
+        stderr(&out)
+    );
+    std::fs::copy(d.join("corpus.txt"), d.join("other.txt")).unwrap();
+    let out = succeeds(
+        d,
+        &train_args(
+            &["--resume"],
+            &[
+                "run.name=moved",
+                "train.max_iters=10",
+                "run.seed=7",
+                "data.val_fraction=0.2",
+                "data.corpus=other.txt",
+            ],
+        ),
+    );
+    let said = stderr(&out);
+    for note in [
+        "note: run.seed is 7 (the checkpoint's 1337)",
+        "note: data.val_fraction is 0.2 (the checkpoint's 0.1)",
+        "note: the corpus is not the checkpoint's",
+    ] {
+        assert!(said.contains(note), "{note}: {said}");
+    }
+}

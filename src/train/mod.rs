@@ -552,6 +552,37 @@ impl Trainer {
         Ok(())
     }
 
+    /// What a resume changed of the data and the random streams, each a note: these
+    /// are allowed (fine-tuning on more text is a resume), but the curve after them is
+    /// not the one the run was on, and its validation loss may measure other text.
+    fn changed_data_notes(&self) -> Vec<String> {
+        let Ok(saved) = self.run.load_config(&self.state) else {
+            return Vec::new();
+        };
+        let (was, now) = (&saved, &self.config);
+        let mut notes = Vec::new();
+        if was.data.corpus != now.data.corpus || was.data.text_field != now.data.text_field {
+            notes.push(format!(
+                "note: the corpus is not the checkpoint's (data.corpus = {:?}, it trained on {:?}): the loss curve goes on over other text",
+                now.data.corpus.display().to_string(),
+                was.data.corpus.display().to_string()
+            ));
+        }
+        if was.data.val_fraction != now.data.val_fraction {
+            notes.push(format!(
+                "note: data.val_fraction is {} (the checkpoint's {}): the split moved, so validation now holds text the model trained on, or training text it was tested on",
+                now.data.val_fraction, was.data.val_fraction
+            ));
+        }
+        if was.run.seed != now.run.seed {
+            notes.push(format!(
+                "note: run.seed is {} (the checkpoint's {}): batches and dropout follow another stream from here, so the run is not the one it would have been",
+                now.run.seed, was.run.seed
+            ));
+        }
+        notes
+    }
+
     /// Trains to `max_iters`: eval at every `eval_interval` (and at the end), metrics
     /// every `log_interval`, checkpoint every `checkpoint_interval` and at the end.
     pub fn run(&mut self, reporter: &mut dyn Reporter) -> Result<TrainSummary> {
@@ -582,6 +613,11 @@ impl Trainer {
         if self.comm.size() > 1 {
             let bytes = 3 * 4 * ModelSpec::new(&self.config.model).len();
             if let Some(note) = crate::parallel::launcher::open_mpi_stop_note(bytes) {
+                reporter.note(&note);
+            }
+        }
+        if self.resumed {
+            for note in self.changed_data_notes() {
                 reporter.note(&note);
             }
         }
