@@ -142,10 +142,15 @@ impl Collective for Watched {
 mod tests {
     use super::*;
 
-    /// The watch sees a call while it lasts, and nothing once it returned.
+    /// The watch sees a call while it lasts, and nothing once it returned. (Built
+    /// without its watching thread: a thread left sleeping in the test process makes
+    /// the other tests' child processes likelier to hang in qemu-user's fork.)
     #[test]
     fn a_call_is_watched_while_it_lasts() {
-        let watched = Watched::new(Arc::new(super::super::Single), Duration::from_secs(3600));
+        let watched = Watched {
+            inner: Arc::new(super::super::Single),
+            waiting: Arc::new(Waiting::default()),
+        };
         let seen = watched.timed("testing", || watched.waiting.current());
         let (waited, what) = seen.expect("inside the call");
         assert_eq!(what, "testing");
