@@ -1051,7 +1051,7 @@ pub fn cache(args: CacheArgs) -> Result<()> {
                 .transpose()?;
             let mut removals = inventory::removals(&inv, age, now);
             if yes {
-                let (_, left) = inventory::remove(&removals)?;
+                let left = inventory::remove(&removals)?;
                 for path in &left {
                     eprintln!(
                         "left {}: a process began using it during the prune",

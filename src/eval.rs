@@ -219,11 +219,7 @@ fn check_memory(
         return Ok(());
     };
     let gib = |bytes: f64| bytes / f64::from(1 << 30);
-    // The longest power of two that fits, to offer.
-    let mut fits = block.next_power_of_two() / 2;
-    while fits >= 2 && need(fits) > available {
-        fits /= 2;
-    }
+    let fits = longest_fitting(block, need, available);
     if fits < 2 {
         user_bail!(
             "scoring with this model needs about {:.1} GiB even in windows of 2 tokens, but {:.1} GiB is available",
@@ -265,6 +261,16 @@ pub fn evaluate_decoding(
     score_windows(ids, bytes, (block, 1), (progress, stop), score)
 }
 
+/// The longest power of two below `block` whose windows `need` no more than
+/// `available` bytes, to offer as `--context`; under 2 where none does.
+fn longest_fitting(block: usize, need: impl Fn(usize) -> f64, available: f64) -> usize {
+    let mut fits = block.next_power_of_two() / 2;
+    while fits >= 2 && need(fits) > available {
+        fits /= 2;
+    }
+    fits
+}
+
 /// Refuses windows of `block` tokens whose keys and values (in `precision`, for a
 /// model of `shapes`) would not fit in free memory, offering a `--context` that does.
 fn check_decoder_memory(shapes: &Shapes, block: usize, precision: KvPrecision) -> Result<()> {
@@ -279,10 +285,7 @@ fn check_decoder_memory(shapes: &Shapes, block: usize, precision: KvPrecision) -
         return Ok(());
     };
     let gib = |bytes: f64| bytes / f64::from(1 << 30);
-    let mut fits = block.next_power_of_two() / 2;
-    while fits >= 2 && need(fits) > available {
-        fits /= 2;
-    }
+    let fits = longest_fitting(block, need, available);
     user_bail!(
         "keys and values for windows of {block} tokens need {:.1} GiB but {:.1} GiB is available; pass --context with fewer tokens, e.g. --context {}",
         gib(need(block)),

@@ -345,10 +345,9 @@ pub fn removals(inv: &Inventory, older_than: Option<Duration>, now: SystemTime) 
 }
 
 /// Deletes what `removals` listed (folders whole), each cache folder under its
-/// exclusive lock; what was freed, and what was left because a process took it up
-/// since the survey.
-pub fn remove(removals: &[Removal]) -> Result<(u64, Vec<PathBuf>)> {
-    let (mut freed, mut left) = (0, Vec::new());
+/// exclusive lock; what was left because a process took it up since the survey.
+pub fn remove(removals: &[Removal]) -> Result<Vec<PathBuf>> {
+    let mut left = Vec::new();
     for r in removals {
         let folder = match r.path.is_dir() {
             true => r.path.as_path(),
@@ -365,9 +364,8 @@ pub fn remove(removals: &[Removal]) -> Result<(u64, Vec<PathBuf>)> {
         };
         drop(held);
         done.map_err(|e| user_error(format!("cannot delete {}: {e}", r.path.display())))?;
-        freed += r.bytes;
     }
-    Ok((freed, left))
+    Ok(left)
 }
 
 /// "30d", "12h", "2w", "90m" as a duration.

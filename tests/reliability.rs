@@ -190,18 +190,18 @@ fn sigterm_checkpoints_and_exits_143() {
 #[test]
 fn divergence_stops_with_exit_3_and_keeps_the_last_checkpoint() {
     let dir = setup(200);
-    let out = run(
-        dir.path(),
-        &train_args(
-            &[],
-            &[
-                "train.lr=1e6",
-                "train.min_lr=1e6",
-                "train.grad_clip=0",
-                "train.warmup_iters=0",
-            ],
-        ),
-    );
+    // A rate that makes the loss overflow at once, with `more` settings.
+    let diverging = |more: &[&'static str]| {
+        let mut sets = vec![
+            "train.lr=1e6",
+            "train.min_lr=1e6",
+            "train.grad_clip=0",
+            "train.warmup_iters=0",
+        ];
+        sets.extend_from_slice(more);
+        run(dir.path(), &train_args(&[], &sets))
+    };
+    let out = diverging(&[]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(3), "{err}");
     assert!(
@@ -215,20 +215,7 @@ fn divergence_stops_with_exit_3_and_keeps_the_last_checkpoint() {
     );
     assert!(out.status.success(), "the last good checkpoint loads");
     // Before its first checkpoint, a run is told to start again, not to resume.
-    let out = run(
-        dir.path(),
-        &train_args(
-            &[],
-            &[
-                "run.name=never",
-                "train.lr=1e6",
-                "train.min_lr=1e6",
-                "train.grad_clip=0",
-                "train.warmup_iters=0",
-                "train.checkpoint_interval=100000",
-            ],
-        ),
-    );
+    let out = diverging(&["run.name=never", "train.checkpoint_interval=100000"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(3), "{err}");
     assert!(!dir.path().join("checkpoints/never/state.json").exists());
