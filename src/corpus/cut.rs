@@ -11,23 +11,31 @@
 //! never cut: the pattern gives its last space to the following word, so where such a
 //! run is split matters. Char-level vocabularies can be cut anywhere.
 
+/// A piece of text grows this long, at most, looking for a safe place to cut; past it,
+/// it is cut where the bound falls (see [`hard_cut`]). Encoding holds some 16 bytes per
+/// byte of a word: a 300 MB line with no space in it was once one piece, and no
+/// machine's memory. A cut inside a word changes a token or two at the cut.
+pub const MAX_PIECE_BYTES: usize = 4 << 20;
+
 /// The last safe cut in `text[..limit]` (`0 < cut <= limit`), if there is one.
 pub fn last_safe_cut(text: &str, limit: usize) -> Option<usize> {
     let limit = limit.min(text.len());
     (1..limit).rev().find(|&p| is_safe(text, p))
 }
 
-/// The first safe cut after `from`, if there is one.
-pub fn next_safe_cut(text: &str, from: usize) -> Option<usize> {
-    (from.max(1)..text.len()).find(|&p| is_safe(text, p))
+/// The first safe cut after `from` and before `to`, if there is one.
+fn next_safe_cut(text: &str, from: usize, to: usize) -> Option<usize> {
+    (from.max(1)..text.len().min(to)).find(|&p| is_safe(text, p))
 }
 
 /// Where to cut a text held whole in memory into a first piece of about `limit` bytes:
-/// the last safe cut before it, else the first after it, else nowhere (`text.len()`).
+/// the last safe cut before it, else the first after it within [`MAX_PIECE_BYTES`]
+/// (or `limit`, if larger), else where that bound falls.
 pub fn cut_near(text: &str, limit: usize) -> usize {
+    let bound = limit.max(MAX_PIECE_BYTES);
     last_safe_cut(text, limit)
-        .or_else(|| next_safe_cut(text, limit))
-        .unwrap_or(text.len())
+        .or_else(|| next_safe_cut(text, limit, bound))
+        .unwrap_or_else(|| hard_cut(text, bound))
 }
 
 /// `limit` moved back to a character boundary (but past the first character): the
@@ -87,6 +95,17 @@ mod tests {
         assert_eq!(last_safe_cut("one two three", 3), None);
         assert_eq!(cut_near("one two three", 2), 3);
         assert_eq!(cut_near("onetwothree", 2), 11);
+        // No safe place within the bound: cut where it falls, at a character boundary.
+        let word = "é".repeat(MAX_PIECE_BYTES);
+        assert_eq!(cut_near(&word, 10), MAX_PIECE_BYTES);
+        let spaced = format!("{} two", "é".repeat(MAX_PIECE_BYTES));
+        assert_eq!(
+            cut_near(&spaced, 10),
+            MAX_PIECE_BYTES,
+            "the space is past the bound"
+        );
+        let near = format!("{} two", "é".repeat(1000));
+        assert_eq!(cut_near(&near, 10), 2000);
         // Multi-byte neighbours.
         assert_eq!(last_safe_cut("é\nü", 5), Some(3));
     }

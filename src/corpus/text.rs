@@ -6,12 +6,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 
-use super::cut::{hard_cut, last_safe_cut};
+use super::cut::{hard_cut, last_safe_cut, MAX_PIECE_BYTES};
 use super::{Piece, Pieces};
 use crate::error::user_error;
-
-/// A piece grows this large, at most, looking for a safe place to cut.
-const MAX_PIECE_BYTES: usize = 256 << 20;
 
 pub struct TextFile {
     path: PathBuf,
@@ -74,8 +71,8 @@ impl Pieces for TextFile {
                     Some(cut) => cut,
                     // No safe place to cut: read on (a line of that length is rare) up to
                     // a bound, then cut where the bound falls.
-                    None if want < MAX_PIECE_BYTES => {
-                        want = (want * 4).min(MAX_PIECE_BYTES);
+                    None if want < MAX_PIECE_BYTES.max(self.chunk_bytes) => {
+                        want = (want * 4).min(MAX_PIECE_BYTES.max(self.chunk_bytes));
                         continue;
                     }
                     None => hard_cut(valid, want),

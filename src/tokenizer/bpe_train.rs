@@ -6,7 +6,8 @@
 //! stopped, so a Ctrl-C during a long training left a thread merging on after the
 //! command or the library call had given up. This one checks `stop` before every merge
 //! and every chunk of text. Tested to give the same vocabulary and merges as
-//! `tokenizers` on the same texts.
+//! `tokenizers` on the same texts, whose words are shorter than [`MAX_WORD_BYTES`]
+//! (longer ones are counted in pieces here, see there).
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap, HashSet};
@@ -20,6 +21,12 @@ use crate::util::Stop;
 
 /// Pairs merge only when seen at least this often (`tokenizers`' `min_frequency`).
 const MIN_FREQUENCY: i64 = 2;
+
+/// Words longer than this many bytes are counted as pieces of it. Text with no spaces
+/// or punctuation (a line of DNA, base64, letters run together) is one word to GPT-2's
+/// pre-tokenizer, and every merge walks each word it touches: a 2 MB word kept the
+/// merges busy for minutes. Only merges longer than this are lost.
+const MAX_WORD_BYTES: usize = 256;
 
 /// How each word of the texts occurs, as byte-level symbols.
 #[derive(Debug, Default)]
@@ -40,7 +47,9 @@ impl WordCounts {
                 let mut counts = HashMap::new();
                 for (word, _, _) in words.get_splits(OffsetReferential::Original, OffsetType::Byte)
                 {
-                    *counts.entry(word.to_string()).or_default() += 1;
+                    for piece in pieces_of(word, MAX_WORD_BYTES) {
+                        *counts.entry(piece.to_string()).or_default() += 1;
+                    }
                 }
                 Ok(counts)
             })
@@ -52,6 +61,20 @@ impl WordCounts {
         }
         Ok(())
     }
+}
+
+/// `word` (byte-level symbols, one char per byte) in pieces of at most `max` symbols.
+fn pieces_of(word: &str, max: usize) -> impl Iterator<Item = &str> {
+    let mut rest = word;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let end = rest.char_indices().nth(max).map_or(rest.len(), |(i, _)| i);
+        let (piece, tail) = rest.split_at(end);
+        rest = tail;
+        Some(piece)
+    })
 }
 
 /// A vocabulary in id order and its merges in the order learned.
@@ -208,27 +231,31 @@ impl Vocabulary {
 }
 
 /// Replaces each occurrence of `pair` in `word`, left to right, by `id`; the pairs that
-/// appeared (+1) and disappeared (-1) around each.
+/// appeared (+1) and disappeared (-1) around each. One pass, whatever the number of
+/// occurrences (a word of length L with k of them once cost O(kL)).
 fn merge_in(word: &mut Vec<u32>, pair: (u32, u32), id: u32) -> Vec<((u32, u32), i64)> {
     let mut changes = Vec::new();
-    let mut i = 0;
-    while i + 1 < word.len() {
-        if (word[i], word[i + 1]) != pair {
-            i += 1;
-            continue;
+    // `word[..write]` is merged; `word[read..]` is not looked at yet (write <= read).
+    let (mut read, mut write) = (0, 0);
+    while read < word.len() {
+        if read + 1 < word.len() && (word[read], word[read + 1]) == pair {
+            if write > 0 {
+                changes.push(((word[write - 1], pair.0), -1));
+                changes.push(((word[write - 1], id), 1));
+            }
+            if read + 2 < word.len() {
+                changes.push(((pair.1, word[read + 2]), -1));
+                changes.push(((id, word[read + 2]), 1));
+            }
+            word[write] = id;
+            read += 2;
+        } else {
+            word[write] = word[read];
+            read += 1;
         }
-        if i > 0 {
-            changes.push(((word[i - 1], pair.0), -1));
-            changes.push(((word[i - 1], id), 1));
-        }
-        word[i] = id;
-        word.remove(i + 1);
-        if i + 1 < word.len() {
-            changes.push(((pair.1, word[i + 1]), -1));
-            changes.push(((id, word[i + 1]), 1));
-        }
-        i += 1;
+        write += 1;
     }
+    word.truncate(write);
     changes
 }
 
@@ -249,6 +276,93 @@ mod tests {
             changes,
             [((b, a), -1), ((x, a), -1), ((x, a), 1), ((x, x), 1)]
         );
+    }
+
+    #[test]
+    fn a_pair_of_one_symbol_merges_left_to_right() {
+        // "a a a a a" with (a, a) -> x: "x x a"; the pairs around each as it goes.
+        let (a, x) = (1, 9);
+        let mut word = vec![a; 5];
+        let mut changes = merge_in(&mut word, (a, a), x);
+        assert_eq!(word, [x, x, a]);
+        changes.sort();
+        assert_eq!(
+            changes,
+            [
+                ((a, a), -1),
+                ((a, a), -1),
+                ((x, a), -1),
+                ((x, a), 1),
+                ((x, a), 1),
+                ((x, x), 1)
+            ]
+        );
+    }
+
+    /// The merge as `tokenizers` writes it: a removal per occurrence.
+    fn merge_by_removal(word: &mut Vec<u32>, pair: (u32, u32), id: u32) -> Vec<((u32, u32), i64)> {
+        let mut changes = Vec::new();
+        let mut i = 0;
+        while i + 1 < word.len() {
+            if (word[i], word[i + 1]) != pair {
+                i += 1;
+                continue;
+            }
+            if i > 0 {
+                changes.push(((word[i - 1], pair.0), -1));
+                changes.push(((word[i - 1], id), 1));
+            }
+            word[i] = id;
+            word.remove(i + 1);
+            if i + 1 < word.len() {
+                changes.push(((pair.1, word[i + 1]), -1));
+                changes.push(((id, word[i + 1]), 1));
+            }
+            i += 1;
+        }
+        changes
+    }
+
+    #[test]
+    fn the_one_pass_merge_does_what_removals_did() {
+        // Words over a three-symbol alphabet, every pair of it merged.
+        let mut state = 12345u64;
+        let mut next = move || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 33) as u32
+        };
+        for _ in 0..500 {
+            let len = next() % 12;
+            let word: Vec<u32> = (0..len).map(|_| next() % 3).collect();
+            for pair in [(0, 0), (0, 1), (1, 0), (2, 2)] {
+                let (mut ours, mut theirs) = (word.clone(), word.clone());
+                let changes = merge_in(&mut ours, pair, 7);
+                assert_eq!(
+                    changes,
+                    merge_by_removal(&mut theirs, pair, 7),
+                    "{word:?} {pair:?}"
+                );
+                assert_eq!(ours, theirs);
+            }
+        }
+    }
+
+    #[test]
+    fn a_word_longer_than_the_bound_is_counted_in_pieces() {
+        let mut counts = WordCounts::default();
+        // 600 letters with no space: one word to the pre-tokenizer.
+        counts.add(&["ab".repeat(300)]).unwrap();
+        let mut pieces: Vec<(usize, u64)> = counts.0.iter().map(|(w, n)| (w.len(), *n)).collect();
+        pieces.sort();
+        assert_eq!(pieces, [(88, 1), (MAX_WORD_BYTES, 2)]);
+        // Byte-level symbols of two bytes' UTF-8 (é is two symbols) count as symbols.
+        let mut counts = WordCounts::default();
+        counts.add(&["é".repeat(200)]).unwrap();
+        let symbols: Vec<usize> = counts.0.keys().map(|w| w.chars().count()).collect();
+        assert_eq!(symbols.iter().sum::<usize>(), 400);
+        assert!(symbols.iter().all(|&n| n <= MAX_WORD_BYTES));
     }
 
     #[test]
