@@ -216,8 +216,12 @@ impl RunDir {
         optimizer: &HashMap<String, Tensor>,
         state: &TrainState,
     ) -> Result<()> {
-        fs::create_dir_all(&self.path)
-            .with_context(|| format!("creating run folder {}", self.path.display()))?;
+        fs::create_dir_all(&self.path).map_err(|e| {
+            user_error(format!(
+                "cannot create the run folder {}: {e}; pick another place",
+                self.path.display()
+            ))
+        })?;
         let files: [(&str, Vec<u8>); 4] = [
             (CONFIG_FILE, config.to_toml_string().into_bytes()),
             (TOKENIZER_FILE, tokenizer.to_json()?.into_bytes()),

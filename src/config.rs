@@ -305,6 +305,108 @@ impl Default for ModelConfig {
 }
 
 impl ModelConfig {
+    /// Checks the model's rules alone (also for a model read from another tool's
+    /// files, before any size is derived from it). Each error names the field.
+    pub fn validate(&self) -> Result<()> {
+        let m = self;
+        for (name, value) in [
+            ("model.n_layer", m.n_layer),
+            ("model.n_head", m.n_head),
+            ("model.n_embd", m.n_embd),
+        ] {
+            if value == 0 {
+                user_bail!("config: {name} = 0; it must be at least 1");
+            }
+        }
+        // Bounds that keep every size the model derives (parameter counts, buffer
+        // offsets) far inside a usize; the memory check refuses far smaller models.
+        let bounded = [
+            ("model.n_layer", m.n_layer, MAX_LAYERS),
+            ("model.n_embd", m.n_embd, MAX_WIDTH),
+            ("model.block_size", m.block_size, MAX_WIDTH),
+            ("model.mlp_hidden", m.mlp_hidden.unwrap_or(0), MAX_WIDTH),
+        ];
+        for (name, value, max) in bounded {
+            if value > max {
+                user_bail!("config: {name} = {value} exceeds the limit of {max}");
+            }
+        }
+        if m.block_size < 2 {
+            user_bail!(
+                "config: model.block_size = {} is too small; it must be at least 2",
+                m.block_size
+            );
+        }
+        if !m.n_embd.is_multiple_of(m.n_head) {
+            user_bail!(
+                "config: model.n_embd = {} is not divisible by model.n_head = {}; pick n_embd a multiple of n_head",
+                m.n_embd,
+                m.n_head
+            );
+        }
+        let kv = m.kv_heads();
+        if kv == 0 {
+            user_bail!(
+                "config: model.n_kv_head = 0 must be at least 1; it divides model.n_head (leave it out for as many K/V heads as heads)"
+            );
+        }
+        if !m.n_head.is_multiple_of(kv) {
+            user_bail!(
+                "config: model.n_head = {} is not divisible by model.n_kv_head = {kv}; n_kv_head must divide n_head",
+                m.n_head
+            );
+        }
+        if m.positions == PositionKind::Rope && !m.head_dim().is_multiple_of(2) {
+            user_bail!(
+                "config: RoPE needs an even head size, but n_embd / n_head = {}; change model.n_embd or model.n_head",
+                m.head_dim()
+            );
+        }
+        if m.positions == PositionKind::Sinusoidal && !m.n_embd.is_multiple_of(2) {
+            user_bail!(
+                "config: sinusoidal positions need an even model.n_embd (got {})",
+                m.n_embd
+            );
+        }
+        if !(m.rope_theta.is_finite() && m.rope_theta > 1.0) {
+            user_bail!(
+                "config: model.rope_theta = {} must be a number above 1 (10000 is usual)",
+                m.rope_theta
+            );
+        }
+        if !(0.0..1.0).contains(&m.dropout) {
+            user_bail!("config: model.dropout = {} must be in [0, 1)", m.dropout);
+        }
+        if m.arch != Arch::Custom {
+            let preset = toml::Table::try_from(m).expect("a ModelConfig serialises");
+            for (key, value) in m.arch.preset() {
+                let want = parse_value(value);
+                if key != &"norm_eps" && preset.get(*key) != Some(&want) {
+                    user_bail!(
+                        "config: model.arch = {:?} needs model.{key} = {value}; remove model.{key} or set model.arch = \"custom\"",
+                        format!("{:?}", m.arch).to_lowercase()
+                    );
+                }
+            }
+            if m.arch == Arch::Gpt2 && m.kv_heads() != m.n_head {
+                user_bail!("config: model.arch = \"gpt2\" has no grouped K/V heads; remove model.n_kv_head");
+            }
+        }
+        if !(m.norm_eps.is_finite() && m.norm_eps > 0.0 && m.norm_eps < 1.0) {
+            user_bail!("config: model.norm_eps = {} must be in (0, 1)", m.norm_eps);
+        }
+        if m.mlp_hidden == Some(0) {
+            user_bail!("config: model.mlp_hidden = 0; it must be at least 1");
+        }
+        if m.vocab_size > MAX_VOCAB {
+            user_bail!(
+                "config: model.vocab_size = {} exceeds the limit of {MAX_VOCAB}",
+                m.vocab_size
+            );
+        }
+        Ok(())
+    }
+
     pub fn mlp_hidden(&self) -> usize {
         self.mlp_hidden.unwrap_or(match self.mlp {
             MlpKind::Swiglu => (8 * self.n_embd / 3).div_ceil(8) * 8,
@@ -507,12 +609,9 @@ impl Config {
 
     /// Checks the rules that tie fields together. Each error names the field and the fix.
     pub fn validate(&self) -> Result<()> {
-        let m = &self.model;
+        self.model.validate()?;
         let t = &self.train;
         let positive = [
-            ("model.n_layer", m.n_layer),
-            ("model.n_head", m.n_head),
-            ("model.n_embd", m.n_embd),
             ("train.batch_size", t.batch_size),
             ("train.max_iters", t.max_iters),
             ("train.grad_accum", t.grad_accum),
@@ -530,92 +629,6 @@ impl Config {
             user_bail!(
                 "config: run.name = {:?} must be a plain folder name (no slashes); set run.out_dir for the parent folder",
                 self.run.name
-            );
-        }
-        // Bounds that keep every size the model derives (parameter counts, buffer
-        // offsets) far inside a usize; the memory check refuses far smaller models.
-        let bounded = [
-            ("model.n_layer", m.n_layer, MAX_LAYERS),
-            ("model.n_embd", m.n_embd, MAX_WIDTH),
-            ("model.block_size", m.block_size, MAX_WIDTH),
-            ("model.mlp_hidden", m.mlp_hidden.unwrap_or(0), MAX_WIDTH),
-        ];
-        for (name, value, max) in bounded {
-            if value > max {
-                user_bail!("config: {name} = {value} exceeds the limit of {max}");
-            }
-        }
-        if m.block_size < 2 {
-            user_bail!(
-                "config: model.block_size = {} is too small; it must be at least 2",
-                m.block_size
-            );
-        }
-        if !m.n_embd.is_multiple_of(m.n_head) {
-            user_bail!(
-                "config: model.n_embd = {} is not divisible by model.n_head = {}; pick n_embd a multiple of n_head",
-                m.n_embd,
-                m.n_head
-            );
-        }
-        let kv = m.kv_heads();
-        if kv == 0 {
-            user_bail!(
-                "config: model.n_kv_head = 0 must be at least 1; it divides model.n_head (leave it out for as many K/V heads as heads)"
-            );
-        }
-        if !m.n_head.is_multiple_of(kv) {
-            user_bail!(
-                "config: model.n_head = {} is not divisible by model.n_kv_head = {kv}; n_kv_head must divide n_head",
-                m.n_head
-            );
-        }
-        if m.positions == PositionKind::Rope && !m.head_dim().is_multiple_of(2) {
-            user_bail!(
-                "config: RoPE needs an even head size, but n_embd / n_head = {}; change model.n_embd or model.n_head",
-                m.head_dim()
-            );
-        }
-        if m.positions == PositionKind::Sinusoidal && !m.n_embd.is_multiple_of(2) {
-            user_bail!(
-                "config: sinusoidal positions need an even model.n_embd (got {})",
-                m.n_embd
-            );
-        }
-        if !(m.rope_theta.is_finite() && m.rope_theta > 1.0) {
-            user_bail!(
-                "config: model.rope_theta = {} must be a number above 1 (10000 is usual)",
-                m.rope_theta
-            );
-        }
-        if !(0.0..1.0).contains(&m.dropout) {
-            user_bail!("config: model.dropout = {} must be in [0, 1)", m.dropout);
-        }
-        if m.arch != Arch::Custom {
-            let preset = toml::Table::try_from(m).expect("a ModelConfig serialises");
-            for (key, value) in m.arch.preset() {
-                let want = parse_value(value);
-                if key != &"norm_eps" && preset.get(*key) != Some(&want) {
-                    user_bail!(
-                        "config: model.arch = {:?} needs model.{key} = {value}; remove model.{key} or set model.arch = \"custom\"",
-                        format!("{:?}", m.arch).to_lowercase()
-                    );
-                }
-            }
-            if m.arch == Arch::Gpt2 && m.kv_heads() != m.n_head {
-                user_bail!("config: model.arch = \"gpt2\" has no grouped K/V heads; remove model.n_kv_head");
-            }
-        }
-        if !(m.norm_eps.is_finite() && m.norm_eps > 0.0 && m.norm_eps < 1.0) {
-            user_bail!("config: model.norm_eps = {} must be in (0, 1)", m.norm_eps);
-        }
-        if m.mlp_hidden == Some(0) {
-            user_bail!("config: model.mlp_hidden = 0; it must be at least 1");
-        }
-        if m.vocab_size > MAX_VOCAB {
-            user_bail!(
-                "config: model.vocab_size = {} exceeds the limit of {MAX_VOCAB}",
-                m.vocab_size
             );
         }
         let tk = &self.tokenizer;

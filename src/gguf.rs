@@ -425,7 +425,22 @@ pub fn check_export_file(out: &Path) -> Result<()> {
             out.display()
         );
     }
+    // A model downloaded for llama.cpp is a GGUF file too, and not ours to replace.
+    if out.is_file() && !is_our_export(out) {
+        user_bail!(
+            "--out {} is a GGUF file tinygpt did not write (another model's?); pass a new path, e.g. model.gguf",
+            out.display()
+        );
+    }
     Ok(())
+}
+
+/// Whether `path` is a GGUF file `export` wrote: it alone carries `tinygpt.tokenizer`.
+fn is_our_export(path: &Path) -> bool {
+    std::fs::File::open(path)
+        .ok()
+        .and_then(|f| gguf_file::Content::read(&mut std::io::BufReader::new(f)).ok())
+        .is_some_and(|c| c.metadata.contains_key("tinygpt.tokenizer"))
 }
 
 /// The first bytes of every GGUF file.
@@ -782,9 +797,15 @@ pub fn read(path: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>, Tokeni
         GgufArch::Gpt2 => {
             let mlp = match g.string("tinygpt.mlp")?.as_deref() {
                 Some("gelu") => MlpKind::Gelu,
-                _ => MlpKind::GeluTanh, // what llama.cpp's gpt2 computes
+                None | Some("gelu_tanh") => MlpKind::GeluTanh, // what llama.cpp's gpt2 computes
+                Some(other) => {
+                    return Err(g.fail(format!(
+                        "metadata tinygpt.mlp = {other:?} is not an activation tinygpt has (gelu, gelu_tanh)"
+                    )))
+                }
             };
-            m.arch = if mlp == MlpKind::GeluTanh {
+            // The gpt2 preset fixes one K/V head per query head.
+            m.arch = if mlp == MlpKind::GeluTanh && m.n_kv_head.is_none() {
                 Arch::Gpt2
             } else {
                 Arch::Custom
@@ -797,6 +818,7 @@ pub fn read(path: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>, Tokeni
             m.mlp = mlp;
             m.mlp_hidden = (hidden != 4 * n_embd).then_some(hidden);
             m.bias = true;
+            crate::interop::check_read_model(&m, path)?;
             let spec = ModelSpec::new(&m);
             let s = spec.shapes;
             let name = |id: ParamId| spec[id].name.clone();
@@ -841,10 +863,6 @@ pub fn read(path: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>, Tokeni
             let bias = spec.ln_f.bias.expect("gpt2 has norm biases");
             ours.insert(name(bias), take("output_norm.bias".into(), &[s.n_embd])?);
             crate::interop::drop_zero_biases(&mut m, &mut ours)?;
-            // The gpt2 preset fixes one K/V head per query head.
-            if m.n_kv_head.is_some() {
-                m.arch = Arch::Custom;
-            }
         }
         GgufArch::Llama => {
             let d = n_embd / n_head;
@@ -889,6 +907,7 @@ pub fn read(path: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>, Tokeni
             if m.bias {
                 m.arch = Arch::Custom;
             }
+            crate::interop::check_read_model(&m, path)?;
             let spec = ModelSpec::new(&m);
             let s = spec.shapes;
             let name = |id: ParamId| spec[id].name.clone();
@@ -1038,6 +1057,14 @@ fn read_tokenizer(g: &Gguf, vocab_size: usize) -> Result<Tokenizer> {
         json["model"]["vocab"] = Json::Object(vocab);
         json
     } else {
+        // Without its merges a BPE vocabulary encodes every text as single bytes: the
+        // model would see text it was never trained on.
+        if g.get("tokenizer.ggml.merges").is_none() && tokens.len() > 257 {
+            return Err(g.fail(format!(
+                "tokenizer.ggml.merges is missing: its BPE vocabulary of {} tokens cannot be used without them",
+                tokens.len()
+            )));
+        }
         let merges: Vec<Json> = g
             .strings("tokenizer.ggml.merges")?
             .iter()

@@ -169,13 +169,23 @@ pub fn check_export_folder(out: &Path) -> Result<()> {
         .iter()
         .filter(|n| !EXPORT_FILES.contains(&n.as_str()))
         .collect();
-    let ours = std::fs::read(out.join("config.json"))
-        .ok()
-        .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
-        .is_some_and(|c| {
-            c["architectures"] == json!(["GPT2LMHeadModel"])
-                || c["architectures"] == json!(["LlamaForCausalLM"])
+    let json = |name: &str| {
+        std::fs::read(out.join(name))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+    };
+    let our_config = json("config.json").is_some_and(|c| {
+        c["architectures"] == json!(["GPT2LMHeadModel"])
+            || c["architectures"] == json!(["LlamaForCausalLM"])
+    });
+    // Ours has these two keys alone; transformers' save_pretrained writes many more.
+    let our_tokenizer_config = json("tokenizer_config.json")
+        .and_then(|c| c.as_object().map(|o| o.keys().cloned().collect::<Vec<_>>()))
+        .is_some_and(|mut keys| {
+            keys.sort();
+            keys == ["model_max_length", "tokenizer_class"]
         });
+    let ours = our_config && our_tokenizer_config;
     if others.is_empty() && ours && out.join("model.safetensors").is_file() {
         return Ok(());
     }
@@ -367,6 +377,13 @@ fn take(tensors: &mut HashMap<String, Tensor>, name: &str, dir: &Path) -> Result
     let t = tensors
         .remove(name)
         .ok_or_else(|| user_error(format!("{}: tensor {name} is missing", dir.display())))?;
+    if !t.dtype().is_float() {
+        user_bail!(
+            "{}: tensor {name} holds {:?} numbers; weights are floating point (f32, f16, bf16)",
+            dir.display(),
+            t.dtype()
+        );
+    }
     Ok(t.to_dtype(DType::F32)?)
 }
 
@@ -451,6 +468,19 @@ fn rope_theta(hf: &Value, path: &Path) -> Result<f64> {
     Ok(hf["rope_theta"].as_f64().unwrap_or(10000.0))
 }
 
+/// `m`, read from `from` (another tool's files), checked before any size is derived
+/// from it: a damaged file's zero heads or trillion layers are its user's error.
+pub fn check_read_model(m: &ModelConfig, from: &Path) -> Result<()> {
+    m.validate().map_err(|e| {
+        let rule = e.to_string();
+        user_error(format!(
+            "{}: read as {}",
+            from.display(),
+            rule.trim_start_matches("config: ")
+        ))
+    })
+}
+
 /// Reads a Hugging Face GPT-2 or Llama folder into our config and tensor names.
 pub fn read_hf(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
     let config_path = dir.join("config.json");
@@ -472,6 +502,18 @@ pub fn read_hf(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
                     config_path.display()
                 ),
             };
+            // Variants of GPT-2's attention this model does not compute.
+            for (key, ours) in [
+                ("scale_attn_weights", true),
+                ("scale_attn_by_inverse_layer_idx", false),
+            ] {
+                if let Some(theirs) = hf[key].as_bool().filter(|&v| v != ours) {
+                    user_bail!(
+                        "{}: {key} = {theirs} is not supported (tinygpt's attention scales by 1/sqrt(head size) alone)",
+                        config_path.display()
+                    );
+                }
+            }
             let m = ModelConfig {
                 arch: if mlp == MlpKind::GeluTanh {
                     Arch::Gpt2
@@ -501,6 +543,7 @@ pub fn read_hf(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
             } else {
                 ""
             };
+            check_read_model(&m, &config_path)?;
             let wte_name = format!("{prefix}wte.weight");
             let wte = take(&mut tensors, &wte_name, dir)?;
             drop_tied_head(&mut tensors, &wte, &wte_name, dir)?;
@@ -562,6 +605,7 @@ pub fn read_hf(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
                 vocab_size: usize_field(&hf, "vocab_size", &config_path)?,
                 ..ModelConfig::default()
             };
+            check_read_model(&m, &config_path)?;
             let wte = take(&mut tensors, "model.embed_tokens.weight", dir)?;
             drop_tied_head(&mut tensors, &wte, "model.embed_tokens.weight", dir)?;
             let spec = ModelSpec::new(&m);
@@ -639,7 +683,7 @@ pub fn check_import_folder(out: &Path) -> Result<()> {
         );
     }
     let Ok(entries) = std::fs::read_dir(out) else {
-        return Ok(());
+        return crate::util::check_output_folder("--out", out);
     };
     let mut names: Vec<String> = entries
         .flatten()

@@ -555,6 +555,39 @@ fn info_export_and_train_speak_plainly() {
         dir.path(),
         &["export", "--checkpoint", "checkpoints/exp", "--out", "hf"],
     );
+    // Another model's folder of the same file names (transformers' own
+    // tokenizer_config.json): not replaced.
+    let theirs = dir.path().join("theirs");
+    std::fs::create_dir(&theirs).unwrap();
+    for name in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(dir.path().join("hf").join(name), theirs.join(name)).unwrap();
+    }
+    std::fs::write(
+        theirs.join("tokenizer_config.json"),
+        r#"{"tokenizer_class": "GPT2Tokenizer", "model_max_length": 1024, "bos_token": "<|endoftext|>"}"#,
+    )
+    .unwrap();
+    let before = std::fs::read(theirs.join("model.safetensors")).unwrap();
+    let out = tinygpt(
+        dir.path(),
+        &[
+            "export",
+            "--checkpoint",
+            "checkpoints/exp",
+            "--out",
+            "theirs",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("not an earlier export"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(
+        std::fs::read(theirs.join("model.safetensors")).unwrap(),
+        before
+    );
     // Imported, the model has no corpus of ours, and info says so.
     let imported = ["--from", "hf", "--out", "checkpoints/imported"];
     succeeds(dir.path(), &[&["import"][..], &imported].concat());

@@ -466,6 +466,39 @@ fn refused(dir: &Path, args: &[&str], needles: &[&str]) {
     }
 }
 
+/// A BPE vocabulary without its merges would encode every text as single bytes:
+/// refused, not imported as a model that sees text it never saw in training.
+#[test]
+fn a_bpe_vocabulary_without_its_merges_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let bpe = Tokenizer::train_bpe(&common::random_words(1, 2000, 6), 300).unwrap();
+    let run = run_folder(d, "g", 32, &bpe, |_| {});
+    let (_, _, file) = round_trip(d, &run, GgufDtype::F32, "g");
+    let (content, bytes) = read_gguf(&file);
+    let tensors: Vec<(String, Tensor)> = content
+        .tensor_infos
+        .keys()
+        .map(|n| {
+            let t = content
+                .tensor(&mut Cursor::new(&bytes), n, &Device::Cpu)
+                .unwrap();
+            (n.clone(), t.dequantize(&Device::Cpu).unwrap())
+        })
+        .collect();
+    let meta: Vec<(String, Value)> = content
+        .metadata
+        .into_iter()
+        .filter(|(k, _)| k != "tokenizer.ggml.merges")
+        .collect();
+    write_gguf(&d.join("merges.gguf"), &meta, &tensors);
+    refused(
+        d,
+        &["import", "--from", "merges.gguf", "--out", "x"],
+        &["tokenizer.ggml.merges is missing", "300 tokens"],
+    );
+}
+
 #[test]
 fn bad_files_and_models_are_refused_in_one_line() {
     let dir = tempfile::tempdir().unwrap();
@@ -550,6 +583,63 @@ fn bad_files_and_models_are_refused_in_one_line() {
         &["import", "--from", "keyless.gguf", "--out", "x5"],
         &["which is not one of its tokens", "tinygpt.tokenizer"],
     );
+    // Nor is such a file, written by another tool, replaced by an export; an earlier
+    // export of ours is.
+    let theirs = std::fs::read(d.join("keyless.gguf")).unwrap();
+    refused(
+        d,
+        &[
+            "export",
+            "--format",
+            "gguf",
+            "--checkpoint",
+            "ok",
+            "--out",
+            "keyless.gguf",
+        ],
+        &["keyless.gguf", "tinygpt did not write"],
+    );
+    assert_eq!(std::fs::read(d.join("keyless.gguf")).unwrap(), theirs);
+    succeeds(
+        d,
+        &[
+            "export",
+            "--format",
+            "gguf",
+            "--checkpoint",
+            "ok",
+            "--out",
+            "ok.gguf",
+        ],
+    );
+    // An activation tinygpt does not have, and a block count no real file holds (it
+    // was allocated before it was checked).
+    let cases = [
+        (
+            "tinygpt.mlp",
+            Value::String("relu".into()),
+            &["tinygpt.mlp", "\"relu\""][..],
+        ),
+        (
+            "gpt2.block_count",
+            Value::U64(1 << 32),
+            &["n_layer = 4294967296 exceeds"][..],
+        ),
+    ];
+    for (key, value, needles) in cases {
+        let meta: Vec<(String, Value)> = content
+            .metadata
+            .clone()
+            .into_iter()
+            .map(|(k, v)| if k == key { (k, value.clone()) } else { (k, v) })
+            .collect();
+        write_gguf(&d.join("edited.gguf"), &meta, &tensors);
+        refused(
+            d,
+            &["import", "--from", "edited.gguf", "--out", "x6"],
+            needles,
+        );
+    }
     // A tensor of the wrong shape.
     let meta: Vec<(String, Value)> = content.metadata.clone().into_iter().collect();
     let mut tensors = tensors;

@@ -453,3 +453,67 @@ fn a_tokenizer_too_small_for_bpe_and_not_char_is_refused_naming_its_kind() {
         "{message}"
     );
 }
+
+/// Damaged or foreign configs are refused by name before any size is derived from them
+/// (zero heads divided by, a trillion layers allocated), and so are variants of GPT-2
+/// this model does not compute and weights that are not numbers of a float kind.
+#[test]
+fn damaged_and_foreign_folders_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, hf) = exported(dir.path(), |c| {
+        c.model.arch = Arch::Gpt2;
+        c.model.positions = PositionKind::Learned;
+        c.model.norm = NormKind::LayerNorm;
+        c.model.mlp = MlpKind::GeluTanh;
+        c.model.bias = true;
+    });
+    let original = std::fs::read(hf.join("config.json")).unwrap();
+    let cases: [(&str, serde_json::Value, &str); 5] = [
+        ("n_head", 0.into(), "n_head = 0"),
+        (
+            "n_layer",
+            1_000_000_000_000u64.into(),
+            "n_layer = 1000000000000 exceeds",
+        ),
+        ("n_positions", 1.into(), "block_size = 1 is too small"),
+        (
+            "scale_attn_by_inverse_layer_idx",
+            true.into(),
+            "scale_attn_by_inverse_layer_idx = true",
+        ),
+        (
+            "scale_attn_weights",
+            false.into(),
+            "scale_attn_weights = false",
+        ),
+    ];
+    for (i, (key, value, says)) in cases.into_iter().enumerate() {
+        std::fs::write(hf.join("config.json"), &original).unwrap();
+        edit_config_json(&hf, |c| {
+            c.as_object_mut().unwrap().insert(key.into(), value);
+        });
+        let err = tinygpt::interop::import(&hf, &dir.path().join(format!("back{i}"))).unwrap_err();
+        assert!(
+            tinygpt::error::find_user_error(&err).is_some(),
+            "{key}: {err:#}"
+        );
+        assert!(format!("{err}").contains(says), "{key}: {err}");
+        assert!(format!("{err}").contains("config.json"), "{key}: {err}");
+    }
+    std::fs::write(hf.join("config.json"), &original).unwrap();
+    // A weight stored as whole numbers is not cast into a model that scores 7e10.
+    let file = hf.join("model.safetensors");
+    let mut all = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
+    let wpe = all["transformer.wpe.weight"].clone();
+    all.insert(
+        "transformer.wpe.weight".into(),
+        wpe.to_dtype(DType::I64).unwrap(),
+    );
+    candle_core::safetensors::save(&all, &file).unwrap();
+    let err = tinygpt::interop::import(&hf, &dir.path().join("ints")).unwrap_err();
+    assert!(tinygpt::error::find_user_error(&err).is_some(), "{err:#}");
+    assert!(
+        format!("{err}").contains("transformer.wpe.weight holds I64"),
+        "{err}"
+    );
+}

@@ -896,6 +896,12 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
                 std::fs::write(d.join("mine/config.json"), "{\"mine\": true}").unwrap();
             },
         ),
+        with(
+            "import into a folder below a file",
+            "import --from exp.toml --out notes.txt/model",
+            "--out notes.txt/model: notes.txt is a file, not a folder; pick another place",
+            |d| std::fs::write(d.join("notes.txt"), "mine").unwrap(),
+        ),
         case(
             "an experiment file passed as the run folder",
             "generate --checkpoint exp.toml --prompt Now",

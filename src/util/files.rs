@@ -185,6 +185,38 @@ pub fn check_output_file(flag: &str, path: &Path, extensions: &[&str]) -> Result
     Ok(())
 }
 
+/// Refuses a folder `path` (given as `flag`) that could not be made: a file where a
+/// folder of its path goes, or a place not writable. Asked before the work, as
+/// [`check_output_file`] does; creates nothing.
+pub fn check_output_folder(flag: &str, path: &Path) -> Result<()> {
+    let shown = path.display();
+    let mut existing = path;
+    while !existing.exists() {
+        match existing.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => existing = parent,
+            _ => {
+                existing = Path::new(".");
+                break;
+            }
+        }
+    }
+    if !existing.is_dir() {
+        crate::user_bail!(
+            "{flag} {shown}: {} is a file, not a folder; pick another place",
+            existing.display()
+        );
+    }
+    // A folder made and removed again, under a name no one else uses.
+    let probe = existing.join(format!(".tinygpt-probe-{}", std::process::id()));
+    if let Err(e) = fs::create_dir(&probe).and_then(|_| fs::remove_dir(&probe)) {
+        crate::user_bail!(
+            "{flag} {shown}: cannot create a folder in {} ({e}); pick another place",
+            existing.display()
+        );
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
