@@ -319,8 +319,13 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
 pub fn eval(args: EvalArgs, stop: tinygpt::util::Stop) -> Result<()> {
     let text = std::fs::read(&args.text)
         .map_err(|e| user_error(format!("cannot read --text {}: {e}", args.text.display())))?;
-    let text = String::from_utf8(text)
-        .map_err(|_| user_error(format!("--text {} is not UTF-8", args.text.display())))?;
+    let text = String::from_utf8(text).map_err(|e| {
+        user_error(format!(
+            "--text {} is not UTF-8 (invalid byte at offset {}); convert it, e.g. with iconv -t UTF-8",
+            args.text.display(),
+            e.utf8_error().valid_up_to()
+        ))
+    })?;
     let format = parse_weight_format("--dtype", &args.dtype)?;
     if format != WeightFormat::F32 {
         return eval_decoding(&args, format, &text, &stop);
@@ -533,7 +538,21 @@ fn parse_weight_format(flag: &str, value: &str) -> Result<WeightFormat> {
 
 pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
     let format = parse_weight_format("--decode-dtype", &args.decode_dtype)?;
+    for (flag, value) in [
+        ("--decode-tokens", args.decode_tokens),
+        ("--decode-batch", args.decode_batch),
+        ("--prompt-tokens", args.prompt_tokens),
+    ] {
+        if value == 0 {
+            user_bail!("{flag} 0: pass at least 1");
+        }
+    }
     if let Some(dir) = &args.checkpoint {
+        if let Some(device) = args.device.as_deref().filter(|d| *d != "cpu") {
+            user_bail!(
+                "--device {device}: bench --checkpoint measures the CPU decoder, as generate runs it; drop --device (or bench a config on {device}: --config FILE --device {device})"
+            );
+        }
         return bench_checkpoint(dir, format, &args, &stop);
     }
     let Some(config_path) = &args.config else {
@@ -545,13 +564,8 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
     }
     let config = tinygpt::config::Config::load(config_path, &overrides)?;
     let device = parse_device(&config.run.device)?;
-    for (flag, value) in [
-        ("--steps", args.steps),
-        ("--decode-batch", args.decode_batch),
-    ] {
-        if value == 0 {
-            user_bail!("{flag} 0: pass at least 1");
-        }
+    if args.steps == 0 {
+        user_bail!("--steps 0: pass at least 1");
     }
     tinygpt::bench::check_memory(&config, &device)?;
     let opts = tinygpt::bench::BenchOptions {
@@ -712,22 +726,20 @@ fn bench_checkpoint(
 }
 
 pub fn export(args: ExportArgs) -> Result<()> {
-    if args.format == "gguf" {
+    // No --format: the name says (`--out model.gguf` is one file, not a folder).
+    let gguf = match args.format.as_deref() {
+        Some(format) => format == "gguf",
+        None => args
+            .out
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf")),
+    };
+    if gguf {
         let dtype = tinygpt::gguf::GgufDtype::parse(args.dtype.as_deref().unwrap_or("f32"))?;
         tinygpt::gguf::check_export_file(&args.out)?;
         let loaded = load(&args.ckpt)?;
         let done = tinygpt::gguf::export(&loaded, &args.out, dtype)?;
-        let fallbacks = match done.fallbacks.len() {
-            0 => String::new(),
-            1 => format!(
-                " (1 matrix whose rows do not fill its blocks in {}, as llama.cpp's quantizer does)",
-                done.fallbacks[0].1
-            ),
-            n => format!(
-                " ({n} matrices whose rows do not fill its blocks in {}, as llama.cpp's quantizer does)",
-                done.fallbacks[0].1
-            ),
-        };
+        let fallbacks = fallback_counts(&done.fallbacks, args.dtype.as_deref().unwrap_or("f32"));
         // llama-completion continues a prompt (llama-cli is a chat); a char vocabulary
         // has no end-of-text token for it to stop at.
         let until = match loaded.tokenizer.end_of_text() {
@@ -760,7 +772,9 @@ pub fn export(args: ExportArgs) -> Result<()> {
         return Ok(());
     }
     if args.dtype.is_some() {
-        user_bail!("--dtype applies to --format gguf; a Hugging Face export is f32");
+        user_bail!(
+            "--dtype applies to --format gguf (or an --out ending in .gguf); a Hugging Face export is f32"
+        );
     }
     tinygpt::interop::check_export_folder(&args.out)?;
     let bar = tinygpt::util::bars::spinner(&format!("exporting to {}", args.out.display()));
@@ -774,6 +788,29 @@ pub fn export(args: ExportArgs) -> Result<()> {
         args.out.display().to_string()
     );
     Ok(())
+}
+
+/// " (13 matrices in q5_0 and 2 in f16, ...)": the matrices a GGUF export wrote in
+/// another format than `dtype` (their rows do not fill its blocks), counted per format.
+fn fallback_counts(fallbacks: &[(String, String)], dtype: &str) -> String {
+    let mut counts: Vec<(&str, usize)> = Vec::new();
+    for (_, format) in fallbacks {
+        match counts.iter_mut().find(|(f, _)| f == format) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((format, 1)),
+        }
+    }
+    let Some(((first, n), rest)) = counts.split_first() else {
+        return String::new();
+    };
+    let mut told = format!(
+        "{n} {} in {first}",
+        if *n == 1 { "matrix" } else { "matrices" }
+    );
+    for (format, n) in rest {
+        told.push_str(&format!(" and {n} in {format}"));
+    }
+    format!(" ({told}: rows that do not fill {dtype}'s blocks, as llama.cpp's quantizer does)")
 }
 
 pub fn import(args: ImportArgs) -> Result<()> {

@@ -519,10 +519,17 @@ pub const MAX_WIDTH: usize = 1 << 20;
 impl Config {
     /// Reads a TOML experiment file and applies `section.key=value` overrides.
     pub fn load(path: &Path, overrides: &[String]) -> Result<Config> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
+        let bytes = std::fs::read(path).map_err(|e| {
             user_error(format!(
                 "cannot read config {}: {e}; pass an existing TOML file to --config",
                 path.display()
+            ))
+        })?;
+        let text = String::from_utf8(bytes).map_err(|e| {
+            user_error(format!(
+                "config {} is not UTF-8 text (invalid byte at offset {}); TOML files are UTF-8: save it as such",
+                path.display(),
+                e.utf8_error().valid_up_to()
             ))
         })?;
         let mut config = Self::from_toml_str(&text, overrides)
@@ -569,6 +576,20 @@ impl Config {
 
     /// Parses TOML text and applies overrides; does not validate.
     pub fn from_toml_str(text: &str, overrides: &[String]) -> Result<Config> {
+        // `[[model]]` makes a list of sections, which serde reads as something else
+        // entirely ("unknown variant `n_layer`").
+        if let Some((i, line)) = text
+            .lines()
+            .enumerate()
+            .find(|(_, l)| l.trim_start().starts_with("[["))
+        {
+            anyhow::bail!(
+                "line {} (`{}`): double brackets make a list of sections; a config's sections take one: [{}]",
+                i + 1,
+                line.trim(),
+                line.trim().trim_matches(|c| c == '[' || c == ']')
+            );
+        }
         // Parse once as the schema so syntax errors, unknown keys and wrong types are
         // reported with the line they are on in the user's file.
         let _: Config =
@@ -792,6 +813,16 @@ pub fn key_named(key: &str) -> Option<String> {
 
 /// serde's type names in users' words: "expected usize" -> "expected a whole number".
 fn plain_words(message: &str) -> String {
+    // Whole numbers past TOML's own (i64): read as i128 or refused as u64.
+    if message.contains("` as i128") || message.contains("u64 value was too large") {
+        return format!("too large: TOML's whole numbers stop at {}", i64::MAX);
+    }
+    // A list or number where one of a setting's names goes.
+    if message.contains("unit variant, expected string only")
+        || message.contains("wanted string or table")
+    {
+        return "expected one of its names, in quotes (see docs/REFERENCE.md)".into();
+    }
     const WORDS: [(&str, &str); 8] = [
         ("expected usize", "expected a whole number (0 or more)"),
         ("expected u64", "expected a whole number (0 or more)"),
@@ -802,9 +833,17 @@ fn plain_words(message: &str) -> String {
         ("floating point `", "the decimal number `"),
         ("integer `", "the whole number `"),
     ];
-    WORDS.iter().fold(message.to_string(), |m, (serde, plain)| {
+    let message = WORDS.iter().fold(message.to_string(), |m, (serde, plain)| {
         m.replace(serde, plain)
-    })
+    });
+    // A value where a section goes (`run = 5`): serde names our struct.
+    match message.find("expected struct ") {
+        Some(at) => format!(
+            "{}expected a section of settings ([section] and key = value lines below it)",
+            &message[..at]
+        ),
+        None => message,
+    }
 }
 
 fn parse_value(raw: &str) -> toml::Value {
@@ -857,6 +896,37 @@ mod tests {
         assert!(err("[modle]\n", &[]).contains("modle"));
         assert!(err("", &["train.lrr=1"]).contains("lrr"));
         assert!(err("", &["nosection=1"]).contains("section.key"));
+    }
+
+    /// Mistakes serde words in its own terms (structs, variants, i128) told in ours.
+    #[test]
+    fn shapes_serde_names_are_told_in_a_users_words() {
+        let cases = [
+            (
+                "[[model]]\nn_layer = 2\n",
+                "double brackets make a list of sections; a config's sections take one: [model]",
+            ),
+            ("run = 5\n", "expected a section of settings"),
+            (
+                "[train]\nmax_iters = 99999999999999999999\n",
+                "too large: TOML's whole numbers stop at 9223372036854775807",
+            ),
+            ("[run]\nseed = 18446744073709551615\n", "too large"),
+            (
+                "[model]\npositions = 5\n",
+                "expected one of its names, in quotes",
+            ),
+        ];
+        for (text, says) in cases {
+            let e = err(text, &[]);
+            assert!(e.contains(says), "{text:?}: {e}");
+            assert!(
+                !e.contains("struct") && !e.contains("i128") && !e.contains("variant"),
+                "{e}"
+            );
+        }
+        let e = err("", &["model.positions=[1,2]"]);
+        assert!(e.contains("expected one of its names"), "{e}");
     }
 
     #[test]

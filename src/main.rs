@@ -189,8 +189,9 @@ struct ExportArgs {
     #[arg(long)]
     out: PathBuf,
     /// hf: a Hugging Face model folder; gguf: one GGUF file (llama.cpp's gpt2 or llama).
-    #[arg(long, default_value = "hf", value_parser = ["hf", "gguf"])]
-    format: String,
+    /// Default: gguf for an --out ending in .gguf, hf otherwise.
+    #[arg(long, value_parser = ["hf", "gguf"])]
+    format: Option<String>,
     /// GGUF only: the matrices' format (norms and biases stay f32).
     #[arg(long, value_parser = tinygpt::gguf::GgufDtype::NAMES)]
     dtype: Option<String>,
@@ -330,12 +331,12 @@ struct GenerateArgs {
     /// tensor cores on CUDA; the fused CPU decoder computes in f32); int8 or int4 (the
     /// CPU decoder's weights in eight or four bits, blocks of 32 with a scale, as
     /// llama.cpp's q8_0 and q4_0).
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "f32", value_parser = weight_formats(), ignore_case = true)]
     dtype: String,
     /// How the fused CPU decoder holds the keys and values of the tokens seen: f32, or
     /// bf16 (half the memory and the bytes attention reads; llama.cpp's default is f16).
     /// By default bf16 beside bf16, int8 or int4 weights, f32 beside f32.
-    #[arg(long)]
+    #[arg(long, value_parser = kv_formats(), ignore_case = true)]
     kv_dtype: Option<String>,
 }
 
@@ -370,12 +371,12 @@ struct ServeArgs {
     runs: Option<PathBuf>,
     /// The decoder's weights: f32, bf16, int8 or int4 (as generate --dtype; int8 and
     /// int4 on the CPU).
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "f32", value_parser = weight_formats(), ignore_case = true)]
     dtype: String,
     /// How the CPU decoder holds the keys and values of every sequence: f32 or bf16 (as
     /// generate --kv-dtype: half the memory per slot; by default bf16 beside bf16, int8
     /// or int4 weights, f32 beside f32).
-    #[arg(long)]
+    #[arg(long, value_parser = kv_formats(), ignore_case = true)]
     kv_dtype: Option<String>,
     /// Where to decode: cpu, cuda[:N], or auto (a CUDA GPU where the build and machine
     /// have one, else the CPU).
@@ -403,7 +404,7 @@ struct EvalArgs {
     /// The weights' precision: f32 (the engines), or bf16 / int8 / int4 (scored through the
     /// CPU decoder holding its weights so, as generate --dtype decodes: what the
     /// precision costs in loss).
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "f32", value_parser = weight_formats(), ignore_case = true)]
     dtype: String,
     /// Tokens a window holds (default: the model's context, block_size); a text longer
     /// than one window is scored in windows advancing by half of one. Shorter windows
@@ -433,18 +434,27 @@ struct BenchArgs {
     #[arg(long, conflicts_with = "config")]
     checkpoint: Option<PathBuf>,
     /// With --checkpoint: the prompt lengths whose time to first token is measured.
-    #[arg(long, value_delimiter = ',', default_value = "1,16,128,512")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1,16,128,512",
+        conflicts_with = "config"
+    )]
     prompts: Vec<usize>,
-    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    #[arg(
+        long = "set",
+        value_name = "SECTION.KEY=VALUE",
+        conflicts_with = "checkpoint"
+    )]
     overrides: Vec<String>,
     /// Timed training steps (the median is reported).
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, conflicts_with = "checkpoint")]
     steps: usize,
     /// Untimed steps first.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, conflicts_with = "checkpoint")]
     warmup: usize,
     /// Prompt length for time-to-first-token (capped at block_size).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, conflicts_with = "checkpoint")]
     prompt_tokens: usize,
     /// New tokens to decode.
     #[arg(long, default_value_t = 500)]
@@ -455,16 +465,16 @@ struct BenchArgs {
     #[arg(long, default_value_t = 1)]
     decode_batch: usize,
     /// Decode with the reference model's KV cache instead of the fused CPU decoder.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "checkpoint")]
     reference: bool,
     /// How the fused CPU decoder holds its weights: f32, bf16, int8 or int4 (as generate
     /// --dtype).
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "f32", value_parser = weight_formats(), ignore_case = true)]
     decode_dtype: String,
     /// With --checkpoint: how the decoder holds its keys and values, f32 or bf16 (as
     /// generate --kv-dtype; by default bf16 beside bf16, int8 or int4 weights, f32
     /// beside f32).
-    #[arg(long)]
+    #[arg(long, value_parser = kv_formats(), ignore_case = true)]
     kv_dtype: Option<String>,
     #[arg(long)]
     device: Option<String>,
@@ -473,7 +483,7 @@ struct BenchArgs {
     /// TFLOP/s or GB/s achieved, the floor on the device's peak, the gaps, and MFU.
     /// On CUDA timed by events; under the emulator (TINYGPT_EMULATE_CUDA=1) untimed,
     /// with the floor on an H100.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "checkpoint")]
     profile: bool,
     #[arg(long)]
     json: bool,
@@ -529,10 +539,20 @@ fn run(cli: Cli, world: &World) -> anyhow::Result<()> {
             let cli = <Cli as clap::CommandFactory>::command();
             match args.out {
                 Some(dir) => {
-                    std::fs::create_dir_all(&dir).map_err(|e| {
-                        tinygpt::error::user_error(format!("cannot create {}: {e}", dir.display()))
-                    })?;
-                    clap_mangen::generate_to(cli, &dir)?;
+                    if dir.is_file() {
+                        tinygpt::user_bail!(
+                            "--out {} is a file; man writes a page per command into a folder: pass a folder's path",
+                            dir.display()
+                        );
+                    }
+                    let failed = |e: std::io::Error| {
+                        tinygpt::error::user_error(format!(
+                            "cannot write the manual pages into {}: {e}",
+                            dir.display()
+                        ))
+                    };
+                    std::fs::create_dir_all(&dir).map_err(failed)?;
+                    clap_mangen::generate_to(cli, &dir).map_err(failed)?;
                     eprintln!("wrote the manual pages into {}", dir.display());
                 }
                 None => clap_mangen::Man::new(cli).render(&mut std::io::stdout())?,
@@ -896,7 +916,7 @@ fn negative_count(e: &clap::Error, args: &[String]) -> Option<String> {
     let at = args.iter().position(|a| *a == value)?;
     let flag = args[..at].last().filter(|f| f.starts_with("--"))?;
     Some(format!(
-        "{flag} {value}: a negative number is not taken here; give {flag} 0 or more (`{} --help` lists the flags)",
+        "{flag} {value}: a negative number is not taken here (`{} --help` says what {flag} takes)",
         command_of(args)
     ))
 }
@@ -916,6 +936,16 @@ fn command_of(args: &[String]) -> String {
         Some(sub) if cli.find_subcommand(sub).is_some() => format!("tinygpt {sub}"),
         _ => "tinygpt".into(),
     }
+}
+
+/// `--dtype`'s values, for clap's check and the shells' completions.
+fn weight_formats() -> clap::builder::PossibleValuesParser {
+    ["f32", "bf16", "int8", "int4"].into()
+}
+
+/// `--kv-dtype`'s values.
+fn kv_formats() -> clap::builder::PossibleValuesParser {
+    ["f32", "bf16"].into()
 }
 
 /// clap's message (several lines: the error, a tip, possible values, the usage) as one.

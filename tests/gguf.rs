@@ -600,6 +600,11 @@ fn bad_files_and_models_are_refused_in_one_line() {
         &["keyless.gguf", "tinygpt did not write"],
     );
     assert_eq!(std::fs::read(d.join("keyless.gguf")).unwrap(), theirs);
+    // No --format: a name ending in .gguf says it.
+    succeeds(d, &["export", "--checkpoint", "ok", "--out", "named.gguf"]);
+    assert!(std::fs::read(d.join("named.gguf"))
+        .unwrap()
+        .starts_with(b"GGUF"));
     succeeds(
         d,
         &[

@@ -781,12 +781,12 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
         case(
             "unknown decoding precision",
             &format!("{g} --prompt Now --dtype f16"),
-            "--dtype \"f16\": use f32, bf16, int8 or int4",
+            "invalid value 'f16' for '--dtype <DTYPE>'; possible values: f32, bf16, int8, int4",
         ),
         case(
             "unknown precision of the keys and values",
             &format!("{g} --prompt Now --kv-dtype f16"),
-            "--kv-dtype \"f16\": use f32 or bf16",
+            "invalid value 'f16' for '--kv-dtype <KV_DTYPE>'; possible values: f32, bf16",
         ),
         case(
             "keys and values set where candle decodes",
@@ -896,6 +896,16 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
                 std::fs::write(d.join("mine/config.json"), "{\"mine\": true}").unwrap();
             },
         ),
+        case(
+            "bench of a checkpoint on a GPU",
+            "bench --checkpoint checkpoints/good --device cuda",
+            "--device cuda: bench --checkpoint measures the CPU decoder",
+        ),
+        case(
+            "bench decoding no tokens",
+            "bench --checkpoint checkpoints/good --decode-tokens 0",
+            "--decode-tokens 0: pass at least 1",
+        ),
         with(
             "import into a folder below a file",
             "import --from exp.toml --out notes.txt/model",
@@ -945,7 +955,7 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
         case(
             "a negative count",
             &format!("{g} --prompt Now --max-new-tokens -5"),
-            "--max-new-tokens -5: a negative number is not taken here; give --max-new-tokens 0 or more",
+            "--max-new-tokens -5: a negative number is not taken here (`tinygpt generate --help` says what --max-new-tokens takes)",
         ),
         case(
             "a mistyped flag",

@@ -164,7 +164,7 @@ impl FastDecoder {
         if let Some(available) = crate::util::available_memory_bytes() {
             if kv_bytes > available {
                 crate::user_bail!(
-                    "{batch} samples of {} positions need {:.1} GiB of keys and values ({}), more than the {:.1} GiB available; use fewer --num-samples",
+                    "{batch} samples of {} positions need {:.1} GiB of keys and values ({}), more than the {:.1} GiB available; decode fewer at once (generate --num-samples, bench --decode-batch, serve --parallel)",
                     s.block_size,
                     kv_bytes / f64::from(1 << 30),
                     precision.name(),
