@@ -355,9 +355,7 @@ pub fn eval(args: EvalArgs, stop: tinygpt::util::Stop) -> Result<()> {
         }
     }
     let bar = tinygpt::util::bars::count_bar(0, "scoring windows");
-    let ticker = Ticker::start(&bar);
     let r = tinygpt::eval::evaluate_until(&loaded.model, &ids, text.len(), window, &bar, &stop)?;
-    drop(ticker);
     bar.finish_and_clear();
     print_eval(&args, &r)
 }
@@ -381,62 +379,10 @@ fn eval_decoding(
     let block_size = opened.weights.spec.shapes.block_size;
     let window = tinygpt::eval::window(args.context, block_size, ids.len())?;
     let bar = tinygpt::util::bars::count_bar(0, "scoring windows");
-    let ticker = Ticker::start(&bar);
     let r =
         tinygpt::eval::evaluate_decoding(&opened.weights, &ids, text.len(), window, &bar, stop)?;
-    drop(ticker);
     bar.finish_and_clear();
     print_eval(args, &r)
-}
-
-/// Where stderr is no terminal (the bar is not drawn: piped, in a log), `eval` says how
-/// far it is: a line after 5 s, then every 30 s, until dropped.
-struct Ticker {
-    done: Option<std::sync::mpsc::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Ticker {
-    fn start(bar: &indicatif::ProgressBar) -> Self {
-        if std::io::stderr().is_terminal() {
-            return Self {
-                done: None,
-                thread: None,
-            };
-        }
-        let (done, wait) = std::sync::mpsc::channel::<()>();
-        let bar = bar.clone();
-        let started = std::time::Instant::now();
-        let thread = std::thread::spawn(move || {
-            let mut every = std::time::Duration::from_secs(5);
-            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = wait.recv_timeout(every) {
-                every = std::time::Duration::from_secs(30);
-                let (scored, total) = (bar.position(), bar.length().unwrap_or(0));
-                if total == 0 {
-                    continue;
-                }
-                let spent = started.elapsed().as_secs_f64();
-                let left = spent * total.saturating_sub(scored) as f64 / scored.max(1) as f64;
-                eprintln!(
-                    "eval: {scored} of {total} windows scored ({}%) in {spent:.0} s, about {left:.0} s left",
-                    100 * scored / total
-                );
-            }
-        });
-        Self {
-            done: Some(done),
-            thread: Some(thread),
-        }
-    }
-}
-
-impl Drop for Ticker {
-    fn drop(&mut self) {
-        drop(self.done.take());
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
 }
 
 fn print_eval(args: &EvalArgs, r: &tinygpt::eval::EvalResult) -> Result<()> {

@@ -1100,3 +1100,43 @@ fn a_resume_names_changes_to_its_data_and_seed() {
         assert!(said.contains(note), "{note}: {said}");
     }
 }
+
+/// Where stderr is a log (a pipe here), long data preparation writes its bar as a plain
+/// line every TINYGPT_PROGRESS_SECONDS and its closing line; shorter work writes nothing.
+#[test]
+fn data_preparation_speaks_in_a_log_when_it_lasts() {
+    let text = common::random_words(3, 600_000, 8);
+    let dir = common::char_experiment(
+        &text,
+        "n_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16",
+        "batch_size = 2\nmax_iters = 1\neval_iters = 1",
+    );
+    let run = |seconds: &str, name: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+            .args(train_args(
+                &[],
+                &[
+                    &format!("run.name={name}"),
+                    &format!("data.cache_dir={name}-cache"),
+                ],
+            ))
+            .env("TINYGPT_PROGRESS_SECONDS", seconds)
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        stderr(&common::succeeded(out))
+    };
+    let quiet = run("30", "quiet");
+    assert!(!quiet.contains("encoding"), "{quiet}");
+    let told = run("0.001", "told");
+    let progress: Vec<&str> = told
+        .lines()
+        .filter(|l| l.starts_with("encoding") && l.contains('/'))
+        .collect();
+    assert!(!progress.is_empty(), "no progress line: {told}");
+    assert!(
+        !told.contains('\r') && !told.contains('\u{1b}'),
+        "no terminal codes in a log: {told:?}"
+    );
+    assert!(told.contains("\nencoded 5.7 MB into"), "the closing line: {told}");
+}
