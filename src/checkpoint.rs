@@ -90,6 +90,11 @@ pub struct TrainState {
     /// was kept).
     #[serde(default)]
     pub sequences_per_step: usize,
+    /// The fingerprint of the corpus trained on, and how it was taken (`sampled:...`,
+    /// `full:...`): a resume on the same path notices a corpus edited in place. Absent
+    /// in checkpoints from before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub corpus_fingerprint: Option<String>,
     /// Size and SHA-256 of every other file of the checkpoint.
     pub files: BTreeMap<String, FileDigest>,
 }

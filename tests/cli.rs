@@ -1098,7 +1098,29 @@ fn a_resume_names_changes_to_its_data_and_seed() {
         "note: the corpus is not the checkpoint's",
     ] {
         assert!(said.contains(note), "{note}: {said}");
-    }
+    }    assert!(!said.contains("changed since"), "{said}");
+    // The same path, edited in place (the same characters: the vocabulary holds).
+    let text = std::fs::read_to_string(d.join("other.txt")).unwrap();
+    std::fs::write(d.join("other.txt"), text.replace("question", "nobler")).unwrap();
+    let out = succeeds(
+        d,
+        &train_args(
+            &["--resume"],
+            &[
+                "run.name=moved",
+                "train.max_iters=12",
+                "run.seed=7",
+                "data.val_fraction=0.2",
+                "data.corpus=other.txt",
+            ],
+        ),
+    );
+    let said = stderr(&out);
+    assert!(
+        said.contains("note: corpus other.txt changed since the checkpoint was written"),
+        "{said}"
+    );
+    assert!(!said.contains("the checkpoint's"), "only the edit is new: {said}");
 }
 
 /// Where stderr is a log (a pipe here), long data preparation writes its bar as a plain

@@ -71,6 +71,11 @@ impl CorpusCache {
         })
     }
 
+    /// The corpus's fingerprint (see [`Corpus::fingerprint`]).
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir
     }

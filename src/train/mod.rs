@@ -77,6 +77,8 @@ pub struct Trainer {
     _lock: Option<RunLock>,
     /// The corpus cache the run reads, held (`cache prune` leaves it alone meanwhile).
     cache: Option<CorpusCache>,
+    /// The corpus's fingerprint as the state keeps it ([`TrainState::corpus_fingerprint`]).
+    corpus_fingerprint: String,
 }
 
 /// What rank 0 prepares before the others start: the config resolved, the data split,
@@ -92,6 +94,8 @@ struct Prepared {
     lock: Option<RunLock>,
     /// The corpus cache the run reads (none for token files).
     cache: Option<CorpusCache>,
+    /// The corpus's fingerprint, as [`TrainState::corpus_fingerprint`] keeps it.
+    corpus_fingerprint: String,
     /// A resumed run's training settings as saved (the schedule it followed).
     saved_train: Option<TrainConfig>,
 }
@@ -262,6 +266,7 @@ impl Trainer {
             saved_train: p.saved_train,
             _lock: p.lock,
             cache: None,
+            corpus_fingerprint: p.corpus_fingerprint,
         })
     }
 
@@ -518,6 +523,7 @@ impl Trainer {
         state.sampler_position = self.sampler.position().to_string();
         state.ranks = self.comm.size();
         state.sequences_per_step = self.sequences_per_step();
+        state.corpus_fingerprint = Some(self.corpus_fingerprint.clone());
         let weights = self.engine.weights()?;
         self.run
             .save(&self.config, &self.tokenizer, &weights, &moments, &state)
@@ -567,6 +573,19 @@ impl Trainer {
                 now.data.corpus.display().to_string(),
                 was.data.corpus.display().to_string()
             ));
+        }
+        // The same path, other text: edited in place, or replaced.
+        let kind = |f: &str| f.split(':').next().unwrap_or("").to_string();
+        if let Some(saved) = &self.state.corpus_fingerprint {
+            if was.data.corpus == now.data.corpus
+                && kind(saved) == kind(&self.corpus_fingerprint)
+                && *saved != self.corpus_fingerprint
+            {
+                notes.push(format!(
+                    "note: corpus {} changed since the checkpoint was written (edited or replaced): training goes on over its new text, and the train/val split is drawn from it",
+                    now.data.corpus.display()
+                ));
+            }
         }
         if was.data.val_fraction != now.data.val_fraction {
             notes.push(format!(
@@ -907,6 +926,11 @@ fn prepare(config: Config, start: &Start, stop: &Stop, comm: &dyn Collective) ->
     check_memory(&config, &device, ranks)?;
     let split = load_split(&config, &corpus, &cache, &origin.tokenizer, stop)?;
     Ok(Prepared {
+        corpus_fingerprint: format!(
+            "{}:{}",
+            format!("{:?}", config.data.fingerprint).to_lowercase(),
+            cache.fingerprint()
+        ),
         cache: (!corpus.is_tokenized()).then_some(cache),
         config,
         tokenizer: origin.tokenizer,
