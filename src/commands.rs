@@ -43,7 +43,7 @@ fn load_for_decoding(dir: &std::path::Path, batch: usize, products: Precision) -
     let on_cpu = Loaded::load_with(dir, &Device::Cpu, products)?;
     let weights = on_cpu.model.params().to_flat()?;
     let choice = fastest_decoder(on_cpu.model.spec(), &weights, batch, products)?;
-    eprintln!("device auto: {choice}");
+    tinygpt::errln!("device auto: {choice}");
     if choice.device.is_cpu() {
         return Ok(on_cpu);
     }
@@ -180,7 +180,7 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
                 None => "no CUDA device",
                 Some(_) => "integer weights decode on the CPU",
             };
-            eprintln!("device auto: {}", Choice::new(Device::Cpu, why));
+            tinygpt::errln!("device auto: {}", Choice::new(Device::Cpu, why));
         }
         Opened::Mapped(Box::new(open_for_decoding(
             &args.ckpt.checkpoint,
@@ -223,7 +223,7 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
     let prompt = match (prompt.len() > block, args.crop) {
         (false, _) => prompt,
         (true, true) => {
-            eprintln!(
+            tinygpt::errln!(
                 "note: the prompt is {} tokens; the model reads its last {block} (its context)",
                 prompt.len()
             );
@@ -301,7 +301,7 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
         }
         writeln!(out)?;
         out.flush()?;
-        eprintln!(
+        tinygpt::errln!(
             "[sample {}/{}] prompt {} tokens, generated {} tokens ({}), prefill {:.1} ms, decode {:.1} tokens/s, seed {}",
             i + 1,
             args.num_samples,
@@ -313,6 +313,8 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
             seed.wrapping_add(i as u64)
         );
     }
+    // Interrupted: the samples so far are shown, and the stop is still the exit's.
+    options.cancel.check()?;
     Ok(())
 }
 
@@ -349,7 +351,7 @@ pub fn eval(args: EvalArgs, stop: tinygpt::util::Stop) -> Result<()> {
         });
         let options = tinygpt::eval::engine_options(ids.len(), window);
         let choice = fastest_device(&spec, options, Work::Evaluation, |_| true)?;
-        eprintln!("device auto: {choice}");
+        tinygpt::errln!("device auto: {choice}");
         if !choice.device.is_cpu() {
             loaded = Loaded::load(&args.ckpt.checkpoint, &choice.device)?;
         }
@@ -532,7 +534,7 @@ pub fn bench(args: BenchArgs, stop: tinygpt::util::Stop) -> Result<()> {
     let m = &config.model;
     if !args.json {
         let guessed = m.vocab_size == 0 && tinygpt::corpus::cache::known_vocab(&config).is_none();
-        eprintln!(
+        tinygpt::errln!(
             "bench {}: {} layer{}, {} heads, width {}, context {}, batch {}, vocab {}{}; {} step{} after {} warm-up",
             config_path.display(),
             m.n_layer,
@@ -709,7 +711,7 @@ pub fn export(args: ExportArgs) -> Result<()> {
             b if b < 1 << 20 => format!("{:.0} KiB", b as f64 / 1024.0),
             b => format!("{:.1} MiB", b as f64 / (1 << 20) as f64),
         };
-        eprintln!(
+        tinygpt::errln!(
             "wrote {} ({}, {size}){fallbacks}: run it with llama-completion -m {} -p <prompt> -n {new_tokens}{until}{fit}",
             args.out.display(),
             done.arch.name(),
@@ -727,7 +729,7 @@ pub fn export(args: ExportArgs) -> Result<()> {
     let loaded = load(&args.ckpt)?;
     let layout = tinygpt::interop::export(&loaded, &args.out)?;
     bar.finish_and_clear();
-    eprintln!(
+    tinygpt::errln!(
         "wrote {} ({} layout): load it with transformers.AutoModelForCausalLM.from_pretrained({:?})",
         args.out.display(),
         layout.name(),
@@ -768,7 +770,7 @@ pub fn import(args: ImportArgs) -> Result<()> {
     };
     bar.finish_and_clear();
     let m = &config.model;
-    eprintln!(
+    tinygpt::errln!(
         "imported {} into {}: {} layer{}, {} heads, width {}, context {}, vocabulary {}",
         args.from.display(),
         args.out.display(),
@@ -797,7 +799,7 @@ pub fn plot(args: PlotArgs) -> Result<()> {
         |n| n.to_string_lossy().into_owned(),
     );
     tinygpt::plot::loss_curve(&metrics, &out, &title)?;
-    eprintln!("wrote {}", out.display());
+    tinygpt::errln!("wrote {}", out.display());
     Ok(())
 }
 
@@ -836,7 +838,7 @@ pub fn attention(args: AttentionArgs) -> Result<()> {
         return Ok(());
     }
     tinygpt::plot::attention_grid(&maps, &layers, &heads, &args.out)?;
-    eprintln!(
+    tinygpt::errln!(
         "wrote {} ({} x {}, {})",
         args.out.display(),
         count(layers.len(), "layer"),
@@ -930,7 +932,7 @@ fn expand_runs(args: &[std::path::PathBuf]) -> Result<Vec<std::path::PathBuf>> {
         } else if arg.is_file() {
             // A shell's glob brings the files beside the runs too (the pictures compare
             // and sweep write there): they are not runs, and are passed over.
-            eprintln!("skipped {}: a file, not a run folder", arg.display());
+            tinygpt::errln!("skipped {}: a file, not a run folder", arg.display());
         } else {
             runs.push(arg.clone());
         }
@@ -1036,7 +1038,7 @@ pub fn cache(args: CacheArgs) -> Result<()> {
             if yes {
                 let left = inventory::remove(&removals)?;
                 for path in &left {
-                    eprintln!(
+                    tinygpt::errln!(
                         "left {}: a process began using it during the prune",
                         path.display()
                     );
@@ -1063,7 +1065,7 @@ pub fn cache(args: CacheArgs) -> Result<()> {
             } else {
                 "; --yes deletes"
             };
-            eprintln!(
+            tinygpt::errln!(
                 "{verb} {} in {} place(s){more}",
                 inventory::size(total),
                 removals.len()

@@ -249,7 +249,7 @@ mod tests {
     #[test]
     fn without_a_gpu_the_cpu_is_chosen_and_says_why() {
         if first_cuda().is_some() {
-            eprintln!("SKIPPED: this machine has a GPU; the race runs instead");
+            crate::errln!("SKIPPED: this machine has a GPU; the race runs instead");
             return;
         }
         let spec = ModelSpec::new(&ModelConfig {

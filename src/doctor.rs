@@ -566,7 +566,7 @@ fn metal_checks(report: &mut Report, place: &str, gpu: &Device, faults: &Faults)
     match crate::device::require_metal_bf16(gpu) {
         Ok(()) => bf16_checks(report, place, faults, &reference_on(Precision::Bf16))?,
         // Refused where asked for, in one line: not a wrong number.
-        Err(e) => eprintln!("note: {place}: no bf16 ({e:#})"),
+        Err(e) => crate::errln!("note: {place}: no bf16 ({e:#})"),
     }
     let spec = small_model();
     let values = spec.initial_values(4);

@@ -32,6 +32,19 @@ macro_rules! user_bail {
     };
 }
 
+/// `eprintln!` that cannot panic: a stderr that cannot be written (a log on a full
+/// disk, `2>/dev/full`, a reader gone: `train ... | head`) loses the line, not the
+/// work. The line is written at once, so the lines of ranks sharing a terminal or a
+/// log do not cut into each other.
+#[macro_export]
+macro_rules! errln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let line = format!("{}\n", format_args!($($arg)*));
+        let _ = std::io::stderr().write_all(line.as_bytes());
+    }};
+}
+
 /// Process exit codes, documented in the README and docs/REFERENCE.md.
 pub mod exit_code {
     pub const INTERNAL: i32 = 1;

@@ -325,7 +325,7 @@ mod tests {
     #[test]
     fn decoder_windows_that_cannot_fit_are_refused() {
         let Some(available) = crate::util::available_memory_bytes() else {
-            eprintln!("SKIPPED: this system does not say how much memory is free");
+            crate::errln!("SKIPPED: this system does not say how much memory is free");
             return;
         };
         // 2 x 1000 layers x 131,072 positions x 4,096 x 2 bytes: about 4 TiB.

@@ -464,14 +464,14 @@ mod tests {
         {
             Ok(child) => child,
             Err(e) => {
-                eprintln!("SKIPPED: util-linux's flock is not installed ({e})");
+                crate::errln!("SKIPPED: util-linux's flock is not installed ({e})");
                 return;
             }
         };
         let start = std::time::Instant::now();
         while fs::File::open(&path).unwrap().try_lock().is_ok() {
             if let Ok(Some(status)) = holder.try_wait() {
-                eprintln!("SKIPPED: this flock exited ({status}) without holding the file (no --no-fork?)");
+                crate::errln!("SKIPPED: this flock exited ({status}) without holding the file (no --no-fork?)");
                 return;
             }
             assert!(start.elapsed().as_secs() < 20, "flock never took the file");

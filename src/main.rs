@@ -553,7 +553,7 @@ fn run(cli: Cli, world: &World) -> anyhow::Result<()> {
                     };
                     std::fs::create_dir_all(&dir).map_err(failed)?;
                     clap_mangen::generate_to(cli, &dir).map_err(failed)?;
-                    eprintln!("wrote the manual pages into {}", dir.display());
+                    tinygpt::errln!("wrote the manual pages into {}", dir.display());
                 }
                 None => clap_mangen::Man::new(cli).render(&mut std::io::stdout())?,
             }
@@ -687,7 +687,7 @@ fn unused_model_settings(
     let (context, source_context) = (config.model.block_size, source.model.block_size);
     let shortened = given.contains("model.block_size") && context < source_context;
     if shortened {
-        eprintln!(
+        tinygpt::errln!(
             "note: training {} at a context of {context} tokens (model.block_size; it has {source_context}{})",
             from.display(),
             match source.model.positions {
@@ -707,7 +707,7 @@ fn unused_model_settings(
         .map(|key| tinygpt::compare::difference(key, &wanted, &has, "it"))
         .collect();
     if !unused.is_empty() {
-        eprintln!(
+        tinygpt::errln!(
             "note: --init-from takes the model and tokenizer from {}; not used: {}",
             from.display(),
             unused.join(", ")
@@ -756,24 +756,13 @@ fn ends_every_rank(err: &anyhow::Error) -> bool {
         || err.downcast_ref::<PeerFailed>().is_some()
 }
 
-/// `eprintln!` that lets a closed stderr go (a reader gone: `train ... | head`)
-/// instead of panicking, and writes the line at once, so the lines of ranks sharing a
-/// terminal or a log do not cut into each other.
-macro_rules! say {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let line = format!("{}\n", format_args!($($arg)*));
-        let _ = std::io::stderr().write_all(line.as_bytes());
-    }};
-}
-
 /// Prints `err`'s one line (on stderr). Of several ranks, rank 0 speaks for the
 /// outcomes all share; another rank speaks only of its own failure, naming itself.
 fn print_error(err: &anyhow::Error, world: &World) {
     let rank = world.rank();
     if let (Some(stopped), true) = (err.downcast_ref::<InterruptedError>(), rank > 0) {
         // Each rank's step, so a log shows they stopped together.
-        say!("rank {rank}: interrupted at step {}", stopped.step);
+        tinygpt::errln!("rank {rank}: interrupted at step {}", stopped.step);
         return;
     }
     if world.size() > 1
@@ -786,18 +775,18 @@ fn print_error(err: &anyhow::Error, world: &World) {
         _ => format!("rank {rank}: "),
     };
     if let Some(user) = find_user_error(err) {
-        say!("{who}error: {user}");
+        tinygpt::errln!("{who}error: {user}");
     } else if let Some(fix) = tinygpt::error::out_of_storage(err) {
-        say!("{who}error: {err:#}: {fix}");
+        tinygpt::errln!("{who}error: {err:#}: {fix}");
     } else if let Some(stopped) = err.downcast_ref::<InterruptedError>() {
-        say!("{stopped}");
+        tinygpt::errln!("{stopped}");
     } else if err.chain().any(|e| e.downcast_ref::<Stopped>().is_some()) {
         // What was given up and what was kept, in one line.
-        say!("{who}{err:#}");
+        tinygpt::errln!("{who}{err:#}");
     } else if let Some(diverged) = err.downcast_ref::<DivergedError>() {
-        say!("error: {diverged}");
+        tinygpt::errln!("error: {diverged}");
     } else {
-        say!("{who}internal error: {err:#}");
+        tinygpt::errln!("{who}internal error: {err:#}");
     }
 }
 
@@ -881,7 +870,7 @@ fn usage_error(e: clap::Error) -> ExitCode {
     let line = config_key_flag(&e, &args)
         .or_else(|| negative_count(&e, &args))
         .unwrap_or_else(|| one_line(&e, &args));
-    eprintln!("error: {line}");
+    tinygpt::errln!("error: {line}");
     ExitCode::from(exit_code::USER as u8)
 }
 
@@ -1003,7 +992,7 @@ fn main() -> ExitCode {
         tinygpt::cpu::kernels::asks_ahead_from_env().map(|_| ()),
     ] {
         if let Err(message) = checked {
-            eprintln!("error: {message}");
+            tinygpt::errln!("error: {message}");
             return ExitCode::from(exit_code::USER as u8);
         }
     }

@@ -1098,7 +1098,8 @@ fn a_resume_names_changes_to_its_data_and_seed() {
         "note: the corpus is not the checkpoint's",
     ] {
         assert!(said.contains(note), "{note}: {said}");
-    }    assert!(!said.contains("changed since"), "{said}");
+    }
+    assert!(!said.contains("changed since"), "{said}");
     // The same path, edited in place (the same characters: the vocabulary holds).
     let text = std::fs::read_to_string(d.join("other.txt")).unwrap();
     std::fs::write(d.join("other.txt"), text.replace("question", "nobler")).unwrap();
@@ -1120,7 +1121,10 @@ fn a_resume_names_changes_to_its_data_and_seed() {
         said.contains("note: corpus other.txt changed since the checkpoint was written"),
         "{said}"
     );
-    assert!(!said.contains("the checkpoint's"), "only the edit is new: {said}");
+    assert!(
+        !said.contains("the checkpoint's"),
+        "only the edit is new: {said}"
+    );
 }
 
 /// Where stderr is a log (a pipe here), long data preparation writes its bar as a plain
@@ -1160,5 +1164,8 @@ fn data_preparation_speaks_in_a_log_when_it_lasts() {
         !told.contains('\r') && !told.contains('\u{1b}'),
         "no terminal codes in a log: {told:?}"
     );
-    assert!(told.contains("\nencoded 5.7 MB into"), "the closing line: {told}");
+    assert!(
+        told.contains("\nencoded 5.7 MB into"),
+        "the closing line: {told}"
+    );
 }

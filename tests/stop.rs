@@ -269,6 +269,56 @@ fn sigint_stops_generation_between_tokens() {
     assert!(err.contains("stopped by Ctrl-C"), "{err}");
 }
 
+/// `generate --json` stopped by Ctrl-C still prints what it drew (a record per sample,
+/// marked interrupted), then exits as a stop does.
+#[test]
+fn an_interrupted_json_generation_prints_its_samples() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    experiment(d);
+    let args = [
+        "generate",
+        "--checkpoint",
+        "checkpoints/r",
+        "--max-new-tokens",
+        "100000000",
+        "--prompt",
+        "Now",
+        "--num-samples",
+        "2",
+        "--json",
+    ];
+    let mut child = tinygpt(d, &args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read as it comes: the records of many tokens outgrow a pipe's buffer.
+    let mut stdout = child.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut out = String::new();
+        std::io::Read::read_to_string(&mut stdout, &mut out).unwrap();
+        out
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(child.try_wait().unwrap().is_none(), "still generating");
+    let (exit, err) = signal_and_wait(child, libc::SIGINT, Duration::from_secs(5));
+    assert_eq!(exit, 130, "{err}");
+    assert!(err.contains("stopped by Ctrl-C"), "{err}");
+    let out = reader.join().unwrap();
+    let records: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(records.len(), 2, "{out:.300}");
+    for r in &records {
+        assert_eq!(r["stats"]["stopped_by"], "interrupted", "{r:.300}");
+        let drawn = r["token_ids"].as_array().unwrap().len();
+        assert!(drawn > 0, "{r:.300}");
+        assert_eq!(r["stats"]["generated_tokens"], drawn);
+    }
+}
+
 /// A model whose checkpoint (weights and AdamW moments, ~130 MB) takes a while to write,
 /// saved after every step, so a signal lands in a write more often than not.
 fn big_checkpoints(dir: &Path) -> Vec<&'static str> {

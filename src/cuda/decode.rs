@@ -486,7 +486,7 @@ impl CudaDecoder {
         match &self.step {
             Some(step) if t == 1 => {
                 if let Err(e) = self.gpu.replay(step) {
-                    eprintln!("note: decoding launches each kernel (a replay failed: {e:#})");
+                    crate::errln!("note: decoding launches each kernel (a replay failed: {e:#})");
                     self.set_replays(false);
                     self.forward_kernels(self.batch * t, at, None)?;
                 }
@@ -515,7 +515,9 @@ impl CudaDecoder {
         {
             Ok(step) => Some(step),
             Err(e) => {
-                eprintln!("note: decoding launches each kernel (recording a step failed: {e:#})");
+                crate::errln!(
+                    "note: decoding launches each kernel (recording a step failed: {e:#})"
+                );
                 self.replays = false;
                 None
             }

@@ -795,7 +795,9 @@ impl FusedCuda {
         match self.gpu.record(|| work(self)) {
             Ok(recording) => Some(recording),
             Err(e) => {
-                eprintln!("note: training launches each kernel (recording a pass failed: {e:#})");
+                crate::errln!(
+                    "note: training launches each kernel (recording a pass failed: {e:#})"
+                );
                 self.graphs.off = true;
                 None
             }

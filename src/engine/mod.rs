@@ -61,7 +61,7 @@ pub fn build_replica(
     let emulated = false;
     let tf32_runs = device.is_cuda() || emulated;
     if options.tf32 && precision == crate::config::Precision::F32 && !tf32_runs {
-        eprintln!(
+        crate::errln!(
             "note: train.tf32 is for CUDA GPUs' tensor cores; on {} the products stay f32",
             crate::device::name(device)
         );
@@ -89,7 +89,7 @@ pub fn build_replica(
             // Counting the work (`TINYGPT_EMULATE_CUDA=costs`) runs nothing to check.
             let check = !crate::cuda::emulator_counts_only();
             if let Some(line) = check.then(|| cuda_failed(None)).transpose()?.flatten() {
-                eprintln!("{line}");
+                crate::errln!("{line}");
                 return reference("the fused CUDA code failed its first-use check");
             }
             let engine = crate::cuda::FusedCuda::emulated(spec, weights, batch, precision)?
@@ -105,7 +105,7 @@ pub fn build_replica(
         #[cfg(feature = "cuda")]
         Footprint::FusedCuda => {
             if let Some(line) = cuda_failed(Some(device))? {
-                eprintln!("{line}");
+                crate::errln!("{line}");
                 return reference("the fused CUDA code failed its first-use check");
             }
             let engine = crate::cuda::FusedCuda::new(spec, weights, device, batch, precision)?
@@ -118,7 +118,7 @@ pub fn build_replica(
         #[cfg(feature = "metal")]
         _ if device.is_metal() => {
             if let Some(line) = first_use_failure(Some(device))? {
-                eprintln!("{line}");
+                crate::errln!("{line}");
                 let kernels = FusedCpu::new(spec, weights, batch, precision)?;
                 return Ok(Box::new(fused_cpu::FusedCpuEngine::with_ranks(
                     kernels, comm,

@@ -292,7 +292,7 @@ fn gpu_passed(model: &Gpt) -> Result<bool> {
         match crate::engine::first_use_failure(Some(model.device()))? {
             None => true,
             Some(line) => {
-                eprintln!("{line}");
+                crate::errln!("{line}");
                 false
             }
         },

@@ -138,7 +138,14 @@ pub fn generate(
     let mut next = vec![0u32; batch];
     let mut active = vec![true; batch];
     for step in 0..options.max_new_tokens {
-        options.cancel.check()?;
+        // A stop ends the samples where they are: what was drawn is handed back
+        // (the caller shows it, then gives up as asked).
+        if options.cancel.signal().is_some() {
+            for row in rows.iter_mut().filter(|r| r.stopped_by.is_none()) {
+                row.stopped_by = Some("interrupted");
+            }
+            break;
+        }
         // The rows that stopped draw nothing.
         for (a, row) in active.iter_mut().zip(&rows) {
             *a = row.stopped_by.is_none();

@@ -53,7 +53,7 @@ impl Mpi {
             )));
         }
         if launcher.size.is_some_and(|n| n != size) {
-            eprintln!(
+            crate::errln!(
                 "warning: {} says {} ranks, MPI says {size}",
                 launcher.name,
                 launcher.size_name()

@@ -198,7 +198,7 @@ pub fn serve(options: ServeOptions, stop: Stop) -> Result<()> {
         Err(_) => {}
     }
     if let Some(ready) = state.ready.get() {
-        eprintln!(
+        crate::errln!(
             "serving {} ({:.2}M parameters, {} sequences at once, {}) at http://{bound}/  (OpenAI API under /v1; Ctrl-C stops)",
             state.model_id,
             ready.parameters as f64 / 1e6,
@@ -308,7 +308,7 @@ fn open(options: &ServeOptions) -> Result<Opened> {
         // line and the CPU decodes.
         #[cfg(feature = "cuda")]
         match crate::engine::first_use_failure(Some(&device))? {
-            Some(line) => eprintln!("{line}"),
+            Some(line) => crate::errln!("{line}"),
             None => {
                 let place = format!("CUDA {}", crate::device::name(&device));
                 return open_cuda(options, &place, |spec, values, batch, precision| {
