@@ -875,6 +875,45 @@ fn the_dashboard_reads_runs_as_they_grow() {
     );
     let grown: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(grown["records"][0]["step"], 99);
+    // Lines that are JSON but no record (a step that is not a whole number, an array)
+    // are skipped and counted, not handed to the charts; a blank line is neither.
+    let next = grown["next"].as_u64().unwrap();
+    file.write_all(b"{\"step\": \"x\", \"loss\": 2}\n[1, 2]\n\n{\"step\": 100, \"loss\": 1.4}\n")
+        .unwrap();
+    let (_, body) = get(
+        &server.url(&format!("/api/runs/exp/metrics?from={next}")),
+        &[],
+    );
+    let mixed: Value = serde_json::from_str(&body).unwrap();
+    let steps: Vec<&Value> = mixed["records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| &r["step"])
+        .collect();
+    assert_eq!(steps, [&Value::from(100)], "{body}");
+    assert_eq!(mixed["skipped"], 2, "{body}");
+    let (_, body) = get(&server.url("/api/runs"), &[]);
+    let listed: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(listed["runs"][0]["skipped_lines"], 2, "{body}");
+    // The file replaced by another (as `mv` or rsync does), longer than the offset the
+    // page holds: read from the start, and said so.
+    let file_id = mixed["file"].as_str().unwrap().to_string();
+    let next = mixed["next"].as_u64().unwrap();
+    let replacement = dir.path().join("replacement.jsonl");
+    let longer: String = (0..2000)
+        .map(|step| format!("{{\"step\": {step}, \"loss\": 3.0}}\n"))
+        .collect();
+    std::fs::write(&replacement, longer).unwrap();
+    std::fs::rename(&replacement, &metrics).unwrap();
+    let (_, body) = get(
+        &server.url(&format!("/api/runs/exp/metrics?from={next}&file={file_id}")),
+        &[],
+    );
+    let replaced: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(replaced["from"], 0, "{body:.300}");
+    assert_ne!(replaced["file"], file_id.as_str());
+    assert_eq!(replaced["records"][0]["step"], 0, "{body:.300}");
     // Paths outside the runs folder are not runs.
     let (status, _) = get(&server.url("/api/runs/..%2F..%2Fetc/metrics"), &[]);
     assert_eq!(status, 404);

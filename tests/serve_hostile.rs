@@ -274,7 +274,10 @@ fn the_dashboard_reads_hostile_runs_in_bounded_pieces() {
     let (status, body) = get(&server.url("/api/runs/folder/metrics?from=0"), &[]);
     assert_eq!(
         (status, body.as_str()),
-        (200, r#"{"next":0,"records":[],"skipped":0}"#)
+        (
+            200,
+            r#"{"file":"","from":0,"next":0,"records":[],"skipped":0}"#
+        )
     );
     // Links out of --runs, and hidden folders, are not runs.
     for path in [

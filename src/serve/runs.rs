@@ -126,7 +126,8 @@ fn run_folders(root: &Path, real: &Path) -> Vec<PathBuf> {
 pub struct Lines {
     /// Where the next read begins.
     pub next: u64,
-    /// Lines longer than [`LINE_MAX`], skipped.
+    /// Lines skipped: longer than [`LINE_MAX`] (and, counted by the callers, lines
+    /// that are not metrics records).
     pub skipped: u64,
     /// Whether `next` is inside such a line (the rest of it is skipped too).
     pub skipping: bool,
@@ -283,14 +284,21 @@ impl Summary {
             skipped,
             skipping,
         } = self.lines;
-        let read = read_lines(&mut file, next, u64::MAX, skipping, |line| {
-            if let Ok(record) = serde_json::from_str::<Value>(&String::from_utf8_lossy(line)) {
-                self.add(&record);
-            }
-        });
+        let mut not_records = 0;
+        let read = read_lines(
+            &mut file,
+            next,
+            u64::MAX,
+            skipping,
+            |line| match serde_json::from_str::<Value>(&String::from_utf8_lossy(line)) {
+                Ok(record) if is_record(&record) => self.add(&record),
+                _ if line.iter().all(u8::is_ascii_whitespace) => {}
+                _ => not_records += 1,
+            },
+        );
         if let Ok(lines) = read {
             self.lines = Lines {
-                skipped: skipped + lines.skipped,
+                skipped: skipped + lines.skipped + not_records,
                 ..lines
             };
         }
@@ -435,12 +443,39 @@ pub async fn list(State(state): State<Shared>) -> Result<Json<Value>, ApiError> 
 pub struct From {
     #[serde(default)]
     from: u64,
+    /// The `file` an earlier answer gave: another file under the name now (a run
+    /// replaced by `mv` or rsync) is read from its start.
+    #[serde(default)]
+    file: String,
 }
 
-/// `GET /api/runs/{name}/metrics?from=BYTES`: the records appended since byte `from`,
-/// where to ask from next, and how many lines were skipped (longer than [`LINE_MAX`]).
-/// Only whole lines are read, so a record being written is read next time; a run
-/// whose metrics.jsonl is missing or not a file has none yet.
+/// The identity of an open file, as the metrics feed names it (its device and inode;
+/// "" where the platform has none).
+fn file_identity(meta: &std::fs::Metadata) -> String {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        format!("{}-{}", meta.dev(), meta.ino())
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = meta;
+        String::new()
+    }
+}
+
+/// Whether `record` is a metrics record a chart can draw: an object whose `step` is a
+/// whole number (a hand-edited or foreign line may be any JSON at all).
+fn is_record(record: &Value) -> bool {
+    record.is_object() && record["step"].as_u64().is_some()
+}
+
+/// `GET /api/runs/{name}/metrics?from=BYTES&file=ID`: the records appended since byte
+/// `from` of file `file`, where they were read from (`from`, or 0 where the file shrank
+/// or is another now), the file's identity, where to ask from next, and how many lines
+/// were skipped (longer than [`LINE_MAX`], or not a record). Only whole lines are read,
+/// so a record being written is read next time; a run whose metrics.jsonl is missing
+/// or not a file has none yet.
 pub async fn metrics(
     State(state): State<Shared>,
     ApiPath(name): ApiPath<String>,
@@ -456,26 +491,37 @@ pub async fn metrics(
                 format!("run `{name}`'s {METRICS_FILE} leads out of --runs; refused"),
             ))
         }
-        None => return Ok(Json(json!({ "next": 0, "records": [], "skipped": 0 }))),
+        None => {
+            return Ok(Json(
+                json!({ "from": 0, "next": 0, "file": "", "records": [], "skipped": 0 }),
+            ))
+        }
     };
     let _turn = READING
         .acquire()
         .await
         .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping"))?;
-    let read = tokio::task::spawn_blocking(move || -> std::io::Result<(Lines, Vec<Value>)> {
+    type Read = (u64, String, Lines, Vec<Value>);
+    let read = tokio::task::spawn_blocking(move || -> std::io::Result<Read> {
         let mut file = match File::open(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Ok((Lines::default(), Vec::new()))
+                return Ok((0, String::new(), Lines::default(), Vec::new()))
             }
             Err(e) => return Err(e),
         };
         let meta = file.metadata()?;
         if !meta.is_file() {
-            return Ok((Lines::default(), Vec::new()));
+            return Ok((0, String::new(), Lines::default(), Vec::new()));
         }
-        // A run started over (the file shrank): read it from the start.
-        let from = if from.from > meta.len() { 0 } else { from.from };
+        // A run started over (the file shrank, or is another file): from the start.
+        let identity = file_identity(&meta);
+        let replaced = !from.file.is_empty() && from.file != identity;
+        let from = if from.from > meta.len() || replaced {
+            0
+        } else {
+            from.from
+        };
         // Inside a line (after one too long to read): the rest of it is skipped.
         let mut inside = false;
         if from > 0 {
@@ -485,12 +531,17 @@ pub async fn metrics(
             inside = byte[0] != b'\n';
         }
         let mut records = Vec::new();
-        let lines = read_lines(&mut file, from, LINE_MAX as u64, inside, |line| {
-            if let Ok(record) = serde_json::from_str(&String::from_utf8_lossy(line)) {
-                records.push(record);
+        let mut not_records = 0;
+        let mut lines = read_lines(&mut file, from, LINE_MAX as u64, inside, |line| {
+            match serde_json::from_str::<Value>(&String::from_utf8_lossy(line)) {
+                Ok(record) if is_record(&record) => records.push(record),
+                // A blank line is no record, and no mistake either.
+                _ if line.iter().all(u8::is_ascii_whitespace) => {}
+                _ => not_records += 1,
             }
         })?;
-        Ok((lines, records))
+        lines.skipped += not_records;
+        Ok((from, identity, lines, records))
     })
     .await
     .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}")))?
@@ -503,9 +554,14 @@ pub async fn metrics(
             ),
         )
     })?;
-    Ok(Json(
-        json!({ "next": read.0.next, "records": read.1, "skipped": read.0.skipped }),
-    ))
+    let (from, file, lines, records) = read;
+    Ok(Json(json!({
+        "from": from,
+        "next": lines.next,
+        "file": file,
+        "records": records,
+        "skipped": lines.skipped,
+    })))
 }
 
 /// A sample's prompt, and completions' sampling fields (checked as completions

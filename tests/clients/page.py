@@ -6,10 +6,12 @@ screenshots saved.
 
     python tests/clients/page.py http://127.0.0.1:PORT SCREENSHOT_DIR
 """
+import json
 import os
 import re
 import sys
 import time
+import urllib.request
 
 from playwright.sync_api import sync_playwright
 
@@ -71,6 +73,23 @@ with sync_playwright() as p:
     n, total, rate = int(found[1]), float(found[2]), int(found[3])
     assert rate <= max(n / 0.05, n / max(total - 0.005, 1e-3)) + 1, stats
     page.screenshot(path=os.path.join(shots, "playground.png"), full_page=True)
+
+    # A seed past 2^53 goes as its digits: the page's text is the API's for that seed
+    # (sent as a JavaScript number it was 2^53's), and 2^64 - 1 is taken.
+    for seed in ["9007199254740993", "18446744073709551615"]:
+        page.fill("#seed", seed)
+        page.fill("#max-tokens", "40")
+        page.click("#generate")
+        page.wait_for_function("document.getElementById('stats').textContent.includes('first token')", timeout=60000)
+        shown = page.inner_text("#output")
+        request = urllib.request.Request(
+            base + "/v1/completions",
+            data=('{"prompt": "To be", "max_tokens": 40, "temperature": 0.8, "top_p": 1, "top_k": 0, "seed": %s}' % seed).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        expected = json.load(urllib.request.urlopen(request))["choices"][0]["text"]
+        assert shown == "To be" + expected, (seed, shown, expected)
+        assert page.locator("#play-error").is_hidden(), page.inner_text("#play-error")
 
     # Runs: the table lists the runs, the loss chart has points and grows as the
     # training run in the other process logs more.

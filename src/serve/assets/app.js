@@ -14,11 +14,21 @@ keyInput.addEventListener("change", () => {
   start();
 });
 
+// What a failed fetch means to someone at the page (the browser says only "Failed to
+// fetch" or "network error").
+const UNREACHABLE = "the server does not answer (stopped, or the network is down): start it again; the page goes on once it answers";
+
 async function api(path, options = {}) {
   const headers = { ...(options.headers || {}) };
   if (keyInput.value) headers["Authorization"] = "Bearer " + keyInput.value;
   if (options.body) headers["Content-Type"] = "application/json";
-  const response = await fetch(path, { ...options, headers });
+  let response;
+  try {
+    response = await fetch(path, { ...options, headers });
+  } catch (err) {
+    if (err.name === "AbortError") throw err;
+    throw new Error(UNREACHABLE);
+  }
   if (response.status === 401) {
     keyInput.hidden = false;
     keyInput.focus();
@@ -27,6 +37,9 @@ async function api(path, options = {}) {
 }
 
 async function errorText(response) {
+  if (response.status === 401) {
+    return "this server asks for an API key: type it into the box at the top right";
+  }
   try {
     const body = await response.json();
     return (body.error && body.error.message) || response.statusText;
@@ -61,6 +74,34 @@ for (const [input, shown] of [["temperature", "temperature-value"], ["top-p", "t
 
 let streaming = null; // the AbortController of the stream in flight
 
+// The settings survive a reload (kept in this browser only).
+const SETTINGS = ["max-tokens", "temperature", "top-p", "top-k", "seed", "stop-strings"];
+for (const id of SETTINGS) {
+  const kept = localStorage.getItem("tinygpt-" + id);
+  if (kept !== null) $(id).value = kept;
+  $(id).addEventListener("change", () => localStorage.setItem("tinygpt-" + id, $(id).value));
+}
+$("temperature-value").textContent = $("temperature").value;
+$("top-p-value").textContent = $("top-p").value;
+
+// The request's JSON. A seed goes as the digits typed: a JavaScript number holds whole
+// numbers exactly only up to 2^53, and seeds run to 2^64 - 1.
+function requestBody(fields, seed) {
+  const json = JSON.stringify(fields);
+  return seed === null ? json : json.slice(0, -1) + `,"seed":${seed}}`;
+}
+
+// Moves the focus off a button about to be disabled (it would fall to the page's start).
+function handFocus(from, to) {
+  if (document.activeElement === from) to.focus();
+}
+
+function showError(message) {
+  const box = $("play-error");
+  box.textContent = message;
+  box.hidden = !message;
+}
+
 function unescapeStop(s) {
   return s.replace(/\\n/g, "\n").replace(/\\t/g, "\t");
 }
@@ -78,8 +119,21 @@ function decodeRate(tokens, first, last, totalSeconds) {
 }
 
 async function generate() {
+  // One stream at a time: Ctrl+Enter in the prompt is a second way in.
+  if (streaming) return;
   const output = $("output");
   const prompt = $("prompt").value;
+  const maxTokens = $("max-tokens").value === "" ? 200 : Number($("max-tokens").value);
+  const seed = $("seed").value.trim();
+  if (!(Number.isInteger(maxTokens) && maxTokens >= 1)) {
+    showError("Max tokens: give a whole number, 1 or more.");
+    return;
+  }
+  if (seed !== "" && !/^-?[0-9]+$/.test(seed)) {
+    showError("Seed: give a whole number, or leave it empty for a random one.");
+    return;
+  }
+  showError("");
   output.textContent = "";
   const promptSpan = document.createElement("span");
   promptSpan.className = "prompt-text";
@@ -89,17 +143,17 @@ async function generate() {
 
   const body = {
     prompt,
-    max_tokens: Number($("max-tokens").value) || 200,
+    max_tokens: maxTokens,
     temperature: Number($("temperature").value),
     top_p: Number($("top-p").value),
     top_k: Number($("top-k").value) || 0,
     stream: true,
     stream_options: { include_usage: true },
   };
-  if ($("seed").value !== "") body.seed = Number($("seed").value);
   if ($("stop-strings").value !== "") body.stop = [unescapeStop($("stop-strings").value)];
 
   streaming = new AbortController();
+  handFocus($("generate"), $("stop"));
   $("generate").disabled = true;
   $("stop").disabled = false;
   const started = performance.now();
@@ -110,7 +164,7 @@ async function generate() {
   stats.textContent = "waiting…";
   try {
     const response = await api("/v1/completions", {
-      method: "POST", body: JSON.stringify(body), signal: streaming.signal,
+      method: "POST", body: requestBody(body, seed === "" ? null : seed), signal: streaming.signal,
     });
     if (!response.ok) throw new Error(await errorText(response));
     const reader = response.body.getReader();
@@ -118,7 +172,14 @@ async function generate() {
     let buffer = "";
     let finish = null;
     for (;;) {
-      const { value, done } = await reader.read();
+      let read;
+      try {
+        read = await reader.read();
+      } catch (err) {
+        if (err.name === "AbortError") throw err;
+        throw new Error(UNREACHABLE);
+      }
+      const { value, done } = read;
       if (done) break;
       buffer += decoder.decode(value, { stream: true });
       let cut;
@@ -149,19 +210,21 @@ async function generate() {
     const total = (performance.now() - started) / 1000;
     const ttft = first === null ? "-" : ((first - started)).toFixed(0) + " ms";
     const rate = decodeRate(tokens, first, last, total);
-    stats.textContent = `${tokens} tokens in ${total.toFixed(2)} s · first token ${ttft} · ${rate.toFixed(0)} tokens/s · ${finish || "stopped"}`;
+    // "length" short of max_tokens: the server stopped and cut the reply short.
+    const why = finish === "length" && tokens < maxTokens ? "cut short: the server stopped" : finish || "stopped";
+    stats.textContent = `${tokens} tokens in ${total.toFixed(2)} s · first token ${ttft} · ${rate.toFixed(0)} tokens/s · ${why}`;
   } catch (err) {
     if (err.name !== "AbortError") {
-      const e = document.createElement("div");
-      e.className = "error";
-      e.textContent = String(err.message || err);
-      output.append(e);
+      // Beside the buttons, where it is seen (the output may run far below).
+      showError(String(err.message || err));
       stats.textContent = "";
     } else {
-      stats.textContent += " · stopped";
+      // Counted in chunks, and a chunk may carry several tokens: at least this many.
+      stats.textContent = `at least ${tokens} tokens · stopped`;
     }
   } finally {
     streaming = null;
+    handFocus($("stop"), $("generate"));
     $("generate").disabled = false;
     $("stop").disabled = true;
   }
@@ -260,10 +323,14 @@ function renderTable() {
     const box = document.createElement("input");
     box.type = "checkbox";
     box.checked = run.shown;
+    box.setAttribute("aria-label", "show " + name + " in the charts");
     box.addEventListener("change", () => { run.shown = box.checked; charts.redraw(); });
     const swatch = `<span class="swatch" style="background:${run.color}"></span>`;
+    const skipped = run.row.skipped_lines > 0
+      ? ` <span class="hint" title="lines that are not metrics records, or longer than the server reads">(${run.row.skipped_lines} line${run.row.skipped_lines === 1 ? "" : "s"} of metrics.jsonl skipped)</span>`
+      : "";
     const cells = [
-      "", `${swatch} ${escapeHtml(name)}`, settingsHtml(run.row.differs || []) || "–",
+      "", `${swatch} ${escapeHtml(name)}${skipped}`, settingsHtml(run.row.differs || []) || "–",
       String(run.row.steps), fmt(run.row.best_val_loss, 4), fmt(run.row.tokens_per_s, 0),
     ];
     const tds = cells.map((html, i) => {
@@ -294,6 +361,12 @@ function escapeHtml(s) {
   return s.replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[c]));
 }
 
+// The dashboard's trouble, in words above it (or nothing once it is gone).
+function runsTrouble(message) {
+  $("runs-down").textContent = message;
+  $("runs-down").hidden = !message;
+}
+
 async function refreshRuns() {
   const response = await api("/api/runs");
   if (response.status === 404) {
@@ -301,24 +374,45 @@ async function refreshRuns() {
     $("runs-body").hidden = true;
     return false;
   }
-  if (!response.ok) return true;
+  if (!response.ok) {
+    runsTrouble(await errorText(response));
+    return true;
+  }
+  runsTrouble("");
   const listed = await response.json();
+  const present = new Set(listed.runs.map((row) => row.run));
+  let removed = false;
+  for (const name of [...runs.keys()]) {
+    if (!present.has(name)) { runs.delete(name); removed = true; }
+  }
   for (const row of listed.runs) {
     const known = runs.get(row.run);
     if (known) known.row = row;
-    else runs.set(row.run, { row, color: COLORS[runs.size % COLORS.length], shown: true, next: 0, records: [] });
+    else runs.set(row.run, { row, color: COLORS[runs.size % COLORS.length], shown: true, next: 0, file: "", records: [] });
   }
   renderTable();
+  if (removed) charts.redraw();
   return true;
 }
 
 async function pollMetrics() {
   let grew = false;
-  for (const [name, run] of runs) {
-    const response = await api(`/api/runs/${encodeURIComponent(name)}/metrics?from=${run.next}`);
+  for (const [name, run] of [...runs]) {
+    const query = `from=${run.next}&file=${encodeURIComponent(run.file)}`;
+    const response = await api(`/api/runs/${encodeURIComponent(name)}/metrics?${query}`);
+    if (response.status === 404) {
+      // Deleted (or moved away) since it was listed: off the page.
+      runs.delete(name);
+      renderTable();
+      grew = true;
+      continue;
+    }
     if (!response.ok) continue;
     const got = await response.json();
-    const restarted = got.next < run.next;
+    // Read from elsewhere than asked: the file shrank, or is another file now (a run
+    // replaced by `mv` or rsync).
+    const restarted = got.from !== run.next;
+    run.file = got.file;
     if (restarted) {
       // The run started over: so do its curves and counts.
       run.records = [];
@@ -354,35 +448,61 @@ function countRecords(run, records) {
 let polling = null;
 async function watchRuns() {
   if (polling) return;
-  if (!(await refreshRuns())) return;
-  await pollMetrics();
+  try {
+    if (!(await refreshRuns())) return;
+    await pollMetrics();
+  } catch (err) {
+    runsTrouble(String(err.message || err));
+  }
   charts.redraw();
   let ticks = 0;
   polling = setInterval(async () => {
     ticks += 1;
-    if (ticks % 5 === 0) await refreshRuns();
-    await pollMetrics();
+    try {
+      if (ticks % 5 === 0) await refreshRuns();
+      await pollMetrics();
+    } catch (err) {
+      runsTrouble(String(err.message || err));
+    }
   }, 1000);
 }
 
-$("sample-go").addEventListener("click", async () => {
+async function sampleRun() {
+  const button = $("sample-go");
+  if (button.disabled) return; // one sample at a time
   const name = $("sample-run").value;
   const out = $("sample-text");
   if (!name) { out.textContent = "No run has a checkpoint yet."; return; }
   out.textContent = "sampling…";
+  button.disabled = true;
   const prompt = $("sample-prompt").value;
-  const response = await api(`/api/runs/${encodeURIComponent(name)}/sample`, {
-    method: "POST", body: JSON.stringify({ prompt, max_tokens: 300 }),
-  });
-  if (!response.ok) { out.textContent = await errorText(response); return; }
-  const sample = await response.json();
-  out.textContent = prompt + sample.text;
-});
+  try {
+    const response = await api(`/api/runs/${encodeURIComponent(name)}/sample`, {
+      method: "POST", body: JSON.stringify({ prompt, max_tokens: 300 }),
+    });
+    if (!response.ok) { out.textContent = await errorText(response); return; }
+    const sample = await response.json();
+    out.textContent = prompt + sample.text;
+  } catch (err) {
+    out.textContent = String(err.message || err);
+  } finally {
+    button.disabled = false;
+  }
+}
+$("sample-go").addEventListener("click", sampleRun);
+$("sample-prompt").addEventListener("keydown", (e) => { if (e.key === "Enter") sampleRun(); });
 
 // --- Start ---------------------------------------------------------------------------
 
 async function start() {
-  const response = await api("/props");
+  let response;
+  try {
+    response = await api("/props");
+  } catch (err) {
+    $("model").textContent = String(err.message || err);
+    setTimeout(start, 2000);
+    return;
+  }
   if (!response.ok) {
     $("model").textContent = await errorText(response);
     if (response.status === 503) setTimeout(start, 1000);
