@@ -302,11 +302,11 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
         writeln!(out)?;
         out.flush()?;
         tinygpt::errln!(
-            "[sample {}/{}] prompt {} tokens, generated {} tokens ({}), prefill {:.1} ms, decode {:.1} tokens/s, seed {}",
+            "[sample {}/{}] prompt {}, generated {} ({}), prefill {:.1} ms, decode {:.1} tokens/s, seed {}",
             i + 1,
             args.num_samples,
-            st.prompt_tokens,
-            st.generated_tokens,
+            count(st.prompt_tokens, "token"),
+            count(st.generated_tokens, "token"),
             st.stopped_by,
             st.prefill_ms,
             st.decode_tokens_per_s,

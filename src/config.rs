@@ -836,6 +836,7 @@ fn plain_words(message: &str) -> String {
     let message = WORDS.iter().fold(message.to_string(), |m, (serde, plain)| {
         m.replace(serde, plain)
     });
+    let message = with_suggestion(&message);
     // A value where a section goes (`run = 5`): serde names our struct.
     match message.find("expected struct ") {
         Some(at) => format!(
@@ -843,6 +844,38 @@ fn plain_words(message: &str) -> String {
             &message[..at]
         ),
         None => message,
+    }
+}
+
+/// "unknown field `n_layers`, expected one of `arch`, `n_layer`, ..." with "did you
+/// mean `n_layer`?" after the name, where one of the names is that close (a letter or
+/// two apart).
+fn with_suggestion(message: &str) -> String {
+    let Some(rest) = message
+        .strip_prefix("unknown field `")
+        .or_else(|| message.strip_prefix("unknown variant `"))
+    else {
+        return message.to_string();
+    };
+    let Some((given, expected)) = rest.split_once("`, expected one of ") else {
+        return message.to_string();
+    };
+    let closest = expected
+        .split(", ")
+        .map(|name| name.trim_matches('`'))
+        .map(|name| (strsim::damerau_levenshtein(given, name), name))
+        .filter(|&(distance, name)| distance <= 2 && distance < name.len())
+        .min();
+    match closest {
+        Some((_, name)) => {
+            let at = message.len() - rest.len() + given.len() + 1;
+            format!(
+                "{} (did you mean `{name}`?){}",
+                &message[..at],
+                &message[at..]
+            )
+        }
+        None => message.to_string(),
     }
 }
 
@@ -927,6 +960,16 @@ mod tests {
         }
         let e = err("", &["model.positions=[1,2]"]);
         assert!(e.contains("expected one of its names"), "{e}");
+        // A name a letter or two off is offered.
+        let e = err("", &["model.n_layers=2"]);
+        assert!(
+            e.contains("unknown field `n_layers` (did you mean `n_layer`?), expected one of"),
+            "{e}"
+        );
+        let e = err("[model]\npositions = \"rop\"\n", &[]);
+        assert!(e.contains("(did you mean `rope`?)"), "{e}");
+        let e = err("", &["model.zzzzzzzz=2"]);
+        assert!(!e.contains("did you mean"), "{e}");
     }
 
     #[test]

@@ -380,7 +380,8 @@ pub fn parse_age(text: &str) -> Result<Duration> {
         _ => 0,
     };
     match (number.parse::<u64>(), seconds) {
-        (Ok(n), s) if s > 0 => Ok(Duration::from_secs(n * s)),
+        // Longer than time has run: nothing is that old.
+        (Ok(n), s) if s > 0 => Ok(Duration::from_secs(n.saturating_mul(s))),
         _ => Err(user_error(format!(
             "--older-than {text:?}: give a number and a unit: 90m, 12h, 30d or 2w"
         ))),
@@ -474,6 +475,11 @@ mod tests {
         assert_eq!(parse_age("12h").unwrap(), Duration::from_secs(12 * 3600));
         assert_eq!(parse_age("2w").unwrap(), Duration::from_secs(14 * 86_400));
         assert!(parse_age("soon").is_err() && parse_age("5").is_err() && parse_age("d").is_err());
+        // Past u64's seconds: as long as can be (it wrapped to a short age once).
+        assert_eq!(
+            parse_age("99999999999999999d").unwrap(),
+            Duration::from_secs(u64::MAX)
+        );
         assert_eq!(span(90), "1 minute");
         assert_eq!(span(3 * 86_400 + 5), "3 days");
         assert_eq!(size(12_300_000), "12.3 MB");

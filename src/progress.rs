@@ -45,11 +45,15 @@ impl TerminalReporter {
 impl Reporter for TerminalReporter {
     fn started(&mut self, info: &RunInfo) {
         self.println(&format!(
-            "run {}: {:.2}M parameters, {} tokenizer ({} tokens), {} train / {} val tokens, {} tokens/step, device {}, {}",
+            "run {}: {:.2}M parameters, {} tokenizer ({} tokens{}), {} train / {} val tokens, {} tokens/step, device {}, {}",
             info.run_dir.display(),
             info.parameters as f64 / 1e6,
             info.tokenizer,
             info.vocab_size,
+            match info.model_vocab_size > info.vocab_size {
+                true => format!("; the model's {} rows are padded", info.model_vocab_size),
+                false => String::new(),
+            },
             info.train_tokens,
             info.val_tokens,
             info.tokens_per_step,

@@ -278,7 +278,8 @@ impl Trainer {
             parameters: self.engine.spec().len(),
             train_tokens: self.split.train.len(),
             val_tokens: self.split.val.len(),
-            vocab_size: self.config.model.vocab_size,
+            vocab_size: self.tokenizer.vocab_size(),
+            model_vocab_size: self.config.model.vocab_size,
             tokenizer: self.tokenizer.kind_name(),
             device: match (&self.device_choice, self.comm.size()) {
                 (Some(why), _) => format!("{} (auto: {why})", device::name(&self.device)),

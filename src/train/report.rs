@@ -26,7 +26,9 @@ pub struct RunInfo {
     pub parameters: usize,
     pub train_tokens: usize,
     pub val_tokens: usize,
+    /// The tokenizer's tokens, and the model's rows (more where padded to a multiple).
     pub vocab_size: usize,
+    pub model_vocab_size: usize,
     pub tokenizer: &'static str,
     pub device: String,
     pub engine: String,
