@@ -1169,3 +1169,47 @@ fn data_preparation_speaks_in_a_log_when_it_lasts() {
         "the closing line: {told}"
     );
 }
+
+/// A corpus folder's files are read whatever the case of their extension; what it
+/// holds that is not read is named in a note (a .csv or a subfolder would go unseen).
+#[test]
+fn a_corpus_folder_names_what_it_does_not_read() {
+    let dir = setup();
+    let d = dir.path();
+    let corpus = d.join("folder");
+    std::fs::create_dir_all(corpus.join("more")).unwrap();
+    let text = std::fs::read_to_string(d.join("corpus.txt")).unwrap();
+    std::fs::write(corpus.join("a.txt"), &text).unwrap();
+    std::fs::write(corpus.join("B.TXT"), &text).unwrap();
+    std::fs::write(corpus.join("notes.csv"), "x").unwrap();
+    std::fs::write(corpus.join(".hidden"), "x").unwrap();
+    let out = succeeds(
+        d,
+        &train_args(&[], &["data.corpus=folder", "run.name=folder"]),
+    );
+    let said = stderr(&out);
+    assert!(
+        said.contains("note: corpus folder folder also holds 2 entries not read")
+            && said.contains("more/, notes.csv"),
+        "{said}"
+    );
+    assert!(!said.contains(".hidden"), "{said}");
+    // Both texts read: twice the tokens of one (and the newline between documents).
+    let one = text.chars().count();
+    let found = corpus_tokens(&said);
+    assert_eq!(found, 2 * one + 1, "{said}");
+}
+
+/// The train + val token count of `train`'s first line.
+fn corpus_tokens(said: &str) -> usize {
+    let line = said.lines().find(|l| l.starts_with("run ")).unwrap();
+    let numbers: Vec<usize> = line
+        .split(", ")
+        .find(|part| part.ends_with(" val tokens"))
+        .unwrap()
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().unwrap())
+        .collect();
+    numbers.iter().sum()
+}

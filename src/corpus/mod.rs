@@ -49,7 +49,7 @@ pub enum Format {
 
 impl Format {
     fn of(path: &Path) -> Self {
-        match path.extension().and_then(|e| e.to_str()) {
+        match extension(path).as_deref() {
             Some("jsonl") => Self::Jsonl,
             Some("parquet") => Self::Parquet,
             Some("bin") => Self::Tokens,
@@ -57,13 +57,20 @@ impl Format {
         }
     }
 
-    /// Whether a folder's file of this name is part of the corpus.
+    /// Whether a folder's file of this name is part of the corpus (`.TXT` as `.txt`).
     fn listed(path: &Path) -> bool {
         matches!(
-            path.extension().and_then(|e| e.to_str()),
+            extension(path).as_deref(),
             Some("txt" | "jsonl" | "parquet" | "bin")
         )
     }
+}
+
+/// `path`'s extension in lower case.
+fn extension(path: &Path) -> Option<String> {
+    path.extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase)
 }
 
 /// One file of the corpus, as it was when the corpus was opened.
@@ -81,6 +88,9 @@ pub struct CorpusFile {
 pub struct Corpus {
     pub path: PathBuf,
     pub files: Vec<CorpusFile>,
+    /// What a corpus folder holds that is not read: other kinds of file, folders, links
+    /// that lead nowhere (hidden names aside). Training names them in a note.
+    pub skipped: Vec<PathBuf>,
     text_field: String,
 }
 
@@ -149,8 +159,9 @@ impl Corpus {
                 }
             ))
         })?;
+        let mut skipped = Vec::new();
         let paths: Vec<PathBuf> = if meta.is_dir() {
-            let mut paths: Vec<PathBuf> = fs::read_dir(path)
+            let entries: Vec<PathBuf> = fs::read_dir(path)
                 .map_err(|e| {
                     user_error(format!(
                         "corpus folder {}: cannot list it ({e}); give this user read access, or set data.corpus to another",
@@ -158,9 +169,14 @@ impl Corpus {
                     ))
                 })?
                 .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.is_file() && Format::listed(p))
+                .filter(|p| !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')))
                 .collect();
+            let (mut paths, mut others): (Vec<PathBuf>, Vec<PathBuf>) = entries
+                .into_iter()
+                .partition(|p| p.is_file() && Format::listed(p));
             paths.sort();
+            others.sort();
+            skipped = others;
             if paths.is_empty() {
                 user_bail!(
                     "corpus folder {} has no .txt, .jsonl, .parquet or .bin files; put the training data there",
@@ -197,6 +213,7 @@ impl Corpus {
         // A folder of token files may hold the text they came from too (nanoGPT's
         // data/shakespeare_char has input.txt beside train.bin): the ids are the corpus.
         if meta.is_dir() && files.iter().any(|f| f.format == Format::Tokens) {
+            // Left out on purpose, so not named as skipped either.
             files.retain(|f| f.format == Format::Tokens);
         }
         if files.iter().all(|f| f.bytes == 0) {
@@ -208,6 +225,7 @@ impl Corpus {
         Ok(Self {
             path: path.to_path_buf(),
             files,
+            skipped,
             text_field: text_field.to_string(),
         })
     }

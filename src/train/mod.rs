@@ -79,6 +79,8 @@ pub struct Trainer {
     cache: Option<CorpusCache>,
     /// The corpus's fingerprint as the state keeps it ([`TrainState::corpus_fingerprint`]).
     corpus_fingerprint: String,
+    /// What the corpus folder holds that is not read ([`Corpus::skipped`]).
+    corpus_skipped: Vec<std::path::PathBuf>,
 }
 
 /// What rank 0 prepares before the others start: the config resolved, the data split,
@@ -96,6 +98,8 @@ struct Prepared {
     cache: Option<CorpusCache>,
     /// The corpus's fingerprint, as [`TrainState::corpus_fingerprint`] keeps it.
     corpus_fingerprint: String,
+    /// What the corpus folder holds that is not read.
+    corpus_skipped: Vec<std::path::PathBuf>,
     /// A resumed run's training settings as saved (the schedule it followed).
     saved_train: Option<TrainConfig>,
 }
@@ -267,6 +271,7 @@ impl Trainer {
             _lock: p.lock,
             cache: None,
             corpus_fingerprint: p.corpus_fingerprint,
+            corpus_skipped: p.corpus_skipped,
         })
     }
 
@@ -608,6 +613,9 @@ impl Trainer {
     pub fn run(&mut self, reporter: &mut dyn Reporter) -> Result<TrainSummary> {
         let cfg = self.config.train.clone();
         reporter.started(&self.info());
+        if let Some(note) = skipped_note(&self.config.data.corpus, &self.corpus_skipped) {
+            reporter.note(&note);
+        }
         let (start, end) = (self.state.step, cfg.max_iters);
         if cfg.warmup_iters > end && start < end && cfg.lr > 0.0 {
             // The rate still rising when training ends: the loss barely moves, and
@@ -932,6 +940,7 @@ fn prepare(config: Config, start: &Start, stop: &Stop, comm: &dyn Collective) ->
             format!("{:?}", config.data.fingerprint).to_lowercase(),
             cache.fingerprint()
         ),
+        corpus_skipped: corpus.skipped.clone(),
         cache: (!corpus.is_tokenized()).then_some(cache),
         config,
         tokenizer: origin.tokenizer,
@@ -1022,6 +1031,40 @@ fn load_split(
         );
     }
     Split::new(tokens, data.val_fraction, block, &data.corpus)
+}
+
+/// The note naming what corpus folder `corpus` holds that training does not read: a
+/// `.csv` or a subfolder left there by mistake would otherwise go unseen.
+fn skipped_note(corpus: &std::path::Path, skipped: &[std::path::PathBuf]) -> Option<String> {
+    if skipped.is_empty() {
+        return None;
+    }
+    let mut names: Vec<String> = skipped
+        .iter()
+        .take(4)
+        .map(|p| {
+            let name = p
+                .file_name()
+                .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+            match (p.is_dir(), p.exists()) {
+                (true, _) => format!("{name}/"),
+                (false, false) => format!("{name} (a link to nothing)"),
+                _ => name,
+            }
+        })
+        .collect();
+    if skipped.len() > 4 {
+        names.push(format!("and {} more", skipped.len() - 4));
+    }
+    Some(format!(
+        "note: corpus folder {} also holds {} not read (only .txt, .jsonl, .parquet and .bin files directly in it are): {}",
+        corpus.display(),
+        match skipped.len() {
+            1 => "1 entry".to_string(),
+            n => format!("{n} entries"),
+        },
+        names.join(", ")
+    ))
 }
 
 #[cfg(test)]
