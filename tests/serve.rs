@@ -811,9 +811,9 @@ fn sigterm_ends_streams_with_a_finish_reason_and_exits_143() {
         assert!(Instant::now() < deadline, "the stream never started");
         std::thread::sleep(Duration::from_millis(10));
     }
-    // A second stream waits for the only slot: its response (200, an event stream) has
-    // begun, so the stop reaches it as an error chunk.
-    let queued = std::thread::spawn(move || stream(&url, &long));
+    // A second stream waits for the only slot: its status waits for its first text,
+    // so the stop reaches it as a 503, not as a 200 with an error inside.
+    let queued = std::thread::spawn(move || post(&url, &long.to_string()));
     while !get(&server.url("/metrics"), &[])
         .1
         .contains("tinygpt_requests_queued 1")
@@ -825,9 +825,8 @@ fn sigterm_ends_streams_with_a_finish_reason_and_exits_143() {
     server.signal(libc::SIGTERM);
     let events = running.join().unwrap();
     let (_, finishes, _) = streamed_text(&events, 1);
-    let queued_events = queued.join().unwrap();
-    assert_eq!(queued_events.len(), 1, "{queued_events:?}");
-    let error: Value = serde_json::from_str(&queued_events[0]).unwrap();
+    let (status, error) = queued.join().unwrap();
+    assert_eq!(status, 503, "{error}");
     assert_eq!(error["error"]["type"], "unavailable_error", "{error}");
     assert_eq!(finishes[0], "length");
     let code = server.wait(Duration::from_secs(10));

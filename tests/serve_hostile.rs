@@ -519,6 +519,46 @@ fn unknown_and_unsupported_fields_are_refused_by_name() {
             "{body}: {error}"
         );
     }
+    // Our own types' names never reach a client ("expected struct StreamOptions").
+    for (at, body, param, told) in [
+        (
+            &url,
+            "[]",
+            None,
+            "the request body is a list; send a JSON object",
+        ),
+        (&url, r#""To""#, None, "the request body is a string"),
+        (&chat, "null", None, "the request body is null"),
+        (&chat, "{}", Some("messages"), "messages is required"),
+        (
+            &chat,
+            r#"{"messages": [5]}"#,
+            Some("messages[0]"),
+            "the whole number `5`, expected an object",
+        ),
+        (
+            &chat,
+            r#"{"messages": "To"}"#,
+            Some("messages"),
+            "expected a list",
+        ),
+        (
+            &url,
+            r#"{"prompt": "To", "stream_options": 5}"#,
+            Some("stream_options"),
+            "expected an object",
+        ),
+    ] {
+        let (status, error) = post_with(at, body, &key);
+        assert_eq!(status, 400, "{body}: {error}");
+        assert_eq!(error["error"]["param"].as_str(), param, "{body}: {error}");
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(message.contains(told), "{body}: {error}");
+        assert!(
+            !message.contains("struct") && !message.contains("Fields"),
+            "{body}: {error}"
+        );
+    }
     let (_, error) = post_with(&url, r#"{"prompt": "To", "temprature": 0.5}"#, &key);
     assert!(
         error["error"]["message"]

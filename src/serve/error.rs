@@ -182,7 +182,7 @@ pub fn check_fields(body: &Value, lists: &[&[&str]]) -> Result<(), ApiError> {
             .map(|(_, ours)| ours);
         let hint = allowed
             .iter()
-            .map(|name| (edit_distance(key, name), name))
+            .map(|name| (strsim::damerau_levenshtein(key, name), name))
             .filter(|&(d, name)| d <= 2.max(name.len() / 3))
             .min()
             .map(|(_, name)| name)
@@ -191,24 +191,6 @@ pub fn check_fields(body: &Value, lists: &[&[&str]]) -> Result<(), ApiError> {
         return Err(ApiError::invalid(format!("unknown field `{key}`{hint}")).with_param(key));
     }
     Ok(())
-}
-
-/// Levenshtein's distance between two field names.
-fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut row: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut diagonal = row[0];
-        row[0] = i + 1;
-        for (j, &cb) in b.iter().enumerate() {
-            let above = row[j + 1];
-            row[j + 1] = (above + 1)
-                .min(row[j] + 1)
-                .min(diagonal + usize::from(ca != cb));
-            diagonal = above;
-        }
-    }
-    row[b.len()]
 }
 
 /// `Json`, its rejections (bad JSON, wrong types, too large, wrong content type, a
@@ -242,6 +224,13 @@ impl<S: Send + Sync, T: DeserializeOwned + Fields> FromRequest<S> for ApiJson<T>
                 return Err(ApiError::new(status, rejection.body_text()));
             }
         };
+        if !value.is_object() {
+            // serde would name our struct ("expected struct SamplingFields").
+            return Err(ApiError::invalid(format!(
+                "the request body is {}; send a JSON object of the request's fields ({{\"prompt\": ...}} or {{\"messages\": [...]}})",
+                json_kind(&value)
+            )));
+        }
         check_fields(&value, T::FIELDS)?;
         match serde_path_to_error::deserialize::<_, T>(&value) {
             Ok(request) => Ok(ApiJson(request)),
@@ -252,6 +241,12 @@ impl<S: Send + Sync, T: DeserializeOwned + Fields> FromRequest<S> for ApiJson<T>
                 };
                 let why = in_words(&e.inner().to_string());
                 Err(match e.path().iter().next() {
+                    // A field the request must have: named as the param, as OpenAI does.
+                    None if why.starts_with("missing field `") => {
+                        let field = why.split('`').nth(1).unwrap_or_default();
+                        ApiError::invalid(format!("{field} is required; this request has none"))
+                            .with_param(field)
+                    }
                     None => ApiError::invalid(format!("the request body does not fit: {why}")),
                     Some(_) => {
                         let field = e.path().to_string();
@@ -264,19 +259,47 @@ impl<S: Send + Sync, T: DeserializeOwned + Fields> FromRequest<S> for ApiJson<T>
 }
 
 /// serde's words for JSON's types, as a client writes them: `expected i64` is
-/// `expected a whole number`.
+/// `expected a whole number`, `expected struct Message` is `expected an object`.
 fn in_words(serde_says: &str) -> String {
-    [
+    let text = [
         ("expected i64", "expected a whole number"),
         ("expected u64", "expected a whole number from 0"),
         ("expected u32", "expected a whole number from 0"),
         ("expected f64", "expected a number"),
         ("expected a boolean", "expected true or false"),
+        ("expected a sequence", "expected a list"),
+        ("expected a map", "expected an object"),
+        ("invalid type: sequence", "invalid type: a list"),
+        ("invalid type: map", "invalid type: an object"),
+        ("floating point `", "the decimal number `"),
+        ("integer `", "the whole number `"),
     ]
     .iter()
     .fold(serde_says.to_string(), |text, (from, to)| {
         text.replace(from, to)
-    })
+    });
+    // Our structs' names mean nothing to a client: "expected struct StreamOptions".
+    match text.find("expected struct ") {
+        Some(at) => {
+            let name_end = text[at + "expected struct ".len()..]
+                .find(|c: char| !c.is_alphanumeric() && c != '_')
+                .map_or(text.len(), |end| at + "expected struct ".len() + end);
+            format!("{}expected an object{}", &text[..at], &text[name_end..])
+        }
+        None => text,
+    }
+}
+
+/// What a JSON value is, in a client's words.
+fn json_kind(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "true or false",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
 }
 
 /// `Path`, its rejections (a segment that is not UTF-8, ...) as OpenAI-shaped 400s.

@@ -746,12 +746,28 @@ impl Reply {
         self.echoes.get(i / self.n).map_or("", String::as_str)
     }
 
-    async fn respond(self, stream: bool) -> Response {
+    async fn respond(mut self, stream: bool) -> Response {
         let logged = Logged(Arc::clone(&self.logged));
         let mut response = if stream {
-            axum::response::sse::Sse::new(self.into_stream())
-                .keep_alive(KeepAlive::default())
-                .into_response()
+            // The status waits for the request's first event (its first text, after
+            // its turn in the queue and its prompt): a request that never began (the
+            // server stopping while it queued, a prompt the decoder failed on) is
+            // answered with its error's status, not a 200 with the error inside.
+            match self.events.recv().await {
+                Some(Event::Failed { status, message }) => {
+                    let status =
+                        StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+                    ApiError::new(status, message).into_response()
+                }
+                None => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping")
+                    .into_response(),
+                Some(first) => {
+                    self.held = Some(first);
+                    axum::response::sse::Sse::new(self.into_stream())
+                        .keep_alive(KeepAlive::default())
+                        .into_response()
+                }
+            }
         } else {
             match self.whole().await {
                 Ok(body) => Json(body).into_response(),
@@ -987,7 +1003,10 @@ impl Reply {
         let opening = self.opening();
         let rest = stream::unfold(Some(self), |reply| async move {
             let mut reply = reply?;
-            let event = reply.events.recv().await;
+            let event = match reply.held.take() {
+                Some(held) => Some(held),
+                None => reply.events.recv().await,
+            };
             // Text that piled up while the client read (a busy server outruns its
             // clients) goes out as one chunk per choice: fewer events to write and parse.
             let event = match event {
