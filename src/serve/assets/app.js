@@ -240,6 +240,18 @@ $("prompt").addEventListener("keydown", (e) => {
 
 const runs = new Map(); // name -> { row, color, shown, next, records }
 
+// A color no listed run has: the palette's first, then hues a golden angle apart (a
+// ninth run took the first's color, and so did a run listed after a deletion).
+function freeColor() {
+  const used = new Set([...runs.values()].map((r) => r.color));
+  const free = COLORS.find((c) => !used.has(c));
+  if (free) return free;
+  for (let i = 0; ; i++) {
+    const color = `hsl(${Math.round((i * 137.508 + 20) % 360)}, 60%, 42%)`;
+    if (!used.has(color)) return color;
+  }
+}
+
 function chartSeries(field, dashed) {
   return [...runs.entries()].filter(([, r]) => r.shown).map(([name, r]) => ({
     label: name + (dashed ? " val" : " train"),
@@ -274,7 +286,9 @@ class Charts {
     const data = uPlot.join(tables);
     const opts = {
       width, height,
-      legend: { show: id === "chart-loss" },
+      // Past a few runs the legend outgrows the chart; the runs table's swatches name
+      // the colors (train solid, val dashed) and its checkboxes pick the runs shown.
+      legend: { show: id === "chart-loss" && nonEmpty.length <= 8 },
       scales: { x: { time: false } },
       axes: [{ label: "step" }, { size: 64, values: Charts.tick(ticks) }],
       series: [{ label: "step" }, ...nonEmpty.map((s) => ({
@@ -388,7 +402,7 @@ async function refreshRuns() {
   for (const row of listed.runs) {
     const known = runs.get(row.run);
     if (known) known.row = row;
-    else runs.set(row.run, { row, color: COLORS[runs.size % COLORS.length], shown: true, next: 0, file: "", records: [] });
+    else runs.set(row.run, { row, color: freeColor(), shown: true, next: 0, file: "", records: [] });
   }
   renderTable();
   if (removed) charts.redraw();
