@@ -179,6 +179,34 @@ fn a_run_started_to_ignore_sighup_goes_on() {
     assert_eq!(exit, 143, "{err}");
 }
 
+/// A stop between log lines still logs the steps it saves: metrics.jsonl reaches the
+/// checkpoint's step (a curve, `compare` and the dashboard ended at the last line's).
+#[test]
+fn a_stop_between_log_lines_logs_the_steps_it_saves() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    experiment(d);
+    let run = d.join("checkpoints/r");
+    let long = train_args(
+        &["--resume"],
+        &[
+            "train.max_iters=100000000",
+            "train.log_interval=100000000",
+            "train.eval_interval=100000000",
+            "train.checkpoint_interval=100000000",
+        ],
+    );
+    let child = tinygpt(d, &long).stderr(Stdio::piped()).spawn().unwrap();
+    std::thread::sleep(Duration::from_secs(2)); // steps trained, none logged
+    let (exit, err) = signal_and_wait(child, libc::SIGTERM, Duration::from_secs(10));
+    assert_eq!(exit, 143, "{err}");
+    let loaded = tinygpt::checkpoint::Loaded::load(&run, &candle_core::Device::Cpu).unwrap();
+    let step = loaded.state.step as u64;
+    assert!(step > 2, "no step trained in 2 s: {err}");
+    assert!(metrics_has(&run, step, "loss"), "{err}");
+    assert!(!metrics_has(&run, step, "val_loss"), "{err}");
+}
+
 #[test]
 fn sigint_stops_a_long_evaluation_within_seconds() {
     stop_a_long_evaluation(libc::SIGINT, 130);

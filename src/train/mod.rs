@@ -543,6 +543,15 @@ impl Trainer {
         }
     }
 
+    /// Appends the loss and tokens/s of the steps read up to `step` (the last at
+    /// rate `lr`) to metrics.jsonl.
+    fn log_measured(&self, step: usize, lr: f64, elapsed_s: f64, m: &Measured) -> Result<()> {
+        self.log_metrics(&json!({
+            "step": step, "loss": m.loss, "lr": lr, "grad_norm": m.grad_norm,
+            "tokens_per_s": m.tokens_per_s, "elapsed_s": elapsed_s,
+        }))
+    }
+
     /// Evaluates, records the losses in the state and metrics.jsonl, and reports.
     fn evaluate_and_log(&mut self, reporter: &mut dyn Reporter) -> Result<()> {
         let e = self.evaluate_reporting(reporter)?;
@@ -707,11 +716,7 @@ impl Trainer {
             let log = self.train_step().map_err(|e| self.explain(e))?;
             step = log.step;
             if let Some(m) = &log.measured {
-                // The loss and tokens/s of the steps since the last line.
-                self.log_metrics(&json!({
-                    "step": log.step, "loss": m.loss, "lr": log.lr, "grad_norm": m.grad_norm,
-                    "tokens_per_s": m.tokens_per_s, "elapsed_s": log.elapsed_s,
-                }))?;
+                self.log_measured(log.step, log.lr, log.elapsed_s, m)?;
             }
             reporter.step(&log);
             // A stop asked of any rank during this step (or its report) stops all here.
@@ -796,8 +801,14 @@ impl Trainer {
         reporter: &mut dyn Reporter,
     ) -> Result<anyhow::Error> {
         if save {
-            // Steps the signal arrived too late to read: checked before they are kept.
-            self.read()?;
+            // Steps the signal arrived too late to read: checked before they are kept,
+            // and logged, so that the metrics reach the checkpoint's step (a curve or
+            // `compare` would end at the last log_interval's).
+            if let Some(m) = self.read()? {
+                let step = self.state.step;
+                let lr = learning_rate(step - 1, &self.config.train);
+                self.log_measured(step, lr, self.elapsed_s(), &m)?;
+            }
             reporter.saving();
             self.save()?;
         }
