@@ -371,11 +371,14 @@ impl ModelConfig {
         if !(m.rope_theta.is_finite() && m.rope_theta > 1.0) {
             user_bail!(
                 "config: model.rope_theta = {} must be a number above 1 (10000 is usual)",
-                m.rope_theta
+                Num(m.rope_theta)
             );
         }
         if !(0.0..1.0).contains(&m.dropout) {
-            user_bail!("config: model.dropout = {} must be in [0, 1)", m.dropout);
+            user_bail!(
+                "config: model.dropout = {} must be in [0, 1)",
+                Num(m.dropout)
+            );
         }
         if m.arch != Arch::Custom {
             let preset = toml::Table::try_from(m).expect("a ModelConfig serialises");
@@ -671,39 +674,42 @@ impl Config {
         if !(self.data.val_fraction > 0.0 && self.data.val_fraction < 1.0) {
             user_bail!(
                 "config: data.val_fraction = {} must be strictly between 0 and 1",
-                self.data.val_fraction
+                Num(self.data.val_fraction)
             );
         }
         for (name, value) in [("train.lr", t.lr), ("train.min_lr", t.min_lr)] {
             if !(value.is_finite() && value >= 0.0) {
-                user_bail!("config: {name} = {value} must be a non-negative number");
+                user_bail!(
+                    "config: {name} = {} must be a non-negative number",
+                    Num(value)
+                );
             }
         }
         if t.min_lr > t.lr {
             user_bail!(
                 "config: train.min_lr = {} is above train.lr = {}; the schedule decays from lr down to min_lr",
-                t.min_lr,
-                t.lr
+                Num(t.min_lr),
+                Num(t.lr)
             );
         }
         for (name, value) in [("train.beta1", t.beta1), ("train.beta2", t.beta2)] {
             if !(0.0..1.0).contains(&value) {
-                user_bail!("config: {name} = {value} must be in [0, 1)");
+                user_bail!("config: {name} = {} must be in [0, 1)", Num(value));
             }
         }
         if !(t.eps.is_finite() && t.eps > 0.0) {
-            user_bail!("config: train.eps = {} must be positive", t.eps);
+            user_bail!("config: train.eps = {} must be positive", Num(t.eps));
         }
         if !(t.weight_decay.is_finite() && t.weight_decay >= 0.0) {
             user_bail!(
                 "config: train.weight_decay = {} must be a non-negative number",
-                t.weight_decay
+                Num(t.weight_decay)
             );
         }
         if !(t.grad_clip.is_finite() && t.grad_clip >= 0.0) {
             user_bail!(
                 "config: train.grad_clip = {} must be >= 0 (0 disables clipping)",
-                t.grad_clip
+                Num(t.grad_clip)
             );
         }
         // An explicit decay shorter than the warmup is a contradiction; a short run
@@ -808,6 +814,21 @@ pub fn key_named(key: &str) -> Option<String> {
     match (found.next(), found.next()) {
         (Some(one), None) => Some(one),
         _ => None,
+    }
+}
+
+/// A setting's number as a message shows it: as written where that is short, with an
+/// exponent where it is tiny or huge (`1e-320`, not 320 digits).
+struct Num(f64);
+
+impl std::fmt::Display for Num {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        let magnitude = self.0.abs();
+        if magnitude == 0.0 || !magnitude.is_finite() || (1e-4..1e16).contains(&magnitude) {
+            write!(f, "{}", self.0)
+        } else {
+            write!(f, "{:e}", self.0)
+        }
     }
 }
 
@@ -1026,6 +1047,12 @@ mod tests {
             (&["tokenizer.vocab_size=100"], "tokenizer.vocab_size"),
             (&["data.val_fraction=0"], "val_fraction"),
             (&["train.min_lr=1", "train.lr=0.1"], "min_lr"),
+            // Tiny numbers shown as written, not as 320 digits.
+            (
+                &["train.lr=1e-320"],
+                "train.min_lr = 0.0001 is above train.lr = 1e-320;",
+            ),
+            (&["train.weight_decay=-1e30"], "weight_decay = -1e30 must"),
             (&["train.beta2=1.0"], "beta2"),
             (&["train.eps=0"], "train.eps"),
             (&["train.grad_clip=-1"], "grad_clip"),
