@@ -787,10 +787,17 @@ pub fn import(args: ImportArgs) -> Result<()> {
 pub fn plot(args: PlotArgs) -> Result<()> {
     let metrics = args.checkpoint.join(tinygpt::checkpoint::METRICS_FILE);
     if !metrics.is_file() {
-        user_bail!(
-            "{} has no metrics.jsonl; is it a run folder?",
-            args.checkpoint.display()
-        );
+        let dir = args.checkpoint.display();
+        if args
+            .checkpoint
+            .join(tinygpt::checkpoint::STATE_FILE)
+            .is_file()
+        {
+            user_bail!(
+                "{dir} holds a checkpoint but no metrics.jsonl (removed?), so no curve can be drawn; `tinygpt info --checkpoint {dir}` shows its last losses"
+            );
+        }
+        user_bail!("{dir} has no metrics.jsonl; is it a run folder?");
     }
     let out = args.out.unwrap_or_else(|| args.checkpoint.join("loss.png"));
     check_output_file("--out", &out, tinygpt::plot::PICTURE_EXTENSIONS)?;
@@ -861,13 +868,17 @@ pub fn sweep(args: SweepArgs, stop: tinygpt::util::Stop) -> Result<()> {
     // What exists is compared, finished or not, before an interruption is reported.
     let runs = sweep::existing_runs(&points);
     if !runs.is_empty() {
-        // sweep-<config>.png: a glob of the runs (<config>-*) passes it by.
-        let base = points[0].config.run.out_dir.join(format!(
-            "sweep-{}.png",
-            args.config
-                .file_stem()
-                .map_or("runs".into(), |s| s.to_string_lossy())
-        ));
+        // sweep-<run.name>.png, after the name the runs' names start with (two sweeps
+        // of one config under other names keep their own); a glob of the runs
+        // (<run.name>-*) passes it by.
+        let name = tinygpt::config::Config::load(&args.config, &args.overrides)?
+            .run
+            .name;
+        let base = points[0]
+            .config
+            .run
+            .out_dir
+            .join(format!("sweep-{name}.png"));
         report_comparison(&runs, Some(&base), args.x, args.json)?;
     }
     result.map(|_| ())
@@ -940,6 +951,10 @@ fn expand_runs(args: &[std::path::PathBuf]) -> Result<Vec<std::path::PathBuf>> {
     if runs.is_empty() {
         user_bail!("no run folder among the paths given; pass folders under checkpoints/");
     }
+    // One run named twice (`r`, `r/`, `./r`, or a folder and a glob over it) is shown
+    // once.
+    let mut seen = std::collections::HashSet::new();
+    runs.retain(|run| seen.insert(run.canonicalize().unwrap_or_else(|_| run.clone())));
     Ok(runs)
 }
 
@@ -954,6 +969,12 @@ fn report_comparison(
     use tinygpt::compare::{self, XAxis};
     let runs = compare::read_runs(dirs)?;
     let rows = compare::rows(&runs);
+    for damaged in runs.iter().filter_map(|r| r.config_error.as_ref()) {
+        tinygpt::errln!("note: {damaged}");
+    }
+    if let Some(note) = compare::tokenizers_note(&runs) {
+        tinygpt::errln!("{note}");
+    }
     if as_json {
         outln!("{}", serde_json::to_string_pretty(&rows)?)?;
     } else {

@@ -12,7 +12,6 @@ use anyhow::Result;
 use serde::Serialize;
 
 use crate::config::Config;
-use crate::error::user_error;
 use crate::model::ModelSpec;
 use crate::plot::Curves;
 use crate::user_bail;
@@ -33,12 +32,21 @@ pub struct Run {
     pub elapsed: Vec<(f64, f64)>,
     /// tokens/s of each logged training step.
     pub tokens_per_s: Vec<f64>,
+    /// The step of its checkpoint (state.json), if it has one.
+    pub checkpoint_step: Option<usize>,
+    /// Why its config.toml could not be read, where it could not.
+    pub config_error: Option<String>,
 }
 
 /// A row of the comparison table.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Row {
+    /// The run folder's name (its path where two runs share a name).
     pub run: String,
+    /// The run folder as given (none on the server's dashboard, which never shows its
+    /// own paths).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dir: Option<PathBuf>,
     /// The settings in which this run differs from the others: `key=value`.
     pub differs: Vec<String>,
     pub parameters: Option<usize>,
@@ -53,12 +61,16 @@ pub struct Row {
 /// Sequences in one optimiser step over all ranks, as the run's state.json records it
 /// (None before its first checkpoint, or in one from before it was kept).
 fn sequences_per_step(dir: &Path) -> Option<usize> {
-    let text = std::fs::read_to_string(dir.join(crate::checkpoint::STATE_FILE)).ok()?;
-    let state: serde_json::Value = serde_json::from_str(&text).ok()?;
-    state["sequences_per_step"]
+    saved_state(dir)?["sequences_per_step"]
         .as_u64()
         .filter(|&n| n > 0)
         .map(|n| n as usize)
+}
+
+/// The run's state.json as JSON, if it has a readable one.
+fn saved_state(dir: &Path) -> Option<serde_json::Value> {
+    let text = std::fs::read_to_string(dir.join(crate::checkpoint::STATE_FILE)).ok()?;
+    serde_json::from_str(&text).ok()
 }
 
 impl Run {
@@ -72,11 +84,20 @@ impl Run {
                 dir.display()
             );
         }
-        let (settings, parameters, tokens_per_step) = match std::fs::read_to_string(&config) {
-            Ok(text) => {
-                let config = Config::from_toml_str(&text, &[])
-                    .and_then(|c| c.validate().map(|()| c))
-                    .map_err(|e| user_error(format!("{}: {e:#}", config.display())))?;
+        let mut config_error = None;
+        let read = std::fs::read_to_string(&config)
+            .map(|text| Config::from_toml_str(&text, &[]).and_then(|c| c.validate().map(|()| c)));
+        let (settings, parameters, tokens_per_step) = match read {
+            // A damaged config.toml takes this run's settings out of the comparison,
+            // not the comparison of the others.
+            Ok(Err(e)) => {
+                config_error = Some(format!(
+                    "{}: {e:#}; its settings are left out of the comparison",
+                    config.display()
+                ));
+                (BTreeMap::new(), None, None)
+            }
+            Ok(Ok(config)) => {
                 // A step of a data-parallel run is every rank's: state.json says how
                 // many sequences (config.toml holds one rank's batch).
                 let block = config.model.block_size;
@@ -93,7 +114,9 @@ impl Run {
             // Still before its first checkpoint: only the metrics tell.
             Err(_) => (BTreeMap::new(), None, None),
         };
-        let text = std::fs::read_to_string(&metrics).unwrap_or_default();
+        // Damaged lines (not UTF-8, not JSON) are passed over, as in `plot`.
+        let text =
+            String::from_utf8_lossy(&std::fs::read(&metrics).unwrap_or_default()).into_owned();
         let mut elapsed = Vec::new();
         let mut tokens_per_s = Vec::new();
         for record in text
@@ -119,6 +142,10 @@ impl Run {
             curves: Curves::from_metrics(&text),
             elapsed,
             tokens_per_s,
+            checkpoint_step: saved_state(dir)
+                .and_then(|state| state["step"].as_u64())
+                .map(|step| step as usize),
+            config_error,
         })
     }
 
@@ -209,6 +236,25 @@ pub fn differing_keys(runs: &[BTreeMap<String, String>]) -> Vec<String> {
         .collect()
 }
 
+/// [`differing_keys`], each compared among the runs that use it: a char run's
+/// `tokenizer.vocab_size` (unused, [`without_unused`]) differs from nothing.
+pub fn differing_used_keys(runs: &[BTreeMap<String, String>]) -> Vec<String> {
+    let used: Vec<BTreeMap<String, String>> =
+        runs.iter().map(|r| without_unused(r.clone())).collect();
+    differing_keys(runs)
+        .into_iter()
+        .filter(|key| {
+            let values: Vec<Option<&String>> = runs
+                .iter()
+                .zip(&used)
+                .filter(|(all, used)| !(all.contains_key(key) && !used.contains_key(key)))
+                .map(|(_, used)| used.get(key))
+                .collect();
+            values.windows(2).any(|pair| pair[0] != pair[1])
+        })
+        .collect()
+}
+
 /// `key=value` for each differing key, keys shortened to their last part (`n_layer`)
 /// unless two differing keys share it.
 pub fn describe(settings: &BTreeMap<String, String>, differing: &[String]) -> Vec<String> {
@@ -245,9 +291,11 @@ pub fn rows(runs: &[Run]) -> Vec<Row> {
         .filter(|r| !r.settings.is_empty())
         .map(|r| r.settings.clone())
         .collect();
-    let differing = differing_keys(&settings);
+    let differing = differing_used_keys(&settings);
+    let names: Vec<String> = runs.iter().map(Run::name).collect();
     runs.iter()
-        .map(|run| {
+        .zip(&names)
+        .map(|(run, name)| {
             let best = run
                 .curves
                 .eval_val
@@ -255,14 +303,18 @@ pub fn rows(runs: &[Run]) -> Vec<Row> {
                 .copied()
                 .min_by(|a, b| a.1.total_cmp(&b.1));
             Row {
-                run: run.name(),
+                run: match names.iter().filter(|n| *n == name).count() {
+                    1 => name.clone(),
+                    _ => run.dir.display().to_string(),
+                },
+                dir: Some(run.dir.clone()),
                 differs: if run.settings.is_empty() {
                     Vec::new()
                 } else {
-                    describe(&run.settings, &differing)
+                    describe(&without_unused(run.settings.clone()), &differing)
                 },
                 parameters: run.parameters,
-                steps: run.steps(),
+                steps: run.steps().max(run.checkpoint_step.unwrap_or(0)),
                 best_val_loss: best.map(|b| b.1),
                 best_val_step: best.map(|b| b.0 as usize),
                 tokens_per_s: median(&run.tokens_per_s),
@@ -270,6 +322,40 @@ pub fn rows(runs: &[Run]) -> Vec<Row> {
             }
         })
         .collect()
+}
+
+/// `settings` without those its run does not use: a char tokenizer's vocabulary is
+/// the corpus's characters, whatever `tokenizer.vocab_size` and `train_bytes` say.
+pub fn without_unused(mut settings: BTreeMap<String, String>) -> BTreeMap<String, String> {
+    if settings.get("tokenizer.kind").map(String::as_str) == Some("char") {
+        settings.remove("tokenizer.vocab_size");
+        settings.remove("tokenizer.train_bytes");
+    }
+    settings
+}
+
+/// A note where the runs' tokenizers differ: a loss per token of one tokenizer is not
+/// a loss per token of another (a char model's 1.5 is not a BPE model's 3.5), so
+/// their curves do not compare; bits per byte do.
+pub fn tokenizers_note(runs: &[Run]) -> Option<String> {
+    let tokenizer = |r: &Run| {
+        let get = |k: &str| r.settings.get(k).cloned().unwrap_or_default();
+        match get("tokenizer.kind").as_str() {
+            "char" => "char".to_string(),
+            kind => format!("{kind} {}", get("model.vocab_size")),
+        }
+    };
+    let kinds: BTreeSet<String> = runs
+        .iter()
+        .filter(|r| !r.settings.is_empty())
+        .map(tokenizer)
+        .collect();
+    (kinds.len() > 1).then(|| {
+        format!(
+            "note: these runs tokenize differently ({}): a loss per token of one is not one of another; `tinygpt eval --checkpoint RUN FILE` gives bits per byte, which compare",
+            kinds.into_iter().collect::<Vec<_>>().join(", ")
+        )
+    })
 }
 
 /// What a legend calls a run: its differing settings, or its name if none differ.
@@ -303,7 +389,7 @@ pub fn table(rows: &[Row]) -> String {
             let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
             [
                 r.run.clone(),
-                opt(r.parameters.map(|p| format!("{:.2}M", p as f64 / 1e6))),
+                opt(r.parameters.map(parameters)),
                 r.steps.to_string(),
                 opt(r.best_val_loss.map(|l| format!("{l:.4}"))),
                 opt(r.best_val_step.map(|s| s.to_string())),
@@ -343,6 +429,15 @@ pub fn table(rows: &[Row]) -> String {
     out
 }
 
+/// A parameter count at a glance: `4.7k`, `0.85M`, `124.44M`.
+fn parameters(count: usize) -> String {
+    match count {
+        n if n >= 100_000 => format!("{:.2}M", n as f64 / 1e6),
+        n if n >= 1_000 => format!("{:.1}k", n as f64 / 1e3),
+        n => n.to_string(),
+    }
+}
+
 /// The longest line of the differs column.
 const DIFFERS_WIDTH: usize = 60;
 
@@ -378,7 +473,13 @@ pub type Series = (String, Vec<(f64, f64)>, Vec<(f64, f64)>);
 pub fn series(runs: &[Run], rows: &[Row], x: XAxis) -> (Vec<Series>, Vec<String>) {
     let mut out = Vec::new();
     let mut skipped = Vec::new();
-    for (run, row) in runs.iter().zip(rows) {
+    let labels: Vec<String> = rows.iter().map(label).collect();
+    for ((run, row), label) in runs.iter().zip(rows).zip(&labels) {
+        // Runs alike in every setting would share a legend entry: named apart.
+        let label = match labels.iter().filter(|l| *l == label).count() {
+            1 => label.clone(),
+            _ => format!("{label} ({})", row.run),
+        };
         let convert = |points: &[(f64, f64)]| -> Option<Vec<(f64, f64)>> {
             points
                 .iter()
@@ -394,9 +495,16 @@ pub fn series(runs: &[Run], rows: &[Row], x: XAxis) -> (Vec<Series>, Vec<String>
         };
         match (convert(&run.curves.eval_val), convert(&run.curves.train)) {
             (Some(val), Some(train)) if !(val.is_empty() && train.is_empty()) => {
-                out.push((label(row), val, train))
+                out.push((label, val, train))
             }
-            (Some(_), Some(_)) => skipped.push(format!("{}: no losses yet", row.run)),
+            (Some(_), Some(_)) => skipped.push(match run.checkpoint_step {
+                // A finished or saved run whose metrics are gone: not "yet".
+                Some(step) if step > 0 => format!(
+                    "{}: its metrics.jsonl holds no losses (missing, emptied or not JSON lines), though its checkpoint is at step {step}",
+                    row.run
+                ),
+                _ => format!("{}: no losses yet", row.run),
+            }),
             _ => skipped.push(format!("{}: cannot place it on that axis", row.run)),
         }
     }
@@ -419,6 +527,7 @@ mod tests {
         let many: Vec<String> = (0..30).map(|i| format!("key{i}=value{i}")).collect();
         let row = |run: &str, differs: Vec<String>| Row {
             run: run.into(),
+            dir: None,
             differs,
             parameters: Some(800_000),
             steps: 10,
@@ -480,6 +589,14 @@ mod tests {
     }
 
     #[test]
+    fn parameter_counts_read_at_a_glance() {
+        assert_eq!(parameters(4_672), "4.7k");
+        assert_eq!(parameters(999), "999");
+        assert_eq!(parameters(850_000), "0.85M");
+        assert_eq!(parameters(124_439_808), "124.44M");
+    }
+
+    #[test]
     fn time_is_interpolated_between_logged_steps() {
         let run = Run {
             dir: PathBuf::from("r"),
@@ -489,6 +606,8 @@ mod tests {
             curves: Curves::default(),
             elapsed: vec![(10.0, 5.0), (20.0, 7.0)],
             tokens_per_s: vec![],
+            checkpoint_step: None,
+            config_error: None,
         };
         assert_eq!(run.seconds_at(15.0), Some(6.0));
         assert_eq!(run.seconds_at(20.0), Some(7.0));

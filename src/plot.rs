@@ -135,11 +135,15 @@ impl Curves {
 
 /// Draws train and val loss against step, with the learning rate on a second axis.
 pub fn loss_curve(metrics: &Path, out: &Path, title: &str) -> Result<()> {
-    let text = std::fs::read_to_string(metrics)
+    let bytes = std::fs::read(metrics)
         .map_err(|e| crate::error::user_error(format!("cannot read {}: {e}", metrics.display())))?;
-    let c = Curves::from_metrics(&text);
+    // Damaged lines (not UTF-8, not JSON) are passed over: the rest still draw.
+    let c = Curves::from_metrics(&String::from_utf8_lossy(&bytes));
     if c.train.is_empty() && c.eval_val.is_empty() {
-        user_bail!("{} has no losses to plot yet", metrics.display());
+        user_bail!(
+            "{} has no losses to plot (none logged yet, or its lines are damaged)",
+            metrics.display()
+        );
     }
     register_font();
     let all_losses = c

@@ -77,6 +77,8 @@ impl Reporter for TerminalReporter {
         bar.set_position(info.start_step as u64);
         bar.reset_eta();
         self.bar = Some(bar);
+        // A sweep's next run shows none of the last run's figures.
+        self.figures.clear();
     }
 
     fn step(&mut self, log: &StepLog) {
@@ -110,6 +112,10 @@ impl Reporter for TerminalReporter {
             "step {:>6}: train loss {:.4}, val loss {:.4}",
             log.step, log.train_loss, log.val_loss
         ));
+        // The evaluation's count leaves the bar with it.
+        if let Some(bar) = &self.bar {
+            bar.set_message(self.figures.clone());
+        }
     }
 
     fn note(&mut self, message: &str) {

@@ -71,11 +71,16 @@ pub fn points(config_path: &Path, overrides: &[String], grids: &[Grid]) -> Resul
             let item = format!("{}={value}", grid.key);
             let all: Vec<String> = overrides.iter().cloned().chain([item.clone()]).collect();
             Config::load(config_path, &all).map_err(|e| {
-                let told = format!("{e:#}").replace(
-                    &format!("--set {item}"),
-                    &format!("--grid {}={}", grid.key, grid.values.join(",")),
-                );
-                crate::error::user_error(told)
+                let grid_arg = format!("--grid {}={}", grid.key, grid.values.join(","));
+                let told = format!("{e:#}").replace(&format!("--set {item}"), &grid_arg);
+                // A rule broken with the config file's other settings ("n_embd = 17 is
+                // not divisible by n_head = 2"): the file holds neither value.
+                match told.contains(&grid_arg) {
+                    true => crate::error::user_error(told),
+                    false => {
+                        crate::error::user_error(format!("{grid_arg}: the value {value}: {told}"))
+                    }
+                }
             })?;
         }
     }
@@ -100,20 +105,102 @@ pub fn points(config_path: &Path, overrides: &[String], grids: &[Grid]) -> Resul
             all.extend(values.iter().map(|(k, v)| format!("{k}={v}")));
             let mut named = all.clone();
             named.push(format!("run.name={:?}", run_name(&base, &keys, &values)));
-            let mut config = Config::load(config_path, &named)?;
+            let mut config = Config::load(config_path, &named).map_err(|e| at_point(&values, e))?;
             let legacy = legacy_run_name(&base, &keys, &values);
             let old = config.run.out_dir.join(&legacy);
             if !config.run_dir().exists() && old.join(crate::checkpoint::METRICS_FILE).exists() {
                 all.push(format!("run.name={legacy:?}"));
-                config = Config::load(config_path, &all)?;
+                config = Config::load(config_path, &all).map_err(|e| at_point(&values, e))?;
             }
             Ok(Point { values, config })
         })
         .collect::<Result<Vec<Point>>>()?;
+    check_distinct(&points)?;
     for point in &points {
         check_existing_run(point)?;
+        preflight(point).map_err(|e| at_point(&point.values, e))?;
     }
     Ok(points)
+}
+
+/// `model.n_head=2, model.n_embd=33`: a point as its grids' values.
+fn describe(values: &[(String, String)]) -> String {
+    values
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// A user's mistake found at one point, told as that point's (the config file alone
+/// holds another value): other errors pass as they are.
+fn at_point(values: &[(String, String)], error: anyhow::Error) -> anyhow::Error {
+    match crate::error::find_user_error(&error) {
+        Some(user) => {
+            crate::error::user_error(format!("sweep point {}: {}", describe(values), user.0))
+        }
+        None => error,
+    }
+}
+
+/// Every point its own run: two points in one folder (values that differ only in
+/// characters a folder name turns into `_`), or two points that are the same run
+/// (`train.lr=1e-3,0.001`), would train one of them and show it twice.
+fn check_distinct(points: &[Point]) -> Result<()> {
+    for (i, later) in points.iter().enumerate() {
+        for earlier in &points[..i] {
+            if later.run_dir() == earlier.run_dir() {
+                user_bail!(
+                    "sweep points {} and {} would share the run folder {} (a folder name turns `/`, `\\`, spaces, quotes and `=` into `_`); list values whose names differ",
+                    describe(&earlier.values),
+                    describe(&later.values),
+                    later.run_dir().display()
+                );
+            }
+            if same_settings(&later.config, &earlier.config) {
+                user_bail!(
+                    "sweep points {} and {} are the same run (their settings are equal); list each value once",
+                    describe(&earlier.values),
+                    describe(&later.values)
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether two points' configs train the same run: every setting equal but the name.
+fn same_settings(a: &Config, b: &Config) -> bool {
+    let (mut a_flat, mut b_flat) = (crate::compare::flatten(a), crate::compare::flatten(b));
+    for flat in [&mut a_flat, &mut b_flat] {
+        flat.remove("run.name");
+        flat.remove("data.corpus");
+    }
+    a_flat == b_flat && same_path(&a.data.corpus, &b.data.corpus)
+}
+
+/// What a point's run would otherwise find wrong only when the sweep reaches it,
+/// perhaps hours in: a corpus that is not there, a model this machine cannot hold.
+/// (The tokenizer is not trained here: a vocabulary still to be learned is taken as
+/// its bound, or as 256 characters.)
+fn preflight(point: &Point) -> Result<()> {
+    let config = &point.config;
+    crate::corpus::Corpus::open(&config.data.corpus, &config.data.text_field)?;
+    // Where the run will be on this machine's memory: the CPU, or `auto` in a build
+    // with no GPU to choose.
+    let device = config.run.device.trim().to_ascii_lowercase();
+    let gpu_build = cfg!(any(feature = "cuda", feature = "metal"));
+    if device == "cpu" || (device == "auto" && !gpu_build) {
+        let mut sized = config.clone();
+        if sized.model.vocab_size == 0 {
+            sized.model.vocab_size = match config.tokenizer.kind {
+                crate::config::TokenizerKind::Char => 256,
+                crate::config::TokenizerKind::Bpe => config.tokenizer.vocab_size,
+            };
+        }
+        crate::train::check_memory(&sized, &candle_core::Device::Cpu, 1)?;
+    }
+    Ok(())
 }
 
 /// Each setting once: a key in two grids, a value twice in one grid, or a grid's key
@@ -287,8 +374,17 @@ pub fn run(points: &[Point], stop: Stop, reporter: &mut dyn Reporter) -> Result<
             // Complete: trained to the end and evaluated there (a stop in the final
             // evaluation leaves the last step saved but not evaluated).
             if state.step >= point.config.train.max_iters && run.has_eval_at(state.step) {
+                // Trained further than this sweep asks (max_iters lowered since): its
+                // learning rate followed the longer schedule, which the table hides.
+                let past = match state.step > point.config.train.max_iters {
+                    true => format!(
+                        "; it trained past this sweep's train.max_iters = {}, on the schedule of a longer run",
+                        point.config.train.max_iters
+                    ),
+                    false => String::new(),
+                };
                 reporter.note(&format!(
-                    "sweep {}/{}: {} is complete (step {}), skipped",
+                    "sweep {}/{}: {} is complete (step {}), skipped{past}",
                     i + 1,
                     points.len(),
                     dir.display(),

@@ -237,6 +237,62 @@ fn a_setting_given_twice_fails_before_anything_trains() {
     assert!(!dir.path().join("checkpoints").exists());
 }
 
+/// Points that would be one run (one folder, or equal settings), and a point whose
+/// run this machine could not hold or whose corpus is not there, fail before anything
+/// trains, named as the point they are.
+#[test]
+fn points_that_cannot_all_train_fail_before_anything_trains() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let exp = tiny_experiment(d);
+    std::fs::create_dir_all(d.join("d")).unwrap();
+    let text = std::fs::read_to_string(d.join("corpus.txt")).unwrap();
+    std::fs::write(d.join("d/x.txt"), &text).unwrap();
+    std::fs::write(d.join("d_x.txt"), &text).unwrap();
+    let corpus = |name: &str| d.join(name).display().to_string();
+    let grid = |arg: &str| Grid::parse(arg).unwrap();
+    for (grids, told) in [
+        (
+            vec![grid(&format!(
+                "data.corpus={},{}",
+                corpus("d/x.txt"),
+                corpus("d_x.txt")
+            ))],
+            "would share the run folder",
+        ),
+        (
+            vec![grid("train.lr=1e-3,0.001")],
+            "sweep points train.lr=1e-3 and train.lr=0.001 are the same run",
+        ),
+        (
+            vec![grid(&format!(
+                "data.corpus={},{}",
+                corpus("corpus.txt"),
+                corpus("nowhere.txt")
+            ))],
+            "nowhere.txt",
+        ),
+        (
+            vec![grid("train.batch_size=4,100000000")],
+            "sweep point train.batch_size=100000000: config: training this model needs about",
+        ),
+        (
+            vec![grid("model.n_head=2,4"), grid("model.n_embd=16,18")],
+            "sweep point model.n_head=4, model.n_embd=18: config: model.n_embd = 18",
+        ),
+        (
+            vec![grid("model.n_embd=16,17")],
+            "--grid model.n_embd=16,17: the value 17: config: model.n_embd = 17",
+        ),
+    ] {
+        let err = sweep::points(&exp, &[], &grids).expect_err(told);
+        let said = format!("{err:#}");
+        assert!(said.contains(told), "{said}");
+        assert!(tinygpt::error::find_user_error(&err).is_some(), "{said}");
+    }
+    assert!(!d.join("checkpoints").exists());
+}
+
 /// A run folder written by hand: its config and metrics.
 fn fixture_run(root: &Path, name: &str, overrides: &[&str], metrics: &str) -> PathBuf {
     let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
@@ -357,6 +413,61 @@ fn compare_on_the_command_line_writes_a_table_and_a_picture() {
     let table = run(&["compare", "runs/lr-*", "--x", "time", "--out", "t.png"]);
     assert_eq!(table.lines().count(), 3, "{table}");
     assert!(dir.path().join("t.png").exists());
+    // One run named three ways is one row.
+    let table = run(&["compare", "runs/lr-1", "runs/lr-1/", "./runs/lr-1"]);
+    assert_eq!(table.lines().count(), 2, "{table}");
+}
+
+/// Runs of two tokenizers: a note that their losses per token do not compare, and a
+/// char run's unused BPE settings are not a difference; two runs of one name are told
+/// apart by their paths.
+#[test]
+fn compare_says_what_does_not_compare() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    fixture_run(&d.join("a"), "r", &["tokenizer.kind=char"], METRICS_A);
+    fixture_run(
+        &d.join("b"),
+        "r",
+        &["tokenizer.kind=bpe", "tokenizer.vocab_size=300"],
+        METRICS_A,
+    );
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+        .args(["compare", "a/r", "b/r", "--json"])
+        .current_dir(d)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    assert!(
+        said.contains("note: these runs tokenize differently"),
+        "{said}"
+    );
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(rows[0]["run"], "a/r");
+    assert_eq!(rows[0]["dir"], "a/r");
+    assert_eq!(rows[1]["run"], "b/r");
+    assert_eq!(rows[0]["differs"], serde_json::json!(["kind=char"]));
+    assert_eq!(rows[1]["differs"], serde_json::json!(["kind=bpe"]));
+    // A damaged config.toml leaves that run's settings out, not the comparison; damaged
+    // metrics lines are passed over.
+    std::fs::write(d.join("b/r/config.toml"), "garbage = [").unwrap();
+    let mut metrics = std::fs::read(d.join("a/r/metrics.jsonl")).unwrap();
+    metrics.extend_from_slice(b"\xff\xfe not json\n");
+    std::fs::write(d.join("a/r/metrics.jsonl"), metrics).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+        .args(["compare", "a/r", "b/r", "--json"])
+        .current_dir(d)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    assert!(
+        said.contains("b/r/config.toml") && said.contains("left out of the comparison"),
+        "{said}"
+    );
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(rows[0]["best_val_loss"], 2.45, "{rows}");
 }
 
 #[test]

@@ -403,17 +403,18 @@ pub async fn list(State(state): State<Shared>) -> Result<Json<Value>, ApiError> 
             .filter(|r| !r.1 .0.is_empty())
             .map(|r| r.1 .0.clone())
             .collect();
-        let differing = compare::differing_keys(&with_config);
+        let differing = compare::differing_used_keys(&with_config);
         let rows: Vec<Value> = runs
             .iter()
             .map(|(name, (settings, parameters), checkpoint, summed)| {
                 let (steps, best_val, rate, wall, skipped) = *summed;
                 let row = compare::Row {
                     run: name.clone(),
+                    dir: None,
                     differs: if settings.is_empty() {
                         Vec::new()
                     } else {
-                        compare::describe(settings, &differing)
+                        compare::describe(&compare::without_unused(settings.clone()), &differing)
                     },
                     parameters: *parameters,
                     steps,
