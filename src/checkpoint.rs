@@ -466,6 +466,18 @@ impl RunDir {
             .any(|v| v["step"].as_u64() == Some(step as u64) && v.get("val_loss").is_some())
     }
 
+    /// The step of the last evaluation logged at or before `step`, if any.
+    pub fn last_eval_at_or_before(&self, step: usize) -> Option<usize> {
+        let text = fs::read_to_string(self.file(METRICS_FILE)).ok()?;
+        text.lines()
+            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+            .filter(|v| v.get("val_loss").is_some())
+            .filter_map(|v| v["step"].as_u64())
+            .filter(|&at| at <= step as u64)
+            .max()
+            .map(|at| at as usize)
+    }
+
     pub fn truncate_metrics(&self, step: usize) -> Result<()> {
         let path = self.file(METRICS_FILE);
         let Ok(text) = fs::read_to_string(&path) else {

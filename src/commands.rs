@@ -413,12 +413,15 @@ pub fn info(args: InfoArgs) -> Result<()> {
     let (total, embeddings) = (spec.len(), spec.embedding_len());
     let st = &loaded.state;
     let cfg = &loaded.config;
+    // The val loss is the last evaluation's, which may be steps before the checkpoint.
+    let val_step = tinygpt::checkpoint::RunDir::new(&args.ckpt.checkpoint)
+        .last_eval_at_or_before(st.step);
     if args.json {
         let record = json!({
             "checkpoint": args.ckpt.checkpoint, "config": cfg,
             "parameters": total, "parameters_without_embeddings": total - embeddings,
             "step": st.step, "tokens_seen": st.tokens_seen, "ranks": st.ranks,
-            "train_loss": st.last_train_loss, "val_loss": st.last_val_loss, "best_val_loss": st.best_val_loss,
+            "train_loss": st.last_train_loss, "val_loss": st.last_val_loss, "val_step": val_step, "best_val_loss": st.best_val_loss,
             "tokenizer": loaded.tokenizer.kind_name(), "vocab_size": loaded.tokenizer.vocab_size(),
         });
         outln!("{record}")?;
@@ -458,10 +461,13 @@ pub fn info(args: InfoArgs) -> Result<()> {
             st.tokens_seen,
             st.elapsed_s
         )?;
+        let at = |step: Option<usize>| step.map_or(String::new(), |s| format!(" at step {s}"));
         outln!(
-            "loss        train {}, val {} (best val {})",
+            "loss        train {}{}, val {}{} (best val {})",
             fmt(st.last_train_loss),
+            at(st.last_train_loss.map(|_| st.step)),
             fmt(st.last_val_loss),
+            at(val_step.filter(|_| st.last_val_loss.is_some())),
             fmt(st.best_val_loss)
         )?;
         // Step 0 is an imported model's (training saves no step-0 checkpoint).

@@ -189,7 +189,15 @@ fn generate_eval_and_info_from_a_checkpoint() {
     let out = succeeds(dir.path(), &["info", "--checkpoint", ck, "--json"]);
     let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(info["step"], 6);
+    assert_eq!(info["val_step"], 6);
     assert_eq!(info["tokenizer"], "char");
+    let out = succeeds(dir.path(), &["info", "--checkpoint", ck]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let loss = text.lines().find(|l| l.starts_with("loss")).unwrap();
+    assert!(
+        loss.contains(" at step 6, val ") && loss.contains(" at step 6 (best val "),
+        "{loss}"
+    );
     assert!(
         info["parameters"].as_u64().unwrap()
             > info["parameters_without_embeddings"].as_u64().unwrap()
