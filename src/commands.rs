@@ -81,13 +81,34 @@ impl Opened {
     }
 }
 
+/// The text file a flag names, read whole as UTF-8 (`-`: standard input).
+fn read_text_arg(flag: &str, path: &std::path::Path) -> Result<String> {
+    let bytes = if path.as_os_str() == "-" {
+        let mut bytes = Vec::new();
+        std::io::stdin()
+            .lock()
+            .read_to_end(&mut bytes)
+            .map_err(|e| user_error(format!("cannot read {flag} - (standard input): {e}")))?;
+        bytes
+    } else {
+        std::fs::read(path)
+            .map_err(|e| user_error(format!("cannot read {flag} {}: {e}", path.display())))?
+    };
+    String::from_utf8(bytes).map_err(|e| {
+        user_error(format!(
+            "{flag} {} is not UTF-8 (invalid byte at offset {}); convert it, e.g. with iconv -t UTF-8",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        ))
+    })
+}
+
 fn read_prompt(args: &GenerateArgs) -> Result<String> {
     if let Some(p) = &args.prompt {
         return Ok(unescape(p));
     }
     if let Some(path) = &args.prompt_file {
-        return std::fs::read_to_string(path)
-            .map_err(|e| user_error(format!("cannot read --prompt-file {}: {e}", path.display())));
+        return read_text_arg("--prompt-file", path);
     }
     let stdin = std::io::stdin();
     if stdin.is_terminal() {
@@ -136,6 +157,11 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
         repetition_penalty: args.repetition_penalty,
     };
     params.validate()?;
+    if args.stop.iter().any(String::is_empty) {
+        user_bail!(
+            "--stop \"\": an empty stop text stops nothing; give the text to stop at (\\n for a newline), or leave --stop out"
+        );
+    }
     if !(1..=1024).contains(&args.num_samples) {
         user_bail!("--num-samples {} must be 1 to 1024", args.num_samples);
     }
@@ -302,7 +328,7 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
         writeln!(out)?;
         out.flush()?;
         tinygpt::errln!(
-            "[sample {}/{}] prompt {}, generated {} ({}), prefill {:.1} ms, decode {:.1} tokens/s, seed {}",
+            "[sample {}/{}] prompt {}, generated {} ({}), prefill {:.1} ms, decode {:.1} tokens/s, {}",
             i + 1,
             args.num_samples,
             count(st.prompt_tokens, "token"),
@@ -310,7 +336,11 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
             st.stopped_by,
             st.prefill_ms,
             st.decode_tokens_per_s,
-            seed.wrapping_add(i as u64)
+            // Greedy decoding draws nothing: a seed would suggest another could change it.
+            match args.temperature == 0.0 {
+                true => "greedy (no seed needed)".to_string(),
+                false => format!("seed {}", seed.wrapping_add(i as u64)),
+            }
         );
     }
     // Interrupted: the samples so far are shown, and the stop is still the exit's.
@@ -319,15 +349,7 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
 }
 
 pub fn eval(args: EvalArgs, stop: tinygpt::util::Stop) -> Result<()> {
-    let text = std::fs::read(&args.text)
-        .map_err(|e| user_error(format!("cannot read --text {}: {e}", args.text.display())))?;
-    let text = String::from_utf8(text).map_err(|e| {
-        user_error(format!(
-            "--text {} is not UTF-8 (invalid byte at offset {}); convert it, e.g. with iconv -t UTF-8",
-            args.text.display(),
-            e.utf8_error().valid_up_to()
-        ))
-    })?;
+    let text = read_text_arg("--text", &args.text)?;
     let format = parse_weight_format("--dtype", &args.dtype)?;
     if format != WeightFormat::F32 {
         return eval_decoding(&args, format, &text, &stop);
@@ -357,7 +379,8 @@ pub fn eval(args: EvalArgs, stop: tinygpt::util::Stop) -> Result<()> {
         }
     }
     let bar = tinygpt::util::bars::count_bar(0, "scoring windows");
-    let r = tinygpt::eval::evaluate_until(&loaded.model, &ids, text.len(), window, &bar, &stop)?;
+    let bytes = tinygpt::eval::predicted_bytes(&loaded.tokenizer, &ids, &text)?;
+    let r = tinygpt::eval::evaluate_until(&loaded.model, &ids, bytes, window, &bar, &stop)?;
     bar.finish_and_clear();
     print_eval(&args, &r)
 }
@@ -381,8 +404,14 @@ fn eval_decoding(
     let block_size = opened.weights.spec.shapes.block_size;
     let window = tinygpt::eval::window(args.context, block_size, ids.len())?;
     let bar = tinygpt::util::bars::count_bar(0, "scoring windows");
-    let r =
-        tinygpt::eval::evaluate_decoding(&opened.weights, &ids, text.len(), window, &bar, stop)?;
+    let r = tinygpt::eval::evaluate_decoding(
+        &opened.weights,
+        &ids,
+        tinygpt::eval::predicted_bytes(&opened.tokenizer, &ids, text)?,
+        window,
+        &bar,
+        stop,
+    )?;
     bar.finish_and_clear();
     print_eval(args, &r)
 }
@@ -414,8 +443,8 @@ pub fn info(args: InfoArgs) -> Result<()> {
     let st = &loaded.state;
     let cfg = &loaded.config;
     // The val loss is the last evaluation's, which may be steps before the checkpoint.
-    let val_step = tinygpt::checkpoint::RunDir::new(&args.ckpt.checkpoint)
-        .last_eval_at_or_before(st.step);
+    let val_step =
+        tinygpt::checkpoint::RunDir::new(&args.ckpt.checkpoint).last_eval_at_or_before(st.step);
     if args.json {
         let record = json!({
             "checkpoint": args.ckpt.checkpoint, "config": cfg,
@@ -663,8 +692,16 @@ fn bench_checkpoint(
         1 => String::new(),
         n => format!(" in each of {n} sequences together"),
     };
+    // The context (block_size) bounds the decode: said, where it cut what was asked.
+    let capped = match r.decode_tokens < args.decode_tokens {
+        true => format!(
+            " of the {} asked: the context holds no more",
+            args.decode_tokens
+        ),
+        false => String::new(),
+    };
     outln!(
-        "decode  {:.1} tokens/s ({}{together} after a 16-token prompt), peak RSS {}",
+        "decode  {:.1} tokens/s ({}{capped}{together}, timed after a 16-token prompt), peak RSS {}",
         r.decode_tokens_per_s,
         count(r.decode_tokens, "token"),
         r.peak_rss_mb
@@ -1023,19 +1060,26 @@ pub fn cache(args: CacheArgs) -> Result<()> {
     use tinygpt::inventory;
     // A folder named that is not there is a typo, not a place with no runs: read so,
     // every cache would look unused, and prune would offer to delete them all.
+    // "a file, not a folder" where it is one: "no such folder" sent people looking.
+    let not_a_folder = |path: &std::path::Path| match path.exists() {
+        true => "a file, not a folder",
+        false => "no such folder",
+    };
     for runs in &args.runs {
         if !runs.is_dir() {
             user_bail!(
-                "--runs {}: no such folder; pass the folder that holds your run folders (run.out_dir, checkpoints by default) or a run folder",
-                runs.display()
+                "--runs {}: {}; pass the folder that holds your run folders (run.out_dir, checkpoints by default) or a run folder",
+                runs.display(),
+                not_a_folder(runs)
             );
         }
     }
     for cache in &args.caches {
         if !cache.is_dir() {
             user_bail!(
-                "--cache {}: no such folder; pass a folder that data.cache_dir names",
-                cache.display()
+                "--cache {}: {}; pass a folder that data.cache_dir names",
+                cache.display(),
+                not_a_folder(cache)
             );
         }
     }
@@ -1128,6 +1172,16 @@ pub fn doctor(args: DoctorArgs) -> Result<()> {
                 if c.passed { "ok" } else { "FAILED" }
             )?;
         }
+        outln!()?;
+        let passed = report.checks.iter().filter(|c| c.passed).count();
+        outln!(
+            "{passed} of {} checks passed{}",
+            report.checks.len(),
+            match (cfg!(feature = "cuda"), cfg!(feature = "metal")) {
+                (false, false) => "; no GPU checks: this build has no GPU feature (cargo build --features cuda or metal)",
+                _ => "",
+            }
+        )?;
     }
     let failed: Vec<String> = report
         .checks

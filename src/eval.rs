@@ -35,13 +35,28 @@ pub struct EvalResult {
     pub tokens: usize,
     /// Predictions scored: tokens - 1.
     pub predictions: usize,
+    /// Bytes of the text predicted: all but the first token's (which nothing predicts).
     pub bytes: usize,
     /// Mean cross-entropy per predicted token, in nats.
     pub loss: f64,
     pub perplexity: f64,
-    /// Total cross-entropy in bits over the text's UTF-8 bytes: comparable across
+    /// Total cross-entropy in bits over the UTF-8 bytes predicted: comparable across
     /// tokenizers.
     pub bits_per_byte: f64,
+}
+
+/// The bytes of `text` its tokens `ids` predict: all but the first token's. (Counting
+/// those too made a short text's bits per byte too low: "ab" scores one byte, not two.)
+pub fn predicted_bytes(
+    tokenizer: &crate::tokenizer::Tokenizer,
+    ids: &[u32],
+    text: &str,
+) -> Result<usize> {
+    let first = match ids.first() {
+        Some(&id) => tokenizer.token_bytes(id)?.len(),
+        None => 0,
+    };
+    Ok(text.len().saturating_sub(first))
 }
 
 impl EvalResult {

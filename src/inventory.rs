@@ -327,7 +327,10 @@ pub fn removals(inv: &Inventory, older_than: Option<Duration>, now: SystemTime) 
             out.push(Removal {
                 path: file.path.clone(),
                 bytes: file.bytes,
-                why: format!("no run uses this {}", file.kind),
+                why: match file.kind {
+                    "ids" => "no run uses these ids".to_string(),
+                    kind => format!("no run uses this {kind}"),
+                },
             });
         }
     }
@@ -368,11 +371,12 @@ pub fn remove(removals: &[Removal]) -> Result<Vec<PathBuf>> {
     Ok(left)
 }
 
-/// "30d", "12h", "2w", "90m" as a duration.
+/// "30d", "12h", "2w", "90m", "600s" as a duration.
 pub fn parse_age(text: &str) -> Result<Duration> {
     let text = text.trim();
     let (number, unit) = text.split_at(text.len().saturating_sub(1));
     let seconds = match unit {
+        "s" => 1,
         "m" => 60,
         "h" => 3600,
         "d" => 86_400,
@@ -383,7 +387,7 @@ pub fn parse_age(text: &str) -> Result<Duration> {
         // Longer than time has run: nothing is that old.
         (Ok(n), s) if s > 0 => Ok(Duration::from_secs(n.saturating_mul(s))),
         _ => Err(user_error(format!(
-            "--older-than {text:?}: give a number and a unit: 90m, 12h, 30d or 2w"
+            "--older-than {text:?}: give a whole number and a unit: 600s, 90m, 12h, 30d or 2w"
         ))),
     }
 }
@@ -474,7 +478,12 @@ mod tests {
         assert_eq!(parse_age("30d").unwrap(), Duration::from_secs(30 * 86_400));
         assert_eq!(parse_age("12h").unwrap(), Duration::from_secs(12 * 3600));
         assert_eq!(parse_age("2w").unwrap(), Duration::from_secs(14 * 86_400));
+        assert_eq!(parse_age("600s").unwrap(), Duration::from_secs(600));
         assert!(parse_age("soon").is_err() && parse_age("5").is_err() && parse_age("d").is_err());
+        assert!(
+            parse_age("-5d").is_err(),
+            "a negative age is refused by parse_age itself"
+        );
         // Past u64's seconds: as long as can be (it wrapped to a short age once).
         assert_eq!(
             parse_age("99999999999999999d").unwrap(),

@@ -122,8 +122,8 @@ enum CacheAction {
     /// ids old runs keep in their folders; only says what it would delete without --yes.
     /// Never touches a run's checkpoint.
     Prune {
-        /// Also what no run has read for this long: 90m, 12h, 30d, 2w.
-        #[arg(long, value_name = "AGE")]
+        /// Also what no run has read for this long: 600s, 90m, 12h, 30d, 2w.
+        #[arg(long, value_name = "AGE", allow_hyphen_values = true)]
         older_than: Option<String>,
         /// Delete (without it: a dry run).
         #[arg(long)]
@@ -285,11 +285,13 @@ struct CheckpointArgs {
 struct GenerateArgs {
     #[command(flatten)]
     ckpt: CheckpointArgs,
-    /// The prompt text. Without --prompt or --prompt-file, stdin is read when it is not
-    /// a terminal; an empty prompt starts from <|endoftext|> (BPE) or a newline (char).
+    /// The prompt text (\n, \t, \r and \\ are understood, as in --stop). Without
+    /// --prompt or --prompt-file, stdin is read when it is not a terminal, less one
+    /// trailing newline (echo's); an empty prompt starts from <|endoftext|> (BPE) or a
+    /// newline (char).
     #[arg(long, conflicts_with = "prompt_file")]
     prompt: Option<String>,
-    /// Read the prompt from this file.
+    /// Read the prompt from this file as it is, its last newline included (`-`: stdin).
     #[arg(long)]
     prompt_file: Option<PathBuf>,
     /// Keep the last block_size tokens of a prompt longer than the model's context
@@ -398,7 +400,7 @@ struct ServeArgs {
 struct EvalArgs {
     #[command(flatten)]
     ckpt: CheckpointArgs,
-    /// The text file to score.
+    /// The text file to score (`-`: stdin).
     #[arg(long)]
     text: PathBuf,
     /// The weights' precision: f32 (the engines), or bf16 / int8 / int4 (scored through the
@@ -424,9 +426,11 @@ struct InfoArgs {
 }
 
 #[derive(Args)]
+// One of the two, and a bare `bench` names both (it named --config alone).
+#[command(group(clap::ArgGroup::new("measured").required(true).args(["config", "checkpoint"])))]
 struct BenchArgs {
     /// Experiment file (TOML); only [model], [train] and run.seed matter.
-    #[arg(long, short, required_unless_present = "checkpoint")]
+    #[arg(long, short)]
     config: Option<PathBuf>,
     /// Instead of a config: decode this run folder as `generate` does on the CPU (load
     /// time, time to first token per --prompts length, decode speed, peak RSS), in one
@@ -456,7 +460,8 @@ struct BenchArgs {
     /// Prompt length for time-to-first-token (capped at block_size).
     #[arg(long, default_value_t = 256, conflicts_with = "checkpoint")]
     prompt_tokens: usize,
-    /// New tokens to decode.
+    /// New tokens to decode, after a 16-token prompt (with --checkpoint: at most what
+    /// the model's context holds after it).
     #[arg(long, default_value_t = 500)]
     decode_tokens: usize,
     /// Sequences decoded together, as `generate --num-samples` or a server's batch

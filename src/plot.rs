@@ -319,6 +319,18 @@ pub struct AttentionMaps {
     pub weights: Vec<Vec<Vec<Vec<f32>>>>,
 }
 
+/// A token as a row or column label: its text, or where it is part of a character
+/// (byte-level BPE splits `é` in two) its bytes in hex, `<C3><A9>`, so that tokens
+/// stay apart (each was one `�`).
+fn token_label(bytes: Vec<u8>) -> String {
+    String::from_utf8(bytes).unwrap_or_else(|e| {
+        e.into_bytes()
+            .iter()
+            .map(|b| format!("<{b:02X}>"))
+            .collect()
+    })
+}
+
 impl AttentionMaps {
     /// Runs `text` through the model and keeps every head's softmax weights.
     pub fn compute(
@@ -347,7 +359,7 @@ impl AttentionMaps {
             .collect::<Result<Vec<_>>>()?;
         let tokens = ids
             .iter()
-            .map(|&id| Ok(String::from_utf8_lossy(&tokenizer.token_bytes(id)?).into_owned()))
+            .map(|&id| Ok(token_label(tokenizer.token_bytes(id)?)))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self { tokens, weights })
     }
@@ -382,7 +394,8 @@ pub fn attention_grid(
     let label_room = if single || t <= 24 { 90 } else { 20 };
     let panel_w = cell * t + label_room + 20;
     let panel_h = cell * t + label_room + 40;
-    let width = (panel_w * cols).max(300) as u32;
+    // Wide enough for the title (a one-token prompt's panel is not).
+    let width = (panel_w * cols).max(560) as u32;
     let height = (panel_h * rows + 50) as u32;
     let root = canvas(out, (width, height))?;
     let root = root
@@ -487,6 +500,13 @@ pub fn run_loss_curve(run_dir: &Path) -> Result<std::path::PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_token_that_is_part_of_a_character_is_labelled_by_its_bytes() {
+        assert_eq!(token_label("é".as_bytes().to_vec()), "é");
+        assert_eq!(token_label(vec![0xC3]), "<C3>");
+        assert_eq!(token_label(vec![0xE2, 0x98]), "<E2><98>");
+    }
 
     #[test]
     fn the_step_axis_shows_whole_steps() {

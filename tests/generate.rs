@@ -343,7 +343,9 @@ fn eval_of_one_window_equals_the_training_loss() {
     let text = "Speak, speak.";
     let ids = loaded.tokenizer.encode(text).unwrap();
     assert!(ids.len() <= loaded.config.model.block_size);
-    let r = tinygpt::eval::evaluate(&loaded.model, &ids, text.len()).unwrap();
+    let bytes = tinygpt::eval::predicted_bytes(&loaded.tokenizer, &ids, text).unwrap();
+    assert_eq!(bytes, text.len() - 1, "all but the first character's byte");
+    let r = tinygpt::eval::evaluate(&loaded.model, &ids, bytes).unwrap();
     let n = ids.len();
     let x = Tensor::new(&ids[..n - 1], &Device::Cpu)
         .unwrap()
@@ -366,8 +368,9 @@ fn eval_of_one_window_equals_the_training_loss() {
         r.loss
     );
     assert!((r.perplexity - train_loss.exp()).abs() < 1e-4);
-    // Char tokens here are all one byte but 'First' etc: bits/byte = nats * (n-1) / ln 2 / bytes.
-    let expected_bpb = r.loss * (n - 1) as f64 / std::f64::consts::LN_2 / text.len() as f64;
+    // Char tokens here are one byte each: bits/byte = nats * (n-1) / ln 2 / (n-1) bytes.
+    assert_eq!(r.bytes, n - 1);
+    let expected_bpb = r.loss * (n - 1) as f64 / std::f64::consts::LN_2 / (n - 1) as f64;
     assert!((r.bits_per_byte - expected_bpb).abs() < 1e-9);
 
     // A long text: every token but the first is scored once, with windows of context.

@@ -21,7 +21,6 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, DecoderWrapper, ModelWrapper, PreTokenizerWrapper};
 
 use crate::error::user_error;
-use crate::user_bail;
 
 pub mod bpe_train;
 mod byte_level;
@@ -229,7 +228,9 @@ impl Tokenizer {
         text.chars().find(|c| !ids.contains_key(c))
     }
 
-    /// Appends the ids of `text` to `out`.
+    /// Appends the ids of `text` to `out` (a char-level vocabulary refuses a character
+    /// it lacks, naming every one it lacks: one run per character to fix a file was
+    /// slow).
     pub fn encode_into(&self, text: &str, out: &mut Vec<u32>) -> Result<()> {
         match (&self.char_ids, &self.fast_bpe) {
             (Some(ids), _) => {
@@ -237,9 +238,7 @@ impl Tokenizer {
                 for (pos, c) in text.char_indices() {
                     match ids.get(&c) {
                         Some(&id) => out.push(id),
-                        None => user_bail!(
-                            "the character {c:?} (byte offset {pos}) is not in this char-level vocabulary; remove it from the text or train a BPE tokenizer"
-                        ),
+                        None => return Err(unknown_chars(ids, text, c, pos)),
                     }
                 }
                 Ok(())
@@ -439,6 +438,34 @@ impl TextStream<'_> {
     }
 }
 
+/// The error for `text`'s characters that the char-level vocabulary `ids` lacks, the
+/// first (`first`, at byte `pos`) with its place, the rest by name, and the likely
+/// causes of the commonest: a byte-order mark, Windows line ends.
+fn unknown_chars(ids: &HashMap<char, u32>, text: &str, first: char, pos: usize) -> anyhow::Error {
+    let mut missing: Vec<char> = Vec::new();
+    for c in text[pos..].chars().filter(|c| !ids.contains_key(c)) {
+        if !missing.contains(&c) {
+            missing.push(c);
+        }
+    }
+    let shown: Vec<String> = missing.iter().take(8).map(|c| format!("{c:?}")).collect();
+    let more = match missing.len() {
+        1 => String::new(),
+        n if n > 8 => format!(" (with {}, and {} more)", shown[1..].join(", "), n - 8),
+        _ => format!(" (with {})", shown[1..].join(", ")),
+    };
+    let hint = if missing.contains(&'\u{feff}') {
+        "; '\\u{feff}' is a byte-order mark: save the text as UTF-8 without one"
+    } else if missing.contains(&'\r') {
+        "; '\\r' comes from Windows line ends: convert them (dos2unix)"
+    } else {
+        ""
+    };
+    crate::error::user_error(format!(
+        "the character {first:?} (byte offset {pos}) is not in this char-level vocabulary{more}{hint}; remove such characters from the text or train a BPE tokenizer"
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -551,6 +578,16 @@ mod tests {
         let msg = format!("{err:#}");
         assert!(msg.contains("'z'") && msg.contains("offset 2"), "{msg}");
         assert!(crate::error::find_user_error(&err).is_some());
+        // Every character it lacks, once each, and what a \r or a BOM means.
+        let msg = format!("{:#}", tk.encode("ab\r\nzz\r\ny").unwrap_err());
+        assert!(
+            msg.contains("'\\r' (byte offset 2)")
+                && msg.contains("(with '\\n', 'z', 'y')")
+                && msg.contains("dos2unix"),
+            "{msg}"
+        );
+        let msg = format!("{:#}", tk.encode("\u{feff}abc").unwrap_err());
+        assert!(msg.contains("byte-order mark"), "{msg}");
     }
 
     /// Byte-level tokens that split a character never print half of it, and the
