@@ -111,6 +111,11 @@ pub fn points(config_path: &Path, overrides: &[String], grids: &[Grid]) -> Resul
             if !config.run_dir().exists() && old.join(crate::checkpoint::METRICS_FILE).exists() {
                 all.push(format!("run.name={legacy:?}"));
                 config = Config::load(config_path, &all).map_err(|e| at_point(&values, e))?;
+            } else if !config.run_dir().exists() {
+                if let Some(name) = same_run_elsewhere(&config, &base, &values) {
+                    all.push(format!("run.name={name:?}"));
+                    config = Config::load(config_path, &all).map_err(|e| at_point(&values, e))?;
+                }
             }
             Ok(Point { values, config })
         })
@@ -201,6 +206,37 @@ fn preflight(point: &Point) -> Result<()> {
         crate::train::check_memory(&sized, &candle_core::Device::Cpu, 1)?;
     }
     Ok(())
+}
+
+/// The run folder beside this point's (named `<base>-...`) that holds its run under
+/// another name: the sweep written with a value spelled otherwise (`0.001` for `1e-3`)
+/// or its grids in another order. Its settings are this point's, the grids' values
+/// equal as numbers (a grid over `train.max_iters` keeps its points apart), and only
+/// one folder is so: it is continued there rather than trained again.
+fn same_run_elsewhere(config: &Config, base: &str, values: &[(String, String)]) -> Option<String> {
+    let out_dir = &config.run.out_dir;
+    let want = crate::compare::flatten(config);
+    let same_point = |saved: &Config| {
+        let have = crate::compare::flatten(saved);
+        setting_differences(config, saved).is_empty()
+            && values.iter().all(|(key, _)| match key.as_str() {
+                "data.corpus" => same_path(&config.data.corpus, &saved.data.corpus),
+                _ => want.get(key) == have.get(key),
+            })
+    };
+    let prefix = format!("{base}-");
+    let mut found = std::fs::read_dir(out_dir)
+        .ok()?
+        .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
+        .filter(|name| name.starts_with(&prefix))
+        .filter(|name| {
+            let run = RunDir::new(out_dir.join(name));
+            run.has_checkpoint() && run.saved_config().is_ok_and(|saved| same_point(&saved))
+        });
+    match (found.next(), found.next()) {
+        (Some(one), None) => Some(one),
+        _ => None,
+    }
 }
 
 /// Each setting once: a key in two grids, a value twice in one grid, or a grid's key

@@ -293,6 +293,33 @@ fn points_that_cannot_all_train_fail_before_anything_trains() {
     assert!(!d.join("checkpoints").exists());
 }
 
+/// A sweep run again with a value spelled otherwise, or its grids in another order,
+/// finds its runs under the names they have (it trained them all again, in new folders);
+/// a grid over the run's length keeps its points apart.
+#[test]
+fn a_sweep_written_otherwise_finds_its_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let exp = tiny_experiment(dir.path());
+    let grid = |arg: &str| Grid::parse(arg).unwrap();
+    let first = [grid("model.n_layer=1"), grid("train.lr=1e-3,2e-3")];
+    let points = sweep::points(&exp, &[], &first).unwrap();
+    sweep::run(&points, Stop::new(), &mut Silent).unwrap();
+    let again = [grid("train.lr=0.001,0.002"), grid("model.n_layer=1")];
+    let points = sweep::points(&exp, &[], &again).unwrap();
+    let names: Vec<String> = points.iter().map(|p| p.config.run.name.clone()).collect();
+    assert_eq!(names, ["exp-n_layer-1-lr-1e-3", "exp-n_layer-1-lr-2e-3"]);
+    let outcomes = sweep::run(&points, Stop::new(), &mut Silent).unwrap();
+    assert_eq!(
+        outcomes,
+        [Outcome::AlreadyComplete, Outcome::AlreadyComplete]
+    );
+    // Points apart in a continuable setting are not one old run.
+    let longer = [grid("train.lr=0.001"), grid("train.max_iters=6,8")];
+    let points = sweep::points(&exp, &[], &longer).unwrap();
+    let names: Vec<String> = points.iter().map(|p| p.config.run.name.clone()).collect();
+    assert_eq!(names, ["exp-n_layer-1-lr-1e-3", "exp-lr-0.001-max_iters-8"]);
+}
+
 /// A run folder written by hand: its config and metrics.
 fn fixture_run(root: &Path, name: &str, overrides: &[&str], metrics: &str) -> PathBuf {
     let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
