@@ -247,7 +247,7 @@ pub fn differing_used_keys(runs: &[BTreeMap<String, String>]) -> Vec<String> {
             let values: Vec<Option<&String>> = runs
                 .iter()
                 .zip(&used)
-                .filter(|(all, used)| !(all.contains_key(key) && !used.contains_key(key)))
+                .filter(|(all, used)| !all.contains_key(key) || used.contains_key(key))
                 .map(|(_, used)| used.get(key))
                 .collect();
             values.windows(2).any(|pair| pair[0] != pair[1])

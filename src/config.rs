@@ -651,7 +651,14 @@ impl Config {
         }
         if self.run.name.contains(['/', '\\']) || self.run.name == ".." || self.run.name == "." {
             user_bail!(
-                "config: run.name = {:?} must be a plain folder name (no slashes); set run.out_dir for the parent folder",
+                "config: run.name = {:?} must be a plain folder name (not . or .., no slashes); set run.out_dir for the parent folder",
+                self.run.name
+            );
+        }
+        // A newline in a folder's name breaks every line that shows its path.
+        if self.run.name.chars().any(char::is_control) {
+            user_bail!(
+                "config: run.name = {:?} holds a control character (a newline, a tab); name the run with printable characters",
                 self.run.name
             );
         }
@@ -1062,6 +1069,7 @@ mod tests {
                 "lr_decay_iters",
             ),
             (&["run.name=a/b"], "run.name"),
+            (&["run.name=\"a\\nb\""], "control character"),
         ];
         for (overrides, needle) in cases {
             let e = err("", overrides);

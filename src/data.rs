@@ -151,6 +151,20 @@ impl Tokens {
         }
     }
 
+    /// How many of the tokens are `id`.
+    pub fn count(&self, id: u32) -> usize {
+        let mut block = vec![0u32; (1 << 20).min(self.len)];
+        let mut found = 0;
+        let mut start = 0;
+        while start < self.len {
+            let n = block.len().min(self.len - start);
+            self.copy_range(start, &mut block[..n]);
+            found += block[..n].iter().filter(|&&t| t == id).count();
+            start += n;
+        }
+        found
+    }
+
     pub fn to_vec(&self) -> Vec<u32> {
         let mut v = vec![0; self.len()];
         self.copy_range(0, &mut v);

@@ -1221,3 +1221,60 @@ fn corpus_tokens(said: &str) -> usize {
         .collect();
     numbers.iter().sum()
 }
+
+/// A tokenizer.json that turns what it cannot spell into one unknown token (WordPiece
+/// here): much of the corpus so is refused, a little is named in a note (both went
+/// unsaid, and a model learned `[UNK]`).
+#[test]
+fn a_tokenizer_that_cannot_spell_the_corpus_is_told() {
+    let words = ["[UNK]", "to", "be", "or", "not"];
+    let vocab: serde_json::Map<String, serde_json::Value> = words
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (w.to_string(), i.into()))
+        .collect();
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": null, "decoder": null,
+        "model": {"type": "WordPiece", "unk_token": "[UNK]", "continuing_subword_prefix": "##",
+                  "max_input_chars_per_word": 100, "vocab": vocab},
+    });
+    let run = |line: &str, name: &str| {
+        let dir = common::char_experiment(
+            &line.repeat(200),
+            "n_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16",
+            "batch_size = 2\nmax_iters = 1\neval_iters = 1",
+        );
+        std::fs::write(dir.path().join("wp.json"), tokenizer.to_string()).unwrap();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+            .args(train_args(
+                &[],
+                &[
+                    "tokenizer.kind=bpe",
+                    "tokenizer.path=wp.json",
+                    &format!("run.name={name}"),
+                ],
+            ))
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        (out.status.code(), stderr(&out))
+    };
+    // 1 in 7 tokens unknown: refused.
+    let (code, said) = run("to be or not to be zz\n", "much");
+    assert_eq!(code, Some(2), "{said}");
+    assert!(
+        said.contains("14% of the corpus's tokens (200 of 1400) are the unknown token \"[UNK]\""),
+        "{said}"
+    );
+    // 1 in 41: trained, with a note.
+    let (code, said) = run(&format!("{}zz\n", "to be or not ".repeat(10)), "little");
+    assert_eq!(code, Some(0), "{said}");
+    assert!(
+        said.contains(
+            "note: 200 of the corpus's 8200 tokens (2.44%) are the unknown token \"[UNK]\""
+        ),
+        "{said}"
+    );
+}

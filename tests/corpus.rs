@@ -224,6 +224,33 @@ fn llmc_shard(ids: &[u16]) -> Vec<u8> {
     bytes
 }
 
+/// A byte-order mark before a text file's first character, or a jsonl file's first
+/// object, is not text; a .json file is refused, not trained on as text.
+#[test]
+fn a_byte_order_mark_is_not_text_and_json_is_not_jsonl() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("a.txt"), "\u{feff}First Citizen:").unwrap();
+    std::fs::write(
+        d.join("b.jsonl"),
+        "\u{feff}{\"text\": \"Before we proceed\"}\n",
+    )
+    .unwrap();
+    let corpus = Corpus::open(d, "text").unwrap();
+    let text: String = corpus
+        .chunks_of(7)
+        .collect::<anyhow::Result<Vec<_>>>()
+        .unwrap()
+        .into_iter()
+        .flatten()
+        .map(|piece| piece.text)
+        .collect();
+    assert_eq!(text, "First Citizen:Before we proceed");
+    std::fs::write(d.join("c.json"), "[{\"text\": \"x\"}]").unwrap();
+    let err = Corpus::open(&d.join("c.json"), "text").err().unwrap();
+    assert!(format!("{err}").contains("rename it"), "{err}");
+}
+
 #[test]
 fn nanogpt_bins_are_used_as_they_are_with_val_bin_held_out() {
     let dir = tempfile::tempdir().unwrap();
@@ -235,6 +262,8 @@ fn nanogpt_bins_are_used_as_they_are_with_val_bin_held_out() {
     std::fs::write(dir.path().join("input.txt"), "First Citizen:").unwrap();
     let corpus = Corpus::open(dir.path(), "text").unwrap();
     assert!(corpus.is_tokenized());
+    // Not read, and named so (training's note).
+    assert_eq!(corpus.skipped, [dir.path().join("input.txt")]);
     let (t, v) = token_files::load(&corpus, 50257).unwrap();
     let as_u32 = |ids: &[u16]| ids.iter().map(|&i| i as u32).collect::<Vec<_>>();
     assert_eq!(t.to_vec(), as_u32(&train));

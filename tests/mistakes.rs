@@ -331,7 +331,18 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
         case(
             "corpus missing",
             &format!("{t} --set data.corpus=nope.txt"),
-            "nope.txt",
+            "(os error 2) (read from the current folder, ",
+        ),
+        with(
+            "corpus a .json file",
+            &format!("{t} --set data.corpus=c.json"),
+            "c.json is a .json file; tinygpt reads JSON Lines (one object per line) as .jsonl",
+            |d| std::fs::write(d.join("c.json"), "[{\"text\": \"To be\"}]").unwrap(),
+        ),
+        case(
+            "out_dir a file, found before the corpus is read",
+            &format!("{t} --set run.out_dir=exp.toml --set data.corpus=nope.txt"),
+            "; set run.out_dir to a writable folder",
         ),
         case(
             "corpus empty",

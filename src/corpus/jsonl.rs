@@ -38,8 +38,13 @@ impl Pieces for JsonlFile {
             };
             self.line += 1;
             let where_ = || format!("{}:{}", self.path.display(), self.line);
-            let line = line.map_err(|e| user_error(format!("cannot read {}: {e}", where_())))?;
+            let mut line =
+                line.map_err(|e| user_error(format!("cannot read {}: {e}", where_())))?;
             self.bytes_read += line.len() as u64 + 1;
+            // A byte-order mark before the first object is not part of it.
+            if self.line == 1 && line.starts_with('\u{feff}') {
+                line.drain(..'\u{feff}'.len_utf8());
+            }
             if line.trim().is_empty() {
                 continue;
             }

@@ -149,8 +149,14 @@ impl Corpus {
     /// Lists the corpus's files; `text_field` names the text in jsonl and parquet files.
     pub fn open(path: &Path, text_field: &str) -> Result<Self> {
         let meta = fs::metadata(path).map_err(|e| {
+            // A relative path is the current folder's, not the config file's: said,
+            // as a config run from another folder is the likeliest cause.
+            let from = match (path.is_relative(), std::env::current_dir()) {
+                (true, Ok(here)) => format!(" (read from the current folder, {})", here.display()),
+                _ => String::new(),
+            };
             user_error(format!(
-                "corpus {}: {e}; set data.corpus to a text, .jsonl, .parquet or .bin file, or a folder of them{}",
+                "corpus {}: {e}{from}; set data.corpus to a text, .jsonl, .parquet or .bin file, or a folder of them{}",
                 path.display(),
                 if path.ends_with("data/shakespeare.txt") {
                     " (./data/prepare.sh builds data/shakespeare.txt)"
@@ -191,6 +197,14 @@ impl Corpus {
                 "corpus {} is not a regular file (a pipe or a device); save it to a file first and set data.corpus to that",
                 path.display()
             );
+        } else if extension(path).as_deref() == Some("json") {
+            // Read as text, its braces and quotes would be trained on.
+            user_bail!(
+                "corpus {} is a .json file; tinygpt reads JSON Lines (one object per line) as .jsonl: rename it if it is that, or convert a JSON array with jq -c '.[]' {} > {}l",
+                path.display(),
+                path.display(),
+                path.display()
+            );
         } else {
             vec![path.to_path_buf()]
         };
@@ -213,8 +227,13 @@ impl Corpus {
         // A folder of token files may hold the text they came from too (nanoGPT's
         // data/shakespeare_char has input.txt beside train.bin): the ids are the corpus.
         if meta.is_dir() && files.iter().any(|f| f.format == Format::Tokens) {
-            // Left out on purpose, so not named as skipped either.
-            files.retain(|f| f.format == Format::Tokens);
+            // Named with the rest not read: nanoGPT's input.txt is meant, a .jsonl
+            // beside the ids may not be.
+            let (ids, text): (Vec<CorpusFile>, Vec<CorpusFile>) =
+                files.into_iter().partition(|f| f.format == Format::Tokens);
+            files = ids;
+            skipped.extend(text.into_iter().map(|f| f.path));
+            skipped.sort();
         }
         if files.iter().all(|f| f.bytes == 0) {
             user_bail!(

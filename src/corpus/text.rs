@@ -10,6 +10,9 @@ use super::cut::{hard_cut, last_safe_cut, MAX_PIECE_BYTES};
 use super::{Piece, Pieces};
 use crate::error::user_error;
 
+/// UTF-8's byte-order mark.
+const BOM: &[u8] = b"\xEF\xBB\xBF";
+
 pub struct TextFile {
     path: PathBuf,
     file: File,
@@ -60,6 +63,12 @@ impl Pieces for TextFile {
         let mut want = self.chunk_bytes;
         loop {
             self.fill(want)?;
+            // A byte-order mark (Windows editors write one) is not text: it would
+            // be a token, or a character of a char vocabulary.
+            if !self.started && self.offset == 0 && self.pending.starts_with(BOM) {
+                self.pending.drain(..BOM.len());
+                self.offset = BOM.len() as u64;
+            }
             if self.started && self.pending.is_empty() {
                 return Ok(None);
             }

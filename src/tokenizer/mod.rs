@@ -195,6 +195,20 @@ impl Tokenizer {
         }
     }
 
+    /// The token text the vocabulary cannot spell becomes (`[UNK]`, `<unk>`) and its
+    /// id, where the model has one: byte-level BPE has none (any byte is a token).
+    pub fn unknown_token(&self) -> Option<(String, u32)> {
+        let name = match self.hf.get_model() {
+            ModelWrapper::BPE(bpe) => bpe.get_unk_token().clone()?,
+            ModelWrapper::WordPiece(model) => model.unk_token.clone(),
+            ModelWrapper::WordLevel(model) => model.unk_token.clone(),
+            // Its unknown id is private to `tokenizers`: SentencePiece's name for it.
+            ModelWrapper::Unigram(_) => "<unk>".to_string(),
+        };
+        let id = self.hf.token_to_id(&name)?;
+        Some((name, id))
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.hf.get_vocab_size(true)
     }
@@ -451,8 +465,8 @@ fn unknown_chars(ids: &HashMap<char, u32>, text: &str, first: char, pos: usize) 
     let shown: Vec<String> = missing.iter().take(8).map(|c| format!("{c:?}")).collect();
     let more = match missing.len() {
         1 => String::new(),
-        n if n > 8 => format!(" (with {}, and {} more)", shown[1..].join(", "), n - 8),
-        _ => format!(" (with {})", shown[1..].join(", ")),
+        n if n > 8 => format!(" (nor are {}, and {} more)", shown[1..].join(", "), n - 8),
+        _ => format!(" (nor are {})", shown[1..].join(", ")),
     };
     let hint = if missing.contains(&'\u{feff}') {
         "; '\\u{feff}' is a byte-order mark: save the text as UTF-8 without one"
@@ -582,7 +596,7 @@ mod tests {
         let msg = format!("{:#}", tk.encode("ab\r\nzz\r\ny").unwrap_err());
         assert!(
             msg.contains("'\\r' (byte offset 2)")
-                && msg.contains("(with '\\n', 'z', 'y')")
+                && msg.contains("(nor are '\\n', 'z', 'y')")
                 && msg.contains("dos2unix"),
             "{msg}"
         );

@@ -79,8 +79,9 @@ pub struct Trainer {
     cache: Option<CorpusCache>,
     /// The corpus's fingerprint as the state keeps it ([`TrainState::corpus_fingerprint`]).
     corpus_fingerprint: String,
-    /// What the corpus folder holds that is not read ([`Corpus::skipped`]).
-    corpus_skipped: Vec<std::path::PathBuf>,
+    /// What training says of its data before it starts: a corpus folder's files not
+    /// read, tokens the tokenizer could not spell.
+    data_notes: Vec<String>,
 }
 
 /// What rank 0 prepares before the others start: the config resolved, the data split,
@@ -98,8 +99,8 @@ struct Prepared {
     cache: Option<CorpusCache>,
     /// The corpus's fingerprint, as [`TrainState::corpus_fingerprint`] keeps it.
     corpus_fingerprint: String,
-    /// What the corpus folder holds that is not read.
-    corpus_skipped: Vec<std::path::PathBuf>,
+    /// What training says of its data before it starts.
+    data_notes: Vec<String>,
     /// A resumed run's training settings as saved (the schedule it followed).
     saved_train: Option<TrainConfig>,
 }
@@ -271,7 +272,7 @@ impl Trainer {
             _lock: p.lock,
             cache: None,
             corpus_fingerprint: p.corpus_fingerprint,
-            corpus_skipped: p.corpus_skipped,
+            data_notes: p.data_notes,
         })
     }
 
@@ -622,8 +623,8 @@ impl Trainer {
     pub fn run(&mut self, reporter: &mut dyn Reporter) -> Result<TrainSummary> {
         let cfg = self.config.train.clone();
         reporter.started(&self.info());
-        if let Some(note) = skipped_note(&self.config.data.corpus, &self.corpus_skipped) {
-            reporter.note(&note);
+        for note in &self.data_notes {
+            reporter.note(note);
         }
         let (start, end) = (self.state.step, cfg.max_iters);
         if cfg.warmup_iters > end && start < end && cfg.lr > 0.0 {
@@ -876,7 +877,7 @@ fn open_run_folder(
         None => {
             std::fs::create_dir_all(run.path()).map_err(|e| {
                 crate::error::user_error(format!(
-                    "cannot create run folder {}: {e}",
+                    "cannot create run folder {}: {e}; set run.out_dir to a writable folder",
                     run.path().display()
                 ))
             })?;
@@ -911,6 +912,22 @@ fn restore(
     Ok(())
 }
 
+/// run.out_dir made (or found) and written to before any corpus work: one that cannot
+/// be failed only after the tokenizer was trained and the corpus encoded.
+fn check_out_dir(out_dir: &std::path::Path) -> Result<()> {
+    let refused = |e: std::io::Error| {
+        crate::error::user_error(format!(
+            "run.out_dir {}: {e}; set run.out_dir to a writable folder",
+            out_dir.display()
+        ))
+    };
+    std::fs::create_dir_all(out_dir).map_err(refused)?;
+    let probe = out_dir.join(format!(".tinygpt-write-check-{}", std::process::id()));
+    std::fs::File::create(&probe).map_err(refused)?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
 /// What a run needs before its engine: the config resolved (a new run's tokenizer
 /// trained, a resumed run's checkpoint read), the device chosen and checked for memory,
 /// the corpus's tokens split. Nothing is written to the run folder.
@@ -929,6 +946,9 @@ fn prepare(config: Config, start: &Start, stop: &Stop, comm: &dyn Collective) ->
         parse_device(&rank_device(&config.run.device, comm))?
     };
     let run = RunDir::new(config.run_dir());
+    if comm.rank() == 0 {
+        check_out_dir(&config.run.out_dir)?;
+    }
     let corpus = Corpus::open(&config.data.corpus, &config.data.text_field)?;
     let cache = CorpusCache::new(&config.data.cache_dir, &corpus, config.data.fingerprint)?;
     let origin = start::resolve(config, start, &run, &corpus, &cache, stop)?;
@@ -945,13 +965,17 @@ fn prepare(config: Config, start: &Start, stop: &Stop, comm: &dyn Collective) ->
     };
     check_memory(&config, &device, ranks)?;
     let split = load_split(&config, &corpus, &cache, &origin.tokenizer, stop)?;
+    let unknown_note = unknown_tokens(&origin.tokenizer, &split, &config)?;
     Ok(Prepared {
         corpus_fingerprint: format!(
             "{}:{}",
             format!("{:?}", config.data.fingerprint).to_lowercase(),
             cache.fingerprint()
         ),
-        corpus_skipped: corpus.skipped.clone(),
+        data_notes: skipped_note(&config.data.corpus, &corpus.skipped)
+            .into_iter()
+            .chain(unknown_note)
+            .collect(),
         cache: (!corpus.is_tokenized()).then_some(cache),
         config,
         tokenizer: origin.tokenizer,
@@ -1042,6 +1066,39 @@ fn load_split(
         );
     }
     Split::new(tokens, data.val_fraction, block, &data.corpus)
+}
+
+/// A tokenizer that maps what it cannot spell to one unknown token (a WordPiece or
+/// SentencePiece tokenizer.json without byte fallback; byte-level BPE spells any text):
+/// a note where some of the corpus became that token, a refusal where much of it did
+/// (the model would learn `[UNK]`).
+fn unknown_tokens(
+    tokenizer: &Tokenizer,
+    split: &crate::data::Split,
+    config: &Config,
+) -> Result<Option<String>> {
+    let Some((name, id)) = tokenizer.unknown_token() else {
+        return Ok(None);
+    };
+    let total = split.train.len() + split.val.len();
+    let unknown = split.train.count(id) + split.val.count(id);
+    if unknown == 0 || total == 0 {
+        return Ok(None);
+    }
+    let share = 100.0 * unknown as f64 / total as f64;
+    let path = config
+        .tokenizer
+        .path
+        .as_ref()
+        .map_or_else(|| "the tokenizer".to_string(), |p| p.display().to_string());
+    if share >= 5.0 {
+        user_bail!(
+            "{share:.0}% of the corpus's tokens ({unknown} of {total}) are the unknown token {name:?}: {path} cannot spell this corpus; use a tokenizer with byte fallback, or leave tokenizer.path out to train a byte-level BPE (which spells any text)"
+        );
+    }
+    Ok(Some(format!(
+        "note: {unknown} of the corpus's {total} tokens ({share:.2}%) are the unknown token {name:?}: {path} cannot spell some of its text"
+    )))
 }
 
 /// The note naming what corpus folder `corpus` holds that training does not read: a

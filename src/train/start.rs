@@ -183,7 +183,7 @@ fn fresh(mut config: Config, corpus: &Corpus, cache: &CorpusCache, stop: &Stop) 
             // A char kind asked for beside a file that is not one would be dropped.
             if tk.kind == TokenizerKind::Char && tokenizer.kind_name() != "char" {
                 user_bail!(
-                    "tokenizer.kind = \"char\" but tokenizer.path {} is not a char vocabulary (it is used as it is); remove tokenizer.path to train a char vocabulary on the corpus, or tokenizer.kind",
+                    "tokenizer.kind = \"char\" but tokenizer.path {} is not a char vocabulary (it is used as it is); remove tokenizer.path to train a char vocabulary on the corpus, or set tokenizer.kind = \"bpe\" to use the file",
                     path.display()
                 );
             }
