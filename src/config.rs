@@ -864,7 +864,11 @@ fn plain_words(message: &str) -> String {
     let message = WORDS.iter().fold(message.to_string(), |m, (serde, plain)| {
         m.replace(serde, plain)
     });
-    let message = with_suggestion(&message);
+    let mut message = with_suggestion(&message);
+    // `--set 'train.lr="3e-4"'`: a number in quotes is text to TOML.
+    if message.contains("invalid type: string") && message.contains("number") {
+        message.push_str(" (a number goes without quotes)");
+    }
     // A value where a section goes (`run = 5`): serde names our struct.
     match message.find("expected struct ") {
         Some(at) => format!(
@@ -1069,6 +1073,7 @@ mod tests {
                 "lr_decay_iters",
             ),
             (&["run.name=a/b"], "run.name"),
+            (&["train.lr=\"3e-4\""], "(a number goes without quotes)"),
             (&["run.name=\"a\\nb\""], "control character"),
         ];
         for (overrides, needle) in cases {

@@ -268,6 +268,16 @@ fn nanogpt_bins_are_used_as_they_are_with_val_bin_held_out() {
     let as_u32 = |ids: &[u16]| ids.iter().map(|&i| i as u32).collect::<Vec<_>>();
     assert_eq!(t.to_vec(), as_u32(&train));
     assert_eq!(v.expect("val.bin is validation").to_vec(), as_u32(&val));
+    // An empty val.bin is named, not taken for a corpus too short.
+    let empty = tempfile::tempdir().unwrap();
+    std::fs::write(empty.path().join("train.bin"), u16_bytes(&train)).unwrap();
+    std::fs::write(empty.path().join("val.bin"), b"").unwrap();
+    let with_empty_val = Corpus::open(empty.path(), "text").unwrap();
+    let err = token_files::load(&with_empty_val, 50257).err().unwrap();
+    assert!(
+        format!("{err}").contains("(validation) holds no ids"),
+        "{err}"
+    );
     let err = token_files::load(&corpus, 1000).err().unwrap();
     assert!(
         format!("{err}").contains("outside the vocabulary of 1000"),

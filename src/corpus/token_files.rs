@@ -133,6 +133,13 @@ pub fn load(corpus: &Corpus, vocab_size: usize) -> Result<(Tokens, Option<Tokens
         }
         let name = file.path.file_name().unwrap_or_default().to_string_lossy();
         if is_validation(&name) {
+            // Else the split's message would blame the corpus's length.
+            if tokens.is_empty() {
+                user_bail!(
+                    "token file {} (validation) holds no ids; replace it, or remove it to hold out data.val_fraction of the training ids instead",
+                    file.path.display()
+                );
+            }
             val.push(tokens);
         } else {
             train.push(tokens);
