@@ -314,24 +314,18 @@ fn check_existing_run(point: &Point) -> Result<()> {
 /// `key = wanted (the run has saved)` for each setting that makes `wanted` another
 /// experiment than the run `saved` describes.
 fn setting_differences(wanted: &Config, saved: &Config) -> Vec<String> {
+    // A char vocabulary is the corpus's characters, whatever tokenizer.vocab_size and
+    // train_bytes say: those are left out of a char run's settings.
+    use crate::compare::{flatten, without_unused};
     let (want, have) = (
-        crate::compare::flatten(wanted),
-        crate::compare::flatten(saved),
+        without_unused(flatten(wanted)),
+        without_unused(flatten(saved)),
     );
-    let char_level = |c: &Config| c.tokenizer.kind == crate::config::TokenizerKind::Char;
     let keys: std::collections::BTreeSet<&String> = want.keys().chain(have.keys()).collect();
     keys.into_iter()
         .filter(|key| !CONTINUABLE.contains(&key.as_str()))
         // Filled in from the tokenizer when a run starts.
         .filter(|key| !(*key == "model.vocab_size" && wanted.model.vocab_size == 0))
-        // A char vocabulary is the corpus's characters, whatever these say.
-        .filter(|key| {
-            !(matches!(
-                key.as_str(),
-                "tokenizer.vocab_size" | "tokenizer.train_bytes"
-            ) && char_level(wanted)
-                && char_level(saved))
-        })
         .filter(|key| match key.as_str() {
             "data.corpus" => !same_path(&wanted.data.corpus, &saved.data.corpus),
             "tokenizer.path" => match (&wanted.tokenizer.path, &saved.tokenizer.path) {

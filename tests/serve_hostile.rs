@@ -525,7 +525,7 @@ fn unknown_and_unsupported_fields_are_refused_by_name() {
             &url,
             "[]",
             None,
-            "the request body is a list; send a JSON object",
+            "the request body is an array; send a JSON object",
         ),
         (&url, r#""To""#, None, "the request body is a string"),
         (&chat, "null", None, "the request body is null"),
@@ -540,7 +540,7 @@ fn unknown_and_unsupported_fields_are_refused_by_name() {
             &chat,
             r#"{"messages": "To"}"#,
             Some("messages"),
-            "expected a list",
+            "expected an array",
         ),
         (
             &url,

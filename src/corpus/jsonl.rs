@@ -58,7 +58,7 @@ impl Pieces for JsonlFile {
                 return Err(user_error(format!(
                     "{} is {}, not a JSON object; a .jsonl corpus has one object per line, its text in field \"{}\"",
                     where_(),
-                    kind_of(&value),
+                    crate::util::json_kind(&value),
                     self.field
                 )));
             }
@@ -72,7 +72,7 @@ impl Pieces for JsonlFile {
                         "{}: field \"{}\" is {}, not a string; set data.text_field to the field holding the text",
                         where_(),
                         self.field,
-                        kind_of(other)
+                        crate::util::json_kind(other)
                     )))
                 }
                 None => {
@@ -97,16 +97,5 @@ impl Pieces for JsonlFile {
 
     fn consumed(&self) -> u64 {
         self.bytes_read
-    }
-}
-
-fn kind_of(value: &serde_json::Value) -> &'static str {
-    match value {
-        serde_json::Value::Null => "null",
-        serde_json::Value::Bool(_) => "a boolean",
-        serde_json::Value::Number(_) => "a number",
-        serde_json::Value::String(_) => "a string",
-        serde_json::Value::Array(_) => "an array",
-        serde_json::Value::Object(_) => "an object",
     }
 }

@@ -228,7 +228,7 @@ impl<S: Send + Sync, T: DeserializeOwned + Fields> FromRequest<S> for ApiJson<T>
             // serde would name our struct ("expected struct SamplingFields").
             return Err(ApiError::invalid(format!(
                 "the request body is {}; send a JSON object of the request's fields ({{\"prompt\": ...}} or {{\"messages\": [...]}})",
-                json_kind(&value)
+                crate::util::json_kind(&value)
             )));
         }
         check_fields(&value, T::FIELDS)?;
@@ -267,9 +267,9 @@ fn in_words(serde_says: &str) -> String {
         ("expected u32", "expected a whole number from 0"),
         ("expected f64", "expected a number"),
         ("expected a boolean", "expected true or false"),
-        ("expected a sequence", "expected a list"),
+        ("expected a sequence", "expected an array"),
         ("expected a map", "expected an object"),
-        ("invalid type: sequence", "invalid type: a list"),
+        ("invalid type: sequence", "invalid type: an array"),
         ("invalid type: map", "invalid type: an object"),
         ("floating point `", "the decimal number `"),
         ("integer `", "the whole number `"),
@@ -287,18 +287,6 @@ fn in_words(serde_says: &str) -> String {
             format!("{}expected an object{}", &text[..at], &text[name_end..])
         }
         None => text,
-    }
-}
-
-/// What a JSON value is, in a client's words.
-fn json_kind(value: &Value) -> &'static str {
-    match value {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "a list",
-        Value::Object(_) => "an object",
     }
 }
 

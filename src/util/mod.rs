@@ -15,6 +15,18 @@ pub use stop::{Stop, Stopped};
 pub use system::{available_memory_bytes, peak_rss_mb};
 
 /// "s" where a count of `n` takes the plural ("1 layer", "2 layers").
+/// What a JSON value is, in words for a message: "an array", "a string".
+pub fn json_kind(value: &serde_json::Value) -> &'static str {
+    match value {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
 pub fn plural(n: usize) -> &'static str {
     if n == 1 {
         ""
