@@ -179,14 +179,15 @@ fn check_engine(level: Isa) {
 /// of the scaled blocks round. Widths of whole and partial blocks, values at the ends
 /// of the range.
 fn check_q8(level: Isa) {
-    check_blocks!(level, tinygpt::cpu::q8::Q8Matrix);
+    check_blocks!(level, tinygpt::cpu::q8_matrix::Q8Matrix);
     check_blocks!(level, tinygpt::cpu::q4::Q4Matrix);
 }
 
 /// The block-quantized matrix type `$matrix` at `level` (see `check_q8`).
 macro_rules! check_blocks {
     ($level:expr, $matrix:ty) => {{
-        use tinygpt::cpu::q8::{BlockMatrix, Q8Matrix, Q8Row, BLOCK};
+        use tinygpt::cpu::q8::{BlockMatrix, Q8Row, BLOCK};
+        use tinygpt::cpu::q8_matrix::Q8Matrix;
         let level = $level;
         let kind = stringify!($matrix);
         for (rows, cols, n) in [

@@ -33,7 +33,8 @@ use super::ops::activation::Activation;
 use super::ops::norm::NormWeights;
 use super::ops::rope::Rope;
 use super::q4::Q4Matrix;
-use super::q8::{BlockMatrix, Q8Matrix, Q8Row};
+use super::q8::{BlockMatrix, Q8Row};
+use super::q8_matrix::Q8Matrix;
 use super::team::for_each_piece;
 use super::threads::threads;
 use super::weight_rows::{by_output_shares, one_row_shares, project_rows, splits, Bf16};
@@ -522,7 +523,10 @@ fn project_quantized<M: BlockMatrix>(
     let (d_in, d_out) = (w.cols(), w.rows());
     let n = x.len() / d_in;
     let shares = if splits(d_out * d_in) { threads() } else { 1 };
-    let share = d_out.div_ceil(shares).max(1);
+    let share = d_out
+        .div_ceil(shares)
+        .max(1)
+        .next_multiple_of(M::ROWS_TOGETHER);
     #[cfg(target_arch = "x86_64")]
     if super::q8::takes_widened::<M>(n) {
         // x stays in f32: the weights are widened instead.
@@ -540,7 +544,9 @@ fn project_quantized<M: BlockMatrix>(
     }
     let rows = &rows[..n];
     if n == 1 {
-        let share = d_out.div_ceil(one_row_shares(d_out * d_in));
+        let share = d_out
+            .div_ceil(one_row_shares(d_out * d_in))
+            .next_multiple_of(M::ROWS_TOGETHER);
         for_each_piece(&mut out[..d_out], share, |i, out| {
             let first = i * share;
             let bias = bias.map(|b| &b[first..first + out.len()]);

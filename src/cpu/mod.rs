@@ -31,6 +31,7 @@ pub mod peak;
 pub mod prompt_attention;
 pub mod q4;
 pub mod q8;
+pub mod q8_matrix;
 #[cfg(target_arch = "x86_64")]
 mod sgemm;
 pub mod team;

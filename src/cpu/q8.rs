@@ -1,20 +1,13 @@
-//! Weights in eight bits for decoding, in the manner of llama.cpp's `q8_0`: each row of
-//! a matrix in blocks of 32 values, each block its int8 values and one f32 scale (the
-//! block's largest magnitude / 127). A token's activations are quantized the same way
-//! before a product, so a block's dot product is 32 integer multiplications summed
-//! exactly, scaled once: a quarter of f32's bytes read per weight, which is what a
-//! decoding step spends its time on.
-//!
-//! The dot product of two blocks runs as AVX2 integer instructions where the CPU has
-//! them (`vpmaddubsw` on |x| and w with x's sign, then `vpmaddwd`), plain Rust
-//! elsewhere; both sum each block exactly in integers and differ only in the order the
-//! scaled blocks are added in f32.
-
-use rayon::prelude::*;
+//! Eight-bit blocks as llama.cpp's `q8_0` holds them: values in blocks of 32, each
+//! block its int8 values and one f32 scale (the block's largest magnitude / 127). A
+//! token's activations are quantized so ([`Q8Row`]) before a product with int8 or int4
+//! weights, so a block's dot product is 32 integer multiplications summed exactly,
+//! scaled once. The int8 weights themselves (`Q8Matrix`) are in `q8_matrix`, laid
+//! out in groups of rows; this module holds what both weight formats share: the
+//! activation rows, the [`BlockMatrix`] products, and the tiles `q4` takes.
 
 use super::isa::{self, Isa};
-use super::kernels::{asks_ahead, multiversion, prefetch_all, AHEAD_BYTES};
-use super::lines::Lines;
+use super::kernels::{asks_ahead, multiversion, AHEAD_BYTES};
 use super::weight_rows::PADDED_MIN_ROWS;
 #[cfg(target_arch = "x86_64")]
 use super::weight_rows::{sixteen_row_groups, Ahead, TileRows};
@@ -22,25 +15,15 @@ use super::weight_rows::{sixteen_row_groups, Ahead, TileRows};
 /// Values per block.
 pub const BLOCK: usize = 32;
 
-/// A (rows, cols) matrix in blocks of `BLOCK` along its rows (cols padded with zeros to
-/// whole blocks).
-#[derive(Debug, Clone)]
-pub struct Q8Matrix {
-    rows: usize,
-    cols: usize,
-    /// Blocks per row.
-    blocks: usize,
-    /// (rows, blocks x BLOCK) int8 values.
-    quants: Lines<i8>,
-    /// (rows, blocks) scales.
-    scales: Lines<f32>,
-}
-
-/// One row of activations quantized for products with a [`Q8Matrix`].
+/// One row of activations quantized for products with int8 weights (`Q8Matrix`) or int4
+/// (`Q4Matrix`).
 #[derive(Debug, Clone, Default)]
 pub struct Q8Row {
     quants: Vec<i8>,
     scales: Vec<f32>,
+    /// Per block, 128 x the sum of its values: what a product with weights kept as
+    /// w + 128 (unsigned, as `vpdpbusd` takes them: `q8_matrix`) exceeds x · w by.
+    excess: Vec<i32>,
 }
 
 multiversion! {
@@ -84,174 +67,6 @@ fn round_small(y: f32) -> i8 {
     ((y + MAGIC).to_bits() as i32 - MAGIC.to_bits() as i32) as i8
 }
 
-impl Q8Matrix {
-    /// `w`, (rows, cols) row-major, quantized.
-    pub fn quantize(w: &[f32], rows: usize, cols: usize) -> Self {
-        assert_eq!(w.len(), rows * cols, "a (rows, cols) matrix");
-        let mut q = Self::zeros(rows, cols);
-        q.quantize_rows(0, w);
-        q
-    }
-
-    /// A (rows, cols) matrix of zeros, to be filled by `quantize_rows`.
-    pub fn zeros(rows: usize, cols: usize) -> Self {
-        let blocks = cols.div_ceil(BLOCK);
-        Self {
-            rows,
-            cols,
-            blocks,
-            quants: Lines::zeroed(rows * blocks * BLOCK),
-            scales: Lines::zeroed(rows * blocks),
-        }
-    }
-
-    /// Rows first .. first + w.len() / cols set to `w` (row-major) quantized.
-    pub fn quantize_rows(&mut self, first: usize, w: &[f32]) {
-        let (cols, blocks) = (self.cols, self.blocks);
-        assert_eq!(w.len() % cols, 0, "whole rows");
-        let n = w.len() / cols;
-        assert!(first + n <= self.rows, "rows inside the matrix");
-        self.quants[first * blocks * BLOCK..(first + n) * blocks * BLOCK]
-            .par_chunks_mut(blocks * BLOCK)
-            .zip(self.scales[first * blocks..(first + n) * blocks].par_chunks_mut(blocks))
-            .zip(w.par_chunks(cols))
-            .for_each(|((q, s), row)| quantize_into(row, q, s));
-    }
-
-    /// Bytes held: the int8 values and the scales.
-    pub fn bytes(&self) -> usize {
-        self.quants.len() + 4 * self.scales.len()
-    }
-
-    /// Row `r` back in f32 (each value its int8 times its block's scale) into
-    /// out[..cols].
-    pub fn row_into(&self, r: usize, out: &mut [f32]) {
-        self.rows_into(r, &mut out[..self.cols]);
-    }
-}
-
-impl BlockMatrix for Q8Matrix {
-    /// At the AVX2 level the integer products (`vpmaddubsw`, no VNNI) multiplied rows
-    /// of x slower than f32's broadcasts: 16 sequences of GPT-2 124M decoded at 225-240
-    /// tokens/s in int8, f32 at 249-270, int8 widened 267-324 (Zen 3, 2 threads).
-    const WIDENED_FOR_MANY_ROWS: bool = true;
-
-    fn rows(&self) -> usize {
-        self.rows
-    }
-
-    fn cols(&self) -> usize {
-        self.cols
-    }
-
-    fn prefetch_row(&self, r: usize) {
-        let width = self.blocks * BLOCK;
-        prefetch_all(&self.quants[r * width..(r + 1) * width]);
-        prefetch_all(&self.scales[r * self.blocks..(r + 1) * self.blocks]);
-    }
-
-    fn row_bytes(&self) -> usize {
-        self.blocks * (BLOCK + 4)
-    }
-
-    fn rows_into(&self, first: usize, out: &mut [f32]) {
-        let (width, n) = (self.blocks * BLOCK, out.len() / self.cols);
-        let quants = &self.quants[first * width..(first + n) * width];
-        widen_q8(
-            quants,
-            &self.scales[first * self.blocks..(first + n) * self.blocks],
-            self.cols,
-            out,
-        );
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    fn values_from(&self, r: usize) -> Ahead {
-        let width = self.blocks * BLOCK;
-        Ahead::rows(self.quants.as_ptr().wrapping_add(r * width), width, 64)
-    }
-
-    fn dot_row(&self, level: Isa, r: usize, x: &Q8Row) -> f32 {
-        let (wq, ws) = self.row(r);
-        dot(level, wq, ws, &x.quants, &x.scales)
-    }
-
-    /// On AVX-512, each weight row against four rows of x at once ([`dots_1x4`]; on
-    /// AVX2 [`dots_1x4_avx2`]): the weights and their scales are loaded once for the
-    /// four, and the sums are
-    /// `dot_row`'s to the bit (the same integer sums, scaled and added in the same
-    /// order), so a sequence's logits do not depend on the rows beside it.
-    fn matmat(
-        &self,
-        first: usize,
-        len: usize,
-        xs: &[Q8Row],
-        bias: Option<&[f32]>,
-        out: &mut [f32],
-    ) {
-        #[cfg(target_arch = "x86_64")]
-        if isa::active() >= Isa::Avx2 && xs.len() >= 4 {
-            let outputs = first..first + len;
-            let avx512 = isa::active() >= Isa::Avx512;
-            // Safety (all kernels): the active level never exceeds what the CPU has;
-            // the rows of x hold as many blocks as the weight rows.
-            let four = |o: usize, xs: [&Prepared; 4]| {
-                let (wq, ws) = self.row(o);
-                match avx512 {
-                    true => unsafe { dots_1x4(wq, ws, xs) },
-                    false => unsafe { dots_1x4_avx2(wq, ws, xs) },
-                }
-            };
-            // Which kernels is asked once: the rows of x are prepared for them.
-            let vnni = avx512 && isa::has_avx512_vnni();
-            let tile = |o: usize, xs: [&Prepared; 4]| match vnni {
-                true => unsafe { dots_4x4_vnni(four_rows(o, |r| self.row(r)), xs) },
-                false => [0, 1, 2, 3].map(|j| four(o + j, xs)),
-            };
-            let kernel = match (avx512, vnni) {
-                (true, true) => Kernel::Vnni,
-                (true, false) => Kernel::Bw,
-                (false, _) => Kernel::Avx2,
-            };
-            let prepare = |x| Prepared::new(x, kernel);
-            return matmat_in_tiles(self, outputs, xs, bias, out, prepare, (tile, four));
-        }
-        matmat_by_dots(self, first, len, xs, bias, out)
-    }
-}
-
-multiversion! {
-    /// Each int8 value of whole rows (`quants`, `scales`: rows of whole blocks) times
-    /// its block's scale, into out's rows of `cols`, a block at a time so that the loop
-    /// runs in vectors.
-    pub fn widen_q8(quants: &[i8], scales: &[f32], cols: usize, out: &mut [f32]) {
-        let blocks = cols.div_ceil(BLOCK);
-        let rows = quants
-            .chunks_exact(blocks * BLOCK)
-            .zip(scales.chunks_exact(blocks))
-            .zip(out.chunks_exact_mut(cols));
-        for ((quants, scales), out) in rows {
-            let blocks = quants.chunks_exact(BLOCK).zip(scales).zip(out.chunks_mut(BLOCK));
-            for ((quants, &scale), out) in blocks {
-                for (out, &q) in out.iter_mut().zip(quants) {
-                    *out = f32::from(q) * scale;
-                }
-            }
-        }
-    }
-}
-
-impl Q8Matrix {
-    /// Row `r`'s int8 values and block scales.
-    fn row(&self, r: usize) -> (&[i8], &[f32]) {
-        let width = self.blocks * BLOCK;
-        (
-            &self.quants[r * width..(r + 1) * width],
-            &self.scales[r * self.blocks..(r + 1) * self.blocks],
-        )
-    }
-}
-
 /// `row(o)` .. `row(o + 3)`, written out rather than by `array::map`: the map's closure
 /// was called out of line, its slices stored and loaded back in halves, the loads
 /// stalled on the stores (13% of a 16-row int8 pass on a Zen 5). The tiles of `q8` and
@@ -270,6 +85,17 @@ impl Q8Row {
         self.quants.resize(blocks * BLOCK, 0);
         self.scales.resize(blocks, 0.0);
         quantize_into(x, &mut self.quants, &mut self.scales);
+        self.excess.clear();
+        self.excess.extend(
+            self.quants
+                .chunks_exact(BLOCK)
+                .map(|block| 128 * block.iter().map(|&q| i32::from(q)).sum::<i32>()),
+        );
+    }
+
+    /// Per block, 128 x the sum of its int8 values.
+    pub fn excess(&self) -> &[i32] {
+        &self.excess
     }
 
     /// The int8 values (whole blocks) and each block's scale.
@@ -293,6 +119,9 @@ pub trait BlockMatrix: Sync {
     /// Whether products of many rows of x widen this matrix to f32 a tile at a time
     /// ([`matmat_widened`]) instead of quantizing x, where [`takes_widened`] says.
     const WIDENED_FOR_MANY_ROWS: bool;
+    /// Rows a product computes together: a thread's share of the outputs is a multiple
+    /// of it.
+    const ROWS_TOGETHER: usize = 1;
     /// Rows first.. back in f32 (the values the products use), into `out` (whole rows
     /// of `cols`).
     fn rows_into(&self, first: usize, out: &mut [f32]);
@@ -503,381 +332,6 @@ pub(super) fn matmat_by_dots(
     }
 }
 
-/// Σ over blocks of (w scale x x scale) x Σ w_i x_i, at `level`.
-fn dot(level: Isa, wq: &[i8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if level >= Isa::Avx512 {
-        // Safety: the active level never exceeds what the CPU has.
-        return unsafe { dot_avx512(wq, ws, xq, xs) };
-    }
-    #[cfg(target_arch = "x86_64")]
-    if level >= Isa::Avx2 {
-        // Safety: the active level never exceeds what the CPU has, and AVX2 + FMA are
-        // part of every level from Avx2 up.
-        return unsafe { dot_avx2(wq, ws, xq, xs) };
-    }
-    let _ = level;
-    dot_portable(wq, ws, xq, xs)
-}
-
-/// [`dot_avx2`] two blocks a step in 512-bit registers (lanes 0..8 the first block's
-/// sums, 8..16 the second's); an odd last block goes to `dot_avx2`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2,fma")]
-unsafe fn dot_avx512(wq: &[i8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
-    use std::arch::x86_64::*;
-    let blocks = ws.len();
-    debug_assert!(wq.len() >= blocks * BLOCK && xq.len() >= blocks * BLOCK && xs.len() >= blocks);
-    let ones = _mm512_set1_epi16(1);
-    let mut acc = _mm512_setzero_ps();
-    let whole = blocks & !1;
-    for b in (0..whole).step_by(2) {
-        // Safety: each slice holds `blocks` whole blocks; b + 1 < blocks.
-        let w = _mm512_loadu_si512(wq.as_ptr().add(b * BLOCK).cast());
-        let x = _mm512_loadu_si512(xq.as_ptr().add(b * BLOCK).cast());
-        // As in dot_avx2: |x| times w with x's sign (AVX-512 BW has no vpsignb: the
-        // negation is masked where x < 0).
-        let negative = _mm512_movepi8_mask(x);
-        let zero = _mm512_setzero_si512();
-        let magnitude = _mm512_mask_sub_epi8(x, negative, zero, x);
-        let signed = _mm512_mask_sub_epi8(w, negative, zero, w);
-        let pairs = _mm512_maddubs_epi16(magnitude, signed);
-        let quads = _mm512_madd_epi16(pairs, ones);
-        let scale = _mm512_insertf32x8(
-            _mm512_set1_ps(*ws.get_unchecked(b) * *xs.get_unchecked(b)),
-            _mm256_set1_ps(*ws.get_unchecked(b + 1) * *xs.get_unchecked(b + 1)),
-            1,
-        );
-        acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(quads), acc);
-    }
-    let mut sum = _mm512_reduce_add_ps(acc);
-    if whole < blocks {
-        sum += dot_avx2(
-            &wq[whole * BLOCK..blocks * BLOCK],
-            &ws[whole..],
-            &xq[whole * BLOCK..blocks * BLOCK],
-            &xs[whole..],
-        );
-    }
-    sum
-}
-
-/// The kernels that take a weight row against four rows of x.
-#[cfg(target_arch = "x86_64")]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kernel {
-    /// AVX-512 with VNNI: [`dots_1x4_vnni`], [`dots_4x4_vnni`].
-    Vnni,
-    /// AVX-512 F/BW without VNNI: [`dots_1x4_bw`].
-    Bw,
-    /// AVX2: [`dots_1x4_avx2`].
-    Avx2,
-}
-
-/// A row of x as [`dots_1x4`] reads it against many weight rows: what depends on x
-/// alone worked out once (its magnitudes, its signs, its scales spread to lanes), not
-/// once per weight row.
-#[cfg(target_arch = "x86_64")]
-struct Prepared<'a> {
-    row: &'a Q8Row,
-    /// |x| per value (x lies in -127..=127, so it fits a byte).
-    magnitude: Vec<u8>,
-    /// x + 128 per value (0..=255): unsigned, as `vpdpbusd` takes its first operand
-    /// (the sign bit flipped: -128..=127 to 0..=255).
-    biased: Vec<u8>,
-    /// Bit i of word p: value 64 p + i is negative.
-    negative: Vec<u64>,
-    /// Per pair of blocks: the first's scale in 8 lanes, then the second's.
-    scales: Vec<f32>,
-}
-
-#[cfg(target_arch = "x86_64")]
-impl<'a> Prepared<'a> {
-    /// What `kernel` reads: x + 128 (VNNI), magnitudes and signs (AVX-512 BW), or only
-    /// the spread scales (AVX2, which reads x itself).
-    fn new(row: &'a Q8Row, kernel: Kernel) -> Self {
-        let (mut magnitude, mut biased, mut negative) = (Vec::new(), Vec::new(), Vec::new());
-        if kernel == Kernel::Vnni {
-            biased = row.quants.iter().map(|&q| (q as u8) ^ 0x80).collect();
-        } else if kernel == Kernel::Bw {
-            magnitude = row.quants.iter().map(|q| q.unsigned_abs()).collect();
-            negative = row
-                .quants
-                .chunks(64)
-                .map(|c| {
-                    c.iter()
-                        .enumerate()
-                        .fold(0u64, |m, (i, &q)| m | u64::from(q < 0) << i)
-                })
-                .collect();
-        }
-        let mut scales = Vec::with_capacity(8 * row.scales.len());
-        for &s in &row.scales {
-            scales.extend_from_slice(&[s; 8]);
-        }
-        Self {
-            row,
-            magnitude,
-            biased,
-            negative,
-            scales,
-        }
-    }
-}
-
-/// [`dot_avx512`] of one weight row against four rows of x: the weights and their
-/// scales loaded once for the four, x's side prepared once for all the weight rows.
-/// Each lane's sum of four byte products is the same integer in both kernels (VNNI's
-/// `vpdpbusd` on x + 128, or the sign trick's `vpmaddubsw` + `vpmaddwd`: a pair's sum
-/// fits i16), and the scale products are dot_avx512's (w scale x x scale, each an f32
-/// product): the sums are its sums to the bit.
-///
-/// # Safety
-/// The CPU must have AVX-512 F/BW/DQ; each row of x holds `ws.len()` blocks.
-#[cfg(target_arch = "x86_64")]
-unsafe fn dots_1x4(wq: &[i8], ws: &[f32], xs: [&Prepared; 4]) -> [f32; 4] {
-    if super::isa::has_avx512_vnni() {
-        dots_1x4_vnni(wq, ws, xs)
-    } else {
-        dots_1x4_bw(wq, ws, xs)
-    }
-}
-
-/// The four sums of [`dots_1x4`]: each accumulator's lanes added as `dot_avx512` adds
-/// them, and an odd last block through `dot_avx2`, as there.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2,fma")]
-unsafe fn finish_1x4(
-    wq: &[i8],
-    ws: &[f32],
-    xs: [&Prepared; 4],
-    acc: [std::arch::x86_64::__m512; 4],
-    whole: usize,
-) -> [f32; 4] {
-    let mut sums = acc.map(|acc| std::arch::x86_64::_mm512_reduce_add_ps(acc));
-    add_odd_block(wq, ws, xs, whole, &mut sums);
-    sums
-}
-
-/// Adds to each of `sums` (one weight row against four rows of x) the products of the
-/// blocks past `whole` (an odd last one, or none), through `dot_avx2` as `dot_avx512` does.
-///
-/// # Safety
-/// The CPU must have AVX2 and FMA; each row of x holds `ws.len()` blocks.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn add_odd_block(
-    wq: &[i8],
-    ws: &[f32],
-    xs: [&Prepared; 4],
-    whole: usize,
-    sums: &mut [f32; 4],
-) {
-    let blocks = ws.len();
-    if whole == blocks {
-        return;
-    }
-    for (sum, x) in sums.iter_mut().zip(xs) {
-        *sum += dot_avx2(
-            &wq[whole * BLOCK..blocks * BLOCK],
-            &ws[whole..],
-            &x.row.quants[whole * BLOCK..blocks * BLOCK],
-            &x.row.scales[whole..blocks],
-        );
-    }
-}
-
-/// [`dots_1x4`] with VNNI: `vpdpbusd` multiplies unsigned by signed bytes, so x goes
-/// in as x + 128 and each lane starts from -128 x (its four weights' sum), worked out
-/// once per weight block pair: Σ (x + 128) w - 128 Σ w = Σ x w, the same integers as
-/// the sign trick, with no per-row sign work.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma")]
-unsafe fn dots_1x4_vnni(wq: &[i8], ws: &[f32], xs: [&Prepared; 4]) -> [f32; 4] {
-    use std::arch::x86_64::*;
-    let blocks = ws.len();
-    debug_assert!(wq.len() >= blocks * BLOCK);
-    debug_assert!(xs.iter().all(|x| x.biased.len() >= blocks * BLOCK));
-    let bias = _mm512_set1_epi8(-128); // the byte 0x80: 128 as vpdpbusd's unsigned operand
-    let zero = _mm512_setzero_si512();
-    let mut acc = [_mm512_setzero_ps(); 4];
-    let whole = blocks & !1;
-    for b in (0..whole).step_by(2) {
-        // Safety: every slice holds `blocks` whole blocks; b + 1 < blocks.
-        let w = _mm512_loadu_si512(wq.as_ptr().add(b * BLOCK).cast());
-        let start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, w));
-        let w_scales = _mm512_insertf32x8(
-            _mm512_set1_ps(*ws.get_unchecked(b)),
-            _mm256_set1_ps(*ws.get_unchecked(b + 1)),
-            1,
-        );
-        for (acc, x) in acc.iter_mut().zip(xs) {
-            let biased = _mm512_loadu_si512(x.biased.as_ptr().add(b * BLOCK).cast());
-            let quads = _mm512_dpbusd_epi32(start, biased, w);
-            let scale = _mm512_mul_ps(w_scales, _mm512_loadu_ps(x.scales.as_ptr().add(8 * b)));
-            *acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(quads), *acc);
-        }
-    }
-    finish_1x4(wq, ws, xs, acc, whole)
-}
-
-/// [`dots_1x4_vnni`] for four weight rows at once (`[j][i]`: weight row j, x row i):
-/// each weight row's start and scales worked out once for the four rows of x. x is
-/// read where it is used (from L1): held instead in eight registers beside the sixteen
-/// sums, it pushed sums out to the stack every step (a 16-row int8 pass 5-10% slower on
-/// a Zen 5). Every lane takes the same steps as in `dots_1x4_vnni`, so the sums are its
-/// sums to the bit.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma")]
-unsafe fn dots_4x4_vnni(w: [(&[i8], &[f32]); 4], xs: [&Prepared; 4]) -> [[f32; 4]; 4] {
-    use std::arch::x86_64::*;
-    let blocks = w[0].1.len();
-    debug_assert!(w
-        .iter()
-        .all(|(q, s)| s.len() == blocks && q.len() >= blocks * BLOCK));
-    debug_assert!(xs.iter().all(|x| x.biased.len() >= blocks * BLOCK));
-    let bias = _mm512_set1_epi8(-128);
-    let zero = _mm512_setzero_si512();
-    let mut acc = [[_mm512_setzero_ps(); 4]; 4];
-    let whole = blocks & !1;
-    for b in (0..whole).step_by(2) {
-        // Safety: every slice holds `blocks` whole blocks; b + 1 < blocks.
-        for (acc, (wq, ws)) in acc.iter_mut().zip(w) {
-            let w = _mm512_loadu_si512(wq.as_ptr().add(b * BLOCK).cast());
-            let start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, w));
-            let w_scales = _mm512_insertf32x8(
-                _mm512_set1_ps(*ws.get_unchecked(b)),
-                _mm256_set1_ps(*ws.get_unchecked(b + 1)),
-                1,
-            );
-            for (acc, x) in acc.iter_mut().zip(xs) {
-                let biased = _mm512_loadu_si512(x.biased.as_ptr().add(b * BLOCK).cast());
-                let x_scales = _mm512_loadu_ps(x.scales.as_ptr().add(8 * b));
-                let quads = _mm512_dpbusd_epi32(start, biased, w);
-                let scale = _mm512_mul_ps(w_scales, x_scales);
-                *acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(quads), *acc);
-            }
-        }
-    }
-    let mut sums = sums_4x4(acc);
-    for (sums, (wq, ws)) in sums.iter_mut().zip(w) {
-        add_odd_block(wq, ws, xs, whole, sums);
-    }
-    sums
-}
-
-/// [`dots_1x4`] without VNNI: |x| times w with x's sign (as in `dot_avx512`), the
-/// byte products summed in pairs by `vpmaddubsw` and in fours by `vpmaddwd`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2,fma")]
-unsafe fn dots_1x4_bw(wq: &[i8], ws: &[f32], xs: [&Prepared; 4]) -> [f32; 4] {
-    use std::arch::x86_64::*;
-    let blocks = ws.len();
-    debug_assert!(wq.len() >= blocks * BLOCK);
-    debug_assert!(xs.iter().all(|x| x.magnitude.len() >= blocks * BLOCK));
-    let (zero, ones) = (_mm512_setzero_si512(), _mm512_set1_epi16(1));
-    let mut acc = [_mm512_setzero_ps(); 4];
-    let whole = blocks & !1;
-    for b in (0..whole).step_by(2) {
-        // Safety: every slice holds `blocks` whole blocks; b + 1 < blocks.
-        let w = _mm512_loadu_si512(wq.as_ptr().add(b * BLOCK).cast());
-        let w_scales = _mm512_insertf32x8(
-            _mm512_set1_ps(*ws.get_unchecked(b)),
-            _mm256_set1_ps(*ws.get_unchecked(b + 1)),
-            1,
-        );
-        for (acc, x) in acc.iter_mut().zip(xs) {
-            let magnitude = _mm512_loadu_si512(x.magnitude.as_ptr().add(b * BLOCK).cast());
-            let negative = *x.negative.get_unchecked(b / 2);
-            let signed = _mm512_mask_sub_epi8(w, negative, zero, w);
-            let quads = _mm512_madd_epi16(_mm512_maddubs_epi16(magnitude, signed), ones);
-            let scale = _mm512_mul_ps(w_scales, _mm512_loadu_ps(x.scales.as_ptr().add(8 * b)));
-            *acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(quads), *acc);
-        }
-    }
-    finish_1x4(wq, ws, xs, acc, whole)
-}
-
-/// [`dot_avx2`] of one weight row against four rows of x: each weight block loaded,
-/// its magnitudes taken and its scale spread once for the four, x's scales spread once
-/// for all the weight rows (`Prepared`). The sign trick turned round, |w| times x with
-/// w's sign, gives the same pair sums as dot_avx2's |x| times w with x's sign; the
-/// scales are the same f32 products, added in its order: its sums to the bit.
-///
-/// # Safety
-/// The CPU must have AVX2 and FMA; each row of x holds `ws.len()` blocks.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dots_1x4_avx2(wq: &[i8], ws: &[f32], xs: [&Prepared; 4]) -> [f32; 4] {
-    use std::arch::x86_64::*;
-    let blocks = ws.len();
-    debug_assert!(wq.len() >= blocks * BLOCK);
-    debug_assert!(xs.iter().all(|x| x.scales.len() >= 8 * blocks));
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = [_mm256_setzero_ps(); 4];
-    for b in 0..blocks {
-        // Safety: every slice holds `blocks` whole blocks.
-        let w = _mm256_loadu_si256(wq.as_ptr().add(b * BLOCK).cast());
-        let magnitude = _mm256_sign_epi8(w, w);
-        let w_scale = _mm256_set1_ps(*ws.get_unchecked(b));
-        for (acc, x) in acc.iter_mut().zip(xs) {
-            let values = _mm256_loadu_si256(x.row.quants.as_ptr().add(b * BLOCK).cast());
-            let signed = _mm256_sign_epi8(values, w);
-            let quads = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed), ones);
-            let scale = _mm256_mul_ps(w_scale, _mm256_loadu_ps(x.scales.as_ptr().add(8 * b)));
-            *acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(quads), *acc);
-        }
-    }
-    let mut sums = [0f32; 4];
-    for (sum, acc) in sums.iter_mut().zip(acc) {
-        *sum = lanes_sum_avx2(acc);
-    }
-    sums
-}
-
-/// The blocks' exact integer sums, scaled and added in block order.
-pub fn dot_portable(wq: &[i8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
-    let mut sum = 0f32;
-    for (b, (w, x)) in wq
-        .chunks_exact(BLOCK)
-        .zip(xq.chunks_exact(BLOCK))
-        .enumerate()
-    {
-        let block: i32 = w
-            .iter()
-            .zip(x)
-            .map(|(&w, &x)| i32::from(w) * i32::from(x))
-            .sum();
-        sum += ws[b] * xs[b] * block as f32;
-    }
-    sum
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_avx2(wq: &[i8], ws: &[f32], xq: &[i8], xs: &[f32]) -> f32 {
-    use std::arch::x86_64::*;
-    let blocks = ws.len();
-    debug_assert!(wq.len() >= blocks * BLOCK && xq.len() >= blocks * BLOCK && xs.len() >= blocks);
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = _mm256_setzero_ps();
-    for b in 0..blocks {
-        // Safety: each slice holds `blocks` whole blocks (asserted above in debug, by
-        // construction in every caller).
-        let w = _mm256_loadu_si256(wq.as_ptr().add(b * BLOCK).cast());
-        let x = _mm256_loadu_si256(xq.as_ptr().add(b * BLOCK).cast());
-        // vpmaddubsw multiplies unsigned by signed bytes: |x| times w with x's sign.
-        // Values lie in -127..=127, so a pair's sum (at most 2 x 127 x 127) fits i16.
-        let magnitude = _mm256_sign_epi8(x, x);
-        let signed = _mm256_sign_epi8(w, x);
-        let pairs = _mm256_maddubs_epi16(magnitude, signed);
-        let quads = _mm256_madd_epi16(pairs, ones);
-        let scale = _mm256_set1_ps(*ws.get_unchecked(b) * *xs.get_unchecked(b));
-        acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(quads), acc);
-    }
-    lanes_sum_avx2(acc)
-}
-
 /// The eight lanes of `acc` added in one fixed order (halves, then pairs, then the
 /// last two): every AVX2 dot product and its four-row kernel end here, so their sums
 /// agree to the bit.
@@ -949,119 +403,10 @@ pub(super) unsafe fn sums_4x4(acc: [[std::arch::x86_64::__m512; 4]; 4]) -> [[f32
 mod tests {
     use super::*;
 
-    /// Four rows of x, `cols` wide, quantized (seeds `seed`..`seed + 4`).
-    #[cfg(target_arch = "x86_64")]
-    fn rows_of_x(cols: usize, seed: u32) -> Vec<Q8Row> {
-        (0..4)
-            .map(|r| {
-                let mut row = Q8Row::default();
-                row.quantize(&values(cols, seed + r));
-                row
-            })
-            .collect()
-    }
-
     fn values(n: usize, seed: u32) -> Vec<f32> {
         (0..n as u32)
             .map(|i| ((i.wrapping_mul(2654435761) ^ seed) % 2001) as f32 / 1000.0 - 1.0)
             .collect()
-    }
-
-    #[test]
-    fn quantizing_keeps_each_value_within_half_a_step() {
-        let (rows, cols) = (3, 70); // 3 blocks a row, the last one short
-        let w = values(rows * cols, 1);
-        let q = Q8Matrix::quantize(&w, rows, cols);
-        assert_eq!(q.bytes(), rows * 3 * BLOCK + 4 * rows * 3);
-        let mut back = vec![0f32; cols];
-        for r in 0..rows {
-            q.row_into(r, &mut back);
-            for (i, (&a, &b)) in w[r * cols..(r + 1) * cols].iter().zip(&back).enumerate() {
-                let step = q.scales[r * 3 + i / BLOCK];
-                assert!(
-                    (a - b).abs() <= 0.5 * step + 1e-7,
-                    "{a} vs {b} (step {step})"
-                );
-            }
-        }
-        // The largest magnitude of a block is exact: 127 steps.
-        let peak = Q8Matrix::quantize(&[0.0, -2.0, 1.0, 0.5], 1, 4);
-        let mut back = [0f32; 4];
-        peak.row_into(0, &mut back);
-        assert_eq!(back[1], -2.0);
-        assert_eq!(*Q8Matrix::quantize(&[0.0; 4], 1, 4).scales, [0.0]);
-    }
-
-    /// AVX2's four-row kernel gives `dot_avx2`'s sums to the bit.
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn four_rows_at_once_on_avx2_give_each_rows_own_sums() {
-        use std::arch::is_x86_feature_detected as has;
-        if !(has!("avx2") && has!("fma")) {
-            eprintln!("SKIPPED: the AVX2 four-row int8 kernel (no AVX2 here)");
-            return;
-        }
-        let cols = 7 * BLOCK;
-        let q = Q8Matrix::quantize(&values(3 * cols, 6), 3, cols);
-        let xs = rows_of_x(cols, 30);
-        let prepared: Vec<Prepared> = xs.iter().map(|x| Prepared::new(x, Kernel::Avx2)).collect();
-        for o in 0..3 {
-            let (wq, ws) = q.row(o);
-            // Safety: AVX2 and FMA checked above; whole blocks throughout.
-            let want: Vec<f32> = xs
-                .iter()
-                .map(|x| unsafe { dot_avx2(wq, ws, &x.quants, &x.scales) })
-                .collect();
-            let got = unsafe { dots_1x4_avx2(wq, ws, quads(&prepared)) };
-            assert_eq!(got.to_vec(), want, "weight row {o}");
-        }
-    }
-
-    /// Both four-row kernels (with and without VNNI, where the CPU has them) give
-    /// `dot_avx512`'s sums to the bit, with an odd last block; four weight rows at
-    /// once too.
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn four_rows_at_once_give_each_rows_own_sums() {
-        use std::arch::is_x86_feature_detected as has;
-        if !(has!("avx512f") && has!("avx512bw") && has!("avx512dq")) {
-            eprintln!("SKIPPED: the AVX-512 four-row int8 kernels (no AVX-512 here)");
-            return;
-        }
-        let cols = 7 * BLOCK;
-        let q = Q8Matrix::quantize(&values(4 * cols, 5), 4, cols);
-        let xs = rows_of_x(cols, 20);
-        let prepare =
-            |kernel| -> Vec<Prepared> { xs.iter().map(|x| Prepared::new(x, kernel)).collect() };
-        let (bw, vnni) = (prepare(Kernel::Bw), prepare(Kernel::Vnni));
-        // Safety: AVX-512 F/BW/DQ checked above; whole blocks throughout.
-        let want: Vec<Vec<f32>> = (0..4)
-            .map(|o| {
-                let (wq, ws) = q.row(o);
-                xs.iter()
-                    .map(|x| unsafe { dot_avx512(wq, ws, &x.quants, &x.scales) })
-                    .collect()
-            })
-            .collect();
-        for (o, want) in want.iter().enumerate() {
-            let (wq, ws) = q.row(o);
-            assert_eq!(unsafe { dots_1x4_bw(wq, ws, quads(&bw)) }.to_vec(), *want);
-        }
-        if !has!("avx512vnni") {
-            eprintln!("SKIPPED: the VNNI four-row int8 kernels (no AVX-512 VNNI here)");
-            return;
-        }
-        for (o, want) in want.iter().enumerate() {
-            let (wq, ws) = q.row(o);
-            assert_eq!(
-                unsafe { dots_1x4_vnni(wq, ws, quads(&vnni)) }.to_vec(),
-                *want
-            );
-        }
-        let tile = unsafe { dots_4x4_vnni([0, 1, 2, 3].map(|o| q.row(o)), quads(&vnni)) };
-        for (got, want) in tile.iter().zip(&want) {
-            assert_eq!(got.to_vec(), *want, "the 4 x 4 tile");
-        }
     }
 
     /// `sums_4x4` is sixteen `_mm512_reduce_add_ps` to the bit: lanes of mixed
@@ -1094,46 +439,5 @@ mod tests {
                 }
             }
         }
-    }
-
-    /// The first four of `rows`, as the four-row kernels take them.
-    #[cfg(target_arch = "x86_64")]
-    fn quads<'p, 'x>(rows: &'p [Prepared<'x>]) -> [&'p Prepared<'x>; 4] {
-        [&rows[0], &rows[1], &rows[2], &rows[3]]
-    }
-
-    #[test]
-    fn a_product_is_the_dequantized_product() {
-        let (rows, cols) = (9, 100);
-        let w = values(rows * cols, 2);
-        let x = values(cols, 3);
-        let q = Q8Matrix::quantize(&w, rows, cols);
-        let mut qx = Q8Row::default();
-        q.quantize_row(&x, &mut qx);
-        let bias = values(rows, 4);
-        let mut out = vec![0f32; rows];
-        q.matvec(0, &qx, Some(&bias), &mut out);
-        // The same numbers in f64: dequantized weights times dequantized inputs.
-        let xs: Vec<f64> = (0..cols)
-            .map(|i| f64::from(qx.quants[i]) * f64::from(qx.scales[i / BLOCK]))
-            .collect();
-        let mut row = vec![0f32; cols];
-        for r in 0..rows {
-            q.row_into(r, &mut row);
-            let want: f64 = row
-                .iter()
-                .zip(&xs)
-                .map(|(&w, &x)| f64::from(w) * x)
-                .sum::<f64>()
-                + f64::from(bias[r]);
-            assert!(
-                (f64::from(out[r]) - want).abs() < 1e-5,
-                "row {r}: {} vs {want}",
-                out[r]
-            );
-        }
-        // And near the f32 product: each value off by at most half a step.
-        let exact: f32 = w[..cols].iter().zip(&x).map(|(a, b)| a * b).sum::<f32>() + bias[0];
-        assert!((out[0] - exact).abs() < 0.05, "{} vs {exact}", out[0]);
     }
 }
