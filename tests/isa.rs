@@ -243,47 +243,6 @@ macro_rules! check_blocks {
                     );
                 }
             }
-            #[cfg(target_arch = "x86_64")]
-            if level == Isa::Avx2 {
-                // Widened a tile at a time for f32's groups of sixteen rows: the sums
-                // of f32 weights holding the widened values (row_into's), x in f32,
-                // for a group, a padded one and several; a slice of the rows too.
-                use tinygpt::cpu::q8::matmat_widened;
-                use tinygpt::cpu::weight_rows::project_rows;
-                let mut widened = vec![0f32; rows * cols];
-                for (o, row) in widened.chunks_exact_mut(cols).enumerate() {
-                    q.row_into(o, row);
-                }
-                for n in [8, 16, 17, 33] {
-                    let x = values(n * cols, 40 + n as u32);
-                    let mut want = vec![0f32; n * rows];
-                    project_rows(&widened, Some(&bias), &x, cols, &mut want);
-                    let mut got = vec![0f32; n * rows];
-                    matmat_widened(&q, (0, rows), &x, Some(&bias), &mut got);
-                    let same = got
-                        .iter()
-                        .zip(&want)
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(
-                        same,
-                        "{kind} ({rows}, {cols}) x {n} rows widened: not f32's sums"
-                    );
-                    // The last rows alone (a thread's share of the outputs).
-                    let (first, len) = (rows / 2, rows - rows / 2);
-                    let mut part = vec![0f32; n * len];
-                    matmat_widened(&q, (first, len), &x, Some(&bias[first..]), &mut part);
-                    for r in 0..n {
-                        let want = &want[r * rows + first..(r + 1) * rows];
-                        let got = &part[r * len..(r + 1) * len];
-                        assert!(
-                            got.iter()
-                                .zip(want)
-                                .all(|(a, b)| a.to_bits() == b.to_bits()),
-                            "{kind} ({rows}, {cols}) x {n} rows, outputs {first}..: not f32's sums"
-                        );
-                    }
-                }
-            }
         }
     }};
 }

@@ -510,7 +510,7 @@ fn convert_rows(w: &Values, d_out: usize, d_in: usize, mut convert: impl FnMut(u
 }
 
 /// out = x Wᵀ + bias from W in eight or four bits, for every row of x (each quantized
-/// once; or, where `q8::takes_widened`, x kept in f32 and W widened a tile at a time).
+/// once).
 /// The outputs are shared out over the threads and each thread takes every row, so a
 /// weight is read from memory once per call, whatever the number of rows.
 fn project_quantized<M: BlockMatrix>(
@@ -527,15 +527,6 @@ fn project_quantized<M: BlockMatrix>(
         .div_ceil(shares)
         .max(1)
         .next_multiple_of(M::ROWS_TOGETHER);
-    #[cfg(target_arch = "x86_64")]
-    if super::q8::takes_widened::<M>(n) {
-        // x stays in f32: the weights are widened instead.
-        by_output_shares(d_out, n, share, out, |first, len, part| {
-            let bias = bias.map(|b| &b[first..first + len]);
-            super::q8::matmat_widened(w, (first, len), x, bias, part);
-        });
-        return;
-    }
     if rows.len() < n {
         rows.resize_with(n, Q8Row::default);
     }

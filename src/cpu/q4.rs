@@ -23,8 +23,6 @@ use super::lines::Lines;
 #[cfg(target_arch = "x86_64")]
 use super::q8::{four_rows, lanes_sum_avx2, matmat_in_tiles, sums_4x4};
 use super::q8::{matmat_by_dots, BlockMatrix, Q8Row, BLOCK};
-#[cfg(target_arch = "x86_64")]
-use super::weight_rows::Ahead;
 
 /// Bytes of 4-bit values a block.
 const HALF: usize = BLOCK / 2;
@@ -118,7 +116,13 @@ impl Q4Matrix {
     /// Row `r` back in f32 (each value (q - 8) times its block's scale) into
     /// out[..cols].
     pub fn row_into(&self, r: usize, out: &mut [f32]) {
-        self.rows_into(r, &mut out[..self.cols]);
+        let width = self.blocks * HALF;
+        widen_q4(
+            &self.nibbles[r * width..(r + 1) * width],
+            &self.scales[r * self.blocks..(r + 1) * self.blocks],
+            self.cols,
+            &mut out[..self.cols],
+        );
     }
 }
 
@@ -156,11 +160,6 @@ multiversion! {
 }
 
 impl BlockMatrix for Q4Matrix {
-    /// Not widened: at the AVX2 level its integer tiles (nibbles unpacked once for four
-    /// rows of x) beat widening: 16 sequences of GPT-2 124M at 308-362 tokens/s against
-    /// 214-219 widened (Zen 3, 2 threads), widening a quarter of the time.
-    const WIDENED_FOR_MANY_ROWS: bool = false;
-
     fn rows(&self) -> usize {
         self.rows
     }
@@ -176,23 +175,6 @@ impl BlockMatrix for Q4Matrix {
 
     fn row_bytes(&self) -> usize {
         self.blocks * (HALF + 2)
-    }
-
-    fn rows_into(&self, first: usize, out: &mut [f32]) {
-        let (width, n) = (self.blocks * HALF, out.len() / self.cols);
-        let nibbles = &self.nibbles[first * width..(first + n) * width];
-        widen_q4(
-            nibbles,
-            &self.scales[first * self.blocks..(first + n) * self.blocks],
-            self.cols,
-            out,
-        );
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    fn values_from(&self, r: usize) -> Ahead {
-        let width = self.blocks * HALF;
-        Ahead::rows(self.nibbles.as_ptr().wrapping_add(r * width), width, 128)
     }
 
     fn dot_row(&self, level: Isa, r: usize, x: &Q8Row) -> f32 {

@@ -8,9 +8,6 @@
 
 use super::isa::{self, Isa};
 use super::kernels::{asks_ahead, multiversion, AHEAD_BYTES};
-use super::weight_rows::PADDED_MIN_ROWS;
-#[cfg(target_arch = "x86_64")]
-use super::weight_rows::{sixteen_row_groups, Ahead, TileRows};
 
 /// Values per block.
 pub const BLOCK: usize = 32;
@@ -116,18 +113,9 @@ pub trait BlockMatrix: Sync {
     fn prefetch_row(&self, r: usize);
     /// The bytes of one row, scales included.
     fn row_bytes(&self) -> usize;
-    /// Whether products of many rows of x widen this matrix to f32 a tile at a time
-    /// ([`matmat_widened`]) instead of quantizing x, where [`takes_widened`] says.
-    const WIDENED_FOR_MANY_ROWS: bool;
     /// Rows a product computes together: a thread's share of the outputs is a multiple
     /// of it.
     const ROWS_TOGETHER: usize = 1;
-    /// Rows first.. back in f32 (the values the products use), into `out` (whole rows
-    /// of `cols`).
-    fn rows_into(&self, first: usize, out: &mut [f32]);
-    /// Where row `r`'s values (not its scales) lie, as `weight_rows::Ahead` takes them.
-    #[cfg(target_arch = "x86_64")]
-    fn values_from(&self, r: usize) -> Ahead;
 
     /// `x` (one row of `cols` values) quantized for products with this matrix.
     fn quantize_row(&self, x: &[f32], into: &mut Q8Row) {
@@ -169,70 +157,6 @@ pub trait BlockMatrix: Sync {
     ) {
         matmat_by_dots(self, first, len, xs, bias, out)
     }
-}
-
-/// Rows first..first + len of a block matrix as `weight_rows`' groups of sixteen rows
-/// read them: widened to f32 a tile at a time.
-#[cfg(target_arch = "x86_64")]
-struct Widened<'a, M: ?Sized> {
-    m: &'a M,
-    first: usize,
-    len: usize,
-}
-
-#[cfg(target_arch = "x86_64")]
-impl<M: BlockMatrix + ?Sized> TileRows for Widened<'_, M> {
-    fn outputs(&self, _: usize) -> usize {
-        self.len
-    }
-
-    unsafe fn tile<'a>(
-        &'a self,
-        o: usize,
-        n: usize,
-        d_in: usize,
-        scratch: &'a mut Vec<f32>,
-    ) -> &'a [f32] {
-        scratch.resize(n * d_in, 0.0);
-        self.m.rows_into(self.first + o, scratch);
-        scratch
-    }
-
-    fn stored_from(&self, o: usize, _: usize) -> Ahead {
-        self.m.values_from(self.first + o)
-    }
-}
-
-/// Whether a product of `rows` rows of x with `M` takes [`matmat_widened`]: matrices
-/// that choose it ([`BlockMatrix::WIDENED_FOR_MANY_ROWS`]), at the AVX2 level, from the
-/// rows where f32's groups of sixteen start (8). AVX-512 has its own integer tiles
-/// (`vpdpbusd` where the CPU has VNNI).
-pub fn takes_widened<M: BlockMatrix + ?Sized>(rows: usize) -> bool {
-    cfg!(target_arch = "x86_64")
-        && M::WIDENED_FOR_MANY_ROWS
-        && isa::active() == Isa::Avx2
-        && rows >= PADDED_MIN_ROWS
-}
-
-/// out (rows, len) = x (rows, cols) · (rows first..first + len of w)ᵀ (+ bias[o]),
-/// the weights widened to f32 a tile at a time for the f32 weights' groups of sixteen
-/// rows of x (`weight_rows`), the activations kept in f32.
-///
-/// # Panics
-/// If the CPU is below AVX2 or x has fewer than 8 rows ([`takes_widened`] holds
-/// neither).
-#[cfg(target_arch = "x86_64")]
-pub fn matmat_widened(
-    w: &(impl BlockMatrix + ?Sized),
-    (first, len): (usize, usize),
-    x: &[f32],
-    bias: Option<&[f32]>,
-    out: &mut [f32],
-) {
-    let d_in = w.cols();
-    let rows = Widened { m: w, first, len };
-    let done = sixteen_row_groups(&rows, bias, x, d_in, out);
-    assert_eq!(done, x.len() / d_in, "AVX2 and 8 rows or more");
 }
 
 /// [`BlockMatrix::matmat`] for the weight rows `outputs`, in tiles of weight rows

@@ -32,8 +32,6 @@ use super::isa::Isa;
 use super::kernels::{asks_ahead, prefetch_all, AHEAD_BYTES};
 use super::lines::Lines;
 use super::q8::{quantize_into, BlockMatrix, Q8Row, BLOCK};
-#[cfg(target_arch = "x86_64")]
-use super::weight_rows::Ahead;
 
 /// Weight rows whose values lie side by side: a 512-bit vector's sixteen lanes.
 pub const GROUP: usize = 16;
@@ -228,11 +226,7 @@ fn x_rows_per_chunk(cols: usize) -> usize {
 }
 
 impl BlockMatrix for Q8Matrix {
-    /// At the AVX2 level (no VNNI, no AVX-512) f32's broadcast tiles on weights widened
-    /// a tile at a time multiplied many rows of x faster than integer products:
-    /// 16 sequences of GPT-2 124M decoded at 225-240 tokens/s with row-major int8
-    /// tiles, 267-324 widened (Zen 3, 2 threads).
-    const WIDENED_FOR_MANY_ROWS: bool = false;
+    /// A group's rows go through a kernel together.
     const ROWS_TOGETHER: usize = GROUP;
 
     fn rows(&self) -> usize {
@@ -249,20 +243,6 @@ impl BlockMatrix for Q8Matrix {
 
     fn row_bytes(&self) -> usize {
         self.blocks * (BLOCK + 4)
-    }
-
-    fn rows_into(&self, first: usize, out: &mut [f32]) {
-        for (r, out) in out.chunks_exact_mut(self.cols).enumerate() {
-            self.row_into(first + r, out);
-        }
-    }
-
-    /// Row r's values lie in its group's: its nominal stretch of the group (a row's
-    /// share of the group's bytes) covers the group as the rows of a tile are asked for.
-    #[cfg(target_arch = "x86_64")]
-    fn values_from(&self, r: usize) -> Ahead {
-        let width = self.blocks * BLOCK;
-        Ahead::rows(self.quants.as_ptr().wrapping_add(r * width), width, 64)
     }
 
     /// The kernels' sum for one row, in plain Rust: the same bits.
