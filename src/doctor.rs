@@ -259,8 +259,8 @@ fn kernel_errors(faults: &Faults) -> Result<Vec<(&'static str, f64, f64)>> {
             q.matmat(0, n, &rows, None, &mut got);
             got[0] = faults.apply($name, f64::from(got[0])) as f32;
             let mut a_back = vec![0f32; m * k];
-            for (x, back) in a.chunks_exact(k).zip(a_back.chunks_exact_mut(k)) {
-                Q8Matrix::quantize(x, 1, k).row_into(0, back);
+            for (x, back) in rows.iter().zip(a_back.chunks_exact_mut(k)) {
+                x.values_into(back);
             }
             let mut w_back = vec![0f32; n * k];
             for (j, row) in w_back.chunks_exact_mut(k).enumerate() {

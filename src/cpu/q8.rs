@@ -90,6 +90,14 @@ impl Q8Row {
         );
     }
 
+    /// The values back in f32 (each int8 value times its block's scale), as the
+    /// products see them, into out[..out.len()] (at most the quantized length).
+    pub fn values_into(&self, out: &mut [f32]) {
+        for (i, out) in out.iter_mut().enumerate() {
+            *out = f32::from(self.quants[i]) * self.scales[i / BLOCK];
+        }
+    }
+
     /// Per block, 128 x the sum of its int8 values.
     pub fn excess(&self) -> &[i32] {
         &self.excess
