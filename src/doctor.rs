@@ -202,7 +202,7 @@ fn kernel_errors(faults: &Faults) -> Result<Vec<(&'static str, f64, f64)>> {
     use crate::cpu::gemm::{matmul, Precision as P};
     use crate::cpu::kernels::Widen;
     use crate::cpu::matrix::{Product, Strided};
-    use crate::cpu::q8::{BlockMatrix, Q8Row};
+    use crate::cpu::q8::Q8Row;
     use crate::cpu::q8_matrix::Q8Matrix;
     use crate::cpu::weight_rows::{project_rows, Bf16};
     let (m, n, k) = (7, 45, 70);

@@ -186,7 +186,7 @@ fn check_q8(level: Isa) {
 /// The block-quantized matrix type `$matrix` at `level` (see `check_q8`).
 macro_rules! check_blocks {
     ($level:expr, $matrix:ty) => {{
-        use tinygpt::cpu::q8::{BlockMatrix, Q8Row, BLOCK};
+        use tinygpt::cpu::q8::{Q8Row, BLOCK};
         let level = $level;
         let kind = stringify!($matrix);
         for (rows, cols, n) in [

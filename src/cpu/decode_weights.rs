@@ -24,6 +24,7 @@ use anyhow::Result;
 use rayon::prelude::*;
 
 use super::gemm::{matmul, Precision};
+use super::grouped::{Format, Grouped, GROUP};
 use super::isa::{self, Isa};
 use super::kernels::Widen;
 use super::kernels::{axpy, multiversion};
@@ -33,7 +34,7 @@ use super::ops::activation::Activation;
 use super::ops::norm::NormWeights;
 use super::ops::rope::Rope;
 use super::q4::Q4Matrix;
-use super::q8::{BlockMatrix, Q8Row};
+use super::q8::Q8Row;
 use super::q8_matrix::Q8Matrix;
 use super::team::for_each_piece;
 use super::threads::threads;
@@ -513,8 +514,8 @@ fn convert_rows(w: &Values, d_out: usize, d_in: usize, mut convert: impl FnMut(u
 /// once).
 /// The outputs are shared out over the threads and each thread takes every row, so a
 /// weight is read from memory once per call, whatever the number of rows.
-fn project_quantized<M: BlockMatrix>(
-    w: &M,
+fn project_quantized<F: Format>(
+    w: &Grouped<F>,
     bias: Option<&[f32]>,
     x: &[f32],
     out: &mut [f32],
@@ -523,10 +524,7 @@ fn project_quantized<M: BlockMatrix>(
     let (d_in, d_out) = (w.cols(), w.rows());
     let n = x.len() / d_in;
     let shares = if splits(d_out * d_in) { threads() } else { 1 };
-    let share = d_out
-        .div_ceil(shares)
-        .max(1)
-        .next_multiple_of(M::ROWS_TOGETHER);
+    let share = d_out.div_ceil(shares).max(1).next_multiple_of(GROUP);
     if rows.len() < n {
         rows.resize_with(n, Q8Row::default);
     }
@@ -537,7 +535,7 @@ fn project_quantized<M: BlockMatrix>(
     if n == 1 {
         let share = d_out
             .div_ceil(one_row_shares(d_out * d_in))
-            .next_multiple_of(M::ROWS_TOGETHER);
+            .next_multiple_of(GROUP);
         for_each_piece(&mut out[..d_out], share, |i, out| {
             let first = i * share;
             let bias = bias.map(|b| &b[first..first + out.len()]);

@@ -18,6 +18,7 @@ pub mod decode;
 pub mod decode_weights;
 pub mod engine;
 pub mod gemm;
+pub mod grouped;
 pub mod isa;
 pub mod kernels;
 pub mod kv_cache;
