@@ -40,6 +40,7 @@ pub const MAX_X: usize = 8;
 /// [`Kernel::rows_a_call`] for AVX2: its 16 registers hold four rows' lanes and totals
 /// (eight spilled: GPT-2 124M int8, 16 sequences capped to AVX2, 460 tokens/s against
 /// 499-537 at four, on a Zen 4).
+#[cfg(target_arch = "x86_64")]
 const AVX2_ROWS: usize = 4;
 
 /// What a block format puts in a group's bytes, and its kernels.
@@ -413,6 +414,7 @@ pub mod checks {
             .iter()
             .map(|x| (0..rows).map(|o| q.dot_row(o, x)).collect())
             .collect();
+        #[allow(unused_mut)] // only x86 adds kernels
         let mut kernels = vec![Kernel::Portable];
         #[cfg(target_arch = "x86_64")]
         {

@@ -12,8 +12,12 @@
 
 use half::f16;
 
-use super::grouped::{Format, Grouped, GROUP, MAX_X};
-use super::q8::{Q8Row, BLOCK};
+#[cfg(target_arch = "x86_64")]
+use super::grouped::MAX_X;
+use super::grouped::{Format, Grouped, GROUP};
+#[cfg(target_arch = "x86_64")]
+use super::q8::Q8Row;
+use super::q8::BLOCK;
 
 /// int4 weights.
 pub type Q4Matrix = Grouped<Int4>;

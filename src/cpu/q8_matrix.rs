@@ -7,8 +7,12 @@
 
 use half::f16;
 
-use super::grouped::{Format, Grouped, GROUP, MAX_X};
-use super::q8::{quantize_into, Q8Row, BLOCK};
+#[cfg(target_arch = "x86_64")]
+use super::grouped::MAX_X;
+use super::grouped::{Format, Grouped, GROUP};
+#[cfg(target_arch = "x86_64")]
+use super::q8::Q8Row;
+use super::q8::{quantize_into, BLOCK};
 
 /// int8 weights.
 pub type Q8Matrix = Grouped<Int8>;
@@ -18,6 +22,7 @@ pub type Q8Matrix = Grouped<Int8>;
 pub struct Int8;
 
 /// Four-byte steps in a block (one `vpdpbusd` each).
+#[cfg(target_arch = "x86_64")]
 const STEPS: usize = BLOCK / 4;
 /// Bytes of a group's block: `STEPS` vectors of four values of each row.
 const GROUP_BLOCK: usize = GROUP * BLOCK;
