@@ -195,9 +195,10 @@ macro_rules! check_blocks {
             (3, 70, 6),
             (17, 100, 4),
             (64, 768, 5),
-            // Rows of x in more than one of the tiles' L2-sized chunks (32 rows at
-            // this width), with a rest of one; weight tiles with a rest of one.
-            (9, 4096, 41),
+            // Rows of x in more than one of the products' L2-sized chunks (64 rows
+            // at this width), the last chunk not a whole call of eight rows; a group
+            // of sixteen weight rows padded from 9.
+            (9, 4096, 70),
         ] {
             let mut w = values(rows * cols, 7);
             w[0] = -1.0; // the block's largest magnitude, on the negative side

@@ -895,9 +895,11 @@ pub const OUTPUT_ROWS: usize = 128;
 /// Rows (sequences x positions) of scratch a decoder allocates: bounds memory for long
 /// contexts and many samples; a longer prefill runs in chunks. 1,024 rows held a
 /// 512-token prompt's activations at once: GPT-2 124M's peak RSS 17-34 MiB higher (int4
-/// 134 MiB against 116 at 256, bf16 317 against 283; Zen 4), for a first token no
-/// sooner (int8 and int4 read the weights once per L2-sized chunk of rows anyway;
-/// f32 536 ms against 564, bf16 675 against 574).
+/// 134 MiB against 116 at 256, bf16 317 against 283; Zen 4). Its first token is no
+/// sooner for int8 and int4 (their products read the weights once per L2-sized chunk of
+/// rows anyway); f32 and bf16 pieces of 256 rows take the few-row products
+/// (`weight_rows`, up to 256 rows) instead of a GEMM: f32 536 ms against 564, bf16
+/// 675 against 574.
 const MAX_ROWS: usize = 256;
 
 #[cfg(test)]

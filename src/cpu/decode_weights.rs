@@ -50,8 +50,8 @@ pub enum WeightFormat {
     /// The upper half of each f32 (rounded to nearest, ties to even), widened as read;
     /// products summed in f32.
     Bf16,
-    /// Eight bits per weight in blocks of 32 with an f32 scale (llama.cpp's q8_0); the
-    /// activations of each product quantized the same way.
+    /// Eight bits per weight in blocks of 32 with an f16 scale (llama.cpp's q8_0); the
+    /// activations of each product quantized in the same blocks.
     Int8,
     /// Four bits per weight in blocks of 32 with an f16 scale (llama.cpp's q4_0); the
     /// activations of each product in eight bits, as for `Int8`.
@@ -336,10 +336,11 @@ impl Matrix {
         let out = &mut out[..rows * d_out];
         let bias = self.bias.as_deref();
         match &self.stored {
-            // However many rows: the integer tiles beat widening the matrix to f32 for a
-            // GEMM at prompts of 64 to 512 tokens, 1.1-5x (all but int8 capped to AVX2
-            // at 512: 0.93x; docs/PERFORMANCE.md), and a prompt is then summed as its
-            // tokens are decoded, from activations in eight bits.
+            // However many rows: the integer products read each group of weight rows
+            // once for up to eight rows of x (row-major integer tiles already beat
+            // widening the matrix to f32 for a GEMM at prompts of 64 to 512 tokens;
+            // docs/PERFORMANCE.md), and a prompt is then summed as its tokens are
+            // decoded, from activations in eight bits.
             Stored::Int8(q) => project_quantized(q, bias, x, out, q8_rows),
             Stored::Int4(q) => project_quantized(q, bias, x, out, q8_rows),
             Stored::F32 { w, transposed } => {

@@ -2,7 +2,8 @@
 //! f16 scale a block), laid out for products that keep every vector lane on whole
 //! blocks: rows go in groups of sixteen, and for each block a group holds its rows'
 //! values side by side, four bytes of each row to a 64-byte vector (`q8_matrix` and
-//! `q4` say what the bytes hold), then the sixteen rows' scales. One `vpdpbusd` of
+//! `q4` say what the bytes hold), and apart from them the sixteen rows' scales
+//! together. One `vpdpbusd` of
 //! such a vector against four values of an activation row (broadcast) adds four
 //! products to each row's lane, so a block's steps leave each lane holding its row's
 //! whole block, exactly, as an integer; it is converted and scaled once per block for
@@ -175,7 +176,8 @@ impl<F: Format> Grouped<F> {
         into.quantize(x);
     }
 
-    /// Row `r` · x, in plain Rust: the kernels' sum, to the bit.
+    /// Row `r` · x, in plain Rust: the kernels' sum, to the bit (what the tests hold
+    /// the kernels to).
     pub fn dot_row(&self, r: usize, x: &Q8Row) -> f32 {
         let (quants, scales) = self.group(r / GROUP);
         let mut sums = [[0f32; GROUP]; MAX_X];
@@ -223,7 +225,13 @@ impl<F: Format> Grouped<F> {
         bias: Option<&[f32]>,
         out: &mut [f32],
     ) {
-        debug_assert!(xs.iter().all(|x| x.parts().1.len() == self.blocks));
+        // The kernels read every block of every row of x: a row quantized for another
+        // width would be read past its end.
+        assert!(
+            xs.iter().all(|x| x.parts().1.len() == self.blocks),
+            "rows of x quantized for this matrix's width"
+        );
+        assert!(first + len <= self.rows, "outputs inside the matrix");
         let kernel = Kernel::active();
         let groups = first / GROUP..(first + len).div_ceil(GROUP);
         let group_bytes = self.blocks * (F::BLOCK_BYTES + 2 * GROUP);
@@ -280,7 +288,7 @@ fn x_rows_per_chunk(cols: usize) -> usize {
 
 /// The kernels, by what the CPU has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kernel {
+enum Kernel {
     /// AVX-512 with VNNI: [`Format::vnni`].
     #[cfg(target_arch = "x86_64")]
     Vnni,
@@ -292,7 +300,7 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub fn active() -> Self {
+    fn active() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
             let level = isa::active();
@@ -318,8 +326,9 @@ impl Kernel {
     }
 
     /// sums[c][r] = row r of the group (`quants`, `scales`) · xs[c], for every row of x
-    /// (at most [`MAX_X`]).
-    pub fn group_sums<F: Format>(
+    /// (at most [`MAX_X`]). Every row of x must hold the group's blocks (`products`
+    /// asserts it).
+    fn group_sums<F: Format>(
         self,
         quants: &[u8],
         scales: &[f16],
@@ -329,7 +338,8 @@ impl Kernel {
         debug_assert!(xs.len() <= MAX_X);
         match self {
             // Safety: `active` chose the kernel from what the CPU has; every row of x
-            // holds the group's blocks (`products` asserts it in debug).
+            // holds the group's blocks (`products` asserts it; the tests' callers
+            // quantize x for the matrix).
             #[cfg(target_arch = "x86_64")]
             Kernel::Vnni => unsafe { by_count!(F::vnni, quants, scales, xs, sums) },
             #[cfg(target_arch = "x86_64")]

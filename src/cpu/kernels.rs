@@ -165,13 +165,14 @@ pub fn asks_ahead_from_env() -> Result<Option<bool>, String> {
     }
 }
 
-/// Whether the one-row mat-vecs that read a row after the other (bf16 in address order,
-/// the int8 and int4 blocks) ask for their weights' lines ahead in software
+/// Whether the one-row mat-vecs that read a row after the other (bf16 in address order;
+/// the int8 and int4 products, a group of sixteen rows after the other, follow it too,
+/// at any number of rows) ask for their weights' lines ahead in software
 /// (`TINYGPT_MATVEC_AHEAD`, else by CPU). Yes, but on Zen 4: there its own prefetchers
 /// stream those rows faster alone. GPT-2 124M decoded on one Zen 4 core (EPYC, family 25
 /// with AVX-512), interleaved: bf16 68-72 tokens/s asking nothing ahead, 52-59 asking
 /// 8 KiB ahead (two threads 74-84 against 61-70); int8 87-88 against 70-89 asking 16
-/// KiB ahead; int4 level. A Zen 5 measured the other way (bf16 one thread 130-136
+/// KiB ahead; int4 level (with row-major int8 and int4 blocks, since grouped). A Zen 5 measured the other way (bf16 one thread 130-136
 /// alone, 154-161 asking ahead), so the rest keep asking.
 pub fn asks_ahead() -> bool {
     static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

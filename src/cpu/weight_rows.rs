@@ -11,8 +11,8 @@
 //! AVX-512 registers where the CPU has them). Whole groups of sixteen rows (a server's
 //! batch) with f32 weights go the other way round on AVX2 and AVX-512: x transposed
 //! into vectors of the sixteen rows' values at one k, each weight broadcast against
-//! them, no horizontal sums; at the AVX2 level bf16 and int8 weights go that way too,
-//! widened to f32 a tile of weight rows at a time (`TileRows`). Sums are f32 in 16
+//! them, no horizontal sums; at the AVX2 level bf16 weights go that way too, widened
+//! to f32 a tile of weight rows at a time (`TileRows`). Sums are f32 in 16
 //! lanes a row; a weight is the same f32 whichever kernel widens it.
 
 use rayon::prelude::*;
