@@ -3,11 +3,10 @@
 //! blocks: rows go in groups of sixteen, and for each block a group holds its rows'
 //! values side by side, four bytes of each row to a 64-byte vector (`q8_matrix` and
 //! `q4` say what the bytes hold), and apart from them the sixteen rows' scales
-//! together. One `vpdpbusd` of
-//! such a vector against four values of an activation row (broadcast) adds four
-//! products to each row's lane, so a block's steps leave each lane holding its row's
-//! whole block, exactly, as an integer; it is converted and scaled once per block for
-//! sixteen rows. Row-major blocks instead (two blocks a vector, each lane four
+//! together. One `vpdpbusd` of such a vector against four values of an activation row
+//! (broadcast) adds four products to each row's lane, so a block's steps leave each
+//! lane holding its row's whole block, exactly, as an integer; it is converted and
+//! scaled once per block for sixteen rows. Row-major blocks instead (two blocks a vector, each lane four
 //! products) paid a conversion, a multiplication and an add for every four products
 //! of every (weight row, activation row) pair, and a horizontal sum per pair at the
 //! end.
@@ -211,12 +210,13 @@ impl<F: Format> Grouped<F> {
             &self.scales[g * s..(g + 1) * s],
         )
     }
+
     /// out[r, o] = row (first + o) · xs[r] (+ bias[o]) for the `len` outputs of every
     /// row of x (`out` is (xs.len(), len)). Groups whose rows straddle first or
     /// first + len are computed whole and the outputs outside dropped. The rows of x go
     /// in chunks that fit L2, each chunk through every group of the outputs; a group
-    /// then takes [`MAX_X`] rows of x a call (four on AVX2), its weights read from memory once for the
-    /// chunk and from the cache after.
+    /// then takes [`MAX_X`] rows of x a call (four on AVX2), its weights read from
+    /// memory once for the chunk and from the cache after.
     fn products(
         &self,
         first: usize,
