@@ -6,10 +6,10 @@
 //! together. One `vpdpbusd` of such a vector against four values of an activation row
 //! (broadcast) adds four products to each row's lane, so a block's steps leave each
 //! lane holding its row's whole block, exactly, as an integer; it is converted and
-//! scaled once per block for sixteen rows. Row-major blocks instead (two blocks a vector, each lane four
-//! products) paid a conversion, a multiplication and an add for every four products
-//! of every (weight row, activation row) pair, and a horizontal sum per pair at the
-//! end.
+//! scaled once per block for sixteen rows. Row-major blocks instead (two blocks a
+//! vector, each lane four products) paid a conversion, a multiplication and an add for
+//! every four products of every (weight row, activation row) pair, and a horizontal
+//! sum per pair at the end.
 //!
 //! `vpdpbusd` multiplies unsigned by signed bytes: the weights are kept unsigned (int8
 //! as w + 128, int4 as q4_0's q = w + 8), and each activation row carries 128 x its

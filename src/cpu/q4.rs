@@ -84,152 +84,133 @@ impl Format for Int4 {
         i32::from(q) - 8
     }
 
+    /// For N rows of x: per block, each row of x starts sixteen integer
+    /// lanes at minus 8 x its block sum and adds eight `vpdpbusd` (four vectors, each
+    /// masked to its low halves and shifted to its high ones) against four of its values
+    /// broadcast; then converted, times x's scale, fused onto the totals with the sixteen
+    /// weight scales.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW and VNNI; each row of x holds the group's blocks.
     #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn vnni<const N: usize>(
         quants: &[u8],
         scales: &[f16],
         xs: &[Q8Row],
         sums: &mut [[f32; GROUP]; MAX_X],
     ) {
-        group_vnni::<N>(quants, scales, xs, sums)
+        use std::arch::x86_64::*;
+        let blocks = scales.len() / GROUP;
+        debug_assert!(quants.len() == blocks * GROUP_BLOCK && xs.len() == N);
+        let low = _mm512_set1_epi8(0x0F);
+        let x: [(*const i8, *const f32, *const i32); N] = std::array::from_fn(|c| {
+            let (q, s) = xs[c].parts();
+            (q.as_ptr(), s.as_ptr(), xs[c].excess().as_ptr())
+        });
+        let four = |p: *const i8| _mm512_set1_epi32(p.cast::<i32>().read_unaligned());
+        let mut totals = [_mm512_setzero_ps(); N];
+        for b in 0..blocks {
+            let mut lanes = [_mm512_setzero_si512(); N];
+            for c in 0..N {
+                // 128 x the block sum, a sixteenth: 8 x the sum, what q = w + 8 adds.
+                lanes[c] = _mm512_set1_epi32(-(*x[c].2.add(b) >> 4));
+            }
+            for k in 0..4 {
+                let v = _mm512_load_si512(quants.as_ptr().add(b * GROUP_BLOCK + k * 64).cast());
+                let (lo, hi) = (
+                    _mm512_and_si512(v, low),
+                    _mm512_and_si512(_mm512_srli_epi16(v, 4), low),
+                );
+                for c in 0..N {
+                    let at = x[c].0.add(b * BLOCK + 4 * k);
+                    lanes[c] = _mm512_dpbusd_epi32(lanes[c], lo, four(at));
+                    lanes[c] = _mm512_dpbusd_epi32(lanes[c], hi, four(at.add(HALF)));
+                }
+            }
+            let w_scales =
+                _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().add(b * GROUP).cast()));
+            for c in 0..N {
+                let x_scale = _mm512_set1_ps(*x[c].1.add(b));
+                let scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(lanes[c]), x_scale);
+                totals[c] = _mm512_fmadd_ps(scaled, w_scales, totals[c]);
+            }
+        }
+        for c in 0..N {
+            _mm512_storeu_ps(sums[c].as_mut_ptr(), totals[c]);
+        }
     }
 
+    /// For N rows of x, the group's sixteen rows in two halves of eight
+    /// lanes: q (0..=15, unsigned) times x (`vpmaddubsw`) for the low and the high halves,
+    /// the two pair sums added in i16 (at most 4 x 15 x 127) and summed in fours
+    /// (`vpmaddwd`): the same block integers as VNNI's, scaled in the same f32 steps.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C; each row of x holds the group's blocks.
     #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn avx2<const N: usize>(
         quants: &[u8],
         scales: &[f16],
         xs: &[Q8Row],
         sums: &mut [[f32; GROUP]; MAX_X],
     ) {
-        group_avx2::<N>(quants, scales, xs, sums)
-    }
-}
-
-/// [`Format::vnni`] for N rows of x: per block, each row of x starts sixteen integer
-/// lanes at minus 8 x its block sum and adds eight `vpdpbusd` (four vectors, each
-/// masked to its low halves and shifted to its high ones) against four of its values
-/// broadcast; then converted, times x's scale, fused onto the totals with the sixteen
-/// weight scales.
-///
-/// # Safety
-/// The CPU must have AVX-512 F/BW and VNNI; each row of x holds the group's blocks.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn group_vnni<const N: usize>(
-    quants: &[u8],
-    scales: &[f16],
-    xs: &[Q8Row],
-    sums: &mut [[f32; GROUP]; MAX_X],
-) {
-    use std::arch::x86_64::*;
-    let blocks = scales.len() / GROUP;
-    debug_assert!(quants.len() == blocks * GROUP_BLOCK && xs.len() == N);
-    let low = _mm512_set1_epi8(0x0F);
-    let x: [(*const i8, *const f32, *const i32); N] = std::array::from_fn(|c| {
-        let (q, s) = xs[c].parts();
-        (q.as_ptr(), s.as_ptr(), xs[c].excess().as_ptr())
-    });
-    let four = |p: *const i8| _mm512_set1_epi32(p.cast::<i32>().read_unaligned());
-    let mut totals = [_mm512_setzero_ps(); N];
-    for b in 0..blocks {
-        let mut lanes = [_mm512_setzero_si512(); N];
-        for c in 0..N {
-            // 128 x the block sum, a sixteenth: 8 x the sum, what q = w + 8 adds.
-            lanes[c] = _mm512_set1_epi32(-(*x[c].2.add(b) >> 4));
-        }
-        for k in 0..4 {
-            let v = _mm512_load_si512(quants.as_ptr().add(b * GROUP_BLOCK + k * 64).cast());
-            let (lo, hi) = (
-                _mm512_and_si512(v, low),
-                _mm512_and_si512(_mm512_srli_epi16(v, 4), low),
-            );
+        use std::arch::x86_64::*;
+        let blocks = scales.len() / GROUP;
+        debug_assert!(quants.len() == blocks * GROUP_BLOCK && xs.len() == N);
+        let (ones, low) = (_mm256_set1_epi16(1), _mm256_set1_epi8(0x0F));
+        let x: [(*const i8, *const f32, *const i32); N] = std::array::from_fn(|c| {
+            let (q, s) = xs[c].parts();
+            (q.as_ptr(), s.as_ptr(), xs[c].excess().as_ptr())
+        });
+        let four = |p: *const i8| _mm256_set1_epi32(p.cast::<i32>().read_unaligned());
+        let mut totals = [[_mm256_setzero_ps(); 2]; N];
+        for b in 0..blocks {
+            let mut lanes = [[_mm256_setzero_si256(); 2]; N];
             for c in 0..N {
-                let at = x[c].0.add(b * BLOCK + 4 * k);
-                lanes[c] = _mm512_dpbusd_epi32(lanes[c], lo, four(at));
-                lanes[c] = _mm512_dpbusd_epi32(lanes[c], hi, four(at.add(HALF)));
+                let start = _mm256_set1_epi32(-(*x[c].2.add(b) >> 4));
+                lanes[c] = [start, start];
             }
-        }
-        let w_scales = _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().add(b * GROUP).cast()));
-        for c in 0..N {
-            let x_scale = _mm512_set1_ps(*x[c].1.add(b));
-            let scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(lanes[c]), x_scale);
-            totals[c] = _mm512_fmadd_ps(scaled, w_scales, totals[c]);
-        }
-    }
-    for c in 0..N {
-        _mm512_storeu_ps(sums[c].as_mut_ptr(), totals[c]);
-    }
-}
-
-/// [`Format::avx2`] for N rows of x, the group's sixteen rows in two halves of eight
-/// lanes: q (0..=15, unsigned) times x (`vpmaddubsw`) for the low and the high halves,
-/// the two pair sums added in i16 (at most 4 x 15 x 127) and summed in fours
-/// (`vpmaddwd`): the same block integers as VNNI's, scaled in the same f32 steps.
-///
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C; each row of x holds the group's blocks.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn group_avx2<const N: usize>(
-    quants: &[u8],
-    scales: &[f16],
-    xs: &[Q8Row],
-    sums: &mut [[f32; GROUP]; MAX_X],
-) {
-    use std::arch::x86_64::*;
-    let blocks = scales.len() / GROUP;
-    debug_assert!(quants.len() == blocks * GROUP_BLOCK && xs.len() == N);
-    let (ones, low) = (_mm256_set1_epi16(1), _mm256_set1_epi8(0x0F));
-    let x: [(*const i8, *const f32, *const i32); N] = std::array::from_fn(|c| {
-        let (q, s) = xs[c].parts();
-        (q.as_ptr(), s.as_ptr(), xs[c].excess().as_ptr())
-    });
-    let four = |p: *const i8| _mm256_set1_epi32(p.cast::<i32>().read_unaligned());
-    let mut totals = [[_mm256_setzero_ps(); 2]; N];
-    for b in 0..blocks {
-        let mut lanes = [[_mm256_setzero_si256(); 2]; N];
-        for c in 0..N {
-            let start = _mm256_set1_epi32(-(*x[c].2.add(b) >> 4));
-            lanes[c] = [start, start];
-        }
-        for k in 0..4 {
-            let at = quants.as_ptr().add(b * GROUP_BLOCK + k * 64);
-            let v = [
-                _mm256_load_si256(at.cast()),
-                _mm256_load_si256(at.add(32).cast()),
-            ];
-            let lo = [_mm256_and_si256(v[0], low), _mm256_and_si256(v[1], low)];
-            let hi = [
-                _mm256_and_si256(_mm256_srli_epi16(v[0], 4), low),
-                _mm256_and_si256(_mm256_srli_epi16(v[1], 4), low),
+            for k in 0..4 {
+                let at = quants.as_ptr().add(b * GROUP_BLOCK + k * 64);
+                let v = [
+                    _mm256_load_si256(at.cast()),
+                    _mm256_load_si256(at.add(32).cast()),
+                ];
+                let lo = [_mm256_and_si256(v[0], low), _mm256_and_si256(v[1], low)];
+                let hi = [
+                    _mm256_and_si256(_mm256_srli_epi16(v[0], 4), low),
+                    _mm256_and_si256(_mm256_srli_epi16(v[1], 4), low),
+                ];
+                for c in 0..N {
+                    let at = x[c].0.add(b * BLOCK + 4 * k);
+                    let (x_lo, x_hi) = (four(at), four(at.add(HALF)));
+                    for h in 0..2 {
+                        let pairs = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo[h], x_lo),
+                            _mm256_maddubs_epi16(hi[h], x_hi),
+                        );
+                        lanes[c][h] = _mm256_add_epi32(lanes[c][h], _mm256_madd_epi16(pairs, ones));
+                    }
+                }
+            }
+            let w_scales = [
+                _mm256_cvtph_ps(_mm_loadu_si128(scales.as_ptr().add(b * GROUP).cast())),
+                _mm256_cvtph_ps(_mm_loadu_si128(scales.as_ptr().add(b * GROUP + 8).cast())),
             ];
             for c in 0..N {
-                let at = x[c].0.add(b * BLOCK + 4 * k);
-                let (x_lo, x_hi) = (four(at), four(at.add(HALF)));
+                let x_scale = _mm256_set1_ps(*x[c].1.add(b));
                 for h in 0..2 {
-                    let pairs = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo[h], x_lo),
-                        _mm256_maddubs_epi16(hi[h], x_hi),
-                    );
-                    lanes[c][h] = _mm256_add_epi32(lanes[c][h], _mm256_madd_epi16(pairs, ones));
+                    let scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(lanes[c][h]), x_scale);
+                    totals[c][h] = _mm256_fmadd_ps(scaled, w_scales[h], totals[c][h]);
                 }
             }
         }
-        let w_scales = [
-            _mm256_cvtph_ps(_mm_loadu_si128(scales.as_ptr().add(b * GROUP).cast())),
-            _mm256_cvtph_ps(_mm_loadu_si128(scales.as_ptr().add(b * GROUP + 8).cast())),
-        ];
         for c in 0..N {
-            let x_scale = _mm256_set1_ps(*x[c].1.add(b));
-            for h in 0..2 {
-                let scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(lanes[c][h]), x_scale);
-                totals[c][h] = _mm256_fmadd_ps(scaled, w_scales[h], totals[c][h]);
-            }
+            _mm256_storeu_ps(sums[c].as_mut_ptr(), totals[c][0]);
+            _mm256_storeu_ps(sums[c].as_mut_ptr().add(8), totals[c][1]);
         }
-    }
-    for c in 0..N {
-        _mm256_storeu_ps(sums[c].as_mut_ptr(), totals[c][0]);
-        _mm256_storeu_ps(sums[c].as_mut_ptr().add(8), totals[c][1]);
     }
 }
 

@@ -58,133 +58,115 @@ impl Format for Int8 {
         i32::from((block[at(i, r)] ^ 0x80) as i8)
     }
 
+    /// For N rows of x with AVX-512 VNNI: per block, each row of x
+    /// starts sixteen integer lanes at minus its excess and adds eight `vpdpbusd` of the
+    /// weight vectors against four of its values broadcast; then converted, times x's scale,
+    /// fused onto the totals with the sixteen weight scales (widened from f16 in one
+    /// instruction).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW and VNNI; each row of x holds the group's blocks.
     #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn vnni<const N: usize>(
         quants: &[u8],
         scales: &[f16],
         xs: &[Q8Row],
         sums: &mut [[f32; GROUP]; MAX_X],
     ) {
-        group_vnni::<N>(quants, scales, xs, sums)
+        use std::arch::x86_64::*;
+        let blocks = scales.len() / GROUP;
+        debug_assert!(quants.len() == blocks * GROUP_BLOCK && xs.len() == N);
+        let x: [(*const i8, *const f32, *const i32); N] = std::array::from_fn(|c| {
+            let (q, s) = xs[c].parts();
+            (q.as_ptr(), s.as_ptr(), xs[c].excess().as_ptr())
+        });
+        let mut totals = [_mm512_setzero_ps(); N];
+        for b in 0..blocks {
+            let mut lanes = [_mm512_setzero_si512(); N];
+            for c in 0..N {
+                lanes[c] = _mm512_set1_epi32(-*x[c].2.add(b));
+            }
+            for k in 0..STEPS {
+                let w = _mm512_load_si512(quants.as_ptr().add(b * GROUP_BLOCK + k * 64).cast());
+                for c in 0..N {
+                    let four = x[c].0.add(b * BLOCK + 4 * k).cast::<i32>().read_unaligned();
+                    lanes[c] = _mm512_dpbusd_epi32(lanes[c], w, _mm512_set1_epi32(four));
+                }
+            }
+            let w_scales =
+                _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().add(b * GROUP).cast()));
+            for c in 0..N {
+                let scaled =
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(lanes[c]), _mm512_set1_ps(*x[c].1.add(b)));
+                totals[c] = _mm512_fmadd_ps(scaled, w_scales, totals[c]);
+            }
+        }
+        for c in 0..N {
+            _mm512_storeu_ps(sums[c].as_mut_ptr(), totals[c]);
+        }
     }
 
+    /// For N rows of x with AVX2, the group's sixteen rows in two
+    /// halves of eight lanes: the weights back to signed bytes (w + 128 with its top bit
+    /// flipped), then |x| times w with x's sign (`vpmaddubsw`; a pair's sum, at most
+    /// 2 x 127 x 127, fits i16) summed in fours (`vpmaddwd`): the same block integers as
+    /// VNNI's, scaled in the same f32 steps.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C; each row of x holds the group's blocks.
     #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn avx2<const N: usize>(
         quants: &[u8],
         scales: &[f16],
         xs: &[Q8Row],
         sums: &mut [[f32; GROUP]; MAX_X],
     ) {
-        group_avx2::<N>(quants, scales, xs, sums)
-    }
-}
-
-/// [`Format::vnni`] for N rows of x with AVX-512 VNNI: per block, each row of x
-/// starts sixteen integer lanes at minus its excess and adds eight `vpdpbusd` of the
-/// weight vectors against four of its values broadcast; then converted, times x's scale,
-/// fused onto the totals with the sixteen weight scales (widened from f16 in one
-/// instruction).
-///
-/// # Safety
-/// The CPU must have AVX-512 F/BW and VNNI; each row of x holds the group's blocks.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn group_vnni<const N: usize>(
-    quants: &[u8],
-    scales: &[f16],
-    xs: &[Q8Row],
-    sums: &mut [[f32; GROUP]; MAX_X],
-) {
-    use std::arch::x86_64::*;
-    let blocks = scales.len() / GROUP;
-    debug_assert!(quants.len() == blocks * GROUP_BLOCK && xs.len() == N);
-    let x: [(*const i8, *const f32, *const i32); N] = std::array::from_fn(|c| {
-        let (q, s) = xs[c].parts();
-        (q.as_ptr(), s.as_ptr(), xs[c].excess().as_ptr())
-    });
-    let mut totals = [_mm512_setzero_ps(); N];
-    for b in 0..blocks {
-        let mut lanes = [_mm512_setzero_si512(); N];
-        for c in 0..N {
-            lanes[c] = _mm512_set1_epi32(-*x[c].2.add(b));
-        }
-        for k in 0..STEPS {
-            let w = _mm512_load_si512(quants.as_ptr().add(b * GROUP_BLOCK + k * 64).cast());
-            for c in 0..N {
-                let four = x[c].0.add(b * BLOCK + 4 * k).cast::<i32>().read_unaligned();
-                lanes[c] = _mm512_dpbusd_epi32(lanes[c], w, _mm512_set1_epi32(four));
+        use std::arch::x86_64::*;
+        let blocks = scales.len() / GROUP;
+        debug_assert!(quants.len() == blocks * GROUP_BLOCK && xs.len() == N);
+        let (ones, flip) = (_mm256_set1_epi16(1), _mm256_set1_epi8(-128));
+        let x: [(*const i8, *const f32); N] = std::array::from_fn(|c| {
+            let (q, s) = xs[c].parts();
+            (q.as_ptr(), s.as_ptr())
+        });
+        let mut totals = [[_mm256_setzero_ps(); 2]; N];
+        for b in 0..blocks {
+            let mut lanes = [[_mm256_setzero_si256(); 2]; N];
+            for k in 0..STEPS {
+                let at = quants.as_ptr().add(b * GROUP_BLOCK + k * 64);
+                let w = [
+                    _mm256_xor_si256(_mm256_load_si256(at.cast()), flip),
+                    _mm256_xor_si256(_mm256_load_si256(at.add(32).cast()), flip),
+                ];
+                for c in 0..N {
+                    let four = _mm256_set1_epi32(
+                        x[c].0.add(b * BLOCK + 4 * k).cast::<i32>().read_unaligned(),
+                    );
+                    let magnitude = _mm256_abs_epi8(four);
+                    for h in 0..2 {
+                        let pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w[h], four));
+                        lanes[c][h] = _mm256_add_epi32(lanes[c][h], _mm256_madd_epi16(pairs, ones));
+                    }
+                }
             }
-        }
-        let w_scales = _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().add(b * GROUP).cast()));
-        for c in 0..N {
-            let scaled =
-                _mm512_mul_ps(_mm512_cvtepi32_ps(lanes[c]), _mm512_set1_ps(*x[c].1.add(b)));
-            totals[c] = _mm512_fmadd_ps(scaled, w_scales, totals[c]);
-        }
-    }
-    for c in 0..N {
-        _mm512_storeu_ps(sums[c].as_mut_ptr(), totals[c]);
-    }
-}
-
-/// [`Format::avx2`] for N rows of x with AVX2, the group's sixteen rows in two
-/// halves of eight lanes: the weights back to signed bytes (w + 128 with its top bit
-/// flipped), then |x| times w with x's sign (`vpmaddubsw`; a pair's sum, at most
-/// 2 x 127 x 127, fits i16) summed in fours (`vpmaddwd`): the same block integers as
-/// VNNI's, scaled in the same f32 steps.
-///
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C; each row of x holds the group's blocks.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn group_avx2<const N: usize>(
-    quants: &[u8],
-    scales: &[f16],
-    xs: &[Q8Row],
-    sums: &mut [[f32; GROUP]; MAX_X],
-) {
-    use std::arch::x86_64::*;
-    let blocks = scales.len() / GROUP;
-    debug_assert!(quants.len() == blocks * GROUP_BLOCK && xs.len() == N);
-    let (ones, flip) = (_mm256_set1_epi16(1), _mm256_set1_epi8(-128));
-    let x: [(*const i8, *const f32); N] = std::array::from_fn(|c| {
-        let (q, s) = xs[c].parts();
-        (q.as_ptr(), s.as_ptr())
-    });
-    let mut totals = [[_mm256_setzero_ps(); 2]; N];
-    for b in 0..blocks {
-        let mut lanes = [[_mm256_setzero_si256(); 2]; N];
-        for k in 0..STEPS {
-            let at = quants.as_ptr().add(b * GROUP_BLOCK + k * 64);
-            let w = [
-                _mm256_xor_si256(_mm256_load_si256(at.cast()), flip),
-                _mm256_xor_si256(_mm256_load_si256(at.add(32).cast()), flip),
+            let w_scales = [
+                _mm256_cvtph_ps(_mm_loadu_si128(scales.as_ptr().add(b * GROUP).cast())),
+                _mm256_cvtph_ps(_mm_loadu_si128(scales.as_ptr().add(b * GROUP + 8).cast())),
             ];
             for c in 0..N {
-                let four =
-                    _mm256_set1_epi32(x[c].0.add(b * BLOCK + 4 * k).cast::<i32>().read_unaligned());
-                let magnitude = _mm256_abs_epi8(four);
+                let x_scale = _mm256_set1_ps(*x[c].1.add(b));
                 for h in 0..2 {
-                    let pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w[h], four));
-                    lanes[c][h] = _mm256_add_epi32(lanes[c][h], _mm256_madd_epi16(pairs, ones));
+                    let scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(lanes[c][h]), x_scale);
+                    totals[c][h] = _mm256_fmadd_ps(scaled, w_scales[h], totals[c][h]);
                 }
             }
         }
-        let w_scales = [
-            _mm256_cvtph_ps(_mm_loadu_si128(scales.as_ptr().add(b * GROUP).cast())),
-            _mm256_cvtph_ps(_mm_loadu_si128(scales.as_ptr().add(b * GROUP + 8).cast())),
-        ];
         for c in 0..N {
-            let x_scale = _mm256_set1_ps(*x[c].1.add(b));
-            for h in 0..2 {
-                let scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(lanes[c][h]), x_scale);
-                totals[c][h] = _mm256_fmadd_ps(scaled, w_scales[h], totals[c][h]);
-            }
+            _mm256_storeu_ps(sums[c].as_mut_ptr(), totals[c][0]);
+            _mm256_storeu_ps(sums[c].as_mut_ptr().add(8), totals[c][1]);
         }
-    }
-    for c in 0..N {
-        _mm256_storeu_ps(sums[c].as_mut_ptr(), totals[c][0]);
-        _mm256_storeu_ps(sums[c].as_mut_ptr().add(8), totals[c][1]);
     }
 }
 
