@@ -370,6 +370,57 @@ macro_rules! by_count {
 #[cfg(target_arch = "x86_64")]
 use by_count;
 
+/// The f32 steps that end a block in every AVX-512 kernel, in one place so that every
+/// kernel's sums are the same bits: each row of x's sixteen block integers (`lanes`)
+/// converted, times x's scale for block `b`, fused onto `totals` with the group's
+/// sixteen weight scales (f16, widened in one instruction).
+///
+/// # Safety
+/// The CPU must have AVX-512 F; the scales hold block `b` and every row of x its scale.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub unsafe fn fold_block_avx512<const N: usize>(
+    totals: &mut [std::arch::x86_64::__m512; N],
+    lanes: &[std::arch::x86_64::__m512i; N],
+    (scales, xs, b): (&[f16], &[Q8Row], usize),
+) {
+    use std::arch::x86_64::*;
+    let w_scales = _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().add(b * GROUP).cast()));
+    for c in 0..N {
+        let x_scale = _mm512_set1_ps(*xs[c].parts().1.get_unchecked(b));
+        let scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(lanes[c]), x_scale);
+        totals[c] = _mm512_fmadd_ps(scaled, w_scales, totals[c]);
+    }
+}
+
+/// [`fold_block_avx512`] for the AVX2 kernels, the sixteen rows in two halves of
+/// eight lanes: the same operations lane for lane.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; as for [`fold_block_avx512`].
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn fold_block_avx2<const N: usize>(
+    totals: &mut [[std::arch::x86_64::__m256; 2]; N],
+    lanes: &[[std::arch::x86_64::__m256i; 2]; N],
+    (scales, xs, b): (&[f16], &[Q8Row], usize),
+) {
+    use std::arch::x86_64::*;
+    let w_scales = [
+        _mm256_cvtph_ps(_mm_loadu_si128(scales.as_ptr().add(b * GROUP).cast())),
+        _mm256_cvtph_ps(_mm_loadu_si128(scales.as_ptr().add(b * GROUP + 8).cast())),
+    ];
+    for c in 0..N {
+        let x_scale = _mm256_set1_ps(*xs[c].parts().1.get_unchecked(b));
+        for h in 0..2 {
+            let scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(lanes[c][h]), x_scale);
+            totals[c][h] = _mm256_fmadd_ps(scaled, w_scales[h], totals[c][h]);
+        }
+    }
+}
+
 /// [`Kernel::group_sums`] in plain Rust: each block's integer sum, then the same f32
 /// steps as the vector kernels (`mul_add` is fused everywhere).
 pub fn portable<F: Format>(

@@ -13,7 +13,7 @@
 use half::f16;
 
 #[cfg(target_arch = "x86_64")]
-use super::grouped::MAX_X;
+use super::grouped::{fold_block_avx2, fold_block_avx512, MAX_X};
 use super::grouped::{Format, Grouped, GROUP};
 #[cfg(target_arch = "x86_64")]
 use super::q8::Q8Row;
@@ -104,17 +104,15 @@ impl Format for Int4 {
         let blocks = scales.len() / GROUP;
         debug_assert!(quants.len() == blocks * GROUP_BLOCK && xs.len() == N);
         let low = _mm512_set1_epi8(0x0F);
-        let x: [(*const i8, *const f32, *const i32); N] = std::array::from_fn(|c| {
-            let (q, s) = xs[c].parts();
-            (q.as_ptr(), s.as_ptr(), xs[c].excess().as_ptr())
-        });
+        let x: [(*const i8, *const i32); N] =
+            std::array::from_fn(|c| (xs[c].parts().0.as_ptr(), xs[c].excess().as_ptr()));
         let four = |p: *const i8| _mm512_set1_epi32(p.cast::<i32>().read_unaligned());
         let mut totals = [_mm512_setzero_ps(); N];
         for b in 0..blocks {
             let mut lanes = [_mm512_setzero_si512(); N];
             for c in 0..N {
                 // 128 x the block sum, a sixteenth: 8 x the sum, what q = w + 8 adds.
-                lanes[c] = _mm512_set1_epi32(-(*x[c].2.add(b) >> 4));
+                lanes[c] = _mm512_set1_epi32(-(*x[c].1.add(b) >> 4));
             }
             for k in 0..4 {
                 let v = _mm512_load_si512(quants.as_ptr().add(b * GROUP_BLOCK + k * 64).cast());
@@ -128,13 +126,7 @@ impl Format for Int4 {
                     lanes[c] = _mm512_dpbusd_epi32(lanes[c], hi, four(at.add(HALF)));
                 }
             }
-            let w_scales =
-                _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().add(b * GROUP).cast()));
-            for c in 0..N {
-                let x_scale = _mm512_set1_ps(*x[c].1.add(b));
-                let scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(lanes[c]), x_scale);
-                totals[c] = _mm512_fmadd_ps(scaled, w_scales, totals[c]);
-            }
+            fold_block_avx512(&mut totals, &lanes, (scales, xs, b));
         }
         for c in 0..N {
             _mm512_storeu_ps(sums[c].as_mut_ptr(), totals[c]);
@@ -160,16 +152,14 @@ impl Format for Int4 {
         let blocks = scales.len() / GROUP;
         debug_assert!(quants.len() == blocks * GROUP_BLOCK && xs.len() == N);
         let (ones, low) = (_mm256_set1_epi16(1), _mm256_set1_epi8(0x0F));
-        let x: [(*const i8, *const f32, *const i32); N] = std::array::from_fn(|c| {
-            let (q, s) = xs[c].parts();
-            (q.as_ptr(), s.as_ptr(), xs[c].excess().as_ptr())
-        });
+        let x: [(*const i8, *const i32); N] =
+            std::array::from_fn(|c| (xs[c].parts().0.as_ptr(), xs[c].excess().as_ptr()));
         let four = |p: *const i8| _mm256_set1_epi32(p.cast::<i32>().read_unaligned());
         let mut totals = [[_mm256_setzero_ps(); 2]; N];
         for b in 0..blocks {
             let mut lanes = [[_mm256_setzero_si256(); 2]; N];
             for c in 0..N {
-                let start = _mm256_set1_epi32(-(*x[c].2.add(b) >> 4));
+                let start = _mm256_set1_epi32(-(*x[c].1.add(b) >> 4));
                 lanes[c] = [start, start];
             }
             for k in 0..4 {
@@ -195,17 +185,7 @@ impl Format for Int4 {
                     }
                 }
             }
-            let w_scales = [
-                _mm256_cvtph_ps(_mm_loadu_si128(scales.as_ptr().add(b * GROUP).cast())),
-                _mm256_cvtph_ps(_mm_loadu_si128(scales.as_ptr().add(b * GROUP + 8).cast())),
-            ];
-            for c in 0..N {
-                let x_scale = _mm256_set1_ps(*x[c].1.add(b));
-                for h in 0..2 {
-                    let scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(lanes[c][h]), x_scale);
-                    totals[c][h] = _mm256_fmadd_ps(scaled, w_scales[h], totals[c][h]);
-                }
-            }
+            fold_block_avx2(&mut totals, &lanes, (scales, xs, b));
         }
         for c in 0..N {
             _mm256_storeu_ps(sums[c].as_mut_ptr(), totals[c][0]);

@@ -8,7 +8,7 @@
 use half::f16;
 
 #[cfg(target_arch = "x86_64")]
-use super::grouped::MAX_X;
+use super::grouped::{fold_block_avx2, fold_block_avx512, MAX_X};
 use super::grouped::{Format, Grouped, GROUP};
 #[cfg(target_arch = "x86_64")]
 use super::q8::Q8Row;
@@ -77,15 +77,13 @@ impl Format for Int8 {
         use std::arch::x86_64::*;
         let blocks = scales.len() / GROUP;
         debug_assert!(quants.len() == blocks * GROUP_BLOCK && xs.len() == N);
-        let x: [(*const i8, *const f32, *const i32); N] = std::array::from_fn(|c| {
-            let (q, s) = xs[c].parts();
-            (q.as_ptr(), s.as_ptr(), xs[c].excess().as_ptr())
-        });
+        let x: [(*const i8, *const i32); N] =
+            std::array::from_fn(|c| (xs[c].parts().0.as_ptr(), xs[c].excess().as_ptr()));
         let mut totals = [_mm512_setzero_ps(); N];
         for b in 0..blocks {
             let mut lanes = [_mm512_setzero_si512(); N];
             for c in 0..N {
-                lanes[c] = _mm512_set1_epi32(-*x[c].2.add(b));
+                lanes[c] = _mm512_set1_epi32(-*x[c].1.add(b));
             }
             for k in 0..STEPS {
                 let w = _mm512_load_si512(quants.as_ptr().add(b * GROUP_BLOCK + k * 64).cast());
@@ -94,13 +92,7 @@ impl Format for Int8 {
                     lanes[c] = _mm512_dpbusd_epi32(lanes[c], w, _mm512_set1_epi32(four));
                 }
             }
-            let w_scales =
-                _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().add(b * GROUP).cast()));
-            for c in 0..N {
-                let scaled =
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(lanes[c]), _mm512_set1_ps(*x[c].1.add(b)));
-                totals[c] = _mm512_fmadd_ps(scaled, w_scales, totals[c]);
-            }
+            fold_block_avx512(&mut totals, &lanes, (scales, xs, b));
         }
         for c in 0..N {
             _mm512_storeu_ps(sums[c].as_mut_ptr(), totals[c]);
@@ -127,10 +119,7 @@ impl Format for Int8 {
         let blocks = scales.len() / GROUP;
         debug_assert!(quants.len() == blocks * GROUP_BLOCK && xs.len() == N);
         let (ones, flip) = (_mm256_set1_epi16(1), _mm256_set1_epi8(-128));
-        let x: [(*const i8, *const f32); N] = std::array::from_fn(|c| {
-            let (q, s) = xs[c].parts();
-            (q.as_ptr(), s.as_ptr())
-        });
+        let x: [*const i8; N] = std::array::from_fn(|c| xs[c].parts().0.as_ptr());
         let mut totals = [[_mm256_setzero_ps(); 2]; N];
         for b in 0..blocks {
             let mut lanes = [[_mm256_setzero_si256(); 2]; N];
@@ -142,7 +131,7 @@ impl Format for Int8 {
                 ];
                 for c in 0..N {
                     let four = _mm256_set1_epi32(
-                        x[c].0.add(b * BLOCK + 4 * k).cast::<i32>().read_unaligned(),
+                        x[c].add(b * BLOCK + 4 * k).cast::<i32>().read_unaligned(),
                     );
                     let magnitude = _mm256_abs_epi8(four);
                     for h in 0..2 {
@@ -151,17 +140,7 @@ impl Format for Int8 {
                     }
                 }
             }
-            let w_scales = [
-                _mm256_cvtph_ps(_mm_loadu_si128(scales.as_ptr().add(b * GROUP).cast())),
-                _mm256_cvtph_ps(_mm_loadu_si128(scales.as_ptr().add(b * GROUP + 8).cast())),
-            ];
-            for c in 0..N {
-                let x_scale = _mm256_set1_ps(*x[c].1.add(b));
-                for h in 0..2 {
-                    let scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(lanes[c][h]), x_scale);
-                    totals[c][h] = _mm256_fmadd_ps(scaled, w_scales[h], totals[c][h]);
-                }
-            }
+            fold_block_avx2(&mut totals, &lanes, (scales, xs, b));
         }
         for c in 0..N {
             _mm256_storeu_ps(sums[c].as_mut_ptr(), totals[c][0]);
