@@ -15,6 +15,11 @@
 //! as w + 128, int4 as q4_0's q = w + 8), and each activation row carries 128 x its
 //! block sums ([`Q8Row::excess`]; int4 takes a sixteenth of it), subtracted first.
 //!
+//! The kernels: AVX-512 VNNI on 512-bit vectors; on 256-bit vectors (the sixteen rows in
+//! two halves), `vpdpbusd` where the CPU has AVX-VNNI (Intel's cores from Alder Lake on,
+//! AMD's from Zen 5 on) and AVX2's `vpmaddubsw` and `vpmaddwd` where it has not; plain
+//! Rust elsewhere.
+//!
 //! Every level sums a row's blocks in the same order with the same f32 operations
 //! (block integer to f32, times the activation's scale, fused multiply-add with the
 //! weight's scale onto the row's sum), so the products are the same bits at every
@@ -76,6 +81,100 @@ pub trait Format: Send + Sync + 'static {
         xs: &[Q8Row],
         sums: &mut [[f32; GROUP]; MAX_X],
     );
+    /// [`Kernel::group_sums`] for N rows of x with 256-bit vectors and `vpdpbusd` in
+    /// `D`'s encoding: the AVX2 kernel's two halves of eight lanes, VNNI's integer steps.
+    /// Only ever inlined into [`Format::avx_vnni`] (or, in tests, its AVX-512 twin),
+    /// which enables the features it uses.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA, F16C and `D`'s feature; every row of x holds the
+    /// group's blocks.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn vnni256<const N: usize, D: Dpbusd256>(
+        quants: &[u8],
+        scales: &[f16],
+        xs: &[Q8Row],
+        sums: &mut [[f32; GROUP]; MAX_X],
+    );
+    /// [`Format::vnni256`] with AVX-VNNI: the integer products of AVX2 cores that have
+    /// it (Intel's from Alder Lake on, AMD's from Zen 5 on).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA, F16C and AVX-VNNI; as for [`Format::vnni256`].
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    unsafe fn avx_vnni<const N: usize>(
+        quants: &[u8],
+        scales: &[f16],
+        xs: &[Q8Row],
+        sums: &mut [[f32; GROUP]; MAX_X],
+    ) {
+        Self::vnni256::<N, Vex>(quants, scales, xs, sums)
+    }
+    /// [`Format::avx_vnni`] with AVX-512 VNNI's encoding of the same instruction on the
+    /// same 256-bit vectors: how a machine without AVX-VNNI (no emulator has it) tests
+    /// every line of that kernel but the instruction's encoding.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA, F16C and AVX-512 VL and VNNI; as for
+    /// [`Format::vnni256`].
+    #[cfg(all(test, target_arch = "x86_64"))]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn avx512_vnni_ymm<const N: usize>(
+        quants: &[u8],
+        scales: &[f16],
+        xs: &[Q8Row],
+        sums: &mut [[f32; GROUP]; MAX_X],
+    ) {
+        Self::vnni256::<N, Evex>(quants, scales, xs, sums)
+    }
+}
+
+/// `vpdpbusd` on 256-bit vectors: each i32 lane of `acc` plus the four products of
+/// `unsigned`'s bytes and `signed`'s bytes in that lane. Two encodings of one operation:
+/// AVX-VNNI's VEX ([`Vex`]) and AVX-512 VNNI's EVEX ([`Evex`], with AVX-512 VL).
+#[cfg(target_arch = "x86_64")]
+pub trait Dpbusd256 {
+    /// # Safety
+    /// The CPU must have the encoding's feature, and the caller, once inlined, enable it.
+    unsafe fn dpbusd(
+        acc: std::arch::x86_64::__m256i,
+        unsigned: std::arch::x86_64::__m256i,
+        signed: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i;
+}
+
+/// AVX-VNNI's `vpdpbusd`.
+#[cfg(target_arch = "x86_64")]
+pub struct Vex;
+
+#[cfg(target_arch = "x86_64")]
+impl Dpbusd256 for Vex {
+    #[inline(always)]
+    unsafe fn dpbusd(
+        acc: std::arch::x86_64::__m256i,
+        unsigned: std::arch::x86_64::__m256i,
+        signed: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i {
+        std::arch::x86_64::_mm256_dpbusd_avx_epi32(acc, unsigned, signed)
+    }
+}
+
+/// AVX-512 VNNI's `vpdpbusd` on 256-bit vectors (tests only: see
+/// [`Format::avx512_vnni_ymm`]).
+#[cfg(all(test, target_arch = "x86_64"))]
+pub struct Evex;
+
+#[cfg(all(test, target_arch = "x86_64"))]
+impl Dpbusd256 for Evex {
+    #[inline(always)]
+    unsafe fn dpbusd(
+        acc: std::arch::x86_64::__m256i,
+        unsigned: std::arch::x86_64::__m256i,
+        signed: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i {
+        std::arch::x86_64::_mm256_dpbusd_epi32(acc, unsigned, signed)
+    }
 }
 
 /// A (rows, cols) matrix in blocks of `BLOCK` along its rows, rows in groups of
@@ -292,6 +391,13 @@ enum Kernel {
     /// AVX-512 with VNNI: [`Format::vnni`].
     #[cfg(target_arch = "x86_64")]
     Vnni,
+    /// AVX2 with AVX-VNNI (at the `avx2` level, or AVX-512 without its VNNI):
+    /// [`Format::avx_vnni`].
+    #[cfg(target_arch = "x86_64")]
+    AvxVnni,
+    /// [`Kernel::AvxVnni`]'s kernel in AVX-512 VNNI's encoding, for tests.
+    #[cfg(all(test, target_arch = "x86_64"))]
+    VnniYmm,
     /// AVX2 (and AVX-512 without VNNI): [`Format::avx2`].
     #[cfg(target_arch = "x86_64")]
     Avx2,
@@ -307,6 +413,9 @@ impl Kernel {
             if level >= isa::Isa::Avx512 && isa::has_avx512_vnni() {
                 return Kernel::Vnni;
             }
+            if level >= isa::Isa::Avx2 && isa::has_avx_vnni() {
+                return Kernel::AvxVnni;
+            }
             if level >= isa::Isa::Avx2 {
                 return Kernel::Avx2;
             }
@@ -315,12 +424,14 @@ impl Kernel {
     }
 
     /// Rows of x a call takes at most: each row's integer lanes and running totals
-    /// stay in registers (VNNI: 16 of AVX-512's 32 at eight rows; AVX2: two registers
-    /// each for a row's sixteen lanes, of 16).
+    /// stay in registers (VNNI: 16 of AVX-512's 32 at eight rows; AVX2 and AVX-VNNI:
+    /// two registers each for a row's sixteen lanes, of 16).
     fn rows_a_call(self) -> usize {
         match self {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => AVX2_ROWS,
+            Kernel::Avx2 | Kernel::AvxVnni => AVX2_ROWS,
+            #[cfg(all(test, target_arch = "x86_64"))]
+            Kernel::VnniYmm => AVX2_ROWS,
             _ => MAX_X,
         }
     }
@@ -342,6 +453,10 @@ impl Kernel {
             // quantize x for the matrix).
             #[cfg(target_arch = "x86_64")]
             Kernel::Vnni => unsafe { by_count!(F::vnni, quants, scales, xs, sums) },
+            #[cfg(target_arch = "x86_64")]
+            Kernel::AvxVnni => unsafe { by_count!(F::avx_vnni, quants, scales, xs, sums) },
+            #[cfg(all(test, target_arch = "x86_64"))]
+            Kernel::VnniYmm => unsafe { by_count!(F::avx512_vnni_ymm, quants, scales, xs, sums) },
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx2 => unsafe { by_count!(F::avx2, quants, scales, xs, sums) },
             Kernel::Portable => portable::<F>(quants, scales, xs, sums),
@@ -485,10 +600,21 @@ pub mod checks {
             } else {
                 eprintln!("SKIPPED: the AVX2 block kernels (no AVX2 here)");
             }
+            if has!("avx2") && has!("fma") && has!("f16c") && has!("avxvnni") {
+                kernels.push(Kernel::AvxVnni);
+            } else {
+                eprintln!("SKIPPED: the AVX-VNNI block kernels (no AVX-VNNI here)");
+            }
             if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") {
                 kernels.push(Kernel::Vnni);
             } else {
                 eprintln!("SKIPPED: the VNNI block kernels (no AVX-512 VNNI here)");
+            }
+            if has!("avx2") && has!("fma") && has!("f16c") && has!("avx512vl") && has!("avx512vnni")
+            {
+                kernels.push(Kernel::VnniYmm);
+            } else {
+                eprintln!("SKIPPED: the AVX-VNNI kernels' lines in AVX-512 VNNI's encoding (no AVX-512 VL and VNNI here)");
             }
         }
         for kernel in kernels {

@@ -149,6 +149,7 @@ pub fn cpu_features() -> Vec<&'static str> {
             ("avx512vl", has!("avx512vl")),
             ("avx512dq", has!("avx512dq")),
             ("avx512vnni", has!("avx512vnni")),
+            ("avxvnni", has!("avxvnni")),
             ("avx512bf16", has!("avx512bf16")),
             // Tiles the OS granted this process, not only the CPUID bits.
             ("amx-bf16", amx_ready()),
@@ -216,6 +217,15 @@ pub fn amd_family() -> Option<u32> {
 pub fn has_avx512_vnni() -> bool {
     static VNNI: OnceLock<bool> = OnceLock::new();
     *VNNI.get_or_init(|| std::arch::is_x86_feature_detected!("avx512vnni"))
+}
+
+/// Whether this CPU has AVX-VNNI (`vpdpbusd` on 256-bit vectors in the VEX encoding:
+/// Intel's cores from Alder Lake on, AVX-512 or not, and AMD's from Zen 5 on), for the
+/// integer products at the `avx2` level. Asked once.
+#[cfg(target_arch = "x86_64")]
+pub fn has_avx_vnni() -> bool {
+    static VNNI: OnceLock<bool> = OnceLock::new();
+    *VNNI.get_or_init(|| std::arch::is_x86_feature_detected!("avxvnni"))
 }
 
 /// Whether this CPU has AVX-512 BF16 (`vdpbf16ps`; on Intel, the cores from Cooper /

@@ -13,7 +13,7 @@
 use half::f16;
 
 #[cfg(target_arch = "x86_64")]
-use super::grouped::{fold_block_avx2, fold_block_avx512, MAX_X};
+use super::grouped::{fold_block_avx2, fold_block_avx512, Dpbusd256, MAX_X};
 use super::grouped::{Format, Grouped, GROUP};
 #[cfg(target_arch = "x86_64")]
 use super::q8::Q8Row;
@@ -182,6 +182,62 @@ impl Format for Int4 {
                             _mm256_maddubs_epi16(hi[h], x_hi),
                         );
                         lanes[c][h] = _mm256_add_epi32(lanes[c][h], _mm256_madd_epi16(pairs, ones));
+                    }
+                }
+            }
+            fold_block_avx2(&mut totals, &lanes, (scales, xs, b));
+        }
+        for c in 0..N {
+            _mm256_storeu_ps(sums[c].as_mut_ptr(), totals[c][0]);
+            _mm256_storeu_ps(sums[c].as_mut_ptr().add(8), totals[c][1]);
+        }
+    }
+
+    /// For N rows of x with 256-bit `vpdpbusd`: [`Int4::vnni`]'s steps on the
+    /// group's two halves of eight lanes (two instructions a half and step, where AVX2
+    /// takes two `vpmaddubsw`, an add, a `vpmaddwd` and an add).
+    ///
+    /// # Safety
+    /// As for [`Format::vnni256`].
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn vnni256<const N: usize, D: Dpbusd256>(
+        quants: &[u8],
+        scales: &[f16],
+        xs: &[Q8Row],
+        sums: &mut [[f32; GROUP]; MAX_X],
+    ) {
+        use std::arch::x86_64::*;
+        let blocks = scales.len() / GROUP;
+        debug_assert!(quants.len() == blocks * GROUP_BLOCK && xs.len() == N);
+        let low = _mm256_set1_epi8(0x0F);
+        let x: [(*const i8, *const i32); N] =
+            std::array::from_fn(|c| (xs[c].parts().0.as_ptr(), xs[c].excess().as_ptr()));
+        let four = |p: *const i8| _mm256_set1_epi32(p.cast::<i32>().read_unaligned());
+        let mut totals = [[_mm256_setzero_ps(); 2]; N];
+        for b in 0..blocks {
+            let mut lanes = [[_mm256_setzero_si256(); 2]; N];
+            for c in 0..N {
+                let start = _mm256_set1_epi32(-(*x[c].1.add(b) >> 4));
+                lanes[c] = [start, start];
+            }
+            for k in 0..4 {
+                let at = quants.as_ptr().add(b * GROUP_BLOCK + k * 64);
+                let v = [
+                    _mm256_load_si256(at.cast()),
+                    _mm256_load_si256(at.add(32).cast()),
+                ];
+                let lo = [_mm256_and_si256(v[0], low), _mm256_and_si256(v[1], low)];
+                let hi = [
+                    _mm256_and_si256(_mm256_srli_epi16(v[0], 4), low),
+                    _mm256_and_si256(_mm256_srli_epi16(v[1], 4), low),
+                ];
+                for c in 0..N {
+                    let at = x[c].0.add(b * BLOCK + 4 * k);
+                    let (x_lo, x_hi) = (four(at), four(at.add(HALF)));
+                    for h in 0..2 {
+                        lanes[c][h] = D::dpbusd(lanes[c][h], lo[h], x_lo);
+                        lanes[c][h] = D::dpbusd(lanes[c][h], hi[h], x_hi);
                     }
                 }
             }
