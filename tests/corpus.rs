@@ -285,6 +285,26 @@ fn nanogpt_bins_are_used_as_they_are_with_val_bin_held_out() {
     );
 }
 
+/// A raw file of u32 ids (a vocabulary over 65,536, written with `np.uint32`) is read
+/// as u32, not as twice as many u16 ids with every second one 0.
+#[test]
+fn raw_u32_bins_are_read_as_u32() {
+    let dir = tempfile::tempdir().unwrap();
+    let train: Vec<u32> = (0..2000u32).map(|i| i * 7919 % 100_000).collect();
+    let bytes: Vec<u8> = train.iter().flat_map(|i| i.to_le_bytes()).collect();
+    std::fs::write(dir.path().join("train.bin"), bytes).unwrap();
+    let corpus = Corpus::open(dir.path(), "text").unwrap();
+    let (t, v) = token_files::load(&corpus, 100_000).unwrap();
+    assert_eq!(t.to_vec(), train);
+    assert!(v.is_none());
+    // Its ids are checked against the vocabulary as u32.
+    let err = token_files::load(&corpus, 50_257).err().unwrap();
+    assert!(
+        format!("{err}").contains("outside the vocabulary of 50257"),
+        "{err}"
+    );
+}
+
 #[test]
 fn llmc_shards_are_read_past_their_headers_in_order() {
     let dir = tempfile::tempdir().unwrap();

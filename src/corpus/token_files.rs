@@ -4,7 +4,10 @@
 //! version 1, u32 for LLaMA 3's 20240801 version 7).
 //!
 //! A file whose header's count matches its size is taken as llm.c's; its magic must
-//! then be one of those. Anything else is nanoGPT's raw u16.
+//! then be one of those. Anything else is raw ids: nanoGPT's u16, unless its first
+//! bytes read as u16 are plainly u32 ids (every second u16, the high halves, under 16
+//! and mostly 0 while the others reach 256 or more: ids of a vocabulary over 65,536,
+//! as tools write with `np.uint32`), which would otherwise train on two ids for each.
 
 use std::fs::File;
 use std::path::Path;
@@ -26,6 +29,8 @@ const LLMC_LLAMA3: (i32, i32) = (20240801, 7);
 pub enum Layout {
     /// nanoGPT: u16 ids from the first byte.
     Raw16,
+    /// u32 ids from the first byte, no header.
+    Raw32,
     /// llm.c: a 1 KiB header, then ids of `width` bytes.
     Llmc { width: usize },
 }
@@ -84,6 +89,9 @@ fn layout_of_size(head: &[u8], len: usize, path: &Path) -> Result<Layout> {
             }
         }
     }
+    if len.is_multiple_of(4) && high_halves_of_u32(bytes) {
+        return Ok(Layout::Raw32);
+    }
     if !len.is_multiple_of(2) {
         user_bail!(
             "token file {} is {len} bytes: not u16 ids (nanoGPT's .bin) nor an llm.c shard; it may be truncated",
@@ -93,27 +101,58 @@ fn layout_of_size(head: &[u8], len: usize, path: &Path) -> Result<Layout> {
     Ok(Layout::Raw16)
 }
 
+/// Ids the first bytes of a raw file must hold before they are read as u32.
+const RAW32_SAMPLE_IDS: usize = 64;
+
+/// Whether `head`, a raw file's first bytes, reads as u32 ids and not as u16: taken as
+/// u16, every second one (a u32's high half) is under 16 (ids under 2^20), at least
+/// half of them 0 (a BPE vocabulary's frequent tokens have its low ids), while the
+/// others (the low halves) reach 256. Real u16 text is not 0 at every other position
+/// (GPT-2's id 0 is "!"), and a tiny vocabulary (all ids under 256) stays u16, as
+/// nanoGPT's character-level files are.
+fn high_halves_of_u32(head: &[u8]) -> bool {
+    let ids = head.len() / 4;
+    if ids < RAW32_SAMPLE_IDS {
+        return false;
+    }
+    let halves = |at: usize| {
+        head[..ids * 4]
+            .chunks_exact(4)
+            .map(move |b| u16::from_le_bytes([b[at], b[at + 1]]))
+    };
+    halves(2).all(|high| high < 16)
+        && 2 * halves(2).filter(|&high| high == 0).count() >= ids
+        && halves(0).any(|low| low >= 256)
+}
+
 /// Maps one token file.
 pub fn open(path: &Path) -> Result<Tokens> {
+    Ok(open_with_layout(path)?.0)
+}
+
+/// [`open`], and the layout it read the file in.
+fn open_with_layout(path: &Path) -> Result<(Tokens, Layout)> {
     let file = File::open(path)
         .map_err(|e| user_error(format!("cannot read token file {}: {e}", path.display())))?;
     // Safety: the file is only read; a corpus rewritten while training would change the
     // ids under us, as rewriting any input would.
     let map = unsafe { Mmap::map(&file) }
         .map_err(|e| user_error(format!("cannot map token file {}: {e}", path.display())))?;
-    let storage = match layout(&map, path)? {
-        Layout::Raw16 => Storage::Mapped {
-            map,
-            offset: 0,
-            width: 2,
-        },
-        Layout::Llmc { width } => Storage::Mapped {
-            map,
-            offset: LLMC_HEADER_BYTES,
-            width,
-        },
-    };
-    Ok(Tokens::concat(vec![storage]))
+    let layout = layout(&map, path)?;
+    let (offset, width) = layout.offset_and_width();
+    let storage = Storage::Mapped { map, offset, width };
+    Ok((Tokens::concat(vec![storage]), layout))
+}
+
+impl Layout {
+    /// Where the ids start and the bytes each takes.
+    fn offset_and_width(self) -> (usize, usize) {
+        match self {
+            Layout::Raw16 => (0, 2),
+            Layout::Raw32 => (0, 4),
+            Layout::Llmc { width } => (LLMC_HEADER_BYTES, width),
+        }
+    }
 }
 
 /// A tokenized corpus's ids: `(train, Some(val))` when some of its files are named as
@@ -122,7 +161,13 @@ pub fn open(path: &Path) -> Result<Tokens> {
 pub fn load(corpus: &Corpus, vocab_size: usize) -> Result<(Tokens, Option<Tokens>)> {
     let (mut train, mut val) = (Vec::new(), Vec::new());
     for file in &corpus.files {
-        let tokens = open(&file.path)?;
+        let (tokens, layout) = open_with_layout(&file.path)?;
+        if layout == Layout::Raw32 {
+            crate::errln!(
+                "note: token file {} read as u32 ids: taken as nanoGPT's u16, every second id would be 0 (the high halves)",
+                file.path.display()
+            );
+        }
         let max = max_id(&file.path)?;
         if max as usize >= vocab_size {
             user_bail!(
@@ -166,10 +211,7 @@ fn max_id(path: &Path) -> Result<u32> {
     let n = file.read(&mut head).map_err(cannot)?;
     let len = file.metadata().map_err(cannot)?.len() as usize;
     // The layout needs the header and the size only.
-    let (offset, width) = match layout_of_size(&head[..n], len, path)? {
-        Layout::Raw16 => (0, 2),
-        Layout::Llmc { width } => (LLMC_HEADER_BYTES, width),
-    };
+    let (offset, width) = layout_of_size(&head[..n], len, path)?.offset_and_width();
     use std::io::{Seek, SeekFrom};
     file.seek(SeekFrom::Start(offset as u64)).map_err(cannot)?;
     let mut block = vec![0u8; 1 << 22];
@@ -246,5 +288,31 @@ mod tests {
             assert!(!is_validation(name), "{name}");
         }
         assert!(layout(&[1, 0, 2], p).is_err());
+    }
+
+    #[test]
+    fn raw_u32_ids_are_told_from_u16_ones() {
+        let p = Path::new("x.bin");
+        let bytes = |ids: &[u32], width: usize| -> Vec<u8> {
+            ids.iter()
+                .flat_map(|&i| i.to_le_bytes().into_iter().take(width))
+                .collect()
+        };
+        // A 128k vocabulary's ids: most under 65,536, some above.
+        let big: Vec<u32> = (0..300u32).map(|i| i * 7919 % 128_000).collect();
+        assert_eq!(layout(&bytes(&big, 4), p).unwrap(), Layout::Raw32);
+        // GPT-2's ids as u16 stay u16, and so does a character vocabulary's...
+        let gpt2: Vec<u32> = (0..300u32).map(|i| i * 7919 % 50_257).collect();
+        assert_eq!(layout(&bytes(&gpt2, 2), p).unwrap(), Layout::Raw16);
+        let chars: Vec<u32> = (0..300u32).map(|i| i % 5).collect();
+        assert_eq!(layout(&bytes(&chars, 2), p).unwrap(), Layout::Raw16);
+        // ... and numbers between commas (GPT-2's "," is 11): every second u16 small,
+        // but not 0.
+        let listed: Vec<u32> = (0..300u32)
+            .map(|i| if i % 2 == 1 { 11 } else { 300 + i })
+            .collect();
+        assert_eq!(layout(&bytes(&listed, 2), p).unwrap(), Layout::Raw16);
+        // Too few ids to tell: u16.
+        assert_eq!(layout(&bytes(&big[..10], 4), p).unwrap(), Layout::Raw16);
     }
 }
