@@ -617,10 +617,24 @@ fn training_runs_on_jsonl_and_on_nanogpt_bins_sharing_one_cache() {
             "data.corpus=owt",
             "--set",
             "tokenizer.path=checkpoints/a/tokenizer.json",
+            "--set",
+            "tokenizer.vocab_size=999",
         ],
     );
     let counts = format!("{} train / {} val tokens", train.len(), val.len());
     assert!(err.contains(&counts), "expected {counts:?} in {err}");
+    // The size asked for beside the file is named as unused, and the run's config
+    // says the size it used.
+    let have = tk.vocab_size();
+    let note = format!("tokenizer.vocab_size = 999 is not used: tokenizer.path checkpoints/a/tokenizer.json brings its own {have} tokens");
+    assert!(err.contains(&note), "expected {note:?} in {err}");
+    let saved = std::fs::read_to_string(d.join("checkpoints/c/config.toml")).unwrap();
+    let section = saved.split("[tokenizer]").nth(1).unwrap();
+    let section = section.split("\n[").next().unwrap();
+    assert!(
+        section.contains(&format!("vocab_size = {have}\n")),
+        "{saved}"
+    );
     let state: serde_json::Value =
         serde_json::from_slice(&std::fs::read(d.join("checkpoints/c/state.json")).unwrap())
             .unwrap();

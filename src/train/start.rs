@@ -196,6 +196,18 @@ fn fresh(mut config: Config, corpus: &Corpus, cache: &CorpusCache, stop: &Stop) 
         None => cache.tokenizer(corpus, tk, stop)?,
     };
     let have = tokenizer.vocab_size();
+    if let Some(path) = &tk.path {
+        // The file's vocabulary is the one used; a size asked for beside it (any but
+        // the default) would otherwise be dropped without a word.
+        let default = crate::config::TokenizerConfig::default().vocab_size;
+        if tk.vocab_size != have && tk.vocab_size != default {
+            crate::errln!(
+                "note: tokenizer.vocab_size = {} is not used: tokenizer.path {} brings its own {have} tokens (remove tokenizer.path to train a vocabulary of that size)",
+                tk.vocab_size,
+                path.display()
+            );
+        }
+    }
     let trained_bpe = tk.path.is_none() && tk.kind == TokenizerKind::Bpe;
     if trained_bpe && have < tk.vocab_size {
         user_bail!(
@@ -203,6 +215,10 @@ fn fresh(mut config: Config, corpus: &Corpus, cache: &CorpusCache, stop: &Stop) 
             tk.vocab_size,
             config.data.corpus.display()
         );
+    }
+    if config.tokenizer.path.is_some() {
+        // The run's config.toml says what the run used.
+        config.tokenizer.vocab_size = have;
     }
     if config.model.vocab_size == 0 {
         config.model.vocab_size = have;
