@@ -121,6 +121,13 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
     std::fs::write(d.join("mixed/a.txt"), "some text").unwrap();
     std::fs::write(d.join("mixed/b.bin"), [1u8, 0]).unwrap();
     let parquet = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/stories.parquet");
+    let whole = std::fs::read(parquet.as_path()).unwrap();
+    std::fs::write(d.join("cut.parquet"), &whole[..whole.len() * 3 / 5]).unwrap();
+    std::fs::write(
+        d.join("lines.parquet"),
+        "{\"text\": \"a jsonl file misnamed\"}\n",
+    )
+    .unwrap();
     let parquet = parquet.display();
     std::fs::write(d.join("syntax.toml"), "[model]\nn_layer = = 2\n").unwrap();
     std::fs::write(d.join("unknown.toml"), "[model]\nlayers = 2\n").unwrap();
@@ -393,6 +400,16 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "parquet without the text column",
             &format!("{t} --set data.corpus={parquet} --set data.text_field=body"),
             "it has: id, text, url",
+        ),
+        case(
+            "parquet file cut short",
+            &format!("{t} --set data.corpus=cut.parquet"),
+            "download it again",
+        ),
+        case(
+            "jsonl named .parquet",
+            &format!("{t} --set data.corpus=lines.parquet"),
+            "give it the extension of what it holds",
         ),
         case(
             "jsonl lines that are not objects",

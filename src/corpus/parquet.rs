@@ -23,6 +23,8 @@ pub struct ParquetFile {
     path: PathBuf,
     reader: SerializedFileReader<File>,
     column: usize,
+    /// The column's name (data.text_field), for messages.
+    field: String,
     optional: bool,
     next_row_group: usize,
     /// The open row group's column reader; `None` between row groups.
@@ -39,7 +41,7 @@ impl ParquetFile {
         let file = super::open_file(path)?;
         let reader = SerializedFileReader::new(file).map_err(|e| {
             user_error(format!(
-                "corpus file {} is not a readable parquet file ({e})",
+                "corpus file {} is not a readable parquet file ({e}); if it was cut short, download it again, or give it the extension of what it holds (.jsonl, .txt)",
                 path.display()
             ))
         })?;
@@ -70,6 +72,7 @@ impl ParquetFile {
             optional: descr.max_def_level() > 0,
             reader,
             column,
+            field: field.to_string(),
             next_row_group: 0,
             current: None,
             documents: VecDeque::new(),
@@ -93,7 +96,7 @@ impl ParquetFile {
                     }
                 )),
                 None => user_error(format!(
-                    "corpus file {}: cannot read parquet row group {group} ({e})",
+                    "corpus file {}: cannot read parquet row group {group} ({e}); the file is damaged or cut short: download it again, or rewrite it with pyarrow",
                     path.display(),
                 )),
             }
@@ -132,9 +135,10 @@ impl ParquetFile {
             for value in values {
                 let text = String::from_utf8(value.data().to_vec()).map_err(|_| {
                     user_error(format!(
-                        "corpus file {}: row {} is not UTF-8 text",
+                        "corpus file {}: row {} of column \"{}\" is not UTF-8 text; set data.text_field to the column holding the text, or rewrite the column as UTF-8",
                         self.path.display(),
-                        self.rows_read
+                        self.rows_read,
+                        self.field
                     ))
                 })?;
                 self.documents.push_back(text);
