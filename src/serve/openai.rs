@@ -357,6 +357,45 @@ pub struct ChoiceResult {
     pub tokens: Vec<TokenLogprob>,
     pub finish: Option<Finish>,
     pub completion_tokens: usize,
+    /// Chat: whether the reply's content has begun (its leading whitespace is trimmed
+    /// until then, from the text and from the tokens alike).
+    pub reply_started: bool,
+}
+
+impl ChoiceResult {
+    /// A chat reply's next text and tokens with the reply's leading whitespace taken
+    /// off both: the template ends at "Assistant:" and a model answers " Hello", whose
+    /// space is not content. The tokens' bytes then spell the content as OpenAI's do
+    /// (a whitespace-only token keeps its logprob with no text). ASCII whitespace only,
+    /// so a token's bytes and its text lose the same characters.
+    pub fn trim_reply_start<'t>(&mut self, text: &'t str, tokens: &mut [TokenLogprob]) -> &'t str {
+        let text = if self.text.is_empty() {
+            text.trim_start_matches(|c: char| c.is_ascii_whitespace())
+        } else {
+            text
+        };
+        for t in tokens {
+            if self.reply_started {
+                break;
+            }
+            trim_piece(&mut t.token);
+            for (alternative, _) in &mut t.top {
+                trim_piece(alternative);
+            }
+            self.reply_started = !t.token.bytes.is_empty();
+        }
+        text
+    }
+}
+
+/// `piece` without its leading ASCII whitespace.
+fn trim_piece(piece: &mut super::batcher::Piece) {
+    let kept = piece.bytes.iter().position(|b| !b.is_ascii_whitespace());
+    piece.bytes.drain(..kept.unwrap_or(piece.bytes.len()));
+    piece.text = piece
+        .text
+        .trim_start_matches(|c: char| c.is_ascii_whitespace())
+        .to_string();
 }
 
 /// Completions' `logprobs` object for `tokens`, offsets counted from `offset` (the text
@@ -392,4 +431,55 @@ pub fn chat_logprobs(tokens: &[TokenLogprob]) -> Value {
         })
         .collect();
     json!({ "content": content, "refusal": null })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::serve::batcher::Piece;
+
+    fn token(text: &str, alternatives: &[&str]) -> TokenLogprob {
+        let piece = |t: &str| Piece {
+            text: t.to_string(),
+            bytes: t.as_bytes().to_vec(),
+        };
+        TokenLogprob {
+            token: piece(text),
+            logprob: Some(-1.0),
+            top: alternatives.iter().map(|a| (piece(a), -0.5)).collect(),
+        }
+    }
+
+    /// The reply " \n Hi there" in three events: its leading whitespace leaves the text
+    /// and the tokens alike, the tokens' bytes spell the content, every token keeps its
+    /// logprob, and whitespace after the content begins stays.
+    #[test]
+    fn a_chat_reply_loses_its_leading_whitespace_from_text_and_tokens() {
+        let mut choice = ChoiceResult::default();
+        let events: [(&str, Vec<TokenLogprob>); 3] = [
+            (" \n", vec![token(" ", &[" H", "\n"]), token("\n", &["x"])]),
+            (" Hi", vec![token(" H", &[" A"]), token("i", &[])]),
+            (" there", vec![token(" there", &["\n"])]),
+        ];
+        let mut tokens = Vec::new();
+        for (text, mut event_tokens) in events {
+            let text = choice.trim_reply_start(text, &mut event_tokens);
+            choice.text.push_str(text);
+            tokens.extend(event_tokens);
+        }
+        assert_eq!(choice.text, "Hi there");
+        let spelled: Vec<u8> = tokens.iter().flat_map(|t| t.token.bytes.clone()).collect();
+        assert_eq!(spelled, choice.text.as_bytes());
+        let texts: Vec<&str> = tokens.iter().map(|t| t.token.text.as_str()).collect();
+        assert_eq!(texts, ["", "", "H", "i", " there"]);
+        assert!(tokens.iter().all(|t| t.logprob == Some(-1.0)));
+        // Alternatives at a trimmed place are trimmed as the token is; later ones not.
+        let tops: Vec<Vec<&str>> = tokens
+            .iter()
+            .map(|t| t.top.iter().map(|(p, _)| p.text.as_str()).collect())
+            .collect();
+        assert_eq!(tops[0], ["H", ""]);
+        assert_eq!(tops[2], ["A"]);
+        assert_eq!(tops[4], ["\n"]);
+    }
 }

@@ -793,14 +793,16 @@ impl Reply {
                 Some(Event::Text {
                     choice,
                     text,
-                    tokens,
+                    mut tokens,
                 }) => {
                     let c = &mut self.choices[choice];
-                    c.text.push_str(&text);
+                    let text = if self.kind == Kind::Chat {
+                        c.trim_reply_start(&text, &mut tokens)
+                    } else {
+                        &text
+                    };
+                    c.text.push_str(text);
                     c.tokens.extend(tokens);
-                    if self.kind == Kind::Chat {
-                        c.text = c.text.trim_start().to_string();
-                    }
                 }
                 Some(Event::Done {
                     choice,
@@ -882,7 +884,7 @@ impl Reply {
         &mut self,
         choice: usize,
         text: &str,
-        tokens: &[super::batcher::TokenLogprob],
+        tokens: &mut [super::batcher::TokenLogprob],
     ) -> Option<Value> {
         Some(match self.kind {
             Kind::Completion => {
@@ -897,13 +899,8 @@ impl Reply {
                 json!({"index": choice, "text": text, "logprobs": logprobs, "finish_reason": Value::Null})
             }
             Kind::Chat => {
-                // The template ends at "Assistant:"; the reply's first space is not content.
                 let c = &mut self.choices[choice];
-                let text = if c.text.is_empty() {
-                    text.trim_start()
-                } else {
-                    text
-                };
+                let text = c.trim_reply_start(text, tokens);
                 if text.is_empty() && tokens.is_empty() {
                     return None;
                 }
@@ -925,9 +922,9 @@ impl Reply {
             Some(Event::Text {
                 choice,
                 text,
-                tokens,
+                mut tokens,
             }) => {
-                if let Some(c) = self.text_choice(choice, &text, &tokens) {
+                if let Some(c) = self.text_choice(choice, &text, &mut tokens) {
                     out.push(self.chunk(vec![c]));
                 }
             }
@@ -991,7 +988,7 @@ impl Reply {
                 Kind::Chat => Some(
                     json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": Value::Null, "finish_reason": Value::Null}),
                 ),
-                Kind::Completion if !echo.is_empty() => self.text_choice(i, &echo, &[]),
+                Kind::Completion if !echo.is_empty() => self.text_choice(i, &echo, &mut []),
                 Kind::Completion => None,
             };
             chunks.extend(choice.map(|c| self.chunk(vec![c])));

@@ -75,12 +75,15 @@ for chunk in client.chat.completions.create(model=model, messages=messages, max_
 assert roles == ["assistant"], roles
 assert streamed == content, (streamed, content)
 
-# Chat logprobs: each drawn token's, with its two most likely alternatives; the tokens
-# spell the reply (its first space aside, which the template's "Assistant:" leaves; a
-# stop string's tokens after it).
+# Chat logprobs: each drawn token's, with its two most likely alternatives; the tokens'
+# bytes spell the reply (the leading whitespace the template's "Assistant:" leaves is
+# trimmed from both; a stop string's tokens may follow it).
 scored = client.chat.completions.create(model=model, messages=messages, max_tokens=20, seed=2, logprobs=True, top_logprobs=2)
 entries = scored.choices[0].logprobs.content
-assert "".join(e.token for e in entries).lstrip().startswith(scored.choices[0].message.content), entries
+spelled = b"".join(bytes(e.bytes) for e in entries).decode()
+assert spelled.startswith(scored.choices[0].message.content), (spelled, scored.choices[0].message.content)
+if scored.choices[0].finish_reason == "length":
+    assert spelled == scored.choices[0].message.content, (spelled, scored.choices[0].message.content)
 for e in entries:
     assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob - 1e-6, e
     assert bytes(e.bytes).decode() == e.token, e
