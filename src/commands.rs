@@ -351,8 +351,9 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
 pub fn eval(args: EvalArgs, stop: tinygpt::util::Stop) -> Result<()> {
     let text = read_text_arg("--text", &args.text)?;
     let format = parse_weight_format("--dtype", &args.dtype)?;
-    if format != WeightFormat::F32 {
-        return eval_decoding(&args, format, &text, &stop);
+    if format != WeightFormat::F32 || args.kv_dtype.is_some() {
+        let kv = KvPrecision::parse(args.kv_dtype.as_deref(), format)?;
+        return eval_decoding(&args, (format, kv), &text, &stop);
     }
     let auto = is_auto(&args.ckpt.device);
     let mut loaded = Loaded::load(
@@ -385,16 +386,17 @@ pub fn eval(args: EvalArgs, stop: tinygpt::util::Stop) -> Result<()> {
     print_eval(&args, &r)
 }
 
-/// `eval --dtype bf16|int8`: the checkpoint mapped for the CPU decoder in `format`.
+/// `eval --dtype bf16|int8|int4` or `--kv-dtype`: the checkpoint mapped for the CPU
+/// decoder in `format`, its keys and values in `kv`.
 fn eval_decoding(
     args: &EvalArgs,
-    format: WeightFormat,
+    (format, kv): (WeightFormat, KvPrecision),
     text: &str,
     stop: &tinygpt::util::Stop,
 ) -> Result<()> {
     if !is_auto(&args.ckpt.device) && !parse_device(&args.ckpt.device)?.is_cpu() {
         user_bail!(
-            "--dtype {} scores with the CPU decoder; use --device cpu (or auto), or --dtype f32",
+            "--dtype {} and --kv-dtype score with the CPU decoder; use --device cpu (or auto), or --dtype f32 without --kv-dtype",
             format.name()
         );
     }
@@ -408,7 +410,7 @@ fn eval_decoding(
         &opened.weights,
         &ids,
         tinygpt::eval::predicted_bytes(&opened.tokenizer, &ids, text)?,
-        window,
+        (window, kv),
         &bar,
         stop,
     )?;

@@ -250,19 +250,19 @@ fn check_memory(
 }
 
 /// [`evaluate_until`] through the fused CPU decoder holding `weights` (in whatever
-/// precision they are: this measures what bf16, int8 or int4 weights cost): the same
-/// windows of `block` tokens, the same predictions scored, a window at a time.
+/// precision they are: this measures what bf16, int8 or int4 weights cost) and its keys
+/// and values in `precision`: the same windows of `block` tokens, the same predictions
+/// scored, a window at a time.
 pub fn evaluate_decoding(
     weights: &std::sync::Arc<DecodeWeights>,
     ids: &[u32],
     bytes: usize,
-    block: usize,
+    (block, precision): (usize, KvPrecision),
     progress: &ProgressBar,
     stop: &Stop,
 ) -> Result<EvalResult> {
     needs_two_tokens(ids.len())?;
     let block = block.min(ids.len());
-    let precision = KvPrecision::for_weights(weights.format);
     check_decoder_memory(&weights.spec.shapes, block, precision)?;
     let mut decoder = FastDecoder::with_positions(weights.clone(), 1, precision, block)?;
     let score = |group: &[Window]| -> Result<f64> {

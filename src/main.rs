@@ -335,9 +335,10 @@ struct GenerateArgs {
     /// llama.cpp's q8_0 and q4_0).
     #[arg(long, default_value = "f32", value_parser = weight_formats(), ignore_case = true)]
     dtype: String,
-    /// How the fused CPU decoder holds the keys and values of the tokens seen: f32, or
-    /// bf16 (half the memory and the bytes attention reads; llama.cpp's default is f16).
-    /// By default bf16 beside bf16, int8 or int4 weights, f32 beside f32.
+    /// How the fused CPU decoder holds the keys and values of the tokens seen: f32, bf16
+    /// (half the memory and the bytes attention reads; llama.cpp's default is f16) or
+    /// int8 (a quarter, a scale per head). By default f32, bf16 or int8 as the weights
+    /// are (int8 beside int4 too).
     #[arg(long, value_parser = kv_formats(), ignore_case = true)]
     kv_dtype: Option<String>,
 }
@@ -375,9 +376,9 @@ struct ServeArgs {
     /// int4 on the CPU).
     #[arg(long, default_value = "f32", value_parser = weight_formats(), ignore_case = true)]
     dtype: String,
-    /// How the CPU decoder holds the keys and values of every sequence: f32 or bf16 (as
-    /// generate --kv-dtype: half the memory per slot; by default bf16 beside bf16, int8
-    /// or int4 weights, f32 beside f32).
+    /// How the CPU decoder holds the keys and values of every sequence: f32, bf16 or
+    /// int8 (as generate --kv-dtype: bf16 half the memory per slot, int8 a quarter; by
+    /// default f32, bf16 or int8 as the weights are, int8 beside int4 too).
     #[arg(long, value_parser = kv_formats(), ignore_case = true)]
     kv_dtype: Option<String>,
     /// Where to decode: cpu, cuda[:N], or auto (a CUDA GPU where the build and machine
@@ -408,6 +409,11 @@ struct EvalArgs {
     /// precision costs in loss).
     #[arg(long, default_value = "f32", value_parser = weight_formats(), ignore_case = true)]
     dtype: String,
+    /// How the CPU decoder holds its keys and values, f32, bf16 or int8 (as generate
+    /// --kv-dtype; scored through the CPU decoder whatever --dtype is: what they cost in
+    /// loss).
+    #[arg(long, value_parser = kv_formats(), ignore_case = true)]
+    kv_dtype: Option<String>,
     /// Tokens a window holds (default: the model's context, block_size); a text longer
     /// than one window is scored in windows advancing by half of one. Shorter windows
     /// for a model whose context would not fit in memory.
@@ -476,9 +482,9 @@ struct BenchArgs {
     /// --dtype).
     #[arg(long, default_value = "f32", value_parser = weight_formats(), ignore_case = true)]
     decode_dtype: String,
-    /// With --checkpoint: how the decoder holds its keys and values, f32 or bf16 (as
-    /// generate --kv-dtype; by default bf16 beside bf16, int8 or int4 weights, f32
-    /// beside f32).
+    /// With --checkpoint: how the decoder holds its keys and values, f32, bf16 or int8
+    /// (as generate --kv-dtype; by default f32, bf16 or int8 as the weights are, int8
+    /// beside int4 too).
     #[arg(long, value_parser = kv_formats(), ignore_case = true)]
     kv_dtype: Option<String>,
     #[arg(long)]
@@ -939,7 +945,7 @@ fn weight_formats() -> clap::builder::PossibleValuesParser {
 
 /// `--kv-dtype`'s values.
 fn kv_formats() -> clap::builder::PossibleValuesParser {
-    ["f32", "bf16"].into()
+    ["f32", "bf16", "int8"].into()
 }
 
 /// clap's message (several lines: the error, a tip, possible values, the usage) as one.

@@ -453,6 +453,13 @@ fn bf16_keys_and_values_track_f32() {
     tracks_f32_with(WeightFormat::F32, Some(KvPrecision::Bf16), 0.001, 60);
 }
 
+/// f32 weights with the keys and values held in eight bits (`--kv-dtype int8`; each
+/// head within half of 1/127 of its largest magnitude): within that rounding's reach.
+#[test]
+fn int8_keys_and_values_track_f32() {
+    tracks_f32_with(WeightFormat::F32, Some(KvPrecision::Int8), 0.002, 60);
+}
+
 /// The same with the weights in bf16 (each rounded to 8 significant bits, 1/512 of
 /// itself at most; activations and sums stay f32): a tighter bound.
 #[test]
@@ -667,9 +674,10 @@ fn f32_weights_decode_alike_mapped_or_copied() {
     assert_eq!(mapped, copied);
 }
 
-/// `eval --dtype` scores through the CPU decoder: in f32 it gives the engines' loss
-/// (same windows, same predictions; sums in another order), and in bf16 and int8 a loss
-/// near it, reported rather than assumed equal.
+/// `eval --dtype` (and `--kv-dtype`) scores through the CPU decoder: in f32 it gives the
+/// engines' loss (same windows, same predictions; sums in another order), and with
+/// bf16, int8 or int4 weights or keys and values a loss near it, reported rather than
+/// assumed equal.
 #[test]
 fn scoring_through_the_decoder_matches_the_engine() {
     use std::sync::Arc;
@@ -688,27 +696,35 @@ fn scoring_through_the_decoder_matches_the_engine() {
     let flat = loaded.model.params().to_flat().unwrap();
     let hidden = indicatif::ProgressBar::hidden();
     let stop = tinygpt::util::Stop::new();
-    for (format, tolerance) in [
-        (WeightFormat::F32, 1e-5),
-        (WeightFormat::Bf16, 0.01),
-        (WeightFormat::Int8, 0.03),
-        (WeightFormat::Int4, 0.15),
+    let default = KvPrecision::for_weights;
+    for (format, kv, tolerance) in [
+        (WeightFormat::F32, default(WeightFormat::F32), 1e-5),
+        (WeightFormat::F32, KvPrecision::Bf16, 0.001),
+        (WeightFormat::F32, KvPrecision::Int8, 0.001),
+        (WeightFormat::Bf16, default(WeightFormat::Bf16), 0.01),
+        (WeightFormat::Int8, default(WeightFormat::Int8), 0.03),
+        (WeightFormat::Int4, default(WeightFormat::Int4), 0.15),
     ] {
         let weights =
             Arc::new(DecodeWeights::from_flat(loaded.model.spec(), &flat, format).unwrap());
-        let r = tinygpt::eval::evaluate_decoding(&weights, &ids, long.len(), block, &hidden, &stop)
-            .unwrap();
+        let r = tinygpt::eval::evaluate_decoding(
+            &weights,
+            &ids,
+            long.len(),
+            (block, kv),
+            &hidden,
+            &stop,
+        )
+        .unwrap();
         assert_eq!(r.predictions, engine.predictions);
+        let what = format!("{} weights, {} keys and values", format.name(), kv.name());
         eprintln!(
-            "{}: loss {:.6} vs f32 engine {:.6}",
-            format.name(),
-            r.loss,
-            engine.loss
+            "{what}: loss {:.6} vs f32 engine {:.6}",
+            r.loss, engine.loss
         );
         assert!(
             (r.loss - engine.loss).abs() <= tolerance * engine.loss,
-            "{}: loss {} vs the engine's {}",
-            format.name(),
+            "{what}: loss {} vs the engine's {}",
             r.loss,
             engine.loss
         );
@@ -769,7 +785,11 @@ fn long_prompts_decode_as_the_reference() {
         let prompt: Vec<u32> = (0..61).map(|i| (i * 7 + 3) % 29).collect();
         let other: Vec<u32> = vec![4, 9, 2];
         let alone = |window: &[u32]| full_forward_last(&model, window);
-        for (kv, tolerance) in [(KvPrecision::F32, 1e-5), (KvPrecision::Bf16, 2e-2)] {
+        for (kv, tolerance) in [
+            (KvPrecision::F32, 1e-5),
+            (KvPrecision::Bf16, 2e-2),
+            (KvPrecision::Int8, 2e-2),
+        ] {
             let weights = DecodeWeights::from_flat(model.spec(), &values, WeightFormat::F32);
             let weights = std::sync::Arc::new(weights.unwrap());
             let mut d = FastDecoder::with_kv(weights.clone(), 2, kv).unwrap();
@@ -923,9 +943,16 @@ fn a_long_context_model_scores_in_windows_that_fit() {
     let flat = model.params().to_flat().unwrap();
     let weights =
         Arc::new(DecodeWeights::from_flat(model.spec(), &flat, WeightFormat::F32).unwrap());
-    let decoded =
-        tinygpt::eval::evaluate_decoding(&weights, &ids, ids.len(), 131_072, &hidden, &stop)
-            .unwrap();
+    let f32_kv = KvPrecision::F32;
+    let decoded = tinygpt::eval::evaluate_decoding(
+        &weights,
+        &ids,
+        ids.len(),
+        (131_072, f32_kv),
+        &hidden,
+        &stop,
+    )
+    .unwrap();
     assert!(
         (whole.loss - decoded.loss).abs() < 1e-5 * whole.loss,
         "{whole:?} {decoded:?}"
@@ -935,7 +962,8 @@ fn a_long_context_model_scores_in_windows_that_fit() {
     let windowed =
         tinygpt::eval::evaluate_until(&model, &ids, ids.len(), 64, &hidden, &stop).unwrap();
     let decoded =
-        tinygpt::eval::evaluate_decoding(&weights, &ids, ids.len(), 64, &hidden, &stop).unwrap();
+        tinygpt::eval::evaluate_decoding(&weights, &ids, ids.len(), (64, f32_kv), &hidden, &stop)
+            .unwrap();
     assert_eq!(windowed.predictions, 299);
     assert!((windowed.loss - decoded.loss).abs() < 1e-5 * windowed.loss);
     assert_ne!(windowed.loss, whole.loss, "shorter windows, less context");

@@ -814,7 +814,7 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
         case(
             "unknown precision of the keys and values",
             &format!("{g} --prompt Now --kv-dtype f16"),
-            "invalid value 'f16' for '--kv-dtype <KV_DTYPE>'; possible values: f32, bf16",
+            "invalid value 'f16' for '--kv-dtype <KV_DTYPE>'; possible values: f32, bf16, int8",
         ),
         case(
             "keys and values set where candle decodes",

@@ -32,6 +32,8 @@ use super::q8::Q8Row;
 use super::team;
 use super::threads::on_workers_awake;
 use super::weight_rows::Bf16;
+#[cfg(target_arch = "x86_64")]
+use super::weight_rows::Weight;
 use crate::model::spec::{ModelSpec, Shapes};
 
 /// A model's weights laid out for decoding (shared), and the K/V buffers of `batch`
@@ -497,8 +499,9 @@ multiversion! {
     /// `scores` holds (head, position) for every head.
     pub fn attend(s: &Shapes, q: &[f32], cache: LayerKv, at: (usize, usize), out: &mut [f32], scores: &mut [f32]) {
         match cache {
-            LayerKv::F32(keys, values) => attend_in(s, q, (keys, values), at, out, scores),
-            LayerKv::Bf16(keys, values) => attend_in(s, q, (keys, values), at, out, scores),
+            LayerKv::F32(keys, values) => attend_in(s, q, (keys, values, None), at, out, scores),
+            LayerKv::Bf16(keys, values) => attend_in(s, q, (keys, values, None), at, out, scores),
+            LayerKv::Int8(kv) => attend_in(s, q, (kv.keys, kv.values, Some((kv.key_scales, kv.value_scales))), at, out, scores),
         }
     }
 }
@@ -591,11 +594,19 @@ multiversion! {
     /// and sum of those exponentials.
     pub fn attend_part(s: &Shapes, q: &[f32], cache: LayerKv, at: (usize, Range<usize>), out: &mut [f32], scores: &mut [f32], stats: (&mut [f32], &mut [f32])) {
         match cache {
-            LayerKv::F32(keys, values) => attend_part_in(s, q, (keys, values), at, out, scores, stats),
-            LayerKv::Bf16(keys, values) => attend_part_in(s, q, (keys, values), at, out, scores, stats),
+            LayerKv::F32(keys, values) => attend_part_in(s, q, (keys, values, None), at, out, scores, stats),
+            LayerKv::Bf16(keys, values) => attend_part_in(s, q, (keys, values, None), at, out, scores, stats),
+            LayerKv::Int8(kv) => attend_part_in(s, q, (kv.keys, kv.values, Some((kv.key_scales, kv.value_scales))), at, out, scores, stats),
         }
     }
 }
+
+/// A layer's key and value scales, (batch, block, K/V heads) each, where the keys and
+/// values are int8 (`None`: they are their numbers).
+type Scales<'c> = Option<(&'c [f32], &'c [f32])>;
+
+/// A layer's keys and values as held, and their scales where they are int8.
+type Held<'c, T> = (&'c [T], &'c [T], Scales<'c>);
 
 /// [`attend`] over keys and values held as `T`: the scores, each head's softmax, the
 /// values they weigh.
@@ -603,20 +614,21 @@ multiversion! {
 fn attend_in<T: KeyRow>(
     s: &Shapes,
     q: &[f32],
-    cache: (&[T], &[T]),
+    (keys, values, scales): Held<T>,
     at: (usize, usize),
     out: &mut [f32],
     scores: &mut [f32],
 ) {
     let (b, pos) = at;
     let seen = pos + 1;
-    let rows = sequence_rows(s, cache, b, 0..seen);
+    let rows = sequence_rows(s, (keys, values), b, 0..seen);
+    let scales = scales.map(|sc| sequence_scales(s, sc, b, 0..seen));
     let scores = &mut scores[..s.n_head * seen];
-    score_positions(s, q, rows.0, scores, seen);
+    score_positions(s, q, rows.0, scales.map(|sc| sc.0), scores, seen);
     for head in scores.chunks_exact_mut(seen) {
         softmax_inline(head);
     }
-    weigh_values(s, rows.1, scores, seen, out);
+    weigh_values(s, rows.1, scales.map(|sc| sc.1), scores, seen, out);
 }
 
 /// [`attend_part`] over keys and values held as `T`.
@@ -624,16 +636,17 @@ fn attend_in<T: KeyRow>(
 fn attend_part_in<T: KeyRow>(
     s: &Shapes,
     q: &[f32],
-    cache: (&[T], &[T]),
+    (keys, values, scales): Held<T>,
     (b, positions): (usize, Range<usize>),
     out: &mut [f32],
     scores: &mut [f32],
     (top, total): (&mut [f32], &mut [f32]),
 ) {
     let len = positions.len();
-    let rows = sequence_rows(s, cache, b, positions);
+    let rows = sequence_rows(s, (keys, values), b, positions.clone());
+    let scales = scales.map(|sc| sequence_scales(s, sc, b, positions));
     let scores = &mut scores[..s.n_head * len];
-    score_positions(s, q, rows.0, scores, len);
+    score_positions(s, q, rows.0, scales.map(|sc| sc.0), scores, len);
     for (h, head) in scores.chunks_exact_mut(len).enumerate() {
         let max = head.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         for v in head.iter_mut() {
@@ -642,7 +655,7 @@ fn attend_part_in<T: KeyRow>(
         top[h] = max;
         total[h] = sum_lanes(head, |v| v);
     }
-    weigh_values(s, rows.1, scores, len, out);
+    weigh_values(s, rows.1, scales.map(|sc| sc.1), scores, len, out);
 }
 
 /// Sequence `b`'s key and value rows at `positions`.
@@ -658,6 +671,19 @@ fn sequence_rows<'c, T>(
     (&cache.0[rows.clone()], &cache.1[rows])
 }
 
+/// Sequence `b`'s key and value scales at `positions`.
+#[inline(always)]
+fn sequence_scales<'c>(
+    s: &Shapes,
+    scales: (&'c [f32], &'c [f32]),
+    b: usize,
+    positions: Range<usize>,
+) -> (&'c [f32], &'c [f32]) {
+    let first = b * s.block_size * s.n_kv_head;
+    let rows = first + positions.start * s.n_kv_head..first + positions.end * s.n_kv_head;
+    (&scales.0[rows.clone()], &scales.1[rows])
+}
+
 /// The K/V head query head h shares, in a key or value row.
 #[inline(always)]
 fn kv<'r, T>(row: &'r [T], h: usize, s: &Shapes) -> &'r [T] {
@@ -666,44 +692,81 @@ fn kv<'r, T>(row: &'r [T], h: usize, s: &Shapes) -> &'r [T] {
 }
 
 /// scores[h * len + p] = (q_h · key p's head for h) / sqrt(d) for the `len` key rows of
-/// `keys`. Positions go in the outer loop: each key row is read once, whole and in
-/// order, for all the heads (head by head, a row's heads were read a head's width at a
-/// time, a row apart), and the heads' dot products, independent, overlap.
+/// `keys` (int8 ones times their heads' scales, `key_scales`). Positions go in the outer
+/// loop: each key row is read once, whole and in order, for all the heads (head by
+/// head, a row's heads were read a head's width at a time, a row apart), and the heads'
+/// dot products, independent, overlap.
 #[inline(always)]
-fn score_positions<T: KeyRow>(s: &Shapes, q: &[f32], keys: &[T], scores: &mut [f32], len: usize) {
-    let d = s.head_dim;
-    let scale = 1.0 / (d as f32).sqrt();
-    #[cfg(target_arch = "x86_64")]
-    let level = isa::active();
+fn score_positions<T: KeyRow>(
+    s: &Shapes,
+    q: &[f32],
+    keys: &[T],
+    key_scales: Option<&[f32]>,
+    scores: &mut [f32],
+    len: usize,
+) {
+    let scale = 1.0 / (s.head_dim as f32).sqrt();
     for (p, key) in keys.chunks_exact(s.kv_width).take(len).enumerate() {
-        let at = (&mut *scores, len, p, scale);
-        #[cfg(target_arch = "x86_64")]
+        score_position(s, q, key, (&mut *scores, len, p, scale));
+        if let Some(key_scales) = key_scales {
+            let heads = &key_scales[p * s.n_kv_head..(p + 1) * s.n_kv_head];
+            for h in 0..s.n_head {
+                scores[h * len + p] *= heads[h / s.group()];
+            }
+        }
+    }
+}
+
+/// [`score_positions`] for one key row (position `at.2`), every head.
+#[inline(always)]
+fn score_position<T: KeyRow>(
+    s: &Shapes,
+    q: &[f32],
+    key: &[T],
+    at: (&mut [f32], usize, usize, f32),
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let level = isa::active();
         if level >= Isa::Avx2 {
             // Safety: the active level never exceeds what the CPU has (AVX2 and FMA
             // come with every level from AVX2 up).
             unsafe { T::head_scores(level, q, key, s, at) };
-            continue;
+            return;
         }
-        for (h, q) in q.chunks_exact(d).take(s.n_head).enumerate() {
-            at.0[h * len + p] = dot_lanes(q, kv(key, h, s)) * scale;
-        }
+    }
+    let (scores, len, p, scale) = at;
+    for (h, q) in q.chunks_exact(s.head_dim).take(s.n_head).enumerate() {
+        scores[h * len + p] = dot_lanes(q, kv(key, h, s)) * scale;
     }
 }
 
-/// out_h = Σ_p scores[h * len + p] v_p for the `len` value rows of `values`, a row at a
-/// time for every head.
+/// out_h = Σ_p scores[h * len + p] v_p for the `len` value rows of `values` (int8 ones
+/// times their heads' scales, `value_scales`), a row at a time for every head.
 #[inline(always)]
-fn weigh_values<T: KeyRow>(s: &Shapes, values: &[T], scores: &[f32], len: usize, out: &mut [f32]) {
+fn weigh_values<T: KeyRow>(
+    s: &Shapes,
+    values: &[T],
+    value_scales: Option<&[f32]>,
+    scores: &[f32],
+    len: usize,
+    out: &mut [f32],
+) {
     let d = s.head_dim;
     out.fill(0.0);
     for (p, value) in values.chunks_exact(s.kv_width).take(len).enumerate() {
         for (h, out) in out.chunks_exact_mut(d).take(s.n_head).enumerate() {
-            axpy(out, scores[h * len + p], kv(value, h, s));
+            let weight = match value_scales {
+                Some(scales) => scores[h * len + p] * scales[p * s.n_kv_head + h / s.group()],
+                None => scores[h * len + p],
+            };
+            axpy(out, weight, kv(value, h, s));
         }
     }
 }
 
-/// A key row's element type (f32 or bf16) with its head scores in vector registers.
+/// A key row's element type (f32, bf16 or int8) with its head scores in vector
+/// registers.
 trait KeyRow: Widen {
     /// scores[h * seen + p] = (q_h · the key row's head for h) x scale for every query
     /// head h, at `level` (AVX2 or AVX-512): `dot_lanes`'s operations in its order, so
@@ -736,6 +799,23 @@ impl KeyRow for f32 {
         match level >= Isa::Avx512 {
             true => unsafe { head_scores_f32(q, key, s, scores) },
             false => unsafe { head_scores_f32_avx2(q, key, s, scores) },
+        }
+    }
+}
+
+impl KeyRow for i8 {
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn head_scores(
+        level: Isa,
+        q: &[f32],
+        key: &[i8],
+        s: &Shapes,
+        scores: (&mut [f32], usize, usize, f32),
+    ) {
+        // Safety (both): as the caller promises.
+        match level >= Isa::Avx512 {
+            true => unsafe { head_scores_i8(q, key, s, scores) },
+            false => unsafe { head_scores_i8_avx2(q, key, s, scores) },
         }
     }
 }
@@ -792,7 +872,7 @@ macro_rules! head_scores {
 /// four, in AVX-512 registers: 16 lanes each.
 #[cfg(target_arch = "x86_64")]
 macro_rules! four_lanes_avx512 {
-    ($name:ident, $t:ty) => {
+    ($name:ident, $t:ty, $load:expr) => {
         #[inline]
         #[target_feature(enable = "avx512f,avx2,fma")]
         unsafe fn $name(qh: &[f32], kh: &[$t], whole: usize) -> std::arch::x86_64::__m128 {
@@ -801,7 +881,7 @@ macro_rules! four_lanes_avx512 {
             for c in (0..whole).step_by(32) {
                 // Safety: c + 32 <= whole, inside both heads.
                 let (qa, ka) = (qh.as_ptr().add(c), kh.as_ptr().add(c));
-                let load = <$t as super::weight_rows::Weight>::load16;
+                let load = $load;
                 low = _mm512_add_ps(low, _mm512_mul_ps(_mm512_loadu_ps(qa), load(ka)));
                 let products = _mm512_mul_ps(_mm512_loadu_ps(qa.add(16)), load(ka.add(16)));
                 high = _mm512_add_ps(high, products);
@@ -849,6 +929,30 @@ unsafe fn load8_f32(at: *const f32) -> std::arch::x86_64::__m256 {
     std::arch::x86_64::_mm256_loadu_ps(at)
 }
 
+/// 16 int8 values at `at`, widened to f32 (exactly).
+///
+/// # Safety
+/// They are readable; the CPU must have AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn load16_i8(at: *const i8) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at.cast())))
+}
+
+/// 8 int8 values at `at`, widened to f32 (exactly).
+///
+/// # Safety
+/// They are readable; the CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn load8_i8(at: *const i8) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(at.cast())))
+}
+
 /// 8 bf16 values at `at`, widened to f32.
 ///
 /// # Safety
@@ -863,9 +967,17 @@ unsafe fn load8_bf16(at: *const Bf16) -> std::arch::x86_64::__m256 {
 }
 
 #[cfg(target_arch = "x86_64")]
-four_lanes_avx512!(four_lanes_f32, f32);
+four_lanes_avx512!(four_lanes_f32, f32, <f32 as Weight>::load16);
 #[cfg(target_arch = "x86_64")]
-four_lanes_avx512!(four_lanes_bf16, Bf16);
+four_lanes_avx512!(four_lanes_bf16, Bf16, <Bf16 as Weight>::load16);
+#[cfg(target_arch = "x86_64")]
+four_lanes_avx512!(four_lanes_i8, i8, load16_i8);
+#[cfg(target_arch = "x86_64")]
+four_lanes_avx2!(four_lanes_i8_avx2, i8, load8_i8);
+#[cfg(target_arch = "x86_64")]
+head_scores!(head_scores_i8, i8, four_lanes_i8, "avx512f,avx2,fma");
+#[cfg(target_arch = "x86_64")]
+head_scores!(head_scores_i8_avx2, i8, four_lanes_i8_avx2, "avx2,fma");
 #[cfg(target_arch = "x86_64")]
 four_lanes_avx2!(four_lanes_f32_avx2, f32, load8_f32);
 #[cfg(target_arch = "x86_64")]
@@ -908,8 +1020,9 @@ mod tests {
     use crate::config::ModelConfig;
 
     /// A long row's attention split into parts (inside a team pass and outside) is the
-    /// attention of its definition, in f64, with grouped K/V heads, over f32 and bf16
-    /// keys and values, at lengths below, at and past the split.
+    /// attention of its definition, in f64, with grouped K/V heads, over f32, bf16 and
+    /// int8 keys and values (the definition over the numbers they hold), at lengths
+    /// below, at and past the split.
     #[test]
     fn split_attention_is_attention() {
         use crate::cpu::prompt_attention::tests::by_definition;
@@ -927,12 +1040,16 @@ mod tests {
             .collect();
         // Sequence 1, so the rows are read at its own offset in the cache.
         let places: Vec<Place> = (0..s.block_size).map(|pos| Place { seq: 1, pos }).collect();
-        for precision in [KvPrecision::F32, KvPrecision::Bf16] {
+        let held = crate::cpu::kv_cache::tests::held_int8(&s, &qkv);
+        for precision in [KvPrecision::F32, KvPrecision::Bf16, KvPrecision::Int8] {
             let mut cache = KvCache::new(&s, 2, precision);
             cache.store(0, &qkv, &s, &places);
             for pos in [100, 255, 256, 700, 1099] {
                 let q = &qkv[pos * s.qkv_width..][..c];
-                let want = by_definition(&s, &qkv, pos, pos, precision == KvPrecision::Bf16);
+                let want = match precision {
+                    KvPrecision::Int8 => by_definition(&s, &held, pos, pos, false),
+                    _ => by_definition(&s, &qkv, pos, pos, precision == KvPrecision::Bf16),
+                };
                 for in_pass in [false, true] {
                     let mut out = vec![f32::NAN; c];
                     let mut scratch = vec![0f32; split_scratch_len(&s)];
@@ -992,7 +1109,7 @@ mod tests {
     }
 
     /// The head scores in AVX2 and AVX-512 registers are `dot_lanes`'s sums to the bit,
-    /// for f32 and bf16 keys, heads whose width is and is not a multiple of 32, K/V
+    /// for f32, bf16 and int8 keys, heads whose width is and is not a multiple of 32, K/V
     /// heads grouped and not.
     #[cfg(target_arch = "x86_64")]
     #[test]
@@ -1018,6 +1135,7 @@ mod tests {
             let q: Vec<f32> = (0..n_embd).map(value).collect();
             let key: Vec<f32> = (0..s.kv_width).map(|i| value(i + 1000)).collect();
             let key16: Vec<Bf16> = key.iter().map(|&v| Bf16::round(v)).collect();
+            let key8: Vec<i8> = (0..s.kv_width).map(|i| (i * 37 % 255) as i8).collect();
             let d = s.head_dim;
             let (seen, p, scale) = (3, 1, 0.125);
             let kv_head = |h: usize| (h / s.group()) * d..(h / s.group() + 1) * d;
@@ -1035,6 +1153,13 @@ mod tests {
                 for h in 0..n_head {
                     let want = dot_lanes(&q[h * d..(h + 1) * d], &key16[kv_head(h)]) * scale;
                     let what = format!("bf16 head {h} at {level:?} of {s:?}");
+                    assert_eq!(got[h * seen + p].to_bits(), want.to_bits(), "{what}");
+                }
+                // Safety: as above.
+                unsafe { i8::head_scores(level, &q, &key8, &s, (&mut got, seen, p, scale)) };
+                for h in 0..n_head {
+                    let want = dot_lanes(&q[h * d..(h + 1) * d], &key8[kv_head(h)]) * scale;
+                    let what = format!("int8 head {h} at {level:?} of {s:?}");
                     assert_eq!(got[h * seen + p].to_bits(), want.to_bits(), "{what}");
                 }
             }

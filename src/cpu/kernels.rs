@@ -46,6 +46,14 @@ impl Widen for f32 {
     }
 }
 
+/// int8 keys and values (their scales applied apart).
+impl Widen for i8 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from(self)
+    }
+}
+
 /// sum_i a[i] * b[i] (b f32, or bf16 widened as it is read), with 32 partial sums the
 /// compiler keeps in vector registers (two of 16 lanes: two AVX-512 or four AVX2
 /// registers), folded in halves at the end (16 + 16, 8 + 8, 4 + 4, then (0 + 2) +

@@ -106,7 +106,8 @@ pub fn attend_runs(
 }
 
 /// One head of one run: `out` (rows x head width) = softmax(Q Kᵀ / sqrt(d)) V over the
-/// positions each row sees. `work` holds the scores, and bf16 keys and values widened.
+/// positions each row sees. `work` holds the scores, and bf16 or int8 keys and values
+/// widened (int8 ones times their scales).
 fn attend_head(
     s: &Shapes,
     qkv: &[f32],
@@ -122,7 +123,7 @@ fn attend_head(
     let kv_head = head / s.group();
     let widened = match cache {
         LayerKv::F32(..) => 0,
-        LayerKv::Bf16(..) => 2 * seen * d,
+        LayerKv::Bf16(..) | LayerKv::Int8(..) => 2 * seen * d,
     };
     work.resize(len * seen + widened, 0.0);
     let (scores, widened) = work.split_at_mut(len * seen);
@@ -135,6 +136,16 @@ fn attend_head(
             let (wk, wv) = widened.split_at_mut(seen * d);
             widen_head(wk, k, s, run.seq, kv_head);
             widen_head(wv, v, s, run.seq, kv_head);
+            (Strided::rows(wk, d), Strided::rows(wv, d))
+        }
+        LayerKv::Int8(kv) => {
+            let (wk, wv) = widened.split_at_mut(seen * d);
+            // The head's scale of each position: every n_kv_head-th from the first.
+            let first = run.seq * s.block_size * s.n_kv_head + kv_head;
+            widen_head(wk, kv.keys, s, run.seq, kv_head);
+            widen_head(wv, kv.values, s, run.seq, kv_head);
+            scale_rows(wk, d, kv.key_scales[first..].iter().step_by(s.n_kv_head));
+            scale_rows(wv, d, kv.value_scales[first..].iter().step_by(s.n_kv_head));
             (Strided::rows(wk, d), Strided::rows(wv, d))
         }
     };
@@ -170,6 +181,15 @@ fn attend_head(
 fn head_rows<'a>(rows: &'a [f32], s: &Shapes, seq: usize, kv_head: usize) -> Strided<'a> {
     let at = seq * s.block_size * s.kv_width + kv_head * s.head_dim;
     Strided::rows(&rows[at..], s.kv_width)
+}
+
+/// Each row of `rows` (`width` values) times its scale.
+fn scale_rows<'s>(rows: &mut [f32], width: usize, scales: impl Iterator<Item = &'s f32>) {
+    for (row, &scale) in rows.chunks_exact_mut(width).zip(scales) {
+        for v in row {
+            *v *= scale;
+        }
+    }
 }
 
 /// The first `into.len() / head_dim` positions of K/V head `kv_head` of sequence `seq`,
@@ -260,14 +280,15 @@ pub(crate) mod tests {
     /// exponential's and f32's error), and the one-position path's within rounding:
     /// a whole prompt from position 0, and a run after 23 cached positions (queries that
     /// see cached keys in full and their own below the diagonal, also past the causal
-    /// products' 64-row blocks), f32 and bf16 caches, lengths that are not multiples of
-    /// the vectors' 16.
+    /// products' 64-row blocks), f32, bf16 and int8 caches (int8: the definition over
+    /// the numbers it holds), lengths that are not multiples of the vectors' 16.
     #[test]
     fn runs_attend_as_the_definition_and_as_one_position_at_a_time() {
         let s = shapes();
         let positions = 71;
         let qkv = values(positions * s.qkv_width, 3);
-        for precision in [KvPrecision::F32, KvPrecision::Bf16] {
+        let held = crate::cpu::kv_cache::tests::held_int8(&s, &qkv);
+        for precision in [KvPrecision::F32, KvPrecision::Bf16, KvPrecision::Int8] {
             let mut cache = KvCache::new(&s, 2, precision);
             // Sequence 1, so a run's rows are read at its own offset in the cache.
             let places: Vec<Place> = (0..positions).map(|pos| Place { seq: 1, pos }).collect();
@@ -291,7 +312,10 @@ pub(crate) mod tests {
                     let q = &qkv[pos * s.qkv_width..][..c];
                     let mut one = vec![0f32; c];
                     attend(&s, q, cache.layer(0), (1, pos), &mut one, &mut scores);
-                    let want = by_definition(&s, &qkv, pos, pos, round);
+                    let want = match precision {
+                        KvPrecision::Int8 => by_definition(&s, &held, pos, pos, false),
+                        _ => by_definition(&s, &qkv, pos, pos, round),
+                    };
                     let got = &att[i * c..(i + 1) * c];
                     for (k, ((g, o), w)) in got.iter().zip(&one).zip(&want).enumerate() {
                         let what = format!("{precision:?}, run from {first}, position {pos}, {k}");
