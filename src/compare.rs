@@ -34,6 +34,8 @@ pub struct Run {
     pub tokens_per_s: Vec<f64>,
     /// The step of its checkpoint (state.json), if it has one.
     pub checkpoint_step: Option<usize>,
+    /// Each resume that changed a setting, as [`resume_note`] words it.
+    pub resumes: Vec<String>,
     /// Why its config.toml could not be read, where it could not.
     pub config_error: Option<String>,
 }
@@ -119,10 +121,14 @@ impl Run {
             String::from_utf8_lossy(&std::fs::read(&metrics).unwrap_or_default()).into_owned();
         let mut elapsed = Vec::new();
         let mut tokens_per_s = Vec::new();
+        let mut resumes = Vec::new();
         for record in text
             .lines()
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         {
+            if let Some(note) = resume_note(&record).filter(|_| resumes.len() < MAX_RESUMES) {
+                resumes.push(note);
+            }
             let (Some(step), Some(seconds)) =
                 (record["step"].as_f64(), record["elapsed_s"].as_f64())
             else {
@@ -145,6 +151,7 @@ impl Run {
             checkpoint_step: saved_state(dir)
                 .and_then(|state| state["step"].as_u64())
                 .map(|step| step as usize),
+            resumes,
             config_error,
         })
     }
@@ -177,6 +184,39 @@ impl Run {
         let (a, b) = (e[after - 1], e[after]);
         Some(a.1 + (b.1 - a.1) * (step - a.0) / (b.0 - a.0))
     }
+}
+
+/// Resumes with changed settings a run's row lists at most (a metrics.jsonl is the
+/// run's to write, and the dashboard reads any).
+pub const MAX_RESUMES: usize = 8;
+
+/// What a metrics.jsonl record of a resume with changed settings says, as a run's row
+/// adds it to what differs: `resumed at 1000: max_iters 1000->2000`. A run resumed to a
+/// longer max_iters (its learning rate decayed toward the old end first) is then told
+/// from one trained to the new one from the start, whose config.toml is the same.
+pub fn resume_note(record: &serde_json::Value) -> Option<String> {
+    const MAX_CHANGES: usize = 6;
+    let clip = |s: &str| -> String {
+        match s.char_indices().nth(32) {
+            Some((end, _)) => format!("{}...", &s[..end]),
+            None => s.to_string(),
+        }
+    };
+    let step = record["step"].as_u64()?;
+    let changed = record["resumed"].as_object().filter(|c| !c.is_empty())?;
+    let mut parts: Vec<String> = changed
+        .iter()
+        .take(MAX_CHANGES)
+        .map(|(key, pair)| {
+            let value = |i: usize| pair[i].as_str().map_or("-".to_string(), clip);
+            let short = key.rsplit('.').next().unwrap_or(key);
+            format!("{} {}->{}", clip(short), value(0), value(1))
+        })
+        .collect();
+    if changed.len() > MAX_CHANGES {
+        parts.push(format!("{} more", changed.len() - MAX_CHANGES));
+    }
+    Some(format!("resumed at {step}: {}", parts.join(", ")))
 }
 
 /// A config as `section.key` -> value, every setting present.
@@ -214,7 +254,8 @@ pub fn difference(
     )
 }
 
-fn show(value: &toml::Value) -> String {
+/// A setting's value as the table shows it (strings without their quotes).
+pub fn show(value: &toml::Value) -> String {
     match value {
         toml::Value::String(s) => s.clone(),
         other => other.to_string(),
@@ -312,7 +353,10 @@ pub fn rows(runs: &[Run]) -> Vec<Row> {
                     Vec::new()
                 } else {
                     describe(&without_unused(run.settings.clone()), &differing)
-                },
+                }
+                .into_iter()
+                .chain(run.resumes.iter().cloned())
+                .collect(),
                 parameters: run.parameters,
                 steps: run.steps().max(run.checkpoint_step.unwrap_or(0)),
                 best_val_loss: best.map(|b| b.1),
@@ -554,6 +598,38 @@ mod tests {
         assert!(lines.last().unwrap().starts_with("b ") && lines.last().unwrap().ends_with('-'));
     }
 
+    /// A resume record's note: its changes in order, long values clipped, at most six
+    /// changes named; records that are not resumes with changes give none.
+    #[test]
+    fn a_resume_is_worded_briefly() {
+        use serde_json::json;
+        let note = |v: serde_json::Value| resume_note(&v);
+        assert_eq!(
+            note(
+                json!({"step": 40, "resumed": {"train.lr": ["0.001", "0.0003"], "train.max_iters": ["40", "80"]}})
+            ),
+            Some("resumed at 40: lr 0.001->0.0003, max_iters 40->80".into())
+        );
+        let long = "x".repeat(100);
+        let clipped = note(json!({"step": 1, "resumed": {"train.init_from": [long, 7]}})).unwrap();
+        assert_eq!(
+            clipped,
+            format!("resumed at 1: init_from {}...->-", "x".repeat(32))
+        );
+        let many: serde_json::Map<String, serde_json::Value> = (0..10)
+            .map(|i| (format!("train.k{i}"), json!(["a", "b"])))
+            .collect();
+        let many = note(json!({"step": 2, "resumed": many})).unwrap();
+        assert!(many.ends_with("k5 a->b, 4 more"), "{many}");
+        for not in [
+            json!({"step": 3, "resumed": {}}),
+            json!({"step": 3, "loss": 1.0}),
+            json!({"resumed": {"train.lr": ["1", "2"]}}),
+        ] {
+            assert_eq!(note(not), None);
+        }
+    }
+
     #[test]
     fn runs_are_named_by_what_differs() {
         let a = settings(&[
@@ -607,6 +683,7 @@ mod tests {
             elapsed: vec![(10.0, 5.0), (20.0, 7.0)],
             tokens_per_s: vec![],
             checkpoint_step: None,
+            resumes: vec![],
             config_error: None,
         };
         assert_eq!(run.seconds_at(15.0), Some(6.0));

@@ -426,6 +426,40 @@ fn bench_of_a_checkpoint_reads_the_weights_once_a_pass() {
     );
 }
 
+/// A run resumed to a longer max_iters is told, in `compare`, from one trained to it
+/// from the start: their config.toml files are the same, but the resume wrote what it
+/// changed into metrics.jsonl.
+#[test]
+fn compare_tells_a_resumed_longer_run_from_a_fresh_one() {
+    let dir = setup();
+    succeeds(dir.path(), &train_args(&[], &["run.name=grown"]));
+    succeeds(
+        dir.path(),
+        &train_args(&["--resume"], &["run.name=grown", "train.max_iters=9"]),
+    );
+    succeeds(
+        dir.path(),
+        &train_args(&[], &["run.name=fresh", "train.max_iters=9"]),
+    );
+    let runs = ["checkpoints/grown", "checkpoints/fresh"];
+    let out = succeeds(dir.path(), &[&["compare", "--json"][..], &runs].concat());
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let differs = |i: usize| rows[i]["differs"].clone();
+    assert_eq!(
+        differs(0),
+        serde_json::json!(["resumed at 6: max_iters 6->9"]),
+        "{rows}"
+    );
+    assert_eq!(differs(1), serde_json::json!([]), "{rows}");
+    // The table shows it too.
+    let out = succeeds(dir.path(), &[&["compare"][..], &runs].concat());
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("resumed at 6: max_iters 6->9"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
 /// `compare` puts its picture where it was asked, or beside the runs, never into the
 /// working folder; `--json` prints JSON and writes nothing; files a shell glob brings
 /// (the pictures beside the runs) are passed over.

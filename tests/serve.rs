@@ -892,9 +892,18 @@ fn the_dashboard_reads_runs_as_they_grow() {
         .collect();
     assert_eq!(steps, [&Value::from(100)], "{body}");
     assert_eq!(mixed["skipped"], 2, "{body}");
+    // A resume that changed a setting (as training logs it) is part of what the run's
+    // row says differs, as in `tinygpt compare`.
+    file.write_all(b"{\"step\": 100, \"resumed\": {\"train.max_iters\": [\"40\", \"80\"]}}\n")
+        .unwrap();
     let (_, body) = get(&server.url("/api/runs"), &[]);
     let listed: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(listed["runs"][0]["skipped_lines"], 2, "{body}");
+    let differs = listed["runs"][0]["differs"].as_array().unwrap();
+    assert!(
+        differs.contains(&Value::from("resumed at 100: max_iters 40->80")),
+        "{body}"
+    );
     // The file replaced by another (as `mv` or rsync does), longer than the offset the
     // page holds: read from the start, and said so.
     let file_id = mixed["file"].as_str().unwrap().to_string();

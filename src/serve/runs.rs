@@ -211,6 +211,9 @@ struct Summary {
     rates: Vec<f64>,
     stride: usize,
     seen: usize,
+    /// Resumes with changed settings (`compare::resume_note`), the first
+    /// `compare::MAX_RESUMES`.
+    resumes: Vec<String>,
 }
 
 impl Summary {
@@ -219,6 +222,9 @@ impl Summary {
         let Some(step) = record["step"].as_f64() else {
             return;
         };
+        if self.resumes.len() < compare::MAX_RESUMES {
+            self.resumes.extend(compare::resume_note(record));
+        }
         if record["loss"].as_f64().is_some() {
             self.steps = self.steps.max(step as usize);
         }
@@ -395,6 +401,7 @@ pub async fn list(State(state): State<Shared>) -> Result<Json<Value>, ApiError> 
                 summary.median_rate(),
                 summary.wall,
                 summary.lines.skipped,
+                summary.resumes.clone(),
             );
             runs.push((name, settings, checkpoint, summed));
         }
@@ -407,7 +414,8 @@ pub async fn list(State(state): State<Shared>) -> Result<Json<Value>, ApiError> 
         let rows: Vec<Value> = runs
             .iter()
             .map(|(name, (settings, parameters), checkpoint, summed)| {
-                let (steps, best_val, rate, wall, skipped) = *summed;
+                let (steps, best_val, rate, wall, skipped, resumes) = summed;
+                let (steps, best_val, rate, wall, skipped) = (*steps, *best_val, *rate, *wall, *skipped);
                 let row = compare::Row {
                     run: name.clone(),
                     dir: None,
@@ -415,7 +423,10 @@ pub async fn list(State(state): State<Shared>) -> Result<Json<Value>, ApiError> 
                         Vec::new()
                     } else {
                         compare::describe(&compare::without_unused(settings.clone()), &differing)
-                    },
+                    }
+                    .into_iter()
+                    .chain(resumes.iter().cloned())
+                    .collect(),
                     parameters: *parameters,
                     steps,
                     best_val_loss: best_val.map(|b| b.1),

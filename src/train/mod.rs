@@ -674,6 +674,12 @@ impl Trainer {
         let start = self.state.step;
         if self.resumed && start < cfg.max_iters {
             reporter.note(&self.resumed_rate());
+            // metrics.jsonl says what changed here, so that `compare` can tell this run
+            // from one trained with the new settings from the start.
+            let changed = self.changed_settings();
+            if !changed.is_empty() {
+                self.log_metrics(&json!({"step": start, "resumed": changed}))?;
+            }
         }
         let mut step = start;
         // A resumed run evaluated its first step before the checkpoint, unless a stop
@@ -766,6 +772,28 @@ impl Trainer {
             ));
         }
         line
+    }
+
+    /// The [train] settings this resumed run changed from its checkpoint's, as
+    /// `train.key` -> [before, now] (TOML values as `compare` shows them).
+    fn changed_settings(&self) -> serde_json::Map<String, serde_json::Value> {
+        let Some(saved) = &self.saved_train else {
+            return serde_json::Map::new();
+        };
+        let table = |t: &TrainConfig| toml::Table::try_from(t).unwrap_or_default();
+        let (before, now) = (table(saved), table(&self.config.train));
+        let keys: std::collections::BTreeSet<&String> = before.keys().chain(now.keys()).collect();
+        keys.into_iter()
+            .filter(|key| before.get(*key) != now.get(*key))
+            .map(|key| {
+                let shown =
+                    |v: Option<&toml::Value>| v.map_or("-".to_string(), crate::compare::show);
+                (
+                    format!("train.{key}"),
+                    json!([shown(before.get(key)), shown(now.get(key))]),
+                )
+            })
+            .collect()
     }
 
     /// A device that ran out of memory mid-run is a one-line user error (the batch is
