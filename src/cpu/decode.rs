@@ -705,39 +705,30 @@ fn score_positions<T: KeyRow>(
     scores: &mut [f32],
     len: usize,
 ) {
-    let scale = 1.0 / (s.head_dim as f32).sqrt();
-    for (p, key) in keys.chunks_exact(s.kv_width).take(len).enumerate() {
-        score_position(s, q, key, (&mut *scores, len, p, scale));
-        if let Some(key_scales) = key_scales {
-            let heads = &key_scales[p * s.n_kv_head..(p + 1) * s.n_kv_head];
-            for h in 0..s.n_head {
-                scores[h * len + p] *= heads[h / s.group()];
-            }
-        }
-    }
-}
-
-/// [`score_positions`] for one key row (position `at.2`), every head.
-#[inline(always)]
-fn score_position<T: KeyRow>(
-    s: &Shapes,
-    q: &[f32],
-    key: &[T],
-    at: (&mut [f32], usize, usize, f32),
-) {
+    let d = s.head_dim;
+    let scale = 1.0 / (d as f32).sqrt();
     #[cfg(target_arch = "x86_64")]
-    {
-        let level = isa::active();
+    let level = isa::active();
+    for (p, key) in keys.chunks_exact(s.kv_width).take(len).enumerate() {
+        let at = (&mut *scores, len, p, scale);
+        #[cfg(target_arch = "x86_64")]
         if level >= Isa::Avx2 {
             // Safety: the active level never exceeds what the CPU has (AVX2 and FMA
             // come with every level from AVX2 up).
             unsafe { T::head_scores(level, q, key, s, at) };
-            return;
+            continue;
+        }
+        for (h, q) in q.chunks_exact(d).take(s.n_head).enumerate() {
+            at.0[h * len + p] = dot_lanes(q, kv(key, h, s)) * scale;
         }
     }
-    let (scores, len, p, scale) = at;
-    for (h, q) in q.chunks_exact(s.head_dim).take(s.n_head).enumerate() {
-        scores[h * len + p] = dot_lanes(q, kv(key, h, s)) * scale;
+    if let Some(key_scales) = key_scales {
+        for (h, head) in scores[..s.n_head * len].chunks_exact_mut(len).enumerate() {
+            let g = h / s.group();
+            for (score, heads) in head.iter_mut().zip(key_scales.chunks_exact(s.n_kv_head)) {
+                *score *= heads[g];
+            }
+        }
     }
 }
 
@@ -786,56 +777,31 @@ trait KeyRow: Widen {
     );
 }
 
-impl KeyRow for f32 {
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn head_scores(
-        level: Isa,
-        q: &[f32],
-        key: &[f32],
-        s: &Shapes,
-        scores: (&mut [f32], usize, usize, f32),
-    ) {
-        // Safety (both): as the caller promises.
-        match level >= Isa::Avx512 {
-            true => unsafe { head_scores_f32(q, key, s, scores) },
-            false => unsafe { head_scores_f32_avx2(q, key, s, scores) },
+/// [`KeyRow`] for `$t`, its head scores by the level's kernel.
+macro_rules! key_row {
+    ($t:ty, $avx512:ident, $avx2:ident) => {
+        impl KeyRow for $t {
+            #[cfg(target_arch = "x86_64")]
+            unsafe fn head_scores(
+                level: Isa,
+                q: &[f32],
+                key: &[$t],
+                s: &Shapes,
+                scores: (&mut [f32], usize, usize, f32),
+            ) {
+                // Safety (both): as the caller promises.
+                match level >= Isa::Avx512 {
+                    true => unsafe { $avx512(q, key, s, scores) },
+                    false => unsafe { $avx2(q, key, s, scores) },
+                }
+            }
         }
-    }
+    };
 }
 
-impl KeyRow for i8 {
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn head_scores(
-        level: Isa,
-        q: &[f32],
-        key: &[i8],
-        s: &Shapes,
-        scores: (&mut [f32], usize, usize, f32),
-    ) {
-        // Safety (both): as the caller promises.
-        match level >= Isa::Avx512 {
-            true => unsafe { head_scores_i8(q, key, s, scores) },
-            false => unsafe { head_scores_i8_avx2(q, key, s, scores) },
-        }
-    }
-}
-
-impl KeyRow for Bf16 {
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn head_scores(
-        level: Isa,
-        q: &[f32],
-        key: &[Bf16],
-        s: &Shapes,
-        scores: (&mut [f32], usize, usize, f32),
-    ) {
-        // Safety (both): as the caller promises.
-        match level >= Isa::Avx512 {
-            true => unsafe { head_scores_bf16(q, key, s, scores) },
-            false => unsafe { head_scores_bf16_avx2(q, key, s, scores) },
-        }
-    }
-}
+key_row!(f32, head_scores_f32, head_scores_f32_avx2);
+key_row!(Bf16, head_scores_bf16, head_scores_bf16_avx2);
+key_row!(i8, head_scores_i8, head_scores_i8_avx2);
 
 /// `KeyRow::head_scores` at one level: `$four(q_h, k_h, whole)` gives a head's first
 /// `whole` products summed in `dot_lanes`'s 32 lanes and folded to four (16 + 16,
