@@ -451,6 +451,38 @@ fn compare_tells_a_resumed_longer_run_from_a_fresh_one() {
         "{rows}"
     );
     assert_eq!(differs(1), serde_json::json!([]), "{rows}");
+    // The sequences a step holds count, not how a step is split: doubling the batch
+    // says so; the same sequences in two passes of half the batch say nothing.
+    succeeds(
+        dir.path(),
+        &train_args(
+            &["--resume"],
+            &["run.name=grown", "train.max_iters=12", "train.batch_size=8"],
+        ),
+    );
+    succeeds(
+        dir.path(),
+        &train_args(
+            &["--resume"],
+            &[
+                "run.name=grown",
+                "train.max_iters=15",
+                "train.batch_size=4",
+                "train.grad_accum=2",
+            ],
+        ),
+    );
+    let out = succeeds(dir.path(), &["compare", "--json", "checkpoints/grown"]);
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        rows[0]["differs"],
+        serde_json::json!([
+            "resumed at 6: max_iters 6->9",
+            "resumed at 9: max_iters 9->12, sequences_per_step 4->8",
+            "resumed at 12: max_iters 12->15"
+        ]),
+        "{rows}"
+    );
     // The table shows it too.
     let out = succeeds(dir.path(), &[&["compare"][..], &runs].concat());
     assert!(

@@ -775,25 +775,37 @@ impl Trainer {
     }
 
     /// The [train] settings this resumed run changed from its checkpoint's, as
-    /// `train.key` -> [before, now] (TOML values as `compare` shows them).
+    /// `train.key` -> [before, now] (TOML values as `compare` shows them). How a step is
+    /// split (batch_size, grad_accum, and the ranks) counts only as the sequences a step
+    /// holds, `train.sequences_per_step`: two ranks resumed as one process with twice
+    /// the grad_accum train on as before, bit for bit.
     fn changed_settings(&self) -> serde_json::Map<String, serde_json::Value> {
         let Some(saved) = &self.saved_train else {
             return serde_json::Map::new();
         };
+        // A checkpoint from before sequences_per_step was kept (0) shows the keys.
+        let split = ["batch_size", "grad_accum"];
+        let before_sequences = self.state.sequences_per_step;
+        let by_sequences = before_sequences > 0;
         let table = |t: &TrainConfig| toml::Table::try_from(t).unwrap_or_default();
         let (before, now) = (table(saved), table(&self.config.train));
         let keys: std::collections::BTreeSet<&String> = before.keys().chain(now.keys()).collect();
-        keys.into_iter()
+        let shown = |v: Option<&toml::Value>| v.map_or("-".to_string(), crate::compare::show);
+        let mut changed: serde_json::Map<String, serde_json::Value> = keys
+            .into_iter()
             .filter(|key| before.get(*key) != now.get(*key))
+            .filter(|key| !(by_sequences && split.contains(&key.as_str())))
             .map(|key| {
-                let shown =
-                    |v: Option<&toml::Value>| v.map_or("-".to_string(), crate::compare::show);
-                (
-                    format!("train.{key}"),
-                    json!([shown(before.get(key)), shown(now.get(key))]),
-                )
+                let pair = json!([shown(before.get(key)), shown(now.get(key))]);
+                (format!("train.{key}"), pair)
             })
-            .collect()
+            .collect();
+        let now_sequences = self.sequences_per_step();
+        if by_sequences && before_sequences != now_sequences {
+            let pair = json!([before_sequences.to_string(), now_sequences.to_string()]);
+            changed.insert("train.sequences_per_step".into(), pair);
+        }
+        changed
     }
 
     /// A device that ran out of memory mid-run is a one-line user error (the batch is
