@@ -536,6 +536,33 @@ pub unsafe fn fold_block_avx2<const N: usize>(
     }
 }
 
+/// Each row of x's values and its blocks' excess ([`Q8Row::excess`]), as the kernels
+/// read them.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub fn x_pointers<const N: usize>(xs: &[Q8Row]) -> [(*const i8, *const i32); N] {
+    std::array::from_fn(|c| (xs[c].parts().0.as_ptr(), xs[c].excess().as_ptr()))
+}
+
+/// The 256-bit kernels' totals (each row of x's sixteen sums in two halves of eight
+/// lanes) into `sums`.
+///
+/// # Safety
+/// The CPU must have AVX.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx")]
+pub unsafe fn store_halves<const N: usize>(
+    totals: &[[std::arch::x86_64::__m256; 2]; N],
+    sums: &mut [[f32; GROUP]; MAX_X],
+) {
+    use std::arch::x86_64::_mm256_storeu_ps;
+    for c in 0..N {
+        _mm256_storeu_ps(sums[c].as_mut_ptr(), totals[c][0]);
+        _mm256_storeu_ps(sums[c].as_mut_ptr().add(8), totals[c][1]);
+    }
+}
+
 /// [`Kernel::group_sums`] in plain Rust: each block's integer sum, then the same f32
 /// steps as the vector kernels (`mul_add` is fused everywhere).
 pub fn portable<F: Format>(

@@ -13,7 +13,9 @@
 use half::f16;
 
 #[cfg(target_arch = "x86_64")]
-use super::grouped::{fold_block_avx2, fold_block_avx512, Dpbusd256, MAX_X};
+use super::grouped::{
+    fold_block_avx2, fold_block_avx512, store_halves, x_pointers, Dpbusd256, MAX_X,
+};
 use super::grouped::{Format, Grouped, GROUP};
 #[cfg(target_arch = "x86_64")]
 use super::q8::Q8Row;
@@ -104,8 +106,7 @@ impl Format for Int4 {
         let blocks = scales.len() / GROUP;
         debug_assert!(quants.len() == blocks * GROUP_BLOCK && xs.len() == N);
         let low = _mm512_set1_epi8(0x0F);
-        let x: [(*const i8, *const i32); N] =
-            std::array::from_fn(|c| (xs[c].parts().0.as_ptr(), xs[c].excess().as_ptr()));
+        let x = x_pointers::<N>(xs);
         let four = |p: *const i8| _mm512_set1_epi32(p.cast::<i32>().read_unaligned());
         let mut totals = [_mm512_setzero_ps(); N];
         for b in 0..blocks {
@@ -152,8 +153,7 @@ impl Format for Int4 {
         let blocks = scales.len() / GROUP;
         debug_assert!(quants.len() == blocks * GROUP_BLOCK && xs.len() == N);
         let (ones, low) = (_mm256_set1_epi16(1), _mm256_set1_epi8(0x0F));
-        let x: [(*const i8, *const i32); N] =
-            std::array::from_fn(|c| (xs[c].parts().0.as_ptr(), xs[c].excess().as_ptr()));
+        let x = x_pointers::<N>(xs);
         let four = |p: *const i8| _mm256_set1_epi32(p.cast::<i32>().read_unaligned());
         let mut totals = [[_mm256_setzero_ps(); 2]; N];
         for b in 0..blocks {
@@ -187,10 +187,7 @@ impl Format for Int4 {
             }
             fold_block_avx2(&mut totals, &lanes, (scales, xs, b));
         }
-        for c in 0..N {
-            _mm256_storeu_ps(sums[c].as_mut_ptr(), totals[c][0]);
-            _mm256_storeu_ps(sums[c].as_mut_ptr().add(8), totals[c][1]);
-        }
+        store_halves(&totals, sums);
     }
 
     /// For N rows of x with 256-bit `vpdpbusd`: [`Int4::vnni`]'s steps on the
@@ -211,8 +208,7 @@ impl Format for Int4 {
         let blocks = scales.len() / GROUP;
         debug_assert!(quants.len() == blocks * GROUP_BLOCK && xs.len() == N);
         let low = _mm256_set1_epi8(0x0F);
-        let x: [(*const i8, *const i32); N] =
-            std::array::from_fn(|c| (xs[c].parts().0.as_ptr(), xs[c].excess().as_ptr()));
+        let x = x_pointers::<N>(xs);
         let four = |p: *const i8| _mm256_set1_epi32(p.cast::<i32>().read_unaligned());
         let mut totals = [[_mm256_setzero_ps(); 2]; N];
         for b in 0..blocks {
@@ -243,10 +239,7 @@ impl Format for Int4 {
             }
             fold_block_avx2(&mut totals, &lanes, (scales, xs, b));
         }
-        for c in 0..N {
-            _mm256_storeu_ps(sums[c].as_mut_ptr(), totals[c][0]);
-            _mm256_storeu_ps(sums[c].as_mut_ptr().add(8), totals[c][1]);
-        }
+        store_halves(&totals, sums);
     }
 }
 

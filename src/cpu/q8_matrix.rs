@@ -8,7 +8,9 @@
 use half::f16;
 
 #[cfg(target_arch = "x86_64")]
-use super::grouped::{fold_block_avx2, fold_block_avx512, Dpbusd256, MAX_X};
+use super::grouped::{
+    fold_block_avx2, fold_block_avx512, store_halves, x_pointers, Dpbusd256, MAX_X,
+};
 use super::grouped::{Format, Grouped, GROUP};
 #[cfg(target_arch = "x86_64")]
 use super::q8::Q8Row;
@@ -77,8 +79,7 @@ impl Format for Int8 {
         use std::arch::x86_64::*;
         let blocks = scales.len() / GROUP;
         debug_assert!(quants.len() == blocks * GROUP_BLOCK && xs.len() == N);
-        let x: [(*const i8, *const i32); N] =
-            std::array::from_fn(|c| (xs[c].parts().0.as_ptr(), xs[c].excess().as_ptr()));
+        let x = x_pointers::<N>(xs);
         let mut totals = [_mm512_setzero_ps(); N];
         for b in 0..blocks {
             let mut lanes = [_mm512_setzero_si512(); N];
@@ -142,10 +143,7 @@ impl Format for Int8 {
             }
             fold_block_avx2(&mut totals, &lanes, (scales, xs, b));
         }
-        for c in 0..N {
-            _mm256_storeu_ps(sums[c].as_mut_ptr(), totals[c][0]);
-            _mm256_storeu_ps(sums[c].as_mut_ptr().add(8), totals[c][1]);
-        }
+        store_halves(&totals, sums);
     }
 
     /// For N rows of x with 256-bit `vpdpbusd`: [`Int8::vnni`]'s steps on the
@@ -165,8 +163,7 @@ impl Format for Int8 {
         use std::arch::x86_64::*;
         let blocks = scales.len() / GROUP;
         debug_assert!(quants.len() == blocks * GROUP_BLOCK && xs.len() == N);
-        let x: [(*const i8, *const i32); N] =
-            std::array::from_fn(|c| (xs[c].parts().0.as_ptr(), xs[c].excess().as_ptr()));
+        let x = x_pointers::<N>(xs);
         let mut totals = [[_mm256_setzero_ps(); 2]; N];
         for b in 0..blocks {
             let mut lanes = [[_mm256_setzero_si256(); 2]; N];
@@ -191,10 +188,7 @@ impl Format for Int8 {
             }
             fold_block_avx2(&mut totals, &lanes, (scales, xs, b));
         }
-        for c in 0..N {
-            _mm256_storeu_ps(sums[c].as_mut_ptr(), totals[c][0]);
-            _mm256_storeu_ps(sums[c].as_mut_ptr().add(8), totals[c][1]);
-        }
+        store_halves(&totals, sums);
     }
 }
 
