@@ -35,7 +35,7 @@ use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
-use crate::config::Config;
+use crate::config::{Config, PositionKind};
 use crate::error::user_error;
 use crate::tokenizer::Tokenizer;
 use crate::user_bail;
@@ -501,9 +501,15 @@ impl RunDir {
 pub(crate) fn parse_config(bytes: &[u8], path: &str) -> Result<Config> {
     let text =
         std::str::from_utf8(bytes).map_err(|_| user_error(format!("{path} is not UTF-8")))?;
-    let config =
+    let mut config =
         Config::from_toml_str(text, &[]).map_err(|e| user_error(format!("{path}: {e:#}")))?;
     config.validate()?;
+    let m = &mut config.model;
+    if m.positions == PositionKind::Sinusoidal && m.sinusoidal_scale.is_none() {
+        // Runs record the amplitude they train with since it became 1/sqrt(n_embd);
+        // one that records none trained with the table at full amplitude.
+        m.sinusoidal_scale = Some(1.0);
+    }
     Ok(config)
 }
 
@@ -655,6 +661,23 @@ impl Loaded {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sinusoidal_run_without_a_recorded_scale_has_the_unscaled_table() {
+        let read = |toml: &str| {
+            parse_config(toml.as_bytes(), "config.toml")
+                .unwrap()
+                .model
+                .sinusoidal_scale
+        };
+        let sinusoidal = "[model]\npositions = \"sinusoidal\"\n";
+        assert_eq!(read(sinusoidal), Some(1.0));
+        assert_eq!(
+            read(&format!("{sinusoidal}sinusoidal_scale = 0.25\n")),
+            Some(0.25)
+        );
+        assert_eq!(read("[model]\npositions = \"rope\"\n"), None);
+    }
 
     #[test]
     fn written_tensors_start_on_cache_lines_and_read_back() {

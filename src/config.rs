@@ -266,6 +266,12 @@ pub struct ModelConfig {
     /// Context length: the most tokens the model sees at once.
     pub block_size: usize,
     pub positions: PositionKind,
+    /// The sinusoidal table's amplitude; absent means 1/sqrt(n_embd) (see
+    /// `model::position::sinusoidal_table`). A run records the value it trained with, so
+    /// a checkpoint from before the table was scaled (2026-12-05), which records none,
+    /// is read as 1: the table it was trained with.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sinusoidal_scale: Option<f64>,
     pub rope_theta: f64,
     pub dropout: f64,
     /// Biases on linear layers and LayerNorms.
@@ -291,6 +297,7 @@ impl Default for ModelConfig {
             n_embd: 128,
             block_size: 64,
             positions: PositionKind::Learned,
+            sinusoidal_scale: None,
             rope_theta: 10000.0,
             dropout: 0.0,
             bias: false,
@@ -368,6 +375,20 @@ impl ModelConfig {
                 m.n_embd
             );
         }
+        if let Some(scale) = m.sinusoidal_scale {
+            if m.positions != PositionKind::Sinusoidal {
+                user_bail!(
+                    "config: model.sinusoidal_scale is for sinusoidal positions, but model.positions = {:?}; remove it",
+                    format!("{:?}", m.positions).to_lowercase()
+                );
+            }
+            if !(scale.is_finite() && scale > 0.0) {
+                user_bail!(
+                    "config: model.sinusoidal_scale = {} must be a number above 0 (leave it out for 1/sqrt(n_embd))",
+                    Num(scale)
+                );
+            }
+        }
         if !(m.rope_theta.is_finite() && m.rope_theta > 1.0) {
             user_bail!(
                 "config: model.rope_theta = {} must be a number above 1 (10000 is usual)",
@@ -408,6 +429,12 @@ impl ModelConfig {
             );
         }
         Ok(())
+    }
+
+    /// The sinusoidal table's amplitude: as recorded, else 1/sqrt(n_embd).
+    pub fn sinusoidal_amplitude(&self) -> f64 {
+        self.sinusoidal_scale
+            .unwrap_or(1.0 / (self.n_embd as f64).sqrt())
     }
 
     pub fn mlp_hidden(&self) -> usize {
@@ -1055,6 +1082,14 @@ mod tests {
             (&["model.n_layer=100000"], "model.n_layer"),
             (&["model.n_embd=4194304", "model.n_head=1"], "model.n_embd"),
             (&["model.rope_theta=0.5"], "rope_theta"),
+            (
+                &["model.sinusoidal_scale=0.1"],
+                "model.sinusoidal_scale is for sinusoidal positions, but model.positions = \"learned\"; remove it",
+            ),
+            (
+                &["model.positions=sinusoidal", "model.sinusoidal_scale=0"],
+                "model.sinusoidal_scale = 0 must be a number above 0",
+            ),
             (&["tokenizer.vocab_size=100"], "tokenizer.vocab_size"),
             (&["data.val_fraction=0"], "val_fraction"),
             (&["train.min_lr=1", "train.lr=0.1"], "min_lr"),

@@ -722,6 +722,78 @@ fn info_export_and_train_speak_plainly() {
     );
 }
 
+/// A sinusoidal run records its table's amplitude (1/sqrt(n_embd)); a checkpoint from
+/// before the table was scaled records none and is read, evaluated and resumed with the
+/// table it learned (amplitude 1), exactly as one that says `sinusoidal_scale = 1.0`.
+#[test]
+fn sinusoidal_checkpoints_from_before_the_scale_keep_their_table() {
+    let dir = setup();
+    let sets = ["run.name=sin", "model.positions=sinusoidal"];
+    succeeds(dir.path(), &train_args(&[], &sets));
+    let run = dir.path().join("checkpoints/sin");
+    let config = std::fs::read_to_string(run.join("config.toml")).unwrap();
+    let recorded: toml::Table = toml::from_str(&config).unwrap();
+    assert_eq!(
+        recorded["model"]["sinusoidal_scale"].as_float(),
+        Some(1.0 / 16f64.sqrt()),
+        "{config}"
+    );
+    let loss = || {
+        let eval = [
+            "eval",
+            "--checkpoint",
+            "checkpoints/sin",
+            "--text",
+            "corpus.txt",
+            "--json",
+        ];
+        let out = succeeds(dir.path(), &eval);
+        let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        r["loss"].as_f64().unwrap()
+    };
+    // The run's config.toml rewritten, its digest in state.json with it.
+    let rewrite = |text: &str| {
+        std::fs::write(run.join("config.toml"), text).unwrap();
+        let path = run.join("state.json");
+        let mut state: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        state["files"]["config.toml"] = serde_json::json!({
+            "size": text.len(),
+            "sha256": tinygpt::util::sha256_hex(text.as_bytes()),
+        });
+        std::fs::write(&path, serde_json::to_vec(&state).unwrap()).unwrap();
+    };
+    let scaled = loss();
+    let without: String = config
+        .lines()
+        .filter(|l| !l.starts_with("sinusoidal_scale"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert_ne!(without, config);
+    rewrite(&without.replace("[model]\n", "[model]\nsinusoidal_scale = 1.0\n"));
+    let unit = loss();
+    rewrite(&without);
+    let old = loss();
+    assert_eq!(
+        old, unit,
+        "a checkpoint without the record is read with amplitude 1"
+    );
+    assert_ne!(old, scaled, "the amplitude reaches the model");
+
+    // Resumed, it trains on with the table it learned and now records it.
+    let out = succeeds(
+        dir.path(),
+        &train_args(&["--resume"], &[&sets[..], &["train.max_iters=9"]].concat()),
+    );
+    assert!(
+        stderr(&out).contains("resuming at step 6"),
+        "{}",
+        stderr(&out)
+    );
+    let config = std::fs::read_to_string(run.join("config.toml")).unwrap();
+    assert!(config.contains("sinusoidal_scale = 1.0"), "{config}");
+}
+
 /// Every config shipped in configs/ trains (a few steps, on a small corpus), samples and
 /// exports to Hugging Face.
 #[test]

@@ -102,6 +102,16 @@ fn kv_cache_matches_full_forward_at_every_step() {
         false,
     );
     models.push(("gpt2-like".into(), gpt2));
+    // A checkpoint from before the sinusoidal table was scaled: every path reads its
+    // amplitude from the config.
+    let unscaled = ModelConfig {
+        sinusoidal_scale: Some(1.0),
+        ..model(PositionKind::Sinusoidal, None).config().clone()
+    };
+    models.push((
+        "sinusoidal at amplitude 1".into(),
+        Gpt::new(&unscaled, 21, &Device::Cpu).unwrap(),
+    ));
     // Wide enough (256) for the decoder's dot-product layout and untransposed head.
     let wide = ModelConfig {
         n_layer: 1,

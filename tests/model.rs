@@ -190,7 +190,7 @@ fn rope_rotates_split_halves() {
 /// The paper's table, divided by sqrt(C) (the paper multiplies the embedding by it).
 #[test]
 fn sinusoidal_table_matches_the_paper() {
-    let pe = sinusoidal_table(10, 8, &Device::Cpu)
+    let pe = sinusoidal_table(10, 8, 1.0 / 8f64.sqrt(), &Device::Cpu)
         .unwrap()
         .to_vec2::<f32>()
         .unwrap();

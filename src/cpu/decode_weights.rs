@@ -642,7 +642,12 @@ impl DecodeWeights {
         let positions = match (spec.wpe, cfg.positions) {
             (Some(id), _) => Some(small(fetch(id)?)),
             (None, PositionKind::Sinusoidal) => {
-                let table = sinusoidal_table(s.block_size, s.n_embd, &candle_core::Device::Cpu)?;
+                let table = sinusoidal_table(
+                    s.block_size,
+                    s.n_embd,
+                    cfg.sinusoidal_amplitude(),
+                    &candle_core::Device::Cpu,
+                )?;
                 Some(Values::Owned(Lines::copy_of(
                     &table.flatten_all()?.to_vec1::<f32>()?,
                 )))

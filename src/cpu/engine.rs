@@ -180,7 +180,12 @@ impl FusedCpu {
         let s = &spec.shapes;
         let sinusoids = match cfg.positions {
             PositionKind::Sinusoidal => {
-                let table = sinusoidal_table(s.block_size, s.n_embd, &candle_core::Device::Cpu)?;
+                let table = sinusoidal_table(
+                    s.block_size,
+                    s.n_embd,
+                    cfg.sinusoidal_amplitude(),
+                    &candle_core::Device::Cpu,
+                )?;
                 Some(table.flatten_all()?.to_vec1()?)
             }
             _ => None,

@@ -25,7 +25,12 @@ impl PositionTables {
         };
         match cfg.positions {
             PositionKind::Sinusoidal => {
-                let table = sinusoidal_table(s.block_size, s.n_embd, &candle_core::Device::Cpu)?;
+                let table = sinusoidal_table(
+                    s.block_size,
+                    s.n_embd,
+                    cfg.sinusoidal_amplitude(),
+                    &candle_core::Device::Cpu,
+                )?;
                 let values: Vec<f32> = table.flatten_all()?.to_vec1()?;
                 tables.sinusoids = Some(Buf::from_host(gpu, &values)?);
             }

@@ -27,7 +27,13 @@ impl InputPositions {
         Ok(match (spec.wpe, cfg.positions) {
             (Some(wpe), _) => InputPositions::Learned(params.tensor(wpe).clone()),
             (None, PositionKind::Sinusoidal) => InputPositions::Sinusoidal(
-                sinusoidal_table(cfg.block_size, cfg.n_embd, device)?.to_dtype(dtype)?,
+                sinusoidal_table(
+                    cfg.block_size,
+                    cfg.n_embd,
+                    cfg.sinusoidal_amplitude(),
+                    device,
+                )?
+                .to_dtype(dtype)?,
             ),
             (None, _) => InputPositions::None,
         })
@@ -45,22 +51,29 @@ impl InputPositions {
     }
 }
 
-/// PE[pos, 2i] = sin(pos / 10000^(2i/C)) / sqrt(C), PE[pos, 2i+1] = cos(...) / sqrt(C).
+/// PE[pos, 2i] = a sin(pos / 10000^(2i/C)), PE[pos, 2i+1] = a cos(...), a the
+/// amplitude (`ModelConfig::sinusoidal_amplitude`: 1/sqrt(C) unless a run recorded
+/// another).
 ///
 /// "Attention Is All You Need" multiplies the embedding by sqrt(C) before adding the
 /// table; here the embedding is also the output layer, initialised at GPT-2's 0.02, so
 /// the table is divided by sqrt(C) instead: the same ratio. At full amplitude (a
 /// vector of length sqrt(C/2) against a token's of about 0.02 sqrt(C)) the tokens are
 /// drowned: the baby model sat at 3.2 after 500 steps where learned positions reach
-/// 2.33; scaled, 2.26 (and 1.90 at 2000 steps, learned 1.92).
-pub fn sinusoidal_table(positions: usize, dim: usize, device: &Device) -> Result<Tensor> {
+/// 2.33; scaled, 2.26 (and 1.90 at 2000 steps, learned 1.92). Checkpoints trained
+/// before that change are read with amplitude 1, the table they learned.
+pub fn sinusoidal_table(
+    positions: usize,
+    dim: usize,
+    amplitude: f64,
+    device: &Device,
+) -> Result<Tensor> {
     let mut table = vec![0f32; positions * dim];
-    let scale = 1.0 / (dim as f64).sqrt();
     for pos in 0..positions {
         for i in 0..dim / 2 {
             let angle = pos as f64 * 10000f64.powf(-2.0 * i as f64 / dim as f64);
-            table[pos * dim + 2 * i] = (scale * angle.sin()) as f32;
-            table[pos * dim + 2 * i + 1] = (scale * angle.cos()) as f32;
+            table[pos * dim + 2 * i] = (amplitude * angle.sin()) as f32;
+            table[pos * dim + 2 * i + 1] = (amplitude * angle.cos()) as f32;
         }
     }
     Ok(Tensor::from_vec(table, (positions, dim), device)?)

@@ -9,7 +9,7 @@ use anyhow::Result;
 use candle_core::Device;
 
 use crate::checkpoint::{Loaded, RunDir, TrainState, CONFIG_FILE, MODEL_FILE, STATE_FILE};
-use crate::config::{Config, ModelConfig, TokenizerKind, TrainConfig};
+use crate::config::{Config, ModelConfig, PositionKind, TokenizerKind, TrainConfig};
 use crate::corpus::cache::CorpusCache;
 use crate::corpus::Corpus;
 use crate::model::params::weights_from_file;
@@ -94,6 +94,10 @@ fn resume(mut config: Config, run: &RunDir) -> Result<Origin> {
     let saved = run.load_config(&state)?;
     let mut wanted = config.model.clone();
     wanted.vocab_size = saved.model.vocab_size;
+    if wanted.sinusoidal_scale.is_none() {
+        // Recorded by the run (or, for a checkpoint from before, its table's 1).
+        wanted.sinusoidal_scale = saved.model.sinusoidal_scale;
+    }
     // A fine-tuning run's model came from the --init-from checkpoint, not from the
     // user's [model] section.
     if saved.train.init_from.is_none() && wanted != saved.model {
@@ -219,6 +223,10 @@ fn fresh(mut config: Config, corpus: &Corpus, cache: &CorpusCache, stop: &Stop) 
     if config.tokenizer.path.is_some() {
         // The run's config.toml says what the run used.
         config.tokenizer.vocab_size = have;
+    }
+    if config.model.positions == PositionKind::Sinusoidal {
+        // The run's config.toml says which table the run used (see `parse_config`).
+        config.model.sinusoidal_scale = Some(config.model.sinusoidal_amplitude());
     }
     if config.model.vocab_size == 0 {
         config.model.vocab_size = have;
