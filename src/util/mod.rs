@@ -1,5 +1,6 @@
 //! Leaf utilities: file writes that survive crashes, hashing, and what the operating
-//! system says about memory. Nothing here imports anything else of ours, so every other
+//! system says about memory. Nothing here imports anything else of ours but `error`'s
+//! user errors (through `user_bail!`; `error` names only `Stopped` back), so every other
 //! module may use it without an import circle.
 
 pub mod bars;
