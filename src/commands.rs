@@ -94,13 +94,25 @@ fn read_text_arg(flag: &str, path: &std::path::Path) -> Result<String> {
         std::fs::read(path)
             .map_err(|e| user_error(format!("cannot read {flag} {}: {e}", path.display())))?
     };
-    String::from_utf8(bytes).map_err(|e| {
+    if let Some((format, command)) = tinygpt::corpus::compression(&bytes) {
+        user_bail!(
+            "{flag} {} is {format}-compressed; decompress it first ({command} {}) and name the result",
+            path.display(),
+            path.display()
+        );
+    }
+    let mut text = String::from_utf8(bytes).map_err(|e| {
         user_error(format!(
             "{flag} {} is not UTF-8 (invalid byte at offset {}); convert it, e.g. with iconv -t UTF-8",
             path.display(),
             e.utf8_error().valid_up_to()
         ))
-    })
+    })?;
+    // A byte-order mark (Windows editors write one) is not text: training drops it too.
+    if text.starts_with('\u{feff}') {
+        text.drain(..'\u{feff}'.len_utf8());
+    }
+    Ok(text)
 }
 
 fn read_prompt(args: &GenerateArgs) -> Result<String> {
@@ -348,12 +360,29 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
     Ok(())
 }
 
+/// What `eval --text` scores: its token ids and the bytes of text they predict. A
+/// .jsonl or .parquet file, or a folder, is read as training reads it
+/// (`eval::documents`); anything else as one UTF-8 text, as training reads a text file
+/// (a leading byte-order mark dropped, a compressed file named as such).
+fn eval_input(
+    path: &std::path::Path,
+    (tokenizer, text_field): (&tinygpt::tokenizer::Tokenizer, &str),
+    stop: &tinygpt::util::Stop,
+) -> Result<(Vec<u32>, usize)> {
+    if let Some(documents) = tinygpt::eval::documents(path, tokenizer, text_field, stop)? {
+        return Ok(documents);
+    }
+    let text = read_text_arg("--text", path)?;
+    let ids = tokenizer.encode(&text)?;
+    let bytes = tinygpt::eval::predicted_bytes(tokenizer, &ids, &text)?;
+    Ok((ids, bytes))
+}
+
 pub fn eval(args: EvalArgs, stop: tinygpt::util::Stop) -> Result<()> {
-    let text = read_text_arg("--text", &args.text)?;
     let format = parse_weight_format("--dtype", &args.dtype)?;
     if format != WeightFormat::F32 || args.kv_dtype.is_some() {
         let kv = KvPrecision::parse(args.kv_dtype.as_deref(), format)?;
-        return eval_decoding(&args, (format, kv), &text, &stop);
+        return eval_decoding(&args, (format, kv), &stop);
     }
     let auto = is_auto(&args.ckpt.device);
     let mut loaded = Loaded::load(
@@ -364,7 +393,8 @@ pub fn eval(args: EvalArgs, stop: tinygpt::util::Stop) -> Result<()> {
             parse_device(&args.ckpt.device)?
         },
     )?;
-    let ids = loaded.tokenizer.encode(&text)?;
+    let parts = (&loaded.tokenizer, loaded.config.data.text_field.as_str());
+    let (ids, bytes) = eval_input(&args.text, parts, &stop)?;
     let window = tinygpt::eval::window(args.context, loaded.config.model.block_size, ids.len())?;
     if auto {
         // Raced on the CPU copy, at the window's length; moved only if CUDA scores faster.
@@ -380,7 +410,6 @@ pub fn eval(args: EvalArgs, stop: tinygpt::util::Stop) -> Result<()> {
         }
     }
     let bar = tinygpt::util::bars::count_bar(0, "scoring windows");
-    let bytes = tinygpt::eval::predicted_bytes(&loaded.tokenizer, &ids, &text)?;
     let r = tinygpt::eval::evaluate_until(&loaded.model, &ids, bytes, window, &bar, &stop)?;
     bar.finish_and_clear();
     print_eval(&args, &r)
@@ -391,7 +420,6 @@ pub fn eval(args: EvalArgs, stop: tinygpt::util::Stop) -> Result<()> {
 fn eval_decoding(
     args: &EvalArgs,
     (format, kv): (WeightFormat, KvPrecision),
-    text: &str,
     stop: &tinygpt::util::Stop,
 ) -> Result<()> {
     if !is_auto(&args.ckpt.device) && !parse_device(&args.ckpt.device)?.is_cpu() {
@@ -402,18 +430,13 @@ fn eval_decoding(
     }
     let mut opened = open_for_decoding(&args.ckpt.checkpoint, format, Hold::Streamed)?;
     opened.verification.wait()?;
-    let ids = opened.tokenizer.encode(text)?;
+    let parts = (&opened.tokenizer, opened.config.data.text_field.as_str());
+    let (ids, bytes) = eval_input(&args.text, parts, stop)?;
     let block_size = opened.weights.spec.shapes.block_size;
     let window = tinygpt::eval::window(args.context, block_size, ids.len())?;
     let bar = tinygpt::util::bars::count_bar(0, "scoring windows");
-    let r = tinygpt::eval::evaluate_decoding(
-        &opened.weights,
-        &ids,
-        tinygpt::eval::predicted_bytes(&opened.tokenizer, &ids, text)?,
-        (window, kv),
-        &bar,
-        stop,
-    )?;
+    let r =
+        tinygpt::eval::evaluate_decoding(&opened.weights, &ids, bytes, (window, kv), &bar, stop)?;
     bar.finish_and_clear();
     print_eval(args, &r)
 }
@@ -833,14 +856,16 @@ pub fn plot(args: PlotArgs) -> Result<()> {
     let metrics = args.checkpoint.join(tinygpt::checkpoint::METRICS_FILE);
     if !metrics.is_file() {
         let dir = args.checkpoint.display();
-        if args
-            .checkpoint
-            .join(tinygpt::checkpoint::STATE_FILE)
-            .is_file()
-        {
-            user_bail!(
+        let run = tinygpt::checkpoint::RunDir::new(&args.checkpoint);
+        match run.state() {
+            // `tinygpt import` (or an --init-from run's start) writes step 0.
+            Ok(state) if state.step == 0 => user_bail!(
+                "{dir} holds weights not trained here (imported, or saved before a first step), so it has no losses to draw"
+            ),
+            Ok(_) => user_bail!(
                 "{dir} holds a checkpoint but no metrics.jsonl (removed?), so no curve can be drawn; `tinygpt info --checkpoint {dir}` shows its last losses"
-            );
+            ),
+            Err(_) => {}
         }
         user_bail!("{dir} has no metrics.jsonl; is it a run folder?");
     }

@@ -396,7 +396,7 @@ pub fn tokenizers_note(runs: &[Run]) -> Option<String> {
         .collect();
     (kinds.len() > 1).then(|| {
         format!(
-            "note: these runs tokenize differently ({}): a loss per token of one is not one of another; `tinygpt eval --checkpoint RUN FILE` gives bits per byte, which compare",
+            "note: these runs tokenize differently ({}): a loss per token of one is not one of another; `tinygpt eval --checkpoint RUN --text FILE` gives bits per byte, which compare",
             kinds.into_iter().collect::<Vec<_>>().join(", ")
         )
     })

@@ -59,6 +59,36 @@ pub fn predicted_bytes(
     Ok(text.len().saturating_sub(first))
 }
 
+/// A .jsonl or .parquet file, or a folder of corpus files, read as training reads
+/// them: the documents' `text_field` (the run's data.text_field), separated as in
+/// training. Its token ids and the bytes of text they predict (the documents' bytes,
+/// not the separators', less the first token's); `None` for any other path, a text
+/// read whole.
+pub fn documents(
+    path: &std::path::Path,
+    tokenizer: &crate::tokenizer::Tokenizer,
+    text_field: &str,
+    stop: &Stop,
+) -> Result<Option<(Vec<u32>, usize)>> {
+    use crate::corpus::{encode::encode_pieces, Corpus, Format};
+    if !(path.is_dir() || matches!(Format::of(path), Format::Jsonl | Format::Parquet)) {
+        return Ok(None);
+    }
+    let corpus = Corpus::open(path, text_field)?;
+    let (mut ids, mut bytes) = (Vec::new(), 0);
+    for (i, chunk) in corpus.chunks().enumerate() {
+        stop.check()?;
+        let pieces = chunk?;
+        bytes += pieces.iter().map(|p| p.text.len()).sum::<usize>();
+        ids.extend(encode_pieces(&pieces, i == 0, tokenizer)?);
+    }
+    let first = match ids.first() {
+        Some(&id) => tokenizer.token_bytes(id)?.len(),
+        None => 0,
+    };
+    Ok(Some((ids, bytes.saturating_sub(first))))
+}
+
 impl EvalResult {
     /// The figures of `tokens` tokens (`bytes` bytes of text) whose predictions summed
     /// to `total_nll` nats.

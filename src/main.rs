@@ -4,7 +4,7 @@ mod alloc;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 
 use clap::{Args, Parser, Subcommand};
@@ -401,7 +401,9 @@ struct ServeArgs {
 struct EvalArgs {
     #[command(flatten)]
     ckpt: CheckpointArgs,
-    /// The text file to score (`-`: stdin).
+    /// The text file to score (`-`: stdin); a .jsonl or .parquet file, or a folder of
+    /// corpus files, is read as training reads it (its documents' data.text_field, the
+    /// run's; separated as in training).
     #[arg(long)]
     text: PathBuf,
     /// The weights' precision: f32 (the engines), or bf16 / int8 / int4 (scored through the
@@ -803,8 +805,11 @@ fn print_error(err: &anyhow::Error, world: &World) {
 
 /// Ctrl-C or SIGTERM (on Unix also SIGHUP, SIGUSR1, SIGUSR2) asks the command to stop
 /// (training finishes its step, writes a checkpoint and stops; other work gives up
-/// within about a second). A second signal exits at once, writing nothing. On Windows
-/// the same through its C runtime's SIGINT (Ctrl-C in a console) and SIGTERM.
+/// within about a second). A second signal exits at once, saying so and writing
+/// nothing more; on Unix only one a second or more after the first, as a signal within
+/// it is the same stop delivered twice (GNU `timeout` signals the process and then its
+/// process group; so does a shell's `kill` of a job). On Windows the same through its C
+/// runtime's SIGINT (Ctrl-C in a console) and SIGTERM.
 fn stop_on_signals(pipe: bool) -> anyhow::Result<Stop> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let flag = Arc::new(AtomicI32::new(0));
@@ -824,7 +829,6 @@ fn stop_on_signals(pipe: bool) -> anyhow::Result<Stop> {
     }
     #[cfg(not(unix))]
     let _ = pipe;
-    let asked = Arc::new(AtomicBool::new(false));
     // SIGUSR1/2: what a batch system sends ahead of a job's time limit (Slurm's
     // --signal=USR1@120) and mpirun forwards; SIGHUP: a terminal that closed (an ssh
     // session dropped), unless the run was started to outlive it (nohup ignores it).
@@ -837,19 +841,71 @@ fn stop_on_signals(pipe: bool) -> anyhow::Result<Stop> {
         }
         signals
     };
+    #[cfg(unix)]
+    {
+        // When the first stop signal came (ms on the monotonic clock; 0: none yet).
+        let first = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        for signal in signals {
+            let (flag, first) = (Arc::clone(&flag), Arc::clone(&first));
+            // Safety: the handler calls only async-signal-safe functions
+            // (clock_gettime, write, _exit) and atomics.
+            unsafe {
+                signal_hook::low_level::register(signal, move || {
+                    let now = monotonic_ms().max(1);
+                    match first.compare_exchange(0, now, Ordering::SeqCst, Ordering::SeqCst) {
+                        Ok(_) => flag.store(signal, Ordering::SeqCst),
+                        Err(at) if now.saturating_sub(at) < SAME_STOP_MS => {}
+                        Err(_) => {
+                            let said = SECOND_STOP.as_bytes();
+                            libc::write(2, said.as_ptr().cast(), said.len());
+                            libc::_exit(128 + signal);
+                        }
+                    }
+                })?;
+            }
+        }
+    }
     #[cfg(not(unix))]
-    let signals = vec![SIGINT, SIGTERM];
-    for signal in signals {
-        // Registered first, so it sees `asked` as it was before this signal.
-        signal_hook::flag::register_conditional_shutdown(signal, 128 + signal, Arc::clone(&asked))?;
-        signal_hook::flag::register(signal, Arc::clone(&asked))?;
-        let flag = Arc::clone(&flag);
-        // Safety: the handler only stores to an atomic, which is async-signal-safe.
-        unsafe {
-            signal_hook::low_level::register(signal, move || flag.store(signal, Ordering::SeqCst))?;
+    {
+        let asked = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        for signal in [SIGINT, SIGTERM] {
+            // Registered first, so it sees `asked` as it was before this signal.
+            signal_hook::flag::register_conditional_shutdown(
+                signal,
+                128 + signal,
+                Arc::clone(&asked),
+            )?;
+            signal_hook::flag::register(signal, Arc::clone(&asked))?;
+            let flag = Arc::clone(&flag);
+            // Safety: the handler only stores to an atomic, which is async-signal-safe.
+            unsafe {
+                signal_hook::low_level::register(signal, move || {
+                    flag.store(signal, Ordering::SeqCst)
+                })?;
+            }
         }
     }
     Ok(Stop::from_flag(flag))
+}
+
+/// A stop signal this soon after the first is the first delivered again.
+#[cfg(unix)]
+const SAME_STOP_MS: u64 = 1000;
+
+/// What a second stop signal's exit says (written from the handler: no formatting).
+#[cfg(unix)]
+const SECOND_STOP: &str = "\nstopped at once by a second signal: what was being written is not (files written before stay whole; a run resumes from its last checkpoint)\n";
+
+/// Milliseconds on the monotonic clock (async-signal-safe).
+#[cfg(unix)]
+fn monotonic_ms() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // Safety: clock_gettime writes only `now`.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    now.tv_sec as u64 * 1000 + now.tv_nsec as u64 / 1_000_000
 }
 
 /// Whether `signal` was set to be ignored when this process started (`nohup` does so

@@ -492,8 +492,16 @@ pub fn run_loss_curve(run_dir: &Path) -> Result<std::path::PathBuf> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    loss_curve(&run_dir.join(crate::checkpoint::METRICS_FILE), &out, &title)
-        .with_context(|| format!("plotting {}", out.display()))?;
+    // Drawn beside it and renamed over it: a viewer open on a live run's curve never
+    // reads half a picture (a killed draw's file is a run folder's temp file).
+    let drawing = run_dir.join(".loss.tmp.png");
+    loss_curve(
+        &run_dir.join(crate::checkpoint::METRICS_FILE),
+        &drawing,
+        &title,
+    )
+    .and_then(|()| Ok(std::fs::rename(&drawing, &out)?))
+    .with_context(|| format!("plotting {}", out.display()))?;
     Ok(out)
 }
 

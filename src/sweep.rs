@@ -244,6 +244,13 @@ fn same_run_elsewhere(config: &Config, base: &str, values: &[(String, String)]) 
 fn check_keys(overrides: &[String], grids: &[Grid]) -> Result<()> {
     let mut seen = std::collections::BTreeSet::new();
     for grid in grids {
+        if matches!(grid.key.as_str(), "run.name" | "run.out_dir") {
+            user_bail!(
+                "--grid {}: a sweep's points are named from run.name and their values, under run.out_dir, so these would be one run; name the sweep with --set {}=..., and grid settings that change what is trained",
+                grid.key,
+                grid.key
+            );
+        }
         if !seen.insert(grid.key.as_str()) {
             user_bail!(
                 "--grid {} is given twice; give each setting one --grid with all its values (--grid {}=a,b,c)",

@@ -483,6 +483,41 @@ fn compare_tells_a_resumed_longer_run_from_a_fresh_one() {
         ]),
         "{rows}"
     );
+    // What it trains on too: another corpus and seed, then that corpus edited (its
+    // config.toml keeps only the last corpus).
+    let text = std::fs::read_to_string(dir.path().join("corpus.txt")).unwrap();
+    std::fs::write(dir.path().join("other.txt"), &text).unwrap();
+    let other = ["run.name=grown", "data.corpus=other.txt", "run.seed=7"];
+    succeeds(
+        dir.path(),
+        &train_args(
+            &["--resume"],
+            &[&other[..], &["train.max_iters=18"]].concat(),
+        ),
+    );
+    std::fs::write(
+        dir.path().join("other.txt"),
+        text.replace("question", "suoitqen"),
+    )
+    .unwrap();
+    succeeds(
+        dir.path(),
+        &train_args(
+            &["--resume"],
+            &[&other[..], &["train.max_iters=21"]].concat(),
+        ),
+    );
+    let out = succeeds(dir.path(), &["compare", "--json", "checkpoints/grown"]);
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let differs = rows[0]["differs"].as_array().unwrap();
+    assert_eq!(
+        differs[3..],
+        [
+            "resumed at 15: corpus corpus.txt->other.txt, seed 1337->7, max_iters 15->18, sequences_per_step 8->4",
+            "resumed at 18: corpus other.txt->other.txt (edited), max_iters 18->21"
+        ],
+        "{rows}"
+    );
     // The table shows it too.
     let out = succeeds(dir.path(), &[&["compare"][..], &runs].concat());
     assert!(
@@ -674,6 +709,17 @@ fn info_export_and_train_speak_plainly() {
         text.contains("corpus      none: imported (tinygpt import), not trained here"),
         "{text}"
     );
+    // Nor any losses to draw.
+    let out = tinygpt(
+        dir.path(),
+        &["plot", "--checkpoint", "checkpoints/imported"],
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("holds weights not trained here (imported, or saved before a first step), so it has no losses to draw"),
+        "{}",
+        stderr(&out)
+    );
 
     let metrics =
         std::fs::read_to_string(dir.path().join("checkpoints/exp/metrics.jsonl")).unwrap();
@@ -720,6 +766,89 @@ fn info_export_and_train_speak_plainly() {
         "{}",
         stderr(&out)
     );
+}
+
+/// `eval --text` reads what training reads: a byte-order mark is dropped, a .jsonl's
+/// documents (or a folder's) are scored separated as in training, a compressed file is
+/// named as such. One document in a .jsonl is the text file itself, token for token.
+#[test]
+fn eval_reads_what_train_reads() {
+    let dir = setup();
+    let d = dir.path();
+    succeeds(d, &train_args(&[], &[]));
+    let text = std::fs::read_to_string(d.join("corpus.txt")).unwrap();
+    let eval = |file: &str| {
+        let args = [
+            "eval",
+            "--checkpoint",
+            "checkpoints/exp",
+            "--text",
+            file,
+            "--json",
+        ];
+        let r: serde_json::Value = serde_json::from_slice(&succeeds(d, &args).stdout).unwrap();
+        (
+            r["tokens"].as_u64().unwrap(),
+            r["bytes"].as_u64().unwrap(),
+            r["loss"].as_f64().unwrap(),
+        )
+    };
+    let plain = eval("corpus.txt");
+    std::fs::write(d.join("bom.txt"), format!("\u{feff}{text}")).unwrap();
+    assert_eq!(eval("bom.txt"), plain);
+    let line = |t: &str| format!("{}\n", serde_json::json!({ "text": t }));
+    std::fs::create_dir(d.join("val")).unwrap();
+    std::fs::write(d.join("val/one.jsonl"), line(&text)).unwrap();
+    assert_eq!(eval("val/one.jsonl"), plain);
+    assert_eq!(eval("val"), plain, "a folder of it");
+    // Two documents: the same text with one separator (a newline in a char vocabulary)
+    // between, which is predicted but is not the documents' text.
+    let half = text.len() / 2;
+    std::fs::write(
+        d.join("two.jsonl"),
+        line(&text[..half]) + &line(&text[half..]),
+    )
+    .unwrap();
+    let (tokens, bytes, loss) = eval("two.jsonl");
+    assert_eq!((tokens, bytes), (plain.0 + 1, plain.1), "{loss}");
+    assert!(loss.is_finite() && loss != plain.2);
+
+    std::fs::write(d.join("corpus.txt.gz"), b"\x1f\x8b\x08\x00rest").unwrap();
+    let out = tinygpt(
+        d,
+        &[
+            "eval",
+            "--checkpoint",
+            "checkpoints/exp",
+            "--text",
+            "corpus.txt.gz",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("corpus.txt.gz is gzip-compressed; decompress it first (gunzip -k"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// A vocabulary size set for a char tokenizer, which has the corpus's characters
+/// whatever is asked, is named as unused (it was dropped without a word).
+#[test]
+fn a_vocabulary_size_a_char_tokenizer_does_not_use_is_named() {
+    let dir = setup();
+    let out = succeeds(dir.path(), &train_args(&[], &["tokenizer.vocab_size=100"]));
+    let chars = std::fs::read_to_string(dir.path().join("corpus.txt"))
+        .unwrap()
+        .chars()
+        .collect::<std::collections::BTreeSet<char>>()
+        .len();
+    let note = format!(
+        "note: tokenizer.vocab_size = 100 is not used: a char tokenizer's vocabulary is the corpus's characters ({chars} here;"
+    );
+    assert!(stderr(&out).contains(&note), "{}", stderr(&out));
+    let out = succeeds(dir.path(), &train_args(&[], &["run.name=plain"]));
+    assert!(!stderr(&out).contains("is not used"), "{}", stderr(&out));
 }
 
 /// A sinusoidal run records its table's amplitude (1/sqrt(n_embd)); a checkpoint from
@@ -1344,6 +1473,20 @@ fn a_corpus_folder_names_what_it_does_not_read() {
     let one = text.chars().count();
     let found = corpus_tokens(&said);
     assert_eq!(found, 2 * one + 1, "{said}");
+
+    // A table named as the corpus is read as text, and said to be.
+    std::fs::write(d.join("table.csv"), format!("text\n\"{text}\"\n")).unwrap();
+    let out = succeeds(
+        d,
+        &train_args(&[], &["data.corpus=table.csv", "run.name=table"]),
+    );
+    assert!(
+        stderr(&out).contains(
+            "note: corpus table.csv is read as plain text, its header, separators and quotes included; to train on one column, write it as .jsonl"
+        ),
+        "{}",
+        stderr(&out)
+    );
 }
 
 /// The train + val token count of `train`'s first line.

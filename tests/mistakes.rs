@@ -349,7 +349,7 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
         case(
             "out_dir a file, found before the corpus is read",
             &format!("{t} --set run.out_dir=exp.toml --set data.corpus=nope.txt"),
-            "; set run.out_dir to a writable folder",
+            "run.out_dir exp.toml: exp.toml is a file, not a folder; set run.out_dir to a folder",
         ),
         case(
             "corpus empty",
@@ -380,6 +380,17 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "corpus folder without .txt",
             &format!("{t} --set data.corpus=notxt"),
             ".txt",
+        ),
+        with(
+            "corpus folder of compressed shards",
+            &format!("{t} --set data.corpus=shards"),
+            "only compressed ones (a.jsonl.gz and 1 more); decompress them there first (e.g. gunzip -k shards/*.gz)",
+            |d| {
+                std::fs::create_dir(d.join("shards")).unwrap();
+                for name in ["a.jsonl.gz", "b.jsonl.gz"] {
+                    std::fs::write(d.join("shards").join(name), b"\x1f\x8b\x08\x00").unwrap();
+                }
+            },
         ),
         case(
             "jsonl line that is not JSON",

@@ -169,8 +169,22 @@ fn ctrl_c_checkpoints_and_resume_continues_the_exact_curve() {
 #[test]
 fn sigterm_checkpoints_and_exits_143() {
     let dir = setup(100_000);
-    let child = train(dir.path(), &[]);
+    let mut child = train(dir.path(), &[]);
     wait_for_checkpoint(dir.path());
+    // The loss curve is drawn at each evaluation (every 50 steps here) and at a stop.
+    let folder = dir.path().join("checkpoints/exp");
+    let start = Instant::now();
+    while !std::fs::read_to_string(folder.join("metrics.jsonl"))
+        .unwrap()
+        .contains("\"val_loss\"")
+    {
+        assert!(start.elapsed() < Duration::from_secs(60), "no evaluation");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(child.try_wait().unwrap().is_none(), "still training");
+    assert!(folder.join("loss.png").is_file(), "drawn at the evaluation");
+    std::fs::remove_file(folder.join("loss.png")).unwrap();
     signal(&child, libc::SIGTERM);
     let out = child.wait_with_output().unwrap();
     assert_eq!(
@@ -179,6 +193,7 @@ fn sigterm_checkpoints_and_exits_143() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    assert!(folder.join("loss.png").is_file(), "drawn at the stop");
     let out = run(dir.path(), &["info", "--checkpoint", "checkpoints/exp"]);
     assert!(out.status.success());
     assert!(

@@ -708,6 +708,31 @@ fn the_api_key_guards_every_route_but_health() {
         .headers()
         .get("access-control-allow-origin")
         .is_none());
+    drop(server);
+
+    // Open to the network without a key: said as it starts (right after the line
+    // saying where); with a key, or on loopback alone, not.
+    let note = "note: this answers anyone who can reach port ";
+    let told = |extra: &[&str]| {
+        let server = Server::start(dir.path(), extra);
+        let start = Instant::now();
+        while !server.log.lock().unwrap().contains(note)
+            && start.elapsed() < Duration::from_millis(500)
+        {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let log = server.log.lock().unwrap().clone();
+        log
+    };
+    let open = told(&["--host", "0.0.0.0"]);
+    assert!(
+        open.contains(note) && open.contains("give --api-key KEY"),
+        "{open}"
+    );
+    for guarded in [&["--host", "0.0.0.0", "--api-key", "k"][..], &[]] {
+        let log = told(guarded);
+        assert!(!log.contains(note), "{guarded:?}: {log}");
+    }
 }
 
 #[test]

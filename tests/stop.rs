@@ -392,7 +392,8 @@ fn a_stop_during_checkpoint_writes_leaves_a_run_that_resumes() {
             // A second signal exits at once, wherever the write is.
             // Safety: kill(2) on our own child's pid.
             unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-            std::thread::sleep(Duration::from_millis(30));
+            // (a second within a second of the first is the same stop)
+            std::thread::sleep(Duration::from_millis(1050));
         }
         // A signal in a save finishes it (130 MB with its syncs, on a disk other tests
         // share) and stops there.
@@ -414,6 +415,77 @@ fn a_stop_during_checkpoint_writes_leaves_a_run_that_resumes() {
         let loaded = tinygpt::checkpoint::Loaded::load(&run, &candle_core::Device::Cpu).unwrap();
         assert_eq!(loaded.state.step, state.step + 1);
     }
+}
+
+/// The same signal twice at once (GNU `timeout` signals the process and then its group)
+/// is one stop: the step finishes and is saved. A second signal a second or more
+/// later exits at once, saying so, and writes nothing more.
+#[test]
+fn a_signal_twice_at_once_is_one_stop_and_a_later_one_exits_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    experiment(d);
+    let run = d.join("checkpoints/slow");
+    // Steps of seconds on one thread (5 s on a Zen 4), so both signals land in one.
+    let slow = |resume: &[&str]| {
+        let args = train_args(
+            resume,
+            &[
+                "run.name=slow",
+                "model.n_layer=6",
+                "model.n_embd=384",
+                "model.n_head=6",
+                "model.block_size=256",
+                "train.batch_size=8",
+                "train.max_iters=100000",
+                "train.checkpoint_interval=100000",
+                "train.eval_interval=100000",
+                "train.eval_iters=1",
+            ],
+        );
+        tinygpt(d, &args)
+            .env("RAYON_NUM_THREADS", "1")
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let term = |child: &Child| {
+        // Safety: kill(2) on our own child's pid.
+        assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    };
+    let stderr_of = |child: &mut Child| {
+        let mut err = String::new();
+        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+        err
+    };
+
+    let mut child = slow(&[]);
+    wait_for("step 1", &mut child, || metrics_has(&run, 1, "loss"));
+    term(&child);
+    term(&child);
+    let (status, _) = exit_within(&mut child, Duration::from_secs(120));
+    let err = stderr_of(&mut child);
+    assert_eq!(status.code(), Some(143), "{err}");
+    assert!(!err.contains("stopped at once"), "{err}");
+    let saved = tinygpt::checkpoint::RunDir::new(&run).state().unwrap().step;
+    assert_eq!(saved, 2, "the step under way finished and was saved: {err}");
+
+    let mut child = slow(&["--resume"]);
+    wait_for("step 3", &mut child, || metrics_has(&run, 3, "loss"));
+    term(&child);
+    std::thread::sleep(Duration::from_millis(1200));
+    let step = || tinygpt::checkpoint::RunDir::new(&run).state().unwrap().step;
+    assert!(
+        child.try_wait().unwrap().is_none() && step() == 2,
+        "step 4 ended within 1.2 s of the first signal: too fast a machine for this check"
+    );
+    term(&child);
+    let (status, took) = exit_within(&mut child, Duration::from_secs(10));
+    let err = stderr_of(&mut child);
+    assert_eq!(status.code(), Some(143), "{err}");
+    assert!(took < Duration::from_millis(500), "took {took:?}: {err}");
+    assert!(err.contains("stopped at once by a second signal"), "{err}");
+    assert_eq!(step(), 2, "nothing more written");
 }
 
 /// Whether a save is under way in `run`: a checkpoint file's temporary copy exists.

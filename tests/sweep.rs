@@ -230,6 +230,11 @@ fn a_setting_given_twice_fails_before_anything_trains() {
             vec![grid("model.n_layer=1,2")],
             "both set model.n_layer",
         ),
+        (
+            vec![],
+            vec![grid("run.name=a,b")],
+            "--grid run.name: a sweep's points are named from run.name and their values, under run.out_dir, so these would be one run; name the sweep with --set run.name=...",
+        ),
     ] {
         let err = sweep::points(&exp, &overrides, &grids).expect_err(told);
         assert!(format!("{err:#}").contains(told), "{err:#}");
@@ -467,7 +472,8 @@ fn compare_says_what_does_not_compare() {
     let said = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{said}");
     assert!(
-        said.contains("note: these runs tokenize differently"),
+        said.contains("note: these runs tokenize differently")
+            && said.contains("`tinygpt eval --checkpoint RUN --text FILE`"),
         "{said}"
     );
     let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

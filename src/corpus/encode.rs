@@ -103,6 +103,16 @@ impl Separator {
     }
 }
 
+/// `pieces` as token ids, their documents separated as [`encode`] separates them;
+/// `starts_corpus`: the first piece is the corpus's first (no separator before it).
+pub fn encode_pieces(
+    pieces: &[Piece],
+    starts_corpus: bool,
+    tokenizer: &Tokenizer,
+) -> Result<Vec<u32>> {
+    encode_chunk(pieces, starts_corpus, &Separator::of(tokenizer), tokenizer)
+}
+
 fn encode_chunk(
     pieces: &[Piece],
     starts_corpus: bool,

@@ -34,6 +34,8 @@ mod text;
 pub mod token_files;
 pub mod train;
 
+pub use text::compression;
+
 /// About how much text a chunk holds.
 pub const CHUNK_BYTES: usize = 1 << 20;
 
@@ -48,7 +50,7 @@ pub enum Format {
 }
 
 impl Format {
-    fn of(path: &Path) -> Self {
+    pub fn of(path: &Path) -> Self {
         match extension(path).as_deref() {
             Some("jsonl") => Self::Jsonl,
             Some("parquet") => Self::Parquet,
@@ -184,6 +186,28 @@ impl Corpus {
             others.sort();
             skipped = others;
             if paths.is_empty() {
+                // Shards as downloaded (`train-0001.jsonl.gz`) are the likeliest.
+                let compressed: Vec<String> = skipped
+                    .iter()
+                    .filter(|p| {
+                        matches!(
+                            extension(p).as_deref(),
+                            Some("gz" | "zst" | "bz2" | "xz" | "zip")
+                        )
+                    })
+                    .filter_map(|p| Some(p.file_name()?.to_string_lossy().into_owned()))
+                    .collect();
+                if let Some(first) = compressed.first() {
+                    user_bail!(
+                        "corpus folder {} has no .txt, .jsonl, .parquet or .bin files, only compressed ones ({first}{}); decompress them there first (e.g. gunzip -k {}/*.gz)",
+                        path.display(),
+                        match compressed.len() {
+                            1 => String::new(),
+                            n => format!(" and {} more", n - 1),
+                        },
+                        path.display()
+                    );
+                }
                 user_bail!(
                     "corpus folder {} has no .txt, .jsonl, .parquet or .bin files; put the training data there",
                     path.display()

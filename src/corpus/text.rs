@@ -129,7 +129,7 @@ fn valid_prefix<'a>(bytes: &'a [u8], at_end: bool, path: &Path, offset: u64) -> 
 
 /// The compressed format a file's first bytes say it is, and the command that
 /// decompresses it: a `.txt.gz` read as text fails on its second byte.
-fn compression(start: &[u8]) -> Option<(&'static str, &'static str)> {
+pub fn compression(start: &[u8]) -> Option<(&'static str, &'static str)> {
     const MAGIC: [(&[u8], &str, &str); 5] = [
         (b"\x1f\x8b", "gzip", "gunzip -k"),
         (b"\x28\xb5\x2f\xfd", "zstd", "zstd -d"),

@@ -48,7 +48,7 @@ impl SamplingParams {
     pub fn validate(&self) -> Result<()> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             user_bail!(
-                "--temperature {} must be >= 0 (0 is greedy decoding)",
+                "--temperature {} must be a finite number >= 0 (0 is greedy decoding)",
                 self.temperature
             );
         }

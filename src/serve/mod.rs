@@ -205,6 +205,12 @@ pub fn serve(options: ServeOptions, stop: Stop) -> Result<()> {
             state.options.parallel,
             ready.place,
         );
+        if !bound.ip().is_loopback() && state.options.api_key.is_none() {
+            crate::errln!(
+                "note: this answers anyone who can reach port {} of this machine, with no key asked: give --api-key KEY (or TINYGPT_API_KEY) to ask for one, or --host 127.0.0.1 to serve this machine alone",
+                bound.port()
+            );
+        }
     }
     let _ = runtime.block_on(server);
     let _ = decoding.join();

@@ -253,8 +253,12 @@ impl SamplingFields {
             Some(n) if n >= 1 && n as u64 <= limits.max_n as u64 => n as usize,
             Some(n) => {
                 return Err(ApiError::invalid(format!(
-                    "n {n} must be 1 to {} (the server decodes {} sequences at once: --parallel)",
-                    limits.max_n, limits.max_n
+                    "n {n} must be 1 to {} (the server decodes {} at once: --parallel)",
+                    limits.max_n,
+                    match limits.max_n {
+                        1 => "one sequence".to_string(),
+                        many => format!("{many} sequences"),
+                    }
                 ))
                 .with_param("n"))
             }

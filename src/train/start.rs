@@ -200,17 +200,24 @@ fn fresh(mut config: Config, corpus: &Corpus, cache: &CorpusCache, stop: &Stop) 
         None => cache.tokenizer(corpus, tk, stop)?,
     };
     let have = tokenizer.vocab_size();
+    // A size asked for (any but the default) where none is chosen would otherwise be
+    // dropped without a word.
+    let default_size = crate::config::TokenizerConfig::default().vocab_size;
     if let Some(path) = &tk.path {
-        // The file's vocabulary is the one used; a size asked for beside it (any but
-        // the default) would otherwise be dropped without a word.
-        let default = crate::config::TokenizerConfig::default().vocab_size;
-        if tk.vocab_size != have && tk.vocab_size != default {
+        // The file's vocabulary is the one used.
+        if tk.vocab_size != have && tk.vocab_size != default_size {
             crate::errln!(
                 "note: tokenizer.vocab_size = {} is not used: tokenizer.path {} brings its own {have} tokens (remove tokenizer.path to train a vocabulary of that size)",
                 tk.vocab_size,
                 path.display()
             );
         }
+    }
+    if tk.path.is_none() && tk.kind == TokenizerKind::Char && tk.vocab_size != default_size {
+        crate::errln!(
+            "note: tokenizer.vocab_size = {} is not used: a char tokenizer's vocabulary is the corpus's characters ({have} here; tokenizer.kind = \"bpe\" trains one of a chosen size)",
+            tk.vocab_size
+        );
     }
     let trained_bpe = tk.path.is_none() && tk.kind == TokenizerKind::Bpe;
     if trained_bpe && have < tk.vocab_size {
