@@ -94,7 +94,7 @@ fn read_text_arg(flag: &str, path: &std::path::Path) -> Result<String> {
         std::fs::read(path)
             .map_err(|e| user_error(format!("cannot read {flag} {}: {e}", path.display())))?
     };
-    if let Some((format, command)) = tinygpt::corpus::compression(&bytes) {
+    if let Some((format, command)) = tinygpt::corpus::text::compression(&bytes) {
         user_bail!(
             "{flag} {} is {format}-compressed; decompress it first ({command} {}) and name the result",
             path.display(),

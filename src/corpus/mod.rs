@@ -30,11 +30,9 @@ pub mod cut;
 pub mod encode;
 mod jsonl;
 mod parquet;
-mod text;
+pub mod text;
 pub mod token_files;
 pub mod train;
-
-pub use text::compression;
 
 /// About how much text a chunk holds.
 pub const CHUNK_BYTES: usize = 1 << 20;
