@@ -40,7 +40,7 @@ use super::team::for_each_piece;
 use super::threads::threads;
 use super::weight_rows::{by_output_shares, one_row_shares, project_rows, splits, Bf16};
 use crate::config::PositionKind;
-use crate::model::position::sinusoidal_table;
+use crate::model::position::sinusoidal_values;
 use crate::model::spec::{LinearParams, ModelSpec, NormParams, ParamId};
 
 /// How the decoder holds the weights of its matrix products.
@@ -642,15 +642,7 @@ impl DecodeWeights {
         let positions = match (spec.wpe, cfg.positions) {
             (Some(id), _) => Some(small(fetch(id)?)),
             (None, PositionKind::Sinusoidal) => {
-                let table = sinusoidal_table(
-                    s.block_size,
-                    s.n_embd,
-                    cfg.sinusoidal_amplitude(),
-                    &candle_core::Device::Cpu,
-                )?;
-                Some(Values::Owned(Lines::copy_of(
-                    &table.flatten_all()?.to_vec1::<f32>()?,
-                )))
+                Some(Values::Owned(Lines::copy_of(&sinusoidal_values(spec)?)))
             }
             (None, _) => None,
         };

@@ -25,7 +25,7 @@ use super::ops::rope::{Rope, Turn};
 use super::ops::{residual, Positions};
 use super::threads::{on_workers, on_workers_awake, zip_in_place};
 use crate::config::{PositionKind, Precision};
-use crate::model::position::sinusoidal_table;
+use crate::model::position::sinusoidal_values;
 use crate::model::spec::{ModelSpec, Shapes};
 use crate::model::{Dropout, Site};
 use crate::optim::AdamWStep;
@@ -179,15 +179,7 @@ impl FusedCpu {
         let cfg = &spec.config;
         let s = &spec.shapes;
         let sinusoids = match cfg.positions {
-            PositionKind::Sinusoidal => {
-                let table = sinusoidal_table(
-                    s.block_size,
-                    s.n_embd,
-                    cfg.sinusoidal_amplitude(),
-                    &candle_core::Device::Cpu,
-                )?;
-                Some(table.flatten_all()?.to_vec1()?)
-            }
+            PositionKind::Sinusoidal => Some(sinusoidal_values(spec)?),
             _ => None,
         };
         let mut engine = Self {

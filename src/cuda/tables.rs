@@ -6,7 +6,7 @@ use anyhow::Result;
 use super::buffers::Buf;
 use super::gpu::Gpu;
 use crate::config::PositionKind;
-use crate::model::position::{rope_tables, sinusoidal_table};
+use crate::model::position::{rope_tables, sinusoidal_values};
 use crate::model::spec::ModelSpec;
 
 pub struct PositionTables {
@@ -18,21 +18,14 @@ pub struct PositionTables {
 
 impl PositionTables {
     pub fn new(gpu: &Gpu, spec: &ModelSpec) -> Result<Self> {
-        let (cfg, s) = (&spec.config, &spec.shapes);
+        let cfg = &spec.config;
         let mut tables = Self {
             sinusoids: None,
             rope: None,
         };
         match cfg.positions {
             PositionKind::Sinusoidal => {
-                let table = sinusoidal_table(
-                    s.block_size,
-                    s.n_embd,
-                    cfg.sinusoidal_amplitude(),
-                    &candle_core::Device::Cpu,
-                )?;
-                let values: Vec<f32> = table.flatten_all()?.to_vec1()?;
-                tables.sinusoids = Some(Buf::from_host(gpu, &values)?);
+                tables.sinusoids = Some(Buf::from_host(gpu, &sinusoidal_values(spec)?)?);
             }
             PositionKind::Rope => {
                 let (cos, sin) = rope_tables(cfg);

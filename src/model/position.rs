@@ -79,6 +79,14 @@ pub fn sinusoidal_table(
     Ok(Tensor::from_vec(table, (positions, dim), device)?)
 }
 
+/// `spec`'s table as the fused engines and decoders hold it: flat, (block_size, C).
+pub fn sinusoidal_values(spec: &ModelSpec) -> Result<Vec<f32>> {
+    let s = &spec.shapes;
+    let amplitude = spec.config.sinusoidal_amplitude();
+    let table = sinusoidal_table(s.block_size, s.n_embd, amplitude, &Device::Cpu)?;
+    Ok(table.flatten_all()?.to_vec1()?)
+}
+
 /// cos and sin of pos * theta_i, theta_i = base^(-2i/d): two (block_size, d/2) tables.
 pub fn rope_tables(cfg: &ModelConfig) -> (Vec<f32>, Vec<f32>) {
     let d = cfg.head_dim();
