@@ -35,7 +35,7 @@ use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Config, PositionKind};
+use crate::config::Config;
 use crate::error::user_error;
 use crate::tokenizer::Tokenizer;
 use crate::user_bail;
@@ -501,16 +501,10 @@ impl RunDir {
 pub(crate) fn parse_config(bytes: &[u8], path: &str) -> Result<Config> {
     let text =
         std::str::from_utf8(bytes).map_err(|_| user_error(format!("{path} is not UTF-8")))?;
-    let mut config =
+    let config =
         Config::from_toml_str(text, &[]).map_err(|e| user_error(format!("{path}: {e:#}")))?;
     config.validate()?;
-    let m = &mut config.model;
-    if m.positions == PositionKind::Sinusoidal && m.sinusoidal_scale.is_none() {
-        // Runs record the amplitude they train with since it became 1/sqrt(n_embd);
-        // one that records none trained with the table at full amplitude.
-        m.sinusoidal_scale = Some(1.0);
-    }
-    Ok(config)
+    Ok(config.as_trained())
 }
 
 /// The bytes of a run's config.toml and tokenizer.json, parsed and checked to belong

@@ -87,8 +87,7 @@ impl Run {
             );
         }
         let mut config_error = None;
-        let read = std::fs::read_to_string(&config)
-            .map(|text| Config::from_toml_str(&text, &[]).and_then(|c| c.validate().map(|()| c)));
+        let read = std::fs::read_to_string(&config).map(|text| Config::from_run_toml(&text));
         let (settings, parameters, tokens_per_step) = match read {
             // A damaged config.toml takes this run's settings out of the comparison,
             // not the comparison of the others.
@@ -221,7 +220,13 @@ pub fn resume_note(record: &serde_json::Value) -> Option<String> {
 
 /// A config as `section.key` -> value, every setting present.
 pub fn flatten(config: &Config) -> BTreeMap<String, String> {
-    let table = toml::Table::try_from(config).expect("a Config serialises to a table");
+    // Defaults spelled out: a model imported from Hugging Face (n_kv_head = 4) is the
+    // run it was exported from (n_kv_head left out).
+    let config = Config {
+        model: config.model.resolved(),
+        ..config.clone()
+    };
+    let table = toml::Table::try_from(&config).expect("a Config serialises to a table");
     let mut out = BTreeMap::new();
     for (section, value) in table {
         match value {
@@ -558,6 +563,20 @@ pub fn series(runs: &[Run], rows: &[Row], x: XAxis) -> (Vec<Series>, Vec<String>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A model imported from Hugging Face spells out what the run it came from left to
+    /// its defaults (a Llama's K/V heads and SwiGLU width): the same settings.
+    #[test]
+    fn defaults_spelled_out_are_the_same_settings() {
+        let run = Config::from_toml_str("[model]\narch = \"llama\"\nn_embd = 64\n", &[]).unwrap();
+        let mut imported = run.clone();
+        imported.model.n_kv_head = Some(run.model.n_head);
+        imported.model.mlp_hidden = Some(176);
+        assert_eq!(run.model.mlp_hidden(), 176);
+        assert_eq!(flatten(&run), flatten(&imported));
+        imported.model.mlp_hidden = Some(192);
+        assert_ne!(flatten(&run), flatten(&imported));
+    }
 
     fn settings(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         pairs

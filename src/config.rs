@@ -431,6 +431,19 @@ impl ModelConfig {
         Ok(())
     }
 
+    /// The same model with each setting left to its default spelled out (K/V heads,
+    /// the MLP's width, the sinusoidal table's amplitude): two configs of one model
+    /// compare equal however they are written.
+    pub fn resolved(&self) -> ModelConfig {
+        ModelConfig {
+            n_kv_head: Some(self.kv_heads()),
+            mlp_hidden: Some(self.mlp_hidden()),
+            sinusoidal_scale: (self.positions == PositionKind::Sinusoidal)
+                .then(|| self.sinusoidal_amplitude()),
+            ..self.clone()
+        }
+    }
+
     /// The sinusoidal table's amplitude: as recorded, else 1/sqrt(n_embd).
     pub fn sinusoidal_amplitude(&self) -> f64 {
         self.sinusoidal_scale
@@ -602,6 +615,24 @@ impl Config {
                 .map(|(key, _)| key.trim().to_string()),
         );
         Ok(keys)
+    }
+
+    /// A run folder's config.toml, validated, [`Config::as_trained`].
+    pub fn from_run_toml(text: &str) -> Result<Config> {
+        let config = Self::from_toml_str(text, &[])?;
+        config.validate()?;
+        Ok(config.as_trained())
+    }
+
+    /// A run folder's config as that run trained: what it leaves out is what it used.
+    /// (Sinusoidal runs from before the table's amplitude was recorded used 1; see
+    /// `ModelConfig::sinusoidal_scale`.)
+    pub fn as_trained(mut self) -> Config {
+        let m = &mut self.model;
+        if m.positions == PositionKind::Sinusoidal && m.sinusoidal_scale.is_none() {
+            m.sinusoidal_scale = Some(1.0);
+        }
+        self
     }
 
     /// Parses TOML text and applies overrides; does not validate.

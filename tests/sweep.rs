@@ -209,6 +209,34 @@ fn a_sweep_run_again_with_other_settings_refuses_its_old_runs() {
     assert_eq!(outcomes, [Outcome::Resumed]);
 }
 
+/// A sinusoidal run records its table's amplitude, which the sweep's config leaves to
+/// the default: run again, the sweep finds its runs as they are.
+#[test]
+fn a_sinusoidal_sweep_run_again_finds_its_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let exp = tiny_experiment(dir.path());
+    let grids = [Grid::parse("model.n_layer=1,2").unwrap()];
+    let sinusoidal = ["model.positions=sinusoidal".to_string()];
+    let points = sweep::points(&exp, &sinusoidal, &grids).unwrap();
+    sweep::run(&points, Stop::new(), &mut Silent).unwrap();
+    let points = sweep::points(&exp, &sinusoidal, &grids).unwrap();
+    let outcomes = sweep::run(&points, Stop::new(), &mut Silent).unwrap();
+    assert_eq!(
+        outcomes,
+        [Outcome::AlreadyComplete, Outcome::AlreadyComplete]
+    );
+    // Asked for another amplitude, they are other runs.
+    let other = [
+        sinusoidal[0].clone(),
+        "model.sinusoidal_scale=1".to_string(),
+    ];
+    let err = sweep::points(&exp, &other, &grids).expect_err("another table");
+    assert!(
+        format!("{err:#}").contains("model.sinusoidal_scale = 1.0 (the run has 0.25)"),
+        "{err:#}"
+    );
+}
+
 #[test]
 fn a_setting_given_twice_fails_before_anything_trains() {
     let dir = tempfile::tempdir().unwrap();

@@ -344,9 +344,8 @@ fn read_settings(
     if read.is_err() {
         return Ok((BTreeMap::new(), None));
     }
-    let config = crate::config::Config::from_toml_str(&text, &[])
-        .and_then(|c| c.validate().map(|()| c))
-        .map_err(|e| format!("{CONFIG_FILE}: {e:#}"))?;
+    let config =
+        crate::config::Config::from_run_toml(&text).map_err(|e| format!("{CONFIG_FILE}: {e:#}"))?;
     let parameters = crate::model::ModelSpec::new(&config.model).len();
     Ok((compare::flatten(&config), Some(parameters)))
 }
