@@ -337,7 +337,11 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
                 shown(&sample.text)
             )?;
         }
-        writeln!(out)?;
+        // A terminal's line ends where the sample does (the figures go on the next);
+        // piped, one sample is its text alone, byte for byte as the server sends it.
+        if terminal || !stream {
+            writeln!(out)?;
+        }
         out.flush()?;
         tinygpt::errln!(
             "[sample {}/{}] prompt {}, generated {} ({}), prefill {:.1} ms, decode {:.1} tokens/s, {}",
@@ -684,7 +688,7 @@ fn bench_checkpoint(
     }
     outln!("cpu     {}", r.cpu)?;
     outln!(
-        "load    {:.0} ms ({}), {} weights: {:.0} MiB of {} parameters; keys and values in {}",
+        "load    {:.0} ms ({}), {} weights: {} of {} parameters; keys and values in {}",
         r.load_ms,
         if r.hashed {
             "weights hashed"
@@ -692,7 +696,10 @@ fn bench_checkpoint(
             "hash noted before"
         },
         r.dtype,
-        r.weights_mb,
+        match r.weights_mb {
+            mb if mb < 1.0 => format!("{:.0} KiB", mb * 1024.0),
+            mb => format!("{mb:.0} MiB"),
+        },
         r.parameters,
         r.kv_dtype
     )?;
@@ -856,6 +863,9 @@ pub fn plot(args: PlotArgs) -> Result<()> {
     let metrics = args.checkpoint.join(tinygpt::checkpoint::METRICS_FILE);
     if !metrics.is_file() {
         let dir = args.checkpoint.display();
+        if !args.checkpoint.exists() {
+            user_bail!("run folder {dir} does not exist; check the path (runs are folders under checkpoints/)");
+        }
         let run = tinygpt::checkpoint::RunDir::new(&args.checkpoint);
         match run.state() {
             // `tinygpt import` (or an --init-from run's start) writes step 0.
@@ -1063,7 +1073,14 @@ fn report_comparison(
         XAxis::Tokens => "tokens seen",
         XAxis::Time => "training time (s)",
     };
-    let title = format!("{} runs: val loss (train loss pale)", rows.len());
+    let title = match series.len() == rows.len() {
+        true => format!("{} runs: val loss (train loss pale)", rows.len()),
+        false => format!(
+            "{} of {} runs: val loss (train loss pale)",
+            series.len(),
+            rows.len()
+        ),
+    };
     match tinygpt::plot::comparison(&series, x_label, out, &title) {
         Ok(()) => {
             let _ = writeln!(std::io::stderr(), "wrote {}", out.display());

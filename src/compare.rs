@@ -80,6 +80,12 @@ impl Run {
     pub fn read(dir: &Path) -> Result<Self> {
         let metrics = dir.join(crate::checkpoint::METRICS_FILE);
         let config = dir.join(crate::checkpoint::CONFIG_FILE);
+        if !dir.exists() {
+            user_bail!(
+                "run folder {} does not exist; check the path (runs are folders under checkpoints/)",
+                dir.display()
+            );
+        }
         if !metrics.exists() && !config.exists() {
             user_bail!(
                 "{} is not a run folder (no metrics.jsonl or config.toml); pass folders under checkpoints/",
@@ -407,12 +413,24 @@ pub fn tokenizers_note(runs: &[Run]) -> Option<String> {
     })
 }
 
-/// What a legend calls a run: its differing settings, or its name if none differ.
+/// The most characters of a legend entry: longer ones (runs that differ in many
+/// settings) ran off the picture's right edge, the settings that mattered cut away.
+const LEGEND_CHARS: usize = 48;
+
+/// What a legend calls a run: its differing settings where they fit (a sweep's grid
+/// values), else its name and as many of them as fit; its name if none differ.
 pub fn label(row: &Row) -> String {
-    if row.differs.is_empty() {
-        row.run.clone()
-    } else {
-        row.differs.join(" ")
+    let differs = row.differs.join(" ");
+    if differs.is_empty() {
+        return row.run.clone();
+    }
+    if differs.chars().count() <= LEGEND_CHARS {
+        return differs;
+    }
+    let named = format!("{}: {differs}", row.run);
+    match named.char_indices().nth(LEGEND_CHARS - 3) {
+        Some((end, _)) => format!("{}...", &named[..end]),
+        None => named,
     }
 }
 
@@ -681,6 +699,35 @@ mod tests {
         assert_eq!(differing_keys(&[e, BTreeMap::new()]), ["model.n_layer"]);
         // Identical runs: nothing differs, and the label is the name.
         assert!(differing_keys(&[a.clone(), a]).is_empty());
+    }
+
+    #[test]
+    fn legend_labels_fit_and_name_the_run_when_cut() {
+        let row = |run: &str, differs: &[&str]| Row {
+            run: run.into(),
+            dir: None,
+            differs: differs.iter().map(|d| d.to_string()).collect(),
+            parameters: None,
+            steps: 0,
+            best_val_loss: None,
+            best_val_step: None,
+            tokens_per_s: None,
+            wall_s: None,
+        };
+        assert_eq!(label(&row("a", &[])), "a");
+        assert_eq!(
+            label(&row("a", &["n_layer=6", "lr=0.0003"])),
+            "n_layer=6 lr=0.0003"
+        );
+        let many = [
+            "corpus=data/shakespeare.txt",
+            "arch=custom",
+            "block_size=64",
+            "n_layer=2",
+        ];
+        let cut = label(&row("base", &many));
+        assert_eq!(cut, "base: corpus=data/shakespeare.txt arch=custom...");
+        assert_eq!(cut.chars().count(), LEGEND_CHARS);
     }
 
     #[test]

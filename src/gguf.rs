@@ -538,6 +538,12 @@ pub fn export(loaded: &Loaded, out: &Path, dtype: GgufDtype) -> Result<Exported>
     if rows != m.vocab_size {
         meta.push(("tinygpt.vocab_size".into(), u32v(m.vocab_size)));
     }
+    // llama-server's chat then builds `tinygpt serve`'s prompts (without it, its own
+    // default format gave the same weights other replies).
+    meta.push((
+        "tokenizer.chat_template".into(),
+        Value::String(crate::serve::chat::JINJA.into()),
+    ));
     meta.push(("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)));
     meta.push(("tokenizer.ggml.add_eos_token".into(), Value::Bool(false)));
     let kind = if is_char { "char" } else { "bpe" };

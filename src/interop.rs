@@ -178,12 +178,20 @@ pub fn check_export_folder(out: &Path) -> Result<()> {
         c["architectures"] == json!(["GPT2LMHeadModel"])
             || c["architectures"] == json!(["LlamaForCausalLM"])
     });
-    // Ours has these two keys alone; transformers' save_pretrained writes many more.
+    // Ours has only these keys (and its end-of-text token's where it has one);
+    // transformers' save_pretrained writes many more.
+    const OUR_TOKENIZER_KEYS: [&str; 5] = [
+        "bos_token",
+        "chat_template",
+        "eos_token",
+        "model_max_length",
+        "tokenizer_class",
+    ];
     let our_tokenizer_config = json("tokenizer_config.json")
         .and_then(|c| c.as_object().map(|o| o.keys().cloned().collect::<Vec<_>>()))
-        .is_some_and(|mut keys| {
-            keys.sort();
-            keys == ["model_max_length", "tokenizer_class"]
+        .is_some_and(|keys| {
+            keys.iter()
+                .all(|k| OUR_TOKENIZER_KEYS.contains(&k.as_str()))
         });
     let ours = our_config && our_tokenizer_config;
     if others.is_empty() && ours && out.join("model.safetensors").is_file() {
@@ -322,6 +330,8 @@ pub fn export(loaded: &Loaded, out: &Path) -> Result<HfLayout> {
         tok_config["eos_token"] = json!(eot);
         tok_config["bos_token"] = json!(eot);
     }
+    // `apply_chat_template` then builds `tinygpt serve`'s chat prompts.
+    tok_config["chat_template"] = json!(crate::serve::chat::JINJA);
     write_atomic(
         &out.join("tokenizer_config.json"),
         serde_json::to_string_pretty(&tok_config)?.as_bytes(),

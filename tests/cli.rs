@@ -66,6 +66,22 @@ fn train_then_resume_from_the_command_line() {
     let state: serde_json::Value =
         serde_json::from_slice(&std::fs::read(run.join("state.json")).unwrap()).unwrap();
     assert_eq!(state["step"], 9);
+
+    // Exported for Hugging Face with the end-of-text token a BPE vocabulary has and the
+    // chat template `serve` uses; exported again into the same folder, an earlier
+    // export is replaced (it was refused as "not an earlier export").
+    let export = ["export", "--checkpoint", "checkpoints/exp", "--out", "hf"];
+    succeeds(dir.path(), &export);
+    let tokenizer_config: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.path().join("hf/tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(tokenizer_config["eos_token"], "<|endoftext|>");
+    assert_eq!(
+        tokenizer_config["chat_template"],
+        tinygpt::serve::chat::JINJA
+    );
+    succeeds(dir.path(), &export);
 }
 
 #[test]
@@ -92,6 +108,14 @@ fn generate_eval_and_info_from_a_checkpoint() {
     assert!(stderr(&out).contains("decode") && stderr(&out).contains("tokens/s"));
     let again = tinygpt(dir.path(), &generate);
     assert_eq!(again.stdout, out.stdout, "same seed, same text");
+    // Piped, it is the prompt and the sample, nothing added: as --json has them.
+    let json = succeeds(dir.path(), &[&generate[..], &["--json"]].concat());
+    let record: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(
+        text,
+        format!("To be{}", record["text"].as_str().unwrap()),
+        "{record}"
+    );
 
     // JSON: one object per sample; prompt from stdin.
     let mut child = Command::new(env!("CARGO_BIN_EXE_tinygpt"))

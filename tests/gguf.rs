@@ -835,6 +835,14 @@ fn the_gguf_package_from_pypi_reads_the_files() {
         let file = dir.path().join(format!("{name}.gguf"));
         tinygpt::gguf::export(&loaded, &file, dtype).unwrap();
         let (content, _) = read_gguf(&file);
+        // `tinygpt serve`'s chat template, for llama-server to build its prompts
+        // (tools/gguf-llamacpp-check.sh has llama-server apply it).
+        assert_eq!(
+            content.metadata["tokenizer.chat_template"]
+                .to_string()
+                .unwrap(),
+            tinygpt::serve::chat::JINJA
+        );
         // GGUF's order: innermost first.
         let tensors: serde_json::Map<String, serde_json::Value> = content
             .tensor_infos
@@ -854,6 +862,7 @@ fn the_gguf_package_from_pypi_reads_the_files() {
             "tokenizer.ggml.token_type".into(),
             "tokenizer.ggml.merges".into(),
             "tokenizer.ggml.eos_token_id".into(),
+            "tokenizer.chat_template".into(),
         ];
         for k in [
             "context_length",

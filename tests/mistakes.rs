@@ -957,6 +957,16 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "pass the run folder it trains: checkpoints/good",
         ),
         case(
+            "a mistyped run folder to compare",
+            "compare checkpoints/good checkpoints/nosuch",
+            "run folder checkpoints/nosuch does not exist; check the path",
+        ),
+        case(
+            "a mistyped run folder to plot",
+            "plot --checkpoint checkpoints/nosuch",
+            "run folder checkpoints/nosuch does not exist; check the path",
+        ),
+        case(
             "a file that is no checkpoint's passed as the run folder",
             "info --checkpoint corpus.txt",
             "is a file, not a run folder",

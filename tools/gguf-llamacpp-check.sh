@@ -7,6 +7,8 @@
 #   - exports f32 and q8_0 GGUF,
 #   - compares llama-cli's greedy continuation of a prompt with
 #     `tinygpt generate --temperature 0` (f32: must be equal),
+#   - asks llama-server to apply the chat template the export carries, which must build
+#     the prompt `tinygpt serve` builds for the same messages,
 #   - prints llama-perplexity's figure next to `tinygpt eval`'s on the validation text
 #     (llama-perplexity scores the second half of each context-long chunk, so its
 #     figure is compared by eye / to ~1e-3, not asserted).
@@ -15,6 +17,8 @@
 # llama-completion runs with --ignore-eos, which bans that row.
 #
 #   tools/gguf-llamacpp-check.sh [BINARY] [RUN...]    # BINARY default target/release/tinygpt
+#   LLAMACPP_BUILD=~/.cache/tinygpt-llamacpp/build-avx512 tools/gguf-llamacpp-check.sh ...
+#                                    # a build made already (tools/decode-bench.sh's)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=$(realpath "${1:-target/release/tinygpt}")
@@ -26,7 +30,9 @@ prompt=${PROMPT:-ROMEO:}
 n=${TOKENS:-50}  # prompt + new tokens within the quick start's context of 64: llama.cpp's
                  # gpt2 does not slide its window past the learned positions
 
-if [ ! -x "$dir/build/bin/llama-cli" ]; then
+build=${LLAMACPP_BUILD:-$dir/build}
+if [ ! -x "$build/bin/llama-completion" ]; then
+  build=$dir/build
   echo "building llama.cpp from the llama-cpp-python sdist into $dir (once; minutes)" >&2
   mkdir -p "$dir"
   python3 -m pip download -q --no-deps --no-binary :all: llama-cpp-python -d "$dir/sdist"
@@ -36,11 +42,15 @@ if [ ! -x "$dir/build/bin/llama-cli" ]; then
   # llama.cpp's native q8_0 kernels with SIGILL (seen on a Sapphire Rapids VM).
   cmake -S "$src" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
     -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON >/dev/null
-  cmake --build "$dir/build" -j"$(nproc)" --target llama-completion llama-perplexity >/dev/null
 fi
+for target in llama-completion llama-perplexity llama-server; do
+  [ -x "$build/bin/$target" ] || cmake --build "$build" -j"$(nproc)" --target "$target" >/dev/null
+done
+export LD_LIBRARY_PATH="$build/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # llama-cli is a chat now; llama-completion continues a prompt.
-cli=$dir/build/bin/llama-completion
-ppl=$dir/build/bin/llama-perplexity
+cli=$build/bin/llama-completion
+ppl=$build/bin/llama-perplexity
+server=$build/bin/llama-server
 
 for run in "${runs[@]}"; do
   if [ ! -d "$run" ]; then
@@ -63,6 +73,23 @@ for run in "${runs[@]}"; do
       [ "$dtype" = f32 ] && status=1
     fi
   done
+  # The chat template the export carries, applied by llama-server: the prompt
+  # `tinygpt serve` builds from the same messages (src/serve/chat.rs).
+  port=$((20000 + RANDOM % 20000))
+  "$server" -m "$work/f32.gguf" --port "$port" -t 2 >/dev/null 2>&1 &
+  pid=$!
+  for _ in $(seq 200); do curl -sf "localhost:$port/health" >/dev/null && break; sleep 0.1; done
+  messages='[{"role":"system","content":"Be brief."},{"role":"user","content":"Who is there?"},{"role":"assistant","content":"Nay, answer me."},{"role":"user","content":"Stand!"}]'
+  got=$(curl -s "localhost:$port/apply-template" -H 'content-type: application/json' \
+    -d "{\"messages\": $messages}" | python3 -c 'import json,sys; print(repr(json.load(sys.stdin)["prompt"]))' || true)
+  kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true
+  want="'Be brief.\\n\\nUser: Who is there?\\n\\nAssistant: Nay, answer me.\\n\\nUser: Stand!\\n\\nAssistant:'"
+  if [ "$got" = "$want" ]; then
+    echo "$run chat template: llama-server builds tinygpt serve's prompt"
+  else
+    echo "$run chat template DIFFERS: llama-server $got, tinygpt serve $want"
+    status=1
+  fi
   val=${VAL_TEXT:-}
   if [ -n "$val" ]; then
     echo "$run tinygpt eval:"; "$bin" eval --checkpoint "$run" --text "$val" | tail -3

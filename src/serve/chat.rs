@@ -22,6 +22,13 @@ pub const STOPS: [&str; 2] = ["\nUser:", "\nSystem:"];
 /// The template in words, for `GET /v1/chat/template`.
 pub const DESCRIPTION: &str = "Plain text for a base model: each system message, then a blank line; each user turn as \"User: {content}\", each assistant turn as \"Assistant: {content}\", turns separated by blank lines; the prompt ends with \"Assistant:\" and the reply stops at \"\\nUser:\" or \"\\nSystem:\".";
 
+/// The same template in Jinja, as a Hugging Face folder's tokenizer_config.json
+/// (`chat_template`) and a GGUF file (`tokenizer.chat_template`) carry it, so that
+/// transformers' `apply_chat_template` and llama.cpp's server build the prompt
+/// [`render`] builds (with the generation prompt asked for). One line, its text in
+/// string literals: the same whatever a renderer's whitespace options.
+pub const JINJA: &str = "{% for message in messages %}{% if message['role'] == 'user' %}{{ 'User: ' }}{% elif message['role'] == 'assistant' %}{{ 'Assistant: ' }}{% endif %}{{ message['content'] }}{{ '\\n\\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}";
+
 /// The prompt for `messages`.
 pub fn render(messages: &[Message]) -> Result<String, ApiError> {
     if messages.is_empty() {

@@ -227,7 +227,7 @@ fn fresh(mut config: Config, corpus: &Corpus, cache: &CorpusCache, stop: &Stop) 
             config.data.corpus.display()
         );
     }
-    if config.tokenizer.path.is_some() {
+    if config.tokenizer.path.is_some() || config.tokenizer.kind == TokenizerKind::Char {
         // The run's config.toml says what the run used.
         config.tokenizer.vocab_size = have;
     }
