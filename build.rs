@@ -20,6 +20,26 @@ fn main() {
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-changed=src/cuda/emulator");
+    // `tinygpt --version` names the features this binary has (is it the MPI build?).
+    let features: Vec<&str> = [
+        "cuda",
+        "cuda-emulator",
+        "nccl",
+        "metal",
+        "accelerate",
+        "mpi",
+    ]
+    .into_iter()
+    .filter(|f| {
+        let var = format!("CARGO_FEATURE_{}", f.to_uppercase().replace('-', "_"));
+        env::var_os(var).is_some()
+    })
+    .collect();
+    let features = match features.is_empty() {
+        true => "none".to_string(),
+        false => features.join(", "),
+    };
+    println!("cargo:rustc-env=TINYGPT_FEATURES={features}");
     if env::var_os("CARGO_FEATURE_CUDA_EMULATOR").is_some() {
         cc::Build::new()
             .cpp(true)

@@ -21,7 +21,7 @@ use tinygpt::util::{Stop, Stopped};
 #[derive(Parser)]
 #[command(
     name = "tinygpt",
-    version,
+    version = concat!(env!("CARGO_PKG_VERSION"), " (features: ", env!("TINYGPT_FEATURES"), ")"),
     about = "Train and sample small GPT language models"
 )]
 struct Cli {

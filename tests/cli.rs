@@ -875,6 +875,24 @@ fn a_vocabulary_size_a_char_tokenizer_does_not_use_is_named() {
     assert!(!stderr(&out).contains("is not used"), "{}", stderr(&out));
 }
 
+/// `--version` names the features the binary was built with: which build is the MPI
+/// one is otherwise known only by launching it under mpirun.
+#[test]
+fn the_version_names_the_build_features() {
+    let out = succeeds(Path::new("."), &["--version"]);
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        said.starts_with("tinygpt ") && said.contains(" (features: "),
+        "{said}"
+    );
+    for (feature, built) in [
+        ("mpi", cfg!(feature = "mpi")),
+        ("cuda-emulator", cfg!(feature = "cuda-emulator")),
+    ] {
+        assert_eq!(said.contains(feature), built, "{feature}: {said}");
+    }
+}
+
 /// A sinusoidal run records its table's amplitude (1/sqrt(n_embd)); a checkpoint from
 /// before the table was scaled records none and is read, evaluated and resumed with the
 /// table it learned (amplitude 1), exactly as one that says `sinusoidal_scale = 1.0`.
