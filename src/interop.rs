@@ -31,6 +31,7 @@ use crate::config::{Arch, Config, MlpKind, ModelConfig, NormKind, PositionKind, 
 use crate::error::user_error;
 use crate::model::spec::{BlockParams, LinearParams, NormParams, ParamId, Shapes};
 use crate::model::{Gpt, ModelSpec};
+use crate::serve::chat::JINJA as CHAT_TEMPLATE;
 use crate::tokenizer::Tokenizer;
 use crate::user_bail;
 use crate::util::write_atomic;
@@ -178,8 +179,9 @@ pub fn check_export_folder(out: &Path) -> Result<()> {
         c["architectures"] == json!(["GPT2LMHeadModel"])
             || c["architectures"] == json!(["LlamaForCausalLM"])
     });
-    // Ours has only these keys (and its end-of-text token's where it has one);
-    // transformers' save_pretrained writes many more.
+    // Ours has only these keys (the end-of-text token's where there is one, the chat
+    // template since 2026-12-06), its class the fast tokenizer's and its template
+    // serve's; transformers' save_pretrained writes many more.
     const OUR_TOKENIZER_KEYS: [&str; 5] = [
         "bos_token",
         "chat_template",
@@ -187,12 +189,12 @@ pub fn check_export_folder(out: &Path) -> Result<()> {
         "model_max_length",
         "tokenizer_class",
     ];
-    let our_tokenizer_config = json("tokenizer_config.json")
-        .and_then(|c| c.as_object().map(|o| o.keys().cloned().collect::<Vec<_>>()))
-        .is_some_and(|keys| {
-            keys.iter()
-                .all(|k| OUR_TOKENIZER_KEYS.contains(&k.as_str()))
-        });
+    let our_tokenizer_config = json("tokenizer_config.json").is_some_and(|c| {
+        c.as_object()
+            .is_some_and(|o| o.keys().all(|k| OUR_TOKENIZER_KEYS.contains(&k.as_str())))
+            && c["tokenizer_class"] == "PreTrainedTokenizerFast"
+            && (c.get("chat_template").is_none() || c["chat_template"] == CHAT_TEMPLATE)
+    });
     let ours = our_config && our_tokenizer_config;
     if others.is_empty() && ours && out.join("model.safetensors").is_file() {
         return Ok(());
@@ -331,7 +333,7 @@ pub fn export(loaded: &Loaded, out: &Path) -> Result<HfLayout> {
         tok_config["bos_token"] = json!(eot);
     }
     // `apply_chat_template` then builds `tinygpt serve`'s chat prompts.
-    tok_config["chat_template"] = json!(crate::serve::chat::JINJA);
+    tok_config["chat_template"] = json!(CHAT_TEMPLATE);
     write_atomic(
         &out.join("tokenizer_config.json"),
         serde_json::to_string_pretty(&tok_config)?.as_bytes(),
