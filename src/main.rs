@@ -226,9 +226,10 @@ struct TrainArgs {
     #[arg(long)]
     device: Option<String>,
     /// Of several ranks (mpirun): end the job when one waits this long for the others
-    /// in a collective (a rank stopped, hung or cut off); 0 waits forever.
-    #[arg(long, value_name = "SECONDS", default_value_t = 1800)]
-    collective_timeout: u64,
+    /// in a collective (a rank stopped, hung or cut off); 0 waits forever. Decimals
+    /// allowed.
+    #[arg(long, value_name = "SECONDS", default_value = "1800", value_parser = seconds)]
+    collective_timeout: std::time::Duration,
 }
 
 #[derive(Args)]
@@ -585,10 +586,11 @@ mod commands;
 fn train(args: TrainArgs, stop: Stop, world: &World) -> anyhow::Result<()> {
     let comm: std::sync::Arc<dyn tinygpt::parallel::Collective> =
         match (world.size(), args.collective_timeout) {
-            (1, _) | (_, 0) => std::sync::Arc::clone(&world.comm),
-            (_, seconds) => std::sync::Arc::new(tinygpt::parallel::Watched::new(
+            (1, _) => std::sync::Arc::clone(&world.comm),
+            (_, limit) if limit.is_zero() => std::sync::Arc::clone(&world.comm),
+            (_, limit) => std::sync::Arc::new(tinygpt::parallel::Watched::new(
                 std::sync::Arc::clone(&world.comm),
-                std::time::Duration::from_secs(seconds),
+                limit,
             )),
         };
     let config = tinygpt::parallel::agree(comm.as_ref(), train_config(&args, world.rank()));
@@ -728,6 +730,18 @@ fn unused_model_settings(
     }
 }
 
+/// A number of seconds, 0 or more, decimals allowed (`--collective-timeout 2.5`).
+fn seconds(value: &str) -> Result<std::time::Duration, String> {
+    value
+        .trim()
+        .parse::<f64>()
+        .ok()
+        .and_then(|s| std::time::Duration::try_from_secs_f64(s).ok())
+        .ok_or_else(|| {
+            format!("{value:?} is not a number of seconds (0 or more, e.g. 1800 or 2.5)")
+        })
+}
+
 /// A stopped run that kept a checkpoint says the command that continues it: this
 /// one's, with `--resume`.
 fn with_resume_command(err: anyhow::Error, ranks: usize) -> anyhow::Error {
@@ -737,7 +751,9 @@ fn with_resume_command(err: anyhow::Error, ranks: usize) -> anyhow::Error {
             if !args.iter().any(|a| a == "--resume") {
                 args.push("--resume".into());
             }
-            let line: Vec<String> = std::iter::once("tinygpt".to_string())
+            // The binary as it was started (`./tinygpt-mpi`, a cargo target path).
+            let program = std::env::args().next().unwrap_or_else(|| "tinygpt".into());
+            let line: Vec<String> = std::iter::once(shell_quoted(&program))
                 .chain(args.iter().map(|a| shell_quoted(a)))
                 .collect();
             stopped.continue_with = match ranks {
@@ -1093,5 +1109,21 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => ExitCode::from(exit_code_of(&err) as u8),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::seconds;
+    use std::time::Duration;
+
+    #[test]
+    fn collective_timeouts_take_decimals() {
+        assert_eq!(seconds("2.5"), Ok(Duration::from_millis(2500)));
+        assert_eq!(seconds(" 1800 "), Ok(Duration::from_secs(1800)));
+        assert_eq!(seconds("0"), Ok(Duration::ZERO));
+        for wrong in ["-1", "inf", "nan", "", "5s"] {
+            assert!(seconds(wrong).is_err(), "{wrong}");
+        }
     }
 }

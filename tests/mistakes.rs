@@ -997,6 +997,11 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             "pass the run folder that holds it: checkpoints/good",
         ),
         case(
+            "a negative collective timeout",
+            &format!("{t} --collective-timeout=-1"),
+            "\"-1\" is not a number of seconds (0 or more, e.g. 1800 or 2.5)",
+        ),
+        case(
             "several values given to --set",
             &format!("{t} --set train.lr=3e-4,1e-3"),
             "use `tinygpt sweep --grid train.lr=3e-4,1e-3`",

@@ -118,8 +118,13 @@ fn stop_a_long_evaluation(signal: i32, code: i32) {
     let (exit, err) = signal_and_wait(child, signal, Duration::from_secs(5));
     assert_eq!(exit, code, "{err}");
     assert!(err.contains("interrupted at step 3"), "{err}");
-    // The command that continues, to paste: this one (which has --resume already).
-    let again = format!("continue with tinygpt {}", long.join(" "));
+    // The command that continues, to paste: this one (which has --resume already),
+    // with the binary as it was started.
+    let again = format!(
+        "continue with {} {}",
+        env!("CARGO_BIN_EXE_tinygpt"),
+        long.join(" ")
+    );
     assert!(err.contains(&again), "expected {again:?} in: {err}");
 
     // The step trained before the stop was saved whole; its evaluation was not logged.

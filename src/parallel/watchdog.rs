@@ -64,7 +64,10 @@ impl Watched {
                         let line = format!(
                             "rank {}: error: waited {} s for the other ranks ({what}): one of them is stopped, hung or cut off; ending the job (the last checkpoint stands; if a rank can take this long, e.g. writing a large checkpoint, pass a longer train --collective-timeout)\n",
                             inner.rank(),
-                            waited.as_secs()
+                            match waited.as_secs_f64() {
+                                s if s < 10.0 => format!("{s:.1}"),
+                                s => format!("{s:.0}"),
+                            }
                         );
                         // One write: the ranks' lines must not cut into each other.
                         let _ = std::io::stderr().write_all(line.as_bytes());
