@@ -378,7 +378,7 @@ fn eval_input(
     }
     let text = read_text_arg("--text", path)?;
     let ids = tokenizer.encode(&text)?;
-    let bytes = tinygpt::eval::predicted_bytes(tokenizer, &ids, &text)?;
+    let bytes = tinygpt::eval::predicted_bytes(tokenizer, &ids, text.len())?;
     Ok((ids, bytes))
 }
 

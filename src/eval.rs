@@ -45,18 +45,19 @@ pub struct EvalResult {
     pub bits_per_byte: f64,
 }
 
-/// The bytes of `text` its tokens `ids` predict: all but the first token's. (Counting
-/// those too made a short text's bits per byte too low: "ab" scores one byte, not two.)
+/// Of `text_bytes` bytes of text encoded as `ids`, those the tokens predict: all but
+/// the first token's. (Counting those too made a short text's bits per byte too low:
+/// "ab" scores one byte, not two.)
 pub fn predicted_bytes(
     tokenizer: &crate::tokenizer::Tokenizer,
     ids: &[u32],
-    text: &str,
+    text_bytes: usize,
 ) -> Result<usize> {
     let first = match ids.first() {
         Some(&id) => tokenizer.token_bytes(id)?.len(),
         None => 0,
     };
-    Ok(text.len().saturating_sub(first))
+    Ok(text_bytes.saturating_sub(first))
 }
 
 /// A .jsonl or .parquet file, or a folder of corpus files, read as training reads
@@ -82,11 +83,8 @@ pub fn documents(
         bytes += pieces.iter().map(|p| p.text.len()).sum::<usize>();
         ids.extend(encode_pieces(&pieces, i == 0, tokenizer)?);
     }
-    let first = match ids.first() {
-        Some(&id) => tokenizer.token_bytes(id)?.len(),
-        None => 0,
-    };
-    Ok(Some((ids, bytes.saturating_sub(first))))
+    let predicted = predicted_bytes(tokenizer, &ids, bytes)?;
+    Ok(Some((ids, predicted)))
 }
 
 impl EvalResult {

@@ -44,10 +44,14 @@ fn train_then_resume_from_the_command_line() {
         before
     );
 
-    // Resume to more steps.
+    // Resume to more steps (the model's defaults may be spelled out: 2 K/V heads of 2
+    // heads is the checkpoint's model).
     let out = succeeds(
         dir.path(),
-        &train_args(&["--resume"], &["train.max_iters=9", "run.device=auto"]),
+        &train_args(
+            &["--resume"],
+            &["train.max_iters=9", "run.device=auto", "model.n_kv_head=2"],
+        ),
     );
     assert!(
         stderr(&out).contains("resuming at step 6"),

@@ -72,8 +72,9 @@ pub struct Trainer {
     unread: Unread,
     /// Why `run.device = "auto"` chose the device (None when it was named).
     device_choice: Option<String>,
-    /// A resumed run's training settings as its checkpoint saved them.
-    saved_train: Option<TrainConfig>,
+    /// A resumed run's config as its checkpoint saved it (the schedule its last steps
+    /// followed, the data it trained on).
+    saved: Option<Config>,
     /// Held by rank 0, which alone writes the run folder.
     _lock: Option<RunLock>,
     /// The corpus cache the run reads, held (`cache prune` leaves it alone meanwhile).
@@ -102,8 +103,8 @@ struct Prepared {
     corpus_fingerprint: String,
     /// What training says of its data before it starts.
     data_notes: Vec<String>,
-    /// A resumed run's training settings as saved (the schedule it followed).
-    saved_train: Option<TrainConfig>,
+    /// A resumed run's config as saved.
+    saved: Option<Config>,
 }
 
 impl Prepared {
@@ -269,7 +270,7 @@ impl Trainer {
             stop,
             comm,
             stopping: None,
-            saved_train: p.saved_train,
+            saved: p.saved,
             _lock: p.lock,
             cache: None,
             corpus_fingerprint: p.corpus_fingerprint,
@@ -590,10 +591,10 @@ impl Trainer {
     }
 
     fn changed_data_notes(&self) -> Vec<String> {
-        let Ok(saved) = self.run.load_config(&self.state) else {
+        let Some(was) = &self.saved else {
             return Vec::new();
         };
-        let (was, now) = (&saved, &self.config);
+        let now = &self.config;
         let mut notes = Vec::new();
         if was.data.corpus != now.data.corpus || was.data.text_field != now.data.text_field {
             notes.push(format!(
@@ -778,8 +779,9 @@ impl Trainer {
         let mut line = format!("learning rate {now:.3e} at step {step}");
         // Rising, and only because the schedule changed: warmup rises by itself.
         let before = self
-            .saved_train
+            .saved
             .as_ref()
+            .map(|saved| &saved.train)
             .filter(|_| step > 0)
             .filter(|saved| now > learning_rate(step, saved) * 1.01)
             .map(|saved| learning_rate(step - 1, saved));
@@ -800,9 +802,10 @@ impl Trainer {
     /// holds, `train.sequences_per_step`: two ranks resumed as one process with twice
     /// the grad_accum train on as before, bit for bit.
     fn changed_settings(&self) -> serde_json::Map<String, serde_json::Value> {
-        let Some(saved) = &self.saved_train else {
+        let Some(saved_config) = &self.saved else {
             return serde_json::Map::new();
         };
+        let saved = &saved_config.train;
         // A checkpoint from before sequences_per_step was kept (0) shows the keys.
         let split = ["batch_size", "grad_accum"];
         let before_sequences = self.state.sequences_per_step;
@@ -827,15 +830,15 @@ impl Trainer {
         }
         // What the run trains on, as the resume's notes name it: config.toml keeps
         // only the corpus of the last resume.
-        if let Ok(was) = self.run.load_config(&self.state) {
-            let now = &self.config;
+        {
+            let (was, now) = (saved_config, &self.config);
             let corpus = |c: &Config| c.data.corpus.display().to_string();
             let mut now_corpus = corpus(now);
-            if self.corpus_edited(&was) {
+            if self.corpus_edited(was) {
                 now_corpus.push_str(" (edited)");
             }
             let pairs = [
-                ("data.corpus", corpus(&was), now_corpus),
+                ("data.corpus", corpus(was), now_corpus),
                 (
                     "data.text_field",
                     was.data.text_field.clone(),
@@ -1083,7 +1086,7 @@ fn prepare(config: Config, start: &Start, stop: &Stop, comm: &dyn Collective) ->
         tokenizer: origin.tokenizer,
         state,
         weights: origin.weights,
-        saved_train: origin.saved_train,
+        saved: origin.saved,
         split,
         device,
         device_choice,

@@ -9,7 +9,7 @@ use anyhow::Result;
 use candle_core::Device;
 
 use crate::checkpoint::{Loaded, RunDir, TrainState, CONFIG_FILE, MODEL_FILE, STATE_FILE};
-use crate::config::{Config, ModelConfig, PositionKind, TokenizerKind, TrainConfig};
+use crate::config::{Config, ModelConfig, PositionKind, TokenizerKind};
 use crate::corpus::cache::CorpusCache;
 use crate::corpus::Corpus;
 use crate::model::params::weights_from_file;
@@ -46,9 +46,9 @@ pub struct Origin {
     /// run, the other checkpoint's for fine-tuning; `None` for a new run (the seed's,
     /// drawn once the model is known to fit in memory).
     pub weights: Option<Vec<f32>>,
-    /// A resumed run's training settings as its checkpoint saved them (the schedule
-    /// its last steps followed).
-    pub saved_train: Option<TrainConfig>,
+    /// A resumed run's config as its checkpoint saved it (the schedule its last steps
+    /// followed, the data it trained on).
+    pub saved: Option<Config>,
 }
 
 /// Resolves `start` for the run folder `run`, whose corpus is `corpus`.
@@ -100,11 +100,11 @@ fn resume(mut config: Config, run: &RunDir) -> Result<Origin> {
     }
     // A fine-tuning run's model came from the --init-from checkpoint, not from the
     // user's [model] section.
-    if saved.train.init_from.is_none() && wanted != saved.model {
+    if saved.train.init_from.is_none() && wanted.resolved() != saved.model.resolved() {
         user_bail!(
             "--resume: the [model] section differs from the checkpoint's ({}): {}; resume with the checkpoint's settings, or start a new run under another run.name",
             run.path().join(CONFIG_FILE).display(),
-            model_differences(&wanted, &saved.model).join(", ")
+            model_differences(&wanted.resolved(), &saved.model.resolved()).join(", ")
         );
     }
     // Finished: trained to train.max_iters (or past it) and evaluated there. (A stop in
@@ -118,10 +118,9 @@ fn resume(mut config: Config, run: &RunDir) -> Result<Origin> {
             (state.step * 2).max(state.step + 1)
         );
     }
-    let saved_train = Some(saved.train.clone());
-    config.model = saved.model;
-    config.tokenizer = saved.tokenizer;
-    config.train.init_from = saved.train.init_from;
+    config.model = saved.model.clone();
+    config.tokenizer = saved.tokenizer.clone();
+    config.train.init_from = saved.train.init_from.clone();
     let tensors = run.load_tensors(&state, MODEL_FILE, &Device::Cpu)?;
     let source = run.file(MODEL_FILE).display().to_string();
     let spec = ModelSpec::new(&config.model);
@@ -130,7 +129,7 @@ fn resume(mut config: Config, run: &RunDir) -> Result<Origin> {
         tokenizer: run.load_tokenizer(&state)?,
         config,
         state,
-        saved_train,
+        saved: Some(saved),
     })
 }
 
@@ -173,7 +172,7 @@ fn init_from(mut config: Config, dir: &Path, context: Option<usize>) -> Result<O
         weights: Some(weights),
         tokenizer: loaded.tokenizer,
         state: TrainState::default(),
-        saved_train: None,
+        saved: None,
     })
 }
 
@@ -248,6 +247,6 @@ fn fresh(mut config: Config, corpus: &Corpus, cache: &CorpusCache, stop: &Stop) 
         tokenizer,
         state: TrainState::default(),
         weights: None,
-        saved_train: None,
+        saved: None,
     })
 }
