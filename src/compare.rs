@@ -23,7 +23,8 @@ const NOT_SETTINGS: [&str; 2] = ["run.name", "run.out_dir"];
 #[derive(Debug, Clone)]
 pub struct Run {
     pub dir: PathBuf,
-    /// Every setting as `section.key` -> value, from config.toml (empty if none yet).
+    /// Every setting as `section.key` -> value, from config.toml (empty if none yet),
+    /// and [`RANKS`] from state.json.
     pub settings: BTreeMap<String, String>,
     pub parameters: Option<usize>,
     pub tokens_per_step: Option<usize>,
@@ -69,6 +70,15 @@ fn sequences_per_step(dir: &Path) -> Option<usize> {
         .map(|n| n as usize)
 }
 
+/// The pseudo-setting a run's row shows its process count by (`ranks=2`).
+pub const RANKS: &str = "run.ranks";
+
+/// Processes that trained the run's last steps, as its state.json records them (one in
+/// a checkpoint from before it was kept).
+pub fn ranks_in(state: &serde_json::Value) -> usize {
+    state["ranks"].as_u64().map_or(1, |n| n.max(1) as usize)
+}
+
 /// The run's state.json as JSON, if it has a readable one.
 fn saved_state(dir: &Path) -> Option<serde_json::Value> {
     let text = std::fs::read_to_string(dir.join(crate::checkpoint::STATE_FILE)).ok()?;
@@ -112,8 +122,15 @@ impl Run {
                     Some(sequences) => sequences * block,
                     None => config.train.tokens_per_step(block),
                 };
+                let mut settings = flatten(&config);
+                // How many processes trained it is not in config.toml (the launcher
+                // chose it), yet two runs differing only in it are an experiment: a
+                // step of 2 ranks is twice the batch.
+                if let Some(ranks) = saved_state(dir).as_ref().map(ranks_in) {
+                    settings.insert(RANKS.to_string(), ranks.to_string());
+                }
                 (
-                    flatten(&config),
+                    settings,
                     Some(ModelSpec::new(&config.model).len()),
                     Some(tokens),
                 )

@@ -260,6 +260,19 @@ fn two_ranks_train_bit_for_bit_as_one_process_with_grad_accum_2() {
         serde_json::from_str(&std::fs::read_to_string(two.join("state.json")).unwrap()).unwrap();
     assert_eq!(state["ranks"], 2);
     assert_eq!(state["sequences_per_step"], 8);
+
+    // `compare` names the process count among what differs, as a setting would be:
+    // the two runs' configs differ only in grad_accum.
+    let out = succeed(
+        Command::new(BIN)
+            .args(["compare", "--json"])
+            .arg(&one)
+            .arg(&two),
+    );
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let differs = |i: usize| rows[i]["differs"].clone();
+    assert_eq!(differs(0), serde_json::json!(["ranks=1", "grad_accum=2"]));
+    assert_eq!(differs(1), serde_json::json!(["ranks=2", "grad_accum=1"]));
 }
 
 #[cfg(feature = "mpi")]

@@ -929,6 +929,34 @@ fn the_dashboard_reads_runs_as_they_grow() {
         differs.contains(&Value::from("resumed at 100: max_iters 40->80")),
         "{body}"
     );
+    // A copy whose state.json says two ranks trained it (as a data-parallel run's does:
+    // tests/parallel.rs makes one): the process count differs, as in `tinygpt compare`.
+    let wide = dir.path().join("checkpoints/wide");
+    std::fs::create_dir(&wide).unwrap();
+    for file in ["config.toml", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(
+            dir.path().join("checkpoints/exp").join(file),
+            wide.join(file),
+        )
+        .unwrap();
+    }
+    let state = std::fs::read_to_string(dir.path().join("checkpoints/exp/state.json")).unwrap();
+    let mut state: Value = serde_json::from_str(&state).unwrap();
+    state["ranks"] = 2.into();
+    std::fs::write(wide.join("state.json"), state.to_string()).unwrap();
+    let (_, body) = get(&server.url("/api/runs"), &[]);
+    let listed: Value = serde_json::from_str(&body).unwrap();
+    let row = |name: &str| {
+        listed["runs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["run"] == name)
+            .unwrap_or_else(|| panic!("{name} listed: {body}"))
+            .clone()
+    };
+    assert_eq!(row("wide")["differs"][0], "ranks=2", "{body}");
+    assert_eq!(row("exp")["differs"][0], "ranks=1", "{body}");
     // The file replaced by another (as `mv` or rsync does), longer than the offset the
     // page holds: read from the start, and said so.
     let file_id = mixed["file"].as_str().unwrap().to_string();

@@ -347,7 +347,25 @@ fn read_settings(
     let config =
         crate::config::Config::from_run_toml(&text).map_err(|e| format!("{CONFIG_FILE}: {e:#}"))?;
     let parameters = crate::model::ModelSpec::new(&config.model).len();
-    Ok((compare::flatten(&config), Some(parameters)))
+    let mut settings = compare::flatten(&config);
+    // As `compare`: the process count is state.json's, a setting of its own.
+    if let Some(state) = read_state(dir, real) {
+        settings.insert(
+            compare::RANKS.to_string(),
+            compare::ranks_in(&state).to_string(),
+        );
+    }
+    Ok((settings, Some(parameters)))
+}
+
+/// The run's state.json, where it is a readable file within --runs (a bounded read).
+fn read_state(dir: &Path, real: &Path) -> Option<Value> {
+    let path = within(real, &dir.join(STATE_FILE)).filter(|p| p.is_file())?;
+    let mut text = String::new();
+    File::open(&path)
+        .and_then(|f| f.take(CONFIG_MAX).read_to_string(&mut text))
+        .ok()?;
+    serde_json::from_str(&text).ok()
 }
 
 /// `GET /api/runs`: each run's row of `tinygpt compare` (what differs, steps, best
