@@ -23,7 +23,7 @@ use crate::data::Batch;
 use crate::engine;
 use crate::generate::sample::{Sampler, SamplingParams};
 use crate::generate::{DecodeMode, Decoder};
-use crate::model::params::flat_from_named;
+use crate::model::named::flat_from_named;
 use crate::model::{Dropout, Gpt, ModelSpec};
 use crate::optim::AdamWStep;
 use crate::profile::{self, Phase, Profile, Profiled};

@@ -645,7 +645,7 @@ impl Loaded {
         let file = format!("{source}/{MODEL_FILE}");
         let tensors = parse_tensors(weights, &Device::Cpu, &file)?;
         let spec = crate::model::ModelSpec::new(m);
-        let values = crate::model::params::weights_from_file(spec.params(), &tensors, &file)?;
+        let values = crate::model::named::weights_from_file(spec.params(), &tensors, &file)?;
         let dtype = candle_core::DType::F32;
         let model = crate::model::Gpt::from_flat(&spec, &values, device, dtype, products)?;
         Ok((config, tokenizer, model))

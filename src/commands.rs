@@ -12,7 +12,7 @@ use tinygpt::device::{first_cuda, Choice};
 use tinygpt::device::{is_auto, parse_device};
 use tinygpt::engine::race::{fastest_device, Work};
 use tinygpt::error::user_error;
-use tinygpt::generate::choose::fastest_decoder;
+use tinygpt::generate::race::fastest_decoder;
 use tinygpt::generate::sample::{Sampler, SamplingParams};
 use tinygpt::generate::{generate as sample_text, unescape, DecodeMode, GenerateOptions, Model};
 use tinygpt::mapped::{open_for_decoding, ForDecoding, Hold};

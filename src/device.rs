@@ -259,7 +259,7 @@ mod tests {
         let options = EngineOptions::f32(2, true);
         let training =
             crate::engine::race::fastest_device(&spec, options, Work::Training, |_| true).unwrap();
-        let decoding = crate::generate::choose::fastest_decoder(
+        let decoding = crate::generate::race::fastest_decoder(
             &spec,
             &spec.initial_values(1),
             1,

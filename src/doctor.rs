@@ -26,7 +26,7 @@ use crate::config::{ModelConfig, PositionKind, Precision, TrainConfig};
 use crate::cpu::isa::{self, Isa};
 use crate::data::Batch;
 use crate::engine::{self, Engine, EngineOptions};
-use crate::model::params::NamedTensors;
+use crate::model::named::NamedTensors;
 use crate::model::ModelSpec;
 use crate::optim::AdamWStep;
 

@@ -1,6 +1,7 @@
 //! The optimiser, defined once for every engine: AdamW with decoupled weight decay on
-//! matrices only (nanoGPT's grouping: decay on gains and biases would fight the
-//! normalisation), and global-norm gradient clipping. Each engine applies these numbers
+//! the tensors of two or more dimensions only, the embeddings included (nanoGPT's
+//! grouping: norm gains would be pulled toward 0 rather than their start at 1, and a
+//! bias has nothing to regularise), and global-norm gradient clipping. Each engine applies these numbers
 //! to its own buffers.
 
 use crate::config::TrainConfig;

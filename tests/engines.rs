@@ -12,7 +12,7 @@ use candle_core::{Device, Tensor};
 use tinygpt::config::{MlpKind, ModelConfig, NormKind, PositionKind, Precision, TrainConfig};
 use tinygpt::data::Batch;
 use tinygpt::engine::{self, Engine, EngineOptions};
-use tinygpt::model::params::NamedTensors;
+use tinygpt::model::named::NamedTensors;
 use tinygpt::model::{Dropout, ModelSpec};
 use tinygpt::optim::AdamWStep;
 

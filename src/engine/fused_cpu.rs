@@ -11,7 +11,7 @@ use super::interface::{check_batch, moments_by_name, moments_from_names, Engine,
 use crate::config::Precision;
 use crate::cpu::FusedCpu;
 use crate::data::Batch;
-use crate::model::params::{flat_from_named, named_from_flat, NamedTensors};
+use crate::model::named::{flat_from_named, named_from_flat, weights_from_file, NamedTensors};
 use crate::model::{Dropout, ModelSpec};
 use crate::optim::{clip_scale, norm_of_partials, AdamWStep};
 use crate::parallel::{Collective, Shards, Single};
@@ -204,7 +204,7 @@ impl Engine for FusedCpuEngine {
     }
 
     fn load_weights(&mut self, tensors: &NamedTensors, source: &str) -> Result<()> {
-        let flat = flat_from_named(self.spec().params(), tensors, "", source)?;
+        let flat = weights_from_file(self.spec().params(), tensors, source)?;
         self.kernels.set_weights(&flat);
         Ok(())
     }

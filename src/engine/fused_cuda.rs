@@ -7,7 +7,7 @@ use super::interface::{check_batch, moments_by_name, moments_from_names, Engine}
 use crate::config::Math;
 use crate::cuda::{Attention, FusedCuda};
 use crate::data::Batch;
-use crate::model::params::{flat_from_named, named_from_flat, NamedTensors};
+use crate::model::named::{flat_from_named, named_from_flat, weights_from_file, NamedTensors};
 use crate::model::{Dropout, ModelSpec};
 use crate::optim::AdamWStep;
 use crate::profile::Profiled;
@@ -122,7 +122,7 @@ impl Engine for FusedCuda {
     }
 
     fn load_weights(&mut self, tensors: &NamedTensors, source: &str) -> Result<()> {
-        let flat = flat_from_named(self.spec().params(), tensors, "", source)?;
+        let flat = weights_from_file(self.spec().params(), tensors, source)?;
         self.set_weights(&flat)
     }
 

@@ -5,7 +5,7 @@ use anyhow::Result;
 
 use crate::config::Precision;
 use crate::data::Batch;
-use crate::model::params::{flat_from_named, named_from_flat, NamedTensors};
+use crate::model::named::{flat_from_named, named_from_flat, NamedTensors};
 use crate::model::spec::Param;
 use crate::model::{Dropout, ModelSpec};
 use crate::optim::AdamWStep;
@@ -85,7 +85,8 @@ pub trait Engine {
     /// A copy of the weights by tensor name (as `model.safetensors` holds them).
     fn weights(&self) -> Result<NamedTensors>;
 
-    /// Replaces the weights; `source` names the file in errors.
+    /// Replaces the weights, which must be exactly the model's tensors (a missing, extra
+    /// or mis-shaped one is refused); `source` names the file in errors.
     fn load_weights(&mut self, tensors: &NamedTensors, source: &str) -> Result<()>;
 
     /// AdamW's moments by name (`<param>.exp_avg`, `<param>.exp_avg_sq`), zeros before

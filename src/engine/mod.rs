@@ -5,7 +5,9 @@
 //! model of `crate::model` with candle's autograd, on any device; the oracle in tests),
 //! [`crate::cpu::FusedCpu`] (our kernels over flat buffers) and, built with the `cuda`
 //! feature, `crate::cuda::FusedCuda` (our CUDA kernels and cuBLAS over flat device
-//! buffers). [`build`] chooses one; a new engine is an `impl Engine` and one arm there.
+//! buffers). [`footprint`] names the engine for a device and the options;
+//! [`build_replica`] builds it (with the first-use fallbacks). A new engine is an
+//! `impl Engine` and an arm in each.
 //!
 //! An engine holds no random state: dropout masks are a function of (seed, step,
 //! micro-batch), passed in with each forward, and batches are drawn by the trainer.
@@ -33,7 +35,9 @@ use reference::ReferenceEngine;
 /// The engine for the model `spec` on `device`, starting from `weights` (a flat buffer
 /// in table order: `spec.initial_values(seed)`, or a checkpoint's): the fused engine
 /// of the CPU or of CUDA unless `options.fused` is off, the reference engine
-/// everywhere else.
+/// everywhere else. Where a GPU's first-use check fails, the reference engine trains
+/// instead (CUDA) or the fused CPU engine (Metal): a wrong GPU costs speed, not a
+/// wrong model.
 pub fn build(
     spec: &ModelSpec,
     weights: &[f32],

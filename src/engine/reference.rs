@@ -8,7 +8,8 @@ use candle_core::{DType, Device, Tensor};
 use super::interface::{check_batch, Engine, EngineOptions, Readings, MOMENT_SUFFIXES};
 use crate::config::Precision;
 use crate::data::Batch;
-use crate::model::params::{flat_from_named, named_from_flat, NamedTensors, Params};
+use crate::model::named::{flat_from_named, named_from_flat, NamedTensors};
+use crate::model::Params;
 use crate::model::{position_losses, Dropout, Gpt, ModelSpec};
 use crate::optim::{clip_scale, AdamWStep};
 
@@ -49,7 +50,7 @@ impl ReferenceEngine {
         }
         let model = Gpt::from_flat(spec, weights, device, DType::F32, options.precision)?;
         Ok(Self {
-            grads: vec![None; model.params().len()],
+            grads: vec![None; model.params().tensor_count()],
             model,
             sequences: options.batch,
             precision: options.precision,
@@ -207,12 +208,10 @@ impl Engine for ReferenceEngine {
         let flat = flat_from_named(table, grads, "", source)?;
         self.grads = self
             .params()
-            .iter()
-            .map(|(p, var)| {
-                let t = Tensor::from_slice(&flat[p.range()], p.shape.as_slice(), var.device())?;
-                Ok(Some(t.to_dtype(var.dtype())?))
-            })
-            .collect::<Result<_>>()?;
+            .tensors_from_flat(&flat)?
+            .into_iter()
+            .map(Some)
+            .collect();
         Ok(())
     }
 
@@ -255,9 +254,10 @@ impl Engine for ReferenceEngine {
             }
         };
         let mut out = NamedTensors::new();
-        for (((p, _), m), v) in self.params().iter().zip(ms).zip(vs) {
-            out.insert(format!("{}{}", p.name, MOMENT_SUFFIXES[0]), m.clone());
-            out.insert(format!("{}{}", p.name, MOMENT_SUFFIXES[1]), v.clone());
+        for (suffix, moment) in MOMENT_SUFFIXES.iter().zip([ms, vs]) {
+            for ((p, _), t) in self.params().iter().zip(moment) {
+                out.insert(format!("{}{suffix}", p.name), t.clone());
+            }
         }
         Ok(out)
     }
@@ -266,13 +266,7 @@ impl Engine for ReferenceEngine {
         let table = self.model.spec().params();
         let on_device = |suffix| -> Result<Vec<Tensor>> {
             let flat = flat_from_named(table, tensors, suffix, source)?;
-            self.params()
-                .iter()
-                .map(|(p, var)| {
-                    let t = Tensor::from_slice(&flat[p.range()], p.shape.as_slice(), var.device())?;
-                    Ok(t.to_dtype(var.dtype())?)
-                })
-                .collect()
+            self.params().tensors_from_flat(&flat)
         };
         self.moments = Some((
             on_device(MOMENT_SUFFIXES[0])?,

@@ -4,9 +4,9 @@
 //! benchmarking) the reference model over the whole window every step.
 //!
 //! The context window: the model was trained on at most `block_size` positions, and it
-//! is never asked about later ones. When the window is full it slides: the last half
-//! of the tokens become the new window and are prefilled again (positions restart at
-//! 0). This holds for every position kind (learned tables end at block_size; RoPE and
+//! is never asked about later ones. When the window is full it slides: the last
+//! block_size / 2 tokens and the new one become the window and are prefilled again
+//! (positions restart at 0). This holds for every position kind (learned tables end at block_size; RoPE and
 //! sinusoidal positions past it were never trained). All modes see identical contexts.
 //!
 //! The next tokens are drawn where the logits are: on the host by each sequence's
@@ -19,7 +19,7 @@ use rayon::prelude::*;
 
 use super::sample::Sampler;
 use crate::cpu::{DecodeWeights, FastDecoder, KvPrecision, WeightFormat};
-use crate::model::{Gpt, KvCache};
+use crate::model::{Gpt, TensorKvCache};
 use crate::user_bail;
 use std::sync::Arc;
 
@@ -39,7 +39,7 @@ enum Backend<'m> {
     Fast(Box<FastDecoder>),
     #[cfg(feature = "cuda")]
     Cuda(Box<crate::cuda::CudaDecoder>),
-    Cached(KvCache, &'m Gpt),
+    Cached(TensorKvCache, &'m Gpt),
     Uncached(&'m Gpt),
 }
 
@@ -55,7 +55,8 @@ pub struct Decoder<'m> {
     windows: Vec<Vec<u32>>,
     /// The next logits (batch, V), on the host (the CUDA decoder's once asked for).
     logits: Vec<f32>,
-    /// A copy of them the samplers change (penalty, masking, temperature).
+    /// A copy of them that `draw` masks past the tokenizer's ids and each sampler
+    /// penalises in place.
     scratch: Vec<f32>,
     /// The samplers' uniform draws, for the CUDA decoder to draw with.
     #[cfg(feature = "cuda")]
@@ -69,8 +70,8 @@ impl<'m> Decoder<'m> {
     }
 
     /// [`Decoder::new`], the fused CPU decoder holding its weights as `format` says
-    /// (eight bits decode on the CPU only; elsewhere bf16 is the model's own products'
-    /// precision, `Gpt::products`).
+    /// (int8 and int4 weights decode on the CPU only; elsewhere bf16 is the model's own
+    /// products' precision, `Gpt::products`).
     pub fn with_format(
         model: &'m Gpt,
         batch: usize,
@@ -110,7 +111,7 @@ impl<'m> Decoder<'m> {
                 Backend::Fast(Box::new(decoder))
             }
             DecodeMode::Fast | DecodeMode::Cached => {
-                Backend::Cached(KvCache::new(model.config().n_layer), model)
+                Backend::Cached(TensorKvCache::new(model.config().n_layer), model)
             }
             DecodeMode::Uncached => Backend::Uncached(model),
         };

@@ -4,10 +4,11 @@
 //! Several samples decode together as one batch; each has its own seeded sampler, so
 //! sample i is the same text whatever the number of samples. Read `decoder` (how the
 //! next logits are computed), `sample` (how a token is chosen from them) and `stop`
-//! (stop strings), then `generate` below.
+//! (stop strings), then `generate` below; `race` times the CPU against a GPU for
+//! `--device auto`.
 
-pub mod choose;
 pub mod decoder;
+pub mod race;
 pub mod sample;
 pub mod stop;
 

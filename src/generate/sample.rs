@@ -1,9 +1,12 @@
 //! Choosing the next token from the model's logits.
 //!
-//! In order: repetition penalty (CTRL's: tokens already in the context get their logit
-//! divided by the penalty if positive, multiplied if negative), temperature (0 = greedy
-//! argmax), top-k (keep the k most likely), top-p / nucleus (keep the smallest set whose
-//! probability reaches p), then one draw from a seeded RNG.
+//! In order: repetition penalty (CTRL's, with Hugging Face's sign rule so that a token
+//! already in the context always becomes less likely: its logit is divided by the
+//! penalty if positive, multiplied if negative), temperature (0 = greedy argmax), then
+//! top-k (keep the k most likely) and top-p / nucleus (keep the smallest set whose
+//! probability reaches p), both measured on the whole softmax: the set kept is the
+//! smaller of the two (Hugging Face renormalises after top-k, so its top-p keeps fewer);
+//! then one draw from a seeded RNG.
 //!
 //! Nothing sorts the whole vocabulary: with neither top-k nor top-p the draw walks the
 //! tokens in id order over unnormalised weights, and otherwise only the most likely
@@ -112,8 +115,9 @@ impl Sampler {
         }
     }
 
-    /// Picks the next token. `logits` is modified (penalty and temperature applied);
-    /// `context` is the tokens the repetition penalty looks at.
+    /// Picks the next token. `logits` is modified: the repetition penalty is applied in
+    /// place (temperature only scales the weights drawn from); `context` is the tokens
+    /// the repetition penalty looks at.
     pub fn sample(&mut self, logits: &mut [f32], context: &[u32]) -> u32 {
         let u = self.next_uniform(logits.len());
         self.sample_with(logits, context, u)
@@ -225,7 +229,8 @@ fn most_likely(a: &(f32, u32), b: &(f32, u32)) -> std::cmp::Ordering {
 /// Sorts the candidates' most likely prefix (in `most_likely` order) as far as top-k
 /// (`limit`) and top-p need, and says how many they keep: the same as sorting them all
 /// and taking `nucleus_size`, without sorting the whole vocabulary. The prefix grows
-/// from 64 by fours until it holds the nucleus; selecting each is linear.
+/// fourfold from 64 (64, 256, 1024, ...) until it holds the nucleus; selecting each is
+/// linear.
 fn most_likely_prefix(candidates: &mut [(f32, u32)], limit: usize, top_p: f64) -> usize {
     let mut sorted = if top_p < 1.0 { limit.min(64) } else { limit };
     loop {

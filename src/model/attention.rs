@@ -9,6 +9,7 @@ use anyhow::Result;
 use candle_core::{Device, Tensor, D};
 
 use super::dropout::{Dropout, Site};
+use super::kv_cache::TensorKvCache;
 use super::linear::{product, Linear};
 use super::pass::{Parts, Pass};
 use super::position::Rope;
@@ -63,52 +64,6 @@ pub fn causal_mask(t: usize, s: usize, device: &Device) -> Result<Tensor> {
     Ok(Tensor::from_vec(mask, (t, s), device)?)
 }
 
-/// Keys and values of the tokens seen so far, per layer. Grouped K/V heads are stored
-/// once, before being shared across query heads.
-#[derive(Default)]
-pub struct KvCache {
-    layers: Vec<Option<(Tensor, Tensor)>>, // (B, H_kv, S, d) each
-}
-
-impl KvCache {
-    pub fn new(n_layer: usize) -> Self {
-        Self {
-            layers: vec![None; n_layer],
-        }
-    }
-
-    /// Number of cached positions.
-    pub fn len(&self) -> usize {
-        match self.layers.first() {
-            Some(Some((k, _))) => k.dim(2).unwrap_or(0),
-            _ => 0,
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Layer `i`'s keys and values, (B, H_kv, S, d) each.
-    pub fn layer(&self, i: usize) -> Option<&(Tensor, Tensor)> {
-        self.layers.get(i).and_then(|l| l.as_ref())
-    }
-
-    pub fn clear(&mut self) {
-        self.layers.iter_mut().for_each(|l| *l = None);
-    }
-
-    /// Appends this step's k, v for `layer` and returns all of them.
-    fn extend(&mut self, layer: usize, k: Tensor, v: Tensor) -> Result<(Tensor, Tensor)> {
-        let (k, v) = match self.layers[layer].take() {
-            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
-            None => (k, v),
-        };
-        self.layers[layer] = Some((k.clone(), v.clone()));
-        Ok((k, v))
-    }
-}
-
 pub struct CausalSelfAttention {
     layer: usize,
     /// Rotary positions, when the model has them.
@@ -144,7 +99,7 @@ impl CausalSelfAttention {
         &self,
         x: &Tensor,
         pass: Pass,
-        cache: Option<&mut KvCache>,
+        cache: Option<&mut TensorKvCache>,
     ) -> Result<(Tensor, Tensor)> {
         let (b, t, c) = x.dims3()?;
         let (h, h_kv, d) = (self.n_head, self.n_kv_head, self.head_dim);

@@ -6,8 +6,9 @@
 use anyhow::Result;
 use candle_core::Tensor;
 
-use super::attention::{CausalSelfAttention, KvCache};
+use super::attention::CausalSelfAttention;
 use super::dropout::{maybe_apply, Site};
+use super::kv_cache::TensorKvCache;
 use super::mlp::Mlp;
 use super::norm::Norm;
 use super::pass::{Parts, Pass};
@@ -39,7 +40,7 @@ impl Block {
         &self,
         x: &Tensor,
         pass: Pass,
-        cache: Option<&mut KvCache>,
+        cache: Option<&mut TensorKvCache>,
     ) -> Result<(Tensor, Tensor)> {
         let (l, dropout) = (self.layer, pass.dropout);
         let (attn, weights) = self.attn.forward(&self.ln_1.forward(x)?, pass, cache)?;

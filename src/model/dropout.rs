@@ -14,34 +14,6 @@
 use anyhow::Result;
 use candle_core::Tensor;
 
-/// Philox-4x32 with 10 rounds (Salmon, Moraes, Dror and Shaw, "Parallel random numbers:
-/// as easy as 1, 2, 3", SC'11): a bijection of the 128-bit `counter` under the 64-bit
-/// `key`.
-#[inline(always)]
-pub fn philox4x32_10(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
-    const M0: u64 = 0xD251_1F53;
-    const M1: u64 = 0xCD9E_8D57;
-    const W0: u32 = 0x9E37_79B9; // the golden ratio
-    const W1: u32 = 0xBB67_AE85; // sqrt(3) - 1
-    let [mut c0, mut c1, mut c2, mut c3] = counter;
-    let [mut k0, mut k1] = key;
-    for round in 0..10 {
-        if round > 0 {
-            k0 = k0.wrapping_add(W0);
-            k1 = k1.wrapping_add(W1);
-        }
-        let p0 = M0 * c0 as u64;
-        let p1 = M1 * c2 as u64;
-        (c0, c1, c2, c3) = (
-            (p1 >> 32) as u32 ^ c1 ^ k0,
-            p1 as u32,
-            (p0 >> 32) as u32 ^ c3 ^ k1,
-            p0 as u32,
-        );
-    }
-    [c0, c1, c2, c3]
-}
-
 /// Where in the model a mask applies, and so its shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Site {
@@ -100,8 +72,8 @@ impl Dropout {
         (self.p * 4_294_967_296.0) as u64
     }
 
-    /// The Philox key and the counter of `site` with its first word (the group of four
-    /// elements) left to fill in.
+    /// The counter of `site`, with its first word (the group of four elements) left to
+    /// fill in, and the Philox key.
     pub fn counter(&self, site: Site) -> ([u32; 4], [u32; 2]) {
         let counter = [0, site.code(), self.micro, self.step];
         (counter, [self.seed as u32, (self.seed >> 32) as u32])
@@ -142,6 +114,34 @@ pub fn maybe_apply(dropout: Option<&Dropout>, x: &Tensor, site: Site) -> Result<
         Some(d) => d.apply(x, site),
         None => Ok(x.clone()),
     }
+}
+
+/// Philox-4x32 with 10 rounds (Salmon, Moraes, Dror and Shaw, "Parallel random numbers:
+/// as easy as 1, 2, 3", SC'11): a bijection of the 128-bit `counter` under the 64-bit
+/// `key`.
+#[inline(always)]
+pub fn philox4x32_10(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
+    const M0: u64 = 0xD251_1F53;
+    const M1: u64 = 0xCD9E_8D57;
+    const W0: u32 = 0x9E37_79B9; // the golden ratio
+    const W1: u32 = 0xBB67_AE85; // sqrt(3) - 1
+    let [mut c0, mut c1, mut c2, mut c3] = counter;
+    let [mut k0, mut k1] = key;
+    for round in 0..10 {
+        if round > 0 {
+            k0 = k0.wrapping_add(W0);
+            k1 = k1.wrapping_add(W1);
+        }
+        let p0 = M0 * c0 as u64;
+        let p1 = M1 * c2 as u64;
+        (c0, c1, c2, c3) = (
+            (p1 >> 32) as u32 ^ c1 ^ k0,
+            p1 as u32,
+            (p0 >> 32) as u32 ^ c3 ^ k1,
+            p0 as u32,
+        );
+    }
+    [c0, c1, c2, c3]
 }
 
 #[cfg(test)]

@@ -2,16 +2,20 @@
 //! token embedding matrix (weight tying).
 //!
 //! Read in this order: `spec` (the shapes and the parameter table every engine reads),
-//! `params` (the table as candle variables), `linear`, `norm`, `position`, `attention`,
+//! `params` (the table as candle variables), `linear`, `norm`, `position`, `pass` (what
+//! each layer is built from and runs in), `dropout` (the masks), `attention` with `kv_cache`,
 //! `mlp`, `block`, then `Gpt` below: the reference engine's model, plain candle ops
 //! differentiated by candle's autograd. Shapes: B batch, T tokens, C width, V
-//! vocabulary, H heads, d = C / H head size.
+//! vocabulary, H heads, d = C / H head size; S the positions attended (cached plus
+//! new; S = T in training), H_kv the key/value heads (H_kv = H without grouping).
 
 pub mod attention;
 pub mod block;
 pub mod dropout;
+pub mod kv_cache;
 pub mod linear;
 pub mod mlp;
+pub mod named;
 pub mod norm;
 pub mod params;
 pub mod pass;
@@ -21,9 +25,9 @@ pub mod spec;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, D};
 
-pub use attention::KvCache;
 use block::Block;
 pub use dropout::{Dropout, Site};
+pub use kv_cache::TensorKvCache;
 use linear::product;
 use norm::Norm;
 pub use params::Params;
@@ -49,14 +53,13 @@ pub struct Gpt {
 pub struct Output {
     /// (B, T, V) next-token scores.
     pub logits: Tensor,
-    /// Per layer, the attention weights (B, H, T, S).
+    /// Per layer, the attention weights (B, H, T, S), before dropout.
     pub attention: Vec<Tensor>,
 }
 
 impl Gpt {
-    /// A freshly initialised model: weights N(0, 0.02), residual projections
-    /// N(0, 0.02 / sqrt(2 n_layer)) so the residual stream's variance does not grow
-    /// with depth, norms at 1, biases at 0. Same seed, same weights, on any device.
+    /// A freshly initialised model, from `ModelSpec::initial_values(seed)` (GPT-2's
+    /// scheme; see `ModelSpec::new`). Same seed, same weights, on any device.
     pub fn new(cfg: &ModelConfig, seed: u64, device: &Device) -> Result<Self> {
         Self::with_dtype(cfg, seed, device, DType::F32)
     }
@@ -147,7 +150,7 @@ impl Gpt {
         &self,
         idx: &Tensor,
         pos0: usize,
-        mut cache: Option<&mut KvCache>,
+        mut cache: Option<&mut TensorKvCache>,
         dropout: Option<&Dropout>,
     ) -> Result<Output> {
         let (b, t) = idx.dims2()?;

@@ -5,13 +5,11 @@
 //! drawn on the host) or from a checkpoint, and are then moved to the device: the same
 //! seed gives the same weights on every device and in every engine.
 
-use std::collections::HashMap;
-
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 
+use super::named::{weights_from_file, NamedTensors};
 use super::spec::{ModelSpec, Param, ParamId};
-use crate::user_bail;
 
 /// One variable per entry of the spec's table, in table order.
 pub struct Params {
@@ -29,13 +27,9 @@ impl Params {
         dtype: DType,
     ) -> Result<Self> {
         assert_eq!(values.len(), spec.len(), "a flat buffer of the whole table");
-        let vars = spec
-            .params()
+        let vars = tensors_from_flat(spec.params(), values, device, dtype)?
             .iter()
-            .map(|p| {
-                let t = Tensor::from_slice(&values[p.range()], p.shape.as_slice(), device)?;
-                Ok(Var::from_tensor(&t.to_dtype(dtype)?)?)
-            })
+            .map(|t| Ok(Var::from_tensor(t)?))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             table: spec.params().to_vec(),
@@ -57,22 +51,14 @@ impl Params {
         self.table.iter().zip(&self.vars)
     }
 
-    pub fn get(&self, name: &str) -> Option<&Var> {
-        self.iter().find(|(p, _)| p.name == name).map(|(_, v)| v)
-    }
-
-    /// Number of tensors.
-    pub fn len(&self) -> usize {
+    /// Number of tensors (not of scalars: that is the spec's `len`).
+    pub fn tensor_count(&self) -> usize {
         self.vars.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.vars.is_empty()
-    }
-
-    /// Total number of scalars.
-    pub fn count(&self) -> usize {
-        self.table.iter().map(Param::len).sum()
+    /// Total number of scalars: the length of the flat buffer.
+    pub fn scalar_count(&self) -> usize {
+        self.table.last().map_or(0, |p| p.offset + p.len())
     }
 
     /// The tensors by name, for saving.
@@ -85,7 +71,7 @@ impl Params {
     /// Every value as f32 on the host, in one buffer in table order (what the fused
     /// engines and the CPU decoder work on).
     pub fn to_flat(&self) -> Result<Vec<f32>> {
-        let mut flat = Vec::with_capacity(self.count());
+        let mut flat = Vec::with_capacity(self.scalar_count());
         for v in &self.vars {
             let t = v.as_tensor().to_dtype(DType::F32)?.flatten_all()?;
             flat.extend(t.to_vec1::<f32>()?);
@@ -97,14 +83,22 @@ impl Params {
     pub fn set_flat(&self, values: &[f32]) -> Result<()> {
         assert_eq!(
             values.len(),
-            self.count(),
+            self.scalar_count(),
             "a flat buffer of the whole table"
         );
-        for (p, var) in self.iter() {
-            let t = Tensor::from_slice(&values[p.range()], p.shape.as_slice(), var.device())?;
-            var.set(&t.to_dtype(var.dtype())?)?;
+        for (var, t) in self.vars.iter().zip(self.tensors_from_flat(values)?) {
+            var.set(&t)?;
         }
         Ok(())
+    }
+
+    /// A flat buffer in table order (weights, gradients or moments) as one tensor per
+    /// parameter, on the variables' device in their type.
+    pub fn tensors_from_flat(&self, flat: &[f32]) -> Result<Vec<Tensor>> {
+        let Some(first) = self.vars.first() else {
+            return Ok(Vec::new());
+        };
+        tensors_from_flat(&self.table, flat, first.device(), first.dtype())
     }
 
     /// Overwrites every variable from `tensors`, which must hold exactly these names
@@ -114,65 +108,18 @@ impl Params {
     }
 }
 
-/// The weights of `table` from a file's `tensors`, which must hold exactly these names
-/// with these shapes, as one flat buffer; `source` names the file in errors.
-pub fn weights_from_file(
+/// `flat`'s tensors of `table`, as `dtype` on `device`.
+fn tensors_from_flat(
     table: &[Param],
-    tensors: &NamedTensors,
-    source: &str,
-) -> Result<Vec<f32>> {
-    let flat = flat_from_named(table, tensors, "", source)?;
-    if let Some(extra) = tensors
-        .keys()
-        .find(|k| !table.iter().any(|p| &p.name == *k))
-    {
-        user_bail!(
-            "{source}: unexpected tensor {extra}; the file does not match this model's config"
-        );
-    }
-    Ok(flat)
-}
-
-/// Tensors by name, as safetensors files hold them.
-pub type NamedTensors = HashMap<String, Tensor>;
-
-/// The tensors of `table`, found in `tensors` as `<name><suffix>`, as one flat f32
-/// buffer in table order. A missing or mis-shaped tensor is an error naming it and
-/// `source` (the file).
-pub fn flat_from_named(
-    table: &[Param],
-    tensors: &NamedTensors,
-    suffix: &str,
-    source: &str,
-) -> Result<Vec<f32>> {
-    let mut flat = Vec::with_capacity(table.iter().map(Param::len).sum());
-    for p in table {
-        let name = format!("{}{suffix}", p.name);
-        let Some(t) = tensors.get(&name) else {
-            user_bail!(
-                "{source}: tensor {name} is missing; the file does not match this model's config"
-            );
-        };
-        if t.dims() != p.shape.as_slice() {
-            user_bail!(
-                "{source}: tensor {name} has shape {:?}, but the config needs {:?}",
-                t.dims(),
-                p.shape
-            );
-        }
-        flat.extend(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
-    }
-    Ok(flat)
-}
-
-/// The reverse of [`flat_from_named`]: `flat`'s tensors on the host, named
-/// `<name><suffix>`.
-pub fn named_from_flat(table: &[Param], flat: &[f32], suffix: &str) -> Result<NamedTensors> {
+    flat: &[f32],
+    device: &Device,
+    dtype: DType,
+) -> Result<Vec<Tensor>> {
     table
         .iter()
         .map(|p| {
-            let t = Tensor::from_slice(&flat[p.range()], p.shape.as_slice(), &Device::Cpu)?;
-            Ok((format!("{}{suffix}", p.name), t))
+            let t = Tensor::from_slice(&flat[p.range()], p.shape.as_slice(), device)?;
+            Ok(t.to_dtype(dtype)?)
         })
         .collect()
 }

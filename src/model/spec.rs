@@ -93,8 +93,10 @@ pub struct Param {
     pub name: String,
     pub shape: Vec<usize>,
     pub init: Init,
-    /// AdamW's weight decay applies: matrices yes; gains and biases no (decay would
-    /// fight the normalisation; nanoGPT's grouping).
+    /// AdamW's weight decay applies: every tensor of two or more dimensions, the
+    /// embeddings included (nanoGPT's grouping). Not to norm gains (decay pulls them
+    /// toward 0, not toward their start at 1) nor to biases (one number per channel:
+    /// decay regularises nothing there).
     pub decay: bool,
     /// Where it starts in a flat buffer holding every parameter in table order.
     pub offset: usize,
@@ -281,11 +283,6 @@ impl ModelSpec {
         (0..self.table.len()).map(ParamId)
     }
 
-    /// The parameter named `name`.
-    pub fn find(&self, name: &str) -> Option<ParamId> {
-        self.table.iter().position(|p| p.name == name).map(ParamId)
-    }
-
     /// Scalars in all parameters together: the length of the flat buffer.
     pub fn len(&self) -> usize {
         self.table.last().map_or(0, |p| p.offset + p.len())
@@ -299,14 +296,6 @@ impl ModelSpec {
     pub fn embedding_len(&self) -> usize {
         let wpe = self.wpe.map_or(0, |id| self[id].len());
         self[self.wte].len() + wpe
-    }
-
-    /// Block `layer`'s parameters as one range of the flat buffer (a block's tensors are
-    /// consecutive in the table).
-    pub fn block_range(&self, layer: usize) -> Range<usize> {
-        let b = &self.blocks[layer];
-        let last = b.mlp_proj.bias.unwrap_or(b.mlp_proj.weight);
-        self[b.ln_1.weight].offset..self[last].range().end
     }
 
     /// The same model with a context of `block_size` positions, and `values` (flat, in
@@ -475,11 +464,6 @@ mod tests {
             next += p.len();
         }
         assert_eq!(next, spec.len());
-        // A block is one run of the buffer, from ln_1 to the MLP's output bias.
-        let b = spec.blocks[1];
-        let range = spec.block_range(1);
-        assert_eq!(range.start, spec[b.ln_1.weight].offset);
-        assert_eq!(range.end, spec[b.mlp_proj.bias.unwrap()].range().end);
     }
 
     #[test]

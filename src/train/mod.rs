@@ -4,11 +4,12 @@
 //! The trainer holds an [`Engine`] and never asks which one: the engine computes, the
 //! trainer decides what to compute (batches, schedule, evaluation, checkpoints).
 
+mod prepare;
 mod report;
+mod resume;
 pub mod schedule;
 mod start;
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -16,17 +17,18 @@ use anyhow::Result;
 use candle_core::Device;
 use serde_json::json;
 
+pub use prepare::check_memory;
+use prepare::{lock_if_present, open_run_folder, prepare, shared_settings, Prepared};
 pub use report::{EvalLog, Measured, Reporter, RunInfo, Silent, StepLog, TrainSummary};
+use resume::restore;
 use schedule::learning_rate;
 pub use start::Start;
 
-use crate::checkpoint::{RunDir, TrainState, METRICS_FILE, OPTIMIZER_FILE};
+use crate::checkpoint::{RunDir, TrainState};
 use crate::config::{Config, TrainConfig};
 use crate::corpus::cache::CorpusCache;
-use crate::corpus::{token_files, Corpus};
 use crate::data::{Batch, BatchSampler, Split, Tokens};
-use crate::device::{self, parse_device};
-use crate::engine::race::Work;
+use crate::device;
 use crate::engine::{self, Engine, EngineOptions};
 use crate::error::{DivergedError, InterruptedError};
 use crate::lock::RunLock;
@@ -38,11 +40,12 @@ use crate::parallel::{agree, Collective, Single};
 use crate::plot;
 use crate::tokenizer::Tokenizer;
 use crate::user_bail;
-use crate::util::{sha256_hex, Stop, Stopped};
+use crate::util::{Stop, Stopped};
 
 /// RNG streams drawn from the run's seed; separate so that evaluation never shifts
 /// the training batches and resume can restore each one. (Dropout needs no stream: its
-/// masks are a function of the step.)
+/// masks are a function of the step. Stream 2 drew them before they were; the others
+/// keep their numbers so that existing runs' batches do not move.)
 const STREAM_TRAIN_BATCHES: u64 = 1;
 const STREAM_EVAL_TRAIN: u64 = 3;
 const STREAM_EVAL_VAL: u64 = 4;
@@ -84,64 +87,6 @@ pub struct Trainer {
     /// What training says of its data before it starts: a corpus folder's files not
     /// read, tokens the tokenizer could not spell.
     data_notes: Vec<String>,
-}
-
-/// What rank 0 prepares before the others start: the config resolved, the data split,
-/// and (rank 0 only) the run folder locked.
-struct Prepared {
-    config: Config,
-    tokenizer: Tokenizer,
-    state: TrainState,
-    weights: Option<Vec<f32>>,
-    split: Split,
-    device: Device,
-    device_choice: Option<String>,
-    lock: Option<RunLock>,
-    /// The corpus cache the run reads (none for token files).
-    cache: Option<CorpusCache>,
-    /// The corpus's fingerprint, as [`TrainState::corpus_fingerprint`] keeps it.
-    corpus_fingerprint: String,
-    /// What training says of its data before it starts.
-    data_notes: Vec<String>,
-    /// A resumed run's config as saved.
-    saved: Option<Config>,
-}
-
-impl Prepared {
-    /// What the data every rank reads must agree on: the resolved config (the
-    /// vocabulary filled in), the tokenizer, and the tokens (counts and a hash of each
-    /// split's ends: a whole-corpus hash would cost a pass over it).
-    /// Infallible: every rank must reach the comparison's collectives.
-    fn data_summary(&self) -> BTreeMap<String, String> {
-        let mut summary = shared_settings(&self.config);
-        let tokenizer = self
-            .tokenizer
-            .to_json()
-            .unwrap_or_else(|e| format!("unwritable: {e}"));
-        summary.insert("tokenizer".into(), sha256_hex(tokenizer.as_bytes()));
-        for (name, tokens) in [("train", &self.split.train), ("val", &self.split.val)] {
-            // The first and last 4,096 tokens (all of a shorter split, once).
-            let n = tokens.len();
-            let head = n.min(4096);
-            let tail = n.saturating_sub(4096).max(head);
-            let mut ends = vec![0u32; head + (n - tail)];
-            tokens.copy_range(0, &mut ends[..head]);
-            tokens.copy_range(tail, &mut ends[head..]);
-            let bytes: Vec<u8> = ends.iter().flat_map(|id| id.to_le_bytes()).collect();
-            summary.insert(format!("{name} tokens"), n.to_string());
-            summary.insert(format!("{name} tokens' ends"), sha256_hex(&bytes));
-        }
-        summary
-    }
-}
-
-/// The settings every rank must share: all but where each finds its device and its
-/// corpus cache (`--device cuda:$LOCAL_RANK`, a cache on each node's own disk).
-fn shared_settings(config: &Config) -> BTreeMap<String, String> {
-    let mut settings = crate::compare::flatten(config);
-    settings.remove("run.device");
-    settings.remove("data.cache_dir");
-    settings
 }
 
 /// Steps trained since the trainer last read the engine's loss: reading waits for a
@@ -576,117 +521,12 @@ impl Trainer {
         Ok(())
     }
 
-    /// What a resume changed of the data and the random streams, each a note: these
-    /// are allowed (fine-tuning on more text is a resume), but the curve after them is
-    /// not the one the run was on, and its validation loss may measure other text.
-    /// Whether the corpus at the checkpoint's path holds other text than it trained on
-    /// (edited in place, or replaced).
-    fn corpus_edited(&self, was: &Config) -> bool {
-        let kind = |f: &str| f.split(':').next().unwrap_or("").to_string();
-        self.state.corpus_fingerprint.as_ref().is_some_and(|saved| {
-            was.data.corpus == self.config.data.corpus
-                && kind(saved) == kind(&self.corpus_fingerprint)
-                && *saved != self.corpus_fingerprint
-        })
-    }
-
-    fn changed_data_notes(&self) -> Vec<String> {
-        let Some(was) = &self.saved else {
-            return Vec::new();
-        };
-        let now = &self.config;
-        let mut notes = Vec::new();
-        if was.data.corpus != now.data.corpus || was.data.text_field != now.data.text_field {
-            notes.push(format!(
-                "note: the corpus is not the checkpoint's (data.corpus = {:?}, it trained on {:?}): the loss curve goes on over other text",
-                now.data.corpus.display().to_string(),
-                was.data.corpus.display().to_string()
-            ));
-        }
-        if self.corpus_edited(was) {
-            notes.push(format!(
-                "note: corpus {} changed since the checkpoint was written (edited or replaced): training goes on over its new text, and the train/val split is drawn from it",
-                now.data.corpus.display()
-            ));
-        }
-        if was.data.val_fraction != now.data.val_fraction {
-            notes.push(format!(
-                "note: data.val_fraction is {} (the checkpoint's {}): the split moved, so validation now holds text the model trained on, or training text it was tested on",
-                now.data.val_fraction, was.data.val_fraction
-            ));
-        }
-        if was.run.seed != now.run.seed {
-            notes.push(format!(
-                "note: run.seed is {} (the checkpoint's {}): batches and dropout follow another stream from here, so the run is not the one it would have been",
-                now.run.seed, was.run.seed
-            ));
-        }
-        notes
-    }
-
     /// Trains to `max_iters`: eval at every `eval_interval` (and at the end), metrics
     /// every `log_interval`, checkpoint every `checkpoint_interval` and at the end.
     pub fn run(&mut self, reporter: &mut dyn Reporter) -> Result<TrainSummary> {
         let cfg = self.config.train.clone();
-        reporter.started(&self.info());
-        for note in &self.data_notes {
-            reporter.note(note);
-        }
-        let (start, end) = (self.state.step, cfg.max_iters);
-        if cfg.warmup_iters > end && start < end && cfg.lr > 0.0 {
-            // The rate still rising when training ends: the loss barely moves, and
-            // nothing else would say why.
-            reporter.note(&format!(
-                "note: train.warmup_iters = {} is longer than the run (train.max_iters = {end}): the learning rate reaches {:.1e}, {} of train.lr; lower warmup_iters for a short run",
-                cfg.warmup_iters,
-                learning_rate(end - 1, &cfg),
-                match 100.0 * learning_rate(end - 1, &cfg) / cfg.lr {
-                    share if share < 1.0 => format!("{share:.2}%"),
-                    share => format!("{share:.0}%"),
-                }
-            ));
-        }
-        if !self.resumed {
-            // Said before the run, not after it: only training anew changes this.
-            if let Err(e) = crate::interop::layout_for(&self.config.model) {
-                reporter.note(&format!(
-                    "note: `tinygpt export` will refuse this model: {e:#}"
-                ));
-            }
-        }
-        if self.comm.size() > 1 {
-            let bytes = 3 * 4 * ModelSpec::new(&self.config.model).len();
-            if let Some(note) = crate::parallel::launcher::open_mpi_stop_note(bytes) {
-                reporter.note(&note);
-            }
-        }
-        if self.resumed {
-            for note in self.changed_data_notes() {
-                reporter.note(&note);
-            }
-        }
-        let (before, now) = (self.state.sequences_per_step, self.sequences_per_step());
-        if self.resumed && before > 0 && before != now {
-            let ranks = self.comm.size();
-            reporter.note(&format!(
-                "note: a step was {before} sequences ({} rank{}) and is now {now} ({ranks} x train.batch_size {} x train.grad_accum {}); {}",
-                self.state.ranks,
-                crate::util::plural(self.state.ranks),
-                cfg.batch_size,
-                cfg.grad_accum,
-                keep_the_batch(before, ranks, cfg.batch_size)
-            ));
-        }
+        self.say_before_training(reporter)?;
         let start = self.state.step;
-        if self.resumed && start < cfg.max_iters {
-            reporter.note(&self.resumed_rate());
-            // metrics.jsonl says what changed here, so that `compare` can tell this run
-            // from one trained with the new settings from the start.
-            let changed = self.changed_settings();
-            if !changed.is_empty() {
-                self.log_metrics(&json!({"step": start, "resumed": changed}))?;
-            }
-        }
         let mut step = start;
         // A resumed run evaluated its first step before the checkpoint, unless a stop
         // cut that evaluation short.
@@ -762,106 +602,56 @@ impl Trainer {
 }
 
 impl Trainer {
+    /// What a run says before its first step: its settings and data, and what may
+    /// surprise (a warmup longer than the run, a model `export` will refuse, how a stop
+    /// through mpirun is timed, what a resume changed).
+    fn say_before_training(&mut self, reporter: &mut dyn Reporter) -> Result<()> {
+        let cfg = &self.config.train;
+        reporter.started(&self.info());
+        for note in &self.data_notes {
+            reporter.note(note);
+        }
+        let (start, end) = (self.state.step, cfg.max_iters);
+        if cfg.warmup_iters > end && start < end && cfg.lr > 0.0 {
+            // The rate still rising when training ends: the loss barely moves, and
+            // nothing else would say why.
+            reporter.note(&format!(
+                "note: train.warmup_iters = {} is longer than the run (train.max_iters = {end}): the learning rate reaches {:.1e}, {} of train.lr; lower warmup_iters for a short run",
+                cfg.warmup_iters,
+                learning_rate(end - 1, cfg),
+                match 100.0 * learning_rate(end - 1, cfg) / cfg.lr {
+                    share if share < 1.0 => format!("{share:.2}%"),
+                    share => format!("{share:.0}%"),
+                }
+            ));
+        }
+        if !self.resumed {
+            // Said before the run, not after it: only training anew changes this.
+            if let Err(e) = crate::interop::layout_for(&self.config.model) {
+                reporter.note(&format!(
+                    "note: `tinygpt export` will refuse this model: {e:#}"
+                ));
+            }
+        }
+        if self.comm.size() > 1 {
+            // A checkpoint: the weights and AdamW's two moments, f32 each.
+            let checkpoint_bytes = 3 * 4 * ModelSpec::new(&self.config.model).len();
+            if let Some(note) = crate::parallel::launcher::open_mpi_stop_note(checkpoint_bytes) {
+                reporter.note(&note);
+            }
+        }
+        if self.resumed {
+            self.say_what_the_resume_changed(reporter)?;
+        }
+        Ok(())
+    }
+
     /// loss.png from metrics.jsonl as it is now (rank 0; ~10 ms for a thousand steps,
     /// 0.14 s for 100,000); a failure leaves the last one.
     fn draw_loss_curve(&self) {
         if self.comm.rank() == 0 {
             let _ = plot::run_loss_curve(self.run.path());
         }
-    }
-
-    /// What a resumed run says of its learning rate: the rate of its first step, and,
-    /// where a changed schedule (a longer train.max_iters, say) makes it rise above the
-    /// rate the checkpoint's last step had, that it does and why.
-    fn resumed_rate(&self) -> String {
-        let (cfg, step) = (&self.config.train, self.state.step);
-        let now = learning_rate(step, cfg);
-        let mut line = format!("learning rate {now:.3e} at step {step}");
-        // Rising, and only because the schedule changed: warmup rises by itself.
-        let before = self
-            .saved
-            .as_ref()
-            .map(|saved| &saved.train)
-            .filter(|_| step > 0)
-            .filter(|saved| now > learning_rate(step, saved) * 1.01)
-            .map(|saved| learning_rate(step - 1, saved));
-        if let Some(before) = before.filter(|&b| now > b * 1.01) {
-            line.push_str(&format!(
-                ", up from {before:.3e} at the checkpoint: the cosine decay now runs to step {} (train.lr_decay_iters, default train.max_iters), so the rate rises again and the loss may too before it falls",
-                cfg.lr_decay_iters()
-            ));
-        }
-        line
-    }
-
-    /// The [train] settings this resumed run changed from its checkpoint's, as
-    /// `train.key` -> [before, now] (TOML values as `compare` shows them), and what it
-    /// trains on (data.corpus, "(edited)" where its text changed; data.text_field,
-    /// data.val_fraction, run.seed). How a step is
-    /// split (batch_size, grad_accum, and the ranks) counts only as the sequences a step
-    /// holds, `train.sequences_per_step`: two ranks resumed as one process with twice
-    /// the grad_accum train on as before, bit for bit.
-    fn changed_settings(&self) -> serde_json::Map<String, serde_json::Value> {
-        let Some(saved_config) = &self.saved else {
-            return serde_json::Map::new();
-        };
-        let saved = &saved_config.train;
-        // A checkpoint from before sequences_per_step was kept (0) shows the keys.
-        let split = ["batch_size", "grad_accum"];
-        let before_sequences = self.state.sequences_per_step;
-        let by_sequences = before_sequences > 0;
-        let table = |t: &TrainConfig| toml::Table::try_from(t).unwrap_or_default();
-        let (before, now) = (table(saved), table(&self.config.train));
-        let keys: std::collections::BTreeSet<&String> = before.keys().chain(now.keys()).collect();
-        let shown = |v: Option<&toml::Value>| v.map_or("-".to_string(), crate::compare::show);
-        let mut changed: serde_json::Map<String, serde_json::Value> = keys
-            .into_iter()
-            .filter(|key| before.get(*key) != now.get(*key))
-            .filter(|key| !(by_sequences && split.contains(&key.as_str())))
-            .map(|key| {
-                let pair = json!([shown(before.get(key)), shown(now.get(key))]);
-                (format!("train.{key}"), pair)
-            })
-            .collect();
-        let now_sequences = self.sequences_per_step();
-        if by_sequences && before_sequences != now_sequences {
-            let pair = json!([before_sequences.to_string(), now_sequences.to_string()]);
-            changed.insert("train.sequences_per_step".into(), pair);
-        }
-        // What the run trains on, as the resume's notes name it: config.toml keeps
-        // only the corpus of the last resume.
-        {
-            let (was, now) = (saved_config, &self.config);
-            let corpus = |c: &Config| c.data.corpus.display().to_string();
-            let mut now_corpus = corpus(now);
-            if self.corpus_edited(was) {
-                now_corpus.push_str(" (edited)");
-            }
-            let pairs = [
-                ("data.corpus", corpus(was), now_corpus),
-                (
-                    "data.text_field",
-                    was.data.text_field.clone(),
-                    now.data.text_field.clone(),
-                ),
-                (
-                    "data.val_fraction",
-                    was.data.val_fraction.to_string(),
-                    now.data.val_fraction.to_string(),
-                ),
-                (
-                    "run.seed",
-                    was.run.seed.to_string(),
-                    now.run.seed.to_string(),
-                ),
-            ];
-            for (key, before, after) in pairs {
-                if before != after {
-                    changed.insert(key.into(), json!([before, after]));
-                }
-            }
-        }
-        changed
     }
 
     /// A device that ran out of memory mid-run is a one-line user error (the batch is
@@ -926,358 +716,8 @@ impl Trainer {
     }
 }
 
-/// How a resumed run on `ranks` ranks keeps steps of `sequences`: the smallest
-/// gradient accumulation whose micro-batch is at most `batch_size`.
-fn keep_the_batch(sequences: usize, ranks: usize, batch_size: usize) -> String {
-    if !sequences.is_multiple_of(ranks) {
-        return format!(
-            "no train.batch_size x train.grad_accum on {ranks} ranks makes {sequences} sequences: resume on a number of ranks that divides {sequences} to keep them"
-        );
-    }
-    let per_rank = sequences / ranks;
-    let accum = (1..=per_rank)
-        .find(|a| per_rank.is_multiple_of(*a) && per_rank / a <= batch_size)
-        .unwrap_or(per_rank);
-    match per_rank / accum {
-        b if b == batch_size => format!("set train.grad_accum={accum} to keep them"),
-        b => format!("set train.batch_size={b} and train.grad_accum={accum} to keep them"),
-    }
-}
-
 /// Trains as the config says (`resume` continues the run folder's checkpoint).
 pub fn train(config: Config, resume: bool, reporter: &mut dyn Reporter) -> Result<TrainSummary> {
     let mut trainer = Trainer::new(config, resume)?;
     trainer.run(reporter)
-}
-
-/// The run folder's lock, if the folder exists (a new run's is created and locked
-/// once its config is known to be good, by [`open_run_folder`]).
-fn lock_if_present(run: &RunDir) -> Result<Option<RunLock>> {
-    if run.path().is_dir() {
-        RunLock::acquire(run.path()).map(Some)
-    } else {
-        Ok(None)
-    }
-}
-
-/// Creates (or reopens) the run folder and takes its lock, unless `held`. A resumed run
-/// finishes the renames of a checkpoint write that was cut short; a new one drops
-/// metrics left by a run that never wrote a checkpoint (killed, or diverged at once).
-fn open_run_folder(
-    run: &RunDir,
-    resume: bool,
-    state: &TrainState,
-    held: Option<RunLock>,
-) -> Result<RunLock> {
-    let lock = match held {
-        Some(lock) => lock,
-        None => {
-            std::fs::create_dir_all(run.path()).map_err(|e| {
-                crate::error::user_error(format!(
-                    "cannot create run folder {}: {e}; set run.out_dir to a writable folder",
-                    run.path().display()
-                ))
-            })?;
-            RunLock::acquire(run.path())?
-        }
-    };
-    run.remove_temp_files();
-    if resume {
-        run.roll_forward(state)?;
-    } else {
-        let _ = std::fs::remove_file(run.file(METRICS_FILE));
-    }
-    Ok(lock)
-}
-
-/// Puts a resumed run back where its checkpoint left it (the engine has its weights
-/// already): AdamW moments, the batch sampler's position; metrics logged after the
-/// checkpoint are dropped (by the `leader`, rank 0, which writes the run folder).
-fn restore(
-    run: &RunDir,
-    state: &TrainState,
-    engine: &mut dyn Engine,
-    sampler: &mut BatchSampler,
-    leader: bool,
-) -> Result<()> {
-    let moments = run.load_tensors(state, OPTIMIZER_FILE, &Device::Cpu)?;
-    engine.load_moments(&moments, &run.file(OPTIMIZER_FILE).display().to_string())?;
-    sampler.set_position(parse_position(&state.sampler_position)?);
-    if leader {
-        run.truncate_metrics(state.step)?;
-    }
-    Ok(())
-}
-
-/// run.out_dir made (or found) and written to before any corpus work: one that cannot
-/// be failed only after the tokenizer was trained and the corpus encoded.
-fn check_out_dir(out_dir: &std::path::Path) -> Result<()> {
-    if let Some(file) = out_dir.ancestors().find(|p| p.is_file()) {
-        user_bail!(
-            "run.out_dir {}: {} is a file, not a folder; set run.out_dir to a folder",
-            out_dir.display(),
-            file.display()
-        );
-    }
-    let refused = |e: std::io::Error| {
-        crate::error::user_error(format!(
-            "run.out_dir {}: {e}; set run.out_dir to a writable folder",
-            out_dir.display()
-        ))
-    };
-    std::fs::create_dir_all(out_dir).map_err(refused)?;
-    let probe = out_dir.join(format!(".tinygpt-write-check-{}", std::process::id()));
-    std::fs::File::create(&probe).map_err(refused)?;
-    let _ = std::fs::remove_file(&probe);
-    Ok(())
-}
-
-/// What a run needs before its engine: the config resolved (a new run's tokenizer
-/// trained, a resumed run's checkpoint read), the device chosen and checked for memory,
-/// the corpus's tokens split. Nothing is written to the run folder.
-fn prepare(config: Config, start: &Start, stop: &Stop, comm: &dyn Collective) -> Result<Prepared> {
-    let ranks = comm.size();
-    let auto = device::is_auto(&config.run.device);
-    if auto && ranks > 1 {
-        user_bail!(
-            "run.device = \"auto\" times one process; with {ranks} ranks name the device: cpu, or cuda (each rank takes cuda:<its rank on the machine>)"
-        );
-    }
-    // `auto` is raced below, once the model's vocabulary is known.
-    let device = if auto {
-        Device::Cpu
-    } else {
-        parse_device(&rank_device(&config.run.device, comm))?
-    };
-    let run = RunDir::new(config.run_dir());
-    if comm.rank() == 0 {
-        check_out_dir(&config.run.out_dir)?;
-    }
-    let corpus = Corpus::open(&config.data.corpus, &config.data.text_field)?;
-    let cache = CorpusCache::new(&config.data.cache_dir, &corpus, config.data.fingerprint)?;
-    let origin = start::resolve(config, start, &run, &corpus, &cache, stop)?;
-    let (config, state) = (origin.config, origin.state);
-    config.validate()?;
-    let (device, device_choice) = if auto {
-        let spec = ModelSpec::new(&config.model);
-        let fits = |d: &Device| check_memory(&config, d, 1).is_ok();
-        let options = engine_options(&config.train);
-        let choice = engine::race::fastest_device(&spec, options, Work::Training, fits)?;
-        (choice.device, Some(choice.why))
-    } else {
-        (device, None)
-    };
-    check_memory(&config, &device, ranks)?;
-    let split = load_split(&config, &corpus, &cache, &origin.tokenizer, stop)?;
-    let unknown_note = unknown_tokens(&origin.tokenizer, &split, &config)?;
-    Ok(Prepared {
-        corpus_fingerprint: format!(
-            "{}:{}",
-            format!("{:?}", config.data.fingerprint).to_lowercase(),
-            cache.fingerprint()
-        ),
-        data_notes: skipped_note(&config.data.corpus, &corpus.skipped)
-            .into_iter()
-            .chain(table_note(&config.data.corpus))
-            .chain(unknown_note)
-            .collect(),
-        cache: (!corpus.is_tokenized()).then_some(cache),
-        config,
-        tokenizer: origin.tokenizer,
-        state,
-        weights: origin.weights,
-        saved: origin.saved,
-        split,
-        device,
-        device_choice,
-        lock: None,
-    })
-}
-
-/// The device a rank trains on: `cuda` means each rank's own GPU on its machine
-/// (`cuda:<local rank>`), as torchrun's LOCAL_RANK and llm.c do; a named one is kept.
-fn rank_device(device: &str, comm: &dyn Collective) -> String {
-    match (device, comm.size()) {
-        ("cuda", n) if n > 1 => format!("cuda:{}", comm.local_rank()),
-        _ => device.to_string(),
-    }
-}
-
-/// Refuses a config whose training would not fit in the memory available to one of
-/// `ranks` ranks (before anything is allocated: an allocation that fails aborts).
-pub fn check_memory(config: &Config, device: &Device, ranks: usize) -> Result<()> {
-    let footprint = engine::footprint(device, &engine_options(&config.train));
-    let need = engine::training_bytes(&config.model, &config.train, footprint, ranks);
-    let gib = |bytes: f64| bytes / f64::from(1 << 30);
-    let what = format!(
-        "{:.2}M parameters, batch {} x {} tokens",
-        ModelSpec::new(&config.model).len() as f64 / 1e6,
-        config.train.batch_size,
-        config.model.block_size
-    );
-    if device.is_cpu() {
-        if let Some(available) = crate::util::available_memory_bytes() {
-            if need > available {
-                user_bail!(
-                    "config: training this model needs about {:.1} GiB ({what}) but {:.1} GiB is available; reduce model.n_embd, model.n_layer, model.block_size or train.batch_size",
-                    gib(need),
-                    gib(available)
-                );
-            }
-        }
-    } else if let Some((free, total)) = crate::device::gpu_memory(device) {
-        if need > free as f64 {
-            user_bail!(
-                "config: training this model needs about {:.1} GiB of GPU memory ({what}) but {:.1} GiB of {:.1} GiB is free; use a smaller train.batch_size with a larger train.grad_accum, a shorter model.block_size, or train.dtype = \"bf16\"",
-                gib(need),
-                gib(free as f64),
-                gib(total as f64)
-            );
-        }
-    }
-    Ok(())
-}
-
-fn parse_position(s: &str) -> Result<u128> {
-    if s.is_empty() {
-        return Ok(0);
-    }
-    s.parse()
-        .map_err(|_| crate::error::user_error(format!("state.json: bad RNG position {s:?}")))
-}
-
-/// The corpus's tokens, split for training and validation: token files as they are,
-/// text through the cache.
-fn load_split(
-    config: &Config,
-    corpus: &Corpus,
-    cache: &CorpusCache,
-    tokenizer: &Tokenizer,
-    stop: &Stop,
-) -> Result<Split> {
-    let (data, block) = (&config.data, config.model.block_size);
-    let vocab_size = config.model.vocab_size;
-    if corpus.is_tokenized() {
-        return match token_files::load(corpus, vocab_size)? {
-            (train, Some(val)) => Split::of(train, val, block, &data.corpus),
-            (all, None) => Split::new(all, data.val_fraction, block, &data.corpus),
-        };
-    }
-    let (tokens, max) = cache.tokens(corpus, tokenizer, stop)?;
-    if !tokens.is_empty() && max as usize >= vocab_size {
-        user_bail!(
-            "the token cache in {} holds id {max}, outside the model's vocabulary of {vocab_size}; delete that folder and retry",
-            cache.dir().display()
-        );
-    }
-    Split::new(tokens, data.val_fraction, block, &data.corpus)
-}
-
-/// A tokenizer that maps what it cannot spell to one unknown token (a WordPiece or
-/// SentencePiece tokenizer.json without byte fallback; byte-level BPE spells any text):
-/// a note where some of the corpus became that token, a refusal where much of it did
-/// (the model would learn `[UNK]`).
-fn unknown_tokens(
-    tokenizer: &Tokenizer,
-    split: &crate::data::Split,
-    config: &Config,
-) -> Result<Option<String>> {
-    let Some((name, id)) = tokenizer.unknown_token() else {
-        return Ok(None);
-    };
-    let total = split.train.len() + split.val.len();
-    let unknown = split.train.count(id) + split.val.count(id);
-    if unknown == 0 || total == 0 {
-        return Ok(None);
-    }
-    let share = 100.0 * unknown as f64 / total as f64;
-    let path = config
-        .tokenizer
-        .path
-        .as_ref()
-        .map_or_else(|| "the tokenizer".to_string(), |p| p.display().to_string());
-    if share >= 5.0 {
-        user_bail!(
-            "{share:.0}% of the corpus's tokens ({unknown} of {total}) are the unknown token {name:?}: {path} cannot spell this corpus; use a tokenizer with byte fallback, or leave tokenizer.path out to train a byte-level BPE (which spells any text)"
-        );
-    }
-    Ok(Some(format!(
-        "note: {unknown} of the corpus's {total} tokens ({share:.2}%) are the unknown token {name:?}: {path} cannot spell some of its text"
-    )))
-}
-
-/// The note for a corpus file that is a table (.csv, .tsv): read as the plain text it
-/// is, its header, separators and quotes are trained on with the rest.
-fn table_note(corpus: &std::path::Path) -> Option<String> {
-    let extension = corpus.extension()?.to_str()?.to_ascii_lowercase();
-    matches!(extension.as_str(), "csv" | "tsv").then(|| {
-        format!(
-            "note: corpus {} is read as plain text, its header, separators and quotes included; to train on one column, write it as .jsonl, one {{\"text\": ...}} a line (e.g. python3 -c \"import csv,json,sys; [print(json.dumps({{'text': r['COLUMN']}})) for r in csv.DictReader(open(sys.argv[1]))]\" {} > data.jsonl)",
-            corpus.display(),
-            corpus.display()
-        )
-    })
-}
-
-/// The note naming what corpus folder `corpus` holds that training does not read: a
-/// `.csv` or a subfolder left there by mistake would otherwise go unseen.
-fn skipped_note(corpus: &std::path::Path, skipped: &[std::path::PathBuf]) -> Option<String> {
-    if skipped.is_empty() {
-        return None;
-    }
-    let mut names: Vec<String> = skipped
-        .iter()
-        .take(4)
-        .map(|p| {
-            let name = p
-                .file_name()
-                .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
-            match (p.is_dir(), p.exists()) {
-                (true, _) => format!("{name}/"),
-                (false, false) => format!("{name} (a link to nothing)"),
-                _ => name,
-            }
-        })
-        .collect();
-    if skipped.len() > 4 {
-        names.push(format!("and {} more", skipped.len() - 4));
-    }
-    Some(format!(
-        "note: corpus folder {} also holds {} not read (only .txt, .jsonl, .parquet and .bin files directly in it are): {}",
-        corpus.display(),
-        match skipped.len() {
-            1 => "1 entry".to_string(),
-            n => format!("{n} entries"),
-        },
-        names.join(", ")
-    ))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::keep_the_batch;
-
-    #[test]
-    fn a_resumed_step_is_kept_where_the_ranks_allow() {
-        // 8 sequences a step (2 ranks x 4), resumed on 1, 4 and 3 ranks of 4 each.
-        assert_eq!(
-            keep_the_batch(8, 1, 4),
-            "set train.grad_accum=2 to keep them"
-        );
-        assert_eq!(
-            keep_the_batch(8, 4, 4),
-            "set train.batch_size=2 and train.grad_accum=1 to keep them"
-        );
-        assert!(keep_the_batch(8, 3, 4)
-            .starts_with("no train.batch_size x train.grad_accum on 3 ranks"));
-        // A micro-batch no larger than the one that fitted.
-        assert_eq!(
-            keep_the_batch(24, 1, 8),
-            "set train.grad_accum=3 to keep them"
-        );
-        assert_eq!(
-            keep_the_batch(10, 1, 4),
-            "set train.batch_size=2 and train.grad_accum=5 to keep them"
-        );
-    }
 }

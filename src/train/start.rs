@@ -12,7 +12,7 @@ use crate::checkpoint::{Loaded, RunDir, TrainState, CONFIG_FILE, MODEL_FILE, STA
 use crate::config::{Config, ModelConfig, PositionKind, TokenizerKind};
 use crate::corpus::cache::CorpusCache;
 use crate::corpus::Corpus;
-use crate::model::params::weights_from_file;
+use crate::model::named::weights_from_file;
 use crate::model::ModelSpec;
 use crate::tokenizer::Tokenizer;
 use crate::user_bail;
@@ -137,10 +137,9 @@ fn resume(mut config: Config, run: &RunDir) -> Result<Origin> {
 fn model_differences(wanted: &ModelConfig, saved: &ModelConfig) -> Vec<String> {
     let table = |m: &ModelConfig| toml::Table::try_from(m).unwrap_or_default();
     let (wanted, saved) = (table(wanted), table(saved));
-    let keys: std::collections::BTreeSet<&String> = wanted.keys().chain(saved.keys()).collect();
     let shown = |v: Option<&toml::Value>| v.map_or("none".to_string(), ToString::to_string);
-    keys.into_iter()
-        .filter(|key| wanted.get(*key) != saved.get(*key))
+    super::resume::differing_keys(&saved, &wanted)
+        .into_iter()
         .map(|key| {
             format!(
                 "model.{key} = {} (the checkpoint has {})",
@@ -231,7 +230,7 @@ fn fresh(mut config: Config, corpus: &Corpus, cache: &CorpusCache, stop: &Stop) 
         config.tokenizer.vocab_size = have;
     }
     if config.model.positions == PositionKind::Sinusoidal {
-        // The run's config.toml says which table the run used (see `parse_config`).
+        // The run's config.toml says which table the run used (see `Config::as_trained`).
         config.model.sinusoidal_scale = Some(config.model.sinusoidal_amplitude());
     }
     if config.model.vocab_size == 0 {
