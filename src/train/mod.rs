@@ -17,19 +17,19 @@ use anyhow::Result;
 use candle_core::Device;
 use serde_json::json;
 
-pub use prepare::check_memory;
+pub use prepare::{check_memory, engine_options};
 use prepare::{lock_if_present, open_run_folder, prepare, shared_settings, Prepared};
 pub use report::{EvalLog, Measured, Reporter, RunInfo, Silent, StepLog, TrainSummary};
-use resume::restore;
+use resume::{restore, Resumed};
 use schedule::learning_rate;
 pub use start::Start;
 
 use crate::checkpoint::{RunDir, TrainState};
-use crate::config::{Config, TrainConfig};
+use crate::config::Config;
 use crate::corpus::cache::CorpusCache;
 use crate::data::{Batch, BatchSampler, Split, Tokens};
 use crate::device;
-use crate::engine::{self, Engine, EngineOptions};
+use crate::engine::{self, Engine};
 use crate::error::{DivergedError, InterruptedError};
 use crate::lock::RunLock;
 use crate::model::{Dropout, ModelSpec};
@@ -96,16 +96,6 @@ struct Unread {
     steps: usize,
     /// When the first of them started (tokens/s are over the whole stretch).
     since: Instant,
-}
-
-/// The engine options a training config asks for.
-pub fn engine_options(train: &TrainConfig) -> EngineOptions {
-    EngineOptions {
-        batch: train.batch_size,
-        precision: train.dtype,
-        fused: train.fused,
-        tf32: train.tf32,
-    }
 }
 
 impl Trainer {
@@ -640,8 +630,28 @@ impl Trainer {
                 reporter.note(&note);
             }
         }
-        if self.resumed {
-            self.say_what_the_resume_changed(reporter)?;
+        if let (true, Some(saved)) = (self.resumed, &self.saved) {
+            let resumed = Resumed {
+                saved,
+                state: &self.state,
+                now: &self.config,
+                corpus_fingerprint: &self.corpus_fingerprint,
+                sequences_per_step: self.sequences_per_step(),
+                ranks: self.comm.size(),
+            };
+            for note in resumed.notes() {
+                reporter.note(&note);
+            }
+            if self.state.step < self.config.train.max_iters {
+                reporter.note(&resumed.rate());
+                // metrics.jsonl says what changed here, so that `compare` can tell this
+                // run from one trained with the new settings from the start.
+                let changed = resumed.changed_settings();
+                if !changed.is_empty() {
+                    let step = self.state.step;
+                    self.log_metrics(&json!({"step": step, "resumed": changed}))?;
+                }
+            }
         }
         Ok(())
     }

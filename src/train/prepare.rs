@@ -8,14 +8,14 @@ use std::collections::BTreeMap;
 use anyhow::Result;
 use candle_core::Device;
 
-use super::{engine_options, start, Start};
+use super::start::{self, Start};
 use crate::checkpoint::{RunDir, TrainState, METRICS_FILE};
-use crate::config::Config;
+use crate::config::{Config, TrainConfig};
 use crate::corpus::cache::CorpusCache;
 use crate::corpus::{token_files, Corpus};
 use crate::data::Split;
 use crate::device::{self, parse_device};
-use crate::engine::{self, race::Work};
+use crate::engine::{self, race::Work, EngineOptions};
 use crate::lock::RunLock;
 use crate::model::ModelSpec;
 use crate::parallel::Collective;
@@ -142,6 +142,16 @@ pub(super) fn check_out_dir(out_dir: &std::path::Path) -> Result<()> {
     std::fs::File::create(&probe).map_err(refused)?;
     let _ = std::fs::remove_file(&probe);
     Ok(())
+}
+
+/// The engine options a training config asks for.
+pub fn engine_options(train: &TrainConfig) -> EngineOptions {
+    EngineOptions {
+        batch: train.batch_size,
+        precision: train.dtype,
+        fused: train.fused,
+        tf32: train.tf32,
+    }
 }
 
 /// What a run needs before its engine: the config resolved (a new run's tokenizer

@@ -8,68 +8,45 @@ use candle_core::Device;
 use serde_json::json;
 
 use super::schedule::learning_rate;
-use super::{Reporter, Trainer};
 use crate::checkpoint::{RunDir, TrainState, OPTIMIZER_FILE};
 use crate::config::{Config, TrainConfig};
 use crate::data::BatchSampler;
 use crate::engine::Engine;
 
-impl Trainer {
-    /// What a resume says before its first step, and records: the data and streams it
-    /// changed (notes), a step of another number of sequences and how to keep the old
-    /// one, the learning rate it starts at, and (in metrics.jsonl) the settings it
-    /// changed, so that `compare` can tell it from a run trained with the new settings
-    /// from the start.
-    pub(super) fn say_what_the_resume_changed(
-        &mut self,
-        reporter: &mut dyn Reporter,
-    ) -> Result<()> {
-        for note in self.changed_data_notes() {
-            reporter.note(&note);
-        }
-        let cfg = &self.config.train;
-        let (before, now) = (self.state.sequences_per_step, self.sequences_per_step());
-        if before > 0 && before != now {
-            let ranks = self.comm.size();
-            reporter.note(&format!(
-                "note: a step was {before} sequences ({} rank{}) and is now {now} ({ranks} x train.batch_size {} x train.grad_accum {}); {}",
-                self.state.ranks,
-                crate::util::plural(self.state.ranks),
-                cfg.batch_size,
-                cfg.grad_accum,
-                keep_the_batch(before, ranks, cfg.batch_size)
-            ));
-        }
-        let start = self.state.step;
-        if start < cfg.max_iters {
-            reporter.note(&self.resumed_rate());
-            let changed = self.changed_settings();
-            if !changed.is_empty() {
-                self.log_metrics(&json!({"step": start, "resumed": changed}))?;
-            }
-        }
-        Ok(())
-    }
+/// A resumed run, as its checkpoint left it and as it goes on now.
+pub(super) struct Resumed<'a> {
+    /// The checkpoint's config.
+    pub saved: &'a Config,
+    /// Its state.json.
+    pub state: &'a TrainState,
+    /// The config the run goes on with.
+    pub now: &'a Config,
+    /// The corpus's fingerprint now, as [`TrainState::corpus_fingerprint`] keeps it.
+    pub corpus_fingerprint: &'a str,
+    /// Sequences in one step now, over all ranks.
+    pub sequences_per_step: usize,
+    /// Ranks now.
+    pub ranks: usize,
+}
 
+impl Resumed<'_> {
     /// Whether the corpus at the checkpoint's path holds other text than it trained on
     /// (edited in place, or replaced).
-    pub(super) fn corpus_edited(&self, was: &Config) -> bool {
+    pub fn corpus_edited(&self) -> bool {
         let kind = |f: &str| f.split(':').next().unwrap_or("").to_string();
         self.state.corpus_fingerprint.as_ref().is_some_and(|saved| {
-            was.data.corpus == self.config.data.corpus
-                && kind(saved) == kind(&self.corpus_fingerprint)
-                && *saved != self.corpus_fingerprint
+            self.saved.data.corpus == self.now.data.corpus
+                && kind(saved) == kind(self.corpus_fingerprint)
+                && saved != self.corpus_fingerprint
         })
     }
 
-    /// What a resume changed of the data and the random streams, each a note: these
-    /// are allowed (fine-tuning on more text is a resume), but the curve after them is
-    /// not the one the run was on, and its validation loss may measure other text.
-    pub(super) fn changed_data_notes(&self) -> Vec<String> {
-        let Some(was) = &self.saved else {
-            return Vec::new();
-        };
-        let now = &self.config;
+    /// What the resume changed of the data, the random streams and the batch, each a
+    /// note: these are allowed (fine-tuning on more text is a resume), but the curve
+    /// after them is not the one the run was on, and its validation loss may measure
+    /// other text.
+    pub fn notes(&self) -> Vec<String> {
+        let (was, now) = (self.saved, self.now);
         let mut notes = Vec::new();
         if was.data.corpus != now.data.corpus || was.data.text_field != now.data.text_field {
             notes.push(format!(
@@ -78,7 +55,7 @@ impl Trainer {
                 was.data.corpus.display().to_string()
             ));
         }
-        if self.corpus_edited(was) {
+        if self.corpus_edited() {
             notes.push(format!(
                 "note: corpus {} changed since the checkpoint was written (edited or replaced): training goes on over its new text, and the train/val split is drawn from it",
                 now.data.corpus.display()
@@ -96,24 +73,33 @@ impl Trainer {
                 now.run.seed, was.run.seed
             ));
         }
+        let (before, now_sequences) = (self.state.sequences_per_step, self.sequences_per_step);
+        if before > 0 && before != now_sequences {
+            let (train, ranks) = (&now.train, self.ranks);
+            notes.push(format!(
+                "note: a step was {before} sequences ({} rank{}) and is now {now_sequences} ({ranks} x train.batch_size {} x train.grad_accum {}); {}",
+                self.state.ranks,
+                crate::util::plural(self.state.ranks),
+                train.batch_size,
+                train.grad_accum,
+                keep_the_batch(before, ranks, train.batch_size)
+            ));
+        }
         notes
     }
 
-    /// What a resumed run says of its learning rate: the rate of its first step, and,
+    /// What the resumed run says of its learning rate: the rate of its first step, and,
     /// where a changed schedule (a longer train.max_iters, say) makes it rise above the
     /// rate the checkpoint's last step had, that it does and why.
-    pub(super) fn resumed_rate(&self) -> String {
-        let (cfg, step) = (&self.config.train, self.state.step);
+    pub fn rate(&self) -> String {
+        let (cfg, step) = (&self.now.train, self.state.step);
         let now = learning_rate(step, cfg);
         let mut line = format!("learning rate {now:.3e} at step {step}");
         // Rising, and only because the schedule changed: warmup rises by itself.
-        let before = self
-            .saved
-            .as_ref()
-            .map(|saved| &saved.train)
-            .filter(|_| step > 0)
-            .filter(|saved| now > learning_rate(step, saved) * 1.01)
-            .map(|saved| learning_rate(step - 1, saved));
+        let saved = &self.saved.train;
+        let before = Some(step)
+            .filter(|&step| step > 0 && now > learning_rate(step, saved) * 1.01)
+            .map(|step| learning_rate(step - 1, saved));
         if let Some(before) = before.filter(|&b| now > b * 1.01) {
             line.push_str(&format!(
                 ", up from {before:.3e} at the checkpoint: the cosine decay now runs to step {} (train.lr_decay_iters, default train.max_iters), so the rate rises again and the loss may too before it falls",
@@ -123,24 +109,20 @@ impl Trainer {
         line
     }
 
-    /// The [train] settings this resumed run changed from its checkpoint's, as
-    /// `train.key` -> [before, now] (TOML values as `compare` shows them), and what it
-    /// trains on (data.corpus, "(edited)" where its text changed; data.text_field,
-    /// data.val_fraction, run.seed). How a step is
-    /// split (batch_size, grad_accum, and the ranks) counts only as the sequences a step
-    /// holds, `train.sequences_per_step`: two ranks resumed as one process with twice
-    /// the grad_accum train on as before, bit for bit.
-    pub(super) fn changed_settings(&self) -> serde_json::Map<String, serde_json::Value> {
-        let Some(saved_config) = &self.saved else {
-            return serde_json::Map::new();
-        };
-        let saved = &saved_config.train;
+    /// The [train] settings the resume changed from the checkpoint's, as `train.key` ->
+    /// [before, now] (TOML values as `compare` shows them), and what it trains on
+    /// (data.corpus, "(edited)" where its text changed; data.text_field,
+    /// data.val_fraction, run.seed). How a step is split (batch_size, grad_accum, and
+    /// the ranks) counts only as the sequences a step holds, `train.sequences_per_step`:
+    /// two ranks resumed as one process with twice the grad_accum train on as before,
+    /// bit for bit.
+    pub fn changed_settings(&self) -> serde_json::Map<String, serde_json::Value> {
         // A checkpoint from before sequences_per_step was kept (0) shows the keys.
         let split = ["batch_size", "grad_accum"];
         let before_sequences = self.state.sequences_per_step;
         let by_sequences = before_sequences > 0;
         let table = |t: &TrainConfig| toml::Table::try_from(t).unwrap_or_default();
-        let (before, now) = (table(saved), table(&self.config.train));
+        let (before, now) = (table(&self.saved.train), table(&self.now.train));
         let shown = |v: Option<&toml::Value>| v.map_or("-".to_string(), crate::compare::show);
         let mut changed: serde_json::Map<String, serde_json::Value> = differing_keys(&before, &now)
             .into_iter()
@@ -150,42 +132,42 @@ impl Trainer {
                 (format!("train.{key}"), pair)
             })
             .collect();
-        let now_sequences = self.sequences_per_step();
-        if by_sequences && before_sequences != now_sequences {
-            let pair = json!([before_sequences.to_string(), now_sequences.to_string()]);
+        if by_sequences && before_sequences != self.sequences_per_step {
+            let pair = json!([
+                before_sequences.to_string(),
+                self.sequences_per_step.to_string()
+            ]);
             changed.insert("train.sequences_per_step".into(), pair);
         }
         // What the run trains on, as the resume's notes name it: config.toml keeps
         // only the corpus of the last resume.
-        {
-            let (was, now) = (saved_config, &self.config);
-            let corpus = |c: &Config| c.data.corpus.display().to_string();
-            let mut now_corpus = corpus(now);
-            if self.corpus_edited(was) {
-                now_corpus.push_str(" (edited)");
-            }
-            let pairs = [
-                ("data.corpus", corpus(was), now_corpus),
-                (
-                    "data.text_field",
-                    was.data.text_field.clone(),
-                    now.data.text_field.clone(),
-                ),
-                (
-                    "data.val_fraction",
-                    was.data.val_fraction.to_string(),
-                    now.data.val_fraction.to_string(),
-                ),
-                (
-                    "run.seed",
-                    was.run.seed.to_string(),
-                    now.run.seed.to_string(),
-                ),
-            ];
-            for (key, before, after) in pairs {
-                if before != after {
-                    changed.insert(key.into(), json!([before, after]));
-                }
+        let (was, now) = (self.saved, self.now);
+        let corpus = |c: &Config| c.data.corpus.display().to_string();
+        let mut now_corpus = corpus(now);
+        if self.corpus_edited() {
+            now_corpus.push_str(" (edited)");
+        }
+        let pairs = [
+            ("data.corpus", corpus(was), now_corpus),
+            (
+                "data.text_field",
+                was.data.text_field.clone(),
+                now.data.text_field.clone(),
+            ),
+            (
+                "data.val_fraction",
+                was.data.val_fraction.to_string(),
+                now.data.val_fraction.to_string(),
+            ),
+            (
+                "run.seed",
+                was.run.seed.to_string(),
+                now.run.seed.to_string(),
+            ),
+        ];
+        for (key, before, after) in pairs {
+            if before != after {
+                changed.insert(key.into(), json!([before, after]));
             }
         }
         changed
