@@ -747,12 +747,15 @@ fn seconds(value: &str) -> Result<std::time::Duration, String> {
 fn with_resume_command(err: anyhow::Error, ranks: usize) -> anyhow::Error {
     match err.downcast::<InterruptedError>() {
         Ok(mut stopped) if stopped.continue_with.ends_with("--resume") => {
-            let mut args: Vec<String> = std::env::args().skip(1).collect();
+            let mut args: Vec<String> = argv().into_iter().skip(1).collect();
             if !args.iter().any(|a| a == "--resume") {
                 args.push("--resume".into());
             }
             // The binary as it was started (`./tinygpt-mpi`, a cargo target path).
-            let program = std::env::args().next().unwrap_or_else(|| "tinygpt".into());
+            let program = argv()
+                .into_iter()
+                .next()
+                .unwrap_or_else(|| "tinygpt".into());
             let line: Vec<String> = std::iter::once(shell_quoted(&program))
                 .chain(args.iter().map(|a| shell_quoted(a)))
                 .collect();
@@ -765,6 +768,14 @@ fn with_resume_command(err: anyhow::Error, ranks: usize) -> anyhow::Error {
         Ok(stopped) => stopped.into(),
         Err(err) => err,
     }
+}
+
+/// The command line as text, bytes that are not UTF-8 shown as U+FFFD
+/// (`std::env::args` panics on them, and they are a user's to give).
+fn argv() -> Vec<String> {
+    std::env::args_os()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect()
 }
 
 /// `arg` as a POSIX shell reads it back: bare where it is plain, else in single quotes.
@@ -949,7 +960,16 @@ fn usage_error(e: clap::Error) -> ExitCode {
     ) {
         e.exit()
     }
-    let args: Vec<String> = std::env::args().collect();
+    if e.kind() == ErrorKind::InvalidUtf8 {
+        // clap says only "invalid UTF-8 was detected in one or more arguments".
+        if let Some(bad) = std::env::args_os().skip(1).find(|a| a.to_str().is_none()) {
+            tinygpt::errln!(
+                "error: argument {bad:?} is not UTF-8 text, which --set, --prompt and the other text arguments take; a file named in another encoding can be renamed (e.g. convmv -f latin1 -t utf8)"
+            );
+            return ExitCode::from(exit_code::USER as u8);
+        }
+    }
+    let args = argv();
     let line = config_key_flag(&e, &args)
         .or_else(|| negative_count(&e, &args))
         .unwrap_or_else(|| one_line(&e, &args));

@@ -1093,3 +1093,112 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
         let _ = std::fs::remove_file(d.join(CK).join("train.lock"));
     }
 }
+
+/// One line, exit 2, no panic: what every refusal below must be.
+fn refused_in_one_line(out: &std::process::Output, needle: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.starts_with("error: "), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(err.contains(needle), "expected {needle:?} in: {err}");
+}
+
+/// An argument of bytes that are not UTF-8 (a latin-1 file name typed in a latin-1
+/// terminal) is named, not a panic of `std::env::args`.
+#[cfg(unix)]
+#[test]
+fn an_argument_that_is_not_utf8_is_named() {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = tempfile::tempdir().unwrap();
+    let set = std::ffi::OsStr::from_bytes(b"data.corpus=caf\xe9.txt");
+    let out = Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+        .args(["train", "--config", "none.toml", "--set"])
+        .arg(set)
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    refused_in_one_line(&out, r#"argument "data.corpus=caf\xE9.txt" is not UTF-8"#);
+    let out = Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+        .args(["generate", "--checkpoint", "none", "--prompt"])
+        .arg(std::ffi::OsStr::from_bytes(b"\xe9"))
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    refused_in_one_line(&out, "is not UTF-8 text");
+}
+
+/// A corpus folder holding a file named in another encoding trains (the cache's record
+/// of its files could not be written: "internal error: path contains invalid UTF-8").
+#[cfg(target_os = "linux")]
+#[test]
+fn a_corpus_file_named_in_latin1_trains() {
+    use std::os::unix::ffi::OsStrExt;
+    let text = "Now is the winter of our discontent\nMade glorious summer by this sun of York;\n";
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::create_dir(d.join("corpus")).unwrap();
+    std::fs::write(d.join("corpus/a.txt"), text.repeat(30)).unwrap();
+    let latin1 = d
+        .join("corpus")
+        .join(std::ffi::OsStr::from_bytes(b"caf\xe9.txt"));
+    std::fs::write(latin1, text.repeat(30)).unwrap();
+    let config = "[data]\ncorpus = \"corpus\"\n[tokenizer]\nkind = \"char\"\n[model]\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\n[train]\nbatch_size = 2\nmax_iters = 2\neval_iters = 1\n";
+    std::fs::write(d.join("exp.toml"), config).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+        .args(["train", "--config", "exp.toml"])
+        .current_dir(d)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A cache folder that exists and cannot be written (a shared dataset's cache/ made by
+/// another user) is refused before the tokenizer is trained, naming data.cache_dir (it
+/// was "internal error: ... Permission denied", exit 1, after the training). Root
+/// writes anywhere: as root the binary runs as `nobody` through runuser.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_cache_folder_that_cannot_be_written_is_refused_before_the_work() {
+    use std::os::unix::fs::PermissionsExt;
+    let root = unsafe { libc::geteuid() } == 0;
+    let runuser = ["/usr/sbin/runuser", "/sbin/runuser", "/usr/bin/runuser"]
+        .into_iter()
+        .find(|p| Path::new(p).exists());
+    if root && runuser.is_none() {
+        eprintln!("SKIPPED: running as root without runuser, so no folder is unwritable");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let text = "Now is the winter of our discontent\nMade glorious summer by this sun of York;\n";
+    std::fs::write(d.join("corpus.txt"), text.repeat(40)).unwrap();
+    std::fs::create_dir(d.join("cache")).unwrap();
+    let mode = |path: &Path, mode: u32| {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap()
+    };
+    mode(d, 0o777);
+    mode(&d.join("cache"), 0o555);
+    let config = "[data]\ncorpus = \"corpus.txt\"\n[tokenizer]\nkind = \"bpe\"\nvocab_size = 280\n[model]\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\n[train]\nbatch_size = 2\nmax_iters = 2\neval_iters = 1\n";
+    std::fs::write(d.join("exp.toml"), config).unwrap();
+    let mut cmd = match (root, runuser) {
+        (true, Some(runuser)) => {
+            let mut cmd = Command::new(runuser);
+            cmd.args(["-u", "nobody", "--", env!("CARGO_BIN_EXE_tinygpt")]);
+            cmd
+        }
+        _ => Command::new(env!("CARGO_BIN_EXE_tinygpt")),
+    };
+    let out = cmd
+        .args(["train", "--config", "exp.toml"])
+        .current_dir(d)
+        .output()
+        .unwrap();
+    refused_in_one_line(&out, "set data.cache_dir to a writable folder");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot write the cache folder"), "{err}");
+    mode(&d.join("cache"), 0o755);
+}

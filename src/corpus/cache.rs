@@ -80,6 +80,37 @@ impl CorpusCache {
         &self.dir
     }
 
+    /// Refuses a cache folder this process cannot write, before the work whose result
+    /// it would keep (a tokenizer trained for minutes, then "permission denied"): a
+    /// shared dataset's cache/ made by another user, a read-only mount. A probe file in
+    /// the folder, or in its nearest existing parent where it is still to be made.
+    fn check_writable(&self) -> Result<()> {
+        let existing = self
+            .dir
+            .ancestors()
+            .find(|p| p.as_os_str().is_empty() || p.is_dir())
+            .map(|p| {
+                if p.as_os_str().is_empty() {
+                    Path::new(".")
+                } else {
+                    p
+                }
+            })
+            .unwrap_or(Path::new("."));
+        let probe = existing.join(format!(".tinygpt-write-check-{}", std::process::id()));
+        match fs::File::create(&probe) {
+            Ok(_) => {
+                let _ = fs::remove_file(&probe);
+                Ok(())
+            }
+            Err(e) => crate::user_bail!(
+                "cannot write the cache folder {} ({}: {e}); set data.cache_dir to a writable folder",
+                self.dir.display(),
+                existing.display()
+            ),
+        }
+    }
+
     fn create(&self, corpus: &Corpus) -> Result<()> {
         fs::create_dir_all(&self.dir).map_err(|e| {
             crate::error::user_error(format!(
@@ -173,6 +204,7 @@ impl CorpusCache {
         if let Ok(tokenizer) = Tokenizer::from_file(&file) {
             return Ok(tokenizer);
         }
+        self.check_writable()?;
         let start = Instant::now();
         let what = match config.kind {
             TokenizerKind::Bpe => format!("training BPE ({} tokens)", config.vocab_size),
@@ -239,6 +271,7 @@ impl CorpusCache {
             return Ok(tokens);
         }
 
+        self.check_writable()?;
         let made_here = !self.dir.exists();
         self.create(corpus)?;
         let start = Instant::now();
@@ -320,6 +353,7 @@ pub const IN_USE_FILE: &str = "in-use.lock";
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Manifest {
     /// `data.corpus` as the run named it.
+    #[serde(serialize_with = "crate::util::serialize_path_lossy")]
     pub corpus: PathBuf,
     pub text_field: String,
     pub files: Vec<super::CorpusFile>,

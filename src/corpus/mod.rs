@@ -76,6 +76,7 @@ fn extension(path: &Path) -> Option<String> {
 /// One file of the corpus, as it was when the corpus was opened.
 #[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct CorpusFile {
+    #[serde(serialize_with = "crate::util::serialize_path_lossy")]
     pub path: PathBuf,
     pub format: Format,
     pub bytes: u64,

@@ -248,3 +248,13 @@ mod tests {
         );
     }
 }
+
+/// Serialises a path as text, bytes that are not UTF-8 as U+FFFD: a record that names
+/// files (a corpus cache's corpus.json) must not fail on a file named in another
+/// encoding, which serde refuses. For `#[serde(serialize_with = ...)]`.
+pub fn serialize_path_lossy<P: AsRef<Path>, S: serde::Serializer>(
+    path: &P,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_str(&path.as_ref().to_string_lossy())
+}

@@ -9,8 +9,8 @@ pub mod stop;
 mod system;
 
 pub use files::{
-    check_output_file, check_output_folder, file_starts_with, sha256_hex, sha256_hex_of,
-    sha256_hex_of_reader, write_atomic, AtomicFile,
+    check_output_file, check_output_folder, file_starts_with, serialize_path_lossy, sha256_hex,
+    sha256_hex_of, sha256_hex_of_reader, write_atomic, AtomicFile,
 };
 pub use stop::{Stop, Stopped};
 pub use system::{available_memory_bytes, peak_rss_mb};
