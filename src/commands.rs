@@ -94,18 +94,13 @@ fn read_text_arg(flag: &str, path: &std::path::Path) -> Result<String> {
         std::fs::read(path)
             .map_err(|e| user_error(format!("cannot read {flag} {}: {e}", path.display())))?
     };
-    if let Some((format, command)) = tinygpt::corpus::text::compression(&bytes) {
-        user_bail!(
-            "{flag} {} is {format}-compressed; decompress it first ({command} {}) and name the result",
-            path.display(),
-            path.display()
-        );
-    }
     let mut text = String::from_utf8(bytes).map_err(|e| {
+        let bad = e.utf8_error().valid_up_to();
+        let bytes = e.as_bytes();
         user_error(format!(
-            "{flag} {} is not UTF-8 (invalid byte at offset {}); convert it, e.g. with iconv -t UTF-8",
+            "{flag} {} {}",
             path.display(),
-            e.utf8_error().valid_up_to()
+            tinygpt::corpus::text::not_text(path, bytes, (bad as u64, bytes[bad]), flag)
         ))
     })?;
     // A byte-order mark (Windows editors write one) is not text: training drops it too.
@@ -373,12 +368,23 @@ fn eval_input(
     (tokenizer, text_field): (&tinygpt::tokenizer::Tokenizer, &str),
     stop: &tinygpt::util::Stop,
 ) -> Result<(Vec<u32>, usize)> {
-    if let Some(documents) = tinygpt::eval::documents(path, tokenizer, text_field, stop)? {
-        return Ok(documents);
+    let (ids, bytes) = match tinygpt::eval::documents(path, tokenizer, text_field, stop)? {
+        Some(documents) => documents,
+        None => {
+            let text = read_text_arg("--text", path)?;
+            let ids = tokenizer.encode(&text)?;
+            let bytes = tinygpt::eval::predicted_bytes(tokenizer, &ids, text.len())?;
+            (ids, bytes)
+        }
+    };
+    if ids.len() < 2 {
+        user_bail!(
+            "--text {} is {} token{}; evaluation needs at least 2 (one to predict from, one to predict)",
+            path.display(),
+            ids.len(),
+            if ids.len() == 1 { "" } else { "s" }
+        );
     }
-    let text = read_text_arg("--text", path)?;
-    let ids = tokenizer.encode(&text)?;
-    let bytes = tinygpt::eval::predicted_bytes(tokenizer, &ids, text.len())?;
     Ok((ids, bytes))
 }
 

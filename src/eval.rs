@@ -72,7 +72,12 @@ pub fn documents(
     stop: &Stop,
 ) -> Result<Option<(Vec<u32>, usize)>> {
     use crate::corpus::{encode::encode_pieces, Corpus, Format};
-    if !(path.is_dir() || matches!(Format::of(path), Format::Jsonl | Format::Parquet)) {
+    // A .json file is refused as training refuses it (read as text, its braces and
+    // quotes would be scored).
+    let json = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("json"));
+    if !(json || path.is_dir() || matches!(Format::of(path), Format::Jsonl | Format::Parquet)) {
         return Ok(None);
     }
     let corpus = Corpus::open(path, text_field)?;

@@ -854,7 +854,7 @@ fn eval_reads_what_train_reads() {
     );
     assert_eq!(out.status.code(), Some(2));
     assert!(
-        stderr(&out).contains("corpus.txt.gz is gzip-compressed; decompress it first (gunzip -k"),
+        stderr(&out).contains("corpus.txt.gz is gzip-compressed; decompress it first (gzip -dc corpus.txt.gz > corpus.txt)"),
         "{}",
         stderr(&out)
     );

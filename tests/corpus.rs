@@ -169,16 +169,32 @@ fn jsonl_gives_its_documents() {
         jsonl.push_str(&serde_json::json!({"id": i, "content": doc, "meta": {"x": 1}}).to_string());
         jsonl.push('\n');
         if i == 3 {
-            // Blank lines are skipped, and records without text (as parquet's nulls).
+            // Blank lines are skipped, and records without text (as parquet's nulls):
+            // a null, or the field left out (as writers leave out a null) once
+            // records before have had it.
             jsonl.push('\n');
             jsonl.push_str("{\"id\": 99, \"content\": null}\n");
+            jsonl.push_str("{\"id\": 100}\n");
         }
     }
     let path = dir.path().join("docs.jsonl");
-    std::fs::write(&path, jsonl).unwrap();
+    std::fs::write(&path, &jsonl).unwrap();
     let tk = bpe_for(&docs);
     let corpus = Corpus::open(&path, "content").unwrap();
     assert_same(&streamed(&corpus, &tk, 300), &one_shot(&docs, &tk), "jsonl");
+
+    // The text one level down, named with a dot as parquet names a nested column.
+    let nested: String = docs
+        .iter()
+        .map(|doc| format!("{}\n", serde_json::json!({"data": {"text": doc}})))
+        .collect();
+    std::fs::write(&path, nested).unwrap();
+    let corpus = Corpus::open(&path, "data.text").unwrap();
+    assert_same(
+        &streamed(&corpus, &tk, 300),
+        &one_shot(&docs, &tk),
+        "nested",
+    );
 }
 
 #[test]

@@ -103,6 +103,22 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
     std::fs::write(d.join("bad.jsonl"), "{\"text\": \"fine\"}\n{oops\n").unwrap();
     std::fs::write(d.join("nofield.jsonl"), "{\"id\": 1, \"body\": \"x\"}\n").unwrap();
     std::fs::write(d.join("arrays.jsonl"), "[1, 2]\n").unwrap();
+    std::fs::write(d.join("latin1.jsonl"), b"{\"text\": \"caf\xe9\"}\n").unwrap();
+    std::fs::write(
+        d.join("array.json"),
+        "[{\"text\": \"a\"}, {\"text\": \"b\"}]",
+    )
+    .unwrap();
+    // Notepad's "Unicode": UTF-16 little-endian with its byte-order mark.
+    let utf16: Vec<u8> = [0xFF, 0xFE]
+        .into_iter()
+        .chain(text.encode_utf16().flat_map(u16::to_le_bytes))
+        .collect();
+    std::fs::write(d.join("utf16.txt"), utf16).unwrap();
+    std::fs::write(d.join("image.txt"), b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR").unwrap();
+    std::fs::create_dir(d.join("stray")).unwrap();
+    std::fs::write(d.join("stray/a.txt"), &text).unwrap();
+    std::fs::write(d.join("stray/model.bin"), [1u8, 0, 2, 0]).unwrap();
     let bpe = tinygpt::tokenizer::Tokenizer::train_bpe(&text, 300).unwrap();
     std::fs::write(d.join("bpe.json"), bpe.to_json().unwrap()).unwrap();
     let tokens: Vec<u8> = [1u16, 2, 5000, 3]
@@ -364,12 +380,55 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
         case(
             "corpus still gzip-compressed",
             &format!("{t} --set data.corpus=corpus.txt.gz"),
-            "is gzip-compressed; decompress it first (gunzip -k corpus.txt.gz)",
+            "is gzip-compressed; decompress it first (gzip -dc corpus.txt.gz > corpus.txt) and name the result in data.corpus",
+        ),
+        with(
+            "corpus gzip-compressed under a .txt name",
+            &format!("{t} --set data.corpus=packed.txt"),
+            "is gzip-compressed; decompress it first (gzip -dc packed.txt > packed.decompressed.txt)",
+            |d| {
+                std::fs::copy(d.join("corpus.txt.gz"), d.join("packed.txt")).unwrap();
+            },
         ),
         case(
-            "corpus not UTF-8",
+            "corpus in latin-1",
             &format!("{t} --set data.corpus=latin1.txt"),
-            "UTF-8",
+            "is not UTF-8 (byte 0xE9 at offset 3); convert it from the encoding it was written in (e.g. iconv -f LATIN1 -t UTF-8 latin1.txt > latin1.utf8.txt",
+        ),
+        case(
+            "corpus in UTF-16",
+            &format!("{t} --set data.corpus=utf16.txt"),
+            "is UTF-16 text (it starts with UTF-16's byte-order mark); convert it first (iconv -f UTF-16 -t UTF-8 utf16.txt > utf16.utf8.txt)",
+        ),
+        case(
+            "an image named .txt as the corpus",
+            &format!("{t} --set data.corpus=image.txt"),
+            "is not text (a PNG image); name a text file in data.corpus",
+        ),
+        case(
+            "a .jsonl in latin-1",
+            &format!("{t} --set data.corpus=latin1.jsonl"),
+            "latin1.jsonl (line 1) is not UTF-8 (byte 0xE9 at offset 13)",
+        ),
+        case(
+            "a stray .bin beside the text in a corpus folder",
+            &format!("{t} --set data.corpus=stray"),
+            "(the a.txt beside them is then not read: move the .bin files out to train on the text)",
+        ),
+        case(
+            "eval of a JSON array",
+            "eval --checkpoint checkpoints/good --text array.json",
+            "convert a JSON array with jq -c '.[]' array.json > array.jsonl",
+        ),
+        case(
+            "eval of an empty file",
+            "eval --checkpoint checkpoints/good --text empty.txt",
+            "--text empty.txt is 0 tokens; evaluation needs at least 2",
+        ),
+        case(
+            "eval of a PNG",
+            "eval --checkpoint checkpoints/good --text image.txt",
+            "--text image.txt is not text (a PNG image); name a text file in --text",
         ),
         case(
             "corpus shorter than a block",
@@ -379,7 +438,7 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
         case(
             "corpus folder without .txt",
             &format!("{t} --set data.corpus=notxt"),
-            ".txt",
+            "has no .txt, .jsonl, .parquet or .bin files (it holds readme.md); put the files to train on there",
         ),
         with(
             "corpus folder of compressed shards",

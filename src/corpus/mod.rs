@@ -73,6 +73,43 @@ fn extension(path: &Path) -> Option<String> {
         .map(str::to_ascii_lowercase)
 }
 
+/// What a corpus folder without a file to read holds, for its refusal: "it holds
+/// notes.md, sub/ and 2 more", "it holds only hidden files (.a.txt), which are not
+/// read", "it is empty".
+fn what_it_holds(others: &[PathBuf], hidden: &[PathBuf]) -> String {
+    let name = |p: &PathBuf| {
+        let name = p
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
+        if p.is_dir() {
+            format!("{name}/")
+        } else {
+            name
+        }
+    };
+    match (others, hidden) {
+        ([], []) => "it is empty".to_string(),
+        ([], hidden) => format!(
+            "it holds only hidden files ({}), which are not read",
+            hidden
+                .iter()
+                .take(3)
+                .map(name)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        (others, _) => {
+            let shown: Vec<String> = others.iter().take(3).map(name).collect();
+            match others.len() - shown.len() {
+                0 => format!("it holds {}", shown.join(", ")),
+                more => format!("it holds {} and {more} more", shown.join(", ")),
+            }
+        }
+    }
+}
+
 /// One file of the corpus, as it was when the corpus was opened.
 #[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct CorpusFile {
@@ -168,7 +205,7 @@ impl Corpus {
         })?;
         let mut skipped = Vec::new();
         let paths: Vec<PathBuf> = if meta.is_dir() {
-            let entries: Vec<PathBuf> = fs::read_dir(path)
+            let (mut hidden, entries): (Vec<PathBuf>, Vec<PathBuf>) = fs::read_dir(path)
                 .map_err(|e| {
                     user_error(format!(
                         "corpus folder {}: cannot list it ({e}); give this user read access, or set data.corpus to another",
@@ -176,8 +213,8 @@ impl Corpus {
                     ))
                 })?
                 .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')))
-                .collect();
+                .partition(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')));
+            hidden.sort();
             let (mut paths, mut others): (Vec<PathBuf>, Vec<PathBuf>) = entries
                 .into_iter()
                 .partition(|p| p.is_file() && Format::listed(p));
@@ -208,8 +245,9 @@ impl Corpus {
                     );
                 }
                 user_bail!(
-                    "corpus folder {} has no .txt, .jsonl, .parquet or .bin files; put the training data there",
-                    path.display()
+                    "corpus folder {} has no .txt, .jsonl, .parquet or .bin files ({}); put the files to train on there (folders inside it are not read), or name one in data.corpus",
+                    path.display(),
+                    what_it_holds(&skipped, &hidden)
                 );
             }
             paths

@@ -111,31 +111,92 @@ fn valid_prefix<'a>(bytes: &'a [u8], at_end: bool, path: &Path, offset: u64) -> 
         Err(e) if e.error_len().is_none() && !at_end => {
             Ok(std::str::from_utf8(&bytes[..e.valid_up_to()]).expect("a valid prefix"))
         }
-        Err(_) if offset == 0 && compression(bytes).is_some() => {
-            let (format, command) = compression(bytes).expect("checked");
+        Err(e) => {
+            // What the file is can be told from its first bytes only.
+            let start = if offset == 0 { bytes } else { &[] };
+            let bad = offset + e.valid_up_to() as u64;
+            let invalid = bytes[e.valid_up_to()];
             Err(user_error(format!(
-                "corpus file {} is {format}-compressed; decompress it first ({command} {}) and name the result in data.corpus",
+                "corpus file {} {}",
                 path.display(),
-                path.display()
+                not_text(path, start, (bad, invalid), "data.corpus")
             )))
         }
-        Err(e) => Err(user_error(format!(
-            "corpus file {} is not UTF-8 (invalid byte at offset {}); convert it, e.g. with iconv -t UTF-8",
-            path.display(),
-            offset + e.valid_up_to() as u64
-        ))),
     }
+}
+
+/// What a file that is not UTF-8 is, and the command that makes it text, for a message
+/// naming `path` before it: compressed (the command that decompresses it, whatever the
+/// file's name), UTF-16 (its byte-order mark), not text at all (a known file type, a
+/// NUL byte), or text in another encoding (iconv from that). `start` is the file's first
+/// bytes (empty where they are not at hand), `invalid` the first byte that is not
+/// UTF-8, at offset `bad`; `setting` where the user names the file (`data.corpus`).
+pub fn not_text(path: &Path, start: &[u8], (bad, invalid): (u64, u8), setting: &str) -> String {
+    let shown = path.display();
+    // Beside the file, its name with `suffix` before the extension (or instead of a
+    // compression's): corpus.txt.gz -> corpus.txt, notes.txt -> notes.utf8.txt.
+    let beside = |suffix: &str| {
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        let (stem, ext) = match name.rsplit_once('.') {
+            Some((stem, ext)) if !stem.is_empty() => (stem.to_string(), format!(".{ext}")),
+            _ => (name.to_string(), String::new()),
+        };
+        let compressed = [".gz", ".zst", ".bz2", ".xz", ".zip"];
+        let out = match (
+            suffix.is_empty(),
+            compressed.contains(&ext.to_ascii_lowercase().as_str()),
+        ) {
+            (true, true) if stem.contains('.') => stem,
+            (true, _) => format!("{stem}.decompressed.txt"),
+            (false, _) => format!("{stem}.{suffix}{ext}"),
+        };
+        path.with_file_name(out).display().to_string()
+    };
+    if let Some((format, command)) = compression(start) {
+        return format!(
+            "is {format}-compressed; decompress it first ({command} {shown} > {}) and name the result in {setting}",
+            beside("")
+        );
+    }
+    if start.starts_with(b"\xFF\xFE") || start.starts_with(b"\xFE\xFF") {
+        return format!(
+            "is UTF-16 text (it starts with UTF-16's byte-order mark); convert it first (iconv -f UTF-16 -t UTF-8 {shown} > {}) and name the result in {setting}",
+            beside("utf8")
+        );
+    }
+    const KINDS: [(&[u8], &str); 6] = [
+        (b"\x89PNG", "a PNG image"),
+        (b"\xFF\xD8\xFF", "a JPEG image"),
+        (b"GIF8", "a GIF image"),
+        (b"%PDF", "a PDF document"),
+        (b"\x7FELF", "a program (ELF)"),
+        (b"\x00\x00\x00", "binary data"),
+    ];
+    if let Some((_, kind)) = KINDS.iter().find(|(magic, _)| start.starts_with(magic)) {
+        return format!("is not text ({kind}); name a text file in {setting}");
+    }
+    if let Some(nul) = start.iter().take(1 << 16).position(|&b| b == 0) {
+        return format!(
+            "is not text (binary: a NUL byte at offset {nul}); name a text file in {setting}"
+        );
+    }
+    format!(
+        "is not UTF-8 (byte 0x{invalid:02X} at offset {bad}); convert it from the encoding it was written in (e.g. iconv -f LATIN1 -t UTF-8 {shown} > {}; CP1252 for Windows text) and name the result in {setting}",
+        beside("utf8")
+    )
 }
 
 /// The compressed format a file's first bytes say it is, and the command that
 /// decompresses it: a `.txt.gz` read as text fails on its second byte.
 pub fn compression(start: &[u8]) -> Option<(&'static str, &'static str)> {
+    // Each command writes to standard output: it works whatever the file is named
+    // (gunzip refuses a name without .gz).
     const MAGIC: [(&[u8], &str, &str); 5] = [
-        (b"\x1f\x8b", "gzip", "gunzip -k"),
-        (b"\x28\xb5\x2f\xfd", "zstd", "zstd -d"),
-        (b"BZh", "bzip2", "bunzip2 -k"),
-        (b"\xfd7zXZ\x00", "xz", "unxz -k"),
-        (b"PK\x03\x04", "zip", "unzip"),
+        (b"\x1f\x8b", "gzip", "gzip -dc"),
+        (b"\x28\xb5\x2f\xfd", "zstd", "zstd -dc"),
+        (b"BZh", "bzip2", "bzip2 -dc"),
+        (b"\xfd7zXZ\x00", "xz", "xz -dc"),
+        (b"PK\x03\x04", "zip", "unzip -p"),
     ];
     MAGIC
         .iter()

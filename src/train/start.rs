@@ -191,10 +191,30 @@ fn fresh(mut config: Config, corpus: &Corpus, cache: &CorpusCache, stop: &Stop) 
             }
             tokenizer
         }
-        None if corpus.is_tokenized() => user_bail!(
-            "corpus {} holds token ids (.bin files); set tokenizer.path to the tokenizer.json they were encoded with (GPT-2's for nanoGPT's and llm.c's files)",
-            corpus.path.display()
-        ),
+        None if corpus.is_tokenized() => {
+            // A stray .bin beside the text makes the folder a folder of ids.
+            let text: Vec<String> = corpus
+                .skipped
+                .iter()
+                .filter(|p| p.is_file())
+                .filter_map(|p| Some(p.file_name()?.to_string_lossy().into_owned()))
+                .collect();
+            let beside = match text.first() {
+                Some(first) => format!(
+                    " (the {first}{} beside them {} then not read: move the .bin files out to train on the text)",
+                    match text.len() {
+                        1 => String::new(),
+                        n => format!(" and {} more", n - 1),
+                    },
+                    if text.len() == 1 { "is" } else { "are" }
+                ),
+                None => String::new(),
+            };
+            user_bail!(
+                "corpus {} holds token ids (.bin files); set tokenizer.path to the tokenizer.json they were encoded with (GPT-2's for nanoGPT's and llm.c's files){beside}",
+                corpus.path.display()
+            )
+        }
         None => cache.tokenizer(corpus, tk, stop)?,
     };
     let have = tokenizer.vocab_size();
