@@ -217,6 +217,16 @@ pub fn check_output_folder(flag: &str, path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Serialises a path as text, bytes that are not UTF-8 as U+FFFD: a record that names
+/// files (a corpus cache's corpus.json) must not fail on a file named in another
+/// encoding, which serde refuses. For `#[serde(serialize_with = ...)]`.
+pub fn serialize_path_lossy<P: AsRef<Path>, S: serde::Serializer>(
+    path: &P,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_str(&path.as_ref().to_string_lossy())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -247,14 +257,4 @@ mod tests {
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
         );
     }
-}
-
-/// Serialises a path as text, bytes that are not UTF-8 as U+FFFD: a record that names
-/// files (a corpus cache's corpus.json) must not fail on a file named in another
-/// encoding, which serde refuses. For `#[serde(serialize_with = ...)]`.
-pub fn serialize_path_lossy<P: AsRef<Path>, S: serde::Serializer>(
-    path: &P,
-    s: S,
-) -> std::result::Result<S::Ok, S::Error> {
-    s.serialize_str(&path.as_ref().to_string_lossy())
 }
