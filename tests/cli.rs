@@ -1533,6 +1533,24 @@ fn a_corpus_folder_names_what_it_does_not_read() {
         "{}",
         stderr(&out)
     );
+    assert!(
+        !stderr(&out).contains("Windows line ends"),
+        "{}",
+        stderr(&out)
+    );
+
+    // Windows line ends become a character of a char vocabulary, and are said to.
+    std::fs::write(d.join("crlf.txt"), text.replace('\n', "\r\n")).unwrap();
+    let out = succeeds(
+        d,
+        &train_args(&[], &["data.corpus=crlf.txt", "run.name=crlf"]),
+    );
+    assert!(
+        stderr(&out)
+            .contains("note: the char vocabulary holds '\\r': the corpus has Windows line ends"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 /// The train + val token count of `train`'s first line.
@@ -1602,6 +1620,35 @@ fn a_tokenizer_that_cannot_spell_the_corpus_is_told() {
         said.contains(
             "note: 200 of the corpus's 8200 tokens (2.44%) are the unknown token \"[UNK]\""
         ),
+        "{said}"
+    );
+}
+
+/// A corpus touched (or copied without -p) is read and encoded again into a cache
+/// folder of its own: said, with the old folder left for `cache prune` (it was silent,
+/// a gigabyte corpus's work and disk doubled unseen).
+#[test]
+fn a_corpus_read_again_says_why_and_what_stays() {
+    let dir = setup();
+    let d = dir.path();
+    let first = succeeds(d, &train_args(&[], &["run.name=first"]));
+    assert!(
+        !stderr(&first).contains("is not what its cache"),
+        "{}",
+        stderr(&first)
+    );
+    let later = std::time::SystemTime::now() + std::time::Duration::from_secs(60);
+    let file = std::fs::File::options()
+        .write(true)
+        .open(d.join("corpus.txt"))
+        .unwrap();
+    file.set_modified(later).unwrap();
+    let again = succeeds(d, &train_args(&[], &["run.name=again"]));
+    let said = stderr(&again);
+    assert!(
+        said.contains("note: corpus corpus.txt is not what its cache cache/corpus-")
+            && said.contains("the cache made before stays")
+            && said.contains("until `tinygpt cache prune`"),
         "{said}"
     );
 }

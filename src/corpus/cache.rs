@@ -80,11 +80,17 @@ impl CorpusCache {
         &self.dir
     }
 
-    /// Refuses a cache folder this process cannot write, before the work whose result
-    /// it would keep (a tokenizer trained for minutes, then "permission denied"): a
+    /// Before the work whose result the folder will keep: says why a corpus read before
+    /// is read again ([`CorpusCache::changed_note`]), and refuses a folder this process
+    /// cannot write (a tokenizer trained for minutes, then "permission denied"): a
     /// shared dataset's cache/ made by another user, a read-only mount. A probe file in
     /// the folder, or in its nearest existing parent where it is still to be made.
-    fn check_writable(&self) -> Result<()> {
+    fn ready_to_fill(&self, corpus: &Corpus) -> Result<()> {
+        if !self.dir.exists() {
+            if let Some(note) = self.changed_note(corpus) {
+                crate::errln!("{note}");
+            }
+        }
         let existing = self
             .dir
             .ancestors()
@@ -129,6 +135,53 @@ impl CorpusCache {
             write_atomic(&manifest, serde_json::to_string_pretty(&record)?.as_bytes())?;
         }
         Ok(())
+    }
+
+    /// The note for a corpus whose fingerprint moved (an edit, or only `touch`, `cp`
+    /// without -p, a checkout): another cache folder beside this one was made for the
+    /// same path, and its gigabytes stay until `cache prune` while this one is filled.
+    fn changed_note(&self, corpus: &Corpus) -> Option<String> {
+        let root = self.dir.parent()?;
+        let prefix = format!("{}-", corpus.name());
+        let mut earlier: Vec<(PathBuf, u64)> = fs::read_dir(root)
+            .ok()?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with(&prefix))
+            })
+            .filter(|p| {
+                let manifest = fs::read_to_string(p.join(MANIFEST_FILE)).ok();
+                manifest
+                    .and_then(|m| serde_json::from_str::<Manifest>(&m).ok())
+                    .is_some_and(|m| m.corpus == corpus.path)
+            })
+            .map(|p| {
+                let bytes = fs::read_dir(&p)
+                    .map(|files| {
+                        files
+                            .filter_map(|f| f.ok()?.metadata().ok())
+                            .map(|m| m.len())
+                            .sum()
+                    })
+                    .unwrap_or(0);
+                (p, bytes)
+            })
+            .collect();
+        earlier.sort();
+        let (last, _) = earlier.last()?;
+        let bytes: u64 = earlier.iter().map(|e| e.1).sum();
+        Some(format!(
+            "note: corpus {} is not what its cache {} was made from (its size, modification time or sampled bytes moved: an edit, or a touch or copy), so it is read again into {}; {} ({:.1} MB) until `tinygpt cache prune`",
+            corpus.path.display(),
+            last.display(),
+            self.dir.display(),
+            match earlier.len() {
+                1 => "the cache made before stays".to_string(),
+                n => format!("the {n} caches made before stay"),
+            },
+            bytes as f64 / 1e6
+        ))
     }
 
     /// Takes this process's shared lock on the folder (once), so that `cache prune`,
@@ -204,7 +257,7 @@ impl CorpusCache {
         if let Ok(tokenizer) = Tokenizer::from_file(&file) {
             return Ok(tokenizer);
         }
-        self.check_writable()?;
+        self.ready_to_fill(corpus)?;
         let start = Instant::now();
         let what = match config.kind {
             TokenizerKind::Bpe => format!("training BPE ({} tokens)", config.vocab_size),
@@ -271,7 +324,7 @@ impl CorpusCache {
             return Ok(tokens);
         }
 
-        self.check_writable()?;
+        self.ready_to_fill(corpus)?;
         let made_here = !self.dir.exists();
         self.create(corpus)?;
         let start = Instant::now();

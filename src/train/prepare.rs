@@ -206,6 +206,7 @@ pub(super) fn prepare(
         data_notes: skipped_note(&config.data.corpus, &corpus.skipped)
             .into_iter()
             .chain(table_note(&config.data.corpus))
+            .chain(windows_line_ends_note(&origin.tokenizer))
             .chain(unknown_note)
             .collect(),
         cache: (!corpus.is_tokenized()).then_some(cache),
@@ -323,6 +324,15 @@ pub(super) fn unknown_tokens(
     Ok(Some(format!(
         "note: {unknown} of the corpus's {total} tokens ({share:.2}%) are the unknown token {name:?}: {path} cannot spell some of its text"
     )))
+}
+
+/// The note for a char vocabulary that holds '\r': the corpus has Windows line ends,
+/// and the model learns to write them (a Unix terminal shows each as a stray ^M or a
+/// line overwritten).
+pub(super) fn windows_line_ends_note(tokenizer: &Tokenizer) -> Option<String> {
+    (tokenizer.kind_name() == "char" && tokenizer.unknown_char("\r").is_none()).then(|| {
+        "note: the char vocabulary holds '\\r': the corpus has Windows line ends (\\r\\n), which the model learns to write too; convert them (dos2unix) before training for text with \\n alone".to_string()
+    })
 }
 
 /// The note for a corpus file that is a table (.csv, .tsv): read as the plain text it
