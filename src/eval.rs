@@ -60,34 +60,43 @@ pub fn predicted_bytes(
     Ok(text_bytes.saturating_sub(first))
 }
 
-/// A .jsonl or .parquet file, or a folder of corpus files, read as training reads
-/// them: the documents' `text_field` (the run's data.text_field), separated as in
-/// training. Its token ids and the bytes of text they predict (the documents' bytes,
-/// not the separators', less the first token's); `None` for any other path, a text
-/// read whole.
+/// What `eval --text` scores, read as training reads `data.corpus`: a .jsonl or
+/// .parquet file's documents (`text_field`), a folder's files, a text file (its
+/// byte-order mark dropped), each document separated as in training; streamed in
+/// chunks encoded on every core, with a progress bar. The token ids and the bytes of
+/// text they predict ([`predicted_bytes`]); None for what is read once, whole: standard
+/// input (`-`), a pipe (`<(zcat a.gz)`).
 pub fn documents(
     path: &std::path::Path,
     tokenizer: &crate::tokenizer::Tokenizer,
     text_field: &str,
     stop: &Stop,
 ) -> Result<Option<(Vec<u32>, usize)>> {
-    use crate::corpus::{encode::encode_pieces, Corpus, Format};
-    // A .json file is refused as training refuses it (read as text, its braces and
-    // quotes would be scored).
-    let json = path
-        .extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("json"));
-    if !(json || path.is_dir() || matches!(Format::of(path), Format::Jsonl | Format::Parquet)) {
+    use crate::corpus::{encode::encode, Corpus};
+    let listed = std::fs::metadata(path).is_ok_and(|m| m.is_file() || m.is_dir());
+    if path.as_os_str() == "-" || (path.exists() && !listed) {
         return Ok(None);
     }
-    let corpus = Corpus::open(path, text_field)?;
-    let (mut ids, mut bytes) = (Vec::new(), 0);
-    for (i, chunk) in corpus.chunks().enumerate() {
-        stop.check()?;
-        let pieces = chunk?;
-        bytes += pieces.iter().map(|p| p.text.len()).sum::<usize>();
-        ids.extend(encode_pieces(&pieces, i == 0, tokenizer)?);
+    let corpus = Corpus::open_as(path, text_field, "--text")?;
+    if corpus.is_tokenized() {
+        crate::user_bail!(
+            "--text {} holds token ids (.bin), not text; eval scores text: name the text they came from",
+            path.display()
+        );
     }
+    // Room for the most ids the text can give (a token spells a byte or more, and
+    // documents are separated by one): reserved, not touched, so the ids are never
+    // copied to grow (a copy of a growing Vec holds both for a moment).
+    let most = corpus.bytes() as usize + corpus.files.len();
+    let mut ids = Vec::with_capacity(most);
+    let mut bytes = 0;
+    let bar = crate::util::bars::bytes_bar(corpus.bytes(), "reading --text");
+    encode(&corpus, tokenizer, &bar, stop, |chunk, text| {
+        ids.extend_from_slice(chunk);
+        bytes += text;
+        Ok(())
+    })?;
+    bar.finish_and_clear();
     let predicted = predicted_bytes(tokenizer, &ids, bytes)?;
     Ok(Some((ids, predicted)))
 }
@@ -136,20 +145,27 @@ impl Window {
 }
 
 /// Windows of `block` tokens advancing by half a block over `n` tokens, each scoring
-/// the targets the previous one did not: every target from 1 on exactly once.
-fn windows(n: usize, block: usize) -> Vec<Window> {
+/// the targets the previous one did not: every target from 1 on exactly once. Made as
+/// they are scored (a text of a hundred million tokens has millions of them).
+fn windows(n: usize, block: usize) -> impl Iterator<Item = Window> {
     let stride = (block / 2).max(1);
-    let mut out = Vec::new();
-    let (mut begin, mut first) = (0, 1);
-    loop {
-        let end = (begin + block).min(n);
-        out.push(Window { begin, first, end });
-        if end == n {
-            return out;
-        }
-        first = end;
-        begin += stride;
-    }
+    let mut next = Some(Window {
+        begin: 0,
+        first: 1,
+        end: block.min(n),
+    });
+    std::iter::from_fn(move || {
+        let window = next?;
+        next = (window.end < n).then(|| {
+            let begin = window.begin + stride;
+            Window {
+                begin,
+                first: window.end,
+                end: (begin + block).min(n),
+            }
+        });
+        Some(window)
+    })
 }
 
 /// Scores `ids` (the tokens of a text of `bytes` UTF-8 bytes) with `model`'s weights,
@@ -187,7 +203,7 @@ pub fn window(asked: Option<usize>, block_size: usize, tokens: usize) -> Result<
 /// How scoring `tokens` tokens in windows of `block` builds its engine: as many windows
 /// a call as make about TOKENS_PER_CALL tokens.
 pub fn engine_options(tokens: usize, block: usize) -> EngineOptions {
-    let batch = (TOKENS_PER_CALL / block).clamp(1, windows(tokens, block).len());
+    let batch = (TOKENS_PER_CALL / block).clamp(1, windows(tokens, block).count());
     EngineOptions::f32(batch, true)
 }
 
@@ -353,12 +369,18 @@ fn score_windows(
     mut score: impl FnMut(&[Window]) -> Result<f64>,
 ) -> Result<EvalResult> {
     needs_two_tokens(ids.len())?;
-    let windows = windows(ids.len(), block);
-    progress.set_length(windows.len() as u64);
+    progress.set_length(windows(ids.len(), block).count() as u64);
     let mut total_nll = 0.0f64;
-    for group in windows.chunks(batch) {
+    let mut windows = windows(ids.len(), block);
+    let mut group = Vec::with_capacity(batch);
+    loop {
+        group.clear();
+        group.extend(windows.by_ref().take(batch));
+        if group.is_empty() {
+            break;
+        }
         stop.check()?;
-        total_nll += score(group)?;
+        total_nll += score(&group)?;
         progress.inc(group.len() as u64);
     }
     Ok(EvalResult::of(ids.len(), bytes, total_nll))
@@ -404,7 +426,7 @@ mod tests {
     #[test]
     fn windows_score_every_target_once() {
         for (n, block) in [(2, 8), (8, 8), (9, 8), (50, 8), (51, 7), (5, 2)] {
-            let ws = windows(n, block);
+            let ws: Vec<Window> = windows(n, block).collect();
             let mut scored = Vec::new();
             for (i, w) in ws.iter().enumerate() {
                 assert!(w.end - w.begin <= block && w.begin < w.first && w.first <= w.end);

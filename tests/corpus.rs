@@ -79,7 +79,7 @@ fn streamed(corpus: &Corpus, tk: &Tokenizer, chunk_bytes: usize) -> Vec<u32> {
         chunk_bytes,
         &ProgressBar::hidden(),
         &Stop::new(),
-        |chunk| {
+        |chunk, _| {
             ids.extend_from_slice(chunk);
             Ok(())
         },

@@ -423,7 +423,12 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
         case(
             "eval of an empty file",
             "eval --checkpoint checkpoints/good --text empty.txt",
-            "--text empty.txt is 0 tokens; evaluation needs at least 2",
+            "--text empty.txt is empty; name a text to score",
+        ),
+        case(
+            "eval of one character",
+            "eval --checkpoint checkpoints/good --text one.txt",
+            "--text one.txt is 1 token; evaluation needs at least 2",
         ),
         case(
             "eval of a PNG",

@@ -337,7 +337,7 @@ impl CorpusCache {
         let mut out = AtomicFile::create(&bin)?;
         let (mut tokens, mut max_id) = (0usize, 0u32);
         let mut bytes = Vec::new();
-        let encoded = encode(corpus, tokenizer, &bar, stop, |ids| {
+        let encoded = encode(corpus, tokenizer, &bar, stop, |ids, _| {
             bytes.clear();
             for &id in ids {
                 if width == 2 {

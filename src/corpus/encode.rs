@@ -13,15 +13,15 @@ use crate::error::user_error;
 use crate::tokenizer::Tokenizer;
 use crate::util::Stop;
 
-/// Encodes `corpus`, calling `sink` with each chunk's ids in order; `progress` advances
-/// through the corpus's bytes. Gives up (`Stopped`) between waves of chunks (a few MB)
+/// Encodes `corpus`, calling `sink` with each chunk's ids in order and the bytes of text
+/// they spell; `progress` advances through the corpus's bytes. Gives up (`Stopped`) between waves of chunks (a few MB)
 /// once `stop` asks.
 pub fn encode(
     corpus: &Corpus,
     tokenizer: &Tokenizer,
     progress: &ProgressBar,
     stop: &Stop,
-    sink: impl FnMut(&[u32]) -> Result<()>,
+    sink: impl FnMut(&[u32], usize) -> Result<()>,
 ) -> Result<()> {
     encode_in_chunks(corpus, tokenizer, super::CHUNK_BYTES, progress, stop, sink)
 }
@@ -33,7 +33,7 @@ pub fn encode_in_chunks(
     chunk_bytes: usize,
     progress: &ProgressBar,
     stop: &Stop,
-    mut sink: impl FnMut(&[u32]) -> Result<()>,
+    mut sink: impl FnMut(&[u32], usize) -> Result<()>,
 ) -> Result<()> {
     let separator = Separator::of(tokenizer);
     let wave = 4 * rayon::current_num_threads();
@@ -53,8 +53,8 @@ pub fn encode_in_chunks(
                     .map_err(|e| name_the_corpus(e, pieces, corpus, tokenizer))
             })
             .collect();
-        for ids in encoded {
-            sink(&ids?)?;
+        for (ids, pieces) in encoded.into_iter().zip(&batch) {
+            sink(&ids?, pieces.iter().map(|p| p.text.len()).sum())?;
         }
         first = false;
         progress.set_position(chunks.position());

@@ -20,12 +20,15 @@ pub struct JsonlFile {
     /// text (writers leave out a null field), not a wrong data.text_field.
     field_seen: bool,
     bytes_read: u64,
+    /// Where the user named the file (`data.corpus`, `--text`).
+    setting: &'static str,
 }
 
 impl JsonlFile {
-    pub fn open(path: &Path, field: &str) -> Result<Self> {
+    pub fn open(path: &Path, field: &str, setting: &'static str) -> Result<Self> {
         let file = super::open_file(path)?;
         Ok(Self {
+            setting,
             path: path.to_path_buf(),
             reader: BufReader::with_capacity(1 << 20, file),
             buffer: Vec::new(),
@@ -72,7 +75,7 @@ impl Pieces for JsonlFile {
                             &self.path,
                             start,
                             (line_start + bad as u64, self.buffer[bad]),
-                            "data.corpus"
+                            self.setting
                         )
                     )));
                 }

@@ -130,6 +130,9 @@ pub struct Corpus {
     /// that lead nowhere (hidden names aside). Training names them in a note.
     pub skipped: Vec<PathBuf>,
     text_field: String,
+    /// Where the user named it, for messages that say what to name instead:
+    /// `data.corpus`, or `--text` (eval).
+    setting: &'static str,
 }
 
 /// A run of one document's text; `new_document` marks a document's first piece.
@@ -186,6 +189,12 @@ trait Pieces {
 impl Corpus {
     /// Lists the corpus's files; `text_field` names the text in jsonl and parquet files.
     pub fn open(path: &Path, text_field: &str) -> Result<Self> {
+        Self::open_as(path, text_field, "data.corpus")
+    }
+
+    /// [`Corpus::open`] of a corpus the user named in `setting` (`--text`): what is
+    /// refused as it is read says what to name instead there.
+    pub fn open_as(path: &Path, text_field: &str, setting: &'static str) -> Result<Self> {
         let meta = fs::metadata(path).map_err(|e| {
             // A relative path is the current folder's, not the config file's: said,
             // as a config run from another folder is the likeliest cause.
@@ -297,16 +306,23 @@ impl Corpus {
             skipped.sort();
         }
         if files.iter().all(|f| f.bytes == 0) {
-            user_bail!(
-                "corpus {} is empty; it needs some text to train on",
-                path.display()
-            );
+            match setting {
+                "data.corpus" => user_bail!(
+                    "corpus {} is empty; it needs some text to train on",
+                    path.display()
+                ),
+                _ => user_bail!(
+                    "{setting} {} is empty; name a text to score",
+                    path.display()
+                ),
+            }
         }
         Ok(Self {
             path: path.to_path_buf(),
             files,
             skipped,
             text_field: text_field.to_string(),
+            setting,
         })
     }
 
@@ -403,8 +419,12 @@ impl Corpus {
 
     fn open_file(&self, file: &CorpusFile, chunk_bytes: usize) -> Result<Box<dyn Pieces + Send>> {
         Ok(match file.format {
-            Format::Text => Box::new(text::TextFile::open(&file.path, chunk_bytes)?),
-            Format::Jsonl => Box::new(jsonl::JsonlFile::open(&file.path, &self.text_field)?),
+            Format::Text => Box::new(text::TextFile::open(&file.path, chunk_bytes, self.setting)?),
+            Format::Jsonl => Box::new(jsonl::JsonlFile::open(
+                &file.path,
+                &self.text_field,
+                self.setting,
+            )?),
             Format::Parquet => {
                 Box::new(parquet::ParquetFile::open(&file.path, &self.text_field)?)
             }

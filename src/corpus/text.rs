@@ -23,12 +23,15 @@ pub struct TextFile {
     started: bool,
     at_end: bool,
     chunk_bytes: usize,
+    /// Where the user named the file (`data.corpus`, `--text`).
+    setting: &'static str,
 }
 
 impl TextFile {
-    pub fn open(path: &Path, chunk_bytes: usize) -> Result<Self> {
+    pub fn open(path: &Path, chunk_bytes: usize, setting: &'static str) -> Result<Self> {
         let file = super::open_file(path)?;
         Ok(Self {
+            setting,
             path: path.to_path_buf(),
             file,
             pending: Vec::with_capacity(chunk_bytes),
@@ -72,7 +75,8 @@ impl Pieces for TextFile {
             if self.started && self.pending.is_empty() {
                 return Ok(None);
             }
-            let valid = valid_prefix(&self.pending, self.at_end, &self.path, self.offset)?;
+            let at = (self.path.as_path(), self.offset, self.setting);
+            let valid = valid_prefix(&self.pending, self.at_end, at)?;
             let cut = if self.at_end {
                 valid.len()
             } else {
@@ -105,7 +109,11 @@ impl Pieces for TextFile {
 
 /// The valid UTF-8 prefix of `bytes` (read from `path` at `offset`); a character split
 /// by the last read waits for its other bytes, unless the file has ended.
-fn valid_prefix<'a>(bytes: &'a [u8], at_end: bool, path: &Path, offset: u64) -> Result<&'a str> {
+fn valid_prefix<'a>(
+    bytes: &'a [u8],
+    at_end: bool,
+    (path, offset, setting): (&Path, u64, &str),
+) -> Result<&'a str> {
     match std::str::from_utf8(bytes) {
         Ok(text) => Ok(text),
         Err(e) if e.error_len().is_none() && !at_end => {
@@ -117,9 +125,13 @@ fn valid_prefix<'a>(bytes: &'a [u8], at_end: bool, path: &Path, offset: u64) -> 
             let bad = offset + e.valid_up_to() as u64;
             let invalid = bytes[e.valid_up_to()];
             Err(user_error(format!(
-                "corpus file {} {}",
+                "{} {} {}",
+                match setting {
+                    "data.corpus" => "corpus file",
+                    other => other,
+                },
                 path.display(),
-                not_text(path, start, (bad, invalid), "data.corpus")
+                not_text(path, start, (bad, invalid), setting)
             )))
         }
     }
