@@ -68,7 +68,11 @@ impl Pieces for JsonlFile {
                         &[]
                     };
                     return Err(user_error(format!(
-                        "corpus file {} (line {}) {}",
+                        "{} {} (line {}) {}",
+                        match self.setting {
+                            "data.corpus" => "corpus file",
+                            other => other,
+                        },
                         self.path.display(),
                         self.line,
                         super::text::not_text(

@@ -2,9 +2,10 @@
 //!
 //! Decoding one token reads every weight once, so its speed is the speed of reading
 //! them: the matrices may be held in bf16 (half the bytes, each weight widened to f32
-//! as it is read), in eight bits (`cpu::q8`, a quarter) or in four (`cpu::q4`, under a
-//! sixth), everything else (norms,
-//! biases, position tables) stays f32. The token embedding is the tied output layer, a
+//! as it is read), in eight bits (`cpu::q8_matrix`, 34 bytes a block of 32: about a
+//! quarter) or in four (`cpu::q4`, 18 bytes a block: about a seventh); the activations
+//! they multiply are quantized by `cpu::q8`. Everything else (norms, biases, position
+//! tables) stays f32. The token embedding is the tied output layer, a
 //! matrix like the others: a token's input vector is its row read back in f32.
 //!
 //! Where the weights come from is `Values`: copies in memory, or the f32 tensors of a
@@ -153,7 +154,7 @@ impl Values {
 
     /// The values copied into `Lines` (on huge pages where the kernel lends them, which
     /// a token's f32 products read 7% faster than the mapped file's 4 KiB pages:
-    /// PERFORMANCE.md), a slice at a time on both cores (most of the time is the
+    /// PERFORMANCE.md), a slice at a time over the pool's threads (most of the time is the
     /// kernel's, clearing the new pages), each slice's pages given back to the file once
     /// copied. Copies are returned as they are.
     pub fn copied(self) -> Self {
@@ -161,6 +162,7 @@ impl Values {
             return self;
         }
         let mut lines = Lines::zeroed(self.len());
+        // 4 MiB of f32 a task: enough to amortise a task, small enough to spread.
         const SLICE: usize = 1 << 20;
         lines
             .par_chunks_mut(SLICE)
@@ -512,9 +514,9 @@ fn convert_rows(w: &Values, d_out: usize, d_in: usize, mut convert: impl FnMut(u
 }
 
 /// out = x Wᵀ + bias from W in eight or four bits, for every row of x (each quantized
-/// once).
-/// The outputs are shared out over the threads and each thread takes every row, so a
-/// weight is read from memory once per call, whatever the number of rows.
+/// once). The outputs are shared out over the threads and each thread takes every row,
+/// in L2-sized chunks (`grouped::x_rows_per_chunk`): a weight is read from memory once
+/// per chunk, so once for a decoding step and a few times for a long prompt's pass.
 fn project_quantized<F: Format>(
     w: &Grouped<F>,
     bias: Option<&[f32]>,

@@ -256,14 +256,6 @@ impl KvCache {
         (s.n_layer * batch * s.block_size * precision.row_bytes(s)) as f64
     }
 
-    pub fn precision(&self) -> KvPrecision {
-        match self {
-            Self::F32(_) => KvPrecision::F32,
-            Self::Bf16(_) => KvPrecision::Bf16,
-            Self::Int8(_) => KvPrecision::Int8,
-        }
-    }
-
     /// Stores the key and value heads of each row of `qkv` (q, k, v side by side, as
     /// the attention's input product gives them) at its (sequence, position).
     pub fn store(&mut self, layer: usize, qkv: &[f32], s: &Shapes, places: &[Place]) {
@@ -292,7 +284,7 @@ impl KvCache {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::cpu::decode::attend;
+    use crate::cpu::cached_attention::attend;
 
     /// `qkv` with each key and value head replaced by the numbers an int8 cache holds
     /// for it (its integers times its scale).

@@ -14,6 +14,7 @@ mod accelerate;
 #[cfg(target_arch = "x86_64")]
 pub mod amx;
 pub mod bf16;
+pub mod cached_attention;
 pub mod decode;
 pub mod decode_weights;
 pub mod engine;

@@ -1,6 +1,6 @@
 //! A prompt's attention as matrix products.
 //!
-//! Decoding attends one position at a time (`decode::attend`): its query against every
+//! Decoding attends one position at a time (`cached_attention::attend`): its query against every
 //! cached key, one dot product per key and head. A prompt has many positions of one
 //! sequence in the same pass, and there that way reads the sequence's whole cache once
 //! per position and spends as much on folding each short dot product as on the
@@ -207,7 +207,7 @@ fn widen_head<T: Widen>(into: &mut [f32], rows: &[T], s: &Shapes, seq: usize, kv
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::cpu::decode::attend;
+    use crate::cpu::cached_attention::attend;
     use crate::cpu::kv_cache::{KvCache, KvPrecision};
     use crate::cpu::weight_rows::Bf16;
 

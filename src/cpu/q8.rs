@@ -1,5 +1,6 @@
-//! Eight-bit blocks as llama.cpp's `q8_0` holds them: values in blocks of 32, each
-//! block its int8 values and one f32 scale (the block's largest magnitude / 127). A
+//! Eight-bit blocks in llama.cpp's `q8_0` layout: values in blocks of 32, each block
+//! its int8 values and one scale (the block's largest magnitude / 127), kept here in
+//! f32 where q8_0, and our weights' blocks (`q8_matrix`), round it to f16. A
 //! token's activations are quantized so ([`Q8Row`]) before a product with int8 or int4
 //! weights, so a block's dot product is 32 integer multiplications summed exactly,
 //! scaled once. The weights themselves are in `grouped` (int8: `q8_matrix`, int4:

@@ -157,8 +157,7 @@ impl CudaDecoder {
         let by_partials = (1 << 26) / partials(batch);
         let chunk = (MAX_ROWS / batch).min(by_partials).clamp(1, s.block_size);
         let rows = batch * chunk;
-        // Rows of logits a pass can give: one per sequence, more for a scored prompt.
-        let outputs = batch.max(crate::cpu::decode::OUTPUT_ROWS).min(rows);
+        let outputs = crate::cpu::decode::outputs_per_pass(batch, rows);
         let zeros = |len: usize| Buf::<f32>::zeros(&gpu, len);
         let tables = PositionTables::new(&gpu, spec)?;
         let cache = batch * s.block_size * s.kv_width;

@@ -80,7 +80,6 @@ pub enum Event {
     Done {
         choice: usize,
         finish: Finish,
-        prompt_tokens: usize,
         completion_tokens: usize,
     },
     /// The request cannot go on (it had already begun, or the server is stopping).
@@ -205,7 +204,6 @@ struct Sequence<'t> {
     logprobs: Option<usize>,
     /// Prompt positions still to be scored (`Job::score_prompt`): those below it.
     scoring: usize,
-    prompt_tokens: usize,
     max_tokens: usize,
     /// The tokens the next logits are conditioned on; the first `cached` are in the
     /// slot's K/V buffers, the rest run in the next pass.
@@ -386,7 +384,6 @@ impl<'m, 't> Batcher<'m, 't> {
                 } else {
                     0
                 },
-                prompt_tokens: prompt.len(),
                 max_tokens: job.max_tokens,
                 window: prompt.clone(),
                 cached: 0,
@@ -681,7 +678,6 @@ impl<'m, 't> Batcher<'m, 't> {
         let _ = events.send(Event::Done {
             choice: seq.choice,
             finish,
-            prompt_tokens: seq.prompt_tokens,
             completion_tokens: seq.generated,
         });
         if request.running == 0 {

@@ -2,10 +2,13 @@
 //!
 //! Two halves meet at a channel. The HTTP side (axum on tokio: `routes`) checks each
 //! request (`openai`, `chat`), tokenizes it and hands a [`batcher::Job`] over; errors
-//! are 4xx with OpenAI's error JSON (`error`), decided before any stream opens. The
+//! are OpenAI's error JSON (`error`): 4xx for a request's mistakes, 503 while the model
+//! loads, when the queue is full or when the server is stopping, decided before any
+//! stream opens. The
 //! decoding side (`batcher`) is one thread that owns the model and decodes every
 //! running request together, token by token (continuous batching), sending each
-//! request its text as it is decoded. `metrics` counts for `/metrics`; `runs` reads
+//! request its text as it is decoded. `conn` holds connections to their deadlines and
+//! to --max-connections; `metrics` counts for `/metrics`; `runs` reads
 //! run folders for the page's dashboard; `page` is the page itself; `log` writes one
 //! stderr line per request.
 //!

@@ -299,13 +299,17 @@ struct TokenizeRequest {
     with_pieces: bool,
 }
 
-/// Tokenizes on a blocking thread (a long text must not hold up `/health`), at most
-/// two texts at once, and writes the answer as one string (no JSON value per token):
-/// memory for a 1 MiB text is a few times its size, given back after.
+/// The fields /tokenize takes (llama.cpp's content, vLLM's prompt).
 impl Fields for TokenizeRequest {
     const FIELDS: &'static [&'static [&'static str]] = &[&["content", "prompt", "with_pieces"]];
 }
 
+/// Texts past 64 KiB leave MiBs in glibc's free lists once tokenized: given back after.
+const GIVE_BACK_AFTER_BYTES: usize = 1 << 16;
+
+/// Tokenizes on a blocking thread (a long text must not hold up `/health`), at most
+/// two texts at once, and writes the answer as one string (no JSON value per token):
+/// memory for a 1 MiB text is a few times its size, given back after.
 async fn tokenize(
     State(state): State<Shared>,
     ApiJson(request): ApiJson<TokenizeRequest>,
@@ -326,7 +330,7 @@ async fn tokenize(
         .await
         .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping"))?;
     let tokenizer = Arc::clone(&ready.tokenizer);
-    let large = content.len() > 1 << 16;
+    let large = content.len() > GIVE_BACK_AFTER_BYTES;
     let body = tokio::task::spawn_blocking(move || -> Result<String, ApiError> {
         let ids = tokenizer
             .encode(&content)

@@ -693,6 +693,9 @@ pub async fn sample(
         } else {
             tokenizer.encode(&prompt_text)?
         };
+        // A sample of a run as `generate` draws it: a prompt longer than the context
+        // keeps its last tokens. (The API refuses one instead, as OpenAI's does: a
+        // client there asked for exactly that prompt.)
         if prompt.len() > block {
             prompt.drain(..prompt.len() - block);
         }
