@@ -29,6 +29,18 @@ impl ApiError {
         }
     }
 
+    /// 503: the server is stopping (Ctrl-C, SIGTERM); a client may retry elsewhere.
+    pub fn stopping() -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping")
+    }
+
+    /// The error the decoding thread failed a request with (`Event::Failed`'s status,
+    /// 503 where it is not one).
+    pub fn failed(status: u16, message: impl Into<String>) -> Self {
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+        Self::new(status, message)
+    }
+
     /// 400: the request asks for something this server cannot give.
     pub fn invalid(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, message)

@@ -328,7 +328,7 @@ async fn tokenize(
     let _turn = TOKENIZING
         .acquire()
         .await
-        .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping"))?;
+        .map_err(|_| ApiError::stopping())?;
     let tokenizer = Arc::clone(&ready.tokenizer);
     let large = content.len() > GIVE_BACK_AFTER_BYTES;
     let body = tokio::task::spawn_blocking(move || -> Result<String, ApiError> {
@@ -519,10 +519,7 @@ fn submit(
         metrics
             .queued
             .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-        return Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the server is stopping",
-        ));
+        return Err(ApiError::stopping());
     }
     Ok(received)
 }
@@ -759,12 +756,9 @@ impl Reply {
             // answered with its error's status, not a 200 with the error inside.
             match self.events.recv().await {
                 Some(Event::Failed { status, message }) => {
-                    let status =
-                        StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
-                    ApiError::new(status, message).into_response()
+                    ApiError::failed(status, message).into_response()
                 }
-                None => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping")
-                    .into_response(),
+                None => ApiError::stopping().into_response(),
                 Some(first) => {
                     self.held = Some(first);
                     axum::response::sse::Sse::new(self.into_stream())
@@ -821,16 +815,9 @@ impl Reply {
                         .set_completion(self.completion_tokens(), self.all_done());
                 }
                 Some(Event::Failed { status, message }) => {
-                    let status =
-                        StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
-                    return Err(ApiError::new(status, message));
+                    return Err(ApiError::failed(status, message));
                 }
-                None => {
-                    return Err(ApiError::new(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "the server is stopping",
-                    ))
-                }
+                None => return Err(ApiError::stopping()),
             }
         }
         let choices: Vec<Value> = self
@@ -968,14 +955,12 @@ impl Reply {
                 }
             }
             Some(Event::Failed { status, message }) => {
-                let status =
-                    StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
-                out.push(Sse::default().data(ApiError::new(status, message).body().to_string()));
+                let error = ApiError::failed(status, message);
+                out.push(Sse::default().data(error.body().to_string()));
                 self.ended = true;
             }
             None => {
-                let error =
-                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping");
+                let error = ApiError::stopping();
                 out.push(Sse::default().data(error.body().to_string()));
                 self.ended = true;
             }

@@ -372,10 +372,7 @@ fn read_state(dir: &Path, real: &Path) -> Option<Value> {
 /// validation loss, speed), and whether it has a checkpoint to sample.
 pub async fn list(State(state): State<Shared>) -> Result<Json<Value>, ApiError> {
     let (root, real) = root_of(&state)?;
-    let _turn = READING
-        .acquire()
-        .await
-        .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping"))?;
+    let _turn = READING.acquire().await.map_err(|_| ApiError::stopping())?;
     let shared = Arc::clone(&state);
     let listed = tokio::task::spawn_blocking(move || {
         let dirs = run_folders(&root, &real);
@@ -526,10 +523,7 @@ pub async fn metrics(
             ))
         }
     };
-    let _turn = READING
-        .acquire()
-        .await
-        .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping"))?;
+    let _turn = READING.acquire().await.map_err(|_| ApiError::stopping())?;
     type Read = (u64, String, Lines, Vec<Value>);
     let read = tokio::task::spawn_blocking(move || -> std::io::Result<Read> {
         let mut file = match File::open(&path) {
@@ -669,7 +663,7 @@ pub async fn sample(
     let _turn = ONE_AT_A_TIME
         .acquire()
         .await
-        .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping"))?;
+        .map_err(|_| ApiError::stopping())?;
     let stop = state.stop.clone();
     let (seed, prompt_text) = (settings.seed, request.prompt);
     let root = runs_dir(&state)?.clone();
