@@ -227,6 +227,10 @@ fn cache_folder(dir: &Path, uses: &[RunUse]) -> Result<CacheFolder> {
                 .map(|u| u.run.clone())
                 .collect();
             ("ids", runs)
+        } else if crate::corpus::cache::is_unfinished_write(&name) {
+            // A write a killed process never finished (the folder is in use while
+            // one is under way): nothing reads it.
+            ("unfinished write", Vec::new())
         } else {
             continue;
         };
@@ -329,6 +333,7 @@ pub fn removals(inv: &Inventory, older_than: Option<Duration>, now: SystemTime) 
                 bytes: file.bytes,
                 why: match file.kind {
                     "ids" => "no run uses these ids".to_string(),
+                    "unfinished write" => "a write its process never finished (killed)".to_string(),
                     kind => format!("no run uses this {kind}"),
                 },
             });

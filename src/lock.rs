@@ -57,7 +57,7 @@ impl RunLock {
                 }
                 Err(e) => return Err(e).with_context(|| format!("creating {}", path.display())),
             };
-            match file.try_lock() {
+            match try_lock_awhile(&file) {
                 Ok(()) => {
                     if !names_this_file(&path, &file) {
                         continue;
@@ -301,6 +301,24 @@ fn just_created(path: &Path) -> bool {
         })
 }
 
+/// The file's lock, waiting up to [`EXIT_GRACE`] while another process holds it: a
+/// trainer killed a moment ago (`kill -9`, a job's time limit) holds its lock until the
+/// kernel has closed its files, and a retry loop restarting it at once was refused.
+fn try_lock_awhile(file: &fs::File) -> Result<(), fs::TryLockError> {
+    let deadline = std::time::Instant::now() + EXIT_GRACE;
+    loop {
+        match file.try_lock() {
+            Err(fs::TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// How long a lock held by another process is waited for before it counts as in use.
+const EXIT_GRACE: std::time::Duration = std::time::Duration::from_millis(1000);
+
 impl Drop for RunLock {
     fn drop(&mut self) {
         if self.remove {
@@ -384,6 +402,18 @@ mod tests {
         drop(first);
         assert_eq!(path.exists(), cfg!(not(unix)));
         drop(RunLock::acquire(dir.path()).unwrap());
+
+        // A holder letting go within the grace (a killed trainer still exiting) is
+        // waited for, not refused.
+        let held = RunLock::acquire(dir.path()).unwrap();
+        let letting_go = std::thread::spawn(move || {
+            std::thread::sleep(EXIT_GRACE / 4);
+            drop(held);
+        });
+        let waited = std::time::Instant::now();
+        drop(RunLock::acquire(dir.path()).unwrap());
+        assert!(waited.elapsed() >= EXIT_GRACE / 4 && waited.elapsed() < EXIT_GRACE);
+        letting_go.join().unwrap();
     }
 
     #[test]

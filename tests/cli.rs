@@ -1214,6 +1214,25 @@ fn the_cache_is_listed_and_pruned_by_use() {
     let left: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(left["removals"].as_array().unwrap().len(), 0, "{left:#}");
 
+    // The temporary file of a write a killed trainer never finished (kill -9 while it
+    // encoded: as big as the ids) is pruned, and the next run on the folder removes it
+    // (it was left for ever).
+    let char_cache = std::fs::read_dir(d.join("cache"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.join("tokenizer-char.json").exists())
+        .unwrap();
+    let unfinished = char_cache.join(".tokens-0123456789abcdef.bin.tmp4000000");
+    std::fs::write(&unfinished, [0u8; 4096]).unwrap();
+    let plan = String::from_utf8_lossy(&succeeds(d, &["cache", "prune"]).stdout).into_owned();
+    assert!(
+        plan.contains(".tokens-0123456789abcdef.bin.tmp4000000")
+            && plan.contains("a write its process never finished"),
+        "{plan}"
+    );
+    succeeds(d, &train_args(&[], &["run.name=fresh"]));
+    assert!(!unfinished.exists(), "the next run removed it");
+
     // Read long ago: --older-than takes it, used or not; training makes it again.
     let cache = d.join("cache");
     let folder = std::fs::read_dir(&cache)

@@ -204,6 +204,12 @@ impl CorpusCache {
                 .truncate(false)
                 .open(&path);
             let Ok(file) = open else { return };
+            // Alone with the folder (no other process holds it), the files of writes a
+            // killed process never finished go: an encoding cut short by kill -9 left
+            // its ids' temporary file, as big as the ids, for ever.
+            if file.try_lock().is_ok() {
+                remove_unfinished_writes(&self.dir);
+            }
             if file.lock_shared().is_err() {
                 return;
             }
@@ -410,6 +416,27 @@ pub struct Manifest {
     pub corpus: PathBuf,
     pub text_field: String,
     pub files: Vec<super::CorpusFile>,
+}
+
+/// Whether `name` is the temporary file of a write in progress or never finished
+/// ([`AtomicFile`]: `.<name>.tmp<pid>`).
+pub fn is_unfinished_write(name: &str) -> bool {
+    name.starts_with('.')
+        && name
+            .rsplit_once(".tmp")
+            .is_some_and(|(_, pid)| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Removes the unfinished writes in `dir`; call only while no other process holds it.
+fn remove_unfinished_writes(dir: &Path) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        if is_unfinished_write(&entry.file_name().to_string_lossy()) {
+            let _ = fs::remove_file(entry.path());
+        }
+    }
 }
 
 /// Where the cache folders of the corpus at `corpus` go: `cache_dir`, or `cache`
