@@ -135,6 +135,44 @@ impl Curves {
 
 /// Draws train and val loss against step, with the learning rate on a second axis.
 pub fn loss_curve(metrics: &Path, out: &Path, title: &str) -> Result<()> {
+    drawn_atomically(out, |drawing| draw_loss_curve(metrics, drawing, title))
+}
+
+/// Draws a picture into a file beside `out` and renames it over `out`: a viewer open on
+/// it never reads half a picture, and a draw that fails (a full disk) leaves neither a
+/// truncated `out` nor its temporary file. A file that cannot be written is the user's
+/// to fix: one line naming it.
+fn drawn_atomically(out: &Path, draw: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let name = out.file_name().unwrap_or_default().to_string_lossy();
+    // Ends in .png: the backend encodes by the extension.
+    let drawing = out.with_file_name(format!(".{name}.tmp{}.png", std::process::id()));
+    let drawn = draw(&drawing).and_then(|()| {
+        std::fs::rename(&drawing, out).with_context(|| format!("renaming onto {}", out.display()))
+    });
+    let Err(e) = drawn else {
+        return Ok(());
+    };
+    let _ = std::fs::remove_file(&drawing);
+    let said = format!("{e:#}");
+    let cause = [
+        "No space left on device",
+        "Permission denied",
+        "Read-only file system",
+        "Disk quota exceeded",
+    ]
+    .into_iter()
+    .find(|cause| said.contains(cause));
+    Err(match cause {
+        Some(cause) => crate::error::user_error(format!(
+            "cannot write {}: {cause}; free space there or name another file (--out)",
+            out.display()
+        )),
+        None => e,
+    })
+}
+
+/// [`loss_curve`] drawn into `out` as it is.
+fn draw_loss_curve(metrics: &Path, out: &Path, title: &str) -> Result<()> {
     let bytes = std::fs::read(metrics)
         .map_err(|e| crate::error::user_error(format!("cannot read {}: {e}", metrics.display())))?;
     // Damaged lines (not UTF-8, not JSON) are passed over: the rest still draw.
@@ -261,6 +299,19 @@ pub fn comparison(
     out: &Path,
     title: &str,
 ) -> Result<()> {
+    drawn_atomically(out, |drawing| {
+        draw_comparison(runs, x_label, drawing, title)
+    })
+}
+
+/// [`comparison`] drawn into `out` as it is.
+#[allow(clippy::type_complexity)]
+fn draw_comparison(
+    runs: &[(String, Vec<(f64, f64)>, Vec<(f64, f64)>)],
+    x_label: &str,
+    out: &Path,
+    title: &str,
+) -> Result<()> {
     let points = || runs.iter().flat_map(|r| r.1.iter().chain(&r.2));
     if points().next().is_none() {
         user_bail!("none of the runs has losses to plot yet");
@@ -381,6 +432,18 @@ pub fn attention_grid(
     heads: &[usize],
     out: &Path,
 ) -> Result<()> {
+    drawn_atomically(out, |drawing| {
+        draw_attention_grid(maps, layers, heads, drawing)
+    })
+}
+
+/// [`attention_grid`] drawn into `out` as it is.
+fn draw_attention_grid(
+    maps: &AttentionMaps,
+    layers: &[usize],
+    heads: &[usize],
+    out: &Path,
+) -> Result<()> {
     register_font();
     let t = maps.tokens.len();
     let (rows, cols) = (layers.len(), heads.len());
@@ -492,22 +555,41 @@ pub fn run_loss_curve(run_dir: &Path) -> Result<std::path::PathBuf> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    // Drawn beside it and renamed over it: a viewer open on a live run's curve never
-    // reads half a picture (a killed draw's file is a run folder's temp file).
-    let drawing = run_dir.join(".loss.tmp.png");
-    loss_curve(
-        &run_dir.join(crate::checkpoint::METRICS_FILE),
-        &drawing,
-        &title,
-    )
-    .and_then(|()| Ok(std::fs::rename(&drawing, &out)?))
-    .with_context(|| format!("plotting {}", out.display()))?;
+    // Drawn beside it and renamed over it (a killed draw's file is a run folder's temp
+    // file, removed at the next resume).
+    loss_curve(&run_dir.join(crate::checkpoint::METRICS_FILE), &out, &title)
+        .with_context(|| format!("plotting {}", out.display()))?;
     Ok(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A picture lands whole or not at all: a draw that fails for want of space leaves
+    /// no file and says so in one user's line; one that works replaces the old picture.
+    #[test]
+    fn a_picture_is_written_whole_or_not_at_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("p.png");
+        std::fs::write(&out, b"old").unwrap();
+        let full = drawn_atomically(&out, |drawing| {
+            std::fs::write(drawing, b"half").unwrap();
+            anyhow::bail!("backend error: IoError(No space left on device (os error 28))")
+        })
+        .unwrap_err();
+        assert!(crate::error::find_user_error(&full).is_some(), "{full:#}");
+        assert!(
+            format!("{full}").contains("cannot write") && format!("{full}").contains("(--out)"),
+            "{full}"
+        );
+        let files: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(files.len(), 1, "the temporary file is gone");
+        assert_eq!(std::fs::read(&out).unwrap(), b"old");
+        drawn_atomically(&out, |drawing| Ok(std::fs::write(drawing, b"new")?)).unwrap();
+        assert_eq!(std::fs::read(&out).unwrap(), b"new");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
 
     #[test]
     fn a_token_that_is_part_of_a_character_is_labelled_by_its_bytes() {
