@@ -181,6 +181,38 @@ pub struct RunDir {
     path: PathBuf,
 }
 
+/// What to do about a checkpoint file that is not there (`why`: the system's words).
+pub fn missing_file(path: &Path, why: &str) -> String {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let run = path.parent().unwrap_or(Path::new(".")).display();
+    match name.as_ref() {
+        // Only the optimizer's moments are gone: the weights still start a new run.
+        OPTIMIZER_FILE => format!(
+            "{}: {why}; the checkpoint cannot resume without it: restore it, or start a new run from its weights (--set train.init_from={run:?} --set run.name=...)",
+            path.display()
+        ),
+        _ => format!(
+            "{}: {why}; the checkpoint is incomplete: restore the file from a copy of the run folder",
+            path.display()
+        ),
+    }
+}
+
+/// What to do about a checkpoint file whose bytes are not the ones state.json recorded.
+pub fn changed_file(path: &Path) -> String {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    match name.as_ref() {
+        CONFIG_FILE => format!(
+            "{} was edited since the checkpoint was written (it no longer matches state.json): undo the edit, and give changed settings on the command line instead (train --resume --set train.lr=...)",
+            path.display()
+        ),
+        _ => format!(
+            "{} does not match the size/sha256 recorded in state.json: the file is truncated or was changed; restore it from a copy of the run folder",
+            path.display()
+        ),
+    }
+}
+
 impl RunDir {
     pub fn new(path: impl Into<PathBuf>) -> Self {
         Self { path: path.into() }
@@ -409,11 +441,8 @@ impl RunDir {
             }
         }
         match read {
-            Err(e) => user_bail!("{}: {e}; the checkpoint is incomplete", path.display()),
-            Ok(_) => user_bail!(
-                "{} does not match the size/sha256 recorded in state.json: the file is truncated or was changed; restore it or retrain",
-                path.display()
-            ),
+            Err(e) => user_bail!("{}", missing_file(&path, &e.to_string())),
+            Ok(_) => user_bail!("{}", changed_file(&path)),
         }
     }
 

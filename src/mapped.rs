@@ -204,8 +204,8 @@ fn open_model_file(run: &RunDir, state: &TrainState) -> Result<(PathBuf, fs::Fil
         (Some(file), None) => (path, file),
         (None, Some(file)) => (next, file),
         (Some(mut file), Some(next_file)) => {
-            let matches = sha256_hex_of_reader(&file)
-                .is_ok_and(|(sha256, _)| sha256 == digest.sha256);
+            let matches =
+                sha256_hex_of_reader(&file).is_ok_and(|(sha256, _)| sha256 == digest.sha256);
             if matches {
                 file.seek(SeekFrom::Start(0))
                     .map_err(|e| crate::error::user_error(format!("{}: {e}", path.display())))?;
@@ -215,12 +215,9 @@ fn open_model_file(run: &RunDir, state: &TrainState) -> Result<(PathBuf, fs::Fil
             }
         }
         (None, None) if !path.exists() => {
-            user_bail!("{}: not found; the checkpoint is incomplete", path.display())
+            user_bail!("{}", crate::checkpoint::missing_file(&path, "not found"))
         }
-        (None, None) => user_bail!(
-            "{} does not match the size/sha256 recorded in state.json: the file is truncated or was changed; restore it or retrain",
-            path.display()
-        ),
+        (None, None) => user_bail!("{}", crate::checkpoint::changed_file(&path)),
     };
     Ok((chosen, file, digest.clone()))
 }
@@ -284,10 +281,7 @@ fn verify(run: &RunDir, path: &Path, file: &fs::File, digest: FileDigest) -> Ver
             crate::error::user_error(format!("cannot read {}: {e}", path.display()))
         })?;
         if size != digest.size || sha256 != digest.sha256 {
-            user_bail!(
-                "{} does not match the size/sha256 recorded in state.json: the file is truncated or was changed; restore it or retrain",
-                path.display()
-            );
+            user_bail!("{}", crate::checkpoint::changed_file(&path));
         }
         // Noted for next time, if the folder can be written; nothing depends on it.
         if let Some(now) = now {

@@ -710,6 +710,24 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
             },
         ),
         with(
+            "config.toml edited by hand",
+            "info --checkpoint checkpoints/bad",
+            "config.toml was edited since the checkpoint was written (it no longer matches state.json): undo the edit, and give changed settings on the command line instead (train --resume --set train.lr=...)",
+            |d| {
+                let p = bad_copy(d).join("config.toml");
+                let text = std::fs::read_to_string(&p).unwrap();
+                std::fs::write(&p, text.replacen("lr = ", "lr = 1", 1)).unwrap();
+            },
+        ),
+        with(
+            "optimizer.safetensors missing on resume",
+            &format!("{t} --set run.name=bad --set train.max_iters=6 --resume"),
+            "the checkpoint cannot resume without it: restore it, or start a new run from its weights (--set train.init_from=",
+            |d| {
+                std::fs::remove_file(bad_copy(d).join("optimizer.safetensors")).unwrap();
+            },
+        ),
+        with(
             "truncated safetensors",
             "info --checkpoint checkpoints/bad",
             "sha256",
