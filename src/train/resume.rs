@@ -101,9 +101,26 @@ impl Resumed<'_> {
             .filter(|&step| step > 0 && now > learning_rate(step, saved) * 1.01)
             .map(|step| learning_rate(step - 1, saved));
         if let Some(before) = before.filter(|&b| now > b * 1.01) {
+            // Named by what changed: a doubled train.lr was said to be a longer decay.
+            let mut why = Vec::new();
+            if cfg.lr != saved.lr {
+                why.push(format!(
+                    "train.lr is {} (the checkpoint's {})",
+                    cfg.lr, saved.lr
+                ));
+            }
+            if cfg.lr_decay_iters() != saved.lr_decay_iters() {
+                why.push(format!(
+                    "the cosine decay now runs to step {} (train.lr_decay_iters, default train.max_iters), so the rate rises again",
+                    cfg.lr_decay_iters()
+                ));
+            }
+            if why.is_empty() {
+                why.push("the schedule changed (train.warmup_iters, train.min_lr)".into());
+            }
             line.push_str(&format!(
-                ", up from {before:.3e} at the checkpoint: the cosine decay now runs to step {} (train.lr_decay_iters, default train.max_iters), so the rate rises again and the loss may too before it falls",
-                cfg.lr_decay_iters()
+                ", up from {before:.3e} at the checkpoint: {}; the loss may rise too before it falls",
+                why.join("; ")
             ));
         }
         line
@@ -230,7 +247,48 @@ fn parse_position(s: &str) -> Result<u128> {
 
 #[cfg(test)]
 mod tests {
-    use super::keep_the_batch;
+    use super::*;
+
+    /// A resumed rate above the checkpoint's is said to rise for what changed: a larger
+    /// train.lr, a decay that now ends later, or both (a doubled lr was said to be a
+    /// longer decay).
+    #[test]
+    fn a_rising_rate_names_its_cause() {
+        let mut saved = Config::default();
+        saved.train.max_iters = 40;
+        saved.train.warmup_iters = 2;
+        let state = TrainState {
+            step: 20,
+            ..TrainState::default()
+        };
+        let rate = |now: &Config| {
+            Resumed {
+                saved: &saved,
+                state: &state,
+                now,
+                corpus_fingerprint: "",
+                sequences_per_step: 0,
+                ranks: 1,
+            }
+            .rate()
+        };
+        let mut lr = saved.clone();
+        lr.train.lr = 2.0 * saved.train.lr;
+        let said = rate(&lr);
+        assert!(
+            said.contains("up from") && said.contains("train.lr is 0.002 (the checkpoint's 0.001)"),
+            "{said}"
+        );
+        assert!(!said.contains("cosine decay"), "{said}");
+        let mut longer = saved.clone();
+        longer.train.max_iters = 80;
+        let said = rate(&longer);
+        assert!(
+            said.contains("the cosine decay now runs to step 80") && !said.contains("train.lr is"),
+            "{said}"
+        );
+        assert!(!rate(&saved).contains("up from"), "{}", rate(&saved));
+    }
 
     #[test]
     fn a_resumed_step_is_kept_where_the_ranks_allow() {
