@@ -115,6 +115,15 @@ pub fn points(config_path: &Path, overrides: &[String], grids: &[Grid]) -> Resul
                 if let Some(name) = same_run_elsewhere(&config, &base, &values) {
                     all.push(format!("run.name={name:?}"));
                     config = Config::load(config_path, &all).map_err(|e| at_point(&values, e))?;
+                } else if let Some((name, differences)) =
+                    same_point_other_settings(&config, &base, &keys, &values)
+                {
+                    user_bail!(
+                        "sweep: {} holds this point ({}) with other settings than this sweep gives it: {}; give this sweep another run.out_dir or run.name, or remove that folder",
+                        config.run.out_dir.join(name).display(),
+                        describe(&values),
+                        differences.join(", ")
+                    );
                 }
             }
             Ok(Point { values, config })
@@ -237,6 +246,43 @@ fn same_run_elsewhere(config: &Config, base: &str, values: &[(String, String)]) 
         (Some(one), None) => Some(one),
         _ => None,
     }
+}
+
+/// A run folder beside this point's, named by the same grids, that holds this point
+/// (its grids' values equal as numbers: `1e-3` spelled `0.001`) with other settings:
+/// the sweep run again with another `--set` and its values spelled otherwise. Its
+/// points would train beside the old ones in one out_dir, two experiments mixed, and
+/// the first sweep could not be finished.
+fn same_point_other_settings(
+    config: &Config,
+    base: &str,
+    keys: &[&str],
+    values: &[(String, String)],
+) -> Option<(String, Vec<String>)> {
+    let out_dir = &config.run.out_dir;
+    let want = crate::compare::flatten(config);
+    let short = |k: &str| k.rsplit('.').next().unwrap_or(k).to_string();
+    // Named by these grids (a sweep over other keys beside it is another experiment).
+    let by_these_grids = |name: &str| {
+        let parts = format!("-{}-", name.strip_prefix(base).unwrap_or_default());
+        keys.iter().all(|k| {
+            parts.contains(&format!("-{}-", short(k))) || parts.contains(&format!("-{k}-"))
+        })
+    };
+    std::fs::read_dir(out_dir)
+        .ok()?
+        .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
+        .filter(|name| name.starts_with(&format!("{base}-")) && by_these_grids(name))
+        .find_map(|name| {
+            let saved = RunDir::new(out_dir.join(&name)).saved_config().ok()?;
+            let have = crate::compare::flatten(&saved);
+            let same_values = values.iter().all(|(key, _)| match key.as_str() {
+                "data.corpus" => same_path(&config.data.corpus, &saved.data.corpus),
+                _ => want.get(key) == have.get(key),
+            });
+            let differences = setting_differences(config, &saved);
+            (same_values && !differences.is_empty()).then_some((name, differences))
+        })
 }
 
 /// Each setting once: a key in two grids, a value twice in one grid, or a grid's key

@@ -351,6 +351,18 @@ fn a_sweep_written_otherwise_finds_its_runs() {
     let points = sweep::points(&exp, &[], &longer).unwrap();
     let names: Vec<String> = points.iter().map(|p| p.config.run.name.clone()).collect();
     assert_eq!(names, ["exp-n_layer-1-lr-1e-3", "exp-lr-0.001-max_iters-8"]);
+    // Spelled otherwise and with another setting: the old folders hold these points
+    // with other settings, refused as the same spelling is (two experiments were
+    // trained side by side in one out_dir).
+    let overrides = ["train.batch_size=2".to_string()];
+    let err = sweep::points(&exp, &overrides, &again).expect_err("refused");
+    let said = format!("{err:#}");
+    assert!(
+        said.contains("exp-n_layer-1-lr-1e-3 holds this point (train.lr=0.001, model.n_layer=1) with other settings")
+            && said.contains("train.batch_size = 2 (the run has 4)"),
+        "{said}"
+    );
+    assert!(tinygpt::error::find_user_error(&err).is_some(), "{said}");
 }
 
 /// A run folder written by hand: its config and metrics.
