@@ -29,9 +29,12 @@ use crate::{
 macro_rules! outln {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
-        writeln!(std::io::stdout(), $($arg)*).context("writing to standard output")
+        writeln!(std::io::stdout(), $($arg)*).context(STDOUT)
     }};
 }
+
+/// What a failed write to standard output is told as (`error::out_of_storage` reads it).
+const STDOUT: &str = tinygpt::error::WRITING_STDOUT;
 
 fn load(args: &CheckpointArgs) -> Result<Loaded> {
     Loaded::load(&args.checkpoint, &parse_device(&args.device)?)
@@ -291,14 +294,14 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
     };
     if stream && show_prompt {
         let mut out = stdout.lock();
-        write!(out, "{prompt_text}")?;
-        out.flush()?;
+        write!(out, "{prompt_text}").context(STDOUT)?;
+        out.flush().context(STDOUT)?;
     }
     let mut print = |_: usize, piece: &str| -> Result<()> {
         if stream {
             let mut out = stdout.lock();
-            out.write_all(shown(piece).as_bytes())?;
-            out.flush()?;
+            out.write_all(shown(piece).as_bytes()).context(STDOUT)?;
+            out.flush().context(STDOUT)?;
         }
         Ok(())
     };
@@ -330,14 +333,15 @@ pub fn generate(args: GenerateArgs, stop: tinygpt::util::Stop) -> Result<()> {
                 "{}{}",
                 if show_prompt { &prompt_text } else { "" },
                 shown(&sample.text)
-            )?;
+            )
+            .context(STDOUT)?;
         }
         // A terminal's line ends where the sample does (the figures go on the next);
         // piped, one sample is its text alone, byte for byte as the server sends it.
         if terminal || !stream {
-            writeln!(out)?;
+            writeln!(out).context(STDOUT)?;
         }
-        out.flush()?;
+        out.flush().context(STDOUT)?;
         tinygpt::errln!(
             "[sample {}/{}] prompt {}, generated {} ({}), prefill {:.1} ms, decode {:.1} tokens/s, {}",
             i + 1,
@@ -1064,8 +1068,7 @@ fn report_comparison(
     if as_json {
         outln!("{}", serde_json::to_string_pretty(&rows)?)?;
     } else {
-        write!(std::io::stdout(), "{}", compare::table(&rows))
-            .context("writing to standard output")?;
+        write!(std::io::stdout(), "{}", compare::table(&rows)).context(STDOUT)?;
     }
     let Some(out) = out else {
         return Ok(());

@@ -57,10 +57,17 @@ pub fn find_user_error(err: &anyhow::Error) -> Option<&UserError> {
     err.chain().find_map(|e| e.downcast_ref::<UserError>())
 }
 
+/// The context of a write to standard output.
+pub const WRITING_STDOUT: &str = "writing to standard output";
+
 /// A write the disk refused for want of room (full, over quota, read-only): the
 /// user's to fix (exit code 2), with what to do.
 pub fn out_of_storage(err: &anyhow::Error) -> Option<&'static str> {
     use std::io::ErrorKind;
+    let to_stdout = err.chain().any(|e| e.to_string() == WRITING_STDOUT);
+    if to_stdout && storage_full(err) {
+        return Some("the disk standard output goes to is full: free space there or send the output elsewhere");
+    }
     err.chain()
         .filter_map(|e| e.downcast_ref::<std::io::Error>())
         .find_map(|e| match e.kind() {
@@ -72,6 +79,13 @@ pub fn out_of_storage(err: &anyhow::Error) -> Option<&'static str> {
             ),
             _ => None,
         })
+}
+
+fn storage_full(err: &anyhow::Error) -> bool {
+    use std::io::ErrorKind;
+    err.chain()
+        .filter_map(|e| e.downcast_ref::<std::io::Error>())
+        .any(|e| matches!(e.kind(), ErrorKind::StorageFull | ErrorKind::QuotaExceeded))
 }
 
 /// Training produced a NaN or infinite loss or gradient (exit code 3).

@@ -1284,3 +1284,42 @@ fn a_cache_folder_that_cannot_be_written_is_refused_before_the_work() {
     assert!(err.contains("cannot write the cache folder"), "{err}");
     mode(&d.join("cache"), 0o755);
 }
+
+/// Standard output on a full disk (`generate > file` there): one line saying so, exit 2
+/// (its hint was about training's run.out_dir).
+#[cfg(target_os = "linux")]
+#[test]
+fn standard_output_on_a_full_disk_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = "Now is the winter of our discontent\nMade glorious summer by this sun of York;\n";
+    std::fs::write(dir.path().join("corpus.txt"), text.repeat(40)).unwrap();
+    let config = "[data]\ncorpus = \"corpus.txt\"\n[tokenizer]\nkind = \"char\"\n[model]\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\n[train]\nbatch_size = 2\nmax_iters = 2\neval_iters = 1\n";
+    std::fs::write(dir.path().join("exp.toml"), config).unwrap();
+    let trained = Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+        .args(["train", "--config", "exp.toml"])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        trained.status.success(),
+        "{}",
+        String::from_utf8_lossy(&trained.stderr)
+    );
+    let full = std::fs::File::create("/dev/full").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+        .args([
+            "generate",
+            "--checkpoint",
+            "checkpoints/exp",
+            "--max-new-tokens",
+            "5",
+        ])
+        .current_dir(dir.path())
+        .stdout(full)
+        .output()
+        .unwrap();
+    refused_in_one_line(
+        &out,
+        "the disk standard output goes to is full: free space there or send the output elsewhere",
+    );
+}
