@@ -188,7 +188,7 @@ pub fn missing_file(path: &Path, why: &str) -> String {
     match name.as_ref() {
         // Only the optimizer's moments are gone: the weights still start a new run.
         OPTIMIZER_FILE => format!(
-            "{}: {why}; the checkpoint cannot resume without it: restore it, or start a new run from its weights (--set train.init_from={run:?} --set run.name=...)",
+            "{}: {why}; the checkpoint cannot resume without it: restore it, or start a new run from its weights (train --init-from {run} --set run.name=...)",
             path.display()
         ),
         _ => format!(

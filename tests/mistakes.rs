@@ -722,7 +722,7 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
         with(
             "optimizer.safetensors missing on resume",
             &format!("{t} --set run.name=bad --set train.max_iters=6 --resume"),
-            "the checkpoint cannot resume without it: restore it, or start a new run from its weights (--set train.init_from=",
+            "the checkpoint cannot resume without it: restore it, or start a new run from its weights (train --init-from ",
             |d| {
                 std::fs::remove_file(bad_copy(d).join("optimizer.safetensors")).unwrap();
             },
