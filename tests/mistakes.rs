@@ -1176,6 +1176,30 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
     }
 }
 
+/// exp.toml in `dir`: a model of one small layer on `corpus`, its [tokenizer] the
+/// `tokenizer` lines, two steps: the least a run of the real binary needs.
+fn tiny_experiment(dir: &Path, corpus: &str, tokenizer: &str) {
+    let config = format!(
+        "[data]\ncorpus = \"{corpus}\"\n[tokenizer]\n{tokenizer}\n[model]\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\n[train]\nbatch_size = 2\nmax_iters = 2\neval_iters = 1\n"
+    );
+    std::fs::write(dir.join("exp.toml"), config).unwrap();
+}
+
+/// `program` (the binary, or a launcher of it) training exp.toml in `dir`, asserted to
+/// succeed.
+fn train_tiny(mut program: Command, dir: &Path) {
+    let out = program
+        .args(["train", "--config", "exp.toml"])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// One line, exit 2, no panic: what every refusal below must be.
 fn refused_in_one_line(out: &std::process::Output, needle: &str) {
     let err = String::from_utf8_lossy(&out.stderr);
@@ -1224,18 +1248,8 @@ fn a_corpus_file_named_in_latin1_trains() {
         .join("corpus")
         .join(std::ffi::OsStr::from_bytes(b"caf\xe9.txt"));
     std::fs::write(latin1, text.repeat(30)).unwrap();
-    let config = "[data]\ncorpus = \"corpus\"\n[tokenizer]\nkind = \"char\"\n[model]\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\n[train]\nbatch_size = 2\nmax_iters = 2\neval_iters = 1\n";
-    std::fs::write(d.join("exp.toml"), config).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_tinygpt"))
-        .args(["train", "--config", "exp.toml"])
-        .current_dir(d)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    tiny_experiment(d, "corpus", "kind = \"char\"");
+    train_tiny(Command::new(env!("CARGO_BIN_EXE_tinygpt")), d);
 }
 
 /// A cache folder that exists and cannot be written (a shared dataset's cache/ made by
@@ -1264,8 +1278,7 @@ fn a_cache_folder_that_cannot_be_written_is_refused_before_the_work() {
     };
     mode(d, 0o777);
     mode(&d.join("cache"), 0o555);
-    let config = "[data]\ncorpus = \"corpus.txt\"\n[tokenizer]\nkind = \"bpe\"\nvocab_size = 280\n[model]\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\n[train]\nbatch_size = 2\nmax_iters = 2\neval_iters = 1\n";
-    std::fs::write(d.join("exp.toml"), config).unwrap();
+    tiny_experiment(d, "corpus.txt", "kind = \"bpe\"\nvocab_size = 280");
     let mut cmd = match (root, runuser) {
         (true, Some(runuser)) => {
             let mut cmd = Command::new(runuser);
@@ -1293,18 +1306,8 @@ fn standard_output_on_a_full_disk_says_so() {
     let dir = tempfile::tempdir().unwrap();
     let text = "Now is the winter of our discontent\nMade glorious summer by this sun of York;\n";
     std::fs::write(dir.path().join("corpus.txt"), text.repeat(40)).unwrap();
-    let config = "[data]\ncorpus = \"corpus.txt\"\n[tokenizer]\nkind = \"char\"\n[model]\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\n[train]\nbatch_size = 2\nmax_iters = 2\neval_iters = 1\n";
-    std::fs::write(dir.path().join("exp.toml"), config).unwrap();
-    let trained = Command::new(env!("CARGO_BIN_EXE_tinygpt"))
-        .args(["train", "--config", "exp.toml"])
-        .current_dir(dir.path())
-        .output()
-        .unwrap();
-    assert!(
-        trained.status.success(),
-        "{}",
-        String::from_utf8_lossy(&trained.stderr)
-    );
+    tiny_experiment(dir.path(), "corpus.txt", "kind = \"char\"");
+    train_tiny(Command::new(env!("CARGO_BIN_EXE_tinygpt")), dir.path());
     let full = std::fs::File::create("/dev/full").unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_tinygpt"))
         .args([

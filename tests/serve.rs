@@ -14,7 +14,7 @@ mod common;
 use common::{succeeds, tinygpt};
 #[path = "common/server.rs"]
 mod server;
-use server::{agent, get, post, post_with, trained, Server};
+use server::{agent, get, post, post_with, run_row, trained, Server};
 
 /// A streamed request's `data:` payloads, in order.
 fn stream(url: &str, body: &Value) -> Vec<String> {
@@ -946,15 +946,7 @@ fn the_dashboard_reads_runs_as_they_grow() {
     std::fs::write(wide.join("state.json"), state.to_string()).unwrap();
     let (_, body) = get(&server.url("/api/runs"), &[]);
     let listed: Value = serde_json::from_str(&body).unwrap();
-    let row = |name: &str| {
-        listed["runs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|r| r["run"] == name)
-            .unwrap_or_else(|| panic!("{name} listed: {body}"))
-            .clone()
-    };
+    let row = |name: &str| run_row(&listed, name);
     assert_eq!(row("wide")["differs"][0], "ranks=2", "{body}");
     assert_eq!(row("exp")["differs"][0], "ranks=1", "{body}");
     // The file replaced by another (as `mv` or rsync does), longer than the offset the

@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 mod common;
 #[path = "common/server.rs"]
 mod server;
-use server::{get, post, post_with, trained, Server};
+use server::{get, post, post_with, run_row, trained, Server};
 
 /// How long a 20-token completion takes, unloaded (the best of three).
 fn completion_time(server: &Server) -> Duration {
@@ -336,15 +336,7 @@ fn the_dashboard_reads_hostile_runs_in_bounded_pieces() {
         .map(|r| r["run"].as_str().unwrap())
         .collect();
     assert_eq!(names, ["big", "exp", "folder", "long"], "{listed}");
-    let row = |name: &str| {
-        listed["runs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|r| r["run"] == name)
-            .unwrap()
-            .clone()
-    };
+    let row = |name: &str| run_row(&listed, name);
     assert_eq!(row("long")["steps"], 3);
     assert_eq!(row("long")["skipped_lines"], 1);
     assert_eq!(row("big")["steps"], 200_000);

@@ -7,6 +7,7 @@
 
 use std::ops::Range;
 
+#[cfg(target_arch = "x86_64")]
 use super::isa::{self, Isa};
 use super::kernels::{axpy, dot_lanes, exp_approx, multiversion, softmax_inline, sum_lanes, Widen};
 use super::kv_cache::LayerKv;

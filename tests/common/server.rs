@@ -150,3 +150,15 @@ pub fn get(url: &str, headers: &[(&str, &str)]) -> (u16, String) {
     let status = response.status().as_u16();
     (status, response.body_mut().read_to_string().unwrap())
 }
+
+/// The row of run `name` in a `/api/runs` answer (the test fails where it is not
+/// listed).
+pub fn run_row(listed: &Value, name: &str) -> Value {
+    listed["runs"]
+        .as_array()
+        .expect("a list of runs")
+        .iter()
+        .find(|r| r["run"] == name)
+        .unwrap_or_else(|| panic!("{name} is listed: {listed}"))
+        .clone()
+}
