@@ -1178,6 +1178,7 @@ fn each_user_mistake_gives_one_clear_line_and_exit_2() {
 
 /// exp.toml in `dir`: a model of one small layer on `corpus`, its [tokenizer] the
 /// `tokenizer` lines, two steps: the least a run of the real binary needs.
+#[cfg(target_os = "linux")]
 fn tiny_experiment(dir: &Path, corpus: &str, tokenizer: &str) {
     let config = format!(
         "[data]\ncorpus = \"{corpus}\"\n[tokenizer]\n{tokenizer}\n[model]\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\n[train]\nbatch_size = 2\nmax_iters = 2\neval_iters = 1\n"
@@ -1187,6 +1188,7 @@ fn tiny_experiment(dir: &Path, corpus: &str, tokenizer: &str) {
 
 /// `program` (the binary, or a launcher of it) training exp.toml in `dir`, asserted to
 /// succeed.
+#[cfg(target_os = "linux")]
 fn train_tiny(mut program: Command, dir: &Path) {
     let out = program
         .args(["train", "--config", "exp.toml"])
@@ -1201,6 +1203,7 @@ fn train_tiny(mut program: Command, dir: &Path) {
 }
 
 /// One line, exit 2, no panic: what every refusal below must be.
+#[cfg(unix)]
 fn refused_in_one_line(out: &std::process::Output, needle: &str) {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
