@@ -162,9 +162,13 @@ fn drawn_atomically(out: &Path, draw: impl FnOnce(&Path) -> Result<()>) -> Resul
     ]
     .into_iter()
     .find(|cause| said.contains(cause));
+    let fix = match cause {
+        Some("No space left on device" | "Disk quota exceeded") => "free space there or name",
+        _ => "name",
+    };
     Err(match cause {
         Some(cause) => crate::error::user_error(format!(
-            "cannot write {}: {cause}; free space there or name another file (--out)",
+            "cannot write {}: {cause}; {fix} another file (--out)",
             out.display()
         )),
         None => e,

@@ -83,38 +83,14 @@ impl CorpusCache {
     /// Before the work whose result the folder will keep: says why a corpus read before
     /// is read again ([`CorpusCache::changed_note`]), and refuses a folder this process
     /// cannot write (a tokenizer trained for minutes, then "permission denied"): a
-    /// shared dataset's cache/ made by another user, a read-only mount. A probe file in
-    /// the folder, or in its nearest existing parent where it is still to be made.
+    /// shared dataset's cache/ made by another user, a read-only mount.
     fn ready_to_fill(&self, corpus: &Corpus) -> Result<()> {
         if !self.dir.exists() {
             if let Some(note) = self.changed_note(corpus) {
                 crate::errln!("{note}");
             }
         }
-        let existing = self
-            .dir
-            .ancestors()
-            .find(|p| p.as_os_str().is_empty() || p.is_dir())
-            .map(|p| {
-                if p.as_os_str().is_empty() {
-                    Path::new(".")
-                } else {
-                    p
-                }
-            })
-            .unwrap_or(Path::new("."));
-        let probe = existing.join(format!(".tinygpt-write-check-{}", std::process::id()));
-        match fs::File::create(&probe) {
-            Ok(_) => {
-                let _ = fs::remove_file(&probe);
-                Ok(())
-            }
-            Err(e) => crate::user_bail!(
-                "cannot write the cache folder {} ({}: {e}); set data.cache_dir to a writable folder",
-                self.dir.display(),
-                existing.display()
-            ),
-        }
+        crate::util::check_output_folder("data.cache_dir", &self.dir)
     }
 
     fn create(&self, corpus: &Corpus) -> Result<()> {

@@ -69,10 +69,7 @@ impl Pieces for JsonlFile {
                     };
                     return Err(user_error(format!(
                         "{} {} (line {}) {}",
-                        match self.setting {
-                            "data.corpus" => "corpus file",
-                            other => other,
-                        },
+                        super::text::file_named_by(self.setting),
                         self.path.display(),
                         self.line,
                         super::text::not_text(

@@ -126,14 +126,20 @@ fn valid_prefix<'a>(
             let invalid = bytes[e.valid_up_to()];
             Err(user_error(format!(
                 "{} {} {}",
-                match setting {
-                    "data.corpus" => "corpus file",
-                    other => other,
-                },
+                file_named_by(setting),
                 path.display(),
                 not_text(path, start, (bad, invalid), setting)
             )))
         }
+    }
+}
+
+/// What a message calls a file the user named in `setting`: "corpus file" for
+/// `data.corpus`, else the flag (`--text`).
+pub fn file_named_by(setting: &str) -> &str {
+    match setting {
+        "data.corpus" => "corpus file",
+        flag => flag,
     }
 }
 
